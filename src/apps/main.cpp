@@ -1,0 +1,45 @@
+// marrow: one binary, one subcommand per job, like git. Each subcommand lives in its own file in
+// src/apps/ and exists only once it works.
+#include <cstdio>
+#include <cstring>
+#include <string>
+
+#include "apps/commands.h"
+#include "core/errors.h"
+
+namespace {
+
+struct Command {
+  const char* name;
+  int (*run)(int argc, char** argv);
+  const char* help;
+};
+
+const Command kCommands[] = {
+    {"train", marrow::train_command, "train a model: marrow train <run-config> [--section.key=value ...]"},
+};
+
+void usage() {
+  std::printf("marrow %s: training for Mixture-of-Experts language models\n\nusage: marrow <command> [args]\n\n", MARROW_VERSION);
+  for (const Command& c : kCommands) std::printf("  %-16s %s\n", c.name, c.help);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2 || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h")) {
+    usage();
+    return argc < 2 ? 2 : 0;
+  }
+  for (const Command& c : kCommands) {
+    if (std::strcmp(argv[1], c.name) != 0) continue;
+    try {
+      return c.run(argc - 1, argv + 1);
+    } catch (const marrow::Error& e) {
+      std::fprintf(stderr, "marrow %s: error: %s\n", c.name, e.what());
+      return 1;
+    }
+  }
+  std::fprintf(stderr, "marrow: unknown command '%s' (run 'marrow --help' for the list)\n", argv[1]);
+  return 2;
+}

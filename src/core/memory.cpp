@@ -1,0 +1,167 @@
+#include "core/memory.h"
+
+#include <sys/resource.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+
+#include "core/cuda_check.h"
+
+namespace marrow {
+
+namespace {
+
+void* allocate(size_t bytes, Device device, Stream stream) {
+  if (bytes == 0) return nullptr;
+  if (device == Device::cpu) {
+    void* p = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
+    MARROW_CHECK(p != nullptr, "out of host memory allocating {} bytes", bytes);
+    return p;
+  }
+#if MARROW_CUDA
+  void* p = nullptr;
+  MARROW_CUDA_CHECK(cudaMallocAsync(&p, bytes, static_cast<cudaStream_t>(stream.handle)));
+  return p;
+#else
+  (void)stream;
+  fail("this build of marrow has no CUDA support (configure with -DMARROW_CUDA=ON)");
+#endif
+}
+
+void deallocate(void* p, Device device, Stream stream) {
+  if (p == nullptr) return;
+  if (device == Device::cpu) {
+    std::free(p);
+    return;
+  }
+#if MARROW_CUDA
+  cudaFreeAsync(p, static_cast<cudaStream_t>(stream.handle));
+#else
+  (void)stream;
+#endif
+}
+
+}  // namespace
+
+Buffer::Buffer(DType dtype, Device device, std::initializer_list<int64_t> dims, Stream stream)
+    : tensor_(nullptr, dtype, device, dims), stream_(stream) {
+  for (int i = 0; i < tensor_.ndim; ++i) MARROW_CHECK(tensor_.shape[i] >= 0, "negative dimension in shape {}", tensor_.shape_string());
+  tensor_.data = allocate(tensor_.bytes(), device, stream);
+}
+
+Buffer Buffer::zeros(DType dtype, Device device, std::initializer_list<int64_t> dims, Stream stream) {
+  Buffer b(dtype, device, dims, stream);
+  if (device == Device::cpu) {
+    if (b.tensor_.data) std::memset(b.tensor_.data, 0, b.tensor_.bytes());
+  } else {
+#if MARROW_CUDA
+    MARROW_CUDA_CHECK(cudaMemsetAsync(b.tensor_.data, 0, b.tensor_.bytes(), static_cast<cudaStream_t>(stream.handle)));
+#endif
+  }
+  return b;
+}
+
+Buffer& Buffer::operator=(Buffer&& other) noexcept {
+  if (this != &other) {
+    release();
+    tensor_ = other.tensor_;
+    stream_ = other.stream_;
+    other.tensor_.data = nullptr;
+  }
+  return *this;
+}
+
+void Buffer::release() {
+  deallocate(tensor_.data, tensor_.device, stream_);
+  tensor_.data = nullptr;
+}
+
+void Arena::Free::operator()(void* p) const {
+  if (device == Device::cpu) {
+    std::free(p);
+  } else {
+#if MARROW_CUDA
+    cudaFree(p);
+#endif
+  }
+}
+
+Arena::Arena(std::string category, DType dtype, Device device, int64_t numel)
+    : category_(std::move(category)), dtype_(dtype), device_(device), numel_(numel), data_(nullptr, Free{device}) {
+  size_t bytes = size_t(numel) * dtype_size(dtype);
+  if (device == Device::cpu) {
+    data_.reset(allocate(bytes, device, {}));
+  } else {
+#if MARROW_CUDA
+    void* p = nullptr;
+    cudaError_t err = cudaMalloc(&p, bytes);
+    MARROW_CHECK(err == cudaSuccess, "cannot allocate the {} arena ({:.1f} MiB) on the GPU: {}", category_, bytes / 1048576.0,
+                 cudaGetErrorString(err));
+    data_.reset(p);
+#else
+    fail("this build of marrow has no CUDA support (configure with -DMARROW_CUDA=ON)");
+#endif
+  }
+  fill_zero();
+}
+
+Arena::~Arena() = default;
+
+Tensor Arena::slice(int64_t offset, std::initializer_list<int64_t> dims) const {
+  Tensor t(nullptr, dtype_, device_, dims);
+  MARROW_CHECK(offset >= 0 && offset + t.numel() <= numel_, "{} arena: slice [{}, {}) exceeds its {} elements", category_, offset,
+               offset + t.numel(), numel_);
+  t.data = static_cast<char*>(data_.get()) + size_t(offset) * dtype_size(dtype_);
+  return t;
+}
+
+void Arena::fill_zero(Stream stream) const {
+  if (bytes() == 0) return;
+  if (device_ == Device::cpu) {
+    std::memset(data_.get(), 0, bytes());
+  } else {
+#if MARROW_CUDA
+    MARROW_CUDA_CHECK(cudaMemsetAsync(data_.get(), 0, bytes(), static_cast<cudaStream_t>(stream.handle)));
+#else
+    (void)stream;
+#endif
+  }
+}
+
+std::string memory_bill(const std::vector<const Arena*>& arenas) {
+  std::string s;
+  size_t total = 0;
+  for (const Arena* a : arenas) {
+    s += fmt::format("{}{} {:.1f} MiB", s.empty() ? "" : ", ", a->category(), a->bytes() / 1048576.0);
+    total += a->bytes();
+  }
+  s += fmt::format(" (total {:.1f} MiB)", total / 1048576.0);
+#if MARROW_CUDA
+  size_t free_bytes = 0, total_bytes = 0;
+  if (cudaMemGetInfo(&free_bytes, &total_bytes) == cudaSuccess)
+    s += fmt::format("; GPU free {:.1f} of {:.1f} GiB", free_bytes / 1073741824.0, total_bytes / 1073741824.0);
+#endif
+  return s;
+}
+
+size_t peak_memory_bytes(Device device) {
+  if (device == Device::cpu) {
+    struct rusage usage {};
+    getrusage(RUSAGE_SELF, &usage);
+    return size_t(usage.ru_maxrss) * 1024;
+  }
+#if MARROW_CUDA
+  cudaMemPool_t pool;
+  int dev = 0;
+  MARROW_CUDA_CHECK(cudaGetDevice(&dev));
+  MARROW_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, dev));
+  uint64_t high = 0;
+  MARROW_CUDA_CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &high));
+  return size_t(high);
+#else
+  return 0;
+#endif
+}
+
+}  // namespace marrow

@@ -1,0 +1,70 @@
+// Owners of device and host memory.
+//
+// Arena: one allocation per category (parameters, gradients, optimizer state), carved into tensors
+// from a table of offsets computed once at start; the run prints the bill of all arenas.
+// Buffer: one activation-sized allocation that frees itself; on the GPU it comes from CUDA's
+// stream-ordered pool so a freed buffer is reused without a device synchronisation.
+#pragma once
+#include <string>
+#include <vector>
+
+#include "core/tensor.h"
+
+namespace marrow {
+
+class Buffer {
+ public:
+  Buffer() = default;
+  Buffer(DType dtype, Device device, std::initializer_list<int64_t> dims, Stream stream = {});
+  Buffer(Buffer&& other) noexcept { *this = std::move(other); }
+  Buffer& operator=(Buffer&& other) noexcept;
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  ~Buffer() { release(); }
+
+  static Buffer zeros(DType dtype, Device device, std::initializer_list<int64_t> dims, Stream stream = {});
+
+  Tensor view() const { return tensor_; }
+  operator Tensor() const { return tensor_; }
+  template <typename T> T* ptr() const { return tensor_.ptr<T>(); }
+  int64_t numel() const { return tensor_.numel(); }
+  void release();
+
+ private:
+  Tensor tensor_;
+  Stream stream_;
+};
+
+class Arena {
+ public:
+  Arena(std::string category, DType dtype, Device device, int64_t numel);
+  Arena(Arena&&) = default;
+  Arena& operator=(Arena&&) = default;
+  ~Arena();
+
+  // The elements [offset, offset + prod(dims)) seen as a tensor of shape dims.
+  Tensor slice(int64_t offset, std::initializer_list<int64_t> dims) const;
+  Tensor all() const { return Tensor(data_.get(), dtype_, device_, {numel_}); }
+  void fill_zero(Stream stream = {}) const;
+  const std::string& category() const { return category_; }
+  size_t bytes() const { return size_t(numel_) * dtype_size(dtype_); }
+
+ private:
+  struct Free {
+    Device device;
+    void operator()(void* p) const;
+  };
+  std::string category_;
+  DType dtype_;
+  Device device_;
+  int64_t numel_;
+  std::unique_ptr<void, Free> data_;
+};
+
+// "parameters 12.3 MiB, gradients 12.3 MiB, ... (total 49.2 MiB)" and, on a GPU, free memory.
+std::string memory_bill(const std::vector<const Arena*>& arenas);
+
+// Peak bytes in use on the device so far (host: resident set high-water mark).
+size_t peak_memory_bytes(Device device);
+
+}  // namespace marrow

@@ -1,0 +1,44 @@
+// What every op file shares: picking the CPU reference's scalar type and checking that an op's
+// tensors live on one device. The CPU references are templates over the scalar type: f32 is the
+// path CI trains with, f64 lets gradient checks run the very same code in double precision.
+#pragma once
+#include <initializer_list>
+
+#include "core/tensor.h"
+
+namespace marrow {
+
+// Calls f(float{}) or f(double{}) by the floating dtype of t; other dtypes are an error naming op.
+template <typename F> void with_cpu_scalar(const char* op, const Tensor& t, F&& f) {
+  if (t.dtype == DType::f32) {
+    f(float{});
+  } else if (t.dtype == DType::f64) {
+    f(double{});
+  } else {
+    fail("{}: the CPU reference takes f32 or f64 tensors, got {}", op, dtype_name(t.dtype));
+  }
+}
+
+// All floating tensors of an op share the dtype of the first; names come in the same order.
+inline void expect_same_dtype(const char* op, std::initializer_list<std::pair<const char*, const Tensor*>> tensors) {
+  const Tensor* first = tensors.begin()->second;
+  for (auto& [name, t] : tensors)
+    MARROW_CHECK(t->dtype == first->dtype, "{}: {} has dtype {} but {} has {}", op, name, dtype_name(t->dtype),
+                 tensors.begin()->first, dtype_name(first->dtype));
+}
+
+// All tensors of an op are on one device; returns it.
+inline Device common_device(const char* op, std::initializer_list<std::pair<const char*, const Tensor*>> tensors) {
+  Device d = tensors.begin()->second->device;
+  for (auto& [name, t] : tensors)
+    MARROW_CHECK(t->device == d, "{}: {} is on {} but {} is on {}", op, name, device_name(t->device), tensors.begin()->first,
+                 device_name(d));
+  return d;
+}
+
+// The GPU half of an op that has no kernel yet (CUDA backend, issue 6): a clear error, not a crash.
+[[noreturn]] inline void no_cuda_kernel(const char* op) {
+  fail("{}: the tensors are on the GPU but this op has no CUDA kernel yet", op);
+}
+
+}  // namespace marrow

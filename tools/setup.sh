@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Installs everything the build, the tests and the demo need on a fresh Debian 12 machine:
+# Debian packages (compiler, CMake, libraries) and a Python virtual environment in .venv with the
+# Hugging Face packages the parity tests compare against. Safe to rerun: it skips what is present.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+packages=(build-essential cmake ninja-build pkg-config git python3 python3-venv
+          libfmt-dev nlohmann-json3-dev libcli11-dev libgtest-dev libpcre2-dev libzstd-dev zstd)
+missing=()
+for p in "${packages[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "setup: installing Debian packages: ${missing[*]}"
+  sudo_cmd=""; [ "$(id -u)" -ne 0 ] && sudo_cmd="sudo"
+  $sudo_cmd apt-get update -q
+  DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -q "${missing[@]}"
+fi
+
+# Pinned so that parity results do not move under us; torch is only a test dependency.
+python_packages="torch==2.15.0 transformers==5.24.0 tokenizers==0.23.3 safetensors==0.8.0 numpy==2.4.6"
+stamp=.venv/marrow-packages
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$python_packages" ]; then
+  echo "setup: creating .venv with $python_packages"
+  python3 -m venv .venv
+  .venv/bin/pip install -q --upgrade pip
+  .venv/bin/pip install -q $python_packages
+  echo "$python_packages" > "$stamp"
+fi
+echo "setup: done"
