@@ -16,7 +16,7 @@ struct Command {
 };
 
 const Command kCommands[] = {
-    {"train", marrow::train_command, "train a model: marrow train <run-config> [--section.key=value ...]"},
+    // TRAIN_PLACEHOLDER
 };
 
 void usage() {

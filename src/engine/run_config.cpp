@@ -1,0 +1,105 @@
+#include "engine/run_config.h"
+
+#include <CLI/CLI.hpp>
+#include <fstream>
+#include <vector>
+
+#include "core/errors.h"
+
+namespace marrow {
+
+namespace {
+
+std::string trim(const std::string& s) {
+  size_t b = s.find_first_not_of(" \t\r"), e = s.find_last_not_of(" \t\r");
+  return b == std::string::npos ? "" : s.substr(b, e - b + 1);
+}
+
+// The file's lines as "--section.key=value" arguments. CLI11 2.1 (Debian 12) does not map TOML
+// sections onto dotted option names, so the file syntax is read here and CLI11 types the values.
+std::vector<std::string> config_file_arguments(const std::string& path) {
+  std::ifstream in(path);
+  MARROW_CHECK(in.good(), "cannot open run config {}: no such file or it is not readable", path);
+  std::vector<std::string> args;
+  std::string line, section;
+  for (int number = 1; std::getline(in, line); ++number) {
+    bool quoted = false;
+    for (size_t i = 0; i < line.size(); ++i) {
+      if (line[i] == '"') quoted = !quoted;
+      if (line[i] == '#' && !quoted) {
+        line.resize(i);
+        break;
+      }
+    }
+    line = trim(line);
+    if (line.empty()) continue;
+    if (line.front() == '[') {
+      MARROW_CHECK(line.back() == ']', "{}:{}: malformed section header '{}'", path, number, line);
+      section = trim(line.substr(1, line.size() - 2));
+      continue;
+    }
+    size_t eq = line.find('=');
+    MARROW_CHECK(eq != std::string::npos, "{}:{}: expected 'key = value', got '{}'", path, number, line);
+    std::string key = trim(line.substr(0, eq)), value = trim(line.substr(eq + 1));
+    MARROW_CHECK(!key.empty() && !value.empty(), "{}:{}: expected 'key = value', got '{}'", path, number, line);
+    if (value.size() >= 2 && value.front() == '"' && value.back() == '"') value = value.substr(1, value.size() - 2);
+    args.push_back("--" + (section.empty() ? key : section + "." + key) + "=" + value);
+  }
+  return args;
+}
+
+}  // namespace
+
+RunConfig parse_run_config(int argc, char** argv) {
+  MARROW_CHECK(argc >= 2 && argv[1][0] != '-', "usage: marrow {} <run-config> [--section.key=value ...]", argv[0]);
+  RunConfig rc;
+  rc.source = argv[1];
+  CLI::App app{"marrow run"};
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+  app.add_option("--model.config", rc.model_config)->required();
+  app.add_option("--data.path", rc.data_path)->required();
+  app.add_option("--data.validation_fraction", rc.validation_fraction)->check(CLI::Range(0.0, 0.5));
+  app.add_option("--train.steps", rc.steps)->check(CLI::PositiveNumber);
+  app.add_option("--train.global_batch", rc.global_batch)->check(CLI::PositiveNumber);
+  app.add_option("--train.micro_batch", rc.micro_batch)->check(CLI::PositiveNumber);
+  app.add_option("--train.seq_len", rc.seq_len)->check(CLI::PositiveNumber);
+  app.add_option("--train.seed", rc.seed);
+  app.add_option("--train.device", rc.device)->check(CLI::IsMember({"auto", "cpu", "cuda"}));
+  app.add_option("--train.aux_loss_coef", rc.aux_loss_coef);
+  app.add_option("--train.max_bad_steps", rc.max_bad_steps)->check(CLI::PositiveNumber);
+  app.add_option("--optimizer.lr", rc.lr)->check(CLI::PositiveNumber);
+  app.add_option("--optimizer.min_lr", rc.min_lr)->check(CLI::NonNegativeNumber);
+  app.add_option("--optimizer.beta1", rc.beta1)->check(CLI::Range(0.0, 1.0));
+  app.add_option("--optimizer.beta2", rc.beta2)->check(CLI::Range(0.0, 1.0));
+  app.add_option("--optimizer.eps", rc.eps)->check(CLI::PositiveNumber);
+  app.add_option("--optimizer.weight_decay", rc.weight_decay)->check(CLI::NonNegativeNumber);
+  app.add_option("--optimizer.grad_clip", rc.grad_clip)->check(CLI::NonNegativeNumber);
+  app.add_option("--schedule.kind", rc.schedule)->check(CLI::IsMember({"cosine", "wsd"}));
+  app.add_option("--schedule.warmup_steps", rc.warmup_steps)->check(CLI::NonNegativeNumber);
+  app.add_option("--schedule.decay_fraction", rc.decay_fraction)->check(CLI::Range(0.0, 1.0));
+  app.add_option("--output.dir", rc.out_dir);
+  app.add_option("--output.log_every", rc.log_every)->check(CLI::PositiveNumber);
+
+  std::vector<std::string> args = config_file_arguments(rc.source);
+  for (int i = 2; i < argc; ++i) args.push_back(argv[i]);
+  // CLI11 parses a reversed vector (last element first).
+  std::vector<std::string> reversed(args.rbegin(), args.rend());
+  try {
+    app.parse(reversed);
+  } catch (const CLI::ExtrasError&) {
+    std::string unknown;
+    for (const std::string& a : app.remaining()) unknown += (unknown.empty() ? "" : ", ") + a.substr(0, a.find('='));
+    fail("{}: unknown run-config key {} (known sections: model, data, train, optimizer, schedule, output)", rc.source, unknown);
+  } catch (const CLI::ParseError& e) {
+    fail("{}: {}", rc.source, e.what());
+  }
+
+  MARROW_CHECK(rc.global_batch % rc.micro_batch == 0, "{}: train.micro_batch ({}) does not divide train.global_batch ({})", rc.source,
+               rc.micro_batch, rc.global_batch);
+  MARROW_CHECK(rc.warmup_steps <= rc.steps, "{}: schedule.warmup_steps ({}) exceeds train.steps ({})", rc.source, rc.warmup_steps,
+               rc.steps);
+  MARROW_CHECK(rc.min_lr <= rc.lr, "{}: optimizer.min_lr ({}) exceeds optimizer.lr ({})", rc.source, rc.min_lr, rc.lr);
+  return rc;
+}
+
+}  // namespace marrow

@@ -1,0 +1,42 @@
+// The run configuration: a TOML-style file of [section] key = value lines plus command-line
+// overrides --section.key=value (the command line wins). Every key is a CLI11 option, so types,
+// ranges and unknown keys are all checked in one place with one message each.
+#pragma once
+#include <cstdint>
+#include <string>
+
+namespace marrow {
+
+struct RunConfig {
+  // [model]
+  std::string model_config;  // path to a Hugging Face config.json (relative paths: from the working directory)
+  // [data]
+  std::string data_path;     // tokenized corpus directory (marrow tokenize)
+  double validation_fraction = 0.01;
+  // [train]
+  int64_t steps = 200;
+  int64_t global_batch = 8;  // sequences per optimizer step
+  int64_t micro_batch = 8;   // sequences per forward/backward
+  int64_t seq_len = 128;
+  uint64_t seed = 1234;
+  std::string device = "auto";  // auto, cpu or cuda
+  double aux_loss_coef = -1;    // load-balance coefficient; negative takes router_aux_loss_coef from config.json
+  int64_t max_bad_steps = 5;    // non-finite steps in a row that stop the run
+  // [optimizer]
+  double lr = 3e-3, min_lr = 3e-4, beta1 = 0.9, beta2 = 0.95, eps = 1e-8, weight_decay = 0.1, grad_clip = 1.0;
+  // [schedule]
+  std::string schedule = "cosine";  // cosine (linear warmup, cosine decay) or wsd (warmup, stable, decay)
+  int64_t warmup_steps = 20;
+  double decay_fraction = 0.2;  // wsd: share of the steps spent decaying linearly to min_lr
+  // [output]
+  std::string out_dir = "runs/default";
+  int64_t log_every = 1;
+
+  std::string source;  // the run config file, for messages
+};
+
+// Parses `<run-config> [--section.key=value ...]` (argv[0] is the subcommand's name). Any problem
+// (missing file, unknown key, bad value, inconsistent sizes) is a marrow::Error with one sentence.
+RunConfig parse_run_config(int argc, char** argv);
+
+}  // namespace marrow

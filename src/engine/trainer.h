@@ -1,0 +1,143 @@
+// The training loop: data -> micro-batches through forward/backward -> gradient norm, clipping and
+// AdamW -> one human line and one JSON line per step. Gradients accumulate over the micro-batches of
+// a step; the loss is the mean over all counted tokens of the step, plus the load-balance loss
+// (mean over layers and micro-batches) times its coefficient.
+#pragma once
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+
+#include "core/memory.h"
+#include "data/dataset.h"
+#include "engine/lr_schedule.h"
+#include "engine/run_config.h"
+#include "engine/step.h"
+#include "ops/adamw.h"
+#include "ops/cross_entropy.h"
+#include "ops/grad_norm.h"
+
+namespace marrow {
+
+struct StepMetrics {
+  int64_t step = 0;
+  double loss = 0, load_balance = 0, lr = 0, grad_norm = 0, tokens_per_s = 0, step_ms = 0;
+  size_t peak_bytes = 0;
+  bool skipped = false;
+};
+
+inline std::string step_line(const StepMetrics& s, int64_t total) {
+  return fmt::format("step {}/{} | loss {:.4f} | lb {:.3f} | lr {:.3e} | grad {:.3f} | {:.0f} tok/s | {:.0f} ms | peak {:.2f} GiB{}", s.step,
+                     total, s.loss, s.load_balance, s.lr, s.grad_norm, s.tokens_per_s, s.step_ms, s.peak_bytes / 1073741824.0,
+                     s.skipped ? " | SKIPPED (non-finite)" : "");
+}
+
+inline std::string step_json(const StepMetrics& s) {
+  return Json{{"step", s.step},         {"loss", s.loss},         {"load_balance", s.load_balance}, {"lr", s.lr},
+              {"grad_norm", s.grad_norm}, {"tokens_per_s", s.tokens_per_s}, {"step_ms", s.step_ms}, {"peak_bytes", s.peak_bytes},
+              {"skipped", s.skipped}}
+      .dump();
+}
+
+template <MoeModel M>
+std::vector<StepMetrics> train(const RunConfig& rc, const typename M::Config& model_config) {
+  MARROW_CHECK(rc.device != "cuda", "train.device = cuda: the GPU training path is not built yet; use cpu");
+  const Device device = Device::cpu;
+  M model(model_config, DType::f32, device);
+  TokenDataset data(rc.data_path, rc.seq_len, rc.seed, rc.validation_fraction);
+  data.require_vocab_fits(model_config.vocab_size);
+  data.require_train_samples(rc.steps * rc.global_batch);
+
+  Arena params("parameters", DType::f32, device, model.num_parameters());
+  Arena grads("gradients", DType::f32, device, model.num_parameters());
+  Arena exp_avg("adam exp_avg", DType::f32, device, model.num_parameters());
+  Arena exp_avg_sq("adam exp_avg_sq", DType::f32, device, model.num_parameters());
+  model.initialize(params, rc.seed);
+  const auto w = model.bind(params);
+  const auto g = model.bind(grads);
+  std::printf("model %s: %.2fM parameters (%.2fM active per token), %lld layers, %lld experts top-%lld\n", M::model_type,
+              model.num_parameters() / 1e6, model.num_active_parameters() / 1e6, (long long)model.num_layers(),
+              (long long)model.num_experts(), (long long)model.top_k());
+  std::printf("memory: %s\n", memory_bill({&params, &grads, &exp_avg, &exp_avg_sq}).c_str());
+  std::printf("data: %s, %lld training samples of %lld tokens; %lld steps x %lld sequences (micro-batch %lld)\n", rc.data_path.c_str(),
+              (long long)data.train_samples(), (long long)rc.seq_len + 1, (long long)rc.steps, (long long)rc.global_batch,
+              (long long)rc.micro_batch);
+  std::fflush(stdout);
+
+  std::filesystem::create_directories(rc.out_dir);
+  const std::string metrics_path = rc.out_dir + "/metrics.jsonl";
+  std::ofstream metrics(metrics_path, std::ios::trunc);
+  MARROW_CHECK(metrics.good(), "cannot write {}", metrics_path);
+
+  const LrSchedule schedule{rc.schedule, rc.lr, rc.min_lr, rc.warmup_steps, rc.steps, rc.decay_fraction};
+  const double aux_coef = rc.aux_loss_coef >= 0 ? rc.aux_loss_coef : model_config.router_aux_loss_coef;
+  const int64_t micro_batches = rc.global_batch / rc.micro_batch, S = rc.seq_len, B = rc.micro_batch, T = B * S;
+  std::vector<int32_t> tokens(size_t(B * (S + 1)));
+  std::vector<StepMetrics> history;
+  int64_t bad_in_a_row = 0;
+
+  for (int64_t step = 1; step <= rc.steps; ++step) {
+    const auto start = std::chrono::steady_clock::now();
+    grads.fill_zero();
+    // Every target of a sample is a real next token, so the step's counted tokens are known upfront.
+    const double loss_scale = 1.0 / double(rc.global_batch * S);
+    const double aux_grad = aux_coef / double(model.num_layers() * micro_batches);
+    double token_loss_sum = 0, aux_loss_sum = 0;
+    for (int64_t micro = 0; micro < micro_batches; ++micro) {
+      data.train_batch(step - 1, micro * B, B, tokens.data());
+      typename M::Batch batch{B, S, Buffer(DType::i32, Device::cpu, {T}), Buffer(DType::i32, Device::cpu, {T}),
+                              Buffer(DType::i32, Device::cpu, {T})};
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t s = 0; s < S; ++s) {
+          batch.input_ids.template ptr<int32_t>()[b * S + s] = tokens[size_t(b * (S + 1) + s)];
+          batch.targets.template ptr<int32_t>()[b * S + s] = tokens[size_t(b * (S + 1) + s + 1)];
+          batch.positions.template ptr<int32_t>()[b * S + s] = int32_t(s);
+        }
+      MicroBatch<M> mb;
+      forward(mb, model, w, batch);
+      token_loss_sum += mb.token_loss_sum;
+      aux_loss_sum += mb.aux_loss_sum;
+      backward(mb, model, w, g, batch, loss_scale, aux_grad);
+    }
+
+    StepMetrics m;
+    m.step = step;
+    m.loss = token_loss_sum * loss_scale;
+    // Reported normalised so that perfectly balanced routing reads 1.0.
+    m.load_balance = aux_loss_sum / double(model.num_layers() * micro_batches * model.top_k());
+    m.lr = schedule.at(step);
+    m.grad_norm = l2_norm(grads.all());
+    if (!std::isfinite(m.loss) || !std::isfinite(m.grad_norm)) {
+      m.skipped = true;
+      ++bad_in_a_row;
+      std::fprintf(stderr, "warning: step %lld has a non-finite loss (%g) or gradient norm (%g); the update is skipped\n",
+                   (long long)step, m.loss, m.grad_norm);
+      MARROW_CHECK(bad_in_a_row < rc.max_bad_steps, "stopping at step {}: {} steps in a row had a non-finite loss or gradient norm",
+                   step, bad_in_a_row);
+    } else {
+      bad_in_a_row = 0;
+      if (rc.grad_clip > 0 && m.grad_norm > rc.grad_clip) scale(grads.all(), rc.grad_clip / m.grad_norm);
+      const int64_t decayed = model.num_decayed_parameters(), n = model.num_parameters();
+      auto range = [&](const Arena& a, int64_t begin, int64_t end) { return a.slice(begin, {end - begin}); };
+      AdamWHyper hyper{m.lr, rc.beta1, rc.beta2, rc.eps, rc.weight_decay, step};
+      adamw_step(range(params, 0, decayed), range(grads, 0, decayed), range(exp_avg, 0, decayed), range(exp_avg_sq, 0, decayed), hyper);
+      hyper.weight_decay = 0;
+      adamw_step(range(params, decayed, n), range(grads, decayed, n), range(exp_avg, decayed, n), range(exp_avg_sq, decayed, n), hyper);
+    }
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    m.step_ms = seconds * 1e3;
+    m.tokens_per_s = double(rc.global_batch * S) / seconds;
+    m.peak_bytes = peak_memory_bytes(device);
+    if (step % rc.log_every == 0 || step == rc.steps || m.skipped) {
+      std::printf("%s\n", step_line(m, rc.steps).c_str());
+      std::fflush(stdout);
+    }
+    metrics << step_json(m) << "\n";
+    metrics.flush();
+    history.push_back(m);
+  }
+  return history;
+}
+
+}  // namespace marrow

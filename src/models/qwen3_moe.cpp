@@ -1,0 +1,342 @@
+#include "models/qwen3_moe.h"
+
+#include "core/rng.h"
+#include "ops/add.h"
+#include "ops/attention.h"
+#include "ops/combine.h"
+#include "ops/cross_entropy.h"
+#include "ops/embedding.h"
+#include "ops/grouped_linear.h"
+#include "ops/linear.h"
+#include "ops/rmsnorm.h"
+#include "ops/rope.h"
+#include "ops/router.h"
+#include "ops/swiglu.h"
+
+namespace marrow {
+
+Qwen3MoeConfig Qwen3MoeConfig::from_json(const Json& json, const std::string& source) {
+  JsonFields f(json, source);
+  Qwen3MoeConfig c;
+  c.json = json;
+  const std::string model_type = f.string("model_type");
+  MARROW_CHECK(model_type == "qwen3_moe", "{}: model_type is '{}' but this model is qwen3_moe", source, model_type);
+  if (f.has("architectures")) {
+    const Json& arch = f.raw("architectures");
+    MARROW_CHECK(arch.is_array() && arch.size() == 1 && arch[0] == "Qwen3MoeForCausalLM",
+                 "{}: architectures must be [\"Qwen3MoeForCausalLM\"], got {}", source, arch.dump());
+  }
+  c.vocab_size = f.positive("vocab_size");
+  c.hidden_size = f.positive("hidden_size");
+  c.num_layers = f.positive("num_hidden_layers");
+  c.num_heads = f.positive("num_attention_heads");
+  c.num_kv_heads = f.positive("num_key_value_heads");
+  c.head_dim = f.positive("head_dim", c.hidden_size / c.num_heads);
+  // transformers 5 writes num_local_experts; checkpoints on the Hub write num_experts.
+  c.num_experts = f.has("num_experts") ? f.positive("num_experts") : f.positive("num_local_experts");
+  c.top_k = f.positive("num_experts_per_tok");
+  c.expert_intermediate_size = f.positive("moe_intermediate_size");
+  c.rms_norm_eps = f.number("rms_norm_eps", 1e-6);
+  c.initializer_range = f.number("initializer_range", 0.02);
+  c.router_aux_loss_coef = f.number("router_aux_loss_coef", 0.001);
+  c.norm_topk_prob = f.boolean("norm_topk_prob", false);
+  // transformers 5 nests RoPE settings in rope_parameters; older files have rope_theta/rope_scaling.
+  if (f.has("rope_parameters")) {
+    JsonFields rope(f.raw("rope_parameters"), source + ": rope_parameters");
+    c.rope_theta = rope.number("rope_theta");
+    MARROW_CHECK(rope.string("rope_type", "default") == "default", "{}: rope_parameters.rope_type '{}' is not supported (only default)",
+                 source, rope.string("rope_type"));
+  } else {
+    c.rope_theta = f.number("rope_theta", 10000.0);
+    MARROW_CHECK(!f.has("rope_scaling"), "{}: rope_scaling is not supported", source);
+  }
+
+  MARROW_CHECK(c.rms_norm_eps > 0, "{}: rms_norm_eps must be positive, got {}", source, c.rms_norm_eps);
+  MARROW_CHECK(c.rope_theta > 0, "{}: rope_theta must be positive, got {}", source, c.rope_theta);
+  MARROW_CHECK(c.initializer_range > 0, "{}: initializer_range must be positive, got {}", source, c.initializer_range);
+  MARROW_CHECK(c.router_aux_loss_coef >= 0, "{}: router_aux_loss_coef must not be negative, got {}", source, c.router_aux_loss_coef);
+  MARROW_CHECK(c.num_heads % c.num_kv_heads == 0, "{}: num_attention_heads ({}) must be a multiple of num_key_value_heads ({})", source,
+               c.num_heads, c.num_kv_heads);
+  MARROW_CHECK(c.head_dim % 2 == 0, "{}: head_dim must be even for rotary embeddings, got {}", source, c.head_dim);
+  MARROW_CHECK(c.top_k <= c.num_experts, "{}: num_experts_per_tok ({}) exceeds num_experts ({})", source, c.top_k, c.num_experts);
+
+  // Features of the family that Marrow does not implement: refuse rather than train something else.
+  MARROW_CHECK(!f.boolean("tie_word_embeddings", false), "{}: tie_word_embeddings = true is not supported", source);
+  MARROW_CHECK(!f.boolean("attention_bias", false), "{}: attention_bias = true is not supported", source);
+  MARROW_CHECK(!f.boolean("use_sliding_window", false), "{}: use_sliding_window = true is not supported", source);
+  MARROW_CHECK(f.string("hidden_act", "silu") == "silu", "{}: hidden_act '{}' is not supported (only silu)", source,
+               f.string("hidden_act"));
+  MARROW_CHECK(f.integer("decoder_sparse_step", 1) == 1, "{}: decoder_sparse_step must be 1 (every layer is MoE)", source);
+  MARROW_CHECK(!f.has("mlp_only_layers") || f.raw("mlp_only_layers").empty(),
+               "{}: mlp_only_layers is not supported (every layer is MoE)", source);
+  MARROW_CHECK(f.number("attention_dropout", 0.0) == 0.0, "{}: attention_dropout must be 0", source);
+  return c;
+}
+
+Qwen3Moe::Qwen3Moe(const Config& config, DType dtype, Device device) : config_(config), dtype_(dtype), device_(device) {
+  const Config& c = config_;
+  const int64_t H = c.hidden_size, D = c.head_dim, I = c.expert_intermediate_size;
+  auto add = [&](std::string name, std::vector<int64_t> shape, bool is_norm) {
+    TensorSpec s{std::move(name), std::move(shape), num_parameters_, 1, is_norm};
+    for (int64_t d : s.shape) s.numel *= d;
+    num_parameters_ += s.numel;
+    specs_.push_back(std::move(s));
+  };
+  add("model.embed_tokens.weight", {c.vocab_size, H}, false);
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    const std::string p = fmt::format("model.layers.{}.", l);
+    add(p + "self_attn.q_proj.weight", {c.num_heads * D, H}, false);
+    add(p + "self_attn.k_proj.weight", {c.num_kv_heads * D, H}, false);
+    add(p + "self_attn.v_proj.weight", {c.num_kv_heads * D, H}, false);
+    add(p + "self_attn.o_proj.weight", {H, c.num_heads * D}, false);
+    add(p + "mlp.gate.weight", {c.num_experts, H}, false);
+    for (int64_t e = 0; e < c.num_experts; ++e) {
+      add(fmt::format("{}mlp.experts.{}.gate_proj.weight", p, e), {I, H}, false);
+      add(fmt::format("{}mlp.experts.{}.up_proj.weight", p, e), {I, H}, false);
+    }
+    for (int64_t e = 0; e < c.num_experts; ++e) add(fmt::format("{}mlp.experts.{}.down_proj.weight", p, e), {H, I}, false);
+  }
+  add("lm_head.weight", {c.vocab_size, H}, false);
+  num_decayed_ = num_parameters_;
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    const std::string p = fmt::format("model.layers.{}.", l);
+    add(p + "input_layernorm.weight", {H}, true);
+    add(p + "self_attn.q_norm.weight", {D}, true);
+    add(p + "self_attn.k_norm.weight", {D}, true);
+    add(p + "post_attention_layernorm.weight", {H}, true);
+  }
+  add("model.norm.weight", {H}, true);
+}
+
+int64_t Qwen3Moe::num_active_parameters() const {
+  const Config& c = config_;
+  const int64_t H = c.hidden_size, D = c.head_dim;
+  const int64_t attention = H * D * (2 * c.num_heads + 2 * c.num_kv_heads);
+  const int64_t experts = c.top_k * 3 * H * c.expert_intermediate_size;
+  return c.num_layers * (attention + c.num_experts * H + experts) + c.vocab_size * H;
+}
+
+Qwen3MoeWeights Qwen3Moe::bind(const Arena& arena) const {
+  const Config& c = config_;
+  const int64_t H = c.hidden_size, D = c.head_dim, I = c.expert_intermediate_size, E = c.num_experts;
+  size_t next = 0;
+  // Walks the spec table in the constructor's order, so each view lands on its canonical tensor.
+  auto take = [&](std::initializer_list<int64_t> dims, int64_t count = 1) {
+    const TensorSpec& s = specs_.at(next);
+    next += size_t(count);
+    return arena.slice(s.offset, dims);
+  };
+  Qwen3MoeWeights w;
+  w.embed = take({c.vocab_size, H});
+  w.layers.resize(size_t(c.num_layers));
+  for (auto& L : w.layers) {
+    L.q_proj = take({c.num_heads * D, H});
+    L.k_proj = take({c.num_kv_heads * D, H});
+    L.v_proj = take({c.num_kv_heads * D, H});
+    L.o_proj = take({H, c.num_heads * D});
+    L.router = take({E, H});
+    L.experts_gate_up = take({E, 2 * I, H}, 2 * E);
+    L.experts_down = take({E, H, I}, E);
+  }
+  w.lm_head = take({c.vocab_size, H});
+  for (auto& L : w.layers) {
+    L.input_norm = take({H});
+    L.q_norm = take({D});
+    L.k_norm = take({D});
+    L.post_norm = take({H});
+  }
+  w.final_norm = take({H});
+  MARROW_CHECK(next == specs_.size(), "internal: bound {} of {} parameter tensors", next, specs_.size());
+  return w;
+}
+
+void Qwen3Moe::initialize(const Arena& params, uint64_t seed) const {
+  MARROW_CHECK(params.all().numel() == num_parameters_, "parameter arena holds {} elements but the model has {}", params.all().numel(),
+               num_parameters_);
+  expect_device("initialize", "parameters", params.all(), Device::cpu);
+  for (const TensorSpec& s : specs_) {
+    Tensor t = params.slice(s.offset, {s.numel});
+    Philox rng = philox_for(seed, s.name);
+    auto fill = [&](auto* p) {
+      for (int64_t i = 0; i < s.numel; ++i)
+        p[i] = s.is_norm ? 1 : decltype(+p[0])(config_.initializer_range * rng.normal(uint64_t(i)));
+    };
+    if (t.dtype == DType::f64) fill(t.ptr<double>());
+    else fill(t.ptr<float>());
+  }
+}
+
+void Qwen3Moe::prolog_forward(Tensor x, const Qwen3MoeBatch& batch, const Qwen3MoeWeights& w) const {
+  embedding_forward(x, batch.input_ids, w.embed);
+}
+
+void Qwen3Moe::prolog_backward(const Qwen3MoeWeights& grads, Tensor dx, const Qwen3MoeBatch& batch) const {
+  embedding_backward(grads.embed, dx, batch.input_ids);
+}
+
+void Qwen3Moe::attention_forward(Qwen3MoeAttentionActivations& a, Buffer x, const Qwen3MoeBatch& batch,
+                                 const Qwen3MoeLayerWeights& w) const {
+  const Config& c = config_;
+  const int64_t B = batch.batch, S = batch.seq, T = B * S, H = c.hidden_size, D = c.head_dim;
+  const int64_t Hq = c.num_heads, Hkv = c.num_kv_heads, E = c.num_experts, K = c.top_k;
+  expect_shape("Qwen3Moe::attention_forward", "x", x, {T, H});
+  a.x = std::move(x);
+  a.h1 = buffer({T, H});
+  a.rstd1 = buffer({T});
+  rmsnorm_forward(a.h1, a.rstd1, a.x, w.input_norm, c.rms_norm_eps);
+  a.q = buffer({T, Hq * D});
+  a.k = buffer({T, Hkv * D});
+  a.v = buffer({T, Hkv * D});
+  linear_forward(a.q, a.h1, w.q_proj);
+  linear_forward(a.k, a.h1, w.k_proj);
+  linear_forward(a.v, a.h1, w.v_proj);
+  // QK-norm writes straight into the RoPE buffers; RoPE then rotates them in place.
+  a.rstd_q = buffer({T * Hq});
+  a.rstd_k = buffer({T * Hkv});
+  a.q_rope = buffer({T, Hq, D});
+  a.k_rope = buffer({T, Hkv, D});
+  rmsnorm_forward(a.q_rope.view().reshape({T * Hq, D}), a.rstd_q, a.q.view().reshape({T * Hq, D}), w.q_norm, c.rms_norm_eps);
+  rmsnorm_forward(a.k_rope.view().reshape({T * Hkv, D}), a.rstd_k, a.k.view().reshape({T * Hkv, D}), w.k_norm, c.rms_norm_eps);
+  rope_forward(a.q_rope, a.q_rope, batch.positions, c.rope_theta);
+  rope_forward(a.k_rope, a.k_rope, batch.positions, c.rope_theta);
+  a.attn = buffer({B, S, Hq, D});
+  a.lse = buffer({B, Hq, S});
+  // Qualified: the member of the same name is the whole stage.
+  marrow::attention_forward(a.attn, a.lse, a.q_rope.view().reshape({B, S, Hq, D}), a.k_rope.view().reshape({B, S, Hkv, D}),
+                    a.v.view().reshape({B, S, Hkv, D}));
+  a.x_mid = buffer({T, H});
+  linear_forward(a.x_mid, a.attn.view().reshape({T, Hq * D}), w.o_proj);
+  add(a.x_mid, a.x_mid, a.x);
+  a.h2 = buffer({T, H});
+  a.rstd2 = buffer({T});
+  rmsnorm_forward(a.h2, a.rstd2, a.x_mid, w.post_norm, c.rms_norm_eps);
+  Buffer logits = buffer({T, E});
+  linear_forward(logits, a.h2, w.router);
+  a.probs = buffer({T, E});
+  a.topk_index = Buffer(DType::i32, device_, {T, K});
+  a.topk_weight = buffer({T, K});
+  router_forward(a.probs, a.topk_index, a.topk_weight, logits, c.norm_topk_prob);
+}
+
+double Qwen3Moe::aux_loss(const Qwen3MoeAttentionActivations& a) const {
+  Buffer loss = buffer({1});
+  router_aux_loss(loss, a.probs, a.topk_index);
+  MARROW_CHECK(device_ == Device::cpu, "Qwen3Moe::aux_loss: GPU path is not built yet");
+  return dtype_ == DType::f64 ? loss.ptr<double>()[0] : loss.ptr<float>()[0];
+}
+
+void Qwen3Moe::attention_backward(Tensor dx, const Qwen3MoeLayerWeights& grads, Tensor dx_mid, Tensor dh2, Tensor dtopk_weight,
+                                  double aux_grad, Qwen3MoeAttentionActivations& a, const Qwen3MoeBatch& batch,
+                                  const Qwen3MoeLayerWeights& w) const {
+  const Config& c = config_;
+  const int64_t B = batch.batch, S = batch.seq, T = B * S, H = c.hidden_size, D = c.head_dim;
+  const int64_t Hq = c.num_heads, Hkv = c.num_kv_heads, E = c.num_experts;
+  expect_shape("Qwen3Moe::attention_backward", "dx", dx, {T, H});
+  expect_shape("Qwen3Moe::attention_backward", "dx_mid", dx_mid, {T, H});
+  expect_shape("Qwen3Moe::attention_backward", "dh2", dh2, {T, H});
+
+  // Router: its input h2 also feeds the experts, so its gradient joins dh2.
+  Buffer dlogits = buffer({T, E});
+  router_backward(dlogits, dtopk_weight, a.probs, a.topk_index, a.topk_weight, c.norm_topk_prob, aux_grad);
+  linear_backward_weight(grads.router, dlogits, a.h2);
+  Buffer dh2_router = buffer({T, H});
+  linear_backward_input(dh2_router, dlogits, w.router);
+  add(dh2, dh2, dh2_router);
+
+  // Post-attention norm; the residual carries dx_mid straight through.
+  Buffer dres = buffer({T, H});
+  rmsnorm_backward(dres, grads.post_norm, dh2, a.x_mid, w.post_norm, a.rstd2);
+  add(dres, dres, dx_mid);
+
+  linear_backward_weight(grads.o_proj, dres, a.attn.view().reshape({T, Hq * D}));
+  Buffer dattn = buffer({T, Hq * D});
+  linear_backward_input(dattn, dres, w.o_proj);
+  Buffer dq_rope = buffer({T, Hq, D}), dk_rope = buffer({T, Hkv, D}), dv = buffer({T, Hkv * D});
+  marrow::attention_backward(dq_rope.view().reshape({B, S, Hq, D}), dk_rope.view().reshape({B, S, Hkv, D}),
+                     dv.view().reshape({B, S, Hkv, D}), dattn.view().reshape({B, S, Hq, D}), a.q_rope.view().reshape({B, S, Hq, D}),
+                     a.k_rope.view().reshape({B, S, Hkv, D}), a.v.view().reshape({B, S, Hkv, D}), a.attn, a.lse);
+  rope_backward(dq_rope, dq_rope, batch.positions, c.rope_theta);
+  rope_backward(dk_rope, dk_rope, batch.positions, c.rope_theta);
+  Buffer dq = buffer({T, Hq * D}), dk = buffer({T, Hkv * D});
+  rmsnorm_backward(dq.view().reshape({T * Hq, D}), grads.q_norm, dq_rope.view().reshape({T * Hq, D}), a.q.view().reshape({T * Hq, D}),
+                   w.q_norm, a.rstd_q);
+  rmsnorm_backward(dk.view().reshape({T * Hkv, D}), grads.k_norm, dk_rope.view().reshape({T * Hkv, D}),
+                   a.k.view().reshape({T * Hkv, D}), w.k_norm, a.rstd_k);
+
+  linear_backward_weight(grads.q_proj, dq, a.h1);
+  linear_backward_weight(grads.k_proj, dk, a.h1);
+  linear_backward_weight(grads.v_proj, dv, a.h1);
+  Buffer dh1 = buffer({T, H}), dh1_part = buffer({T, H});
+  linear_backward_input(dh1, dq, w.q_proj);
+  linear_backward_input(dh1_part, dk, w.k_proj);
+  add(dh1, dh1, dh1_part);
+  linear_backward_input(dh1_part, dv, w.v_proj);
+  add(dh1, dh1, dh1_part);
+  rmsnorm_backward(dx, grads.input_norm, dh1, a.x, w.input_norm, a.rstd1);
+  add(dx, dx, dres);
+  a = Qwen3MoeAttentionActivations{};
+}
+
+void Qwen3Moe::experts_forward(Tensor y_perm, Qwen3MoeExpertActivations& e, Buffer x_perm, Tensor expert_offsets,
+                               const Qwen3MoeLayerWeights& w) const {
+  const int64_t R = x_perm.view().size(0), I = config_.expert_intermediate_size;
+  e.x_perm = std::move(x_perm);
+  e.gate_up = buffer({R, 2 * I});
+  grouped_linear_forward(e.gate_up, e.x_perm, w.experts_gate_up, expert_offsets);
+  e.act = buffer({R, I});
+  swiglu_forward(e.act, e.gate_up);
+  grouped_linear_forward(y_perm, e.act, w.experts_down, expert_offsets);
+}
+
+void Qwen3Moe::experts_backward(Tensor dx_perm, const Qwen3MoeLayerWeights& grads, Tensor dy_perm, Qwen3MoeExpertActivations& e,
+                                Tensor expert_offsets, const Qwen3MoeLayerWeights& w) const {
+  const int64_t R = e.x_perm.view().size(0), I = config_.expert_intermediate_size;
+  Buffer dact = buffer({R, I});
+  grouped_linear_backward_input(dact, dy_perm, w.experts_down, expert_offsets);
+  grouped_linear_backward_weight(grads.experts_down, dy_perm, e.act, expert_offsets);
+  Buffer dgate_up = buffer({R, 2 * I});
+  swiglu_backward(dgate_up, dact, e.gate_up);
+  grouped_linear_backward_weight(grads.experts_gate_up, dgate_up, e.x_perm, expert_offsets);
+  grouped_linear_backward_input(dx_perm, dgate_up, w.experts_gate_up, expert_offsets);
+  e = Qwen3MoeExpertActivations{};
+}
+
+void Qwen3Moe::aggregate_forward(Tensor out, const Qwen3MoeAttentionActivations& a, Tensor y_perm, Tensor copy_row) const {
+  combine_forward(out, a.x_mid, y_perm, a.topk_weight, copy_row);
+}
+
+void Qwen3Moe::aggregate_backward(Tensor dy_perm, Tensor dtopk_weight, Tensor dout, const Qwen3MoeAttentionActivations& a,
+                                  Tensor y_perm, Tensor copy_row) const {
+  combine_backward(dy_perm, dtopk_weight, dout, y_perm, a.topk_weight, copy_row);
+}
+
+double Qwen3Moe::epilog_forward(Qwen3MoeEpilogActivations& p, Buffer x, const Qwen3MoeBatch& batch, const Qwen3MoeWeights& w) const {
+  const int64_t T = batch.batch * batch.seq, H = config_.hidden_size, V = config_.vocab_size;
+  expect_shape("Qwen3Moe::epilog_forward", "x", x, {T, H});
+  p.x = std::move(x);
+  p.h = buffer({T, H});
+  p.rstd = buffer({T});
+  rmsnorm_forward(p.h, p.rstd, p.x, w.final_norm, config_.rms_norm_eps);
+  p.logits = buffer({T, V});
+  linear_forward(p.logits, p.h, w.lm_head);
+  p.lse = buffer({T});
+  p.token_loss = buffer({T});
+  cross_entropy_forward(p.token_loss, p.lse, p.logits, batch.targets);
+  MARROW_CHECK(device_ == Device::cpu, "Qwen3Moe::epilog_forward: GPU path is not built yet");
+  double sum = 0;
+  for (int64_t i = 0; i < T; ++i) sum += dtype_ == DType::f64 ? p.token_loss.ptr<double>()[i] : p.token_loss.ptr<float>()[i];
+  return sum;
+}
+
+void Qwen3Moe::epilog_backward(Tensor dx, const Qwen3MoeWeights& grads, double loss_scale, Qwen3MoeEpilogActivations& p,
+                               const Qwen3MoeBatch& batch, const Qwen3MoeWeights& w) const {
+  const int64_t T = batch.batch * batch.seq, H = config_.hidden_size;
+  cross_entropy_backward(p.logits, p.logits, p.lse, batch.targets, loss_scale);
+  linear_backward_weight(grads.lm_head, p.logits, p.h);
+  Buffer dh = buffer({T, H});
+  linear_backward_input(dh, p.logits, w.lm_head);
+  rmsnorm_backward(dx, grads.final_norm, dh, p.x, w.final_norm, p.rstd);
+  p = Qwen3MoeEpilogActivations{};
+}
+
+}  // namespace marrow

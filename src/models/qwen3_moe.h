@@ -1,0 +1,162 @@
+// Qwen3-MoE (Hugging Face Qwen3MoeForCausalLM): the whole model family in this file and its .cpp.
+//
+// A decoder layer is cut into DESIGN.md's five stages. The model owns stages 1, 3 and 5 and the
+// prolog/epilog; the engine owns 2 (dispatch) and 4 (combine) because those are where expert
+// parallelism communicates:
+//   prolog     embedding
+//   1 attention  norm -> QKV -> QK-norm -> RoPE -> causal GQA -> out-proj -> +residual -> norm -> router
+//   2 dispatch   (engine) group the normed hidden states' token copies by expert
+//   3 experts    grouped gate/up -> SwiGLU -> grouped down
+//   4 combine    (engine) bring expert outputs back (identity with one expert-parallel rank)
+//   5 aggregate  weighted sum of each token's top-k outputs + residual
+//   epilog     final norm -> LM head -> cross-entropy
+// Every stage has an explicit forward, which fills an activation struct with what its backward
+// needs, and a backward, which consumes it. Weight gradients accumulate into the gradient arena.
+//
+// Parameters are laid out from a table of canonical tensors named exactly as in Hugging Face
+// checkpoints (one entry per expert), so export is a copy and initial weights are a pure function of
+// (seed, name, element index). Expert weights of a layer are contiguous, so the per-expert tensors
+// form the fused [E, 2I, H] gate/up and [E, H, I] down tensors the grouped GEMMs use.
+#pragma once
+#include <string>
+#include <vector>
+
+#include "core/json.h"
+#include "core/memory.h"
+
+namespace marrow {
+
+struct Qwen3MoeConfig {
+  int64_t vocab_size = 0, hidden_size = 0, num_layers = 0, num_heads = 0, num_kv_heads = 0, head_dim = 0;
+  int64_t num_experts = 0, top_k = 0, expert_intermediate_size = 0;
+  double rms_norm_eps = 1e-6, rope_theta = 1e6, initializer_range = 0.02, router_aux_loss_coef = 0.001;
+  bool norm_topk_prob = false;
+  Json json;  // the config.json as read, written back unchanged on export
+
+  // Reads and validates a Hugging Face config.json; every problem is one sentence naming the key.
+  static Qwen3MoeConfig from_json(const Json& json, const std::string& source);
+  static Qwen3MoeConfig load(const std::string& path) { return from_json(read_json_file(path), path); }
+};
+
+// One canonical tensor of the parameter table: its Hugging Face name, shape and place in the arena.
+struct TensorSpec {
+  std::string name;
+  std::vector<int64_t> shape;
+  int64_t offset = 0;  // in elements
+  int64_t numel = 0;
+  bool is_norm = false;  // RMSNorm weights: initialised to 1, no weight decay
+};
+
+struct Qwen3MoeLayerWeights {
+  Tensor input_norm, q_proj, k_proj, v_proj, o_proj, q_norm, k_norm, post_norm, router;
+  Tensor experts_gate_up;  // [E, 2I, H]: per expert, gate_proj rows then up_proj rows
+  Tensor experts_down;     // [E, H, I]
+};
+
+// Views of one arena (parameters or gradients) in the model's shapes.
+struct Qwen3MoeWeights {
+  Tensor embed, final_norm, lm_head;
+  std::vector<Qwen3MoeLayerWeights> layers;
+};
+
+// One micro-batch of B sequences of S tokens (T = B * S), with what the backward needs.
+struct Qwen3MoeBatch {
+  int64_t batch = 0, seq = 0;
+  Buffer input_ids;  // [T] i32
+  Buffer targets;    // [T] i32, kIgnoreIndex where no loss
+  Buffer positions;  // [T] i32
+};
+
+struct Qwen3MoeAttentionActivations {
+  Buffer x;  // residual stream entering the layer [T, H]
+  Buffer h1, rstd1, q, k, v, rstd_q, rstd_k, q_rope, k_rope, attn, lse;
+  Buffer x_mid;  // residual after attention [T, H]
+  Buffer h2, rstd2, probs, topk_index, topk_weight;
+};
+
+struct Qwen3MoeExpertActivations {
+  Buffer x_perm, gate_up, act;
+};
+
+struct Qwen3MoeEpilogActivations {
+  Buffer x, h, rstd, logits, lse, token_loss;
+};
+
+class Qwen3Moe {
+ public:
+  using Config = Qwen3MoeConfig;
+  using Weights = Qwen3MoeWeights;
+  using LayerWeights = Qwen3MoeLayerWeights;
+  using Batch = Qwen3MoeBatch;
+  using AttentionActivations = Qwen3MoeAttentionActivations;
+  using ExpertActivations = Qwen3MoeExpertActivations;
+  using EpilogActivations = Qwen3MoeEpilogActivations;
+  static constexpr const char* model_type = "qwen3_moe";
+
+  Qwen3Moe(const Config& config, DType dtype, Device device);
+
+  const Config& config() const { return config_; }
+  DType dtype() const { return dtype_; }
+  Device device() const { return device_; }
+  int64_t num_layers() const { return config_.num_layers; }
+  int64_t num_experts() const { return config_.num_experts; }
+  int64_t top_k() const { return config_.top_k; }
+  int64_t hidden_size() const { return config_.hidden_size; }
+  // The canonical tensors; norms come last so the decayed parameters are one contiguous range.
+  const std::vector<TensorSpec>& specs() const { return specs_; }
+  int64_t num_parameters() const { return num_parameters_; }
+  int64_t num_decayed_parameters() const { return num_decayed_; }
+  // Active parameters per token (top-k experts of each layer, everything else), for FLOP counts.
+  int64_t num_active_parameters() const;
+
+  Qwen3MoeWeights bind(const Arena& arena) const;
+  // Fills a parameter arena as Hugging Face initialises: normal(0, initializer_range) for matrices
+  // and embeddings, ones for norms; element i of tensor n draws Philox(seed, n) at counter i.
+  void initialize(const Arena& params, uint64_t seed) const;
+
+  // Prolog: x[T, H] = embed[input_ids].
+  void prolog_forward(Tensor x, const Qwen3MoeBatch& batch, const Qwen3MoeWeights& w) const;
+  void prolog_backward(const Qwen3MoeWeights& grads, Tensor dx, const Qwen3MoeBatch& batch) const;
+
+  // Stage 1: from the residual stream x, the residual after attention (a.x_mid), the routed input
+  // (a.h2) and the routing (a.topk_index, a.topk_weight). a.x keeps x for the backward.
+  void attention_forward(Qwen3MoeAttentionActivations& a, Buffer x, const Qwen3MoeBatch& batch,
+                         const Qwen3MoeLayerWeights& w) const;
+  // dx (overwritten) from dx_mid (gradient reaching the post-attention residual from stage 5),
+  // dh2 (from dispatch's backward; used as scratch) and dtopk_weight (from stage 5); aux_grad is
+  // d(total loss)/d(this layer's load-balance loss).
+  void attention_backward(Tensor dx, const Qwen3MoeLayerWeights& grads, Tensor dx_mid, Tensor dh2, Tensor dtopk_weight,
+                          double aux_grad, Qwen3MoeAttentionActivations& a, const Qwen3MoeBatch& batch,
+                          const Qwen3MoeLayerWeights& w) const;
+  // This layer's load-balance loss (Hugging Face's form: K when routing is balanced).
+  double aux_loss(const Qwen3MoeAttentionActivations& a) const;
+
+  // Stage 3: y_perm[R, H] from the dispatched rows x_perm[R, H] (kept in e.x_perm).
+  void experts_forward(Tensor y_perm, Qwen3MoeExpertActivations& e, Buffer x_perm, Tensor expert_offsets,
+                       const Qwen3MoeLayerWeights& w) const;
+  void experts_backward(Tensor dx_perm, const Qwen3MoeLayerWeights& grads, Tensor dy_perm, Qwen3MoeExpertActivations& e,
+                        Tensor expert_offsets, const Qwen3MoeLayerWeights& w) const;
+
+  // Stage 5: out = x_mid + sum_j topk_weight[t, j] * y_perm[copy_row[t, j]].
+  void aggregate_forward(Tensor out, const Qwen3MoeAttentionActivations& a, Tensor y_perm, Tensor copy_row) const;
+  // dy_perm and dtopk_weight (overwritten) from dout; the residual's gradient is dout itself.
+  void aggregate_backward(Tensor dy_perm, Tensor dtopk_weight, Tensor dout, const Qwen3MoeAttentionActivations& a,
+                          Tensor y_perm, Tensor copy_row) const;
+
+  // Epilog: returns the sum of token losses over non-ignored targets; keeps the logits in p.logits.
+  double epilog_forward(Qwen3MoeEpilogActivations& p, Buffer x, const Qwen3MoeBatch& batch, const Qwen3MoeWeights& w) const;
+  // dx (overwritten); loss_scale = d(total loss)/d(sum of token losses), e.g. 1 / counted tokens.
+  void epilog_backward(Tensor dx, const Qwen3MoeWeights& grads, double loss_scale, Qwen3MoeEpilogActivations& p,
+                       const Qwen3MoeBatch& batch, const Qwen3MoeWeights& w) const;
+
+  Buffer buffer(std::initializer_list<int64_t> dims) const { return Buffer(dtype_, device_, dims); }
+
+ private:
+  Config config_;
+  DType dtype_;
+  Device device_;
+  std::vector<TensorSpec> specs_;
+  int64_t num_parameters_ = 0, num_decayed_ = 0;
+};
+
+}  // namespace marrow

@@ -1,0 +1,23 @@
+// AdamW exactly as torch.optim.AdamW computes it, per element, with decoupled weight decay:
+//   param *= 1 - lr * weight_decay
+//   m = beta1 * m + (1 - beta1) * g,   v = beta2 * v + (1 - beta2) * g^2
+//   param -= lr / (1 - beta1^step) * m / (sqrt(v) / sqrt(1 - beta2^step) + eps)
+// The caller passes weight_decay = 0 for tensors that are not decayed (norms, biases). param, grad,
+// exp_avg (m) and exp_avg_sq (v) are flat views of equal element count and one dtype: f32 (the
+// master weights and moments), or f64 for tests.
+#pragma once
+#include <cstdint>
+
+#include "core/tensor.h"
+
+namespace marrow {
+
+struct AdamWHyper {
+  double lr, beta1, beta2, eps, weight_decay;
+  int64_t step;  // 1-based: the bias corrections divide by 1 - beta^step
+};
+
+// Updates param, exp_avg and exp_avg_sq in place from grad.
+void adamw_step(Tensor param, Tensor grad, Tensor exp_avg, Tensor exp_avg_sq, const AdamWHyper& hyper, Stream stream = {});
+
+}  // namespace marrow

@@ -1,0 +1,16 @@
+// Token embedding lookup, the prolog of every model: out[t, :] = table[ids[t], :].
+// Its backward scatters rows back into the table; repeated ids sum their gradients, in token order,
+// so the result is deterministic.
+#pragma once
+#include "core/tensor.h"
+
+namespace marrow {
+
+// out[T, H] from ids[T] (i32) and table[V, H]. An id outside [0, V) is an Error naming the id and
+// its position, checked before anything is written.
+void embedding_forward(Tensor out, Tensor ids, Tensor table, Stream stream = {});
+
+// dtable[V, H] is accumulated (+=), as every weight gradient in Marrow is; dout is [T, H].
+void embedding_backward(Tensor dtable, Tensor dout, Tensor ids, Stream stream = {});
+
+}  // namespace marrow

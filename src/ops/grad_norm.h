@@ -1,0 +1,16 @@
+// The pieces of global gradient-norm clipping. Gradients live in one flat arena, so the engine
+// takes the norm of the whole arena (or, later, combines per-rank sums of squares) and scales it
+// by min(1, max_norm / norm).
+#pragma once
+#include "core/tensor.h"
+
+namespace marrow {
+
+// sqrt(sum x^2), accumulated in double in index order, so the result is deterministic. A NaN or
+// Inf in x gives a NaN or Inf norm, which the caller must see rather than a clipped-away step.
+double l2_norm(Tensor x, Stream stream = {});
+
+// x *= factor, in place.
+void scale(Tensor x, double factor, Stream stream = {});
+
+}  // namespace marrow

@@ -1,0 +1,19 @@
+// A bias-free linear layer with the weight in Hugging Face layout [out, in], so checkpoints load
+// without transposes:  y = x W^T,  y[n, o] = sum_i x[n, i] * W[o, i].
+// Every projection of the models is one of these (QKV, attention output, LM head); the backward is
+// split in two so the schedule can defer the weight gradient to fill pipeline bubbles.
+#pragma once
+#include "core/tensor.h"
+
+namespace marrow {
+
+// y[N, O] from x[N, I] and weight[O, I]. y may not alias x or weight.
+void linear_forward(Tensor y, Tensor x, Tensor weight, Stream stream = {});
+
+// dx[N, I] = dy[N, O] W, overwritten. dx may not alias dy or weight.
+void linear_backward_input(Tensor dx, Tensor dy, Tensor weight, Stream stream = {});
+
+// dweight[O, I] += dy[N, O]^T x[N, I], accumulated as every weight gradient in Marrow is.
+void linear_backward_weight(Tensor dweight, Tensor dy, Tensor x, Stream stream = {});
+
+}  // namespace marrow

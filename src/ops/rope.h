@@ -1,0 +1,21 @@
+// Rotary position embedding in the Hugging Face Qwen3 convention ("rotate_half"): within each head,
+// element j < D/2 pairs with element j + D/2 and the pair is rotated by the angle
+//   position * inv_freq_j,   inv_freq_j = 1 / theta^(2j / D),
+//   y[j]       = x[j] * cos - x[j + D/2] * sin
+//   y[j + D/2] = x[j + D/2] * cos + x[j] * sin.
+// inv_freq, the angle and its cos/sin are computed in float32 exactly as transformers does, whatever
+// the tensor dtype: at positions in the thousands a double-precision angle differs from the float32
+// one by ~1e-3 rad, enough to break parity with the reference model. The rotation is orthogonal,
+// so the backward is the rotation by the negative angle.
+#pragma once
+#include "core/tensor.h"
+
+namespace marrow {
+
+// y[T, H, D] from x[T, H, D] and positions[T] (i32); D must be even and theta positive. y may alias x.
+void rope_forward(Tensor y, Tensor x, Tensor positions, double theta, Stream stream = {});
+
+// dx[T, H, D], overwritten, from dy[T, H, D]. dx may alias dy.
+void rope_backward(Tensor dx, Tensor dy, Tensor positions, double theta, Stream stream = {});
+
+}  // namespace marrow

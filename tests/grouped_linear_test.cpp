@@ -1,0 +1,106 @@
+#include "ops/grouped_linear.h"
+
+#include <vector>
+
+#include "gradcheck.h"
+
+namespace marrow {
+namespace {
+
+using testing::random_buffer;
+
+Buffer offsets_buffer(const std::vector<int32_t>& values) {
+  Buffer b(DType::i32, Device::cpu, {int64_t(values.size())});
+  std::copy(values.begin(), values.end(), b.ptr<int32_t>());
+  return b;
+}
+
+TEST(GroupedLinear, ForwardMatchesHandComputedCase) {
+  // Three experts of weight [1, 2] (O = 1, I = 2); expert 1 has no rows.
+  double x[6] = {1, 1, 2, 3, 4, 5}, w[6] = {1, 2, 9, 9, 0, 1}, y[3];
+  Buffer offsets = offsets_buffer({0, 1, 1, 3});
+  grouped_linear_forward(Tensor(y, DType::f64, Device::cpu, {3, 1}), Tensor(x, DType::f64, Device::cpu, {3, 2}),
+                         Tensor(w, DType::f64, Device::cpu, {3, 1, 2}), offsets);
+  EXPECT_DOUBLE_EQ(y[0], 3);
+  EXPECT_DOUBLE_EQ(y[1], 3);
+  EXPECT_DOUBLE_EQ(y[2], 5);
+}
+
+// Weight gradients accumulate: dweight starts from `prior`, and what the backward added is compared
+// with finite differences; an expert without rows keeps its prior exactly.
+TEST(GroupedLinear, GradientsMatchFiniteDifferences) {
+  const int64_t e = 4, o = 3, in = 5;
+  for (const std::vector<int32_t>& bounds :
+       {std::vector<int32_t>{0, 2, 2, 5, 6}, std::vector<int32_t>{0, 0, 1, 1, 1}, std::vector<int32_t>{0, 0, 0, 0, 0}}) {
+    const int64_t r = bounds.back();
+    SCOPED_TRACE(::testing::Message() << "rows " << r);
+    Buffer offsets = offsets_buffer(bounds);
+    Buffer x = random_buffer(DType::f64, {r, in}, 1), w = random_buffer(DType::f64, {e, o, in}, 2),
+           dy = random_buffer(DType::f64, {r, o}, 3), prior = random_buffer(DType::f64, {e, o, in}, 4);
+    Buffer y(DType::f64, Device::cpu, {r, o}), dx(DType::f64, Device::cpu, {r, in}),
+        dw = random_buffer(DType::f64, {e, o, in}, 4);
+    auto loss = [&] {
+      grouped_linear_forward(y, x, w, offsets);
+      return testing::weighted_sum(y, dy);
+    };
+    loss();
+    grouped_linear_backward_input(dx, dy, w, offsets);
+    grouped_linear_backward_weight(dw, dy, x, offsets);
+    Buffer added(DType::f64, Device::cpu, {e, o, in});
+    for (int64_t i = 0; i < dw.numel(); ++i) added.ptr<double>()[i] = dw.ptr<double>()[i] - prior.ptr<double>()[i];
+    testing::expect_gradient("dx", x, dx, loss);
+    testing::expect_gradient("dweight", w, added, loss, 1e-6, 1000);
+    for (int64_t g = 0; g < e; ++g)
+      if (bounds[g] == bounds[g + 1])
+        for (int64_t i = g * o * in; i < (g + 1) * o * in; ++i) EXPECT_EQ(dw.ptr<double>()[i], prior.ptr<double>()[i]);
+  }
+}
+
+TEST(GroupedLinear, RejectsOffsetsOnTheGpu) {
+  Buffer x(DType::f32, Device::cpu, {2, 3}), w(DType::f32, Device::cpu, {2, 4, 3}), y(DType::f32, Device::cpu, {2, 4});
+  int32_t bounds[3] = {0, 1, 2};
+  try {
+    grouped_linear_forward(y, x, w, Tensor(bounds, DType::i32, Device::cuda, {3}));
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(), "grouped_linear_forward: expert_offsets is on cuda but expected cpu");
+  }
+}
+
+TEST(GroupedLinear, RejectsDecreasingOffsets) {
+  Buffer dy(DType::f32, Device::cpu, {3, 4}), w(DType::f32, Device::cpu, {3, 4, 2}), dx(DType::f32, Device::cpu, {3, 2});
+  Buffer offsets = offsets_buffer({0, 2, 1, 3});
+  try {
+    grouped_linear_backward_input(dx, dy, w, offsets);
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(),
+                 "grouped_linear_backward_input: expert_offsets must not decrease, got expert_offsets[1] = 2 > "
+                 "expert_offsets[2] = 1");
+  }
+}
+
+TEST(GroupedLinear, RejectsOffsetsThatDoNotCoverTheRows) {
+  Buffer dy(DType::f32, Device::cpu, {3, 4}), x(DType::f32, Device::cpu, {3, 2}), dw(DType::f32, Device::cpu, {2, 4, 2});
+  Buffer offsets = offsets_buffer({0, 1, 2});
+  try {
+    grouped_linear_backward_weight(dw, dy, x, offsets);
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(), "grouped_linear_backward_weight: expert_offsets must run from 0 to the 3 rows, got 0 to 2");
+  }
+}
+
+TEST(GroupedLinear, RejectsMismatchedInputWidth) {
+  Buffer x(DType::f32, Device::cpu, {2, 4}), w(DType::f32, Device::cpu, {2, 4, 3}), y(DType::f32, Device::cpu, {2, 4});
+  Buffer offsets = offsets_buffer({0, 1, 2});
+  try {
+    grouped_linear_forward(y, x, w, offsets);
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(), "grouped_linear_forward: x has shape [2, 4] but expected [2, 3]");
+  }
+}
+
+}  // namespace
+}  // namespace marrow

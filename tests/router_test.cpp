@@ -1,0 +1,183 @@
+#include "ops/router.h"
+
+#include <cmath>
+
+#include "gradcheck.h"
+
+namespace marrow {
+namespace {
+
+using testing::random_buffer;
+
+// Logits whose top-k cannot flip under a finite-difference step: each token ranks the experts in
+// its own order on levels 0.5 apart (3 is coprime to the expert counts used), plus a little noise.
+// The last expert sits far below the rest, so with k < E it gets no tokens.
+Buffer separated_logits(DType dtype, int64_t n, int64_t e, uint64_t seed) {
+  Buffer noise = random_buffer(DType::f64, {n, e}, seed, 0.01), b(dtype, Device::cpu, {n, e});
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t i = 0; i < e; ++i) {
+      double v = i == e - 1 ? -3.0 : 0.5 * double((3 * i + 5 * t) % e) + noise.ptr<double>()[t * e + i];
+      testing::set_element(b, t * e + i, v);
+    }
+  return b;
+}
+
+template <typename T>
+Tensor host(T* data, DType dtype, std::initializer_list<int64_t> dims) {
+  return Tensor(data, dtype, Device::cpu, dims);
+}
+
+TEST(Router, ForwardMatchesHandComputedSoftmaxAndTopK) {
+  // softmax(log [1, 2, 3, 4]) = [0.1, 0.2, 0.3, 0.4]
+  float logits[4] = {0, std::log(2.0f), std::log(3.0f), std::log(4.0f)}, probs[4], w[2];
+  int32_t idx[2];
+  for (bool normalize : {false, true}) {
+    router_forward(host(probs, DType::f32, {1, 4}), host(idx, DType::i32, {1, 2}), host(w, DType::f32, {1, 2}),
+                   host(logits, DType::f32, {1, 4}), normalize);
+    for (int i = 0; i < 4; ++i) EXPECT_NEAR(probs[i], 0.1 * (i + 1), 1e-6);
+    EXPECT_EQ(idx[0], 3);
+    EXPECT_EQ(idx[1], 2);
+    EXPECT_NEAR(w[0], normalize ? 4.0 / 7 : 0.4, 1e-6);
+    EXPECT_NEAR(w[1], normalize ? 3.0 / 7 : 0.3, 1e-6);
+  }
+}
+
+TEST(Router, TiesGoToTheLowerExpertIndex) {
+  double logits[8] = {1, 2, 2, 2, 0, 0, 0, 0}, probs[8], w[4];
+  int32_t idx[4];
+  router_forward(host(probs, DType::f64, {2, 4}), host(idx, DType::i32, {2, 2}), host(w, DType::f64, {2, 2}),
+                 host(logits, DType::f64, {2, 4}), true);
+  EXPECT_EQ(idx[0], 1);
+  EXPECT_EQ(idx[1], 2);
+  EXPECT_EQ(idx[2], 0);
+  EXPECT_EQ(idx[3], 1);
+  EXPECT_DOUBLE_EQ(w[0], 0.5);
+  EXPECT_DOUBLE_EQ(w[3], 0.5);
+}
+
+TEST(Router, BalancedRoutingGivesAuxLossK) {
+  // Uniform probabilities and every expert chosen by exactly T * K / E copies.
+  double probs[16], loss[1];
+  for (double& p : probs) p = 0.25;
+  int32_t idx[8] = {0, 1, 2, 3, 1, 0, 3, 2};
+  router_aux_loss(host(loss, DType::f64, {1}), host(probs, DType::f64, {4, 4}), host(idx, DType::i32, {4, 2}));
+  EXPECT_DOUBLE_EQ(loss[0], 2.0);
+}
+
+TEST(Router, TopKOfAllExpertsGivesAuxLossKForAnyLogits) {
+  // k = E: every expert gets every token (f_e = 1) and the P_e sum to 1, so the loss is E = K.
+  const int64_t n = 3, e = 5;
+  Buffer logits = random_buffer(DType::f64, {n, e}, 7), probs(DType::f64, Device::cpu, {n, e}),
+         idx(DType::i32, Device::cpu, {n, e}), w(DType::f64, Device::cpu, {n, e}), loss(DType::f64, Device::cpu, {1});
+  router_forward(probs, idx, w, logits, true);
+  router_aux_loss(loss, probs, idx);
+  EXPECT_NEAR(loss.ptr<double>()[0], double(e), 1e-12);
+  for (int64_t i = 0; i < n * e; ++i)
+    EXPECT_NEAR(w.ptr<double>()[i], probs.ptr<double>()[(i / e) * e + idx.ptr<int32_t>()[i]], 1e-15);
+}
+
+// d/dlogits of sum(r * topk_weight) + aux_grad * aux_loss, against central differences. The
+// cases cover a single token, k = E and an expert with no tokens (the last one, when k < E).
+TEST(Router, GradientsMatchFiniteDifferences) {
+  struct Case {
+    int64_t n, e, k;
+  };
+  for (Case c : {Case{5, 8, 2}, Case{1, 8, 3}, Case{3, 4, 4}})
+    for (bool normalize : {false, true})
+      for (double aux_grad : {0.0, 0.7}) {
+        SCOPED_TRACE(::testing::Message() << "n=" << c.n << " e=" << c.e << " k=" << c.k << " normalize=" << normalize
+                                          << " aux_grad=" << aux_grad);
+        Buffer logits = separated_logits(DType::f64, c.n, c.e, 1), r = random_buffer(DType::f64, {c.n, c.k}, 2);
+        Buffer probs(DType::f64, Device::cpu, {c.n, c.e}), idx(DType::i32, Device::cpu, {c.n, c.k}),
+            w(DType::f64, Device::cpu, {c.n, c.k}), aux(DType::f64, Device::cpu, {1}),
+            dlogits(DType::f64, Device::cpu, {c.n, c.e});
+        auto loss = [&] {
+          router_forward(probs, idx, w, logits, normalize);
+          router_aux_loss(aux, probs, idx);
+          return testing::weighted_sum(w, r) + aux_grad * aux.ptr<double>()[0];
+        };
+        loss();
+        router_backward(dlogits, r, probs, idx, w, normalize, aux_grad);
+        testing::expect_gradient("dlogits", logits, dlogits, loss);
+      }
+}
+
+// The aux loss alone, differentiated through probs -> logits with the top-k choice held fixed.
+TEST(Router, AuxLossGradientMatchesFiniteDifferences) {
+  const int64_t n = 6, e = 8, k = 2;
+  const double aux_grad = 1.3;
+  Buffer logits = separated_logits(DType::f64, n, e, 3), probs(DType::f64, Device::cpu, {n, e}),
+         idx(DType::i32, Device::cpu, {n, k}), scratch_idx(DType::i32, Device::cpu, {n, k}), w(DType::f64, Device::cpu, {n, k}),
+         aux(DType::f64, Device::cpu, {1}), dlogits(DType::f64, Device::cpu, {n, e}),
+         no_weight_grad = Buffer::zeros(DType::f64, Device::cpu, {n, k});
+  router_forward(probs, idx, w, logits, true);
+  auto loss = [&] {
+    router_forward(probs, scratch_idx, w, logits, true);
+    router_aux_loss(aux, probs, idx);
+    return aux_grad * aux.ptr<double>()[0];
+  };
+  loss();
+  router_backward(dlogits, no_weight_grad, probs, idx, w, true, aux_grad);
+  testing::expect_gradient("dlogits", logits, dlogits, loss);
+}
+
+TEST(Router, F32PathMatchesF64) {
+  const int64_t n = 7, e = 8, k = 3;
+  std::vector<Buffer> out[2];
+  for (DType dtype : {DType::f64, DType::f32}) {
+    Buffer logits = separated_logits(dtype, n, e, 4), r = random_buffer(dtype, {n, k}, 5);
+    Buffer probs(dtype, Device::cpu, {n, e}), idx(DType::i32, Device::cpu, {n, k}), w(dtype, Device::cpu, {n, k}),
+        aux(dtype, Device::cpu, {1}), dlogits(dtype, Device::cpu, {n, e});
+    router_forward(probs, idx, w, logits, true);
+    router_aux_loss(aux, probs, idx);
+    router_backward(dlogits, r, probs, idx, w, true, 0.3);
+    auto& o = out[dtype == DType::f32];
+    o.push_back(std::move(probs));
+    o.push_back(std::move(w));
+    o.push_back(std::move(aux));
+    o.push_back(std::move(dlogits));
+    o.push_back(std::move(idx));
+  }
+  for (size_t b = 0; b + 1 < out[0].size(); ++b)
+    for (int64_t i = 0; i < out[0][b].numel(); ++i)
+      EXPECT_NEAR(testing::element(out[1][b], i), testing::element(out[0][b], i), 1e-6) << "output " << b << " element " << i;
+  for (int64_t i = 0; i < n * k; ++i) EXPECT_EQ(out[1].back().ptr<int32_t>()[i], out[0].back().ptr<int32_t>()[i]);
+}
+
+TEST(Router, RejectsKAboveExpertCount) {
+  Buffer logits(DType::f32, Device::cpu, {2, 4}), probs(DType::f32, Device::cpu, {2, 4}), idx(DType::i32, Device::cpu, {2, 5}),
+      w(DType::f32, Device::cpu, {2, 5});
+  try {
+    router_forward(probs, idx, w, logits, true);
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(), "router_forward: k = 5 must be between 1 and the number of experts 4");
+  }
+}
+
+TEST(Router, RejectsExpertIndexOutsideRange) {
+  float probs[8] = {}, loss[1];
+  int32_t idx[4] = {0, 1, 4, 2};
+  try {
+    router_aux_loss(host(loss, DType::f32, {1}), host(probs, DType::f32, {2, 4}), host(idx, DType::i32, {2, 2}));
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(), "router_aux_loss: topk_index[1, 0] = 4 is outside [0, 4)");
+  }
+}
+
+TEST(Router, RejectsTensorsOnTheGpu) {
+  float data[8] = {};
+  int32_t idx[2] = {};
+  Tensor logits(data, DType::f32, Device::cuda, {2, 4}), probs(data, DType::f32, Device::cuda, {2, 4}),
+      index(idx, DType::i32, Device::cuda, {2, 1}), w(data, DType::f32, Device::cuda, {2, 1});
+  try {
+    router_forward(probs, index, w, logits, true);
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(), "router_forward: the tensors are on the GPU but this op has no CUDA kernel yet");
+  }
+}
+
+}  // namespace
+}  // namespace marrow

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# The built-in demo: set up, build, prepare the demo corpus (real English text from a Debian
+# package, a tokenizer trained on it, the tokenized corpus), then train a tiny MoE on it.
+# Extra arguments go to marrow train, e.g. tools/demo.sh --train.steps=50
+set -euo pipefail
+cd "$(dirname "$0")/.."
+tools/setup.sh
+cuda=ON
+command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ] || cuda=OFF
+export PATH="$PATH:/usr/local/cuda/bin"
+cmake -S . -B build -G Ninja -DMARROW_CUDA=$cuda -DMARROW_PYTHON="$PWD/.venv/bin/python" >/dev/null
+cmake --build build --target marrow
+tools/make_demo_corpus.sh build/marrow build/demo-corpus
+build/marrow train configs/tiny-moe.toml "$@"
