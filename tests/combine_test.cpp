@@ -1,6 +1,7 @@
 #include "ops/combine.h"
 
 #include <cmath>
+#include <tuple>
 #include <vector>
 
 #include "gradcheck.h"
@@ -70,14 +71,12 @@ TEST(Combine, GradientsMatchFiniteDifferences) {
 struct ExpertBlock {
   static constexpr int64_t n = 6, h = 8, e = 4, k = 2, inter = 5;
   static constexpr double aux_grad = 0.4;
-  DType dtype;
   Buffer x, logits, w_gate_up, w_down, residual, r;
   Buffer probs, topk_index, topk_weight, aux, offsets, copy_row, x_perm, gate_up, act, y_perm, out;
   Buffer dx, dlogits, dw_gate_up, dw_down, dtopk_weight, dy_perm, dact, dgate_up, dx_perm;
 
   explicit ExpertBlock(DType dtype)
-      : dtype(dtype),
-        x(random_buffer(dtype, {n, h}, 1)),
+      : x(random_buffer(dtype, {n, h}, 1)),
         w_gate_up(random_buffer(dtype, {e, 2 * inter, h}, 3, 0.5)),
         w_down(random_buffer(dtype, {e, h, inter}, 4, 0.5)),
         residual(random_buffer(dtype, {n, h}, 5)),

@@ -6,7 +6,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 packages=(build-essential cmake ninja-build pkg-config git python3 python3-venv
-          libfmt-dev nlohmann-json3-dev libcli11-dev libgtest-dev libpcre2-dev libzstd-dev zstd)
+          libfmt-dev nlohmann-json3-dev libcli11-dev libgtest-dev libpcre2-dev libzstd-dev zstd
+          python3.11-doc)  # the demo corpus: real English text (tools/make_demo_corpus.sh)
 missing=()
 for p in "${packages[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if [ ${#missing[@]} -gt 0 ]; then

@@ -4,5 +4,7 @@
 namespace marrow {
 
 int train_command(int argc, char** argv);
+int train_tokenizer_command(int argc, char** argv);
+int tokenize_command(int argc, char** argv);
 
 }  // namespace marrow

@@ -16,7 +16,9 @@ struct Command {
 };
 
 const Command kCommands[] = {
-    // TRAIN_PLACEHOLDER
+    {"train", marrow::train_command, "train a model: marrow train <run-config> [--section.key=value ...]"},
+    {"train-tokenizer", marrow::train_tokenizer_command, "train a byte-level BPE tokenizer.json on raw text"},
+    {"tokenize", marrow::tokenize_command, "tokenize raw text (txt, jsonl, jsonl.zst) into a training corpus"},
 };
 
 void usage() {

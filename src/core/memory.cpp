@@ -129,6 +129,58 @@ void Arena::fill_zero(Stream stream) const {
   }
 }
 
+void copy(Tensor dst, Tensor src, Stream stream) {
+  MARROW_CHECK(dst.dtype == src.dtype && dst.numel() == src.numel(), "copy: destination {} {} does not match source {} {}",
+               dtype_name(dst.dtype), dst.shape_string(), dtype_name(src.dtype), src.shape_string());
+  if (src.bytes() == 0) return;
+  if (dst.device == Device::cpu && src.device == Device::cpu) {
+    std::memmove(dst.data, src.data, src.bytes());
+    return;
+  }
+#if MARROW_CUDA
+  auto s = static_cast<cudaStream_t>(stream.handle);
+  MARROW_CUDA_CHECK(cudaMemcpyAsync(dst.data, src.data, src.bytes(), cudaMemcpyDefault, s));
+  if (dst.device == Device::cpu) MARROW_CUDA_CHECK(cudaStreamSynchronize(s));
+#else
+  (void)stream;
+  fail("copy: this build of marrow has no CUDA support (configure with -DMARROW_CUDA=ON)");
+#endif
+}
+
+Buffer to_host(Tensor src, Stream stream) {
+  Buffer b(src.dtype, Device::cpu, {src.numel()});
+  copy(b, src, stream);
+  return b;
+}
+
+void synchronize(Stream stream) {
+#if MARROW_CUDA
+  MARROW_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream.handle)));
+#else
+  (void)stream;
+#endif
+}
+
+bool cuda_available() {
+#if MARROW_CUDA
+  int count = 0;
+  return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
+#else
+  return false;
+#endif
+}
+
+void keep_pool_memory() {
+#if MARROW_CUDA
+  int dev = 0;
+  cudaMemPool_t pool;
+  MARROW_CUDA_CHECK(cudaGetDevice(&dev));
+  MARROW_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, dev));
+  uint64_t threshold = UINT64_MAX;
+  MARROW_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold));
+#endif
+}
+
 std::string memory_bill(const std::vector<const Arena*>& arenas) {
   std::string s;
   size_t total = 0;

@@ -61,6 +61,23 @@ class Arena {
   std::unique_ptr<void, Free> data_;
 };
 
+// Copies src into dst: same dtype and element count, any pair of devices. On the GPU the copy is
+// queued on stream; a copy to the host waits for it, so the host can read the result at once.
+void copy(Tensor dst, Tensor src, Stream stream = {});
+
+// A host copy of a tensor on any device, e.g. to read a loss or check a kernel.
+Buffer to_host(Tensor src, Stream stream = {});
+
+// Waits until all work queued on stream is done (nothing to wait for on the CPU).
+void synchronize(Stream stream = {});
+
+// Whether this build has CUDA and a GPU is visible.
+bool cuda_available();
+
+// Keeps freed activation memory cached in CUDA's stream-ordered pool instead of returning it to the
+// driver at every synchronisation (DESIGN.md §4); call once before training on the GPU.
+void keep_pool_memory();
+
 // "parameters 12.3 MiB, gradients 12.3 MiB, ... (total 49.2 MiB)" and, on a GPU, free memory.
 std::string memory_bill(const std::vector<const Arena*>& arenas);
 

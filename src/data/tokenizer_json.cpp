@@ -103,6 +103,8 @@ Tokenizer Tokenizer::from_json(const Json& json, const std::string& source) {
   t.fuse_unknown_ = flag(model, "fuse_unk", false);
 
   MARROW_CHECK(model.contains("vocab") && model["vocab"].is_object(), "{}: model.vocab must be an object of token: id", source);
+  t.id_by_text_.reserve(model["vocab"].size());
+  t.id_by_bytes_.reserve(model["vocab"].size());
   for (const auto& [text, id_node] : model["vocab"].items()) {
     MARROW_CHECK(id_node.is_number_integer() && id_node.get<int64_t>() >= 0 && id_node.get<int64_t>() < (int64_t(1) << 31),
                  "{}: model.vocab['{}'] must be a non-negative integer id", source, text);

@@ -48,6 +48,24 @@ std::vector<std::string> config_file_arguments(const std::string& path) {
   return args;
 }
 
+// Validators whose messages read as one sentence: "--train.seq_len: must be positive, got -5".
+CLI::Validator number_at_least(double low, bool inclusive) {
+  return CLI::Validator(
+      [=](std::string& value) -> std::string {
+        double v = 0;
+        try {
+          v = std::stod(value);
+        } catch (const std::exception&) {
+          return "must be a number, got '" + value + "'";
+        }
+        if (inclusive ? v >= low : v > low) return "";
+        return fmt::format("must be {}, got {}", low == 0 ? (inclusive ? "zero or more" : "positive") : "larger", value);
+      },
+      "");
+}
+const CLI::Validator kPositive = number_at_least(0, false);
+const CLI::Validator kNonNegative = number_at_least(0, true);
+
 }  // namespace
 
 RunConfig parse_run_config(int argc, char** argv) {
@@ -59,26 +77,26 @@ RunConfig parse_run_config(int argc, char** argv) {
   app.add_option("--model.config", rc.model_config)->required();
   app.add_option("--data.path", rc.data_path)->required();
   app.add_option("--data.validation_fraction", rc.validation_fraction)->check(CLI::Range(0.0, 0.5));
-  app.add_option("--train.steps", rc.steps)->check(CLI::PositiveNumber);
-  app.add_option("--train.global_batch", rc.global_batch)->check(CLI::PositiveNumber);
-  app.add_option("--train.micro_batch", rc.micro_batch)->check(CLI::PositiveNumber);
-  app.add_option("--train.seq_len", rc.seq_len)->check(CLI::PositiveNumber);
+  app.add_option("--train.steps", rc.steps)->check(kPositive);
+  app.add_option("--train.global_batch", rc.global_batch)->check(kPositive);
+  app.add_option("--train.micro_batch", rc.micro_batch)->check(kPositive);
+  app.add_option("--train.seq_len", rc.seq_len)->check(kPositive);
   app.add_option("--train.seed", rc.seed);
   app.add_option("--train.device", rc.device)->check(CLI::IsMember({"auto", "cpu", "cuda"}));
   app.add_option("--train.aux_loss_coef", rc.aux_loss_coef);
-  app.add_option("--train.max_bad_steps", rc.max_bad_steps)->check(CLI::PositiveNumber);
-  app.add_option("--optimizer.lr", rc.lr)->check(CLI::PositiveNumber);
-  app.add_option("--optimizer.min_lr", rc.min_lr)->check(CLI::NonNegativeNumber);
+  app.add_option("--train.max_bad_steps", rc.max_bad_steps)->check(kPositive);
+  app.add_option("--optimizer.lr", rc.lr)->check(kPositive);
+  app.add_option("--optimizer.min_lr", rc.min_lr)->check(kNonNegative);
   app.add_option("--optimizer.beta1", rc.beta1)->check(CLI::Range(0.0, 1.0));
   app.add_option("--optimizer.beta2", rc.beta2)->check(CLI::Range(0.0, 1.0));
-  app.add_option("--optimizer.eps", rc.eps)->check(CLI::PositiveNumber);
-  app.add_option("--optimizer.weight_decay", rc.weight_decay)->check(CLI::NonNegativeNumber);
-  app.add_option("--optimizer.grad_clip", rc.grad_clip)->check(CLI::NonNegativeNumber);
+  app.add_option("--optimizer.eps", rc.eps)->check(kPositive);
+  app.add_option("--optimizer.weight_decay", rc.weight_decay)->check(kNonNegative);
+  app.add_option("--optimizer.grad_clip", rc.grad_clip)->check(kNonNegative);
   app.add_option("--schedule.kind", rc.schedule)->check(CLI::IsMember({"cosine", "wsd"}));
-  app.add_option("--schedule.warmup_steps", rc.warmup_steps)->check(CLI::NonNegativeNumber);
+  app.add_option("--schedule.warmup_steps", rc.warmup_steps)->check(kNonNegative);
   app.add_option("--schedule.decay_fraction", rc.decay_fraction)->check(CLI::Range(0.0, 1.0));
   app.add_option("--output.dir", rc.out_dir);
-  app.add_option("--output.log_every", rc.log_every)->check(CLI::PositiveNumber);
+  app.add_option("--output.log_every", rc.log_every)->check(kPositive);
 
   std::vector<std::string> args = config_file_arguments(rc.source);
   for (int i = 2; i < argc; ++i) args.push_back(argv[i]);

@@ -60,7 +60,7 @@ void backward(MicroBatch<M>& mb, const M& m, const typename M::Weights& w, const
     auto& s = mb.layers[size_t(l)];
     const auto& lw = w.layers[size_t(l)];
     const auto& lg = grads.layers[size_t(l)];
-    Buffer dy_perm = m.buffer({T * K, H}), dtopk_weight = m.buffer({T, K});
+    Buffer dy_perm = m.buffer({T * K, H}), dtopk_weight = m.stats({T, K});
     m.aggregate_backward(dy_perm, dtopk_weight, dx, s.attention, s.y_perm, s.copy_row);
     Buffer dx_perm = m.buffer({T * K, H});
     m.experts_backward(dx_perm, lg, dy_perm, s.experts, s.expert_offsets, lw);

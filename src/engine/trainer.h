@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 
 #include "core/memory.h"
 #include "data/dataset.h"
@@ -15,6 +16,7 @@
 #include "engine/run_config.h"
 #include "engine/step.h"
 #include "ops/adamw.h"
+#include "ops/cast.h"
 #include "ops/cross_entropy.h"
 #include "ops/grad_norm.h"
 
@@ -40,26 +42,66 @@ inline std::string step_json(const StepMetrics& s) {
       .dump();
 }
 
+// A micro-batch of B samples of S + 1 tokens: inputs are tokens [0, S), targets [1, S + 1).
+template <MoeModel M>
+typename M::Batch make_batch(const std::vector<int32_t>& tokens, int64_t B, int64_t S, Device device) {
+  const int64_t T = B * S;
+  Buffer ids(DType::i32, Device::cpu, {T}), targets(DType::i32, Device::cpu, {T}), positions(DType::i32, Device::cpu, {T});
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t s = 0; s < S; ++s) {
+      ids.ptr<int32_t>()[b * S + s] = tokens[size_t(b * (S + 1) + s)];
+      targets.ptr<int32_t>()[b * S + s] = tokens[size_t(b * (S + 1) + s + 1)];
+      positions.ptr<int32_t>()[b * S + s] = int32_t(s);
+    }
+  if (device == Device::cpu) return {B, S, std::move(ids), std::move(targets), std::move(positions)};
+  typename M::Batch batch{B, S, Buffer(DType::i32, device, {T}), Buffer(DType::i32, device, {T}), Buffer(DType::i32, device, {T})};
+  copy(batch.input_ids, ids);
+  copy(batch.targets, targets);
+  copy(batch.positions, positions);
+  return batch;
+}
+
+inline Device choose_device(const std::string& requested) {
+  if (requested == "cpu") return Device::cpu;
+  if (requested == "cuda") {
+    MARROW_CHECK(cuda_available(), "train.device = cuda but {}", MARROW_CUDA ? "no GPU is visible" : "this build has no CUDA support");
+    return Device::cuda;
+  }
+  return cuda_available() ? Device::cuda : Device::cpu;
+}
+
 template <MoeModel M>
 std::vector<StepMetrics> train(const RunConfig& rc, const typename M::Config& model_config) {
-  MARROW_CHECK(rc.device != "cuda", "train.device = cuda: the GPU training path is not built yet; use cpu");
-  const Device device = Device::cpu;
-  M model(model_config, DType::f32, device);
+  const Device device = choose_device(rc.device);
+  if (device == Device::cuda) keep_pool_memory();
+  // The GPU computes in bf16 from a working copy of the fp32 master weights; the CPU in fp32.
+  M model(model_config, device == Device::cuda ? DType::bf16 : DType::f32, device);
   TokenDataset data(rc.data_path, rc.seq_len, rc.seed, rc.validation_fraction);
   data.require_vocab_fits(model_config.vocab_size);
   data.require_train_samples(rc.steps * rc.global_batch);
+  data.set_samples_per_step(rc.global_batch);
 
-  Arena params("parameters", DType::f32, device, model.num_parameters());
-  Arena grads("gradients", DType::f32, device, model.num_parameters());
-  Arena exp_avg("adam exp_avg", DType::f32, device, model.num_parameters());
-  Arena exp_avg_sq("adam exp_avg_sq", DType::f32, device, model.num_parameters());
+  const int64_t n = model.num_parameters();
+  Arena params("parameters", DType::f32, device, n);
+  Arena grads("gradients", DType::f32, device, n);
+  Arena exp_avg("adam exp_avg", DType::f32, device, n);
+  Arena exp_avg_sq("adam exp_avg_sq", DType::f32, device, n);
+  std::vector<const Arena*> arenas{&params, &grads, &exp_avg, &exp_avg_sq};
+  std::optional<Arena> working;  // bf16 weights the GPU computes with
+  if (device == Device::cuda) {
+    working.emplace("bf16 weights", DType::bf16, device, n);
+    arenas.push_back(&*working);
+  }
   model.initialize(params, rc.seed);
-  const auto w = model.bind(params);
+  if (working) cast(working->all(), params.all());
+  const auto w = model.bind(working ? *working : params);
   const auto g = model.bind(grads);
-  std::printf("model %s: %.2fM parameters (%.2fM active per token), %lld layers, %lld experts top-%lld\n", M::model_type,
-              model.num_parameters() / 1e6, model.num_active_parameters() / 1e6, (long long)model.num_layers(),
+  size_t arena_bytes = 0;
+  for (const Arena* a : arenas) arena_bytes += a->bytes();
+  std::printf("model %s on %s: %.2fM parameters (%.2fM active per token), %lld layers, %lld experts top-%lld\n", M::model_type,
+              device_name(device), model.num_parameters() / 1e6, model.num_active_parameters() / 1e6, (long long)model.num_layers(),
               (long long)model.num_experts(), (long long)model.top_k());
-  std::printf("memory: %s\n", memory_bill({&params, &grads, &exp_avg, &exp_avg_sq}).c_str());
+  std::printf("memory: %s\n", memory_bill(arenas).c_str());
   std::printf("data: %s, %lld training samples of %lld tokens; %lld steps x %lld sequences (micro-batch %lld)\n", rc.data_path.c_str(),
               (long long)data.train_samples(), (long long)rc.seq_len + 1, (long long)rc.steps, (long long)rc.global_batch,
               (long long)rc.micro_batch);
@@ -72,7 +114,7 @@ std::vector<StepMetrics> train(const RunConfig& rc, const typename M::Config& mo
 
   const LrSchedule schedule{rc.schedule, rc.lr, rc.min_lr, rc.warmup_steps, rc.steps, rc.decay_fraction};
   const double aux_coef = rc.aux_loss_coef >= 0 ? rc.aux_loss_coef : model_config.router_aux_loss_coef;
-  const int64_t micro_batches = rc.global_batch / rc.micro_batch, S = rc.seq_len, B = rc.micro_batch, T = B * S;
+  const int64_t micro_batches = rc.global_batch / rc.micro_batch, S = rc.seq_len, B = rc.micro_batch;
   std::vector<int32_t> tokens(size_t(B * (S + 1)));
   std::vector<StepMetrics> history;
   int64_t bad_in_a_row = 0;
@@ -86,14 +128,7 @@ std::vector<StepMetrics> train(const RunConfig& rc, const typename M::Config& mo
     double token_loss_sum = 0, aux_loss_sum = 0;
     for (int64_t micro = 0; micro < micro_batches; ++micro) {
       data.train_batch(step - 1, micro * B, B, tokens.data());
-      typename M::Batch batch{B, S, Buffer(DType::i32, Device::cpu, {T}), Buffer(DType::i32, Device::cpu, {T}),
-                              Buffer(DType::i32, Device::cpu, {T})};
-      for (int64_t b = 0; b < B; ++b)
-        for (int64_t s = 0; s < S; ++s) {
-          batch.input_ids.template ptr<int32_t>()[b * S + s] = tokens[size_t(b * (S + 1) + s)];
-          batch.targets.template ptr<int32_t>()[b * S + s] = tokens[size_t(b * (S + 1) + s + 1)];
-          batch.positions.template ptr<int32_t>()[b * S + s] = int32_t(s);
-        }
+      const typename M::Batch batch = make_batch<M>(tokens, B, S, device);
       MicroBatch<M> mb;
       forward(mb, model, w, batch);
       token_loss_sum += mb.token_loss_sum;
@@ -118,18 +153,20 @@ std::vector<StepMetrics> train(const RunConfig& rc, const typename M::Config& mo
     } else {
       bad_in_a_row = 0;
       if (rc.grad_clip > 0 && m.grad_norm > rc.grad_clip) scale(grads.all(), rc.grad_clip / m.grad_norm);
-      const int64_t decayed = model.num_decayed_parameters(), n = model.num_parameters();
+      const int64_t decayed = model.num_decayed_parameters();
       auto range = [&](const Arena& a, int64_t begin, int64_t end) { return a.slice(begin, {end - begin}); };
       AdamWHyper hyper{m.lr, rc.beta1, rc.beta2, rc.eps, rc.weight_decay, step};
       adamw_step(range(params, 0, decayed), range(grads, 0, decayed), range(exp_avg, 0, decayed), range(exp_avg_sq, 0, decayed), hyper);
       hyper.weight_decay = 0;
       adamw_step(range(params, decayed, n), range(grads, decayed, n), range(exp_avg, decayed, n), range(exp_avg_sq, decayed, n), hyper);
+      if (working) cast(working->all(), params.all());
     }
+    synchronize();
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     m.step_ms = seconds * 1e3;
     m.tokens_per_s = double(rc.global_batch * S) / seconds;
-    m.peak_bytes = peak_memory_bytes(device);
-    if (step % rc.log_every == 0 || step == rc.steps || m.skipped) {
+    m.peak_bytes = device == Device::cuda ? arena_bytes + peak_memory_bytes(device) : peak_memory_bytes(device);
+    if (step % rc.log_every == 0 || step == 1 || step == rc.steps || m.skipped) {
       std::printf("%s\n", step_line(m, rc.steps).c_str());
       std::fflush(stdout);
     }

@@ -1,6 +1,6 @@
 #include "models/qwen3_moe.h"
 
-#include "core/rng.h"
+#include "ops/init.h"
 #include "ops/add.h"
 #include "ops/attention.h"
 #include "ops/combine.h"
@@ -153,18 +153,24 @@ Qwen3MoeWeights Qwen3Moe::bind(const Arena& arena) const {
 void Qwen3Moe::initialize(const Arena& params, uint64_t seed) const {
   MARROW_CHECK(params.all().numel() == num_parameters_, "parameter arena holds {} elements but the model has {}", params.all().numel(),
                num_parameters_);
-  expect_device("initialize", "parameters", params.all(), Device::cpu);
   for (const TensorSpec& s : specs_) {
     Tensor t = params.slice(s.offset, {s.numel});
-    Philox rng = philox_for(seed, s.name);
-    auto fill = [&](auto* p) {
-      for (int64_t i = 0; i < s.numel; ++i)
-        p[i] = s.is_norm ? 1 : decltype(+p[0])(config_.initializer_range * rng.normal(uint64_t(i)));
-    };
-    if (t.dtype == DType::f64) fill(t.ptr<double>());
-    else fill(t.ptr<float>());
+    if (s.is_norm) fill_constant(t, 1.0);
+    else fill_normal(t, seed, s.name, config_.initializer_range);
   }
 }
+
+namespace {
+
+// Sum of a small tensor of statistics (losses) on any device, read on the host.
+double host_sum(Tensor t) {
+  Buffer h = to_host(t);
+  double sum = 0;
+  for (int64_t i = 0; i < h.numel(); ++i) sum += t.dtype == DType::f64 ? h.ptr<double>()[i] : h.ptr<float>()[i];
+  return sum;
+}
+
+}  // namespace
 
 void Qwen3Moe::prolog_forward(Tensor x, const Qwen3MoeBatch& batch, const Qwen3MoeWeights& w) const {
   embedding_forward(x, batch.input_ids, w.embed);
@@ -182,7 +188,7 @@ void Qwen3Moe::attention_forward(Qwen3MoeAttentionActivations& a, Buffer x, cons
   expect_shape("Qwen3Moe::attention_forward", "x", x, {T, H});
   a.x = std::move(x);
   a.h1 = buffer({T, H});
-  a.rstd1 = buffer({T});
+  a.rstd1 = stats({T});
   rmsnorm_forward(a.h1, a.rstd1, a.x, w.input_norm, c.rms_norm_eps);
   a.q = buffer({T, Hq * D});
   a.k = buffer({T, Hkv * D});
@@ -191,8 +197,8 @@ void Qwen3Moe::attention_forward(Qwen3MoeAttentionActivations& a, Buffer x, cons
   linear_forward(a.k, a.h1, w.k_proj);
   linear_forward(a.v, a.h1, w.v_proj);
   // QK-norm writes straight into the RoPE buffers; RoPE then rotates them in place.
-  a.rstd_q = buffer({T * Hq});
-  a.rstd_k = buffer({T * Hkv});
+  a.rstd_q = stats({T * Hq});
+  a.rstd_k = stats({T * Hkv});
   a.q_rope = buffer({T, Hq, D});
   a.k_rope = buffer({T, Hkv, D});
   rmsnorm_forward(a.q_rope.view().reshape({T * Hq, D}), a.rstd_q, a.q.view().reshape({T * Hq, D}), w.q_norm, c.rms_norm_eps);
@@ -200,7 +206,7 @@ void Qwen3Moe::attention_forward(Qwen3MoeAttentionActivations& a, Buffer x, cons
   rope_forward(a.q_rope, a.q_rope, batch.positions, c.rope_theta);
   rope_forward(a.k_rope, a.k_rope, batch.positions, c.rope_theta);
   a.attn = buffer({B, S, Hq, D});
-  a.lse = buffer({B, Hq, S});
+  a.lse = stats({B, Hq, S});
   // Qualified: the member of the same name is the whole stage.
   marrow::attention_forward(a.attn, a.lse, a.q_rope.view().reshape({B, S, Hq, D}), a.k_rope.view().reshape({B, S, Hkv, D}),
                     a.v.view().reshape({B, S, Hkv, D}));
@@ -208,21 +214,20 @@ void Qwen3Moe::attention_forward(Qwen3MoeAttentionActivations& a, Buffer x, cons
   linear_forward(a.x_mid, a.attn.view().reshape({T, Hq * D}), w.o_proj);
   add(a.x_mid, a.x_mid, a.x);
   a.h2 = buffer({T, H});
-  a.rstd2 = buffer({T});
+  a.rstd2 = stats({T});
   rmsnorm_forward(a.h2, a.rstd2, a.x_mid, w.post_norm, c.rms_norm_eps);
-  Buffer logits = buffer({T, E});
+  Buffer logits = stats({T, E});
   linear_forward(logits, a.h2, w.router);
-  a.probs = buffer({T, E});
+  a.probs = stats({T, E});
   a.topk_index = Buffer(DType::i32, device_, {T, K});
-  a.topk_weight = buffer({T, K});
+  a.topk_weight = stats({T, K});
   router_forward(a.probs, a.topk_index, a.topk_weight, logits, c.norm_topk_prob);
 }
 
 double Qwen3Moe::aux_loss(const Qwen3MoeAttentionActivations& a) const {
-  Buffer loss = buffer({1});
+  Buffer loss = stats({1});
   router_aux_loss(loss, a.probs, a.topk_index);
-  MARROW_CHECK(device_ == Device::cpu, "Qwen3Moe::aux_loss: GPU path is not built yet");
-  return dtype_ == DType::f64 ? loss.ptr<double>()[0] : loss.ptr<float>()[0];
+  return host_sum(loss);
 }
 
 void Qwen3Moe::attention_backward(Tensor dx, const Qwen3MoeLayerWeights& grads, Tensor dx_mid, Tensor dh2, Tensor dtopk_weight,
@@ -315,17 +320,14 @@ double Qwen3Moe::epilog_forward(Qwen3MoeEpilogActivations& p, Buffer x, const Qw
   expect_shape("Qwen3Moe::epilog_forward", "x", x, {T, H});
   p.x = std::move(x);
   p.h = buffer({T, H});
-  p.rstd = buffer({T});
+  p.rstd = stats({T});
   rmsnorm_forward(p.h, p.rstd, p.x, w.final_norm, config_.rms_norm_eps);
   p.logits = buffer({T, V});
   linear_forward(p.logits, p.h, w.lm_head);
-  p.lse = buffer({T});
-  p.token_loss = buffer({T});
+  p.lse = stats({T});
+  p.token_loss = stats({T});
   cross_entropy_forward(p.token_loss, p.lse, p.logits, batch.targets);
-  MARROW_CHECK(device_ == Device::cpu, "Qwen3Moe::epilog_forward: GPU path is not built yet");
-  double sum = 0;
-  for (int64_t i = 0; i < T; ++i) sum += dtype_ == DType::f64 ? p.token_loss.ptr<double>()[i] : p.token_loss.ptr<float>()[i];
-  return sum;
+  return host_sum(p.token_loss);
 }
 
 void Qwen3Moe::epilog_backward(Tensor dx, const Qwen3MoeWeights& grads, double loss_scale, Qwen3MoeEpilogActivations& p,

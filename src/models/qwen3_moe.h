@@ -110,8 +110,8 @@ class Qwen3Moe {
   int64_t num_active_parameters() const;
 
   Qwen3MoeWeights bind(const Arena& arena) const;
-  // Fills a parameter arena as Hugging Face initialises: normal(0, initializer_range) for matrices
-  // and embeddings, ones for norms; element i of tensor n draws Philox(seed, n) at counter i.
+  // Fills a parameter arena (on any device) as Hugging Face initialises: normal(0, initializer_range)
+  // for matrices and embeddings, ones for norms; element i of tensor n draws Philox(seed, n) at i.
   void initialize(const Arena& params, uint64_t seed) const;
 
   // Prolog: x[T, H] = embed[input_ids].
@@ -149,7 +149,12 @@ class Qwen3Moe {
   void epilog_backward(Tensor dx, const Qwen3MoeWeights& grads, double loss_scale, Qwen3MoeEpilogActivations& p,
                        const Qwen3MoeBatch& batch, const Qwen3MoeWeights& w) const;
 
+  // Activations: the model's dtype (bf16 on the GPU). Statistics (norm scales, log-sum-exps, routing
+  // probabilities and weights, losses): f32 on the GPU, the model's dtype on the CPU.
   Buffer buffer(std::initializer_list<int64_t> dims) const { return Buffer(dtype_, device_, dims); }
+  Buffer stats(std::initializer_list<int64_t> dims) const {
+    return Buffer(device_ == Device::cuda ? DType::f32 : dtype_, device_, dims);
+  }
 
  private:
   Config config_;

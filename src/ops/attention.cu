@@ -5,28 +5,17 @@
 #include <limits>
 #include <vector>
 
+#include "core/cuda_check.h"
+#include "core/memory.h"
 #include "ops/common.h"
+
+#ifdef __CUDACC__
+#include <cuda_bf16.h>
+#endif
 
 namespace marrow {
 
 namespace {
-
-// Eight independent partial sums: one running sum would serialise on the latency of the add. The
-// order is fixed, so the result is deterministic.
-template <typename T>
-T dot(const T* a, const T* b, int64_t n) {
-  T acc[8] = {};
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    for (int l = 0; l < 8; ++l) acc[l] += a[i + l] * b[i + l];
-  for (int l = 0; i < n; ++i, ++l) acc[l] += a[i] * b[i];
-  return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-}
-
-template <typename T>
-void axpy(T* y, T alpha, const T* x, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
-}
 
 struct Dims {
   int64_t batch, seq, q_heads, kv_heads, head_dim;
@@ -106,6 +95,578 @@ Dims check_qkv(const char* op, const Tensor& q, const Tensor& k, const Tensor& v
   return n;
 }
 
+#ifdef __CUDACC__
+// ---------------------------------------------------------------------------------------------
+// CUDA: FlashAttention-2 on tensor cores (mma.sync m16n8k16, bf16 operands, f32 accumulators).
+//
+// All three main kernels share one shape of work: a block of 4 warps owns 64 rows of the result
+// it accumulates in registers (query rows for out and dq, key rows for dk and dv), 16 rows per
+// warp, and walks the other side in tiles that cp.async stages in shared memory two deep, so the
+// next tile loads while this one is multiplied. Fragments come out of shared memory through
+// ldmatrix; every tile row is padded by 16 bytes so the 8 rows one 8x8 ldmatrix reads fall in
+// distinct banks (row stride 144 or 272 bytes = 4 banks apart). Score tiles live only in
+// registers: the accumulator layout of a 16x16 piece of S = Q K^T is the A-operand layout of the
+// next product (P V, dS K, dS^T Q), so probabilities never touch memory and no S x S matrix exists.
+// Causal blocks are uneven (the last query block sees every key), so the longest blocks launch first.
+//
+// Fragment layouts (PTX ISA, mma.m16n8k16 with .bf16; g = lane / 4, t = lane % 4):
+//   A 16x16 row-major: a0 = (g, 2t..2t+1), a1 = (g+8, 2t..), a2 = (g, 2t+8..), a3 = (g+8, 2t+8..)
+//   B 16x8 "col":      b0 = (k 2t..2t+1, n g), b1 = (k 2t+8..2t+9, n g)
+//   C 16x8:            c0, c1 = (g, 2t..2t+1), c2, c3 = (g+8, 2t..2t+1)
+// The lower column index sits in the lower 16 bits of each 32-bit register.
+using bf16 = __nv_bfloat16;
+
+constexpr int kThreads = 128;  // 4 warps per block in every kernel
+constexpr int kWarpRows = 16;  // rows of the accumulated result per warp (the M of one mma)
+constexpr int kPad = 8;        // bf16 elements of padding per shared-memory row (16 bytes)
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+__host__ __device__ constexpr int cdiv(int a, int b) { return (a + b - 1) / b; }
+
+__device__ __forceinline__ uint32_t smem_address(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16 bytes global -> shared without a register round trip; valid = false writes 16 zero bytes.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_address(smem)), "l"(gmem),
+               "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+// Waits until at most N of this thread's committed groups are still in flight.
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const bf16* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_address(p)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const bf16* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_address(p)));
+}
+
+// c[16x8] += a[16x16] b[16x8], bf16 in, f32 accumulate.
+__device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// Stages rows [row0, row0 + ROWS) of a row-major bf16 matrix with `rows` rows of D elements (row
+// stride ld elements) into a [ROWS][D + kPad] shared tile; rows at or past `rows` become zeros, so
+// padded keys and values contribute exactly nothing (0 * v, never 0 * garbage).
+template <int ROWS, int D>
+__device__ __forceinline__ void load_rows(bf16* tile, const bf16* src, int64_t ld, int row0, int rows) {
+  constexpr int kChunks = D / 8;  // 16-byte pieces per row
+  static_assert(ROWS * kChunks % kThreads == 0, "tile does not split evenly over the block");
+#pragma unroll
+  for (int it = 0; it < ROWS * kChunks / kThreads; ++it) {
+    const int c = it * kThreads + int(threadIdx.x), r = c / kChunks, col = c % kChunks * 8;
+    const bool valid = row0 + r < rows;
+    cp_async16(tile + r * (D + kPad) + col, valid ? src + int64_t(row0 + r) * ld + col : src, valid);
+  }
+}
+
+// acc[16 x N] += A[16 x K] B^T for one warp: A is rows r0..r0+15 of a shared tile [.][K + kPad],
+// B a shared tile stored [N][K + kPad] (B^T's rows are keys for S = Q K^T, queries for K Q^T, ...).
+// One ldmatrix.x4 gives A's 16x16 piece; one more gives B fragments for two n-tiles of 8.
+template <int K, int N>
+__device__ __forceinline__ void warp_mma_nt(float (&acc)[N / 8][4], const bf16* a, int r0, const bf16* b, int lane) {
+  constexpr int ld = K + kPad;
+#pragma unroll
+  for (int kk = 0; kk < K / 16; ++kk) {
+    uint32_t af[4];
+    ldmatrix_x4(af, a + (r0 + lane % 16) * ld + kk * 16 + lane / 16 * 8);
+#pragma unroll
+    for (int np = 0; np < N / 16; ++np) {
+      uint32_t bf[4];  // b0, b1 of n-tile 2np, then of 2np+1
+      ldmatrix_x4(bf, b + (np * 16 + lane % 8 + lane / 16 * 8) * ld + kk * 16 + lane / 8 % 2 * 8);
+      mma_16816(acc[2 * np], af, bf[0], bf[1]);
+      mma_16816(acc[2 * np + 1], af, bf[2], bf[3]);
+    }
+  }
+}
+
+// acc[16 x N] += P[16 x K] B for one warp: P is an f32 accumulator tile of this warp (K/8 n-tiles),
+// rounded to bf16 as the A operand; B a shared tile stored [K][N + kPad] (values for O = P V, dO
+// for dV = P^T dO, ...), transposed into B fragments by ldmatrix.trans.
+template <int K, int N>
+__device__ __forceinline__ void warp_mma_pn(float (&acc)[N / 8][4], const float (&p)[K / 8][4], const bf16* b, int lane) {
+  constexpr int ld = N + kPad;
+#pragma unroll
+  for (int kk = 0; kk < K / 16; ++kk) {
+    const uint32_t af[4] = {pack_bf16(p[2 * kk][0], p[2 * kk][1]), pack_bf16(p[2 * kk][2], p[2 * kk][3]),
+                            pack_bf16(p[2 * kk + 1][0], p[2 * kk + 1][1]),
+                            pack_bf16(p[2 * kk + 1][2], p[2 * kk + 1][3])};
+#pragma unroll
+    for (int np = 0; np < N / 16; ++np) {
+      uint32_t bf[4];  // b0, b1 of n-tile 2np, then of 2np+1
+      ldmatrix_x4_trans(bf, b + (kk * 16 + lane % 8 + lane / 8 % 2 * 8) * ld + np * 16 + lane / 16 * 8);
+      mma_16816(acc[2 * np], af, bf[0], bf[1]);
+      mma_16816(acc[2 * np + 1], af, bf[2], bf[3]);
+    }
+  }
+}
+
+// Sum over the 4 lanes of a quad (the threads that share a row of an accumulator tile). Every lane
+// adds the same pairs, so all four get the same bits.
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+
+struct GpuArgs {
+  const bf16 *q, *k, *v, *out, *dout;
+  bf16* o;               // forward output
+  float* lse;            // forward output; backward input
+  const float* delta;    // backward: rowsum(dout * out), [B, Hq, S]
+  bf16 *dq, *dk, *dv;    // backward outputs
+  float *dk_part, *dv_part;  // [B, S, Hq, D] per-query-head dk, dv when Hq > Hkv; null otherwise
+  int seq, q_heads, kv_heads;
+  float scale, scale_log2;  // 1/sqrt(D), and times log2(e): probabilities go through exp2
+};
+
+// Forward. Grid (query blocks of 64, Hq, B); block = 4 warps, 16 query rows each. Shared: the
+// Q tile [64][D+8] and two stages of K and V tiles [64][D+8]: 87 KB at D = 128 (2 blocks per SM),
+// 46 KB at D = 64. Per key tile each warp computes S = Q K^T (16 x 64, 32 f32 registers), masks the
+// diagonal tile, folds it into the running max / sum (online softmax in the log2 domain) and adds
+// P V into its 16 x D output accumulator (64 registers at D = 128). Row max and sum are reduced
+// across a quad with shuffles; the sum is kept per lane and reduced once at the end.
+template <int D>
+__global__ void __launch_bounds__(kThreads) attention_forward_kernel(GpuArgs a) {
+  constexpr int BM = 64, BN = 64, LD = D + kPad;
+  extern __shared__ __align__(16) unsigned char smem[];
+  bf16* sq = reinterpret_cast<bf16*>(smem);  // [BM][LD]
+  bf16* sk = sq + BM * LD;                   // [2][BN][LD]
+  bf16* sv = sk + 2 * BN * LD;               // [2][BN][LD]
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int m0 = (gridDim.x - 1 - blockIdx.x) * BM;
+  const int h = blockIdx.y, b = blockIdx.z, hk = h / (a.q_heads / a.kv_heads);
+  const int64_t q_ld = int64_t(a.q_heads) * D, kv_ld = int64_t(a.kv_heads) * D;
+  const bf16* q = a.q + (int64_t(b) * a.seq * a.q_heads + h) * D;
+  const bf16* k = a.k + (int64_t(b) * a.seq * a.kv_heads + hk) * D;
+  const bf16* v = a.v + (int64_t(b) * a.seq * a.kv_heads + hk) * D;
+  const int n_tiles = min(cdiv(a.seq, BN), cdiv(m0 + BM, BN));  // key tiles up to the diagonal
+
+  load_rows<BM, D>(sq, q, q_ld, m0, a.seq);
+  load_rows<BN, D>(sk, k, kv_ld, 0, a.seq);
+  load_rows<BN, D>(sv, v, kv_ld, 0, a.seq);
+  cp_async_commit();
+
+  const int row0 = m0 + warp * kWarpRows, row = row0 + g;  // this lane's rows: row and row + 8
+  float o[D / 8][4] = {};
+  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
+  for (int nt = 0; nt < n_tiles; ++nt) {
+    const int stage = nt & 1, n0 = nt * BN;
+    if (nt + 1 < n_tiles) {  // prefetch the next key tile into the other stage
+      load_rows<BN, D>(sk + (stage ^ 1) * BN * LD, k, kv_ld, n0 + BN, a.seq);
+      load_rows<BN, D>(sv + (stage ^ 1) * BN * LD, v, kv_ld, n0 + BN, a.seq);
+    }
+    cp_async_commit();
+    cp_async_wait<1>();  // this tile (and Q) has landed
+    __syncthreads();
+    const bf16* kt = sk + stage * BN * LD;
+    const bf16* vt = sv + stage * BN * LD;
+
+    float s[BN / 8][4] = {};
+    warp_mma_nt<D, BN>(s, sq, warp * kWarpRows, kt, lane);
+
+    // Keys after the query are -inf; keys past the end are after every stored query. Every row
+    // has key 0, seen in the first tile, so the running max is finite from then on.
+    const bool diagonal = n0 + BN - 1 > row0;
+    float tile_max[2] = {row_max[0], row_max[1]};
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float x = s[j][e] * a.scale_log2;
+        if (diagonal && n0 + j * 8 + 2 * t + e % 2 > row + e / 2 * 8) x = -INFINITY;
+        s[j][e] = x;
+        tile_max[e / 2] = fmaxf(tile_max[e / 2], x);
+      }
+    float base[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      tile_max[r] = quad_max(tile_max[r]);
+      base[r] = tile_max[r] == -INFINITY ? 0.f : tile_max[r];
+      const float rescale = exp2f(row_max[r] - base[r]);  // 0 on the first tile
+      row_max[r] = tile_max[r];
+      row_sum[r] *= rescale;
+#pragma unroll
+      for (int d = 0; d < D / 8; ++d) {
+        o[d][2 * r] *= rescale;
+        o[d][2 * r + 1] *= rescale;
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        s[j][e] = exp2f(s[j][e] - base[e / 2]);
+        row_sum[e / 2] += s[j][e];
+      }
+    warp_mma_pn<BN, D>(o, s, vt, lane);
+    __syncthreads();  // everyone is done with this stage before it is refilled
+  }
+
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int i = row + r * 8;
+    const float sum = quad_sum(row_sum[r]);
+    if (i >= a.seq) continue;
+    const float inv = 1.f / sum;
+    bf16* dst = a.o + ((int64_t(b) * a.seq + i) * a.q_heads + h) * D + 2 * t;
+#pragma unroll
+    for (int d = 0; d < D / 8; ++d)
+      *reinterpret_cast<__nv_bfloat162*>(dst + d * 8) = __floats2bfloat162_rn(o[d][2 * r] * inv, o[d][2 * r + 1] * inv);
+    if (t == 0) a.lse[(int64_t(b) * a.q_heads + h) * a.seq + i] = (row_max[r] + log2f(sum)) * kLn2;
+  }
+}
+
+// Backward, step 1: delta[b, h, i] = dout_i . out_i in f32, one warp per row (a fixed-order
+// shuffle tree, so deterministic).
+template <int D>
+__global__ void attention_delta_kernel(float* delta, const bf16* dout, const bf16* out, int64_t rows, int seq,
+                                       int q_heads) {
+  const int64_t r = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (r >= rows) return;
+  float acc = 0.f;
+#pragma unroll
+  for (int c = 2 * lane; c < D; c += 64) {
+    const float2 x = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(dout + r * D + c));
+    const float2 y = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(out + r * D + c));
+    acc += x.x * y.x + x.y * y.y;
+  }
+#pragma unroll
+  for (int m = 16; m > 0; m /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, m);
+  if (lane == 0) {  // r indexes [B, S, Hq]; delta is [B, Hq, S]
+    const int64_t b = r / (int64_t(seq) * q_heads), i = r / q_heads % seq, h = r % q_heads;
+    delta[(b * q_heads + h) * seq + i] = acc;
+  }
+}
+
+// Backward, step 2: dk and dv. Grid (key blocks of 64, Hq, B); block = 4 warps, 16 key rows each,
+// for ONE query head: with GQA each query head writes its own f32 partial (dk_part, dv_part) and
+// step 4 adds the group's partials in head order, so no atomics and even work (a block per
+// query head, not per key/value head, keeps 8x more blocks than SMs busy at the bench shape).
+// Shared: K and V tiles [64][D+8] (read as A operands), two stages of Q and dO tiles [32][D+8]
+// plus lse and delta for 32 queries: 70 KB at D = 128. Per query tile each warp forms P^T
+// (16 keys x 32 queries) from lse, adds P^T dO into dV, forms dP^T = V dO^T and
+// dS^T = P^T (dP^T - delta), and adds dS^T Q into dK. 32 queries per tile keeps P^T and dS^T at
+// 16 registers each next to the two 64-register accumulators (D = 128).
+template <int D>
+__global__ void __launch_bounds__(kThreads) attention_dkdv_kernel(GpuArgs a) {
+  constexpr int BN = 64, BM = 32, LD = D + kPad;
+  extern __shared__ __align__(16) unsigned char smem[];
+  bf16* sk = reinterpret_cast<bf16*>(smem);  // [BN][LD]
+  bf16* sv = sk + BN * LD;                   // [BN][LD]
+  bf16* sq = sv + BN * LD;                   // [2][BM][LD]
+  bf16* sdo = sq + 2 * BM * LD;              // [2][BM][LD]
+  float* slse = reinterpret_cast<float*>(sdo + 2 * BM * LD);  // [2][BM], times log2(e); +inf past the end
+  float* sdelta = slse + 2 * BM;                                // [2][BM]
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int n0 = blockIdx.x * BN;  // the first keys are seen by the most queries: they start first
+  const int h = blockIdx.y, b = blockIdx.z, hk = h / (a.q_heads / a.kv_heads);
+  const int64_t q_ld = int64_t(a.q_heads) * D, kv_ld = int64_t(a.kv_heads) * D;
+  const bf16* q = a.q + (int64_t(b) * a.seq * a.q_heads + h) * D;
+  const bf16* dout = a.dout + (int64_t(b) * a.seq * a.q_heads + h) * D;
+  const float* lse = a.lse + (int64_t(b) * a.q_heads + h) * a.seq;
+  const float* delta = a.delta + (int64_t(b) * a.q_heads + h) * a.seq;
+  const int m_first = n0 / BM, m_tiles = cdiv(a.seq, BM);  // query tiles from the diagonal on
+
+  auto load_queries = [&](int mt, int stage) {
+    load_rows<BM, D>(sq + stage * BM * LD, q, q_ld, mt * BM, a.seq);
+    load_rows<BM, D>(sdo + stage * BM * LD, dout, q_ld, mt * BM, a.seq);
+    if (threadIdx.x < BM) {
+      const int i = mt * BM + threadIdx.x;
+      slse[stage * BM + threadIdx.x] = i < a.seq ? lse[i] * kLog2e : INFINITY;  // P = 0 past the end
+      sdelta[stage * BM + threadIdx.x] = i < a.seq ? delta[i] : 0.f;
+    }
+  };
+  load_rows<BN, D>(sk, a.k + (int64_t(b) * a.seq * a.kv_heads + hk) * D, kv_ld, n0, a.seq);
+  load_rows<BN, D>(sv, a.v + (int64_t(b) * a.seq * a.kv_heads + hk) * D, kv_ld, n0, a.seq);
+  load_queries(m_first, 0);
+  cp_async_commit();
+
+  const int key0 = n0 + warp * kWarpRows, key = key0 + g;  // this lane's keys: key and key + 8
+  float dk[D / 8][4] = {}, dv[D / 8][4] = {};
+  for (int mt = m_first; mt < m_tiles; ++mt) {
+    const int stage = (mt - m_first) & 1, m0 = mt * BM;
+    if (mt + 1 < m_tiles) load_queries(mt + 1, stage ^ 1);
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();
+    const bf16* qt = sq + stage * BM * LD;
+    const bf16* dot = sdo + stage * BM * LD;
+    const float* lse2 = slse + stage * BM;
+    const float* dl = sdelta + stage * BM;
+
+    // P^T[key, query] = exp2(scale_log2 k . q - lse2), zero where the query precedes the key.
+    float p[BM / 8][4] = {};
+    warp_mma_nt<D, BM>(p, sk, warp * kWarpRows, qt, lane);
+    const bool diagonal = m0 < key0 + kWarpRows - 1;
+#pragma unroll
+    for (int j = 0; j < BM / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int c = j * 8 + 2 * t + e % 2;  // query within the tile
+        const float x = exp2f(p[j][e] * a.scale_log2 - lse2[c]);
+        p[j][e] = diagonal && m0 + c < key + e / 2 * 8 ? 0.f : x;
+      }
+    warp_mma_pn<BM, D>(dv, p, dot, lane);  // dV += P^T dO
+
+    float ds[BM / 8][4] = {};
+    warp_mma_nt<D, BM>(ds, sv, warp * kWarpRows, dot, lane);  // dP^T = V dO^T
+#pragma unroll
+    for (int j = 0; j < BM / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) ds[j][e] = p[j][e] * (ds[j][e] - dl[j * 8 + 2 * t + e % 2]);
+    warp_mma_pn<BM, D>(dk, ds, qt, lane);  // dK += dS^T Q (times scale at the end)
+    __syncthreads();
+  }
+
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int j = key + r * 8;
+    if (j >= a.seq) continue;
+    if (a.dk_part) {
+      const int64_t at = ((int64_t(b) * a.seq + j) * a.q_heads + h) * D + 2 * t;
+#pragma unroll
+      for (int d = 0; d < D / 8; ++d) {
+        *reinterpret_cast<float2*>(a.dk_part + at + d * 8) = make_float2(dk[d][2 * r] * a.scale, dk[d][2 * r + 1] * a.scale);
+        *reinterpret_cast<float2*>(a.dv_part + at + d * 8) = make_float2(dv[d][2 * r], dv[d][2 * r + 1]);
+      }
+    } else {
+      const int64_t at = ((int64_t(b) * a.seq + j) * a.kv_heads + hk) * D + 2 * t;
+#pragma unroll
+      for (int d = 0; d < D / 8; ++d) {
+        *reinterpret_cast<__nv_bfloat162*>(a.dk + at + d * 8) =
+            __floats2bfloat162_rn(dk[d][2 * r] * a.scale, dk[d][2 * r + 1] * a.scale);
+        *reinterpret_cast<__nv_bfloat162*>(a.dv + at + d * 8) = __floats2bfloat162_rn(dv[d][2 * r], dv[d][2 * r + 1]);
+      }
+    }
+  }
+}
+
+// Backward, step 3: dq, a separate pass over key tiles per query block, so dq needs no atomics
+// (it recomputes S and dP: 3 of the backward's 5 products run twice, the price of determinism).
+// Grid (query blocks of 64, Hq, B); block = 4 warps, 16 query rows each. Shared: Q and dO tiles
+// [64][D+8] and two stages of K and V tiles [64][D+8]: 104 KB at D = 128 (2 blocks per SM). Per
+// key tile each warp forms P (16 x 64) from lse, dP = dO V^T, dS = P (dP - delta), and adds dS K
+// into its 16 x D accumulator.
+template <int D>
+__global__ void __launch_bounds__(kThreads) attention_dq_kernel(GpuArgs a) {
+  constexpr int BM = 64, BN = 64, LD = D + kPad;
+  extern __shared__ __align__(16) unsigned char smem[];
+  bf16* sq = reinterpret_cast<bf16*>(smem);  // [BM][LD]
+  bf16* sdo = sq + BM * LD;                  // [BM][LD]
+  bf16* sk = sdo + BM * LD;                  // [2][BN][LD]
+  bf16* sv = sk + 2 * BN * LD;               // [2][BN][LD]
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int m0 = (gridDim.x - 1 - blockIdx.x) * BM;
+  const int h = blockIdx.y, b = blockIdx.z, hk = h / (a.q_heads / a.kv_heads);
+  const int64_t q_ld = int64_t(a.q_heads) * D, kv_ld = int64_t(a.kv_heads) * D;
+  const bf16* k = a.k + (int64_t(b) * a.seq * a.kv_heads + hk) * D;
+  const bf16* v = a.v + (int64_t(b) * a.seq * a.kv_heads + hk) * D;
+  const int n_tiles = min(cdiv(a.seq, BN), cdiv(m0 + BM, BN));
+
+  load_rows<BM, D>(sq, a.q + (int64_t(b) * a.seq * a.q_heads + h) * D, q_ld, m0, a.seq);
+  load_rows<BM, D>(sdo, a.dout + (int64_t(b) * a.seq * a.q_heads + h) * D, q_ld, m0, a.seq);
+  load_rows<BN, D>(sk, k, kv_ld, 0, a.seq);
+  load_rows<BN, D>(sv, v, kv_ld, 0, a.seq);
+  cp_async_commit();
+
+  const int row0 = m0 + warp * kWarpRows, row = row0 + g;  // this lane's rows: row and row + 8
+  float lse2[2], dl[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int i = row + r * 8;
+    const int64_t at = (int64_t(b) * a.q_heads + h) * a.seq + i;
+    lse2[r] = i < a.seq ? a.lse[at] * kLog2e : INFINITY;  // P = 0 on rows past the end
+    dl[r] = i < a.seq ? a.delta[at] : 0.f;
+  }
+  float dq[D / 8][4] = {};
+  for (int nt = 0; nt < n_tiles; ++nt) {
+    const int stage = nt & 1, n0 = nt * BN;
+    if (nt + 1 < n_tiles) {
+      load_rows<BN, D>(sk + (stage ^ 1) * BN * LD, k, kv_ld, n0 + BN, a.seq);
+      load_rows<BN, D>(sv + (stage ^ 1) * BN * LD, v, kv_ld, n0 + BN, a.seq);
+    }
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();
+    const bf16* kt = sk + stage * BN * LD;
+    const bf16* vt = sv + stage * BN * LD;
+
+    float p[BN / 8][4] = {};
+    warp_mma_nt<D, BN>(p, sq, warp * kWarpRows, kt, lane);
+    const bool diagonal = n0 + BN - 1 > row0;
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float x = exp2f(p[j][e] * a.scale_log2 - lse2[e / 2]);
+        p[j][e] = diagonal && n0 + j * 8 + 2 * t + e % 2 > row + e / 2 * 8 ? 0.f : x;
+      }
+    float ds[BN / 8][4] = {};
+    warp_mma_nt<D, BN>(ds, sdo, warp * kWarpRows, vt, lane);  // dP = dO V^T
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) ds[j][e] = p[j][e] * (ds[j][e] - dl[e / 2]);
+    warp_mma_pn<BN, D>(dq, ds, kt, lane);  // dQ += dS K (times scale at the end)
+    __syncthreads();
+  }
+
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int i = row + r * 8;
+    if (i >= a.seq) continue;
+    bf16* dst = a.dq + ((int64_t(b) * a.seq + i) * a.q_heads + h) * D + 2 * t;
+#pragma unroll
+    for (int d = 0; d < D / 8; ++d)
+      *reinterpret_cast<__nv_bfloat162*>(dst + d * 8) =
+          __floats2bfloat162_rn(dq[d][2 * r] * a.scale, dq[d][2 * r + 1] * a.scale);
+  }
+}
+
+// Backward, step 4 (GQA only): dk[b, j, hk, :] = sum over the group's query heads, in head order,
+// of dk_part[b, j, hk * group + g, :] (the heads of a group are adjacent, so a row's partials are
+// one contiguous run); the same for dv. One thread per output element.
+__global__ void attention_group_sum_kernel(bf16* dk, bf16* dv, const float* dk_part, const float* dv_part, int64_t n,
+                                           int group, int head_dim) {
+  for (int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; e < n; e += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t at = e / head_dim * group * head_dim + e % head_dim;
+    float sk = 0.f, sv = 0.f;
+    for (int i = 0; i < group; ++i) {
+      sk += dk_part[at + int64_t(i) * head_dim];
+      sv += dv_part[at + int64_t(i) * head_dim];
+    }
+    dk[e] = __float2bfloat16_rn(sk);
+    dv[e] = __float2bfloat16_rn(sv);
+  }
+}
+
+template <typename Kernel>
+void launch_tiled(Kernel kernel, const Dims& n, size_t smem_bytes, const GpuArgs& args, cudaStream_t stream) {
+  // Blocks of these kernels need more than the default 48 KB of dynamic shared memory at D = 128.
+  MARROW_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem_bytes)));
+  const dim3 grid(unsigned(cdiv(int(n.seq), 64)), unsigned(n.q_heads), unsigned(n.batch));
+  kernel<<<grid, kThreads, smem_bytes, stream>>>(args);
+  MARROW_CUDA_CHECK_LAUNCH();
+}
+
+// The GPU's dtypes (docs/gpu-path.md) and the limits of the kernels, checked with the tensors' names.
+void check_gpu_inputs(const char* op, const Dims& n, std::initializer_list<std::pair<const char*, const Tensor*>> bf16s,
+                      const Tensor& lse) {
+  for (auto [name, t] : bf16s) {
+    expect_dtype(op, name, *t, DType::bf16);
+    MARROW_CHECK(reinterpret_cast<uintptr_t>(t->data) % 16 == 0, "{}: {} is not 16-byte aligned on the GPU", op, name);
+  }
+  expect_dtype(op, "lse", lse, DType::f32);
+  MARROW_CHECK(n.head_dim == 64 || n.head_dim == 128,
+               "{}: head_dim {} has no GPU kernel (the CUDA kernels take head_dim 64 or 128)", op, n.head_dim);
+  MARROW_CHECK(n.seq < (int64_t(1) << 30) && n.q_heads <= 65535 && n.batch <= 65535,
+               "{}: batch {}, seq {}, {} query heads exceed the GPU kernels' grid", op, n.batch, n.seq, n.q_heads);
+}
+
+GpuArgs gpu_args(const Dims& n, Tensor q, Tensor k, Tensor v) {
+  GpuArgs a{};
+  a.q = static_cast<const bf16*>(q.data);
+  a.k = static_cast<const bf16*>(k.data);
+  a.v = static_cast<const bf16*>(v.data);
+  a.seq = int(n.seq);
+  a.q_heads = int(n.q_heads);
+  a.kv_heads = int(n.kv_heads);
+  a.scale = float(1 / std::sqrt(double(n.head_dim)));
+  a.scale_log2 = float(1 / std::sqrt(double(n.head_dim)) * 1.4426950408889634);
+  return a;
+}
+
+void forward_gpu(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v, const Dims& n, Stream stream) {
+  check_gpu_inputs("attention_forward", n, {{"q", &q}, {"k", &k}, {"v", &v}, {"out", &out}}, lse);
+  if (n.batch * n.seq * n.q_heads == 0) return;
+  GpuArgs a = gpu_args(n, q, k, v);
+  a.o = static_cast<bf16*>(out.data);
+  a.lse = static_cast<float*>(lse.data);
+  const auto s = static_cast<cudaStream_t>(stream.handle);
+  const size_t smem = size_t(64 + 4 * 64) * (n.head_dim + kPad) * sizeof(bf16);
+  if (n.head_dim == 64) launch_tiled(attention_forward_kernel<64>, n, smem, a, s);
+  else launch_tiled(attention_forward_kernel<128>, n, smem, a, s);
+}
+
+void backward_gpu(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse,
+                  const Dims& n, Stream stream) {
+  check_gpu_inputs("attention_backward", n,
+                   {{"q", &q}, {"k", &k}, {"v", &v}, {"out", &out}, {"dout", &dout}, {"dq", &dq}, {"dk", &dk}, {"dv", &dv}},
+                   lse);
+  if (n.batch * n.seq * n.q_heads == 0) return;
+  const auto s = static_cast<cudaStream_t>(stream.handle);
+  GpuArgs a = gpu_args(n, q, k, v);
+  a.out = static_cast<const bf16*>(out.data);
+  a.dout = static_cast<const bf16*>(dout.data);
+  a.lse = static_cast<float*>(lse.data);
+  a.dq = static_cast<bf16*>(dq.data);
+  a.dk = static_cast<bf16*>(dk.data);
+  a.dv = static_cast<bf16*>(dv.data);
+  const bool d64 = n.head_dim == 64;
+
+  Buffer delta(DType::f32, Device::cuda, {n.batch, n.q_heads, n.seq}, stream);
+  a.delta = delta.ptr<float>();
+  const int64_t rows = n.batch * n.seq * n.q_heads;
+  const unsigned delta_blocks = unsigned((rows + 7) / 8);  // 8 warps of 256 threads, a row each
+  if (d64) attention_delta_kernel<64><<<delta_blocks, 256, 0, s>>>(delta.ptr<float>(), a.dout, a.out, rows, a.seq, a.q_heads);
+  else attention_delta_kernel<128><<<delta_blocks, 256, 0, s>>>(delta.ptr<float>(), a.dout, a.out, rows, a.seq, a.q_heads);
+  MARROW_CUDA_CHECK_LAUNCH();
+
+  const int64_t group = n.q_heads / n.kv_heads;
+  Buffer dk_part, dv_part;  // freed in stream order after the kernels below
+  if (group > 1) {
+    dk_part = Buffer(DType::f32, Device::cuda, {n.batch, n.seq, n.q_heads, n.head_dim}, stream);
+    dv_part = Buffer(DType::f32, Device::cuda, {n.batch, n.seq, n.q_heads, n.head_dim}, stream);
+    a.dk_part = dk_part.ptr<float>();
+    a.dv_part = dv_part.ptr<float>();
+  }
+  const size_t ld_bytes = size_t(n.head_dim + kPad) * sizeof(bf16);
+  const size_t dkdv_smem = size_t(2 * 64 + 4 * 32) * ld_bytes + 4 * 32 * sizeof(float);
+  const size_t dq_smem = size_t(2 * 64 + 4 * 64) * ld_bytes;
+  if (d64) {
+    launch_tiled(attention_dkdv_kernel<64>, n, dkdv_smem, a, s);
+    launch_tiled(attention_dq_kernel<64>, n, dq_smem, a, s);
+  } else {
+    launch_tiled(attention_dkdv_kernel<128>, n, dkdv_smem, a, s);
+    launch_tiled(attention_dq_kernel<128>, n, dq_smem, a, s);
+  }
+  if (group > 1) {
+    const int64_t numel = n.batch * n.seq * n.kv_heads * n.head_dim;
+    const unsigned blocks = unsigned(std::min<int64_t>((numel + 255) / 256, 65536));
+    attention_group_sum_kernel<<<blocks, 256, 0, s>>>(a.dk, a.dv, a.dk_part, a.dv_part, numel, int(group),
+                                                      int(n.head_dim));
+    MARROW_CUDA_CHECK_LAUNCH();
+  }
+}
+#endif  // __CUDACC__
+
 }  // namespace
 
 void attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v, Stream stream) {
@@ -113,9 +674,14 @@ void attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v, Str
   const Dims n = check_qkv(op, q, k, v);
   expect_shape(op, "out", out, {n.batch, n.seq, n.q_heads, n.head_dim});
   expect_shape(op, "lse", lse, {n.batch, n.q_heads, n.seq});
-  expect_same_dtype(op, {{"q", &q}, {"k", &k}, {"v", &v}, {"out", &out}, {"lse", &lse}});
-  if (common_device(op, {{"q", &q}, {"k", &k}, {"v", &v}, {"out", &out}, {"lse", &lse}}) == Device::cuda)
+  if (common_device(op, {{"q", &q}, {"k", &k}, {"v", &v}, {"out", &out}, {"lse", &lse}}) == Device::cuda) {
+#ifdef __CUDACC__
+    return forward_gpu(out, lse, q, k, v, n, stream);
+#else
     no_cuda_kernel(op);
+#endif
+  }
+  expect_same_dtype(op, {{"q", &q}, {"k", &k}, {"v", &v}, {"out", &out}, {"lse", &lse}});
   (void)stream;
   with_cpu_scalar(op, q, [&](auto s) {
     using T = decltype(s);
@@ -136,8 +702,14 @@ void attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, 
   const std::initializer_list<std::pair<const char*, const Tensor*>> tensors = {
       {"q", &q},       {"k", &k},   {"v", &v},   {"out", &out}, {"lse", &lse},
       {"dout", &dout}, {"dq", &dq}, {"dk", &dk}, {"dv", &dv}};
+  if (common_device(op, tensors) == Device::cuda) {
+#ifdef __CUDACC__
+    return backward_gpu(dq, dk, dv, dout, q, k, v, out, lse, n, stream);
+#else
+    no_cuda_kernel(op);
+#endif
+  }
   expect_same_dtype(op, tensors);
-  if (common_device(op, tensors) == Device::cuda) no_cuda_kernel(op);
   (void)stream;
   with_cpu_scalar(op, q, [&](auto s) {
     using T = decltype(s);

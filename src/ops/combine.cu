@@ -8,14 +8,6 @@ namespace marrow {
 
 namespace {
 
-// copy_row comes from the caller: a row outside [0, T * K) is an error, not a stray access.
-void check_rows(const char* op, const Tensor& copy_row, int64_t rows) {
-  const int32_t* idx = copy_row.ptr<int32_t>();
-  const int64_t k = copy_row.size(1);
-  for (int64_t i = 0; i < copy_row.numel(); ++i)
-    MARROW_CHECK(0 <= idx[i] && idx[i] < rows, "{}: copy_row[{}, {}] = {} is outside [0, {})", op, i / k, i % k, idx[i], rows);
-}
-
 // Each element of out is written once, after its own residual element is read, so out may alias
 // residual.
 template <typename T>
@@ -72,7 +64,7 @@ void combine_forward(Tensor out, Tensor residual, Tensor y_perm, Tensor topk_wei
                          {"copy_row", &copy_row}}) == Device::cuda)
     no_cuda_kernel(op);
   (void)stream;
-  check_rows(op, copy_row, n * k);
+  expect_indices_below(op, "copy_row", copy_row, n * k);
   with_cpu_scalar(op, residual, [&](auto s) {
     using T = decltype(s);
     forward_cpu<T>(out.ptr<T>(), residual.ptr<T>(), y_perm.ptr<T>(), topk_weight.ptr<T>(), copy_row.ptr<int32_t>(), n, k, h);
@@ -98,7 +90,7 @@ void combine_backward(Tensor dy_perm, Tensor dtopk_weight, Tensor dout, Tensor y
                          {"copy_row", &copy_row}}) == Device::cuda)
     no_cuda_kernel(op);
   (void)stream;
-  check_rows(op, copy_row, n * k);
+  expect_indices_below(op, "copy_row", copy_row, n * k);
   with_cpu_scalar(op, dout, [&](auto s) {
     using T = decltype(s);
     backward_cpu<T>(dy_perm.ptr<T>(), dtopk_weight.ptr<T>(), dout.ptr<T>(), y_perm.ptr<T>(), topk_weight.ptr<T>(),

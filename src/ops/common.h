@@ -36,6 +36,30 @@ inline Device common_device(const char* op, std::initializer_list<std::pair<cons
   return d;
 }
 
+// Index tensors [N, K] (i32, host) come from the caller: an entry outside [0, limit) is an error
+// naming the entry, not a stray memory access.
+inline void expect_indices_below(const char* op, const char* name, const Tensor& index, int64_t limit) {
+  const int32_t* idx = index.ptr<int32_t>();
+  const int64_t k = index.ndim > 1 ? index.size(1) : 1;
+  for (int64_t i = 0; i < index.numel(); ++i)
+    MARROW_CHECK(0 <= idx[i] && idx[i] < limit, "{}: {}[{}, {}] = {} is outside [0, {})", op, name, i / k, i % k, idx[i], limit);
+}
+
+// CPU reference helpers. Eight independent partial sums: one running sum would serialise on the
+// latency of the add. The order is fixed, so the result is deterministic.
+template <typename T> T dot(const T* a, const T* b, int64_t n) {
+  T acc[8] = {};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int l = 0; l < 8; ++l) acc[l] += a[i + l] * b[i + l];
+  for (int l = 0; i < n; ++i, ++l) acc[l] += a[i] * b[i];
+  return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
+
+template <typename T> void axpy(T* y, T alpha, const T* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
+}
+
 // The GPU half of an op that has no kernel yet (CUDA backend, issue 6): a clear error, not a crash.
 [[noreturn]] inline void no_cuda_kernel(const char* op) {
   fail("{}: the tensors are on the GPU but this op has no CUDA kernel yet", op);

@@ -11,15 +11,6 @@ namespace marrow {
 
 namespace {
 
-// Index tensors come from the caller: an entry outside [0, limit) is an error, not a stray access.
-void check_indices(const char* op, const char* name, const Tensor& index, int64_t limit) {
-  const int32_t* idx = index.ptr<int32_t>();
-  const int64_t k = index.size(1);
-  for (int64_t i = 0; i < index.numel(); ++i)
-    MARROW_CHECK(0 <= idx[i] && idx[i] < limit, "{}: {}[{}, {}] = {} is outside [0, {})", op, name, i / k, i % k, idx[i],
-                 limit);
-}
-
 void plan_cpu(int32_t* expert_offsets, int32_t* copy_row, const int32_t* topk_index, int64_t copies, int64_t experts) {
   std::vector<int32_t> next(experts + 1, 0);
   for (int64_t i = 0; i < copies; ++i) ++next[topk_index[i] + 1];
@@ -57,7 +48,7 @@ std::array<int64_t, 3> check_permute(const char* op, const char* tokens_name, co
   expect_same_dtype(op, {{tokens_name, &tokens}, {rows_name, &rows}});
   if (common_device(op, {{tokens_name, &tokens}, {rows_name, &rows}, {"copy_row", &copy_row}}) == Device::cuda)
     no_cuda_kernel(op);
-  check_indices(op, "copy_row", copy_row, n * k);
+  expect_indices_below(op, "copy_row", copy_row, n * k);
   return {n, k, h};
 }
 
@@ -78,7 +69,7 @@ void dispatch_plan(Tensor expert_offsets, Tensor copy_row, Tensor topk_index, St
       Device::cuda)
     no_cuda_kernel(op);
   (void)stream;
-  check_indices(op, "topk_index", topk_index, e);
+  expect_indices_below(op, "topk_index", topk_index, e);
   plan_cpu(expert_offsets.ptr<int32_t>(), copy_row.ptr<int32_t>(), topk_index.ptr<int32_t>(), n * k, e);
 }
 

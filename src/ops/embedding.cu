@@ -1,6 +1,16 @@
 #include "ops/embedding.h"
 
+#include <cstdint>
+
+#include "core/cuda_check.h"
+#include "core/memory.h"
 #include "ops/common.h"
+
+#ifdef __CUDACC__
+#include <cuda_bf16.h>
+
+#include <cub/device/device_radix_sort.cuh>
+#endif
 
 namespace marrow {
 
@@ -30,6 +40,100 @@ void backward_cpu(T* dtable, const T* dout, const int32_t* ids, int64_t n, int64
   }
 }
 
+
+#ifdef __CUDACC__
+using bf16 = __nv_bfloat16;
+
+// N elements loaded and stored as one piece: 16-byte accesses (two for 8 floats).
+template <typename T, int N> struct alignas(sizeof(T) * N < 16 ? sizeof(T) * N : 16) Pack {
+  T v[N];
+};
+
+bool packable(int64_t h, std::initializer_list<const void*> ptrs) {
+  uintptr_t bits = 0;
+  for (const void* p : ptrs) bits |= reinterpret_cast<uintptr_t>(p);
+  return h % 8 == 0 && bits % 16 == 0;
+}
+
+// One block per token, its threads over the row in packs of N (8 bf16 = 16 bytes when H % 8 == 0).
+// Ids cannot be checked on the host without a sync: an id outside [0, V) gives a NaN row, which
+// the loss then shows, instead of a stray read.
+template <int N> __global__ void forward_kernel(bf16* out, const int32_t* ids, const bf16* table, int64_t vocab, int64_t h) {
+  using P = Pack<bf16, N>;
+  const int64_t t = blockIdx.x, id = ids[t];
+  P* dst = reinterpret_cast<P*>(out + t * h);
+  for (int64_t c = threadIdx.x; c < h / N; c += blockDim.x) {
+    P v;
+    if (0 <= id && id < vocab) v = reinterpret_cast<const P*>(table + id * h)[c];
+    else
+      for (int l = 0; l < N; ++l) v.v[l] = bf16(NAN);
+    dst[c] = v;
+  }
+}
+
+__global__ void iota_kernel(int32_t* out, int64_t n) {
+  const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (i < n) out[i] = int32_t(i);
+}
+
+// After a stable sort of (id, position) by id, block i handles sorted entry i; only the first entry
+// of a run of equal ids does work: its threads, over the row in packs of N, sum the dout rows of the
+// run in position order onto dtable's own value -- the CPU reference's order exactly. Each table
+// row has a single writer, so there are no atomics and the result is deterministic.
+template <int N>
+__global__ void backward_kernel(float* dtable, const bf16* dout, const int32_t* sorted_ids, const int32_t* sorted_pos, int64_t n,
+                                int64_t vocab, int64_t h) {
+  const int64_t i = blockIdx.x;
+  const int32_t id = sorted_ids[i];
+  if ((i > 0 && sorted_ids[i - 1] == id) || id < 0 || id >= vocab) return;
+  for (int64_t c = threadIdx.x; c < h / N; c += blockDim.x) {
+    float acc[N];
+    const Pack<float, N> old = reinterpret_cast<const Pack<float, N>*>(dtable + id * h)[c];
+    for (int l = 0; l < N; ++l) acc[l] = old.v[l];
+    for (int64_t j = i; j < n && sorted_ids[j] == id; ++j) {
+      const Pack<bf16, N> g = reinterpret_cast<const Pack<bf16, N>*>(dout + int64_t(sorted_pos[j]) * h)[c];
+      for (int l = 0; l < N; ++l) acc[l] += float(g.v[l]);
+    }
+    Pack<float, N> out;
+    for (int l = 0; l < N; ++l) out.v[l] = acc[l];
+    reinterpret_cast<Pack<float, N>*>(dtable + id * h)[c] = out;
+  }
+}
+
+void launch_forward(Tensor out, Tensor ids, Tensor table, Stream stream) {
+  const int64_t n = ids.size(0), vocab = table.size(0), h = table.size(1);
+  if (n == 0 || h == 0) return;
+  auto s = static_cast<cudaStream_t>(stream.handle);
+  auto *o = static_cast<bf16*>(out.data), *tab = static_cast<bf16*>(table.data);
+  if (packable(h, {out.data, table.data})) forward_kernel<8><<<n, 128, 0, s>>>(o, ids.ptr<int32_t>(), tab, vocab, h);
+  else forward_kernel<1><<<n, 128, 0, s>>>(o, ids.ptr<int32_t>(), tab, vocab, h);
+  MARROW_CUDA_CHECK_LAUNCH();
+}
+
+void launch_backward(Tensor dtable, Tensor dout, Tensor ids, Stream stream) {
+  const int64_t n = ids.size(0), vocab = dtable.size(0), h = dtable.size(1);
+  if (n == 0 || h == 0) return;
+  auto s = static_cast<cudaStream_t>(stream.handle);
+  Buffer pos(DType::i32, Device::cuda, {n}, stream), sorted_ids(DType::i32, Device::cuda, {n}, stream),
+      sorted_pos(DType::i32, Device::cuda, {n}, stream);
+  iota_kernel<<<(n + 255) / 256, 256, 0, s>>>(pos.ptr<int32_t>(), n);
+  MARROW_CUDA_CHECK_LAUNCH();
+  // All 32 key bits: ids outside [0, V) sort into runs of their own, which the kernel skips.
+  size_t temp_bytes = 0;
+  MARROW_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, temp_bytes, ids.ptr<int32_t>(), sorted_ids.ptr<int32_t>(),
+                                                    pos.ptr<int32_t>(), sorted_pos.ptr<int32_t>(), int(n), 0, 32, s));
+  Buffer temp(DType::i64, Device::cuda, {int64_t(temp_bytes / 8 + 1)}, stream);
+  MARROW_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp.view().data, temp_bytes, ids.ptr<int32_t>(), sorted_ids.ptr<int32_t>(),
+                                                    pos.ptr<int32_t>(), sorted_pos.ptr<int32_t>(), int(n), 0, 32, s));
+  auto* dt = static_cast<float*>(dtable.data);
+  auto* g = static_cast<const bf16*>(dout.data);
+  if (packable(h, {dtable.data, dout.data}))
+    backward_kernel<8><<<n, 128, 0, s>>>(dt, g, sorted_ids.ptr<int32_t>(), sorted_pos.ptr<int32_t>(), n, vocab, h);
+  else backward_kernel<1><<<n, 128, 0, s>>>(dt, g, sorted_ids.ptr<int32_t>(), sorted_pos.ptr<int32_t>(), n, vocab, h);
+  MARROW_CUDA_CHECK_LAUNCH();
+}
+#endif
+
 }  // namespace
 
 void embedding_forward(Tensor out, Tensor ids, Tensor table, Stream stream) {
@@ -40,7 +144,15 @@ void embedding_forward(Tensor out, Tensor ids, Tensor table, Stream stream) {
   expect_shape(op, "out", out, {n, h});
   expect_dtype(op, "ids", ids, DType::i32);
   expect_same_dtype(op, {{"table", &table}, {"out", &out}});
-  if (common_device(op, {{"table", &table}, {"out", &out}, {"ids", &ids}}) == Device::cuda) no_cuda_kernel(op);
+  if (common_device(op, {{"table", &table}, {"out", &out}, {"ids", &ids}}) == Device::cuda) {
+    expect_dtype(op, "table", table, DType::bf16);
+    MARROW_CHECK(n < (int64_t(1) << 31), "{}: {} tokens exceed the GPU kernel's i32 grid", op, n);
+#ifdef __CUDACC__
+    return launch_forward(out, ids, table, stream);
+#else
+    no_cuda_kernel(op);
+#endif
+  }
   (void)stream;
   check_ids(op, ids.ptr<int32_t>(), n, vocab);
   with_cpu_scalar(op, table, [&](auto s) {
@@ -56,8 +168,17 @@ void embedding_backward(Tensor dtable, Tensor dout, Tensor ids, Stream stream) {
   const int64_t n = ids.size(0), vocab = dtable.size(0), h = dtable.size(1);
   expect_shape(op, "dout", dout, {n, h});
   expect_dtype(op, "ids", ids, DType::i32);
+  if (common_device(op, {{"dtable", &dtable}, {"dout", &dout}, {"ids", &ids}}) == Device::cuda) {
+    expect_dtype(op, "dtable", dtable, DType::f32);
+    expect_dtype(op, "dout", dout, DType::bf16);
+    MARROW_CHECK(n < (int64_t(1) << 31), "{}: {} tokens exceed the GPU kernel's i32 grid", op, n);
+#ifdef __CUDACC__
+    return launch_backward(dtable, dout, ids, stream);
+#else
+    no_cuda_kernel(op);
+#endif
+  }
   expect_same_dtype(op, {{"dtable", &dtable}, {"dout", &dout}});
-  if (common_device(op, {{"dtable", &dtable}, {"dout", &dout}, {"ids", &ids}}) == Device::cuda) no_cuda_kernel(op);
   (void)stream;
   check_ids(op, ids.ptr<int32_t>(), n, vocab);
   with_cpu_scalar(op, dtable, [&](auto s) {

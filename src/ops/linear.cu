@@ -4,27 +4,19 @@
 
 #include "ops/common.h"
 
+#ifdef __CUDACC__
+#include <array>
+#include <cstdint>
+#include <map>
+#include <mutex>
+
+#include "core/blas.h"
+#include "core/cuda_check.h"
+#endif
+
 namespace marrow {
 
 namespace {
-
-// Eight independent partial sums: one running sum would serialise on the latency of the add, and
-// the compiler may not reassociate a float sum by itself. The order is still fixed, so the result
-// is deterministic.
-template <typename T>
-T dot(const T* a, const T* b, int64_t n) {
-  T acc[8] = {};
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    for (int l = 0; l < 8; ++l) acc[l] += a[i + l] * b[i + l];
-  for (int l = 0; i < n; ++i, ++l) acc[l] += a[i] * b[i];
-  return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-}
-
-template <typename T>
-void axpy(T* y, T alpha, const T* x, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
-}
 
 // How many rows of length `cols` make a block that stays in the L2 cache while the loop over the
 // other operand's rows reuses it.
@@ -72,6 +64,132 @@ void expect_matrix(const char* op, const char* name, const Tensor& t, const char
   MARROW_CHECK(t.ndim == 2, "{}: {} must be {}, got {}", op, name, dims, t.shape_string());
 }
 
+#ifdef __CUDACC__
+// GPU: one cuBLASLt matmul per call, bf16 operands, fp32 compute and scale. cuBLASLt is
+// column-major, and a row-major [r, c] matrix is the column-major [c, r] matrix with ld = c, so each
+// product is written for the column-major views (W is HF's [O, I], i.e. column-major [I, O]):
+//   forward          y[N,O] = x W^T   ->  Y[O,N]  = op_T(W[I,O]) X[I,N]          (TN: m=O, n=N, k=I)
+//   backward_input   dx[N,I] = dy W   ->  DX[I,N] = W[I,O] DY[O,N]               (NN: m=I, n=N, k=O)
+//   backward_weight  dW[O,I] += dy^T x -> DW[I,O] += X[I,N] op_T(DY[O,N])        (NT: m=I, n=O, k=N)
+struct LtGemm {
+  cublasOperation_t transa, transb;
+  int64_t m, n, k;
+  const void* a;
+  int64_t lda;
+  const void* b;
+  int64_t ldb;
+  void* d;  // also C: beta = 1 accumulates into D in place
+  int64_t ldd;
+  cudaDataType_t d_type;  // CUDA_R_16BF or CUDA_R_32F; A and B are always CUDA_R_16BF
+  float beta;
+};
+
+// Descriptors, layouts and the heuristic's algorithm for one shape, built once and kept for the
+// process: the same shape always runs the same algorithm, so results repeat bit for bit.
+struct LtPlan {
+  cublasLtMatmulDesc_t desc;
+  cublasLtMatrixLayout_t a, b, d;
+  cublasLtMatmulAlgo_t algo;
+};
+
+// The largest power of two up to 256 that divides the address: the heuristic must only offer
+// algorithms that work with pointers this aligned (its default assumes 256).
+uint32_t alignment(const void* p) {
+  const auto v = reinterpret_cast<uintptr_t>(p);
+  uint32_t a = 256;
+  while (a > 1 && v % a != 0) a /= 2;
+  return a;
+}
+
+const LtPlan& lt_plan(const char* op, const LtGemm& g) {
+  int device = 0;
+  MARROW_CUDA_CHECK(cudaGetDevice(&device));
+  const uint32_t align_a = alignment(g.a), align_b = alignment(g.b), align_d = alignment(g.d);
+  const std::array<int64_t, 13> key{device, g.transa, g.transb, g.m, g.n, g.k, g.lda, g.ldb, g.ldd, g.d_type,
+                                    align_a, align_b, align_d};
+  static std::mutex mutex;
+  static std::map<std::array<int64_t, 13>, LtPlan> plans;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (auto it = plans.find(key); it != plans.end()) return it->second;
+
+  LtPlan p{};
+  MARROW_CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  MARROW_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &g.transa, sizeof(g.transa)));
+  MARROW_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &g.transb, sizeof(g.transb)));
+  // Layouts describe the matrices as stored, before op().
+  const bool ta = g.transa == CUBLAS_OP_T, tb = g.transb == CUBLAS_OP_T;
+  MARROW_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.a, CUDA_R_16BF, ta ? g.k : g.m, ta ? g.m : g.k, g.lda));
+  MARROW_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.b, CUDA_R_16BF, tb ? g.n : g.k, tb ? g.k : g.n, g.ldb));
+  MARROW_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.d, g.d_type, g.m, g.n, g.ldd));
+
+  cublasLtMatmulPreference_t pref;
+  MARROW_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+  const uint64_t workspace = kBlasWorkspaceBytes;
+  MARROW_CUBLAS_CHECK(
+      cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace, sizeof(workspace)));
+  MARROW_CUBLAS_CHECK(
+      cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_a, sizeof(align_a)));
+  MARROW_CUBLAS_CHECK(
+      cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b, sizeof(align_b)));
+  MARROW_CUBLAS_CHECK(
+      cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_d, sizeof(align_d)));
+  MARROW_CUBLAS_CHECK(
+      cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_d, sizeof(align_d)));
+  cublasLtMatmulHeuristicResult_t result{};
+  int found = 0;
+  const cublasStatus_t status =
+      cublasLtMatmulAlgoGetHeuristic(cublaslt_handle(), p.desc, p.a, p.b, p.d, p.d, pref, 1, &result, &found);
+  cublasLtMatmulPreferenceDestroy(pref);
+  MARROW_CUBLAS_CHECK(status);
+  MARROW_CHECK(found > 0, "{}: cuBLASLt has no algorithm for m={} n={} k={} (lda={} ldb={} ldd={}, alignment {}/{}/{} bytes)", op,
+               g.m, g.n, g.k, g.lda, g.ldb, g.ldd, align_a, align_b, align_d);
+  p.algo = result.algo;
+  return plans.emplace(key, p).first->second;
+}
+
+void lt_matmul(const char* op, const LtGemm& g, Stream stream) {
+  auto s = static_cast<cudaStream_t>(stream.handle);
+  if (g.m == 0 || g.n == 0) return;
+  if (g.k == 0) {  // an empty sum: D = beta * C
+    if (g.beta == 0)
+      MARROW_CUDA_CHECK(cudaMemset2DAsync(g.d, size_t(g.ldd) * (g.d_type == CUDA_R_32F ? 4 : 2), 0,
+                                          size_t(g.m) * (g.d_type == CUDA_R_32F ? 4 : 2), size_t(g.n), s));
+    return;
+  }
+  const LtPlan& p = lt_plan(op, g);
+  const float alpha = 1.0f, beta = g.beta;
+  MARROW_CUBLAS_CHECK(cublasLtMatmul(cublaslt_handle(), p.desc, &alpha, g.a, p.a, g.b, p.b, &beta, g.d, p.d, g.d, p.d, &p.algo,
+                                     blas_workspace(s), kBlasWorkspaceBytes, s));
+}
+
+void forward_gpu(const char* op, Tensor y, Tensor x, Tensor w, Stream stream) {
+  expect_dtype(op, "x", x, DType::bf16);
+  expect_dtype(op, "weight", w, DType::bf16);
+  MARROW_CHECK(y.dtype == DType::bf16 || y.dtype == DType::f32, "{}: y has dtype {} but expected bf16 or f32", op,
+               dtype_name(y.dtype));
+  const int64_t n = x.size(0), in = x.size(1), out = w.size(0);
+  lt_matmul(op, {CUBLAS_OP_T, CUBLAS_OP_N, out, n, in, w.data, in, x.data, in, y.data, out,
+                 y.dtype == DType::f32 ? CUDA_R_32F : CUDA_R_16BF, 0.0f},
+            stream);
+}
+
+void backward_input_gpu(const char* op, Tensor dx, Tensor dy, Tensor w, Stream stream) {
+  expect_dtype(op, "dy", dy, DType::bf16);
+  expect_dtype(op, "dx", dx, DType::bf16);
+  expect_dtype(op, "weight", w, DType::bf16);
+  const int64_t n = dy.size(0), out = w.size(0), in = w.size(1);
+  lt_matmul(op, {CUBLAS_OP_N, CUBLAS_OP_N, in, n, out, w.data, in, dy.data, out, dx.data, in, CUDA_R_16BF, 0.0f}, stream);
+}
+
+void backward_weight_gpu(const char* op, Tensor dw, Tensor dy, Tensor x, Stream stream) {
+  expect_dtype(op, "x", x, DType::bf16);
+  expect_dtype(op, "dy", dy, DType::bf16);
+  expect_dtype(op, "dweight", dw, DType::f32);
+  const int64_t n = x.size(0), in = x.size(1), out = dy.size(1);
+  lt_matmul(op, {CUBLAS_OP_N, CUBLAS_OP_T, in, out, n, x.data, in, dy.data, out, dw.data, in, CUDA_R_32F, 1.0f}, stream);
+}
+#endif
+
 }  // namespace
 
 void linear_forward(Tensor y, Tensor x, Tensor weight, Stream stream) {
@@ -81,13 +199,19 @@ void linear_forward(Tensor y, Tensor x, Tensor weight, Stream stream) {
   const int64_t n = x.size(0), in = x.size(1), out = weight.size(0);
   expect_shape(op, "weight", weight, {out, in});
   expect_shape(op, "y", y, {n, out});
-  expect_same_dtype(op, {{"x", &x}, {"y", &y}, {"weight", &weight}});
-  if (common_device(op, {{"x", &x}, {"y", &y}, {"weight", &weight}}) == Device::cuda) no_cuda_kernel(op);
+  if (common_device(op, {{"x", &x}, {"y", &y}, {"weight", &weight}}) == Device::cpu) {
+    expect_same_dtype(op, {{"x", &x}, {"y", &y}, {"weight", &weight}});
+    return with_cpu_scalar(op, x, [&](auto s) {
+      using T = decltype(s);
+      forward_cpu<T>(y.ptr<T>(), x.ptr<T>(), weight.ptr<T>(), n, in, out);
+    });
+  }
+#ifdef __CUDACC__
+  forward_gpu(op, y, x, weight, stream);
+#else
   (void)stream;
-  with_cpu_scalar(op, x, [&](auto s) {
-    using T = decltype(s);
-    forward_cpu<T>(y.ptr<T>(), x.ptr<T>(), weight.ptr<T>(), n, in, out);
-  });
+  no_cuda_kernel(op);
+#endif
 }
 
 void linear_backward_input(Tensor dx, Tensor dy, Tensor weight, Stream stream) {
@@ -97,13 +221,19 @@ void linear_backward_input(Tensor dx, Tensor dy, Tensor weight, Stream stream) {
   const int64_t n = dy.size(0), out = weight.size(0), in = weight.size(1);
   expect_shape(op, "dy", dy, {n, out});
   expect_shape(op, "dx", dx, {n, in});
-  expect_same_dtype(op, {{"dy", &dy}, {"dx", &dx}, {"weight", &weight}});
-  if (common_device(op, {{"dy", &dy}, {"dx", &dx}, {"weight", &weight}}) == Device::cuda) no_cuda_kernel(op);
+  if (common_device(op, {{"dy", &dy}, {"dx", &dx}, {"weight", &weight}}) == Device::cpu) {
+    expect_same_dtype(op, {{"dy", &dy}, {"dx", &dx}, {"weight", &weight}});
+    return with_cpu_scalar(op, dy, [&](auto s) {
+      using T = decltype(s);
+      backward_input_cpu<T>(dx.ptr<T>(), dy.ptr<T>(), weight.ptr<T>(), n, in, out);
+    });
+  }
+#ifdef __CUDACC__
+  backward_input_gpu(op, dx, dy, weight, stream);
+#else
   (void)stream;
-  with_cpu_scalar(op, dy, [&](auto s) {
-    using T = decltype(s);
-    backward_input_cpu<T>(dx.ptr<T>(), dy.ptr<T>(), weight.ptr<T>(), n, in, out);
-  });
+  no_cuda_kernel(op);
+#endif
 }
 
 void linear_backward_weight(Tensor dweight, Tensor dy, Tensor x, Stream stream) {
@@ -113,13 +243,19 @@ void linear_backward_weight(Tensor dweight, Tensor dy, Tensor x, Stream stream) 
   const int64_t n = x.size(0), in = x.size(1), out = dy.size(1);
   expect_shape(op, "dy", dy, {n, out});
   expect_shape(op, "dweight", dweight, {out, in});
-  expect_same_dtype(op, {{"x", &x}, {"dy", &dy}, {"dweight", &dweight}});
-  if (common_device(op, {{"x", &x}, {"dy", &dy}, {"dweight", &dweight}}) == Device::cuda) no_cuda_kernel(op);
+  if (common_device(op, {{"x", &x}, {"dy", &dy}, {"dweight", &dweight}}) == Device::cpu) {
+    expect_same_dtype(op, {{"x", &x}, {"dy", &dy}, {"dweight", &dweight}});
+    return with_cpu_scalar(op, x, [&](auto s) {
+      using T = decltype(s);
+      backward_weight_cpu<T>(dweight.ptr<T>(), dy.ptr<T>(), x.ptr<T>(), n, in, out);
+    });
+  }
+#ifdef __CUDACC__
+  backward_weight_gpu(op, dweight, dy, x, stream);
+#else
   (void)stream;
-  with_cpu_scalar(op, x, [&](auto s) {
-    using T = decltype(s);
-    backward_weight_cpu<T>(dweight.ptr<T>(), dy.ptr<T>(), x.ptr<T>(), n, in, out);
-  });
+  no_cuda_kernel(op);
+#endif
 }
 
 }  // namespace marrow

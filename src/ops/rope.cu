@@ -1,13 +1,26 @@
 #include "ops/rope.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <vector>
 
+#include "core/cuda_check.h"
 #include "ops/common.h"
+
+#ifdef __CUDACC__
+#include <cuda_bf16.h>
+#endif
 
 namespace marrow {
 
 namespace {
+
+// The float32 steps of transformers: arange(0, D, 2).float() / D, base ** that, 1.0 / that. The GPU
+// path takes these very floats from the host, so both sides rotate by identical angles.
+float inverse_frequency(int64_t j, int64_t d, double theta) {
+  return 1.0f / std::pow(float(theta), float(2 * j) / float(d));
+}
 
 // Rotates every head of every token by +angle (sign 1) or -angle (sign -1). Each pair is read into
 // locals before it is written, which is what lets the output alias the input.
@@ -15,9 +28,8 @@ template <typename T>
 void rotate_cpu(T* y, const T* x, const int32_t* positions, int64_t tokens, int64_t heads, int64_t d, double theta,
                 int sign) {
   const int64_t half = d / 2;
-  // The float32 steps of transformers: arange(0, D, 2).float() / D, base ** that, 1.0 / that.
   std::vector<float> inv_freq(half);
-  for (int64_t j = 0; j < half; ++j) inv_freq[j] = 1.0f / std::pow(float(theta), float(2 * j) / float(d));
+  for (int64_t j = 0; j < half; ++j) inv_freq[j] = inverse_frequency(j, d, theta);
   std::vector<T> cosines(half), sines(half);
   for (int64_t t = 0; t < tokens; ++t) {
     for (int64_t j = 0; j < half; ++j) {
@@ -36,8 +48,65 @@ void rotate_cpu(T* y, const T* x, const int32_t* positions, int64_t tokens, int6
   }
 }
 
+#ifdef __CUDACC__
+using bf16 = __nv_bfloat16;
+constexpr int kMaxHalf = 256;  // head_dim up to 512: inv_freq travels as a kernel argument
+
+struct InvFreq {
+  float v[kMaxHalf];
+};
+
+template <int N> struct alignas(2 * N) Pack {
+  bf16 v[N];
+};
+
+// One thread per N adjacent pairs (j, j + D/2) of one head of one token (N = 8 when D/2 % 8 == 0
+// and the data is 16-byte aligned, else 1), grid-stride over T * H * (D/2) / N. The angle is
+// float(position) * inv_freq[j] in f32 and its cos/sin are the precise cosf/sinf, as on the CPU.
+// Each thread reads both halves of its pairs before writing them, so y may alias x.
+template <int N>
+__global__ void rotate_kernel(bf16* y, const bf16* x, const int32_t* positions, InvFreq inv_freq, int64_t tokens, int64_t heads,
+                              int64_t half, float sign) {
+  const int64_t per_head = half / N;
+  for (int64_t p = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; p < tokens * heads * per_head;
+       p += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t head = p / per_head, j = p % per_head * N, base = head * 2 * half;
+    const float position = float(positions[head / heads]);
+    const Pack<N> a = *reinterpret_cast<const Pack<N>*>(x + base + j), b = *reinterpret_cast<const Pack<N>*>(x + base + half + j);
+    Pack<N> ya, yb;
+#pragma unroll
+    for (int l = 0; l < N; ++l) {
+      const float angle = position * inv_freq.v[j + l], c = cosf(angle), s = sign * sinf(angle);
+      const float af = float(a.v[l]), bf = float(b.v[l]);
+      ya.v[l] = bf16(af * c - bf * s);
+      yb.v[l] = bf16(bf * c + af * s);
+    }
+    *reinterpret_cast<Pack<N>*>(y + base + j) = ya;
+    *reinterpret_cast<Pack<N>*>(y + base + half + j) = yb;
+  }
+}
+
+void launch_rotate(Tensor y, Tensor x, Tensor positions, double theta, int sign, Stream stream) {
+  const int64_t tokens = x.size(0), heads = x.size(1), d = x.size(2), half = d / 2;
+  InvFreq inv_freq{};
+  for (int64_t j = 0; j < half; ++j) inv_freq.v[j] = inverse_frequency(j, d, theta);
+  const bool packed =
+      half % 8 == 0 && (reinterpret_cast<uintptr_t>(x.data) | reinterpret_cast<uintptr_t>(y.data)) % 16 == 0;
+  const int64_t work = tokens * heads * (packed ? half / 8 : half);
+  if (work == 0) return;
+  const int threads = 256, blocks = int(std::min<int64_t>((work + threads - 1) / threads, 8192));
+  auto s = static_cast<cudaStream_t>(stream.handle);
+  auto* out = static_cast<bf16*>(y.data);
+  auto* in = static_cast<const bf16*>(x.data);
+  auto* pos = positions.ptr<int32_t>();
+  if (packed) rotate_kernel<8><<<blocks, threads, 0, s>>>(out, in, pos, inv_freq, tokens, heads, half, float(sign));
+  else rotate_kernel<1><<<blocks, threads, 0, s>>>(out, in, pos, inv_freq, tokens, heads, half, float(sign));
+  MARROW_CUDA_CHECK_LAUNCH();
+}
+#endif
+
 void rotate(const char* op, Tensor y, const char* y_name, Tensor x, const char* x_name, Tensor positions, double theta,
-            int sign) {
+            int sign, Stream stream) {
   MARROW_CHECK(x.ndim == 3, "{}: {} must be [tokens, heads, head_dim], got {}", op, x_name, x.shape_string());
   const int64_t tokens = x.size(0), heads = x.size(1), d = x.size(2);
   MARROW_CHECK(d % 2 == 0, "{}: head_dim of {} must be even, got {}", op, x_name, d);
@@ -46,7 +115,16 @@ void rotate(const char* op, Tensor y, const char* y_name, Tensor x, const char* 
   expect_shape(op, "positions", positions, {tokens});
   expect_dtype(op, "positions", positions, DType::i32);
   expect_same_dtype(op, {{x_name, &x}, {y_name, &y}});
-  if (common_device(op, {{x_name, &x}, {y_name, &y}, {"positions", &positions}}) == Device::cuda) no_cuda_kernel(op);
+  if (common_device(op, {{x_name, &x}, {y_name, &y}, {"positions", &positions}}) == Device::cuda) {
+    expect_dtype(op, x_name, x, DType::bf16);
+    MARROW_CHECK(d / 2 <= 256, "{}: head_dim of {} is {}, but the GPU kernel takes at most 512", op, x_name, d);
+#ifdef __CUDACC__
+    return launch_rotate(y, x, positions, theta, sign, stream);
+#else
+    (void)stream;
+    no_cuda_kernel(op);
+#endif
+  }
   with_cpu_scalar(op, x, [&](auto s) {
     using T = decltype(s);
     rotate_cpu<T>(y.ptr<T>(), x.ptr<T>(), positions.ptr<int32_t>(), tokens, heads, d, theta, sign);
@@ -56,13 +134,11 @@ void rotate(const char* op, Tensor y, const char* y_name, Tensor x, const char* 
 }  // namespace
 
 void rope_forward(Tensor y, Tensor x, Tensor positions, double theta, Stream stream) {
-  (void)stream;
-  rotate("rope_forward", y, "y", x, "x", positions, theta, 1);
+  rotate("rope_forward", y, "y", x, "x", positions, theta, 1, stream);
 }
 
 void rope_backward(Tensor dx, Tensor dy, Tensor positions, double theta, Stream stream) {
-  (void)stream;
-  rotate("rope_backward", dx, "dx", dy, "dy", positions, theta, -1);
+  rotate("rope_backward", dx, "dx", dy, "dy", positions, theta, -1, stream);
 }
 
 }  // namespace marrow

@@ -11,15 +11,6 @@ namespace marrow {
 
 namespace {
 
-// The index tensor comes from the caller: an expert outside [0, E) is an error, not a stray write.
-void check_experts(const char* op, const Tensor& topk_index, int64_t experts) {
-  const int32_t* idx = topk_index.ptr<int32_t>();
-  const int64_t k = topk_index.size(1);
-  for (int64_t i = 0; i < topk_index.numel(); ++i)
-    MARROW_CHECK(0 <= idx[i] && idx[i] < experts, "{}: topk_index[{}, {}] = {} is outside [0, {})", op, i / k, i % k, idx[i],
-                 experts);
-}
-
 std::vector<int64_t> copies_per_expert(const int32_t* idx, int64_t copies, int64_t experts) {
   std::vector<int64_t> count(experts, 0);
   for (int64_t i = 0; i < copies; ++i) ++count[idx[i]];
@@ -133,7 +124,7 @@ void router_aux_loss(Tensor loss, Tensor probs, Tensor topk_index, Stream stream
   expect_same_dtype(op, {{"probs", &probs}, {"loss", &loss}});
   if (common_device(op, {{"probs", &probs}, {"topk_index", &topk_index}, {"loss", &loss}}) == Device::cuda) no_cuda_kernel(op);
   (void)stream;
-  check_experts(op, topk_index, e);
+  expect_indices_below(op, "topk_index", topk_index, e);
   with_cpu_scalar(op, probs, [&](auto s) {
     using T = decltype(s);
     loss.ptr<T>()[0] = aux_loss_cpu<T>(probs.ptr<T>(), topk_index.ptr<int32_t>(), n, e, k);
@@ -156,7 +147,7 @@ void router_backward(Tensor dlogits, Tensor dtopk_weight, Tensor probs, Tensor t
                          {"topk_weight", &topk_weight}}) == Device::cuda)
     no_cuda_kernel(op);
   (void)stream;
-  check_experts(op, topk_index, e);
+  expect_indices_below(op, "topk_index", topk_index, e);
   with_cpu_scalar(op, probs, [&](auto s) {
     using T = decltype(s);
     backward_cpu<T>(dlogits.ptr<T>(), dtopk_weight.ptr<T>(), probs.ptr<T>(), topk_index.ptr<int32_t>(), topk_weight.ptr<T>(), n,

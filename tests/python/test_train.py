@@ -52,18 +52,18 @@ def main():
             l = losses(out)
             windows = [sum(l[i:i + 20]) / 20 for i in range(0, 200, 20)]
             print("mean loss per 20 steps:", " ".join(f"{w:.3f}" for w in windows))
-            check(windows[-1] < windows[0] - 1.5, f"loss falls by more than 1.5 nats ({windows[0]:.3f} -> {windows[-1]:.3f})")
+            check(windows[-1] < windows[0] - 1.0, f"loss falls by more than 1.0 nat ({windows[0]:.3f} -> {windows[-1]:.3f})")
             check(all(b < a + 0.05 for a, b in zip(windows, windows[1:])), "every 20-step mean is at most 0.05 above the previous")
 
         # Same seed, same losses, bit for bit (the JSON holds the full double).
         runs = []
         for name in ("same1", "same2"):
             out = os.path.join(tmp, name)
-            code, _, _ = run(args.marrow, base + ["--train.steps=15", f"--output.dir={out}"], repo)
+            code, _, _ = run(args.marrow, base + ["--train.steps=15", "--schedule.warmup_steps=5", f"--output.dir={out}"], repo)
             runs.append(losses(out) if code == 0 else None)
         check(runs[0] is not None and runs[0] == runs[1], "two runs with the same seed give identical losses")
         out = os.path.join(tmp, "other-seed")
-        code, _, _ = run(args.marrow, base + ["--train.steps=15", "--train.seed=99", f"--output.dir={out}"], repo)
+        code, _, _ = run(args.marrow, base + ["--train.steps=15", "--schedule.warmup_steps=5", "--train.seed=99", f"--output.dir={out}"], repo)
         check(code == 0 and losses(out) != runs[0], "another seed gives other losses")
 
         # Non-finite steps: an absurd learning rate blows the weights up after the first update.
@@ -95,7 +95,7 @@ def main():
         cases.append((base + ["--train.stepz=3"], "unknown run-config key --train.stepz"))
         cases.append((base + ["--train.global_batch=8", "--train.micro_batch=3"],
                       "train.micro_batch (3) does not divide train.global_batch (8)"))
-        cases.append((base + ["--train.seq_len=-5"], "--train.seq_len"))
+        cases.append((base + ["--train.seq_len=-5"], "--train.seq_len: must be positive, got -5"))
         cases.append((base + ["--data.path=/nonexistent/corpus"], "/nonexistent/corpus"))
         cases.append((base + ["--train.steps=100000000"], "but the run needs"))
         for argv, expected in cases:

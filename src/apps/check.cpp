@@ -1,0 +1,115 @@
+// marrow check [--only <group>]: the GPU correctness report (DESIGN.md §7, layer 2).
+#include "apps/check.h"
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <cmath>
+
+#include "apps/commands.h"
+#include "core/cuda_check.h"
+#include "core/rng.h"
+#include "ops/cast.h"
+
+namespace marrow {
+
+void CheckReport::add(CheckRow row) {
+  std::printf("%-52s %10.3e %10.1e  %s\n", row.name.c_str(), row.error, row.bound, row.passed ? "ok" : "FAIL");
+  std::fflush(stdout);
+  rows_.push_back(std::move(row));
+}
+
+void CheckReport::compare(const std::string& name, Tensor gpu, Tensor cpu, double bound) {
+  Buffer got = to_host_f32(gpu);
+  MARROW_CHECK(got.numel() == cpu.numel(), "check {}: GPU result has {} elements but the reference {}", name, got.numel(), cpu.numel());
+  const float *a = got.ptr<float>(), *b = cpu.ptr<float>();
+  double max_diff = 0, max_ref = 0;
+  bool finite = true;
+  for (int64_t i = 0; i < got.numel(); ++i) {
+    finite = finite && std::isfinite(a[i]);
+    max_diff = std::max(max_diff, double(std::abs(a[i] - b[i])));
+    max_ref = std::max(max_ref, double(std::abs(b[i])));
+  }
+  const double error = finite ? max_diff / std::max(max_ref, 1e-30) : INFINITY;
+  add({name, error, bound, finite && error <= bound});
+}
+
+void CheckReport::expect_equal(const std::string& name, Tensor gpu, Tensor cpu) {
+  Buffer got = to_host(gpu);
+  MARROW_CHECK(got.view().bytes() == cpu.bytes(), "check {}: GPU result has {} bytes but the reference {}", name, got.view().bytes(),
+               cpu.bytes());
+  const bool same = std::memcmp(got.view().data, cpu.data, cpu.bytes()) == 0;
+  add({name, same ? 0.0 : 1.0, 0.0, same});
+}
+
+bool CheckReport::passed() const {
+  return !rows_.empty() && std::all_of(rows_.begin(), rows_.end(), [](const CheckRow& r) { return r.passed; });
+}
+
+Buffer random_host(std::initializer_list<int64_t> dims, uint64_t seed, double scale) {
+  Buffer b(DType::f32, Device::cpu, dims);
+  Philox rng = philox_for(seed, "check");
+  for (int64_t i = 0; i < b.numel(); ++i) b.ptr<float>()[i] = float(scale * rng.normal(uint64_t(i)));
+  return b;
+}
+
+void round_to_bf16(Tensor host_f32) {
+  Buffer tmp(DType::bf16, Device::cpu, {host_f32.numel()});
+  cast(tmp, host_f32);
+  cast(host_f32, tmp);
+}
+
+Buffer to_device(Tensor host, DType dtype) {
+  Buffer staged(dtype, Device::cpu, {host.numel()});
+  if (dtype == host.dtype) copy(staged, host);
+  else cast(staged, host);
+  Buffer out(dtype, Device::cuda, {host.numel()});
+  copy(out, staged);
+  return out;
+}
+
+Buffer to_host_f32(Tensor device) {
+  Buffer raw = to_host(device);
+  if (device.dtype == DType::f32) return raw;
+  Buffer out(DType::f32, Device::cpu, {device.numel()});
+  cast(out, raw);
+  return out;
+}
+
+void poison(Tensor device) {
+#if MARROW_CUDA
+  // 0xFF bytes are NaN in f32 and bf16, and -1 in i32.
+  MARROW_CUDA_CHECK(cudaMemset(device.data, 0xFF, device.bytes()));
+#else
+  (void)device;
+#endif
+}
+
+Buffer poisoned(DType dtype, std::initializer_list<int64_t> dims) {
+  Buffer b(dtype, Device::cuda, dims);
+  poison(b);
+  return b;
+}
+
+int check_command(int argc, char** argv) {
+  CLI::App app{"marrow check: every CUDA op and the model against the CPU reference"};
+  std::string only;
+  app.add_option("--only", only, "run one group: elementwise, gemm, attention, model")
+      ->check(CLI::IsMember({"elementwise", "gemm", "attention", "model"}));
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  MARROW_CHECK(cuda_available(), "check needs a GPU, and {}", MARROW_CUDA ? "none is visible" : "this build has no CUDA support");
+  std::printf("%-52s %10s %10s\n", "check", "error", "bound");
+  CheckReport report;
+  if (only.empty() || only == "elementwise") check_elementwise_ops(report);
+  if (only.empty() || only == "gemm") check_gemm_ops(report);
+  if (only.empty() || only == "attention") check_attention_op(report);
+  if (only.empty() || only == "model") check_model(report);
+  const auto failed = std::count_if(report.rows().begin(), report.rows().end(), [](const CheckRow& r) { return !r.passed; });
+  std::printf("%zu checks, %ld failed\n%s\n", report.rows().size(), long(failed), report.passed() ? "PASS" : "FAIL");
+  return report.passed() ? 0 : 1;
+}
+
+}  // namespace marrow

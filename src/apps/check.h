@@ -1,0 +1,52 @@
+// marrow check: every CUDA op against its fp32 CPU reference on fresh random inputs, one table row
+// per comparison, then PASS or FAIL. Each group of ops has a function in its own check_*.cpp file;
+// check.cpp calls them in turn. The helpers here move data between the CPU reference (f32) and
+// the GPU path (bf16 activations), poison outputs so unwritten elements show, and measure error.
+#pragma once
+#include <string>
+#include <vector>
+
+#include "core/memory.h"
+
+namespace marrow {
+
+struct CheckRow {
+  std::string name;
+  double error = 0;  // max |gpu - cpu| / max |cpu| over the tensor
+  double bound = 0;
+  bool passed = false;
+};
+
+class CheckReport {
+ public:
+  // Compares a GPU result (any float dtype, any device) with the CPU reference (f32 host).
+  void compare(const std::string& name, Tensor gpu, Tensor cpu, double bound);
+  // A comparison of exact data (indices, offsets): any difference fails.
+  void expect_equal(const std::string& name, Tensor gpu, Tensor cpu);
+  void add(CheckRow row);
+  bool passed() const;
+  const std::vector<CheckRow>& rows() const { return rows_; }
+
+ private:
+  std::vector<CheckRow> rows_;
+};
+
+// Host f32 tensor of normal(0, scale) values drawn from (seed, index).
+Buffer random_host(std::initializer_list<int64_t> dims, uint64_t seed, double scale = 1.0);
+// The host tensor rounded through bf16 and back: the CPU reference sees exactly the GPU's inputs.
+void round_to_bf16(Tensor host_f32);
+// A device copy of a host tensor, cast to dtype (bf16 or f32; i32 copies as is).
+Buffer to_device(Tensor host, DType dtype);
+// A host f32 copy of a device float tensor (bf16 or f32), shaped like it.
+Buffer to_host_f32(Tensor device);
+// Fills a device tensor with NaN (floats) or -1 (integers), so elements a kernel fails to write show.
+void poison(Tensor device);
+// A device tensor of the given dtype and shape, poisoned.
+Buffer poisoned(DType dtype, std::initializer_list<int64_t> dims);
+
+void check_elementwise_ops(CheckReport& report);
+void check_gemm_ops(CheckReport& report);
+void check_attention_op(CheckReport& report);
+void check_model(CheckReport& report);
+
+}  // namespace marrow

@@ -1,0 +1,232 @@
+#include "data/dataset.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <bit>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <thread>
+
+#include "core/errors.h"
+
+namespace marrow {
+namespace fs = std::filesystem;
+
+namespace {
+
+uint64_t mix(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+// A bijection of [0, n) chosen by key, computed without a table: a balanced four-round Feistel
+// network on the smallest even number of bits that covers n, repeated until it lands below n
+// (cycle walking; fewer than four rounds of it on average).
+uint64_t permute(uint64_t index, uint64_t n, uint64_t key) {
+  int bits = std::max(2, int(std::bit_width(n - 1)));
+  bits += bits & 1;
+  const int half = bits / 2;
+  const uint64_t mask = (uint64_t(1) << half) - 1;
+  do {
+    uint64_t left = index >> half, right = index & mask;
+    for (uint64_t round = 0; round < 4; ++round) {
+      uint64_t next_right = left ^ (mix(right ^ mix(key + round)) & mask);
+      left = right;
+      right = next_right;
+    }
+    index = left << half | right;
+  } while (index >= n);
+  return index;
+}
+
+}  // namespace
+
+TokenDataset::TokenDataset(const std::string& dir, int64_t seq_len, uint64_t seed, double validation_fraction)
+    : dir_(dir), manifest_(read_manifest(dir)), seq_len_(seq_len), seed_(seed) {
+  MARROW_CHECK(seq_len > 0, "seq_len must be positive, got {}", seq_len);
+  MARROW_CHECK(validation_fraction >= 0 && validation_fraction <= 0.5, "the validation fraction must be in [0, 0.5], got {}",
+               validation_fraction);
+  MARROW_CHECK(manifest_.tokens >= seq_len + 1, "corpus {} holds {} tokens, fewer than one sample of seq_len + 1 = {}", dir,
+               manifest_.tokens, seq_len + 1);
+  windows_ = (manifest_.tokens - 1) / seq_len;
+  if (validation_fraction > 0 && windows_ >= 2)
+    validation_windows_ = std::clamp<int64_t>(int64_t(double(windows_) * validation_fraction), 1, windows_ / 2);
+  verify_and_map();
+}
+
+TokenDataset::~TokenDataset() {
+  for (const Shard& shard : shards_)
+    if (shard.tokens) ::munmap(const_cast<uint32_t*>(shard.tokens), shard.bytes);
+}
+
+void TokenDataset::verify_and_map() {
+  int64_t offset = 0;
+  for (const ShardInfo& info : manifest_.shards) {
+    std::string path = (fs::path(dir_) / info.file).string();
+    int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    MARROW_CHECK(fd >= 0, "corpus {}: cannot open shard {}: {}", dir_, path, std::strerror(errno));
+    struct stat status {};
+    int rc = ::fstat(fd, &status);
+    int saved = errno;
+    if (rc != 0) ::close(fd);
+    MARROW_CHECK(rc == 0, "corpus {}: cannot stat {}: {}", dir_, path, std::strerror(saved));
+    auto expected = size_t(info.tokens) * sizeof(uint32_t);
+    if (size_t(status.st_size) != expected) ::close(fd);
+    MARROW_CHECK(size_t(status.st_size) == expected, "corpus {}: shard {} holds {} bytes but the manifest says {} tokens ({} bytes)",
+                 dir_, info.file, status.st_size, info.tokens, expected);
+    void* data = ::mmap(nullptr, expected, PROT_READ, MAP_PRIVATE, fd, 0);
+    saved = errno;
+    ::close(fd);
+    MARROW_CHECK(data != MAP_FAILED, "corpus {}: cannot mmap {}: {}", dir_, path, std::strerror(saved));
+    shards_.push_back({static_cast<const uint32_t*>(data), expected, offset});
+    offset += info.tokens;
+  }
+
+  // Hash the shards on all cores; a corpus large enough to take a while gets a progress line.
+  std::atomic<size_t> next_shard{0};
+  std::atomic<uint64_t> hashed_bytes{0};
+  std::vector<std::string> digests(shards_.size());
+  uint64_t total_bytes = 0;
+  for (const Shard& shard : shards_) total_bytes += shard.bytes;
+  auto hash_shards = [&] {
+    for (size_t i; (i = next_shard++) < shards_.size();) {
+      Sha256 hash;
+      const auto* bytes = reinterpret_cast<const char*>(shards_[i].tokens);
+      for (size_t at = 0; at < shards_[i].bytes;) {
+        size_t take = std::min<size_t>(shards_[i].bytes - at, size_t(64) << 20);
+        hash.update(bytes + at, take);
+        hashed_bytes += take;
+        at += take;
+      }
+      digests[i] = hash.hex_digest();
+    }
+  };
+  {
+    std::vector<std::jthread> pool;
+    unsigned threads = std::clamp<unsigned>(std::thread::hardware_concurrency(), 1, unsigned(shards_.size()));
+    for (unsigned t = 0; t < threads; ++t) pool.emplace_back(hash_shards);
+    auto start = std::chrono::steady_clock::now();
+    bool reported = false;
+    while (hashed_bytes < total_bytes) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      if (std::chrono::steady_clock::now() - start < std::chrono::seconds(2)) continue;
+      std::fprintf(stderr, "\rdataset: checking sha256 of %s: %.1f of %.1f GB", dir_.c_str(), hashed_bytes / 1e9, total_bytes / 1e9);
+      reported = true;
+      std::this_thread::sleep_for(std::chrono::seconds(1));
+    }
+    if (reported) std::fprintf(stderr, "\n");
+  }
+  for (size_t i = 0; i < shards_.size(); ++i)
+    MARROW_CHECK(digests[i] == manifest_.shards[i].sha256,
+                 "corpus {}: shard {} is corrupt: its sha256 is {} but the manifest says {}", dir_, manifest_.shards[i].file,
+                 digests[i], manifest_.shards[i].sha256);
+  std::string tokenizer = (fs::path(dir_) / kCorpusTokenizerFile).string();
+  if (fs::exists(tokenizer))
+    MARROW_CHECK(sha256_file(tokenizer) == manifest_.tokenizer_sha256,
+                 "corpus {}: {} is not the tokenizer the corpus was made with (its sha256 differs from the manifest's)", dir_, tokenizer);
+}
+
+void TokenDataset::set_samples_per_step(int64_t samples_per_step) {
+  MARROW_CHECK(samples_per_step > 0, "samples per step must be positive, got {}", samples_per_step);
+  samples_per_step_ = samples_per_step;
+}
+
+void TokenDataset::require_train_samples(int64_t needed) const {
+  MARROW_CHECK(needed <= train_samples(),
+               "corpus {} holds {} training samples of {} tokens but the run needs {} (steps x global batch); "
+               "tokenize more text, or lower the steps, the batch or seq_len",
+               dir_, train_samples(), seq_len_ + 1, needed);
+}
+
+void TokenDataset::require_vocab_fits(int64_t model_vocab_size) const {
+  MARROW_CHECK(manifest_.vocab_size <= model_vocab_size,
+               "corpus {} was tokenized with a vocabulary of {} tokens but the model has only {} embeddings", dir_,
+               manifest_.vocab_size, model_vocab_size);
+}
+
+// Validation window j is floor((2j+1) * W / (2V)) for W windows and V held out: one in the middle
+// of each of V equal stretches of the corpus.
+int64_t TokenDataset::validation_window(int64_t index) const {
+  MARROW_CHECK(index >= 0 && index < validation_windows_, "validation sample {} is out of range (the corpus holds {})", index,
+               validation_windows_);
+  return int64_t((__int128(2 * index + 1) * windows_) / (2 * __int128(validation_windows_)));
+}
+
+int64_t TokenDataset::validation_before(int64_t window) const {
+  if (validation_windows_ == 0) return 0;
+  // Count of j >= 0 with (2j+1) * W < 2 V w, i.e. (2j+1) <= (2 V w - 1) / W.
+  __int128 limit = 2 * __int128(validation_windows_) * window - 1;
+  if (limit < windows_) return 0;
+  auto odd_max = int64_t(limit / windows_);
+  return std::min<int64_t>((odd_max - 1) / 2 + 1, validation_windows_);
+}
+
+bool TokenDataset::is_validation_window(int64_t window) const {
+  int64_t before = validation_before(window);
+  return before < validation_windows_ && validation_window(before) == window;
+}
+
+int64_t TokenDataset::train_window(int64_t train_index) const {
+  // The smallest w whose prefix [0, w] holds train_index + 1 training windows.
+  int64_t low = train_index, high = std::min(train_index + validation_windows_, windows_ - 1);
+  while (low < high) {
+    int64_t mid = low + (high - low) / 2;
+    if (mid + 1 - validation_before(mid + 1) >= train_index + 1) {
+      high = mid;
+    } else {
+      low = mid + 1;
+    }
+  }
+  return low;
+}
+
+int64_t TokenDataset::train_window_at(int64_t position) const {
+  const int64_t n = train_samples();
+  int64_t epoch = position / n;
+  uint64_t key = mix(seed_ ^ mix(uint64_t(epoch) + 0x5EED));
+  return train_window(int64_t(permute(uint64_t(position % n), uint64_t(n), key)));
+}
+
+void TokenDataset::copy_window(int64_t window, int32_t* out) const {
+  int64_t begin = window * seq_len_, left = seq_len_ + 1;
+  auto shard = std::upper_bound(shards_.begin(), shards_.end(), begin,
+                                [](int64_t offset, const Shard& s) { return offset < s.first_token; }) - 1;
+  while (left > 0) {
+    int64_t in_shard = begin - shard->first_token;
+    int64_t take = std::min<int64_t>(left, int64_t(shard->bytes / sizeof(uint32_t)) - in_shard);
+    std::memcpy(out, shard->tokens + in_shard, size_t(take) * sizeof(uint32_t));
+    out += take;
+    begin += take;
+    left -= take;
+    ++shard;
+  }
+}
+
+void TokenDataset::train_batch(int64_t step, int64_t first, int64_t count, int32_t* tokens, int dp_rank, int dp_size) const {
+  MARROW_CHECK(samples_per_step_ > 0, "TokenDataset::train_batch needs set_samples_per_step(global batch) first");
+  MARROW_CHECK(dp_size >= 1 && dp_rank >= 0 && dp_rank < dp_size, "data-parallel rank {} of {} is invalid", dp_rank, dp_size);
+  MARROW_CHECK(samples_per_step_ % dp_size == 0, "a global batch of {} samples does not split over {} data-parallel ranks",
+               samples_per_step_, dp_size);
+  const int64_t per_rank = samples_per_step_ / dp_size;
+  MARROW_CHECK(step >= 0 && first >= 0 && count >= 0 && first + count <= per_rank,
+               "training samples {}..{} of step {} are outside this rank's share of {}", first, first + count - 1, step, per_rank);
+  const int64_t base = step * samples_per_step_ + dp_rank * per_rank + first;
+  for (int64_t i = 0; i < count; ++i) copy_window(train_window_at(base + i), tokens + i * (seq_len_ + 1));
+}
+
+void TokenDataset::validation_batch(int64_t first, int64_t count, int32_t* tokens) const {
+  MARROW_CHECK(first >= 0 && count >= 0 && first + count <= validation_windows_,
+               "validation samples {}..{} are outside the {} the corpus holds", first, first + count - 1, validation_windows_);
+  for (int64_t i = 0; i < count; ++i) copy_window(validation_window(first + i), tokens + i * (seq_len_ + 1));
+}
+
+}  // namespace marrow

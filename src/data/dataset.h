@@ -1,0 +1,73 @@
+// The training data reader: a tokenized corpus (token_corpus.h) seen as a stream of tokens cut into
+// non-overlapping windows of seq_len + 1 tokens (consecutive windows share one token, so every
+// token is a target once). A few windows spread evenly through the corpus are held out for
+// validation; the rest are training samples.
+//
+// Sample order: the training samples of optimizer step s are positions s*S .. s*S+S-1 (S samples
+// per step) of an endless sequence made of one seeded random permutation of all training windows
+// per epoch. So no window repeats before the corpus is used up, and the samples of a step are a
+// pure function of (seed, step): resuming needs no saved state, and the same global batch comes out
+// for any number of data-parallel ranks, each taking a disjoint contiguous share of it.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "data/token_corpus.h"
+
+namespace marrow {
+
+class TokenDataset {
+ public:
+  // Opens a tokenized corpus directory, verifies manifest, shard sizes and sha256 (progress line if slow).
+  TokenDataset(const std::string& dir, int64_t seq_len, uint64_t seed, double validation_fraction = 0.01);
+  ~TokenDataset();
+  TokenDataset(const TokenDataset&) = delete;
+  TokenDataset& operator=(const TokenDataset&) = delete;
+
+  int64_t vocab_size() const { return manifest_.vocab_size; }  // from the manifest
+  int32_t eos_id() const { return manifest_.eos_id; }
+  int64_t seq_len() const { return seq_len_; }
+  int64_t train_samples() const { return windows_ - validation_windows_; }  // distinct samples of seq_len+1 tokens
+  int64_t validation_samples() const { return validation_windows_; }
+  const CorpusManifest& manifest() const { return manifest_; }
+
+  // The global batch: training samples per optimizer step over all data-parallel ranks. It sets
+  // where each step starts in the sample order, so it must be called before train_batch.
+  void set_samples_per_step(int64_t samples_per_step);
+  // Error "corpus <dir> holds N training samples of L tokens but the run needs M (...)" when too small.
+  void require_train_samples(int64_t needed) const;
+  // Error naming both numbers when the corpus's vocabulary does not fit the model's vocab_size.
+  void require_vocab_fits(int64_t model_vocab_size) const;
+  // Fills tokens[count*(seq_len+1)] with training samples number first..first+count-1 of optimizer step `step`
+  // for data-parallel rank dp_rank of dp_size (disjoint across ranks); a pure function of (seed, step, indices).
+  void train_batch(int64_t step, int64_t first, int64_t count, int32_t* tokens, int dp_rank = 0, int dp_size = 1) const;
+  void validation_batch(int64_t first, int64_t count, int32_t* tokens) const;
+
+  // The window (index into the corpus's windows) of training sample `position` of the endless order.
+  int64_t train_window_at(int64_t position) const;
+  int64_t validation_window(int64_t index) const;
+  bool is_validation_window(int64_t window) const;
+
+ private:
+  struct Shard {
+    const uint32_t* tokens = nullptr;
+    size_t bytes = 0;
+    int64_t first_token = 0;  // offset of the shard in the whole stream
+  };
+  void verify_and_map();
+  int64_t validation_before(int64_t window) const;  // validation windows with a smaller index
+  int64_t train_window(int64_t train_index) const;  // the train_index-th window that is not held out
+  void copy_window(int64_t window, int32_t* out) const;
+
+  std::string dir_;
+  CorpusManifest manifest_;
+  int64_t seq_len_;
+  uint64_t seed_;
+  int64_t windows_ = 0;
+  int64_t validation_windows_ = 0;
+  int64_t samples_per_step_ = 0;
+  std::vector<Shard> shards_;
+};
+
+}  // namespace marrow

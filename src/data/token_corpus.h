@@ -1,0 +1,90 @@
+// A tokenized corpus on disk (DESIGN.md §6): a directory with manifest.json, a copy of the
+// tokenizer.json that made it, and shards of little-endian uint32 token ids, each document
+// followed by the end-of-document token.
+#pragma once
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "core/sha256.h"
+
+namespace marrow {
+
+struct ShardInfo {
+  std::string file;  // relative to the corpus directory
+  int64_t tokens = 0;
+  int64_t documents = 0;  // documents whose end-of-document token is in this shard
+  std::string sha256;
+};
+
+struct CorpusManifest {
+  std::string tokenizer_sha256;
+  int64_t vocab_size = 0;
+  int32_t eos_id = 0;
+  std::string eos_token;
+  int64_t documents = 0;
+  int64_t tokens = 0;
+  int64_t bad_lines = 0;
+  std::vector<std::string> inputs;
+  std::vector<ShardInfo> shards;
+};
+
+constexpr const char* kManifestFile = "manifest.json";
+constexpr const char* kCorpusTokenizerFile = "tokenizer.json";
+
+// Reads and checks <dir>/manifest.json; a missing or malformed one is an Error naming it.
+CorpusManifest read_manifest(const std::string& dir);
+void write_manifest(const std::string& dir, const CorpusManifest& manifest);
+
+// Writes a token stream as shards of at most shard_tokens tokens, hashing as it goes.
+class ShardWriter {
+ public:
+  ShardWriter(std::string dir, int64_t shard_tokens);
+  ~ShardWriter();
+  void append(std::span<const uint32_t> tokens);
+  // Counts a document that ends with the last token appended.
+  void end_document();
+  // Flushes and closes the last shard; the shards written, in order.
+  std::vector<ShardInfo> finish();
+
+ private:
+  void flush();
+  void close_shard();
+
+  std::string dir_;
+  int64_t shard_tokens_;
+  int fd_ = -1;
+  std::string path_;
+  ShardInfo current_;
+  Sha256 hash_;
+  std::vector<uint32_t> buffer_;
+  std::vector<ShardInfo> done_;
+};
+
+struct TokenizeOptions {
+  std::vector<std::string> inputs;  // files, directories or globs
+  std::string tokenizer_path;
+  std::string out_dir;
+  std::string field = "text";
+  std::string eos_token = "<|endoftext|>";
+  int threads = 1;
+  int64_t shard_tokens = int64_t(1) << 28;
+  size_t chunk_bytes = size_t(1) << 20;  // text handed to one worker at a time
+  bool strict = false;     // a bad line is an error rather than skipped and reported
+  bool overwrite = false;  // replace an existing corpus at out_dir
+  bool progress = false;   // a progress line on stderr
+};
+
+struct TokenizeReport {
+  CorpusManifest manifest;
+  uint64_t text_bytes = 0;
+  double seconds = 0;
+};
+
+// Tokenizes the inputs into a corpus at out_dir. It is written to <out_dir>.incomplete and renamed
+// when done, so a corpus directory is always whole. The result depends only on the inputs and the
+// tokenizer, not on the thread count.
+TokenizeReport tokenize_corpus(const TokenizeOptions& options);
+
+}  // namespace marrow

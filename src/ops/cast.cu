@@ -1,0 +1,84 @@
+#include "ops/cast.h"
+
+#include "core/bf16.h"
+#include "core/cuda_check.h"
+#include "ops/common.h"
+
+#ifdef __CUDACC__
+#include <cuda_bf16.h>
+#endif
+
+namespace marrow {
+
+namespace {
+
+float load(const void* p, DType t, int64_t i) {
+  switch (t) {
+    case DType::f32: return static_cast<const float*>(p)[i];
+    case DType::f64: return float(static_cast<const double*>(p)[i]);
+    default: return bf16_to_float(static_cast<const uint16_t*>(p)[i]);
+  }
+}
+
+void cast_cpu(Tensor out, Tensor in) {
+  const int64_t n = in.numel();
+  if (out.dtype == DType::f64 && in.dtype == DType::f64) {
+    std::memcpy(out.data, in.data, in.bytes());
+  } else if (out.dtype == DType::f64) {
+    for (int64_t i = 0; i < n; ++i) out.ptr<double>()[i] = double(load(in.data, in.dtype, i));
+  } else if (in.dtype == DType::f64) {
+    // Straight from double: a detour through float would round twice.
+    const double* src = in.ptr<double>();
+    for (int64_t i = 0; i < n; ++i) {
+      if (out.dtype == DType::f32) out.ptr<float>()[i] = float(src[i]);
+      else static_cast<uint16_t*>(out.data)[i] = float_to_bf16(float(src[i]));
+    }
+  } else {
+    for (int64_t i = 0; i < n; ++i) {
+      const float v = load(in.data, in.dtype, i);
+      if (out.dtype == DType::f32) out.ptr<float>()[i] = v;
+      else static_cast<uint16_t*>(out.data)[i] = float_to_bf16(v);
+    }
+  }
+}
+
+#ifdef __CUDACC__
+template <typename Out, typename In> __global__ void cast_kernel(Out* out, const In* in, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    out[i] = Out(float(in[i]));
+}
+
+template <typename Out, typename In> void launch_cast(Tensor out, Tensor in, Stream stream) {
+  const int64_t n = in.numel();
+  if (n == 0) return;
+  const int threads = 256;
+  const int blocks = int(std::min<int64_t>((n + threads - 1) / threads, 65536));
+  cast_kernel<<<blocks, threads, 0, static_cast<cudaStream_t>(stream.handle)>>>(static_cast<Out*>(out.data),
+                                                                                static_cast<const In*>(in.data), n);
+  MARROW_CUDA_CHECK_LAUNCH();
+}
+#endif
+
+}  // namespace
+
+void cast(Tensor out, Tensor in, Stream stream) {
+  const char* op = "cast";
+  MARROW_CHECK(out.numel() == in.numel(), "{}: out has {} elements but in has {}", op, out.numel(), in.numel());
+  for (auto [name, t] : {std::pair{"out", &out}, std::pair{"in", &in}})
+    MARROW_CHECK(t->dtype == DType::f32 || t->dtype == DType::bf16 || t->dtype == DType::f64,
+                 "{}: {} has dtype {} but only f32, f64 and bf16 are supported", op, name, dtype_name(t->dtype));
+  if (common_device(op, {{"out", &out}, {"in", &in}}) == Device::cpu) return cast_cpu(out, in);
+#ifdef __CUDACC__
+  using bf16 = __nv_bfloat16;
+  if (out.dtype == DType::bf16 && in.dtype == DType::f32) return launch_cast<bf16, float>(out, in, stream);
+  if (out.dtype == DType::f32 && in.dtype == DType::bf16) return launch_cast<float, bf16>(out, in, stream);
+  if (out.dtype == DType::f32 && in.dtype == DType::f32) return launch_cast<float, float>(out, in, stream);
+  if (out.dtype == DType::bf16 && in.dtype == DType::bf16) return launch_cast<bf16, bf16>(out, in, stream);
+  fail("{}: {} to {} is not supported on the GPU", op, dtype_name(in.dtype), dtype_name(out.dtype));
+#else
+  (void)stream;
+  no_cuda_kernel(op);
+#endif
+}
+
+}  // namespace marrow
