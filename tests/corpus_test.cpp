@@ -6,7 +6,7 @@
 
 #include "core/json.h"
 #include "data/bpe_trainer.h"
-#include "data/token_corpus.h"
+#include "data/tokenize_corpus.h"
 #include "data_test_util.h"
 
 namespace marrow {

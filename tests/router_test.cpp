@@ -166,18 +166,5 @@ TEST(Router, RejectsExpertIndexOutsideRange) {
   }
 }
 
-TEST(Router, RejectsTensorsOnTheGpu) {
-  float data[8] = {};
-  int32_t idx[2] = {};
-  Tensor logits(data, DType::f32, Device::cuda, {2, 4}), probs(data, DType::f32, Device::cuda, {2, 4}),
-      index(idx, DType::i32, Device::cuda, {2, 1}), w(data, DType::f32, Device::cuda, {2, 1});
-  try {
-    router_forward(probs, index, w, logits, true);
-    FAIL() << "expected an error";
-  } catch (const Error& e) {
-    EXPECT_STREQ(e.what(), "router_forward: the tensors are on the GPU but this op has no CUDA kernel yet");
-  }
-}
-
 }  // namespace
 }  // namespace marrow

@@ -12,3 +12,7 @@ cmake -S . -B build -G Ninja -DMARROW_CUDA=$cuda -DMARROW_PYTHON="$PWD/.venv/bin
 cmake --build build --target marrow
 tools/make_demo_corpus.sh build/marrow build/demo-corpus
 build/marrow train configs/tiny-moe.toml "$@"
+# The model's own words: continuations of a prompt from the newest checkpoint (marrow sample).
+out=runs/tiny-moe
+for arg in "$@"; do case $arg in --output.dir=*) out=${arg#--output.dir=} ;; esac; done
+build/marrow sample "$out" --prompt "The Python interpreter" --tokens 48 --samples 2

@@ -9,6 +9,7 @@
 #include "core/cuda_check.h"
 #include "core/rng.h"
 #include "ops/cast.h"
+#include "ops/init.h"
 
 namespace marrow {
 
@@ -87,6 +88,38 @@ void poison(Tensor device) {
 Buffer poisoned(DType dtype, std::initializer_list<int64_t> dims) {
   Buffer b(dtype, Device::cuda, dims);
   poison(b);
+  return b;
+}
+
+Buffer random_device(std::initializer_list<int64_t> dims, uint64_t seed, const char* name) {
+  Buffer out(DType::bf16, Device::cuda, dims);
+  Buffer values(DType::f32, Device::cuda, {out.numel()});
+  fill_normal(values, seed, name, 1.0);
+  cast(out, values);
+  return out;
+}
+
+std::vector<int32_t> skewed_counts(int64_t experts, int64_t rows) {
+  std::vector<double> weight(static_cast<size_t>(experts));
+  for (int64_t g = 0; g < experts; ++g) weight[size_t(g)] = (g % 19 == 7 || g == 3) ? 0.0 : 1.0 / (1.0 + double((g * 37) % experts) / 8.0);
+  double total = 0;
+  for (double v : weight) total += v;
+  std::vector<int32_t> counts(static_cast<size_t>(experts));
+  counts[3 % size_t(experts)] = 1;
+  int64_t assigned = 1;
+  for (int64_t g = 0; g < experts; ++g) {
+    if (weight[size_t(g)] == 0) continue;
+    counts[size_t(g)] = int32_t(std::floor(double(rows - 1) * weight[size_t(g)] / total));
+    assigned += counts[size_t(g)];
+  }
+  counts[0] += int32_t(rows - assigned);
+  return counts;
+}
+
+Buffer offsets_host(const std::vector<int32_t>& counts) {
+  Buffer b(DType::i32, Device::cpu, {int64_t(counts.size()) + 1});
+  b.ptr<int32_t>()[0] = 0;
+  for (size_t e = 0; e < counts.size(); ++e) b.ptr<int32_t>()[e + 1] = b.ptr<int32_t>()[e] + counts[e];
   return b;
 }
 

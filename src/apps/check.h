@@ -44,6 +44,15 @@ void poison(Tensor device);
 // A device tensor of the given dtype and shape, poisoned.
 Buffer poisoned(DType dtype, std::initializer_list<int64_t> dims);
 
+// A device bf16 tensor of N(0, 1) values drawn on the GPU from (seed, name): for bench-sized inputs
+// that would take the CPU too long to draw.
+Buffer random_device(std::initializer_list<int64_t> dims, uint64_t seed, const char* name);
+// Rows per expert as skewed as real routing: a few experts empty, one with a single row, the rest
+// falling off with the expert's rank; they sum to rows.
+std::vector<int32_t> skewed_counts(int64_t experts, int64_t rows);
+// Host i32 offsets [E + 1] from per-expert row counts.
+Buffer offsets_host(const std::vector<int32_t>& counts);
+
 void check_elementwise_ops(CheckReport& report);
 void check_gemm_ops(CheckReport& report);
 void check_attention_op(CheckReport& report);

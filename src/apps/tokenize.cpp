@@ -4,7 +4,7 @@
 
 #include "apps/commands.h"
 #include "core/errors.h"
-#include "data/token_corpus.h"
+#include "data/tokenize_corpus.h"
 
 namespace marrow {
 

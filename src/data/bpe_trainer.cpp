@@ -62,7 +62,12 @@ PieceCounts count_pieces(const BpeTrainOptions& options) {
   MARROW_CHECK(!files.empty(), "no input files were given");
   Tokenizer splitter = untrained_tokenizer(options.special_tokens);
   std::vector<EncodeState> states(size_t(options.threads));
-  std::vector<std::unordered_map<std::string, int64_t>> worker_counts(size_t(options.threads));
+  struct TransparentHash {
+    using is_transparent = void;
+    size_t operator()(std::string_view s) const { return std::hash<std::string_view>{}(s); }
+  };
+  using Counts = std::unordered_map<std::string, int64_t, TransparentHash, std::equal_to<>>;
+  std::vector<Counts> worker_counts(size_t(options.threads));
   ChunkReader reader(files);
   struct ChunkResult {
     std::vector<BadLine> bad_lines;
@@ -75,7 +80,7 @@ PieceCounts count_pieces(const BpeTrainOptions& options) {
     auto& counts = worker_counts[size_t(worker)];
     chunk_documents(files[chunk.file_index], chunk, options.field, [&](std::string_view text, bool) {
       splitter.pre_tokenize(text, states[size_t(worker)], [&](std::string_view piece) {
-        auto it = counts.find(std::string(piece));
+        auto it = counts.find(piece);
         if (it == counts.end()) {
           counts.emplace(piece, 1);
         } else {

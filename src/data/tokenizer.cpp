@@ -5,6 +5,7 @@
 #include <pcre2.h>
 
 #include <algorithm>
+#include <cstring>
 #include <queue>
 
 #include "core/errors.h"
@@ -25,13 +26,71 @@ std::string pcre2_message(int code) {
 
 // Words that do not fit the cache are merged every time; long ones are rare.
 constexpr size_t kMaxCachedPieceBytes = 256;
-constexpr size_t kMaxCachedPieces = size_t(1) << 18;
 // Up to this many symbols, merging rescans a rank array; longer words use a heap.
 constexpr size_t kShortWordSymbols = 64;
 
-struct TransparentHash {
-  using is_transparent = void;
-  size_t operator()(std::string_view s) const { return std::hash<std::string_view>{}(s); }
+uint64_t hash_bytes(std::string_view bytes) {
+  uint64_t h = 0x9E3779B97F4A7C15ull ^ bytes.size();
+  size_t i = 0;
+  for (; i + 8 <= bytes.size(); i += 8) {
+    uint64_t word;
+    std::memcpy(&word, bytes.data() + i, 8);
+    h = (h ^ word) * 0xBF58476D1CE4E5B9ull;
+    h ^= h >> 29;
+  }
+  uint64_t tail = 0;
+  std::memcpy(&tail, bytes.data() + i, bytes.size() - i);
+  h = (h ^ tail) * 0x94D049BB133111EBull;
+  return h ^ (h >> 31);
+}
+
+// The ids of pieces already encoded: open addressing over a byte arena for the keys and an id
+// arena for the values, emptied whole when full (the frequent pieces come straight back). The
+// slots are allocated on first use, so a state made for one short text costs little.
+class PieceCache {
+ public:
+  const int32_t* find(std::string_view piece, uint64_t hash, size_t& count) const {
+    if (slots_.empty()) return nullptr;
+    for (size_t at = hash & (kSlots - 1);; at = (at + 1) & (kSlots - 1)) {
+      const Slot& slot = slots_[at];
+      if (slot.hash == 0) return nullptr;
+      if (slot.hash == (hash | 1) && slot.key_size == piece.size() &&
+          std::memcmp(keys_.data() + slot.key_offset, piece.data(), piece.size()) == 0) {
+        count = slot.id_count;
+        return ids_.data() + slot.ids_offset;
+      }
+    }
+  }
+
+  void insert(std::string_view piece, uint64_t hash, const std::vector<int32_t>& ids) {
+    if (slots_.empty()) slots_.resize(kSlots);
+    if (entries_ == kSlots / 2) clear();
+    size_t at = hash & (kSlots - 1);
+    while (slots_[at].hash != 0) at = (at + 1) & (kSlots - 1);
+    slots_[at] = {hash | 1, uint32_t(keys_.size()), uint32_t(ids_.size()), uint16_t(piece.size()), uint16_t(ids.size())};
+    keys_.append(piece);
+    ids_.insert(ids_.end(), ids.begin(), ids.end());
+    ++entries_;
+  }
+
+  void clear() {
+    std::fill(slots_.begin(), slots_.end(), Slot{});
+    keys_.clear();
+    ids_.clear();
+    entries_ = 0;
+  }
+
+ private:
+  static constexpr size_t kSlots = size_t(1) << 18;
+  struct Slot {
+    uint64_t hash = 0;  // with the low bit set, so that 0 marks an empty slot
+    uint32_t key_offset = 0, ids_offset = 0;
+    uint16_t key_size = 0, id_count = 0;
+  };
+  std::vector<Slot> slots_;
+  std::string keys_;
+  std::vector<int32_t> ids_;
+  size_t entries_ = 0;
 };
 
 }  // namespace
@@ -64,8 +123,7 @@ struct EncodeScratch {
   std::string normalized;
   std::string prefixed;
   std::vector<int32_t> symbols;
-  std::unordered_map<std::string, std::pair<uint32_t, uint32_t>, TransparentHash, std::equal_to<>> cache;
-  std::vector<int32_t> cached_ids;
+  PieceCache cache;
 
   EncodeScratch() {
     jit_stack = pcre2_jit_stack_create(32 * 1024, 1024 * 1024, nullptr);
@@ -83,7 +141,6 @@ struct EncodeScratch {
     if (owner == tokenizer) return;
     owner = tokenizer;
     cache.clear();
-    cached_ids.clear();
     for (pcre2_match_data* data : match_data) pcre2_match_data_free(data);
     match_data.clear();
     for (size_t i = 0; i < regex_count; ++i) {
@@ -130,7 +187,11 @@ void Tokenizer::build_tables(const std::vector<std::pair<int32_t, int32_t>>& mer
     merge_keys_[slot] = key;
     merge_values_[slot] = uint64_t(rank) << 32 | uint32_t(merged->second);
   }
-  for (const AddedToken& token : added_) (token.normalized ? has_normalized_added_ : has_raw_added_) = true;
+  for (const AddedToken& token : added_) {
+    MARROW_CHECK(!token.content.empty() && token.id >= 0, "{}: added token {} must have content and a non-negative id", source, token.id);
+    (token.normalized ? has_normalized_added_ : has_raw_added_) = true;
+    added_starts_with_[token.normalized][uint8_t(token.content[0])] = true;
+  }
   for (const SplitRule& rule : splits_) regexes_.push_back(compile_split_regex(rule.pattern, source));
   vocab_size_ = int64_t(token_bytes_.size());
   for (const AddedToken& token : added_) vocab_size_ = std::max<int64_t>(vocab_size_, token.id + 1);
@@ -153,8 +214,10 @@ std::optional<int32_t> Tokenizer::token_id(std::string_view content) const {
 void Tokenizer::split_added(std::string_view text, bool normalized_set,
                             const std::function<void(std::string_view, const AddedToken*)>& visit) const {
   auto is_space = [](char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\v' || c == '\f'; };
+  const bool* starts = added_starts_with_[normalized_set];
   size_t start = 0;
   for (size_t pos = 0; pos < text.size(); ++pos) {
+    if (!starts[uint8_t(text[pos])]) continue;
     const AddedToken* best = nullptr;
     for (const AddedToken& token : added_) {
       if (token.normalized != normalized_set || token.content.empty() || token.content[0] != text[pos]) continue;
@@ -216,11 +279,11 @@ void Tokenizer::encode_piece(std::string_view piece, std::vector<int32_t>& ids, 
     return;
   }
   bool cacheable = piece.size() <= kMaxCachedPieceBytes;
+  uint64_t hash = cacheable ? hash_bytes(piece) : 0;
   if (cacheable) {
-    auto hit = scratch.cache.find(piece);
-    if (hit != scratch.cache.end()) {
-      ids.insert(ids.end(), scratch.cached_ids.begin() + hit->second.first,
-                 scratch.cached_ids.begin() + hit->second.first + hit->second.second);
+    size_t count = 0;
+    if (const int32_t* cached = scratch.cache.find(piece, hash, count)) {
+      ids.insert(ids.end(), cached, cached + count);
       return;
     }
   }
@@ -245,13 +308,7 @@ void Tokenizer::encode_piece(std::string_view piece, std::vector<int32_t>& ids, 
     }
   }
   ids.insert(ids.end(), symbols.begin(), symbols.end());
-  if (!cacheable) return;
-  if (scratch.cache.size() >= kMaxCachedPieces) {
-    scratch.cache.clear();
-    scratch.cached_ids.clear();
-  }
-  scratch.cache.emplace(std::string(piece), std::pair<uint32_t, uint32_t>(uint32_t(scratch.cached_ids.size()), uint32_t(symbols.size())));
-  scratch.cached_ids.insert(scratch.cached_ids.end(), symbols.begin(), symbols.end());
+  if (cacheable) scratch.cache.insert(piece, hash, symbols);
 }
 
 bool Tokenizer::find_merge(int32_t left, int32_t right, uint32_t& rank, int32_t& merged) const {

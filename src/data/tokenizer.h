@@ -127,6 +127,8 @@ class Tokenizer {
   bool fuse_unknown_ = false;
   int64_t vocab_size_ = 0;
   bool has_normalized_added_ = false, has_raw_added_ = false;
+  // [normalized][byte]: some added token of that set starts with the byte.
+  bool added_starts_with_[2][256] = {};
 };
 
 }  // namespace marrow

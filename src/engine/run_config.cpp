@@ -97,6 +97,10 @@ RunConfig parse_run_config(int argc, char** argv) {
   app.add_option("--schedule.decay_fraction", rc.decay_fraction)->check(CLI::Range(0.0, 1.0));
   app.add_option("--output.dir", rc.out_dir);
   app.add_option("--output.log_every", rc.log_every)->check(kPositive);
+  app.add_option("--checkpoint.every", rc.checkpoint_every)->check(kNonNegative);
+  app.add_option("--checkpoint.keep", rc.checkpoint_keep)->check(kPositive);
+  app.add_option("--checkpoint.resume", rc.checkpoint_resume);
+  app.add_option("--checkpoint.optimizer_state", rc.checkpoint_optimizer_state);
 
   std::vector<std::string> args = config_file_arguments(rc.source);
   for (int i = 2; i < argc; ++i) args.push_back(argv[i]);
@@ -107,7 +111,7 @@ RunConfig parse_run_config(int argc, char** argv) {
   } catch (const CLI::ExtrasError&) {
     std::string unknown;
     for (const std::string& a : app.remaining()) unknown += (unknown.empty() ? "" : ", ") + a.substr(0, a.find('='));
-    fail("{}: unknown run-config key {} (known sections: model, data, train, optimizer, schedule, output)", rc.source, unknown);
+    fail("{}: unknown run-config key {} (known sections: model, data, train, optimizer, schedule, output, checkpoint)", rc.source, unknown);
   } catch (const CLI::ParseError& e) {
     fail("{}: {}", rc.source, e.what());
   }

@@ -31,6 +31,11 @@ struct RunConfig {
   // [output]
   std::string out_dir = "runs/default";
   int64_t log_every = 1;
+  // [checkpoint] (engine/checkpoint.h)
+  int64_t checkpoint_every = 100;          // save every N steps and at the end (0: never)
+  int64_t checkpoint_keep = 2;             // complete checkpoints kept in output.dir; older ones are deleted
+  std::string checkpoint_resume;           // a checkpoint to start from when output.dir holds none
+  bool checkpoint_optimizer_state = true;  // false: weights only (a resume restarts the AdamW moments at zero)
 
   std::string source;  // the run config file, for messages
 };

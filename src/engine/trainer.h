@@ -5,6 +5,7 @@
 #pragma once
 #include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -12,6 +13,7 @@
 
 #include "core/memory.h"
 #include "data/dataset.h"
+#include "engine/checkpoint.h"
 #include "engine/lr_schedule.h"
 #include "engine/run_config.h"
 #include "engine/step.h"
@@ -93,7 +95,6 @@ std::vector<StepMetrics> train(const RunConfig& rc, const typename M::Config& mo
     arenas.push_back(&*working);
   }
   model.initialize(params, rc.seed);
-  if (working) cast(working->all(), params.all());
   const auto w = model.bind(working ? *working : params);
   const auto g = model.bind(grads);
   size_t arena_bytes = 0;
@@ -107,9 +108,19 @@ std::vector<StepMetrics> train(const RunConfig& rc, const typename M::Config& mo
               (long long)rc.micro_batch);
   std::fflush(stdout);
 
+  // Checkpoints (engine/checkpoint.h): resume from the newest in output.dir or checkpoint.resume.
+  TrainCheckpoints checkpoints(rc, model_config.json, model.specs(), {&params, &exp_avg, &exp_avg_sq});
+  const int64_t first_step = checkpoints.resume() + 1;
+  if (working) cast(working->all(), params.all());
   std::filesystem::create_directories(rc.out_dir);
   const std::string metrics_path = rc.out_dir + "/metrics.jsonl";
-  std::ofstream metrics(metrics_path, std::ios::trunc);
+  if (first_step > rc.steps) {
+    std::printf("the run is complete: its checkpoint is at step %lld of train.steps = %lld\n", (long long)first_step - 1,
+                (long long)rc.steps);
+    return {};
+  }
+  if (first_step > 1) keep_metrics_through(metrics_path, first_step - 1);
+  std::ofstream metrics(metrics_path, first_step > 1 ? std::ios::app : std::ios::trunc);
   MARROW_CHECK(metrics.good(), "cannot write {}", metrics_path);
 
   const LrSchedule schedule{rc.schedule, rc.lr, rc.min_lr, rc.warmup_steps, rc.steps, rc.decay_fraction};
@@ -118,8 +129,9 @@ std::vector<StepMetrics> train(const RunConfig& rc, const typename M::Config& mo
   std::vector<int32_t> tokens(size_t(B * (S + 1)));
   std::vector<StepMetrics> history;
   int64_t bad_in_a_row = 0;
+  StopSignals stop;  // SIGTERM/SIGINT: finish the step, save, return
 
-  for (int64_t step = 1; step <= rc.steps; ++step) {
+  for (int64_t step = first_step; step <= rc.steps; ++step) {
     const auto start = std::chrono::steady_clock::now();
     grads.fill_zero();
     // Every target of a sample is a real next token, so the step's counted tokens are known upfront.
@@ -173,6 +185,15 @@ std::vector<StepMetrics> train(const RunConfig& rc, const typename M::Config& mo
     metrics << step_json(m) << "\n";
     metrics.flush();
     history.push_back(m);
+    const int stop_signal = StopSignals::received();
+    const std::string saved = checkpoints.due(step, stop_signal != 0) ? checkpoints.save(step) : "";
+    if (stop_signal != 0 && step < rc.steps) {
+      std::printf("stopped by %s after step %lld: %s\n", stop_signal == SIGTERM ? "SIGTERM" : "SIGINT", (long long)step,
+                  saved.empty() ? "no checkpoint (checkpoint.every = 0)"
+                                : ("checkpoint in " + saved + "; run the same command again to resume").c_str());
+      std::fflush(stdout);
+      break;
+    }
   }
   return history;
 }

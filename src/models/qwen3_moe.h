@@ -23,6 +23,7 @@
 
 #include "core/json.h"
 #include "core/memory.h"
+#include "core/tensor_spec.h"
 
 namespace marrow {
 
@@ -36,15 +37,6 @@ struct Qwen3MoeConfig {
   // Reads and validates a Hugging Face config.json; every problem is one sentence naming the key.
   static Qwen3MoeConfig from_json(const Json& json, const std::string& source);
   static Qwen3MoeConfig load(const std::string& path) { return from_json(read_json_file(path), path); }
-};
-
-// One canonical tensor of the parameter table: its Hugging Face name, shape and place in the arena.
-struct TensorSpec {
-  std::string name;
-  std::vector<int64_t> shape;
-  int64_t offset = 0;  // in elements
-  int64_t numel = 0;
-  bool is_norm = false;  // RMSNorm weights: initialised to 1, no weight decay
 };
 
 struct Qwen3MoeLayerWeights {

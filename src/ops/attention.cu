@@ -133,6 +133,11 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool va
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_address(smem)), "l"(gmem),
                "r"(valid ? 16 : 0));
 }
+// 4 bytes (lse, delta entries); valid = false writes a zero.
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_address(smem)), "l"(gmem),
+               "r"(valid ? 4 : 0));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 // Waits until at most N of this thread's committed groups are still in flight.
 template <int N> __device__ __forceinline__ void cp_async_wait() {
@@ -203,7 +208,8 @@ __device__ __forceinline__ void warp_mma_nt(float (&acc)[N / 8][4], const bf16* 
 // rounded to bf16 as the A operand; B a shared tile stored [K][N + kPad] (values for O = P V, dO
 // for dV = P^T dO, ...), transposed into B fragments by ldmatrix.trans.
 template <int K, int N>
-__device__ __forceinline__ void warp_mma_pn(float (&acc)[N / 8][4], const float (&p)[K / 8][4], const bf16* b, int lane) {
+__device__ __forceinline__ void warp_mma_pn(float (&acc)[N / 8][4], const float (&p)[K / 8][4], const bf16* b,
+                                            int lane) {
   constexpr int ld = N + kPad;
 #pragma unroll
   for (int kk = 0; kk < K / 16; ++kk) {
@@ -365,13 +371,14 @@ __global__ void attention_delta_kernel(float* delta, const bf16* dout, const bf1
 
 // Backward, step 2: dk and dv. Grid (key blocks of 64, Hq, B); block = 4 warps, 16 key rows each,
 // for ONE query head: with GQA each query head writes its own f32 partial (dk_part, dv_part) and
-// step 4 adds the group's partials in head order, so no atomics and even work (a block per
-// query head, not per key/value head, keeps 8x more blocks than SMs busy at the bench shape).
-// Shared: K and V tiles [64][D+8] (read as A operands), two stages of Q and dO tiles [32][D+8]
-// plus lse and delta for 32 queries: 70 KB at D = 128. Per query tile each warp forms P^T
-// (16 keys x 32 queries) from lse, adds P^T dO into dV, forms dP^T = V dO^T and
-// dS^T = P^T (dP^T - delta), and adds dS^T Q into dK. 32 queries per tile keeps P^T and dS^T at
-// 16 registers each next to the two 64-register accumulators (D = 128).
+// step 4 adds a group's partials in head order. No atomics, and a block per query head rather than
+// per key/value head gives Hq / Hkv times more blocks (2048 at the bench shape) to even out the
+// causal imbalance. Shared: K and V tiles [64][D+8] (read as A operands) and two stages of Q and
+// dO tiles [32][D+8] plus lse and delta of 32 queries, all staged by cp.async: 70 KB at D = 128.
+// Per query tile each warp forms P^T (16 keys x 32 queries) from lse, adds P^T dO into dV, forms
+// dP^T = V dO^T and dS^T = P^T (dP^T - delta), and adds dS^T Q into dK. 32 queries per tile keeps
+// P^T and dS^T at 16 registers each beside the two 64-register accumulators (D = 128: ptxas
+// reports 255 registers, no spills, 2 blocks per SM).
 template <int D>
 __global__ void __launch_bounds__(kThreads) attention_dkdv_kernel(GpuArgs a) {
   constexpr int BN = 64, BM = 32, LD = D + kPad;
@@ -380,7 +387,7 @@ __global__ void __launch_bounds__(kThreads) attention_dkdv_kernel(GpuArgs a) {
   bf16* sv = sk + BN * LD;                   // [BN][LD]
   bf16* sq = sv + BN * LD;                   // [2][BM][LD]
   bf16* sdo = sq + 2 * BM * LD;              // [2][BM][LD]
-  float* slse = reinterpret_cast<float*>(sdo + 2 * BM * LD);  // [2][BM], times log2(e); +inf past the end
+  float* slse = reinterpret_cast<float*>(sdo + 2 * BM * LD);  // [2][BM]
   float* sdelta = slse + 2 * BM;                                // [2][BM]
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
@@ -396,10 +403,10 @@ __global__ void __launch_bounds__(kThreads) attention_dkdv_kernel(GpuArgs a) {
   auto load_queries = [&](int mt, int stage) {
     load_rows<BM, D>(sq + stage * BM * LD, q, q_ld, mt * BM, a.seq);
     load_rows<BM, D>(sdo + stage * BM * LD, dout, q_ld, mt * BM, a.seq);
-    if (threadIdx.x < BM) {
-      const int i = mt * BM + threadIdx.x;
-      slse[stage * BM + threadIdx.x] = i < a.seq ? lse[i] * kLog2e : INFINITY;  // P = 0 past the end
-      sdelta[stage * BM + threadIdx.x] = i < a.seq ? delta[i] : 0.f;
+    if (threadIdx.x < 2 * BM) {  // warp 0 copies lse, warp 1 delta; zeros past the end
+      const int c = threadIdx.x % BM, i = min(mt * BM + c, a.seq - 1);
+      float* dst = threadIdx.x < BM ? slse : sdelta;
+      cp_async4(dst + stage * BM + c, (threadIdx.x < BM ? lse : delta) + i, mt * BM + c < a.seq);
     }
   };
   load_rows<BN, D>(sk, a.k + (int64_t(b) * a.seq * a.kv_heads + hk) * D, kv_ld, n0, a.seq);
@@ -417,20 +424,21 @@ __global__ void __launch_bounds__(kThreads) attention_dkdv_kernel(GpuArgs a) {
     __syncthreads();
     const bf16* qt = sq + stage * BM * LD;
     const bf16* dot = sdo + stage * BM * LD;
-    const float* lse2 = slse + stage * BM;
+    const float* lse_t = slse + stage * BM;
     const float* dl = sdelta + stage * BM;
 
-    // P^T[key, query] = exp2(scale_log2 k . q - lse2), zero where the query precedes the key.
+    // P^T[key, query] = exp(scale k . q - lse), zero where the query precedes the key or is past
+    // the end (there Q and dO rows are zeros, so P would not matter, but say it anyway).
     float p[BM / 8][4] = {};
     warp_mma_nt<D, BM>(p, sk, warp * kWarpRows, qt, lane);
-    const bool diagonal = m0 < key0 + kWarpRows - 1;
+    const bool edge = m0 < key0 + kWarpRows - 1 || m0 + BM > a.seq;
 #pragma unroll
     for (int j = 0; j < BM / 8; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int c = j * 8 + 2 * t + e % 2;  // query within the tile
-        const float x = exp2f(p[j][e] * a.scale_log2 - lse2[c]);
-        p[j][e] = diagonal && m0 + c < key + e / 2 * 8 ? 0.f : x;
+        const float x = exp2f(p[j][e] * a.scale_log2 - lse_t[c] * kLog2e);
+        p[j][e] = edge && (m0 + c < key + e / 2 * 8 || m0 + c >= a.seq) ? 0.f : x;
       }
     warp_mma_pn<BM, D>(dv, p, dot, lane);  // dV += P^T dO
 
@@ -452,7 +460,8 @@ __global__ void __launch_bounds__(kThreads) attention_dkdv_kernel(GpuArgs a) {
       const int64_t at = ((int64_t(b) * a.seq + j) * a.q_heads + h) * D + 2 * t;
 #pragma unroll
       for (int d = 0; d < D / 8; ++d) {
-        *reinterpret_cast<float2*>(a.dk_part + at + d * 8) = make_float2(dk[d][2 * r] * a.scale, dk[d][2 * r + 1] * a.scale);
+        *reinterpret_cast<float2*>(a.dk_part + at + d * 8) =
+            make_float2(dk[d][2 * r] * a.scale, dk[d][2 * r + 1] * a.scale);
         *reinterpret_cast<float2*>(a.dv_part + at + d * 8) = make_float2(dv[d][2 * r], dv[d][2 * r + 1]);
       }
     } else {
@@ -618,7 +627,8 @@ void forward_gpu(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v, const Dim
 void backward_gpu(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse,
                   const Dims& n, Stream stream) {
   check_gpu_inputs("attention_backward", n,
-                   {{"q", &q}, {"k", &k}, {"v", &v}, {"out", &out}, {"dout", &dout}, {"dq", &dq}, {"dk", &dk}, {"dv", &dv}},
+                   {{"q", &q}, {"k", &k}, {"v", &v}, {"out", &out}, {"dout", &dout}, {"dq", &dq}, {"dk", &dk},
+                    {"dv", &dv}},
                    lse);
   if (n.batch * n.seq * n.q_heads == 0) return;
   const auto s = static_cast<cudaStream_t>(stream.handle);
@@ -632,11 +642,12 @@ void backward_gpu(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor
   const bool d64 = n.head_dim == 64;
 
   Buffer delta(DType::f32, Device::cuda, {n.batch, n.q_heads, n.seq}, stream);
-  a.delta = delta.ptr<float>();
+  float* delta_out = delta.ptr<float>();
+  a.delta = delta_out;
   const int64_t rows = n.batch * n.seq * n.q_heads;
-  const unsigned delta_blocks = unsigned((rows + 7) / 8);  // 8 warps of 256 threads, a row each
-  if (d64) attention_delta_kernel<64><<<delta_blocks, 256, 0, s>>>(delta.ptr<float>(), a.dout, a.out, rows, a.seq, a.q_heads);
-  else attention_delta_kernel<128><<<delta_blocks, 256, 0, s>>>(delta.ptr<float>(), a.dout, a.out, rows, a.seq, a.q_heads);
+  const unsigned delta_blocks = unsigned((rows + 7) / 8);  // blocks of 256 threads: 8 warps, a row each
+  if (d64) attention_delta_kernel<64><<<delta_blocks, 256, 0, s>>>(delta_out, a.dout, a.out, rows, a.seq, a.q_heads);
+  else attention_delta_kernel<128><<<delta_blocks, 256, 0, s>>>(delta_out, a.dout, a.out, rows, a.seq, a.q_heads);
   MARROW_CUDA_CHECK_LAUNCH();
 
   const int64_t group = n.q_heads / n.kv_heads;

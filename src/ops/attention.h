@@ -4,6 +4,9 @@
 // query heads share a key/value head, as in Hugging Face's repeat_kv; Hq must be a multiple of Hkv.
 // The forward saves lse_i = log sum_j exp(s[i, j]) so the backward can rebuild the probabilities
 // one row at a time (FlashAttention-2) instead of keeping the [S, S] matrix.
+// GPU: q, k, v, out, dout, dq, dk, dv bf16 and lse f32 (natural log, as on the CPU); head_dim 64 or
+// 128. The backward is deterministic (no atomics) and takes scratch from the stream-ordered pool:
+// delta [B, Hq, S] f32 and, when Hq > Hkv, per-query-head dk, dv partials [B, S, Hq, D] f32 each.
 #pragma once
 #include "core/tensor.h"
 

@@ -1,8 +1,14 @@
 #include "ops/combine.h"
 
 #include <array>
+#include <cstdint>
 
+#include "core/cuda_check.h"
 #include "ops/common.h"
+
+#ifdef __CUDACC__
+#include <cuda_bf16.h>
+#endif
 
 namespace marrow {
 
@@ -50,19 +56,131 @@ std::array<int64_t, 3> check_combine(const char* op, const char* tokens_name, co
   return {n, k, h};
 }
 
+
+#ifdef __CUDACC__
+using bf16 = __nv_bfloat16;
+constexpr int kWarps = 4;  // (token, slot) pairs per block of the backward
+
+template <int N> struct alignas(2 * N) Pack {
+  bf16 v[N];
+};
+template <int N> __device__ Pack<N> load(const bf16* row, int64_t pack) { return reinterpret_cast<const Pack<N>*>(row)[pack]; }
+template <int N> __device__ void store(bf16* row, int64_t pack, const Pack<N>& v) { reinterpret_cast<Pack<N>*>(row)[pack] = v; }
+
+bool packable(int64_t h, std::initializer_list<const void*> ptrs) {
+  uintptr_t bits = 0;
+  for (const void* p : ptrs) bits |= reinterpret_cast<uintptr_t>(p);
+  return h % 8 == 0 && bits % 16 == 0;
+}
+
+// One block per token; threads stride the row in packs of N (8 bf16 when H % 8 == 0). Each
+// element sums its K weighted rows in slot order in f32, then adds the residual: a fixed order,
+// so deterministic. Each element is read and written by one thread, so out may alias residual. A
+// row outside [0, T * K) (copy_row is not checked on the GPU) makes the element NaN.
+template <int N>
+__global__ void forward_kernel(bf16* out, const bf16* residual, const bf16* y_perm, const float* topk_weight,
+                               const int32_t* copy_row, int64_t n, int k, int64_t h) {
+  const int64_t t = blockIdx.x;
+  for (int64_t c = threadIdx.x; c < h / N; c += blockDim.x) {
+    float acc[N] = {};
+    for (int j = 0; j < k; ++j) {
+      const int64_t r = copy_row[t * k + j];
+      const float w = topk_weight[t * k + j];
+      if (r < 0 || r >= n * k) {
+        for (int l = 0; l < N; ++l) acc[l] = NAN;
+        continue;
+      }
+      const Pack<N> y = load<N>(y_perm + r * h, c);
+      for (int l = 0; l < N; ++l) acc[l] += w * float(y.v[l]);
+    }
+    const Pack<N> res = load<N>(residual + t * h, c);
+    Pack<N> o;
+    for (int l = 0; l < N; ++l) o.v[l] = bf16(float(res.v[l]) + acc[l]);
+    store<N>(out + t * h, c, o);
+  }
+}
+
+// One warp per copy (t, j): lanes stride the row in packs of N, write dy_perm = w * dout and
+// reduce dot(dout, y_perm row) in a fixed butterfly tree, so dtopk_weight is deterministic.
+template <int N>
+__global__ void backward_kernel(bf16* dy_perm, float* dtopk_weight, const bf16* dout, const bf16* y_perm,
+                                const float* topk_weight, const int32_t* copy_row, int64_t n, int k, int64_t h) {
+  const int64_t copy = blockIdx.x * int64_t(kWarps) + threadIdx.x / 32, t = copy / k;
+  const int lane = threadIdx.x % 32;
+  if (copy >= n * k) return;
+  const int64_t r = copy_row[copy];
+  if (r < 0 || r >= n * k) {
+    if (lane == 0) dtopk_weight[copy] = NAN;
+    return;
+  }
+  const float w = topk_weight[copy];
+  float dot = 0;
+  for (int64_t c = lane; c < h / N; c += 32) {
+    const Pack<N> g = load<N>(dout + t * h, c), y = load<N>(y_perm + r * h, c);
+    Pack<N> o;
+    for (int l = 0; l < N; ++l) {
+      dot += float(g.v[l]) * float(y.v[l]);
+      o.v[l] = bf16(w * float(g.v[l]));
+    }
+    store<N>(dy_perm + r * h, c, o);
+  }
+  for (int m = 16; m > 0; m /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, m);
+  if (lane == 0) dtopk_weight[copy] = dot;
+}
+
+void launch_forward(Tensor out, Tensor residual, Tensor y_perm, Tensor topk_weight, Tensor copy_row, Stream stream) {
+  const int64_t n = copy_row.size(0), k = copy_row.size(1), h = out.size(1);
+  if (n == 0 || h == 0) return;
+  auto s = static_cast<cudaStream_t>(stream.handle);
+  auto* o = static_cast<bf16*>(out.data);
+  auto *res = static_cast<const bf16*>(residual.data), *y = static_cast<const bf16*>(y_perm.data);
+  const float* w = topk_weight.ptr<float>();
+  const int32_t* rows = copy_row.ptr<int32_t>();
+  if (packable(h, {out.data, residual.data, y_perm.data}))
+    forward_kernel<8><<<unsigned(n), 128, 0, s>>>(o, res, y, w, rows, n, int(k), h);
+  else forward_kernel<1><<<unsigned(n), 128, 0, s>>>(o, res, y, w, rows, n, int(k), h);
+  MARROW_CUDA_CHECK_LAUNCH();
+}
+
+void launch_backward(Tensor dy_perm, Tensor dtopk_weight, Tensor dout, Tensor y_perm, Tensor topk_weight, Tensor copy_row,
+                     Stream stream) {
+  const int64_t n = copy_row.size(0), k = copy_row.size(1), h = dout.size(1);
+  if (n * k == 0) return;
+  auto s = static_cast<cudaStream_t>(stream.handle);
+  const unsigned blocks = unsigned((n * k + kWarps - 1) / kWarps);
+  auto* dy = static_cast<bf16*>(dy_perm.data);
+  auto *g = static_cast<const bf16*>(dout.data), *y = static_cast<const bf16*>(y_perm.data);
+  const float* w = topk_weight.ptr<float>();
+  const int32_t* rows = copy_row.ptr<int32_t>();
+  if (packable(h, {dy_perm.data, dout.data, y_perm.data}))
+    backward_kernel<8><<<blocks, 32 * kWarps, 0, s>>>(dy, dtopk_weight.ptr<float>(), g, y, w, rows, n, int(k), h);
+  else backward_kernel<1><<<blocks, 32 * kWarps, 0, s>>>(dy, dtopk_weight.ptr<float>(), g, y, w, rows, n, int(k), h);
+  MARROW_CUDA_CHECK_LAUNCH();
+}
+#endif
+
 }  // namespace
 
 void combine_forward(Tensor out, Tensor residual, Tensor y_perm, Tensor topk_weight, Tensor copy_row, Stream stream) {
   const char* op = "combine_forward";
-  auto [n, k, h] = check_combine(op, "residual", residual, "y_perm", y_perm, topk_weight, copy_row);
+  const std::array<int64_t, 3> size = check_combine(op, "residual", residual, "y_perm", y_perm, topk_weight, copy_row);
+  const int64_t n = size[0], k = size[1], h = size[2];
   expect_shape(op, "out", out, {n, h});
-  expect_same_dtype(op, {{"residual", &residual}, {"out", &out}, {"y_perm", &y_perm}, {"topk_weight", &topk_weight}});
   if (common_device(op, {{"residual", &residual},
                          {"out", &out},
                          {"y_perm", &y_perm},
                          {"topk_weight", &topk_weight},
-                         {"copy_row", &copy_row}}) == Device::cuda)
+                         {"copy_row", &copy_row}}) == Device::cuda) {
+    for (auto [name, t] : {std::pair{"residual", &residual}, std::pair{"out", &out}, std::pair{"y_perm", &y_perm}})
+      expect_dtype(op, name, *t, DType::bf16);
+    expect_dtype(op, "topk_weight", topk_weight, DType::f32);
+#ifdef __CUDACC__
+    return launch_forward(out, residual, y_perm, topk_weight, copy_row, stream);
+#else
     no_cuda_kernel(op);
+#endif
+  }
+  expect_same_dtype(op, {{"residual", &residual}, {"out", &out}, {"y_perm", &y_perm}, {"topk_weight", &topk_weight}});
   (void)stream;
   expect_indices_below(op, "copy_row", copy_row, n * k);
   with_cpu_scalar(op, residual, [&](auto s) {
@@ -74,21 +192,31 @@ void combine_forward(Tensor out, Tensor residual, Tensor y_perm, Tensor topk_wei
 void combine_backward(Tensor dy_perm, Tensor dtopk_weight, Tensor dout, Tensor y_perm, Tensor topk_weight, Tensor copy_row,
                       Stream stream) {
   const char* op = "combine_backward";
-  auto [n, k, h] = check_combine(op, "dout", dout, "y_perm", y_perm, topk_weight, copy_row);
+  const std::array<int64_t, 3> size = check_combine(op, "dout", dout, "y_perm", y_perm, topk_weight, copy_row);
+  const int64_t n = size[0], k = size[1], h = size[2];
   expect_shape(op, "dy_perm", dy_perm, {n * k, h});
   expect_shape(op, "dtopk_weight", dtopk_weight, {n, k});
-  expect_same_dtype(op, {{"dout", &dout},
-                         {"dy_perm", &dy_perm},
-                         {"dtopk_weight", &dtopk_weight},
-                         {"y_perm", &y_perm},
-                         {"topk_weight", &topk_weight}});
   if (common_device(op, {{"dout", &dout},
                          {"dy_perm", &dy_perm},
                          {"dtopk_weight", &dtopk_weight},
                          {"y_perm", &y_perm},
                          {"topk_weight", &topk_weight},
-                         {"copy_row", &copy_row}}) == Device::cuda)
+                         {"copy_row", &copy_row}}) == Device::cuda) {
+    for (auto [name, t] : {std::pair{"dout", &dout}, std::pair{"dy_perm", &dy_perm}, std::pair{"y_perm", &y_perm}})
+      expect_dtype(op, name, *t, DType::bf16);
+    expect_dtype(op, "topk_weight", topk_weight, DType::f32);
+    expect_dtype(op, "dtopk_weight", dtopk_weight, DType::f32);
+#ifdef __CUDACC__
+    return launch_backward(dy_perm, dtopk_weight, dout, y_perm, topk_weight, copy_row, stream);
+#else
     no_cuda_kernel(op);
+#endif
+  }
+  expect_same_dtype(op, {{"dout", &dout},
+                         {"dy_perm", &dy_perm},
+                         {"dtopk_weight", &dtopk_weight},
+                         {"y_perm", &y_perm},
+                         {"topk_weight", &topk_weight}});
   (void)stream;
   expect_indices_below(op, "copy_row", copy_row, n * k);
   with_cpu_scalar(op, dout, [&](auto s) {

@@ -60,9 +60,9 @@ template <typename T> void axpy(T* y, T alpha, const T* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
 }
 
-// The GPU half of an op that has no kernel yet (CUDA backend, issue 6): a clear error, not a crash.
+// The GPU branch of an op in a build without CUDA: a clear error, not a crash.
 [[noreturn]] inline void no_cuda_kernel(const char* op) {
-  fail("{}: the tensors are on the GPU but this op has no CUDA kernel yet", op);
+  fail("{}: the tensors are on the GPU but this build of marrow has no CUDA support (configure with -DMARROW_CUDA=ON)", op);
 }
 
 }  // namespace marrow

@@ -2,9 +2,15 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <limits>
 
+#include "core/cuda_check.h"
 #include "ops/common.h"
+
+#ifdef __CUDACC__
+#include <cuda_bf16.h>
+#endif
 
 namespace marrow {
 
@@ -48,6 +54,119 @@ void backward_cpu(T* dlogits, const T* logits, const T* lse, const int32_t* targ
   }
 }
 
+
+#ifdef __CUDACC__
+using bf16 = __nv_bfloat16;
+constexpr int kThreads = 512;
+
+template <int N> struct alignas(2 * N) Pack {
+  bf16 v[N];
+};
+
+// Merges the softmax state (max m2, sum s2 of exp(x - m2)) into (m, s). Symmetric in its two
+// arguments, so the lanes of a butterfly all end with the same bits.
+__device__ void merge(float& m, float& s, float m2, float s2) {
+  const float mx = fmaxf(m, m2);
+  if (mx == -INFINITY) return;
+  s = s * expf(m - mx) + s2 * expf(m2 - mx);
+  m = mx;
+}
+
+// One block per row; each thread keeps an online (max, sum) over its packs of N logits (8 bf16 =
+// 16 bytes when V % 8 == 0), rescaling when the max grows, so the logits are read once and never
+// copied to f32. The states are merged in a fixed tree (butterfly within warps, then warp 0 over
+// the warps), so lse is deterministic. A target outside [0, V) other than the ignore index gives
+// a NaN loss (the GPU path does not check targets on the host).
+template <int N>
+__global__ void forward_kernel(float* token_loss, float* lse, const bf16* logits, const int32_t* targets, int64_t vocab) {
+  __shared__ float warp_m[kThreads / 32], warp_s[kThreads / 32];
+  const int64_t t = blockIdx.x;
+  const bf16* row = logits + t * vocab;
+  float m = -INFINITY, s = 0;
+  for (int64_t c = threadIdx.x; c < vocab / N; c += kThreads) {
+    const Pack<N> p = reinterpret_cast<const Pack<N>*>(row)[c];
+    float pack_max = -INFINITY;
+    for (int l = 0; l < N; ++l) pack_max = fmaxf(pack_max, float(p.v[l]));
+    if (pack_max > m) {
+      s *= expf(m - pack_max);
+      m = pack_max;
+    }
+    if (m > -INFINITY)
+      for (int l = 0; l < N; ++l) s += expf(float(p.v[l]) - m);
+  }
+  for (int d = 16; d > 0; d /= 2) merge(m, s, __shfl_xor_sync(0xffffffffu, m, d), __shfl_xor_sync(0xffffffffu, s, d));
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) {
+    warp_m[warp] = m;
+    warp_s[warp] = s;
+  }
+  __syncthreads();
+  if (warp != 0) return;
+  m = lane < kThreads / 32 ? warp_m[lane] : -INFINITY;
+  s = lane < kThreads / 32 ? warp_s[lane] : 0.0f;
+  for (int d = 16; d > 0; d /= 2) merge(m, s, __shfl_xor_sync(0xffffffffu, m, d), __shfl_xor_sync(0xffffffffu, s, d));
+  if (lane == 0) {
+    const float l = m + logf(s);
+    const int32_t target = targets[t];
+    lse[t] = l;
+    if (target == kIgnoreIndex) token_loss[t] = 0;
+    else token_loss[t] = 0 <= target && target < vocab ? l - float(row[target]) : NAN;
+  }
+}
+
+// One block per row, threads over its packs: dlogits = scale * exp(x - lse) - scale at the target,
+// elementwise. Each element is read and written by one thread, so dlogits may alias logits.
+template <int N>
+__global__ void backward_kernel(bf16* dlogits, const bf16* logits, const float* lse, const int32_t* targets, int64_t vocab,
+                                float scale) {
+  const int64_t t = blockIdx.x;
+  const int32_t target = targets[t];
+  const bool ignore = target == kIgnoreIndex, bad = !ignore && (target < 0 || target >= vocab);
+  const float l = lse[t];
+  for (int64_t c = threadIdx.x; c < vocab / N; c += kThreads) {
+    const Pack<N> p = reinterpret_cast<const Pack<N>*>(logits + t * vocab)[c];
+    Pack<N> o;
+    for (int i = 0; i < N; ++i) {
+      const float g = scale * expf(float(p.v[i]) - l) - (c * N + i == target ? scale : 0.0f);
+      o.v[i] = bf16(ignore ? 0.0f : bad ? NAN : g);
+    }
+    reinterpret_cast<Pack<N>*>(dlogits + t * vocab)[c] = o;
+  }
+}
+
+bool packable(int64_t vocab, std::initializer_list<const void*> ptrs) {
+  uintptr_t bits = 0;
+  for (const void* p : ptrs) bits |= reinterpret_cast<uintptr_t>(p);
+  return vocab % 8 == 0 && bits % 16 == 0;
+}
+
+void launch_forward(Tensor token_loss, Tensor lse, Tensor logits, Tensor targets, Stream stream) {
+  const int64_t n = logits.size(0), vocab = logits.size(1);
+  if (n == 0) return;
+  auto s = static_cast<cudaStream_t>(stream.handle);
+  auto* x = static_cast<const bf16*>(logits.data);
+  if (packable(vocab, {logits.data}))
+    forward_kernel<8>
+        <<<unsigned(n), kThreads, 0, s>>>(token_loss.ptr<float>(), lse.ptr<float>(), x, targets.ptr<int32_t>(), vocab);
+  else
+    forward_kernel<1>
+        <<<unsigned(n), kThreads, 0, s>>>(token_loss.ptr<float>(), lse.ptr<float>(), x, targets.ptr<int32_t>(), vocab);
+  MARROW_CUDA_CHECK_LAUNCH();
+}
+
+void launch_backward(Tensor dlogits, Tensor logits, Tensor lse, Tensor targets, double scale, Stream stream) {
+  const int64_t n = logits.size(0), vocab = logits.size(1);
+  if (n == 0) return;
+  auto s = static_cast<cudaStream_t>(stream.handle);
+  auto* dx = static_cast<bf16*>(dlogits.data);
+  auto* x = static_cast<const bf16*>(logits.data);
+  if (packable(vocab, {dlogits.data, logits.data}))
+    backward_kernel<8><<<unsigned(n), kThreads, 0, s>>>(dx, x, lse.ptr<float>(), targets.ptr<int32_t>(), vocab, float(scale));
+  else backward_kernel<1><<<unsigned(n), kThreads, 0, s>>>(dx, x, lse.ptr<float>(), targets.ptr<int32_t>(), vocab, float(scale));
+  MARROW_CUDA_CHECK_LAUNCH();
+}
+#endif
+
 }  // namespace
 
 void cross_entropy_forward(Tensor token_loss, Tensor lse, Tensor logits, Tensor targets, Stream stream) {
@@ -58,10 +177,18 @@ void cross_entropy_forward(Tensor token_loss, Tensor lse, Tensor logits, Tensor 
   expect_shape(op, "token_loss", token_loss, {n});
   expect_shape(op, "lse", lse, {n});
   expect_dtype(op, "targets", targets, DType::i32);
-  expect_same_dtype(op, {{"logits", &logits}, {"token_loss", &token_loss}, {"lse", &lse}});
   if (common_device(op, {{"logits", &logits}, {"token_loss", &token_loss}, {"lse", &lse}, {"targets", &targets}}) ==
-      Device::cuda)
+      Device::cuda) {
+    expect_dtype(op, "logits", logits, DType::bf16);
+    expect_dtype(op, "token_loss", token_loss, DType::f32);
+    expect_dtype(op, "lse", lse, DType::f32);
+#ifdef __CUDACC__
+    return launch_forward(token_loss, lse, logits, targets, stream);
+#else
     no_cuda_kernel(op);
+#endif
+  }
+  expect_same_dtype(op, {{"logits", &logits}, {"token_loss", &token_loss}, {"lse", &lse}});
   (void)stream;
   check_targets(op, targets.ptr<int32_t>(), n, vocab);
   with_cpu_scalar(op, logits, [&](auto s) {
@@ -78,10 +205,18 @@ void cross_entropy_backward(Tensor dlogits, Tensor logits, Tensor lse, Tensor ta
   expect_shape(op, "targets", targets, {n});
   expect_shape(op, "lse", lse, {n});
   expect_dtype(op, "targets", targets, DType::i32);
-  expect_same_dtype(op, {{"logits", &logits}, {"dlogits", &dlogits}, {"lse", &lse}});
   if (common_device(op, {{"logits", &logits}, {"dlogits", &dlogits}, {"lse", &lse}, {"targets", &targets}}) ==
-      Device::cuda)
+      Device::cuda) {
+    expect_dtype(op, "logits", logits, DType::bf16);
+    expect_dtype(op, "dlogits", dlogits, DType::bf16);
+    expect_dtype(op, "lse", lse, DType::f32);
+#ifdef __CUDACC__
+    return launch_backward(dlogits, logits, lse, targets, scale, stream);
+#else
     no_cuda_kernel(op);
+#endif
+  }
+  expect_same_dtype(op, {{"logits", &logits}, {"dlogits", &dlogits}, {"lse", &lse}});
   (void)stream;
   check_targets(op, targets.ptr<int32_t>(), n, vocab);
   with_cpu_scalar(op, logits, [&](auto s) {

@@ -2,7 +2,8 @@
 //   lse[t] = log sum_v exp(logits[t, v]),   token_loss[t] = lse[t] - logits[t, targets[t]].
 // A target of kIgnoreIndex (-100, PyTorch's and Hugging Face's convention, e.g. for padding) gives
 // loss 0 and a zero gradient row; the caller reduces token_loss and passes the matching scale
-// (typically 1 / number of counted tokens) to the backward.
+// (typically 1 / number of counted tokens) to the backward. On the GPU (logits, dlogits bf16;
+// token_loss, lse f32) targets are not checked on the host: a bad one gives a NaN loss and row.
 #pragma once
 #include <cstdint>
 

@@ -3,9 +3,18 @@
 #include <algorithm>
 #include <array>
 #include <limits>
+#include <cstdint>
 #include <vector>
 
+#include "core/cuda_check.h"
+#include "core/memory.h"
 #include "ops/common.h"
+
+#ifdef __CUDACC__
+#include <cuda_bf16.h>
+
+#include <cub/device/device_radix_sort.cuh>
+#endif
 
 namespace marrow {
 
@@ -36,7 +45,7 @@ void backward_cpu(T* dx, const T* dx_perm, const int32_t* copy_row, int64_t n, i
     }
 }
 
-// Checks copy_row[T, K] (i32) against tokens[T, H] and rows[T * K, H]; returns (T, K, H).
+// Checks the shapes and dtypes of copy_row[T, K] (i32), tokens[T, H] and rows[T * K, H]; returns (T, K, H).
 std::array<int64_t, 3> check_permute(const char* op, const char* tokens_name, const Tensor& tokens, const char* rows_name,
                                      const Tensor& rows, const Tensor& copy_row) {
   MARROW_CHECK(tokens.ndim == 2, "{}: {} must be [tokens, hidden], got {}", op, tokens_name, tokens.shape_string());
@@ -46,11 +55,130 @@ std::array<int64_t, 3> check_permute(const char* op, const char* tokens_name, co
   expect_dtype(op, "copy_row", copy_row, DType::i32);
   expect_shape(op, rows_name, rows, {n * k, h});
   expect_same_dtype(op, {{tokens_name, &tokens}, {rows_name, &rows}});
-  if (common_device(op, {{tokens_name, &tokens}, {rows_name, &rows}, {"copy_row", &copy_row}}) == Device::cuda)
-    no_cuda_kernel(op);
-  expect_indices_below(op, "copy_row", copy_row, n * k);
   return {n, k, h};
 }
+
+
+#ifdef __CUDACC__
+using bf16 = __nv_bfloat16;
+
+template <int N> struct alignas(2 * N) Pack {
+  bf16 v[N];
+};
+
+bool packable(int64_t h, std::initializer_list<const void*> ptrs) {
+  uintptr_t bits = 0;
+  for (const void* p : ptrs) bits |= reinterpret_cast<uintptr_t>(p);
+  return h % 8 == 0 && bits % 16 == 0;
+}
+
+__global__ void iota_kernel(int32_t* out, int64_t n) {
+  const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (i < n) out[i] = int32_t(i);
+}
+
+// The plan is a stable radix sort of the copies (t * K + j) by expert (cub, deterministic). Then
+// one thread per expert boundary e in [0, E]: expert_offsets[e] = the number of sorted experts
+// below e, by binary search.
+__global__ void offsets_kernel(int32_t* offsets, const int32_t* sorted_experts, int64_t copies, int e) {
+  const int x = blockIdx.x * blockDim.x + threadIdx.x;
+  if (x > e) return;
+  int64_t lo = 0, hi = copies;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi) / 2;
+    if (sorted_experts[mid] < x) lo = mid + 1;
+    else hi = mid;
+  }
+  offsets[x] = int32_t(lo);
+}
+
+// One thread per row r: the copy the sort put at row r gets copy_row = r.
+__global__ void scatter_rows_kernel(int32_t* copy_row, const int32_t* sorted_copies, int64_t copies) {
+  const int64_t r = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (r < copies) copy_row[sorted_copies[r]] = int32_t(r);
+}
+
+// One block per token; its threads stride the row in packs of N (8 bf16 when H % 8 == 0), each pack
+// loaded once and stored to the token's K rows. Pure copies: nothing to order. Rows outside
+// [0, T * K) are skipped (the GPU path does not check copy_row).
+template <int N>
+__global__ void forward_kernel(bf16* x_perm, const bf16* x, const int32_t* copy_row, int64_t n, int k, int64_t h) {
+  const int64_t t = blockIdx.x;
+  for (int64_t c = threadIdx.x; c < h / N; c += blockDim.x) {
+    const Pack<N> v = reinterpret_cast<const Pack<N>*>(x + t * h)[c];
+    for (int j = 0; j < k; ++j) {
+      const int64_t r = copy_row[t * k + j];
+      if (0 <= r && r < n * k) reinterpret_cast<Pack<N>*>(x_perm + r * h)[c] = v;
+    }
+  }
+}
+
+// One block per token, threads over the row in packs of N; each element sums its K rows in slot
+// order in f32 (fixed order: deterministic). A row outside [0, T * K) makes the element NaN.
+template <int N>
+__global__ void backward_kernel(bf16* dx, const bf16* dx_perm, const int32_t* copy_row, int64_t n, int k, int64_t h) {
+  const int64_t t = blockIdx.x;
+  for (int64_t c = threadIdx.x; c < h / N; c += blockDim.x) {
+    float acc[N] = {};
+    for (int j = 0; j < k; ++j) {
+      const int64_t r = copy_row[t * k + j];
+      if (r < 0 || r >= n * k) {
+        for (int l = 0; l < N; ++l) acc[l] = NAN;
+        continue;
+      }
+      const Pack<N> v = reinterpret_cast<const Pack<N>*>(dx_perm + r * h)[c];
+      for (int l = 0; l < N; ++l) acc[l] += float(v.v[l]);
+    }
+    Pack<N> o;
+    for (int l = 0; l < N; ++l) o.v[l] = bf16(acc[l]);
+    reinterpret_cast<Pack<N>*>(dx + t * h)[c] = o;
+  }
+}
+
+// Returns whether every expert index was inside [0, E): those outside sort before 0 or after E - 1.
+bool launch_plan(Tensor expert_offsets, Tensor copy_row, Tensor topk_index, Stream stream) {
+  const int64_t copies = topk_index.numel(), e = expert_offsets.size(0) - 1;
+  auto s = static_cast<cudaStream_t>(stream.handle);
+  Buffer offsets(DType::i32, Device::cuda, {e + 1}, stream);
+  if (copies > 0) {
+    Buffer ids(DType::i32, Device::cuda, {copies}, stream), sorted_experts(DType::i32, Device::cuda, {copies}, stream),
+        sorted_copies(DType::i32, Device::cuda, {copies}, stream);
+    iota_kernel<<<unsigned((copies + 255) / 256), 256, 0, s>>>(ids.ptr<int32_t>(), copies);
+    MARROW_CUDA_CHECK_LAUNCH();
+    size_t temp_bytes = 0;
+    MARROW_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, temp_bytes, topk_index.ptr<int32_t>(),
+                                                      sorted_experts.ptr<int32_t>(), ids.ptr<int32_t>(),
+                                                      sorted_copies.ptr<int32_t>(), int(copies), 0, 32, s));
+    Buffer temp(DType::i64, Device::cuda, {int64_t(temp_bytes / 8 + 1)}, stream);
+    MARROW_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp.view().data, temp_bytes, topk_index.ptr<int32_t>(),
+                                                      sorted_experts.ptr<int32_t>(), ids.ptr<int32_t>(),
+                                                      sorted_copies.ptr<int32_t>(), int(copies), 0, 32, s));
+    offsets_kernel<<<unsigned((e + 256) / 256), 256, 0, s>>>(offsets.ptr<int32_t>(), sorted_experts.ptr<int32_t>(), copies,
+                                                             int(e));
+    MARROW_CUDA_CHECK_LAUNCH();
+    scatter_rows_kernel<<<unsigned((copies + 255) / 256), 256, 0, s>>>(copy_row.ptr<int32_t>(), sorted_copies.ptr<int32_t>(),
+                                                                       copies);
+    MARROW_CUDA_CHECK_LAUNCH();
+  } else {
+    MARROW_CUDA_CHECK(cudaMemsetAsync(offsets.view().data, 0, offsets.view().bytes(), s));
+  }
+  copy(expert_offsets, offsets, stream);  // waits for the stream: the grouped GEMM needs the offsets on the host
+  const int32_t* host = expert_offsets.ptr<int32_t>();
+  return host[0] == 0 && host[e] == copies;
+}
+
+template <typename Kernel8, typename Kernel1>
+void launch_permute(Kernel8 kernel8, Kernel1 kernel1, Tensor out, Tensor in, Tensor copy_row, Stream stream) {
+  const int64_t n = copy_row.size(0), k = copy_row.size(1), h = out.size(1);
+  if (n == 0 || h == 0) return;
+  auto s = static_cast<cudaStream_t>(stream.handle);
+  auto* o = static_cast<bf16*>(out.data);
+  auto* i = static_cast<const bf16*>(in.data);
+  if (packable(h, {out.data, in.data})) kernel8<<<unsigned(n), 128, 0, s>>>(o, i, copy_row.ptr<int32_t>(), n, int(k), h);
+  else kernel1<<<unsigned(n), 128, 0, s>>>(o, i, copy_row.ptr<int32_t>(), n, int(k), h);
+  MARROW_CUDA_CHECK_LAUNCH();
+}
+#endif
 
 }  // namespace
 
@@ -65,9 +193,16 @@ void dispatch_plan(Tensor expert_offsets, Tensor copy_row, Tensor topk_index, St
   expect_dtype(op, "copy_row", copy_row, DType::i32);
   expect_dtype(op, "expert_offsets", expert_offsets, DType::i32);
   MARROW_CHECK(n * k <= std::numeric_limits<int32_t>::max(), "{}: {} token copies do not fit the i32 row indices", op, n * k);
-  if (common_device(op, {{"topk_index", &topk_index}, {"copy_row", &copy_row}, {"expert_offsets", &expert_offsets}}) ==
-      Device::cuda)
+  if (common_device(op, {{"topk_index", &topk_index}, {"copy_row", &copy_row}}) == Device::cuda) {
+    expect_device(op, "expert_offsets", expert_offsets, Device::cpu);
+#ifdef __CUDACC__
+    MARROW_CHECK(launch_plan(expert_offsets, copy_row, topk_index, stream), "{}: topk_index has entries outside [0, {})", op, e);
+    return;
+#else
     no_cuda_kernel(op);
+#endif
+  }
+  expect_device(op, "expert_offsets", expert_offsets, Device::cpu);
   (void)stream;
   expect_indices_below(op, "topk_index", topk_index, e);
   plan_cpu(expert_offsets.ptr<int32_t>(), copy_row.ptr<int32_t>(), topk_index.ptr<int32_t>(), n * k, e);
@@ -75,7 +210,17 @@ void dispatch_plan(Tensor expert_offsets, Tensor copy_row, Tensor topk_index, St
 
 void dispatch_forward(Tensor x_perm, Tensor x, Tensor copy_row, Stream stream) {
   const char* op = "dispatch_forward";
-  auto [n, k, h] = check_permute(op, "x", x, "x_perm", x_perm, copy_row);
+  const std::array<int64_t, 3> size = check_permute(op, "x", x, "x_perm", x_perm, copy_row);
+  const int64_t n = size[0], k = size[1], h = size[2];
+  if (common_device(op, {{"x", &x}, {"x_perm", &x_perm}, {"copy_row", &copy_row}}) == Device::cuda) {
+    expect_dtype(op, "x", x, DType::bf16);
+#ifdef __CUDACC__
+    return launch_permute(forward_kernel<8>, forward_kernel<1>, x_perm, x, copy_row, stream);
+#else
+    no_cuda_kernel(op);
+#endif
+  }
+  expect_indices_below(op, "copy_row", copy_row, n * k);
   (void)stream;
   with_cpu_scalar(op, x, [&](auto s) {
     using T = decltype(s);
@@ -85,7 +230,17 @@ void dispatch_forward(Tensor x_perm, Tensor x, Tensor copy_row, Stream stream) {
 
 void dispatch_backward(Tensor dx, Tensor dx_perm, Tensor copy_row, Stream stream) {
   const char* op = "dispatch_backward";
-  auto [n, k, h] = check_permute(op, "dx", dx, "dx_perm", dx_perm, copy_row);
+  const std::array<int64_t, 3> size = check_permute(op, "dx", dx, "dx_perm", dx_perm, copy_row);
+  const int64_t n = size[0], k = size[1], h = size[2];
+  if (common_device(op, {{"dx", &dx}, {"dx_perm", &dx_perm}, {"copy_row", &copy_row}}) == Device::cuda) {
+    expect_dtype(op, "dx", dx, DType::bf16);
+#ifdef __CUDACC__
+    return launch_permute(backward_kernel<8>, backward_kernel<1>, dx, dx_perm, copy_row, stream);
+#else
+    no_cuda_kernel(op);
+#endif
+  }
+  expect_indices_below(op, "copy_row", copy_row, n * k);
   (void)stream;
   with_cpu_scalar(op, dx, [&](auto s) {
     using T = decltype(s);

@@ -3,7 +3,9 @@
 //   Copy (t, j), token t in top-k slot j, goes to row copy_row[t, j]. Rows are ordered by expert,
 //   then token, then slot; expert e owns rows [expert_offsets[e], expert_offsets[e + 1]), so
 //   expert_offsets[0] = 0, expert_offsets[E] = T * K, and copy_row is a permutation of [0, T * K).
-// The plan is a counting sort: deterministic, and a pure function of topk_index.
+// The plan is a counting sort: deterministic, and a pure function of topk_index. On the GPU the
+// plan is a stable radix sort with the same result; expert_offsets stays a host tensor, so
+// dispatch_plan waits for the stream (the one sync per layer the grouped GEMM needs).
 #pragma once
 #include "core/tensor.h"
 

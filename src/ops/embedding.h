@@ -7,7 +7,8 @@
 namespace marrow {
 
 // out[T, H] from ids[T] (i32) and table[V, H]. An id outside [0, V) is an Error naming the id and
-// its position, checked before anything is written.
+// its position, checked before anything is written. On the GPU (table, out bf16; dtable f32) ids
+// stay on the device unchecked: a bad id gives a NaN row and is skipped by the backward.
 void embedding_forward(Tensor out, Tensor ids, Tensor table, Stream stream = {});
 
 // dtable[V, H] is accumulated (+=), as every weight gradient in Marrow is; dout is [T, H].

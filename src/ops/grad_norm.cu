@@ -1,14 +1,92 @@
 #include "ops/grad_norm.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
 
+#include "core/cuda_check.h"
+#include "core/memory.h"
 #include "ops/common.h"
 
 namespace marrow {
 
+namespace {
+
+#ifdef __CUDACC__
+// A fixed partition, independent of the GPU: block b's threads take elements (or float4s) in a
+// grid-stride loop, so which element lands in which partial sum depends only on n.
+constexpr int kBlocks = 1024, kThreads = 256;
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// Pass 1 of l2_norm: per-thread sums of squares in double, reduced within the block in a fixed
+// tree (butterfly in each warp, then warp 0 over the warps) into partial[block].
+template <bool Vec4> __global__ void sum_squares_kernel(double* partial, const float* x, int64_t n) {
+  __shared__ double warp_sums[kThreads / 32];
+  const int64_t first = blockIdx.x * int64_t(kThreads) + threadIdx.x, stride = int64_t(kBlocks) * kThreads;
+  double acc = 0;
+  int64_t done = 0;
+  if (Vec4) {
+    for (int64_t i = first; i < n / 4; i += stride) {
+      const float4 v = reinterpret_cast<const float4*>(x)[i];
+      acc += double(v.x) * v.x + double(v.y) * v.y + double(v.z) * v.z + double(v.w) * v.w;
+    }
+    done = n / 4 * 4;
+  }
+  for (int64_t i = done + first; i < n; i += stride) acc += double(x[i]) * x[i];
+  for (int m = 16; m > 0; m /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, m);
+  if (threadIdx.x % 32 == 0) warp_sums[threadIdx.x / 32] = acc;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    double sum = 0;
+    for (int w = 0; w < kThreads / 32; ++w) sum += warp_sums[w];
+    partial[blockIdx.x] = sum;
+  }
+}
+
+// x *= factor, elementwise in a grid-stride loop; the product is taken in double, as on the CPU.
+__global__ void scale_kernel(float* x, int64_t n, double factor) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    x[i] = float(double(x[i]) * factor);
+}
+
+// Pass 2 runs on the host: the kBlocks partial sums are copied back (a wait on the stream) and
+// added in block order.
+double launch_l2_norm(Tensor x, Stream stream) {
+  const int64_t n = x.numel();
+  if (n == 0) return 0;
+  auto s = static_cast<cudaStream_t>(stream.handle);
+  Buffer partial(DType::f64, Device::cuda, {kBlocks}, stream);
+  if (aligned16(x.data)) sum_squares_kernel<true><<<kBlocks, kThreads, 0, s>>>(partial.ptr<double>(), x.ptr<float>(), n);
+  else sum_squares_kernel<false><<<kBlocks, kThreads, 0, s>>>(partial.ptr<double>(), x.ptr<float>(), n);
+  MARROW_CUDA_CHECK_LAUNCH();
+  Buffer host = to_host(partial, stream);
+  double sum = 0;
+  for (int b = 0; b < kBlocks; ++b) sum += host.ptr<double>()[b];
+  return std::sqrt(sum);
+}
+
+void launch_scale(Tensor x, double factor, Stream stream) {
+  const int64_t n = x.numel();
+  if (n == 0) return;
+  const int blocks = int(std::min<int64_t>((n + 255) / 256, 8192));
+  scale_kernel<<<blocks, 256, 0, static_cast<cudaStream_t>(stream.handle)>>>(x.ptr<float>(), n, factor);
+  MARROW_CUDA_CHECK_LAUNCH();
+}
+#endif
+
+}  // namespace
+
 double l2_norm(Tensor x, Stream stream) {
   const char* op = "l2_norm";
-  if (x.device == Device::cuda) no_cuda_kernel(op);
+  if (x.device == Device::cuda) {
+    expect_dtype(op, "x", x, DType::f32);
+#ifdef __CUDACC__
+    return launch_l2_norm(x, stream);
+#else
+    no_cuda_kernel(op);
+#endif
+  }
   (void)stream;
   double sum = 0;
   with_cpu_scalar(op, x, [&](auto s) {
@@ -21,7 +99,14 @@ double l2_norm(Tensor x, Stream stream) {
 
 void scale(Tensor x, double factor, Stream stream) {
   const char* op = "scale";
-  if (x.device == Device::cuda) no_cuda_kernel(op);
+  if (x.device == Device::cuda) {
+    expect_dtype(op, "x", x, DType::f32);
+#ifdef __CUDACC__
+    return launch_scale(x, factor, stream);
+#else
+    no_cuda_kernel(op);
+#endif
+  }
   (void)stream;
   with_cpu_scalar(op, x, [&](auto s) {
     using T = decltype(s);

@@ -7,7 +7,8 @@
 namespace marrow {
 
 // sqrt(sum x^2), accumulated in double in index order, so the result is deterministic. A NaN or
-// Inf in x gives a NaN or Inf norm, which the caller must see rather than a clipped-away step.
+// Inf in x gives a NaN or Inf norm, which the caller must see rather than a clipped-away step. On
+// the GPU (f32) the order is a fixed tree instead, and the call waits for the stream.
 double l2_norm(Tensor x, Stream stream = {});
 
 // x *= factor, in place.

@@ -4,6 +4,9 @@
 // The groups are consecutive, cover all R rows, and may be empty (an expert no token chose).
 // expert_offsets[E + 1] is i32 and always on the host, even when the data is on the GPU: the
 // grouped GEMM needs the group sizes on the host to launch.
+// GPU: x, weight, y, dy, dx bf16; dweight f32. Forward and backward_input are one
+// cublasGemmGroupedBatchedEx call (fp32 compute) when O and I are multiples of 8; backward_weight is
+// an own tensor-core kernel that adds into the fp32 gradient deterministically (one block per tile).
 #pragma once
 #include "core/tensor.h"
 

@@ -2,6 +2,8 @@
 // without transposes:  y = x W^T,  y[n, o] = sum_i x[n, i] * W[o, i].
 // Every projection of the models is one of these (QKV, attention output, LM head); the backward is
 // split in two so the schedule can defer the weight gradient to fill pipeline bubbles.
+// GPU (cuBLASLt, fp32 compute): x, weight, dy, dx bf16; y bf16, or f32 for the router's logits;
+// dweight f32, accumulated by the GEMM itself (beta = 1).
 #pragma once
 #include "core/tensor.h"
 

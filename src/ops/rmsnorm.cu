@@ -109,7 +109,8 @@ __global__ void backward_dx_kernel(bf16* dx, const bf16* dy, const bf16* x, cons
 
 // dweight, pass 1: block (chunk, column tile) -- each thread owns one column and sums dy * xhat
 // over the chunk's kChunkRows rows in row order into partial[chunk, column].
-__global__ void dweight_partial_kernel(float* partial, const bf16* dy, const bf16* x, const float* rstd, int64_t rows, int64_t d) {
+__global__ void dweight_partial_kernel(float* partial, const bf16* dy, const bf16* x, const float* rstd, int64_t rows,
+                                       int64_t d) {
   const int64_t c = blockIdx.y * int64_t(blockDim.x) + threadIdx.x, chunk = blockIdx.x;
   if (c >= d) return;
   float acc = 0;
@@ -161,7 +162,8 @@ void launch_backward(Tensor dx, Tensor dweight, Tensor dy, Tensor x, Tensor weig
   const int64_t chunks = (n + kChunkRows - 1) / kChunkRows;
   Buffer partial(DType::f32, Device::cuda, {chunks, d}, stream);
   const unsigned column_blocks = unsigned((d + 255) / 256);
-  dweight_partial_kernel<<<dim3(unsigned(chunks), column_blocks), 256, 0, s>>>(partial.ptr<float>(), dyp, xp, rstd.ptr<float>(), n, d);
+  dweight_partial_kernel<<<dim3(unsigned(chunks), column_blocks), 256, 0, s>>>(partial.ptr<float>(), dyp, xp, rstd.ptr<float>(),
+                                                                               n, d);
   MARROW_CUDA_CHECK_LAUNCH();
   dweight_reduce_kernel<<<column_blocks, 256, 0, s>>>(dweight.ptr<float>(), partial.ptr<float>(), chunks, d);
   MARROW_CUDA_CHECK_LAUNCH();
@@ -178,7 +180,8 @@ void rmsnorm_forward(Tensor y, Tensor rstd, Tensor x, Tensor weight, double eps,
   expect_shape(op, "rstd", rstd, {n});
   expect_shape(op, "weight", weight, {d});
   if (common_device(op, {{"x", &x}, {"y", &y}, {"rstd", &rstd}, {"weight", &weight}}) == Device::cuda) {
-    for (auto [name, t] : {std::pair{"x", &x}, std::pair{"y", &y}, std::pair{"weight", &weight}}) expect_dtype(op, name, *t, DType::bf16);
+    for (auto [name, t] : {std::pair{"x", &x}, std::pair{"y", &y}, std::pair{"weight", &weight}})
+      expect_dtype(op, name, *t, DType::bf16);
     expect_dtype(op, "rstd", rstd, DType::f32);
 #ifdef __CUDACC__
     return launch_forward(y, rstd, x, weight, eps, stream);

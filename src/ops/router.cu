@@ -3,13 +3,23 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstdint>
 #include <vector>
 
+#include "core/cuda_check.h"
+#include "core/memory.h"
 #include "ops/common.h"
+
+#ifdef __CUDACC__
+#include <cuda_bf16.h>
+#endif
 
 namespace marrow {
 
 namespace {
+
+// The GPU kernels keep a token's E probabilities in shared memory: up to 512 experts fit 48 KiB.
+constexpr int64_t kMaxGpuExperts = 512;
 
 std::vector<int64_t> copies_per_expert(const int32_t* idx, int64_t copies, int64_t experts) {
   std::vector<int64_t> count(experts, 0);
@@ -98,17 +108,198 @@ std::array<int64_t, 3> router_sizes(const char* op, const char* scores_name, con
   return {n, e, k};
 }
 
+
+#ifdef __CUDACC__
+constexpr int kWarps = 4;  // tokens per block of the per-token kernels
+
+// Butterfly sum: every lane adds the same values in the same tree, so all lanes hold one result.
+template <typename T> __device__ T warp_sum(T v) {
+  for (int m = 16; m > 0; m /= 2) v += __shfl_xor_sync(0xffffffffu, v, m);
+  return v;
+}
+
+// A top-k candidate: the higher probability wins, equal probabilities go to the lower expert index
+// (a total order, so every lane of a butterfly ends with the same winner); i < 0 is no candidate.
+struct Candidate {
+  float p;
+  int i;
+};
+__device__ bool better(Candidate a, Candidate b) { return b.i < 0 || (a.i >= 0 && (a.p > b.p || (a.p == b.p && a.i < b.i))); }
+
+// One warp per token. Lane l owns experts l, l + 32, ...; shared memory holds the token's
+// exp(logit - max) (double), probabilities and taken flags. The softmax runs in double and lane 0
+// sums the exponentials in expert order, as the CPU reference does, so the stored f32
+// probabilities -- and the top-k choice made on them -- match it. K rounds of a warp argmax pick
+// the experts; the top-k sum is added in slot order, again as on the CPU.
+__global__ void forward_kernel(float* probs, int32_t* topk_index, float* topk_weight, const float* logits, int64_t n, int e,
+                               int k, bool normalize) {
+  extern __shared__ double shared[];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t t = blockIdx.x * int64_t(kWarps) + warp;
+  if (t >= n) return;
+  double* ex = shared + warp * e;
+  float* p = reinterpret_cast<float*>(shared + kWarps * e) + warp * e;
+  char* taken = reinterpret_cast<char*>(shared + kWarps * e) + kWarps * e * sizeof(float) + warp * e;
+  const float* l = logits + t * e;
+  float max = -INFINITY;
+  for (int i = lane; i < e; i += 32) max = fmaxf(max, l[i]);
+  for (int m = 16; m > 0; m /= 2) max = fmaxf(max, __shfl_xor_sync(0xffffffffu, max, m));
+  for (int i = lane; i < e; i += 32) ex[i] = exp(double(l[i]) - double(max));
+  __syncwarp();
+  double sum = 0;
+  if (lane == 0)
+    for (int i = 0; i < e; ++i) sum += ex[i];
+  sum = __shfl_sync(0xffffffffu, sum, 0);
+  for (int i = lane; i < e; i += 32) {
+    p[i] = float(ex[i] / sum);
+    probs[t * e + i] = p[i];
+    taken[i] = 0;
+  }
+  double topk_sum = 0;
+  for (int j = 0; j < k; ++j) {
+    Candidate c{0.0f, -1};
+    for (int i = lane; i < e; i += 32)
+      if (!taken[i] && (c.i < 0 || p[i] > c.p)) c = {p[i], i};
+    for (int m = 16; m > 0; m /= 2) {
+      const Candidate o{__shfl_xor_sync(0xffffffffu, c.p, m), __shfl_xor_sync(0xffffffffu, c.i, m)};
+      if (better(o, c)) c = o;
+    }
+    topk_sum += c.p;
+    if (lane == c.i % 32) taken[c.i] = 1;  // only the owning lane reads this flag again
+    if (lane == 0) topk_index[t * k + j] = c.i;
+  }
+  __syncwarp();
+  for (int j = lane; j < k; j += 32) {
+    const float pj = p[topk_index[t * k + j]];
+    topk_weight[t * k + j] = normalize ? float(double(pj) / topk_sum) : pj;
+  }
+}
+
+// Copies routed to each expert. Integer atomics: the counts do not depend on the order.
+__global__ void count_kernel(int32_t* count, const int32_t* topk_index, int64_t copies, int e) {
+  const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (i < copies && 0 <= topk_index[i] && topk_index[i] < e) atomicAdd(&count[topk_index[i]], 1);
+}
+
+// Aux loss, pass 1: one block per expert; its threads sum probs[:, e] over tokens in double and
+// the block reduces them in a fixed tree; term[e] = count_e / T * (sum / T).
+__global__ void aux_terms_kernel(double* term, const float* probs, const int32_t* count, int64_t n, int e) {
+  __shared__ double warp_sums[32];
+  double acc = 0;
+  for (int64_t t = threadIdx.x; t < n; t += blockDim.x) acc += probs[t * e + blockIdx.x];
+  acc = warp_sum(acc);
+  if (threadIdx.x % 32 == 0) warp_sums[threadIdx.x / 32] = acc;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    double sum = 0;
+    for (int w = 0; w < int(blockDim.x / 32); ++w) sum += warp_sums[w];
+    term[blockIdx.x] = double(count[blockIdx.x]) / double(n) * (sum / double(n));
+  }
+}
+
+// Aux loss, pass 2: one thread adds the terms in expert order.
+__global__ void aux_total_kernel(float* loss, const double* term, int e) {
+  double sum = 0;
+  for (int i = 0; i < e; ++i) sum += term[i];
+  loss[0] = float(double(e) * sum);
+}
+
+// One warp per token: dp (shared, lanes own experts l, l + 32, ...) starts at the aux gradient;
+// the top-k sums are reduced in a fixed tree and lane 0 adds the K slot terms in slot order; the
+// softmax's dot product is one more fixed-tree reduction.
+__global__ void backward_kernel(__nv_bfloat16* dlogits, const float* dtopk_weight, const float* probs, const int32_t* topk_index,
+                                const float* topk_weight, const int32_t* count, int64_t n, int e, int k, bool normalize,
+                                double aux_scale) {
+  extern __shared__ float dp_shared[];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t t = blockIdx.x * int64_t(kWarps) + warp;
+  if (t >= n) return;
+  float* dp = dp_shared + warp * e;
+  const float *p = probs + t * e, *g = dtopk_weight + t * k, *w = topk_weight + t * k;
+  const int32_t* idx = topk_index + t * k;
+  for (int i = lane; i < e; i += 32) dp[i] = float(aux_scale * double(count[i]));
+  float topk_sum = 0, gw = 0;
+  for (int j = lane; j < k; j += 32)
+    if (0 <= idx[j] && idx[j] < e) {
+      topk_sum += p[idx[j]];
+      gw += g[j] * w[j];
+    }
+  topk_sum = warp_sum(topk_sum);
+  gw = warp_sum(gw);
+  __syncwarp();
+  if (lane == 0)
+    for (int j = 0; j < k; ++j)
+      if (0 <= idx[j] && idx[j] < e) dp[idx[j]] += normalize ? (g[j] - gw) / topk_sum : g[j];
+  __syncwarp();
+  float dot = 0;
+  for (int i = lane; i < e; i += 32) dot += p[i] * dp[i];
+  dot = warp_sum(dot);
+  for (int i = lane; i < e; i += 32) dlogits[t * e + i] = __nv_bfloat16(p[i] * (dp[i] - dot));
+}
+
+Buffer expert_counts(Tensor topk_index, int64_t e, cudaStream_t s) {
+  Buffer count = Buffer::zeros(DType::i32, Device::cuda, {e}, Stream{s});
+  const int64_t copies = topk_index.numel();
+  if (copies > 0) {
+    count_kernel<<<unsigned((copies + 255) / 256), 256, 0, s>>>(count.ptr<int32_t>(), topk_index.ptr<int32_t>(), copies, int(e));
+    MARROW_CUDA_CHECK_LAUNCH();
+  }
+  return count;
+}
+
+void launch_forward(Tensor probs, Tensor topk_index, Tensor topk_weight, Tensor logits, bool normalize, Stream stream) {
+  const int64_t n = logits.size(0), e = logits.size(1), k = topk_index.size(1);
+  if (n == 0) return;
+  const size_t smem = size_t(kWarps) * e * (sizeof(double) + sizeof(float) + 1);
+  forward_kernel<<<unsigned((n + kWarps - 1) / kWarps), 32 * kWarps, smem, static_cast<cudaStream_t>(stream.handle)>>>(
+      probs.ptr<float>(), topk_index.ptr<int32_t>(), topk_weight.ptr<float>(), logits.ptr<float>(), n, int(e), int(k), normalize);
+  MARROW_CUDA_CHECK_LAUNCH();
+}
+
+void launch_aux_loss(Tensor loss, Tensor probs, Tensor topk_index, Stream stream) {
+  const int64_t n = probs.size(0), e = probs.size(1);
+  auto s = static_cast<cudaStream_t>(stream.handle);
+  Buffer count = expert_counts(topk_index, e, s);
+  Buffer term(DType::f64, Device::cuda, {e}, stream);
+  aux_terms_kernel<<<unsigned(e), 256, 0, s>>>(term.ptr<double>(), probs.ptr<float>(), count.ptr<int32_t>(), n, int(e));
+  MARROW_CUDA_CHECK_LAUNCH();
+  aux_total_kernel<<<1, 1, 0, s>>>(loss.ptr<float>(), term.ptr<double>(), int(e));
+  MARROW_CUDA_CHECK_LAUNCH();
+}
+
+void launch_backward(Tensor dlogits, Tensor dtopk_weight, Tensor probs, Tensor topk_index, Tensor topk_weight, bool normalize,
+                     double aux_grad, Stream stream) {
+  const int64_t n = probs.size(0), e = probs.size(1), k = topk_index.size(1);
+  if (n == 0) return;
+  auto s = static_cast<cudaStream_t>(stream.handle);
+  Buffer count = expert_counts(topk_index, e, s);
+  const double aux_scale = aux_grad * double(e) / (double(n) * double(n));
+  backward_kernel<<<unsigned((n + kWarps - 1) / kWarps), 32 * kWarps, size_t(kWarps) * e * sizeof(float), s>>>(
+      static_cast<__nv_bfloat16*>(dlogits.data), dtopk_weight.ptr<float>(), probs.ptr<float>(), topk_index.ptr<int32_t>(),
+      topk_weight.ptr<float>(), count.ptr<int32_t>(), n, int(e), int(k), normalize, aux_scale);
+  MARROW_CUDA_CHECK_LAUNCH();
+}
+#endif
+
 }  // namespace
 
 void router_forward(Tensor probs, Tensor topk_index, Tensor topk_weight, Tensor logits, bool normalize, Stream stream) {
   const char* op = "router_forward";
-  auto [n, e, k] = router_sizes(op, "logits", logits, topk_index);
+  const std::array<int64_t, 3> size = router_sizes(op, "logits", logits, topk_index);
+  const int64_t n = size[0], e = size[1], k = size[2];
   expect_shape(op, "probs", probs, {n, e});
   expect_shape(op, "topk_weight", topk_weight, {n, k});
   expect_same_dtype(op, {{"logits", &logits}, {"probs", &probs}, {"topk_weight", &topk_weight}});
   if (common_device(op, {{"logits", &logits}, {"probs", &probs}, {"topk_index", &topk_index}, {"topk_weight", &topk_weight}}) ==
-      Device::cuda)
+      Device::cuda) {
+    expect_dtype(op, "logits", logits, DType::f32);
+    MARROW_CHECK(e <= kMaxGpuExperts, "{}: {} experts, but the GPU kernel takes at most {}", op, e, kMaxGpuExperts);
+#ifdef __CUDACC__
+    return launch_forward(probs, topk_index, topk_weight, logits, normalize, stream);
+#else
     no_cuda_kernel(op);
+#endif
+  }
   (void)stream;
   with_cpu_scalar(op, logits, [&](auto s) {
     using T = decltype(s);
@@ -118,11 +309,20 @@ void router_forward(Tensor probs, Tensor topk_index, Tensor topk_weight, Tensor 
 
 void router_aux_loss(Tensor loss, Tensor probs, Tensor topk_index, Stream stream) {
   const char* op = "router_aux_loss";
-  auto [n, e, k] = router_sizes(op, "probs", probs, topk_index);
+  const std::array<int64_t, 3> size = router_sizes(op, "probs", probs, topk_index);
+  const int64_t n = size[0], e = size[1], k = size[2];
   MARROW_CHECK(n > 0, "{}: probs has no tokens, so the expert fractions are undefined", op);
   expect_shape(op, "loss", loss, {1});
   expect_same_dtype(op, {{"probs", &probs}, {"loss", &loss}});
-  if (common_device(op, {{"probs", &probs}, {"topk_index", &topk_index}, {"loss", &loss}}) == Device::cuda) no_cuda_kernel(op);
+  if (common_device(op, {{"probs", &probs}, {"topk_index", &topk_index}, {"loss", &loss}}) == Device::cuda) {
+    // Indices on the GPU are not checked: an entry outside [0, E) is left out of the counts.
+    expect_dtype(op, "probs", probs, DType::f32);
+#ifdef __CUDACC__
+    return launch_aux_loss(loss, probs, topk_index, stream);
+#else
+    no_cuda_kernel(op);
+#endif
+  }
   (void)stream;
   expect_indices_below(op, "topk_index", topk_index, e);
   with_cpu_scalar(op, probs, [&](auto s) {
@@ -134,18 +334,30 @@ void router_aux_loss(Tensor loss, Tensor probs, Tensor topk_index, Stream stream
 void router_backward(Tensor dlogits, Tensor dtopk_weight, Tensor probs, Tensor topk_index, Tensor topk_weight, bool normalize,
                      double aux_grad, Stream stream) {
   const char* op = "router_backward";
-  auto [n, e, k] = router_sizes(op, "probs", probs, topk_index);
+  const std::array<int64_t, 3> size = router_sizes(op, "probs", probs, topk_index);
+  const int64_t n = size[0], e = size[1], k = size[2];
   expect_shape(op, "dlogits", dlogits, {n, e});
   expect_shape(op, "dtopk_weight", dtopk_weight, {n, k});
   expect_shape(op, "topk_weight", topk_weight, {n, k});
-  expect_same_dtype(op,
-                    {{"probs", &probs}, {"dlogits", &dlogits}, {"dtopk_weight", &dtopk_weight}, {"topk_weight", &topk_weight}});
   if (common_device(op, {{"probs", &probs},
                          {"dlogits", &dlogits},
                          {"dtopk_weight", &dtopk_weight},
                          {"topk_index", &topk_index},
-                         {"topk_weight", &topk_weight}}) == Device::cuda)
+                         {"topk_weight", &topk_weight}}) == Device::cuda) {
+    // Indices on the GPU are not checked: an entry outside [0, E) is skipped.
+    expect_dtype(op, "probs", probs, DType::f32);
+    expect_dtype(op, "dtopk_weight", dtopk_weight, DType::f32);
+    expect_dtype(op, "topk_weight", topk_weight, DType::f32);
+    expect_dtype(op, "dlogits", dlogits, DType::bf16);
+    MARROW_CHECK(e <= kMaxGpuExperts, "{}: {} experts, but the GPU kernel takes at most {}", op, e, kMaxGpuExperts);
+#ifdef __CUDACC__
+    return launch_backward(dlogits, dtopk_weight, probs, topk_index, topk_weight, normalize, aux_grad, stream);
+#else
     no_cuda_kernel(op);
+#endif
+  }
+  expect_same_dtype(op,
+                    {{"probs", &probs}, {"dlogits", &dlogits}, {"dtopk_weight", &dtopk_weight}, {"topk_weight", &topk_weight}});
   (void)stream;
   expect_indices_below(op, "topk_index", topk_index, e);
   with_cpu_scalar(op, probs, [&](auto s) {

@@ -5,6 +5,7 @@
 //   topk_weight[t, j] = probs[t, topk_index[t, j]], divided by the sum over j when `normalize`
 //                       (config norm_topk_prob)
 // and the layer's load-balance loss. 1 <= K <= E. probs is saved by the forward for the backward.
+// On the GPU: logits, probs, topk_weight, dtopk_weight and the loss f32, dlogits bf16, E <= 512.
 #pragma once
 #include "core/tensor.h"
 

@@ -1,0 +1,144 @@
+// marrow bench: measured speed, never pass/fail.
+//   marrow bench <run-config> [--warmup N] [--steps M] [--section.key=value ...]
+//     trains warm-up + measured steps and reports over the measured ones: tokens/s, achieved TFLOP/s
+//     (6 x active parameters incl. the LM head per token, plus causal attention), MFU against the
+//     H100/H200 datasheet's 989 dense bf16 TFLOP/s, and peak memory.
+//   marrow bench --kernels
+//     times the heaviest kernels at the bench shapes (GPU.md) with CUDA events: attention forward
+//     and backward, the dense q_proj GEMM, the grouped expert GEMMs.
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <functional>
+
+#include "apps/check.h"
+#include "apps/commands.h"
+#include "core/cuda_check.h"
+#include "engine/trainer.h"
+#include "apps/model_switch.h"
+#include "ops/attention.h"
+#include "ops/grouped_linear.h"
+#include "ops/linear.h"
+
+namespace marrow {
+
+namespace {
+
+constexpr double kPeakTflops = 989.0;
+
+// Median milliseconds of `reps` runs after one warm-up run, timed with CUDA events.
+double median_ms(const std::function<void()>& run, int reps = 10) {
+#if MARROW_CUDA
+  run();
+  std::vector<float> times;
+  cudaEvent_t start, stop;
+  MARROW_CUDA_CHECK(cudaEventCreate(&start));
+  MARROW_CUDA_CHECK(cudaEventCreate(&stop));
+  for (int i = 0; i < reps; ++i) {
+    MARROW_CUDA_CHECK(cudaEventRecord(start));
+    run();
+    MARROW_CUDA_CHECK(cudaEventRecord(stop));
+    MARROW_CUDA_CHECK(cudaEventSynchronize(stop));
+    float ms = 0;
+    MARROW_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+    times.push_back(ms);
+  }
+  MARROW_CUDA_CHECK(cudaEventDestroy(start));
+  MARROW_CUDA_CHECK(cudaEventDestroy(stop));
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+#else
+  (void)run, (void)reps;
+  fail("bench: this build has no CUDA support");
+#endif
+}
+
+void kernel_row(const std::string& name, double flops, const std::function<void()>& run) {
+  const double ms = median_ms(run);
+  std::printf("%-44s %9.3f ms %8.1f TFLOP/s\n", name.c_str(), ms, flops / (ms * 1e-3) / 1e12);
+  std::fflush(stdout);
+}
+
+void bench_kernels() {
+  std::printf("%-44s %12s %16s\n", "kernel (bench shapes, bf16)", "median", "achieved");
+  const int64_t S = 4096, Hq = 32, Hkv = 4, D = 128, H = 2048, E = 128, K = 8, I = 768;
+  {
+    Buffer q = random_device({1, S, Hq, D}, 1, "q"), k = random_device({1, S, Hkv, D}, 1, "k"), v = random_device({1, S, Hkv, D}, 1, "v");
+    Buffer out(DType::bf16, Device::cuda, {1, S, Hq, D}), lse(DType::f32, Device::cuda, {1, Hq, S});
+    Buffer dout = random_device({1, S, Hq, D}, 2, "dout");
+    Buffer dq(DType::bf16, Device::cuda, {1, S, Hq, D}), dk(DType::bf16, Device::cuda, {1, S, Hkv, D}),
+        dv(DType::bf16, Device::cuda, {1, S, Hkv, D});
+    // Causal: half of the 4 S^2 D multiply-adds per head forward; the backward does 2.5x the forward.
+    const double fwd = 2.0 * double(S) * double(S) * double(D) * double(Hq);
+    kernel_row("attention fwd S4096 Hq32 Hkv4 D128 causal", fwd, [&] { attention_forward(out, lse, q, k, v); });
+    kernel_row("attention bwd", 2.5 * fwd, [&] { attention_backward(dq, dk, dv, dout, q, k, v, out, lse); });
+  }
+  {
+    Buffer x = random_device({S, H}, 3, "x"), w = random_device({Hq * D, H}, 3, "w"), dy = random_device({S, Hq * D}, 3, "dy");
+    Buffer y(DType::bf16, Device::cuda, {S, Hq * D}), dx(DType::bf16, Device::cuda, {S, H});
+    Buffer dw = Buffer::zeros(DType::f32, Device::cuda, {Hq * D, H});
+    const double flops = 2.0 * double(S) * double(H) * double(Hq * D);
+    kernel_row("linear q_proj fwd 4096x2048->4096", flops, [&] { linear_forward(y, x, w); });
+    kernel_row("linear q_proj bwd input", flops, [&] { linear_backward_input(dx, dy, w); });
+    kernel_row("linear q_proj bwd weight (f32 accumulate)", flops, [&] { linear_backward_weight(dw, dy, x); });
+  }
+  for (auto [label, in, out] : {std::tuple{"gate_up", H, 2 * I}, std::tuple{"down", I, H}}) {
+    const int64_t R = S * K;
+    Buffer offsets = offsets_host(skewed_counts(E, R));
+    Buffer x = random_device({R, in}, 4, "x"), w = random_device({E, out, in}, 4, "w"), dy = random_device({R, out}, 4, "dy");
+    Buffer y(DType::bf16, Device::cuda, {R, out}), dx(DType::bf16, Device::cuda, {R, in});
+    Buffer dw = Buffer::zeros(DType::f32, Device::cuda, {E, out, in});
+    const double flops = 2.0 * double(R) * double(in) * double(out);
+    const std::string name = fmt::format("grouped {} E128 {}x{}->{}", label, R, in, out);
+    kernel_row(name + " fwd", flops, [&] { grouped_linear_forward(y, x, w, offsets); });
+    kernel_row(name + " bwd input", flops, [&] { grouped_linear_backward_input(dx, dy, w, offsets); });
+    kernel_row(name + " bwd weight", flops, [&] { grouped_linear_backward_weight(dw, dy, x, offsets); });
+  }
+}
+
+template <MoeModel M>
+void bench_training(RunConfig rc, const typename M::Config& config, int64_t warmup, int64_t steps) {
+  rc.steps = warmup + steps;
+  rc.warmup_steps = std::min(rc.warmup_steps, rc.steps);
+  const std::vector<StepMetrics> history = train<M>(rc, config);
+  const M model(config, DType::f32, Device::cpu);
+  double ms = 0;
+  size_t peak = 0;
+  for (int64_t i = warmup; i < rc.steps; ++i) {
+    ms += history[size_t(i)].step_ms;
+    peak = std::max(peak, history[size_t(i)].peak_bytes);
+  }
+  ms /= double(steps);
+  const double tokens = double(rc.global_batch * rc.seq_len);
+  // Per token: 6 x active parameters, plus causal attention's 6 S D Hq per layer (forward + backward).
+  const double attention = 6.0 * double(rc.seq_len) * double(config.head_dim * config.num_heads) * double(config.num_layers);
+  const double flops_per_token = 6.0 * double(model.num_active_parameters()) + attention;
+  const double tflops = flops_per_token * tokens / (ms * 1e-3) / 1e12;
+  std::printf("bench: %lld measured steps after %lld warm-up | %.0f tokens/s | %.1f ms/step | %.1f TFLOP/s | MFU %.1f%% | peak %.2f GiB\n",
+              (long long)steps, (long long)warmup, tokens / (ms * 1e-3), ms, tflops, 100 * tflops / kPeakTflops, peak / 1073741824.0);
+}
+
+}  // namespace
+
+int bench_command(int argc, char** argv) {
+  if (argc >= 2 && std::string(argv[1]) == "--kernels") {
+    MARROW_CHECK(cuda_available(), "bench --kernels needs a GPU");
+    bench_kernels();
+    return 0;
+  }
+  // --warmup and --steps are bench's own; everything else is the run config and its overrides.
+  int64_t warmup = 3, steps = 10;
+  std::vector<char*> rest;
+  for (int i = 0; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto value = [&](const std::string& flag) { return a.rfind(flag + "=", 0) == 0 ? std::stoll(a.substr(flag.size() + 1)) : -1; };
+    if (value("--warmup") >= 0) warmup = value("--warmup");
+    else if (value("--steps") > 0) steps = value("--steps");
+    else rest.push_back(argv[i]);
+  }
+  const RunConfig rc = parse_run_config(int(rest.size()), rest.data());
+  with_model(read_json_file(rc.model_config), rc.model_config,
+             [&]<class M>(const typename M::Config& config) { bench_training<M>(rc, config, warmup, steps); });
+  return 0;
+}
+
+}  // namespace marrow

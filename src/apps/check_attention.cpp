@@ -1,0 +1,213 @@
+// marrow check, attention group: the flash-attention kernels of ops/attention.cu against the f32
+// CPU reference, at odd lengths (1, 37, 257), GQA groups 1, 4 and 8, head_dim 64 and 128, and the
+// bench shape (B 1, S 4096, 32 query / 4 key-value heads of 128).
+//
+// Bounds, as error = max |gpu - cpu| / max |cpu| (check.h). Both sides read the same bf16 inputs,
+// and the tensor cores multiply bf16 operands exactly into f32 accumulators, so the GPU's coarse
+// roundings are only these: P (forward, dv) and dS (dq, dk) rounded to bf16 as operands of the
+// second product, 2^-9 relative per term and of random sign, and the bf16 outputs, 2^-9 relative
+// to each element. A numpy model of the kernels' arithmetic measured 2e-3 to 4e-3 on these shapes;
+// the bounds leave a 5-10x margin without hiding a wrong mask or a wrong row (those give O(1)).
+// lse never passes through bf16: exact scores, an f32 running max and sum (exp2 on the SFU, about
+// 2^-22 relative), so its error is near f32 rounding, ~1e-7 of |lse| >= O(1); 1e-4 still leaves
+// room for a sum of 4096 terms in another order.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <utility>
+
+#include "apps/check.h"
+#include "core/errors.h"
+#include "ops/attention.h"
+
+namespace marrow {
+namespace {
+
+constexpr double kOutBound = 2e-2;
+constexpr double kLseBound = 1e-4;
+constexpr double kGradBound = 3e-2;
+
+struct Shape {
+  int64_t b, s, hq, hkv, d;
+};
+
+std::string label(const char* what, const Shape& n) {
+  return fmt::format("attention {} B{} S{} H{}/{} D{}", what, n.b, n.s, n.hq, n.hkv, n.d);
+}
+
+// Inputs (host f32, already rounded to bf16) and the CPU reference's results.
+struct Problem {
+  Shape n;
+  Buffer q, k, v, dout;
+  Buffer out, lse, dq, dk, dv;
+  Buffer out_bf16;  // out rounded to bf16: what both backwards read, as the GPU's would be
+};
+
+// Seeds depend on the seed and the tensor only, so a problem at S = 1024 (B = 1) holds exactly the
+// first 1024 positions of the same problem at S = 4096.
+Problem make_inputs(const Shape& n, uint64_t seed) {
+  Problem p{n,
+            random_host({n.b, n.s, n.hq, n.d}, seed),
+            random_host({n.b, n.s, n.hkv, n.d}, seed + 1),
+            random_host({n.b, n.s, n.hkv, n.d}, seed + 2),
+            random_host({n.b, n.s, n.hq, n.d}, seed + 3),
+            {}, {}, {}, {}, {}, {}};
+  for (Buffer* b : {&p.q, &p.k, &p.v, &p.dout}) round_to_bf16(*b);
+  return p;
+}
+
+Problem reference(const Shape& n, uint64_t seed) {
+  Problem p = make_inputs(n, seed);
+  p.out = Buffer(DType::f32, Device::cpu, {n.b, n.s, n.hq, n.d});
+  p.lse = Buffer(DType::f32, Device::cpu, {n.b, n.hq, n.s});
+  attention_forward(p.out, p.lse, p.q, p.k, p.v);
+  p.out_bf16 = Buffer(DType::f32, Device::cpu, {n.b, n.s, n.hq, n.d});
+  copy(p.out_bf16, p.out);
+  round_to_bf16(p.out_bf16);
+  p.dq = Buffer(DType::f32, Device::cpu, {n.b, n.s, n.hq, n.d});
+  p.dk = Buffer(DType::f32, Device::cpu, {n.b, n.s, n.hkv, n.d});
+  p.dv = Buffer(DType::f32, Device::cpu, {n.b, n.s, n.hkv, n.d});
+  attention_backward(p.dq, p.dk, p.dv, p.dout, p.q, p.k, p.v, p.out_bf16, p.lse);
+  return p;
+}
+
+// The GPU side: bf16 copies of the inputs; every run's outputs are freshly poisoned.
+struct Gpu {
+  Shape n;
+  Buffer q, k, v, dout, out, lse, dq, dk, dv;
+
+  explicit Gpu(const Problem& p)
+      : n(p.n),
+        q(to_device(p.q, DType::bf16)),
+        k(to_device(p.k, DType::bf16)),
+        v(to_device(p.v, DType::bf16)),
+        dout(to_device(p.dout, DType::bf16)) {}
+
+  // to_device gives flat buffers; the ops want [B, S, heads, D].
+  Tensor rows4(const Buffer& b, int64_t heads) const { return b.view().reshape({n.b, n.s, heads, n.d}); }
+
+  void forward() {
+    out = poisoned(DType::bf16, {n.b, n.s, n.hq, n.d});
+    lse = poisoned(DType::f32, {n.b, n.hq, n.s});
+    attention_forward(out, lse, rows4(q, n.hq), rows4(k, n.hkv), rows4(v, n.hkv));
+  }
+  // Backward from the given out and lse; by default the forward's own.
+  void backward(Tensor out_in = {}, Tensor lse_in = {}) {
+    dq = poisoned(DType::bf16, {n.b, n.s, n.hq, n.d});
+    dk = poisoned(DType::bf16, {n.b, n.s, n.hkv, n.d});
+    dv = poisoned(DType::bf16, {n.b, n.s, n.hkv, n.d});
+    attention_backward(dq, dk, dv, rows4(dout, n.hq), rows4(q, n.hq), rows4(k, n.hkv), rows4(v, n.hkv),
+                       out_in.data ? out_in : out.view(), lse_in.data ? lse_in : lse.view());
+  }
+};
+
+// Like report.compare, but where the reference is exactly zero (S = 1: the only key has
+// probability 1, so dS = 0 and dq = dk = 0) the relative error has no scale: there the row
+// measures the absolute error against the same bound, on O(1) inputs.
+void compare(CheckReport& report, const std::string& name, Tensor gpu, Tensor cpu, double bound) {
+  const float* c = cpu.ptr<float>();
+  bool zero = true;
+  for (int64_t i = 0; i < cpu.numel() && zero; ++i) zero = c[i] == 0.f;
+  if (!zero) return report.compare(name, gpu, cpu, bound);
+  Buffer got = to_host_f32(gpu);
+  double max_abs = 0;
+  bool finite = true;
+  for (int64_t i = 0; i < got.numel(); ++i) {
+    finite = finite && std::isfinite(got.ptr<float>()[i]);
+    max_abs = std::max(max_abs, double(std::abs(got.ptr<float>()[i])));
+  }
+  const double error = finite ? max_abs : INFINITY;
+  report.add({name + " (abs, ref 0)", error, bound, finite && error <= bound});
+}
+
+void check_shape(CheckReport& report, const Problem& p) {
+  const Shape& n = p.n;
+  Gpu g(p);
+  g.forward();
+  compare(report, label("out", n), g.out, p.out, kOutBound);
+  compare(report, label("lse", n), g.lse, p.lse, kLseBound);
+  // The backward reads the reference's out and lse, so its rows measure the backward alone.
+  Buffer out_in = to_device(p.out_bf16, DType::bf16), lse_in = to_device(p.lse, DType::f32);
+  g.backward(out_in.view().reshape({n.b, n.s, n.hq, n.d}), lse_in.view().reshape({n.b, n.hq, n.s}));
+  compare(report, label("dq", n), g.dq, p.dq, kGradBound);
+  compare(report, label("dk", n), g.dk, p.dk, kGradBound);
+  compare(report, label("dv", n), g.dv, p.dv, kGradBound);
+}
+
+// A row that fails when a GPU result holds a NaN or an infinity (an element no kernel wrote keeps
+// its NaN poison); error = the number of such elements.
+void expect_finite(CheckReport& report, const std::string& name, Tensor gpu) {
+  Buffer got = to_host_f32(gpu);
+  int64_t bad = 0;
+  for (int64_t i = 0; i < got.numel(); ++i) bad += !std::isfinite(got.ptr<float>()[i]);
+  report.add({name, double(bad), 0, bad == 0});
+}
+
+// The bench shape: the CPU reference of S = 4096 takes minutes (O(S^2 D H)), so the reference runs
+// at S = 1024 on the same inputs' first 1024 positions. Causality makes the bench run's first 1024
+// rows of out, lse and dq functions of those positions alone, computed by the very same tiles, so
+// they are compared with that reference; every S = 4096 result must be finite (poison shows), and
+// a second run must give the same bits (no atomics, DESIGN.md §4).
+void check_bench(CheckReport& report) {
+  const Shape bench{1, 4096, 32, 4, 128}, prefix{1, 1024, 32, 4, 128};
+  const uint64_t seed = 500;
+  const Problem ref = reference(prefix, seed);
+  check_shape(report, ref);
+
+  const Problem p = make_inputs(bench, seed);
+  Gpu first(p), second(p);
+  first.forward();
+  first.backward();
+  second.forward();
+  second.backward();
+
+  const int64_t rows = prefix.s * prefix.hq * prefix.d;  // B = 1: a prefix of positions is a prefix of memory
+  report.compare(label("out[:1024]", bench), first.out.view().reshape({bench.s * bench.hq * bench.d}).rows(0, rows),
+                 ref.out, kOutBound);
+  report.compare(label("dq[:1024]", bench), first.dq.view().reshape({bench.s * bench.hq * bench.d}).rows(0, rows),
+                 ref.dq, kGradBound);
+  Buffer lse = to_host_f32(first.lse), lse_prefix(DType::f32, Device::cpu, {prefix.b, prefix.hq, prefix.s});
+  for (int64_t h = 0; h < bench.hq; ++h)
+    std::memcpy(lse_prefix.ptr<float>() + h * prefix.s, lse.ptr<float>() + h * bench.s,
+                size_t(prefix.s) * sizeof(float));
+  report.compare(label("lse[:1024]", bench), lse_prefix, ref.lse, kLseBound);
+
+  const std::pair<const char*, std::pair<const Buffer*, const Buffer*>> results[] = {
+      {"out", {&first.out, &second.out}}, {"lse", {&first.lse, &second.lse}}, {"dq", {&first.dq, &second.dq}},
+      {"dk", {&first.dk, &second.dk}},    {"dv", {&first.dv, &second.dv}}};
+  for (const auto& [what, runs] : results) {
+    expect_finite(report, label(fmt::format("{} finite", what).c_str(), bench), *runs.first);
+    Buffer bits = to_host(*runs.first);
+    report.expect_equal(label(fmt::format("{} same bits", what).c_str(), bench), *runs.second, bits);
+  }
+}
+
+// Head dims without a kernel are a clear error, not a launch.
+void check_rejects_head_dim(CheckReport& report) {
+  Buffer q(DType::bf16, Device::cuda, {1, 4, 2, 96}), kv(DType::bf16, Device::cuda, {1, 4, 1, 96}),
+      out(DType::bf16, Device::cuda, {1, 4, 2, 96}), lse(DType::f32, Device::cuda, {1, 2, 4});
+  bool rejected = false;
+  try {
+    attention_forward(out, lse, q, kv, kv);
+  } catch (const Error&) {
+    rejected = true;
+  }
+  report.add({"attention rejects head_dim 96 on the GPU", rejected ? 0.0 : 1.0, 0, rejected});
+}
+
+}  // namespace
+
+void check_attention_op(CheckReport& report) {
+  const Shape shapes[] = {
+      {2, 37, 8, 2, 64},    // odd S inside one tile, group 4, two batch rows
+      {1, 257, 4, 4, 128},  // one row past four tiles, group 1 (dk, dv written directly)
+      {1, 1, 8, 1, 128},    // a single position, group 8
+      {1, 129, 8, 1, 64},   // group 8 at D 64, S one past two tiles
+  };
+  uint64_t seed = 100;  // each problem draws from seeds seed .. seed + 3
+  for (const Shape& n : shapes) check_shape(report, reference(n, seed += 4));
+  check_bench(report);
+  check_rejects_head_dim(report);
+}
+
+}  // namespace marrow

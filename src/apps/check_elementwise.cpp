@@ -1,0 +1,313 @@
+// marrow check, elementwise group: the memory-bound ops (embedding, rmsnorm, rope, add, router,
+// dispatch, combine, swiglu, cross-entropy, AdamW, gradient norm), forward and backward, each
+// against its f32 CPU reference on random inputs rounded to the GPU's dtypes (docs/gpu-path.md),
+// at odd sizes and at the bench sizes where the CPU reference is cheap. GPU outputs start
+// poisoned; accumulated outputs start from the same random values on both sides.
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+#include "apps/check.h"
+#include "core/rng.h"
+#include "ops/adamw.h"
+#include "ops/add.h"
+#include "ops/combine.h"
+#include "ops/cross_entropy.h"
+#include "ops/dispatch.h"
+#include "ops/embedding.h"
+#include "ops/grad_norm.h"
+#include "ops/rmsnorm.h"
+#include "ops/rope.h"
+#include "ops/router.h"
+#include "ops/swiglu.h"
+
+namespace marrow {
+
+namespace {
+
+// Bounds on max |gpu - cpu| / max |cpu|. kBf16: a bf16 output is one rounding (2^-9 relative) off
+// f32 math. kF32: f32 outputs of f32 math that sums in another order than the CPU. kSameOrder: f32
+// results the GPU computes in the CPU's own order (exact in practice). kExact: copies.
+constexpr double kBf16 = 1e-2, kF32 = 1e-5, kSameOrder = 1e-6, kExact = 0;
+
+// A device copy, in the GPU dtype, of a host tensor, shaped like it.
+struct OnDevice {
+  Buffer buffer;
+  Tensor tensor;
+  OnDevice(Tensor host, DType dtype) : buffer(to_device(host, dtype)), tensor(host) {
+    tensor.data = buffer.view().data;
+    tensor.dtype = dtype;
+    tensor.device = Device::cuda;
+  }
+  operator Tensor() const { return tensor; }
+};
+
+Buffer host_f32(std::initializer_list<int64_t> dims) { return Buffer(DType::f32, Device::cpu, dims); }
+
+// normal(0, scale) values that bf16 holds exactly, so the CPU sees the GPU's inputs.
+Buffer random_bf16(std::initializer_list<int64_t> dims, uint64_t seed, double scale = 1.0) {
+  Buffer b = random_host(dims, seed, scale);
+  round_to_bf16(b);
+  return b;
+}
+
+// i32 values uniform in [0, limit).
+Buffer random_ids(std::initializer_list<int64_t> dims, int64_t limit, uint64_t seed) {
+  Buffer b(DType::i32, Device::cpu, dims);
+  Philox rng = philox_for(seed, "check ids");
+  for (int64_t i = 0; i < b.numel(); ++i)
+    b.ptr<int32_t>()[i] = int32_t(std::min<int64_t>(int64_t(rng.uniform(uint64_t(i)) * double(limit)), limit - 1));
+  return b;
+}
+
+void check_embedding(CheckReport& report, int64_t n, int64_t vocab, int64_t h) {
+  const std::string size = fmt::format("T={} V={} H={}", n, vocab, h);
+  Buffer ids = random_ids({n}, vocab, 1), table = random_bf16({vocab, h}, 2), out = host_f32({n, h});
+  for (int64_t t = 0; t < n; t += 5) ids.ptr<int32_t>()[t] = 7;  // one long run of equal ids, like padding
+  OnDevice ids_d(ids, DType::i32), table_d(table, DType::bf16);
+  Buffer out_d = poisoned(DType::bf16, {n, h});
+  embedding_forward(out, ids, table);
+  embedding_forward(out_d, ids_d, table_d);
+  report.compare("embedding_forward " + size, out_d, out, kExact);
+
+  Buffer dout = random_bf16({n, h}, 3), dtable = random_host({vocab, h}, 4);
+  OnDevice dout_d(dout, DType::bf16), dtable_d(dtable, DType::f32);
+  embedding_backward(dtable, dout, ids);
+  embedding_backward(dtable_d, dout_d, ids_d);
+  report.compare("embedding_backward dtable " + size, dtable_d, dtable, kSameOrder);
+}
+
+void check_rmsnorm(CheckReport& report, int64_t n, int64_t d) {
+  const std::string size = fmt::format("N={} D={}", n, d);
+  const double eps = 1e-6;
+  Buffer x = random_bf16({n, d}, 10), weight = random_bf16({d}, 11, 0.5), y = host_f32({n, d}), rstd = host_f32({n});
+  OnDevice x_d(x, DType::bf16), weight_d(weight, DType::bf16);
+  Buffer y_d = poisoned(DType::bf16, {n, d}), rstd_d = poisoned(DType::f32, {n});
+  rmsnorm_forward(y, rstd, x, weight, eps);
+  rmsnorm_forward(y_d, rstd_d, x_d, weight_d, eps);
+  report.compare("rmsnorm_forward y " + size, y_d, y, kBf16);
+  report.compare("rmsnorm_forward rstd " + size, rstd_d, rstd, kF32);
+
+  Buffer dy = random_bf16({n, d}, 12), dx = host_f32({n, d}), dweight = random_host({d}, 13);
+  OnDevice dy_d(dy, DType::bf16), rstd_same(rstd, DType::f32), dweight_d(dweight, DType::f32);
+  Buffer dx_d = poisoned(DType::bf16, {n, d});
+  rmsnorm_backward(dx, dweight, dy, x, weight, rstd);
+  rmsnorm_backward(dx_d, dweight_d, dy_d, x_d, weight_d, rstd_same);
+  report.compare("rmsnorm_backward dx " + size, dx_d, dx, kBf16);
+  report.compare("rmsnorm_backward dweight " + size, dweight_d, dweight, kF32);
+}
+
+// positions = t when `sequential`, else random in [0, 40000); the bench size runs in place.
+void check_rope(CheckReport& report, int64_t n, int64_t heads, int64_t d, bool sequential, bool in_place) {
+  const std::string size = fmt::format("T={} H={} D={}{}", n, heads, d, in_place ? " in place" : "");
+  const double theta = 1e6;
+  Buffer positions = random_ids({n}, 40000, 20);
+  if (sequential)
+    for (int64_t t = 0; t < n; ++t) positions.ptr<int32_t>()[t] = int32_t(t);
+  OnDevice positions_d(positions, DType::i32);
+  for (int backward = 0; backward < 2; ++backward) {
+    Buffer x = random_bf16({n, heads, d}, 21 + backward), y = host_f32({n, heads, d});
+    OnDevice x_d(x, DType::bf16);
+    Buffer y_d = poisoned(DType::bf16, {n, heads, d});
+    Tensor out_d = in_place ? x_d.tensor : y_d.view();
+    if (backward) {
+      rope_backward(y, x, positions, theta);
+      rope_backward(out_d, x_d, positions_d, theta);
+    } else {
+      rope_forward(y, x, positions, theta);
+      rope_forward(out_d, x_d, positions_d, theta);
+    }
+    report.compare((backward ? "rope_backward " : "rope_forward ") + size, out_d, y, kBf16);
+  }
+}
+
+void check_add(CheckReport& report, int64_t rows, int64_t cols, DType dtype) {
+  const std::string size = fmt::format("{} [{}, {}] in place", dtype_name(dtype), rows, cols);
+  Buffer a = random_bf16({rows, cols}, 30), b = random_bf16({rows, cols}, 31), out = host_f32({rows, cols});
+  OnDevice a_d(a, dtype), b_d(b, dtype);
+  add(out, a, b);
+  add(a_d, a_d, b_d);
+  report.compare("add " + size, a_d, out, dtype == DType::bf16 ? kBf16 : kSameOrder);
+}
+
+void check_swiglu(CheckReport& report, int64_t rows, int64_t inter) {
+  const std::string size = fmt::format("R={} I={}", rows, inter);
+  Buffer gate_up = random_bf16({rows, 2 * inter}, 40, 2.0), out = host_f32({rows, inter});
+  OnDevice gate_up_d(gate_up, DType::bf16);
+  Buffer out_d = poisoned(DType::bf16, {rows, inter});
+  swiglu_forward(out, gate_up);
+  swiglu_forward(out_d, gate_up_d);
+  report.compare("swiglu_forward " + size, out_d, out, kBf16);
+
+  Buffer dout = random_bf16({rows, inter}, 41), dgate_up = host_f32({rows, 2 * inter});
+  OnDevice dout_d(dout, DType::bf16);
+  Buffer dgate_up_d = poisoned(DType::bf16, {rows, 2 * inter});
+  swiglu_backward(dgate_up, dout, gate_up);
+  swiglu_backward(dgate_up_d, dout_d, gate_up_d);
+  report.compare("swiglu_backward " + size, dgate_up_d, dgate_up, kBf16);
+}
+
+// Router, dispatch and combine on one routing: T tokens, E experts, top-K. Expert `starved` (if
+// >= 0) gets a logit of -30 for every token, so it receives zero tokens. Each GPU op gets the CPU's
+// inputs (probs, topk_index, copy_row), so a failure points at one op.
+void check_moe(CheckReport& report, int64_t n, int64_t e, int64_t k, int64_t h, bool normalize, int64_t starved) {
+  const std::string size = fmt::format("T={} E={} K={}", n, e, k);
+  Buffer logits = random_host({n, e}, 50, 2.0);
+  if (starved >= 0)
+    for (int64_t t = 0; t < n; ++t) logits.ptr<float>()[t * e + starved] = -30;
+  Buffer probs = host_f32({n, e}), topk_weight = host_f32({n, k}), topk_index(DType::i32, Device::cpu, {n, k});
+  OnDevice logits_d(logits, DType::f32);
+  Buffer probs_d = poisoned(DType::f32, {n, e}), topk_weight_d = poisoned(DType::f32, {n, k}),
+         topk_index_d = poisoned(DType::i32, {n, k});
+  router_forward(probs, topk_index, topk_weight, logits, normalize);
+  router_forward(probs_d, topk_index_d, topk_weight_d, logits_d, normalize);
+  report.compare("router_forward probs " + size, probs_d, probs, kF32);
+  report.expect_equal("router_forward topk_index " + size, topk_index_d, topk_index);
+  report.compare("router_forward topk_weight " + size, topk_weight_d, topk_weight, kF32);
+
+  OnDevice probs_same(probs, DType::f32), index_same(topk_index, DType::i32), weight_same(topk_weight, DType::f32);
+  Buffer aux = host_f32({1}), aux_d = poisoned(DType::f32, {1});
+  router_aux_loss(aux, probs, topk_index);
+  router_aux_loss(aux_d, probs_same, index_same);
+  report.compare("router_aux_loss " + size, aux_d, aux, kF32);
+
+  // aux_grad = T / 2 makes the aux term's gradient comparable to the routing weights'.
+  Buffer dtopk = random_host({n, k}, 51), dlogits = host_f32({n, e});
+  OnDevice dtopk_d(dtopk, DType::f32);
+  Buffer dlogits_d = poisoned(DType::bf16, {n, e});
+  router_backward(dlogits, dtopk, probs, topk_index, topk_weight, normalize, 0.5 * double(n));
+  router_backward(dlogits_d, dtopk_d, probs_same, index_same, weight_same, normalize, 0.5 * double(n));
+  report.compare("router_backward dlogits " + size, dlogits_d, dlogits, kBf16);
+
+  Buffer offsets(DType::i32, Device::cpu, {e + 1}), offsets_gpu(DType::i32, Device::cpu, {e + 1});
+  Buffer copy_row(DType::i32, Device::cpu, {n, k}), copy_row_d = poisoned(DType::i32, {n, k});
+  std::fill(offsets_gpu.ptr<int32_t>(), offsets_gpu.ptr<int32_t>() + e + 1, -1);
+  dispatch_plan(offsets, copy_row, topk_index);
+  dispatch_plan(offsets_gpu, copy_row_d, index_same);
+  report.expect_equal("dispatch_plan expert_offsets " + size, offsets_gpu, offsets);
+  report.expect_equal("dispatch_plan copy_row " + size, copy_row_d, copy_row);
+
+  const std::string hsize = fmt::format("{} H={}", size, h);
+  OnDevice rows_same(copy_row, DType::i32);
+  Buffer x = random_bf16({n, h}, 52), x_perm = host_f32({n * k, h});
+  OnDevice x_d(x, DType::bf16);
+  Buffer x_perm_d = poisoned(DType::bf16, {n * k, h});
+  dispatch_forward(x_perm, x, copy_row);
+  dispatch_forward(x_perm_d, x_d, rows_same);
+  report.compare("dispatch_forward " + hsize, x_perm_d, x_perm, kExact);
+
+  Buffer dx_perm = random_bf16({n * k, h}, 53), dx = host_f32({n, h});
+  OnDevice dx_perm_d(dx_perm, DType::bf16);
+  Buffer dx_d = poisoned(DType::bf16, {n, h});
+  dispatch_backward(dx, dx_perm, copy_row);
+  dispatch_backward(dx_d, dx_perm_d, rows_same);
+  report.compare("dispatch_backward " + hsize, dx_d, dx, kBf16);
+
+  // The model updates the residual stream in place: out aliases residual on the GPU.
+  Buffer residual = random_bf16({n, h}, 54), y_perm = random_bf16({n * k, h}, 55), out = host_f32({n, h});
+  OnDevice residual_d(residual, DType::bf16), y_perm_d(y_perm, DType::bf16);
+  combine_forward(out, residual, y_perm, topk_weight, copy_row);
+  combine_forward(residual_d, residual_d, y_perm_d, weight_same, rows_same);
+  report.compare("combine_forward in place " + hsize, residual_d, out, kBf16);
+
+  Buffer dout = random_bf16({n, h}, 56), dy_perm = host_f32({n * k, h}), dweight = host_f32({n, k});
+  OnDevice dout_d(dout, DType::bf16);
+  Buffer dy_perm_d = poisoned(DType::bf16, {n * k, h}), dweight_d = poisoned(DType::f32, {n, k});
+  combine_backward(dy_perm, dweight, dout, y_perm, topk_weight, copy_row);
+  combine_backward(dy_perm_d, dweight_d, dout_d, y_perm_d, weight_same, rows_same);
+  report.compare("combine_backward dy_perm " + hsize, dy_perm_d, dy_perm, kBf16);
+  report.compare("combine_backward dtopk_weight " + hsize, dweight_d, dweight, kF32);
+}
+
+// Every 7th target is the ignore index; the backward writes dlogits over the logits, as the model does.
+void check_cross_entropy(CheckReport& report, int64_t n, int64_t vocab) {
+  const std::string size = fmt::format("T={} V={}", n, vocab);
+  Buffer logits = random_bf16({n, vocab}, 60, 2.0), targets = random_ids({n}, vocab, 61);
+  int64_t counted = n;
+  for (int64_t t = 3; t < n; t += 7, --counted) targets.ptr<int32_t>()[t] = kIgnoreIndex;
+  Buffer loss = host_f32({n}), lse = host_f32({n});
+  OnDevice logits_d(logits, DType::bf16), targets_d(targets, DType::i32);
+  Buffer loss_d = poisoned(DType::f32, {n}), lse_d = poisoned(DType::f32, {n});
+  cross_entropy_forward(loss, lse, logits, targets);
+  cross_entropy_forward(loss_d, lse_d, logits_d, targets_d);
+  report.compare("cross_entropy_forward token_loss " + size, loss_d, loss, kF32);
+  report.compare("cross_entropy_forward lse " + size, lse_d, lse, kF32);
+
+  OnDevice lse_same(lse, DType::f32);
+  const double scale = 1.0 / double(counted);
+  cross_entropy_backward(logits, logits, lse, targets, scale);  // in place on the CPU too: halves host memory
+  cross_entropy_backward(logits_d, logits_d, lse_same, targets_d, scale);
+  report.compare("cross_entropy_backward in place " + size, logits_d, logits, kBf16);
+}
+
+// offset = 1 shifts the tensors by one element, off 16-byte alignment (the kernels' scalar path).
+void check_adamw(CheckReport& report, int64_t n, int64_t offset) {
+  const std::string size = fmt::format("n={}{}", n, offset ? " unaligned" : "");
+  const AdamWHyper hyper{1e-3, 0.9, 0.95, 1e-8, 0.1, 3};
+  Buffer param = random_host({n + offset}, 70), grad = random_host({n + offset}, 71), m = random_host({n + offset}, 72, 0.1),
+         v = random_host({n + offset}, 73, 0.01);
+  for (int64_t i = 0; i < n + offset; ++i) v.ptr<float>()[i] = std::abs(v.ptr<float>()[i]);
+  OnDevice param_d(param, DType::f32), grad_d(grad, DType::f32), m_d(m, DType::f32), v_d(v, DType::f32);
+  auto tail = [&](Tensor t) { return t.rows(offset, n + offset); };
+  adamw_step(tail(param), tail(grad), tail(m), tail(v), hyper);
+  adamw_step(tail(param_d), tail(grad_d), tail(m_d), tail(v_d), hyper);
+  report.compare("adamw_step param " + size, param_d, param, kSameOrder);
+  report.compare("adamw_step exp_avg " + size, m_d, m, kSameOrder);
+  report.compare("adamw_step exp_avg_sq " + size, v_d, v, kSameOrder);
+}
+
+void check_grad_norm(CheckReport& report, int64_t n, int64_t offset) {
+  const std::string size = fmt::format("n={}{}", n, offset ? " unaligned" : "");
+  Buffer x = random_host({n + offset}, 80);
+  OnDevice x_d(x, DType::f32);
+  const double cpu = l2_norm(x.view().rows(offset, n + offset)), gpu = l2_norm(x_d.tensor.rows(offset, n + offset));
+  const double error = std::abs(gpu - cpu) / std::max(std::abs(cpu), 1e-30);
+  // Both sides sum in double, in different orders: ~1e-13 apart over 16M elements.
+  report.add({"l2_norm " + size, error, 1e-10, std::isfinite(gpu) && error <= 1e-10});
+
+  scale(x.view().rows(offset, n + offset), 0.37);
+  scale(x_d.tensor.rows(offset, n + offset), 0.37);
+  report.compare("scale " + size, x_d, x, kSameOrder);
+}
+
+}  // namespace
+
+void check_elementwise_ops(CheckReport& report) {
+  // Odd sizes: rows not multiples of 8 (scalar kernel paths) next to ones that are (16-byte paths).
+  check_embedding(report, 37, 101, 72);
+  check_embedding(report, 37, 101, 75);
+  check_rmsnorm(report, 37, 72);
+  check_rmsnorm(report, 37, 75);
+  check_rope(report, 37, 3, 72, false, false);
+  check_rope(report, 37, 3, 16, false, true);
+  check_add(report, 37, 75, DType::bf16);
+  check_add(report, 37, 75, DType::f32);
+  check_swiglu(report, 37, 72);
+  check_swiglu(report, 37, 75);
+  check_moe(report, 37, 8, 2, 72, true, -1);
+  check_moe(report, 37, 8, 2, 75, false, -1);
+  check_moe(report, 37, 8, 8, 72, true, -1);  // K = E
+  check_moe(report, 37, 128, 8, 75, true, 5);
+  check_cross_entropy(report, 37, 1001);
+  check_adamw(report, 37 * 75, 0);
+  check_adamw(report, 37 * 75, 1);
+  check_grad_norm(report, 37 * 75, 0);
+  check_grad_norm(report, 37 * 75, 1);
+
+  // Bench sizes (Qwen3-30B-A3B-like: T = 4096, H = 2048, E = 128, K = 8, head_dim 128, I = 768).
+  check_embedding(report, 4096, 4099, 2048);  // V small enough for the CPU, so ids repeat a lot
+  check_rmsnorm(report, 4096, 2048);
+  check_rmsnorm(report, 4096 * 4, 128);  // QK-norm: rows are (token, head)
+  check_rope(report, 4096, 32, 128, true, true);
+  check_add(report, 4096, 2048, DType::bf16);
+  check_add(report, 4096, 2048, DType::f32);
+  check_swiglu(report, 4096 * 8, 768);
+  check_moe(report, 4096, 128, 8, 2048, true, 5);
+  // Full vocabulary; 1024 rows rather than 4096: each row is one block, and drawing the random
+  // logits on the CPU (~30 ns each) would dominate the whole check.
+  check_cross_entropy(report, 1024, 151936);
+  check_adamw(report, (1 << 20) + 3, 0);
+  check_grad_norm(report, (1 << 24) + 3, 0);
+}
+
+}  // namespace marrow

@@ -1,0 +1,228 @@
+// marrow check, group "gemm": linear (cuBLASLt) and grouped_linear (cuBLAS grouped GEMM forward and
+// backward_input, own tensor-core kernel for the fp32 weight gradient) against the CPU reference.
+// Small odd shapes are compared in full; the bench shapes (Qwen3-30B-A3B's layer) are drawn on the
+// GPU and compared on slices whose reference the CPU computes in well under a second: the last rows
+// of outputs, a band of weight-gradient rows, a few experts. Outputs are poisoned first and the
+// whole of each bench output must be finite. Weight gradients start at zero, are compared after one
+// call, then after a second call with twice the reference (they accumulate). Timings of the same
+// shapes are in `marrow bench --kernels`.
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "apps/check.h"
+#include "core/cuda_check.h"
+#include "ops/cast.h"
+#include "ops/grouped_linear.h"
+#include "ops/init.h"
+#include "ops/linear.h"
+
+namespace marrow {
+
+namespace {
+
+constexpr double kBf16Bound = 1e-2;  // bf16 outputs: one rounding of ~2^-9 relative
+constexpr double kF32Bound = 1e-3;   // fp32 outputs and accumulated gradients
+
+Buffer host_bf16_values(std::initializer_list<int64_t> dims, uint64_t seed) {
+  Buffer b = random_host(dims, seed);
+  round_to_bf16(b);
+  return b;
+}
+
+// A host f32 copy of a device tensor, shaped dims.
+Buffer host_f32(Tensor device, std::initializer_list<int64_t> dims) {
+  Buffer flat = to_host_f32(device);
+  Buffer b(DType::f32, Device::cpu, dims);
+  copy(b, flat);
+  return b;
+}
+
+Tensor shaped(const Buffer& b, std::initializer_list<int64_t> dims) { return b.view().reshape(dims); }
+
+Buffer scaled(Tensor host, float factor) {
+  Buffer out(DType::f32, Device::cpu, {host.numel()});
+  for (int64_t i = 0; i < host.numel(); ++i) out.ptr<float>()[i] = factor * host.ptr<float>()[i];
+  return out;
+}
+
+// Columns [c0, c1) of a host [rows, cols] f32 matrix.
+Buffer columns(Tensor host, int64_t c0, int64_t c1) {
+  const int64_t rows = host.size(0), cols = host.size(1);
+  Buffer out(DType::f32, Device::cpu, {rows, c1 - c0});
+  for (int64_t r = 0; r < rows; ++r)
+    std::copy(host.ptr<float>() + r * cols + c0, host.ptr<float>() + r * cols + c1, out.ptr<float>() + r * (c1 - c0));
+  return out;
+}
+
+// A row of the report whose error is the number of non-finite elements (poison left unwritten).
+void expect_finite(CheckReport& report, const std::string& name, Tensor device) {
+  Buffer h = to_host_f32(device);
+  int64_t bad = 0;
+  for (int64_t i = 0; i < h.numel(); ++i) bad += !std::isfinite(h.ptr<float>()[i]);
+  report.add({name, double(bad), 0.0, bad == 0});
+}
+
+// ---- linear ----------------------------------------------------------------------------------
+
+void check_linear_small(CheckReport& report, int64_t n, int64_t in, int64_t out, uint64_t seed) {
+  const std::string shape = fmt::format("{}x{}->{}", n, in, out);
+  Buffer x = host_bf16_values({n, in}, seed), w = host_bf16_values({out, in}, seed + 1), dy = host_bf16_values({n, out}, seed + 2);
+  Buffer y_ref(DType::f32, Device::cpu, {n, out}), dx_ref(DType::f32, Device::cpu, {n, in});
+  Buffer dw_ref = Buffer::zeros(DType::f32, Device::cpu, {out, in});
+  linear_forward(y_ref, x, w);
+  linear_backward_input(dx_ref, dy, w);
+  linear_backward_weight(dw_ref, dy, x);
+
+  Buffer xd = to_device(x, DType::bf16), wd = to_device(w, DType::bf16), dyd = to_device(dy, DType::bf16);
+  const Tensor xt = shaped(xd, {n, in}), wt = shaped(wd, {out, in}), dyt = shaped(dyd, {n, out});
+  Buffer y = poisoned(DType::bf16, {n, out});
+  linear_forward(y, xt, wt);
+  report.compare("linear fwd bf16 " + shape, y, y_ref, kBf16Bound);
+  Buffer y32 = poisoned(DType::f32, {n, out});
+  linear_forward(y32, xt, wt);
+  report.compare("linear fwd f32 out " + shape, y32, y_ref, kF32Bound);
+  Buffer dx = poisoned(DType::bf16, {n, in});
+  linear_backward_input(dx, dyt, wt);
+  report.compare("linear bwd_input " + shape, dx, dx_ref, kBf16Bound);
+  Buffer dw = Buffer::zeros(DType::f32, Device::cuda, {out, in});
+  linear_backward_weight(dw, dyt, xt);
+  report.compare("linear bwd_weight " + shape, dw, dw_ref, kF32Bound);
+  linear_backward_weight(dw, dyt, xt);
+  report.compare("linear bwd_weight x2 (accumulates) " + shape, dw, scaled(dw_ref, 2), kF32Bound);
+}
+
+// Bench shape: outputs compared on their last `rows` rows, dW on rows [o0, o0 + 64).
+void check_linear_bench(CheckReport& report, const char* label, int64_t n, int64_t in, int64_t out, DType y_dtype, uint64_t seed) {
+  const std::string shape = fmt::format("{} {}x{}->{}", label, n, in, out);
+  const int64_t rows = std::min<int64_t>(n, 48), r0 = n - rows;
+  const int64_t o0 = std::min<int64_t>(96, out - std::min<int64_t>(out, 64)), o1 = std::min(out, o0 + 64);
+  Buffer x = random_device({n, in}, seed, "x"), w = random_device({out, in}, seed, "w"),
+         dy = random_device({n, out}, seed, "dy");
+  Buffer y = poisoned(y_dtype, {n, out}), dx = poisoned(DType::bf16, {n, in});
+  Buffer dw = Buffer::zeros(DType::f32, Device::cuda, {out, in});
+  linear_forward(y, x, w);
+  linear_backward_input(dx, dy, w);
+  linear_backward_weight(dw, dy, x);
+
+  Buffer xh = host_f32(x, {n, in}), wh = host_f32(w, {out, in}), dyh = host_f32(dy, {n, out});
+  Buffer y_ref(DType::f32, Device::cpu, {rows, out}), dx_ref(DType::f32, Device::cpu, {rows, in});
+  linear_forward(y_ref, xh.view().rows(r0, n), wh);
+  linear_backward_input(dx_ref, dyh.view().rows(r0, n), wh);
+  Buffer dw_ref = Buffer::zeros(DType::f32, Device::cpu, {o1 - o0, in});
+  linear_backward_weight(dw_ref, columns(dyh, o0, o1), xh);
+
+  expect_finite(report, "linear fwd all written " + shape, y);
+  report.compare(fmt::format("linear fwd {} {} rows {}-{}", dtype_name(y_dtype), shape, r0, n), y.view().rows(r0, n), y_ref,
+                 y_dtype == DType::f32 ? kF32Bound : kBf16Bound);
+  expect_finite(report, "linear bwd_input all written " + shape, dx);
+  report.compare(fmt::format("linear bwd_input {} rows {}-{}", shape, r0, n), dx.view().rows(r0, n), dx_ref, kBf16Bound);
+  report.compare(fmt::format("linear bwd_weight {} dW rows {}-{}", shape, o0, o1), dw.view().rows(o0, o1), dw_ref, kF32Bound);
+  linear_backward_weight(dw, dy, x);
+  report.compare(fmt::format("linear bwd_weight x2 {} dW rows {}-{}", shape, o0, o1), dw.view().rows(o0, o1), scaled(dw_ref, 2),
+                 kF32Bound);
+}
+
+// ---- grouped_linear ----------------------------------------------------------------------------
+
+void check_grouped_small(CheckReport& report, int64_t out, int64_t in, const std::vector<int32_t>& counts, uint64_t seed) {
+  const int64_t e = int64_t(counts.size());
+  Buffer offsets = offsets_host(counts);
+  const int64_t r = offsets.ptr<int32_t>()[e];
+  const std::string shape = fmt::format("E{} {}x{}->{}", e, r, in, out);
+  Buffer x = host_bf16_values({r, in}, seed), w = host_bf16_values({e, out, in}, seed + 1), dy = host_bf16_values({r, out}, seed + 2);
+  Buffer y_ref(DType::f32, Device::cpu, {r, out}), dx_ref(DType::f32, Device::cpu, {r, in});
+  Buffer dw_ref = Buffer::zeros(DType::f32, Device::cpu, {e, out, in});
+  grouped_linear_forward(y_ref, x, w, offsets);
+  grouped_linear_backward_input(dx_ref, dy, w, offsets);
+  grouped_linear_backward_weight(dw_ref, dy, x, offsets);
+
+  Buffer xd = to_device(x, DType::bf16), wd = to_device(w, DType::bf16), dyd = to_device(dy, DType::bf16);
+  const Tensor xt = shaped(xd, {r, in}), wt = shaped(wd, {e, out, in}), dyt = shaped(dyd, {r, out});
+  Buffer y = poisoned(DType::bf16, {r, out});
+  grouped_linear_forward(y, xt, wt, offsets);
+  report.compare("grouped fwd " + shape, y, y_ref, kBf16Bound);
+  Buffer dx = poisoned(DType::bf16, {r, in});
+  grouped_linear_backward_input(dx, dyt, wt, offsets);
+  report.compare("grouped bwd_input " + shape, dx, dx_ref, kBf16Bound);
+  Buffer dw = Buffer::zeros(DType::f32, Device::cuda, {e, out, in});
+  grouped_linear_backward_weight(dw, dyt, xt, offsets);
+  report.compare("grouped bwd_weight " + shape, dw, dw_ref, kF32Bound);
+  grouped_linear_backward_weight(dw, dyt, xt, offsets);
+  report.compare("grouped bwd_weight x2 (accumulates) " + shape, dw, scaled(dw_ref, 2), kF32Bound);
+}
+
+// Bench shape: E experts, rows routed by skewed_counts. Outputs compared on up to 48 last rows of a
+// few experts, dW on a band of 64 rows (crossing a 128-row tile) of the same experts, an expert
+// without rows must keep a zero gradient.
+void check_grouped_bench(CheckReport& report, const char* label, int64_t e, int64_t r, int64_t in, int64_t out, uint64_t seed) {
+  const std::vector<int32_t> counts = skewed_counts(e, r);
+  Buffer offsets = offsets_host(counts);
+  const int32_t* off = offsets.ptr<int32_t>();
+  const std::string shape = fmt::format("{} E{} {}x{}->{}", label, e, r, in, out);
+  Buffer x = random_device({r, in}, seed, "x"), w = random_device({e, out, in}, seed, "w"),
+         dy = random_device({r, out}, seed, "dy");
+  Buffer y = poisoned(DType::bf16, {r, out}), dx = poisoned(DType::bf16, {r, in});
+  Buffer dw = Buffer::zeros(DType::f32, Device::cuda, {e, out, in});
+  grouped_linear_forward(y, x, w, offsets);
+  grouped_linear_backward_input(dx, dy, w, offsets);
+  grouped_linear_backward_weight(dw, dy, x, offsets);
+  expect_finite(report, "grouped fwd all written " + shape, y);
+  expect_finite(report, "grouped bwd_input all written " + shape, dx);
+
+  const int64_t largest = std::max_element(counts.begin(), counts.end()) - counts.begin();
+  const Tensor w_rows = w.view().reshape({e * out, in}), dw_rows = dw.view().reshape({e * out, in});
+  const int64_t o0 = std::min<int64_t>(96, out - 64), o1 = o0 + 64;
+  std::vector<Buffer> dw_refs;
+  const std::vector<int64_t> experts = {largest, 3, 1, e - 1};
+  for (int64_t g : experts) {
+    const int64_t begin = off[g], end = off[g + 1], tail = std::max<int64_t>(begin, end - 48);
+    const std::string where = fmt::format("{} expert {} ({} rows)", shape, g, end - begin);
+    Buffer wh = host_f32(w_rows.rows(g * out, (g + 1) * out), {out, in});
+    Buffer xh = host_f32(x.view().rows(begin, end), {end - begin, in}), dyh = host_f32(dy.view().rows(begin, end), {end - begin, out});
+    Buffer y_ref(DType::f32, Device::cpu, {end - tail, out}), dx_ref(DType::f32, Device::cpu, {end - tail, in});
+    linear_forward(y_ref, xh.view().rows(tail - begin, end - begin), wh);
+    linear_backward_input(dx_ref, dyh.view().rows(tail - begin, end - begin), wh);
+    report.compare("grouped fwd " + where, y.view().rows(tail, end), y_ref, kBf16Bound);
+    report.compare("grouped bwd_input " + where, dx.view().rows(tail, end), dx_ref, kBf16Bound);
+    dw_refs.push_back(Buffer::zeros(DType::f32, Device::cpu, {o1 - o0, in}));
+    linear_backward_weight(dw_refs.back(), columns(dyh, o0, o1), xh);
+    report.compare(fmt::format("grouped bwd_weight {} dW rows {}-{}", where, o0, o1), dw_rows.rows(g * out + o0, g * out + o1),
+                   dw_refs.back(), kF32Bound);
+  }
+  grouped_linear_backward_weight(dw, dy, x, offsets);
+  for (size_t j = 0; j < experts.size(); ++j) {
+    const int64_t g = experts[j];
+    report.compare(fmt::format("grouped bwd_weight x2 {} expert {} dW rows {}-{}", shape, g, o0, o1),
+                   dw_rows.rows(g * out + o0, g * out + o1), scaled(dw_refs[j], 2), kF32Bound);
+  }
+  const int64_t empty = std::find(counts.begin(), counts.end(), 0) - counts.begin();
+  report.expect_equal(fmt::format("grouped bwd_weight {} expert {} (no rows) untouched", shape, empty),
+                      dw_rows.rows(empty * out, (empty + 1) * out), Buffer::zeros(DType::f32, Device::cpu, {out, in}));
+}
+
+}  // namespace
+
+void check_gemm_ops(CheckReport& report) {
+  // Odd sizes (not multiples of 8 or of any tile), a single row, and one aligned shape.
+  check_linear_small(report, 37, 72, 130, 100);
+  check_linear_small(report, 37, 75, 131, 110);
+  check_linear_small(report, 1, 40, 24, 120);
+  check_linear_small(report, 200, 136, 264, 130);
+  // O or I not a multiple of 8: the simple grouped kernel and the dW kernel's element-wise loads.
+  check_grouped_small(report, 130, 72, {0, 13, 1, 0, 29, 7}, 200);
+  check_grouped_small(report, 37, 75, {5, 0, 11, 3}, 210);
+  // Multiples of 8 with odd row counts and partial tiles: the cuBLAS grouped call and cp.async loads.
+  check_grouped_small(report, 136, 200, {17, 0, 1, 40, 33, 0}, 220);
+  check_grouped_small(report, 264, 128, {0, 0, 130, 2, 64}, 230);
+
+  // Bench shapes: Qwen3-30B-A3B, hidden 2048, 32 query heads of 128, 128 experts top-8 of width 768,
+  // 4096 tokens.
+  check_linear_bench(report, "q_proj", 4096, 2048, 4096, DType::bf16, 300);
+  check_linear_bench(report, "router", 4096, 2048, 128, DType::f32, 310);
+  check_grouped_bench(report, "gate_up", 128, 32768, 2048, 1536, 400);
+  check_grouped_bench(report, "down", 128, 32768, 768, 2048, 410);
+}
+
+}  // namespace marrow

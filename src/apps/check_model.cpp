@@ -1,0 +1,134 @@
+// Whole-model GPU checks: the same Qwen3-MoE (same initial weights, rounded to bf16 so both sides
+// compute with identical numbers) runs one micro-batch forward and backward on the CPU in f32 and
+// on the GPU in bf16; loss and the gradient of every parameter tensor must agree within bf16
+// bounds. Weights are drawn larger than Hugging Face's default so routing is decisive: with
+// near-uniform router probabilities, bf16 rounding would flip top-k choices and the comparison
+// would measure routing noise instead of kernel error.
+#include <cmath>
+#include <optional>
+
+#include "apps/check.h"
+#include "core/rng.h"
+#include "engine/step.h"
+#include "models/qwen3_moe.h"
+#include "ops/cast.h"
+
+namespace marrow {
+
+namespace {
+
+struct ModelSide {
+  Qwen3Moe model;
+  Arena params, grads;
+  std::optional<Arena> working;
+  double loss = 0, aux = 0;
+
+  ModelSide(const Qwen3MoeConfig& config, Device device)
+      : model(config, device == Device::cuda ? DType::bf16 : DType::f32, device),
+        params("parameters", DType::f32, device, model.num_parameters()),
+        grads("gradients", DType::f32, device, model.num_parameters()) {
+    model.initialize(params, 5);
+    if (device == Device::cuda) {
+      working.emplace("bf16 weights", DType::bf16, device, model.num_parameters());
+      cast(working->all(), params.all());
+    } else {
+      round_to_bf16(params.all());
+    }
+  }
+
+  void run(const std::vector<int32_t>& ids, const std::vector<int32_t>& targets, int64_t B, int64_t S) {
+    const Device device = model.device();
+    const int64_t T = B * S;
+    Qwen3MoeBatch batch{B, S, Buffer(DType::i32, device, {T}), Buffer(DType::i32, device, {T}), Buffer(DType::i32, device, {T})};
+    std::vector<int32_t> positions(static_cast<size_t>(T));
+    for (int64_t i = 0; i < T; ++i) positions[size_t(i)] = int32_t(i % S);
+    copy(batch.input_ids, Tensor(const_cast<int32_t*>(ids.data()), DType::i32, Device::cpu, {T}));
+    copy(batch.targets, Tensor(const_cast<int32_t*>(targets.data()), DType::i32, Device::cpu, {T}));
+    copy(batch.positions, Tensor(positions.data(), DType::i32, Device::cpu, {T}));
+    const auto w = model.bind(working ? *working : params);
+    MicroBatch<Qwen3Moe> mb;
+    forward(mb, model, w, batch);
+    const double loss_scale = 1.0 / double(T), aux_grad = 0.01;
+    loss = mb.token_loss_sum * loss_scale;
+    aux = mb.aux_loss_sum;
+    backward(mb, model, w, model.bind(grads), batch, loss_scale, aux_grad);
+    synchronize();
+  }
+};
+
+void compare_model(CheckReport& report, const std::string& name, const Json& config_json, int64_t B, int64_t S) {
+  const Qwen3MoeConfig config = Qwen3MoeConfig::from_json(config_json, name);
+  const int64_t T = B * S;
+  std::vector<int32_t> ids(static_cast<size_t>(T)), targets(static_cast<size_t>(T));
+  Philox rng = philox_for(17, "check_model");
+  for (int64_t i = 0; i < T; ++i) {
+    ids[size_t(i)] = int32_t(rng.uniform(uint64_t(i)) * float(config.vocab_size));
+    targets[size_t(i)] = int32_t(rng.uniform(uint64_t(i), 1) * float(config.vocab_size));
+  }
+  ModelSide cpu(config, Device::cpu), gpu(config, Device::cuda);
+  cpu.run(ids, targets, B, S);
+  gpu.run(ids, targets, B, S);
+  const double loss_error = std::abs(gpu.loss - cpu.loss) / std::abs(cpu.loss);
+  report.add({name + ": loss", loss_error, 1e-2, std::isfinite(gpu.loss) && loss_error <= 1e-2});
+  const double aux_error = std::abs(gpu.aux - cpu.aux) / std::abs(cpu.aux);
+  report.add({name + ": load-balance loss", aux_error, 2e-2, std::isfinite(gpu.aux) && aux_error <= 2e-2});
+
+  // Gradients: f32 on both sides, accumulated from bf16 activations on the GPU. The bound is relative
+  // to the largest gradient element of each tensor.
+  const double bound = 5e-2;
+  const auto gg = gpu.model.bind(gpu.grads), cg = cpu.model.bind(cpu.grads);
+  report.compare(name + ": d embed_tokens", gg.embed, cg.embed, bound);
+  report.compare(name + ": d lm_head", gg.lm_head, cg.lm_head, bound);
+  report.compare(name + ": d final norm", gg.final_norm, cg.final_norm, bound);
+  for (size_t l = 0; l < gg.layers.size(); ++l) {
+    const auto &a = gg.layers[l], &b = cg.layers[l];
+    const std::string p = fmt::format("{}: layer {} d ", name, l);
+    report.compare(p + "input_layernorm", a.input_norm, b.input_norm, bound);
+    report.compare(p + "q_proj", a.q_proj, b.q_proj, bound);
+    report.compare(p + "k_proj", a.k_proj, b.k_proj, bound);
+    report.compare(p + "v_proj", a.v_proj, b.v_proj, bound);
+    report.compare(p + "o_proj", a.o_proj, b.o_proj, bound);
+    report.compare(p + "q_norm", a.q_norm, b.q_norm, bound);
+    report.compare(p + "k_norm", a.k_norm, b.k_norm, bound);
+    report.compare(p + "post_attention_layernorm", a.post_norm, b.post_norm, bound);
+    report.compare(p + "router", a.router, b.router, bound);
+    report.compare(p + "experts gate/up", a.experts_gate_up, b.experts_gate_up, bound);
+    report.compare(p + "experts down", a.experts_down, b.experts_down, bound);
+  }
+}
+
+}  // namespace
+
+void check_model(CheckReport& report) {
+  const Json tiny = {{"model_type", "qwen3_moe"},
+                     {"vocab_size", 300},
+                     {"hidden_size", 64},
+                     {"num_hidden_layers", 2},
+                     {"num_attention_heads", 4},
+                     {"num_key_value_heads", 2},
+                     {"head_dim", 64},
+                     {"num_experts", 8},
+                     {"num_experts_per_tok", 2},
+                     {"moe_intermediate_size", 40},
+                     {"norm_topk_prob", true},
+                     {"initializer_range", 0.2}};
+  compare_model(report, "tiny model", tiny, 2, 37);
+  // One layer of the bench shape (GPU.md: Qwen3-30B-A3B's layer). The vocabulary and sequence are
+  // cut so the single-threaded CPU reference finishes in seconds.
+  const Json bench_layer = {{"model_type", "qwen3_moe"},
+                            {"vocab_size", 4096},
+                            {"hidden_size", 2048},
+                            {"num_hidden_layers", 1},
+                            {"num_attention_heads", 32},
+                            {"num_key_value_heads", 4},
+                            {"head_dim", 128},
+                            {"num_experts", 128},
+                            {"num_experts_per_tok", 8},
+                            {"moe_intermediate_size", 768},
+                            {"norm_topk_prob", true},
+                            {"rope_theta", 1000000.0},
+                            {"initializer_range", 0.05}};
+  compare_model(report, "bench layer", bench_layer, 1, 512);
+}
+
+}  // namespace marrow

@@ -1,0 +1,64 @@
+// marrow export <checkpoint> <out-dir> [--dtype float32|bfloat16] [--shard-mib N] [--overwrite]
+// A checkpoint (or a run directory: its newest checkpoint) to a Hugging Face model directory
+// (engine/hf_format.h) that transformers, vLLM and lm-evaluation-harness load as is.
+#include <CLI/CLI.hpp>
+#include <filesystem>
+
+#include "apps/commands.h"
+#include "apps/model_switch.h"
+#include "engine/checkpoint.h"
+#include "engine/hf_format.h"
+
+namespace fs = std::filesystem;
+
+namespace marrow {
+
+int export_command(int argc, char** argv) {
+  CLI::App app{"Export a checkpoint as a Hugging Face model directory.", "marrow export"};
+  std::string from, out, dtype = "float32";
+  int64_t shard_mib = 2048;
+  bool overwrite = false;
+  app.add_option("checkpoint", from, "checkpoint directory (step-XXXXXXXX), or a run directory for its newest")->required();
+  app.add_option("out-dir", out, "the Hugging Face model directory to write")->required();
+  app.add_option("--dtype", dtype, "dtype of the exported weights")->check(CLI::IsMember({"float32", "bfloat16"}))->capture_default_str();
+  app.add_option("--shard-mib", shard_mib, "largest safetensors shard, in MiB")->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_flag("--overwrite", overwrite, "replace the model files of an existing out-dir");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e) == 0 ? 0 : 2;
+  }
+  const ModelSource source = find_model(from);
+  if (fs::exists(out) && !fs::is_empty(out)) {
+    MARROW_CHECK(overwrite, "{} exists and is not empty (pass --overwrite to replace its model files)", out);
+    for (const auto& entry : fs::directory_iterator(out)) {
+      const std::string name = entry.path().filename().string();
+      if (name.ends_with(".safetensors") || name == "model.safetensors.index.json" || name == "config.json" ||
+          name == "generation_config.json" || name == "tokenizer.json" || name == "tokenizer_config.json")
+        fs::remove(entry.path());
+    }
+  }
+  HfExportOptions options;
+  options.dtype = dtype == "bfloat16" ? DType::bf16 : DType::f32;
+  options.shard_bytes = size_t(shard_mib) << 20;
+  options.tokenizer = source.tokenizer;
+  if (source.is_checkpoint) {
+    const Json meta = read_json_file(source.dir + "/meta.json");
+    options.eos_token = meta.value("data", Json::object()).value("eos_token", "");
+  } else if (fs::exists(source.dir + "/tokenizer_config.json")) {
+    const Json t = read_json_file(source.dir + "/tokenizer_config.json");
+    if (t.contains("eos_token") && t["eos_token"].is_string()) options.eos_token = t["eos_token"];
+  }
+  if (options.eos_token.empty() && !options.tokenizer.empty()) options.eos_token = "<|endoftext|>";
+  with_model(source.config, source.config_path, [&]<class M>(const typename M::Config& config) {
+    M model(config, DType::f32, Device::cpu);
+    Arena params("parameters", DType::f32, Device::cpu, model.num_parameters());
+    load_model_weights(source, model.specs(), params);
+    write_hf_model(out, model.specs(), params, config.json, options);
+    std::printf("export: %s -> %s: %.2fM parameters as %s%s\n", source.dir.c_str(), out.c_str(), model.num_parameters() / 1e6,
+                dtype.c_str(), options.tokenizer.empty() ? " (no tokenizer: the run's corpus had none)" : ", with tokenizer");
+  });
+  return 0;
+}
+
+}  // namespace marrow

@@ -1,0 +1,64 @@
+// marrow import <hf-dir> <checkpoint-dir> [--overwrite]
+// A Hugging Face model directory (sharded or single-file safetensors, fp32 or bf16) to a checkpoint
+// for continued pretraining: weights only, so the run starts its AdamW moments at zero. Train from it
+// with [model] config = <checkpoint-dir>/config.json and [checkpoint] resume = <checkpoint-dir>.
+#include <CLI/CLI.hpp>
+#include <filesystem>
+
+#include "apps/commands.h"
+#include "apps/model_switch.h"
+#include "engine/checkpoint.h"
+#include "engine/hf_format.h"
+
+namespace fs = std::filesystem;
+
+namespace marrow {
+
+int import_command(int argc, char** argv) {
+  CLI::App app{"Import a Hugging Face model directory as a checkpoint for continued pretraining.", "marrow import"};
+  std::string from, out;
+  bool overwrite = false;
+  app.add_option("hf-dir", from, "Hugging Face model directory (config.json + safetensors)")->required();
+  app.add_option("checkpoint-dir", out, "the checkpoint directory to write")->required();
+  app.add_flag("--overwrite", overwrite, "replace an existing checkpoint at checkpoint-dir");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e) == 0 ? 0 : 2;
+  }
+  MARROW_CHECK(fs::is_directory(from), "{} is not a directory", from);
+  MARROW_CHECK(is_hf_model_dir(from), "{} is not a Hugging Face model directory: it needs config.json and model.safetensors or "
+               "model.safetensors.index.json", from);
+  if (fs::exists(out)) {
+    MARROW_CHECK(overwrite, "{} already exists (pass --overwrite to replace it)", out);
+    MARROW_CHECK(fs::exists(out + "/meta.json"), "{} exists and is not a checkpoint: refusing to replace it", out);
+  }
+  const std::string config_path = from + "/config.json";
+  const Json config_json = read_json_file(config_path);
+  std::string eos_token;
+  if (fs::exists(from + "/tokenizer_config.json")) {
+    const Json t = read_json_file(from + "/tokenizer_config.json");
+    if (t.contains("eos_token") && t["eos_token"].is_string()) eos_token = t["eos_token"];
+    if (t.contains("eos_token") && t["eos_token"].is_object()) eos_token = t["eos_token"].value("content", "");
+  }
+  const std::string tokenizer = fs::exists(from + "/tokenizer.json") ? from + "/tokenizer.json" : "";
+  with_model(config_json, config_path, [&]<class M>(const typename M::Config& config) {
+    M model(config, DType::f32, Device::cpu);
+    Arena params("parameters", DType::f32, Device::cpu, model.num_parameters());
+    read_hf_weights(from, model.specs(), params);
+    Json meta = {{"step", 0},
+                 {"samples_seen", 0},
+                 {"tokens_seen", 0},
+                 {"imported_from", fs::absolute(from).string()},
+                 {"model_config", config_json},
+                 {"data", {{"eos_token", eos_token}}}};
+    write_checkpoint(out, model.specs(), {&params}, meta, config_json, tokenizer);
+    std::printf("import: %s -> %s: %.2fM parameters (no optimizer state)%s\n", from.c_str(), out.c_str(),
+                model.num_parameters() / 1e6, tokenizer.empty() ? "" : ", with tokenizer");
+    std::printf("continue pretraining with: marrow train <run-config> --model.config=%s/config.json --checkpoint.resume=%s\n",
+                out.c_str(), out.c_str());
+  });
+  return 0;
+}
+
+}  // namespace marrow

@@ -1,0 +1,19 @@
+// The one model switch of the program (DESIGN.md §1.3): from a config.json's model_type to the model
+// family's class. f is a generic lambda, called as f.template operator()<M>(config):
+//   with_model(json, path, [&]<class M>(const typename M::Config& config) { train<M>(rc, config); });
+#pragma once
+#include <string>
+
+#include "core/json.h"
+#include "models/qwen3_moe.h"
+
+namespace marrow {
+
+template <class F>
+decltype(auto) with_model(const Json& config_json, const std::string& source, F&& f) {
+  const std::string model_type = JsonFields(config_json, source).string("model_type");
+  if (model_type == Qwen3Moe::model_type) return f.template operator()<Qwen3Moe>(Qwen3MoeConfig::from_json(config_json, source));
+  fail("{}: unknown model_type '{}' (supported: qwen3_moe)", source, model_type);
+}
+
+}  // namespace marrow

@@ -1,0 +1,38 @@
+// One tensor of a model's canonical parameter table: its Hugging Face name, global shape and place
+// in the arenas (parameters, gradients, optimizer state share one layout). Models build the table;
+// the engine's checkpoint and export code walks it without knowing the model.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace marrow {
+
+struct TensorSpec {
+  std::string name;
+  std::vector<int64_t> shape;
+  int64_t offset = 0;  // in elements
+  int64_t numel = 0;
+  bool is_norm = false;  // RMSNorm weights: initialised to 1, no weight decay
+};
+
+// Cuts a table (offsets increasing) into files of at most max_bytes at element_bytes per element
+// (a tensor larger than that gets a file of its own): the [first, last) spec ranges, in order.
+inline std::vector<std::pair<size_t, size_t>> shard_specs(const std::vector<TensorSpec>& specs, size_t element_bytes,
+                                                          size_t max_bytes) {
+  std::vector<std::pair<size_t, size_t>> shards;
+  size_t bytes = 0;
+  for (size_t i = 0; i < specs.size(); ++i) {
+    const size_t b = size_t(specs[i].numel) * element_bytes;
+    if (shards.empty() || (bytes > 0 && bytes + b > max_bytes)) {
+      shards.push_back({i, i});
+      bytes = 0;
+    }
+    shards.back().second = i + 1;
+    bytes += b;
+  }
+  return shards;
+}
+
+}  // namespace marrow

@@ -1,0 +1,460 @@
+#include "engine/checkpoint.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <ctime>
+#include <filesystem>
+#include <fstream>
+#include <future>
+#include <memory>
+#include <set>
+#include <thread>
+
+#include "core/safetensors.h"
+#include "core/sha256.h"
+#include "data/token_corpus.h"
+#include "engine/hf_format.h"
+
+namespace fs = std::filesystem;
+
+namespace marrow {
+
+namespace {
+
+constexpr const char* kFormat = "marrow-checkpoint";
+constexpr int64_t kFormatVersion = 1;
+constexpr const char* kMeta = "meta.json";
+const char* const kGroups[] = {"weights", "exp_avg", "exp_avg_sq"};
+
+void sync_to_disk(const std::string& path) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  MARROW_CHECK(fd >= 0, "cannot open {} to sync it: {}", path, std::strerror(errno));
+  const int rc = ::fsync(fd);
+  const int err = errno;
+  ::close(fd);
+  MARROW_CHECK(rc == 0, "cannot sync {} to disk: {}", path, std::strerror(err));
+}
+
+void rename_path(const std::string& from, const std::string& to) {
+  std::error_code ec;
+  fs::rename(from, to, ec);
+  MARROW_CHECK(!ec, "cannot rename {} to {}: {}", from, to, ec.message());
+}
+
+void remove_tree(const std::string& path) {
+  std::error_code ec;
+  fs::remove_all(path, ec);
+  MARROW_CHECK(!ec, "cannot remove {}: {}", path, ec.message());
+}
+
+// The step of a directory named step-XXXXXXXX, or -1 for any other name.
+int64_t step_of(const std::string& name) {
+  if (name.size() < 13 || name.compare(0, 5, "step-") != 0) return -1;
+  for (size_t i = 5; i < name.size(); ++i)
+    if (name[i] < '0' || name[i] > '9') return -1;
+  return std::stoll(name.substr(5));
+}
+
+// Complete checkpoints of a run directory, oldest first.
+std::vector<std::pair<int64_t, std::string>> complete_checkpoints(const std::string& run_dir) {
+  std::vector<std::pair<int64_t, std::string>> found;
+  std::error_code ec;
+  if (!fs::is_directory(run_dir, ec)) return found;
+  for (const auto& entry : fs::directory_iterator(run_dir, ec)) {
+    const int64_t step = step_of(entry.path().filename().string());
+    if (step >= 0 && entry.is_directory() && fs::exists(entry.path() / kMeta)) found.push_back({step, entry.path().string()});
+  }
+  std::sort(found.begin(), found.end());
+  return found;
+}
+
+Tensor host_view(void* data, DType dtype, const std::vector<int64_t>& shape) {
+  Tensor t(data, dtype, Device::cpu, {});
+  t.ndim = int(shape.size());
+  for (size_t i = 0; i < shape.size(); ++i) t.shape[i] = shape[i];
+  return t;
+}
+
+std::string shape_string(const std::vector<int64_t>& shape) { return host_view(nullptr, DType::f32, shape).shape_string(); }
+
+std::string human_bytes(double bytes) {
+  return bytes >= 1073741824.0 ? fmt::format("{:.2f} GiB", bytes / 1073741824.0) : fmt::format("{:.1f} MiB", bytes / 1048576.0);
+}
+
+std::string now_utc() {
+  std::time_t t = std::time(nullptr);
+  char text[32];
+  std::strftime(text, sizeof text, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&t));
+  return text;
+}
+
+Json run_config_json(const RunConfig& rc) {
+  return {{"model", {{"config", rc.model_config}}},
+          {"data", {{"path", rc.data_path}, {"validation_fraction", rc.validation_fraction}}},
+          {"train",
+           {{"steps", rc.steps}, {"global_batch", rc.global_batch}, {"micro_batch", rc.micro_batch}, {"seq_len", rc.seq_len},
+            {"seed", rc.seed}, {"device", rc.device}, {"aux_loss_coef", rc.aux_loss_coef}, {"max_bad_steps", rc.max_bad_steps}}},
+          {"optimizer",
+           {{"lr", rc.lr}, {"min_lr", rc.min_lr}, {"beta1", rc.beta1}, {"beta2", rc.beta2}, {"eps", rc.eps},
+            {"weight_decay", rc.weight_decay}, {"grad_clip", rc.grad_clip}}},
+          {"schedule", {{"kind", rc.schedule}, {"warmup_steps", rc.warmup_steps}, {"decay_fraction", rc.decay_fraction}}},
+          {"checkpoint",
+           {{"every", rc.checkpoint_every}, {"keep", rc.checkpoint_keep}, {"resume", rc.checkpoint_resume},
+            {"optimizer_state", rc.checkpoint_optimizer_state}}},
+          {"output", {{"dir", rc.out_dir}, {"log_every", rc.log_every}}}};
+}
+
+}  // namespace
+
+std::string checkpoint_name(int64_t step) { return fmt::format("step-{:08d}", step); }
+
+std::string Checkpoint::tokenizer_path() const {
+  const std::string path = dir + "/tokenizer.json";
+  return fs::exists(path) ? path : "";
+}
+
+void write_checkpoint(const std::string& dir, const std::vector<TensorSpec>& specs, const CheckpointArenas& arenas, Json meta,
+                      const Json& model_config, const std::string& tokenizer_json, size_t shard_bytes) {
+  const auto start = std::chrono::steady_clock::now();
+  const std::string tmp = dir + ".tmp";
+  remove_tree(tmp);
+  std::error_code ec;
+  fs::create_directories(tmp, ec);
+  MARROW_CHECK(!ec, "cannot create checkpoint directory {}: {}", tmp, ec.message());
+  for (size_t i = 1; i < specs.size(); ++i)
+    MARROW_CHECK(specs[i].offset >= specs[i - 1].offset + specs[i - 1].numel, "internal: parameter table offsets are not increasing");
+
+  const Arena* group_arena[] = {arenas.weights, arenas.exp_avg, arenas.exp_avg_sq};
+  size_t total = 0, done = 0;
+  for (const Arena* a : group_arena) total += a ? a->bytes() : 0;
+  const bool progress = total >= (size_t(1) << 30);
+  // Pauses after the first file of each save, so tests can kill a save midway (crash safety).
+  const char* pause_ms = std::getenv("MARROW_TEST_SAVE_PAUSE_MS");
+
+  Json files = Json::array();
+  std::vector<std::future<std::string>> hashes;  // sha256 of each file, computed while the next is written
+  auto add_file = [&](const std::string& name, const std::string& group) {
+    const std::string path = tmp + "/" + name;
+    sync_to_disk(path);
+    files.push_back({{"file", name}, {"group", group}, {"bytes", fs::file_size(path)}});
+    hashes.push_back(std::async(std::launch::async, [path] { return sha256_file(path); }));
+  };
+
+  for (int g = 0; g < 3; ++g) {
+    const Arena* arena = group_arena[g];
+    if (!arena) continue;
+    const auto shards = shard_specs(specs, sizeof(float), shard_bytes);
+    for (size_t k = 0; k < shards.size(); ++k) {
+      const TensorSpec& first = specs[shards[k].first];
+      const TensorSpec& last = specs[shards[k].second - 1];
+      Buffer host = to_host(arena->slice(first.offset, {last.offset + last.numel - first.offset}));
+      std::vector<SafetensorsEntry> entries;
+      for (size_t i = shards[k].first; i < shards[k].second; ++i)
+        entries.push_back({specs[i].name, host_view(host.ptr<float>() + (specs[i].offset - first.offset), DType::f32, specs[i].shape)});
+      const std::string name = fmt::format("{}-{:05d}-of-{:05d}.safetensors", kGroups[g], k + 1, shards.size());
+      write_safetensors(tmp + "/" + name, entries, {{"format", "pt"}, {"marrow", kGroups[g]}});
+      add_file(name, kGroups[g]);
+      done += host.view().bytes();
+      if (progress) {
+        std::printf("checkpoint: %s/%s %s of %s (%.0f s)\n", tmp.c_str(), name.c_str(), human_bytes(double(done)).c_str(),
+                    human_bytes(double(total)).c_str(), std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+        std::fflush(stdout);
+      }
+      if (pause_ms && files.size() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(std::atol(pause_ms)));
+    }
+  }
+  write_json_file(tmp + "/config.json", model_config);
+  add_file("config.json", "config");
+  if (!tokenizer_json.empty()) {
+    fs::copy_file(tokenizer_json, tmp + "/tokenizer.json", fs::copy_options::overwrite_existing, ec);
+    MARROW_CHECK(!ec, "cannot copy {} into the checkpoint: {}", tokenizer_json, ec.message());
+    add_file("tokenizer.json", "tokenizer");
+  }
+  for (size_t i = 0; i < hashes.size(); ++i) files[i]["sha256"] = hashes[i].get();
+
+  meta["format"] = kFormat;
+  meta["format_version"] = kFormatVersion;
+  meta["marrow_version"] = MARROW_VERSION;
+  meta["created"] = now_utc();
+  meta["files"] = files;
+  write_json_file(tmp + "/" + kMeta, meta);
+  sync_to_disk(tmp + "/" + kMeta);
+  sync_to_disk(tmp);
+  // Replacing a checkpoint of the same name (a re-import): the old one is moved aside first, so a
+  // crash in between leaves either a complete checkpoint or leftovers that are never read.
+  if (fs::exists(dir)) {
+    rename_path(dir, dir + ".old.tmp");
+    rename_path(tmp, dir);
+    remove_tree(dir + ".old.tmp");
+  } else {
+    rename_path(tmp, dir);
+  }
+  sync_to_disk(fs::absolute(dir).parent_path().string());
+}
+
+std::optional<std::string> latest_checkpoint(const std::string& run_dir) {
+  auto all = complete_checkpoints(run_dir);
+  if (all.empty()) return std::nullopt;
+  return all.back().second;
+}
+
+Checkpoint open_checkpoint(const std::string& path) {
+  MARROW_CHECK(fs::exists(path), "checkpoint {} does not exist", path);
+  Checkpoint c;
+  c.dir = path;
+  if (!fs::exists(fs::path(path) / kMeta)) {
+    auto latest = latest_checkpoint(path);
+    MARROW_CHECK(latest.has_value(),
+                 "{} is not a checkpoint: it has no {} (a save that did not finish leaves none) and no step-XXXXXXXX checkpoint inside",
+                 path, kMeta);
+    c.dir = *latest;
+  }
+  const std::string meta_path = c.dir + "/" + kMeta;
+  c.meta = read_json_file(meta_path);
+  JsonFields f(c.meta, meta_path);
+  MARROW_CHECK(f.string("format") == kFormat, "{}: format is '{}' but a Marrow checkpoint has '{}'", meta_path, f.string("format"),
+               kFormat);
+  MARROW_CHECK(f.integer("format_version") <= kFormatVersion,
+               "{}: checkpoint format version {} is newer than this Marrow reads ({}); update Marrow", meta_path,
+               f.integer("format_version"), kFormatVersion);
+  c.step = f.integer("step");
+  const Json& files = f.raw("files");
+  MARROW_CHECK(files.is_array(), "{}: key 'files' must be a list", meta_path);
+  for (const Json& file : files) {
+    JsonFields ff(file, meta_path + ": files[]");
+    const std::string name = ff.string("file"), full = c.dir + "/" + name;
+    MARROW_CHECK(name.find('/') == std::string::npos, "{}: file name '{}' must not contain '/'", meta_path, name);
+    MARROW_CHECK(fs::exists(full), "checkpoint {} is incomplete: {} is missing", c.dir, full);
+    const auto size = fs::file_size(full);
+    MARROW_CHECK(int64_t(size) == ff.integer("bytes"), "{} is truncated or was changed: it has {} bytes but {} records {}", full, size,
+                 meta_path, ff.integer("bytes"));
+    c.has_optimizer_state = c.has_optimizer_state || ff.string("group") == "exp_avg";
+  }
+  return c;
+}
+
+void verify_checkpoint(const Checkpoint& c) {
+  std::vector<std::pair<std::string, std::future<std::string>>> hashes;
+  for (const Json& file : c.meta["files"]) {
+    const std::string path = c.dir + "/" + file["file"].get<std::string>();
+    hashes.push_back({path, std::async(std::launch::async, [path] { return sha256_file(path); })});
+  }
+  size_t i = 0;
+  for (auto& [path, hash] : hashes) {
+    const std::string want = c.meta["files"][i++].value("sha256", "");
+    const std::string got = hash.get();
+    MARROW_CHECK(got == want, "{} is corrupt: its sha256 is {} but {}/{} records {}", path, got, c.dir, kMeta, want);
+  }
+}
+
+void load_checkpoint_tensors(const Checkpoint& c, const std::string& group, const std::vector<TensorSpec>& specs, const Arena& arena) {
+  std::vector<std::unique_ptr<SafetensorsFile>> files;
+  std::map<std::string, const SafetensorsFile*> where;
+  for (const Json& file : c.meta["files"]) {
+    if (file.value("group", "") != group) continue;
+    files.push_back(std::make_unique<SafetensorsFile>(c.dir + "/" + file["file"].get<std::string>()));
+    for (const std::string& name : files.back()->names()) where[name] = files.back().get();
+  }
+  MARROW_CHECK(!files.empty(), "checkpoint {} holds no {} tensors", c.dir, group);
+  for (const TensorSpec& s : specs) {
+    auto it = where.find(s.name);
+    MARROW_CHECK(it != where.end(), "checkpoint {} has no tensor '{}' in its {} files: it was written for another model", c.dir, s.name,
+                 group);
+    const Tensor t = it->second->get(s.name);
+    const std::vector<int64_t> shape(t.shape.begin(), t.shape.begin() + t.ndim);
+    MARROW_CHECK(t.dtype == DType::f32, "{}: tensor '{}' is {} but checkpoints hold f32", it->second->path(), s.name, dtype_name(t.dtype));
+    MARROW_CHECK(shape == s.shape, "{}: tensor '{}' has shape {} but the model's is {}: the checkpoint was written for another model",
+                 it->second->path(), s.name, t.shape_string(), shape_string(s.shape));
+    copy(arena.slice(s.offset, {s.numel}), t.reshape({s.numel}));
+  }
+  MARROW_CHECK(where.size() == specs.size(), "checkpoint {} holds {} {} tensors but the model has {}: it was written for another model",
+               c.dir, where.size(), group, specs.size());
+}
+
+std::string model_config_difference(const Json& saved, const Json& current) {
+  // Keys that describe files, defaults for new runs or generation, not the model's arithmetic.
+  static const std::set<std::string> ignored = {"architectures", "torch_dtype", "dtype", "transformers_version", "_name_or_path",
+                                                "use_cache", "initializer_range", "router_aux_loss_coef", "output_router_logits",
+                                                "max_position_embeddings", "bos_token_id", "eos_token_id", "pad_token_id"};
+  std::set<std::string> keys;
+  for (auto& [k, v] : saved.items()) keys.insert(k);
+  for (auto& [k, v] : current.items()) keys.insert(k);
+  for (const std::string& k : keys) {
+    if (ignored.count(k)) continue;
+    const Json a = saved.contains(k) ? saved[k] : Json(), b = current.contains(k) ? current[k] : Json();
+    if (a != b) return fmt::format("{} is {} there but {} here", k, a.is_null() ? "absent" : a.dump(), b.is_null() ? "absent" : b.dump());
+  }
+  return "";
+}
+
+ModelSource find_model(const std::string& path) {
+  MARROW_CHECK(fs::exists(path), "{} does not exist", path);
+  ModelSource m;
+  if (fs::exists(fs::path(path) / kMeta) || latest_checkpoint(path)) {
+    const Checkpoint c = open_checkpoint(path);
+    m.dir = c.dir;
+    m.is_checkpoint = true;
+    m.config_path = c.config_path();
+    m.config = read_json_file(m.config_path);
+    m.tokenizer = c.tokenizer_path();
+    return m;
+  }
+  MARROW_CHECK(is_hf_model_dir(path),
+               "{} is neither a Marrow checkpoint (meta.json), a run directory holding checkpoints, nor a Hugging Face model "
+               "directory (config.json with model.safetensors or model.safetensors.index.json)",
+               path);
+  m.dir = path;
+  m.config_path = path + "/config.json";
+  m.config = read_json_file(m.config_path);
+  if (fs::exists(path + "/tokenizer.json")) m.tokenizer = path + "/tokenizer.json";
+  return m;
+}
+
+void load_model_weights(const ModelSource& source, const std::vector<TensorSpec>& specs, const Arena& params) {
+  if (!source.is_checkpoint) return read_hf_weights(source.dir, specs, params);
+  const Checkpoint c = open_checkpoint(source.dir);
+  verify_checkpoint(c);
+  load_checkpoint_tensors(c, "weights", specs, params);
+}
+
+TrainCheckpoints::TrainCheckpoints(const RunConfig& rc, const Json& model_config, const std::vector<TensorSpec>& specs,
+                                   CheckpointArenas arenas)
+    : rc_(rc), model_config_(model_config), specs_(specs), arenas_(arenas) {}
+
+int64_t TrainCheckpoints::resume() {
+  std::string from;
+  if (auto latest = latest_checkpoint(rc_.out_dir)) from = *latest;
+  else if (!rc_.checkpoint_resume.empty()) from = rc_.checkpoint_resume;
+  else return 0;
+  const Checkpoint c = open_checkpoint(from);
+  const std::string diff = model_config_difference(c.meta.value("model_config", Json::object()), model_config_);
+  MARROW_CHECK(diff.empty(), "cannot resume from {}: {}/{} was written for another model than {} ({}); train this model in another output.dir",
+               c.dir, c.dir, kMeta, rc_.model_config, diff);
+  verify_checkpoint(c);
+  load_checkpoint_tensors(c, "weights", specs_, *arenas_.weights);
+  if (c.has_optimizer_state) {
+    load_checkpoint_tensors(c, "exp_avg", specs_, *arenas_.exp_avg);
+    load_checkpoint_tensors(c, "exp_avg_sq", specs_, *arenas_.exp_avg_sq);
+  } else {
+    arenas_.exp_avg->fill_zero();
+    arenas_.exp_avg_sq->fill_zero();
+  }
+  std::printf("resuming from %s at step %lld%s\n", c.dir.c_str(), (long long)c.step,
+              c.has_optimizer_state ? "" : " (no optimizer state in it: AdamW moments start at zero)");
+  // The sample order is a pure function of (seed, step, global batch, sequence length): say so when they changed.
+  const Json saved = c.meta.value("run_config", Json::object()).value("train", Json::object());
+  const Json now = run_config_json(rc_)["train"];
+  for (const char* key : {"seed", "global_batch", "seq_len"})
+    if (saved.contains(key) && saved[key] != now[key])
+      std::printf("note: train.%s is %s in the checkpoint but %s now: the data order differs from the original run's\n", key,
+                  saved[key].dump().c_str(), now[key].dump().c_str());
+  std::fflush(stdout);
+  return c.step;
+}
+
+bool TrainCheckpoints::due(int64_t step, bool stopping) const {
+  return rc_.checkpoint_every > 0 && (step % rc_.checkpoint_every == 0 || step == rc_.steps || stopping);
+}
+
+std::string TrainCheckpoints::save(int64_t step) {
+  const auto start = std::chrono::steady_clock::now();
+  std::error_code ec;
+  fs::create_directories(rc_.out_dir, ec);
+  MARROW_CHECK(!ec, "cannot create {}: {}", rc_.out_dir, ec.message());
+  // Leftovers of saves that were killed midway.
+  for (const auto& entry : fs::directory_iterator(rc_.out_dir, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (name.size() > 4 && name.ends_with(".tmp") && name.starts_with("step-")) remove_tree(entry.path().string());
+  }
+  const CorpusManifest manifest = read_manifest(rc_.data_path);
+  const std::string tokenizer = rc_.data_path + "/" + kCorpusTokenizerFile;
+  Json meta = {{"step", step},
+               {"samples_seen", step * rc_.global_batch},
+               {"tokens_seen", step * rc_.global_batch * rc_.seq_len},
+               {"seed", rc_.seed},
+               // The parallel layout that wrote it; the tensors themselves do not depend on it.
+               {"mesh", {{"pp", 1}, {"dp", 1}, {"cp", 1}, {"ep", 1}}},
+               {"optimizer", {{"name", "adamw"}, {"step", step}, {"state_saved", rc_.checkpoint_optimizer_state}}},
+               {"model_config", model_config_},
+               {"run_config", run_config_json(rc_)},
+               {"data",
+                {{"path", rc_.data_path}, {"tokenizer_sha256", manifest.tokenizer_sha256}, {"eos_id", manifest.eos_id},
+                 {"eos_token", manifest.eos_token}}}};
+  CheckpointArenas arenas = arenas_;
+  if (!rc_.checkpoint_optimizer_state) arenas.exp_avg = arenas.exp_avg_sq = nullptr;
+  const std::string dir = rc_.out_dir + "/" + checkpoint_name(step);
+  write_checkpoint(dir, specs_, arenas, meta, model_config_, fs::exists(tokenizer) ? tokenizer : "");
+
+  auto all = complete_checkpoints(rc_.out_dir);
+  const size_t keep = size_t(std::max<int64_t>(1, rc_.checkpoint_keep));
+  for (size_t i = 0; i + keep < all.size(); ++i) {
+    // Renamed first so that a crash midway never leaves a half-deleted checkpoint that looks complete.
+    rename_path(all[i].second, all[i].second + ".tmp");
+    remove_tree(all[i].second + ".tmp");
+  }
+  size_t bytes = 0;
+  for (const auto& entry : fs::directory_iterator(dir)) bytes += entry.file_size();
+  std::printf("checkpoint: saved %s (%s in %.1f s)\n", dir.c_str(), human_bytes(double(bytes)).c_str(),
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  std::fflush(stdout);
+  return dir;
+}
+
+void keep_metrics_through(const std::string& path, int64_t step) {
+  std::ifstream in(path);
+  if (!in.good()) return;
+  std::string kept, line;
+  while (std::getline(in, line)) {
+    if (line.empty()) continue;
+    Json j = Json::parse(line, nullptr, false);
+    if (!j.is_discarded() && j.is_object() && j.value("step", int64_t(0)) <= step) kept += line + "\n";
+  }
+  in.close();
+  {
+    std::ofstream out(path + ".tmp", std::ios::trunc);
+    out << kept;
+    MARROW_CHECK(out.good(), "cannot write {}.tmp", path);
+  }
+  rename_path(path + ".tmp", path);
+}
+
+namespace {
+
+volatile std::sig_atomic_t g_stop_signal = 0;
+struct sigaction g_previous_term, g_previous_int;
+
+extern "C" void on_stop_signal(int sig) {
+  if (g_stop_signal != 0) _exit(128 + sig);
+  g_stop_signal = sig;
+  const char message[] = "\nmarrow: stop requested: finishing the current step and saving a checkpoint (signal again to quit at once)\n";
+  ssize_t written = ::write(2, message, sizeof message - 1);
+  (void)written;
+}
+
+}  // namespace
+
+StopSignals::StopSignals() {
+  g_stop_signal = 0;
+  struct sigaction action {};
+  action.sa_handler = on_stop_signal;
+  sigemptyset(&action.sa_mask);
+  sigaction(SIGTERM, &action, &g_previous_term);
+  sigaction(SIGINT, &action, &g_previous_int);
+}
+
+StopSignals::~StopSignals() {
+  sigaction(SIGTERM, &g_previous_term, nullptr);
+  sigaction(SIGINT, &g_previous_int, nullptr);
+}
+
+int StopSignals::received() { return g_stop_signal; }
+
+}  // namespace marrow

@@ -1,0 +1,124 @@
+// Checkpoints (DESIGN.md §6). A checkpoint is a directory, e.g. runs/tiny-moe/step-00001000/:
+//   meta.json     format and Marrow version, step, tokens seen, seed, mesh, the model's config.json,
+//                 the run config, the corpus, and every file below with its size and sha256
+//   config.json   the model's Hugging Face config.json (usable as [model] config)
+//   weights-0000k-of-0000n.safetensors      fp32 master weights
+//   exp_avg-0000k-of-0000n.safetensors      AdamW first moments   } absent after `marrow import` or with
+//   exp_avg_sq-0000k-of-0000n.safetensors   AdamW second moments  } checkpoint.optimizer_state = false:
+//                                                                   a resume starts them at zero
+//   tokenizer.json  the corpus's tokenizer, when it has one (export hands it on)
+// Every safetensors entry is one whole canonical tensor: its Hugging Face name (one entry per
+// expert), global shape, fp32, in the model's table order; files are cut at ~2 GiB. The three groups
+// use the same names. Nothing depends on the parallel layout, so any mesh reads any checkpoint (when
+// ranks write parts of a tensor, each entry's slice offsets go into the file's metadata).
+//
+// Crash safety: files are written into <dir>.tmp and fsync'ed, meta.json last; the directory is
+// fsync'ed, renamed to <dir> and its parent fsync'ed. A step-XXXXXXXX directory holding meta.json is
+// complete; leftovers of a killed save (*.tmp) are never read and the next save sweeps them. Opening
+// a checkpoint checks each file's presence and size, verify_checkpoint its sha256; every mismatch is
+// an Error naming the file.
+#pragma once
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "core/json.h"
+#include "core/memory.h"
+#include "core/tensor_spec.h"
+#include "engine/run_config.h"
+
+namespace marrow {
+
+constexpr size_t kCheckpointShardBytes = size_t(2) << 30;
+
+// The arenas a checkpoint holds, laid out by one spec table; null moments are neither saved nor read.
+struct CheckpointArenas {
+  const Arena* weights = nullptr;
+  const Arena* exp_avg = nullptr;
+  const Arena* exp_avg_sq = nullptr;
+};
+
+struct Checkpoint {
+  std::string dir;
+  Json meta;
+  int64_t step = 0;
+  bool has_optimizer_state = false;
+  std::string config_path() const { return dir + "/config.json"; }
+  std::string tokenizer_path() const;  // "" when the checkpoint holds no tokenizer
+};
+
+// "step-00001000"
+std::string checkpoint_name(int64_t step);
+
+// Writes a complete checkpoint at dir (replacing one already there): the arenas' tensors, config.json,
+// the tokenizer file when given, and meta (to which the file list is added). Prints a progress line
+// per file when the save is large.
+void write_checkpoint(const std::string& dir, const std::vector<TensorSpec>& specs, const CheckpointArenas& arenas, Json meta,
+                      const Json& model_config, const std::string& tokenizer_json = "",
+                      size_t shard_bytes = kCheckpointShardBytes);
+
+// The newest complete step-XXXXXXXX directory in run_dir, if any.
+std::optional<std::string> latest_checkpoint(const std::string& run_dir);
+
+// Opens a checkpoint directory, or a run directory (its newest checkpoint): reads meta.json and
+// checks that every file it lists is there with its recorded size.
+Checkpoint open_checkpoint(const std::string& path);
+// Checks every file's sha256 against meta.json.
+void verify_checkpoint(const Checkpoint& checkpoint);
+// Fills arena (any device) with group "weights", "exp_avg" or "exp_avg_sq" of the checkpoint; every
+// spec must be there with its shape, and nothing else.
+void load_checkpoint_tensors(const Checkpoint& checkpoint, const std::string& group, const std::vector<TensorSpec>& specs,
+                             const Arena& arena);
+
+// The first architectural difference between two model config.json objects, as "key is A there but
+// B here", or "" when they describe the same model (keys such as torch_dtype do not count).
+std::string model_config_difference(const Json& saved, const Json& current);
+
+// Any source of model weights: a checkpoint, a run directory (its newest checkpoint) or a Hugging
+// Face model directory (config.json + safetensors, sharded or not, fp32 or bf16).
+struct ModelSource {
+  std::string dir;        // the checkpoint or Hugging Face directory
+  bool is_checkpoint = false;
+  Json config;            // the model's config.json
+  std::string config_path;
+  std::string tokenizer;  // tokenizer.json path, "" when absent
+};
+ModelSource find_model(const std::string& path);
+// Loads the weights of a model source into a parameter arena laid out by specs.
+void load_model_weights(const ModelSource& source, const std::vector<TensorSpec>& specs, const Arena& params);
+
+// Training's side: resume at start, saves during the run (RunConfig's [checkpoint] keys).
+class TrainCheckpoints {
+ public:
+  TrainCheckpoints(const RunConfig& rc, const Json& model_config, const std::vector<TensorSpec>& specs, CheckpointArenas arenas);
+  // Loads the newest complete checkpoint in output.dir, or else checkpoint.resume when set, into
+  // the arenas; returns its step (0: a fresh start). A checkpoint of another model is an Error.
+  int64_t resume();
+  // Whether step (just finished) is saved: every checkpoint.every steps, the last step, or a stop.
+  bool due(int64_t step, bool stopping) const;
+  // Saves step into output.dir/step-XXXXXXXX, then deletes all but the newest checkpoint.keep.
+  std::string save(int64_t step);
+
+ private:
+  const RunConfig& rc_;
+  const Json& model_config_;
+  const std::vector<TensorSpec>& specs_;
+  CheckpointArenas arenas_;
+};
+
+// Rewrites a metrics.jsonl keeping the lines of steps <= step (a resumed run appends after them).
+void keep_metrics_through(const std::string& path, int64_t step);
+
+// While alive, SIGTERM and SIGINT ask the training loop to stop after the current step (and save);
+// a second signal exits at once (a save in progress is then simply never completed).
+class StopSignals {
+ public:
+  StopSignals();
+  ~StopSignals();
+  StopSignals(const StopSignals&) = delete;
+  StopSignals& operator=(const StopSignals&) = delete;
+  // The signal received (SIGTERM, SIGINT), or 0.
+  static int received();
+};
+
+}  // namespace marrow

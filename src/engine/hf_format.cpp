@@ -1,0 +1,195 @@
+#include "engine/hf_format.h"
+
+#include <cstdio>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <set>
+
+#include "core/bf16.h"
+#include "core/safetensors.h"
+
+namespace fs = std::filesystem;
+
+namespace marrow {
+
+namespace {
+
+Tensor host_view(void* data, DType dtype, const std::vector<int64_t>& shape) {
+  Tensor t(data, dtype, Device::cpu, {});
+  t.ndim = int(shape.size());
+  for (size_t i = 0; i < shape.size(); ++i) t.shape[i] = shape[i];
+  return t;
+}
+
+// The id of a token in a tokenizer.json (added tokens first, then the model's vocabulary), or -1.
+int64_t token_id_in(const std::string& tokenizer_json, const std::string& token) {
+  const Json t = read_json_file(tokenizer_json);
+  for (const Json& added : t.value("added_tokens", Json::array()))
+    if (added.value("content", "") == token) return added.value("id", int64_t(-1));
+  const Json vocab = t.value("model", Json::object()).value("vocab", Json::object());
+  return vocab.contains(token) ? vocab[token].get<int64_t>() : -1;
+}
+
+// Parses "model.layers.L.mlp.experts.E.<part>.weight"; false for any other name.
+bool parse_expert_name(const std::string& name, std::string& layer_prefix, int64_t& expert, std::string& part) {
+  const std::string marker = ".mlp.experts.";
+  const size_t at = name.find(marker);
+  if (at == std::string::npos || !name.ends_with(".weight")) return false;
+  const size_t e_begin = at + marker.size(), e_end = name.find('.', e_begin);
+  if (e_end == std::string::npos || e_end == e_begin) return false;
+  for (size_t i = e_begin; i < e_end; ++i)
+    if (name[i] < '0' || name[i] > '9') return false;
+  layer_prefix = name.substr(0, at + marker.size());  // "model.layers.L.mlp.experts."
+  expert = std::stoll(name.substr(e_begin, e_end - e_begin));
+  part = name.substr(e_end + 1, name.size() - e_end - 1 - 7);  // gate_proj, up_proj or down_proj
+  return true;
+}
+
+}  // namespace
+
+void write_hf_model(const std::string& out_dir, const std::vector<TensorSpec>& specs, const Arena& params, const Json& config,
+                    const HfExportOptions& options) {
+  MARROW_CHECK(options.dtype == DType::f32 || options.dtype == DType::bf16, "export writes f32 or bf16, not {}",
+               dtype_name(options.dtype));
+  std::error_code ec;
+  fs::create_directories(out_dir, ec);
+  MARROW_CHECK(!ec, "cannot create {}: {}", out_dir, ec.message());
+  const auto shards = shard_specs(specs, dtype_size(options.dtype), options.shard_bytes);
+  Json weight_map = Json::object();
+  size_t total = 0;
+  for (size_t k = 0; k < shards.size(); ++k) {
+    const TensorSpec& first = specs[shards[k].first];
+    const TensorSpec& last = specs[shards[k].second - 1];
+    const int64_t n = last.offset + last.numel - first.offset;
+    Buffer host = to_host(params.slice(first.offset, {n}));
+    Buffer out;
+    if (options.dtype == DType::bf16) {
+      out = Buffer(DType::bf16, Device::cpu, {n});
+      auto* dst = static_cast<uint16_t*>(out.view().data);
+      const float* src = host.ptr<float>();
+      for (int64_t i = 0; i < n; ++i) dst[i] = float_to_bf16(src[i]);
+    } else {
+      out = std::move(host);
+    }
+    const size_t element = dtype_size(options.dtype);
+    const std::string file = fmt::format("model-{:05d}-of-{:05d}.safetensors", k + 1, shards.size());
+    std::vector<SafetensorsEntry> entries;
+    for (size_t i = shards[k].first; i < shards[k].second; ++i) {
+      char* data = static_cast<char*>(out.view().data) + size_t(specs[i].offset - first.offset) * element;
+      entries.push_back({specs[i].name, host_view(data, options.dtype, specs[i].shape)});
+      weight_map[specs[i].name] = file;
+      total += size_t(specs[i].numel) * element;
+    }
+    write_safetensors(out_dir + "/" + file, entries, {{"format", "pt"}});
+  }
+  write_json_file(out_dir + "/model.safetensors.index.json", {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}});
+
+  Json hf_config = config;
+  const char* dtype_text = options.dtype == DType::bf16 ? "bfloat16" : "float32";
+  hf_config["torch_dtype"] = dtype_text;
+  if (hf_config.contains("dtype")) hf_config["dtype"] = dtype_text;
+  write_json_file(out_dir + "/config.json", hf_config);
+
+  const int64_t eos = options.tokenizer.empty() || options.eos_token.empty() ? -1 : token_id_in(options.tokenizer, options.eos_token);
+  Json generation = {{"_from_model_config", true}};
+  if (eos >= 0) generation["eos_token_id"] = eos;
+  write_json_file(out_dir + "/generation_config.json", generation);
+
+  if (!options.tokenizer.empty()) {
+    fs::copy_file(options.tokenizer, out_dir + "/tokenizer.json", fs::copy_options::overwrite_existing, ec);
+    MARROW_CHECK(!ec, "cannot copy {} to {}: {}", options.tokenizer, out_dir, ec.message());
+    // A generic fast tokenizer: AutoTokenizer loads tokenizer.json as it is.
+    Json tokenizer_config = {{"tokenizer_class", "PreTrainedTokenizerFast"}, {"clean_up_tokenization_spaces", false}};
+    if (eos >= 0) tokenizer_config["eos_token"] = tokenizer_config["pad_token"] = options.eos_token;
+    if (config.contains("max_position_embeddings")) tokenizer_config["model_max_length"] = config["max_position_embeddings"];
+    write_json_file(out_dir + "/tokenizer_config.json", tokenizer_config);
+  }
+}
+
+bool is_hf_model_dir(const std::string& dir) {
+  return fs::exists(dir + "/config.json") &&
+         (fs::exists(dir + "/model.safetensors.index.json") || fs::exists(dir + "/model.safetensors"));
+}
+
+void read_hf_weights(const std::string& dir, const std::vector<TensorSpec>& specs, const Arena& params) {
+  std::vector<std::string> paths;
+  const std::string index_path = dir + "/model.safetensors.index.json";
+  if (fs::exists(index_path)) {
+    const Json index = read_json_file(index_path);
+    MARROW_CHECK(index.contains("weight_map") && index["weight_map"].is_object(), "{}: key 'weight_map' is missing or not an object",
+                 index_path);
+    std::set<std::string> seen;
+    for (auto& [name, file] : index["weight_map"].items()) {
+      MARROW_CHECK(file.is_string(), "{}: weight_map['{}'] must be a file name", index_path, name);
+      const std::string path = dir + "/" + file.get<std::string>();
+      if (!seen.insert(path).second) continue;
+      MARROW_CHECK(fs::exists(path), "{} lists {} but that file is missing", index_path, path);
+      paths.push_back(path);
+    }
+  } else {
+    MARROW_CHECK(fs::exists(dir + "/model.safetensors"), "{} has neither model.safetensors.index.json nor model.safetensors", dir);
+    paths.push_back(dir + "/model.safetensors");
+  }
+  std::vector<std::unique_ptr<SafetensorsFile>> files;
+  std::map<std::string, const SafetensorsFile*> where;
+  for (const std::string& path : paths) {
+    files.push_back(std::make_unique<SafetensorsFile>(path));
+    for (const std::string& name : files.back()->names()) where[name] = files.back().get();
+  }
+  std::set<std::string> used;
+
+  for (const TensorSpec& s : specs) {
+    Tensor t;
+    const SafetensorsFile* file = nullptr;
+    std::string layer, part;
+    int64_t expert = 0;
+    if (auto it = where.find(s.name); it != where.end()) {
+      file = it->second;
+      t = file->get(s.name);
+      used.insert(s.name);
+      const std::vector<int64_t> shape(t.shape.begin(), t.shape.begin() + t.ndim);
+      MARROW_CHECK(shape == s.shape, "{}: tensor '{}' has shape {} but the model's config.json gives {}", file->path(), s.name,
+                   t.shape_string(), host_view(nullptr, t.dtype, s.shape).shape_string());
+    } else if (parse_expert_name(s.name, layer, expert, part) && s.shape.size() == 2) {
+      // transformers 5's fused experts: gate_up_proj [E, 2I, H] (gate rows, then up rows), down_proj [E, H, I].
+      const std::string fused = layer + (part == "down_proj" ? "down_proj" : "gate_up_proj");
+      auto it = where.find(fused);
+      MARROW_CHECK(it != where.end(), "{}: tensor '{}' is missing (nor is there a fused '{}')", dir, s.name, fused);
+      file = it->second;
+      const Tensor f = file->get(fused);
+      const int64_t rows = s.shape[0] * (part == "down_proj" ? 1 : 2);
+      MARROW_CHECK(f.ndim == 3 && f.shape[0] > expert && f.shape[1] == rows && f.shape[2] == s.shape[1],
+                   "{}: tensor '{}' has shape {}, which does not hold expert {}'s {} of shape {}", file->path(), fused, f.shape_string(),
+                   expert, part, host_view(nullptr, f.dtype, s.shape).shape_string());
+      const size_t offset = size_t(expert * rows + (part == "up_proj" ? s.shape[0] : 0)) * size_t(s.shape[1]);
+      t = host_view(static_cast<char*>(f.data) + offset * dtype_size(f.dtype), f.dtype, s.shape);
+      used.insert(fused);
+    } else {
+      fail("{}: tensor '{}' is missing", paths.size() == 1 ? paths[0] : index_path, s.name);
+    }
+    Tensor dst = params.slice(s.offset, {s.numel});
+    if (t.dtype == DType::f32) {
+      copy(dst, t.reshape({s.numel}));
+    } else if (t.dtype == DType::bf16) {
+      Buffer f32(DType::f32, Device::cpu, {s.numel});
+      const auto* src = static_cast<const uint16_t*>(t.data);
+      for (int64_t i = 0; i < s.numel; ++i) f32.ptr<float>()[i] = bf16_to_float(src[i]);
+      copy(dst, f32);
+    } else {
+      fail("{}: tensor '{}' is {}; Marrow reads f32 and bf16 weights", file->path(), s.name, dtype_name(t.dtype));
+    }
+  }
+  if (used.size() < where.size()) {
+    std::string example;
+    for (auto& [name, f] : where)
+      if (!used.count(name)) {
+        example = name;
+        break;
+      }
+    std::fprintf(stderr, "note: %s: %zu tensors that the model does not use were ignored, e.g. '%s'\n", dir.c_str(),
+                 where.size() - used.size(), example.c_str());
+  }
+}
+
+}  // namespace marrow

@@ -1,0 +1,36 @@
+// Hugging Face model directories (DESIGN.md §6): what `marrow export` writes and `marrow import` and
+// `marrow sample` read.
+//   config.json, generation_config.json
+//   model-0000k-of-0000n.safetensors + model.safetensors.index.json   the weights, fp32 or bf16
+//   tokenizer.json + tokenizer_config.json                            when the model has a tokenizer
+// Reading also takes a single model.safetensors, and the fused expert tensors of a layer
+// (mlp.experts.gate_up_proj [E, 2I, H], mlp.experts.down_proj [E, H, I]) in place of per-expert ones.
+#pragma once
+#include <string>
+#include <vector>
+
+#include "core/json.h"
+#include "core/memory.h"
+#include "core/tensor_spec.h"
+
+namespace marrow {
+
+struct HfExportOptions {
+  DType dtype = DType::f32;                 // f32 or bf16 (rounded to nearest even)
+  size_t shard_bytes = size_t(2) << 30;     // a new shard starts before this size is exceeded
+  std::string tokenizer;                    // tokenizer.json to copy, "" for none
+  std::string eos_token;                    // end-of-text token for tokenizer_config and generation_config
+};
+
+// Writes the model directory into out_dir (created if needed) from a parameter arena on any device.
+void write_hf_model(const std::string& out_dir, const std::vector<TensorSpec>& specs, const Arena& params, const Json& config,
+                    const HfExportOptions& options);
+
+// Whether dir looks like a Hugging Face model directory (config.json and safetensors weights).
+bool is_hf_model_dir(const std::string& dir);
+
+// Fills a parameter arena (any device) from the directory's safetensors, converting bf16 to fp32;
+// a missing tensor, a wrong shape or an unsupported dtype is an Error naming the file and tensor.
+void read_hf_weights(const std::string& dir, const std::vector<TensorSpec>& specs, const Arena& params);
+
+}  // namespace marrow

@@ -1,0 +1,248 @@
+// Checkpoints and Hugging Face directories (engine/checkpoint.h, engine/hf_format.h): round trips
+// are bitwise, leftovers of killed saves are never picked, and every damaged file is named.
+#include "engine/checkpoint.h"
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+
+#include "core/bf16.h"
+#include "core/safetensors.h"
+#include "data_test_util.h"
+#include "engine/hf_format.h"
+#include "models/qwen3_moe.h"
+#include "ops/init.h"
+
+namespace marrow {
+namespace {
+
+namespace fs = std::filesystem;
+using data_testing::ScratchDir;
+
+Json tiny_json(int64_t hidden = 16) {
+  return Json{{"model_type", "qwen3_moe"},  {"architectures", {"Qwen3MoeForCausalLM"}},
+              {"vocab_size", 40},           {"hidden_size", hidden},
+              {"num_hidden_layers", 2},     {"num_attention_heads", 4},
+              {"num_key_value_heads", 2},   {"head_dim", 8},
+              {"num_experts", 4},           {"num_experts_per_tok", 2},
+              {"moe_intermediate_size", 12}, {"norm_topk_prob", true},
+              {"rope_theta", 10000.0},      {"rms_norm_eps", 1e-6}};
+}
+
+struct Tiny {
+  Json json;
+  Qwen3Moe model;
+  Arena params, exp_avg, exp_avg_sq;
+  explicit Tiny(int64_t hidden = 16, uint64_t seed = 7)
+      : json(tiny_json(hidden)),
+        model(Qwen3MoeConfig::from_json(json, "tiny.json"), DType::f32, Device::cpu),
+        params("parameters", DType::f32, Device::cpu, model.num_parameters()),
+        exp_avg("exp_avg", DType::f32, Device::cpu, model.num_parameters()),
+        exp_avg_sq("exp_avg_sq", DType::f32, Device::cpu, model.num_parameters()) {
+    model.initialize(params, seed);
+    fill_normal(exp_avg.all(), seed + 1, "m", 1.0);
+    fill_normal(exp_avg_sq.all(), seed + 2, "v", 1.0);
+  }
+  CheckpointArenas arenas() const { return {&params, &exp_avg, &exp_avg_sq}; }
+};
+
+bool same_bits(const Arena& a, const Arena& b) {
+  return a.bytes() == b.bytes() && std::memcmp(a.all().data, b.all().data, a.bytes()) == 0;
+}
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "no error";
+}
+
+// A checkpoint with several files per group (small shards), written into dir/step-00000003.
+std::string save_tiny(const Tiny& t, const std::string& run_dir, int64_t step = 3) {
+  const std::string dir = run_dir + "/" + checkpoint_name(step);
+  write_checkpoint(dir, t.model.specs(), t.arenas(), Json{{"step", step}, {"model_config", t.json}}, t.json, "", 4096);
+  return dir;
+}
+
+TEST(Checkpoint, RoundTripIsBitwise) {
+  ScratchDir tmp;
+  Tiny a, b(16, 99);
+  const std::string dir = save_tiny(a, tmp.path());
+  EXPECT_EQ(checkpoint_name(3), "step-00000003");
+  int weight_files = 0;
+  for (const auto& e : fs::directory_iterator(dir)) weight_files += e.path().filename().string().starts_with("weights-");
+  EXPECT_GT(weight_files, 2);
+  EXPECT_FALSE(fs::exists(dir + ".tmp"));
+
+  const Checkpoint c = open_checkpoint(tmp.path());  // a run directory opens its newest checkpoint
+  EXPECT_EQ(c.dir, dir);
+  EXPECT_EQ(c.step, 3);
+  EXPECT_TRUE(c.has_optimizer_state);
+  verify_checkpoint(c);
+  EXPECT_FALSE(same_bits(a.params, b.params));
+  load_checkpoint_tensors(c, "weights", b.model.specs(), b.params);
+  load_checkpoint_tensors(c, "exp_avg", b.model.specs(), b.exp_avg);
+  load_checkpoint_tensors(c, "exp_avg_sq", b.model.specs(), b.exp_avg_sq);
+  EXPECT_TRUE(same_bits(a.params, b.params));
+  EXPECT_TRUE(same_bits(a.exp_avg, b.exp_avg));
+  EXPECT_TRUE(same_bits(a.exp_avg_sq, b.exp_avg_sq));
+
+  // Canonical names and shapes, one entry per expert.
+  SafetensorsFile first(dir + "/weights-00001-of-" + fmt::format("{:05d}", weight_files) + ".safetensors");
+  EXPECT_TRUE(first.contains("model.embed_tokens.weight"));
+  EXPECT_EQ(first.get("model.embed_tokens.weight").shape_string(), "[40, 16]");
+}
+
+TEST(Checkpoint, LeftoversOfKilledSavesAreNeverPicked) {
+  ScratchDir tmp;
+  Tiny a;
+  save_tiny(a, tmp.path(), 2);
+  // A save killed before its rename (step 4), and a directory without meta.json (step 3).
+  fs::create_directories(tmp / "step-00000004.tmp");
+  fs::copy(tmp / "step-00000002", tmp / "step-00000004.tmp", fs::copy_options::recursive | fs::copy_options::overwrite_existing);
+  fs::create_directories(tmp / "step-00000003");
+  fs::copy_file(tmp / "step-00000002/config.json", tmp / "step-00000003/config.json");
+  fs::create_directories(tmp / "notes");
+  ASSERT_TRUE(latest_checkpoint(tmp.path()).has_value());
+  EXPECT_EQ(*latest_checkpoint(tmp.path()), tmp / "step-00000002");
+  EXPECT_NE(error_of([&] { open_checkpoint(tmp / "step-00000003"); }).find("has no meta.json"), std::string::npos);
+  EXPECT_FALSE(latest_checkpoint(tmp / "nothing-here").has_value());
+}
+
+TEST(Checkpoint, DamagedFilesAreNamed) {
+  ScratchDir tmp;
+  Tiny a;
+  const std::string dir = save_tiny(a, tmp.path());
+  const std::string shard = dir + "/exp_avg-00002-of-" + fmt::format("{:05d}", [&] {
+    int n = 0;
+    for (const auto& e : fs::directory_iterator(dir)) n += e.path().filename().string().starts_with("exp_avg-");
+    return n;
+  }()) + ".safetensors";
+  ASSERT_TRUE(fs::exists(shard));
+  const std::string bytes = data_testing::read_file(shard);
+
+  // Truncated.
+  fs::resize_file(shard, bytes.size() - 100);
+  std::string e = error_of([&] { open_checkpoint(dir); });
+  EXPECT_NE(e.find(shard + " is truncated"), std::string::npos) << e;
+
+  // Same size, one byte changed.
+  std::string corrupt = bytes;
+  corrupt[corrupt.size() - 5] ^= 0x40;
+  data_testing::write_file(shard, corrupt);
+  const Checkpoint c = open_checkpoint(dir);
+  e = error_of([&] { verify_checkpoint(c); });
+  EXPECT_NE(e.find(shard + " is corrupt"), std::string::npos) << e;
+
+  // Missing.
+  fs::remove(shard);
+  e = error_of([&] { open_checkpoint(dir); });
+  EXPECT_NE(e.find(shard + " is missing"), std::string::npos) << e;
+
+  // Broken meta.json.
+  data_testing::write_file(dir + "/meta.json", "{\"format\": ");
+  e = error_of([&] { open_checkpoint(dir); });
+  EXPECT_NE(e.find(dir + "/meta.json is not valid JSON"), std::string::npos) << e;
+}
+
+TEST(Checkpoint, AnotherModelIsRefused) {
+  ScratchDir tmp;
+  Tiny a, wide(24);
+  const Checkpoint c = open_checkpoint(save_tiny(a, tmp.path()));
+  const std::string e = error_of([&] { load_checkpoint_tensors(c, "weights", wide.model.specs(), wide.params); });
+  EXPECT_NE(e.find("written for another model"), std::string::npos) << e;
+  EXPECT_EQ(model_config_difference(a.json, wide.json), "hidden_size is 16 there but 24 here");
+  Json same = a.json;
+  same["torch_dtype"] = "bfloat16";
+  same["rms_norm_eps"] = 1e-06;
+  EXPECT_EQ(model_config_difference(a.json, same), "");
+  same.erase("norm_topk_prob");
+  EXPECT_EQ(model_config_difference(a.json, same), "norm_topk_prob is true there but absent here");
+}
+
+TEST(Checkpoint, MetricsAreCutAtTheResumedStep) {
+  ScratchDir tmp;
+  data_testing::write_file(tmp / "metrics.jsonl", "{\"step\": 1}\n{\"step\": 2}\n{\"step\": 3}\n{\"step\": 4}\n");
+  keep_metrics_through(tmp / "metrics.jsonl", 2);
+  EXPECT_EQ(data_testing::read_file(tmp / "metrics.jsonl"), "{\"step\": 1}\n{\"step\": 2}\n");
+}
+
+TEST(HfFormat, ExportThenReadIsBitwiseInFp32AndRoundedInBf16) {
+  ScratchDir tmp;
+  Tiny a, b(16, 99);
+  HfExportOptions o;
+  o.shard_bytes = 8192;
+  write_hf_model(tmp / "f32", a.model.specs(), a.params, a.json, o);
+  EXPECT_TRUE(is_hf_model_dir(tmp / "f32"));
+  EXPECT_TRUE(fs::exists(tmp / "f32/model-00001-of-00008.safetensors") || fs::exists(tmp / "f32/model.safetensors.index.json"));
+  const Json index = read_json_file(tmp / "f32/model.safetensors.index.json");
+  EXPECT_EQ(index["weight_map"].size(), a.model.specs().size());
+  EXPECT_EQ(index["metadata"]["total_size"].get<size_t>(), a.params.bytes());
+  EXPECT_EQ(read_json_file(tmp / "f32/config.json")["torch_dtype"], "float32");
+  read_hf_weights(tmp / "f32", b.model.specs(), b.params);
+  EXPECT_TRUE(same_bits(a.params, b.params));
+
+  o.dtype = DType::bf16;
+  write_hf_model(tmp / "bf16", a.model.specs(), a.params, a.json, o);
+  read_hf_weights(tmp / "bf16", b.model.specs(), b.params);
+  const float* pa = a.params.all().ptr<float>();
+  const float* pb = b.params.all().ptr<float>();
+  bool rounded = true;
+  for (int64_t i = 0; i < a.model.num_parameters(); ++i) rounded = rounded && pb[i] == bf16_to_float(float_to_bf16(pa[i]));
+  EXPECT_TRUE(rounded);
+}
+
+TEST(HfFormat, ReadsSingleFileAndFusedExperts) {
+  ScratchDir tmp;
+  Tiny a, b(16, 99);
+  const Qwen3MoeConfig& c = a.model.config();
+  const int64_t E = c.num_experts, I = c.expert_intermediate_size, H = c.hidden_size;
+  // transformers 5's in-memory layout: per layer one [E, 2I, H] gate_up and one [E, H, I] down tensor.
+  std::vector<std::vector<float>> fused;
+  std::vector<SafetensorsEntry> entries;
+  for (const TensorSpec& s : a.model.specs()) {
+    if (s.name.find(".mlp.experts.") != std::string::npos) continue;
+    Tensor t = a.params.slice(s.offset, {s.numel});
+    t.ndim = int(s.shape.size());
+    for (size_t i = 0; i < s.shape.size(); ++i) t.shape[i] = s.shape[i];
+    entries.push_back({s.name, t});
+  }
+  auto spec = [&](const std::string& name) {
+    for (const TensorSpec& s : a.model.specs())
+      if (s.name == name) return s;
+    ADD_FAILURE() << name;
+    return TensorSpec{};
+  };
+  fused.reserve(size_t(2 * c.num_layers));
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    auto& gate_up = fused.emplace_back(size_t(E * 2 * I * H));
+    auto& down = fused.emplace_back(size_t(E * H * I));
+    for (int64_t e = 0; e < E; ++e) {
+      const std::string p = fmt::format("model.layers.{}.mlp.experts.{}.", l, e);
+      const float* base = a.params.all().ptr<float>();
+      std::memcpy(&gate_up[size_t(e * 2 * I * H)], base + spec(p + "gate_proj.weight").offset, size_t(I * H) * 4);
+      std::memcpy(&gate_up[size_t(e * 2 * I * H + I * H)], base + spec(p + "up_proj.weight").offset, size_t(I * H) * 4);
+      std::memcpy(&down[size_t(e * H * I)], base + spec(p + "down_proj.weight").offset, size_t(H * I) * 4);
+    }
+    entries.push_back({fmt::format("model.layers.{}.mlp.experts.gate_up_proj", l), Tensor(gate_up.data(), DType::f32, Device::cpu, {E, 2 * I, H})});
+    entries.push_back({fmt::format("model.layers.{}.mlp.experts.down_proj", l), Tensor(down.data(), DType::f32, Device::cpu, {E, H, I})});
+  }
+  fs::create_directories(tmp / "fused");
+  write_safetensors(tmp / "fused/model.safetensors", entries);
+  write_json_file(tmp / "fused/config.json", a.json);
+  read_hf_weights(tmp / "fused", b.model.specs(), b.params);
+  EXPECT_TRUE(same_bits(a.params, b.params));
+
+  // A missing tensor names the file and the tensor.
+  entries.erase(entries.begin());
+  write_safetensors(tmp / "fused/model.safetensors", entries);
+  const std::string e = error_of([&] { read_hf_weights(tmp / "fused", b.model.specs(), b.params); });
+  EXPECT_NE(e.find(tmp / "fused/model.safetensors: tensor 'model.embed_tokens.weight' is missing"), std::string::npos) << e;
+}
+
+}  // namespace
+}  // namespace marrow

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Everything the GPU machine checks and measures, run there from the repository root after
+# tools/gpu_prepare.sh here, with the device tool carrying .gpu-carry:
+#   tools/gpu_check.sh <log-dir> [correctness|speed|all]
+# correctness: build (cmake + ninja, sm_90a) -> marrow check -> tiny model GPU vs CPU and GPU
+#              determinism -> Hugging Face parity of the bf16 forward
+# speed:       build -> marrow bench --kernels -> marrow bench on the bench config (20 steps:
+#              memory bill, peak, tokens/s) -> leak check over 200 short steps
+# Logs go to <log-dir> (at most 8 files, as the device tool returns). Ends with PASS or FAIL.
+set -uo pipefail
+out=${1:-$OUT}
+what=${2:-all}
+mkdir -p "$out"
+cd "$(dirname "$0")/.."
+export PKG_CONFIG_PATH=$PWD/.gpu-carry/pcre2/lib/pkgconfig
+status=0
+step() { echo "== $*" | tee -a "$out/summary.log"; }
+fail() { echo "FAILED: $*" | tee -a "$out/summary.log"; status=1; }
+
+step "build ($(git rev-parse --short HEAD 2>/dev/null || echo unknown commit))"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$out/summary.log"
+if ! { cmake -S . -B build-gpu -G Ninja -DMARROW_CUDA=ON -DMARROW_PYTHON=python3 && ninja -C build-gpu marrow hf_dump; } \
+    > "$out/build.log" 2>&1; then
+  grep -E "error|Error" "$out/build.log" | head -40; echo FAIL; exit 1
+fi
+
+if [ "$what" = correctness ] || [ "$what" = all ]; then
+  step "marrow check"
+  build-gpu/marrow check > "$out/check.log" 2>&1
+  grep -E "FAIL|checks," "$out/check.log" | head -60
+  grep -q '^PASS$' "$out/check.log" || fail "marrow check"
+
+  step "tiny model: 20 steps on CPU and twice on GPU"
+  tiny=(configs/tiny-moe.toml --data.path=.gpu-carry/demo/corpus --train.steps=20 --schedule.warmup_steps=5 --output.log_every=5)
+  for run in cpu gpu1 gpu2; do
+    device=cuda; [ $run = cpu ] && device=cpu
+    build-gpu/marrow train "${tiny[@]}" --train.device=$device --output.dir=runs/tiny-$run >> "$out/tiny.log" 2>&1 || fail "tiny $run run"
+  done
+  python3 tools/compare_runs.py runs/tiny-cpu/metrics.jsonl runs/tiny-gpu1/metrics.jsonl runs/tiny-gpu2/metrics.jsonl \
+    2>&1 | tee -a "$out/tiny.log" | tail -4
+  [ "${PIPESTATUS[0]}" -eq 0 ] || fail "tiny model GPU vs CPU"
+
+  step "Hugging Face parity of the GPU forward (bf16)"
+  python3 tools/gpu_hf_parity.py build-gpu/tests/hf_dump runs/hf-parity 2>&1 | grep -v Loading | tee "$out/hf-parity.log" | tail -3
+  [ "${PIPESTATUS[0]}" -eq 0 ] || fail "GPU Hugging Face parity"
+fi
+
+if [ "$what" = speed ] || [ "$what" = all ]; then
+  step "kernel table"
+  build-gpu/marrow bench --kernels 2>&1 | tee "$out/kernels.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || fail "bench --kernels"
+
+  step "bench config: 3 warm-up + 17 measured steps"
+  build-gpu/marrow bench configs/bench.toml --data.path=.gpu-carry/qwen3 --warmup=3 --steps=17 --output.dir=runs/bench \
+    > "$out/bench.log" 2>&1 || fail "bench config"
+  grep -E "^model|^memory|^bench|error" "$out/bench.log"
+
+  step "leak check: 200 steps of 1 x 1024 tokens on the bench model"
+  build-gpu/marrow train configs/bench.toml --data.path=.gpu-carry/qwen3 --train.steps=200 --train.global_batch=1 \
+    --train.seq_len=1024 --output.log_every=50 --output.dir=runs/leak > "$out/leak.log" 2>&1 || fail "leak run"
+  python3 tools/compare_runs.py --peak-stable runs/leak/metrics.jsonl 2>&1 | tee -a "$out/leak.log" | tail -2
+  [ "${PIPESTATUS[0]}" -eq 0 ] || fail "peak memory grows"
+fi
+
+if [ $status -eq 0 ]; then echo PASS | tee -a "$out/summary.log"; else echo FAIL | tee -a "$out/summary.log"; fi
+exit $status

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Run on the CPU machine before a GPU run: fills .gpu-carry/ (git-ignored) with what the GPU machine
+# lacks, for the device tool to carry there (carry: [".gpu-carry"]):
+#   pcre2/     PCRE2 header and static library (the GPU image has no libpcre2-dev)
+#   demo/      the demo corpus (tools/make_demo_corpus.sh)
+#   qwen3/     a corpus in the Qwen3 tokenizer's vocabulary for the bench config, made from the text
+#              and tokenizer given as arguments (default: ../shared/data's State of the Union text)
+# usage: tools/gpu_prepare.sh <marrow-binary> [text.jsonl qwen3-tokenizer.json]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+marrow=$1
+text=${2:-../shared/data/sotu.jsonl}
+tokenizer=${3:-../shared/data/qwen3-tokenizer.json}
+carry=.gpu-carry
+mkdir -p $carry/pcre2/include $carry/pcre2/lib/pkgconfig
+cp /usr/include/pcre2.h $carry/pcre2/include/
+cp /usr/lib/x86_64-linux-gnu/libpcre2-8.a $carry/pcre2/lib/
+cat > $carry/pcre2/lib/pkgconfig/libpcre2-8.pc <<PC
+prefix=\${pcfiledir}/../..
+Name: libpcre2-8
+Description: PCRE2 8-bit, carried for the GPU machine
+Version: 10.42
+Libs: \${prefix}/lib/libpcre2-8.a
+Cflags: -I\${prefix}/include
+PC
+tools/make_demo_corpus.sh "$marrow" $carry/demo
+if [ ! -f $carry/qwen3/manifest.json ]; then
+  "$marrow" tokenize --input "$text" --tokenizer "$tokenizer" --out $carry/qwen3
+fi
+du -sh $carry
