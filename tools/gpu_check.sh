@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Everything the GPU machine checks and measures, run there from the repository root after
 # tools/gpu_prepare.sh here, with the device tool carrying .gpu-carry:
-#   tools/gpu_check.sh <log-dir> [correctness|speed|all]
+#   tools/gpu_check.sh <log-dir> [correctness|speed|model|all]
 # correctness: build (cmake + ninja, sm_90a) -> marrow check -> tiny model GPU vs CPU and GPU
 #              determinism -> Hugging Face parity of the bf16 forward
+# model:       build -> marrow check --only model -> Hugging Face parity
 # speed:       build -> marrow bench --kernels -> marrow bench on the bench config (20 steps:
 #              memory bill, peak, tokens/s) -> leak check over 200 short steps
 # Logs go to <log-dir> (at most 8 files, as the device tool returns). Ends with PASS or FAIL.
@@ -24,6 +25,19 @@ if ! { cmake -S . -B build-gpu -G Ninja -DMARROW_CUDA=ON -DMARROW_PYTHON=python3
   grep -E "error|Error" "$out/build.log" | head -40; echo FAIL; exit 1
 fi
 
+if [ "$what" = model ]; then
+  step "marrow check --only model"
+  build-gpu/marrow check --only model > "$out/check.log" 2>&1
+  grep -vE " ok$" "$out/check.log"
+  grep -q '^PASS$' "$out/check.log" || fail "marrow check --only model"
+fi
+
+if [ "$what" = model ] || [ "$what" = correctness ] || [ "$what" = all ]; then
+  step "Hugging Face parity of the GPU forward (bf16)"
+  python3 tools/gpu_hf_parity.py build-gpu/tests/hf_dump runs/hf-parity 2>&1 | grep -v Loading | tee "$out/hf-parity.log" | tail -4
+  [ "${PIPESTATUS[0]}" -eq 0 ] || fail "GPU Hugging Face parity"
+fi
+
 if [ "$what" = correctness ] || [ "$what" = all ]; then
   step "marrow check"
   build-gpu/marrow check > "$out/check.log" 2>&1
@@ -31,7 +45,9 @@ if [ "$what" = correctness ] || [ "$what" = all ]; then
   grep -q '^PASS$' "$out/check.log" || fail "marrow check"
 
   step "tiny model: 20 steps on CPU and twice on GPU"
-  tiny=(configs/tiny-moe.toml --data.path=.gpu-carry/demo/corpus --train.steps=20 --schedule.warmup_steps=5 --output.log_every=5)
+  rm -rf runs/tiny-*
+  tiny=(configs/tiny-moe.toml --data.path=.gpu-carry/demo/corpus --train.steps=20 --schedule.warmup_steps=5 --output.log_every=5
+        --checkpoint.every=0)
   for run in cpu gpu1 gpu2; do
     device=cuda; [ $run = cpu ] && device=cpu
     build-gpu/marrow train "${tiny[@]}" --train.device=$device --output.dir=runs/tiny-$run >> "$out/tiny.log" 2>&1 || fail "tiny $run run"
@@ -40,9 +56,6 @@ if [ "$what" = correctness ] || [ "$what" = all ]; then
     2>&1 | tee -a "$out/tiny.log" | tail -4
   [ "${PIPESTATUS[0]}" -eq 0 ] || fail "tiny model GPU vs CPU"
 
-  step "Hugging Face parity of the GPU forward (bf16)"
-  python3 tools/gpu_hf_parity.py build-gpu/tests/hf_dump runs/hf-parity 2>&1 | grep -v Loading | tee "$out/hf-parity.log" | tail -3
-  [ "${PIPESTATUS[0]}" -eq 0 ] || fail "GPU Hugging Face parity"
 fi
 
 if [ "$what" = speed ] || [ "$what" = all ]; then
@@ -52,12 +65,12 @@ if [ "$what" = speed ] || [ "$what" = all ]; then
 
   step "bench config: 3 warm-up + 17 measured steps"
   build-gpu/marrow bench configs/bench.toml --data.path=.gpu-carry/qwen3 --warmup=3 --steps=17 --output.dir=runs/bench \
-    > "$out/bench.log" 2>&1 || fail "bench config"
+    --checkpoint.every=0 > "$out/bench.log" 2>&1 || fail "bench config"
   grep -E "^model|^memory|^bench|error" "$out/bench.log"
 
   step "leak check: 200 steps of 1 x 1024 tokens on the bench model"
   build-gpu/marrow train configs/bench.toml --data.path=.gpu-carry/qwen3 --train.steps=200 --train.global_batch=1 \
-    --train.seq_len=1024 --output.log_every=50 --output.dir=runs/leak > "$out/leak.log" 2>&1 || fail "leak run"
+    --train.seq_len=1024 --output.log_every=50 --checkpoint.every=0 --output.dir=runs/leak > "$out/leak.log" 2>&1 || fail "leak run"
   python3 tools/compare_runs.py --peak-stable runs/leak/metrics.jsonl 2>&1 | tee -a "$out/leak.log" | tail -2
   [ "${PIPESTATUS[0]}" -eq 0 ] || fail "peak memory grows"
 fi

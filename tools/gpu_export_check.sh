@@ -44,6 +44,6 @@ du -sh "$run/step-00000020" "$hf" | tee -a "$out/export.log"
 
 step "transformers loads the export; loss vs Marrow's forward"
 python3 tools/gpu_export_check.py --model-forward build-gpu/tests/model_forward --checkpoint "$run" --hf "$hf" \
-  --corpus .gpu-carry/qwen3 --out "$out/export-check" 2>&1 | tee "$out/export-check.log" | grep -v Warning | tail -20
+  --corpus .gpu-carry/qwen3 --out runs/bench-export-check 2>&1 | tee "$out/export-check.log" | grep -v Warning | tail -20
 grep -q '^PASS$' "$out/export-check.log" && { echo PASS | tee -a "$out/export-summary.log"; exit 0; }
 echo FAIL | tee -a "$out/export-summary.log"; exit 1

@@ -20,7 +20,7 @@ prefix=\${pcfiledir}/../..
 Name: libpcre2-8
 Description: PCRE2 8-bit, carried for the GPU machine
 Version: 10.42
-Libs: \${prefix}/lib/libpcre2-8.a
+Libs: -L\${prefix}/lib -lpcre2-8
 Cflags: -I\${prefix}/include
 PC
 tools/make_demo_corpus.sh "$marrow" $carry/demo

@@ -1,9 +1,13 @@
 // Whole-model GPU checks: the same Qwen3-MoE (same initial weights, rounded to bf16 so both sides
 // compute with identical numbers) runs one micro-batch forward and backward on the CPU in f32 and
-// on the GPU in bf16; loss and the gradient of every parameter tensor must agree within bf16
-// bounds. Weights are drawn larger than Hugging Face's default so routing is decisive: with
-// near-uniform router probabilities, bf16 rounding would flip top-k choices and the comparison
-// would measure routing noise instead of kernel error.
+// on the GPU in bf16.
+//
+// Top-k routing is discontinuous: a token whose k-th and (k+1)-th experts are nearly tied can pick a
+// different expert in bf16 than in f32 (the check prints how many choices differ; measured: a few
+// per hundred), and that token's gradients then differ by far more than rounding. So every
+// gradient is compared on configs that route each token to every expert (K = E), where the model is
+// smooth and only rounding separates the sides (bound 5e-2 of the tensor's largest element); the
+// routed configs (K < E) are compared on the loss and the load-balance loss.
 #include <cmath>
 #include <optional>
 
@@ -22,6 +26,7 @@ struct ModelSide {
   Arena params, grads;
   std::optional<Arena> working;
   double loss = 0, aux = 0;
+  std::vector<Buffer> routing;  // each layer's top-k expert choices, on the host
 
   ModelSide(const Qwen3MoeConfig& config, Device device)
       : model(config, device == Device::cuda ? DType::bf16 : DType::f32, device),
@@ -51,12 +56,14 @@ struct ModelSide {
     const double loss_scale = 1.0 / double(T), aux_grad = 0.01;
     loss = mb.token_loss_sum * loss_scale;
     aux = mb.aux_loss_sum;
+    for (const auto& layer : mb.layers) routing.push_back(to_host(layer.attention.topk_index));
     backward(mb, model, w, model.bind(grads), batch, loss_scale, aux_grad);
     synchronize();
   }
 };
 
-void compare_model(CheckReport& report, const std::string& name, const Json& config_json, int64_t B, int64_t S) {
+void compare_model(CheckReport& report, const std::string& name, const Json& config_json, int64_t B, int64_t S,
+                   bool compare_gradients) {
   const Qwen3MoeConfig config = Qwen3MoeConfig::from_json(config_json, name);
   const int64_t T = B * S;
   std::vector<int32_t> ids(static_cast<size_t>(T)), targets(static_cast<size_t>(T));
@@ -68,10 +75,17 @@ void compare_model(CheckReport& report, const std::string& name, const Json& con
   ModelSide cpu(config, Device::cpu), gpu(config, Device::cuda);
   cpu.run(ids, targets, B, S);
   gpu.run(ids, targets, B, S);
+  int64_t flips = 0, choices = 0;
+  for (size_t l = 0; l < cpu.routing.size(); ++l)
+    for (int64_t i = 0; i < cpu.routing[l].numel(); ++i, ++choices)
+      flips += cpu.routing[l].ptr<int32_t>()[i] != gpu.routing[l].ptr<int32_t>()[i];
+  std::printf("%s: %lld of %lld top-k choices differ between CPU (f32) and GPU (bf16)\n", name.c_str(), (long long)flips,
+              (long long)choices);
   const double loss_error = std::abs(gpu.loss - cpu.loss) / std::abs(cpu.loss);
   report.add({name + ": loss", loss_error, 1e-2, std::isfinite(gpu.loss) && loss_error <= 1e-2});
   const double aux_error = std::abs(gpu.aux - cpu.aux) / std::abs(cpu.aux);
   report.add({name + ": load-balance loss", aux_error, 2e-2, std::isfinite(gpu.aux) && aux_error <= 2e-2});
+  if (!compare_gradients) return;
 
   // Gradients: f32 on both sides, accumulated from bf16 activations on the GPU. The bound is relative
   // to the largest gradient element of each tensor.
@@ -100,35 +114,39 @@ void compare_model(CheckReport& report, const std::string& name, const Json& con
 }  // namespace
 
 void check_model(CheckReport& report) {
-  const Json tiny = {{"model_type", "qwen3_moe"},
-                     {"vocab_size", 300},
-                     {"hidden_size", 64},
-                     {"num_hidden_layers", 2},
-                     {"num_attention_heads", 4},
-                     {"num_key_value_heads", 2},
-                     {"head_dim", 64},
-                     {"num_experts", 8},
-                     {"num_experts_per_tok", 2},
-                     {"moe_intermediate_size", 40},
-                     {"norm_topk_prob", true},
-                     {"initializer_range", 0.2}};
-  compare_model(report, "tiny model", tiny, 2, 37);
+  Json tiny = {{"model_type", "qwen3_moe"},
+               {"vocab_size", 300},
+               {"hidden_size", 64},
+               {"num_hidden_layers", 2},
+               {"num_attention_heads", 4},
+               {"num_key_value_heads", 2},
+               {"head_dim", 64},
+               {"num_experts", 8},
+               {"num_experts_per_tok", 2},
+               {"moe_intermediate_size", 40},
+               {"norm_topk_prob", true},
+               {"initializer_range", 0.2}};
+  compare_model(report, "tiny model, top-2 of 8", tiny, 2, 37, false);
+  tiny["num_experts_per_tok"] = 8;
+  compare_model(report, "tiny model, K = E = 8", tiny, 2, 37, true);
   // One layer of the bench shape (GPU.md: Qwen3-30B-A3B's layer). The vocabulary and sequence are
   // cut so the single-threaded CPU reference finishes in seconds.
-  const Json bench_layer = {{"model_type", "qwen3_moe"},
-                            {"vocab_size", 4096},
-                            {"hidden_size", 2048},
-                            {"num_hidden_layers", 1},
-                            {"num_attention_heads", 32},
-                            {"num_key_value_heads", 4},
-                            {"head_dim", 128},
-                            {"num_experts", 128},
-                            {"num_experts_per_tok", 8},
-                            {"moe_intermediate_size", 768},
-                            {"norm_topk_prob", true},
-                            {"rope_theta", 1000000.0},
-                            {"initializer_range", 0.05}};
-  compare_model(report, "bench layer", bench_layer, 1, 512);
+  Json bench_layer = {{"model_type", "qwen3_moe"},
+                      {"vocab_size", 4096},
+                      {"hidden_size", 2048},
+                      {"num_hidden_layers", 1},
+                      {"num_attention_heads", 32},
+                      {"num_key_value_heads", 4},
+                      {"head_dim", 128},
+                      {"num_experts", 128},
+                      {"num_experts_per_tok", 8},
+                      {"moe_intermediate_size", 768},
+                      {"norm_topk_prob", true},
+                      {"rope_theta", 1000000.0},
+                      {"initializer_range", 0.05}};
+  compare_model(report, "bench layer, top-8 of 128", bench_layer, 1, 512, false);
+  bench_layer["num_experts_per_tok"] = 128;
+  compare_model(report, "bench layer, K = E = 128", bench_layer, 1, 64, true);
 }
 
 }  // namespace marrow

@@ -243,6 +243,13 @@ Checkpoint open_checkpoint(const std::string& path) {
 
 void verify_checkpoint(const Checkpoint& c) {
   std::vector<std::pair<std::string, std::future<std::string>>> hashes;
+  double bytes = 0;
+  for (const Json& file : c.meta["files"]) bytes += file.value("bytes", 0.0);
+  if (bytes >= 1073741824.0) {
+    std::printf("checkpoint: verifying the sha256 of %s (%s in %zu files)\n", c.dir.c_str(), human_bytes(bytes).c_str(),
+                c.meta["files"].size());
+    std::fflush(stdout);
+  }
   for (const Json& file : c.meta["files"]) {
     const std::string path = c.dir + "/" + file["file"].get<std::string>();
     hashes.push_back({path, std::async(std::launch::async, [path] { return sha256_file(path); })});
@@ -370,10 +377,12 @@ std::string TrainCheckpoints::save(int64_t step) {
   fs::create_directories(rc_.out_dir, ec);
   MARROW_CHECK(!ec, "cannot create {}: {}", rc_.out_dir, ec.message());
   // Leftovers of saves that were killed midway.
+  std::vector<std::string> leftovers;
   for (const auto& entry : fs::directory_iterator(rc_.out_dir, ec)) {
     const std::string name = entry.path().filename().string();
-    if (name.size() > 4 && name.ends_with(".tmp") && name.starts_with("step-")) remove_tree(entry.path().string());
+    if (name.ends_with(".tmp") && name.starts_with("step-")) leftovers.push_back(entry.path().string());
   }
+  for (const std::string& path : leftovers) remove_tree(path);
   const CorpusManifest manifest = read_manifest(rc_.data_path);
   const std::string tokenizer = rc_.data_path + "/" + kCorpusTokenizerFile;
   Json meta = {{"step", step},

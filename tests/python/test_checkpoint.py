@@ -125,10 +125,9 @@ def main():
               and meta["model_config"]["hidden_size"] == 64 and meta["marrow_version"] and meta["data"]["eos_token"],
               "meta.json records step, tokens seen, seed, mesh, model config, version, eos token")
 
-        code, out, err = m.train(path("resumed"), f"--checkpoint.every={N}",
-                                 f"--checkpoint.resume={path('straight', f'step-{N:08d}')}")
+        code, out, err = m.train(path("resumed"), f"--checkpoint.every={N}", "--resume", path("straight", f"step-{N:08d}"))
         check(code == 0 and f"resuming from {path('straight', f'step-{N:08d}')} at step {N}" in out,
-              f"a run resumes from checkpoint.resume {err[-300:]}")
+              f"a run resumes from --resume <dir> {err[-300:]}")
         resumed = losses(path("resumed"))
         check(resumed == straight[N:], f"resumed losses equal the straight run's bitwise ({len(resumed)} steps)")
         check(same_files(last, path("resumed", f"step-{2 * N:08d}"), files),

@@ -5,7 +5,8 @@ multilingual text (accents, decomposed accents, CJK, Hangul jamo, emoji, code, d
 runs, special tokens) is encoded by `marrow tokenize` and by `tokenizers`, and the ids must be
 identical, for tokenizers trained by `tokenizers` (Qwen pre-tokenizer; GPT-2 ByteLevel) and by
 `marrow train-tokenizer`. decode(encode(x)) must give x back (x in NFC). Set MARROW_QWEN3_TOKENIZER
-to a Qwen3 tokenizer.json to check it too.
+to a Qwen3 tokenizer.json to check it too. Trained with the same settings, marrow's trainer and
+`tokenizers`' BpeTrainer must produce the same vocabulary and merges.
 """
 import argparse
 import glob
@@ -89,7 +90,7 @@ def hf_trained(path, documents, gpt2_style):
             pre_tokenizers.Split(Regex(QWEN_PATTERN), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=6000, special_tokens=["<|endoftext|>"], show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=6000, special_tokens=["<|endoftext|>"], show_progress=False, min_frequency=2,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train_from_iterator(documents, trainer)
     tokenizer.save(path)
@@ -169,6 +170,13 @@ def main():
         subprocess.run([args.marrow, "train-tokenizer", "--quiet", "--input", train_path, "--vocab-size", "6000",
                         "--out", marrow_path], check=True)
         cases.append(("marrow-trained", marrow_path, False))
+        # With the same settings, marrow's trainer and tokenizers' BpeTrainer learn the same merges.
+        with open(cases[0][1]) as f, open(marrow_path) as g:
+            hf_model, marrow_model = json.load(f)["model"], json.load(g)["model"]
+        same = hf_model["vocab"] == marrow_model["vocab"] and hf_model["merges"] == marrow_model["merges"]
+        print(f"{'ok  ' if same else 'FAIL'} marrow train-tokenizer and tokenizers' BpeTrainer: "
+              f"{'identical' if same else 'different'} vocabularies and merges ({len(marrow_model['merges'])} merges)")
+        failures += 0 if same else 1
         if os.environ.get("MARROW_QWEN3_TOKENIZER"):
             cases.append(("qwen3", os.environ["MARROW_QWEN3_TOKENIZER"], False))
         for name, path, prefix_space in cases:
