@@ -8,6 +8,8 @@
 
 #ifdef __CUDACC__
 #include <cuda_bf16.h>
+
+#include "ops/cuda_common.cuh"
 #endif
 
 namespace marrow {
@@ -66,12 +68,6 @@ template <int N> struct alignas(2 * N) Pack {
 };
 template <int N> __device__ Pack<N> load(const bf16* row, int64_t pack) { return reinterpret_cast<const Pack<N>*>(row)[pack]; }
 template <int N> __device__ void store(bf16* row, int64_t pack, const Pack<N>& v) { reinterpret_cast<Pack<N>*>(row)[pack] = v; }
-
-bool packable(int64_t h, std::initializer_list<const void*> ptrs) {
-  uintptr_t bits = 0;
-  for (const void* p : ptrs) bits |= reinterpret_cast<uintptr_t>(p);
-  return h % 8 == 0 && bits % 16 == 0;
-}
 
 // One block per token; threads stride the row in packs of N (8 bf16 when H % 8 == 0). Each
 // element sums its K weighted rows in slot order in f32, then adds the residual: a fixed order,

@@ -10,6 +10,8 @@
 
 #ifdef __CUDACC__
 #include <cuda_bf16.h>
+
+#include "ops/cuda_common.cuh"
 #endif
 
 namespace marrow {
@@ -132,12 +134,6 @@ __global__ void backward_kernel(bf16* dlogits, const bf16* logits, const float* 
     }
     reinterpret_cast<Pack<N>*>(dlogits + t * vocab)[c] = o;
   }
-}
-
-bool packable(int64_t vocab, std::initializer_list<const void*> ptrs) {
-  uintptr_t bits = 0;
-  for (const void* p : ptrs) bits |= reinterpret_cast<uintptr_t>(p);
-  return vocab % 8 == 0 && bits % 16 == 0;
 }
 
 void launch_forward(Tensor token_loss, Tensor lse, Tensor logits, Tensor targets, Stream stream) {

@@ -13,6 +13,8 @@
 #ifdef __CUDACC__
 #include <cuda_bf16.h>
 
+#include "ops/cuda_common.cuh"
+
 #include <cub/device/device_radix_sort.cuh>
 #endif
 
@@ -65,12 +67,6 @@ using bf16 = __nv_bfloat16;
 template <int N> struct alignas(2 * N) Pack {
   bf16 v[N];
 };
-
-bool packable(int64_t h, std::initializer_list<const void*> ptrs) {
-  uintptr_t bits = 0;
-  for (const void* p : ptrs) bits |= reinterpret_cast<uintptr_t>(p);
-  return h % 8 == 0 && bits % 16 == 0;
-}
 
 __global__ void iota_kernel(int32_t* out, int64_t n) {
   const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;

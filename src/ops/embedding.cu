@@ -9,6 +9,8 @@
 #ifdef __CUDACC__
 #include <cuda_bf16.h>
 
+#include "ops/cuda_common.cuh"
+
 #include <cub/device/device_radix_sort.cuh>
 #endif
 
@@ -48,12 +50,6 @@ using bf16 = __nv_bfloat16;
 template <typename T, int N> struct alignas(sizeof(T) * N < 16 ? sizeof(T) * N : 16) Pack {
   T v[N];
 };
-
-bool packable(int64_t h, std::initializer_list<const void*> ptrs) {
-  uintptr_t bits = 0;
-  for (const void* p : ptrs) bits |= reinterpret_cast<uintptr_t>(p);
-  return h % 8 == 0 && bits % 16 == 0;
-}
 
 // One block per token, its threads over the row in packs of N (8 bf16 = 16 bytes when H % 8 == 0).
 // Ids cannot be checked on the host without a sync: an id outside [0, V) gives a NaN row, which

@@ -9,6 +9,8 @@
 
 #ifdef __CUDACC__
 #include <cuda_bf16.h>
+
+#include "ops/cuda_common.cuh"
 #endif
 
 namespace marrow {
@@ -54,12 +56,6 @@ template <int N> struct alignas(2 * N) Pack {
   bf16 v[N];
 };
 template <int N> __device__ Pack<N> load(const bf16* p) { return *reinterpret_cast<const Pack<N>*>(p); }
-
-// Butterfly sum: every lane adds the same values in the same tree, so all lanes hold one result.
-__device__ float warp_sum(float v) {
-  for (int m = 16; m > 0; m /= 2) v += __shfl_xor_sync(0xffffffffu, v, m);
-  return v;
-}
 
 // One warp per row; lanes stride the row in packs of N (8 bf16 when D % 8 == 0). The sum of
 // squares is reduced in a fixed tree (warp_sum), so the result does not depend on scheduling.
@@ -127,12 +123,6 @@ __global__ void dweight_reduce_kernel(float* dweight, const float* partial, int6
   float acc = 0;
   for (int64_t k = 0; k < chunks; ++k) acc += partial[k * d + c];
   dweight[c] += acc;
-}
-
-bool packable(int64_t d, std::initializer_list<const void*> ptrs) {
-  uintptr_t bits = 0;
-  for (const void* p : ptrs) bits |= reinterpret_cast<uintptr_t>(p);
-  return d % 8 == 0 && bits % 16 == 0;
 }
 
 void launch_forward(Tensor y, Tensor rstd, Tensor x, Tensor weight, double eps, Stream stream) {

@@ -12,6 +12,8 @@
 
 #ifdef __CUDACC__
 #include <cuda_bf16.h>
+
+#include "ops/cuda_common.cuh"
 #endif
 
 namespace marrow {
@@ -111,12 +113,6 @@ std::array<int64_t, 3> router_sizes(const char* op, const char* scores_name, con
 
 #ifdef __CUDACC__
 constexpr int kWarps = 4;  // tokens per block of the per-token kernels
-
-// Butterfly sum: every lane adds the same values in the same tree, so all lanes hold one result.
-template <typename T> __device__ T warp_sum(T v) {
-  for (int m = 16; m > 0; m /= 2) v += __shfl_xor_sync(0xffffffffu, v, m);
-  return v;
-}
 
 // A top-k candidate: the higher probability wins, equal probabilities go to the lower expert index
 // (a total order, so every lane of a butterfly ends with the same winner); i < 0 is no candidate.
