@@ -58,7 +58,7 @@ struct ModelSide {
     aux = mb.aux_loss_sum;
     for (const auto& layer : mb.layers) routing.push_back(to_host(layer.attention.topk_index));
     backward(mb, model, w, model.bind(grads), batch, loss_scale, aux_grad);
-    synchronize();
+    if (device == Device::cuda) synchronize();
   }
 };
 

@@ -68,7 +68,8 @@ void copy(Tensor dst, Tensor src, Stream stream = {});
 // A host copy of a tensor on any device, e.g. to read a loss or check a kernel.
 Buffer to_host(Tensor src, Stream stream = {});
 
-// Waits until all work queued on stream is done (nothing to wait for on the CPU).
+// Waits until all work queued on the GPU stream is done; call it only for GPU work (a build with
+// CUDA on a machine without a GPU has no driver to ask).
 void synchronize(Stream stream = {});
 
 // Whether this build has CUDA and a GPU is visible.

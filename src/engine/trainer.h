@@ -173,7 +173,7 @@ std::vector<StepMetrics> train(const RunConfig& rc, const typename M::Config& mo
       adamw_step(range(params, decayed, n), range(grads, decayed, n), range(exp_avg, decayed, n), range(exp_avg_sq, decayed, n), hyper);
       if (working) cast(working->all(), params.all());
     }
-    synchronize();
+    if (device == Device::cuda) synchronize();
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     m.step_ms = seconds * 1e3;
     m.tokens_per_s = double(rc.global_batch * S) / seconds;
