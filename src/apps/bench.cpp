@@ -99,7 +99,12 @@ template <MoeModel M>
 void bench_training(RunConfig rc, const typename M::Config& config, int64_t warmup, int64_t steps) {
   rc.steps = warmup + steps;
   rc.warmup_steps = std::min(rc.warmup_steps, rc.steps);
+  // A benchmark times fresh steps: it saves no checkpoint, and its own folder holds none to resume.
+  rc.checkpoint_every = 0;
+  rc.checkpoint_resume.clear();
+  rc.out_dir += "/bench";
   const std::vector<StepMetrics> history = train<M>(rc, config);
+  MARROW_CHECK(int64_t(history.size()) == rc.steps, "bench: the run stopped after {} of {} steps", history.size(), rc.steps);
   const M model(config, DType::f32, Device::cpu);
   double ms = 0;
   size_t peak = 0;
