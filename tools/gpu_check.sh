@@ -66,7 +66,8 @@ if [ "$what" = speed ] || [ "$what" = all ]; then
   step "bench config: 3 warm-up + 17 measured steps"
   build-gpu/marrow bench configs/bench.toml --data.path=.gpu-carry/qwen3 --warmup=3 --steps=17 --output.dir=runs/bench \
     --checkpoint.every=0 > "$out/bench.log" 2>&1 || fail "bench config"
-  grep -E "^model|^memory|^bench|error" "$out/bench.log"
+  grep -E "^model|^memory|error" "$out/bench.log"
+  sed -n '/^bench:/,$p' "$out/bench.log"
 
   step "leak check: 200 steps of 1 x 1024 tokens on the bench model"
   build-gpu/marrow train configs/bench.toml --data.path=.gpu-carry/qwen3 --train.steps=200 --train.global_batch=1 \

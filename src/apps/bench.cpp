@@ -103,14 +103,17 @@ void bench_training(RunConfig rc, const typename M::Config& config, int64_t warm
   rc.checkpoint_every = 0;
   rc.checkpoint_resume.clear();
   rc.out_dir += "/bench";
-  const std::vector<StepMetrics> history = train<M>(rc, config);
+  StageTimer timer(choose_device(rc.device));
+  const std::vector<StepMetrics> history = train<M>(rc, config, &timer);
   MARROW_CHECK(int64_t(history.size()) == rc.steps, "bench: the run stopped after {} of {} steps", history.size(), rc.steps);
   const M model(config, DType::f32, Device::cpu);
   double ms = 0;
   size_t peak = 0;
+  std::array<double, kStageCount> stage_ms{};
   for (int64_t i = warmup; i < rc.steps; ++i) {
     ms += history[size_t(i)].step_ms;
     peak = std::max(peak, history[size_t(i)].peak_bytes);
+    for (int k = 0; k < kStageCount; ++k) stage_ms[size_t(k)] += history[size_t(i)].stage_ms[size_t(k)] / double(steps);
   }
   ms /= double(steps);
   const double tokens = double(rc.global_batch * rc.seq_len);
@@ -120,6 +123,14 @@ void bench_training(RunConfig rc, const typename M::Config& config, int64_t warm
   const double tflops = flops_per_token * tokens / (ms * 1e-3) / 1e12;
   std::printf("bench: %lld measured steps after %lld warm-up | %.0f tokens/s | %.1f ms/step | %.1f TFLOP/s | MFU %.1f%% | peak %.2f GiB\n",
               (long long)steps, (long long)warmup, tokens / (ms * 1e-3), ms, tflops, 100 * tflops / kPeakTflops, peak / 1073741824.0);
+  // The stages' own time; what is left of the step is host work between them (data, launches, syncs).
+  std::printf("%-24s %10s %7s\n", "stage (per step)", "ms", "share");
+  double staged = 0;
+  for (int k = 0; k < kStageCount; ++k) {
+    staged += stage_ms[size_t(k)];
+    std::printf("%-24s %10.1f %6.1f%%\n", kStageNames[k], stage_ms[size_t(k)], 100 * stage_ms[size_t(k)] / ms);
+  }
+  std::printf("%-24s %10.1f %6.1f%%\n", "outside the stages", ms - staged, 100 * (ms - staged) / ms);
 }
 
 }  // namespace

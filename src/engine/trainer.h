@@ -29,6 +29,7 @@ struct StepMetrics {
   double loss = 0, load_balance = 0, lr = 0, grad_norm = 0, tokens_per_s = 0, step_ms = 0;
   size_t peak_bytes = 0;
   bool skipped = false;
+  std::array<double, kStageCount> stage_ms{};  // filled when train() is given a StageTimer
 };
 
 inline std::string step_line(const StepMetrics& s, int64_t total) {
@@ -72,8 +73,9 @@ inline Device choose_device(const std::string& requested) {
   return cuda_available() ? Device::cuda : Device::cpu;
 }
 
+// timer, when given, splits each step's time by stage into StepMetrics::stage_ms (marrow bench).
 template <MoeModel M>
-std::vector<StepMetrics> train(const RunConfig& rc, const typename M::Config& model_config) {
+std::vector<StepMetrics> train(const RunConfig& rc, const typename M::Config& model_config, StageTimer* timer = nullptr) {
   const Device device = choose_device(rc.device);
   if (device == Device::cuda) keep_pool_memory();
   // The GPU computes in bf16 from a working copy of the fp32 master weights; the CPU in fp32.
@@ -142,10 +144,10 @@ std::vector<StepMetrics> train(const RunConfig& rc, const typename M::Config& mo
       data.train_batch(step - 1, micro * B, B, tokens.data());
       const typename M::Batch batch = make_batch<M>(tokens, B, S, device);
       MicroBatch<M> mb;
-      forward(mb, model, w, batch);
+      forward(mb, model, w, batch, timer);
       token_loss_sum += mb.token_loss_sum;
       aux_loss_sum += mb.aux_loss_sum;
-      backward(mb, model, w, g, batch, loss_scale, aux_grad);
+      backward(mb, model, w, g, batch, loss_scale, aux_grad, timer);
     }
 
     StepMetrics m;
@@ -154,6 +156,7 @@ std::vector<StepMetrics> train(const RunConfig& rc, const typename M::Config& mo
     // Reported normalised so that perfectly balanced routing reads 1.0.
     m.load_balance = aux_loss_sum / double(model.num_layers() * micro_batches * model.top_k());
     m.lr = schedule.at(step);
+    std::optional<StageScope> optimizer_scope(std::in_place, timer, Stage::optimizer);
     m.grad_norm = l2_norm(grads.all());
     if (!std::isfinite(m.loss) || !std::isfinite(m.grad_norm)) {
       m.skipped = true;
@@ -173,7 +176,13 @@ std::vector<StepMetrics> train(const RunConfig& rc, const typename M::Config& mo
       adamw_step(range(params, decayed, n), range(grads, decayed, n), range(exp_avg, decayed, n), range(exp_avg_sq, decayed, n), hyper);
       if (working) cast(working->all(), params.all());
     }
+    optimizer_scope.reset();
     if (device == Device::cuda) synchronize();
+    if (timer) {
+      const std::array<double, kStageCount> before = timer->total_ms();
+      timer->collect();
+      for (int i = 0; i < kStageCount; ++i) m.stage_ms[size_t(i)] = timer->total_ms()[size_t(i)] - before[size_t(i)];
+    }
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     m.step_ms = seconds * 1e3;
     m.tokens_per_s = double(rc.global_batch * S) / seconds;

@@ -1,0 +1,63 @@
+// Time per stage of the training step, for `marrow bench`'s split (the speed issue): CUDA events
+// around each stage on the GPU, read once per step after the step's synchronisation, or the host
+// clock on the CPU. Each stage is also an NVTX range, so profilers show the same names.
+// Stage 1's router runs inside the model's attention stage and is counted there.
+#pragma once
+#include <array>
+#include <chrono>
+#include <vector>
+
+#include "core/tensor.h"
+
+namespace marrow {
+
+enum class Stage : int { prolog, attention, dispatch, experts, combine, epilog, optimizer };
+inline constexpr int kStageCount = 7;
+inline constexpr const char* kStageNames[kStageCount] = {"prolog (embedding)", "attention + router", "dispatch", "experts",
+                                                          "combine + aggregate", "epilog (head, loss)", "optimizer"};
+
+class StageTimer {
+ public:
+  explicit StageTimer(Device device) : device_(device) {}
+  ~StageTimer();
+  StageTimer(const StageTimer&) = delete;
+  StageTimer& operator=(const StageTimer&) = delete;
+
+  void begin(Stage stage);
+  void end(Stage stage);
+  // Adds the times of the stages run since the last call to the totals; on the GPU, call it after
+  // the step's work is done (it waits for the recorded events).
+  void collect();
+  const std::array<double, kStageCount>& total_ms() const { return total_ms_; }
+
+ private:
+  struct Mark {
+    Stage stage = Stage::prolog;
+    void* start = nullptr;  // cudaEvent_t on the GPU
+    void* stop = nullptr;
+    std::chrono::steady_clock::time_point host_start, host_stop;
+  };
+  Device device_;
+  std::vector<Mark> marks_;
+  std::vector<void*> free_events_;
+  std::array<double, kStageCount> total_ms_{};
+};
+
+// Times one stage for the lifetime of the scope; a null timer times nothing.
+class StageScope {
+ public:
+  StageScope(StageTimer* timer, Stage stage) : timer_(timer), stage_(stage) {
+    if (timer_) timer_->begin(stage_);
+  }
+  ~StageScope() {
+    if (timer_) timer_->end(stage_);
+  }
+  StageScope(const StageScope&) = delete;
+  StageScope& operator=(const StageScope&) = delete;
+
+ private:
+  StageTimer* timer_;
+  Stage stage_;
+};
+
+}  // namespace marrow
