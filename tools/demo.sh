@@ -4,12 +4,7 @@
 # Extra arguments go to marrow train, e.g. tools/demo.sh --train.steps=50
 set -euo pipefail
 cd "$(dirname "$0")/.."
-tools/setup.sh
-cuda=ON
-command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ] || cuda=OFF
-export PATH="$PATH:/usr/local/cuda/bin"
-cmake -S . -B build -G Ninja -DMARROW_CUDA=$cuda -DMARROW_PYTHON="$PWD/.venv/bin/python" >/dev/null
-cmake --build build --target marrow
+tools/build.sh marrow
 tools/make_demo_corpus.sh build/marrow build/demo-corpus
 build/marrow train configs/tiny-moe.toml "$@"
 # The model's own words: continuations of a prompt from the newest checkpoint (marrow sample).
