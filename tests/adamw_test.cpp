@@ -2,6 +2,7 @@
 
 #include <cmath>
 
+#include "core/bf16.h"
 #include "gradcheck.h"
 
 namespace marrow {
@@ -14,7 +15,7 @@ Tensor host(double* data, int64_t n) { return Tensor(data, DType::f64, Device::c
 TEST(AdamW, TwoStepsMatchHandComputedNumbers) {
   double param[1] = {1}, grad[1] = {0.5}, m[1] = {0}, v[1] = {0};
   AdamWHyper hp{.lr = 0.1, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.01, .step = 1};
-  adamw_step(host(param, 1), host(grad, 1), host(m, 1), host(v, 1), hp);
+  adamw_step(host(param, 1), {}, host(m, 1), host(v, 1), host(grad, 1), hp);
   // m = 0.1 * 0.5, v = 0.001 * 0.25; bias-corrected they are exactly g and g^2, so the update is
   // lr * 0.5 / (0.5 + eps), after the decay 1 - lr * wd = 0.999.
   EXPECT_NEAR(m[0], 0.05, 1e-15);
@@ -25,7 +26,7 @@ TEST(AdamW, TwoStepsMatchHandComputedNumbers) {
 
   // A constant gradient keeps the bias-corrected moments at g and g^2 on every step.
   hp.step = 2;
-  adamw_step(host(param, 1), host(grad, 1), host(m, 1), host(v, 1), hp);
+  adamw_step(host(param, 1), {}, host(m, 1), host(v, 1), host(grad, 1), hp);
   EXPECT_NEAR(m[0], 0.095, 1e-15);
   EXPECT_NEAR(v[0], 0.00049975, 1e-15);
   EXPECT_NEAR(param[0], 0.899000002 * 0.999 - update, 1e-14);
@@ -35,11 +36,11 @@ TEST(AdamW, NoDecayWhenWeightDecayIsZero) {
   // A zero gradient leaves zero moments and a zero Adam update, so only the decay can move param.
   double param[2] = {1.5, -2}, grad[2] = {0, 0}, m[2] = {0, 0}, v[2] = {0, 0};
   AdamWHyper hp{.lr = 0.1, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0, .step = 1};
-  adamw_step(host(param, 2), host(grad, 2), host(m, 2), host(v, 2), hp);
+  adamw_step(host(param, 2), {}, host(m, 2), host(v, 2), host(grad, 2), hp);
   EXPECT_EQ(param[0], 1.5);
   EXPECT_EQ(param[1], -2);
   hp.weight_decay = 0.5;
-  adamw_step(host(param, 2), host(grad, 2), host(m, 2), host(v, 2), hp);
+  adamw_step(host(param, 2), {}, host(m, 2), host(v, 2), host(grad, 2), hp);
   EXPECT_DOUBLE_EQ(param[0], 1.5 * 0.95);
   EXPECT_DOUBLE_EQ(param[1], -2 * 0.95);
 }
@@ -52,18 +53,53 @@ TEST(AdamW, F32PathMatchesF64) {
   for (int64_t step = 1; step <= 5; ++step) {
     Buffer g64 = random_buffer(DType::f64, {n}, 10 + step), g32 = random_buffer(DType::f32, {n}, 10 + step);
     AdamWHyper hp{.lr = 1e-2, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.1, .step = step};
-    adamw_step(p64, g64, m64, v64, hp);
-    adamw_step(p32, g32, m32, v32, hp);
+    adamw_step(p64, {}, m64, v64, g64, hp);
+    adamw_step(p32, {}, m32, v32, g32, hp);
   }
   for (int64_t i = 0; i < n; ++i)
     EXPECT_NEAR(p32.ptr<float>()[i], p64.ptr<double>()[i], 1e-6 * (1 + std::abs(p64.ptr<double>()[i])));
+}
+
+TEST(AdamW, GradScaleEqualsPrescaledGradient) {
+  // 0.25 is a power of two, so scaling inside the step and scaling the gradient first agree exactly.
+  double p1[3] = {1, -2, 0.5}, p2[3] = {1, -2, 0.5}, g1[3] = {0.4, -1.2, 3}, g2[3] = {0.1, -0.3, 0.75};
+  double m1[3] = {}, m2[3] = {}, v1[3] = {}, v2[3] = {};
+  AdamWHyper hp{.lr = 0.1, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.01, .step = 1};
+  adamw_step(host(p2, 3), {}, host(m2, 3), host(v2, 3), host(g2, 3), hp);
+  hp.grad_scale = 0.25;
+  adamw_step(host(p1, 3), {}, host(m1, 3), host(v1, 3), host(g1, 3), hp);
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(p1[i], p2[i]);
+    EXPECT_EQ(m1[i], m2[i]);
+    EXPECT_EQ(v1[i], v2[i]);
+  }
+}
+
+TEST(AdamW, WritesBf16CopyOfUpdatedParam) {
+  const int64_t n = 33;
+  Buffer p = random_buffer(DType::f32, {n}, 3), g = random_buffer(DType::f32, {n}, 4);
+  Buffer m = Buffer::zeros(DType::f32, Device::cpu, {n}), v = Buffer::zeros(DType::f32, Device::cpu, {n});
+  Buffer copy(DType::bf16, Device::cpu, {n});
+  adamw_step(p, copy, m, v, g, AdamWHyper{1e-2, 0.9, 0.95, 1e-8, 0.1, 1});
+  for (int64_t i = 0; i < n; ++i) EXPECT_EQ(static_cast<uint16_t*>(copy.view().data)[i], float_to_bf16(p.ptr<float>()[i])) << i;
+}
+
+TEST(AdamW, RejectsBf16CopyOfOtherSize) {
+  Buffer p(DType::f32, Device::cpu, {4}), g(DType::f32, Device::cpu, {4}), m(DType::f32, Device::cpu, {4}),
+      v(DType::f32, Device::cpu, {4}), copy(DType::bf16, Device::cpu, {5});
+  try {
+    adamw_step(p, copy, m, v, g, AdamWHyper{1e-3, 0.9, 0.999, 1e-8, 0, 1});
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(), "adamw_step: param_bf16 has 5 elements but param has 4");
+  }
 }
 
 TEST(AdamW, RejectsMismatchedElementCount) {
   Buffer p(DType::f32, Device::cpu, {4}), g(DType::f32, Device::cpu, {4}), m(DType::f32, Device::cpu, {3}),
       v(DType::f32, Device::cpu, {4});
   try {
-    adamw_step(p, g, m, v, AdamWHyper{1e-3, 0.9, 0.999, 1e-8, 0, 1});
+    adamw_step(p, {}, m, v, g, AdamWHyper{1e-3, 0.9, 0.999, 1e-8, 0, 1});
     FAIL() << "expected an error";
   } catch (const Error& e) {
     EXPECT_STREQ(e.what(), "adamw_step: exp_avg has 3 elements but param has 4");
@@ -74,7 +110,7 @@ TEST(AdamW, RejectsZeroStep) {
   Buffer p(DType::f32, Device::cpu, {4}), g(DType::f32, Device::cpu, {4}), m(DType::f32, Device::cpu, {4}),
       v(DType::f32, Device::cpu, {4});
   try {
-    adamw_step(p, g, m, v, AdamWHyper{1e-3, 0.9, 0.999, 1e-8, 0, 0});
+    adamw_step(p, {}, m, v, g, AdamWHyper{1e-3, 0.9, 0.999, 1e-8, 0, 0});
     FAIL() << "expected an error";
   } catch (const Error& e) {
     EXPECT_STREQ(e.what(), "adamw_step: step is 1-based, got 0");

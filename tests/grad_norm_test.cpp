@@ -30,14 +30,6 @@ TEST(GradNorm, IsDeterministicAndAccumulatesInDouble) {
   EXPECT_EQ(l2_norm(x), l2_norm(x));
 }
 
-TEST(GradNorm, ScaleMultipliesInPlace) {
-  float x[3] = {1, -2, 4};
-  scale(Tensor(x, DType::f32, Device::cpu, {3}), 0.5);
-  EXPECT_EQ(x[0], 0.5f);
-  EXPECT_EQ(x[1], -1.0f);
-  EXPECT_EQ(x[2], 2.0f);
-}
-
 TEST(GradNorm, RejectsIntegerTensor) {
   int32_t x[2] = {3, 4};
   try {

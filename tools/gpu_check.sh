@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # Everything the GPU machine checks and measures, run there from the repository root after
 # tools/gpu_prepare.sh here, with the device tool carrying .gpu-carry:
-#   tools/gpu_check.sh <log-dir> [correctness|speed|model|all]
+#   tools/gpu_check.sh <log-dir> [correctness|speed|model|profile|all]
 # correctness: build (cmake + ninja, sm_90a) -> marrow check -> tiny model GPU vs CPU and GPU
 #              determinism -> Hugging Face parity of the bf16 forward
 # model:       build -> marrow check --only model -> Hugging Face parity
 # speed:       build -> marrow bench --kernels -> marrow bench on the bench config (20 steps:
-#              memory bill, peak, tokens/s) -> leak check over 200 short steps
+#              memory bill, peak, tokens/s) -> leak check over 200 short steps -> profile
+# profile:     build -> kernel trace of 2 bench steps and the top-10 kernels (.agents/skills/profile-kernels);
+#              the trace JSON comes back when under 20 MB (gzipped otherwise)
+# all:         correctness and speed, without the profile (its two files would pass the 8-file limit)
 # Logs go to <log-dir> (at most 8 files, as the device tool returns). Ends with PASS or FAIL.
 set -uo pipefail
 out=${1:-$OUT}
@@ -74,6 +77,21 @@ if [ "$what" = speed ] || [ "$what" = all ]; then
     --train.seq_len=1024 --output.log_every=50 --checkpoint.every=0 --output.dir=runs/leak > "$out/leak.log" 2>&1 || fail "leak run"
   python3 tools/compare_runs.py --peak-stable runs/leak/metrics.jsonl 2>&1 | tee -a "$out/leak.log" | tail -2
   [ "${PIPESTATUS[0]}" -eq 0 ] || fail "peak memory grows"
+fi
+
+if [ "$what" = speed ] || [ "$what" = profile ]; then
+  step "kernel trace: 2 bench steps after 2 warm-up"
+  trace=runs/profile/bench/trace-steps-3-4.json
+  rm -f "$trace"
+  .agents/skills/profile-kernels/run.sh build-gpu/marrow configs/bench.toml "$out" --data.path=.gpu-carry/qwen3 \
+    --output.dir=runs/profile --checkpoint.every=0 | tail -n 20
+  [ "${PIPESTATUS[0]}" -eq 0 ] || fail "kernel trace"
+  limit=$((20 * 1000 * 1000))
+  if [ -f "$trace" ]; then
+    copy=$out/$(basename "$trace")
+    if [ "$(stat -c %s "$trace")" -lt $limit ]; then cp "$trace" "$copy"; else copy=$copy.gz; gzip -c "$trace" > "$copy"; fi
+    [ "$(stat -c %s "$copy")" -lt $limit ] || { rm "$copy"; echo "the trace is over 20 MB even gzipped: not copied"; }
+  fi
 fi
 
 if [ $status -eq 0 ]; then echo PASS | tee -a "$out/summary.log"; else echo FAIL | tee -a "$out/summary.log"; fi

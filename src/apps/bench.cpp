@@ -2,10 +2,12 @@
 //   marrow bench <run-config> [--warmup N] [--steps M] [--section.key=value ...]
 //     trains warm-up + measured steps and reports over the measured ones: tokens/s, achieved TFLOP/s
 //     (6 x active parameters incl. the LM head per token, plus causal attention), MFU against the
-//     H100/H200 datasheet's 989 dense bf16 TFLOP/s, and peak memory.
+//     H100/H200 datasheet's 989 dense bf16 TFLOP/s, peak memory and the time per stage.
+//     --profile-steps=A:B (any run config option) also writes a CUPTI kernel trace of steps A..B
+//     and prints the ten heaviest kernels; the traced steps' times include CUPTI's overhead.
 //   marrow bench --kernels
 //     times the heaviest kernels at the bench shapes (GPU.md) with CUDA events: attention forward
-//     and backward, the dense q_proj GEMM, the grouped expert GEMMs.
+//     and backward, the dense q_proj GEMM, the grouped expert GEMMs (own kernels and cuBLAS's grouped call).
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <functional>
@@ -54,12 +56,12 @@ double median_ms(const std::function<void()>& run, int reps = 10) {
 
 void kernel_row(const std::string& name, double flops, const std::function<void()>& run) {
   const double ms = median_ms(run);
-  std::printf("%-44s %9.3f ms %8.1f TFLOP/s\n", name.c_str(), ms, flops / (ms * 1e-3) / 1e12);
+  std::printf("%-64s %9.3f ms %8.1f TFLOP/s\n", name.c_str(), ms, flops / (ms * 1e-3) / 1e12);
   std::fflush(stdout);
 }
 
 void bench_kernels() {
-  std::printf("%-44s %12s %16s\n", "kernel (bench shapes, bf16)", "median", "achieved");
+  std::printf("%-64s %12s %16s\n", "kernel (bench shapes, bf16)", "median", "achieved");
   const int64_t S = 4096, Hq = 32, Hkv = 4, D = 128, H = 2048, E = 128, K = 8, I = 768;
   {
     Buffer q = random_device({1, S, Hq, D}, 1, "q"), k = random_device({1, S, Hkv, D}, 1, "k"), v = random_device({1, S, Hkv, D}, 1, "v");
@@ -90,7 +92,9 @@ void bench_kernels() {
     const double flops = 2.0 * double(R) * double(in) * double(out);
     const std::string name = fmt::format("grouped {} E128 {}x{}->{}", label, R, in, out);
     kernel_row(name + " fwd", flops, [&] { grouped_linear_forward(y, x, w, offsets); });
+    kernel_row(name + " fwd (cuBLAS grouped)", flops, [&] { grouped_linear_forward_cublas(y, x, w, offsets); });
     kernel_row(name + " bwd input", flops, [&] { grouped_linear_backward_input(dx, dy, w, offsets); });
+    kernel_row(name + " bwd input (cuBLAS grouped)", flops, [&] { grouped_linear_backward_input_cublas(dx, dy, w, offsets); });
     kernel_row(name + " bwd weight", flops, [&] { grouped_linear_backward_weight(dw, dy, x, offsets); });
   }
 }

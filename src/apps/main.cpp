@@ -16,14 +16,14 @@ struct Command {
 };
 
 const Command kCommands[] = {
-    {"train", marrow::train_command, "train a model: marrow train <run-config> [--section.key=value ...]"},
+    {"train", marrow::train_command, "train a model: marrow train <run-config> [--section.key=value ...] [--profile-steps=A:B]"},
     {"train-tokenizer", marrow::train_tokenizer_command, "train a byte-level BPE tokenizer.json on raw text"},
     {"tokenize", marrow::tokenize_command, "tokenize raw text (txt, jsonl, jsonl.zst) into a training corpus"},
     {"export", marrow::export_command, "export a checkpoint as a Hugging Face model: marrow export <checkpoint> <out-dir>"},
     {"import", marrow::import_command, "import a Hugging Face model as a checkpoint: marrow import <hf-dir> <checkpoint-dir>"},
     {"sample", marrow::sample_command, "continue a prompt: marrow sample <checkpoint-or-hf-dir> --prompt \"...\""},
     {"check", marrow::check_command, "compare every CUDA op and the model with the CPU reference (needs a GPU)"},
-    {"bench", marrow::bench_command, "measure training speed: marrow bench <run-config> [--warmup=N --steps=M] | --kernels"},
+    {"bench", marrow::bench_command, "measure training speed: marrow bench <run-config> [--warmup=N --steps=M] [--profile-steps=A:B] | --kernels"},
 };
 
 void usage() {

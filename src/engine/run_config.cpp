@@ -2,6 +2,7 @@
 
 #include <CLI/CLI.hpp>
 #include <fstream>
+#include <regex>
 #include <vector>
 
 #include "core/errors.h"
@@ -66,10 +67,19 @@ CLI::Validator number_at_least(double low, bool inclusive) {
 const CLI::Validator kPositive = number_at_least(0, false);
 const CLI::Validator kNonNegative = number_at_least(0, true);
 
+[[noreturn]] void bad_profile_steps(int64_t steps, const std::string& got) {
+  fail("--profile-steps must be A:B with 1 <= A <= B <= train.steps ({}), got '{}'", steps, got);
+}
+
 }  // namespace
 
+void check_profile_steps(const RunConfig& rc) {
+  if (rc.profile_first < 1 || rc.profile_first > rc.profile_last || rc.profile_last > rc.steps)
+    bad_profile_steps(rc.steps, fmt::format("{}:{}", rc.profile_first, rc.profile_last));
+}
+
 RunConfig parse_run_config(int argc, char** argv) {
-  MARROW_CHECK(argc >= 2 && argv[1][0] != '-', "usage: marrow {} <run-config> [--section.key=value ...]", argv[0]);
+  MARROW_CHECK(argc >= 2 && argv[1][0] != '-', "usage: marrow {} <run-config> [--section.key=value ...] [--profile-steps=A:B]", argv[0]);
   RunConfig rc;
   rc.source = argv[1];
   CLI::App app{"marrow run"};
@@ -101,6 +111,9 @@ RunConfig parse_run_config(int argc, char** argv) {
   app.add_option("--checkpoint.keep", rc.checkpoint_keep)->check(kPositive);
   app.add_option("--checkpoint.resume", rc.checkpoint_resume);
   app.add_option("--checkpoint.optimizer_state", rc.checkpoint_optimizer_state);
+  // Not a file key: a run's command line asks for a trace (both --profile-steps=A:B and --profile-steps A:B).
+  std::string profile_steps;
+  app.add_option("--profile-steps", profile_steps);
 
   std::vector<std::string> args = config_file_arguments(rc.source);
   for (int i = 2; i < argc; ++i) args.push_back(argv[i]);
@@ -121,6 +134,13 @@ RunConfig parse_run_config(int argc, char** argv) {
   MARROW_CHECK(rc.warmup_steps <= rc.steps, "{}: schedule.warmup_steps ({}) exceeds train.steps ({})", rc.source, rc.warmup_steps,
                rc.steps);
   MARROW_CHECK(rc.min_lr <= rc.lr, "{}: optimizer.min_lr ({}) exceeds optimizer.lr ({})", rc.source, rc.min_lr, rc.lr);
+  if (app.count("--profile-steps") > 0) {
+    std::smatch range;
+    if (!std::regex_match(profile_steps, range, std::regex(R"((\d{1,18}):(\d{1,18}))"))) bad_profile_steps(rc.steps, profile_steps);
+    rc.profile_first = std::stoll(range[1]);
+    rc.profile_last = std::stoll(range[2]);
+    check_profile_steps(rc);
+  }
   return rc;
 }
 

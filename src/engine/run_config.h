@@ -36,12 +36,20 @@ struct RunConfig {
   int64_t checkpoint_keep = 2;             // complete checkpoints kept in output.dir; older ones are deleted
   std::string checkpoint_resume;           // a checkpoint to start from when output.dir holds none
   bool checkpoint_optimizer_state = true;  // false: weights only (a resume restarts the AdamW moments at zero)
+  // --profile-steps A:B (engine/kernel_trace.h): a kernel trace of optimizer steps A..B (1-based,
+  // inclusive) in output.dir; 0:0 traces nothing.
+  int64_t profile_first = 0, profile_last = 0;
 
   std::string source;  // the run config file, for messages
 };
 
-// Parses `<run-config> [--section.key=value ...]` (argv[0] is the subcommand's name). Any problem
-// (missing file, unknown key, bad value, inconsistent sizes) is a marrow::Error with one sentence.
+// Parses `<run-config> [--section.key=value ...] [--profile-steps A:B]` (argv[0] is the subcommand's
+// name). Any problem (missing file, unknown key, bad value, inconsistent sizes) is a marrow::Error
+// with one sentence.
 RunConfig parse_run_config(int argc, char** argv);
+
+// Fails unless 1 <= profile_first <= profile_last <= steps; marrow bench sets its own step count
+// after parsing, so the trainer checks again.
+void check_profile_steps(const RunConfig& rc);
 
 }  // namespace marrow

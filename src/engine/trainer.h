@@ -14,6 +14,7 @@
 #include "core/memory.h"
 #include "data/dataset.h"
 #include "engine/checkpoint.h"
+#include "engine/kernel_trace.h"
 #include "engine/lr_schedule.h"
 #include "engine/run_config.h"
 #include "engine/step.h"
@@ -77,6 +78,15 @@ inline Device choose_device(const std::string& requested) {
 template <MoeModel M>
 std::vector<StepMetrics> train(const RunConfig& rc, const typename M::Config& model_config, StageTimer* timer = nullptr) {
   const Device device = choose_device(rc.device);
+  // --profile-steps: the trace exists before any NVTX range (see KernelTrace); the stages are NVTX
+  // ranges only when timed, so a traced run times them.
+  std::optional<KernelTrace> trace;
+  std::optional<StageTimer> traced_stages;
+  if (rc.profile_first > 0) {
+    check_profile_steps(rc);
+    trace.emplace(device);
+    if (!timer) timer = &traced_stages.emplace(device);
+  }
   if (device == Device::cuda) keep_pool_memory();
   // The GPU computes in bf16 from a working copy of the fp32 master weights; the CPU in fp32.
   M model(model_config, device == Device::cuda ? DType::bf16 : DType::f32, device);
@@ -134,6 +144,8 @@ std::vector<StepMetrics> train(const RunConfig& rc, const typename M::Config& mo
   StopSignals stop;  // SIGTERM/SIGINT: finish the step, save, return
 
   for (int64_t step = first_step; step <= rc.steps; ++step) {
+    if (trace && !trace->running() && step >= rc.profile_first && step <= rc.profile_last) trace->start();
+    std::optional<NvtxRange> step_range(std::in_place, fmt::format("step {}", step));
     const auto start = std::chrono::steady_clock::now();
     grads.fill_zero();
     // Every target of a sample is a real next token, so the step's counted tokens are known upfront.
@@ -167,17 +179,22 @@ std::vector<StepMetrics> train(const RunConfig& rc, const typename M::Config& mo
                    step, bad_in_a_row);
     } else {
       bad_in_a_row = 0;
-      if (rc.grad_clip > 0 && m.grad_norm > rc.grad_clip) scale(grads.all(), rc.grad_clip / m.grad_norm);
       const int64_t decayed = model.num_decayed_parameters();
       auto range = [&](const Arena& a, int64_t begin, int64_t end) { return a.slice(begin, {end - begin}); };
+      // One pass over the arenas: clipping scales the gradient inside the step, which also writes
+      // the bf16 working weights.
+      auto working_range = [&](int64_t begin, int64_t end) { return working ? range(*working, begin, end) : Tensor{}; };
       AdamWHyper hyper{m.lr, rc.beta1, rc.beta2, rc.eps, rc.weight_decay, step};
-      adamw_step(range(params, 0, decayed), range(grads, 0, decayed), range(exp_avg, 0, decayed), range(exp_avg_sq, 0, decayed), hyper);
+      if (rc.grad_clip > 0 && m.grad_norm > rc.grad_clip) hyper.grad_scale = rc.grad_clip / m.grad_norm;
+      adamw_step(range(params, 0, decayed), working_range(0, decayed), range(exp_avg, 0, decayed), range(exp_avg_sq, 0, decayed),
+                 range(grads, 0, decayed), hyper);
       hyper.weight_decay = 0;
-      adamw_step(range(params, decayed, n), range(grads, decayed, n), range(exp_avg, decayed, n), range(exp_avg_sq, decayed, n), hyper);
-      if (working) cast(working->all(), params.all());
+      adamw_step(range(params, decayed, n), working_range(decayed, n), range(exp_avg, decayed, n), range(exp_avg_sq, decayed, n),
+                 range(grads, decayed, n), hyper);
     }
     optimizer_scope.reset();
     if (device == Device::cuda) synchronize();
+    step_range.reset();
     if (timer) {
       const std::array<double, kStageCount> before = timer->total_ms();
       timer->collect();
@@ -195,6 +212,8 @@ std::vector<StepMetrics> train(const RunConfig& rc, const typename M::Config& mo
     metrics.flush();
     history.push_back(m);
     const int stop_signal = StopSignals::received();
+    if (trace && trace->running() && (step == rc.profile_last || stop_signal != 0))
+      report_trace(trace->stop(), fmt::format("{}/trace-steps-{}-{}.json", rc.out_dir, std::max(rc.profile_first, first_step), step));
     const std::string saved = checkpoints.due(step, stop_signal != 0) ? checkpoints.save(step) : "";
     if (stop_signal != 0 && step < rc.steps) {
       std::printf("stopped by %s after step %lld: %s\n", stop_signal == SIGTERM ? "SIGTERM" : "SIGINT", (long long)step,

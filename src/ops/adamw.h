@@ -2,9 +2,12 @@
 //   param *= 1 - lr * weight_decay
 //   m = beta1 * m + (1 - beta1) * g,   v = beta2 * v + (1 - beta2) * g^2
 //   param -= lr / (1 - beta1^step) * m / (sqrt(v) / sqrt(1 - beta2^step) + eps)
+// with g = grad * grad_scale (gradient clipping folded in: no separate pass over the gradients).
 // The caller passes weight_decay = 0 for tensors that are not decayed (norms, biases). param, grad,
 // exp_avg (m) and exp_avg_sq (v) are flat views of equal element count and one dtype: f32 (the
-// master weights and moments), or f64 for tests.
+// master weights and moments), or f64 for tests. param_bf16, when given (a non-empty tensor of the
+// same element count), receives the updated param rounded to bf16: the GPU's working weights,
+// written in the same pass instead of a second read of param.
 #pragma once
 #include <cstdint>
 
@@ -14,10 +17,12 @@ namespace marrow {
 
 struct AdamWHyper {
   double lr, beta1, beta2, eps, weight_decay;
-  int64_t step;  // 1-based: the bias corrections divide by 1 - beta^step
+  int64_t step;           // 1-based: the bias corrections divide by 1 - beta^step
+  double grad_scale = 1;  // multiplies the gradient before anything else
 };
 
-// Updates param, exp_avg and exp_avg_sq in place from grad.
-void adamw_step(Tensor param, Tensor grad, Tensor exp_avg, Tensor exp_avg_sq, const AdamWHyper& hyper, Stream stream = {});
+// Updates param, exp_avg and exp_avg_sq in place from grad, and writes param_bf16 if it is given.
+void adamw_step(Tensor param, Tensor param_bf16, Tensor exp_avg, Tensor exp_avg_sq, Tensor grad, const AdamWHyper& hyper,
+                Stream stream = {});
 
 }  // namespace marrow

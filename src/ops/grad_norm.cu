@@ -45,11 +45,6 @@ template <bool Vec4> __global__ void sum_squares_kernel(double* partial, const f
 }
 
 // x *= factor, elementwise in a grid-stride loop; the product is taken in double, as on the CPU.
-__global__ void scale_kernel(float* x, int64_t n, double factor) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
-    x[i] = float(double(x[i]) * factor);
-}
-
 // Pass 2 runs on the host: the kBlocks partial sums are copied back (a wait on the stream) and
 // added in block order.
 double launch_l2_norm(Tensor x, Stream stream) {
@@ -66,13 +61,6 @@ double launch_l2_norm(Tensor x, Stream stream) {
   return std::sqrt(sum);
 }
 
-void launch_scale(Tensor x, double factor, Stream stream) {
-  const int64_t n = x.numel();
-  if (n == 0) return;
-  const int blocks = int(std::min<int64_t>((n + 255) / 256, 8192));
-  scale_kernel<<<blocks, 256, 0, static_cast<cudaStream_t>(stream.handle)>>>(x.ptr<float>(), n, factor);
-  MARROW_CUDA_CHECK_LAUNCH();
-}
 #endif
 
 }  // namespace
@@ -95,24 +83,6 @@ double l2_norm(Tensor x, Stream stream) {
     for (int64_t i = 0; i < x.numel(); ++i) sum += double(p[i]) * p[i];
   });
   return std::sqrt(sum);
-}
-
-void scale(Tensor x, double factor, Stream stream) {
-  const char* op = "scale";
-  if (x.device == Device::cuda) {
-    expect_dtype(op, "x", x, DType::f32);
-#ifdef __CUDACC__
-    return launch_scale(x, factor, stream);
-#else
-    no_cuda_kernel(op);
-#endif
-  }
-  (void)stream;
-  with_cpu_scalar(op, x, [&](auto s) {
-    using T = decltype(s);
-    T* p = x.ptr<T>();
-    for (int64_t i = 0; i < x.numel(); ++i) p[i] = T(p[i] * factor);
-  });
 }
 
 }  // namespace marrow
