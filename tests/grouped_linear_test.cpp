@@ -56,6 +56,19 @@ TEST(GroupedLinear, GradientsMatchFiniteDifferences) {
   }
 }
 
+// overwrite = true gives what accumulating onto zeros gives, whatever dweight held, and zeros for
+// an expert without rows.
+TEST(GroupedLinear, OverwriteEqualsAccumulatingOntoZeros) {
+  const int64_t e = 4, o = 3, in = 5;
+  Buffer offsets = offsets_buffer({0, 2, 2, 5, 6});
+  Buffer x = random_buffer(DType::f64, {6, in}, 1), dy = random_buffer(DType::f64, {6, o}, 3);
+  Buffer accumulated = Buffer::zeros(DType::f64, Device::cpu, {e, o, in}), written = random_buffer(DType::f64, {e, o, in}, 4);
+  grouped_linear_backward_weight(accumulated, dy, x, offsets);
+  grouped_linear_backward_weight(written, dy, x, offsets, true);
+  for (int64_t i = 0; i < written.numel(); ++i) EXPECT_EQ(written.ptr<double>()[i], accumulated.ptr<double>()[i]) << i;
+  for (int64_t i = o * in; i < 2 * o * in; ++i) EXPECT_EQ(written.ptr<double>()[i], 0.0);
+}
+
 TEST(GroupedLinear, RejectsOffsetsOnTheGpu) {
   Buffer x(DType::f32, Device::cpu, {2, 3}), w(DType::f32, Device::cpu, {2, 4, 3}), y(DType::f32, Device::cpu, {2, 4});
   int32_t bounds[3] = {0, 1, 2};

@@ -163,5 +163,32 @@ TEST(Qwen3Moe, SameInputsGiveBitwiseSameLossAndGradients) {
   EXPECT_EQ(std::memcmp(a.grads.all().data, b.grads.all().data, a.grads.bytes()), 0);
 }
 
+// Two micro-batches where the first writes the expert gradients (the trainer's way: it zeroes only
+// the other gradients) give bitwise what zeroing everything and accumulating both gives.
+TEST(Qwen3Moe, FirstMicroBatchWritingExpertGradientsEqualsZeroingThem) {
+  TinyRun run(DType::f32, 2, 8, tiny_config_json());
+  const auto w = run.model.bind(run.params);
+  const auto g = run.model.bind(run.grads);
+  auto two_micro_batches = [&](bool first_writes) {
+    for (int micro = 0; micro < 2; ++micro) {
+      MicroBatch<Qwen3Moe> mb;
+      forward(mb, run.model, w, run.batch);
+      backward(mb, run.model, w, g, run.batch, run.loss_scale, run.aux_grad, first_writes && micro == 0);
+    }
+  };
+  run.grads.fill_zero();
+  two_micro_batches(false);
+  Buffer expected = to_host(run.grads.all());
+  for (const TensorSpec& s : run.model.specs()) {
+    Tensor t = run.grads.slice(s.offset, {s.numel});
+    for (int64_t i = 0; i < s.numel; ++i) testing::set_element(t, i, s.first_backward_writes ? 1e30 : 0.0);
+  }
+  two_micro_batches(true);
+  EXPECT_EQ(std::memcmp(expected.view().data, run.grads.all().data, run.grads.bytes()), 0);
+  int64_t written = 0;
+  for (const TensorSpec& s : run.model.specs()) written += s.first_backward_writes ? s.numel : 0;
+  EXPECT_GT(written, run.model.num_parameters() / 2);  // the experts are most of the model
+}
+
 }  // namespace
 }  // namespace marrow

@@ -83,19 +83,24 @@ void bench_kernels() {
     kernel_row("linear q_proj bwd input", flops, [&] { linear_backward_input(dx, dy, w); });
     kernel_row("linear q_proj bwd weight (f32 accumulate)", flops, [&] { linear_backward_weight(dw, dy, x); });
   }
-  for (auto [label, in, out] : {std::tuple{"gate_up", H, 2 * I}, std::tuple{"down", I, H}}) {
-    const int64_t R = S * K;
-    Buffer offsets = offsets_host(skewed_counts(E, R));
-    Buffer x = random_device({R, in}, 4, "x"), w = random_device({E, out, in}, 4, "w"), dy = random_device({R, out}, 4, "dy");
-    Buffer y(DType::bf16, Device::cuda, {R, out}), dx(DType::bf16, Device::cuda, {R, in});
-    Buffer dw = Buffer::zeros(DType::f32, Device::cuda, {E, out, in});
-    const double flops = 2.0 * double(R) * double(in) * double(out);
-    const std::string name = fmt::format("grouped {} E128 {}x{}->{}", label, R, in, out);
-    kernel_row(name + " fwd", flops, [&] { grouped_linear_forward(y, x, w, offsets); });
-    kernel_row(name + " fwd (cuBLAS grouped)", flops, [&] { grouped_linear_forward_cublas(y, x, w, offsets); });
-    kernel_row(name + " bwd input", flops, [&] { grouped_linear_backward_input(dx, dy, w, offsets); });
-    kernel_row(name + " bwd input (cuBLAS grouped)", flops, [&] { grouped_linear_backward_input_cublas(dx, dy, w, offsets); });
-    kernel_row(name + " bwd weight", flops, [&] { grouped_linear_backward_weight(dw, dy, x, offsets); });
+  // Two routings of the 32768 rows: skewed_counts (largest expert ~17x the smallest, two empty) and
+  // even (256 rows each, every row tile full).
+  const int64_t R = S * K;
+  for (const bool even : {false, true}) {
+    const Buffer offsets = offsets_host(even ? std::vector<int32_t>(size_t(E), int32_t(R / E)) : skewed_counts(E, R));
+    for (auto [label, in, out] : {std::tuple{"gate_up", H, 2 * I}, std::tuple{"down", I, H}}) {
+      Buffer x = random_device({R, in}, 4, "x"), w = random_device({E, out, in}, 4, "w"), dy = random_device({R, out}, 4, "dy");
+      Buffer y(DType::bf16, Device::cuda, {R, out}), dx(DType::bf16, Device::cuda, {R, in});
+      Buffer dw = Buffer::zeros(DType::f32, Device::cuda, {E, out, in});
+      const double flops = 2.0 * double(R) * double(in) * double(out);
+      const std::string name = fmt::format("grouped {} {} E128 {}x{}->{}", label, even ? "even" : "skewed", R, in, out);
+      kernel_row(name + " fwd", flops, [&] { grouped_linear_forward(y, x, w, offsets); });
+      kernel_row(name + " fwd (cuBLAS grouped)", flops, [&] { grouped_linear_forward_cublas(y, x, w, offsets); });
+      kernel_row(name + " bwd input", flops, [&] { grouped_linear_backward_input(dx, dy, w, offsets); });
+      kernel_row(name + " bwd input (cuBLAS grouped)", flops, [&] { grouped_linear_backward_input_cublas(dx, dy, w, offsets); });
+      kernel_row(name + " bwd weight", flops, [&] { grouped_linear_backward_weight(dw, dy, x, offsets); });
+      kernel_row(name + " bwd weight (overwrite)", flops, [&] { grouped_linear_backward_weight(dw, dy, x, offsets, true); });
+    }
   }
 }
 

@@ -151,6 +151,10 @@ void check_grouped_small(CheckReport& report, int64_t out, int64_t in, const std
   report.compare("grouped bwd_weight " + shape, dw, dw_ref, kF32Bound);
   grouped_linear_backward_weight(dw, dyt, xt, offsets);
   report.compare("grouped bwd_weight x2 (accumulates) " + shape, dw, scaled(dw_ref, 2), kF32Bound);
+  // Overwriting ignores what dW held (NaN here) and zeroes experts without rows.
+  Buffer dw_written = poisoned(DType::f32, {e, out, in});
+  grouped_linear_backward_weight(dw_written, dyt, xt, offsets, true);
+  report.compare("grouped bwd_weight overwrite " + shape, dw_written, dw_ref, kF32Bound);
 }
 
 // Bench shape: E experts, rows routed by skewed_counts. Outputs compared on up to 48 last rows of a

@@ -52,13 +52,7 @@ Buffer::Buffer(DType dtype, Device device, std::initializer_list<int64_t> dims, 
 
 Buffer Buffer::zeros(DType dtype, Device device, std::initializer_list<int64_t> dims, Stream stream) {
   Buffer b(dtype, device, dims, stream);
-  if (device == Device::cpu) {
-    if (b.tensor_.data) std::memset(b.tensor_.data, 0, b.tensor_.bytes());
-  } else {
-#if MARROW_CUDA
-    MARROW_CUDA_CHECK(cudaMemsetAsync(b.tensor_.data, 0, b.tensor_.bytes(), static_cast<cudaStream_t>(stream.handle)));
-#endif
-  }
+  fill_zero(b.tensor_, stream);
   return b;
 }
 
@@ -116,13 +110,15 @@ Tensor Arena::slice(int64_t offset, std::initializer_list<int64_t> dims) const {
   return t;
 }
 
-void Arena::fill_zero(Stream stream) const {
-  if (bytes() == 0) return;
-  if (device_ == Device::cpu) {
-    std::memset(data_.get(), 0, bytes());
+void Arena::fill_zero(Stream stream) const { marrow::fill_zero(all(), stream); }
+
+void fill_zero(Tensor t, Stream stream) {
+  if (t.bytes() == 0 || !t.data) return;
+  if (t.device == Device::cpu) {
+    std::memset(t.data, 0, t.bytes());
   } else {
 #if MARROW_CUDA
-    MARROW_CUDA_CHECK(cudaMemsetAsync(data_.get(), 0, bytes(), static_cast<cudaStream_t>(stream.handle)));
+    MARROW_CUDA_CHECK(cudaMemsetAsync(t.data, 0, t.bytes(), static_cast<cudaStream_t>(stream.handle)));
 #else
     (void)stream;
 #endif

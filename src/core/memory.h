@@ -61,6 +61,9 @@ class Arena {
   std::unique_ptr<void, Free> data_;
 };
 
+// Sets every byte of t to zero (0.0 in every float dtype), in stream order on the GPU.
+void fill_zero(Tensor t, Stream stream = {});
+
 // Copies src into dst: same dtype and element count, any pair of devices. On the GPU the copy is
 // queued on stream; a copy to the host waits for it, so the host can read the result at once.
 void copy(Tensor dst, Tensor src, Stream stream = {});

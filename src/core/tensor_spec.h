@@ -15,6 +15,10 @@ struct TensorSpec {
   int64_t offset = 0;  // in elements
   int64_t numel = 0;
   bool is_norm = false;  // RMSNorm weights: initialised to 1, no weight decay
+  // The backward of a step's first micro-batch writes this gradient instead of adding to it (the
+  // expert weights: their fp32 gradients are the bulk of the arena), so the trainer zeroes only
+  // the other gradients before a step.
+  bool first_backward_writes = false;
 };
 
 // Cuts a table (offsets increasing) into files of at most max_bytes at element_bytes per element

@@ -10,7 +10,7 @@ namespace marrow {
 template <class M>
 concept MoeModel = requires(const M& m, typename M::AttentionActivations& a, typename M::ExpertActivations& e,
                             typename M::EpilogActivations& p, const typename M::Weights& w, const typename M::Batch& batch,
-                            Buffer buffer, Tensor t, double scale) {
+                            Buffer buffer, Tensor t, double scale, bool flag) {
   typename M::Config;
   { M::model_type } -> std::convertible_to<const char*>;
   { m.num_layers() } -> std::convertible_to<int64_t>;
@@ -29,7 +29,7 @@ concept MoeModel = requires(const M& m, typename M::AttentionActivations& a, typ
   m.attention_backward(t, w.layers[0], t, t, t, scale, a, batch, w.layers[0]);
   { m.aux_loss(a) } -> std::convertible_to<double>;
   m.experts_forward(t, e, std::move(buffer), t, w.layers[0]);
-  m.experts_backward(t, w.layers[0], t, e, t, w.layers[0]);
+  m.experts_backward(t, w.layers[0], t, e, t, w.layers[0], flag);
   m.aggregate_forward(t, a, t, t);
   m.aggregate_backward(t, t, t, a, t, t);
   { m.epilog_forward(p, std::move(buffer), batch, w) } -> std::convertible_to<double>;

@@ -67,11 +67,14 @@ void forward(MicroBatch<M>& mb, const M& m, const typename M::Weights& w, const 
   mb.token_loss_sum = m.epilog_forward(mb.epilog, std::move(x), batch, w);
 }
 
-// Gradients of (loss_scale * token_loss_sum + aux_grad * aux_loss_sum) accumulate into grads;
-// the micro-batch's activations are released as the backward passes them.
+// Gradients of (loss_scale * token_loss_sum + aux_grad * aux_loss_sum) accumulate into grads,
+// except that first_micro_batch = true writes the gradients the model's spec table marks
+// first_backward_writes (the caller zeroes only the others); the micro-batch's activations are
+// released as the backward passes them.
 template <MoeModel M>
 void backward(MicroBatch<M>& mb, const M& m, const typename M::Weights& w, const typename M::Weights& grads,
-              const typename M::Batch& batch, double loss_scale, double aux_grad, StageTimer* timer = nullptr) {
+              const typename M::Batch& batch, double loss_scale, double aux_grad, bool first_micro_batch = false,
+              StageTimer* timer = nullptr) {
   const int64_t T = batch.batch * batch.seq, H = m.hidden_size(), K = m.top_k();
   Buffer dx = m.buffer({T, H});
   {
@@ -90,7 +93,7 @@ void backward(MicroBatch<M>& mb, const M& m, const typename M::Weights& w, const
     Buffer dx_perm = m.buffer({T * K, H});
     {
       StageScope scope(timer, Stage::experts);
-      m.experts_backward(dx_perm, lg, dy_perm, s.experts, s.expert_offsets, lw);
+      m.experts_backward(dx_perm, lg, dy_perm, s.experts, s.expert_offsets, lw, first_micro_batch);
     }
     Buffer dh2 = m.buffer({T, H});
     {

@@ -12,6 +12,7 @@
 #include <optional>
 
 #include "core/memory.h"
+#include "core/tensor_spec.h"
 #include "data/dataset.h"
 #include "engine/checkpoint.h"
 #include "engine/kernel_trace.h"
@@ -109,6 +110,22 @@ std::vector<StepMetrics> train(const RunConfig& rc, const typename M::Config& mo
   model.initialize(params, rc.seed);
   const auto w = model.bind(working ? *working : params);
   const auto g = model.bind(grads);
+  // The gradients a step zeroes: all but those its first backward writes, as runs of the arena
+  // (the spec table is in arena order).
+  std::vector<Tensor> zeroed_each_step;
+  int64_t run_begin = 0, run_end = 0;
+  auto close_run = [&] {
+    if (run_end > run_begin) zeroed_each_step.push_back(grads.slice(run_begin, {run_end - run_begin}));
+  };
+  for (const TensorSpec& s : model.specs()) {
+    if (s.first_backward_writes) continue;
+    if (s.offset != run_end) {
+      close_run();
+      run_begin = s.offset;
+    }
+    run_end = s.offset + s.numel;
+  }
+  close_run();
   size_t arena_bytes = 0;
   for (const Arena* a : arenas) arena_bytes += a->bytes();
   std::printf("model %s on %s: %.2fM parameters (%.2fM active per token), %lld layers, %lld experts top-%lld\n", M::model_type,
@@ -147,7 +164,7 @@ std::vector<StepMetrics> train(const RunConfig& rc, const typename M::Config& mo
     if (trace && !trace->running() && step >= rc.profile_first && step <= rc.profile_last) trace->start();
     std::optional<NvtxRange> step_range(std::in_place, fmt::format("step {}", step));
     const auto start = std::chrono::steady_clock::now();
-    grads.fill_zero();
+    for (const Tensor& t : zeroed_each_step) fill_zero(t);
     // Every target of a sample is a real next token, so the step's counted tokens are known upfront.
     const double loss_scale = 1.0 / double(rc.global_batch * S);
     const double aux_grad = aux_coef / double(model.num_layers() * micro_batches);
@@ -159,7 +176,7 @@ std::vector<StepMetrics> train(const RunConfig& rc, const typename M::Config& mo
       forward(mb, model, w, batch, timer);
       token_loss_sum += mb.token_loss_sum;
       aux_loss_sum += mb.aux_loss_sum;
-      backward(mb, model, w, g, batch, loss_scale, aux_grad, timer);
+      backward(mb, model, w, g, batch, loss_scale, aux_grad, micro == 0, timer);
     }
 
     StepMetrics m;

@@ -76,8 +76,8 @@ Qwen3MoeConfig Qwen3MoeConfig::from_json(const Json& json, const std::string& so
 Qwen3Moe::Qwen3Moe(const Config& config, DType dtype, Device device) : config_(config), dtype_(dtype), device_(device) {
   const Config& c = config_;
   const int64_t H = c.hidden_size, D = c.head_dim, I = c.expert_intermediate_size;
-  auto add = [&](std::string name, std::vector<int64_t> shape, bool is_norm) {
-    TensorSpec s{std::move(name), std::move(shape), num_parameters_, 1, is_norm};
+  auto add = [&](std::string name, std::vector<int64_t> shape, bool is_norm, bool is_expert = false) {
+    TensorSpec s{std::move(name), std::move(shape), num_parameters_, 1, is_norm, is_expert};
     for (int64_t d : s.shape) s.numel *= d;
     num_parameters_ += s.numel;
     specs_.push_back(std::move(s));
@@ -91,10 +91,10 @@ Qwen3Moe::Qwen3Moe(const Config& config, DType dtype, Device device) : config_(c
     add(p + "self_attn.o_proj.weight", {H, c.num_heads * D}, false);
     add(p + "mlp.gate.weight", {c.num_experts, H}, false);
     for (int64_t e = 0; e < c.num_experts; ++e) {
-      add(fmt::format("{}mlp.experts.{}.gate_proj.weight", p, e), {I, H}, false);
-      add(fmt::format("{}mlp.experts.{}.up_proj.weight", p, e), {I, H}, false);
+      add(fmt::format("{}mlp.experts.{}.gate_proj.weight", p, e), {I, H}, false, true);
+      add(fmt::format("{}mlp.experts.{}.up_proj.weight", p, e), {I, H}, false, true);
     }
-    for (int64_t e = 0; e < c.num_experts; ++e) add(fmt::format("{}mlp.experts.{}.down_proj.weight", p, e), {H, I}, false);
+    for (int64_t e = 0; e < c.num_experts; ++e) add(fmt::format("{}mlp.experts.{}.down_proj.weight", p, e), {H, I}, false, true);
   }
   add("lm_head.weight", {c.vocab_size, H}, false);
   num_decayed_ = num_parameters_;
@@ -294,14 +294,14 @@ void Qwen3Moe::experts_forward(Tensor y_perm, Qwen3MoeExpertActivations& e, Buff
 }
 
 void Qwen3Moe::experts_backward(Tensor dx_perm, const Qwen3MoeLayerWeights& grads, Tensor dy_perm, Qwen3MoeExpertActivations& e,
-                                Tensor expert_offsets, const Qwen3MoeLayerWeights& w) const {
+                                Tensor expert_offsets, const Qwen3MoeLayerWeights& w, bool overwrite_grads) const {
   const int64_t R = e.x_perm.view().size(0), I = config_.expert_intermediate_size;
   Buffer dact = buffer({R, I});
   grouped_linear_backward_input(dact, dy_perm, w.experts_down, expert_offsets);
-  grouped_linear_backward_weight(grads.experts_down, dy_perm, e.act, expert_offsets);
+  grouped_linear_backward_weight(grads.experts_down, dy_perm, e.act, expert_offsets, overwrite_grads);
   Buffer dgate_up = buffer({R, 2 * I});
   swiglu_backward(dgate_up, dact, e.gate_up);
-  grouped_linear_backward_weight(grads.experts_gate_up, dgate_up, e.x_perm, expert_offsets);
+  grouped_linear_backward_weight(grads.experts_gate_up, dgate_up, e.x_perm, expert_offsets, overwrite_grads);
   grouped_linear_backward_input(dx_perm, dgate_up, w.experts_gate_up, expert_offsets);
   e = Qwen3MoeExpertActivations{};
 }

@@ -126,8 +126,9 @@ class Qwen3Moe {
   // Stage 3: y_perm[R, H] from the dispatched rows x_perm[R, H] (kept in e.x_perm).
   void experts_forward(Tensor y_perm, Qwen3MoeExpertActivations& e, Buffer x_perm, Tensor expert_offsets,
                        const Qwen3MoeLayerWeights& w) const;
+  // overwrite_grads: write the expert weight gradients instead of adding (TensorSpec::first_backward_writes).
   void experts_backward(Tensor dx_perm, const Qwen3MoeLayerWeights& grads, Tensor dy_perm, Qwen3MoeExpertActivations& e,
-                        Tensor expert_offsets, const Qwen3MoeLayerWeights& w) const;
+                        Tensor expert_offsets, const Qwen3MoeLayerWeights& w, bool overwrite_grads) const;
 
   // Stage 5: out = x_mid + sum_j topk_weight[t, j] * y_perm[copy_row[t, j]].
   void aggregate_forward(Tensor out, const Qwen3MoeAttentionActivations& a, Tensor y_perm, Tensor copy_row) const;

@@ -48,7 +48,7 @@ void backward_input_cpu(T* dx, const T* dy, const T* weight, const int32_t* offs
 }
 
 template <typename T>
-void backward_weight_cpu(T* dweight, const T* dy, const T* x, const int32_t* offsets, int64_t e, int64_t o, int64_t in) {
+void backward_weight_cpu(T* dweight, const T* dy, const T* x, const int32_t* offsets, int64_t e, int64_t o, int64_t in, bool overwrite) {
   std::vector<double> sum(in);
   for (int64_t g = 0; g < e; ++g)
     for (int64_t i = 0; i < o; ++i) {
@@ -58,7 +58,7 @@ void backward_weight_cpu(T* dweight, const T* dy, const T* x, const int32_t* off
         for (int64_t c = 0; c < in; ++c) sum[c] += d * x[r * in + c];
       }
       T* dw = dweight + (g * o + i) * in;
-      for (int64_t c = 0; c < in; ++c) dw[c] = T(dw[c] + sum[c]);
+      for (int64_t c = 0; c < in; ++c) dw[c] = overwrite ? T(sum[c]) : T(dw[c] + sum[c]);
     }
 }
 
@@ -298,7 +298,7 @@ __device__ __forceinline__ void pipelined_k_loop(int steps, Load&& load, Compute
 // work[3 * z ..]: (expert, first row, end row) of the z-th expert with rows; grid (I tiles, O tiles, experts with rows).
 template <bool kVec>
 __global__ void __launch_bounds__(dw::kThreads, 2)
-    grouped_dw_kernel(float* dweight, const bf16* dy, const bf16* x, const int32_t* work, int o_size, int i_size) {
+    grouped_dw_kernel(float* dweight, const bf16* dy, const bf16* x, const int32_t* work, int o_size, int i_size, bool accumulate) {
   extern __shared__ __align__(128) unsigned char smem[];
   bf16* sa = reinterpret_cast<bf16*>(smem);  // dy rows, [kStages][kRows][128 o]
   bf16* sb = sa + dw::kStages * dw::kStageElems;  // x rows,  [kStages][kRows][128 i]
@@ -315,7 +315,8 @@ __global__ void __launch_bounds__(dw::kThreads, 2)
     load_stage<kVec>(sb + stage * dw::kStageElems, x, i_size, r0, row_end, i0, i_size);
   };
 
-  // The accumulators start from the tile's current dW values: the kernel is bound by this fp32
+  // The accumulators start from the tile's current dW values (or zero when overwriting, where the
+  // work list has every expert, so experts without rows get zeros): the kernel is bound by this fp32
   // read-modify-write (2 x 4 bytes per dW element against ~2 x 2 x 256 / 128 bytes of input per
   // element at the average expert's 256 rows), so the reads are issued first and wait in flight
   // behind the input pipeline, and the epilogue only stores (stores do not stall the block).
@@ -332,7 +333,7 @@ __global__ void __launch_bounds__(dw::kThreads, 2)
         const int o = o0 + warp_o + mi * 16 + g + half * 8, i = i0 + warp_i + ni * 8 + 2 * t;
         const float* p = out + int64_t(o) * i_size + i;
         float2 v = make_float2(0.0f, 0.0f);
-        if (o < o_size) {
+        if (accumulate && o < o_size) {
           if constexpr (kVec) {
             if (i < i_size) v = *reinterpret_cast<const float2*>(p);
           } else {
@@ -388,9 +389,10 @@ __global__ void __launch_bounds__(dw::kThreads, 2)
 }
 
 template <bool kVec>
-void launch_grouped_dw(dim3 grid, float* dweight, const bf16* dy, const bf16* x, const int32_t* work, int o, int i, cudaStream_t s) {
+void launch_grouped_dw(dim3 grid, float* dweight, const bf16* dy, const bf16* x, const int32_t* work, int o, int i, bool accumulate,
+                       cudaStream_t s) {
   MARROW_CUDA_CHECK(cudaFuncSetAttribute(grouped_dw_kernel<kVec>, cudaFuncAttributeMaxDynamicSharedMemorySize, dw::kSmemBytes));
-  grouped_dw_kernel<kVec><<<grid, dw::kThreads, dw::kSmemBytes, s>>>(dweight, dy, x, work, o, i);
+  grouped_dw_kernel<kVec><<<grid, dw::kThreads, dw::kSmemBytes, s>>>(dweight, dy, x, work, o, i, accumulate);
   MARROW_CUDA_CHECK_LAUNCH();
 }
 
@@ -539,12 +541,12 @@ void grouped_gemm_tiled(bool forward, Tensor out, Tensor in, Tensor weight, cons
   MARROW_CUDA_CHECK_LAUNCH();
 }
 
-void backward_weight_gpu(Tensor dweight, Tensor dy, Tensor x, Tensor expert_offsets, Stream stream) {
+void backward_weight_gpu(Tensor dweight, Tensor dy, Tensor x, Tensor expert_offsets, bool overwrite, Stream stream) {
   const int64_t e = dweight.size(0), o = dweight.size(1), i = dweight.size(2);
   const int32_t* offsets = expert_offsets.ptr<int32_t>();
   std::vector<int32_t> work;
   for (int64_t g = 0; g < e; ++g)
-    if (offsets[g + 1] > offsets[g]) work.insert(work.end(), {int32_t(g), offsets[g], offsets[g + 1]});
+    if (overwrite || offsets[g + 1] > offsets[g]) work.insert(work.end(), {int32_t(g), offsets[g], offsets[g + 1]});
   const int64_t experts = int64_t(work.size()) / 3;
   if (experts == 0 || o == 0 || i == 0) return;
   MARROW_CHECK(experts <= 65535, "grouped_linear_backward_weight: {} experts with rows exceed the grid limit of 65535", experts);
@@ -555,9 +557,9 @@ void backward_weight_gpu(Tensor dweight, Tensor dy, Tensor x, Tensor expert_offs
   auto* work_ptr = static_cast<const int32_t*>(device_work.view().data);
   auto s = static_cast<cudaStream_t>(stream.handle);
   if (o % 8 == 0 && i % 8 == 0 && aligned(dy.data, 16) && aligned(x.data, 16) && aligned(dweight.data, 8))
-    launch_grouped_dw<true>(grid, dw_ptr, dy_ptr, x_ptr, work_ptr, int(o), int(i), s);
+    launch_grouped_dw<true>(grid, dw_ptr, dy_ptr, x_ptr, work_ptr, int(o), int(i), !overwrite, s);
   else
-    launch_grouped_dw<false>(grid, dw_ptr, dy_ptr, x_ptr, work_ptr, int(o), int(i), s);
+    launch_grouped_dw<false>(grid, dw_ptr, dy_ptr, x_ptr, work_ptr, int(o), int(i), !overwrite, s);
 }
 #endif
 
@@ -611,7 +613,7 @@ void grouped_linear_backward_input(Tensor dx, Tensor dy, Tensor weight, Tensor e
 #endif
 }
 
-void grouped_linear_backward_weight(Tensor dweight, Tensor dy, Tensor x, Tensor expert_offsets, Stream stream) {
+void grouped_linear_backward_weight(Tensor dweight, Tensor dy, Tensor x, Tensor expert_offsets, bool overwrite, Stream stream) {
   const char* op = "grouped_linear_backward_weight";
   const std::array<int64_t, 3> sizes = weight_sizes(op, "dweight", dweight);
   const int64_t e = sizes[0], o = sizes[1], in = sizes[2];
@@ -623,14 +625,14 @@ void grouped_linear_backward_weight(Tensor dweight, Tensor dy, Tensor x, Tensor 
     expect_same_dtype(op, {{"dy", &dy}, {"dweight", &dweight}, {"x", &x}});
     return with_cpu_scalar(op, dy, [&](auto s) {
       using T = decltype(s);
-      backward_weight_cpu<T>(dweight.ptr<T>(), dy.ptr<T>(), x.ptr<T>(), expert_offsets.ptr<int32_t>(), e, o, in);
+      backward_weight_cpu<T>(dweight.ptr<T>(), dy.ptr<T>(), x.ptr<T>(), expert_offsets.ptr<int32_t>(), e, o, in, overwrite);
     });
   }
 #ifdef __CUDACC__
   expect_dtype(op, "dy", dy, DType::bf16);
   expect_dtype(op, "x", x, DType::bf16);
   expect_dtype(op, "dweight", dweight, DType::f32);
-  backward_weight_gpu(dweight, dy, x, expert_offsets, stream);
+  backward_weight_gpu(dweight, dy, x, expert_offsets, overwrite, stream);
 #else
   (void)stream;
   no_cuda_kernel(op);

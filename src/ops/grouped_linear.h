@@ -19,8 +19,11 @@ void grouped_linear_forward(Tensor y, Tensor x, Tensor weight, Tensor expert_off
 void grouped_linear_backward_input(Tensor dx, Tensor dy, Tensor weight, Tensor expert_offsets, Stream stream = {});
 
 // dweight[e] += dy_e^T x_e, accumulated (+=) as every weight gradient in Marrow is; an expert with
-// no rows leaves its slice untouched.
-void grouped_linear_backward_weight(Tensor dweight, Tensor dy, Tensor x, Tensor expert_offsets, Stream stream = {});
+// no rows leaves its slice untouched. overwrite = true writes dweight[e] = dy_e^T x_e instead (zero
+// for an expert without rows): the first micro-batch of a step, which saves zeroing the expert
+// gradients and reading those zeros back.
+void grouped_linear_backward_weight(Tensor dweight, Tensor dy, Tensor x, Tensor expert_offsets, bool overwrite = false,
+                                    Stream stream = {});
 
 // Forward and backward_input through cuBLAS's grouped GEMM (cublasGemmGroupedBatchedEx), GPU only,
 // O and I multiples of 8: the library baseline `marrow bench --kernels` times the own kernels against.
