@@ -3,16 +3,17 @@
 # regex: speed of light, memory (L1/L2/DRAM), warp stalls, occupancy; one launch per kernel name.
 # Run there from the repository root after tools/gpu_check.sh has built build-gpu:
 #   tools/gpu_ncu.sh <log-dir> <kernel-regex> [launches]
-# Ends with PASS or FAIL (FAIL when ncu profiled nothing).
+# writes <log-dir>/ncu-<first word of the regex>.log. Ends with PASS or FAIL (FAIL when ncu profiled nothing).
 set -uo pipefail
 out=$1
 regex=$2
-launches=${3:-4}
+launches=${3:-1}
 mkdir -p "$out"
+log=$out/ncu-$(echo "$regex" | grep -oE '^[A-Za-z0-9_]+').log
 cd "$(dirname "$0")/.."
 [ -x build-gpu/marrow ] || { echo "build-gpu/marrow is missing: run tools/gpu_check.sh first"; echo FAIL; exit 1; }
 ncu --kernel-name "regex:$regex" --launch-count "$launches" \
   --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
-  --section LaunchStats build-gpu/marrow bench --kernels > "$out/ncu.log" 2>&1
-grep -E "^  [a-zA-Z].*\(|Duration|Compute \(SM\) Throughput|Memory Throughput|DRAM Throughput|L2 Hit Rate|L1/TEX Hit|Achieved Occupancy|Registers Per|Stall|Warp Cycles Per Issued|Issued Warp|Shared Memory Configuration|Bank" "$out/ncu.log" | head -150
-if grep -q "Duration" "$out/ncu.log"; then echo PASS; else tail -20 "$out/ncu.log"; echo FAIL; exit 1; fi
+  --section LaunchStats build-gpu/marrow bench --kernels > "$log" 2>&1
+grep -E "^  [a-zA-Z].*\(|Duration|Compute \(SM\) Throughput|Memory Throughput|DRAM Throughput|L2 Hit Rate|L1/TEX Hit|Achieved Occupancy|Registers Per|Stall|Warp Cycles Per Issued|Issued Warp|Shared Memory Configuration|Bank" "$log" | head -150
+if grep -q "Duration" "$log"; then echo PASS; else tail -20 "$log"; echo FAIL; exit 1; fi
