@@ -7,7 +7,7 @@
 //     and prints the ten heaviest kernels; the traced steps' times include CUPTI's overhead.
 //   marrow bench --kernels
 //     times the heaviest kernels at the bench shapes (GPU.md) with CUDA events: attention forward
-//     and backward, the dense q_proj GEMM, the grouped expert GEMMs (own kernels and cuBLAS's grouped call).
+//     and backward, the dense q_proj GEMM, the grouped expert GEMMs.
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <functional>
@@ -95,9 +95,7 @@ void bench_kernels() {
       const double flops = 2.0 * double(R) * double(in) * double(out);
       const std::string name = fmt::format("grouped {} {} E128 {}x{}->{}", label, even ? "even" : "skewed", R, in, out);
       kernel_row(name + " fwd", flops, [&] { grouped_linear_forward(y, x, w, offsets); });
-      kernel_row(name + " fwd (cuBLAS grouped)", flops, [&] { grouped_linear_forward_cublas(y, x, w, offsets); });
       kernel_row(name + " bwd input", flops, [&] { grouped_linear_backward_input(dx, dy, w, offsets); });
-      kernel_row(name + " bwd input (cuBLAS grouped)", flops, [&] { grouped_linear_backward_input_cublas(dx, dy, w, offsets); });
       kernel_row(name + " bwd weight", flops, [&] { grouped_linear_backward_weight(dw, dy, x, offsets); });
       kernel_row(name + " bwd weight (overwrite)", flops, [&] { grouped_linear_backward_weight(dw, dy, x, offsets, true); });
     }

@@ -90,10 +90,12 @@ int64_t row_count(const char* op, const char* name, const Tensor& t) {
 
 #ifdef __CUDACC__
 // ---------------------------------------------------------------------------------------------
-// GPU. Own grouped kernels (tensor cores through mma.sync, fp32 accumulators): forward and
-// backward_input tile every expert's rows (grouped_mm_kernel), backward_weight adds dy_e^T x_e
-// straight into the fp32 gradient (grouped_dw_kernel; cuBLAS's grouped call has no fp32 output).
-// cuBLAS's grouped call (cublasGemmGroupedBatchedEx) stays as the baseline bench --kernels times.
+// GPU. Forward and backward_input: one cublasGemmGroupedBatchedEx call (bf16 in/out, fp32 compute)
+// where every expert with rows is a group of one problem; experts without rows are left out. (An
+// own mma.sync kernel with 128 x 128 tiles per expert row slice measured 4-12% slower on the H200;
+// docs/performance.md.) backward_weight: an own grouped kernel (tensor cores through mma.sync, fp32
+// accumulators) that adds dy_e^T x_e straight into the fp32 gradient; cuBLAS's grouped call has no
+// fp32 output.
 using bf16 = __nv_bfloat16;
 
 bool aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
@@ -130,8 +132,9 @@ Buffer upload(const std::vector<T>& host, Stream stream) {
 //   forward         y_e[R_e,O] = x_e W_e^T  ->  Y_e[O,R_e]  = op_T(W_e[I,O]) X_e[I,R_e]   (m=O, n=R_e, k=I)
 //   backward_input  dx_e[R_e,I] = dy_e W_e  ->  DX_e[I,R_e] = W_e[I,O] DY_e[O,R_e]        (m=I, n=R_e, k=O)
 // cuBLAS cannot look at the matrix pointers (they sit in device memory), so its kernels assume an
-// alignment: every matrix and every row must start on 16 bytes (O and I multiples of 8, base
-// pointers 16-byte aligned).
+// alignment; the grouped call is used only where every matrix and every row starts on 16 bytes
+// (O and I multiples of 8, base pointers 16-byte aligned): always true for the models' shapes.
+// Other shapes (odd sizes in tests) take grouped_simple_kernel below.
 void grouped_gemm_cublas(bool forward, Tensor out, Tensor in, Tensor weight, const int32_t* offsets, int64_t e, int64_t o,
                          int64_t i, Stream stream) {
   const int64_t m = forward ? o : i, k = forward ? i : o;  // out is [R, m], in is [R, k]
@@ -168,8 +171,7 @@ void grouped_gemm_cublas(bool forward, Tensor out, Tensor in, Tensor weight, con
 }
 
 // out[r, c] = sum_j in[r, j] W_e[c * wc + j * wj] for row r of expert e, one thread per output, fp32
-// sums in a fixed order. Only for shapes the tiled kernel cannot take (O or I not a multiple of 8,
-// unaligned tensors): slow.
+// sums in a fixed order. Only for shapes the grouped cuBLAS call cannot take (see above): slow.
 __global__ void grouped_simple_kernel(bf16* out, const bf16* in, const bf16* weight, const int32_t* offsets, int experts,
                                       int64_t rows, int cols, int inner, int64_t wc, int64_t wj) {
   const int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
@@ -189,9 +191,6 @@ __global__ void grouped_simple_kernel(bf16* out, const bf16* in, const bf16* wei
   out[idx] = __float2bfloat16(sum);
 }
 
-void grouped_gemm_tiled(bool forward, Tensor out, Tensor in, Tensor weight, const int32_t* offsets, int64_t e, int64_t o, int64_t i,
-                        Stream stream);
-
 void grouped_gemm_gpu(bool forward, Tensor out, Tensor in, Tensor weight, Tensor expert_offsets, Stream stream) {
   const int64_t e = weight.size(0), o = weight.size(1), i = weight.size(2), rows = in.size(0);
   const int64_t cols = forward ? o : i, inner = forward ? i : o;
@@ -202,7 +201,7 @@ void grouped_gemm_gpu(bool forward, Tensor out, Tensor in, Tensor weight, Tensor
     return;
   }
   if (o % 8 == 0 && i % 8 == 0 && aligned(out.data, 16) && aligned(in.data, 16) && aligned(weight.data, 16))
-    return grouped_gemm_tiled(forward, out, in, weight, expert_offsets.ptr<int32_t>(), e, o, i, stream);
+    return grouped_gemm_cublas(forward, out, in, weight, expert_offsets.ptr<int32_t>(), e, o, i, stream);
   Buffer offsets = upload(std::vector<int32_t>(expert_offsets.ptr<int32_t>(), expert_offsets.ptr<int32_t>() + e + 1), stream);
   const int64_t n = rows * cols;
   grouped_simple_kernel<<<unsigned((n + 255) / 256), 256, 0, s>>>(
@@ -276,7 +275,7 @@ __device__ __forceinline__ void mma_bf16_16816(float (&c)[4], const uint32_t (&a
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// The K loop of both kernels: load(step) issues the cp.async copies of step `step` into stage
+// The K loop: load(step) issues the cp.async copies of step `step` into stage
 // step % kStages, compute(stage) multiplies a stage. kStages - 1 steps are in flight while one is
 // multiplied; one barrier per step both publishes the stage and frees the one loaded next.
 template <int kStages, class Load, class Compute>
@@ -315,35 +314,19 @@ __global__ void __launch_bounds__(dw::kThreads, 2)
     load_stage<kVec>(sb + stage * dw::kStageElems, x, i_size, r0, row_end, i0, i_size);
   };
 
-  // The accumulators start from the tile's current dW values (or zero when overwriting, where the
-  // work list has every expert, so experts without rows get zeros): the kernel is bound by this fp32
-  // read-modify-write (2 x 4 bytes per dW element against ~2 x 2 x 256 / 128 bytes of input per
-  // element at the average expert's 256 rows), so the reads are issued first and wait in flight
-  // behind the input pipeline, and the epilogue only stores (stores do not stall the block).
-  // Accumulator (mi, ni): c0, c1 at (o = g, i = 2t, 2t + 1), c2, c3 at (o = g + 8, same i).
+  // The kernel is bound by the fp32 read-modify-write of dW (2 x 4 bytes per dW element against
+  // ~2 x 2 x 256 / 128 bytes of input per element at the average expert's 256 rows). The tile's
+  // old values are prefetched into L2 before the K loop, so their DRAM latency passes while the
+  // tensor cores work and the epilogue's loads hit L2. Overwriting reads nothing (the work list
+  // then has every expert, so experts without rows get zeros).
   float* out = dweight + int64_t(expert) * o_size * i_size;
-  const int g = lane >> 2, t = lane & 3;
-  float acc[4][4][4];
-#pragma unroll
-  for (int mi = 0; mi < 4; ++mi)
-#pragma unroll
-    for (int ni = 0; ni < 4; ++ni)
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int o = o0 + warp_o + mi * 16 + g + half * 8, i = i0 + warp_i + ni * 8 + 2 * t;
-        const float* p = out + int64_t(o) * i_size + i;
-        float2 v = make_float2(0.0f, 0.0f);
-        if (accumulate && o < o_size) {
-          if constexpr (kVec) {
-            if (i < i_size) v = *reinterpret_cast<const float2*>(p);
-          } else {
-            if (i < i_size) v.x = p[0];
-            if (i + 1 < i_size) v.y = p[1];
-          }
-        }
-        acc[mi][ni][2 * half] = v.x;
-        acc[mi][ni][2 * half + 1] = v.y;
-      }
+  if (accumulate) {  // 128 rows x 4 lines of 128 bytes: two lines per thread
+    for (int line = threadIdx.x; line < dw::kTile * 4; line += dw::kThreads) {
+      const int o = o0 + (line >> 2), i = i0 + (line & 3) * 32;
+      if (o < o_size && i < i_size) asm volatile("prefetch.global.L2 [%0];\n" ::"l"(out + int64_t(o) * i_size + i));
+    }
+  }
+  float acc[4][4][4] = {};
   // ldmatrix lane roles: lane l gives the address of row l % 8 of 8x8 matrix l / 8.
   const int mat = lane >> 3, mat_row = lane & 7;
   pipelined_k_loop<dw::kStages>(steps, load, [&](int stage) {
@@ -369,6 +352,8 @@ __global__ void __launch_bounds__(dw::kThreads, 2)
     }
   });
 
+  // Accumulator (mi, ni): c0, c1 at (o = g, i = 2t, 2t + 1), c2, c3 at (o = g + 8, same i).
+  const int g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int mi = 0; mi < 4; ++mi)
 #pragma unroll
@@ -380,10 +365,15 @@ __global__ void __launch_bounds__(dw::kThreads, 2)
         float* p = out + int64_t(o) * i_size + i;
         const float c0 = acc[mi][ni][2 * half], c1 = acc[mi][ni][2 * half + 1];
         if constexpr (kVec) {
-          if (i < i_size) *reinterpret_cast<float2*>(p) = make_float2(c0, c1);
+          if (i < i_size) {
+            float2 v = accumulate ? *reinterpret_cast<const float2*>(p) : make_float2(0.0f, 0.0f);
+            v.x += c0;
+            v.y += c1;
+            *reinterpret_cast<float2*>(p) = v;
+          }
         } else {
-          if (i < i_size) p[0] = c0;
-          if (i + 1 < i_size) p[1] = c1;
+          if (i < i_size) p[0] = accumulate ? p[0] + c0 : c0;
+          if (i + 1 < i_size) p[1] = accumulate ? p[1] + c1 : c1;
         }
       }
 }
@@ -393,151 +383,6 @@ void launch_grouped_dw(dim3 grid, float* dweight, const bf16* dy, const bf16* x,
                        cudaStream_t s) {
   MARROW_CUDA_CHECK(cudaFuncSetAttribute(grouped_dw_kernel<kVec>, cudaFuncAttributeMaxDynamicSharedMemorySize, dw::kSmemBytes));
   grouped_dw_kernel<kVec><<<grid, dw::kThreads, dw::kSmemBytes, s>>>(dweight, dy, x, work, o, i, accumulate);
-  MARROW_CUDA_CHECK_LAUNCH();
-}
-
-// --- forward / backward_input: out_e = in_e B_e, own tensor-core kernel -------------------------
-// forward: B_e(k, n) = W_e[n, k] (K = I, N = O); backward_input: B_e(k, n) = W_e[k, n] (K = O, N = I).
-// One block computes a 128-row x 128-column tile of one expert's output: the rows are a slice of
-// the expert's rows (a work list of (expert, first row, end row) per row tile, so no tile spans two
-// experts), the columns a slice of N; it walks K in steps of 64 through a 3-stage cp.async
-// pipeline. 4 warps as 2 x 2, each owning 64 x 64 of the tile (128 f32 accumulators per thread):
-// a 64 x 64 warp tile needs 8 ldmatrix.x4 per 32 mma.sync, which keeps shared memory below the
-// tensor cores' rate (a 64 x 32 tile needs 6 per 16). Stage tiles are [128][64] (A, and B in the
-// forward, rows of 128 bytes) or [64][128] (B in backward_input, rows of 256 bytes), with 16-byte
-// chunks XOR-swizzled by row % 8 as in the dW kernel. Requires K and N multiples of 8 and 16-byte
-// aligned tensors (the caller checks); partial tiles load zeros and store nothing out of range.
-namespace mm {
-constexpr int kBM = 128, kBN = 128, kBK = 64;
-constexpr int kStages = 3;
-constexpr int kThreads = 128;
-constexpr int kStageElems = kBM * kBK + kBN * kBK;  // A then B
-constexpr int kSmemBytes = kStages * kStageElems * int(sizeof(bf16));  // 96 KiB: two blocks per SM
-}  // namespace mm
-
-// Element (row, col) of a stage tile with rows of 64 bf16 (8 chunks of 16 bytes).
-__device__ __forceinline__ int swizzle64(int row, int col) { return row * 64 + ((((col >> 3) ^ (row & 7))) << 3) + (col & 7); }
-
-__device__ __forceinline__ void cp_async_16(void* smem, const void* src, bool inside) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_address(smem)), "l"(src), "r"(inside ? 16 : 0)
-               : "memory");
-}
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t address) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(address));
-}
-
-// work[3 * y ..]: (expert, first row, end row) of row tile y; grid (N tiles, row tiles).
-// kForward picks B's layout (see above).
-template <bool kForward>
-__global__ void __launch_bounds__(mm::kThreads, 2)
-    grouped_mm_kernel(bf16* out, const bf16* in, const bf16* weight, const int32_t* work, int n_size, int k_size) {
-  extern __shared__ __align__(128) unsigned char smem[];
-  bf16* tiles = reinterpret_cast<bf16*>(smem);
-  const int expert = work[3 * blockIdx.y], row_begin = work[3 * blockIdx.y + 1], row_end = work[3 * blockIdx.y + 2];
-  const int n0 = blockIdx.x * mm::kBN;
-  const bf16* w = weight + int64_t(expert) * n_size * k_size;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int warp_m = (warp >> 1) * 64, warp_n = (warp & 1) * 64;
-  const int steps = (k_size + mm::kBK - 1) / mm::kBK;
-
-  auto load = [&](int step) {
-    bf16* a = tiles + (step % mm::kStages) * mm::kStageElems;
-    bf16* b = a + mm::kBM * mm::kBK;
-    const int k0 = step * mm::kBK;
-    for (int chunk = threadIdx.x; chunk < mm::kBM * 8; chunk += mm::kThreads) {  // A: 128 rows x 8 chunks
-      const int row = chunk >> 3, col = (chunk & 7) * 8;
-      const bool inside = row_begin + row < row_end && k0 + col < k_size;
-      cp_async_16(a + swizzle64(row, col), inside ? in + int64_t(row_begin + row) * k_size + k0 + col : in, inside);
-    }
-    if constexpr (kForward) {  // B^T rows are W_e rows: 128 n x 8 chunks of k
-      for (int chunk = threadIdx.x; chunk < mm::kBN * 8; chunk += mm::kThreads) {
-        const int row = chunk >> 3, col = (chunk & 7) * 8;
-        const bool inside = n0 + row < n_size && k0 + col < k_size;
-        cp_async_16(b + swizzle64(row, col), inside ? w + int64_t(n0 + row) * k_size + k0 + col : w, inside);
-      }
-    } else {  // B rows are W_e rows: 64 k x 16 chunks of n
-      for (int chunk = threadIdx.x; chunk < mm::kBK * 16; chunk += mm::kThreads) {
-        const int row = chunk >> 4, col = (chunk & 15) * 8;
-        const bool inside = k0 + row < k_size && n0 + col < n_size;
-        cp_async_16(b + swizzle(row, col), inside ? w + int64_t(k0 + row) * n_size + n0 + col : w, inside);
-      }
-    }
-  };
-
-  float acc[4][8][4] = {};
-  // ldmatrix lane roles: lane l gives the address of row l % 8 of 8x8 matrix l / 8.
-  const int mat = lane >> 3, mat_row = lane & 7;
-  pipelined_k_loop<mm::kStages>(steps, load, [&](int stage) {
-    const bf16* a = tiles + stage * mm::kStageElems;
-    const bf16* b = a + mm::kBM * mm::kBK;
-#pragma unroll
-    for (int kk = 0; kk < mm::kBK; kk += 16) {
-      // A (16 rows x 16 k), row-major: matrices (r 0-7, k 0-7), (r 8-15, k 0-7), (r 0-7, k 8-15), (r 8-15, k 8-15).
-      uint32_t af[4][4];
-#pragma unroll
-      for (int mi = 0; mi < 4; ++mi)
-        ldmatrix_x4(af[mi], smem_address(a + swizzle64(warp_m + mi * 16 + (mat & 1) * 8 + mat_row, kk + (mat >> 1) * 8)));
-      // B fragments of two n-tiles per ldmatrix, in the order (b0, b1) of n-tile 0, then of n-tile 1.
-      uint32_t bfrag[4][4];
-#pragma unroll
-      for (int nj = 0; nj < 4; ++nj) {
-        if constexpr (kForward)  // stored [n][k]: matrices (n 0-7, k 0-7), (n 0-7, k 8-15), (n 8-15, k 0-7), (n 8-15, k 8-15)
-          ldmatrix_x4(bfrag[nj], smem_address(b + swizzle64(warp_n + nj * 16 + (mat >> 1) * 8 + mat_row, kk + (mat & 1) * 8)));
-        else  // stored [k][n], transposed: (k 0-7, n 0-7), (k 8-15, n 0-7), (k 0-7, n 8-15), (k 8-15, n 8-15)
-          ldmatrix_x4_trans(bfrag[nj], smem_address(b + swizzle(kk + (mat & 1) * 8 + mat_row, warp_n + nj * 16 + (mat >> 1) * 8)));
-      }
-#pragma unroll
-      for (int mi = 0; mi < 4; ++mi)
-#pragma unroll
-        for (int ni = 0; ni < 8; ++ni)
-          mma_bf16_16816(acc[mi][ni], af[mi], bfrag[ni >> 1][(ni & 1) * 2], bfrag[ni >> 1][(ni & 1) * 2 + 1]);
-    }
-  });
-
-  // Accumulator (mi, ni): c0, c1 at (row g, n 2t, 2t + 1), c2, c3 at (row g + 8, same n). N is a
-  // multiple of 8, so n < N means the pair is inside.
-  const int g = lane >> 2, t = lane & 3;
-#pragma unroll
-  for (int mi = 0; mi < 4; ++mi)
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int row = row_begin + warp_m + mi * 16 + g + half * 8;
-      if (row >= row_end) continue;
-#pragma unroll
-      for (int ni = 0; ni < 8; ++ni) {
-        const int n = n0 + warp_n + ni * 8 + 2 * t;
-        if (n < n_size)
-          *reinterpret_cast<__nv_bfloat162*>(out + int64_t(row) * n_size + n) =
-              __floats2bfloat162_rn(acc[mi][ni][2 * half], acc[mi][ni][2 * half + 1]);
-      }
-    }
-}
-
-void grouped_gemm_tiled(bool forward, Tensor out, Tensor in, Tensor weight, const int32_t* offsets, int64_t e, int64_t o, int64_t i,
-                        Stream stream) {
-  const int64_t n = forward ? o : i, k = forward ? i : o;
-  std::vector<int32_t> work;
-  for (int64_t g = 0; g < e; ++g)
-    for (int32_t r = offsets[g]; r < offsets[g + 1]; r += mm::kBM) work.insert(work.end(), {int32_t(g), r, std::min(r + mm::kBM, offsets[g + 1])});
-  const int64_t row_tiles = int64_t(work.size()) / 3;
-  if (row_tiles == 0) return;
-  MARROW_CHECK(row_tiles <= 65535, "grouped_linear: {} row tiles exceed the grid limit of 65535", row_tiles);
-  Buffer device_work = upload(work, stream);
-  const dim3 grid(unsigned((n + mm::kBN - 1) / mm::kBN), unsigned(row_tiles));
-  auto s = static_cast<cudaStream_t>(stream.handle);
-  auto* out_ptr = static_cast<bf16*>(out.data);
-  auto *in_ptr = static_cast<const bf16*>(in.data), *w_ptr = static_cast<const bf16*>(weight.data);
-  auto* work_ptr = static_cast<const int32_t*>(device_work.view().data);
-  if (forward) {
-    MARROW_CUDA_CHECK(cudaFuncSetAttribute(grouped_mm_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, mm::kSmemBytes));
-    grouped_mm_kernel<true><<<grid, mm::kThreads, mm::kSmemBytes, s>>>(out_ptr, in_ptr, w_ptr, work_ptr, int(n), int(k));
-  } else {
-    MARROW_CUDA_CHECK(cudaFuncSetAttribute(grouped_mm_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, mm::kSmemBytes));
-    grouped_mm_kernel<false><<<grid, mm::kThreads, mm::kSmemBytes, s>>>(out_ptr, in_ptr, w_ptr, work_ptr, int(n), int(k));
-  }
   MARROW_CUDA_CHECK_LAUNCH();
 }
 
@@ -636,29 +481,6 @@ void grouped_linear_backward_weight(Tensor dweight, Tensor dy, Tensor x, Tensor 
 #else
   (void)stream;
   no_cuda_kernel(op);
-#endif
-}
-
-void grouped_linear_forward_cublas(Tensor y, Tensor x, Tensor weight, Tensor expert_offsets, Stream stream) {
-#ifdef __CUDACC__
-  const int64_t e = weight.size(0), o = weight.size(1), i = weight.size(2);
-  MARROW_CHECK(o % 8 == 0 && i % 8 == 0 && y.device == Device::cuda, "grouped_linear_forward_cublas: needs GPU tensors and O, I multiples of 8");
-  grouped_gemm_cublas(true, y, x, weight, expert_offsets.ptr<int32_t>(), e, o, i, stream);
-#else
-  (void)y, (void)x, (void)weight, (void)expert_offsets, (void)stream;
-  no_cuda_kernel("grouped_linear_forward_cublas");
-#endif
-}
-
-void grouped_linear_backward_input_cublas(Tensor dx, Tensor dy, Tensor weight, Tensor expert_offsets, Stream stream) {
-#ifdef __CUDACC__
-  const int64_t e = weight.size(0), o = weight.size(1), i = weight.size(2);
-  MARROW_CHECK(o % 8 == 0 && i % 8 == 0 && dx.device == Device::cuda,
-               "grouped_linear_backward_input_cublas: needs GPU tensors and O, I multiples of 8");
-  grouped_gemm_cublas(false, dx, dy, weight, expert_offsets.ptr<int32_t>(), e, o, i, stream);
-#else
-  (void)dx, (void)dy, (void)weight, (void)expert_offsets, (void)stream;
-  no_cuda_kernel("grouped_linear_backward_input_cublas");
 #endif
 }
 

@@ -4,9 +4,9 @@
 // The groups are consecutive, cover all R rows, and may be empty (an expert no token chose).
 // expert_offsets[E + 1] is i32 and always on the host, even when the data is on the GPU: the
 // grouped GEMM needs the group sizes on the host to launch.
-// GPU: x, weight, y, dy, dx bf16; dweight f32. All three are own tensor-core kernels (mma.sync,
-// fp32 accumulators) when O and I are multiples of 8: forward and backward_input tile each expert's
-// rows, backward_weight adds into the fp32 gradient deterministically (one block per dW tile).
+// GPU: x, weight, y, dy, dx bf16; dweight f32. Forward and backward_input are one
+// cublasGemmGroupedBatchedEx call (fp32 compute) when O and I are multiples of 8; backward_weight is
+// an own tensor-core kernel that adds into the fp32 gradient deterministically (one block per tile).
 #pragma once
 #include "core/tensor.h"
 
@@ -24,10 +24,5 @@ void grouped_linear_backward_input(Tensor dx, Tensor dy, Tensor weight, Tensor e
 // gradients and reading those zeros back.
 void grouped_linear_backward_weight(Tensor dweight, Tensor dy, Tensor x, Tensor expert_offsets, bool overwrite = false,
                                     Stream stream = {});
-
-// Forward and backward_input through cuBLAS's grouped GEMM (cublasGemmGroupedBatchedEx), GPU only,
-// O and I multiples of 8: the library baseline `marrow bench --kernels` times the own kernels against.
-void grouped_linear_forward_cublas(Tensor y, Tensor x, Tensor weight, Tensor expert_offsets, Stream stream = {});
-void grouped_linear_backward_input_cublas(Tensor dx, Tensor dy, Tensor weight, Tensor expert_offsets, Stream stream = {});
 
 }  // namespace marrow
