@@ -314,19 +314,35 @@ __global__ void __launch_bounds__(dw::kThreads, 2)
     load_stage<kVec>(sb + stage * dw::kStageElems, x, i_size, r0, row_end, i0, i_size);
   };
 
-  // The kernel is bound by the fp32 read-modify-write of dW (2 x 4 bytes per dW element against
-  // ~2 x 2 x 256 / 128 bytes of input per element at the average expert's 256 rows). The tile's
-  // old values are prefetched into L2 before the K loop, so their DRAM latency passes while the
-  // tensor cores work and the epilogue's loads hit L2. Overwriting reads nothing (the work list
-  // then has every expert, so experts without rows get zeros).
+  // The accumulators start from the tile's current dW values (or zero when overwriting, where the
+  // work list has every expert, so experts without rows get zeros): the kernel is bound by this fp32
+  // read-modify-write (2 x 4 bytes per dW element against ~2 x 2 x 256 / 128 bytes of input per
+  // element at the average expert's 256 rows), so the reads are issued first and wait in flight
+  // behind the input pipeline, and the epilogue only stores (stores do not stall the block).
+  // Accumulator (mi, ni): c0, c1 at (o = g, i = 2t, 2t + 1), c2, c3 at (o = g + 8, same i).
   float* out = dweight + int64_t(expert) * o_size * i_size;
-  if (accumulate) {  // 128 rows x 4 lines of 128 bytes: two lines per thread
-    for (int line = threadIdx.x; line < dw::kTile * 4; line += dw::kThreads) {
-      const int o = o0 + (line >> 2), i = i0 + (line & 3) * 32;
-      if (o < o_size && i < i_size) asm volatile("prefetch.global.L2 [%0];\n" ::"l"(out + int64_t(o) * i_size + i));
-    }
-  }
-  float acc[4][4][4] = {};
+  const int g = lane >> 2, t = lane & 3;
+  float acc[4][4][4];
+#pragma unroll
+  for (int mi = 0; mi < 4; ++mi)
+#pragma unroll
+    for (int ni = 0; ni < 4; ++ni)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int o = o0 + warp_o + mi * 16 + g + half * 8, i = i0 + warp_i + ni * 8 + 2 * t;
+        const float* p = out + int64_t(o) * i_size + i;
+        float2 v = make_float2(0.0f, 0.0f);
+        if (accumulate && o < o_size) {
+          if constexpr (kVec) {
+            if (i < i_size) v = *reinterpret_cast<const float2*>(p);
+          } else {
+            if (i < i_size) v.x = p[0];
+            if (i + 1 < i_size) v.y = p[1];
+          }
+        }
+        acc[mi][ni][2 * half] = v.x;
+        acc[mi][ni][2 * half + 1] = v.y;
+      }
   // ldmatrix lane roles: lane l gives the address of row l % 8 of 8x8 matrix l / 8.
   const int mat = lane >> 3, mat_row = lane & 7;
   pipelined_k_loop<dw::kStages>(steps, load, [&](int stage) {
@@ -352,8 +368,6 @@ __global__ void __launch_bounds__(dw::kThreads, 2)
     }
   });
 
-  // Accumulator (mi, ni): c0, c1 at (o = g, i = 2t, 2t + 1), c2, c3 at (o = g + 8, same i).
-  const int g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int mi = 0; mi < 4; ++mi)
 #pragma unroll
@@ -365,15 +379,10 @@ __global__ void __launch_bounds__(dw::kThreads, 2)
         float* p = out + int64_t(o) * i_size + i;
         const float c0 = acc[mi][ni][2 * half], c1 = acc[mi][ni][2 * half + 1];
         if constexpr (kVec) {
-          if (i < i_size) {
-            float2 v = accumulate ? *reinterpret_cast<const float2*>(p) : make_float2(0.0f, 0.0f);
-            v.x += c0;
-            v.y += c1;
-            *reinterpret_cast<float2*>(p) = v;
-          }
+          if (i < i_size) *reinterpret_cast<float2*>(p) = make_float2(c0, c1);
         } else {
-          if (i < i_size) p[0] = accumulate ? p[0] + c0 : c0;
-          if (i + 1 < i_size) p[1] = accumulate ? p[1] + c1 : c1;
+          if (i < i_size) p[0] = c0;
+          if (i + 1 < i_size) p[1] = c1;
         }
       }
 }
