@@ -21,7 +21,7 @@ status=0
 step() { echo "== $*" | tee -a "$out/summary.log"; }
 fail() { echo "FAILED: $*" | tee -a "$out/summary.log"; status=1; }
 
-step "build ($(git rev-parse --short HEAD 2>/dev/null || echo unknown commit))"
+step "build (commit $(cat .gpu-carry/commit 2>/dev/null || echo unknown: rerun tools/gpu_prepare.sh))"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$out/summary.log"
 if ! { cmake -S . -B build-gpu -G Ninja -DMARROW_CUDA=ON -DMARROW_PYTHON=python3 && ninja -C build-gpu marrow hf_dump; } \
     > "$out/build.log" 2>&1; then

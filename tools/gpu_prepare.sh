@@ -5,6 +5,7 @@
 #   demo/      the demo corpus (tools/make_demo_corpus.sh)
 #   qwen3/     a corpus in the Qwen3 tokenizer's vocabulary for the bench config, made from the text
 #              and tokenizer given as arguments (default: ../shared/data's State of the Union text)
+#   commit     the commit of the tree being sent (rerun this script after each commit)
 # usage: tools/gpu_prepare.sh <marrow-binary> [text.jsonl qwen3-tokenizer.json]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,4 +28,6 @@ tools/make_demo_corpus.sh "$marrow" $carry/demo
 if [ ! -f $carry/qwen3/manifest.json ]; then
   "$marrow" tokenize --input "$text" --tokenizer "$tokenizer" --out $carry/qwen3
 fi
+# The device copy's .git can lag behind the tree it receives, so the tree's commit travels as a file.
+{ git rev-parse --short HEAD; git diff --quiet HEAD -- . ':!docs' || echo "(plus uncommitted changes)"; } | paste -sd' ' > $carry/commit
 du -sh $carry
