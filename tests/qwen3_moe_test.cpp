@@ -1,5 +1,7 @@
 #include "models/qwen3_moe.h"
 
+#include <omp.h>
+
 #include "engine/step.h"
 #include "gradcheck.h"
 #include "ops/cross_entropy.h"
@@ -188,6 +190,30 @@ TEST(Qwen3Moe, FirstMicroBatchWritingExpertGradientsEqualsZeroingThem) {
   int64_t written = 0;
   for (const TensorSpec& s : run.model.specs()) written += s.first_backward_writes ? s.numel : 0;
   EXPECT_GT(written, run.model.num_parameters() / 2);  // the experts are most of the model
+}
+
+// The CPU references split loops over OpenMP threads only where each output keeps its sequential
+// order of additions: one thread and three give the same bits. The shapes are large enough for
+// every op's parallel threshold (ops/common.h).
+TEST(Qwen3Moe, ThreadCountDoesNotChangeTheBits) {
+  Json json = tiny_config_json();
+  json["hidden_size"] = 64;
+  json["vocab_size"] = 512;
+  json["head_dim"] = 16;
+  json["moe_intermediate_size"] = 64;
+  const int saved = omp_get_max_threads();
+  auto run_with = [&](int threads) {
+    omp_set_num_threads(threads);
+    EXPECT_EQ(omp_get_max_threads(), threads);
+    TinyRun run(DType::f32, 4, 128, json);
+    const double loss = run.loss_and_gradients();
+    return std::pair{loss, to_host(run.grads.all())};
+  };
+  const auto [loss1, grads1] = run_with(1);
+  const auto [loss3, grads3] = run_with(3);
+  omp_set_num_threads(saved);
+  EXPECT_EQ(loss1, loss3);
+  EXPECT_EQ(std::memcmp(grads1.view().data, grads3.view().data, grads1.view().bytes()), 0);
 }
 
 }  // namespace

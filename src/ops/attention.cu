@@ -30,26 +30,30 @@ struct Dims {
 template <typename T>
 void forward_cpu(T* out, T* lse, const T* q, const T* k, const T* v, const Dims& n) {
   const T scale = T(1 / std::sqrt(double(n.head_dim)));
-  std::vector<T> p(n.seq);
-  for (int64_t b = 0; b < n.batch; ++b)
-    for (int64_t h = 0; h < n.q_heads; ++h)
-      for (int64_t i = 0; i < n.seq; ++i) {
-        const T* qi = q + n.q(b, i, h);
-        T m = -std::numeric_limits<T>::infinity();
-        for (int64_t j = 0; j <= i; ++j) {
-          p[j] = scale * dot(qi, k + n.kv(b, j, h), n.head_dim);
-          m = std::max(m, p[j]);
+#pragma omp parallel if (n.batch * n.q_heads * n.seq * n.seq * n.head_dim > kParallelWork)
+  {
+    std::vector<T> p(n.seq);
+#pragma omp for collapse(2) schedule(static)
+    for (int64_t b = 0; b < n.batch; ++b)
+      for (int64_t h = 0; h < n.q_heads; ++h)
+        for (int64_t i = 0; i < n.seq; ++i) {
+          const T* qi = q + n.q(b, i, h);
+          T m = -std::numeric_limits<T>::infinity();
+          for (int64_t j = 0; j <= i; ++j) {
+            p[j] = scale * dot(qi, k + n.kv(b, j, h), n.head_dim);
+            m = std::max(m, p[j]);
+          }
+          double sum = 0;
+          for (int64_t j = 0; j <= i; ++j) {
+            p[j] = std::exp(p[j] - m);
+            sum += p[j];
+          }
+          T* oi = out + n.q(b, i, h);
+          std::fill(oi, oi + n.head_dim, T(0));
+          for (int64_t j = 0; j <= i; ++j) axpy(oi, T(p[j] / sum), v + n.kv(b, j, h), n.head_dim);
+          lse[n.lse(b, i, h)] = T(m + std::log(sum));
         }
-        double sum = 0;
-        for (int64_t j = 0; j <= i; ++j) {
-          p[j] = std::exp(p[j] - m);
-          sum += p[j];
-        }
-        T* oi = out + n.q(b, i, h);
-        std::fill(oi, oi + n.head_dim, T(0));
-        for (int64_t j = 0; j <= i; ++j) axpy(oi, T(p[j] / sum), v + n.kv(b, j, h), n.head_dim);
-        lse[n.lse(b, i, h)] = T(m + std::log(sum));
-      }
+  }
 }
 
 // With P = exp(s - lse) and D_i = dout_i . out_i (= sum_j P[i, j] dout_i . v_j):
@@ -63,23 +67,27 @@ void backward_cpu(T* dq, T* dk, T* dv, const T* dout, const T* q, const T* k, co
   std::fill(dk, dk + kv_numel, T(0));
   std::fill(dv, dv + kv_numel, T(0));
   const T scale = T(1 / std::sqrt(double(n.head_dim)));
+  // Threads own key/value heads: the query heads of a group add into dk, dv in head order.
+  const int64_t group = n.q_heads / n.kv_heads;
+#pragma omp parallel for collapse(2) schedule(static) if (n.batch * n.q_heads * n.seq * n.seq * n.head_dim > kParallelWork)
   for (int64_t b = 0; b < n.batch; ++b)
-    for (int64_t h = 0; h < n.q_heads; ++h)
-      for (int64_t i = 0; i < n.seq; ++i) {
-        const int64_t qo = n.q(b, i, h);
-        const T *qi = q + qo, *douti = dout + qo;
-        const T di = dot(douti, out + qo, n.head_dim), lse_i = lse[n.lse(b, i, h)];
-        T* dqi = dq + qo;
-        std::fill(dqi, dqi + n.head_dim, T(0));
-        for (int64_t j = 0; j <= i; ++j) {
-          const int64_t kvo = n.kv(b, j, h);
-          const T p = std::exp(scale * dot(qi, k + kvo, n.head_dim) - lse_i);
-          const T ds = p * (dot(douti, v + kvo, n.head_dim) - di);
-          axpy(dv + kvo, p, douti, n.head_dim);
-          axpy(dqi, scale * ds, k + kvo, n.head_dim);
-          axpy(dk + kvo, scale * ds, qi, n.head_dim);
+    for (int64_t hk = 0; hk < n.kv_heads; ++hk)
+      for (int64_t h = hk * group; h < (hk + 1) * group; ++h)
+        for (int64_t i = 0; i < n.seq; ++i) {
+          const int64_t qo = n.q(b, i, h);
+          const T *qi = q + qo, *douti = dout + qo;
+          const T di = dot(douti, out + qo, n.head_dim), lse_i = lse[n.lse(b, i, h)];
+          T* dqi = dq + qo;
+          std::fill(dqi, dqi + n.head_dim, T(0));
+          for (int64_t j = 0; j <= i; ++j) {
+            const int64_t kvo = n.kv(b, j, h);
+            const T p = std::exp(scale * dot(qi, k + kvo, n.head_dim) - lse_i);
+            const T ds = p * (dot(douti, v + kvo, n.head_dim) - di);
+            axpy(dv + kvo, p, douti, n.head_dim);
+            axpy(dqi, scale * ds, k + kvo, n.head_dim);
+            axpy(dk + kvo, scale * ds, qi, n.head_dim);
+          }
         }
-      }
 }
 
 // Checks q's layout and that k and v match it; returns the sizes.

@@ -8,6 +8,12 @@
 
 namespace marrow {
 
+// The CPU references split their outer loops over OpenMP threads only where each output element is
+// computed by one thread in the sequential order (rows of y, rows of dW, heads of attention), so
+// results are bitwise the same for any thread count. Loops below this many multiply-adds stay on
+// one thread: a parallel region costs a few microseconds.
+constexpr int64_t kParallelWork = 1 << 16;
+
 // Calls f(float{}) or f(double{}) by the floating dtype of t; other dtypes are an error naming op.
 template <typename F> void with_cpu_scalar(const char* op, const Tensor& t, F&& f) {
   if (t.dtype == DType::f32) {

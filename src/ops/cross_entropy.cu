@@ -28,6 +28,7 @@ void check_targets(const char* op, const int32_t* targets, int64_t n, int64_t vo
 // The maximum is subtracted before exponentiating so large logits cannot overflow.
 template <typename T>
 void forward_cpu(T* token_loss, T* lse, const T* logits, const int32_t* targets, int64_t n, int64_t vocab) {
+#pragma omp parallel for schedule(static) if (n * vocab > kParallelWork)
   for (int64_t t = 0; t < n; ++t) {
     const T* row = logits + t * vocab;
     T m = -std::numeric_limits<T>::infinity();
@@ -44,6 +45,7 @@ void forward_cpu(T* token_loss, T* lse, const T* logits, const int32_t* targets,
 template <typename T>
 void backward_cpu(T* dlogits, const T* logits, const T* lse, const int32_t* targets, int64_t n, int64_t vocab,
                   T scale) {
+#pragma omp parallel for schedule(static) if (n * vocab > kParallelWork)
   for (int64_t t = 0; t < n; ++t) {
     T* drow = dlogits + t * vocab;
     const T* row = logits + t * vocab;

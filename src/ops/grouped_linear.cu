@@ -22,7 +22,8 @@ namespace {
 
 template <typename T>
 void forward_cpu(T* y, const T* x, const T* weight, const int32_t* offsets, int64_t e, int64_t o, int64_t in) {
-  for (int64_t g = 0; g < e; ++g)
+  for (int64_t g = 0; g < e; ++g) {
+#pragma omp parallel for schedule(static) if ((offsets[g + 1] - offsets[g]) * o * in > kParallelWork)
     for (int64_t r = offsets[g]; r < offsets[g + 1]; ++r)
       for (int64_t i = 0; i < o; ++i) {
         const T *w = weight + (g * o + i) * in, *xr = x + r * in;
@@ -30,36 +31,47 @@ void forward_cpu(T* y, const T* x, const T* weight, const int32_t* offsets, int6
         for (int64_t c = 0; c < in; ++c) sum += double(xr[c]) * w[c];
         y[r * o + i] = T(sum);
       }
+  }
 }
 
 template <typename T>
 void backward_input_cpu(T* dx, const T* dy, const T* weight, const int32_t* offsets, int64_t e, int64_t o, int64_t in) {
-  std::vector<double> sum(in);
-  for (int64_t g = 0; g < e; ++g)
-    for (int64_t r = offsets[g]; r < offsets[g + 1]; ++r) {
-      std::fill(sum.begin(), sum.end(), 0.0);
-      for (int64_t i = 0; i < o; ++i) {
-        const T* w = weight + (g * o + i) * in;
-        const double d = dy[r * o + i];
-        for (int64_t c = 0; c < in; ++c) sum[c] += d * w[c];
+  for (int64_t g = 0; g < e; ++g) {
+#pragma omp parallel if ((offsets[g + 1] - offsets[g]) * o * in > kParallelWork)
+    {
+      std::vector<double> sum(in);
+#pragma omp for schedule(static)
+      for (int64_t r = offsets[g]; r < offsets[g + 1]; ++r) {
+        std::fill(sum.begin(), sum.end(), 0.0);
+        for (int64_t i = 0; i < o; ++i) {
+          const T* w = weight + (g * o + i) * in;
+          const double d = dy[r * o + i];
+          for (int64_t c = 0; c < in; ++c) sum[c] += d * w[c];
+        }
+        for (int64_t c = 0; c < in; ++c) dx[r * in + c] = T(sum[c]);
       }
-      for (int64_t c = 0; c < in; ++c) dx[r * in + c] = T(sum[c]);
     }
+  }
 }
 
 template <typename T>
 void backward_weight_cpu(T* dweight, const T* dy, const T* x, const int32_t* offsets, int64_t e, int64_t o, int64_t in, bool overwrite) {
-  std::vector<double> sum(in);
-  for (int64_t g = 0; g < e; ++g)
-    for (int64_t i = 0; i < o; ++i) {
-      std::fill(sum.begin(), sum.end(), 0.0);
-      for (int64_t r = offsets[g]; r < offsets[g + 1]; ++r) {
-        const double d = dy[r * o + i];
-        for (int64_t c = 0; c < in; ++c) sum[c] += d * x[r * in + c];
+  for (int64_t g = 0; g < e; ++g) {
+#pragma omp parallel if ((offsets[g + 1] - offsets[g]) * o * in > kParallelWork)
+    {
+      std::vector<double> sum(in);
+#pragma omp for schedule(static)
+      for (int64_t i = 0; i < o; ++i) {
+        std::fill(sum.begin(), sum.end(), 0.0);
+        for (int64_t r = offsets[g]; r < offsets[g + 1]; ++r) {
+          const double d = dy[r * o + i];
+          for (int64_t c = 0; c < in; ++c) sum[c] += d * x[r * in + c];
+        }
+        T* dw = dweight + (g * o + i) * in;
+        for (int64_t c = 0; c < in; ++c) dw[c] = overwrite ? T(sum[c]) : T(dw[c] + sum[c]);
       }
-      T* dw = dweight + (g * o + i) * in;
-      for (int64_t c = 0; c < in; ++c) dw[c] = overwrite ? T(sum[c]) : T(dw[c] + sum[c]);
     }
+  }
 }
 
 // weight[E, O, I]: returns (E, O, I).

@@ -31,6 +31,7 @@ void forward_cpu(T* y, const T* x, const T* w, int64_t n, int64_t in, int64_t ou
   const int64_t block = block_rows<T>(in);
   for (int64_t o0 = 0; o0 < out; o0 += block) {
     const int64_t o1 = std::min(out, o0 + block);
+#pragma omp parallel for schedule(static) if (n * (o1 - o0) * in > kParallelWork)
     for (int64_t r = 0; r < n; ++r)
       for (int64_t o = o0; o < o1; ++o) y[r * out + o] = dot(x + r * in, w + o * in, in);
   }
@@ -43,6 +44,7 @@ void backward_input_cpu(T* dx, const T* dy, const T* w, int64_t n, int64_t in, i
   const int64_t block = block_rows<T>(in);
   for (int64_t o0 = 0; o0 < out; o0 += block) {
     const int64_t o1 = std::min(out, o0 + block);
+#pragma omp parallel for schedule(static) if (n * (o1 - o0) * in > kParallelWork)
     for (int64_t r = 0; r < n; ++r)
       for (int64_t o = o0; o < o1; ++o) axpy(dx + r * in, dy[r * out + o], w + o * in, in);
   }
@@ -55,6 +57,7 @@ void backward_weight_cpu(T* dw, const T* dy, const T* x, int64_t n, int64_t in, 
   const int64_t block = block_rows<T>(in);
   for (int64_t r0 = 0; r0 < n; r0 += block) {
     const int64_t r1 = std::min(n, r0 + block);
+#pragma omp parallel for schedule(static) if (out * (r1 - r0) * in > kParallelWork)
     for (int64_t o = 0; o < out; ++o)
       for (int64_t r = r0; r < r1; ++r) axpy(dw + o * in, dy[r * out + o], x + r * in, in);
   }
