@@ -56,7 +56,7 @@ __device__ void step_element(float& param, float grad, float& m, float& v, const
 // aligned (and param_bf16, if any, 8-byte aligned) (Vec4), then the n % 4 tail one element per
 // thread. param_bf16 may be null.
 template <bool Vec4>
-__global__ void step_kernel(float* param, __nv_bfloat16* param_bf16, float* m, float* v, const float* grad, int64_t n,
+__global__ void adamw_step_kernel(float* param, __nv_bfloat16* param_bf16, float* m, float* v, const float* grad, int64_t n,
                             Constants k) {
   const int64_t first = blockIdx.x * int64_t(blockDim.x) + threadIdx.x, stride = int64_t(gridDim.x) * blockDim.x;
   int64_t done = 0;
@@ -107,8 +107,8 @@ void launch_step(Tensor param, Tensor param_bf16, Tensor exp_avg, Tensor exp_avg
   auto s = static_cast<cudaStream_t>(stream.handle);
   float *p = param.ptr<float>(), *m = exp_avg.ptr<float>(), *v = exp_avg_sq.ptr<float>();
   auto* p16 = static_cast<__nv_bfloat16*>(param_bf16.data);
-  if (vec4) step_kernel<true><<<blocks, threads, 0, s>>>(p, p16, m, v, grad.ptr<float>(), n, k);
-  else step_kernel<false><<<blocks, threads, 0, s>>>(p, p16, m, v, grad.ptr<float>(), n, k);
+  if (vec4) adamw_step_kernel<true><<<blocks, threads, 0, s>>>(p, p16, m, v, grad.ptr<float>(), n, k);
+  else adamw_step_kernel<false><<<blocks, threads, 0, s>>>(p, p16, m, v, grad.ptr<float>(), n, k);
   MARROW_CUDA_CHECK_LAUNCH();
 }
 #endif

@@ -74,7 +74,7 @@ template <int N> __device__ void store(bf16* row, int64_t pack, const Pack<N>& v
 // so deterministic. Each element is read and written by one thread, so out may alias residual. A
 // row outside [0, T * K) (copy_row is not checked on the GPU) makes the element NaN.
 template <int N>
-__global__ void forward_kernel(bf16* out, const bf16* residual, const bf16* y_perm, const float* topk_weight,
+__global__ void combine_forward_kernel(bf16* out, const bf16* residual, const bf16* y_perm, const float* topk_weight,
                                const int32_t* copy_row, int64_t n, int k, int64_t h) {
   const int64_t t = blockIdx.x;
   for (int64_t c = threadIdx.x; c < h / N; c += blockDim.x) {
@@ -99,7 +99,7 @@ __global__ void forward_kernel(bf16* out, const bf16* residual, const bf16* y_pe
 // One warp per copy (t, j): lanes stride the row in packs of N, write dy_perm = w * dout and
 // reduce dot(dout, y_perm row) in a fixed butterfly tree, so dtopk_weight is deterministic.
 template <int N>
-__global__ void backward_kernel(bf16* dy_perm, float* dtopk_weight, const bf16* dout, const bf16* y_perm,
+__global__ void combine_backward_kernel(bf16* dy_perm, float* dtopk_weight, const bf16* dout, const bf16* y_perm,
                                 const float* topk_weight, const int32_t* copy_row, int64_t n, int k, int64_t h) {
   const int64_t copy = blockIdx.x * int64_t(kWarps) + threadIdx.x / 32, t = copy / k;
   const int lane = threadIdx.x % 32;
@@ -133,8 +133,8 @@ void launch_forward(Tensor out, Tensor residual, Tensor y_perm, Tensor topk_weig
   const float* w = topk_weight.ptr<float>();
   const int32_t* rows = copy_row.ptr<int32_t>();
   if (packable(h, {out.data, residual.data, y_perm.data}))
-    forward_kernel<8><<<unsigned(n), 128, 0, s>>>(o, res, y, w, rows, n, int(k), h);
-  else forward_kernel<1><<<unsigned(n), 128, 0, s>>>(o, res, y, w, rows, n, int(k), h);
+    combine_forward_kernel<8><<<unsigned(n), 128, 0, s>>>(o, res, y, w, rows, n, int(k), h);
+  else combine_forward_kernel<1><<<unsigned(n), 128, 0, s>>>(o, res, y, w, rows, n, int(k), h);
   MARROW_CUDA_CHECK_LAUNCH();
 }
 
@@ -149,8 +149,8 @@ void launch_backward(Tensor dy_perm, Tensor dtopk_weight, Tensor dout, Tensor y_
   const float* w = topk_weight.ptr<float>();
   const int32_t* rows = copy_row.ptr<int32_t>();
   if (packable(h, {dy_perm.data, dout.data, y_perm.data}))
-    backward_kernel<8><<<blocks, 32 * kWarps, 0, s>>>(dy, dtopk_weight.ptr<float>(), g, y, w, rows, n, int(k), h);
-  else backward_kernel<1><<<blocks, 32 * kWarps, 0, s>>>(dy, dtopk_weight.ptr<float>(), g, y, w, rows, n, int(k), h);
+    combine_backward_kernel<8><<<blocks, 32 * kWarps, 0, s>>>(dy, dtopk_weight.ptr<float>(), g, y, w, rows, n, int(k), h);
+  else combine_backward_kernel<1><<<blocks, 32 * kWarps, 0, s>>>(dy, dtopk_weight.ptr<float>(), g, y, w, rows, n, int(k), h);
   MARROW_CUDA_CHECK_LAUNCH();
 }
 #endif

@@ -82,7 +82,7 @@ __device__ void merge(float& m, float& s, float m2, float s2) {
 // the warps), so lse is deterministic. A target outside [0, V) other than the ignore index gives
 // a NaN loss (the GPU path does not check targets on the host).
 template <int N>
-__global__ void forward_kernel(float* token_loss, float* lse, const bf16* logits, const int32_t* targets, int64_t vocab) {
+__global__ void cross_entropy_forward_kernel(float* token_loss, float* lse, const bf16* logits, const int32_t* targets, int64_t vocab) {
   __shared__ float warp_m[kThreads / 32], warp_s[kThreads / 32];
   const int64_t t = blockIdx.x;
   const bf16* row = logits + t * vocab;
@@ -121,7 +121,7 @@ __global__ void forward_kernel(float* token_loss, float* lse, const bf16* logits
 // One block per row, threads over its packs: dlogits = scale * exp(x - lse) - scale at the target,
 // elementwise. Each element is read and written by one thread, so dlogits may alias logits.
 template <int N>
-__global__ void backward_kernel(bf16* dlogits, const bf16* logits, const float* lse, const int32_t* targets, int64_t vocab,
+__global__ void cross_entropy_backward_kernel(bf16* dlogits, const bf16* logits, const float* lse, const int32_t* targets, int64_t vocab,
                                 float scale) {
   const int64_t t = blockIdx.x;
   const int32_t target = targets[t];
@@ -144,10 +144,10 @@ void launch_forward(Tensor token_loss, Tensor lse, Tensor logits, Tensor targets
   auto s = static_cast<cudaStream_t>(stream.handle);
   auto* x = static_cast<const bf16*>(logits.data);
   if (packable(vocab, {logits.data}))
-    forward_kernel<8>
+    cross_entropy_forward_kernel<8>
         <<<unsigned(n), kThreads, 0, s>>>(token_loss.ptr<float>(), lse.ptr<float>(), x, targets.ptr<int32_t>(), vocab);
   else
-    forward_kernel<1>
+    cross_entropy_forward_kernel<1>
         <<<unsigned(n), kThreads, 0, s>>>(token_loss.ptr<float>(), lse.ptr<float>(), x, targets.ptr<int32_t>(), vocab);
   MARROW_CUDA_CHECK_LAUNCH();
 }
@@ -159,8 +159,8 @@ void launch_backward(Tensor dlogits, Tensor logits, Tensor lse, Tensor targets, 
   auto* dx = static_cast<bf16*>(dlogits.data);
   auto* x = static_cast<const bf16*>(logits.data);
   if (packable(vocab, {dlogits.data, logits.data}))
-    backward_kernel<8><<<unsigned(n), kThreads, 0, s>>>(dx, x, lse.ptr<float>(), targets.ptr<int32_t>(), vocab, float(scale));
-  else backward_kernel<1><<<unsigned(n), kThreads, 0, s>>>(dx, x, lse.ptr<float>(), targets.ptr<int32_t>(), vocab, float(scale));
+    cross_entropy_backward_kernel<8><<<unsigned(n), kThreads, 0, s>>>(dx, x, lse.ptr<float>(), targets.ptr<int32_t>(), vocab, float(scale));
+  else cross_entropy_backward_kernel<1><<<unsigned(n), kThreads, 0, s>>>(dx, x, lse.ptr<float>(), targets.ptr<int32_t>(), vocab, float(scale));
   MARROW_CUDA_CHECK_LAUNCH();
 }
 #endif

@@ -68,7 +68,7 @@ template <int N> struct alignas(2 * N) Pack {
   bf16 v[N];
 };
 
-__global__ void iota_kernel(int32_t* out, int64_t n) {
+__global__ void dispatch_iota_kernel(int32_t* out, int64_t n) {
   const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   if (i < n) out[i] = int32_t(i);
 }
@@ -76,7 +76,7 @@ __global__ void iota_kernel(int32_t* out, int64_t n) {
 // The plan is a stable radix sort of the copies (t * K + j) by expert (cub, deterministic). Then
 // one thread per expert boundary e in [0, E]: expert_offsets[e] = the number of sorted experts
 // below e, by binary search.
-__global__ void offsets_kernel(int32_t* offsets, const int32_t* sorted_experts, int64_t copies, int e) {
+__global__ void dispatch_offsets_kernel(int32_t* offsets, const int32_t* sorted_experts, int64_t copies, int e) {
   const int x = blockIdx.x * blockDim.x + threadIdx.x;
   if (x > e) return;
   int64_t lo = 0, hi = copies;
@@ -89,7 +89,7 @@ __global__ void offsets_kernel(int32_t* offsets, const int32_t* sorted_experts, 
 }
 
 // One thread per row r: the copy the sort put at row r gets copy_row = r.
-__global__ void scatter_rows_kernel(int32_t* copy_row, const int32_t* sorted_copies, int64_t copies) {
+__global__ void dispatch_scatter_rows_kernel(int32_t* copy_row, const int32_t* sorted_copies, int64_t copies) {
   const int64_t r = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   if (r < copies) copy_row[sorted_copies[r]] = int32_t(r);
 }
@@ -98,7 +98,7 @@ __global__ void scatter_rows_kernel(int32_t* copy_row, const int32_t* sorted_cop
 // loaded once and stored to the token's K rows. Pure copies: nothing to order. Rows outside
 // [0, T * K) are skipped (the GPU path does not check copy_row).
 template <int N>
-__global__ void forward_kernel(bf16* x_perm, const bf16* x, const int32_t* copy_row, int64_t n, int k, int64_t h) {
+__global__ void dispatch_forward_kernel(bf16* x_perm, const bf16* x, const int32_t* copy_row, int64_t n, int k, int64_t h) {
   const int64_t t = blockIdx.x;
   for (int64_t c = threadIdx.x; c < h / N; c += blockDim.x) {
     const Pack<N> v = reinterpret_cast<const Pack<N>*>(x + t * h)[c];
@@ -112,7 +112,7 @@ __global__ void forward_kernel(bf16* x_perm, const bf16* x, const int32_t* copy_
 // One block per token, threads over the row in packs of N; each element sums its K rows in slot
 // order in f32 (fixed order: deterministic). A row outside [0, T * K) makes the element NaN.
 template <int N>
-__global__ void backward_kernel(bf16* dx, const bf16* dx_perm, const int32_t* copy_row, int64_t n, int k, int64_t h) {
+__global__ void dispatch_backward_kernel(bf16* dx, const bf16* dx_perm, const int32_t* copy_row, int64_t n, int k, int64_t h) {
   const int64_t t = blockIdx.x;
   for (int64_t c = threadIdx.x; c < h / N; c += blockDim.x) {
     float acc[N] = {};
@@ -139,7 +139,7 @@ bool launch_plan(Tensor expert_offsets, Tensor copy_row, Tensor topk_index, Stre
   if (copies > 0) {
     Buffer ids(DType::i32, Device::cuda, {copies}, stream), sorted_experts(DType::i32, Device::cuda, {copies}, stream),
         sorted_copies(DType::i32, Device::cuda, {copies}, stream);
-    iota_kernel<<<unsigned((copies + 255) / 256), 256, 0, s>>>(ids.ptr<int32_t>(), copies);
+    dispatch_iota_kernel<<<unsigned((copies + 255) / 256), 256, 0, s>>>(ids.ptr<int32_t>(), copies);
     MARROW_CUDA_CHECK_LAUNCH();
     size_t temp_bytes = 0;
     MARROW_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, temp_bytes, topk_index.ptr<int32_t>(),
@@ -149,10 +149,10 @@ bool launch_plan(Tensor expert_offsets, Tensor copy_row, Tensor topk_index, Stre
     MARROW_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp.view().data, temp_bytes, topk_index.ptr<int32_t>(),
                                                       sorted_experts.ptr<int32_t>(), ids.ptr<int32_t>(),
                                                       sorted_copies.ptr<int32_t>(), int(copies), 0, 32, s));
-    offsets_kernel<<<unsigned((e + 256) / 256), 256, 0, s>>>(offsets.ptr<int32_t>(), sorted_experts.ptr<int32_t>(), copies,
+    dispatch_offsets_kernel<<<unsigned((e + 256) / 256), 256, 0, s>>>(offsets.ptr<int32_t>(), sorted_experts.ptr<int32_t>(), copies,
                                                              int(e));
     MARROW_CUDA_CHECK_LAUNCH();
-    scatter_rows_kernel<<<unsigned((copies + 255) / 256), 256, 0, s>>>(copy_row.ptr<int32_t>(), sorted_copies.ptr<int32_t>(),
+    dispatch_scatter_rows_kernel<<<unsigned((copies + 255) / 256), 256, 0, s>>>(copy_row.ptr<int32_t>(), sorted_copies.ptr<int32_t>(),
                                                                        copies);
     MARROW_CUDA_CHECK_LAUNCH();
   } else {
@@ -211,7 +211,7 @@ void dispatch_forward(Tensor x_perm, Tensor x, Tensor copy_row, Stream stream) {
   if (common_device(op, {{"x", &x}, {"x_perm", &x_perm}, {"copy_row", &copy_row}}) == Device::cuda) {
     expect_dtype(op, "x", x, DType::bf16);
 #ifdef __CUDACC__
-    return launch_permute(forward_kernel<8>, forward_kernel<1>, x_perm, x, copy_row, stream);
+    return launch_permute(dispatch_forward_kernel<8>, dispatch_forward_kernel<1>, x_perm, x, copy_row, stream);
 #else
     no_cuda_kernel(op);
 #endif
@@ -231,7 +231,7 @@ void dispatch_backward(Tensor dx, Tensor dx_perm, Tensor copy_row, Stream stream
   if (common_device(op, {{"dx", &dx}, {"dx_perm", &dx_perm}, {"copy_row", &copy_row}}) == Device::cuda) {
     expect_dtype(op, "dx", dx, DType::bf16);
 #ifdef __CUDACC__
-    return launch_permute(backward_kernel<8>, backward_kernel<1>, dx, dx_perm, copy_row, stream);
+    return launch_permute(dispatch_backward_kernel<8>, dispatch_backward_kernel<1>, dx, dx_perm, copy_row, stream);
 #else
     no_cuda_kernel(op);
 #endif

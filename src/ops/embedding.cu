@@ -54,7 +54,7 @@ template <typename T, int N> struct alignas(sizeof(T) * N < 16 ? sizeof(T) * N :
 // One block per token, its threads over the row in packs of N (8 bf16 = 16 bytes when H % 8 == 0).
 // Ids cannot be checked on the host without a sync: an id outside [0, V) gives a NaN row, which
 // the loss then shows, instead of a stray read.
-template <int N> __global__ void forward_kernel(bf16* out, const int32_t* ids, const bf16* table, int64_t vocab, int64_t h) {
+template <int N> __global__ void embedding_forward_kernel(bf16* out, const int32_t* ids, const bf16* table, int64_t vocab, int64_t h) {
   using P = Pack<bf16, N>;
   const int64_t t = blockIdx.x, id = ids[t];
   P* dst = reinterpret_cast<P*>(out + t * h);
@@ -67,7 +67,7 @@ template <int N> __global__ void forward_kernel(bf16* out, const int32_t* ids, c
   }
 }
 
-__global__ void iota_kernel(int32_t* out, int64_t n) {
+__global__ void embedding_iota_kernel(int32_t* out, int64_t n) {
   const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   if (i < n) out[i] = int32_t(i);
 }
@@ -77,7 +77,7 @@ __global__ void iota_kernel(int32_t* out, int64_t n) {
 // run in position order onto dtable's own value -- the CPU reference's order exactly. Each table
 // row has a single writer, so there are no atomics and the result is deterministic.
 template <int N>
-__global__ void backward_kernel(float* dtable, const bf16* dout, const int32_t* sorted_ids, const int32_t* sorted_pos, int64_t n,
+__global__ void embedding_backward_kernel(float* dtable, const bf16* dout, const int32_t* sorted_ids, const int32_t* sorted_pos, int64_t n,
                                 int64_t vocab, int64_t h) {
   const int64_t i = blockIdx.x;
   const int32_t id = sorted_ids[i];
@@ -101,8 +101,8 @@ void launch_forward(Tensor out, Tensor ids, Tensor table, Stream stream) {
   if (n == 0 || h == 0) return;
   auto s = static_cast<cudaStream_t>(stream.handle);
   auto *o = static_cast<bf16*>(out.data), *tab = static_cast<bf16*>(table.data);
-  if (packable(h, {out.data, table.data})) forward_kernel<8><<<n, 128, 0, s>>>(o, ids.ptr<int32_t>(), tab, vocab, h);
-  else forward_kernel<1><<<n, 128, 0, s>>>(o, ids.ptr<int32_t>(), tab, vocab, h);
+  if (packable(h, {out.data, table.data})) embedding_forward_kernel<8><<<n, 128, 0, s>>>(o, ids.ptr<int32_t>(), tab, vocab, h);
+  else embedding_forward_kernel<1><<<n, 128, 0, s>>>(o, ids.ptr<int32_t>(), tab, vocab, h);
   MARROW_CUDA_CHECK_LAUNCH();
 }
 
@@ -112,7 +112,7 @@ void launch_backward(Tensor dtable, Tensor dout, Tensor ids, Stream stream) {
   auto s = static_cast<cudaStream_t>(stream.handle);
   Buffer pos(DType::i32, Device::cuda, {n}, stream), sorted_ids(DType::i32, Device::cuda, {n}, stream),
       sorted_pos(DType::i32, Device::cuda, {n}, stream);
-  iota_kernel<<<(n + 255) / 256, 256, 0, s>>>(pos.ptr<int32_t>(), n);
+  embedding_iota_kernel<<<(n + 255) / 256, 256, 0, s>>>(pos.ptr<int32_t>(), n);
   MARROW_CUDA_CHECK_LAUNCH();
   // All 32 key bits: ids outside [0, V) sort into runs of their own, which the kernel skips.
   size_t temp_bytes = 0;
@@ -124,8 +124,8 @@ void launch_backward(Tensor dtable, Tensor dout, Tensor ids, Stream stream) {
   auto* dt = static_cast<float*>(dtable.data);
   auto* g = static_cast<const bf16*>(dout.data);
   if (packable(h, {dtable.data, dout.data}))
-    backward_kernel<8><<<n, 128, 0, s>>>(dt, g, sorted_ids.ptr<int32_t>(), sorted_pos.ptr<int32_t>(), n, vocab, h);
-  else backward_kernel<1><<<n, 128, 0, s>>>(dt, g, sorted_ids.ptr<int32_t>(), sorted_pos.ptr<int32_t>(), n, vocab, h);
+    embedding_backward_kernel<8><<<n, 128, 0, s>>>(dt, g, sorted_ids.ptr<int32_t>(), sorted_pos.ptr<int32_t>(), n, vocab, h);
+  else embedding_backward_kernel<1><<<n, 128, 0, s>>>(dt, g, sorted_ids.ptr<int32_t>(), sorted_pos.ptr<int32_t>(), n, vocab, h);
   MARROW_CUDA_CHECK_LAUNCH();
 }
 #endif

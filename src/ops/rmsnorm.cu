@@ -60,7 +60,7 @@ template <int N> __device__ Pack<N> load(const bf16* p) { return *reinterpret_ca
 // One warp per row; lanes stride the row in packs of N (8 bf16 when D % 8 == 0). The sum of
 // squares is reduced in a fixed tree (warp_sum), so the result does not depend on scheduling.
 template <int N>
-__global__ void forward_kernel(bf16* y, float* rstd, const bf16* x, const bf16* weight, int64_t rows, int64_t d, float eps) {
+__global__ void rmsnorm_forward_kernel(bf16* y, float* rstd, const bf16* x, const bf16* weight, int64_t rows, int64_t d, float eps) {
   const int64_t row = blockIdx.x * int64_t(kWarpsPerBlock) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (row >= rows) return;
@@ -82,7 +82,7 @@ __global__ void forward_kernel(bf16* y, float* rstd, const bf16* x, const bf16* 
 
 // dx: one warp per row, as the forward; mean(dy * w * xhat) reduced in a fixed tree.
 template <int N>
-__global__ void backward_dx_kernel(bf16* dx, const bf16* dy, const bf16* x, const bf16* weight, const float* rstd, int64_t rows,
+__global__ void rmsnorm_backward_dx_kernel(bf16* dx, const bf16* dy, const bf16* x, const bf16* weight, const float* rstd, int64_t rows,
                                    int64_t d) {
   const int64_t row = blockIdx.x * int64_t(kWarpsPerBlock) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
@@ -105,7 +105,7 @@ __global__ void backward_dx_kernel(bf16* dx, const bf16* dy, const bf16* x, cons
 
 // dweight, pass 1: block (chunk, column tile) -- each thread owns one column and sums dy * xhat
 // over the chunk's kChunkRows rows in row order into partial[chunk, column].
-__global__ void dweight_partial_kernel(float* partial, const bf16* dy, const bf16* x, const float* rstd, int64_t rows,
+__global__ void rmsnorm_dweight_partial_kernel(float* partial, const bf16* dy, const bf16* x, const float* rstd, int64_t rows,
                                        int64_t d) {
   const int64_t c = blockIdx.y * int64_t(blockDim.x) + threadIdx.x, chunk = blockIdx.x;
   if (c >= d) return;
@@ -120,7 +120,7 @@ __global__ void dweight_partial_kernel(float* partial, const bf16* dy, const bf1
 // The partition depends only on the shape, so the result is the same on every run. (One thread per
 // column over all chunks was a 2048-long serial chain for QK-norm's 131072 rows: ~120 us a call.)
 constexpr int kReduceLanes = 32;
-__global__ void dweight_reduce_kernel(float* dweight, const float* partial, int64_t chunks, int64_t d) {
+__global__ void rmsnorm_dweight_reduce_kernel(float* dweight, const float* partial, int64_t chunks, int64_t d) {
   __shared__ float sums[kReduceLanes][33];  // padded: the final pass reads a column
   const int j = threadIdx.x % 32, k = threadIdx.x / 32;
   const int64_t c = blockIdx.x * 32 + j;
@@ -143,8 +143,8 @@ void launch_forward(Tensor y, Tensor rstd, Tensor x, Tensor weight, double eps, 
   const unsigned blocks = unsigned((n + kWarpsPerBlock - 1) / kWarpsPerBlock), threads = 32 * kWarpsPerBlock;
   auto *out = static_cast<bf16*>(y.data), *in = static_cast<bf16*>(x.data), *w = static_cast<bf16*>(weight.data);
   if (packable(d, {y.data, x.data, weight.data}))
-    forward_kernel<8><<<blocks, threads, 0, s>>>(out, rstd.ptr<float>(), in, w, n, d, float(eps));
-  else forward_kernel<1><<<blocks, threads, 0, s>>>(out, rstd.ptr<float>(), in, w, n, d, float(eps));
+    rmsnorm_forward_kernel<8><<<blocks, threads, 0, s>>>(out, rstd.ptr<float>(), in, w, n, d, float(eps));
+  else rmsnorm_forward_kernel<1><<<blocks, threads, 0, s>>>(out, rstd.ptr<float>(), in, w, n, d, float(eps));
   MARROW_CUDA_CHECK_LAUNCH();
 }
 
@@ -156,17 +156,17 @@ void launch_backward(Tensor dx, Tensor dweight, Tensor dy, Tensor x, Tensor weig
   auto *dxp = static_cast<bf16*>(dx.data), *dyp = static_cast<bf16*>(dy.data), *xp = static_cast<bf16*>(x.data),
        *w = static_cast<bf16*>(weight.data);
   if (packable(d, {dx.data, dy.data, x.data, weight.data}))
-    backward_dx_kernel<8><<<blocks, threads, 0, s>>>(dxp, dyp, xp, w, rstd.ptr<float>(), n, d);
-  else backward_dx_kernel<1><<<blocks, threads, 0, s>>>(dxp, dyp, xp, w, rstd.ptr<float>(), n, d);
+    rmsnorm_backward_dx_kernel<8><<<blocks, threads, 0, s>>>(dxp, dyp, xp, w, rstd.ptr<float>(), n, d);
+  else rmsnorm_backward_dx_kernel<1><<<blocks, threads, 0, s>>>(dxp, dyp, xp, w, rstd.ptr<float>(), n, d);
   MARROW_CUDA_CHECK_LAUNCH();
 
   const int64_t chunks = (n + kChunkRows - 1) / kChunkRows;
   Buffer partial(DType::f32, Device::cuda, {chunks, d}, stream);
   const unsigned column_blocks = unsigned((d + 255) / 256);
-  dweight_partial_kernel<<<dim3(unsigned(chunks), column_blocks), 256, 0, s>>>(partial.ptr<float>(), dyp, xp, rstd.ptr<float>(),
+  rmsnorm_dweight_partial_kernel<<<dim3(unsigned(chunks), column_blocks), 256, 0, s>>>(partial.ptr<float>(), dyp, xp, rstd.ptr<float>(),
                                                                                n, d);
   MARROW_CUDA_CHECK_LAUNCH();
-  dweight_reduce_kernel<<<unsigned((d + 31) / 32), 32 * kReduceLanes, 0, s>>>(dweight.ptr<float>(), partial.ptr<float>(), chunks, d);
+  rmsnorm_dweight_reduce_kernel<<<unsigned((d + 31) / 32), 32 * kReduceLanes, 0, s>>>(dweight.ptr<float>(), partial.ptr<float>(), chunks, d);
   MARROW_CUDA_CHECK_LAUNCH();
 }
 #endif

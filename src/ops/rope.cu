@@ -65,7 +65,7 @@ template <int N> struct alignas(2 * N) Pack {
 // float(position) * inv_freq[j] in f32 and its cos/sin are the precise cosf/sinf, as on the CPU.
 // Each thread reads both halves of its pairs before writing them, so y may alias x.
 template <int N>
-__global__ void rotate_kernel(bf16* y, const bf16* x, const int32_t* positions, InvFreq inv_freq, int64_t tokens, int64_t heads,
+__global__ void rope_rotate_kernel(bf16* y, const bf16* x, const int32_t* positions, InvFreq inv_freq, int64_t tokens, int64_t heads,
                               int64_t half, float sign) {
   const int64_t per_head = half / N;
   for (int64_t p = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; p < tokens * heads * per_head;
@@ -99,8 +99,8 @@ void launch_rotate(Tensor y, Tensor x, Tensor positions, double theta, int sign,
   auto* out = static_cast<bf16*>(y.data);
   auto* in = static_cast<const bf16*>(x.data);
   auto* pos = positions.ptr<int32_t>();
-  if (packed) rotate_kernel<8><<<blocks, threads, 0, s>>>(out, in, pos, inv_freq, tokens, heads, half, float(sign));
-  else rotate_kernel<1><<<blocks, threads, 0, s>>>(out, in, pos, inv_freq, tokens, heads, half, float(sign));
+  if (packed) rope_rotate_kernel<8><<<blocks, threads, 0, s>>>(out, in, pos, inv_freq, tokens, heads, half, float(sign));
+  else rope_rotate_kernel<1><<<blocks, threads, 0, s>>>(out, in, pos, inv_freq, tokens, heads, half, float(sign));
   MARROW_CUDA_CHECK_LAUNCH();
 }
 #endif

@@ -127,7 +127,7 @@ __device__ bool better(Candidate a, Candidate b) { return b.i < 0 || (a.i >= 0 &
 // sums the exponentials in expert order, as the CPU reference does, so the stored f32
 // probabilities -- and the top-k choice made on them -- match it. K rounds of a warp argmax pick
 // the experts; the top-k sum is added in slot order, again as on the CPU.
-__global__ void forward_kernel(float* probs, int32_t* topk_index, float* topk_weight, const float* logits, int64_t n, int e,
+__global__ void router_forward_kernel(float* probs, int32_t* topk_index, float* topk_weight, const float* logits, int64_t n, int e,
                                int k, bool normalize) {
   extern __shared__ double shared[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -172,14 +172,14 @@ __global__ void forward_kernel(float* probs, int32_t* topk_index, float* topk_we
 }
 
 // Copies routed to each expert. Integer atomics: the counts do not depend on the order.
-__global__ void count_kernel(int32_t* count, const int32_t* topk_index, int64_t copies, int e) {
+__global__ void router_count_kernel(int32_t* count, const int32_t* topk_index, int64_t copies, int e) {
   const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   if (i < copies && 0 <= topk_index[i] && topk_index[i] < e) atomicAdd(&count[topk_index[i]], 1);
 }
 
 // Aux loss, pass 1: one block per expert; its threads sum probs[:, e] over tokens in double and
 // the block reduces them in a fixed tree; term[e] = count_e / T * (sum / T).
-__global__ void aux_terms_kernel(double* term, const float* probs, const int32_t* count, int64_t n, int e) {
+__global__ void router_aux_terms_kernel(double* term, const float* probs, const int32_t* count, int64_t n, int e) {
   __shared__ double warp_sums[32];
   double acc = 0;
   for (int64_t t = threadIdx.x; t < n; t += blockDim.x) acc += probs[t * e + blockIdx.x];
@@ -194,7 +194,7 @@ __global__ void aux_terms_kernel(double* term, const float* probs, const int32_t
 }
 
 // Aux loss, pass 2: one thread adds the terms in expert order.
-__global__ void aux_total_kernel(float* loss, const double* term, int e) {
+__global__ void router_aux_total_kernel(float* loss, const double* term, int e) {
   double sum = 0;
   for (int i = 0; i < e; ++i) sum += term[i];
   loss[0] = float(double(e) * sum);
@@ -203,7 +203,7 @@ __global__ void aux_total_kernel(float* loss, const double* term, int e) {
 // One warp per token: dp (shared, lanes own experts l, l + 32, ...) starts at the aux gradient;
 // the top-k sums are reduced in a fixed tree and lane 0 adds the K slot terms in slot order; the
 // softmax's dot product is one more fixed-tree reduction.
-__global__ void backward_kernel(__nv_bfloat16* dlogits, const float* dtopk_weight, const float* probs, const int32_t* topk_index,
+__global__ void router_backward_kernel(__nv_bfloat16* dlogits, const float* dtopk_weight, const float* probs, const int32_t* topk_index,
                                 const float* topk_weight, const int32_t* count, int64_t n, int e, int k, bool normalize,
                                 double aux_scale) {
   extern __shared__ float dp_shared[];
@@ -237,7 +237,7 @@ Buffer expert_counts(Tensor topk_index, int64_t e, cudaStream_t s) {
   Buffer count = Buffer::zeros(DType::i32, Device::cuda, {e}, Stream{s});
   const int64_t copies = topk_index.numel();
   if (copies > 0) {
-    count_kernel<<<unsigned((copies + 255) / 256), 256, 0, s>>>(count.ptr<int32_t>(), topk_index.ptr<int32_t>(), copies, int(e));
+    router_count_kernel<<<unsigned((copies + 255) / 256), 256, 0, s>>>(count.ptr<int32_t>(), topk_index.ptr<int32_t>(), copies, int(e));
     MARROW_CUDA_CHECK_LAUNCH();
   }
   return count;
@@ -247,7 +247,7 @@ void launch_forward(Tensor probs, Tensor topk_index, Tensor topk_weight, Tensor 
   const int64_t n = logits.size(0), e = logits.size(1), k = topk_index.size(1);
   if (n == 0) return;
   const size_t smem = size_t(kWarps) * e * (sizeof(double) + sizeof(float) + 1);
-  forward_kernel<<<unsigned((n + kWarps - 1) / kWarps), 32 * kWarps, smem, static_cast<cudaStream_t>(stream.handle)>>>(
+  router_forward_kernel<<<unsigned((n + kWarps - 1) / kWarps), 32 * kWarps, smem, static_cast<cudaStream_t>(stream.handle)>>>(
       probs.ptr<float>(), topk_index.ptr<int32_t>(), topk_weight.ptr<float>(), logits.ptr<float>(), n, int(e), int(k), normalize);
   MARROW_CUDA_CHECK_LAUNCH();
 }
@@ -257,9 +257,9 @@ void launch_aux_loss(Tensor loss, Tensor probs, Tensor topk_index, Stream stream
   auto s = static_cast<cudaStream_t>(stream.handle);
   Buffer count = expert_counts(topk_index, e, s);
   Buffer term(DType::f64, Device::cuda, {e}, stream);
-  aux_terms_kernel<<<unsigned(e), 256, 0, s>>>(term.ptr<double>(), probs.ptr<float>(), count.ptr<int32_t>(), n, int(e));
+  router_aux_terms_kernel<<<unsigned(e), 256, 0, s>>>(term.ptr<double>(), probs.ptr<float>(), count.ptr<int32_t>(), n, int(e));
   MARROW_CUDA_CHECK_LAUNCH();
-  aux_total_kernel<<<1, 1, 0, s>>>(loss.ptr<float>(), term.ptr<double>(), int(e));
+  router_aux_total_kernel<<<1, 1, 0, s>>>(loss.ptr<float>(), term.ptr<double>(), int(e));
   MARROW_CUDA_CHECK_LAUNCH();
 }
 
@@ -270,7 +270,7 @@ void launch_backward(Tensor dlogits, Tensor dtopk_weight, Tensor probs, Tensor t
   auto s = static_cast<cudaStream_t>(stream.handle);
   Buffer count = expert_counts(topk_index, e, s);
   const double aux_scale = aux_grad * double(e) / (double(n) * double(n));
-  backward_kernel<<<unsigned((n + kWarps - 1) / kWarps), 32 * kWarps, size_t(kWarps) * e * sizeof(float), s>>>(
+  router_backward_kernel<<<unsigned((n + kWarps - 1) / kWarps), 32 * kWarps, size_t(kWarps) * e * sizeof(float), s>>>(
       static_cast<__nv_bfloat16*>(dlogits.data), dtopk_weight.ptr<float>(), probs.ptr<float>(), topk_index.ptr<int32_t>(),
       topk_weight.ptr<float>(), count.ptr<int32_t>(), n, int(e), int(k), normalize, aux_scale);
   MARROW_CUDA_CHECK_LAUNCH();

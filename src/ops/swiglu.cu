@@ -59,7 +59,7 @@ __device__ float sigmoidf(float g) { return 1.0f / (1.0f + expf(-g)); }
 
 // One thread per N adjacent columns c of one row (N = 8 when I % 8 == 0 and rows are 16-byte
 // aligned, else 1), grid-stride over R * I / N. Elementwise, so nothing to order.
-template <int N> __global__ void forward_kernel(bf16* out, const bf16* gate_up, int64_t rows, int64_t inter) {
+template <int N> __global__ void swiglu_forward_kernel(bf16* out, const bf16* gate_up, int64_t rows, int64_t inter) {
   const int64_t per_row = inter / N;
   for (int64_t p = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; p < rows * per_row; p += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = p / per_row, c = p % per_row * N;
@@ -75,7 +75,7 @@ template <int N> __global__ void forward_kernel(bf16* out, const bf16* gate_up, 
 }
 
 template <int N>
-__global__ void backward_kernel(bf16* dgate_up, const bf16* dout, const bf16* gate_up, int64_t rows, int64_t inter) {
+__global__ void swiglu_backward_kernel(bf16* dgate_up, const bf16* dout, const bf16* gate_up, int64_t rows, int64_t inter) {
   const int64_t per_row = inter / N;
   for (int64_t p = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; p < rows * per_row; p += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = p / per_row, c = p % per_row * N;
@@ -124,7 +124,7 @@ void swiglu_forward(Tensor out, Tensor gate_up, Stream stream) {
     expect_dtype(op, "gate_up", gate_up, DType::bf16);
 #ifdef __CUDACC__
     const bool packed = d % 8 == 0 && aligned16({out.data, gate_up.data});
-    return launch(forward_kernel<8>, forward_kernel<1>, packed, n, d, stream, static_cast<bf16*>(out.data),
+    return launch(swiglu_forward_kernel<8>, swiglu_forward_kernel<1>, packed, n, d, stream, static_cast<bf16*>(out.data),
                   static_cast<const bf16*>(gate_up.data));
 #else
     no_cuda_kernel(op);
@@ -148,7 +148,7 @@ void swiglu_backward(Tensor dgate_up, Tensor dout, Tensor gate_up, Stream stream
     expect_dtype(op, "gate_up", gate_up, DType::bf16);
 #ifdef __CUDACC__
     const bool packed = d % 8 == 0 && aligned16({dgate_up.data, dout.data, gate_up.data});
-    return launch(backward_kernel<8>, backward_kernel<1>, packed, n, d, stream, static_cast<bf16*>(dgate_up.data),
+    return launch(swiglu_backward_kernel<8>, swiglu_backward_kernel<1>, packed, n, d, stream, static_cast<bf16*>(dgate_up.data),
                   static_cast<const bf16*>(dout.data), static_cast<const bf16*>(gate_up.data));
 #else
     no_cuda_kernel(op);
