@@ -107,6 +107,8 @@ RunConfig parse_run_config(int argc, char** argv) {
   app.add_option("--schedule.decay_fraction", rc.decay_fraction)->check(CLI::Range(0.0, 1.0));
   app.add_option("--output.dir", rc.out_dir);
   app.add_option("--output.log_every", rc.log_every)->check(kPositive);
+  app.add_option("--eval.every", rc.eval_every)->check(kNonNegative);
+  app.add_option("--eval.samples", rc.eval_samples)->check(kPositive);
   app.add_option("--checkpoint.every", rc.checkpoint_every)->check(kNonNegative);
   app.add_option("--checkpoint.keep", rc.checkpoint_keep)->check(kPositive);
   app.add_option("--checkpoint.resume", rc.checkpoint_resume);
@@ -124,7 +126,7 @@ RunConfig parse_run_config(int argc, char** argv) {
   } catch (const CLI::ExtrasError&) {
     std::string unknown;
     for (const std::string& a : app.remaining()) unknown += (unknown.empty() ? "" : ", ") + a.substr(0, a.find('='));
-    fail("{}: unknown run-config key {} (known sections: model, data, train, optimizer, schedule, output, checkpoint)", rc.source, unknown);
+    fail("{}: unknown run-config key {} (known sections: model, data, train, optimizer, schedule, output, eval, checkpoint)", rc.source, unknown);
   } catch (const CLI::ParseError& e) {
     fail("{}: {}", rc.source, e.what());
   }

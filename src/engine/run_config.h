@@ -31,6 +31,9 @@ struct RunConfig {
   // [output]
   std::string out_dir = "runs/default";
   int64_t log_every = 1;
+  // [eval]
+  int64_t eval_every = 0;     // validation loss every N steps and at the last step (0: never)
+  int64_t eval_samples = 16;  // held-out sequences per evaluation (the same ones each time)
   // [checkpoint] (engine/checkpoint.h)
   int64_t checkpoint_every = 100;          // save every N steps and at the end (0: never)
   int64_t checkpoint_keep = 2;             // complete checkpoints kept in output.dir; older ones are deleted

@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <optional>
 
 #include "core/memory.h"
@@ -31,20 +32,23 @@ struct StepMetrics {
   double loss = 0, load_balance = 0, lr = 0, grad_norm = 0, tokens_per_s = 0, step_ms = 0;
   size_t peak_bytes = 0;
   bool skipped = false;
+  double val_loss = std::numeric_limits<double>::quiet_NaN();  // mean over eval.samples when evaluated
   std::array<double, kStageCount> stage_ms{};  // filled when train() is given a StageTimer
 };
 
 inline std::string step_line(const StepMetrics& s, int64_t total) {
-  return fmt::format("step {}/{} | loss {:.4f} | lb {:.3f} | lr {:.3e} | grad {:.3f} | {:.0f} tok/s | {:.0f} ms | peak {:.2f} GiB{}", s.step,
+  return fmt::format("step {}/{} | loss {:.4f} | lb {:.3f} | lr {:.3e} | grad {:.3f} | {:.0f} tok/s | {:.0f} ms | peak {:.2f} GiB{}{}", s.step,
                      total, s.loss, s.load_balance, s.lr, s.grad_norm, s.tokens_per_s, s.step_ms, s.peak_bytes / 1073741824.0,
+                     std::isnan(s.val_loss) ? "" : fmt::format(" | val loss {:.4f}", s.val_loss),
                      s.skipped ? " | SKIPPED (non-finite)" : "");
 }
 
 inline std::string step_json(const StepMetrics& s) {
-  return Json{{"step", s.step},         {"loss", s.loss},         {"load_balance", s.load_balance}, {"lr", s.lr},
-              {"grad_norm", s.grad_norm}, {"tokens_per_s", s.tokens_per_s}, {"step_ms", s.step_ms}, {"peak_bytes", s.peak_bytes},
-              {"skipped", s.skipped}}
-      .dump();
+  Json j{{"step", s.step},         {"loss", s.loss},         {"load_balance", s.load_balance}, {"lr", s.lr},
+         {"grad_norm", s.grad_norm}, {"tokens_per_s", s.tokens_per_s}, {"step_ms", s.step_ms}, {"peak_bytes", s.peak_bytes},
+         {"skipped", s.skipped}};
+  if (!std::isnan(s.val_loss)) j["val_loss"] = s.val_loss;
+  return j.dump();
 }
 
 // A micro-batch of B samples of S + 1 tokens: inputs are tokens [0, S), targets [1, S + 1).
@@ -64,6 +68,24 @@ typename M::Batch make_batch(const std::vector<int32_t>& tokens, int64_t B, int6
   copy(batch.targets, targets);
   copy(batch.positions, positions);
   return batch;
+}
+
+// Mean cross-entropy per target over the first `samples` held-out sequences, forward only, in
+// micro-batches of `micro`: the same sequences at every evaluation, so the numbers are comparable.
+template <MoeModel M>
+double validation_loss(const M& model, const typename M::Weights& w, const TokenDataset& data, int64_t samples, int64_t micro,
+                       int64_t S, Device device) {
+  std::vector<int32_t> tokens;
+  double loss_sum = 0;
+  for (int64_t first = 0; first < samples; first += micro) {
+    const int64_t B = std::min(micro, samples - first);
+    tokens.resize(size_t(B * (S + 1)));
+    data.validation_batch(first, B, tokens.data());
+    MicroBatch<M> mb;
+    forward(mb, model, w, make_batch<M>(tokens, B, S, device));
+    loss_sum += mb.token_loss_sum;
+  }
+  return loss_sum / double(samples * S);
 }
 
 inline Device choose_device(const std::string& requested) {
@@ -95,6 +117,9 @@ std::vector<StepMetrics> train(const RunConfig& rc, const typename M::Config& mo
   data.require_vocab_fits(model_config.vocab_size);
   data.require_train_samples(rc.steps * rc.global_batch);
   data.set_samples_per_step(rc.global_batch);
+  MARROW_CHECK(rc.eval_every == 0 || rc.eval_samples <= data.validation_samples(),
+               "corpus {} holds {} validation samples of {} tokens but eval.samples is {} (lower it or raise data.validation_fraction)",
+               rc.data_path, data.validation_samples(), rc.seq_len + 1, rc.eval_samples);
 
   const int64_t n = model.num_parameters();
   Arena params("parameters", DType::f32, device, n);
@@ -221,7 +246,10 @@ std::vector<StepMetrics> train(const RunConfig& rc, const typename M::Config& mo
     m.step_ms = seconds * 1e3;
     m.tokens_per_s = double(rc.global_batch * S) / seconds;
     m.peak_bytes = device == Device::cuda ? arena_bytes + peak_memory_bytes(device) : peak_memory_bytes(device);
-    if (step % rc.log_every == 0 || step == 1 || step == rc.steps || m.skipped) {
+    // After the step's timing: evaluation is not training speed.
+    const bool evaluate = rc.eval_every > 0 && (step % rc.eval_every == 0 || step == rc.steps);
+    if (evaluate) m.val_loss = validation_loss(model, w, data, rc.eval_samples, rc.micro_batch, S, device);
+    if (step % rc.log_every == 0 || step == 1 || step == rc.steps || m.skipped || evaluate) {
       std::printf("%s\n", step_line(m, rc.steps).c_str());
       std::fflush(stdout);
     }

@@ -4,6 +4,8 @@
 - Two runs with the same seed print identical losses.
 - Each bad input stops the run with one clear sentence and a non-zero exit code.
 - Non-finite steps are skipped with a warning, and several in a row stop the run naming the step.
+- Validation loss (eval.every) is reported at the right steps, is the same in two runs, falls with
+  training, and leaves the training losses untouched.
 """
 import argparse
 import json
@@ -27,9 +29,13 @@ def run(marrow, args, cwd):
     return p.returncode, p.stdout, p.stderr
 
 
-def losses(out_dir):
+def metrics(out_dir):
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        return [json.loads(line)["loss"] for line in f]
+        return [json.loads(line) for line in f]
+
+
+def losses(out_dir):
+    return [m["loss"] for m in metrics(out_dir)]
 
 
 def main():
@@ -39,7 +45,7 @@ def main():
     args = parser.parse_args()
     repo = os.getcwd()
     corpus = os.path.join(os.environ.get("MARROW_DEMO_CORPUS", os.path.join(args.build_dir, "demo-corpus")), "corpus")
-    base = ["configs/tiny-moe.toml", f"--data.path={corpus}", "--output.log_every=50"]
+    base = ["configs/tiny-moe.toml", f"--data.path={corpus}", "--output.log_every=50", "--eval.every=0"]
 
     with tempfile.TemporaryDirectory() as tmp:
         # Loss falls steadily: 200 steps, two micro-batches of 4 per step.
@@ -65,6 +71,25 @@ def main():
         out = os.path.join(tmp, "other-seed")
         code, _, _ = run(args.marrow, base + ["--train.steps=15", "--schedule.warmup_steps=5", "--train.seed=99", f"--output.dir={out}"], repo)
         check(code == 0 and losses(out) != runs[0], "another seed gives other losses")
+
+        # Validation loss: at steps 10, 20 and the last (25), deterministic, falling, and training untouched.
+        evals = []
+        for name in ("eval1", "eval2"):
+            out = os.path.join(tmp, name)
+            code, stdout, _ = run(args.marrow, base + ["--train.steps=25", "--schedule.warmup_steps=5", "--eval.every=10",
+                                                       "--eval.samples=6", f"--output.dir={out}"], repo)
+            evals.append(metrics(out) if code == 0 else None)
+        if evals[0] is not None and evals[1] is not None:
+            steps = [m["step"] for m in evals[0] if "val_loss" in m]
+            check(steps == [10, 20, 25], f"validation loss at steps 10, 20, 25 (got {steps})")
+            val = [m["val_loss"] for m in evals[0] if "val_loss" in m]
+            check(val == [m["val_loss"] for m in evals[1] if "val_loss" in m], "two runs give identical validation losses")
+            check(val[-1] < val[0], f"validation loss falls ({val[0]:.4f} -> {val[-1]:.4f})")
+            out = os.path.join(tmp, "no-eval")
+            code, _, _ = run(args.marrow, base + ["--train.steps=25", "--schedule.warmup_steps=5", f"--output.dir={out}"], repo)
+            check(code == 0 and [m["loss"] for m in evals[0]] == losses(out), "evaluating leaves the training losses unchanged")
+        else:
+            check(False, "runs with eval.every=10 exit 0")
 
         # Non-finite steps: an absurd learning rate blows the weights up after the first update.
         out = os.path.join(tmp, "nan")
@@ -98,6 +123,7 @@ def main():
         cases.append((base + ["--train.seq_len=-5"], "--train.seq_len: must be positive, got -5"))
         cases.append((base + ["--data.path=/nonexistent/corpus"], "/nonexistent/corpus"))
         cases.append((base + ["--train.steps=100000000"], "but the run needs"))
+        cases.append((base + ["--eval.every=5", "--eval.samples=100000"], "validation samples of 65 tokens but eval.samples is 100000"))
         for argv, expected in cases:
             code, stdout, stderr = run(args.marrow, argv + [f"--output.dir={os.path.join(tmp, 'bad')}"], repo)
             lines = [l for l in stderr.strip().splitlines() if l]
