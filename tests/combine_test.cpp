@@ -31,6 +31,36 @@ TEST(Combine, ForwardMatchesHandComputedCase) {
   EXPECT_DOUBLE_EQ(out[1], 20 + 0.25 * 4 + 0.75 * 2);
 }
 
+// Expert parallelism: copies held by other ranks are -1, and y_perm has R != T * K rows.
+TEST(Combine, ForwardSkipsAbsentCopies) {
+  // Token 0 here in slot 1 only (row 2), token 1 not here at all; rows 0 and 1 are nobody's.
+  Buffer rows = i32_buffer({2, 2}, {-1, 2, -1, -1});
+  double residual[4] = {10, 20, 30, 40}, y_perm[6] = {1, 2, 3, 4, 5, 6}, w[4] = {0.25, 0.75, 0.5, 0.5}, out[4];
+  combine_forward(Tensor(out, DType::f64, Device::cpu, {2, 2}), Tensor(residual, DType::f64, Device::cpu, {2, 2}),
+                  Tensor(y_perm, DType::f64, Device::cpu, {3, 2}), Tensor(w, DType::f64, Device::cpu, {2, 2}), rows);
+  EXPECT_EQ(std::vector<double>(out, out + 4), (std::vector<double>{10 + 0.75 * 5, 20 + 0.75 * 6, 30, 40}));
+}
+
+TEST(Combine, ForwardWithoutResidualIsTheWeightedSum) {
+  Buffer rows = i32_buffer({2, 2}, {-1, 2, -1, -1});
+  double y_perm[6] = {1, 2, 3, 4, 5, 6}, w[4] = {0.25, 0.75, 0.5, 0.5}, out[4] = {-9, -9, -9, -9};
+  combine_forward(Tensor(out, DType::f64, Device::cpu, {2, 2}), Tensor{}, Tensor(y_perm, DType::f64, Device::cpu, {3, 2}),
+                  Tensor(w, DType::f64, Device::cpu, {2, 2}), rows);
+  EXPECT_EQ(std::vector<double>(out, out + 4), (std::vector<double>{0.75 * 5, 0.75 * 6, 0, 0}));
+}
+
+TEST(Combine, BackwardOfAbsentCopies) {
+  // Token 0: slot 0 in row 3, slot 1 not here; token 1: slot 0 not here, slot 1 in row 0. Rows 1, 2 are nobody's.
+  Buffer rows = i32_buffer({2, 2}, {3, -1, -1, 0});
+  double dout[4] = {1, 2, 3, 4}, y_perm[8] = {1, 1, 2, 2, 3, 3, 4, 5}, w[4] = {0.5, 0.25, 2, 4};
+  double dy_perm[8] = {-9, -9, -9, -9, -9, -9, -9, -9}, dw[4] = {-9, -9, -9, -9};
+  combine_backward(Tensor(dy_perm, DType::f64, Device::cpu, {4, 2}), Tensor(dw, DType::f64, Device::cpu, {2, 2}),
+                   Tensor(dout, DType::f64, Device::cpu, {2, 2}), Tensor(y_perm, DType::f64, Device::cpu, {4, 2}),
+                   Tensor(w, DType::f64, Device::cpu, {2, 2}), rows);
+  EXPECT_EQ(std::vector<double>(dy_perm, dy_perm + 8), (std::vector<double>{12, 16, -9, -9, -9, -9, 0.5, 1}));
+  EXPECT_EQ(std::vector<double>(dw, dw + 4), (std::vector<double>{1 * 4 + 2 * 5, 0, 0, 3 * 1 + 4 * 1}));
+}
+
 TEST(Combine, OutMayAliasResidual) {
   const int64_t n = 3, k = 2, h = 4;
   Buffer rows = i32_buffer({n, k}, {5, 0, 1, 4, 2, 3});
@@ -65,6 +95,27 @@ TEST(Combine, GradientsMatchFiniteDifferences) {
   }
 }
 
+TEST(Combine, GradientsMatchFiniteDifferencesWithAbsentCopies) {
+  // R = 5 rows for T * K = 6 slots: row 2 is nobody's, token 1 is not here at all. Without and with a residual.
+  const int64_t n = 3, k = 2, r_rows = 5, h = 4;
+  Buffer rows = i32_buffer({n, k}, {4, -1, -1, -1, 0, 3});
+  for (bool with_residual : {false, true}) {
+    Buffer residual = random_buffer(DType::f64, {n, h}, 1), y_perm = random_buffer(DType::f64, {r_rows, h}, 2),
+           w = random_buffer(DType::f64, {n, k}, 3), r = random_buffer(DType::f64, {n, h}, 4);
+    Buffer out(DType::f64, Device::cpu, {n, h}), dy_perm = Buffer::zeros(DType::f64, Device::cpu, {r_rows, h}),
+           dw(DType::f64, Device::cpu, {n, k});
+    auto loss = [&] {
+      combine_forward(out, with_residual ? residual.view() : Tensor{}, y_perm, w, rows);
+      return testing::weighted_sum(out, r);
+    };
+    loss();
+    combine_backward(dy_perm, dw, r, y_perm, w, rows);
+    testing::expect_gradient("dy_perm", y_perm, dy_perm, loss);
+    testing::expect_gradient("dtopk_weight", w, dw, loss);
+    if (with_residual) testing::expect_gradient("dresidual", residual, r, loss);
+  }
+}
+
 // One MoE block end to end, as the model strings the ops together:
 //   router -> dispatch -> grouped gate/up -> SwiGLU -> grouped down -> combine (+ residual),
 // and the backward in reverse. The loss is sum(r * out) + aux_grad * aux_loss.
@@ -72,7 +123,7 @@ struct ExpertBlock {
   static constexpr int64_t n = 6, h = 8, e = 4, k = 2, inter = 5;
   static constexpr double aux_grad = 0.4;
   Buffer x, logits, w_gate_up, w_down, residual, r;
-  Buffer probs, topk_index, topk_weight, aux, offsets, copy_row, x_perm, gate_up, act, y_perm, out;
+  Buffer probs, topk_index, topk_weight, routing_stats, offsets, copy_row, x_perm, gate_up, act, y_perm, out;
   Buffer dx, dlogits, dw_gate_up, dw_down, dtopk_weight, dy_perm, dact, dgate_up, dx_perm;
 
   explicit ExpertBlock(DType dtype)
@@ -84,7 +135,7 @@ struct ExpertBlock {
         probs(dtype, Device::cpu, {n, e}),
         topk_index(DType::i32, Device::cpu, {n, k}),
         topk_weight(dtype, Device::cpu, {n, k}),
-        aux(dtype, Device::cpu, {1}),
+        routing_stats(dtype, Device::cpu, {2 * e + 1}),
         offsets(DType::i32, Device::cpu, {e + 1}),
         copy_row(DType::i32, Device::cpu, {n, k}),
         x_perm(dtype, Device::cpu, {n * k, h}),
@@ -109,14 +160,14 @@ struct ExpertBlock {
 
   double forward() {
     router_forward(probs, topk_index, topk_weight, logits, true);
-    router_aux_loss(aux, probs, topk_index);
+    router_statistics(routing_stats, probs, topk_index);
     dispatch_plan(offsets, copy_row, topk_index);
     dispatch_forward(x_perm, x, copy_row);
     grouped_linear_forward(gate_up, x_perm, w_gate_up, offsets);
     swiglu_forward(act, gate_up);
     grouped_linear_forward(y_perm, act, w_down, offsets);
     combine_forward(out, residual, y_perm, topk_weight, copy_row);
-    return testing::weighted_sum(out, r) + aux_grad * testing::element(aux, 0);
+    return testing::weighted_sum(out, r) + aux_grad * router_aux_loss(routing_stats);
   }
 
   void backward() {
@@ -127,7 +178,7 @@ struct ExpertBlock {
     grouped_linear_backward_input(dx_perm, dgate_up, w_gate_up, offsets);
     grouped_linear_backward_weight(dw_gate_up, dgate_up, x_perm, offsets);
     dispatch_backward(dx, dx_perm, copy_row);
-    router_backward(dlogits, dtopk_weight, probs, topk_index, topk_weight, true, aux_grad);
+    router_backward(dlogits, dtopk_weight, probs, topk_index, topk_weight, true, aux_grad, routing_stats);
   }
 };
 
@@ -162,14 +213,27 @@ TEST(Combine, F32PathMatchesF64ThroughWholeExpertBlock) {
 }
 
 TEST(Combine, RejectsCopyRowOutsideRange) {
-  Buffer rows = i32_buffer({2, 2}, {0, 1, 2, 7});
+  // R = 3 rows: 3 is past the end even though T * K = 4.
+  Buffer rows = i32_buffer({2, 2}, {0, -1, 2, 3});
   Buffer residual(DType::f32, Device::cpu, {2, 3}), out(DType::f32, Device::cpu, {2, 3}),
-      y_perm(DType::f32, Device::cpu, {4, 3}), w(DType::f32, Device::cpu, {2, 2});
+      y_perm(DType::f32, Device::cpu, {3, 3}), w(DType::f32, Device::cpu, {2, 2});
   try {
     combine_forward(out, residual, y_perm, w, rows);
     FAIL() << "expected an error";
   } catch (const Error& e) {
-    EXPECT_STREQ(e.what(), "combine_forward: copy_row[1, 1] = 7 is outside [0, 4)");
+    EXPECT_STREQ(e.what(), "combine_forward: copy_row[1, 1] = 3 is neither -1 nor inside [0, 3)");
+  }
+}
+
+TEST(Combine, BackwardRejectsCopyRowOutsideRange) {
+  Buffer rows = i32_buffer({2, 2}, {5, -1, 0, 1});
+  Buffer dout(DType::f32, Device::cpu, {2, 3}), y_perm(DType::f32, Device::cpu, {5, 3}),
+      dy_perm(DType::f32, Device::cpu, {5, 3}), w(DType::f32, Device::cpu, {2, 2}), dw(DType::f32, Device::cpu, {2, 2});
+  try {
+    combine_backward(dy_perm, dw, dout, y_perm, w, rows);
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(), "combine_backward: copy_row[0, 0] = 5 is neither -1 nor inside [0, 5)");
   }
 }
 

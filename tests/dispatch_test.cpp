@@ -42,6 +42,22 @@ TEST(Dispatch, ForwardCopiesEachTokenToItsRows) {
   EXPECT_EQ(std::vector<double>(x_perm, x_perm + 8), (std::vector<double>{1, 2, 3, 4, 3, 4, 1, 2}));
 }
 
+// Expert parallelism: copies held by other ranks are -1, and x_perm has R != T * K rows.
+TEST(Dispatch, ForwardSkipsAbsentCopies) {
+  // Token 0 here in slot 0 only, token 1 not here at all, token 2 in both slots; row 1 is nobody's.
+  Buffer rows = i32_buffer({3, 2}, {2, -1, -1, -1, 0, 3});
+  double x[6] = {1, 2, 3, 4, 5, 6}, x_perm[8] = {-9, -9, -9, -9, -9, -9, -9, -9};
+  dispatch_forward(Tensor(x_perm, DType::f64, Device::cpu, {4, 2}), Tensor(x, DType::f64, Device::cpu, {3, 2}), rows);
+  EXPECT_EQ(std::vector<double>(x_perm, x_perm + 8), (std::vector<double>{5, 6, -9, -9, 1, 2, 5, 6}));
+}
+
+TEST(Dispatch, BackwardSumsPresentCopiesOnly) {
+  Buffer rows = i32_buffer({3, 2}, {2, -1, -1, -1, 0, 3});
+  double dx_perm[8] = {1, 2, 30, 40, 5, 6, 700, 800}, dx[6] = {-9, -9, -9, -9, -9, -9};
+  dispatch_backward(Tensor(dx, DType::f64, Device::cpu, {3, 2}), Tensor(dx_perm, DType::f64, Device::cpu, {4, 2}), rows);
+  EXPECT_EQ(std::vector<double>(dx, dx + 6), (std::vector<double>{5, 6, 0, 0, 701, 802}));
+}
+
 TEST(Dispatch, GradientsMatchFiniteDifferences) {
   struct Case {
     int64_t n, e, k;
@@ -65,6 +81,22 @@ TEST(Dispatch, GradientsMatchFiniteDifferences) {
   }
 }
 
+TEST(Dispatch, GradientsMatchFiniteDifferencesWithAbsentCopies) {
+  // R = 6 rows for T * K = 8 slots: rows 2 and 4 are nobody's, token 2 is not here at all.
+  const int64_t n = 4, k = 2, r_rows = 6, h = 5;
+  Buffer rows = i32_buffer({n, k}, {3, -1, 0, 5, -1, -1, 1, -1});
+  Buffer x = random_buffer(DType::f64, {n, h}, 1), r = random_buffer(DType::f64, {r_rows, h}, 2);
+  Buffer x_perm = Buffer::zeros(DType::f64, Device::cpu, {r_rows, h}), dx(DType::f64, Device::cpu, {n, h});
+  auto loss = [&] {
+    dispatch_forward(x_perm, x, rows);
+    return testing::weighted_sum(x_perm, r);
+  };
+  loss();
+  dispatch_backward(dx, r, rows);
+  testing::expect_gradient("dx", x, dx, loss);
+  for (int64_t c = 0; c < h; ++c) EXPECT_EQ(dx.ptr<double>()[2 * h + c], 0.0);
+}
+
 TEST(Dispatch, RejectsExpertOutsideRange) {
   Buffer topk = i32_buffer({2, 2}, {0, 1, 2, 4});
   Buffer offsets(DType::i32, Device::cpu, {5}), rows(DType::i32, Device::cpu, {2, 2});
@@ -78,23 +110,35 @@ TEST(Dispatch, RejectsExpertOutsideRange) {
 
 TEST(Dispatch, RejectsMisshapenPermutedRows) {
   Buffer rows = i32_buffer({2, 2}, {0, 1, 2, 3});
+  Buffer x(DType::f32, Device::cpu, {2, 3}), x_perm(DType::f32, Device::cpu, {4, 4});
+  try {
+    dispatch_forward(x_perm, x, rows);
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(), "dispatch_forward: x_perm has shape [4, 4] but expected [4, 3]");
+  }
+}
+
+TEST(Dispatch, RejectsRowOutsideRange) {
+  // R = 3 rows: 3 is past the end even though T * K = 4.
+  Buffer rows = i32_buffer({2, 2}, {0, -1, 2, 3});
+  Buffer dx(DType::f32, Device::cpu, {2, 3}), dx_perm(DType::f32, Device::cpu, {3, 3});
+  try {
+    dispatch_backward(dx, dx_perm, rows);
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(), "dispatch_backward: copy_row[1, 1] = 3 is neither -1 nor inside [0, 3)");
+  }
+}
+
+TEST(Dispatch, RejectsNegativeRowOtherThanAbsent) {
+  Buffer rows = i32_buffer({2, 2}, {0, -2, 2, -1});
   Buffer x(DType::f32, Device::cpu, {2, 3}), x_perm(DType::f32, Device::cpu, {3, 3});
   try {
     dispatch_forward(x_perm, x, rows);
     FAIL() << "expected an error";
   } catch (const Error& e) {
-    EXPECT_STREQ(e.what(), "dispatch_forward: x_perm has shape [3, 3] but expected [4, 3]");
-  }
-}
-
-TEST(Dispatch, RejectsRowOutsideRange) {
-  Buffer rows = i32_buffer({2, 2}, {0, -1, 2, 3});
-  Buffer dx(DType::f32, Device::cpu, {2, 3}), dx_perm(DType::f32, Device::cpu, {4, 3});
-  try {
-    dispatch_backward(dx, dx_perm, rows);
-    FAIL() << "expected an error";
-  } catch (const Error& e) {
-    EXPECT_STREQ(e.what(), "dispatch_backward: copy_row[0, 1] = -1 is outside [0, 4)");
+    EXPECT_STREQ(e.what(), "dispatch_forward: copy_row[0, 1] = -2 is neither -1 nor inside [0, 3)");
   }
 }
 

@@ -4,6 +4,8 @@
                                                     (2% relative per step) and the two GPU runs are
                                                     bitwise identical.
   compare_runs.py --peak-stable RUN.jsonl           peak memory after the first 10 steps does not grow.
+  compare_runs.py --within REL A.jsonl B.jsonl      every step's loss of B within REL (relative) of A's
+                                                    (e.g. a layout of several GPUs against one GPU).
 Prints a table and PASS or FAIL; exits non-zero on FAIL.
 """
 import json
@@ -16,7 +18,15 @@ def read(path):
 
 
 def main():
-    if sys.argv[1] == "--peak-stable":
+    if sys.argv[1] == "--within":
+        bound, a, b = float(sys.argv[2]), read(sys.argv[3]), read(sys.argv[4])
+        ok = len(a) == len(b) > 0
+        print(f"{'step':>4} {'loss A':>10} {'loss B':>10} {'rel diff':>9}")
+        for x, y in zip(a, b):
+            rel = abs(y["loss"] - x["loss"]) / abs(x["loss"])
+            ok = ok and rel <= bound
+            print(f"{x['step']:>4} {x['loss']:>10.5f} {y['loss']:>10.5f} {rel:>9.2e}")
+    elif sys.argv[1] == "--peak-stable":
         run = read(sys.argv[2])
         peaks = [r["peak_bytes"] for r in run]
         early, late = max(peaks[: min(10, len(peaks))]), max(peaks)

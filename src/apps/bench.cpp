@@ -20,6 +20,7 @@
 #include "ops/attention.h"
 #include "ops/grouped_linear.h"
 #include "ops/linear.h"
+#include "parallel/process.h"
 
 namespace marrow {
 
@@ -102,6 +103,20 @@ void bench_kernels() {
   }
 }
 
+// Bytes rank 0 sent to other expert-parallel ranks per step, as the bf16 rows of the four
+// all-to-alls (dispatch and combine, forward and backward), against one row per routed expert.
+void print_expert_traffic(const std::vector<StepMetrics>& history, int64_t warmup, int64_t row_bytes, double step_ms) {
+  double rows = 0, copies = 0;
+  for (size_t i = size_t(warmup); i < history.size(); ++i) {
+    rows += double(history[i].expert_traffic.remote_rows);
+    copies += double(history[i].expert_traffic.remote_copies);
+  }
+  const double steps = double(history.size() - size_t(warmup)), bytes = 4 * rows * double(row_bytes) / steps;
+  std::printf("expert all-to-all per step (rank 0, 4 exchanges of bf16 rows): %.1f MB sent to other ranks, %.1f MB at one row per "
+              "routed expert (deduplication saves %.1f%%); %.1f GB/s over the whole step\n",
+              bytes / 1e6, 4 * copies * double(row_bytes) / steps / 1e6, 100 * (1 - rows / std::max(copies, 1.0)), bytes / (step_ms * 1e-3) / 1e9);
+}
+
 template <MoeModel M>
 void bench_training(RunConfig rc, const typename M::Config& config, int64_t warmup, int64_t steps) {
   rc.steps = warmup + steps;
@@ -128,8 +143,12 @@ void bench_training(RunConfig rc, const typename M::Config& config, int64_t warm
   const double attention = 6.0 * double(rc.seq_len) * double(config.head_dim * config.num_heads) * double(config.num_layers);
   const double flops_per_token = 6.0 * double(model.num_active_parameters()) + attention;
   const double tflops = flops_per_token * tokens / (ms * 1e-3) / 1e12;
-  std::printf("bench: %lld measured steps after %lld warm-up | %.0f tokens/s | %.1f ms/step | %.1f TFLOP/s | MFU %.1f%% | peak %.2f GiB\n",
-              (long long)steps, (long long)warmup, tokens / (ms * 1e-3), ms, tflops, 100 * tflops / kPeakTflops, peak / 1073741824.0);
+  // Several processes: the figures are per GPU (tokens/s of the whole job over its processes).
+  const double gpus = double(process::size());
+  std::printf("bench: %lld measured steps after %lld warm-up | %.0f tokens/s%s | %.1f ms/step | %.1f TFLOP/s | MFU %.1f%% | peak %.2f GiB\n",
+              (long long)steps, (long long)warmup, tokens / (ms * 1e-3) / gpus, gpus > 1 ? " per GPU" : "", ms, tflops / gpus,
+              100 * tflops / gpus / kPeakTflops, peak / 1073741824.0);
+  if (rc.ep > 1) print_expert_traffic(history, warmup, int64_t(config.hidden_size) * 2, ms);
   // The stages' own time; what is left of the step is host work between them (data, launches, syncs).
   std::printf("%-24s %10s %7s\n", "stage (per step)", "ms", "share");
   double staged = 0;

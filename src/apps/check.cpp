@@ -1,4 +1,5 @@
-// marrow check [--only <group>]: the GPU correctness report (DESIGN.md §7, layer 2).
+// marrow check [--only <group>]: the GPU correctness report (DESIGN.md §7, layer 2); under mpirun,
+// `--only expert_parallel` checks the expert all-to-alls over NCCL.
 #include "apps/check.h"
 
 #include <CLI/CLI.hpp>
@@ -10,6 +11,7 @@
 #include "core/rng.h"
 #include "ops/cast.h"
 #include "ops/init.h"
+#include "parallel/process.h"
 
 namespace marrow {
 
@@ -124,10 +126,11 @@ Buffer offsets_host(const std::vector<int32_t>& counts) {
 }
 
 int check_command(int argc, char** argv) {
+  MARROW_CHECK(process::size() == 1 || argc >= 3, "marrow check under mpirun runs one group: --only expert_parallel");
   CLI::App app{"marrow check: every CUDA op and the model against the CPU reference"};
   std::string only;
-  app.add_option("--only", only, "run one group: elementwise, gemm, attention, model")
-      ->check(CLI::IsMember({"elementwise", "gemm", "attention", "model"}));
+  app.add_option("--only", only, "run one group: elementwise, gemm, attention, model, expert_parallel (also under mpirun)")
+      ->check(CLI::IsMember({"elementwise", "gemm", "attention", "model", "expert_parallel"}));
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -140,6 +143,7 @@ int check_command(int argc, char** argv) {
   if (only.empty() || only == "gemm") check_gemm_ops(report);
   if (only.empty() || only == "attention") check_attention_op(report);
   if (only.empty() || only == "model") check_model(report);
+  if (only.empty() || only == "expert_parallel") check_expert_parallel(report);
   const auto failed = std::count_if(report.rows().begin(), report.rows().end(), [](const CheckRow& r) { return !r.passed; });
   std::printf("%zu checks, %ld failed\n%s\n", report.rows().size(), long(failed), report.passed() ? "PASS" : "FAIL");
   return report.passed() ? 0 : 1;

@@ -57,5 +57,7 @@ void check_elementwise_ops(CheckReport& report);
 void check_gemm_ops(CheckReport& report);
 void check_attention_op(CheckReport& report);
 void check_model(CheckReport& report);
+// Under mpirun -np P (any P, also 1): the expert-parallel all-to-alls over NCCL (check_parallel.cpp).
+void check_expert_parallel(CheckReport& report);
 
 }  // namespace marrow

@@ -166,17 +166,23 @@ void check_moe(CheckReport& report, int64_t n, int64_t e, int64_t k, int64_t h, 
   report.compare("router_forward topk_weight " + size, topk_weight_d, topk_weight, kF32);
 
   OnDevice probs_same(probs, DType::f32), index_same(topk_index, DType::i32), weight_same(topk_weight, DType::f32);
-  Buffer aux = host_f32({1}), aux_d = poisoned(DType::f32, {1});
-  router_aux_loss(aux, probs, topk_index);
-  router_aux_loss(aux_d, probs_same, index_same);
+  Buffer stats = host_f32({2 * e + 1}), stats_d = poisoned(DType::f32, {2 * e + 1});
+  router_statistics(stats, probs, topk_index);
+  router_statistics(stats_d, probs_same, index_same);
+  report.expect_equal("router_statistics counts " + size, stats_d.view().rows(0, e), stats.view().rows(0, e));
+  report.compare("router_statistics sums " + size, stats_d.view().rows(e, 2 * e + 1), stats.view().rows(e, 2 * e + 1), kF32);
+  Buffer aux = host_f32({1}), aux_d = host_f32({1});
+  aux.ptr<float>()[0] = float(router_aux_loss(stats));
+  aux_d.ptr<float>()[0] = float(router_aux_loss(stats_d));
   report.compare("router_aux_loss " + size, aux_d, aux, kF32);
 
   // aux_grad = T / 2 makes the aux term's gradient comparable to the routing weights'.
   Buffer dtopk = random_host({n, k}, 51), dlogits = host_f32({n, e});
   OnDevice dtopk_d(dtopk, DType::f32);
   Buffer dlogits_d = poisoned(DType::bf16, {n, e});
-  router_backward(dlogits, dtopk, probs, topk_index, topk_weight, normalize, 0.5 * double(n));
-  router_backward(dlogits_d, dtopk_d, probs_same, index_same, weight_same, normalize, 0.5 * double(n));
+  OnDevice stats_same(stats, DType::f32);
+  router_backward(dlogits, dtopk, probs, topk_index, topk_weight, normalize, 0.5 * double(n), stats);
+  router_backward(dlogits_d, dtopk_d, probs_same, index_same, weight_same, normalize, 0.5 * double(n), stats_same);
   report.compare("router_backward dlogits " + size, dlogits_d, dlogits, kBf16);
 
   Buffer offsets(DType::i32, Device::cpu, {e + 1}), offsets_gpu(DType::i32, Device::cpu, {e + 1});
@@ -217,6 +223,84 @@ void check_moe(CheckReport& report, int64_t n, int64_t e, int64_t k, int64_t h, 
   combine_backward(dy_perm_d, dweight_d, dout_d, y_perm_d, weight_same, rows_same);
   report.compare("combine_backward dy_perm " + hsize, dy_perm_d, dy_perm, kBf16);
   report.compare("combine_backward dtopk_weight " + hsize, dweight_d, dweight, kF32);
+}
+
+// Expert parallelism: rank `rank` of `ranks` holds experts [rank * E / ranks, (rank + 1) * E / ranks)
+// and sees its part of the plan: copy_row keeps the rows of its experts' copies, shifted to start
+// at 0, and -1 for the copies other ranks hold, so the permuted tensors have R < T * K rows (the
+// rank's block of the full plan). Token 0 sends every slot to the next rank, so at least one token
+// has no copy here.
+struct RankPlan {
+  Buffer copy_row;
+  int64_t rows = 0;
+};
+
+RankPlan rank_plan(int64_t n, int64_t e, int64_t k, int64_t ranks, int64_t rank) {
+  const int64_t per_rank = e / ranks;
+  Buffer topk_index = random_ids({n, k}, e, 90);
+  for (int64_t j = 0; j < k; ++j) topk_index.ptr<int32_t>()[j] = int32_t((rank + 1) % ranks * per_rank);
+  Buffer offsets(DType::i32, Device::cpu, {e + 1});
+  RankPlan plan{Buffer(DType::i32, Device::cpu, {n, k})};
+  dispatch_plan(offsets, plan.copy_row, topk_index);
+  const int32_t first = offsets.ptr<int32_t>()[rank * per_rank], end = offsets.ptr<int32_t>()[(rank + 1) * per_rank];
+  int32_t* row = plan.copy_row.ptr<int32_t>();
+  for (int64_t i = 0; i < n * k; ++i) row[i] = first <= row[i] && row[i] < end ? row[i] - first : -1;
+  plan.rows = end - first;
+  return plan;
+}
+
+// Dispatch on a rank's plan, in `dtype`: bf16 activations, or f32 routing weights and their
+// gradients (H = K).
+void check_dispatch_rank(CheckReport& report, int64_t n, int64_t e, int64_t k, int64_t h, int64_t ranks, int64_t rank,
+                         DType dtype) {
+  const RankPlan plan = rank_plan(n, e, k, ranks, rank);
+  const std::string size =
+      fmt::format("{} T={} E={} K={} H={} rank {} of {} (R={})", dtype_name(dtype), n, e, k, h, rank, ranks, plan.rows);
+  auto random_input = [&](std::initializer_list<int64_t> dims, uint64_t seed) {
+    return dtype == DType::bf16 ? random_bf16(dims, seed) : random_host(dims, seed);
+  };
+  OnDevice rows_d(plan.copy_row, DType::i32);
+  Buffer x = random_input({n, h}, 91), x_perm = host_f32({plan.rows, h});
+  OnDevice x_d(x, dtype);
+  Buffer x_perm_d = poisoned(dtype, {plan.rows, h});
+  dispatch_forward(x_perm, x, plan.copy_row);
+  dispatch_forward(x_perm_d, x_d, rows_d);
+  report.compare("dispatch_forward " + size, x_perm_d, x_perm, kExact);
+
+  Buffer dx_perm = random_input({plan.rows, h}, 92), dx = host_f32({n, h});
+  OnDevice dx_perm_d(dx_perm, dtype);
+  Buffer dx_d = poisoned(dtype, {n, h});
+  dispatch_backward(dx, dx_perm, plan.copy_row);
+  dispatch_backward(dx_d, dx_perm_d, rows_d);
+  report.compare("dispatch_backward " + size, dx_d, dx, dtype == DType::bf16 ? kBf16 : kF32);
+}
+
+// Combine on a rank's plan: the rank's partial sum without a residual, in place on a residual, and
+// the backward.
+void check_combine_rank(CheckReport& report, int64_t n, int64_t e, int64_t k, int64_t h, int64_t ranks, int64_t rank) {
+  const RankPlan plan = rank_plan(n, e, k, ranks, rank);
+  const std::string size = fmt::format("T={} E={} K={} H={} rank {} of {} (R={})", n, e, k, h, rank, ranks, plan.rows);
+  OnDevice rows_d(plan.copy_row, DType::i32);
+  Buffer y_perm = random_bf16({plan.rows, h}, 93), topk_weight = random_host({n, k}, 94), out = host_f32({n, h});
+  OnDevice y_perm_d(y_perm, DType::bf16), weight_d(topk_weight, DType::f32);
+  Buffer out_d = poisoned(DType::bf16, {n, h});
+  combine_forward(out, Tensor{}, y_perm, topk_weight, plan.copy_row);
+  combine_forward(out_d, Tensor{}, y_perm_d, weight_d, rows_d);
+  report.compare("combine_forward without residual " + size, out_d, out, kBf16);
+
+  Buffer residual = random_bf16({n, h}, 95);
+  OnDevice residual_d(residual, DType::bf16);
+  combine_forward(out, residual, y_perm, topk_weight, plan.copy_row);
+  combine_forward(residual_d, residual_d, y_perm_d, weight_d, rows_d);
+  report.compare("combine_forward in place " + size, residual_d, out, kBf16);
+
+  Buffer dout = random_bf16({n, h}, 96), dy_perm = host_f32({plan.rows, h}), dweight = host_f32({n, k});
+  OnDevice dout_d(dout, DType::bf16);
+  Buffer dy_perm_d = poisoned(DType::bf16, {plan.rows, h}), dweight_d = poisoned(DType::f32, {n, k});
+  combine_backward(dy_perm, dweight, dout, y_perm, topk_weight, plan.copy_row);
+  combine_backward(dy_perm_d, dweight_d, dout_d, y_perm_d, weight_d, rows_d);
+  report.compare("combine_backward dy_perm " + size, dy_perm_d, dy_perm, kBf16);
+  report.compare("combine_backward dtopk_weight " + size, dweight_d, dweight, kF32);
 }
 
 // Every 7th target is the ignore index; the backward writes dlogits over the logits, as the model does.
@@ -289,6 +373,12 @@ void check_elementwise_ops(CheckReport& report) {
   check_moe(report, 37, 8, 2, 75, false, -1);
   check_moe(report, 37, 8, 8, 72, true, -1);  // K = E
   check_moe(report, 37, 128, 8, 75, true, 5);
+  check_dispatch_rank(report, 37, 8, 2, 72, 4, 1, DType::bf16);
+  check_dispatch_rank(report, 37, 8, 2, 75, 4, 1, DType::bf16);
+  check_dispatch_rank(report, 37, 8, 8, 8, 2, 0, DType::f32);  // routing weights: H = K
+  check_dispatch_rank(report, 37, 8, 2, 2, 4, 3, DType::f32);
+  check_combine_rank(report, 37, 8, 2, 72, 4, 1);
+  check_combine_rank(report, 37, 8, 2, 75, 4, 1);
   check_cross_entropy(report, 37, 1001);
   check_adamw(report, 37 * 75, 0);
   check_adamw(report, 37 * 75, 1);
@@ -304,6 +394,9 @@ void check_elementwise_ops(CheckReport& report) {
   check_add(report, 4096, 2048, DType::f32);
   check_swiglu(report, 4096 * 8, 768);
   check_moe(report, 4096, 128, 8, 2048, true, 5);
+  check_dispatch_rank(report, 4096, 128, 8, 2048, 8, 3, DType::bf16);
+  check_dispatch_rank(report, 4096, 128, 8, 8, 8, 3, DType::f32);
+  check_combine_rank(report, 4096, 128, 8, 2048, 8, 3);
   // Full vocabulary; 1024 rows rather than 4096: each row is one block, and drawing the random
   // logits on the CPU (~30 ns each) would dominate the whole check.
   check_cross_entropy(report, 1024, 151936);

@@ -6,6 +6,7 @@
 
 #include "apps/commands.h"
 #include "core/errors.h"
+#include "parallel/process.h"
 
 namespace {
 
@@ -22,7 +23,7 @@ const Command kCommands[] = {
     {"export", marrow::export_command, "export a checkpoint as a Hugging Face model: marrow export <checkpoint> <out-dir>"},
     {"import", marrow::import_command, "import a Hugging Face model as a checkpoint: marrow import <hf-dir> <checkpoint-dir>"},
     {"sample", marrow::sample_command, "continue a prompt: marrow sample <checkpoint-or-hf-dir> --prompt \"...\""},
-    {"check", marrow::check_command, "compare every CUDA op and the model with the CPU reference (needs a GPU)"},
+    {"check", marrow::check_command, "compare every CUDA op and the model with the CPU reference (needs a GPU) [--only <group>]"},
     {"bench", marrow::bench_command, "measure training speed: marrow bench <run-config> [--warmup=N --steps=M] [--profile-steps=A:B] | --kernels"},
 };
 
@@ -33,20 +34,32 @@ void usage() {
 
 }  // namespace
 
+// A job of several processes (mpirun, srun; parallel/process.h): world rank 0 alone prints to
+// stdout; an error on any rank names the rank and ends the whole job at once.
 int main(int argc, char** argv) {
+  marrow::process::start(&argc, &argv);
+  if (marrow::process::rank() != 0 && !std::freopen("/dev/null", "w", stdout)) return 1;
   if (argc < 2 || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h")) {
     usage();
+    marrow::process::finish();
     return argc < 2 ? 2 : 0;
   }
   for (const Command& c : kCommands) {
     if (std::strcmp(argv[1], c.name) != 0) continue;
+    int code = 1;
     try {
-      return c.run(argc - 1, argv + 1);
+      code = c.run(argc - 1, argv + 1);
     } catch (const marrow::Error& e) {
+      if (marrow::process::size() > 1) {
+        std::fprintf(stderr, "marrow %s: error on rank %d of %d: %s\n", c.name, marrow::process::rank(), marrow::process::size(), e.what());
+        marrow::process::abort_job(1);
+      }
       std::fprintf(stderr, "marrow %s: error: %s\n", c.name, e.what());
-      return 1;
     }
+    marrow::process::finish();
+    return code;
   }
   std::fprintf(stderr, "marrow: unknown command '%s' (run 'marrow --help' for the list)\n", argv[1]);
+  marrow::process::finish();
   return 2;
 }

@@ -166,6 +166,18 @@ bool cuda_available() {
 #endif
 }
 
+void use_gpu(int index) {
+#if MARROW_CUDA
+  int count = 0;
+  MARROW_CUDA_CHECK(cudaGetDeviceCount(&count));
+  MARROW_CHECK(index < count, "this process is local rank {} but the machine shows {} GPU{}: start at most one process per GPU", index,
+               count, count == 1 ? "" : "s");
+  MARROW_CUDA_CHECK(cudaSetDevice(index));
+#else
+  fail("GPU {} asked for, but this build of marrow has no CUDA support (configure with -DMARROW_CUDA=ON)", index);
+#endif
+}
+
 void keep_pool_memory() {
 #if MARROW_CUDA
   int dev = 0;

@@ -78,6 +78,10 @@ void synchronize(Stream stream = {});
 // Whether this build has CUDA and a GPU is visible.
 bool cuda_available();
 
+// Makes GPU `index` this process's device (one process per GPU: the local rank); one sentence when
+// the machine has fewer GPUs.
+void use_gpu(int index);
+
 // Keeps freed activation memory cached in CUDA's stream-ordered pool instead of returning it to the
 // driver at every synchronisation (DESIGN.md §4); call once before training on the GPU.
 void keep_pool_memory();

@@ -19,6 +19,14 @@ struct TensorSpec {
   // expert weights: their fp32 gradients are the bulk of the arena), so the trainer zeroes only
   // the other gradients before a step.
   bool first_backward_writes = false;
+  // One expert's weight: held by one expert-parallel rank (ExpertShard), so its gradient is summed
+  // over that rank's data-parallel replicas only, and that rank saves it.
+  bool is_expert = false;
+};
+
+// The experts of each layer that one process holds: [first, first + count); count < 0 means all.
+struct ExpertShard {
+  int64_t first = 0, count = -1;
 };
 
 // Cuts a table (offsets increasing) into files of at most max_bytes at element_bytes per element

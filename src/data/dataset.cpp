@@ -211,15 +211,14 @@ void TokenDataset::copy_window(int64_t window, int32_t* out) const {
   }
 }
 
-void TokenDataset::train_batch(int64_t step, int64_t first, int64_t count, int32_t* tokens, int dp_rank, int dp_size) const {
+void TokenDataset::train_batch(int64_t step, int64_t micro, int64_t count, int32_t* tokens, int dp_rank, int dp_size) const {
   MARROW_CHECK(samples_per_step_ > 0, "TokenDataset::train_batch needs set_samples_per_step(global batch) first");
   MARROW_CHECK(dp_size >= 1 && dp_rank >= 0 && dp_rank < dp_size, "data-parallel rank {} of {} is invalid", dp_rank, dp_size);
-  MARROW_CHECK(samples_per_step_ % dp_size == 0, "a global batch of {} samples does not split over {} data-parallel ranks",
-               samples_per_step_, dp_size);
-  const int64_t per_rank = samples_per_step_ / dp_size;
-  MARROW_CHECK(step >= 0 && first >= 0 && count >= 0 && first + count <= per_rank,
-               "training samples {}..{} of step {} are outside this rank's share of {}", first, first + count - 1, step, per_rank);
-  const int64_t base = step * samples_per_step_ + dp_rank * per_rank + first;
+  const int64_t round = count * dp_size;  // samples of one micro-batch over all ranks
+  MARROW_CHECK(step >= 0 && micro >= 0 && count >= 0 && (micro + 1) * round <= samples_per_step_,
+               "micro-batch {} of {} samples on {} data-parallel ranks does not fit a global batch of {}", micro, count, dp_size,
+               samples_per_step_);
+  const int64_t base = step * samples_per_step_ + micro * round + dp_rank * count;
   for (int64_t i = 0; i < count; ++i) copy_window(train_window_at(base + i), tokens + i * (seq_len_ + 1));
 }
 

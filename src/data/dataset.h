@@ -7,7 +7,7 @@
 // per step) of an endless sequence made of one seeded random permutation of all training windows
 // per epoch. So no window repeats before the corpus is used up, and the samples of a step are a
 // pure function of (seed, step): resuming needs no saved state, and the same global batch comes out
-// for any number of data-parallel ranks, each taking a disjoint contiguous share of it.
+// for any number of data-parallel ranks, each taking disjoint slices of it (train_batch).
 #pragma once
 #include <cstdint>
 #include <string>
@@ -39,9 +39,12 @@ class TokenDataset {
   void require_train_samples(int64_t needed) const;
   // Error naming both numbers when the corpus's vocabulary does not fit the model's vocab_size.
   void require_vocab_fits(int64_t model_vocab_size) const;
-  // Fills tokens[count*(seq_len+1)] with training samples number first..first+count-1 of optimizer step `step`
-  // for data-parallel rank dp_rank of dp_size (disjoint across ranks); a pure function of (seed, step, indices).
-  void train_batch(int64_t step, int64_t first, int64_t count, int32_t* tokens, int dp_rank = 0, int dp_size = 1) const;
+  // Fills tokens[count*(seq_len+1)] with micro-batch `micro` of `count` samples of optimizer step `step` for
+  // data-parallel rank dp_rank of dp_size: the step's samples micro*count*dp_size + dp_rank*count + [0, count).
+  // One round of micro-batches covers every rank before the next, so micro-batch m of all ranks together
+  // is micro-batch m of one process with count*dp_size samples (its load-balance statistics too).
+  // A pure function of (seed, step, indices).
+  void train_batch(int64_t step, int64_t micro, int64_t count, int32_t* tokens, int dp_rank = 0, int dp_size = 1) const;
   void validation_batch(int64_t first, int64_t count, int32_t* tokens) const;
 
   // The window (index into the corpus's windows) of training sample `position` of the endless order.

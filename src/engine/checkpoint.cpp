@@ -109,7 +109,8 @@ Json run_config_json(const RunConfig& rc) {
           {"checkpoint",
            {{"every", rc.checkpoint_every}, {"keep", rc.checkpoint_keep}, {"resume", rc.checkpoint_resume},
             {"optimizer_state", rc.checkpoint_optimizer_state}}},
-          {"output", {{"dir", rc.out_dir}, {"log_every", rc.log_every}}}};
+          {"output", {{"dir", rc.out_dir}, {"log_every", rc.log_every}}},
+          {"parallel", {{"pp", rc.pp}, {"cp", rc.cp}, {"ep", rc.ep}, {"timeout_s", rc.timeout_s}}}};
 }
 
 }  // namespace
@@ -121,65 +122,75 @@ std::string Checkpoint::tokenizer_path() const {
   return fs::exists(path) ? path : "";
 }
 
-void write_checkpoint(const std::string& dir, const std::vector<TensorSpec>& specs, const CheckpointArenas& arenas, Json meta,
-                      const Json& model_config, const std::string& tokenizer_json, size_t shard_bytes) {
+Json write_checkpoint_part(const std::string& tmp, const std::vector<TensorSpec>& all_specs, const std::vector<char>& writes,
+                           const CheckpointArenas& arenas, const std::string& part, size_t shard_bytes) {
   const auto start = std::chrono::steady_clock::now();
-  const std::string tmp = dir + ".tmp";
-  remove_tree(tmp);
-  std::error_code ec;
-  fs::create_directories(tmp, ec);
-  MARROW_CHECK(!ec, "cannot create checkpoint directory {}: {}", tmp, ec.message());
-  for (size_t i = 1; i < specs.size(); ++i)
-    MARROW_CHECK(specs[i].offset >= specs[i - 1].offset + specs[i - 1].numel, "internal: parameter table offsets are not increasing");
-
+  for (size_t i = 1; i < all_specs.size(); ++i)
+    MARROW_CHECK(all_specs[i].offset >= all_specs[i - 1].offset + all_specs[i - 1].numel, "internal: parameter table offsets are not increasing");
+  std::vector<TensorSpec> specs;
+  for (size_t i = 0; i < all_specs.size(); ++i)
+    if (writes.empty() || writes[i]) specs.push_back(all_specs[i]);
   const Arena* group_arena[] = {arenas.weights, arenas.exp_avg, arenas.exp_avg_sq};
   size_t total = 0, done = 0;
-  for (const Arena* a : group_arena) total += a ? a->bytes() : 0;
+  for (const Arena* a : group_arena)
+    for (const TensorSpec& spec : specs) total += a ? size_t(spec.numel) * sizeof(float) : 0;
   const bool progress = total >= (size_t(1) << 30);
   // Pauses after the first file of each save, so tests can kill a save midway (crash safety).
   const char* pause_ms = std::getenv("MARROW_TEST_SAVE_PAUSE_MS");
 
   Json files = Json::array();
   std::vector<std::future<std::string>> hashes;  // sha256 of each file, computed while the next is written
-  auto add_file = [&](const std::string& name, const std::string& group) {
-    const std::string path = tmp + "/" + name;
-    sync_to_disk(path);
-    files.push_back({{"file", name}, {"group", group}, {"bytes", fs::file_size(path)}});
-    hashes.push_back(std::async(std::launch::async, [path] { return sha256_file(path); }));
-  };
-
   for (int g = 0; g < 3; ++g) {
     const Arena* arena = group_arena[g];
-    if (!arena) continue;
+    if (!arena || specs.empty()) continue;
     const auto shards = shard_specs(specs, sizeof(float), shard_bytes);
     for (size_t k = 0; k < shards.size(); ++k) {
-      const TensorSpec& first = specs[shards[k].first];
-      const TensorSpec& last = specs[shards[k].second - 1];
-      Buffer host = to_host(arena->slice(first.offset, {last.offset + last.numel - first.offset}));
+      int64_t elements = 0;
+      for (size_t i = shards[k].first; i < shards[k].second; ++i) elements += specs[i].numel;
+      Buffer host(DType::f32, Device::cpu, {elements});
       std::vector<SafetensorsEntry> entries;
-      for (size_t i = shards[k].first; i < shards[k].second; ++i)
-        entries.push_back({specs[i].name, host_view(host.ptr<float>() + (specs[i].offset - first.offset), DType::f32, specs[i].shape)});
-      const std::string name = fmt::format("{}-{:05d}-of-{:05d}.safetensors", kGroups[g], k + 1, shards.size());
-      write_safetensors(tmp + "/" + name, entries, {{"format", "pt"}, {"marrow", kGroups[g]}});
-      add_file(name, kGroups[g]);
+      int64_t at = 0;
+      for (size_t i = shards[k].first; i < shards[k].second; ++i) {
+        Tensor dst = host.view().rows(at, at + specs[i].numel);
+        copy(dst, arena->slice(specs[i].offset, {specs[i].numel}));
+        entries.push_back({specs[i].name, host_view(dst.data, DType::f32, specs[i].shape)});
+        at += specs[i].numel;
+      }
+      const std::string name = fmt::format("{}-{}{:05d}-of-{:05d}.safetensors", kGroups[g], part.empty() ? "" : part + "-", k + 1,
+                                           shards.size());
+      const std::string path = tmp + "/" + name;
+      write_safetensors(path, entries, {{"format", "pt"}, {"marrow", kGroups[g]}});
+      sync_to_disk(path);
+      files.push_back({{"file", name}, {"group", kGroups[g]}, {"bytes", fs::file_size(path)}});
+      hashes.push_back(std::async(std::launch::async, [path] { return sha256_file(path); }));
       done += host.view().bytes();
       if (progress) {
-        std::printf("checkpoint: %s/%s %s of %s (%.0f s)\n", tmp.c_str(), name.c_str(), human_bytes(double(done)).c_str(),
-                    human_bytes(double(total)).c_str(), std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+        std::printf("checkpoint: %s %s of %s (%.0f s)\n", path.c_str(), human_bytes(double(done)).c_str(), human_bytes(double(total)).c_str(),
+                    std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
         std::fflush(stdout);
       }
       if (pause_ms && files.size() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(std::atol(pause_ms)));
     }
   }
+  for (size_t i = 0; i < hashes.size(); ++i) files[i]["sha256"] = hashes[i].get();
+  return files;
+}
+
+void finish_checkpoint(const std::string& dir, Json files, Json meta, const Json& model_config, const std::string& tokenizer_json) {
+  const std::string tmp = dir + ".tmp";
+  auto add_file = [&](const std::string& name, const std::string& group) {
+    const std::string path = tmp + "/" + name;
+    sync_to_disk(path);
+    files.push_back({{"file", name}, {"group", group}, {"bytes", fs::file_size(path)}, {"sha256", sha256_file(path)}});
+  };
   write_json_file(tmp + "/config.json", model_config);
   add_file("config.json", "config");
   if (!tokenizer_json.empty()) {
+    std::error_code ec;
     fs::copy_file(tokenizer_json, tmp + "/tokenizer.json", fs::copy_options::overwrite_existing, ec);
     MARROW_CHECK(!ec, "cannot copy {} into the checkpoint: {}", tokenizer_json, ec.message());
     add_file("tokenizer.json", "tokenizer");
   }
-  for (size_t i = 0; i < hashes.size(); ++i) files[i]["sha256"] = hashes[i].get();
-
   meta["format"] = kFormat;
   meta["format_version"] = kFormatVersion;
   meta["marrow_version"] = MARROW_VERSION;
@@ -198,6 +209,21 @@ void write_checkpoint(const std::string& dir, const std::vector<TensorSpec>& spe
     rename_path(tmp, dir);
   }
   sync_to_disk(fs::absolute(dir).parent_path().string());
+}
+
+void start_checkpoint(const std::string& dir) {
+  const std::string tmp = dir + ".tmp";
+  remove_tree(tmp);
+  std::error_code ec;
+  fs::create_directories(tmp, ec);
+  MARROW_CHECK(!ec, "cannot create checkpoint directory {}: {}", tmp, ec.message());
+}
+
+void write_checkpoint(const std::string& dir, const std::vector<TensorSpec>& specs, const CheckpointArenas& arenas, Json meta,
+                      const Json& model_config, const std::string& tokenizer_json, size_t shard_bytes) {
+  start_checkpoint(dir);
+  Json files = write_checkpoint_part(dir + ".tmp", specs, {}, arenas, "", shard_bytes);
+  finish_checkpoint(dir, std::move(files), std::move(meta), model_config, tokenizer_json);
 }
 
 std::optional<std::string> latest_checkpoint(const std::string& run_dir) {
@@ -262,7 +288,9 @@ void verify_checkpoint(const Checkpoint& c) {
   }
 }
 
-void load_checkpoint_tensors(const Checkpoint& c, const std::string& group, const std::vector<TensorSpec>& specs, const Arena& arena) {
+void load_checkpoint_tensors(const Checkpoint& c, const std::string& group, const std::vector<TensorSpec>& specs, const Arena& arena,
+                             size_t model_tensors) {
+  if (model_tensors == 0) model_tensors = specs.size();
   std::vector<std::unique_ptr<SafetensorsFile>> files;
   std::map<std::string, const SafetensorsFile*> where;
   for (const Json& file : c.meta["files"]) {
@@ -282,8 +310,8 @@ void load_checkpoint_tensors(const Checkpoint& c, const std::string& group, cons
                  it->second->path(), s.name, t.shape_string(), shape_string(s.shape));
     copy(arena.slice(s.offset, {s.numel}), t.reshape({s.numel}));
   }
-  MARROW_CHECK(where.size() == specs.size(), "checkpoint {} holds {} {} tensors but the model has {}: it was written for another model",
-               c.dir, where.size(), group, specs.size());
+  MARROW_CHECK(where.size() == model_tensors, "checkpoint {} holds {} {} tensors but the model has {}: it was written for another model",
+               c.dir, where.size(), group, model_tensors);
 }
 
 std::string model_config_difference(const Json& saved, const Json& current) {
@@ -333,8 +361,8 @@ void load_model_weights(const ModelSource& source, const std::vector<TensorSpec>
 }
 
 TrainCheckpoints::TrainCheckpoints(const RunConfig& rc, const Json& model_config, const std::vector<TensorSpec>& specs,
-                                   CheckpointArenas arenas)
-    : rc_(rc), model_config_(model_config), specs_(specs), arenas_(arenas) {}
+                                   CheckpointArenas arenas, CheckpointSharing sharing)
+    : rc_(rc), model_config_(model_config), specs_(specs), arenas_(arenas), sharing_(std::move(sharing)) {}
 
 int64_t TrainCheckpoints::resume() {
   std::string from;
@@ -346,10 +374,10 @@ int64_t TrainCheckpoints::resume() {
   MARROW_CHECK(diff.empty(), "cannot resume from {}: {}/{} was written for another model than {} ({}); train this model in another output.dir",
                c.dir, c.dir, kMeta, rc_.model_config, diff);
   verify_checkpoint(c);
-  load_checkpoint_tensors(c, "weights", specs_, *arenas_.weights);
+  load_checkpoint_tensors(c, "weights", specs_, *arenas_.weights, sharing_.model_tensors);
   if (c.has_optimizer_state) {
-    load_checkpoint_tensors(c, "exp_avg", specs_, *arenas_.exp_avg);
-    load_checkpoint_tensors(c, "exp_avg_sq", specs_, *arenas_.exp_avg_sq);
+    load_checkpoint_tensors(c, "exp_avg", specs_, *arenas_.exp_avg, sharing_.model_tensors);
+    load_checkpoint_tensors(c, "exp_avg_sq", specs_, *arenas_.exp_avg_sq, sharing_.model_tensors);
   } else {
     arenas_.exp_avg->fill_zero();
     arenas_.exp_avg_sq->fill_zero();
@@ -373,47 +401,61 @@ bool TrainCheckpoints::due(int64_t step, bool stopping) const {
 
 std::string TrainCheckpoints::save(int64_t step) {
   const auto start = std::chrono::steady_clock::now();
-  std::error_code ec;
-  fs::create_directories(rc_.out_dir, ec);
-  MARROW_CHECK(!ec, "cannot create {}: {}", rc_.out_dir, ec.message());
-  // Leftovers of saves that were killed midway.
-  std::vector<std::string> leftovers;
-  for (const auto& entry : fs::directory_iterator(rc_.out_dir, ec)) {
-    const std::string name = entry.path().filename().string();
-    if (name.ends_with(".tmp") && name.starts_with("step-")) leftovers.push_back(entry.path().string());
+  const Comm& world = sharing_.world;
+  const bool leader = world.rank() == 0;
+  const std::string dir = rc_.out_dir + "/" + checkpoint_name(step);
+  if (leader) {
+    std::error_code ec;
+    fs::create_directories(rc_.out_dir, ec);
+    MARROW_CHECK(!ec, "cannot create {}: {}", rc_.out_dir, ec.message());
+    // Leftovers of saves that were killed midway.
+    std::vector<std::string> leftovers;
+    for (const auto& entry : fs::directory_iterator(rc_.out_dir, ec)) {
+      const std::string name = entry.path().filename().string();
+      if (name.ends_with(".tmp") && name.starts_with("step-")) leftovers.push_back(entry.path().string());
+    }
+    for (const std::string& path : leftovers) remove_tree(path);
+    start_checkpoint(dir);
   }
-  for (const std::string& path : leftovers) remove_tree(path);
-  const CorpusManifest manifest = read_manifest(rc_.data_path);
-  const std::string tokenizer = rc_.data_path + "/" + kCorpusTokenizerFile;
-  Json meta = {{"step", step},
-               {"samples_seen", step * rc_.global_batch},
-               {"tokens_seen", step * rc_.global_batch * rc_.seq_len},
-               {"seed", rc_.seed},
-               // The parallel layout that wrote it; the tensors themselves do not depend on it.
-               {"mesh", {{"pp", 1}, {"dp", 1}, {"cp", 1}, {"ep", 1}}},
-               {"optimizer", {{"name", "adamw"}, {"step", step}, {"state_saved", rc_.checkpoint_optimizer_state}}},
-               {"model_config", model_config_},
-               {"run_config", run_config_json(rc_)},
-               {"data",
-                {{"path", rc_.data_path}, {"tokenizer_sha256", manifest.tokenizer_sha256}, {"eos_id", manifest.eos_id},
-                 {"eos_token", manifest.eos_token}}}};
+  world.barrier("checkpoint directory (barrier)");
   CheckpointArenas arenas = arenas_;
   if (!rc_.checkpoint_optimizer_state) arenas.exp_avg = arenas.exp_avg_sq = nullptr;
-  const std::string dir = rc_.out_dir + "/" + checkpoint_name(step);
-  write_checkpoint(dir, specs_, arenas, meta, model_config_, fs::exists(tokenizer) ? tokenizer : "");
-
-  auto all = complete_checkpoints(rc_.out_dir);
-  const size_t keep = size_t(std::max<int64_t>(1, rc_.checkpoint_keep));
-  for (size_t i = 0; i + keep < all.size(); ++i) {
-    // Renamed first so that a crash midway never leaves a half-deleted checkpoint that looks complete.
-    rename_path(all[i].second, all[i].second + ".tmp");
-    remove_tree(all[i].second + ".tmp");
+  const std::string part = world.size() > 1 ? fmt::format("rank{:05d}", world.rank()) : "";
+  const Json files = write_checkpoint_part(dir + ".tmp", specs_, sharing_.writes, arenas, part);
+  const std::vector<std::string> parts = world.all_gather_text(files.dump(), "checkpoint file lists (all_gather)");
+  if (leader) {
+    Json all_files = Json::array();
+    for (const std::string& text : parts)
+      for (const Json& file : Json::parse(text)) all_files.push_back(file);
+    const CorpusManifest manifest = read_manifest(rc_.data_path);
+    const std::string tokenizer = rc_.data_path + "/" + kCorpusTokenizerFile;
+    Json meta = {{"step", step},
+                 {"samples_seen", step * rc_.global_batch},
+                 {"tokens_seen", step * rc_.global_batch * rc_.seq_len},
+                 {"seed", rc_.seed},
+                 // The parallel layout that wrote it; the tensors themselves do not depend on it.
+                 {"mesh", sharing_.mesh},
+                 {"optimizer", {{"name", "adamw"}, {"step", step}, {"state_saved", rc_.checkpoint_optimizer_state}}},
+                 {"model_config", model_config_},
+                 {"run_config", run_config_json(rc_)},
+                 {"data",
+                  {{"path", rc_.data_path}, {"tokenizer_sha256", manifest.tokenizer_sha256}, {"eos_id", manifest.eos_id},
+                   {"eos_token", manifest.eos_token}}}};
+    finish_checkpoint(dir, std::move(all_files), meta, model_config_, fs::exists(tokenizer) ? tokenizer : "");
+    auto all = complete_checkpoints(rc_.out_dir);
+    const size_t keep = size_t(std::max<int64_t>(1, rc_.checkpoint_keep));
+    for (size_t i = 0; i + keep < all.size(); ++i) {
+      // Renamed first so that a crash midway never leaves a half-deleted checkpoint that looks complete.
+      rename_path(all[i].second, all[i].second + ".tmp");
+      remove_tree(all[i].second + ".tmp");
+    }
+    size_t bytes = 0;
+    for (const auto& entry : fs::directory_iterator(dir)) bytes += entry.file_size();
+    std::printf("checkpoint: saved %s (%s in %.1f s)\n", dir.c_str(), human_bytes(double(bytes)).c_str(),
+                std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    std::fflush(stdout);
   }
-  size_t bytes = 0;
-  for (const auto& entry : fs::directory_iterator(dir)) bytes += entry.file_size();
-  std::printf("checkpoint: saved %s (%s in %.1f s)\n", dir.c_str(), human_bytes(double(bytes)).c_str(),
-              std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
-  std::fflush(stdout);
+  world.barrier("checkpoint complete (barrier)");
   return dir;
 }
 

@@ -26,6 +26,7 @@
 #include "core/memory.h"
 #include "core/tensor_spec.h"
 #include "engine/run_config.h"
+#include "parallel/comm.h"
 
 namespace marrow {
 
@@ -50,7 +51,17 @@ struct Checkpoint {
 // "step-00001000"
 std::string checkpoint_name(int64_t step);
 
-// Writes a complete checkpoint at dir (replacing one already there): the arenas' tensors, config.json,
+// A checkpoint is written in three steps, so that several processes can each write their part:
+// start_checkpoint makes <dir>.tmp (one process), write_checkpoint_part writes the tensors of specs
+// whose `writes` flag is set (all when empty) into files named <group>-[<part>-]0000k-of-0000n.safetensors
+// and returns their meta.json entries, finish_checkpoint (one process, after every part) adds
+// config.json, the tokenizer and meta.json and renames <dir>.tmp to <dir>.
+void start_checkpoint(const std::string& dir);
+Json write_checkpoint_part(const std::string& tmp, const std::vector<TensorSpec>& specs, const std::vector<char>& writes,
+                           const CheckpointArenas& arenas, const std::string& part, size_t shard_bytes = kCheckpointShardBytes);
+void finish_checkpoint(const std::string& dir, Json files, Json meta, const Json& model_config, const std::string& tokenizer_json);
+
+// One process writes a complete checkpoint at dir (replacing one already there): the arenas' tensors, config.json,
 // the tokenizer file when given, and meta (to which the file list is added). Prints a progress line
 // per file when the save is large.
 void write_checkpoint(const std::string& dir, const std::vector<TensorSpec>& specs, const CheckpointArenas& arenas, Json meta,
@@ -66,9 +77,10 @@ Checkpoint open_checkpoint(const std::string& path);
 // Checks every file's sha256 against meta.json.
 void verify_checkpoint(const Checkpoint& checkpoint);
 // Fills arena (any device) with group "weights", "exp_avg" or "exp_avg_sq" of the checkpoint; every
-// spec must be there with its shape, and nothing else.
+// spec must be there with its shape, and the checkpoint must hold model_tensors tensors in the
+// group (the whole model's; 0: specs.size(), when specs is the whole model).
 void load_checkpoint_tensors(const Checkpoint& checkpoint, const std::string& group, const std::vector<TensorSpec>& specs,
-                             const Arena& arena);
+                             const Arena& arena, size_t model_tensors = 0);
 
 // The first architectural difference between two model config.json objects, as "key is A there but
 // B here", or "" when they describe the same model (keys such as torch_dtype do not count).
@@ -87,10 +99,21 @@ ModelSource find_model(const std::string& path);
 // Loads the weights of a model source into a parameter arena laid out by specs.
 void load_model_weights(const ModelSource& source, const std::vector<TensorSpec>& specs, const Arena& params);
 
+// How the processes of a job share a checkpoint: each writes the tensors it is the owner of into
+// files of its own, and world rank 0 writes meta.json once every part is on disk. Every process
+// reads what it holds from any checkpoint, whatever layout wrote it.
+struct CheckpointSharing {
+  Comm world;                  // the group of this process alone for one process
+  std::vector<char> writes;    // per spec of this process: whether it saves it (empty: all)
+  size_t model_tensors = 0;    // tensors of the whole model (0: this process holds all)
+  Json mesh = {{"pp", 1}, {"dp", 1}, {"cp", 1}, {"ep", 1}};
+};
+
 // Training's side: resume at start, saves during the run (RunConfig's [checkpoint] keys).
 class TrainCheckpoints {
  public:
-  TrainCheckpoints(const RunConfig& rc, const Json& model_config, const std::vector<TensorSpec>& specs, CheckpointArenas arenas);
+  TrainCheckpoints(const RunConfig& rc, const Json& model_config, const std::vector<TensorSpec>& specs, CheckpointArenas arenas,
+                   CheckpointSharing sharing = {});
   // Loads the newest complete checkpoint in output.dir, or else checkpoint.resume when set, into
   // the arenas; returns its step (0: a fresh start). A checkpoint of another model is an Error.
   int64_t resume();
@@ -104,6 +127,7 @@ class TrainCheckpoints {
   const Json& model_config_;
   const std::vector<TensorSpec>& specs_;
   CheckpointArenas arenas_;
+  CheckpointSharing sharing_;
 };
 
 // Rewrites a metrics.jsonl keeping the lines of steps <= step (a resumed run appends after them).

@@ -113,6 +113,10 @@ RunConfig parse_run_config(int argc, char** argv) {
   app.add_option("--checkpoint.keep", rc.checkpoint_keep)->check(kPositive);
   app.add_option("--checkpoint.resume", rc.checkpoint_resume);
   app.add_option("--checkpoint.optimizer_state", rc.checkpoint_optimizer_state);
+  app.add_option("--parallel.pp", rc.pp)->check(kPositive);
+  app.add_option("--parallel.cp", rc.cp)->check(kPositive);
+  app.add_option("--parallel.ep", rc.ep)->check(kPositive);
+  app.add_option("--parallel.timeout_s", rc.timeout_s)->check(kPositive);
   // Not a file key: a run's command line asks for a trace (both --profile-steps=A:B and --profile-steps A:B).
   std::string profile_steps;
   app.add_option("--profile-steps", profile_steps);
@@ -126,7 +130,7 @@ RunConfig parse_run_config(int argc, char** argv) {
   } catch (const CLI::ExtrasError&) {
     std::string unknown;
     for (const std::string& a : app.remaining()) unknown += (unknown.empty() ? "" : ", ") + a.substr(0, a.find('='));
-    fail("{}: unknown run-config key {} (known sections: model, data, train, optimizer, schedule, output, eval, checkpoint)", rc.source, unknown);
+    fail("{}: unknown run-config key {} (known sections: model, data, train, optimizer, schedule, output, eval, checkpoint, parallel)", rc.source, unknown);
   } catch (const CLI::ParseError& e) {
     fail("{}: {}", rc.source, e.what());
   }

@@ -39,6 +39,10 @@ struct RunConfig {
   int64_t checkpoint_keep = 2;             // complete checkpoints kept in output.dir; older ones are deleted
   std::string checkpoint_resume;           // a checkpoint to start from when output.dir holds none
   bool checkpoint_optimizer_state = true;  // false: weights only (a resume restarts the AdamW moments at zero)
+  // [parallel] (parallel/mesh.h): processes per pipeline stage, context and expert group; the
+  // data-parallel width is what remains of the job's processes.
+  int64_t pp = 1, cp = 1, ep = 1;
+  double timeout_s = 600;  // a step with no communication progress for this long ends the job (parallel/watchdog.h)
   // --profile-steps A:B (engine/kernel_trace.h): a kernel trace of optimizer steps A..B (1-based,
   // inclusive) in output.dir; 0:0 traces nothing.
   int64_t profile_first = 0, profile_last = 0;

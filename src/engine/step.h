@@ -1,22 +1,31 @@
 // One micro-batch through the model on a single pipeline stage: the engine's half of the
 // five-stage contract. Stage 2 (dispatch) and stage 4 (combine) live here because with expert
-// parallelism they are the all-to-all exchanges; with one expert-parallel rank the expert outputs
-// are already local and combine moves nothing. forward() keeps what backward() consumes in a
-// MicroBatch, so a schedule can interleave the two across micro-batches.
+// parallelism they are the all-to-all exchanges (parallel/expert_parallel.h); with one
+// expert-parallel rank the expert outputs are already local and combine moves nothing. forward()
+// keeps what backward() consumes in a MicroBatch, so a schedule can interleave the two across
+// micro-batches.
 #pragma once
 #include <vector>
 
 #include "engine/model.h"
 #include "engine/stage_timer.h"
 #include "ops/dispatch.h"
+#include "parallel/expert_parallel.h"
 
 namespace marrow {
+
+// The groups a micro-batch communicates with; both null for one process.
+struct StepGroups {
+  const ExpertParallel* experts = nullptr;  // the layer's experts are spread over this group
+  const Comm* routing = nullptr;            // load-balance statistics are summed over this group
+};
 
 template <MoeModel M> struct MicroBatch {
   struct Layer {
     typename M::AttentionActivations attention;
     typename M::ExpertActivations experts;
     Buffer expert_offsets, copy_row, y_perm;
+    ExpertRoute route;  // with expert parallelism, instead of expert_offsets and copy_row
   };
   std::vector<Layer> layers;
   typename M::EpilogActivations epilog;  // epilog.logits holds the logits until backward
@@ -24,11 +33,24 @@ template <MoeModel M> struct MicroBatch {
   double aux_loss_sum = 0;    // load-balance loss (Hugging Face's form) summed over layers
 };
 
+// Stage 2 of one process: all of a token's copies stay here. Returns x_perm.
+template <MoeModel M> Buffer dispatch_local(typename MicroBatch<M>::Layer& s, const M& m) {
+  const Tensor index = s.attention.topk_index;
+  const int64_t T = index.size(0), K = index.size(1);
+  // The grouped GEMMs need expert sizes on the host, so the offsets live there.
+  s.expert_offsets = Buffer(DType::i32, Device::cpu, {m.num_experts() + 1});
+  s.copy_row = Buffer(DType::i32, m.device(), {T, K});
+  dispatch_plan(s.expert_offsets, s.copy_row, index);
+  Buffer x_perm = m.buffer({T * K, m.hidden_size()});
+  dispatch_forward(x_perm, s.attention.h2, s.copy_row);
+  return x_perm;
+}
+
 // timer, when given, gets each stage's time (engine/stage_timer.h).
 template <MoeModel M>
-void forward(MicroBatch<M>& mb, const M& m, const typename M::Weights& w, const typename M::Batch& batch,
+void forward(MicroBatch<M>& mb, const M& m, const typename M::Weights& w, const typename M::Batch& batch, StepGroups groups = {},
              StageTimer* timer = nullptr) {
-  const int64_t T = batch.batch * batch.seq, H = m.hidden_size(), E = m.num_experts(), K = m.top_k();
+  const int64_t T = batch.batch * batch.seq, H = m.hidden_size();
   mb.layers.resize(size_t(m.num_layers()));
   Buffer x = m.buffer({T, H});
   {
@@ -41,26 +63,26 @@ void forward(MicroBatch<M>& mb, const M& m, const typename M::Weights& w, const 
     {
       StageScope scope(timer, Stage::attention);
       m.attention_forward(s.attention, std::move(x), batch, lw);
+      if (groups.routing) groups.routing->all_reduce_sum(s.attention.routing_stats, "load-balance statistics (all_reduce)");
       mb.aux_loss_sum += m.aux_loss(s.attention);
     }
-    Buffer x_perm = m.buffer({T * K, H});
+    Buffer x_perm;
     {
-      // Stage 2. The grouped GEMMs need expert sizes on the host, so the offsets live there.
       StageScope scope(timer, Stage::dispatch);
-      s.expert_offsets = Buffer(DType::i32, Device::cpu, {E + 1});
-      s.copy_row = Buffer(DType::i32, m.device(), {T, K});
-      dispatch_plan(s.expert_offsets, s.copy_row, s.attention.topk_index);
-      dispatch_forward(x_perm, s.attention.h2, s.copy_row);
+      x_perm = groups.experts ? groups.experts->dispatch_forward(s.route, s.attention.h2, s.attention.topk_index, s.attention.topk_weight)
+                              : dispatch_local<M>(s, m);
     }
-    s.y_perm = m.buffer({T * K, H});
+    const Tensor offsets = groups.experts ? s.route.expert_offsets.view() : s.expert_offsets.view();
+    s.y_perm = m.buffer({x_perm.view().size(0), H});
     {
       StageScope scope(timer, Stage::experts);
-      m.experts_forward(s.y_perm, s.experts, std::move(x_perm), s.expert_offsets, lw);
+      m.experts_forward(s.y_perm, s.experts, std::move(x_perm), offsets, lw);
     }
     x = m.buffer({T, H});
     {
       StageScope scope(timer, Stage::combine);
-      m.aggregate_forward(x, s.attention, s.y_perm, s.copy_row);
+      if (groups.experts) groups.experts->combine_forward(x, s.attention.x_mid, s.y_perm, s.route);
+      else m.aggregate_forward(x, s.attention, s.y_perm, s.copy_row);
     }
   }
   StageScope scope(timer, Stage::epilog);
@@ -74,7 +96,7 @@ void forward(MicroBatch<M>& mb, const M& m, const typename M::Weights& w, const 
 template <MoeModel M>
 void backward(MicroBatch<M>& mb, const M& m, const typename M::Weights& w, const typename M::Weights& grads,
               const typename M::Batch& batch, double loss_scale, double aux_grad, bool first_micro_batch = false,
-              StageTimer* timer = nullptr) {
+              StepGroups groups = {}, StageTimer* timer = nullptr) {
   const int64_t T = batch.batch * batch.seq, H = m.hidden_size(), K = m.top_k();
   Buffer dx = m.buffer({T, H});
   {
@@ -85,20 +107,24 @@ void backward(MicroBatch<M>& mb, const M& m, const typename M::Weights& w, const
     auto& s = mb.layers[size_t(l)];
     const auto& lw = w.layers[size_t(l)];
     const auto& lg = grads.layers[size_t(l)];
-    Buffer dy_perm = m.buffer({T * K, H}), dtopk_weight = m.stats({T, K});
+    const int64_t rows = s.y_perm.view().size(0);
+    const Tensor offsets = groups.experts ? s.route.expert_offsets.view() : s.expert_offsets.view();
+    Buffer dy_perm = m.buffer({rows, H}), dtopk_weight = m.stats({T, K}), dweight_recv;
     {
       StageScope scope(timer, Stage::combine);
-      m.aggregate_backward(dy_perm, dtopk_weight, dx, s.attention, s.y_perm, s.copy_row);
+      if (groups.experts) dweight_recv = groups.experts->combine_backward(dy_perm, dx, s.y_perm, s.route);
+      else m.aggregate_backward(dy_perm, dtopk_weight, dx, s.attention, s.y_perm, s.copy_row);
     }
-    Buffer dx_perm = m.buffer({T * K, H});
+    Buffer dx_perm = m.buffer({rows, H});
     {
       StageScope scope(timer, Stage::experts);
-      m.experts_backward(dx_perm, lg, dy_perm, s.experts, s.expert_offsets, lw, first_micro_batch);
+      m.experts_backward(dx_perm, lg, dy_perm, s.experts, offsets, lw, first_micro_batch);
     }
     Buffer dh2 = m.buffer({T, H});
     {
       StageScope scope(timer, Stage::dispatch);
-      dispatch_backward(dh2, dx_perm, s.copy_row);
+      if (groups.experts) groups.experts->dispatch_backward(dh2, dtopk_weight, dx_perm, dweight_recv, s.route);
+      else dispatch_backward(dh2, dx_perm, s.copy_row);
     }
     Buffer dx_in = m.buffer({T, H});
     {

@@ -1,7 +1,14 @@
-// The training loop: data -> micro-batches through forward/backward -> gradient norm, clipping and
-// AdamW -> one human line and one JSON line per step. Gradients accumulate over the micro-batches of
-// a step; the loss is the mean over all counted tokens of the step, plus the load-balance loss
-// (mean over layers and micro-batches) times its coefficient.
+// The training loop: data -> micro-batches through forward/backward -> gradients reduced over the
+// data-parallel processes -> gradient norm, clipping and AdamW -> one human line and one JSON line
+// per step. Gradients accumulate over the micro-batches of a step; the loss is the mean over all
+// counted tokens of the step (every process's), plus the load-balance loss (mean over layers and
+// micro-batches, its statistics summed over the processes) times its coefficient.
+//
+// Several processes (parallel/mesh.h): each takes its own share of every global batch (the
+// data-parallel width is dp x ep) and holds the experts of its expert-parallel rank; everything else
+// is replicated. After the micro-batches, non-expert gradients are summed over dp x ep and expert
+// gradients over dp, so every replica takes the same AdamW step. World rank 0 alone prints and
+// writes metrics; every rank writes its part of a checkpoint.
 #pragma once
 #include <chrono>
 #include <cmath>
@@ -11,6 +18,7 @@
 #include <fstream>
 #include <limits>
 #include <optional>
+#include <thread>
 
 #include "core/memory.h"
 #include "core/tensor_spec.h"
@@ -24,6 +32,9 @@
 #include "ops/cast.h"
 #include "ops/cross_entropy.h"
 #include "ops/grad_norm.h"
+#include "parallel/mesh.h"
+#include "parallel/process.h"
+#include "parallel/watchdog.h"
 
 namespace marrow {
 
@@ -34,6 +45,7 @@ struct StepMetrics {
   bool skipped = false;
   double val_loss = std::numeric_limits<double>::quiet_NaN();  // mean over eval.samples when evaluated
   std::array<double, kStageCount> stage_ms{};  // filled when train() is given a StageTimer
+  ExpertTraffic expert_traffic;  // this process's rows sent to other expert-parallel ranks (parallel.ep > 1)
 };
 
 inline std::string step_line(const StepMetrics& s, int64_t total) {
@@ -72,9 +84,10 @@ typename M::Batch make_batch(const std::vector<int32_t>& tokens, int64_t B, int6
 
 // Mean cross-entropy per target over the first `samples` held-out sequences, forward only, in
 // micro-batches of `micro`: the same sequences at every evaluation, so the numbers are comparable.
+// Every process evaluates all of them (the experts' all-to-alls need the whole group).
 template <MoeModel M>
 double validation_loss(const M& model, const typename M::Weights& w, const TokenDataset& data, int64_t samples, int64_t micro,
-                       int64_t S, Device device) {
+                       int64_t S, Device device, const ExpertParallel* experts) {
   std::vector<int32_t> tokens;
   double loss_sum = 0;
   for (int64_t first = 0; first < samples; first += micro) {
@@ -82,7 +95,7 @@ double validation_loss(const M& model, const typename M::Weights& w, const Token
     tokens.resize(size_t(B * (S + 1)));
     data.validation_batch(first, B, tokens.data());
     MicroBatch<M> mb;
-    forward(mb, model, w, make_batch<M>(tokens, B, S, device));
+    forward(mb, model, w, make_batch<M>(tokens, B, S, device), StepGroups{experts, nullptr});
     loss_sum += mb.token_loss_sum;
   }
   return loss_sum / double(samples * S);
@@ -97,22 +110,207 @@ inline Device choose_device(const std::string& requested) {
   return cuda_available() ? Device::cuda : Device::cpu;
 }
 
+// The contiguous runs of an arena whose specs satisfy keep(spec) (the table is in arena order).
+template <typename Keep> std::vector<Tensor> arena_runs(const Arena& arena, const std::vector<TensorSpec>& specs, Keep keep) {
+  std::vector<Tensor> runs;
+  int64_t begin = 0, end = 0;
+  auto close = [&] {
+    if (end > begin) runs.push_back(arena.slice(begin, {end - begin}));
+  };
+  for (const TensorSpec& s : specs) {
+    if (!keep(s)) continue;
+    if (s.offset != end) {
+      close();
+      begin = s.offset;
+    }
+    end = s.offset + s.numel;
+  }
+  close();
+  return runs;
+}
+
+// Test hook for the fail-fast tests: MARROW_TEST_FAULT=<rank>:<step>:<raise|exit|hang> makes that
+// world rank raise an error, exit with code 3, or stop making progress at the start of that step.
+inline void inject_test_fault(int64_t step, int rank) {
+  const char* fault = std::getenv("MARROW_TEST_FAULT");
+  if (!fault) return;
+  int fault_rank = -1;
+  long long fault_step = -1;
+  char kind[16] = {};
+  if (std::sscanf(fault, "%d:%lld:%15s", &fault_rank, &fault_step, kind) != 3 || fault_rank != rank || fault_step != step) return;
+  if (std::string(kind) == "raise") fail("MARROW_TEST_FAULT: rank {} raises at step {}", rank, step);
+  if (std::string(kind) == "exit") std::exit(3);
+  if (std::string(kind) == "hang")
+    for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
+}
+
+// The mesh for the job's processes, with one sentence for every layout the run cannot use.
+inline Mesh make_mesh(const RunConfig& rc, int64_t num_experts, Device device) {
+  const MeshShape shape = mesh_shape(process::size(), rc.pp, rc.cp, rc.ep);
+  MARROW_CHECK(num_experts % shape.ep == 0, "{}: num_experts ({}) is not a multiple of parallel.ep ({})", rc.source, num_experts,
+               shape.ep);
+  const int64_t round = shape.data_parallel() * rc.micro_batch;
+  MARROW_CHECK(rc.global_batch % round == 0,
+               "{}: train.global_batch ({}) is not a multiple of the {} data-parallel processes ({}) times train.micro_batch ({})",
+               rc.source, rc.global_batch, shape.data_parallel(), shape.describe(), rc.micro_batch);
+  if (device == Device::cuda) {
+    use_gpu(process::local_rank());
+    keep_pool_memory();
+  }
+  return Mesh::create(shape, device);
+}
+
+inline ExpertShard expert_shard(const Mesh& mesh, int64_t num_experts) {
+  const int64_t local = num_experts / mesh.shape.ep;
+  return {mesh.ep_rank * local, local};
+}
+
+// Everything a run holds: the mesh, the model's share on this process, its arenas (initialised) and
+// their views.
+template <MoeModel M> struct TrainSetup {
+  Device device;
+  DType dtype;  // the GPU computes in bf16 from a working copy of the fp32 master weights; the CPU in fp32
+  Mesh mesh;
+  std::optional<ExpertParallel> experts;  // with parallel.ep > 1
+  M model;
+  size_t model_tensors;  // canonical tensors of the whole model (every rank's together)
+  Arena params, grads, exp_avg, exp_avg_sq;
+  std::optional<Arena> working;  // bf16 weights the GPU computes with
+  typename M::Weights w, g;
+  std::vector<Tensor> zeroed_each_step;            // gradients the first backward does not write
+  std::vector<Tensor> shared_grads, expert_grads;  // reduced over mesh.data and mesh.expert_data
+
+  TrainSetup(const RunConfig& rc, const typename M::Config& config, Device device_)
+      : device(device_),
+        dtype(device == Device::cuda ? DType::bf16 : DType::f32),
+        mesh(make_mesh(rc, config.num_experts, device)),
+        model(config, dtype, device, expert_shard(mesh, config.num_experts)),
+        model_tensors(M(config, dtype, device).specs().size()),
+        params("parameters", DType::f32, device, model.num_parameters()),
+        grads("gradients", DType::f32, device, model.num_parameters()),
+        exp_avg("adam exp_avg", DType::f32, device, model.num_parameters()),
+        exp_avg_sq("adam exp_avg_sq", DType::f32, device, model.num_parameters()) {
+    if (mesh.shape.ep > 1) experts.emplace(mesh.ep, config.num_experts);
+    if (device == Device::cuda) working.emplace("bf16 weights", DType::bf16, device, model.num_parameters());
+    model.initialize(params, rc.seed);
+    w = model.bind(working ? *working : params);
+    g = model.bind(grads);
+    zeroed_each_step = arena_runs(grads, model.specs(), [](const TensorSpec& t) { return !t.first_backward_writes; });
+    shared_grads = arena_runs(grads, model.specs(), [](const TensorSpec& t) { return !t.is_expert; });
+    expert_grads = arena_runs(grads, model.specs(), [](const TensorSpec& t) { return t.is_expert; });
+  }
+  StepGroups groups() const { return {experts ? &*experts : nullptr, mesh.data.size() > 1 ? &mesh.data : nullptr}; }
+  std::vector<const Arena*> arenas() const {
+    std::vector<const Arena*> all{&params, &grads, &exp_avg, &exp_avg_sq};
+    if (working) all.push_back(&*working);
+    return all;
+  }
+};
+
+template <MoeModel M> void print_setup(const TrainSetup<M>& s, const RunConfig& rc, const TokenDataset& data) {
+  const M& m = s.model;
+  std::printf("model %s on %s: %.2fM parameters (%.2fM active per token), %lld layers, %lld experts top-%lld\n", M::model_type,
+              device_name(s.device), M(m.config(), m.dtype(), m.device()).num_parameters() / 1e6, m.num_active_parameters() / 1e6,
+              (long long)m.num_layers(), (long long)m.num_experts(), (long long)m.top_k());
+  if (s.mesh.world.size() > 1)
+    std::printf("mesh: %lld processes, %s; each holds %lld of %lld experts per layer and %.2fM parameters\n",
+                (long long)s.mesh.world.size(), s.mesh.shape.describe().c_str(), (long long)(m.num_experts() / s.mesh.shape.ep),
+                (long long)m.num_experts(), m.num_parameters() / 1e6);
+  std::printf("memory%s: %s\n", s.mesh.world.size() > 1 ? " per process" : "", memory_bill(s.arenas()).c_str());
+  std::printf("data: %s, %lld training samples of %lld tokens; %lld steps x %lld sequences (micro-batch %lld%s)\n", rc.data_path.c_str(),
+              (long long)data.train_samples(), (long long)rc.seq_len + 1, (long long)rc.steps, (long long)rc.global_batch,
+              (long long)rc.micro_batch, s.mesh.shape.data_parallel() > 1 ? " per process" : "");
+  std::fflush(stdout);
+}
+
+// Each tensor has one owner that saves it: the first data-parallel replica of its holders.
+inline CheckpointSharing checkpoint_sharing(const Mesh& mesh, const std::vector<TensorSpec>& specs, size_t model_tensors) {
+  CheckpointSharing c;
+  c.world = mesh.world;
+  c.model_tensors = model_tensors;
+  c.mesh = {{"pp", mesh.shape.pp}, {"dp", mesh.shape.dp}, {"cp", mesh.shape.cp}, {"ep", mesh.shape.ep}};
+  for (const TensorSpec& spec : specs)
+    c.writes.push_back(mesh.dp_rank == 0 && mesh.cp_rank == 0 && (spec.is_expert || mesh.ep_rank == 0));
+  return c;
+}
+
+// Sums the step's gradients over the processes that hold the same parameters.
+template <MoeModel M> void reduce_gradients(const TrainSetup<M>& s) {
+  for (const Tensor& t : s.shared_grads) s.mesh.data.all_reduce_sum(t, "gradient all_reduce (dp x ep)");
+  for (const Tensor& t : s.expert_grads) s.mesh.expert_data.all_reduce_sum(t, "expert gradient all_reduce (dp)");
+}
+
+// The global gradient norm, each parameter counted once: replicated gradients once, plus the
+// experts of every expert-parallel rank, summed in rank order.
+template <MoeModel M> double gradient_norm(const TrainSetup<M>& s) {
+  if (s.mesh.ep.size() == 1) return l2_norm(s.grads.all());
+  auto squares = [](const std::vector<Tensor>& runs) {
+    double sum = 0;
+    for (const Tensor& t : runs) sum += std::pow(l2_norm(t), 2);
+    return sum;
+  };
+  return std::sqrt(squares(s.shared_grads) + s.mesh.ep.sum(squares(s.expert_grads), "expert gradient norm (sum)"));
+}
+
+// One AdamW step over the arenas: decayed parameters, then norms without decay. Clipping scales
+// the gradient inside the step, which also writes the bf16 working weights.
+template <MoeModel M> void optimizer_step(const TrainSetup<M>& s, const RunConfig& rc, const StepMetrics& m) {
+  const int64_t decayed = s.model.num_decayed_parameters(), n = s.model.num_parameters();
+  auto range = [](const Arena& a, int64_t begin, int64_t end) { return a.slice(begin, {end - begin}); };
+  auto working_range = [&](int64_t begin, int64_t end) { return s.working ? range(*s.working, begin, end) : Tensor{}; };
+  AdamWHyper hyper{m.lr, rc.beta1, rc.beta2, rc.eps, rc.weight_decay, m.step};
+  if (rc.grad_clip > 0 && m.grad_norm > rc.grad_clip) hyper.grad_scale = rc.grad_clip / m.grad_norm;
+  adamw_step(range(s.params, 0, decayed), working_range(0, decayed), range(s.exp_avg, 0, decayed), range(s.exp_avg_sq, 0, decayed),
+             range(s.grads, 0, decayed), hyper);
+  hyper.weight_decay = 0;
+  adamw_step(range(s.params, decayed, n), working_range(decayed, n), range(s.exp_avg, decayed, n), range(s.exp_avg_sq, decayed, n),
+             range(s.grads, decayed, n), hyper);
+}
+
+// Forward and backward of this process's micro-batches of one step; returns its summed token
+// losses and the (already global) load-balance losses.
+template <MoeModel M>
+std::pair<double, double> run_micro_batches(const TrainSetup<M>& s, const RunConfig& rc, const TokenDataset& data, int64_t step,
+                                            double loss_scale, double aux_grad, StageTimer* timer) {
+  const int64_t B = rc.micro_batch, S = rc.seq_len, W = s.mesh.shape.data_parallel();
+  std::vector<int32_t> tokens(size_t(B * (S + 1)));
+  double token_loss_sum = 0, aux_loss_sum = 0;
+  for (int64_t micro = 0; micro < rc.global_batch / (B * W); ++micro) {
+    watchdog::progress("a micro-batch");
+    data.train_batch(step - 1, micro, B, tokens.data(), int(s.mesh.data_rank()), int(W));
+    const typename M::Batch batch = make_batch<M>(tokens, B, S, s.device);
+    MicroBatch<M> mb;
+    forward(mb, s.model, s.w, batch, s.groups(), timer);
+    token_loss_sum += mb.token_loss_sum;
+    aux_loss_sum += mb.aux_loss_sum;
+    backward(mb, s.model, s.w, s.g, batch, loss_scale, aux_grad, micro == 0, s.groups(), timer);
+  }
+  return {token_loss_sum, aux_loss_sum};
+}
+
+// A stop signal seen by any process stops all of them after the same step.
+inline int agreed_stop_signal(const Comm& world) {
+  const int local = StopSignals::received();
+  const double anyone = world.sum(local != 0 ? 1.0 : 0.0, "stop signal agreement (sum)");
+  return anyone > 0 ? (local != 0 ? local : SIGTERM) : 0;
+}
+
 // timer, when given, splits each step's time by stage into StepMetrics::stage_ms (marrow bench).
 template <MoeModel M>
 std::vector<StepMetrics> train(const RunConfig& rc, const typename M::Config& model_config, StageTimer* timer = nullptr) {
   const Device device = choose_device(rc.device);
   // --profile-steps: the trace exists before any NVTX range (see KernelTrace); the stages are NVTX
   // ranges only when timed, so a traced run times them.
+  // With several processes, world rank 0 traces.
   std::optional<KernelTrace> trace;
   std::optional<StageTimer> traced_stages;
-  if (rc.profile_first > 0) {
+  if (rc.profile_first > 0 && process::rank() == 0) {
     check_profile_steps(rc);
     trace.emplace(device);
     if (!timer) timer = &traced_stages.emplace(device);
   }
-  if (device == Device::cuda) keep_pool_memory();
-  // The GPU computes in bf16 from a working copy of the fp32 master weights; the CPU in fp32.
-  M model(model_config, device == Device::cuda ? DType::bf16 : DType::f32, device);
+  const TrainSetup<M> s(rc, model_config, device);
+  const bool leader = s.mesh.world.rank() == 0;
   TokenDataset data(rc.data_path, rc.seq_len, rc.seed, rc.validation_fraction);
   data.require_vocab_fits(model_config.vocab_size);
   data.require_train_samples(rc.steps * rc.global_batch);
@@ -120,52 +318,15 @@ std::vector<StepMetrics> train(const RunConfig& rc, const typename M::Config& mo
   MARROW_CHECK(rc.eval_every == 0 || rc.eval_samples <= data.validation_samples(),
                "corpus {} holds {} validation samples of {} tokens but eval.samples is {} (lower it or raise data.validation_fraction)",
                rc.data_path, data.validation_samples(), rc.seq_len + 1, rc.eval_samples);
-
-  const int64_t n = model.num_parameters();
-  Arena params("parameters", DType::f32, device, n);
-  Arena grads("gradients", DType::f32, device, n);
-  Arena exp_avg("adam exp_avg", DType::f32, device, n);
-  Arena exp_avg_sq("adam exp_avg_sq", DType::f32, device, n);
-  std::vector<const Arena*> arenas{&params, &grads, &exp_avg, &exp_avg_sq};
-  std::optional<Arena> working;  // bf16 weights the GPU computes with
-  if (device == Device::cuda) {
-    working.emplace("bf16 weights", DType::bf16, device, n);
-    arenas.push_back(&*working);
-  }
-  model.initialize(params, rc.seed);
-  const auto w = model.bind(working ? *working : params);
-  const auto g = model.bind(grads);
-  // The gradients a step zeroes: all but those its first backward writes, as runs of the arena
-  // (the spec table is in arena order).
-  std::vector<Tensor> zeroed_each_step;
-  int64_t run_begin = 0, run_end = 0;
-  auto close_run = [&] {
-    if (run_end > run_begin) zeroed_each_step.push_back(grads.slice(run_begin, {run_end - run_begin}));
-  };
-  for (const TensorSpec& s : model.specs()) {
-    if (s.first_backward_writes) continue;
-    if (s.offset != run_end) {
-      close_run();
-      run_begin = s.offset;
-    }
-    run_end = s.offset + s.numel;
-  }
-  close_run();
   size_t arena_bytes = 0;
-  for (const Arena* a : arenas) arena_bytes += a->bytes();
-  std::printf("model %s on %s: %.2fM parameters (%.2fM active per token), %lld layers, %lld experts top-%lld\n", M::model_type,
-              device_name(device), model.num_parameters() / 1e6, model.num_active_parameters() / 1e6, (long long)model.num_layers(),
-              (long long)model.num_experts(), (long long)model.top_k());
-  std::printf("memory: %s\n", memory_bill(arenas).c_str());
-  std::printf("data: %s, %lld training samples of %lld tokens; %lld steps x %lld sequences (micro-batch %lld)\n", rc.data_path.c_str(),
-              (long long)data.train_samples(), (long long)rc.seq_len + 1, (long long)rc.steps, (long long)rc.global_batch,
-              (long long)rc.micro_batch);
-  std::fflush(stdout);
+  for (const Arena* a : s.arenas()) arena_bytes += a->bytes();
+  print_setup(s, rc, data);
 
   // Checkpoints (engine/checkpoint.h): resume from the newest in output.dir or checkpoint.resume.
-  TrainCheckpoints checkpoints(rc, model_config.json, model.specs(), {&params, &exp_avg, &exp_avg_sq});
+  TrainCheckpoints checkpoints(rc, model_config.json, s.model.specs(), {&s.params, &s.exp_avg, &s.exp_avg_sq},
+                               checkpoint_sharing(s.mesh, s.model.specs(), s.model_tensors));
   const int64_t first_step = checkpoints.resume() + 1;
-  if (working) cast(working->all(), params.all());
+  if (s.working) cast(s.working->all(), s.params.all());
   std::filesystem::create_directories(rc.out_dir);
   const std::string metrics_path = rc.out_dir + "/metrics.jsonl";
   if (first_step > rc.steps) {
@@ -173,45 +334,43 @@ std::vector<StepMetrics> train(const RunConfig& rc, const typename M::Config& mo
                 (long long)rc.steps);
     return {};
   }
-  if (first_step > 1) keep_metrics_through(metrics_path, first_step - 1);
-  std::ofstream metrics(metrics_path, first_step > 1 ? std::ios::app : std::ios::trunc);
-  MARROW_CHECK(metrics.good(), "cannot write {}", metrics_path);
+  std::ofstream metrics;
+  if (leader) {
+    if (first_step > 1) keep_metrics_through(metrics_path, first_step - 1);
+    metrics.open(metrics_path, first_step > 1 ? std::ios::app : std::ios::trunc);
+    MARROW_CHECK(metrics.good(), "cannot write {}", metrics_path);
+  }
+  if (s.mesh.world.size() > 1) watchdog::start(rc.timeout_s, s.mesh.who(), nccl_async_error);
 
   const LrSchedule schedule{rc.schedule, rc.lr, rc.min_lr, rc.warmup_steps, rc.steps, rc.decay_fraction};
   const double aux_coef = rc.aux_loss_coef >= 0 ? rc.aux_loss_coef : model_config.router_aux_loss_coef;
-  const int64_t micro_batches = rc.global_batch / rc.micro_batch, S = rc.seq_len, B = rc.micro_batch;
-  std::vector<int32_t> tokens(size_t(B * (S + 1)));
+  const int64_t micro_batches = rc.global_batch / (rc.micro_batch * s.mesh.shape.data_parallel()), S = rc.seq_len;
   std::vector<StepMetrics> history;
   int64_t bad_in_a_row = 0;
   StopSignals stop;  // SIGTERM/SIGINT: finish the step, save, return
 
   for (int64_t step = first_step; step <= rc.steps; ++step) {
     if (trace && !trace->running() && step >= rc.profile_first && step <= rc.profile_last) trace->start();
+    inject_test_fault(step, s.mesh.world.rank());
+    watchdog::arm(true);
     std::optional<NvtxRange> step_range(std::in_place, fmt::format("step {}", step));
     const auto start = std::chrono::steady_clock::now();
-    for (const Tensor& t : zeroed_each_step) fill_zero(t);
+    for (const Tensor& t : s.zeroed_each_step) fill_zero(t);
     // Every target of a sample is a real next token, so the step's counted tokens are known upfront.
     const double loss_scale = 1.0 / double(rc.global_batch * S);
-    const double aux_grad = aux_coef / double(model.num_layers() * micro_batches);
-    double token_loss_sum = 0, aux_loss_sum = 0;
-    for (int64_t micro = 0; micro < micro_batches; ++micro) {
-      data.train_batch(step - 1, micro * B, B, tokens.data());
-      const typename M::Batch batch = make_batch<M>(tokens, B, S, device);
-      MicroBatch<M> mb;
-      forward(mb, model, w, batch, timer);
-      token_loss_sum += mb.token_loss_sum;
-      aux_loss_sum += mb.aux_loss_sum;
-      backward(mb, model, w, g, batch, loss_scale, aux_grad, micro == 0, timer);
-    }
+    const double aux_grad = aux_coef / double(s.model.num_layers() * micro_batches);
+    const auto [token_loss_sum, aux_loss_sum] = run_micro_batches(s, rc, data, step, loss_scale, aux_grad, timer);
 
     StepMetrics m;
     m.step = step;
-    m.loss = token_loss_sum * loss_scale;
+    if (s.experts) m.expert_traffic = s.experts->take_traffic();
+    m.loss = s.mesh.data.sum(token_loss_sum, "loss (sum)") * loss_scale;
     // Reported normalised so that perfectly balanced routing reads 1.0.
-    m.load_balance = aux_loss_sum / double(model.num_layers() * micro_batches * model.top_k());
+    m.load_balance = aux_loss_sum / double(s.model.num_layers() * micro_batches * s.model.top_k());
     m.lr = schedule.at(step);
     std::optional<StageScope> optimizer_scope(std::in_place, timer, Stage::optimizer);
-    m.grad_norm = l2_norm(grads.all());
+    reduce_gradients(s);
+    m.grad_norm = gradient_norm(s);
     if (!std::isfinite(m.loss) || !std::isfinite(m.grad_norm)) {
       m.skipped = true;
       ++bad_in_a_row;
@@ -221,21 +380,11 @@ std::vector<StepMetrics> train(const RunConfig& rc, const typename M::Config& mo
                    step, bad_in_a_row);
     } else {
       bad_in_a_row = 0;
-      const int64_t decayed = model.num_decayed_parameters();
-      auto range = [&](const Arena& a, int64_t begin, int64_t end) { return a.slice(begin, {end - begin}); };
-      // One pass over the arenas: clipping scales the gradient inside the step, which also writes
-      // the bf16 working weights.
-      auto working_range = [&](int64_t begin, int64_t end) { return working ? range(*working, begin, end) : Tensor{}; };
-      AdamWHyper hyper{m.lr, rc.beta1, rc.beta2, rc.eps, rc.weight_decay, step};
-      if (rc.grad_clip > 0 && m.grad_norm > rc.grad_clip) hyper.grad_scale = rc.grad_clip / m.grad_norm;
-      adamw_step(range(params, 0, decayed), working_range(0, decayed), range(exp_avg, 0, decayed), range(exp_avg_sq, 0, decayed),
-                 range(grads, 0, decayed), hyper);
-      hyper.weight_decay = 0;
-      adamw_step(range(params, decayed, n), working_range(decayed, n), range(exp_avg, decayed, n), range(exp_avg_sq, decayed, n),
-                 range(grads, decayed, n), hyper);
+      optimizer_step(s, rc, m);
     }
     optimizer_scope.reset();
     if (device == Device::cuda) synchronize();
+    watchdog::arm(false);
     step_range.reset();
     if (timer) {
       const std::array<double, kStageCount> before = timer->total_ms();
@@ -248,15 +397,19 @@ std::vector<StepMetrics> train(const RunConfig& rc, const typename M::Config& mo
     m.peak_bytes = device == Device::cuda ? arena_bytes + peak_memory_bytes(device) : peak_memory_bytes(device);
     // After the step's timing: evaluation is not training speed.
     const bool evaluate = rc.eval_every > 0 && (step % rc.eval_every == 0 || step == rc.steps);
-    if (evaluate) m.val_loss = validation_loss(model, w, data, rc.eval_samples, rc.micro_batch, S, device);
+    if (evaluate)
+      m.val_loss = validation_loss(s.model, s.w, data, rc.eval_samples, rc.micro_batch, S, device, s.groups().experts);
+    if (s.experts) s.experts->take_traffic();  // evaluation is not training traffic
     if (step % rc.log_every == 0 || step == 1 || step == rc.steps || m.skipped || evaluate) {
       std::printf("%s\n", step_line(m, rc.steps).c_str());
       std::fflush(stdout);
     }
-    metrics << step_json(m) << "\n";
-    metrics.flush();
+    if (leader) {
+      metrics << step_json(m) << "\n";
+      metrics.flush();
+    }
     history.push_back(m);
-    const int stop_signal = StopSignals::received();
+    const int stop_signal = agreed_stop_signal(s.mesh.world);
     if (trace && trace->running() && (step == rc.profile_last || stop_signal != 0))
       report_trace(trace->stop(), fmt::format("{}/trace-steps-{}-{}.json", rc.out_dir, std::max(rc.profile_first, first_step), step));
     const std::string saved = checkpoints.due(step, stop_signal != 0) ? checkpoints.save(step) : "";
@@ -268,6 +421,7 @@ std::vector<StepMetrics> train(const RunConfig& rc, const typename M::Config& mo
       break;
     }
   }
+  watchdog::stop();
   return history;
 }
 

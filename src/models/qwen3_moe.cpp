@@ -73,11 +73,17 @@ Qwen3MoeConfig Qwen3MoeConfig::from_json(const Json& json, const std::string& so
   return c;
 }
 
-Qwen3Moe::Qwen3Moe(const Config& config, DType dtype, Device device) : config_(config), dtype_(dtype), device_(device) {
+Qwen3Moe::Qwen3Moe(const Config& config, DType dtype, Device device, ExpertShard experts)
+    : config_(config), dtype_(dtype), device_(device), experts_(experts) {
   const Config& c = config_;
   const int64_t H = c.hidden_size, D = c.head_dim, I = c.expert_intermediate_size;
+  if (experts_.count < 0) experts_ = {0, c.num_experts};
+  MARROW_CHECK(experts_.first >= 0 && experts_.count >= 1 && experts_.first + experts_.count <= c.num_experts,
+               "experts [{}, {}) are not a range of the model's {} experts", experts_.first, experts_.first + experts_.count, c.num_experts);
+  const int64_t first = experts_.first, last = experts_.first + experts_.count;
   auto add = [&](std::string name, std::vector<int64_t> shape, bool is_norm, bool is_expert = false) {
-    TensorSpec s{std::move(name), std::move(shape), num_parameters_, 1, is_norm, is_expert};
+    // The expert weights' gradients are written by the first backward of a step (TensorSpec).
+    TensorSpec s{std::move(name), std::move(shape), num_parameters_, 1, is_norm, is_expert, is_expert};
     for (int64_t d : s.shape) s.numel *= d;
     num_parameters_ += s.numel;
     specs_.push_back(std::move(s));
@@ -90,11 +96,11 @@ Qwen3Moe::Qwen3Moe(const Config& config, DType dtype, Device device) : config_(c
     add(p + "self_attn.v_proj.weight", {c.num_kv_heads * D, H}, false);
     add(p + "self_attn.o_proj.weight", {H, c.num_heads * D}, false);
     add(p + "mlp.gate.weight", {c.num_experts, H}, false);
-    for (int64_t e = 0; e < c.num_experts; ++e) {
+    for (int64_t e = first; e < last; ++e) {
       add(fmt::format("{}mlp.experts.{}.gate_proj.weight", p, e), {I, H}, false, true);
       add(fmt::format("{}mlp.experts.{}.up_proj.weight", p, e), {I, H}, false, true);
     }
-    for (int64_t e = 0; e < c.num_experts; ++e) add(fmt::format("{}mlp.experts.{}.down_proj.weight", p, e), {H, I}, false, true);
+    for (int64_t e = first; e < last; ++e) add(fmt::format("{}mlp.experts.{}.down_proj.weight", p, e), {H, I}, false, true);
   }
   add("lm_head.weight", {c.vocab_size, H}, false);
   num_decayed_ = num_parameters_;
@@ -118,7 +124,7 @@ int64_t Qwen3Moe::num_active_parameters() const {
 
 Qwen3MoeWeights Qwen3Moe::bind(const Arena& arena) const {
   const Config& c = config_;
-  const int64_t H = c.hidden_size, D = c.head_dim, I = c.expert_intermediate_size, E = c.num_experts;
+  const int64_t H = c.hidden_size, D = c.head_dim, I = c.expert_intermediate_size, E = c.num_experts, El = experts_.count;
   size_t next = 0;
   // Walks the spec table in the constructor's order, so each view lands on its canonical tensor.
   auto take = [&](std::initializer_list<int64_t> dims, int64_t count = 1) {
@@ -135,8 +141,8 @@ Qwen3MoeWeights Qwen3Moe::bind(const Arena& arena) const {
     L.v_proj = take({c.num_kv_heads * D, H});
     L.o_proj = take({H, c.num_heads * D});
     L.router = take({E, H});
-    L.experts_gate_up = take({E, 2 * I, H}, 2 * E);
-    L.experts_down = take({E, H, I}, E);
+    L.experts_gate_up = take({El, 2 * I, H}, 2 * El);
+    L.experts_down = take({El, H, I}, El);
   }
   w.lm_head = take({c.vocab_size, H});
   for (auto& L : w.layers) {
@@ -222,12 +228,12 @@ void Qwen3Moe::attention_forward(Qwen3MoeAttentionActivations& a, Buffer x, cons
   a.topk_index = Buffer(DType::i32, device_, {T, K});
   a.topk_weight = stats({T, K});
   router_forward(a.probs, a.topk_index, a.topk_weight, logits, c.norm_topk_prob);
+  a.routing_stats = stats({2 * E + 1});
+  router_statistics(a.routing_stats, a.probs, a.topk_index);
 }
 
 double Qwen3Moe::aux_loss(const Qwen3MoeAttentionActivations& a) const {
-  Buffer loss = stats({1});
-  router_aux_loss(loss, a.probs, a.topk_index);
-  return host_sum(loss);
+  return router_aux_loss(a.routing_stats);
 }
 
 void Qwen3Moe::attention_backward(Tensor dx, const Qwen3MoeLayerWeights& grads, Tensor dx_mid, Tensor dh2, Tensor dtopk_weight,
@@ -242,7 +248,7 @@ void Qwen3Moe::attention_backward(Tensor dx, const Qwen3MoeLayerWeights& grads, 
 
   // Router: its input h2 also feeds the experts, so its gradient joins dh2.
   Buffer dlogits = buffer({T, E});
-  router_backward(dlogits, dtopk_weight, a.probs, a.topk_index, a.topk_weight, c.norm_topk_prob, aux_grad);
+  router_backward(dlogits, dtopk_weight, a.probs, a.topk_index, a.topk_weight, c.norm_topk_prob, aux_grad, a.routing_stats);
   linear_backward_weight(grads.router, dlogits, a.h2);
   Buffer dh2_router = buffer({T, H});
   linear_backward_input(dh2_router, dlogits, w.router);

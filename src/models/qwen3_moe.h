@@ -16,7 +16,9 @@
 // Parameters are laid out from a table of canonical tensors named exactly as in Hugging Face
 // checkpoints (one entry per expert), so export is a copy and initial weights are a pure function of
 // (seed, name, element index). Expert weights of a layer are contiguous, so the per-expert tensors
-// form the fused [E, 2I, H] gate/up and [E, H, I] down tensors the grouped GEMMs use.
+// form the fused [E, 2I, H] gate/up and [E, H, I] down tensors the grouped GEMMs use. With expert
+// parallelism a process holds E_local of the E experts of each layer (ExpertShard): the table has
+// only those, under their global names, so any layout starts from the same weights.
 #pragma once
 #include <string>
 #include <vector>
@@ -41,8 +43,8 @@ struct Qwen3MoeConfig {
 
 struct Qwen3MoeLayerWeights {
   Tensor input_norm, q_proj, k_proj, v_proj, o_proj, q_norm, k_norm, post_norm, router;
-  Tensor experts_gate_up;  // [E, 2I, H]: per expert, gate_proj rows then up_proj rows
-  Tensor experts_down;     // [E, H, I]
+  Tensor experts_gate_up;  // [E_local, 2I, H]: per local expert, gate_proj rows then up_proj rows
+  Tensor experts_down;     // [E_local, H, I]
 };
 
 // Views of one arena (parameters or gradients) in the model's shapes.
@@ -64,6 +66,7 @@ struct Qwen3MoeAttentionActivations {
   Buffer h1, rstd1, q, k, v, rstd_q, rstd_k, q_rope, k_rope, attn, lse;
   Buffer x_mid;  // residual after attention [T, H]
   Buffer h2, rstd2, probs, topk_index, topk_weight;
+  Buffer routing_stats;  // [2E + 1]: see router_statistics; the engine may sum it over processes before aux_loss and the backward
 };
 
 struct Qwen3MoeExpertActivations {
@@ -85,13 +88,16 @@ class Qwen3Moe {
   using EpilogActivations = Qwen3MoeEpilogActivations;
   static constexpr const char* model_type = "qwen3_moe";
 
-  Qwen3Moe(const Config& config, DType dtype, Device device);
+  // experts: the experts of each layer this process holds (expert parallelism); its parameter
+  // table, arenas and expert weights cover only those, under their global names.
+  Qwen3Moe(const Config& config, DType dtype, Device device, ExpertShard experts = {});
 
   const Config& config() const { return config_; }
   DType dtype() const { return dtype_; }
   Device device() const { return device_; }
   int64_t num_layers() const { return config_.num_layers; }
-  int64_t num_experts() const { return config_.num_experts; }
+  int64_t num_experts() const { return config_.num_experts; }  // the router's choices, over all processes
+  int64_t num_local_experts() const { return experts_.count; }
   int64_t top_k() const { return config_.top_k; }
   int64_t hidden_size() const { return config_.hidden_size; }
   // The canonical tensors; norms come last so the decayed parameters are one contiguous range.
@@ -120,7 +126,7 @@ class Qwen3Moe {
   void attention_backward(Tensor dx, const Qwen3MoeLayerWeights& grads, Tensor dx_mid, Tensor dh2, Tensor dtopk_weight,
                           double aux_grad, Qwen3MoeAttentionActivations& a, const Qwen3MoeBatch& batch,
                           const Qwen3MoeLayerWeights& w) const;
-  // This layer's load-balance loss (Hugging Face's form: K when routing is balanced).
+  // This layer's load-balance loss (Hugging Face's form: K when routing is balanced) from a.routing_stats.
   double aux_loss(const Qwen3MoeAttentionActivations& a) const;
 
   // Stage 3: y_perm[R, H] from the dispatched rows x_perm[R, H] (kept in e.x_perm).
@@ -153,6 +159,7 @@ class Qwen3Moe {
   Config config_;
   DType dtype_;
   Device device_;
+  ExpertShard experts_;
   std::vector<TensorSpec> specs_;
   int64_t num_parameters_ = 0, num_decayed_ = 0;
 };

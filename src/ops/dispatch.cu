@@ -34,7 +34,8 @@ void plan_cpu(int32_t* expert_offsets, int32_t* copy_row, const int32_t* topk_in
 template <typename T>
 void forward_cpu(T* x_perm, const T* x, const int32_t* copy_row, int64_t n, int64_t k, int64_t h) {
   for (int64_t t = 0; t < n; ++t)
-    for (int64_t j = 0; j < k; ++j) std::copy(x + t * h, x + (t + 1) * h, x_perm + int64_t(copy_row[t * k + j]) * h);
+    for (int64_t j = 0; j < k; ++j)
+      if (copy_row[t * k + j] != -1) std::copy(x + t * h, x + (t + 1) * h, x_perm + int64_t(copy_row[t * k + j]) * h);
 }
 
 template <typename T>
@@ -42,30 +43,39 @@ void backward_cpu(T* dx, const T* dx_perm, const int32_t* copy_row, int64_t n, i
   for (int64_t t = 0; t < n; ++t)
     for (int64_t c = 0; c < h; ++c) {
       double sum = 0;
-      for (int64_t j = 0; j < k; ++j) sum += dx_perm[int64_t(copy_row[t * k + j]) * h + c];
+      for (int64_t j = 0; j < k; ++j)
+        if (copy_row[t * k + j] != -1) sum += dx_perm[int64_t(copy_row[t * k + j]) * h + c];
       dx[t * h + c] = T(sum);
     }
 }
 
-// Checks the shapes and dtypes of copy_row[T, K] (i32), tokens[T, H] and rows[T * K, H]; returns (T, K, H).
+// Checks the shapes and dtypes of copy_row[T, K] (i32), tokens[T, H] and rows[R, H]; returns (T, K, H).
 std::array<int64_t, 3> check_permute(const char* op, const char* tokens_name, const Tensor& tokens, const char* rows_name,
                                      const Tensor& rows, const Tensor& copy_row) {
   MARROW_CHECK(tokens.ndim == 2, "{}: {} must be [tokens, hidden], got {}", op, tokens_name, tokens.shape_string());
   MARROW_CHECK(copy_row.ndim == 2, "{}: copy_row must be [tokens, k], got {}", op, copy_row.shape_string());
+  MARROW_CHECK(rows.ndim == 2, "{}: {} must be [rows, hidden], got {}", op, rows_name, rows.shape_string());
   const int64_t n = tokens.size(0), h = tokens.size(1), k = copy_row.size(1);
   expect_shape(op, "copy_row", copy_row, {n, k});
   expect_dtype(op, "copy_row", copy_row, DType::i32);
-  expect_shape(op, rows_name, rows, {n * k, h});
+  expect_shape(op, rows_name, rows, {rows.size(0), h});
   expect_same_dtype(op, {{tokens_name, &tokens}, {rows_name, &rows}});
   return {n, k, h};
+}
+
+// On the GPU the [T, H] and [R, H] tensors are both bf16 or both f32.
+void expect_gpu_dtype(const char* op, const char* name, const Tensor& t) {
+  MARROW_CHECK(t.dtype == DType::bf16 || t.dtype == DType::f32, "{}: on the GPU {} must be bf16 or f32, got {}", op, name,
+               dtype_name(t.dtype));
 }
 
 
 #ifdef __CUDACC__
 using bf16 = __nv_bfloat16;
 
-template <int N> struct alignas(2 * N) Pack {
-  bf16 v[N];
+// N elements loaded and stored as one piece: 16-byte accesses (two for 8 floats).
+template <typename T, int N> struct alignas(sizeof(T) * N < 16 ? sizeof(T) * N : 16) Pack {
+  T v[N];
 };
 
 __global__ void dispatch_iota_kernel(int32_t* out, int64_t n) {
@@ -94,40 +104,42 @@ __global__ void dispatch_scatter_rows_kernel(int32_t* copy_row, const int32_t* s
   if (r < copies) copy_row[sorted_copies[r]] = int32_t(r);
 }
 
-// One block per token; its threads stride the row in packs of N (8 bf16 when H % 8 == 0), each pack
-// loaded once and stored to the token's K rows. Pure copies: nothing to order. Rows outside
-// [0, T * K) are skipped (the GPU path does not check copy_row).
-template <int N>
-__global__ void dispatch_forward_kernel(bf16* x_perm, const bf16* x, const int32_t* copy_row, int64_t n, int k, int64_t h) {
+// One block per token; its threads stride the row in packs of N (8 elements when H % 8 == 0), each
+// pack loaded once and stored to the token's rows. Pure copies: nothing to order. An entry of -1
+// (copy not here) is skipped, and so is a row outside [0, R) (the GPU path does not check copy_row).
+template <typename T, int N>
+__global__ void dispatch_forward_kernel(T* x_perm, const T* x, const int32_t* copy_row, int64_t rows, int k, int64_t h) {
   const int64_t t = blockIdx.x;
   for (int64_t c = threadIdx.x; c < h / N; c += blockDim.x) {
-    const Pack<N> v = reinterpret_cast<const Pack<N>*>(x + t * h)[c];
+    const Pack<T, N> v = reinterpret_cast<const Pack<T, N>*>(x + t * h)[c];
     for (int j = 0; j < k; ++j) {
       const int64_t r = copy_row[t * k + j];
-      if (0 <= r && r < n * k) reinterpret_cast<Pack<N>*>(x_perm + r * h)[c] = v;
+      if (0 <= r && r < rows) reinterpret_cast<Pack<T, N>*>(x_perm + r * h)[c] = v;
     }
   }
 }
 
-// One block per token, threads over the row in packs of N; each element sums its K rows in slot
-// order in f32 (fixed order: deterministic). A row outside [0, T * K) makes the element NaN.
-template <int N>
-__global__ void dispatch_backward_kernel(bf16* dx, const bf16* dx_perm, const int32_t* copy_row, int64_t n, int k, int64_t h) {
+// One block per token, threads over the row in packs of N; each element sums the rows of its
+// entries other than -1 in slot order in f32 (fixed order: deterministic), zeros when there are
+// none. Any other row outside [0, R) makes the element NaN.
+template <typename T, int N>
+__global__ void dispatch_backward_kernel(T* dx, const T* dx_perm, const int32_t* copy_row, int64_t rows, int k, int64_t h) {
   const int64_t t = blockIdx.x;
   for (int64_t c = threadIdx.x; c < h / N; c += blockDim.x) {
     float acc[N] = {};
     for (int j = 0; j < k; ++j) {
       const int64_t r = copy_row[t * k + j];
-      if (r < 0 || r >= n * k) {
+      if (r == -1) continue;
+      if (r < 0 || r >= rows) {
         for (int l = 0; l < N; ++l) acc[l] = NAN;
         continue;
       }
-      const Pack<N> v = reinterpret_cast<const Pack<N>*>(dx_perm + r * h)[c];
+      const Pack<T, N> v = reinterpret_cast<const Pack<T, N>*>(dx_perm + r * h)[c];
       for (int l = 0; l < N; ++l) acc[l] += float(v.v[l]);
     }
-    Pack<N> o;
-    for (int l = 0; l < N; ++l) o.v[l] = bf16(acc[l]);
-    reinterpret_cast<Pack<N>*>(dx + t * h)[c] = o;
+    Pack<T, N> o;
+    for (int l = 0; l < N; ++l) o.v[l] = T(acc[l]);
+    reinterpret_cast<Pack<T, N>*>(dx + t * h)[c] = o;
   }
 }
 
@@ -163,15 +175,17 @@ bool launch_plan(Tensor expert_offsets, Tensor copy_row, Tensor topk_index, Stre
   return host[0] == 0 && host[e] == copies;
 }
 
-template <typename Kernel8, typename Kernel1>
-void launch_permute(Kernel8 kernel8, Kernel1 kernel1, Tensor out, Tensor in, Tensor copy_row, Stream stream) {
+// kernel<T, 8> when rows are whole packs and every pointer is 16-byte aligned, else kernel<T, 1>.
+// `rows` is R, the row count of the [R, H] side.
+template <typename T, typename Kernel8, typename Kernel1>
+void launch_permute(Kernel8 kernel8, Kernel1 kernel1, Tensor out, Tensor in, Tensor copy_row, int64_t rows, Stream stream) {
   const int64_t n = copy_row.size(0), k = copy_row.size(1), h = out.size(1);
   if (n == 0 || h == 0) return;
   auto s = static_cast<cudaStream_t>(stream.handle);
-  auto* o = static_cast<bf16*>(out.data);
-  auto* i = static_cast<const bf16*>(in.data);
-  if (packable(h, {out.data, in.data})) kernel8<<<unsigned(n), 128, 0, s>>>(o, i, copy_row.ptr<int32_t>(), n, int(k), h);
-  else kernel1<<<unsigned(n), 128, 0, s>>>(o, i, copy_row.ptr<int32_t>(), n, int(k), h);
+  auto* o = static_cast<T*>(out.data);
+  auto* i = static_cast<const T*>(in.data);
+  if (packable(h, {out.data, in.data})) kernel8<<<unsigned(n), 128, 0, s>>>(o, i, copy_row.ptr<int32_t>(), rows, int(k), h);
+  else kernel1<<<unsigned(n), 128, 0, s>>>(o, i, copy_row.ptr<int32_t>(), rows, int(k), h);
   MARROW_CUDA_CHECK_LAUNCH();
 }
 #endif
@@ -204,19 +218,31 @@ void dispatch_plan(Tensor expert_offsets, Tensor copy_row, Tensor topk_index, St
   plan_cpu(expert_offsets.ptr<int32_t>(), copy_row.ptr<int32_t>(), topk_index.ptr<int32_t>(), n * k, e);
 }
 
+void expect_copy_rows(const char* op, const Tensor& copy_row, int64_t rows) {
+  const int32_t* idx = copy_row.ptr<int32_t>();
+  const int64_t k = copy_row.ndim > 1 ? copy_row.size(1) : 1;
+  for (int64_t i = 0; i < copy_row.numel(); ++i)
+    MARROW_CHECK(idx[i] == -1 || (0 <= idx[i] && idx[i] < rows), "{}: copy_row[{}, {}] = {} is neither -1 nor inside [0, {})", op,
+                 i / k, i % k, idx[i], rows);
+}
+
 void dispatch_forward(Tensor x_perm, Tensor x, Tensor copy_row, Stream stream) {
   const char* op = "dispatch_forward";
   const std::array<int64_t, 3> size = check_permute(op, "x", x, "x_perm", x_perm, copy_row);
-  const int64_t n = size[0], k = size[1], h = size[2];
+  const int64_t n = size[0], k = size[1], h = size[2], rows = x_perm.size(0);
   if (common_device(op, {{"x", &x}, {"x_perm", &x_perm}, {"copy_row", &copy_row}}) == Device::cuda) {
-    expect_dtype(op, "x", x, DType::bf16);
+    expect_gpu_dtype(op, "x", x);
 #ifdef __CUDACC__
-    return launch_permute(dispatch_forward_kernel<8>, dispatch_forward_kernel<1>, x_perm, x, copy_row, stream);
+    if (x.dtype == DType::bf16)
+      return launch_permute<bf16>(dispatch_forward_kernel<bf16, 8>, dispatch_forward_kernel<bf16, 1>, x_perm, x, copy_row, rows,
+                                  stream);
+    return launch_permute<float>(dispatch_forward_kernel<float, 8>, dispatch_forward_kernel<float, 1>, x_perm, x, copy_row, rows,
+                                 stream);
 #else
     no_cuda_kernel(op);
 #endif
   }
-  expect_indices_below(op, "copy_row", copy_row, n * k);
+  expect_copy_rows(op, copy_row, rows);
   (void)stream;
   with_cpu_scalar(op, x, [&](auto s) {
     using T = decltype(s);
@@ -227,16 +253,20 @@ void dispatch_forward(Tensor x_perm, Tensor x, Tensor copy_row, Stream stream) {
 void dispatch_backward(Tensor dx, Tensor dx_perm, Tensor copy_row, Stream stream) {
   const char* op = "dispatch_backward";
   const std::array<int64_t, 3> size = check_permute(op, "dx", dx, "dx_perm", dx_perm, copy_row);
-  const int64_t n = size[0], k = size[1], h = size[2];
+  const int64_t n = size[0], k = size[1], h = size[2], rows = dx_perm.size(0);
   if (common_device(op, {{"dx", &dx}, {"dx_perm", &dx_perm}, {"copy_row", &copy_row}}) == Device::cuda) {
-    expect_dtype(op, "dx", dx, DType::bf16);
+    expect_gpu_dtype(op, "dx", dx);
 #ifdef __CUDACC__
-    return launch_permute(dispatch_backward_kernel<8>, dispatch_backward_kernel<1>, dx, dx_perm, copy_row, stream);
+    if (dx.dtype == DType::bf16)
+      return launch_permute<bf16>(dispatch_backward_kernel<bf16, 8>, dispatch_backward_kernel<bf16, 1>, dx, dx_perm, copy_row,
+                                  rows, stream);
+    return launch_permute<float>(dispatch_backward_kernel<float, 8>, dispatch_backward_kernel<float, 1>, dx, dx_perm, copy_row,
+                                 rows, stream);
 #else
     no_cuda_kernel(op);
 #endif
   }
-  expect_indices_below(op, "copy_row", copy_row, n * k);
+  expect_copy_rows(op, copy_row, rows);
   (void)stream;
   with_cpu_scalar(op, dx, [&](auto s) {
     using T = decltype(s);

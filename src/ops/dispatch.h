@@ -6,6 +6,14 @@
 // The plan is a counting sort: deterministic, and a pure function of topk_index. On the GPU the
 // plan is a stable radix sort with the same result; expert_offsets stays a host tensor, so
 // dispatch_plan waits for the stream (the one sync per layer the grouped GEMM needs).
+//
+// dispatch_forward/backward (and combine) take any copy_row[T, K] (i32) and rows tensor [R, H]
+// with R >= 0, of which the plan's (R = T * K, a permutation) is one case. Expert parallelism
+// hands them a rank's part of the plan: an entry is -1 when the copy is not here (another rank
+// holds it), else a row in [0, R); no two entries name the same row. Rows that no entry names are
+// neither read nor written. The CPU references check the entries (an error names the entry); the
+// GPU kernels cannot without a sync, so a row outside [0, R) other than -1 is skipped by the
+// forward and makes the backward's sum NaN.
 #pragma once
 #include "core/tensor.h"
 
@@ -15,10 +23,16 @@ namespace marrow {
 // index outside [0, E) is an error.
 void dispatch_plan(Tensor expert_offsets, Tensor copy_row, Tensor topk_index, Stream stream = {});
 
-// x_perm[copy_row[t, j]] = x[t]: x_perm[T * K, H] from x[T, H].
+// x_perm[copy_row[t, j]] = x[t] for every entry other than -1: x_perm[R, H] from x[T, H]. GPU: bf16
+// or f32 tensors (activations, or the routing weights [T, K] as rows of H = K).
 void dispatch_forward(Tensor x_perm, Tensor x, Tensor copy_row, Stream stream = {});
 
-// dx[t] = sum_j dx_perm[copy_row[t, j]], summed in slot order j; dx[T, H] is overwritten.
+// dx[t] = sum_j dx_perm[copy_row[t, j]] over the entries other than -1, summed in slot order j (f32
+// on the GPU); a token whose entries are all -1 gets zeros. dx[T, H] is overwritten. GPU: bf16 or f32.
 void dispatch_backward(Tensor dx, Tensor dx_perm, Tensor copy_row, Stream stream = {});
+
+// The CPU check of copy_row[T, K] (host i32) against a rows tensor of `rows` rows: every entry is
+// -1 or inside [0, rows); the error names op and the entry. Combine shares it.
+void expect_copy_rows(const char* op, const Tensor& copy_row, int64_t rows);
 
 }  // namespace marrow

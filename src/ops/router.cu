@@ -23,12 +23,6 @@ namespace {
 // The GPU kernels keep a token's E probabilities in shared memory: up to 512 experts fit 48 KiB.
 constexpr int64_t kMaxGpuExperts = 512;
 
-std::vector<int64_t> copies_per_expert(const int32_t* idx, int64_t copies, int64_t experts) {
-  std::vector<int64_t> count(experts, 0);
-  for (int64_t i = 0; i < copies; ++i) ++count[idx[i]];
-  return count;
-}
-
 template <typename T>
 void forward_cpu(T* probs, int32_t* topk_index, T* topk_weight, const T* logits, int64_t n, int64_t e, int64_t k,
                  bool normalize) {
@@ -59,30 +53,34 @@ void forward_cpu(T* probs, int32_t* topk_index, T* topk_weight, const T* logits,
 }
 
 template <typename T>
-T aux_loss_cpu(const T* probs, const int32_t* topk_index, int64_t n, int64_t e, int64_t k) {
-  std::vector<int64_t> count = copies_per_expert(topk_index, n * k, e);
+void statistics_cpu(T* stats, const T* probs, const int32_t* topk_index, int64_t n, int64_t e, int64_t k) {
+  std::vector<int64_t> count(e, 0);
+  for (int64_t i = 0; i < n * k; ++i) ++count[topk_index[i]];
   std::vector<double> prob_sum(e, 0.0);
   for (int64_t t = 0; t < n; ++t)
     for (int64_t i = 0; i < e; ++i) prob_sum[i] += probs[t * e + i];
-  double loss = 0;
-  for (int64_t i = 0; i < e; ++i) loss += double(count[i]) / double(n) * (prob_sum[i] / double(n));
-  return T(double(e) * loss);
+  for (int64_t i = 0; i < e; ++i) {
+    stats[i] = T(count[i]);
+    stats[e + i] = T(prob_sum[i]);
+  }
+  stats[2 * e] = T(n);
 }
 
 // Gradient with respect to the probabilities, then through the softmax:
 //   normalized weights w_j = p_j / S (S = sum of the top-k probs): dp_j = (g_j - sum_m g_m w_m) / S;
-//   aux loss: d/dp[t, e] = E * f_e / T = E * count_e / T^2, scaled by aux_grad;
+//   aux loss: d/dp[t, e] = E * f_e / T = E * count_e / T^2, scaled by aux_grad, with count_e and
+//   T from stats (T may exceed n: statistics summed over processes);
 //   softmax: dlogits = p * (dp - sum_e p * dp).
 template <typename T>
-void backward_cpu(T* dlogits, const T* dtopk_weight, const T* probs, const int32_t* topk_index, const T* topk_weight, int64_t n,
-                  int64_t e, int64_t k, bool normalize, double aux_grad) {
-  std::vector<int64_t> count = copies_per_expert(topk_index, n * k, e);
-  const double aux_scale = aux_grad * double(e) / (double(n) * double(n));
+void backward_cpu(T* dlogits, const T* dtopk_weight, const T* probs, const int32_t* topk_index, const T* topk_weight,
+                  const T* stats, int64_t n, int64_t e, int64_t k, bool normalize, double aux_grad) {
+  const double total = double(stats[2 * e]);
+  const double aux_scale = aux_grad * double(e) / (total * total);
   std::vector<double> dp(e);
   for (int64_t t = 0; t < n; ++t) {
     const T *p = probs + t * e, *g = dtopk_weight + t * k, *w = topk_weight + t * k;
     const int32_t* idx = topk_index + t * k;
-    for (int64_t i = 0; i < e; ++i) dp[i] = aux_scale * double(count[i]);
+    for (int64_t i = 0; i < e; ++i) dp[i] = aux_scale * double(stats[i]);
     if (normalize) {
       double topk_sum = 0, gw = 0;
       for (int64_t j = 0; j < k; ++j) {
@@ -108,6 +106,13 @@ std::array<int64_t, 3> router_sizes(const char* op, const char* scores_name, con
   expect_dtype(op, "topk_index", topk_index, DType::i32);
   MARROW_CHECK(1 <= k && k <= e, "{}: k = {} must be between 1 and the number of experts {}", op, k, e);
   return {n, e, k};
+}
+
+// The number of experts E of statistics [2E + 1].
+int64_t statistics_experts(const char* op, const Tensor& stats) {
+  MARROW_CHECK(stats.ndim == 1 && stats.numel() >= 3 && stats.numel() % 2 == 1,
+               "{}: stats must be [2 * experts + 1] with at least one expert, got {}", op, stats.shape_string());
+  return (stats.numel() - 1) / 2;
 }
 
 
@@ -177,9 +182,9 @@ __global__ void router_count_kernel(int32_t* count, const int32_t* topk_index, i
   if (i < copies && 0 <= topk_index[i] && topk_index[i] < e) atomicAdd(&count[topk_index[i]], 1);
 }
 
-// Aux loss, pass 1: one block per expert; its threads sum probs[:, e] over tokens in double and
-// the block reduces them in a fixed tree; term[e] = count_e / T * (sum / T).
-__global__ void router_aux_terms_kernel(double* term, const float* probs, const int32_t* count, int64_t n, int e) {
+// Statistics: one block per expert; its threads sum probs[:, e] over tokens in double and the block
+// reduces them in a fixed tree. Block 0 also writes the token count.
+__global__ void router_statistics_kernel(float* stats, const float* probs, const int32_t* count, int64_t n, int e) {
   __shared__ double warp_sums[32];
   double acc = 0;
   for (int64_t t = threadIdx.x; t < n; t += blockDim.x) acc += probs[t * e + blockIdx.x];
@@ -189,23 +194,19 @@ __global__ void router_aux_terms_kernel(double* term, const float* probs, const 
   if (threadIdx.x == 0) {
     double sum = 0;
     for (int w = 0; w < int(blockDim.x / 32); ++w) sum += warp_sums[w];
-    term[blockIdx.x] = double(count[blockIdx.x]) / double(n) * (sum / double(n));
+    stats[blockIdx.x] = float(count[blockIdx.x]);
+    stats[e + blockIdx.x] = float(sum);
+    if (blockIdx.x == 0) stats[2 * e] = float(n);
   }
 }
 
-// Aux loss, pass 2: one thread adds the terms in expert order.
-__global__ void router_aux_total_kernel(float* loss, const double* term, int e) {
-  double sum = 0;
-  for (int i = 0; i < e; ++i) sum += term[i];
-  loss[0] = float(double(e) * sum);
-}
-
-// One warp per token: dp (shared, lanes own experts l, l + 32, ...) starts at the aux gradient;
-// the top-k sums are reduced in a fixed tree and lane 0 adds the K slot terms in slot order; the
-// softmax's dot product is one more fixed-tree reduction.
+// One warp per token: dp (shared, lanes own experts l, l + 32, ...) starts at the aux gradient
+// aux_grad * E * count_e / T^2, computed from stats in double as on the CPU; the top-k sums are
+// reduced in a fixed tree and lane 0 adds the K slot terms in slot order; the softmax's dot
+// product is one more fixed-tree reduction.
 __global__ void router_backward_kernel(__nv_bfloat16* dlogits, const float* dtopk_weight, const float* probs, const int32_t* topk_index,
-                                const float* topk_weight, const int32_t* count, int64_t n, int e, int k, bool normalize,
-                                double aux_scale) {
+                                const float* topk_weight, const float* stats, int64_t n, int e, int k, bool normalize,
+                                double aux_grad) {
   extern __shared__ float dp_shared[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t t = blockIdx.x * int64_t(kWarps) + warp;
@@ -213,7 +214,8 @@ __global__ void router_backward_kernel(__nv_bfloat16* dlogits, const float* dtop
   float* dp = dp_shared + warp * e;
   const float *p = probs + t * e, *g = dtopk_weight + t * k, *w = topk_weight + t * k;
   const int32_t* idx = topk_index + t * k;
-  for (int i = lane; i < e; i += 32) dp[i] = float(aux_scale * double(count[i]));
+  const double aux_scale = aux_grad * double(e) / (double(stats[2 * e]) * double(stats[2 * e]));
+  for (int i = lane; i < e; i += 32) dp[i] = float(aux_scale * double(stats[i]));
   float topk_sum = 0, gw = 0;
   for (int j = lane; j < k; j += 32)
     if (0 <= idx[j] && idx[j] < e) {
@@ -252,27 +254,22 @@ void launch_forward(Tensor probs, Tensor topk_index, Tensor topk_weight, Tensor 
   MARROW_CUDA_CHECK_LAUNCH();
 }
 
-void launch_aux_loss(Tensor loss, Tensor probs, Tensor topk_index, Stream stream) {
+void launch_statistics(Tensor stats, Tensor probs, Tensor topk_index, Stream stream) {
   const int64_t n = probs.size(0), e = probs.size(1);
   auto s = static_cast<cudaStream_t>(stream.handle);
   Buffer count = expert_counts(topk_index, e, s);
-  Buffer term(DType::f64, Device::cuda, {e}, stream);
-  router_aux_terms_kernel<<<unsigned(e), 256, 0, s>>>(term.ptr<double>(), probs.ptr<float>(), count.ptr<int32_t>(), n, int(e));
-  MARROW_CUDA_CHECK_LAUNCH();
-  router_aux_total_kernel<<<1, 1, 0, s>>>(loss.ptr<float>(), term.ptr<double>(), int(e));
+  router_statistics_kernel<<<unsigned(e), 256, 0, s>>>(stats.ptr<float>(), probs.ptr<float>(), count.ptr<int32_t>(), n, int(e));
   MARROW_CUDA_CHECK_LAUNCH();
 }
 
 void launch_backward(Tensor dlogits, Tensor dtopk_weight, Tensor probs, Tensor topk_index, Tensor topk_weight, bool normalize,
-                     double aux_grad, Stream stream) {
+                     double aux_grad, Tensor stats, Stream stream) {
   const int64_t n = probs.size(0), e = probs.size(1), k = topk_index.size(1);
   if (n == 0) return;
   auto s = static_cast<cudaStream_t>(stream.handle);
-  Buffer count = expert_counts(topk_index, e, s);
-  const double aux_scale = aux_grad * double(e) / (double(n) * double(n));
   router_backward_kernel<<<unsigned((n + kWarps - 1) / kWarps), 32 * kWarps, size_t(kWarps) * e * sizeof(float), s>>>(
       static_cast<__nv_bfloat16*>(dlogits.data), dtopk_weight.ptr<float>(), probs.ptr<float>(), topk_index.ptr<int32_t>(),
-      topk_weight.ptr<float>(), count.ptr<int32_t>(), n, int(e), int(k), normalize, aux_scale);
+      topk_weight.ptr<float>(), stats.ptr<float>(), n, int(e), int(k), normalize, aux_grad);
   MARROW_CUDA_CHECK_LAUNCH();
 }
 #endif
@@ -303,18 +300,17 @@ void router_forward(Tensor probs, Tensor topk_index, Tensor topk_weight, Tensor 
   });
 }
 
-void router_aux_loss(Tensor loss, Tensor probs, Tensor topk_index, Stream stream) {
-  const char* op = "router_aux_loss";
+void router_statistics(Tensor stats, Tensor probs, Tensor topk_index, Stream stream) {
+  const char* op = "router_statistics";
   const std::array<int64_t, 3> size = router_sizes(op, "probs", probs, topk_index);
   const int64_t n = size[0], e = size[1], k = size[2];
-  MARROW_CHECK(n > 0, "{}: probs has no tokens, so the expert fractions are undefined", op);
-  expect_shape(op, "loss", loss, {1});
-  expect_same_dtype(op, {{"probs", &probs}, {"loss", &loss}});
-  if (common_device(op, {{"probs", &probs}, {"topk_index", &topk_index}, {"loss", &loss}}) == Device::cuda) {
+  expect_shape(op, "stats", stats, {2 * e + 1});
+  expect_same_dtype(op, {{"probs", &probs}, {"stats", &stats}});
+  if (common_device(op, {{"probs", &probs}, {"topk_index", &topk_index}, {"stats", &stats}}) == Device::cuda) {
     // Indices on the GPU are not checked: an entry outside [0, E) is left out of the counts.
     expect_dtype(op, "probs", probs, DType::f32);
 #ifdef __CUDACC__
-    return launch_aux_loss(loss, probs, topk_index, stream);
+    return launch_statistics(stats, probs, topk_index, stream);
 #else
     no_cuda_kernel(op);
 #endif
@@ -323,43 +319,66 @@ void router_aux_loss(Tensor loss, Tensor probs, Tensor topk_index, Stream stream
   expect_indices_below(op, "topk_index", topk_index, e);
   with_cpu_scalar(op, probs, [&](auto s) {
     using T = decltype(s);
-    loss.ptr<T>()[0] = aux_loss_cpu<T>(probs.ptr<T>(), topk_index.ptr<int32_t>(), n, e, k);
+    statistics_cpu<T>(stats.ptr<T>(), probs.ptr<T>(), topk_index.ptr<int32_t>(), n, e, k);
   });
 }
 
+double router_aux_loss(Tensor stats, Stream stream) {
+  const char* op = "router_aux_loss";
+  const int64_t e = statistics_experts(op, stats);
+  Buffer host = to_host(stats, stream);
+  double loss = 0;
+  with_cpu_scalar(op, host, [&](auto s) {
+    using T = decltype(s);
+    const T* v = host.ptr<T>();
+    const double n = double(v[2 * e]);
+    MARROW_CHECK(n > 0, "{}: the statistics count no tokens, so the expert fractions are undefined", op);
+    for (int64_t i = 0; i < e; ++i) loss += double(v[i]) / n * (double(v[e + i]) / n);
+  });
+  return double(e) * loss;
+}
+
 void router_backward(Tensor dlogits, Tensor dtopk_weight, Tensor probs, Tensor topk_index, Tensor topk_weight, bool normalize,
-                     double aux_grad, Stream stream) {
+                     double aux_grad, Tensor stats, Stream stream) {
   const char* op = "router_backward";
   const std::array<int64_t, 3> size = router_sizes(op, "probs", probs, topk_index);
   const int64_t n = size[0], e = size[1], k = size[2];
   expect_shape(op, "dlogits", dlogits, {n, e});
   expect_shape(op, "dtopk_weight", dtopk_weight, {n, k});
   expect_shape(op, "topk_weight", topk_weight, {n, k});
+  expect_shape(op, "stats", stats, {2 * e + 1});
   if (common_device(op, {{"probs", &probs},
                          {"dlogits", &dlogits},
                          {"dtopk_weight", &dtopk_weight},
                          {"topk_index", &topk_index},
-                         {"topk_weight", &topk_weight}}) == Device::cuda) {
+                         {"topk_weight", &topk_weight},
+                         {"stats", &stats}}) == Device::cuda) {
     // Indices on the GPU are not checked: an entry outside [0, E) is skipped.
     expect_dtype(op, "probs", probs, DType::f32);
     expect_dtype(op, "dtopk_weight", dtopk_weight, DType::f32);
     expect_dtype(op, "topk_weight", topk_weight, DType::f32);
     expect_dtype(op, "dlogits", dlogits, DType::bf16);
+    expect_dtype(op, "stats", stats, DType::f32);
     MARROW_CHECK(e <= kMaxGpuExperts, "{}: {} experts, but the GPU kernel takes at most {}", op, e, kMaxGpuExperts);
 #ifdef __CUDACC__
-    return launch_backward(dlogits, dtopk_weight, probs, topk_index, topk_weight, normalize, aux_grad, stream);
+    return launch_backward(dlogits, dtopk_weight, probs, topk_index, topk_weight, normalize, aux_grad, stats, stream);
 #else
     no_cuda_kernel(op);
 #endif
   }
-  expect_same_dtype(op,
-                    {{"probs", &probs}, {"dlogits", &dlogits}, {"dtopk_weight", &dtopk_weight}, {"topk_weight", &topk_weight}});
+  expect_same_dtype(op, {{"probs", &probs},
+                         {"dlogits", &dlogits},
+                         {"dtopk_weight", &dtopk_weight},
+                         {"topk_weight", &topk_weight},
+                         {"stats", &stats}});
   (void)stream;
   expect_indices_below(op, "topk_index", topk_index, e);
   with_cpu_scalar(op, probs, [&](auto s) {
     using T = decltype(s);
-    backward_cpu<T>(dlogits.ptr<T>(), dtopk_weight.ptr<T>(), probs.ptr<T>(), topk_index.ptr<int32_t>(), topk_weight.ptr<T>(), n,
-                    e, k, normalize, aux_grad);
+    const double tokens = double(stats.ptr<T>()[2 * e]);
+    MARROW_CHECK(tokens >= double(n), "{}: stats counts {} tokens, fewer than the {} rows of probs", op, tokens, n);
+    backward_cpu<T>(dlogits.ptr<T>(), dtopk_weight.ptr<T>(), probs.ptr<T>(), topk_index.ptr<int32_t>(), topk_weight.ptr<T>(),
+                    stats.ptr<T>(), n, e, k, normalize, aux_grad);
   });
 }
 

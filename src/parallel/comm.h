@@ -1,0 +1,74 @@
+// Process groups and their collectives: the one communication API of the parallel layer.
+//
+// A Comm is a group of processes (the whole job, or one axis of the mesh, see mesh.h). Each
+// collective works on Tensor views and picks its transport from the tensors' device: NCCL for
+// CUDA tensors, MPI for host tensors. A group of one process needs neither, so a single-process
+// run never touches MPI.
+//
+// Invariants:
+// - Host reductions sum in rank order 0, 1, ..., size - 1 (in double for f32), whatever the
+//   timing, so a run's numbers never depend on which rank was first.
+// - NCCL collectives run on the group's communication stream, ordered after the work already
+//   queued on the compute stream (the default stream) and before any work queued on it later:
+//   callers never synchronise by hand.
+// - Every collective tells the watchdog (watchdog.h) that it started and that it returned, so a
+//   collective that never completes ends the job after parallel.timeout_s.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/tensor.h"
+
+namespace marrow {
+
+class Comm {
+ public:
+  Comm() = default;  // the group of this process alone
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  // The rank in the job of this group's member `rank` (for messages).
+  int world_rank_of(int rank) const { return members_.empty() ? rank : members_[size_t(rank)]; }
+
+  // t = sum over the group of every member's t (f32 or f64; on the GPU also bf16).
+  void all_reduce_sum(Tensor t, const char* what) const;
+  // out[size * n] = every member's in[n], in rank order.
+  void all_gather(Tensor out, Tensor in, const char* what) const;
+  // out[n] = sum over members of their in[rank * n, (rank + 1) * n).
+  void reduce_scatter_sum(Tensor out, Tensor in, const char* what) const;
+  // Rows in blocks by rank: send rows [sum(send_rows[<d]), +send_rows[d]) go to member d; what
+  // member s sends lands in recv rows [sum(recv_rows[<s]), +recv_rows[s]). Both sides must agree
+  // on the counts (exchange_counts). Rows are the first dimension of send and recv.
+  void all_to_all_v(Tensor recv, const std::vector<int64_t>& recv_rows, Tensor send, const std::vector<int64_t>& send_rows,
+                    const char* what) const;
+  // Host integers: sent[d] goes to member d; returns what each member sent to this one.
+  std::vector<int64_t> exchange_counts(const std::vector<int64_t>& sent, const char* what) const;
+  // Host doubles summed over the group in rank order (losses, squared norms).
+  std::vector<double> sum(std::vector<double> values, const char* what) const;
+  double sum(double value, const char* what) const { return sum(std::vector<double>{value}, what)[0]; }
+  // Every member's text, in rank order.
+  std::vector<std::string> all_gather_text(const std::string& text, const char* what) const;
+  void send(Tensor t, int peer, const char* what) const;
+  void recv(Tensor t, int peer, const char* what) const;
+  void barrier(const char* what) const;
+
+  // The subgroup of members with the same color, ordered by key (every member calls it).
+  Comm split(int color, int key) const;
+  // The whole job: MPI_COMM_WORLD when launched by mpirun/srun, else a group of one. With
+  // device = cuda every group split from it also has an NCCL communicator.
+  static Comm world(Device device);
+
+  struct Handles;  // MPI and NCCL communicators, the communication stream (comm.cpp)
+
+ private:
+  void point_to_point(Tensor t, int peer, bool sending, const char* what) const;
+  std::shared_ptr<Handles> handles_;
+  int rank_ = 0, size_ = 1;
+  std::vector<int> members_;  // world rank of each member
+};
+
+// The first asynchronous error any NCCL communicator reports, or "" (the watchdog polls it).
+std::string nccl_async_error();
+
+}  // namespace marrow

@@ -1,0 +1,159 @@
+#include "parallel/expert_parallel.h"
+
+#include <numeric>
+
+#include "ops/combine.h"
+#include "ops/dispatch.h"
+#include "ops/init.h"
+
+namespace marrow {
+
+namespace {
+
+Buffer like(const Tensor& t, std::initializer_list<int64_t> dims) { return Buffer(t.dtype, t.device, dims); }
+
+// On the host: send_row [T, P] and the expert slots of each sent row, [sent, K], local to the
+// member it goes to (-1 where that slot's expert lives elsewhere); returns rows per member.
+std::vector<int64_t> plan_sends(int32_t* send_row, std::vector<int32_t>& send_slots, const int32_t* topk_index, int64_t tokens,
+                                int64_t k, int64_t members, int64_t local_experts) {
+  std::vector<int64_t> rows(size_t(members), 0);
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t d = 0; d < members; ++d) send_row[t * members + d] = -1;
+    for (int64_t j = 0; j < k; ++j) send_row[t * members + topk_index[t * k + j] / local_experts] = 0;
+    for (int64_t d = 0; d < members; ++d)
+      if (send_row[t * members + d] == 0) ++rows[size_t(d)];
+  }
+  std::vector<int64_t> next(size_t(members), 0);
+  for (int64_t d = 1; d < members; ++d) next[size_t(d)] = next[size_t(d - 1)] + rows[size_t(d - 1)];
+  send_slots.assign(size_t(next.back() + rows.back()) * size_t(k), -1);
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t d = 0; d < members; ++d) {
+      if (send_row[t * members + d] < 0) continue;
+      const int64_t row = next[size_t(d)]++;
+      send_row[t * members + d] = int32_t(row);
+      for (int64_t j = 0; j < k; ++j) {
+        const int32_t e = topk_index[t * k + j];
+        if (e / local_experts == d) send_slots[size_t(row * k + j)] = int32_t(e - d * local_experts);
+      }
+    }
+  return rows;
+}
+
+// On the host: the received rows' copies grouped by local expert, in (row, slot) order within an
+// expert (a counting sort, as dispatch_plan does for one process); returns the number of copies.
+int64_t plan_copies(int32_t* expert_offsets, int32_t* copy_row, const int32_t* slots, int64_t rows, int64_t k, int64_t local_experts) {
+  std::vector<int32_t> next(size_t(local_experts) + 1, 0);
+  for (int64_t i = 0; i < rows * k; ++i)
+    if (slots[i] >= 0) ++next[size_t(slots[i]) + 1];
+  for (int64_t e = 0; e < local_experts; ++e) next[size_t(e) + 1] += next[size_t(e)];
+  std::copy(next.begin(), next.end(), expert_offsets);
+  for (int64_t i = 0; i < rows * k; ++i) copy_row[i] = slots[i] >= 0 ? next[size_t(slots[i])]++ : -1;
+  return expert_offsets[local_experts];
+}
+
+std::vector<int64_t> prefix_sums(const std::vector<int64_t>& counts) {
+  std::vector<int64_t> offsets(counts.size() + 1, 0);
+  std::partial_sum(counts.begin(), counts.end(), offsets.begin() + 1);
+  return offsets;
+}
+
+}  // namespace
+
+ExpertParallel::ExpertParallel(const Comm& group, int64_t num_experts)
+    : group_(group), num_experts_(num_experts), local_experts_(num_experts / group.size()) {
+  MARROW_CHECK(num_experts % group.size() == 0, "num_experts ({}) is not a multiple of parallel.ep ({}): each expert-parallel rank must hold as many experts", num_experts,
+               group.size());
+}
+
+void ExpertParallel::plan(ExpertRoute& route, Tensor topk_index, Device device) const {
+  const int64_t T = topk_index.size(0), K = topk_index.size(1), P = group_.size();
+  const Buffer index = to_host(topk_index);
+  for (int64_t i = 0; i < T * K; ++i)
+    MARROW_CHECK(index.ptr<int32_t>()[i] >= 0 && index.ptr<int32_t>()[i] < num_experts_,
+                 "expert-parallel dispatch: topk_index holds expert {} outside [0, {})", index.ptr<int32_t>()[i], num_experts_);
+  Buffer send_row(DType::i32, Device::cpu, {T, P});
+  std::vector<int32_t> send_slots;
+  route.send_rows = plan_sends(send_row.ptr<int32_t>(), send_slots, index.ptr<int32_t>(), T, K, P, local_experts_);
+  route.recv_rows = group_.exchange_counts(route.send_rows, "expert-parallel row counts (exchange_counts)");
+  route.sent = prefix_sums(route.send_rows).back();
+  route.remote_rows = route.sent - route.send_rows[size_t(group_.rank())];
+  for (int64_t i = 0; i < T * K; ++i) route.remote_copies += index.ptr<int32_t>()[i] / local_experts_ != group_.rank();
+  traffic_.remote_rows += route.remote_rows;
+  traffic_.remote_copies += route.remote_copies;
+  ++traffic_.dispatches;
+  route.received = prefix_sums(route.recv_rows).back();
+  // The slots travel on the host: the receiver plans its grouped GEMM rows without waiting for its GPU.
+  Buffer recv_slots(DType::i32, Device::cpu, {route.received, K});
+  group_.all_to_all_v(recv_slots, route.recv_rows, Tensor(send_slots.data(), DType::i32, Device::cpu, {route.sent, K}), route.send_rows,
+                      "expert-parallel expert slots (all_to_all_v)");
+  route.expert_offsets = Buffer(DType::i32, Device::cpu, {local_experts_ + 1});
+  Buffer copy_row(DType::i32, Device::cpu, {route.received, K});
+  route.copies = plan_copies(route.expert_offsets.ptr<int32_t>(), copy_row.ptr<int32_t>(), recv_slots.ptr<int32_t>(), route.received, K,
+                             local_experts_);
+  route.send_row = Buffer(DType::i32, device, {T, P});
+  route.copy_row = Buffer(DType::i32, device, {route.received, K});
+  copy(route.send_row, send_row);
+  copy(route.copy_row, copy_row);
+}
+
+Buffer ExpertParallel::dispatch_forward(ExpertRoute& route, Tensor x, Tensor topk_index, Tensor topk_weight) const {
+  const char* op = "ExpertParallel::dispatch_forward";
+  MARROW_CHECK(x.ndim == 2 && topk_index.ndim == 2, "{}: x must be [tokens, hidden] and topk_index [tokens, k], got {} and {}", op,
+               x.shape_string(), topk_index.shape_string());
+  const int64_t T = x.size(0), H = x.size(1), K = topk_index.size(1), P = group_.size();
+  expect_shape(op, "topk_index", topk_index, {T, K});
+  expect_shape(op, "topk_weight", topk_weight, {T, K});
+  plan(route, topk_index, x.device);
+  route.unit_weight = like(topk_weight, {T, P});
+  fill_constant(route.unit_weight, 1.0);
+  Buffer x_send = like(x, {route.sent, H}), weight_send = like(topk_weight, {route.sent, K});
+  marrow::dispatch_forward(x_send, x, route.send_row);
+  marrow::dispatch_forward(weight_send, topk_weight, route.send_row);
+  Buffer x_recv = like(x, {route.received, H});
+  route.recv_weight = like(topk_weight, {route.received, K});
+  group_.all_to_all_v(x_recv, route.recv_rows, x_send, route.send_rows, "expert-parallel dispatch of hidden states (all_to_all_v)");
+  group_.all_to_all_v(route.recv_weight, route.recv_rows, weight_send, route.send_rows,
+                      "expert-parallel dispatch of routing weights (all_to_all_v)");
+  Buffer x_perm = like(x, {route.copies, H});
+  marrow::dispatch_forward(x_perm, x_recv, route.copy_row);
+  return x_perm;
+}
+
+void ExpertParallel::combine_forward(Tensor out, Tensor residual, Tensor y_perm, const ExpertRoute& route) const {
+  const int64_t H = y_perm.size(1);
+  expect_shape("ExpertParallel::combine_forward", "y_perm", y_perm, {route.copies, H});
+  Buffer y_recv = like(y_perm, {route.received, H});
+  marrow::combine_forward(y_recv, Tensor{}, y_perm, route.recv_weight, route.copy_row);
+  Buffer y_back = like(y_perm, {route.sent, H});
+  group_.all_to_all_v(y_back, route.send_rows, y_recv, route.recv_rows, "expert-parallel combine of expert outputs (all_to_all_v)");
+  marrow::combine_forward(out, residual, y_back, route.unit_weight, route.send_row);
+}
+
+Buffer ExpertParallel::combine_backward(Tensor dy_perm, Tensor dout, Tensor y_perm, const ExpertRoute& route) const {
+  const int64_t H = dout.size(1), K = route.recv_weight.view().size(1);
+  expect_shape("ExpertParallel::combine_backward", "dy_perm", dy_perm, {route.copies, H});
+  Buffer dy_send = like(dout, {route.sent, H});
+  marrow::dispatch_forward(dy_send, dout, route.send_row);
+  Buffer dy_recv = like(dout, {route.received, H});
+  group_.all_to_all_v(dy_recv, route.recv_rows, dy_send, route.send_rows, "expert-parallel output gradients (all_to_all_v)");
+  Buffer dweight_recv = like(route.recv_weight, {route.received, K});
+  marrow::combine_backward(dy_perm, dweight_recv, dy_recv, y_perm, route.recv_weight, route.copy_row);
+  return dweight_recv;
+}
+
+void ExpertParallel::dispatch_backward(Tensor dx, Tensor dtopk_weight, Tensor dx_perm, Tensor dweight_recv,
+                                       const ExpertRoute& route) const {
+  const int64_t H = dx.size(1), K = dtopk_weight.size(1);
+  expect_shape("ExpertParallel::dispatch_backward", "dx_perm", dx_perm, {route.copies, H});
+  expect_shape("ExpertParallel::dispatch_backward", "dweight_recv", dweight_recv, {route.received, K});
+  Buffer dx_recv = like(dx, {route.received, H});
+  marrow::dispatch_backward(dx_recv, dx_perm, route.copy_row);
+  Buffer dx_back = like(dx, {route.sent, H}), dweight_back = like(dtopk_weight, {route.sent, K});
+  group_.all_to_all_v(dx_back, route.send_rows, dx_recv, route.recv_rows, "expert-parallel input gradients (all_to_all_v)");
+  group_.all_to_all_v(dweight_back, route.send_rows, dweight_recv, route.recv_rows,
+                      "expert-parallel routing-weight gradients (all_to_all_v)");
+  marrow::dispatch_backward(dx, dx_back, route.send_row);
+  marrow::dispatch_backward(dtopk_weight, dweight_back, route.send_row);
+}
+
+}  // namespace marrow

@@ -1,0 +1,83 @@
+// Expert parallelism (DESIGN.md §5): stages 2 (dispatch) and 4 (combine) of a layer whose E experts
+// are spread over the P members of an expert-parallel group, member d holding experts
+// [d * E / P, (d + 1) * E / P). Every member routes its own tokens.
+//
+// Both directions are deduplicated:
+// - dispatch sends token t to member d once if any of its K experts lives there (not once per
+//   expert), with its K routing weights; the receiver expands the row to its local experts;
+// - combine: the receiver sums its experts' weighted outputs per received row and sends back one
+//   row per (token, member); the sender adds the rows of its token, in member order, to the residual.
+// The backward mirrors both: the output gradient of token t goes once to each member that got t,
+// and each member returns one input-gradient row per (token, member) plus the gradients of the
+// routing weights it applied (zero for slots whose expert lives elsewhere), summed on the sender.
+//
+// All of it is the dispatch and combine ops (ops/dispatch.h, ops/combine.h) twice: once with the P
+// members as the "slots" of a token (sender side), once with the local experts (receiver side),
+// with -1 marking a slot that is not there; plus four all-to-alls per direction. The plan (who
+// sends what where) is computed on the host from the routing, as the grouped GEMM needs the
+// per-expert row counts there anyway: one wait for the GPU per layer; the counts and the received
+// rows' expert slots travel over MPI, the rows themselves over NCCL.
+#pragma once
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "core/memory.h"
+#include "parallel/comm.h"
+
+namespace marrow {
+
+// One layer's routing over the group for one micro-batch: made by dispatch_forward, read by the
+// other three, dropped with the micro-batch.
+struct ExpertRoute {
+  // Sender side, T tokens.
+  Buffer send_row;     // [T, P] i32: the token's row in the block sent to member d, or -1
+  Buffer unit_weight;  // [T, P] ones: the sender adds the members' rows unweighted
+  std::vector<int64_t> send_rows, recv_rows;  // rows to and from each member
+  // Receiver side, R rows received in member order.
+  Buffer recv_weight;     // [R, K] the routing weights of the received rows
+  Buffer copy_row;        // [R, K] i32: row of slot j among this member's expert copies, or -1
+  Buffer expert_offsets;  // [local experts + 1] i32 on the host: the grouped GEMMs' row blocks
+  int64_t sent = 0, received = 0, copies = 0;
+  // Sent to other members: rows (deduplicated), and the token copies they stand for (what sending
+  // one row per routed expert would move).
+  int64_t remote_rows = 0, remote_copies = 0;
+};
+
+// Rows that left this member since the last reset, per direction of one all-to-all (dispatch and
+// combine each move them twice: forward and backward), for the bench's traffic figures.
+struct ExpertTraffic {
+  int64_t remote_rows = 0, remote_copies = 0, dispatches = 0;
+};
+
+class ExpertParallel {
+ public:
+  ExpertParallel(const Comm& group, int64_t num_experts);
+  int64_t local_experts() const { return local_experts_; }
+  int64_t first_local_expert() const { return int64_t(group_.rank()) * local_experts_; }
+  const Comm& group() const { return group_; }
+  // Totals over the dispatches since the last call, which resets them.
+  ExpertTraffic take_traffic() const { return std::exchange(traffic_, {}); }
+
+  // Stage 2 forward: from this member's x[T, H] and routing (topk_index [T, K] i32, topk_weight
+  // [T, K]), plans the route and returns x_perm [copies, H], this member's expert inputs grouped
+  // by local expert (route.expert_offsets).
+  Buffer dispatch_forward(ExpertRoute& route, Tensor x, Tensor topk_index, Tensor topk_weight) const;
+  // Stage 4 forward: out[T, H] = residual + sum over members of the weighted expert outputs they
+  // computed for each token; y_perm [copies, H] are this member's expert outputs. out may alias residual.
+  void combine_forward(Tensor out, Tensor residual, Tensor y_perm, const ExpertRoute& route) const;
+  // Stage 4 backward from dout[T, H]: dy_perm [copies, H] (overwritten) for this member's experts;
+  // returns the gradient of the received rows' routing weights [R, K] for dispatch_backward.
+  Buffer combine_backward(Tensor dy_perm, Tensor dout, Tensor y_perm, const ExpertRoute& route) const;
+  // Stage 2 backward: dx[T, H] and dtopk_weight[T, K] (overwritten) from this member's expert
+  // input gradients dx_perm [copies, H] and combine_backward's weight gradients.
+  void dispatch_backward(Tensor dx, Tensor dtopk_weight, Tensor dx_perm, Tensor dweight_recv, const ExpertRoute& route) const;
+
+ private:
+  void plan(ExpertRoute& route, Tensor topk_index, Device device) const;
+  Comm group_;
+  int64_t num_experts_, local_experts_;
+  mutable ExpertTraffic traffic_;
+};
+
+}  // namespace marrow

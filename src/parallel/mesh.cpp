@@ -1,0 +1,46 @@
+#include "parallel/mesh.h"
+
+#include <fmt/format.h>
+
+#include "parallel/process.h"
+
+namespace marrow {
+
+std::string MeshShape::describe() const { return fmt::format("pp {} x dp {} x cp {} x ep {}", pp, dp, cp, ep); }
+
+MeshShape mesh_shape(int64_t world_size, int64_t pp, int64_t cp, int64_t ep) {
+  MARROW_CHECK(pp >= 1 && cp >= 1 && ep >= 1, "parallel.pp, parallel.cp and parallel.ep must be at least 1, got {}, {} and {}", pp, cp,
+               ep);
+  MARROW_CHECK(world_size % (pp * cp * ep) == 0,
+               "the job has {} processes, which parallel.pp x parallel.cp x parallel.ep = {} x {} x {} = {} does not divide", world_size,
+               pp, cp, ep, pp * cp * ep);
+  MARROW_CHECK(pp == 1, "parallel.pp = {}: pipeline parallelism is not implemented yet (issue #12); use pp = 1", pp);
+  MARROW_CHECK(cp == 1, "parallel.cp = {}: context parallelism is not implemented yet (issue #13); use cp = 1", cp);
+  return {pp, world_size / (pp * cp * ep), cp, ep};
+}
+
+std::string Mesh::who() const {
+  return fmt::format("rank {} of {} (pp {}, dp {}, cp {}, ep {})", world.rank(), world.size(), pp_rank, dp_rank, cp_rank, ep_rank);
+}
+
+Mesh Mesh::create(const MeshShape& shape, Device device) {
+  Mesh m;
+  m.shape = shape;
+  m.world = Comm::world(device);
+  MARROW_CHECK(m.world.size() == shape.world(), "internal: mesh {} for a job of {} processes", shape.describe(), m.world.size());
+  int64_t r = m.world.rank();
+  m.ep_rank = r % shape.ep;
+  r /= shape.ep;
+  m.cp_rank = r % shape.cp;
+  r /= shape.cp;
+  m.dp_rank = r % shape.dp;
+  m.pp_rank = r / shape.dp;
+  const int64_t rank = m.world.rank();
+  // Colors name the coordinates the members share; keys keep them in world order.
+  m.ep = m.world.split(int((m.pp_rank * shape.dp + m.dp_rank) * shape.cp + m.cp_rank), int(rank));
+  m.data = m.world.split(int(m.pp_rank), int(rank));
+  m.expert_data = m.world.split(int(m.pp_rank * shape.ep + m.ep_rank), int(rank));
+  return m;
+}
+
+}  // namespace marrow

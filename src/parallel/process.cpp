@@ -1,0 +1,64 @@
+#include "parallel/process.h"
+
+#include <mpi.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <initializer_list>
+
+namespace marrow::process {
+
+namespace {
+
+bool g_launched = false;
+int g_rank = 0, g_size = 1, g_local_rank = 0;
+
+// Variables that mpirun (Open MPI, MPICH/Hydra) or srun (PMI/PMIx) set in each process they start.
+bool started_by_launcher() {
+  for (const char* name : {"OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK", "PMI_SIZE"})
+    if (std::getenv(name)) return true;
+  const char* tasks = std::getenv("SLURM_NTASKS");
+  return std::getenv("SLURM_PROCID") && tasks && std::atoi(tasks) > 1;
+}
+
+}  // namespace
+
+void start(int* argc, char*** argv) {
+  if (!started_by_launcher()) return;
+  int provided = 0;
+  // MPI_THREAD_MULTIPLE is not needed: only the main thread calls MPI (the watchdog thread exits
+  // the process instead of calling MPI_Abort).
+  if (MPI_Init_thread(argc, argv, MPI_THREAD_FUNNELED, &provided) != MPI_SUCCESS) {
+    std::fprintf(stderr, "marrow: MPI_Init_thread failed: the launcher's MPI does not match this build's (Open MPI)\n");
+    std::exit(1);
+  }
+  g_launched = true;
+  MPI_Comm_rank(MPI_COMM_WORLD, &g_rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &g_size);
+  // The processes sharing this machine's memory, ordered by world rank: local rank r drives GPU r.
+  MPI_Comm local;
+  MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, g_rank, MPI_INFO_NULL, &local);
+  MPI_Comm_rank(local, &g_local_rank);
+  MPI_Comm_free(&local);
+  // MPI errors come back as codes that comm.cpp turns into marrow::Error naming the call.
+  MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+}
+
+void finish() {
+  if (g_launched) MPI_Finalize();
+  g_launched = false;
+}
+
+bool launched() { return g_launched; }
+int rank() { return g_rank; }
+int size() { return g_size; }
+int local_rank() { return g_local_rank; }
+
+void abort_job(int code) {
+  std::fflush(stdout);
+  std::fflush(stderr);
+  if (g_launched && g_size > 1) MPI_Abort(MPI_COMM_WORLD, code);
+  std::exit(code);
+}
+
+}  // namespace marrow::process

@@ -1,0 +1,276 @@
+"""Several processes on the CPU path (mpirun --oversubscribe): expert and data parallelism against one process.
+
+- Layouts: EP = 2, EP = 4, DP = 2, DP = 2 x EP = 2 train the tiny model 5 steps on the demo corpus; every
+  step's loss, gradient norm and load balance, and every parameter and AdamW moment after the last step,
+  equal one process's (relative error <= 1e-6; the order of additions differs, so not bit for bit) and
+  each other's. Two things make f32 runs of different layouts part further, so the strict comparison
+  uses the tiny model with every expert active (K = E, as the GPU-vs-CPU checks do) at lr = 1e-5 and
+  AdamW eps = 1e-6: routing to K < E experts is discontinuous (a rounding difference in front of a
+  near-tie sends a token to another expert: one step's loss moves ~1e-5, that expert's gradient
+  entirely), and AdamW divides by sqrt(v) + eps, so a gradient element that cancels to ~1e-10 moves its
+  weight by ~lr * 1e-11 / eps (at the demo's lr = 3e-3, eps = 1e-8 the layouts drift ~1e-4 apart in a
+  few steps), while a missing or doubled reduction (~lr per element, 1e-4 relative) still stands out.
+  The AdamW moments are held to 1e-5: a norm weight's gradient sums ~10^3 terms that cancel, so its f32
+  rounding alone reaches ~5e-7. The routed demo model (K = 2 of 8, tokens that skip ranks) is compared
+  too, at its own lr, by the per-step losses (within 1e-4).
+  tests/tools/expert_parallel_check (ctest parallel.expert_parallel_np*) checks the dispatch and combine
+  of routed tokens exactly, in f64.
+- Checkpoints: a checkpoint written with EP = 2 (each rank its own files) resumes on one process and on
+  EP = 4 with the losses of the straight run, and `marrow export` reads it.
+- Fail fast: one rank raising, exiting or hanging (MARROW_TEST_FAULT), or killed with SIGKILL, ends every
+  rank within 30 s with a non-zero exit and the failing rank named; resuming afterwards continues
+  bit for bit like a run that never failed.
+- Impossible layouts are one sentence each.
+Every mpirun gets a timeout, after which its whole process group is killed (the test then fails).
+"""
+import argparse
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+from safetensors.torch import load_file
+
+FAILURES = []
+RUN_TIMEOUT_S = 120
+
+
+def check(condition, what):
+    print(("ok      " if condition else "FAILED  ") + what, flush=True)
+    if not condition:
+        FAILURES.append(what)
+
+
+def environment():
+    env = dict(os.environ)
+    # Open MPI refuses root unless told; CI containers run as root.
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMPI_MCA_rmaps_base_oversubscribe="1")
+    env.pop("MARROW_TEST_FAULT", None)
+    return env
+
+
+def launch(args, np, out_dir, extra_env=None):
+    """Starts `marrow train` on np processes (np = 0: without mpirun); returns the Popen."""
+    command = [ARGS.marrow, "train", *COMMON, f"--output.dir={out_dir}", *args]
+    if np > 0:
+        command = ["mpirun", "--oversubscribe", "--bind-to", "none", "-np", str(np), *command]
+    env = environment()
+    env.update(extra_env or {})
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+
+
+def finish(proc, timeout=RUN_TIMEOUT_S):
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        err += f"\n[test: killed after {timeout} s]"
+        return 124, out, err
+    return proc.returncode, out, err
+
+
+def train(args, np, out_dir, extra_env=None):
+    code, out, err = finish(launch(args, np, out_dir, extra_env))
+    if code != 0:
+        print(out[-3000:], err[-3000:], sep="\n")
+    return code, out, err
+
+
+def metrics(out_dir):
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def checkpoint_tensors(step_dir):
+    tensors = {}
+    for path in sorted(glob.glob(os.path.join(step_dir, "*.safetensors"))):
+        group = os.path.basename(path).split("-")[0]
+        for name, t in load_file(path).items():
+            key = (group, name)
+            assert key not in tensors, f"{key} is in two files of {step_dir}"
+            tensors[key] = t
+    return tensors
+
+
+def relative_error(a, b):
+    scale = max(a.abs().max().item(), b.abs().max().item(), 1e-30)
+    return (a - b).abs().max().item() / scale
+
+
+def compare_runs(name, dir_a, dir_b, step, bound=1e-6, moment_bound=1e-5):
+    ma, mb = metrics(dir_a), metrics(dir_b)
+    check(len(ma) == len(mb) == step, f"{name}: {len(mb)} steps logged, as {len(ma)}")
+    worst = 0.0
+    for a, b in zip(ma, mb):
+        for key in ("loss", "grad_norm", "load_balance"):
+            worst = max(worst, abs(a[key] - b[key]) / max(abs(a[key]), 1e-30))
+    check(worst <= bound, f"{name}: losses, gradient norms and load balance within {bound:g} (worst relative error {worst:.2e})")
+    ta = checkpoint_tensors(os.path.join(dir_a, f"step-{step:08d}"))
+    tb = checkpoint_tensors(os.path.join(dir_b, f"step-{step:08d}"))
+    check(ta.keys() == tb.keys(), f"{name}: the checkpoints hold the same {len(ta)} tensors")
+    for group, limit in (("weights", bound), ("exp_avg", moment_bound), ("exp_avg_sq", moment_bound)):
+        keys = [k for k in ta.keys() & tb.keys() if k[0] == group]
+        worst_tensor = max(((relative_error(ta[k], tb[k]), k[1]) for k in keys), default=(0.0, None))
+        check(worst_tensor[0] <= limit, f"{name}: every tensor of {group} within {limit:g} (worst {worst_tensor[0]:.2e} in {worst_tensor[1]})")
+
+
+SMOOTH_OPTIMIZER = ["--optimizer.lr=1e-5", "--optimizer.min_lr=1e-6", "--optimizer.eps=1e-6"]
+LAYOUTS = {
+    "one process": (0, ["--train.micro_batch=4"]),
+    "EP=2": (2, ["--parallel.ep=2", "--train.micro_batch=2"]),
+    "EP=4": (4, ["--parallel.ep=4", "--train.micro_batch=1"]),
+    "DP=2": (2, ["--train.micro_batch=2"]),
+    "DP=2 x EP=2": (4, ["--parallel.ep=2", "--train.micro_batch=1"]),
+}
+
+
+def dir_name(prefix, layout):
+    return prefix + layout.replace(" ", "").replace("=", "")
+
+
+def all_experts_config(tmp):
+    """The tiny model with num_experts_per_tok = num_experts: routing without discontinuities."""
+    config = json.load(open("configs/tiny-moe.json"))
+    config["num_experts_per_tok"] = config["num_experts"]
+    path = os.path.join(tmp, "tiny-moe-all-experts.json")
+    json.dump(config, open(path, "w"))
+    return path
+
+
+def test_layouts(tmp):
+    strict = [f"--model.config={all_experts_config(tmp)}", *SMOOTH_OPTIMIZER, "--checkpoint.every=5"]
+    dirs = {}
+    for name, (np, args) in LAYOUTS.items():
+        dirs[name] = os.path.join(tmp, dir_name("strict-", name))
+        code, out, _ = train(args + strict, np, dirs[name])
+        check(code == 0, f"{name}, all experts active: trains 5 steps")
+        if np > 0:
+            check("mesh: " in out, f"{name}: rank 0 prints the mesh")
+    for name in LAYOUTS:
+        if name != "one process":
+            compare_runs(f"{name} vs one process", dirs["one process"], dirs[name], 5)
+    compare_runs("EP=4 vs EP=2", dirs["EP=2"], dirs["EP=4"], 5)
+    compare_runs("DP=2 x EP=2 vs EP=4", dirs["EP=4"], dirs["DP=2 x EP=2"], 5)
+    files = sorted(os.path.basename(p) for p in glob.glob(os.path.join(dirs["EP=2"], "step-00000005", "*.safetensors")))
+    check(any("rank00001" in f for f in files) and any("rank00000" in f for f in files),
+          f"EP=2: both ranks wrote their own checkpoint files ({len(files)} files)")
+
+    routed = {}
+    for name in ("one process", "EP=2", "EP=4", "DP=2 x EP=2"):
+        np, args = LAYOUTS[name]
+        routed[name] = os.path.join(tmp, dir_name("routed-", name))
+        check(train(args + ["--checkpoint.every=0"], np, routed[name])[0] == 0, f"{name}, routed demo model: trains 5 steps")
+    want = [m["loss"] for m in metrics(routed["one process"])]
+    for name in ("EP=2", "EP=4", "DP=2 x EP=2"):
+        got = [m["loss"] for m in metrics(routed[name])]
+        worst = max(abs(a - b) / abs(a) for a, b in zip(want, got)) if len(got) == len(want) == 5 else 1.0
+        check(worst <= 1e-4, f"{name} vs one process, routed demo model: every loss within 1e-4 (worst {worst:.2e})")
+
+
+def test_resume_on_other_layouts(tmp):
+    # All experts active and a small lr, as in test_layouts, so that the layouts agree within 1e-6.
+    smooth = [f"--model.config={all_experts_config(tmp)}", *SMOOTH_OPTIMIZER, "--train.steps=8"]
+    straight = os.path.join(tmp, "straight8")
+    check(train(smooth + ["--checkpoint.every=5", "--train.micro_batch=4"], 0, straight)[0] == 0, "one process: 8 steps")
+    saved = os.path.join(tmp, "ep2-8")
+    check(train(smooth + ["--checkpoint.every=5", "--parallel.ep=2", "--train.micro_batch=2"], 2, saved)[0] == 0,
+          "EP=2: 8 steps with a checkpoint at step 5")
+    step5 = os.path.join(saved, "step-00000005")
+    for name, np, args in [("one process", 0, ["--train.micro_batch=4"]), ("EP=4", 4, ["--parallel.ep=4", "--train.micro_batch=1"])]:
+        out_dir = os.path.join(tmp, "resumed-" + name.replace(" ", "").replace("=", ""))
+        code, out, _ = train(smooth + ["--checkpoint.every=0", f"--checkpoint.resume={step5}", *args], np, out_dir)
+        check(code == 0 and "resuming from" in out, f"the EP=2 checkpoint resumes on {name}")
+        if code == 0:
+            got = [m["loss"] for m in metrics(out_dir)]
+            want = [m["loss"] for m in metrics(straight)][5:]
+            worst = max(abs(a - b) / abs(a) for a, b in zip(want, got)) if len(got) == len(want) else 1.0
+            check(len(got) == 3 and worst <= 1e-6, f"resumed on {name}: steps 6-8 match the straight run (worst {worst:.2e})")
+    export = os.path.join(tmp, "export-ep2")
+    code = subprocess.run([ARGS.marrow, "export", step5, export], capture_output=True, text=True).returncode
+    names = set()
+    for path in glob.glob(os.path.join(export, "*.safetensors")):
+        names |= set(load_file(path).keys())
+    straight_names = {name for (group, name) in checkpoint_tensors(os.path.join(straight, "step-00000005")) if group == "weights"}
+    check(code == 0 and names == straight_names, f"marrow export reads the EP=2 checkpoint ({len(names)} tensors)")
+
+
+def ranks_of(mpirun_pid):
+    out = subprocess.run(["pgrep", "-P", str(mpirun_pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def test_fail_fast(tmp):
+    base = ["--parallel.ep=2", "--train.micro_batch=2", "--train.steps=6", "--checkpoint.every=2"]
+    straight = os.path.join(tmp, "faultless")
+    check(train(base, 2, straight)[0] == 0, "EP=2: 6 steps without a fault")
+    for kind in ("raise", "exit", "hang"):
+        out_dir = os.path.join(tmp, "fault-" + kind)
+        start = time.time()
+        code, out, err = train(base + ["--parallel.timeout_s=3"], 2, out_dir, {"MARROW_TEST_FAULT": f"1:4:{kind}"})
+        seconds = time.time() - start
+        named = {"raise": "error on rank 1 of 2", "exit": "rank 1", "hang": "no progress for"}[kind]
+        check(code != 0 and seconds < 30 and named in err,
+              f"rank 1 {kind}s at step 4: the job ends in {seconds:.1f} s with exit {code}, naming '{named}'")
+        code, out, _ = train(base, 2, out_dir)
+        check(code == 0 and "resuming from" in out, f"after the {kind}: the same command resumes")
+        if code == 0:
+            same = [m["loss"] for m in metrics(out_dir)] == [m["loss"] for m in metrics(straight)]
+            check(same, f"after the {kind}: every loss equals the faultless run's bit for bit")
+    out_dir = os.path.join(tmp, "fault-kill")
+    proc = launch(base + ["--train.steps=400", "--checkpoint.every=0"], 2, out_dir)
+    deadline = time.time() + 60
+    while time.time() < deadline and not (os.path.exists(os.path.join(out_dir, "metrics.jsonl")) and
+                                          os.path.getsize(os.path.join(out_dir, "metrics.jsonl")) > 0):
+        time.sleep(0.2)
+    ranks = ranks_of(proc.pid)
+    check(len(ranks) == 2, f"mpirun started 2 ranks ({ranks})")
+    if ranks:
+        os.kill(ranks[-1], signal.SIGKILL)
+    start = time.time()
+    code, _, err = finish(proc, timeout=60)
+    seconds = time.time() - start
+    check(code != 0 and seconds < 30, f"one rank killed with SIGKILL: the job ends in {seconds:.1f} s with exit {code}")
+
+
+def test_bad_layouts(tmp):
+    cases = [
+        (2, ["--parallel.pp=2"], "pipeline parallelism is not implemented yet"),
+        (2, ["--parallel.ep=4"], "does not divide"),
+        (3, ["--parallel.ep=3", "--train.micro_batch=1", "--train.global_batch=6"], "is not a multiple of parallel.ep"),
+        (4, ["--parallel.ep=2", "--train.micro_batch=1", "--train.global_batch=6"], "is not a multiple of the 4 data-parallel processes"),
+    ]
+    for np, args, sentence in cases:
+        start = time.time()
+        code, _, err = train(args, np, os.path.join(tmp, "bad"))
+        check(code != 0 and sentence in err and time.time() - start < 30, f"{' '.join(args)} on {np} processes: '{sentence}'")
+
+
+def main():
+    global ARGS, COMMON
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--marrow", required=True)
+    parser.add_argument("--build-dir", required=True)
+    ARGS = parser.parse_args()
+    corpus = os.environ.get("MARROW_DEMO_CORPUS", os.path.join(ARGS.build_dir, "demo-corpus"))
+    COMMON = ["configs/tiny-moe.toml", f"--data.path={corpus}/corpus", "--train.steps=5", "--train.global_batch=8",
+              "--train.seq_len=32", "--schedule.warmup_steps=1", "--eval.every=0", "--train.device=cpu"]
+    torch.set_printoptions(precision=10)
+    with tempfile.TemporaryDirectory() as tmp:
+        test_layouts(tmp)
+        test_resume_on_other_layouts(tmp)
+        test_fail_fast(tmp)
+        test_bad_layouts(tmp)
+    if FAILURES:
+        print(f"FAIL: {len(FAILURES)} checks failed", flush=True)
+        sys.exit(1)
+    print("PASS", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+// Expert-parallel dispatch/combine over the processes of an mpirun job (CPU, f64), against the
+// closed form of one process. Run as `mpirun -np P expert_parallel_check`; prints PASS or FAIL.
+//
+// Each rank routes its own tokens (a different count per rank) to K of E experts. The "experts"
+// scale their rows by s(e) = 1 + e / 8 (global index e), so a row sent to the wrong expert shows. For
+// token t with experts e_j and weights w_j:
+//   out[t]  = residual[t] + sum_j w_j s(e_j) x[t]
+//   dx[t]   = sum_j w_j s(e_j) dout[t],   dw[t, j] = s(e_j) dot(dout[t], x[t])
+// Routings: random (tokens that skip members, tokens whose experts all live on one member), and all
+// tokens of every rank on member 0's experts (the other members receive nothing).
+#include <cmath>
+#include <cstdio>
+#include <random>
+
+#include "core/memory.h"
+#include "parallel/comm.h"
+#include "parallel/expert_parallel.h"
+#include "parallel/process.h"
+
+namespace {
+
+using namespace marrow;
+
+double scale_of(int64_t expert) { return 1.0 + double(expert) / 8.0; }
+
+struct Case {
+  int64_t tokens, hidden = 6, k = 2;
+  std::vector<int32_t> topk;
+  std::vector<double> x, residual, weight, dout;
+};
+
+Case make_case(int rank, int64_t experts, bool all_on_member0, int64_t local_experts) {
+  std::mt19937_64 rng(1234 + uint64_t(rank) * 7919);
+  std::uniform_real_distribution<double> uniform(-1, 1);
+  Case c;
+  c.tokens = 5 + 3 * rank;
+  for (int64_t t = 0; t < c.tokens; ++t) {
+    // Two distinct experts; token 0 keeps both on one member, the rest are random.
+    const int64_t range = all_on_member0 ? local_experts : experts;
+    int32_t a = int32_t(rng() % uint64_t(range)), b = int32_t(rng() % uint64_t(range));
+    if (t == 0 && local_experts > 1) b = int32_t(a / local_experts * local_experts + (a + 1) % local_experts);
+    while (b == a) b = int32_t(rng() % uint64_t(range));
+    c.topk.push_back(a);
+    c.topk.push_back(b);
+  }
+  for (int64_t i = 0; i < c.tokens * c.hidden; ++i) {
+    c.x.push_back(uniform(rng));
+    c.residual.push_back(uniform(rng));
+    c.dout.push_back(uniform(rng));
+  }
+  for (int64_t i = 0; i < c.tokens * c.k; ++i) c.weight.push_back(0.5 + uniform(rng) / 4);
+  return c;
+}
+
+Tensor view(std::vector<double>& v, int64_t rows, int64_t cols) { return Tensor(v.data(), DType::f64, Device::cpu, {rows, cols}); }
+
+double worst = 0;
+void expect_close(const char* what, double got, double want) {
+  const double error = std::abs(got - want) / std::max(1.0, std::abs(want));
+  worst = std::max(worst, error);
+  if (error > 1e-12) marrow::fail("{}: got {} but want {}", what, got, want);
+}
+
+// The expert rows of this member scaled by their expert's s(e), per route.expert_offsets.
+void apply_experts(Tensor out, Tensor in, const ExpertRoute& route, int64_t first_expert) {
+  const int32_t* offsets = route.expert_offsets.ptr<int32_t>();
+  const int64_t h = in.size(1);
+  for (int64_t e = 0; e + 1 < route.expert_offsets.numel(); ++e)
+    for (int64_t r = offsets[e]; r < offsets[e + 1]; ++r)
+      for (int64_t c = 0; c < h; ++c) out.ptr<double>()[r * h + c] = scale_of(first_expert + e) * in.ptr<double>()[r * h + c];
+}
+
+void run_case(const Comm& group, int64_t experts, bool all_on_member0) {
+  ExpertParallel ep(group, experts);
+  Case c = make_case(group.rank(), experts, all_on_member0, ep.local_experts());
+  const int64_t T = c.tokens, H = c.hidden, K = c.k;
+  Buffer topk(DType::i32, Device::cpu, {T, K});
+  std::copy(c.topk.begin(), c.topk.end(), topk.ptr<int32_t>());
+  ExpertRoute route;
+  Buffer x_perm = ep.dispatch_forward(route, view(c.x, T, H), topk, view(c.weight, T, K));
+  Buffer y_perm(DType::f64, Device::cpu, {route.copies, H});
+  apply_experts(y_perm, x_perm, route, ep.first_local_expert());
+  Buffer out(DType::f64, Device::cpu, {T, H});
+  ep.combine_forward(out, view(c.residual, T, H), y_perm, route);
+
+  Buffer dy_perm(DType::f64, Device::cpu, {route.copies, H});
+  Buffer dweight_recv = ep.combine_backward(dy_perm, view(c.dout, T, H), y_perm, route);
+  Buffer dx_perm(DType::f64, Device::cpu, {route.copies, H});
+  apply_experts(dx_perm, dy_perm, route, ep.first_local_expert());
+  Buffer dx(DType::f64, Device::cpu, {T, H}), dtopk(DType::f64, Device::cpu, {T, K});
+  ep.dispatch_backward(dx, dtopk, dx_perm, dweight_recv, route);
+
+  for (int64_t t = 0; t < T; ++t) {
+    double dot = 0;
+    for (int64_t h = 0; h < H; ++h) dot += c.dout[size_t(t * H + h)] * c.x[size_t(t * H + h)];
+    for (int64_t j = 0; j < K; ++j) expect_close("dtopk_weight", dtopk.ptr<double>()[t * K + j], scale_of(c.topk[size_t(t * K + j)]) * dot);
+    for (int64_t h = 0; h < H; ++h) {
+      double mix = 0;
+      for (int64_t j = 0; j < K; ++j) mix += c.weight[size_t(t * K + j)] * scale_of(c.topk[size_t(t * K + j)]);
+      expect_close("out", out.ptr<double>()[t * H + h], c.residual[size_t(t * H + h)] + mix * c.x[size_t(t * H + h)]);
+      expect_close("dx", dx.ptr<double>()[t * H + h], mix * c.dout[size_t(t * H + h)]);
+    }
+  }
+  // Deduplication: one row per (token, member) holding any of its experts, never more than its copies.
+  int64_t rows = 0;
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t a = c.topk[size_t(2 * t)] / ep.local_experts(), b = c.topk[size_t(2 * t + 1)] / ep.local_experts();
+    rows += a == b ? 1 : 2;
+  }
+  MARROW_CHECK(route.sent == rows, "rank {} sent {} rows but its tokens need {} (one per token and member)", group.rank(), route.sent, rows);
+  int64_t remote_copies = 0;
+  for (int64_t i = 0; i < T * K; ++i) remote_copies += c.topk[size_t(i)] / ep.local_experts() != group.rank();
+  const ExpertTraffic traffic = ep.take_traffic();
+  MARROW_CHECK(traffic.dispatches == 1 && traffic.remote_copies == remote_copies && traffic.remote_rows == route.remote_rows &&
+                   route.remote_rows <= remote_copies && route.remote_rows == rows - route.send_rows[size_t(group.rank())],
+               "rank {}: traffic of {} dispatches: {} remote rows for {} remote copies (want {} copies)", group.rank(), traffic.dispatches,
+               traffic.remote_rows, traffic.remote_copies, remote_copies);
+  if (all_on_member0 && group.rank() != 0)
+    MARROW_CHECK(route.received == 0 && route.copies == 0, "rank {} received {} rows though no token routes to it", group.rank(),
+                 route.received);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  marrow::process::start(&argc, &argv);
+  int code = 0;
+  try {
+    const marrow::Comm world = marrow::Comm::world(marrow::Device::cpu);
+    for (const int64_t experts : {std::max<int64_t>(2, world.size()), int64_t(2 * world.size()), int64_t(4 * world.size())}) {
+      run_case(world, experts, false);
+      if (experts >= 2 * world.size()) run_case(world, experts, true);  // two distinct experts on member 0
+    }
+    const double all_worst = world.sum(worst, "worst error (sum)");
+    if (world.rank() == 0) std::printf("expert-parallel dispatch/combine on %d processes: worst relative error %.2e\nPASS\n", world.size(), all_worst);
+  } catch (const marrow::Error& e) {
+    std::fprintf(stderr, "rank %d: %s\nFAIL\n", marrow::process::rank(), e.what());
+    code = 1;
+    if (marrow::process::size() > 1) marrow::process::abort_job(1);
+  }
+  marrow::process::finish();
+  return code;
+}
