@@ -22,6 +22,9 @@ struct TensorSpec {
   // One expert's weight: held by one expert-parallel rank (ExpertShard), so its gradient is summed
   // over that rank's data-parallel replicas only, and that rank saves it.
   bool is_expert = false;
+  // The decoder layer it belongs to, or -1: its gradient is complete once the last micro-batch's
+  // backward has passed that layer, so its reduction can start while earlier layers compute.
+  int64_t layer = -1;
 };
 
 // The experts of each layer that one process holds: [first, first + count); count < 0 means all.

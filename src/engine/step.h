@@ -5,6 +5,7 @@
 // keeps what backward() consumes in a MicroBatch, so a schedule can interleave the two across
 // micro-batches.
 #pragma once
+#include <functional>
 #include <vector>
 
 #include "engine/model.h"
@@ -18,6 +19,9 @@ namespace marrow {
 struct StepGroups {
   const ExpertParallel* experts = nullptr;  // the layer's experts are spread over this group
   const Comm* routing = nullptr;            // load-balance statistics are summed over this group
+  // Called by backward() once a layer's gradients of this micro-batch are written, e.g. to start
+  // reducing them over the processes while the layers below compute.
+  std::function<void(int64_t layer)> layer_done;
 };
 
 template <MoeModel M> struct MicroBatch {
@@ -133,6 +137,7 @@ void backward(MicroBatch<M>& mb, const M& m, const typename M::Weights& w, const
     }
     dx = std::move(dx_in);
     s = typename MicroBatch<M>::Layer{};
+    if (groups.layer_done) groups.layer_done(l);
   }
   StageScope scope(timer, Stage::prolog);
   m.prolog_backward(grads, dx, batch);

@@ -178,7 +178,10 @@ template <MoeModel M> struct TrainSetup {
   std::optional<Arena> working;  // bf16 weights the GPU computes with
   typename M::Weights w, g;
   std::vector<Tensor> zeroed_each_step;            // gradients the first backward does not write
-  std::vector<Tensor> shared_grads, expert_grads;  // reduced over mesh.data and mesh.expert_data
+  std::vector<Tensor> shared_grads, expert_grads;  // replicated over mesh.data, and the experts: for the norm
+  // The same by decoder layer, so that a layer's reduction starts when its backward is done; the
+  // last entry holds the tensors of no layer (embedding, LM head, final norm).
+  std::vector<std::vector<Tensor>> shared_by_layer, expert_by_layer;
 
   TrainSetup(const RunConfig& rc, const typename M::Config& config, Device device_)
       : device(device_),
@@ -198,6 +201,11 @@ template <MoeModel M> struct TrainSetup {
     zeroed_each_step = arena_runs(grads, model.specs(), [](const TensorSpec& t) { return !t.first_backward_writes; });
     shared_grads = arena_runs(grads, model.specs(), [](const TensorSpec& t) { return !t.is_expert; });
     expert_grads = arena_runs(grads, model.specs(), [](const TensorSpec& t) { return t.is_expert; });
+    for (int64_t l = 0; l <= model.num_layers(); ++l) {
+      const int64_t layer = l < model.num_layers() ? l : -1;
+      shared_by_layer.push_back(arena_runs(grads, model.specs(), [&](const TensorSpec& t) { return !t.is_expert && t.layer == layer; }));
+      expert_by_layer.push_back(arena_runs(grads, model.specs(), [&](const TensorSpec& t) { return t.is_expert && t.layer == layer; }));
+    }
   }
   StepGroups groups() const { return {experts ? &*experts : nullptr, mesh.data.size() > 1 ? &mesh.data : nullptr}; }
   std::vector<const Arena*> arenas() const {
@@ -234,10 +242,19 @@ inline CheckpointSharing checkpoint_sharing(const Mesh& mesh, const std::vector<
   return c;
 }
 
-// Sums the step's gradients over the processes that hold the same parameters.
-template <MoeModel M> void reduce_gradients(const TrainSetup<M>& s) {
-  for (const Tensor& t : s.shared_grads) s.mesh.data.all_reduce_sum(t, "gradient all_reduce (dp x ep)");
-  for (const Tensor& t : s.expert_grads) s.mesh.expert_data.all_reduce_sum(t, "expert gradient all_reduce (dp)");
+// Starts summing one layer's gradients (index num_layers: those of no layer) over the processes
+// that hold the same parameters; the GPU computes on meanwhile, until join_gradients().
+template <MoeModel M> void reduce_layer_gradients(const TrainSetup<M>& s, int64_t index) {
+  for (const Tensor& t : s.shared_by_layer[size_t(index)]) s.mesh.data.all_reduce_sum(t, "gradient all_reduce (dp x ep)", false);
+  for (const Tensor& t : s.expert_by_layer[size_t(index)])
+    s.mesh.expert_data.all_reduce_sum(t, "expert gradient all_reduce (dp)", false);
+}
+
+// The rest of the step's gradient sums, then the compute stream waits for all of them.
+template <MoeModel M> void join_gradients(const TrainSetup<M>& s) {
+  reduce_layer_gradients(s, s.model.num_layers());
+  s.mesh.data.join();
+  s.mesh.expert_data.join();
 }
 
 // The global gradient norm, each parameter counted once: replicated gradients once, plus the
@@ -275,15 +292,19 @@ std::pair<double, double> run_micro_batches(const TrainSetup<M>& s, const RunCon
   const int64_t B = rc.micro_batch, S = rc.seq_len, W = s.mesh.shape.data_parallel();
   std::vector<int32_t> tokens(size_t(B * (S + 1)));
   double token_loss_sum = 0, aux_loss_sum = 0;
-  for (int64_t micro = 0; micro < rc.global_batch / (B * W); ++micro) {
+  const int64_t micro_batches = rc.global_batch / (B * W);
+  for (int64_t micro = 0; micro < micro_batches; ++micro) {
     watchdog::progress("a micro-batch");
     data.train_batch(step - 1, micro, B, tokens.data(), int(s.mesh.data_rank()), int(W));
     const typename M::Batch batch = make_batch<M>(tokens, B, S, s.device);
     MicroBatch<M> mb;
-    forward(mb, s.model, s.w, batch, s.groups(), timer);
+    StepGroups groups = s.groups();
+    forward(mb, s.model, s.w, batch, groups, timer);
     token_loss_sum += mb.token_loss_sum;
     aux_loss_sum += mb.aux_loss_sum;
-    backward(mb, s.model, s.w, s.g, batch, loss_scale, aux_grad, micro == 0, s.groups(), timer);
+    // The last micro-batch's backward completes each layer's gradients: their sums start at once.
+    if (micro + 1 == micro_batches && s.mesh.data.size() > 1) groups.layer_done = [&s](int64_t l) { reduce_layer_gradients(s, l); };
+    backward(mb, s.model, s.w, s.g, batch, loss_scale, aux_grad, micro == 0, groups, timer);
   }
   return {token_loss_sum, aux_loss_sum};
 }
@@ -369,7 +390,7 @@ std::vector<StepMetrics> train(const RunConfig& rc, const typename M::Config& mo
     m.load_balance = aux_loss_sum / double(s.model.num_layers() * micro_batches * s.model.top_k());
     m.lr = schedule.at(step);
     std::optional<StageScope> optimizer_scope(std::in_place, timer, Stage::optimizer);
-    reduce_gradients(s);
+    join_gradients(s);
     m.grad_norm = gradient_norm(s);
     if (!std::isfinite(m.loss) || !std::isfinite(m.grad_norm)) {
       m.skipped = true;

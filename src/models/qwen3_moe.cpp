@@ -81,16 +81,17 @@ Qwen3Moe::Qwen3Moe(const Config& config, DType dtype, Device device, ExpertShard
   MARROW_CHECK(experts_.first >= 0 && experts_.count >= 1 && experts_.first + experts_.count <= c.num_experts,
                "experts [{}, {}) are not a range of the model's {} experts", experts_.first, experts_.first + experts_.count, c.num_experts);
   const int64_t first = experts_.first, last = experts_.first + experts_.count;
+  int64_t layer = -1;  // of the tensors added next
   auto add = [&](std::string name, std::vector<int64_t> shape, bool is_norm, bool is_expert = false) {
     // The expert weights' gradients are written by the first backward of a step (TensorSpec).
-    TensorSpec s{std::move(name), std::move(shape), num_parameters_, 1, is_norm, is_expert, is_expert};
+    TensorSpec s{std::move(name), std::move(shape), num_parameters_, 1, is_norm, is_expert, is_expert, layer};
     for (int64_t d : s.shape) s.numel *= d;
     num_parameters_ += s.numel;
     specs_.push_back(std::move(s));
   };
   add("model.embed_tokens.weight", {c.vocab_size, H}, false);
-  for (int64_t l = 0; l < c.num_layers; ++l) {
-    const std::string p = fmt::format("model.layers.{}.", l);
+  for (layer = 0; layer < c.num_layers; ++layer) {
+    const std::string p = fmt::format("model.layers.{}.", layer);
     add(p + "self_attn.q_proj.weight", {c.num_heads * D, H}, false);
     add(p + "self_attn.k_proj.weight", {c.num_kv_heads * D, H}, false);
     add(p + "self_attn.v_proj.weight", {c.num_kv_heads * D, H}, false);
@@ -102,15 +103,17 @@ Qwen3Moe::Qwen3Moe(const Config& config, DType dtype, Device device, ExpertShard
     }
     for (int64_t e = first; e < last; ++e) add(fmt::format("{}mlp.experts.{}.down_proj.weight", p, e), {H, I}, false, true);
   }
+  layer = -1;
   add("lm_head.weight", {c.vocab_size, H}, false);
   num_decayed_ = num_parameters_;
-  for (int64_t l = 0; l < c.num_layers; ++l) {
-    const std::string p = fmt::format("model.layers.{}.", l);
+  for (layer = 0; layer < c.num_layers; ++layer) {
+    const std::string p = fmt::format("model.layers.{}.", layer);
     add(p + "input_layernorm.weight", {H}, true);
     add(p + "self_attn.q_norm.weight", {D}, true);
     add(p + "self_attn.k_norm.weight", {D}, true);
     add(p + "post_attention_layernorm.weight", {H}, true);
   }
+  layer = -1;
   add("model.norm.weight", {H}, true);
 }
 

@@ -72,14 +72,18 @@ ncclDataType_t nccl_type(DType dtype) {
   return ncclUint8;
 }
 
-// NCCL work runs on the group's stream, after what the compute stream has queued and before what
-// it queues next.
-template <typename Work> void on_comm_stream(const Comm::Handles& h, Work work) {
+void join_comm_stream(const Comm::Handles& h) {
+  MARROW_CUDA_CHECK(cudaEventRecord(h.after, h.stream));
+  MARROW_CUDA_CHECK(cudaStreamWaitEvent(nullptr, h.after, 0));
+}
+
+// NCCL work runs on the group's stream, after what the compute stream has queued and (join) before
+// what it queues next.
+template <typename Work> void on_comm_stream(const Comm::Handles& h, Work work, bool join = true) {
   MARROW_CUDA_CHECK(cudaEventRecord(h.before, nullptr));
   MARROW_CUDA_CHECK(cudaStreamWaitEvent(h.stream, h.before, 0));
   work(h.stream);
-  MARROW_CUDA_CHECK(cudaEventRecord(h.after, h.stream));
-  MARROW_CUDA_CHECK(cudaStreamWaitEvent(nullptr, h.after, 0));
+  if (join) join_comm_stream(h);
 }
 #endif
 
@@ -192,15 +196,23 @@ Comm Comm::split(int color, int key) const {
   return c;
 }
 
-void Comm::all_reduce_sum(Tensor t, const char* what) const {
+void Comm::join() const {
+#if MARROW_CUDA
+  if (handles_ && handles_->nccl) join_comm_stream(*handles_);
+#endif
+}
+
+void Comm::all_reduce_sum(Tensor t, const char* what, bool join) const {
   if (size_ == 1 || t.numel() == 0) return;
   InFlight scope(what);
   if (t.device == Device::cuda) {
 #if MARROW_CUDA
     on_comm_stream(*handles_, [&](cudaStream_t s) {
       MARROW_NCCL_CHECK(ncclAllReduce(t.data, t.data, size_t(t.numel()), nccl_type(t.dtype), ncclSum, handles_->nccl, s));
-    });
+    }, join);
     return;
+#else
+    (void)join;
 #endif
   }
   // Each rank sums one chunk of every rank's tensor in rank order, then every rank gathers the chunks.

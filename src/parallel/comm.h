@@ -31,8 +31,12 @@ class Comm {
   // The rank in the job of this group's member `rank` (for messages).
   int world_rank_of(int rank) const { return members_.empty() ? rank : members_[size_t(rank)]; }
 
-  // t = sum over the group of every member's t (f32 or f64; on the GPU also bf16).
-  void all_reduce_sum(Tensor t, const char* what) const;
+  // t = sum over the group of every member's t (f32 or f64; on the GPU also bf16). With
+  // join = false the GPU work that follows may run before the sum is done (it overlaps), until
+  // join(); t must not be touched in between. Host tensors are summed before the call returns.
+  void all_reduce_sum(Tensor t, const char* what, bool join = true) const;
+  // The compute stream waits for every collective queued on this group so far.
+  void join() const;
   // out[size * n] = every member's in[n], in rank order.
   void all_gather(Tensor out, Tensor in, const char* what) const;
   // out[n] = sum over members of their in[rank * n, (rank + 1) * n).
