@@ -4,8 +4,8 @@
 #   tools/gpu_parallel.sh <log-dir>
 # build -> marrow check --only elementwise (the dispatch/combine/router kernels, one GPU) ->
 # mpirun -np 2 marrow check --only expert_parallel (the all-to-alls over NCCL) -> the bench config on
-# one GPU, with EP = 2 and with DP = 2 on two (3 warm-up + 17 measured steps each; tokens/s per GPU,
-# all-to-all bytes with and without deduplication) -> the two runs' losses within bf16 tolerance -> a kernel
+# one GPU, with EP = 2 and with DP = 2 on two, each with and without overlapped gradient sums (3 warm-up
+# + 17 measured steps each; tokens/s per GPU, all-to-all bytes with and without deduplication) -> the two runs' losses within bf16 tolerance -> a kernel
 # trace of two EP = 2 steps on rank 0 (NCCL kernels among the top ten). Ends with PASS or FAIL.
 set -uo pipefail
 out=${1:-$OUT}
@@ -46,10 +46,18 @@ timeout 400 "${mpi[@]}" build-gpu/marrow bench "${bench[@]}" --parallel.ep=2 --p
 sed -n '/parallel.ep=2\|^mesh/,$p' "$out/bench.log" | grep -E "^mesh|^memory|^bench:|^expert all-to-all|error" | tail -6
 sed -n '/^stage (per step)/,$p' "$out/bench.log" | tail -9
 
-step "bench config with DP = 2 on two GPUs (every GPU holds the whole model)"
-timeout 400 "${mpi[@]}" build-gpu/marrow bench "${bench[@]}" --parallel.timeout_s=120 --output.dir=runs/bench-dp2 > "$out/bench-dp2.log" 2>&1 \
-  || fail "DP = 2 bench"
-grep -E "^mesh|^memory|^bench:|error" "$out/bench-dp2.log" | tail -4
+step "EP = 2 with the gradient sums after the backward (parallel.overlap_grad_reduce = false)"
+timeout 400 "${mpi[@]}" build-gpu/marrow bench "${bench[@]}" --parallel.ep=2 --parallel.timeout_s=120 --parallel.overlap_grad_reduce=false \
+  --output.dir=runs/bench-ep2-serial > "$out/bench-serial.log" 2>&1 || fail "EP = 2 bench, serial gradient sums"
+grep -E "^bench:|error" "$out/bench-serial.log" | tail -2
+sed -n '/^stage (per step)/,$p' "$out/bench-serial.log" | tail -9
+
+for overlap in true false; do
+  step "bench config with DP = 2 on two GPUs (every GPU holds the whole model), overlap_grad_reduce = $overlap"
+  timeout 400 "${mpi[@]}" build-gpu/marrow bench "${bench[@]}" --parallel.timeout_s=120 --parallel.overlap_grad_reduce=$overlap \
+    --output.dir=runs/bench-dp2-$overlap >> "$out/bench-serial.log" 2>&1 || fail "DP = 2 bench"
+  grep -E "^bench:|error" "$out/bench-serial.log" | tail -1
+done
 
 step "EP = 2 losses against one GPU (bf16 tolerance, 2%)"
 python3 tools/compare_runs.py --within 0.02 runs/bench-1gpu/bench/metrics.jsonl runs/bench-ep2/bench/metrics.jsonl 2>&1 \

@@ -22,8 +22,9 @@ struct TensorSpec {
   // One expert's weight: held by one expert-parallel rank (ExpertShard), so its gradient is summed
   // over that rank's data-parallel replicas only, and that rank saves it.
   bool is_expert = false;
-  // The decoder layer it belongs to, or -1: its gradient is complete once the last micro-batch's
-  // backward has passed that layer, so its reduction can start while earlier layers compute.
+  // The stage whose backward completes its gradient: decoder layer 0..L-1, L for the epilog (LM
+  // head, final norm), -1 for the prolog (embedding). Once the last micro-batch's backward has passed
+  // that stage, the gradient's reduction over processes can start while the stages below compute.
   int64_t layer = -1;
 };
 

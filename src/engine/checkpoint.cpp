@@ -110,7 +110,8 @@ Json run_config_json(const RunConfig& rc) {
            {{"every", rc.checkpoint_every}, {"keep", rc.checkpoint_keep}, {"resume", rc.checkpoint_resume},
             {"optimizer_state", rc.checkpoint_optimizer_state}}},
           {"output", {{"dir", rc.out_dir}, {"log_every", rc.log_every}}},
-          {"parallel", {{"pp", rc.pp}, {"cp", rc.cp}, {"ep", rc.ep}, {"timeout_s", rc.timeout_s}}}};
+          {"parallel",
+           {{"pp", rc.pp}, {"cp", rc.cp}, {"ep", rc.ep}, {"timeout_s", rc.timeout_s}, {"overlap_grad_reduce", rc.overlap_grad_reduce}}}};
 }
 
 }  // namespace

@@ -43,6 +43,9 @@ struct RunConfig {
   // data-parallel width is what remains of the job's processes.
   int64_t pp = 1, cp = 1, ep = 1;
   double timeout_s = 600;  // a step with no communication progress for this long ends the job (parallel/watchdog.h)
+  // Sum each stage's gradients over the processes as soon as the last micro-batch's backward has
+  // passed it, overlapping the stages below (else all after the backward).
+  bool overlap_grad_reduce = true;
   // --profile-steps A:B (engine/kernel_trace.h): a kernel trace of optimizer steps A..B (1-based,
   // inclusive) in output.dir; 0:0 traces nothing.
   int64_t profile_first = 0, profile_last = 0;

@@ -19,8 +19,9 @@ namespace marrow {
 struct StepGroups {
   const ExpertParallel* experts = nullptr;  // the layer's experts are spread over this group
   const Comm* routing = nullptr;            // load-balance statistics are summed over this group
-  // Called by backward() once a layer's gradients of this micro-batch are written, e.g. to start
-  // reducing them over the processes while the layers below compute.
+  // Called by backward() once a stage's gradients of this micro-batch are written (the epilog as
+  // layer num_layers, then each decoder layer), e.g. to start reducing them over the processes while
+  // the stages below compute.
   std::function<void(int64_t layer)> layer_done;
 };
 
@@ -107,6 +108,7 @@ void backward(MicroBatch<M>& mb, const M& m, const typename M::Weights& w, const
     StageScope scope(timer, Stage::epilog);
     m.epilog_backward(dx, grads, loss_scale, mb.epilog, batch, w);
   }
+  if (groups.layer_done) groups.layer_done(m.num_layers());
   for (int64_t l = m.num_layers() - 1; l >= 0; --l) {
     auto& s = mb.layers[size_t(l)];
     const auto& lw = w.layers[size_t(l)];

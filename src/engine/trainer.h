@@ -179,8 +179,8 @@ template <MoeModel M> struct TrainSetup {
   typename M::Weights w, g;
   std::vector<Tensor> zeroed_each_step;            // gradients the first backward does not write
   std::vector<Tensor> shared_grads, expert_grads;  // replicated over mesh.data, and the experts: for the norm
-  // The same by decoder layer, so that a layer's reduction starts when its backward is done; the
-  // last entry holds the tensors of no layer (embedding, LM head, final norm).
+  // The same by TensorSpec::layer + 1 (prolog, layers, epilog), so that a stage's reduction starts
+  // when its backward is done.
   std::vector<std::vector<Tensor>> shared_by_layer, expert_by_layer;
 
   TrainSetup(const RunConfig& rc, const typename M::Config& config, Device device_)
@@ -201,8 +201,7 @@ template <MoeModel M> struct TrainSetup {
     zeroed_each_step = arena_runs(grads, model.specs(), [](const TensorSpec& t) { return !t.first_backward_writes; });
     shared_grads = arena_runs(grads, model.specs(), [](const TensorSpec& t) { return !t.is_expert; });
     expert_grads = arena_runs(grads, model.specs(), [](const TensorSpec& t) { return t.is_expert; });
-    for (int64_t l = 0; l <= model.num_layers(); ++l) {
-      const int64_t layer = l < model.num_layers() ? l : -1;
+    for (int64_t layer = -1; layer <= model.num_layers(); ++layer) {
       shared_by_layer.push_back(arena_runs(grads, model.specs(), [&](const TensorSpec& t) { return !t.is_expert && t.layer == layer; }));
       expert_by_layer.push_back(arena_runs(grads, model.specs(), [&](const TensorSpec& t) { return t.is_expert && t.layer == layer; }));
     }
@@ -242,17 +241,18 @@ inline CheckpointSharing checkpoint_sharing(const Mesh& mesh, const std::vector<
   return c;
 }
 
-// Starts summing one layer's gradients (index num_layers: those of no layer) over the processes
-// that hold the same parameters; the GPU computes on meanwhile, until join_gradients().
-template <MoeModel M> void reduce_layer_gradients(const TrainSetup<M>& s, int64_t index) {
-  for (const Tensor& t : s.shared_by_layer[size_t(index)]) s.mesh.data.all_reduce_sum(t, "gradient all_reduce (dp x ep)", false);
-  for (const Tensor& t : s.expert_by_layer[size_t(index)])
+// Starts summing the gradients of one stage (TensorSpec::layer) over the processes that hold the
+// same parameters; the GPU computes on meanwhile, until join_gradients().
+template <MoeModel M> void reduce_stage_gradients(const TrainSetup<M>& s, int64_t layer) {
+  for (const Tensor& t : s.shared_by_layer[size_t(layer + 1)]) s.mesh.data.all_reduce_sum(t, "gradient all_reduce (dp x ep)", false);
+  for (const Tensor& t : s.expert_by_layer[size_t(layer + 1)])
     s.mesh.expert_data.all_reduce_sum(t, "expert gradient all_reduce (dp)", false);
 }
 
-// The rest of the step's gradient sums, then the compute stream waits for all of them.
-template <MoeModel M> void join_gradients(const TrainSetup<M>& s) {
-  reduce_layer_gradients(s, s.model.num_layers());
+// The step's gradient sums not started during the backward (all of them without
+// parallel.overlap_grad_reduce), then the compute stream waits for all of them.
+template <MoeModel M> void join_gradients(const TrainSetup<M>& s, bool overlapped) {
+  for (int64_t layer = overlapped ? -1 : s.model.num_layers(); layer >= -1; --layer) reduce_stage_gradients(s, layer);
   s.mesh.data.join();
   s.mesh.expert_data.join();
 }
@@ -302,8 +302,9 @@ std::pair<double, double> run_micro_batches(const TrainSetup<M>& s, const RunCon
     forward(mb, s.model, s.w, batch, groups, timer);
     token_loss_sum += mb.token_loss_sum;
     aux_loss_sum += mb.aux_loss_sum;
-    // The last micro-batch's backward completes each layer's gradients: their sums start at once.
-    if (micro + 1 == micro_batches && s.mesh.data.size() > 1) groups.layer_done = [&s](int64_t l) { reduce_layer_gradients(s, l); };
+    // The last micro-batch's backward completes each stage's gradients: their sums can start at once.
+    if (micro + 1 == micro_batches && s.mesh.data.size() > 1 && rc.overlap_grad_reduce)
+      groups.layer_done = [&s](int64_t layer) { reduce_stage_gradients(s, layer); };
     backward(mb, s.model, s.w, s.g, batch, loss_scale, aux_grad, micro == 0, groups, timer);
   }
   return {token_loss_sum, aux_loss_sum};
@@ -390,7 +391,7 @@ std::vector<StepMetrics> train(const RunConfig& rc, const typename M::Config& mo
     m.load_balance = aux_loss_sum / double(s.model.num_layers() * micro_batches * s.model.top_k());
     m.lr = schedule.at(step);
     std::optional<StageScope> optimizer_scope(std::in_place, timer, Stage::optimizer);
-    join_gradients(s);
+    join_gradients(s, rc.overlap_grad_reduce);
     m.grad_norm = gradient_norm(s);
     if (!std::isfinite(m.loss) || !std::isfinite(m.grad_norm)) {
       m.skipped = true;

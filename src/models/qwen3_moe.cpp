@@ -81,7 +81,7 @@ Qwen3Moe::Qwen3Moe(const Config& config, DType dtype, Device device, ExpertShard
   MARROW_CHECK(experts_.first >= 0 && experts_.count >= 1 && experts_.first + experts_.count <= c.num_experts,
                "experts [{}, {}) are not a range of the model's {} experts", experts_.first, experts_.first + experts_.count, c.num_experts);
   const int64_t first = experts_.first, last = experts_.first + experts_.count;
-  int64_t layer = -1;  // of the tensors added next
+  int64_t layer = -1;  // TensorSpec::layer of the tensors added next: -1 is the prolog (embedding)
   auto add = [&](std::string name, std::vector<int64_t> shape, bool is_norm, bool is_expert = false) {
     // The expert weights' gradients are written by the first backward of a step (TensorSpec).
     TensorSpec s{std::move(name), std::move(shape), num_parameters_, 1, is_norm, is_expert, is_expert, layer};
@@ -103,7 +103,7 @@ Qwen3Moe::Qwen3Moe(const Config& config, DType dtype, Device device, ExpertShard
     }
     for (int64_t e = first; e < last; ++e) add(fmt::format("{}mlp.experts.{}.down_proj.weight", p, e), {H, I}, false, true);
   }
-  layer = -1;
+  layer = c.num_layers;  // the epilog
   add("lm_head.weight", {c.vocab_size, H}, false);
   num_decayed_ = num_parameters_;
   for (layer = 0; layer < c.num_layers; ++layer) {
@@ -113,7 +113,7 @@ Qwen3Moe::Qwen3Moe(const Config& config, DType dtype, Device device, ExpertShard
     add(p + "self_attn.k_norm.weight", {D}, true);
     add(p + "post_attention_layernorm.weight", {H}, true);
   }
-  layer = -1;
+  layer = c.num_layers;
   add("model.norm.weight", {H}, true);
 }
 
