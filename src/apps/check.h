@@ -57,7 +57,11 @@ void check_elementwise_ops(CheckReport& report);
 void check_gemm_ops(CheckReport& report);
 void check_attention_op(CheckReport& report);
 void check_model(CheckReport& report);
-// Under mpirun -np P (any P, also 1): the expert-parallel all-to-alls over NCCL (check_parallel.cpp).
+// Under mpirun -np P (any P, also 1): the expert-parallel all-to-alls and the collectives over NCCL
+// (check_parallel.cpp).
 void check_expert_parallel(CheckReport& report);
+class Comm;
+// Every collective of parallel/comm.h on tensors of `device` against exactly known results.
+void check_collectives(CheckReport& report, const Comm& group, Device device);
 
 }  // namespace marrow

@@ -4,12 +4,15 @@
 // s(e) = 1 + e / 8 (exact in bf16), so a row at the wrong expert shows. For token t:
 //   out[t] = residual[t] + sum_j w_j s(e_j) x[t],  dx[t] = sum_j w_j s(e_j) dout[t],
 //   dtopk_weight[t, j] = s(e_j) dot(dout[t], x[t]).
-// The CPU path of the same code is checked exactly in f64 by tests/tools/expert_parallel_check.
+// The collectives of comm.h are checked too (check_collectives: exact sums of small halves, uneven
+// all_to_all_v blocks, a send_recv ring); tests/tools/parallel_check runs them and the expert
+// exchange (in f64) on the CPU path.
 #include <algorithm>
 #include <random>
 #include <tuple>
 
 #include "apps/check.h"
+#include "ops/cast.h"
 #include "parallel/comm.h"
 #include "parallel/expert_parallel.h"
 #include "parallel/process.h"
@@ -19,6 +22,18 @@ namespace marrow {
 namespace {
 
 double scale_of(int64_t expert) { return 1.0 + double(expert) / 8.0; }
+
+// Device memory of a receive buffer set to NaN, host memory to zero, so unwritten rows show on the GPU.
+void poison_or_zero(Tensor t) {
+  if (t.device == Device::cuda) poison(t);
+  else fill_zero(t);
+}
+
+void check_exchange_counts(CheckReport& report, const Comm& group, const std::vector<int64_t>& sent, const std::vector<int64_t>& want,
+                           const std::string& on) {
+  const bool same = group.exchange_counts(sent, "check exchange_counts") == want;
+  report.add({"comm exchange_counts " + on, same ? 0.0 : 1.0, 0.0, same});
+}
 
 // Rows of each local expert scaled by s(e), on the host: the check is of the exchange, not of a GEMM.
 Buffer run_experts(Tensor rows, const ExpertRoute& route, int64_t first_expert) {
@@ -83,7 +98,85 @@ void check_case(CheckReport& report, const Comm& world, int64_t T, int64_t H, in
   report.compare(name + " dtopk_weight", dtopk, dtopk_ref, 1.6e-2);
 }
 
+// The host tensor on device, as dtype.
+Buffer place(const Buffer& host, DType dtype, Device device) {
+  if (device == Device::cuda) return to_device(host, dtype);
+  Buffer out(dtype, Device::cpu, {host.numel()});
+  cast(out, host);
+  return out;
+}
+
+// Host f32 [n] with element i = (rank + 1) * (i % 7 + 1) / 2: sums over ranks are exact in bf16 too.
+Buffer rank_values(int rank, int64_t n) {
+  Buffer b(DType::f32, Device::cpu, {n});
+  for (int64_t i = 0; i < n; ++i) b.ptr<float>()[i] = float(rank + 1) * float(i % 7 + 1) / 2;
+  return b;
+}
+
 }  // namespace
+
+void check_collectives(CheckReport& report, const Comm& group, Device device) {
+  const int P = group.size(), r = group.rank();
+  const int64_t n = 1000 + 3;  // not a multiple of the rank count: uneven chunks
+  const float ranks_sum = float(P * (P + 1) / 2);
+  const std::string on = fmt::format("{} rank {}/{}", device_name(device), r, P);
+  for (const DType dtype : {DType::f32, DType::bf16}) {
+    if (dtype == DType::bf16 && device == Device::cpu) continue;  // host reductions are f32/f64
+    Buffer t = place(rank_values(r, n), dtype, device), want = rank_values(0, n);
+    for (int64_t i = 0; i < n; ++i) want.ptr<float>()[i] *= ranks_sum;
+    group.all_reduce_sum(t, "check all_reduce");
+    report.compare(fmt::format("comm all_reduce_sum {} {}", dtype_name(dtype), on), t, want, 0.0);
+  }
+  Buffer gathered = place(rank_values(0, n * P), DType::f32, device), gather_want(DType::f32, Device::cpu, {n * P});
+  for (int q = 0; q < P; ++q) copy(gather_want.view().rows(q * n, (q + 1) * n), rank_values(q, n));
+  group.all_gather(gathered, place(rank_values(r, n), DType::f32, device), "check all_gather");
+  report.compare("comm all_gather " + on, gathered, gather_want, 0.0);
+
+  Buffer scattered = place(rank_values(0, n), DType::f32, device), scatter_want = rank_values(0, n * P);
+  group.reduce_scatter_sum(scattered, place(rank_values(r, n * P), DType::f32, device), "check reduce_scatter");
+  for (int64_t i = 0; i < n * P; ++i) scatter_want.ptr<float>()[i] *= ranks_sum;
+  report.compare("comm reduce_scatter_sum " + on, scattered, Tensor(scatter_want.view().rows(r * n, (r + 1) * n)), 0.0);
+
+  // all_to_all_v: member s sends (s + d) % 3 rows of 5 to member d; row c of that block holds
+  // s * 64 + d * 4 + c (exact in f32).
+  const int64_t width = 5;
+  auto rows_between = [](int s, int d) { return int64_t((s + d) % 3); };
+  std::vector<int64_t> send_rows, recv_rows;
+  for (int q = 0; q < P; ++q) {
+    send_rows.push_back(rows_between(r, q));
+    recv_rows.push_back(rows_between(q, r));
+  }
+  check_exchange_counts(report, group, send_rows, recv_rows, on);
+  int64_t sent = 0, received = 0;
+  for (int q = 0; q < P; ++q) sent += send_rows[size_t(q)], received += recv_rows[size_t(q)];
+  Buffer send_host(DType::f32, Device::cpu, {std::max<int64_t>(sent, 1), width}), want(DType::f32, Device::cpu, {std::max<int64_t>(received, 1), width});
+  int64_t at = 0, got_at = 0;
+  for (int q = 0; q < P; ++q) {
+    for (int64_t c = 0; c < send_rows[size_t(q)]; ++c, ++at)
+      for (int64_t k = 0; k < width; ++k) send_host.ptr<float>()[at * width + k] = float(r * 64 + q * 4 + c) + float(k) / 8;
+    for (int64_t c = 0; c < recv_rows[size_t(q)]; ++c, ++got_at)
+      for (int64_t k = 0; k < width; ++k) want.ptr<float>()[got_at * width + k] = float(q * 64 + r * 4 + c) + float(k) / 8;
+  }
+  Buffer send_d = place(send_host, DType::f32, device), recv_d = place(want, DType::f32, device);
+  poison_or_zero(recv_d);
+  group.all_to_all_v(recv_d.view().reshape({std::max<int64_t>(received, 1), width}).rows(0, received), recv_rows,
+                     send_d.view().reshape({std::max<int64_t>(sent, 1), width}).rows(0, sent), send_rows, "check all_to_all_v");
+  report.compare("comm all_to_all_v " + on, recv_d.view().reshape({std::max<int64_t>(received, 1), width}).rows(0, received),
+                 want.view().rows(0, received), 0.0);
+
+  if (P > 1) {  // a ring: each member sends to the next and receives from the previous one
+    Buffer ring = place(rank_values(0, n), DType::f32, device);
+    poison_or_zero(ring);
+    group.send_recv(place(rank_values(r, n), DType::f32, device), (r + 1) % P, ring, (r + P - 1) % P, "check send_recv ring");
+    report.compare("comm send_recv ring " + on, ring, rank_values((r + P - 1) % P, n), 0.0);
+  }
+  const std::vector<std::string> texts = group.all_gather_text(std::string(size_t(r + 1), char('a' + r)), "check all_gather_text");
+  bool texts_ok = int(texts.size()) == P;
+  for (int q = 0; q < P && texts_ok; ++q) texts_ok = texts[size_t(q)] == std::string(size_t(q + 1), char('a' + q));
+  report.add({"comm all_gather_text " + on, texts_ok ? 0.0 : 1.0, 0.0, texts_ok});
+  const double total = group.sum(double(r + 1) / 3, "check sum");
+  report.add({"comm sum in rank order " + on, std::abs(total - double(ranks_sum) / 3), 1e-15, std::abs(total - double(ranks_sum) / 3) <= 1e-15});
+}
 
 void check_expert_parallel(CheckReport& report) {
   use_gpu(process::local_rank());
@@ -91,6 +184,7 @@ void check_expert_parallel(CheckReport& report) {
   for (const auto& [T, H, E, K] : {std::tuple<int64_t, int64_t, int64_t, int64_t>{37, 72, 8, 2}, {61, 75, 4 * world.size(), 3},
                                    {4096, 2048, 128, 8}})
     check_case(report, world, T, H, E, K);
+  check_collectives(report, world, Device::cuda);
   // Rank 0 prints the table; the other ranks' rows count through this one.
   const double failed = world.sum(double(std::count_if(report.rows().begin(), report.rows().end(), [](const CheckRow& r) { return !r.passed; })),
                                   "failed checks (sum)");

@@ -359,25 +359,31 @@ std::vector<std::string> Comm::all_gather_text(const std::string& text, const ch
   return texts;
 }
 
-void Comm::send(Tensor t, int peer, const char* what) const { point_to_point(t, peer, true, what); }
-void Comm::recv(Tensor t, int peer, const char* what) const { point_to_point(t, peer, false, what); }
-
-void Comm::point_to_point(Tensor t, int peer, bool sending, const char* what) const {
-  MARROW_CHECK(peer >= 0 && peer < size_ && peer != rank_, "{}: no rank {} to exchange with in a group of {}", what, peer, size_);
+void Comm::send_recv(Tensor send, int dst, Tensor recv, int src, const char* what) const {
+  const bool sending = send.data != nullptr && send.numel() > 0, receiving = recv.data != nullptr && recv.numel() > 0;
+  MARROW_CHECK(!sending || (dst >= 0 && dst < size_ && dst != rank_), "{}: no rank {} to send to in a group of {}", what, dst, size_);
+  MARROW_CHECK(!receiving || (src >= 0 && src < size_ && src != rank_), "{}: no rank {} to receive from in a group of {}", what, src, size_);
+  if (sending && receiving) check_device(send, recv, what);
+  if (!sending && !receiving) return;
   InFlight scope(what);
-  if (t.device == Device::cuda) {
+  if ((sending ? send : recv).device == Device::cuda) {
 #if MARROW_CUDA
     on_comm_stream(*handles_, [&](cudaStream_t s) {
-      const size_t n = size_t(t.numel());
-      if (sending) MARROW_NCCL_CHECK(ncclSend(t.data, n, nccl_type(t.dtype), peer, handles_->nccl, s));
-      else MARROW_NCCL_CHECK(ncclRecv(t.data, n, nccl_type(t.dtype), peer, handles_->nccl, s));
+      MARROW_NCCL_CHECK(ncclGroupStart());
+      if (sending) MARROW_NCCL_CHECK(ncclSend(send.data, size_t(send.numel()), nccl_type(send.dtype), dst, handles_->nccl, s));
+      if (receiving) MARROW_NCCL_CHECK(ncclRecv(recv.data, size_t(recv.numel()), nccl_type(recv.dtype), src, handles_->nccl, s));
+      MARROW_NCCL_CHECK(ncclGroupEnd());
     });
     return;
 #endif
   }
-  const int bytes = mpi_count(t.bytes(), what);
-  if (sending) MARROW_MPI_CHECK(MPI_Send(t.data, bytes, MPI_BYTE, peer, 0, handles_->mpi));
-  else MARROW_MPI_CHECK(MPI_Recv(t.data, bytes, MPI_BYTE, peer, 0, handles_->mpi, MPI_STATUS_IGNORE));
+  MPI_Request requests[2];
+  int pending = 0;
+  if (receiving)
+    MARROW_MPI_CHECK(MPI_Irecv(recv.data, mpi_count(recv.bytes(), what), MPI_BYTE, src, 0, handles_->mpi, &requests[pending++]));
+  if (sending)
+    MARROW_MPI_CHECK(MPI_Isend(send.data, mpi_count(send.bytes(), what), MPI_BYTE, dst, 0, handles_->mpi, &requests[pending++]));
+  MARROW_MPI_CHECK(MPI_Waitall(pending, requests, MPI_STATUSES_IGNORE));
 }
 
 void Comm::barrier(const char* what) const {

@@ -53,8 +53,9 @@ class Comm {
   double sum(double value, const char* what) const { return sum(std::vector<double>{value}, what)[0]; }
   // Every member's text, in rank order.
   std::vector<std::string> all_gather_text(const std::string& text, const char* what) const;
-  void send(Tensor t, int peer, const char* what) const;
-  void recv(Tensor t, int peer, const char* what) const;
+  // Sends `send` to member dst and receives `recv` from member src, as one exchange (a ring or a
+  // pair of pipeline stages cannot deadlock); an empty tensor (Tensor{}) skips that half.
+  void send_recv(Tensor send, int dst, Tensor recv, int src, const char* what) const;
   void barrier(const char* what) const;
 
   // The subgroup of members with the same color, ordered by key (every member calls it).
@@ -66,7 +67,6 @@ class Comm {
   struct Handles;  // MPI and NCCL communicators, the communication stream (comm.cpp)
 
  private:
-  void point_to_point(Tensor t, int peer, bool sending, const char* what) const;
   std::shared_ptr<Handles> handles_;
   int rank_ = 0, size_ = 1;
   std::vector<int> members_;  // world rank of each member

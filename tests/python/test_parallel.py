@@ -13,7 +13,7 @@
   The AdamW moments are held to 1e-5: a norm weight's gradient sums ~10^3 terms that cancel, so its f32
   rounding alone reaches ~5e-7. The routed demo model (K = 2 of 8, tokens that skip ranks) is compared
   too, at its own lr, by the per-step losses (within 1e-4).
-  tests/tools/expert_parallel_check (ctest parallel.expert_parallel_np*) checks the dispatch and combine
+  tests/tools/parallel_check (ctest parallel.check_np*) checks the dispatch and combine
   of routed tokens exactly, in f64.
 - Checkpoints: a checkpoint written with EP = 2 (each rank its own files) resumes on one process and on
   EP = 4 with the losses of the straight run, and `marrow export` reads it.

@@ -1,5 +1,7 @@
-// Expert-parallel dispatch/combine over the processes of an mpirun job (CPU, f64), against the
-// closed form of one process. Run as `mpirun -np P expert_parallel_check`; prints PASS or FAIL.
+// The parallel layer on the CPU path over the processes of an mpirun job: every collective of
+// parallel/comm.h against exactly known results (check_collectives, shared with marrow check's GPU
+// group), and the expert-parallel dispatch/combine in f64 against the closed form of one process.
+// Run as `mpirun -np P parallel_check`; prints PASS or FAIL.
 //
 // Each rank routes its own tokens (a different count per rank) to K of E experts. The "experts"
 // scale their rows by s(e) = 1 + e / 8 (global index e), so a row sent to the wrong expert shows. For
@@ -12,6 +14,7 @@
 #include <cstdio>
 #include <random>
 
+#include "apps/check.h"
 #include "core/memory.h"
 #include "parallel/comm.h"
 #include "parallel/expert_parallel.h"
@@ -127,12 +130,15 @@ int main(int argc, char** argv) {
   int code = 0;
   try {
     const marrow::Comm world = marrow::Comm::world(marrow::Device::cpu);
+    marrow::CheckReport report;
+    marrow::check_collectives(report, world, marrow::Device::cpu);
+    MARROW_CHECK(report.passed(), "rank {}: a collective gave a wrong result (the FAIL rows above)", world.rank());
     for (const int64_t experts : {std::max<int64_t>(2, world.size()), int64_t(2 * world.size()), int64_t(4 * world.size())}) {
       run_case(world, experts, false);
       if (experts >= 2 * world.size()) run_case(world, experts, true);  // two distinct experts on member 0
     }
     const double all_worst = world.sum(worst, "worst error (sum)");
-    if (world.rank() == 0) std::printf("expert-parallel dispatch/combine on %d processes: worst relative error %.2e\nPASS\n", world.size(), all_worst);
+    if (world.rank() == 0) std::printf("collectives exact; expert-parallel dispatch/combine on %d processes: worst relative error %.2e\nPASS\n", world.size(), all_worst);
   } catch (const marrow::Error& e) {
     std::fprintf(stderr, "rank %d: %s\nFAIL\n", marrow::process::rank(), e.what());
     code = 1;
