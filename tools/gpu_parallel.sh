@@ -43,7 +43,7 @@ grep -E "^model|^memory|^bench:|error" "$out/bench.log"
 step "bench config with EP = 2 on two GPUs"
 timeout 400 "${mpi[@]}" build-gpu/marrow bench "${bench[@]}" --parallel.ep=2 --parallel.timeout_s=120 --output.dir=runs/bench-ep2 >> "$out/bench.log" 2>&1 \
   || fail "EP = 2 bench"
-sed -n '/parallel.ep=2\|^mesh/,$p' "$out/bench.log" | grep -E "^mesh|^memory|^bench:|^expert all-to-all|error" | tail -6
+sed -n '/parallel.ep=2\|^mesh/,$p' "$out/bench.log" | grep -E "^mesh|^memory|^bench:|^expert|error" | tail -7
 sed -n '/^stage (per step)/,$p' "$out/bench.log" | tail -9
 
 step "EP = 2 with the gradient sums after the backward (parallel.overlap_grad_reduce = false)"

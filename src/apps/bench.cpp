@@ -103,18 +103,24 @@ void bench_kernels() {
   }
 }
 
-// Bytes rank 0 sent to other expert-parallel ranks per step, as the bf16 rows of the four
-// all-to-alls (dispatch and combine, forward and backward), against one row per routed expert.
+// Bytes rank 0 sent to other expert-parallel ranks per step, as the rows of the four all-to-alls
+// (dispatch and combine, forward and backward), against one row per routed expert; and the host
+// time of the dispatch plans.
 void print_expert_traffic(const std::vector<StepMetrics>& history, int64_t warmup, int64_t row_bytes, double step_ms) {
-  double rows = 0, copies = 0;
+  double rows = 0, copies = 0, plan_ms = 0, dispatches = 0;
   for (size_t i = size_t(warmup); i < history.size(); ++i) {
     rows += double(history[i].expert_traffic.remote_rows);
     copies += double(history[i].expert_traffic.remote_copies);
+    plan_ms += history[i].expert_traffic.plan_ms;
+    dispatches += double(history[i].expert_traffic.dispatches);
   }
   const double steps = double(history.size() - size_t(warmup)), bytes = 4 * rows * double(row_bytes) / steps;
-  std::printf("expert all-to-all per step (rank 0, 4 exchanges of bf16 rows): %.1f MB sent to other ranks, %.1f MB at one row per "
+  std::printf("expert all-to-all per step (rank 0, 4 exchanges of rows): %.1f MB sent to other ranks, %.1f MB at one row per "
               "routed expert (deduplication saves %.1f%%); %.1f GB/s over the whole step\n",
               bytes / 1e6, 4 * copies * double(row_bytes) / steps / 1e6, 100 * (1 - rows / std::max(copies, 1.0)), bytes / (step_ms * 1e-3) / 1e9);
+  std::printf("expert-parallel plans per step (rank 0): %.0f, %.2f ms of host time from routing on the host to plan uploaded "
+              "(the GPU waits; MPI count and slot exchanges included)\n",
+              dispatches / steps, plan_ms / steps);
 }
 
 template <MoeModel M>
@@ -148,7 +154,8 @@ void bench_training(RunConfig rc, const typename M::Config& config, int64_t warm
   std::printf("bench: %lld measured steps after %lld warm-up | %.0f tokens/s%s | %.1f ms/step | %.1f TFLOP/s | MFU %.1f%% | peak %.2f GiB\n",
               (long long)steps, (long long)warmup, tokens / (ms * 1e-3) / gpus, gpus > 1 ? " per GPU" : "", ms, tflops / gpus,
               100 * tflops / gpus / kPeakTflops, peak / 1073741824.0);
-  if (rc.ep > 1) print_expert_traffic(history, warmup, int64_t(config.hidden_size) * 2, ms);
+  const int64_t row_bytes = config.hidden_size * (choose_device(rc.device) == Device::cuda ? 2 : 4);  // bf16 or f32 rows
+  if (rc.ep > 1) print_expert_traffic(history, warmup, row_bytes, ms);
   // The stages' own time; what is left of the step is host work between them (data, launches, syncs).
   std::printf("%-24s %10s %7s\n", "stage (per step)", "ms", "share");
   double staged = 0;

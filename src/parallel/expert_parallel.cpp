@@ -1,5 +1,6 @@
 #include "parallel/expert_parallel.h"
 
+#include <chrono>
 #include <numeric>
 
 #include "ops/combine.h"
@@ -68,6 +69,7 @@ ExpertParallel::ExpertParallel(const Comm& group, int64_t num_experts)
 void ExpertParallel::plan(ExpertRoute& route, Tensor topk_index, Device device) const {
   const int64_t T = topk_index.size(0), K = topk_index.size(1), P = group_.size();
   const Buffer index = to_host(topk_index);
+  const auto start = std::chrono::steady_clock::now();
   for (int64_t i = 0; i < T * K; ++i)
     MARROW_CHECK(index.ptr<int32_t>()[i] >= 0 && index.ptr<int32_t>()[i] < num_experts_,
                  "expert-parallel dispatch: topk_index holds expert {} outside [0, {})", index.ptr<int32_t>()[i], num_experts_);
@@ -94,6 +96,7 @@ void ExpertParallel::plan(ExpertRoute& route, Tensor topk_index, Device device) 
   route.copy_row = Buffer(DType::i32, device, {route.received, K});
   copy(route.send_row, send_row);
   copy(route.copy_row, copy_row);
+  traffic_.plan_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
 }
 
 Buffer ExpertParallel::dispatch_forward(ExpertRoute& route, Tensor x, Tensor topk_index, Tensor topk_weight) const {

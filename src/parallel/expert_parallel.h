@@ -48,6 +48,9 @@ struct ExpertRoute {
 // combine each move them twice: forward and backward), for the bench's traffic figures.
 struct ExpertTraffic {
   int64_t remote_rows = 0, remote_copies = 0, dispatches = 0;
+  // Host time of the plans from the moment the routing reached the host (the GPU has nothing
+  // queued then) to the upload of the plan: the GPU idles for it, waiting for the peers' counts too.
+  double plan_ms = 0;
 };
 
 class ExpertParallel {
