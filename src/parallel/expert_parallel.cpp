@@ -76,6 +76,7 @@ void ExpertParallel::plan(ExpertRoute& route, Tensor topk_index, Device device) 
   Buffer send_row(DType::i32, Device::cpu, {T, P});
   std::vector<int32_t> send_slots;
   route.send_rows = plan_sends(send_row.ptr<int32_t>(), send_slots, index.ptr<int32_t>(), T, K, P, local_experts_);
+  const auto exchange_start = std::chrono::steady_clock::now();
   route.recv_rows = group_.exchange_counts(route.send_rows, "expert-parallel row counts (exchange_counts)");
   route.sent = prefix_sums(route.send_rows).back();
   route.remote_rows = route.sent - route.send_rows[size_t(group_.rank())];
@@ -88,6 +89,7 @@ void ExpertParallel::plan(ExpertRoute& route, Tensor topk_index, Device device) 
   Buffer recv_slots(DType::i32, Device::cpu, {route.received, K});
   group_.all_to_all_v(recv_slots, route.recv_rows, Tensor(send_slots.data(), DType::i32, Device::cpu, {route.sent, K}), route.send_rows,
                       "expert-parallel expert slots (all_to_all_v)");
+  traffic_.exchange_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - exchange_start).count();
   route.expert_offsets = Buffer(DType::i32, Device::cpu, {local_experts_ + 1});
   Buffer copy_row(DType::i32, Device::cpu, {route.received, K});
   route.copies = plan_copies(route.expert_offsets.ptr<int32_t>(), copy_row.ptr<int32_t>(), recv_slots.ptr<int32_t>(), route.received, K,

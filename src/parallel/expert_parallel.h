@@ -51,6 +51,7 @@ struct ExpertTraffic {
   // Host time of the plans from the moment the routing reached the host (the GPU has nothing
   // queued then) to the upload of the plan: the GPU idles for it, waiting for the peers' counts too.
   double plan_ms = 0;
+  double exchange_ms = 0;  // of which in the MPI exchanges (the peers' plans arriving)
 };
 
 class ExpertParallel {
