@@ -70,17 +70,19 @@ void ExpertParallel::plan(ExpertRoute& route, Tensor topk_index, Device device) 
   const int64_t T = topk_index.size(0), K = topk_index.size(1), P = group_.size();
   const Buffer index = to_host(topk_index);
   const auto start = std::chrono::steady_clock::now();
-  for (int64_t i = 0; i < T * K; ++i)
-    MARROW_CHECK(index.ptr<int32_t>()[i] >= 0 && index.ptr<int32_t>()[i] < num_experts_,
-                 "expert-parallel dispatch: topk_index holds expert {} outside [0, {})", index.ptr<int32_t>()[i], num_experts_);
+  const int32_t* experts = index.ptr<int32_t>();
+  for (int64_t i = 0; i < T * K; ++i) {
+    MARROW_CHECK(experts[i] >= 0 && experts[i] < num_experts_, "expert-parallel dispatch: topk_index holds expert {} outside [0, {})",
+                 experts[i], num_experts_);
+    route.remote_copies += experts[i] / local_experts_ != group_.rank();
+  }
   Buffer send_row(DType::i32, Device::cpu, {T, P});
   std::vector<int32_t> send_slots;
-  route.send_rows = plan_sends(send_row.ptr<int32_t>(), send_slots, index.ptr<int32_t>(), T, K, P, local_experts_);
+  route.send_rows = plan_sends(send_row.ptr<int32_t>(), send_slots, experts, T, K, P, local_experts_);
   const auto exchange_start = std::chrono::steady_clock::now();
   route.recv_rows = group_.exchange_counts(route.send_rows, "expert-parallel row counts (exchange_counts)");
   route.sent = prefix_sums(route.send_rows).back();
   route.remote_rows = route.sent - route.send_rows[size_t(group_.rank())];
-  for (int64_t i = 0; i < T * K; ++i) route.remote_copies += index.ptr<int32_t>()[i] / local_experts_ != group_.rank();
   traffic_.remote_rows += route.remote_rows;
   traffic_.remote_copies += route.remote_copies;
   ++traffic_.dispatches;
@@ -94,11 +96,14 @@ void ExpertParallel::plan(ExpertRoute& route, Tensor topk_index, Device device) 
   Buffer copy_row(DType::i32, Device::cpu, {route.received, K});
   route.copies = plan_copies(route.expert_offsets.ptr<int32_t>(), copy_row.ptr<int32_t>(), recv_slots.ptr<int32_t>(), route.received, K,
                              local_experts_);
+  const auto upload_start = std::chrono::steady_clock::now();
   route.send_row = Buffer(DType::i32, device, {T, P});
   route.copy_row = Buffer(DType::i32, device, {route.received, K});
   copy(route.send_row, send_row);
   copy(route.copy_row, copy_row);
-  traffic_.plan_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+  const auto end = std::chrono::steady_clock::now();
+  traffic_.upload_ms += std::chrono::duration<double, std::milli>(end - upload_start).count();
+  traffic_.plan_ms += std::chrono::duration<double, std::milli>(end - start).count();
 }
 
 Buffer ExpertParallel::dispatch_forward(ExpertRoute& route, Tensor x, Tensor topk_index, Tensor topk_weight) const {

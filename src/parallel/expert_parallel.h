@@ -52,6 +52,7 @@ struct ExpertTraffic {
   // queued then) to the upload of the plan: the GPU idles for it, waiting for the peers' counts too.
   double plan_ms = 0;
   double exchange_ms = 0;  // of which in the MPI exchanges (the peers' plans arriving)
+  double upload_ms = 0;    // and in copying the plan to the GPU
 };
 
 class ExpertParallel {
