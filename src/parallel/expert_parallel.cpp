@@ -68,17 +68,20 @@ ExpertParallel::ExpertParallel(const Comm& group, int64_t num_experts)
 
 void ExpertParallel::plan(ExpertRoute& route, Tensor topk_index, Device device) const {
   const int64_t T = topk_index.size(0), K = topk_index.size(1), P = group_.size();
-  const Buffer index = to_host(topk_index);
+  // Host arrays are reused from plan to plan: fresh ones of this size would be new pages, and page
+  // faults made the plan ~1 ms per layer on the GPU machine.
+  HostPlan& h = host_;
+  h.topk_index.resize(size_t(T * K));
+  copy(Tensor(h.topk_index.data(), DType::i32, Device::cpu, {T, K}), topk_index);  // waits for the GPU
   const auto start = std::chrono::steady_clock::now();
-  const int32_t* experts = index.ptr<int32_t>();
+  const int32_t* experts = h.topk_index.data();
   for (int64_t i = 0; i < T * K; ++i) {
     MARROW_CHECK(experts[i] >= 0 && experts[i] < num_experts_, "expert-parallel dispatch: topk_index holds expert {} outside [0, {})",
                  experts[i], num_experts_);
     route.remote_copies += experts[i] / local_experts_ != group_.rank();
   }
-  Buffer send_row(DType::i32, Device::cpu, {T, P});
-  std::vector<int32_t> send_slots;
-  route.send_rows = plan_sends(send_row.ptr<int32_t>(), send_slots, experts, T, K, P, local_experts_);
+  h.send_row.resize(size_t(T * P));
+  route.send_rows = plan_sends(h.send_row.data(), h.send_slots, experts, T, K, P, local_experts_);
   const auto exchange_start = std::chrono::steady_clock::now();
   route.recv_rows = group_.exchange_counts(route.send_rows, "expert-parallel row counts (exchange_counts)");
   route.sent = prefix_sums(route.send_rows).back();
@@ -88,19 +91,19 @@ void ExpertParallel::plan(ExpertRoute& route, Tensor topk_index, Device device) 
   ++traffic_.dispatches;
   route.received = prefix_sums(route.recv_rows).back();
   // The slots travel on the host: the receiver plans its grouped GEMM rows without waiting for its GPU.
-  Buffer recv_slots(DType::i32, Device::cpu, {route.received, K});
-  group_.all_to_all_v(recv_slots, route.recv_rows, Tensor(send_slots.data(), DType::i32, Device::cpu, {route.sent, K}), route.send_rows,
+  h.recv_slots.resize(size_t(route.received * K));
+  group_.all_to_all_v(Tensor(h.recv_slots.data(), DType::i32, Device::cpu, {route.received, K}), route.recv_rows,
+                      Tensor(h.send_slots.data(), DType::i32, Device::cpu, {route.sent, K}), route.send_rows,
                       "expert-parallel expert slots (all_to_all_v)");
   traffic_.exchange_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - exchange_start).count();
   route.expert_offsets = Buffer(DType::i32, Device::cpu, {local_experts_ + 1});
-  Buffer copy_row(DType::i32, Device::cpu, {route.received, K});
-  route.copies = plan_copies(route.expert_offsets.ptr<int32_t>(), copy_row.ptr<int32_t>(), recv_slots.ptr<int32_t>(), route.received, K,
-                             local_experts_);
+  h.copy_row.resize(size_t(route.received * K));
+  route.copies = plan_copies(route.expert_offsets.ptr<int32_t>(), h.copy_row.data(), h.recv_slots.data(), route.received, K, local_experts_);
   const auto upload_start = std::chrono::steady_clock::now();
   route.send_row = Buffer(DType::i32, device, {T, P});
   route.copy_row = Buffer(DType::i32, device, {route.received, K});
-  copy(route.send_row, send_row);
-  copy(route.copy_row, copy_row);
+  copy(route.send_row, Tensor(h.send_row.data(), DType::i32, Device::cpu, {T, P}));
+  copy(route.copy_row, Tensor(h.copy_row.data(), DType::i32, Device::cpu, {route.received, K}));
   const auto end = std::chrono::steady_clock::now();
   traffic_.upload_ms += std::chrono::duration<double, std::milli>(end - upload_start).count();
   traffic_.plan_ms += std::chrono::duration<double, std::milli>(end - start).count();

@@ -80,9 +80,14 @@ class ExpertParallel {
 
  private:
   void plan(ExpertRoute& route, Tensor topk_index, Device device) const;
+  // The plan's host arrays, kept from one plan to the next (see plan()).
+  struct HostPlan {
+    std::vector<int32_t> topk_index, send_row, send_slots, recv_slots, copy_row;
+  };
   Comm group_;
   int64_t num_experts_, local_experts_;
   mutable ExpertTraffic traffic_;
+  mutable HostPlan host_;
 };
 
 }  // namespace marrow
