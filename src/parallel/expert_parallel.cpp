@@ -14,29 +14,29 @@ namespace {
 Buffer like(const Tensor& t, std::initializer_list<int64_t> dims) { return Buffer(t.dtype, t.device, dims); }
 
 // On the host: send_row [T, P] and the expert slots of each sent row, [sent, K], local to the
-// member it goes to (-1 where that slot's expert lives elsewhere); returns rows per member.
+// member it goes to (-1 where that slot's expert lives elsewhere); returns rows per member. owner[e]
+// is the member holding expert e (a table: integer division per copy was most of the plan's time).
 std::vector<int64_t> plan_sends(int32_t* send_row, std::vector<int32_t>& send_slots, const int32_t* topk_index, int64_t tokens,
-                                int64_t k, int64_t members, int64_t local_experts) {
+                                int64_t k, int64_t members, int64_t local_experts, const int32_t* owner) {
   std::vector<int64_t> rows(size_t(members), 0);
   for (int64_t t = 0; t < tokens; ++t) {
-    for (int64_t d = 0; d < members; ++d) send_row[t * members + d] = -1;
-    for (int64_t j = 0; j < k; ++j) send_row[t * members + topk_index[t * k + j] / local_experts] = 0;
-    for (int64_t d = 0; d < members; ++d)
-      if (send_row[t * members + d] == 0) ++rows[size_t(d)];
+    int32_t* row = send_row + t * members;
+    for (int64_t d = 0; d < members; ++d) row[d] = -1;
+    for (int64_t j = 0; j < k; ++j) row[owner[topk_index[t * k + j]]] = 0;
+    for (int64_t d = 0; d < members; ++d) rows[size_t(d)] += row[d] == 0;
   }
   std::vector<int64_t> next(size_t(members), 0);
   for (int64_t d = 1; d < members; ++d) next[size_t(d)] = next[size_t(d - 1)] + rows[size_t(d - 1)];
   send_slots.assign(size_t(next.back() + rows.back()) * size_t(k), -1);
-  for (int64_t t = 0; t < tokens; ++t)
-    for (int64_t d = 0; d < members; ++d) {
-      if (send_row[t * members + d] < 0) continue;
-      const int64_t row = next[size_t(d)]++;
-      send_row[t * members + d] = int32_t(row);
-      for (int64_t j = 0; j < k; ++j) {
-        const int32_t e = topk_index[t * k + j];
-        if (e / local_experts == d) send_slots[size_t(row * k + j)] = int32_t(e - d * local_experts);
-      }
+  for (int64_t t = 0; t < tokens; ++t) {
+    int32_t* row = send_row + t * members;
+    for (int64_t d = 0; d < members; ++d)
+      if (row[d] == 0) row[d] = int32_t(next[size_t(d)]++);
+    for (int64_t j = 0; j < k; ++j) {
+      const int32_t e = topk_index[t * k + j], d = owner[e];
+      send_slots[size_t(row[d] * k + j)] = int32_t(e - d * local_experts);
     }
+  }
   return rows;
 }
 
@@ -64,6 +64,7 @@ ExpertParallel::ExpertParallel(const Comm& group, int64_t num_experts)
     : group_(group), num_experts_(num_experts), local_experts_(num_experts / group.size()) {
   MARROW_CHECK(num_experts % group.size() == 0, "num_experts ({}) is not a multiple of parallel.ep ({}): each expert-parallel rank must hold as many experts", num_experts,
                group.size());
+  for (int64_t e = 0; e < num_experts; ++e) owner_.push_back(int32_t(e / local_experts_));
 }
 
 void ExpertParallel::plan(ExpertRoute& route, Tensor topk_index, Device device) const {
@@ -78,10 +79,10 @@ void ExpertParallel::plan(ExpertRoute& route, Tensor topk_index, Device device) 
   for (int64_t i = 0; i < T * K; ++i) {
     MARROW_CHECK(experts[i] >= 0 && experts[i] < num_experts_, "expert-parallel dispatch: topk_index holds expert {} outside [0, {})",
                  experts[i], num_experts_);
-    route.remote_copies += experts[i] / local_experts_ != group_.rank();
+    route.remote_copies += owner_[size_t(experts[i])] != group_.rank();
   }
   h.send_row.resize(size_t(T * P));
-  route.send_rows = plan_sends(h.send_row.data(), h.send_slots, experts, T, K, P, local_experts_);
+  route.send_rows = plan_sends(h.send_row.data(), h.send_slots, experts, T, K, P, local_experts_, owner_.data());
   const auto exchange_start = std::chrono::steady_clock::now();
   route.recv_rows = group_.exchange_counts(route.send_rows, "expert-parallel row counts (exchange_counts)");
   route.sent = prefix_sums(route.send_rows).back();

@@ -86,6 +86,7 @@ class ExpertParallel {
   };
   Comm group_;
   int64_t num_experts_, local_experts_;
+  std::vector<int32_t> owner_;  // the member holding each expert
   mutable ExpertTraffic traffic_;
   mutable HostPlan host_;
 };
