@@ -2,6 +2,7 @@
 // src/apps/ and exists only once it works.
 #include <cstdio>
 #include <cstring>
+#include <exception>
 #include <string>
 
 #include "apps/commands.h"
@@ -47,9 +48,10 @@ int main(int argc, char** argv) {
   for (const Command& c : kCommands) {
     if (std::strcmp(argv[1], c.name) != 0) continue;
     int code = 1;
+    // No exception leaves main: a library's (std::filesystem, std::thread, ...) becomes a sentence too.
     try {
       code = c.run(argc - 1, argv + 1);
-    } catch (const marrow::Error& e) {
+    } catch (const std::exception& e) {
       if (marrow::process::size() > 1) {
         std::fprintf(stderr, "marrow %s: error on rank %d of %d: %s\n", c.name, marrow::process::rank(), marrow::process::size(), e.what());
         marrow::process::abort_job(1);

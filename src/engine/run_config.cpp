@@ -44,6 +44,7 @@ std::vector<std::string> config_file_arguments(const std::string& path) {
     std::string key = trim(line.substr(0, eq)), value = trim(line.substr(eq + 1));
     MARROW_CHECK(!key.empty() && !value.empty(), "{}:{}: expected 'key = value', got '{}'", path, number, line);
     if (value.size() >= 2 && value.front() == '"' && value.back() == '"') value = value.substr(1, value.size() - 2);
+    MARROW_CHECK(!value.empty(), "{}:{}: {} has an empty value", path, number, key);
     args.push_back("--" + (section.empty() ? key : section + "." + key) + "=" + value);
   }
   return args;
@@ -69,6 +70,23 @@ const CLI::Validator kNonNegative = number_at_least(0, true);
 
 [[noreturn]] void bad_profile_steps(int64_t steps, const std::string& got) {
   fail("--profile-steps must be A:B with 1 <= A <= B <= train.steps ({}), got '{}'", steps, got);
+}
+
+// An option with an empty value (`--output.dir=`) or none before the next option (`--output.dir
+// --train.steps=10`) would take the next argument as its value: refuse both. The last `command_line`
+// arguments came from the command line.
+void require_values(const std::vector<std::string>& args, size_t command_line) {
+  for (size_t i = args.size() - command_line; i < args.size(); ++i) {
+    const std::string& a = args[i];
+    if (!a.starts_with("--")) continue;
+    const size_t eq = a.find('=');
+    if (eq != std::string::npos) {
+      MARROW_CHECK(eq + 1 < a.size(), "{} has an empty value", a.substr(0, eq));
+    } else {
+      MARROW_CHECK(i + 1 < args.size() && !args[i + 1].starts_with("--"), "{} needs a value (write {}=VALUE)", a, a);
+      ++i;
+    }
+  }
 }
 
 }  // namespace
@@ -124,6 +142,7 @@ RunConfig parse_run_config(int argc, char** argv) {
 
   std::vector<std::string> args = config_file_arguments(rc.source);
   for (int i = 2; i < argc; ++i) args.push_back(argv[i]);
+  require_values(args, size_t(argc - 2));
   // CLI11 parses a reversed vector (last element first).
   std::vector<std::string> reversed(args.rbegin(), args.rend());
   try {

@@ -124,11 +124,20 @@ def main():
         cases.append((base + ["--data.path=/nonexistent/corpus"], "/nonexistent/corpus"))
         cases.append((base + ["--train.steps=100000000"], "but the run needs"))
         cases.append((base + ["--eval.every=5", "--eval.samples=100000"], "validation samples of 65 tokens but eval.samples is 100000"))
+        cases.append((base + ["--output.dir", "--train.steps=3"], "--output.dir needs a value (write --output.dir=VALUE)"))
+        cases.append((base + ["--output.dir="], "--output.dir has an empty value"))
         for argv, expected in cases:
             code, stdout, stderr = run(args.marrow, argv + [f"--output.dir={os.path.join(tmp, 'bad')}"], repo)
             lines = [l for l in stderr.strip().splitlines() if l]
             check(code == 1 and len(lines) == 1 and expected in lines[0] and "error:" in lines[0],
                   f"bad input {argv[-1]!r}: {lines[-1] if lines else '(no message)'}")
+        # An output.dir that cannot be created: a library's exception becomes one sentence too.
+        a_file = os.path.join(tmp, "a-file")
+        open(a_file, "w").close()
+        code, stdout, stderr = run(args.marrow, base + [f"--output.dir={a_file}/run"], repo)
+        lines = [l for l in stderr.strip().splitlines() if l]
+        check(code == 1 and len(lines) == 1 and "error:" in lines[0] and "cannot create directories" in lines[0],
+              f"output.dir below a file: {lines[-1] if lines else '(no message)'}")
 
     print("PASS" if not FAILURES else "FAIL")
     sys.exit(1 if FAILURES else 0)
