@@ -136,6 +136,8 @@ RunConfig parse_run_config(int argc, char** argv) {
   app.add_option("--parallel.ep", rc.ep)->check(kPositive);
   app.add_option("--parallel.timeout_s", rc.timeout_s)->check(kPositive);
   app.add_option("--parallel.overlap_grad_reduce", rc.overlap_grad_reduce);
+  app.add_option("--parallel.dp_shard", rc.dp_shard)->check(kNonNegative);
+  app.add_option("--parallel.keep_gathered", rc.keep_gathered);
   // Not a file key: a run's command line asks for a trace (both --profile-steps=A:B and --profile-steps A:B).
   std::string profile_steps;
   app.add_option("--profile-steps", profile_steps);

@@ -46,6 +46,14 @@ struct RunConfig {
   // Sum each stage's gradients over the processes as soon as the last micro-batch's backward has
   // passed it, overlapping the stages below (else all after the backward).
   bool overlap_grad_reduce = true;
+  // Fully sharded data parallelism (parallel/sharded_params.h): the fp32 master weights, gradients
+  // and AdamW moments are sharded over groups of dp_shard data-parallel ranks and replicated across
+  // the dp / dp_shard groups (HSDP). 0 shards over all of dp (ZeRO-3); 1 replicates (plain DDP).
+  int64_t dp_shard = 0;
+  // true: gather each layer's weights once per step and keep them, and accumulate whole gradients
+  // to reduce-scatter once per step (faster, more memory); false: gather before each use and
+  // reduce-scatter each micro-batch's gradients (least memory).
+  bool keep_gathered = false;
   // --profile-steps A:B (engine/kernel_trace.h): a kernel trace of optimizer steps A..B (1-based,
   // inclusive) in output.dir; 0:0 traces nothing.
   int64_t profile_first = 0, profile_last = 0;
