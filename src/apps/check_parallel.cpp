@@ -113,6 +113,27 @@ Buffer rank_values(int rank, int64_t n) {
   return b;
 }
 
+// The forms fully sharded data parallelism uses: an in-place all_gather (the shard is the
+// member's block of the whole copy), and a reduce_scatter that adds to what the shard holds,
+// without joining, waited for through a queued point.
+void check_sharding_collectives(CheckReport& report, const Comm& group, Device device, const Buffer& gather_want,
+                                const Buffer& scatter_want) {
+  const int P = group.size(), r = group.rank();
+  const int64_t n = gather_want.numel() / P;
+  const std::string on = fmt::format("{} rank {}/{}", device_name(device), r, P);
+  Buffer whole = place(rank_values(0, n * P), DType::f32, device);
+  copy(whole.view().rows(r * n, (r + 1) * n), place(rank_values(r, n), DType::f32, device));
+  group.all_gather(whole, whole.view().rows(r * n, (r + 1) * n), "check all_gather (in place)", false);
+  group.wait_for(group.queued());
+  report.compare("comm all_gather in place " + on, whole, gather_want, 0.0);
+
+  Buffer shard = place(rank_values(r, n), DType::f32, device), want = rank_values(r, n);
+  for (int64_t i = 0; i < n; ++i) want.ptr<float>()[i] += scatter_want.ptr<float>()[r * n + i];
+  group.reduce_scatter_sum(shard, place(rank_values(r, n * P), DType::f32, device), "check reduce_scatter (accumulate)", true, false);
+  group.wait_for(group.queued());
+  report.compare("comm reduce_scatter_sum accumulate " + on, shard, want, 0.0);
+}
+
 }  // namespace
 
 void check_collectives(CheckReport& report, const Comm& group, Device device) {
@@ -136,6 +157,7 @@ void check_collectives(CheckReport& report, const Comm& group, Device device) {
   group.reduce_scatter_sum(scattered, place(rank_values(r, n * P), DType::f32, device), "check reduce_scatter");
   for (int64_t i = 0; i < n * P; ++i) scatter_want.ptr<float>()[i] *= ranks_sum;
   report.compare("comm reduce_scatter_sum " + on, scattered, Tensor(scatter_want.view().rows(r * n, (r + 1) * n)), 0.0);
+  check_sharding_collectives(report, group, device, gather_want, scatter_want);
 
   // all_to_all_v: member s sends (s + d) % 3 rows of 5 to member d; row c of that block holds
   // s * 64 + d * 4 + c (exact in f32).

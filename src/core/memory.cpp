@@ -1,5 +1,7 @@
 #include "core/memory.h"
 
+#include <algorithm>
+
 #include <sys/resource.h>
 
 #include <cstdlib>
@@ -123,6 +125,24 @@ void fill_zero(Tensor t, Stream stream) {
     (void)stream;
 #endif
   }
+}
+
+void Placement::place(int64_t begin, Tensor storage) {
+  auto at = std::upper_bound(ranges_.begin(), ranges_.end(), begin, [](int64_t b, const Range& r) { return b < r.begin; });
+  MARROW_CHECK(at == ranges_.end() || begin + storage.numel() <= at->begin, "internal: placed ranges overlap at element {}", begin);
+  MARROW_CHECK(at == ranges_.begin() || std::prev(at)->begin + std::prev(at)->storage.numel() <= begin,
+               "internal: placed ranges overlap at element {}", begin);
+  ranges_.insert(at, {begin, storage.reshape({storage.numel()})});
+}
+
+Tensor Placement::slice(int64_t offset, std::initializer_list<int64_t> dims) const {
+  int64_t n = 1;
+  for (int64_t d : dims) n *= d;
+  auto at = std::upper_bound(ranges_.begin(), ranges_.end(), offset, [](int64_t b, const Range& r) { return b < r.begin; });
+  MARROW_CHECK(at != ranges_.begin(), "internal: no placed range holds element {}", offset);
+  const Range& r = *std::prev(at);
+  MARROW_CHECK(offset + n <= r.begin + r.storage.numel(), "internal: elements [{}, {}) cross the end of a placed range", offset, offset + n);
+  return r.storage.rows(offset - r.begin, offset - r.begin + n).reshape(dims);
 }
 
 void copy(Tensor dst, Tensor src, Stream stream) {

@@ -61,6 +61,26 @@ class Arena {
   std::unique_ptr<void, Free> data_;
 };
 
+// Where the elements of a model's parameter layout live when they are not all in one arena (fully
+// sharded data parallelism gathers them into separate buffers): element o of a placed range
+// [begin, end) is element o - begin of its storage. Models bind their weight views through it.
+class Placement {
+ public:
+  Placement() = default;
+  Placement(const Arena& arena) { place(0, arena.all()); }  // NOLINT: an arena is the one-range placement
+  // Elements [begin, begin + storage.numel()) live in storage (a flat view); ranges must not overlap.
+  void place(int64_t begin, Tensor storage);
+  // Elements [offset, offset + prod(dims)) seen as a tensor of shape dims; they must lie in one range.
+  Tensor slice(int64_t offset, std::initializer_list<int64_t> dims) const;
+
+ private:
+  struct Range {
+    int64_t begin;
+    Tensor storage;
+  };
+  std::vector<Range> ranges_;  // sorted by begin
+};
+
 // Sets every byte of t to zero (0.0 in every float dtype), in stream order on the GPU.
 void fill_zero(Tensor t, Stream stream = {});
 

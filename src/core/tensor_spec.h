@@ -28,27 +28,44 @@ struct TensorSpec {
   int64_t layer = -1;
 };
 
+// A slice of one canonical tensor held in an arena: elements [first, first + count) of the flat
+// tensor specs[spec] live at element `offset` of the arena. A process holding whole tensors has one
+// piece per spec (first 0, count numel, offset spec.offset); a shard of a fully sharded run holds
+// slices.
+struct TensorPiece {
+  size_t spec = 0;
+  int64_t first = 0, count = 0, offset = 0;
+};
+
 // The experts of each layer that one process holds: [first, first + count); count < 0 means all.
 struct ExpertShard {
   int64_t first = 0, count = -1;
 };
 
-// Cuts a table (offsets increasing) into files of at most max_bytes at element_bytes per element
-// (a tensor larger than that gets a file of its own): the [first, last) spec ranges, in order.
-inline std::vector<std::pair<size_t, size_t>> shard_specs(const std::vector<TensorSpec>& specs, size_t element_bytes,
-                                                          size_t max_bytes) {
-  std::vector<std::pair<size_t, size_t>> shards;
+// Cuts a run of items of the given element counts into files of at most max_bytes at
+// element_bytes per element (an item larger than that gets a file of its own): the [first, last)
+// item ranges, in order.
+inline std::vector<std::pair<size_t, size_t>> cut_into_files(const std::vector<int64_t>& counts, size_t element_bytes, size_t max_bytes) {
+  std::vector<std::pair<size_t, size_t>> files;
   size_t bytes = 0;
-  for (size_t i = 0; i < specs.size(); ++i) {
-    const size_t b = size_t(specs[i].numel) * element_bytes;
-    if (shards.empty() || (bytes > 0 && bytes + b > max_bytes)) {
-      shards.push_back({i, i});
+  for (size_t i = 0; i < counts.size(); ++i) {
+    const size_t b = size_t(counts[i]) * element_bytes;
+    if (files.empty() || (bytes > 0 && bytes + b > max_bytes)) {
+      files.push_back({i, i});
       bytes = 0;
     }
-    shards.back().second = i + 1;
+    files.back().second = i + 1;
     bytes += b;
   }
-  return shards;
+  return files;
+}
+
+// The same for the tensors of a table.
+inline std::vector<std::pair<size_t, size_t>> shard_specs(const std::vector<TensorSpec>& specs, size_t element_bytes,
+                                                          size_t max_bytes) {
+  std::vector<int64_t> counts;
+  for (const TensorSpec& s : specs) counts.push_back(s.numel);
+  return cut_into_files(counts, element_bytes, max_bytes);
 }
 
 }  // namespace marrow

@@ -124,18 +124,31 @@ std::string Checkpoint::tokenizer_path() const {
   return fs::exists(path) ? path : "";
 }
 
-Json write_checkpoint_part(const std::string& tmp, const std::vector<TensorSpec>& all_specs, const std::vector<char>& writes,
+namespace {
+
+std::vector<std::pair<size_t, size_t>> files_of(const std::vector<TensorPiece>& pieces, size_t max_bytes) {
+  std::vector<int64_t> counts;
+  for (const TensorPiece& p : pieces) counts.push_back(p.count);
+  return cut_into_files(counts, sizeof(float), max_bytes);
+}
+
+bool is_whole(const TensorPiece& p, const TensorSpec& s) { return p.first == 0 && p.count == s.numel; }
+
+}  // namespace
+
+std::vector<TensorPiece> whole_tensors(const std::vector<TensorSpec>& specs) {
+  std::vector<TensorPiece> pieces;
+  for (size_t i = 0; i < specs.size(); ++i) pieces.push_back({i, 0, specs[i].numel, specs[i].offset});
+  return pieces;
+}
+
+Json write_checkpoint_part(const std::string& tmp, const std::vector<TensorSpec>& specs, const std::vector<TensorPiece>& pieces,
                            const CheckpointArenas& arenas, const std::string& part, size_t shard_bytes) {
   const auto start = std::chrono::steady_clock::now();
-  for (size_t i = 1; i < all_specs.size(); ++i)
-    MARROW_CHECK(all_specs[i].offset >= all_specs[i - 1].offset + all_specs[i - 1].numel, "internal: parameter table offsets are not increasing");
-  std::vector<TensorSpec> specs;
-  for (size_t i = 0; i < all_specs.size(); ++i)
-    if (writes.empty() || writes[i]) specs.push_back(all_specs[i]);
   const Arena* group_arena[] = {arenas.weights, arenas.exp_avg, arenas.exp_avg_sq};
   size_t total = 0, done = 0;
   for (const Arena* a : group_arena)
-    for (const TensorSpec& spec : specs) total += a ? size_t(spec.numel) * sizeof(float) : 0;
+    for (const TensorPiece& p : pieces) total += a ? size_t(p.count) * sizeof(float) : 0;
   const bool progress = total >= (size_t(1) << 30);
   // Pauses after the first file of each save, so tests can kill a save midway (crash safety).
   const char* pause_ms = std::getenv("MARROW_TEST_SAVE_PAUSE_MS");
@@ -144,26 +157,31 @@ Json write_checkpoint_part(const std::string& tmp, const std::vector<TensorSpec>
   std::vector<std::future<std::string>> hashes;  // sha256 of each file, computed while the next is written
   for (int g = 0; g < 3; ++g) {
     const Arena* arena = group_arena[g];
-    if (!arena || specs.empty()) continue;
-    const auto shards = shard_specs(specs, sizeof(float), shard_bytes);
-    for (size_t k = 0; k < shards.size(); ++k) {
+    if (!arena || pieces.empty()) continue;
+    const auto file_ranges = files_of(pieces, shard_bytes);
+    for (size_t k = 0; k < file_ranges.size(); ++k) {
       int64_t elements = 0;
-      for (size_t i = shards[k].first; i < shards[k].second; ++i) elements += specs[i].numel;
+      for (size_t i = file_ranges[k].first; i < file_ranges[k].second; ++i) elements += pieces[i].count;
       Buffer host(DType::f32, Device::cpu, {elements});
       std::vector<SafetensorsEntry> entries;
+      Json slices = Json::object();
       int64_t at = 0;
-      for (size_t i = shards[k].first; i < shards[k].second; ++i) {
-        Tensor dst = host.view().rows(at, at + specs[i].numel);
-        copy(dst, arena->slice(specs[i].offset, {specs[i].numel}));
-        entries.push_back({specs[i].name, host_view(dst.data, DType::f32, specs[i].shape)});
-        at += specs[i].numel;
+      for (size_t i = file_ranges[k].first; i < file_ranges[k].second; ++i) {
+        const TensorPiece& p = pieces[i];
+        const TensorSpec& spec = specs.at(p.spec);
+        Tensor dst = host.view().rows(at, at + p.count);
+        copy(dst, arena->slice(p.offset, {p.count}));
+        entries.push_back({spec.name, host_view(dst.data, DType::f32, is_whole(p, spec) ? spec.shape : std::vector<int64_t>{p.count})});
+        if (!is_whole(p, spec)) slices[spec.name] = {{"first", p.first}, {"count", p.count}, {"shape", spec.shape}};
+        at += p.count;
       }
       const std::string name = fmt::format("{}-{}{:05d}-of-{:05d}.safetensors", kGroups[g], part.empty() ? "" : part + "-", k + 1,
-                                           shards.size());
+                                           file_ranges.size());
       const std::string path = tmp + "/" + name;
       write_safetensors(path, entries, {{"format", "pt"}, {"marrow", kGroups[g]}});
       sync_to_disk(path);
       files.push_back({{"file", name}, {"group", kGroups[g]}, {"bytes", fs::file_size(path)}});
+      if (!slices.empty()) files.back()["slices"] = slices;
       hashes.push_back(std::async(std::launch::async, [path] { return sha256_file(path); }));
       done += host.view().bytes();
       if (progress) {
@@ -224,7 +242,7 @@ void start_checkpoint(const std::string& dir) {
 void write_checkpoint(const std::string& dir, const std::vector<TensorSpec>& specs, const CheckpointArenas& arenas, Json meta,
                       const Json& model_config, const std::string& tokenizer_json, size_t shard_bytes) {
   start_checkpoint(dir);
-  Json files = write_checkpoint_part(dir + ".tmp", specs, {}, arenas, "", shard_bytes);
+  Json files = write_checkpoint_part(dir + ".tmp", specs, whole_tensors(specs), arenas, "", shard_bytes);
   finish_checkpoint(dir, std::move(files), std::move(meta), model_config, tokenizer_json);
 }
 
@@ -290,30 +308,81 @@ void verify_checkpoint(const Checkpoint& c) {
   }
 }
 
-void load_checkpoint_tensors(const Checkpoint& c, const std::string& group, const std::vector<TensorSpec>& specs, const Arena& arena,
-                             size_t model_tensors) {
-  if (model_tensors == 0) model_tensors = specs.size();
-  std::vector<std::unique_ptr<SafetensorsFile>> files;
-  std::map<std::string, const SafetensorsFile*> where;
+namespace {
+
+// Where a group's elements of one tensor are stored: [first, first + count) of the flat tensor.
+struct StoredSlice {
+  const SafetensorsFile* file;
+  int64_t first, count;
+  bool whole;  // stored with the tensor's shape, not as a recorded slice
+};
+
+// Every stored slice of a group, by tensor name, sorted by first element.
+std::map<std::string, std::vector<StoredSlice>> stored_slices(const Checkpoint& c, const std::string& group,
+                                                             std::vector<std::unique_ptr<SafetensorsFile>>& files) {
+  std::map<std::string, std::vector<StoredSlice>> where;
   for (const Json& file : c.meta["files"]) {
     if (file.value("group", "") != group) continue;
     files.push_back(std::make_unique<SafetensorsFile>(c.dir + "/" + file["file"].get<std::string>()));
-    for (const std::string& name : files.back()->names()) where[name] = files.back().get();
+    const Json slices = file.value("slices", Json::object());
+    for (const std::string& name : files.back()->names()) {
+      const Tensor t = files.back()->get(name);
+      MARROW_CHECK(t.dtype == DType::f32, "{}: tensor '{}' is {} but checkpoints hold f32", files.back()->path(), name, dtype_name(t.dtype));
+      const Json slice = slices.value(name, Json::object());
+      const int64_t first = slice.value("first", int64_t(0));
+      MARROW_CHECK(!slices.contains(name) || slice.value("count", int64_t(-1)) == t.numel(),
+                   "{}: slice '{}' holds {} elements but {}/meta.json records {}", files.back()->path(), name, t.numel(), c.dir, slice.dump());
+      where[name].push_back({files.back().get(), first, t.numel(), !slices.contains(name)});
+    }
   }
+  for (auto& [name, list] : where)
+    std::sort(list.begin(), list.end(), [](const StoredSlice& a, const StoredSlice& b) { return a.first < b.first; });
+  return where;
+}
+
+// A whole stored tensor must have the model's shape; a slice must lie inside it.
+void check_stored(const StoredSlice& s, const TensorSpec& spec) {
+  const Tensor t = s.file->get(spec.name);
+  const std::vector<int64_t> shape(t.shape.begin(), t.shape.begin() + t.ndim);
+  MARROW_CHECK(!s.whole || shape == spec.shape, "{}: tensor '{}' has shape {} but the model's is {}: the checkpoint was written for another model",
+               s.file->path(), spec.name, t.shape_string(), shape_string(spec.shape));
+  MARROW_CHECK(s.first >= 0 && s.first + s.count <= spec.numel,
+               "{}: tensor '{}' holds elements [{}, {}) but the model's has {}: the checkpoint was written for another model",
+               s.file->path(), spec.name, s.first, s.first + s.count, spec.numel);
+}
+
+}  // namespace
+
+void load_checkpoint_pieces(const Checkpoint& c, const std::string& group, const std::vector<TensorSpec>& specs,
+                            const std::vector<TensorPiece>& pieces, const Arena& arena, size_t model_tensors) {
+  if (model_tensors == 0) model_tensors = specs.size();
+  std::vector<std::unique_ptr<SafetensorsFile>> files;
+  const auto where = stored_slices(c, group, files);
   MARROW_CHECK(!files.empty(), "checkpoint {} holds no {} tensors", c.dir, group);
-  for (const TensorSpec& s : specs) {
-    auto it = where.find(s.name);
-    MARROW_CHECK(it != where.end(), "checkpoint {} has no tensor '{}' in its {} files: it was written for another model", c.dir, s.name,
-                 group);
-    const Tensor t = it->second->get(s.name);
-    const std::vector<int64_t> shape(t.shape.begin(), t.shape.begin() + t.ndim);
-    MARROW_CHECK(t.dtype == DType::f32, "{}: tensor '{}' is {} but checkpoints hold f32", it->second->path(), s.name, dtype_name(t.dtype));
-    MARROW_CHECK(shape == s.shape, "{}: tensor '{}' has shape {} but the model's is {}: the checkpoint was written for another model",
-                 it->second->path(), s.name, t.shape_string(), shape_string(s.shape));
-    copy(arena.slice(s.offset, {s.numel}), t.reshape({s.numel}));
+  for (const TensorPiece& p : pieces) {
+    const TensorSpec& spec = specs.at(p.spec);
+    auto it = where.find(spec.name);
+    MARROW_CHECK(it != where.end(), "checkpoint {} has no tensor '{}' in its {} files: it was written for another model", c.dir,
+                 spec.name, group);
+    int64_t at = p.first;  // the next element of the piece to fill
+    for (const StoredSlice& s : it->second) {
+      check_stored(s, spec);
+      const int64_t first = std::max(at, s.first), end = std::min(p.first + p.count, s.first + s.count);
+      if (first != at || first >= end) continue;
+      const Tensor src = s.file->get(spec.name).reshape({s.count}).rows(first - s.first, end - s.first);
+      copy(arena.slice(p.offset + first - p.first, {end - first}), src);
+      at = end;
+    }
+    MARROW_CHECK(at == p.first + p.count, "checkpoint {} lacks elements [{}, {}) of tensor '{}' in its {} files: a part is missing",
+                 c.dir, at, p.first + p.count, spec.name, group);
   }
   MARROW_CHECK(where.size() == model_tensors, "checkpoint {} holds {} {} tensors but the model has {}: it was written for another model",
                c.dir, where.size(), group, model_tensors);
+}
+
+void load_checkpoint_tensors(const Checkpoint& c, const std::string& group, const std::vector<TensorSpec>& specs, const Arena& arena,
+                             size_t model_tensors) {
+  load_checkpoint_pieces(c, group, specs, whole_tensors(specs), arena, model_tensors);
 }
 
 std::string model_config_difference(const Json& saved, const Json& current) {
@@ -364,7 +433,12 @@ void load_model_weights(const ModelSource& source, const std::vector<TensorSpec>
 
 TrainCheckpoints::TrainCheckpoints(const RunConfig& rc, const Json& model_config, const std::vector<TensorSpec>& specs,
                                    CheckpointArenas arenas, CheckpointSharing sharing)
-    : rc_(rc), model_config_(model_config), specs_(specs), arenas_(arenas), sharing_(std::move(sharing)) {}
+    : rc_(rc),
+      model_config_(model_config),
+      specs_(specs),
+      arenas_(arenas),
+      sharing_(std::move(sharing)),
+      pieces_(sharing_.pieces.empty() ? whole_tensors(specs) : sharing_.pieces) {}
 
 int64_t TrainCheckpoints::resume() {
   std::string from;
@@ -376,10 +450,10 @@ int64_t TrainCheckpoints::resume() {
   MARROW_CHECK(diff.empty(), "cannot resume from {}: {}/{} was written for another model than {} ({}); train this model in another output.dir",
                c.dir, c.dir, kMeta, rc_.model_config, diff);
   verify_checkpoint(c);
-  load_checkpoint_tensors(c, "weights", specs_, *arenas_.weights, sharing_.model_tensors);
+  load_checkpoint_pieces(c, "weights", specs_, pieces_, *arenas_.weights, sharing_.model_tensors);
   if (c.has_optimizer_state) {
-    load_checkpoint_tensors(c, "exp_avg", specs_, *arenas_.exp_avg, sharing_.model_tensors);
-    load_checkpoint_tensors(c, "exp_avg_sq", specs_, *arenas_.exp_avg_sq, sharing_.model_tensors);
+    load_checkpoint_pieces(c, "exp_avg", specs_, pieces_, *arenas_.exp_avg, sharing_.model_tensors);
+    load_checkpoint_pieces(c, "exp_avg_sq", specs_, pieces_, *arenas_.exp_avg_sq, sharing_.model_tensors);
   } else {
     arenas_.exp_avg->fill_zero();
     arenas_.exp_avg_sq->fill_zero();
@@ -423,7 +497,7 @@ std::string TrainCheckpoints::save(int64_t step) {
   CheckpointArenas arenas = arenas_;
   if (!rc_.checkpoint_optimizer_state) arenas.exp_avg = arenas.exp_avg_sq = nullptr;
   const std::string part = world.size() > 1 ? fmt::format("rank{:05d}", world.rank()) : "";
-  const Json files = write_checkpoint_part(dir + ".tmp", specs_, sharing_.writes, arenas, part);
+  const Json files = sharing_.saves ? write_checkpoint_part(dir + ".tmp", specs_, pieces_, arenas, part) : Json::array();
   const std::vector<std::string> parts = world.all_gather_text(files.dump(), "checkpoint file lists (all_gather)");
   if (leader) {
     Json all_files = Json::array();

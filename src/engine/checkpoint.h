@@ -7,10 +7,11 @@
 //   exp_avg_sq-0000k-of-0000n.safetensors   AdamW second moments  } checkpoint.optimizer_state = false:
 //                                                                   a resume starts them at zero
 //   tokenizer.json  the corpus's tokenizer, when it has one (export hands it on)
-// Every safetensors entry is one whole canonical tensor: its Hugging Face name (one entry per
-// expert), global shape, fp32, in the model's table order; files are cut at ~2 GiB. The three groups
-// use the same names. Nothing depends on the parallel layout, so any mesh reads any checkpoint (when
-// ranks write parts of a tensor, each entry's slice offsets go into the file's metadata).
+// Every safetensors entry is a canonical tensor under its Hugging Face name (one entry per expert),
+// fp32, in the model's table order: whole, with its global shape, or (fully sharded runs, where each
+// rank writes the shards it owns into files of its own) a flat slice whose offset meta.json
+// records. Files are cut at ~2 GiB. The three groups use the same names. Nothing depends on the
+// parallel layout: any mesh reads any checkpoint, assembling the slices it needs.
 //
 // Crash safety: files are written into <dir>.tmp and fsync'ed, meta.json last; the directory is
 // fsync'ed, renamed to <dir> and its parent fsync'ed. A step-XXXXXXXX directory holding meta.json is
@@ -52,12 +53,15 @@ struct Checkpoint {
 std::string checkpoint_name(int64_t step);
 
 // A checkpoint is written in three steps, so that several processes can each write their part:
-// start_checkpoint makes <dir>.tmp (one process), write_checkpoint_part writes the tensors of specs
-// whose `writes` flag is set (all when empty) into files named <group>-[<part>-]0000k-of-0000n.safetensors
-// and returns their meta.json entries, finish_checkpoint (one process, after every part) adds
-// config.json, the tokenizer and meta.json and renames <dir>.tmp to <dir>.
+// start_checkpoint makes <dir>.tmp (one process), write_checkpoint_part writes the given pieces of
+// the arenas (whole tensors, or slices of them: core/tensor_spec.h) into files named
+// <group>-[<part>-]0000k-of-0000n.safetensors and returns their meta.json entries, finish_checkpoint
+// (one process, after every part) adds config.json, the tokenizer and meta.json and renames
+// <dir>.tmp to <dir>. A slice is stored as a flat entry under the tensor's name; its file's
+// meta.json entry records "slices": {name: {"first", "count", "shape"}} (elements of the flat whole
+// tensor, and its shape).
 void start_checkpoint(const std::string& dir);
-Json write_checkpoint_part(const std::string& tmp, const std::vector<TensorSpec>& specs, const std::vector<char>& writes,
+Json write_checkpoint_part(const std::string& tmp, const std::vector<TensorSpec>& specs, const std::vector<TensorPiece>& pieces,
                            const CheckpointArenas& arenas, const std::string& part, size_t shard_bytes = kCheckpointShardBytes);
 void finish_checkpoint(const std::string& dir, Json files, Json meta, const Json& model_config, const std::string& tokenizer_json);
 
@@ -76,11 +80,17 @@ std::optional<std::string> latest_checkpoint(const std::string& run_dir);
 Checkpoint open_checkpoint(const std::string& path);
 // Checks every file's sha256 against meta.json.
 void verify_checkpoint(const Checkpoint& checkpoint);
-// Fills arena (any device) with group "weights", "exp_avg" or "exp_avg_sq" of the checkpoint; every
-// spec must be there with its shape, and the checkpoint must hold model_tensors tensors in the
-// group (the whole model's; 0: specs.size(), when specs is the whole model).
+// Fills arena (any device) with group "weights", "exp_avg" or "exp_avg_sq" of the checkpoint, piece
+// by piece, whatever slicing wrote it; every element must be there, with the tensor's shape, and
+// the checkpoint must hold model_tensors tensors in the group (the whole model's; 0: specs.size(),
+// when specs is the whole model).
+void load_checkpoint_pieces(const Checkpoint& checkpoint, const std::string& group, const std::vector<TensorSpec>& specs,
+                            const std::vector<TensorPiece>& pieces, const Arena& arena, size_t model_tensors = 0);
+// The same for whole tensors at their spec offsets.
 void load_checkpoint_tensors(const Checkpoint& checkpoint, const std::string& group, const std::vector<TensorSpec>& specs,
                              const Arena& arena, size_t model_tensors = 0);
+// One piece per spec: the whole tensor at its offset in an arena laid out by the table.
+std::vector<TensorPiece> whole_tensors(const std::vector<TensorSpec>& specs);
 
 // The first architectural difference between two model config.json objects, as "key is A there but
 // B here", or "" when they describe the same model (keys such as torch_dtype do not count).
@@ -99,13 +109,14 @@ ModelSource find_model(const std::string& path);
 // Loads the weights of a model source into a parameter arena laid out by specs.
 void load_model_weights(const ModelSource& source, const std::vector<TensorSpec>& specs, const Arena& params);
 
-// How the processes of a job share a checkpoint: each writes the tensors it is the owner of into
-// files of its own, and world rank 0 writes meta.json once every part is on disk. Every process
-// reads what it holds from any checkpoint, whatever layout wrote it.
+// How the processes of a job share a checkpoint: each writes the pieces it holds (when it is the
+// one replica that saves them) into files of its own, and world rank 0 writes meta.json once every
+// part is on disk. Every process reads what it holds from any checkpoint, whatever layout wrote it.
 struct CheckpointSharing {
-  Comm world;                  // the group of this process alone for one process
-  std::vector<char> writes;    // per spec of this process: whether it saves it (empty: all)
-  size_t model_tensors = 0;    // tensors of the whole model (0: this process holds all)
+  Comm world;                        // the group of this process alone for one process
+  std::vector<TensorPiece> pieces;   // what this process holds (empty: every spec whole, at its offset)
+  bool saves = true;                 // whether this process writes its pieces
+  size_t model_tensors = 0;          // tensors of the whole model (0: this process holds all)
   Json mesh = {{"pp", 1}, {"dp", 1}, {"cp", 1}, {"ep", 1}};
 };
 
@@ -128,6 +139,7 @@ class TrainCheckpoints {
   const std::vector<TensorSpec>& specs_;
   CheckpointArenas arenas_;
   CheckpointSharing sharing_;
+  std::vector<TensorPiece> pieces_;
 };
 
 // Rewrites a metrics.jsonl keeping the lines of steps <= step (a resumed run appends after them).

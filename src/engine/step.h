@@ -19,10 +19,13 @@ namespace marrow {
 struct StepGroups {
   const ExpertParallel* experts = nullptr;  // the layer's experts are spread over this group
   const Comm* routing = nullptr;            // load-balance statistics are summed over this group
-  // Called by backward() once a stage's gradients of this micro-batch are written (the epilog as
-  // layer num_layers, then each decoder layer), e.g. to start reducing them over the processes while
-  // the stages below compute.
-  std::function<void(int64_t layer)> layer_done;
+  // Called before each stage's forward (forward = true) and backward: the prolog as stage -1, the
+  // decoder layers, the epilog as num_layers; e.g. to gather the stage's sharded weights.
+  std::function<void(int64_t stage, bool forward)> before_stage;
+  // Called by backward() once a stage's gradients of this micro-batch are written (the epilog,
+  // each decoder layer, then the prolog), e.g. to start reducing them over the processes while the
+  // stages below compute.
+  std::function<void(int64_t stage)> layer_done;
 };
 
 template <MoeModel M> struct MicroBatch {
@@ -57,15 +60,20 @@ void forward(MicroBatch<M>& mb, const M& m, const typename M::Weights& w, const 
              StageTimer* timer = nullptr) {
   const int64_t T = batch.batch * batch.seq, H = m.hidden_size();
   mb.layers.resize(size_t(m.num_layers()));
+  auto before = [&](int64_t stage, bool forward) {
+    if (groups.before_stage) groups.before_stage(stage, forward);
+  };
   Buffer x = m.buffer({T, H});
   {
     StageScope scope(timer, Stage::prolog);
+    before(-1, true);
     m.prolog_forward(x, batch, w);
   }
   for (int64_t l = 0; l < m.num_layers(); ++l) {
     auto& s = mb.layers[size_t(l)];
     const auto& lw = w.layers[size_t(l)];
     {
+      before(l, true);
       StageScope scope(timer, Stage::attention);
       m.attention_forward(s.attention, std::move(x), batch, lw);
       if (groups.routing) groups.routing->all_reduce_sum(s.attention.routing_stats, "load-balance statistics (all_reduce)");
@@ -91,6 +99,7 @@ void forward(MicroBatch<M>& mb, const M& m, const typename M::Weights& w, const 
     }
   }
   StageScope scope(timer, Stage::epilog);
+  before(m.num_layers(), true);
   mb.token_loss_sum = m.epilog_forward(mb.epilog, std::move(x), batch, w);
 }
 
@@ -103,12 +112,19 @@ void backward(MicroBatch<M>& mb, const M& m, const typename M::Weights& w, const
               const typename M::Batch& batch, double loss_scale, double aux_grad, bool first_micro_batch = false,
               StepGroups groups = {}, StageTimer* timer = nullptr) {
   const int64_t T = batch.batch * batch.seq, H = m.hidden_size(), K = m.top_k();
+  auto before = [&](int64_t stage) {
+    if (groups.before_stage) groups.before_stage(stage, false);
+  };
+  auto done = [&](int64_t stage) {
+    if (groups.layer_done) groups.layer_done(stage);
+  };
   Buffer dx = m.buffer({T, H});
   {
     StageScope scope(timer, Stage::epilog);
+    before(m.num_layers());
     m.epilog_backward(dx, grads, loss_scale, mb.epilog, batch, w);
   }
-  if (groups.layer_done) groups.layer_done(m.num_layers());
+  done(m.num_layers());
   for (int64_t l = m.num_layers() - 1; l >= 0; --l) {
     auto& s = mb.layers[size_t(l)];
     const auto& lw = w.layers[size_t(l)];
@@ -118,6 +134,7 @@ void backward(MicroBatch<M>& mb, const M& m, const typename M::Weights& w, const
     Buffer dy_perm = m.buffer({rows, H}), dtopk_weight = m.stats({T, K}), dweight_recv;
     {
       StageScope scope(timer, Stage::combine);
+      before(l);
       if (groups.experts) dweight_recv = groups.experts->combine_backward(dy_perm, dx, s.y_perm, s.route);
       else m.aggregate_backward(dy_perm, dtopk_weight, dx, s.attention, s.y_perm, s.copy_row);
     }
@@ -139,10 +156,12 @@ void backward(MicroBatch<M>& mb, const M& m, const typename M::Weights& w, const
     }
     dx = std::move(dx_in);
     s = typename MicroBatch<M>::Layer{};
-    if (groups.layer_done) groups.layer_done(l);
+    done(l);
   }
   StageScope scope(timer, Stage::prolog);
+  before(-1);
   m.prolog_backward(grads, dx, batch);
+  done(-1);
 }
 
 }  // namespace marrow

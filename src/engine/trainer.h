@@ -5,10 +5,11 @@
 // micro-batches, its statistics summed over the processes) times its coefficient.
 //
 // Several processes (parallel/mesh.h): each takes its own share of every global batch (the
-// data-parallel width is dp x ep) and holds the experts of its expert-parallel rank; everything else
-// is replicated. After the micro-batches, non-expert gradients are summed over dp x ep and expert
-// gradients over dp, so every replica takes the same AdamW step. World rank 0 alone prints and
-// writes metrics; every rank writes its part of a checkpoint.
+// data-parallel width is dp x ep) and holds the experts of its expert-parallel rank. Weights,
+// gradients and AdamW moments are sharded over the data-parallel ranks (parallel/sharded_params.h:
+// gathered before each stage computes, gradients reduce-scattered after), so each rank updates its
+// own shard. World rank 0 alone prints and writes metrics; every rank writes its shards into the
+// checkpoint.
 #pragma once
 #include <chrono>
 #include <cmath>
@@ -34,6 +35,7 @@
 #include "ops/grad_norm.h"
 #include "parallel/mesh.h"
 #include "parallel/process.h"
+#include "parallel/sharded_params.h"
 #include "parallel/watchdog.h"
 
 namespace marrow {
@@ -87,7 +89,7 @@ typename M::Batch make_batch(const std::vector<int32_t>& tokens, int64_t B, int6
 // Every process evaluates all of them (the experts' all-to-alls need the whole group).
 template <MoeModel M>
 double validation_loss(const M& model, const typename M::Weights& w, const TokenDataset& data, int64_t samples, int64_t micro,
-                       int64_t S, Device device, const ExpertParallel* experts) {
+                       int64_t S, Device device, StepGroups groups) {
   std::vector<int32_t> tokens;
   double loss_sum = 0;
   for (int64_t first = 0; first < samples; first += micro) {
@@ -95,7 +97,8 @@ double validation_loss(const M& model, const typename M::Weights& w, const Token
     tokens.resize(size_t(B * (S + 1)));
     data.validation_batch(first, B, tokens.data());
     MicroBatch<M> mb;
-    forward(mb, model, w, make_batch<M>(tokens, B, S, device), StepGroups{experts, nullptr});
+    groups.routing = nullptr;  // every process evaluates the same sequences
+    forward(mb, model, w, make_batch<M>(tokens, B, S, device), groups);
     loss_sum += mb.token_loss_sum;
   }
   return loss_sum / double(samples * S);
@@ -108,25 +111,6 @@ inline Device choose_device(const std::string& requested) {
     return Device::cuda;
   }
   return cuda_available() ? Device::cuda : Device::cpu;
-}
-
-// The contiguous runs of an arena whose specs satisfy keep(spec) (the table is in arena order).
-template <typename Keep> std::vector<Tensor> arena_runs(const Arena& arena, const std::vector<TensorSpec>& specs, Keep keep) {
-  std::vector<Tensor> runs;
-  int64_t begin = 0, end = 0;
-  auto close = [&] {
-    if (end > begin) runs.push_back(arena.slice(begin, {end - begin}));
-  };
-  for (const TensorSpec& s : specs) {
-    if (!keep(s)) continue;
-    if (s.offset != end) {
-      close();
-      begin = s.offset;
-    }
-    end = s.offset + s.numel;
-  }
-  close();
-  return runs;
 }
 
 // Test hook for the fail-fast tests: MARROW_TEST_FAULT=<rank>:<step>:<raise|exit|hang> makes that
@@ -146,7 +130,7 @@ inline void inject_test_fault(int64_t step, int rank) {
 
 // The mesh for the job's processes, with one sentence for every layout the run cannot use.
 inline Mesh make_mesh(const RunConfig& rc, int64_t num_experts, Device device) {
-  const MeshShape shape = mesh_shape(process::size(), rc.pp, rc.cp, rc.ep);
+  const MeshShape shape = mesh_shape(process::size(), rc.pp, rc.cp, rc.ep, rc.dp_shard);
   MARROW_CHECK(num_experts % shape.ep == 0, "{}: num_experts ({}) is not a multiple of parallel.ep ({})", rc.source, num_experts,
                shape.ep);
   const int64_t round = shape.data_parallel() * rc.micro_batch;
@@ -165,8 +149,8 @@ inline ExpertShard expert_shard(const Mesh& mesh, int64_t num_experts) {
   return {mesh.ep_rank * local, local};
 }
 
-// Everything a run holds: the mesh, the model's share on this process, its arenas (initialised) and
-// their views.
+// Everything a run holds: the mesh, the model's share on this process, its sharded state
+// (initialised) and the model's views of it.
 template <MoeModel M> struct TrainSetup {
   Device device;
   DType dtype;  // the GPU computes in bf16 from a working copy of the fp32 master weights; the CPU in fp32
@@ -174,14 +158,8 @@ template <MoeModel M> struct TrainSetup {
   std::optional<ExpertParallel> experts;  // with parallel.ep > 1
   M model;
   size_t model_tensors;  // canonical tensors of the whole model (every rank's together)
-  Arena params, grads, exp_avg, exp_avg_sq;
-  std::optional<Arena> working;  // bf16 weights the GPU computes with
+  ShardedParameters state;
   typename M::Weights w, g;
-  std::vector<Tensor> zeroed_each_step;            // gradients the first backward does not write
-  std::vector<Tensor> shared_grads, expert_grads;  // replicated over mesh.data, and the experts: for the norm
-  // The same by TensorSpec::layer + 1 (prolog, layers, epilog), so that a stage's reduction starts
-  // when its backward is done.
-  std::vector<std::vector<Tensor>> shared_by_layer, expert_by_layer;
 
   TrainSetup(const RunConfig& rc, const typename M::Config& config, Device device_)
       : device(device_),
@@ -189,29 +167,21 @@ template <MoeModel M> struct TrainSetup {
         mesh(make_mesh(rc, config.num_experts, device)),
         model(config, dtype, device, expert_shard(mesh, config.num_experts)),
         model_tensors(M(config, dtype, device).specs().size()),
-        params("parameters", DType::f32, device, model.num_parameters()),
-        grads("gradients", DType::f32, device, model.num_parameters()),
-        exp_avg("adam exp_avg", DType::f32, device, model.num_parameters()),
-        exp_avg_sq("adam exp_avg_sq", DType::f32, device, model.num_parameters()) {
+        state(model.specs(), model.num_layers(), mesh, rc.keep_gathered, device, dtype) {
     if (mesh.shape.ep > 1) experts.emplace(mesh.ep, config.num_experts);
-    if (device == Device::cuda) working.emplace("bf16 weights", DType::bf16, device, model.num_parameters());
-    model.initialize(params, rc.seed);
-    w = model.bind(working ? *working : params);
-    g = model.bind(grads);
-    zeroed_each_step = arena_runs(grads, model.specs(), [](const TensorSpec& t) { return !t.first_backward_writes; });
-    shared_grads = arena_runs(grads, model.specs(), [](const TensorSpec& t) { return !t.is_expert; });
-    expert_grads = arena_runs(grads, model.specs(), [](const TensorSpec& t) { return t.is_expert; });
-    for (int64_t layer = -1; layer <= model.num_layers(); ++layer) {
-      shared_by_layer.push_back(arena_runs(grads, model.specs(), [&](const TensorSpec& t) { return !t.is_expert && t.layer == layer; }));
-      expert_by_layer.push_back(arena_runs(grads, model.specs(), [&](const TensorSpec& t) { return t.is_expert && t.layer == layer; }));
-    }
+    state.initialize([&](Tensor out, const TensorSpec& spec, int64_t first) { model.initialize(out, spec, first, rc.seed); });
+    w = model.bind(state.weights());
+    g = model.bind(state.gradients());
   }
-  StepGroups groups() const { return {experts ? &*experts : nullptr, mesh.data.size() > 1 ? &mesh.data : nullptr}; }
-  std::vector<const Arena*> arenas() const {
-    std::vector<const Arena*> all{&params, &grads, &exp_avg, &exp_avg_sq};
-    if (working) all.push_back(&*working);
-    return all;
+  // The groups and hooks of one micro-batch (the micro-th of `count` in a step; evaluation: -1).
+  StepGroups groups(int64_t micro = -1, int64_t count = 0, bool overlap = true) {
+    StepGroups gr{experts ? &*experts : nullptr, mesh.data.size() > 1 ? &mesh.data : nullptr};
+    ShardedParameters& st = state;
+    gr.before_stage = [&st](int64_t stage, bool forward) { forward ? st.before_forward(stage) : st.before_backward(stage); };
+    if (micro >= 0) gr.layer_done = [&st, micro, count, overlap](int64_t stage) { st.after_backward(stage, micro, micro + 1 == count, overlap); };
+    return gr;
   }
+  std::vector<const Arena*> arenas() const { return state.arenas(); }
 };
 
 template <MoeModel M> void print_setup(const TrainSetup<M>& s, const RunConfig& rc, const TokenDataset& data) {
@@ -220,9 +190,9 @@ template <MoeModel M> void print_setup(const TrainSetup<M>& s, const RunConfig& 
               device_name(s.device), M(m.config(), m.dtype(), m.device()).num_parameters() / 1e6, m.num_active_parameters() / 1e6,
               (long long)m.num_layers(), (long long)m.num_experts(), (long long)m.top_k());
   if (s.mesh.world.size() > 1)
-    std::printf("mesh: %lld processes, %s; each holds %lld of %lld experts per layer and %.2fM parameters\n",
+    std::printf("mesh: %lld processes, %s; each computes with %lld of %lld experts per layer and owns a shard of %.2fM parameters\n",
                 (long long)s.mesh.world.size(), s.mesh.shape.describe().c_str(), (long long)(m.num_experts() / s.mesh.shape.ep),
-                (long long)m.num_experts(), m.num_parameters() / 1e6);
+                (long long)m.num_experts(), s.state.params().all().numel() / 1e6);
   std::printf("memory%s: %s\n", s.mesh.world.size() > 1 ? " per process" : "", memory_bill(s.arenas()).c_str());
   std::printf("data: %s, %lld training samples of %lld tokens; %lld steps x %lld sequences (micro-batch %lld%s)\n", rc.data_path.c_str(),
               (long long)data.train_samples(), (long long)rc.seq_len + 1, (long long)rc.steps, (long long)rc.global_batch,
@@ -230,64 +200,29 @@ template <MoeModel M> void print_setup(const TrainSetup<M>& s, const RunConfig& 
   std::fflush(stdout);
 }
 
-// Each tensor has one owner that saves it: the first data-parallel replica of its holders.
-inline CheckpointSharing checkpoint_sharing(const Mesh& mesh, const std::vector<TensorSpec>& specs, size_t model_tensors) {
+// Each process saves the shards it holds (one replica of each); any mesh reads them back.
+inline CheckpointSharing checkpoint_sharing(const Mesh& mesh, const ShardedParameters& state, size_t model_tensors) {
   CheckpointSharing c;
   c.world = mesh.world;
+  c.pieces = state.pieces();
+  c.saves = state.saves_checkpoint();
   c.model_tensors = model_tensors;
-  c.mesh = {{"pp", mesh.shape.pp}, {"dp", mesh.shape.dp}, {"cp", mesh.shape.cp}, {"ep", mesh.shape.ep}};
-  for (const TensorSpec& spec : specs)
-    c.writes.push_back(mesh.dp_rank == 0 && mesh.cp_rank == 0 && (spec.is_expert || mesh.ep_rank == 0));
+  c.mesh = {{"pp", mesh.shape.pp}, {"dp", mesh.shape.dp}, {"cp", mesh.shape.cp}, {"ep", mesh.shape.ep}, {"dp_shard", mesh.shape.dp_shard}};
   return c;
 }
 
-// Starts summing the gradients of one stage (TensorSpec::layer) over the processes that hold the
-// same parameters; the GPU computes on meanwhile, until join_gradients().
-template <MoeModel M> void reduce_stage_gradients(const TrainSetup<M>& s, int64_t layer) {
-  for (const Tensor& t : s.shared_by_layer[size_t(layer + 1)]) s.mesh.data.all_reduce_sum(t, "gradient all_reduce (dp x ep)", false);
-  for (const Tensor& t : s.expert_by_layer[size_t(layer + 1)])
-    s.mesh.expert_data.all_reduce_sum(t, "expert gradient all_reduce (dp)", false);
-}
-
-// The step's gradient sums not started during the backward (all of them without
-// parallel.overlap_grad_reduce), then the compute stream waits for all of them.
-template <MoeModel M> void join_gradients(const TrainSetup<M>& s, bool overlapped) {
-  for (int64_t layer = overlapped ? -1 : s.model.num_layers(); layer >= -1; --layer) reduce_stage_gradients(s, layer);
-  s.mesh.data.join();
-  s.mesh.expert_data.join();
-}
-
-// The global gradient norm, each parameter counted once: replicated gradients once, plus the
-// experts of every expert-parallel rank, summed in rank order.
-template <MoeModel M> double gradient_norm(const TrainSetup<M>& s) {
-  if (s.mesh.ep.size() == 1) return l2_norm(s.grads.all());
-  auto squares = [](const std::vector<Tensor>& runs) {
-    double sum = 0;
-    for (const Tensor& t : runs) sum += std::pow(l2_norm(t), 2);
-    return sum;
-  };
-  return std::sqrt(squares(s.shared_grads) + s.mesh.ep.sum(squares(s.expert_grads), "expert gradient norm (sum)"));
-}
-
-// One AdamW step over the arenas: decayed parameters, then norms without decay. Clipping scales
-// the gradient inside the step, which also writes the bf16 working weights.
-template <MoeModel M> void optimizer_step(const TrainSetup<M>& s, const RunConfig& rc, const StepMetrics& m) {
-  const int64_t decayed = s.model.num_decayed_parameters(), n = s.model.num_parameters();
-  auto range = [](const Arena& a, int64_t begin, int64_t end) { return a.slice(begin, {end - begin}); };
-  auto working_range = [&](int64_t begin, int64_t end) { return s.working ? range(*s.working, begin, end) : Tensor{}; };
+// One AdamW step over the shards; clipping scales the gradient inside the step, which also writes
+// the bf16 working weights.
+template <MoeModel M> void optimizer_step(TrainSetup<M>& s, const RunConfig& rc, const StepMetrics& m) {
   AdamWHyper hyper{m.lr, rc.beta1, rc.beta2, rc.eps, rc.weight_decay, m.step};
   if (rc.grad_clip > 0 && m.grad_norm > rc.grad_clip) hyper.grad_scale = rc.grad_clip / m.grad_norm;
-  adamw_step(range(s.params, 0, decayed), working_range(0, decayed), range(s.exp_avg, 0, decayed), range(s.exp_avg_sq, 0, decayed),
-             range(s.grads, 0, decayed), hyper);
-  hyper.weight_decay = 0;
-  adamw_step(range(s.params, decayed, n), working_range(decayed, n), range(s.exp_avg, decayed, n), range(s.exp_avg_sq, decayed, n),
-             range(s.grads, decayed, n), hyper);
+  s.state.optimizer_step(hyper);
 }
 
 // Forward and backward of this process's micro-batches of one step; returns its summed token
 // losses and the (already global) load-balance losses.
 template <MoeModel M>
-std::pair<double, double> run_micro_batches(const TrainSetup<M>& s, const RunConfig& rc, const TokenDataset& data, int64_t step,
+std::pair<double, double> run_micro_batches(TrainSetup<M>& s, const RunConfig& rc, const TokenDataset& data, int64_t step,
                                             double loss_scale, double aux_grad, StageTimer* timer) {
   const int64_t B = rc.micro_batch, S = rc.seq_len, W = s.mesh.shape.data_parallel();
   std::vector<int32_t> tokens(size_t(B * (S + 1)));
@@ -298,14 +233,11 @@ std::pair<double, double> run_micro_batches(const TrainSetup<M>& s, const RunCon
     data.train_batch(step - 1, micro, B, tokens.data(), int(s.mesh.data_rank()), int(W));
     const typename M::Batch batch = make_batch<M>(tokens, B, S, s.device);
     MicroBatch<M> mb;
-    StepGroups groups = s.groups();
+    const StepGroups groups = s.groups(micro, micro_batches, rc.overlap_grad_reduce);
     forward(mb, s.model, s.w, batch, groups, timer);
     token_loss_sum += mb.token_loss_sum;
     aux_loss_sum += mb.aux_loss_sum;
-    // The last micro-batch's backward completes each stage's gradients: their sums can start at once.
-    if (micro + 1 == micro_batches && s.mesh.data.size() > 1 && rc.overlap_grad_reduce)
-      groups.layer_done = [&s](int64_t layer) { reduce_stage_gradients(s, layer); };
-    backward(mb, s.model, s.w, s.g, batch, loss_scale, aux_grad, micro == 0, groups, timer);
+    backward(mb, s.model, s.w, s.g, batch, loss_scale, aux_grad, s.state.first_writes_fresh(micro), groups, timer);
   }
   return {token_loss_sum, aux_loss_sum};
 }
@@ -331,7 +263,7 @@ std::vector<StepMetrics> train(const RunConfig& rc, const typename M::Config& mo
     trace.emplace(device);
     if (!timer) timer = &traced_stages.emplace(device);
   }
-  const TrainSetup<M> s(rc, model_config, device);
+  TrainSetup<M> s(rc, model_config, device);
   const bool leader = s.mesh.world.rank() == 0;
   TokenDataset data(rc.data_path, rc.seq_len, rc.seed, rc.validation_fraction);
   data.require_vocab_fits(model_config.vocab_size);
@@ -345,10 +277,11 @@ std::vector<StepMetrics> train(const RunConfig& rc, const typename M::Config& mo
   print_setup(s, rc, data);
 
   // Checkpoints (engine/checkpoint.h): resume from the newest in output.dir or checkpoint.resume.
-  TrainCheckpoints checkpoints(rc, model_config.json, s.model.specs(), {&s.params, &s.exp_avg, &s.exp_avg_sq},
-                               checkpoint_sharing(s.mesh, s.model.specs(), s.model_tensors));
+  ShardedParameters& state = s.state;
+  TrainCheckpoints checkpoints(rc, model_config.json, s.model.specs(), {&state.params(), &state.exp_avg(), &state.exp_avg_sq()},
+                               checkpoint_sharing(s.mesh, state, s.model_tensors));
   const int64_t first_step = checkpoints.resume() + 1;
-  if (s.working) cast(s.working->all(), s.params.all());
+  state.master_changed();
   std::filesystem::create_directories(rc.out_dir);
   const std::string metrics_path = rc.out_dir + "/metrics.jsonl";
   if (first_step > rc.steps) {
@@ -377,7 +310,7 @@ std::vector<StepMetrics> train(const RunConfig& rc, const typename M::Config& mo
     watchdog::arm(true);
     std::optional<NvtxRange> step_range(std::in_place, fmt::format("step {}", step));
     const auto start = std::chrono::steady_clock::now();
-    for (const Tensor& t : s.zeroed_each_step) fill_zero(t);
+    state.start_step();
     // Every target of a sample is a real next token, so the step's counted tokens are known upfront.
     const double loss_scale = 1.0 / double(rc.global_batch * S);
     const double aux_grad = aux_coef / double(s.model.num_layers() * micro_batches);
@@ -391,8 +324,8 @@ std::vector<StepMetrics> train(const RunConfig& rc, const typename M::Config& mo
     m.load_balance = aux_loss_sum / double(s.model.num_layers() * micro_batches * s.model.top_k());
     m.lr = schedule.at(step);
     std::optional<StageScope> optimizer_scope(std::in_place, timer, Stage::optimizer);
-    join_gradients(s, rc.overlap_grad_reduce);
-    m.grad_norm = gradient_norm(s);
+    state.finish_gradients(rc.overlap_grad_reduce);
+    m.grad_norm = state.gradient_norm();
     if (!std::isfinite(m.loss) || !std::isfinite(m.grad_norm)) {
       m.skipped = true;
       ++bad_in_a_row;
@@ -420,7 +353,7 @@ std::vector<StepMetrics> train(const RunConfig& rc, const typename M::Config& mo
     // After the step's timing: evaluation is not training speed.
     const bool evaluate = rc.eval_every > 0 && (step % rc.eval_every == 0 || step == rc.steps);
     if (evaluate)
-      m.val_loss = validation_loss(s.model, s.w, data, rc.eval_samples, rc.micro_batch, S, device, s.groups().experts);
+      m.val_loss = validation_loss(s.model, s.w, data, rc.eval_samples, rc.micro_batch, S, device, s.groups());
     if (s.experts) s.experts->take_traffic();  // evaluation is not training traffic
     if (step % rc.log_every == 0 || step == 1 || step == rc.steps || m.skipped || evaluate) {
       std::printf("%s\n", step_line(m, rc.steps).c_str());

@@ -125,7 +125,7 @@ int64_t Qwen3Moe::num_active_parameters() const {
   return c.num_layers * (attention + c.num_experts * H + experts) + c.vocab_size * H;
 }
 
-Qwen3MoeWeights Qwen3Moe::bind(const Arena& arena) const {
+Qwen3MoeWeights Qwen3Moe::bind(const Placement& placement) const {
   const Config& c = config_;
   const int64_t H = c.hidden_size, D = c.head_dim, I = c.expert_intermediate_size, E = c.num_experts, El = experts_.count;
   size_t next = 0;
@@ -133,7 +133,7 @@ Qwen3MoeWeights Qwen3Moe::bind(const Arena& arena) const {
   auto take = [&](std::initializer_list<int64_t> dims, int64_t count = 1) {
     const TensorSpec& s = specs_.at(next);
     next += size_t(count);
-    return arena.slice(s.offset, dims);
+    return placement.slice(s.offset, dims);
   };
   Qwen3MoeWeights w;
   w.embed = take({c.vocab_size, H});
@@ -162,11 +162,14 @@ Qwen3MoeWeights Qwen3Moe::bind(const Arena& arena) const {
 void Qwen3Moe::initialize(const Arena& params, uint64_t seed) const {
   MARROW_CHECK(params.all().numel() == num_parameters_, "parameter arena holds {} elements but the model has {}", params.all().numel(),
                num_parameters_);
-  for (const TensorSpec& s : specs_) {
-    Tensor t = params.slice(s.offset, {s.numel});
-    if (s.is_norm) fill_constant(t, 1.0);
-    else fill_normal(t, seed, s.name, config_.initializer_range);
-  }
+  for (const TensorSpec& s : specs_) initialize(params.slice(s.offset, {s.numel}), s, 0, seed);
+}
+
+void Qwen3Moe::initialize(Tensor out, const TensorSpec& spec, int64_t first, uint64_t seed) const {
+  MARROW_CHECK(first >= 0 && first + out.numel() <= spec.numel, "internal: elements [{}, {}) of {} with {} elements", first,
+               first + out.numel(), spec.name, spec.numel);
+  if (spec.is_norm) fill_constant(out, 1.0);
+  else fill_normal(out, seed, spec.name, config_.initializer_range, first);
 }
 
 namespace {

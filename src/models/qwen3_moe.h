@@ -107,10 +107,15 @@ class Qwen3Moe {
   // Active parameters per token (top-k experts of each layer, everything else), for FLOP counts.
   int64_t num_active_parameters() const;
 
-  Qwen3MoeWeights bind(const Arena& arena) const;
+  // Views of the parameter table's tensors wherever the placement puts them (an arena, or the
+  // buffers of fully sharded data parallelism).
+  Qwen3MoeWeights bind(const Placement& placement) const;
   // Fills a parameter arena (on any device) as Hugging Face initialises: normal(0, initializer_range)
   // for matrices and embeddings, ones for norms; element i of tensor n draws Philox(seed, n) at i.
   void initialize(const Arena& params, uint64_t seed) const;
+  // The same for elements [first, first + out.numel()) of one tensor: a shard starts from the slice
+  // of the whole tensor's initial values, bit for bit.
+  void initialize(Tensor out, const TensorSpec& spec, int64_t first, uint64_t seed) const;
 
   // Prolog: x[T, H] = embed[input_ids].
   void prolog_forward(Tensor x, const Qwen3MoeBatch& batch, const Qwen3MoeWeights& w) const;

@@ -11,9 +11,9 @@ namespace marrow {
 namespace {
 
 #ifdef __CUDACC__
-__global__ void fill_normal_kernel(float* out, int64_t n, Philox rng, float std) {
+__global__ void fill_normal_kernel(float* out, int64_t n, int64_t first, Philox rng, float std) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
-    out[i] = std * rng.normal(uint64_t(i));
+    out[i] = std * rng.normal(uint64_t(first + i));
 }
 
 __global__ void fill_constant_kernel(float* out, int64_t n, float value) {
@@ -25,20 +25,20 @@ int grid_for(int64_t n) { return int(std::max<int64_t>(1, std::min<int64_t>((n +
 
 }  // namespace
 
-void fill_normal(Tensor out, uint64_t seed, std::string_view name, double std, Stream stream) {
+void fill_normal(Tensor out, uint64_t seed, std::string_view name, double std, int64_t first, Stream stream) {
   const Philox rng = philox_for(seed, name);
   if (out.device == Device::cpu) {
     with_cpu_scalar("fill_normal", out, [&](auto s) {
       using T = decltype(s);
       T* p = out.ptr<T>();
-      for (int64_t i = 0; i < out.numel(); ++i) p[i] = T(std * rng.normal(uint64_t(i)));
+      for (int64_t i = 0; i < out.numel(); ++i) p[i] = T(std * rng.normal(uint64_t(first + i)));
     });
     return;
   }
 #ifdef __CUDACC__
   expect_dtype("fill_normal", "out", out, DType::f32);
   if (out.numel() == 0) return;
-  fill_normal_kernel<<<grid_for(out.numel()), 256, 0, static_cast<cudaStream_t>(stream.handle)>>>(out.ptr<float>(), out.numel(), rng,
+  fill_normal_kernel<<<grid_for(out.numel()), 256, 0, static_cast<cudaStream_t>(stream.handle)>>>(out.ptr<float>(), out.numel(), first, rng,
                                                                                                   float(std));
   MARROW_CUDA_CHECK_LAUNCH();
 #else

@@ -8,8 +8,9 @@
 
 namespace marrow {
 
-// out: f32 or f64 on the CPU, f32 on the GPU.
-void fill_normal(Tensor out, uint64_t seed, std::string_view name, double std, Stream stream = {});
+// out: f32 or f64 on the CPU, f32 on the GPU. out[i] is element first + i of the tensor `name`
+// (a shard of it: the counter is the element's index in the whole tensor).
+void fill_normal(Tensor out, uint64_t seed, std::string_view name, double std, int64_t first = 0, Stream stream = {});
 void fill_constant(Tensor out, double value, Stream stream = {});
 
 }  // namespace marrow

@@ -8,6 +8,7 @@
 #include <numeric>
 
 #include "core/memory.h"
+#include "ops/add.h"
 #include "parallel/process.h"
 #include "parallel/watchdog.h"
 
@@ -236,42 +237,76 @@ void Comm::all_reduce_sum(Tensor t, const char* what, bool join) const {
   MARROW_MPI_CHECK(MPI_Allgatherv(summed.data(), mine, MPI_BYTE, t.data, counts.data(), offsets.data(), MPI_BYTE, handles_->mpi));
 }
 
-void Comm::all_gather(Tensor out, Tensor in, const char* what) const {
+void Comm::all_gather(Tensor out, Tensor in, const char* what, bool join) const {
   check_device(out, in, what);
   MARROW_CHECK(out.numel() == in.numel() * size_ && out.dtype == in.dtype, "{}: all_gather of {} {} into {} {} over {} ranks", what,
                in.shape_string(), dtype_name(in.dtype), out.shape_string(), dtype_name(out.dtype), size_);
-  if (size_ == 1) return copy(out, in);
+  const size_t block = in.bytes();
+  const bool in_place = in.data == static_cast<char*>(out.data) + size_t(rank_) * block;
+  if (size_ == 1) return in_place ? void() : copy(out, in);
   InFlight scope(what);
   if (in.device == Device::cuda) {
 #if MARROW_CUDA
     on_comm_stream(*handles_, [&](cudaStream_t s) {
       MARROW_NCCL_CHECK(ncclAllGather(in.data, out.data, size_t(in.numel()), nccl_type(in.dtype), handles_->nccl, s));
-    });
+    }, join);
     return;
+#else
+    (void)join;
 #endif
   }
-  const int bytes = mpi_count(in.bytes(), what);
-  MARROW_MPI_CHECK(MPI_Allgather(in.data, bytes, MPI_BYTE, out.data, bytes, MPI_BYTE, handles_->mpi));
+  const int bytes = mpi_count(block, what);
+  MARROW_MPI_CHECK(MPI_Allgather(in_place ? MPI_IN_PLACE : in.data, bytes, MPI_BYTE, out.data, bytes, MPI_BYTE, handles_->mpi));
 }
 
-void Comm::reduce_scatter_sum(Tensor out, Tensor in, const char* what) const {
+void Comm::reduce_scatter_sum(Tensor out, Tensor in, const char* what, bool accumulate, bool join) const {
   check_device(out, in, what);
   MARROW_CHECK(in.numel() == out.numel() * size_ && out.dtype == in.dtype, "{}: reduce_scatter of {} {} into {} {} over {} ranks", what,
                in.shape_string(), dtype_name(in.dtype), out.shape_string(), dtype_name(out.dtype), size_);
-  if (size_ == 1) return copy(out, in);
+  const Tensor own = in.reshape({in.numel()}).rows(out.numel() * rank_, out.numel() * (rank_ + 1));
+  if (size_ == 1) return accumulate ? add(out, out, own) : copy(out, own);
   InFlight scope(what);
   if (in.device == Device::cuda) {
 #if MARROW_CUDA
     on_comm_stream(*handles_, [&](cudaStream_t s) {
-      MARROW_NCCL_CHECK(ncclReduceScatter(in.data, out.data, size_t(out.numel()), nccl_type(in.dtype), ncclSum, handles_->nccl, s));
-    });
+      // Accumulating: the sum lands in in's own block (NCCL's in-place form), then adds into out
+      // on the same stream, so the compute stream never waits for it.
+      MARROW_NCCL_CHECK(ncclReduceScatter(in.data, accumulate ? own.data : out.data, size_t(out.numel()), nccl_type(in.dtype), ncclSum,
+                                          handles_->nccl, s));
+      if (accumulate) add(out, out, own, Stream{s});
+    }, join);
     return;
+#else
+    (void)join;
 #endif
   }
   const int bytes = mpi_count(out.bytes(), what);
   std::vector<char> parts(size_t(bytes) * size_t(size_));
   MARROW_MPI_CHECK(MPI_Alltoall(in.data, bytes, MPI_BYTE, parts.data(), bytes, MPI_BYTE, handles_->mpi));
-  sum_parts(out, parts.data(), size_, size_t(bytes), what);
+  if (!accumulate) return sum_parts(out, parts.data(), size_, size_t(bytes), what);
+  sum_parts(own, parts.data(), size_, size_t(bytes), what);
+  add(out, out, own);
+}
+
+Comm::Point Comm::queued() const {
+#if MARROW_CUDA
+  if (handles_ && handles_->nccl) {
+    cudaEvent_t event = nullptr;
+    MARROW_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+    Point point{std::shared_ptr<void>(event, [](void* e) { cudaEventDestroy(static_cast<cudaEvent_t>(e)); })};
+    MARROW_CUDA_CHECK(cudaEventRecord(event, handles_->stream));
+    return point;
+  }
+#endif
+  return {};
+}
+
+void Comm::wait_for(const Point& point) const {
+#if MARROW_CUDA
+  if (point.event) MARROW_CUDA_CHECK(cudaStreamWaitEvent(nullptr, static_cast<cudaEvent_t>(point.event.get()), 0));
+#else
+  (void)point;
+#endif
 }
 
 void Comm::all_to_all_v(Tensor recv, const std::vector<int64_t>& recv_rows, Tensor send, const std::vector<int64_t>& send_rows,

@@ -37,10 +37,20 @@ class Comm {
   void all_reduce_sum(Tensor t, const char* what, bool join = true) const;
   // The compute stream waits for every collective queued on this group so far.
   void join() const;
-  // out[size * n] = every member's in[n], in rank order.
-  void all_gather(Tensor out, Tensor in, const char* what) const;
-  // out[n] = sum over members of their in[rank * n, (rank + 1) * n).
-  void reduce_scatter_sum(Tensor out, Tensor in, const char* what) const;
+  // out[size * n] = every member's in[n], in rank order. in may be out's own block
+  // out[rank * n, (rank + 1) * n) (in place). join as for all_reduce_sum.
+  void all_gather(Tensor out, Tensor in, const char* what, bool join = true) const;
+  // out[n] = sum over members of their in[rank * n, (rank + 1) * n); with accumulate, out += that
+  // sum instead, and in's own block is overwritten on the way. join as for all_reduce_sum.
+  void reduce_scatter_sum(Tensor out, Tensor in, const char* what, bool accumulate = false, bool join = true) const;
+  // A point in this group's queue of collectives: wait_for(point) makes the compute stream wait
+  // for the collectives queued before it, and no others (host collectives are done on return, so
+  // their points are empty).
+  struct Point {
+    std::shared_ptr<void> event;
+  };
+  Point queued() const;
+  void wait_for(const Point& point) const;
   // Rows in blocks by rank: send rows [sum(send_rows[<d]), +send_rows[d]) go to member d; what
   // member s sends lands in recv rows [sum(recv_rows[<s]), +recv_rows[s]). Both sides must agree
   // on the counts (exchange_counts). Rows are the first dimension of send and recv.

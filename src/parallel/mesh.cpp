@@ -6,9 +6,12 @@
 
 namespace marrow {
 
-std::string MeshShape::describe() const { return fmt::format("pp {} x dp {} x cp {} x ep {}", pp, dp, cp, ep); }
+std::string MeshShape::describe() const {
+  return fmt::format("pp {} x dp {} x cp {} x ep {}{}", pp, dp, cp, ep,
+                     dp > 1 ? fmt::format(" (dp sharded {} x replicated {})", dp_shard, dp_replicas()) : "");
+}
 
-MeshShape mesh_shape(int64_t world_size, int64_t pp, int64_t cp, int64_t ep) {
+MeshShape mesh_shape(int64_t world_size, int64_t pp, int64_t cp, int64_t ep, int64_t dp_shard) {
   MARROW_CHECK(pp >= 1 && cp >= 1 && ep >= 1, "parallel.pp, parallel.cp and parallel.ep must be at least 1, got {}, {} and {}", pp, cp,
                ep);
   MARROW_CHECK(world_size % (pp * cp * ep) == 0,
@@ -16,7 +19,11 @@ MeshShape mesh_shape(int64_t world_size, int64_t pp, int64_t cp, int64_t ep) {
                pp, cp, ep, pp * cp * ep);
   MARROW_CHECK(pp == 1, "parallel.pp = {}: pipeline parallelism is not implemented yet (issue #12); use pp = 1", pp);
   MARROW_CHECK(cp == 1, "parallel.cp = {}: context parallelism is not implemented yet (issue #13); use cp = 1", cp);
-  return {pp, world_size / (pp * cp * ep), cp, ep};
+  const int64_t dp = world_size / (pp * cp * ep);
+  if (dp_shard == 0) dp_shard = dp;
+  MARROW_CHECK(dp_shard >= 1 && dp % dp_shard == 0, "parallel.dp_shard = {} does not divide the {} data-parallel ranks (dp)", dp_shard,
+               dp);
+  return {pp, dp, cp, ep, dp_shard};
 }
 
 std::string Mesh::who() const {
@@ -40,6 +47,12 @@ Mesh Mesh::create(const MeshShape& shape, Device device) {
   m.ep = m.world.split(int((m.pp_rank * shape.dp + m.dp_rank) * shape.cp + m.cp_rank), int(rank));
   m.data = m.world.split(int(m.pp_rank), int(rank));
   m.expert_data = m.world.split(int(m.pp_rank * shape.ep + m.ep_rank), int(rank));
+  m.shard_rank = m.dp_rank % shape.dp_shard;
+  m.replica_rank = m.dp_rank / shape.dp_shard;
+  const int64_t replica = m.pp_rank * shape.dp_replicas() + m.replica_rank;
+  m.shard = m.world.split(int(replica), int(rank));
+  m.expert_shard = m.world.split(int(replica * shape.ep + m.ep_rank), int(rank));
+  m.replicas = m.world.split(int(((m.pp_rank * shape.dp_shard + m.shard_rank) * shape.cp + m.cp_rank) * shape.ep + m.ep_rank), int(rank));
   return m;
 }
 

@@ -90,13 +90,28 @@ def metrics(out_dir):
 
 
 def checkpoint_tensors(step_dir):
-    tensors = {}
-    for path in sorted(glob.glob(os.path.join(step_dir, "*.safetensors"))):
-        group = os.path.basename(path).split("-")[0]
-        for name, t in load_file(path).items():
-            key = (group, name)
-            assert key not in tensors, f"{key} is in two files of {step_dir}"
-            tensors[key] = t
+    """Every (group, name) of a checkpoint as a whole tensor, slices assembled by meta.json's offsets;
+    each element must be written exactly once."""
+    meta = json.load(open(os.path.join(step_dir, "meta.json")))
+    tensors, written = {}, {}
+    for entry in meta["files"]:
+        if not entry["file"].endswith(".safetensors"):
+            continue
+        slices = entry.get("slices", {})
+        for name, t in load_file(os.path.join(step_dir, entry["file"])).items():
+            key = (entry["group"], name)
+            if name not in slices:
+                assert key not in tensors, f"{key} is in two files of {step_dir}"
+                tensors[key], written[key] = t, torch.ones(t.numel(), dtype=torch.int32)
+                continue
+            s = slices[name]
+            if key not in tensors:
+                tensors[key] = torch.zeros(s["shape"], dtype=t.dtype)
+                written[key] = torch.zeros(tensors[key].numel(), dtype=torch.int32)
+            tensors[key].view(-1)[s["first"]:s["first"] + s["count"]] = t
+            written[key][s["first"]:s["first"] + s["count"]] += 1
+    for key, count in written.items():
+        assert bool((count == 1).all()), f"{key}: elements written {int(count.min())} to {int(count.max())} times in {step_dir}"
     return tensors
 
 
@@ -127,13 +142,17 @@ LAYOUTS = {
     "one process": (0, ["--train.micro_batch=4"]),
     "EP=2": (2, ["--parallel.ep=2", "--train.micro_batch=2"]),
     "EP=4": (4, ["--parallel.ep=4", "--train.micro_batch=1"]),
-    "DP=2": (2, ["--train.micro_batch=2"]),
+    "DP=2 (FSDP)": (2, ["--train.micro_batch=2"]),
+    "DP=2 (FSDP, kept gathered)": (2, ["--train.micro_batch=2", "--parallel.keep_gathered=true"]),
+    "DP=2 (replicated)": (2, ["--train.micro_batch=2", "--parallel.dp_shard=1"]),
     "DP=2 x EP=2": (4, ["--parallel.ep=2", "--train.micro_batch=1"]),
+    "HSDP 2 x 2": (4, ["--parallel.dp_shard=2", "--train.micro_batch=1"]),
+    "DP=4": (4, ["--train.micro_batch=1"]),
 }
 
 
 def dir_name(prefix, layout):
-    return prefix + layout.replace(" ", "").replace("=", "")
+    return prefix + "".join(c for c in layout if c.isalnum())
 
 
 def all_experts_config(tmp):
@@ -159,9 +178,14 @@ def test_layouts(tmp):
             compare_runs(f"{name} vs one process", dirs["one process"], dirs[name], 5)
     compare_runs("EP=4 vs EP=2", dirs["EP=2"], dirs["EP=4"], 5)
     compare_runs("DP=2 x EP=2 vs EP=4", dirs["EP=4"], dirs["DP=2 x EP=2"], 5)
-    files = sorted(os.path.basename(p) for p in glob.glob(os.path.join(dirs["EP=2"], "step-00000005", "*.safetensors")))
-    check(any("rank00001" in f for f in files) and any("rank00000" in f for f in files),
-          f"EP=2: both ranks wrote their own checkpoint files ({len(files)} files)")
+    for name in ("EP=2", "DP=2 (FSDP)", "HSDP 2 x 2"):
+        files = sorted(os.path.basename(p) for p in glob.glob(os.path.join(dirs[name], "step-00000005", "*.safetensors")))
+        check(any("rank00001" in f for f in files) and any("rank00000" in f for f in files),
+              f"{name}: ranks 0 and 1 wrote their own checkpoint files ({len(files)} files)")
+    files = glob.glob(os.path.join(dirs["HSDP 2 x 2"], "step-00000005", "*rank0000[23]*"))
+    check(not files, "HSDP 2 x 2: the second replica writes nothing (ranks 2 and 3 hold the same shards as 0 and 1)")
+    sliced = [e for e in json.load(open(os.path.join(dirs["DP=2 (FSDP)"], "step-00000005", "meta.json")))["files"] if "slices" in e]
+    check(len(sliced) > 0, f"DP=2 (FSDP): meta.json records the slice offsets ({len(sliced)} files hold slices)")
 
     routed = {}
     for name in ("one process", "EP=2", "EP=4", "DP=2 x EP=2"):
@@ -175,31 +199,57 @@ def test_layouts(tmp):
         check(worst <= 1e-4, f"{name} vs one process, routed demo model: every loss within 1e-4 (worst {worst:.2e})")
 
 
+def test_initial_weights(tmp):
+    """lr = 1e-40 (a denormal: every update rounds away) and no weight decay: the step-1 checkpoint holds the
+    initial weights, on every mesh bit for bit."""
+    frozen = ["--optimizer.lr=1e-40", "--optimizer.min_lr=1e-40", "--optimizer.weight_decay=0", "--train.steps=1",
+              "--checkpoint.every=1"]
+    initial = {}
+    for name in ("one process", "EP=2", "DP=2 (FSDP)", "DP=2 x EP=2", "HSDP 2 x 2", "DP=4"):
+        np, args = LAYOUTS[name]
+        out_dir = os.path.join(tmp, dir_name("initial-", name))
+        check(train(args + frozen, np, out_dir)[0] == 0, f"{name}: one step at lr = 0")
+        initial[name] = {k: t for k, t in checkpoint_tensors(os.path.join(out_dir, "step-00000001")).items() if k[0] == "weights"}
+    one = initial["one process"]
+    check(all(torch.equal(t, torch.ones_like(t)) for (_, n), t in one.items() if "norm" in n) and
+          any(t.abs().max() > 0 for (_, n), t in one.items() if "proj" in n), "one process: step 1 left the initial weights (norms 1)")
+    for name, tensors in initial.items():
+        same = tensors.keys() == initial["one process"].keys() and all(torch.equal(t, initial["one process"][k]) for k, t in tensors.items())
+        check(same, f"{name}: initial weights equal one process's bit for bit ({len(tensors)} tensors)")
+
+
 def test_resume_on_other_layouts(tmp):
     # All experts active and a small lr, as in test_layouts, so that the layouts agree within 1e-6.
     smooth = [f"--model.config={all_experts_config(tmp)}", *SMOOTH_OPTIMIZER, "--train.steps=8"]
     straight = os.path.join(tmp, "straight8")
     check(train(smooth + ["--checkpoint.every=5", "--train.micro_batch=4"], 0, straight)[0] == 0, "one process: 8 steps")
-    saved = os.path.join(tmp, "ep2-8")
-    check(train(smooth + ["--checkpoint.every=5", "--parallel.ep=2", "--train.micro_batch=2"], 2, saved)[0] == 0,
-          "EP=2: 8 steps with a checkpoint at step 5")
+    saved = os.path.join(tmp, "dp2ep2-8")
+    check(train(smooth + ["--checkpoint.every=5", "--parallel.ep=2", "--train.micro_batch=1"], 4, saved)[0] == 0,
+          "DP=2 x EP=2 (FSDP): 8 steps with a checkpoint at step 5")
     step5 = os.path.join(saved, "step-00000005")
-    for name, np, args in [("one process", 0, ["--train.micro_batch=4"]), ("EP=4", 4, ["--parallel.ep=4", "--train.micro_batch=1"])]:
-        out_dir = os.path.join(tmp, "resumed-" + name.replace(" ", "").replace("=", ""))
+    for name, np, args in [("one process", 0, ["--train.micro_batch=4"]), ("EP=4", 4, ["--parallel.ep=4", "--train.micro_batch=1"]),
+                           ("DP=4", 4, ["--train.micro_batch=1"]), ("DP=2 (FSDP)", 2, ["--train.micro_batch=2"])]:
+        out_dir = os.path.join(tmp, dir_name("resumed-", name))
         code, out, _ = train(smooth + ["--checkpoint.every=0", f"--checkpoint.resume={step5}", *args], np, out_dir)
-        check(code == 0 and "resuming from" in out, f"the EP=2 checkpoint resumes on {name}")
+        check(code == 0 and "resuming from" in out, f"the DP=2 x EP=2 checkpoint resumes on {name}")
         if code == 0:
             got = [m["loss"] for m in metrics(out_dir)]
             want = [m["loss"] for m in metrics(straight)][5:]
             worst = max(abs(a - b) / abs(a) for a, b in zip(want, got)) if len(got) == len(want) else 1.0
             check(len(got) == 3 and worst <= 1e-6, f"resumed on {name}: steps 6-8 match the straight run (worst {worst:.2e})")
-    export = os.path.join(tmp, "export-ep2")
+    export = os.path.join(tmp, "export-dp2ep2")
     code = subprocess.run([ARGS.marrow, "export", step5, export], capture_output=True, text=True).returncode
     names = set()
     for path in glob.glob(os.path.join(export, "*.safetensors")):
         names |= set(load_file(path).keys())
     straight_names = {name for (group, name) in checkpoint_tensors(os.path.join(straight, "step-00000005")) if group == "weights"}
-    check(code == 0 and names == straight_names, f"marrow export reads the EP=2 checkpoint ({len(names)} tensors)")
+    check(code == 0 and names == straight_names, f"marrow export reads the sharded DP=2 x EP=2 checkpoint ({len(names)} tensors)")
+    exported = {}
+    for path in glob.glob(os.path.join(export, "*.safetensors")):
+        exported.update(load_file(path))
+    saved_weights = {name: t for (group, name), t in checkpoint_tensors(step5).items() if group == "weights"}
+    check(all(torch.equal(exported[n], saved_weights[n]) for n in names & saved_weights.keys()),
+          "the export's tensors are the checkpoint's slices assembled, bit for bit")
 
 
 def ranks_of(mpirun_pid):
@@ -246,6 +296,7 @@ def test_bad_layouts(tmp):
     cases = [
         (2, ["--parallel.pp=2"], "pipeline parallelism is not implemented yet"),
         (2, ["--parallel.ep=4"], "does not divide"),
+        (4, ["--parallel.dp_shard=3", "--train.micro_batch=1"], "parallel.dp_shard = 3 does not divide the 4 data-parallel ranks"),
         (3, ["--parallel.ep=3", "--train.micro_batch=1", "--train.global_batch=6"], "is not a multiple of parallel.ep"),
         (4, ["--parallel.ep=2", "--train.micro_batch=1", "--train.global_batch=6"], "is not a multiple of the 4 data-parallel processes"),
     ]
@@ -267,6 +318,7 @@ def main():
     torch.set_printoptions(precision=10)
     with tempfile.TemporaryDirectory() as tmp:
         test_layouts(tmp)
+        test_initial_weights(tmp)
         test_resume_on_other_layouts(tmp)
         test_fail_fast(tmp)
         test_bad_layouts(tmp)

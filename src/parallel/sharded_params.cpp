@@ -1,0 +1,271 @@
+#include "parallel/sharded_params.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "ops/cast.h"
+#include "ops/grad_norm.h"
+
+namespace marrow {
+
+namespace {
+
+// Which unit a tensor belongs to: all norms together, else its stage's dense or expert tensors.
+struct UnitKey {
+  bool norms;
+  int64_t stage;
+  bool expert;
+  bool operator==(const UnitKey&) const = default;
+};
+
+UnitKey unit_key(const TensorSpec& s) { return s.is_norm ? UnitKey{true, -1, false} : UnitKey{false, s.layer, s.is_expert}; }
+
+}  // namespace
+
+std::vector<ShardedParameters::Unit> ShardedParameters::cut_units(const std::vector<TensorSpec>& specs, int64_t num_layers,
+                                                                  const Mesh& mesh, bool keep_gathered) {
+  std::vector<Unit> units;
+  std::vector<UnitKey> seen;
+  for (const TensorSpec& s : specs) {
+    const UnitKey key = unit_key(s);
+    if (!units.empty() && seen.back() == key && units.back().begin + units.back().numel == s.offset) {
+      units.back().numel += s.numel;
+      continue;
+    }
+    MARROW_CHECK(std::find(seen.begin(), seen.end(), key) == seen.end(),
+                 "internal: the tensors of one shard unit are not contiguous in the parameter table ({})", s.name);
+    seen.push_back(key);
+    Unit u;
+    u.stage = key.stage;
+    u.expert = key.expert;
+    u.norms = key.norms;
+    u.begin = s.offset;
+    u.numel = s.numel;
+    u.group = u.expert ? &mesh.expert_shard : &mesh.shard;
+    u.n = u.group->size();
+    u.kept = keep_gathered || u.n == 1 || u.norms || u.stage < 0 || u.stage >= num_layers;
+    units.push_back(u);
+  }
+  int64_t offset = 0;
+  for (Unit& u : units) {
+    u.chunk = (u.numel + u.n - 1) / u.n;
+    u.offset = offset;
+    offset += u.chunk;
+  }
+  return units;
+}
+
+int64_t ShardedParameters::shard_elements(const std::vector<Unit>& units) {
+  int64_t total = 0;
+  for (const Unit& u : units) total += u.chunk;
+  return total;
+}
+
+ShardedParameters::ShardedParameters(const std::vector<TensorSpec>& specs, int64_t num_layers, const Mesh& mesh, bool keep_gathered,
+                                     Device device, DType compute)
+    : specs_(specs),
+      num_layers_(num_layers),
+      device_(device),
+      mesh_(mesh),
+      units_(cut_units(specs, num_layers, mesh, keep_gathered)),
+      params_("parameters", DType::f32, device, shard_elements(units_)),
+      grads_("gradients", DType::f32, device, shard_elements(units_)),
+      exp_avg_("adam exp_avg", DType::f32, device, shard_elements(units_)),
+      exp_avg_sq_("adam exp_avg_sq", DType::f32, device, shard_elements(units_)) {
+  by_stage_.resize(size_t(num_layers + 2));
+  for (size_t i = 0; i < units_.size(); ++i) by_stage_[size_t(units_[i].stage + 1)].push_back(i);
+  saves_ = mesh.replica_rank == 0;
+  allocate(compute);
+  place(specs);
+  fill_zero(grads_.all());
+  if (gathered_) fill_zero(gathered_->all());
+  if (whole_grads_) fill_zero(whole_grads_->all());
+}
+
+// Compute-dtype shards of slotted units, whole copies and whole gradients of kept units (the shard
+// itself when n = 1), and two weight and gradient slots per kind of decoder-layer unit.
+void ShardedParameters::allocate(DType compute) {
+  const bool separate_working = compute != DType::f32;  // the CPU computes on the fp32 master shard
+  int64_t shards = 0, gathered = 0, whole = 0;
+  std::array<int64_t, 2> slot_size{0, 0};
+  for (const Unit& u : units_) {
+    if (!u.kept) slot_size[u.expert ? 1 : 0] = std::max(slot_size[u.expert ? 1 : 0], u.n * u.chunk);
+    else if (separate_working || u.n > 1) gathered += u.n * u.chunk;
+    if (!u.kept && separate_working) shards += u.chunk;
+    if (u.kept && u.n > 1) whole += u.n * u.chunk;
+  }
+  gathered += 2 * (slot_size[0] + slot_size[1]);
+  whole += 2 * (slot_size[0] + slot_size[1]);
+  if (shards > 0) shards_.emplace("bf16 weight shards", compute, device_, shards);
+  if (gathered > 0) gathered_.emplace(separate_working ? "bf16 gathered weights" : "gathered weights", compute, device_, gathered);
+  if (whole > 0) whole_grads_.emplace("whole gradients", DType::f32, device_, whole);
+  int64_t at_shard = 0, at_gathered = 0, at_whole = 0;
+  auto take = [](const std::optional<Arena>& a, int64_t& at, int64_t n) {
+    at += n;
+    return a->slice(at - n, {n});
+  };
+  for (Unit& u : units_) {
+    if (u.kept && (separate_working || u.n > 1)) {
+      u.gathered = take(gathered_, at_gathered, u.n * u.chunk);
+      u.working = separate_working ? u.gathered.rows(u.group->rank() * u.chunk, (u.group->rank() + 1) * u.chunk) : u.shard(params_);
+    } else if (u.kept) {
+      u.gathered = u.working = u.shard(params_);
+    } else {
+      u.working = separate_working ? take(shards_, at_shard, u.chunk) : u.shard(params_);
+    }
+    if (u.kept) u.whole_grad = u.n > 1 ? take(whole_grads_, at_whole, u.n * u.chunk) : u.shard(grads_);
+  }
+  for (int kind = 0; kind < 2; ++kind)
+    for (Slot& s : slots_[size_t(kind)])
+      if (slot_size[size_t(kind)] > 0) {
+        s.weights = take(gathered_, at_gathered, slot_size[size_t(kind)]);
+        s.grad = take(whole_grads_, at_whole, slot_size[size_t(kind)]);
+      }
+}
+
+// The model's views (weights_, gradients_), the gradient ranges zeroed before use, the checkpoint
+// pieces.
+void ShardedParameters::place(const std::vector<TensorSpec>& specs) {
+  for (Unit& u : units_) {
+    const Tensor weights = u.kept ? u.gathered : slot(u, u.stage).weights;
+    const Tensor grad = u.kept ? u.whole_grad : slot(u, u.stage).grad;
+    weights_.place(u.begin, weights.rows(0, u.numel));
+    gradients_.place(u.begin, grad.rows(0, u.numel));
+    const int64_t own_first = u.begin + u.group->rank() * u.chunk, own_end = std::min(u.begin + u.numel, own_first + u.chunk);
+    for (size_t i = 0; i < specs.size(); ++i) {
+      const TensorSpec& s = specs[i];
+      if (s.offset < u.begin || s.offset >= u.begin + u.numel) continue;
+      if (!s.first_backward_writes) u.zeroed.push_back(grad.rows(s.offset - u.begin, s.offset - u.begin + s.numel));
+      else first_writes_slotted_ = first_writes_slotted_ || !u.kept;
+      const int64_t first = std::max(s.offset, own_first), end = std::min(s.offset + s.numel, own_end);
+      if (first < end) pieces_.push_back({i, first - s.offset, end - first, u.offset + first - own_first});
+    }
+  }
+  for (const Unit& u : units_)
+    for (const TensorSpec& s : specs)
+      MARROW_CHECK(!s.first_backward_writes || s.offset < u.begin || s.offset >= u.begin + u.numel || u.kept != first_writes_slotted_,
+                   "internal: gradients marked first_backward_writes are in kept and slotted units alike");
+}
+
+std::vector<const Arena*> ShardedParameters::arenas() const {
+  std::vector<const Arena*> all{&params_, &grads_, &exp_avg_, &exp_avg_sq_};
+  for (const std::optional<Arena>* a : {&shards_, &gathered_, &whole_grads_})
+    if (*a) all.push_back(&**a);
+  return all;
+}
+
+void ShardedParameters::initialize(const std::function<void(Tensor, const TensorSpec&, int64_t)>& init) const {
+  fill_zero(params_.all());  // the padding of each unit's last chunk
+  for (const TensorPiece& p : pieces_) init(params_.slice(p.offset, {p.count}), specs_[p.spec], p.first);
+}
+
+void ShardedParameters::master_changed() {
+  for (const Unit& u : units_)
+    if (u.working.data != u.shard(params_).data) cast(u.working, u.shard(params_));
+  gather_kept();
+}
+
+void ShardedParameters::gather_kept() {
+  for (int kind = 0; kind < 2; ++kind)
+    for (Slot& s : slots_[size_t(kind)]) s.holds = -1;
+  for (Unit& u : units_)
+    if (u.kept && u.n > 1) {
+      u.group->all_gather(u.gathered, u.working, "weights all_gather (kept)", false);
+      u.gathered_at = u.group->queued();
+    }
+}
+
+void ShardedParameters::start_step() {
+  for (const Unit& u : units_)
+    if (u.kept)
+      for (const Tensor& t : u.zeroed) fill_zero(t);
+}
+
+void ShardedParameters::gather_slot(const Unit& u, int64_t layer) {
+  Slot& s = slot(u, layer);
+  if (s.holds == layer) return;
+  u.group->all_gather(s.weights.rows(0, u.n * u.chunk), u.working, "weights all_gather (layer)", false);
+  s.gathered_at = u.group->queued();
+  s.holds = layer;
+}
+
+void ShardedParameters::wait_for_weights(int64_t stage, bool backward) {
+  for (size_t i : by_stage_[size_t(stage + 1)]) {
+    const Unit& u = units_[i];
+    if (u.kept) {
+      u.group->wait_for(u.gathered_at);
+      continue;
+    }
+    gather_slot(u, stage);
+    Slot& s = slot(u, stage);
+    u.group->wait_for(s.gathered_at);
+    if (!backward) continue;
+    u.group->wait_for(s.reduced_at);  // the slot's previous gradient is scattered
+    for (const Tensor& t : u.zeroed) fill_zero(t);
+  }
+}
+
+// The next layer's gather runs while this stage computes.
+void ShardedParameters::prefetch(int64_t layer) {
+  if (layer < 0 || layer >= num_layers_) return;
+  for (size_t i : by_stage_[size_t(layer + 1)])
+    if (!units_[i].kept) gather_slot(units_[i], layer);
+}
+
+void ShardedParameters::before_forward(int64_t stage) {
+  wait_for_weights(stage, false);
+  prefetch(stage + 1);
+}
+
+void ShardedParameters::before_backward(int64_t stage) {
+  wait_for_weights(stage, true);
+  prefetch(stage - 1);
+}
+
+void ShardedParameters::reduce_kept(const Unit& u) {
+  if (u.n > 1) u.group->reduce_scatter_sum(u.shard(grads_), u.whole_grad, "gradient reduce_scatter (kept)", false, false);
+  else mesh_.replicas.all_reduce_sum(u.shard(grads_), "gradient all_reduce (replicas)", false);
+}
+
+void ShardedParameters::after_backward(int64_t stage, int64_t micro, bool last, bool overlap) {
+  for (size_t i : by_stage_[size_t(stage + 1)]) {
+    const Unit& u = units_[i];
+    if (!u.kept) {
+      Slot& s = slot(u, stage);
+      u.group->reduce_scatter_sum(u.shard(grads_), s.grad.rows(0, u.n * u.chunk), "gradient reduce_scatter (layer)", micro > 0, false);
+      s.reduced_at = u.group->queued();
+    } else if (last && overlap) {
+      reduce_kept(u);
+    }
+  }
+}
+
+void ShardedParameters::finish_gradients(bool overlapped) {
+  if (!overlapped)
+    for (int64_t stage = num_layers_; stage >= -1; --stage)
+      for (size_t i : by_stage_[size_t(stage + 1)])
+        if (units_[i].kept) reduce_kept(units_[i]);
+  mesh_.shard.join();
+  mesh_.expert_shard.join();
+  // Sharded units' replica sums wait for their scatters (another stream), so they start here.
+  for (const Unit& u : units_)
+    if (u.n > 1) mesh_.replicas.all_reduce_sum(u.shard(grads_), "gradient all_reduce (replicas)", false);
+  mesh_.replicas.join();
+}
+
+double ShardedParameters::gradient_norm() const {
+  const double squares = std::pow(l2_norm(grads_.all()), 2);
+  return std::sqrt(mesh_.shard.sum(squares, "gradient norm (sum of squares)"));
+}
+
+void ShardedParameters::optimizer_step(AdamWHyper hyper) {
+  const double weight_decay = hyper.weight_decay;
+  for (const Unit& u : units_) {
+    hyper.weight_decay = u.norms ? 0 : weight_decay;
+    const bool separate = u.working.data != u.shard(params_).data;
+    adamw_step(u.shard(params_), separate ? u.working : Tensor{}, u.shard(exp_avg_), u.shard(exp_avg_sq_), u.shard(grads_), hyper);
+  }
+  gather_kept();
+}
+
+}  // namespace marrow

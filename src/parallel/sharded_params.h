@@ -1,0 +1,137 @@
+// Fully sharded data parallelism (ZeRO-3, and HSDP with parallel.dp_shard; DESIGN.md §5) for any
+// model whose parameter table (core/tensor_spec.h) tells each tensor's stage.
+//
+// The table is cut into units, each a contiguous range of the model's layout: the prolog's
+// tensors, each decoder layer's dense tensors, each layer's expert tensors, the epilog's, and all
+// norms together (tiny, and needed by every stage). A unit of N elements is cut into n chunks of
+// c = ceil(N / n) elements (the last one padded with zeros) over its shard group: expert units over
+// the dp_shard x cp ranks that hold the same experts (Mesh::expert_shard), the others over
+// dp_shard x cp x ep (Mesh::shard). Member r of the group owns elements [r c, (r + 1) c): their fp32
+// master weights, gradients and AdamW moments live in this rank's arenas, units in table order.
+// The dp / dp_shard replicas of a shard (Mesh::replicas) sum their gradients.
+//
+// How one step moves a unit:
+//   weights  AdamW writes the compute-dtype shard (bf16 on the GPU; on the CPU the fp32 master
+//            shard itself serves). It is all-gathered into a whole copy on the group's
+//            communication stream: kept units (prolog, epilog, norms; every unit with
+//            keep_gathered) once after each optimizer step, decoder layers before each forward
+//            and backward, one layer ahead, through two slots (layer l in slot l % 2). After the
+//            forward the last two layers are still in their slots and the backward starts on them.
+//   grads    The backward writes a whole fp32 gradient of the unit. Decoder layers write it into
+//            two slots and reduce-scatter it into the owner's shard after each micro-batch
+//            (adding to the earlier micro-batches'); kept units (and every unit with
+//            keep_gathered) accumulate it whole over the micro-batches and reduce-scatter it once,
+//            as soon as the last micro-batch's backward has passed the stage. Replicas then sum
+//            the shards.
+// A unit of one chunk (n = 1) is neither gathered nor scattered: its whole copy is the shard, and
+// this is plain replicated data parallelism (and the single process).
+#pragma once
+#include <array>
+#include <functional>
+#include <optional>
+#include <vector>
+
+#include "core/memory.h"
+#include "core/tensor_spec.h"
+#include "ops/adamw.h"
+#include "parallel/mesh.h"
+
+namespace marrow {
+
+class ShardedParameters {
+ public:
+  // compute: the dtype the model computes in (bf16 on the GPU, f32 on the CPU).
+  ShardedParameters(const std::vector<TensorSpec>& specs, int64_t num_layers, const Mesh& mesh, bool keep_gathered, Device device,
+                    DType compute);
+  ShardedParameters(const ShardedParameters&) = delete;
+  ShardedParameters& operator=(const ShardedParameters&) = delete;
+
+  // This rank's shards, fp32, units one after another in table order.
+  const Arena& params() const { return params_; }
+  const Arena& grads() const { return grads_; }
+  const Arena& exp_avg() const { return exp_avg_; }
+  const Arena& exp_avg_sq() const { return exp_avg_sq_; }
+  // Every allocation of this rank, for the memory bill.
+  std::vector<const Arena*> arenas() const;
+  // Where the model's weights (what it computes with) and gradients (what its backward writes) live.
+  const Placement& weights() const { return weights_; }
+  const Placement& gradients() const { return gradients_; }
+  // The slices of the canonical tensors in the shard arenas, in arena order.
+  const std::vector<TensorPiece>& pieces() const { return pieces_; }
+  // Replica 0 of each shard saves it.
+  bool saves_checkpoint() const { return saves_; }
+
+  // Fills the master shards: init(out, spec, first) writes elements [first, first + out.numel())
+  // of the whole tensor's initial values.
+  void initialize(const std::function<void(Tensor, const TensorSpec&, int64_t)>& init) const;
+  // After the master shards changed outside the optimizer (initialisation, a checkpoint): the
+  // compute copies follow.
+  void master_changed();
+
+  // One step, in this order: start_step; per micro-batch the forward and backward with the hooks
+  // below; finish_gradients; gradient_norm; optimizer_step.
+  void start_step();
+  void before_forward(int64_t stage);
+  void before_backward(int64_t stage);
+  // micro: the micro-batch's index in the step; last: it is the step's last one.
+  void after_backward(int64_t stage, int64_t micro, bool last, bool overlap);
+  // Whether this micro-batch's backward writes (rather than adds to) the gradients the table marks
+  // first_backward_writes.
+  bool first_writes_fresh(int64_t micro) const { return micro == 0 || first_writes_slotted_; }
+  // The reductions not started during the backward (all, without overlap); the compute stream
+  // then waits for all of them.
+  void finish_gradients(bool overlapped);
+  // The global gradient norm, each element counted once (summed over the shard group in rank order).
+  double gradient_norm() const;
+  // AdamW on the shards (norm units without weight decay); then the compute copies are re-gathered.
+  void optimizer_step(AdamWHyper hyper);
+
+ private:
+  struct Unit {
+    int64_t stage = 0;  // -1 prolog (and the norms), 0..L-1 decoder layers, L epilog
+    bool expert = false, norms = false;
+    int64_t begin = 0, numel = 0;  // in the model's layout
+    const Comm* group = nullptr;
+    int64_t n = 1, chunk = 0, offset = 0;  // shard group size, chunk, place in the shard arenas
+    bool kept = true;                      // whole weights and gradient kept for the step (else slots)
+    Tensor working;                        // the shard the optimizer writes, in the compute dtype
+    Tensor gathered;                       // kept: the whole unit, n * chunk elements
+    Tensor whole_grad;                     // kept: the whole fp32 gradient (n == 1: the shard)
+    std::vector<Tensor> zeroed;            // gradient views a step (kept) or a use (slots) starts at zero
+    Comm::Point gathered_at;
+    Tensor shard(const Arena& a) const { return a.slice(offset, {chunk}); }
+  };
+  struct Slot {
+    Tensor weights, grad;
+    int64_t holds = -1;  // the layer whose weights are in it, -1 when stale
+    Comm::Point gathered_at, reduced_at;
+  };
+
+  static std::vector<Unit> cut_units(const std::vector<TensorSpec>& specs, int64_t num_layers, const Mesh& mesh, bool keep_gathered);
+  static int64_t shard_elements(const std::vector<Unit>& units);
+  void allocate(DType compute);
+  void place(const std::vector<TensorSpec>& specs);
+  // The weights the last optimizer step (or master_changed) left: kept units gathered anew, slots stale.
+  void gather_kept();
+  void gather_slot(const Unit& u, int64_t layer);
+  // The compute stream waits for the stage's weights (and, in the backward, for its gradient slots).
+  void wait_for_weights(int64_t stage, bool backward);
+  void prefetch(int64_t layer);
+  Slot& slot(const Unit& u, int64_t layer) { return slots_[u.expert ? 1 : 0][size_t(layer % 2)]; }
+  void reduce_kept(const Unit& u);
+
+  const std::vector<TensorSpec>& specs_;
+  int64_t num_layers_;
+  Device device_;
+  const Mesh& mesh_;
+  std::vector<Unit> units_;
+  std::vector<std::vector<size_t>> by_stage_;  // units by stage + 1
+  Arena params_, grads_, exp_avg_, exp_avg_sq_;
+  std::optional<Arena> shards_, gathered_, whole_grads_;  // compute-dtype shards, whole copies, whole gradients
+  std::array<std::array<Slot, 2>, 2> slots_;             // [dense, expert][layer % 2]
+  Placement weights_, gradients_;
+  std::vector<TensorPiece> pieces_;
+  bool saves_ = true, first_writes_slotted_ = false;
+};
+
+}  // namespace marrow
