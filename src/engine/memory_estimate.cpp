@@ -83,7 +83,7 @@ void add_weights(MemoryBill& bill, const std::vector<Unit>& units, Device device
   }
   const int64_t slots = 2 * (slot[0] + slot[1]);
   bill.items.push_back({BillGroup::weights, dtype + " weights of units kept whole", w * kept_whole,
-                        "prolog, epilog, norms and every unit with n = 1 or keep_gathered: n*c elements each"});
+                        "prolog, epilog, norms; units with n = 1 or keep_gathered"});
   bill.items.push_back({BillGroup::weights, dtype + " weight shards of the slotted layers", w * layer_shards, ""});
   bill.items.push_back({BillGroup::weights, dtype + " gathered layer slots", w * slots, "2 dense + 2 expert"});
   bill.items.push_back({BillGroup::weights, "fp32 whole gradients of units kept whole", 4 * kept_grads, ""});
