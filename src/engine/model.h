@@ -18,12 +18,12 @@ concept MoeModel = requires(const M& m, typename M::AttentionActivations& a, typ
   { m.num_experts() } -> std::convertible_to<int64_t>;
   { m.top_k() } -> std::convertible_to<int64_t>;
   { m.hidden_size() } -> std::convertible_to<int64_t>;
+  { m.activation_bytes(int64_t(1), int64_t(1), int64_t(1)) } -> std::same_as<ModelActivationBytes>;  // the memory estimate
   { m.device() } -> std::same_as<Device>;
   { m.buffer({1}) } -> std::same_as<Buffer>;
   { m.stats({1}) } -> std::same_as<Buffer>;
   { m.num_parameters() } -> std::convertible_to<int64_t>;
   { m.num_active_parameters() } -> std::convertible_to<int64_t>;
-  { m.activation_bytes(int64_t(1), int64_t(1), int64_t(1)) } -> std::same_as<ModelActivationBytes>;  // the memory estimate
   { m.bind(std::declval<const Arena&>()) } -> std::same_as<typename M::Weights>;
   m.prolog_forward(t, batch, w);
   m.prolog_backward(w, t, batch);

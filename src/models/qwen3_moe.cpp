@@ -384,8 +384,8 @@ ModelActivationBytes Qwen3Moe::activation_bytes(int64_t batch, int64_t seq, int6
   const int64_t op = gpu ? attention_backward_op_scratch(T, c.num_heads, c.num_kv_heads, D) : 0;
   m.attention.backward_scratch = before_op + std::max(op, T * (q + kv + 2 * H) * a);
 
-  m.experts.kept = R * (H + 3 * I) * a;          // x_perm, gate_up, act
-  m.experts.backward_scratch = R * 3 * I * a;    // dact, dgate_up
+  m.experts.kept = R * (H + 3 * I) * a;        // x_perm, gate_up, act
+  m.experts.backward_scratch = R * 3 * I * a;  // dact, dgate_up
 
   m.epilog.kept = T * (2 * H + V) * a + 3 * T * s;  // x, h, logits; rstd, lse, token losses
   m.epilog.backward_scratch = T * H * a;            // dh (the loss gradient overwrites the logits)

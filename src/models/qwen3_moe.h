@@ -151,7 +151,7 @@ class Qwen3Moe {
 
   // Device bytes of each stage for one micro-batch of batch x seq tokens whose layers each run
   // expert_rows token copies through this process's experts (core/stage_bytes.h): the buffers the
-  // stage functions below allocate, in buffer() and stats() dtypes.
+  // stage functions above allocate, in buffer() and stats() dtypes.
   ModelActivationBytes activation_bytes(int64_t batch, int64_t seq, int64_t expert_rows) const;
 
   // Activations: the model's dtype (bf16 on the GPU). Statistics (norm scales, log-sum-exps, routing
