@@ -6,9 +6,16 @@
 // workspace of kBlasWorkspaceBytes, allocated once and shared by cuBLASLt and cuBLAS calls on that
 // stream: calls on one stream run in order, and two streams never share scratch memory, which keeps
 // results deterministic. The handles are not meant to be used from several host threads at once.
-// In builds without CUDA (MARROW_CUDA=0) this header provides nothing.
+// In builds without CUDA (MARROW_CUDA=0) this header provides only the workspace size (the memory
+// estimate counts it).
 #pragma once
+#include <cstddef>
+
 #include "core/errors.h"
+
+namespace marrow {
+inline constexpr size_t kBlasWorkspaceBytes = size_t(32) << 20;
+}  // namespace marrow
 
 #if MARROW_CUDA
 #include <cublasLt.h>
@@ -25,8 +32,6 @@
   } while (0)
 
 namespace marrow {
-
-inline constexpr size_t kBlasWorkspaceBytes = size_t(32) << 20;
 
 // "CUBLAS_STATUS_NOT_SUPPORTED (the functionality requested is not supported)".
 std::string cublas_status_message(cublasStatus_t status);

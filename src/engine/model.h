@@ -4,6 +4,7 @@
 #include <concepts>
 
 #include "core/memory.h"
+#include "core/stage_bytes.h"
 
 namespace marrow {
 
@@ -17,6 +18,7 @@ concept MoeModel = requires(const M& m, typename M::AttentionActivations& a, typ
   { m.num_experts() } -> std::convertible_to<int64_t>;
   { m.top_k() } -> std::convertible_to<int64_t>;
   { m.hidden_size() } -> std::convertible_to<int64_t>;
+  { m.activation_bytes(int64_t(1), int64_t(1), int64_t(1)) } -> std::same_as<ModelActivationBytes>;  // the memory estimate
   { m.device() } -> std::same_as<Device>;
   { m.buffer({1}) } -> std::same_as<Buffer>;
   { m.stats({1}) } -> std::same_as<Buffer>;

@@ -1,5 +1,7 @@
 #include "models/qwen3_moe.h"
 
+#include <algorithm>
+
 #include "ops/init.h"
 #include "ops/add.h"
 #include "ops/attention.h"
@@ -351,6 +353,46 @@ void Qwen3Moe::epilog_backward(Tensor dx, const Qwen3MoeWeights& grads, double l
   linear_backward_input(dh, p.logits, w.lm_head);
   rmsnorm_backward(dx, grads.final_norm, dh, p.x, w.final_norm, p.rstd);
   p = Qwen3MoeEpilogActivations{};
+}
+
+namespace {
+
+// The GPU attention backward's own scratch (ops/attention.cu): the f32 row statistic delta and,
+// with grouped-query heads, f32 dK/dV per query head that are summed into the KV heads afterwards.
+int64_t attention_backward_op_scratch(int64_t T, int64_t q_heads, int64_t kv_heads, int64_t head_dim) {
+  return T * q_heads * 4 + (q_heads > kv_heads ? 2 * T * q_heads * head_dim * 4 : 0);
+}
+
+}  // namespace
+
+// Mirrors the stage functions above buffer by buffer; op scratch of a few KiB (router counts, the
+// norm weight-gradient partials, grouped-GEMM pointer arrays) is left out.
+ModelActivationBytes Qwen3Moe::activation_bytes(int64_t batch, int64_t seq, int64_t expert_rows) const {
+  const Config& c = config_;
+  const int64_t T = batch * seq, R = expert_rows, H = c.hidden_size, D = c.head_dim, I = c.expert_intermediate_size;
+  const int64_t q = c.num_heads * D, kv = c.num_kv_heads * D, E = c.num_experts, K = c.top_k, V = c.vocab_size;
+  const bool gpu = device_ == Device::cuda;
+  const int64_t a = int64_t(dtype_size(dtype_)), s = gpu ? 4 : a, i32 = 4;  // buffer(), stats(), indices
+  ModelActivationBytes m;
+  // The GPU embedding backward sorts the token ids: three index arrays and cub's temporary.
+  m.prolog.backward_scratch = gpu ? 4 * T * i32 : 0;
+
+  // x, h1, q, k, v, q_rope, k_rope, attn, x_mid, h2; norm scales, lse, router probs and weights; top-k.
+  m.attention.kept = T * (4 * H + 3 * q + 3 * kv) * a + (T * (2 + 2 * c.num_heads + c.num_kv_heads + E + K) + 2 * E + 1) * s +
+                     T * K * i32;
+  m.attention.forward_scratch = T * E * s;  // the router logits
+  // Alive through the attention op: dlogits, dh2_router, dres, dattn, dq_rope, dk_rope, dv; after
+  // it, dq, dk, dh1 and dh1_part join them.
+  const int64_t before_op = T * (E + 2 * H + 2 * q + 2 * kv) * a;
+  const int64_t op = gpu ? attention_backward_op_scratch(T, c.num_heads, c.num_kv_heads, D) : 0;
+  m.attention.backward_scratch = before_op + std::max(op, T * (q + kv + 2 * H) * a);
+
+  m.experts.kept = R * (H + 3 * I) * a;        // x_perm, gate_up, act
+  m.experts.backward_scratch = R * 3 * I * a;  // dact, dgate_up
+
+  m.epilog.kept = T * (2 * H + V) * a + 3 * T * s;  // x, h, logits; rstd, lse, token losses
+  m.epilog.backward_scratch = T * H * a;            // dh (the loss gradient overwrites the logits)
+  return m;
 }
 
 }  // namespace marrow

@@ -25,6 +25,7 @@
 
 #include "core/json.h"
 #include "core/memory.h"
+#include "core/stage_bytes.h"
 #include "core/tensor_spec.h"
 
 namespace marrow {
@@ -152,6 +153,11 @@ class Qwen3Moe {
   // dx (overwritten); loss_scale = d(total loss)/d(sum of token losses), e.g. 1 / counted tokens.
   void epilog_backward(Tensor dx, const Qwen3MoeWeights& grads, double loss_scale, Qwen3MoeEpilogActivations& p,
                        const Qwen3MoeBatch& batch, const Qwen3MoeWeights& w) const;
+
+  // Device bytes of each stage for one micro-batch of batch x seq tokens whose layers each run
+  // expert_rows token copies through this process's experts (core/stage_bytes.h): the buffers the
+  // stage functions above allocate, in buffer() and stats() dtypes.
+  ModelActivationBytes activation_bytes(int64_t batch, int64_t seq, int64_t expert_rows) const;
 
   // Activations: the model's dtype (bf16 on the GPU). Statistics (norm scales, log-sum-exps, routing
   // probabilities and weights, losses): f32 on the GPU, the model's dtype on the CPU.

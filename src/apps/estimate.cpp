@@ -1,0 +1,92 @@
+// marrow estimate <run-config> [--section.key=value ...] [--world N] [--gpu-memory GiB]
+// The memory bill of one process of a training job (engine/memory_estimate.h), computed without a
+// GPU, against the GPU's memory, and the largest micro-batch and sequence that fit.
+#include <cstdio>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "apps/commands.h"
+#include "apps/model_switch.h"
+#include "engine/memory_estimate.h"
+
+namespace marrow {
+
+namespace {
+
+// The H200's memory as CUDA reports it (the trainer's start-up line: "GPU free ... of 139.8 GiB").
+constexpr double kH200GiB = 139.8;
+
+struct EstimateOptions {
+  int64_t world = 1;
+  double gpu_gib = kH200GiB;
+};
+
+// The value of --name=V or --name V at args[i] (advancing i past V), or nothing for another argument.
+std::optional<std::string> option_value(const std::vector<std::string>& args, size_t& i, const std::string& name) {
+  const std::string& a = args[i];
+  if (a.starts_with(name + "=")) return a.substr(name.size() + 1);
+  if (a != name) return std::nullopt;
+  MARROW_CHECK(i + 1 < args.size() && !args[i + 1].starts_with("--"), "{} needs a value (write {}=VALUE)", name, name);
+  return args[++i];
+}
+
+// Takes --world and --gpu-memory out of args, so that the run config's parser sees only its keys.
+EstimateOptions take_options(std::vector<std::string>& args) {
+  EstimateOptions o;
+  std::vector<std::string> rest;
+  for (size_t i = 0; i < args.size(); ++i) {
+    if (const auto world = option_value(args, i, "--world")) {
+      size_t used = 0;
+      try {
+        o.world = std::stoll(*world, &used);
+      } catch (const std::exception&) {
+        used = 0;
+      }
+      MARROW_CHECK(used == world->size() && used > 0 && o.world >= 1, "--world must be a whole number of processes, at least 1, got '{}'",
+                   *world);
+    } else if (const auto gib = option_value(args, i, "--gpu-memory")) {
+      size_t used = 0;
+      try {
+        o.gpu_gib = std::stod(*gib, &used);
+      } catch (const std::exception&) {
+        used = 0;
+      }
+      MARROW_CHECK(used == gib->size() && used > 0 && o.gpu_gib > 0, "--gpu-memory must be a positive number of GiB, got '{}'", *gib);
+    } else {
+      rest.push_back(args[i]);
+    }
+  }
+  args = std::move(rest);
+  return o;
+}
+
+std::string fit_lines(const LargestFit& fit, const RunConfig& rc) {
+  if (fit.micro_batch == 0 && fit.seq_len == 0)
+    return "nothing fits, not even one token per micro-batch: spread the weights and optimizer state over more processes "
+           "(--world, parallel.dp_shard, parallel.ep)\n";
+  const std::string batch = fit.micro_batch > 0 ? fmt::format("largest train.micro_batch that fits at seq_len {}: {}\n", rc.seq_len, fit.micro_batch)
+                                                : fmt::format("no train.micro_batch fits at seq_len {}\n", rc.seq_len);
+  return batch + fmt::format("largest train.seq_len that fits at micro_batch {}: {}\n", rc.micro_batch, fit.seq_len);
+}
+
+}  // namespace
+
+int estimate_command(int argc, char** argv) {
+  std::vector<std::string> args(argv, argv + argc);
+  const EstimateOptions options = take_options(args);
+  std::vector<char*> pointers;
+  for (std::string& a : args) pointers.push_back(a.data());
+  const RunConfig rc = parse_run_config(int(pointers.size()), pointers.data());
+  // An estimate is for the GPU unless the run is asked to train on the CPU.
+  const Device device = rc.device == "cpu" ? Device::cpu : Device::cuda;
+  const double gpu_bytes = options.gpu_gib * 1073741824.0;
+  with_model(read_json_file(rc.model_config), rc.model_config, [&]<class M>(const typename M::Config& config) {
+    check_global_batch(rc, estimate_mesh(rc, config.num_experts, options.world));
+    std::printf("%s", format_bill(estimate_memory<M>(rc, config, options.world, device), gpu_bytes).c_str());
+    if (device == Device::cuda) std::printf("%s", fit_lines(largest_fit<M>(rc, config, options.world, device, gpu_bytes), rc).c_str());
+  });
+  return 0;
+}
+
+}  // namespace marrow

@@ -1,0 +1,26 @@
+// What a model's stages hold on the device for one micro-batch, as the model family reports it to
+// the memory estimate (engine/memory_estimate.h). The engine's own buffers between the stages
+// (the residual gradient, dispatch/combine rows, expert-parallel exchanges) are not in here: the
+// engine knows them from step.h.
+//
+// Invariants the estimate relies on, for every stage:
+// - kept: what the forward stores in the stage's activation struct (its input included, e.g. the
+//   residual stream a layer's attention keeps); alive from the stage's forward to the end of its
+//   backward.
+// - forward_scratch / backward_scratch: the largest moment of temporaries the stage function
+//   allocates beyond kept (op-internal scratch included), all freed before it returns.
+#pragma once
+#include <cstdint>
+
+namespace marrow {
+
+struct StageBytes {
+  int64_t kept = 0, forward_scratch = 0, backward_scratch = 0;
+};
+
+// attention and experts are one decoder layer's; the engine multiplies by the layer count.
+struct ModelActivationBytes {
+  StageBytes prolog, attention, experts, epilog;
+};
+
+}  // namespace marrow

@@ -1,0 +1,349 @@
+#include "engine/memory_estimate.h"
+
+#include <algorithm>
+#include <array>
+#include <map>
+#include <tuple>
+
+#include "core/blas.h"
+
+namespace marrow {
+
+namespace {
+
+constexpr double kMiB = 1048576.0, kGiB = 1073741824.0;
+// Measured on the H200 (docs/logs, the start-up line "GPU free ... of 139.8 GiB" against the arenas):
+// the CUDA context with its loaded kernels takes 0.5 GiB; two processes' NCCL communicators (the
+// mesh's groups) 0.8 GiB more.
+constexpr int64_t kCudaContextBytes = int64_t(0.5 * kGiB), kNcclBytes = int64_t(0.8 * kGiB);
+// With ep > 1 a process's experts receive a routing-dependent share of the token copies: T*K when
+// balanced. On the bench model (EP = 2) the peak of step 1 (near-uniform routing) matched T*K and
+// trained routing settled 0.33 GiB higher, ~10% more rows over the 8 layers.
+constexpr double kExpertRowSkew = 1.10;
+// Byte counts stay far from overflowing int64 below 2^31 tokens per micro-batch (x vocabulary x 2 B).
+constexpr int64_t kMaxTokens = int64_t(1) << 31;
+
+// A shard unit of parallel/sharded_params.h: n processes share it, each holding `chunk` elements.
+struct Unit {
+  bool expert = false, decoder_layer = false;
+  int64_t numel = 0, n = 1, chunk = 0;
+  bool kept = true;  // whole weights and gradient kept for the step (else the layers' slots)
+};
+
+// The units of a parameter table: all norms together, else one per (layer, expert or not).
+std::vector<Unit> cut_units(const std::vector<TensorSpec>& specs, int64_t num_layers, int64_t dense_n, int64_t expert_n,
+                            bool keep_gathered) {
+  std::vector<Unit> units;
+  std::map<std::tuple<bool, int64_t, bool>, size_t> index;
+  for (const TensorSpec& s : specs) {
+    const auto key = s.is_norm ? std::tuple{true, int64_t(-1), false} : std::tuple{false, s.layer, s.is_expert};
+    auto [it, added] = index.try_emplace(key, units.size());
+    if (added) units.push_back({s.is_expert, !s.is_norm && s.layer >= 0 && s.layer < num_layers});
+    units[it->second].numel += s.numel;
+  }
+  for (Unit& u : units) {
+    u.n = u.expert ? expert_n : dense_n;
+    u.chunk = (u.numel + u.n - 1) / u.n;
+    u.kept = keep_gathered || u.n == 1 || !u.decoder_layer;
+  }
+  return units;
+}
+
+std::string mib(int64_t bytes) { return fmt::format("{:.1f} MiB", bytes / kMiB); }
+
+// fp32 master weights, gradients and AdamW moments: this process's chunks.
+void add_state(MemoryBill& bill, const std::vector<Unit>& units) {
+  int64_t chunks = 0, whole = 0;
+  for (const Unit& u : units) {
+    chunks += u.chunk;
+    whole += u.numel;
+  }
+  const std::string note = chunks == whole ? fmt::format("{:.2f}M elements x 4 B, whole", whole / 1e6)
+                                           : fmt::format("{:.2f}M of {:.2f}M elements x 4 B (shards)", chunks / 1e6, whole / 1e6);
+  for (const char* name : {"fp32 master weights", "fp32 gradients", "AdamW exp_avg (fp32)", "AdamW exp_avg_sq (fp32)"})
+    bill.items.push_back({BillGroup::state, name, 4 * chunks, note});
+}
+
+// Compute copies of the weights and whole fp32 gradients. On the CPU the model computes on the fp32
+// master shard itself: only units with n > 1 need a gathered copy there.
+void add_weights(MemoryBill& bill, const std::vector<Unit>& units, Device device) {
+  const bool gpu = device == Device::cuda;
+  const int64_t w = gpu ? 2 : 4;
+  const std::string dtype = gpu ? "bf16" : "fp32";
+  int64_t kept_whole = 0, kept_grads = 0, layer_shards = 0;
+  std::array<int64_t, 2> slot{0, 0};  // the largest slotted unit, dense and expert: n*c elements
+  for (const Unit& u : units) {
+    if (u.kept) {
+      if (gpu || u.n > 1) kept_whole += u.n * u.chunk;
+      if (u.n > 1) kept_grads += u.n * u.chunk;
+    } else {
+      slot[u.expert] = std::max(slot[u.expert], u.n * u.chunk);
+      if (gpu) layer_shards += u.chunk;
+    }
+  }
+  const int64_t slots = 2 * (slot[0] + slot[1]);
+  bill.items.push_back({BillGroup::weights, dtype + " weights of units kept whole", w * kept_whole,
+                        "prolog, epilog, norms; units with n = 1 or keep_gathered"});
+  bill.items.push_back({BillGroup::weights, dtype + " weight shards of the slotted layers", w * layer_shards, ""});
+  bill.items.push_back({BillGroup::weights, dtype + " gathered layer slots", w * slots, "2 dense + 2 expert"});
+  bill.items.push_back({BillGroup::weights, "fp32 whole gradients of units kept whole", 4 * kept_grads, ""});
+  bill.items.push_back({BillGroup::weights, "fp32 gradient slots of the layers", 4 * slots, "2 dense + 2 expert"});
+}
+
+// What one micro-batch holds from the forward for the backward, by kind.
+enum Kept { kBatch, kAttention, kRoutes, kExperts, kEpilog, kKeptKinds };
+
+struct Moment {
+  std::string where;
+  std::array<int64_t, kKeptKinds> kept{};
+  int64_t scratch = 0, exchange = 0;  // temporaries; of them the expert all-to-all buffers
+  int64_t total() const {
+    int64_t sum = scratch;
+    for (int64_t k : kept) sum += k;
+    return sum;
+  }
+};
+
+// The engine's buffers of one decoder layer (engine/step.h, parallel/expert_parallel.cpp), for
+// T tokens, R expert rows, activations of a bytes and statistics of s bytes.
+struct EngineBytes {
+  int64_t residual = 0;  // x, dx, dh2, dx_in: [T, H]
+  int64_t rows = 0;      // x_perm, y_perm, dy_perm, dx_perm: [R, H]
+  int64_t route = 0;     // kept until the layer's backward ends, besides y_perm
+  int64_t dtopk = 0;     // [T, K] statistics
+  int64_t dispatch_scratch = 0;
+  // ep > 1: rows sent to and received from the group (deduplicated per token and member).
+  int64_t sent_rows = 0, recv_rows = 0, sent_weights = 0, recv_weights = 0;
+};
+
+// The chance that a token's K experts (uniform, distinct) include one of a member's E/P.
+double member_hit(int64_t E, int64_t K, int64_t P) {
+  double miss = 1;
+  for (int64_t j = 0; j < K; ++j) {
+    if (E - E / P - j <= 0) return 1;
+    miss *= double(E - E / P - j) / double(E - j);
+  }
+  return 1 - miss;
+}
+
+EngineBytes engine_bytes(const EstimatedModel& m, int64_t T, int64_t R, int64_t ep, Device device) {
+  const int64_t a = device == Device::cuda ? 2 : 4, s = 4, i32 = 4, H = m.hidden_size, K = m.top_k;
+  EngineBytes e;
+  e.residual = T * H * a;
+  e.rows = R * H * a;
+  e.dtopk = T * K * s;
+  if (ep == 1) {
+    e.route = T * K * i32;  // copy_row
+    e.dispatch_scratch = device == Device::cuda ? 4 * T * K * i32 : 0;  // the plan's radix sort
+    return e;
+  }
+  const int64_t rows = int64_t(double(T * ep) * member_hit(m.num_experts, K, ep));  // each way, balanced
+  e.sent_rows = e.recv_rows = rows * H * a;
+  e.sent_weights = e.recv_weights = rows * K * s;
+  e.route = T * ep * (i32 + s) + rows * K * (s + i32);  // send_row, unit_weight; recv_weight, copy_row
+  return e;
+}
+
+// Replays forward() and backward() of engine/step.h for one micro-batch, keeping the largest moment.
+class Walk {
+ public:
+  Walk(const ModelActivationBytes& model, const EngineBytes& engine, int64_t layers, int64_t batch_bytes)
+      : m_(model), e_(engine), layers_(layers) {
+    now_[kBatch] = batch_bytes;
+  }
+  void forward() {
+    at("the prolog's forward", m_.prolog.forward_scratch + e_.residual);
+    for (int64_t l = 0; l < layers_; ++l) {
+      now_[kAttention] += m_.attention.kept;
+      at(fmt::format("layer {}'s attention forward", l), m_.attention.forward_scratch);
+      now_[kRoutes] += e_.route;
+      // The plan's scratch is gone when x_perm is made; the exchange buffers live until dispatch returns.
+      const int64_t exchange = e_.sent_rows + e_.recv_rows + e_.sent_weights;
+      at(fmt::format("layer {}'s dispatch", l), std::max(e_.dispatch_scratch, e_.rows + exchange), exchange);
+      now_[kRoutes] += e_.rows;  // y_perm
+      now_[kExperts] += m_.experts.kept;
+      at(fmt::format("layer {}'s experts forward", l), m_.experts.forward_scratch);
+      at(fmt::format("layer {}'s combine", l), e_.residual + e_.recv_rows + e_.sent_rows, e_.recv_rows + e_.sent_rows);
+    }
+    now_[kEpilog] += m_.epilog.kept;
+    at("the epilog's forward", m_.epilog.forward_scratch);
+  }
+  void backward() {
+    at("the epilog's backward", e_.residual + m_.epilog.backward_scratch);
+    now_[kEpilog] -= m_.epilog.kept;
+    for (int64_t l = layers_ - 1; l >= 0; --l) layer_backward(l);
+    at("the prolog's backward", e_.residual + m_.prolog.backward_scratch);
+  }
+  const Moment& peak() const { return peak_; }
+  const Moment& largest_exchange() const { return exchange_; }
+
+ private:
+  void layer_backward(int64_t l) {
+    int64_t held = e_.residual + e_.rows + e_.dtopk + e_.recv_weights;  // dx, dy_perm, dtopk_weight, dweight_recv
+    at(fmt::format("layer {}'s combine backward", l), held + e_.sent_rows + e_.recv_rows, e_.sent_rows + e_.recv_rows);
+    at(fmt::format("layer {}'s experts backward", l), held + e_.rows + m_.experts.backward_scratch);
+    now_[kExperts] -= m_.experts.kept;
+    held += e_.rows + e_.residual;  // dx_perm, dh2
+    const int64_t back = e_.recv_rows + e_.sent_rows + e_.sent_weights;
+    at(fmt::format("layer {}'s dispatch backward", l), held + back, back);
+    at(fmt::format("layer {}'s attention backward", l), held + e_.residual + m_.attention.backward_scratch);
+    now_[kAttention] -= m_.attention.kept;
+    now_[kRoutes] -= e_.route + e_.rows;
+  }
+  void at(const std::string& where, int64_t scratch, int64_t exchange = 0) {
+    const Moment m{where, now_, scratch, exchange};
+    if (m.total() > peak_.total()) peak_ = m;
+    if (exchange > exchange_.exchange) exchange_ = m;
+  }
+  const ModelActivationBytes& m_;
+  const EngineBytes& e_;
+  int64_t layers_;
+  std::array<int64_t, kKeptKinds> now_{};
+  Moment peak_, exchange_;
+};
+
+void add_activations(MemoryBill& bill, const RunConfig& rc, const EstimatedModel& m, int64_t ep, Device device) {
+  const int64_t T = rc.micro_batch * rc.seq_len, balanced = T * m.top_k;
+  const int64_t rows = ep == 1 ? balanced : int64_t(double(balanced) * kExpertRowSkew);
+  const ModelActivationBytes model = m.activation_bytes(rc.micro_batch, rc.seq_len, rows);
+  const EngineBytes engine = engine_bytes(m, T, rows, ep, device);
+  Walk walk(model, engine, m.num_layers, 3 * T * 4);
+  walk.forward();
+  walk.backward();
+  const Moment& p = walk.peak();
+  bill.activation_peak_at = p.where;
+  auto per_layer = [&](int64_t bytes) { return fmt::format("kept: {} per layer", mib(bytes)); };
+  const std::vector<std::pair<std::string, std::string>> kinds = {
+      {"token ids, targets, positions", ""},
+      {"attention + router (stage 1)", per_layer(model.attention.kept)},
+      {"dispatch/combine rows and routes", per_layer(engine.route + engine.rows)},
+      {"experts (stage 3)", per_layer(model.experts.kept)},
+      {"epilog: final norm, logits, loss", fmt::format("kept: {}", mib(model.epilog.kept))}};
+  for (size_t k = 0; k < kinds.size(); ++k) bill.items.push_back({BillGroup::activations, kinds[k].first, p.kept[k], kinds[k].second});
+  bill.items.push_back({BillGroup::activations, "temporaries at the peak", p.scratch - p.exchange, "gradients flowing back, op scratch"});
+  if (ep > 1) {
+    const Moment& x = walk.largest_exchange();
+    bill.items.push_back({BillGroup::activations, "expert all-to-all buffers at the peak", p.exchange,
+                          fmt::format("largest {} in {}; expert rows {} per layer (+{:.0f}% for routing skew)", mib(x.exchange), x.where,
+                                      rows, (kExpertRowSkew - 1) * 100)});
+  }
+}
+
+void add_runtime(MemoryBill& bill, const MeshShape& mesh) {
+  bill.items.push_back({BillGroup::runtime, "CUDA context and kernels", kCudaContextBytes, "measured on the H200"});
+  bill.items.push_back({BillGroup::runtime, "cuBLAS/cuBLASLt workspace", int64_t(kBlasWorkspaceBytes), "one compute stream"});
+  if (mesh.world() > 1)
+    bill.items.push_back({BillGroup::runtime, "NCCL communicators", kNcclBytes, "measured with 2 processes; more with larger groups"});
+}
+
+// The largest v in [1, limit] with fits(v), for fits true up to some v and false beyond; 0 if none.
+int64_t largest_fitting(const std::function<bool(int64_t)>& fits, int64_t limit) {
+  if (!fits(1)) return 0;
+  int64_t good = 1, bad = 2;
+  while (bad <= limit && fits(bad)) {
+    good = bad;
+    bad *= 2;
+  }
+  bad = std::min(bad, limit + 1);
+  while (bad - good > 1) {
+    const int64_t mid = good + (bad - good) / 2;
+    (fits(mid) ? good : bad) = mid;
+  }
+  return good;
+}
+
+}  // namespace
+
+int64_t MemoryBill::bytes(BillGroup group) const {
+  int64_t sum = 0;
+  for (const BillItem& i : items)
+    if (i.group == group) sum += i.bytes;
+  return sum;
+}
+
+int64_t MemoryBill::total() const {
+  int64_t sum = 0;
+  for (const BillItem& i : items) sum += i.bytes;
+  return sum;
+}
+
+MeshShape estimate_mesh(const RunConfig& rc, int64_t num_experts, int64_t world) {
+  MARROW_CHECK(world >= 1, "--world must be at least 1, got {}", world);
+  const MeshShape mesh = mesh_shape(world, rc.pp, rc.cp, rc.ep);
+  MARROW_CHECK(num_experts % mesh.ep == 0, "{}: num_experts ({}) is not a multiple of parallel.ep ({})", rc.source, num_experts, mesh.ep);
+  MARROW_CHECK(rc.dp_shard == 0 || mesh.dp % rc.dp_shard == 0,
+               "{}: parallel.dp_shard ({}) does not divide the {} data-parallel ranks of {} processes ({})", rc.source, rc.dp_shard, mesh.dp,
+               world, mesh.describe());
+  return mesh;
+}
+
+void check_global_batch(const RunConfig& rc, const MeshShape& mesh) {
+  const int64_t round = mesh.data_parallel() * rc.micro_batch;
+  MARROW_CHECK(rc.global_batch % round == 0,
+               "{}: train.global_batch ({}) is not a multiple of the {} data-parallel processes ({}) times train.micro_batch ({})",
+               rc.source, rc.global_batch, mesh.data_parallel(), mesh.describe(), rc.micro_batch);
+}
+
+ShardGroups shard_groups(const RunConfig& rc, const MeshShape& mesh) {
+  const int64_t dp_shard = rc.dp_shard > 0 ? rc.dp_shard : mesh.dp;
+  return {dp_shard * mesh.cp * mesh.ep, dp_shard * mesh.cp};
+}
+
+MemoryBill estimate_memory(const RunConfig& rc, const EstimatedModel& m, const MeshShape& mesh, ShardGroups groups, Device device) {
+  MARROW_CHECK(rc.micro_batch <= kMaxTokens / rc.seq_len,
+               "{}: train.micro_batch x train.seq_len ({} x {}) is beyond the 2^31 tokens per micro-batch that the estimate counts", rc.source,
+               rc.micro_batch, rc.seq_len);
+  MemoryBill bill;
+  bill.device = device;
+  bill.context = {
+      "model: " + m.description,
+      fmt::format("layout: {} process{} ({}); shard groups: {} (dense units), {} (expert units){}", mesh.world(), mesh.world() > 1 ? "es" : "",
+                  mesh.describe(), groups.dense, groups.expert, rc.keep_gathered ? "; parallel.keep_gathered" : ""),
+      fmt::format("micro-batch: {} x {} tokens, {} per optimizer step; {} ({})", rc.micro_batch, rc.seq_len,
+                  std::max<int64_t>(1, rc.global_batch / (rc.micro_batch * mesh.data_parallel())), device_name(device),
+                  device == Device::cuda ? "bf16 compute, fp32 master weights" : "fp32")};
+  const std::vector<Unit> units = cut_units(m.specs, m.num_layers, groups.dense, groups.expert, rc.keep_gathered);
+  add_state(bill, units);
+  add_weights(bill, units, device);
+  add_activations(bill, rc, m, mesh.ep, device);
+  if (device == Device::cuda) add_runtime(bill, mesh);
+  return bill;
+}
+
+LargestFit largest_fit(const RunConfig& rc, const EstimatedModel& m, const MeshShape& mesh, Device device, double gpu_bytes) {
+  auto fits = [&](int64_t micro_batch, int64_t seq_len) {
+    RunConfig trial = rc;
+    trial.micro_batch = micro_batch;
+    trial.seq_len = seq_len;
+    return double(estimate_memory(trial, m, mesh, shard_groups(rc, mesh), device).total()) <= gpu_bytes;
+  };
+  return {largest_fitting([&](int64_t b) { return fits(b, rc.seq_len); }, kMaxTokens / rc.seq_len),
+          largest_fitting([&](int64_t s) { return fits(rc.micro_batch, s); }, kMaxTokens / rc.micro_batch)};
+}
+
+std::string format_bill(const MemoryBill& bill, double gpu_bytes) {
+  static const std::array<const char*, 4> kGroups = {"parameters and optimizer state", "compute weights and whole gradients",
+                                                     "activations of one micro-batch", "runtime (outside the trainer's peak figure)"};
+  std::string out;
+  for (const std::string& line : bill.context) out += line + "\n";
+  out += fmt::format("\n{:<46} {:>10} {:>8}\n", "", "MiB", "GiB");
+  for (size_t g = 0; g < kGroups.size(); ++g) {
+    const auto group = BillGroup(g);
+    if (group == BillGroup::runtime && bill.bytes(group) == 0) continue;
+    out += fmt::format("{:<46} {:>10.1f} {:>8.2f}{}\n", kGroups[g], bill.bytes(group) / kMiB, bill.bytes(group) / kGiB,
+                       group == BillGroup::activations ? "  what is alive at the peak, " + bill.activation_peak_at : "");
+    for (const BillItem& i : bill.items)
+      if (i.group == group && (i.bytes > 0 || group == BillGroup::activations))
+        out += fmt::format("  {:<44} {:>10.1f} {:>8.2f}  {}\n", i.name, i.bytes / kMiB, i.bytes / kGiB, i.note);
+  }
+  out += fmt::format("{:<46} {:>10.1f} {:>8.2f}\n", "trainer's peak figure (arenas + activations)", bill.trainer_peak() / kMiB,
+                     bill.trainer_peak() / kGiB);
+  out += fmt::format("{:<46} {:>10.1f} {:>8.2f}\n", "total", bill.total() / kMiB, bill.total() / kGiB);
+  if (bill.device != Device::cuda) return out;
+  const double spare = gpu_bytes - double(bill.total());
+  out += spare >= 0 ? fmt::format("fits in {:.2f} GiB of GPU memory with {:.2f} GiB to spare\n", gpu_bytes / kGiB, spare / kGiB)
+                    : fmt::format("does NOT fit in {:.2f} GiB of GPU memory: {:.2f} GiB over\n", gpu_bytes / kGiB, -spare / kGiB);
+  return out;
+}
+
+}  // namespace marrow

@@ -1,0 +1,118 @@
+// The memory bill of one training process, computed without a GPU: `marrow estimate` prints it,
+// and the trainer can print it at start. Every figure is in bytes and follows the code that
+// allocates it:
+// - state: fp32 master weights, gradients and the two AdamW moments, each the sum of this
+//   process's chunks of the shard units (parallel/sharded_params.h's layout: prolog, each layer's
+//   dense and expert tensors, epilog, all norms; a unit of N elements over a shard group of n
+//   processes has chunk c = ceil(N / n); n = 1 is the whole unit, today's replicated layout).
+// - weights: the compute copies (bf16 on the GPU) and whole fp32 gradients: units kept whole for
+//   the step (prolog, epilog, norms, any unit with n = 1, every unit with keep_gathered) hold n*c
+//   elements each; the other decoder layers hold their working shard plus two shared slots per kind
+//   (dense, expert) of gathered weights and of gradients.
+// - activations: one micro-batch at its peak moment (micro-batches run one after the other, so only
+//   one is alive). The model family reports its stages' bytes (core/stage_bytes.h); the walk in
+//   memory_estimate.cpp replays engine/step.h's forward and backward order with the engine's own
+//   buffers (residual gradient, dispatch/combine rows, the expert all-to-all buffers with ep > 1).
+// - runtime (GPU only): CUDA context, cuBLAS workspace and NCCL communicators, which live outside
+//   the arenas and the activation pool, so the trainer's `peak` figure does not count them.
+// Invariant: with n = 1 everywhere the state and weights items equal the trainer's arenas.
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "core/stage_bytes.h"
+#include "core/tensor.h"
+#include "core/tensor_spec.h"
+#include "engine/model.h"
+#include "engine/run_config.h"
+#include "parallel/mesh.h"
+
+namespace marrow {
+
+enum class BillGroup { state, weights, activations, runtime };
+
+struct BillItem {
+  BillGroup group;
+  std::string name;
+  int64_t bytes = 0;
+  std::string note;  // how the figure is made up
+};
+
+struct MemoryBill {
+  std::vector<std::string> context;  // what was estimated: model, layout, micro-batch
+  Device device = Device::cuda;
+  std::vector<BillItem> items;
+  std::string activation_peak_at;  // the moment of the micro-batch that the activation items describe
+  int64_t bytes(BillGroup group) const;
+  int64_t total() const;
+  // What the trainer's `peak` figure counts: arenas plus the activation pool (all but the runtime).
+  int64_t trainer_peak() const { return total() - bytes(BillGroup::runtime); }
+};
+
+// The model as the estimate sees it: this process's parameter table (its experts only) and its
+// stages' activation bytes for (batch, seq, expert rows per layer).
+struct EstimatedModel {
+  std::string description;
+  const std::vector<TensorSpec>& specs;
+  int64_t num_layers = 0, hidden_size = 0, top_k = 0, num_experts = 0;
+  std::function<ModelActivationBytes(int64_t, int64_t, int64_t)> activation_bytes;
+};
+
+// The layout of `world` processes under rc's [parallel] sizes, as the trainer builds it, with one
+// sentence for a layout it refuses.
+MeshShape estimate_mesh(const RunConfig& rc, int64_t num_experts, int64_t world);
+// The trainer's refusal of a global batch that the data-parallel processes cannot split.
+void check_global_batch(const RunConfig& rc, const MeshShape& mesh);
+
+// The largest train.micro_batch (at rc's seq_len) and train.seq_len (at rc's micro_batch) whose
+// bill fits in gpu_bytes; 0 where not even 1 fits.
+struct LargestFit {
+  int64_t micro_batch = 0, seq_len = 0;
+};
+
+// The shard group sizes n of the layout: expert units over dp_shard x cp processes, the others over
+// dp_shard x cp x ep (dp_shard = parallel.dp_shard, 0 meaning all of dp).
+struct ShardGroups {
+  int64_t dense = 1, expert = 1;
+};
+ShardGroups shard_groups(const RunConfig& rc, const MeshShape& mesh);
+
+// groups {1, 1} is the trainer before FSDP: every process holds whole copies of its tensors.
+MemoryBill estimate_memory(const RunConfig& rc, const EstimatedModel& model, const MeshShape& mesh, ShardGroups groups, Device device);
+LargestFit largest_fit(const RunConfig& rc, const EstimatedModel& model, const MeshShape& mesh, Device device, double gpu_bytes);
+
+// The bill as a table, with the total against gpu_bytes of device memory (GPU bills only).
+std::string format_bill(const MemoryBill& bill, double gpu_bytes);
+
+// Calls f(EstimatedModel, MeshShape) for the share of M that one process of `world` holds.
+template <MoeModel M, class F>
+auto with_estimated_model(const RunConfig& rc, const typename M::Config& config, int64_t world, Device device, F&& f) {
+  const MeshShape mesh = estimate_mesh(rc, config.num_experts, world);
+  const int64_t local_experts = config.num_experts / mesh.ep;
+  const M model(config, device == Device::cuda ? DType::bf16 : DType::f32, device, ExpertShard{0, local_experts});
+  const std::string description =
+      fmt::format("{}, {} layers, {} experts top-{}; {:.2f}M parameters, {:.2f}M on this process ({} experts per layer)", M::model_type,
+                  model.num_layers(), model.num_experts(), model.top_k(), M(config, DType::f32, Device::cpu).num_parameters() / 1e6,
+                  model.num_parameters() / 1e6, local_experts);
+  const EstimatedModel estimated{description, model.specs(), model.num_layers(), model.hidden_size(), model.top_k(), model.num_experts(),
+                                 [&](int64_t b, int64_t s, int64_t rows) { return model.activation_bytes(b, s, rows); }};
+  return f(estimated, mesh);
+}
+
+// The bill of one process of a job of `world` processes training M under rc.
+template <MoeModel M>
+MemoryBill estimate_memory(const RunConfig& rc, const typename M::Config& config, int64_t world, Device device) {
+  return with_estimated_model<M>(rc, config, world, device,
+                                 [&](const EstimatedModel& m, const MeshShape& mesh) { return estimate_memory(rc, m, mesh, shard_groups(rc, mesh), device); });
+}
+
+template <MoeModel M>
+LargestFit largest_fit(const RunConfig& rc, const typename M::Config& config, int64_t world, Device device, double gpu_bytes) {
+  return with_estimated_model<M>(rc, config, world, device, [&](const EstimatedModel& m, const MeshShape& mesh) {
+    return largest_fit(rc, m, mesh, device, gpu_bytes);
+  });
+}
+
+}  // namespace marrow

@@ -1,0 +1,217 @@
+// The memory estimate's arithmetic (engine/memory_estimate.h): shard chunks and their padding,
+// kept-whole units against the layers' slots, expert parallelism, and the bench model's bill
+// against the peaks measured on the H200 (docs/performance.md).
+#include "engine/memory_estimate.h"
+
+#include <gtest/gtest.h>
+
+#include "models/qwen3_moe.h"
+
+namespace marrow {
+namespace {
+
+constexpr double kGiB = 1073741824.0;
+
+int64_t item(const MemoryBill& bill, const std::string& name) {
+  for (const BillItem& i : bill.items)
+    if (i.name == name) return i.bytes;
+  ADD_FAILURE() << "no bill item named " << name;
+  return -1;
+}
+
+std::string estimate_error(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "no error";
+}
+
+// A hand-made table of 2 layers: embedding 10, per layer dense 7 and experts 2 x 5, LM head 10,
+// norms 3 + 1; activations of zero bytes, so the bill is the layout alone.
+struct SmallTable {
+  std::vector<TensorSpec> specs;
+  SmallTable() {
+    add("embed", 10, -1, false, false);
+    for (int64_t l = 0; l < 2; ++l) {
+      add("dense", 7, l, false, false);
+      add("expert 0", 5, l, true, false);
+      add("expert 1", 5, l, true, false);
+    }
+    add("lm_head", 10, 2, false, false);
+    add("norm a", 3, 0, false, true);
+    add("norm b", 1, 2, false, true);
+  }
+  void add(const std::string& name, int64_t numel, int64_t layer, bool expert, bool norm) {
+    const int64_t offset = specs.empty() ? 0 : specs.back().offset + specs.back().numel;
+    specs.push_back({name, {numel}, offset, numel, norm, expert, expert, layer});
+  }
+  EstimatedModel model() const {
+    return {"small", specs, 2, 4, 2, 2, [](int64_t, int64_t, int64_t) { return ModelActivationBytes{}; }};
+  }
+};
+
+MemoryBill small_bill(const RunConfig& rc, const SmallTable& t, int64_t world, Device device) {
+  const MeshShape mesh = mesh_shape(world, 1, 1, rc.ep);
+  return estimate_memory(rc, t.model(), mesh, shard_groups(rc, mesh), device);
+}
+
+RunConfig small_run(bool keep_gathered = false) {
+  RunConfig rc;
+  rc.keep_gathered = keep_gathered;
+  rc.source = "test.toml";
+  return rc;
+}
+
+TEST(MemoryEstimate, ChunksArePaddedPerUnit) {
+  const SmallTable t;
+  // 4 data-parallel processes, all sharding: chunks ceil(10/4) + 2 x (ceil(7/4) + ceil(10/4)) + ceil(10/4) + ceil(4/4) = 17.
+  const MemoryBill bill = small_bill(small_run(), t, 4, Device::cpu);
+  EXPECT_EQ(item(bill, "fp32 master weights"), 4 * 17);
+  EXPECT_EQ(item(bill, "AdamW exp_avg_sq (fp32)"), 4 * 17);
+  EXPECT_EQ(bill.bytes(BillGroup::state), 4 * 4 * 17);
+  // One process: the whole table, no copies on the CPU (it computes on the master weights).
+  const MemoryBill one = small_bill(small_run(), t, 1, Device::cpu);
+  EXPECT_EQ(item(one, "fp32 gradients"), 4 * 58);
+  EXPECT_EQ(one.bytes(BillGroup::weights), 0);
+}
+
+TEST(MemoryEstimate, KeptUnitsAgainstLayerSlots) {
+  const SmallTable t;
+  // Slots: embedding, LM head, norms whole (12 + 12 + 4); layers as bf16 shards (2 x (2 + 3)) and
+  // two slots of the largest dense (8) and expert (12) unit.
+  const MemoryBill slots = small_bill(small_run(), t, 4, Device::cuda);
+  EXPECT_EQ(item(slots, "bf16 weights of units kept whole"), 2 * 28);
+  EXPECT_EQ(item(slots, "bf16 weight shards of the slotted layers"), 2 * 10);
+  EXPECT_EQ(item(slots, "bf16 gathered layer slots"), 2 * 40);
+  EXPECT_EQ(item(slots, "fp32 whole gradients of units kept whole"), 4 * 28);
+  EXPECT_EQ(item(slots, "fp32 gradient slots of the layers"), 4 * 40);
+  // keep_gathered: every unit whole (the working shard is a slice of it), no slots.
+  const MemoryBill kept = small_bill(small_run(true), t, 4, Device::cuda);
+  EXPECT_EQ(item(kept, "bf16 weights of units kept whole"), 2 * 68);
+  EXPECT_EQ(item(kept, "bf16 weight shards of the slotted layers"), 0);
+  EXPECT_EQ(item(kept, "bf16 gathered layer slots"), 0);
+  EXPECT_EQ(item(kept, "fp32 whole gradients of units kept whole"), 4 * 68);
+  EXPECT_EQ(item(kept, "fp32 gradient slots of the layers"), 0);
+  // dp_shard = 1 is plain data parallelism: n = 1 everywhere, whatever keep_gathered says.
+  RunConfig ddp = small_run(true);
+  ddp.dp_shard = 1;
+  const MemoryBill replicated = small_bill(ddp, t, 4, Device::cuda);
+  EXPECT_EQ(item(replicated, "fp32 master weights"), 4 * 58);
+  EXPECT_EQ(item(replicated, "bf16 weights of units kept whole"), 2 * 58);
+  EXPECT_EQ(item(replicated, "fp32 whole gradients of units kept whole"), 0);
+}
+
+TEST(MemoryEstimate, ExpertUnitsShardOverFewerProcesses) {
+  const SmallTable t;
+  RunConfig rc = small_run();
+  rc.ep = 2;
+  // 4 processes = dp 2 x ep 2: dense units over 4, expert units (this rank's experts) over dp 2.
+  // Chunks: 3 + 2 x (2 + 5) + 3 + 1 = 21.
+  const MemoryBill bill = small_bill(rc, t, 4, Device::cuda);
+  EXPECT_EQ(item(bill, "fp32 master weights"), 4 * 21);
+  EXPECT_EQ(item(bill, "bf16 gathered layer slots"), 2 * 2 * (8 + 10));
+}
+
+Qwen3MoeConfig bench_config() { return Qwen3MoeConfig::load(MARROW_SOURCE_DIR "/configs/bench-moe.json"); }
+
+RunConfig bench_run(int64_t ep = 1) {
+  RunConfig rc;
+  rc.global_batch = 4;
+  rc.micro_batch = 1;
+  rc.seq_len = 4096;
+  rc.ep = ep;
+  rc.source = "bench.toml";
+  return rc;
+}
+
+TEST(MemoryEstimate, OneProcessIsTodaysArenas) {
+  const Qwen3MoeConfig config = bench_config();
+  const int64_t n = Qwen3Moe(config, DType::bf16, Device::cuda).num_parameters();
+  const MemoryBill bill = estimate_memory<Qwen3Moe>(bench_run(), config, 1, Device::cuda);
+  EXPECT_EQ(bill.bytes(BillGroup::state), 16 * n);
+  EXPECT_EQ(item(bill, "bf16 weights of units kept whole"), 2 * n);
+  EXPECT_EQ(bill.bytes(BillGroup::weights), 2 * n);
+  // The trainer's start-up line on the H200: "(total 96255.6 MiB)".
+  EXPECT_NEAR((bill.bytes(BillGroup::state) + bill.bytes(BillGroup::weights)) / 1048576.0, 96255.6, 0.1);
+}
+
+// The bill of today's trainer (before FSDP: every process holds whole copies of its tensors).
+MemoryBill replicated_bill(const RunConfig& rc, int64_t world) {
+  return with_estimated_model<Qwen3Moe>(rc, bench_config(), world, Device::cuda, [&](const EstimatedModel& m, const MeshShape& mesh) {
+    return estimate_memory(rc, m, mesh, ShardGroups{1, 1}, Device::cuda);
+  });
+}
+
+TEST(MemoryEstimate, ExpertParallelHoldsItsExperts) {
+  const Qwen3MoeConfig config = bench_config();
+  const Qwen3Moe local(config, DType::bf16, Device::cuda, ExpertShard{0, 64});
+  const int64_t n = local.num_parameters();
+  const MemoryBill today = replicated_bill(bench_run(2), 2);
+  EXPECT_EQ(today.bytes(BillGroup::state), 16 * n);
+  EXPECT_NEAR((today.bytes(BillGroup::state) + today.bytes(BillGroup::weights)) / 1048576.0, 54783.6, 0.1);  // measured line
+  // FSDP over the two expert-parallel ranks: the local experts whole, the rest in halves.
+  int64_t experts = 0;
+  for (const TensorSpec& s : local.specs()) experts += s.is_expert ? s.numel : 0;
+  const MemoryBill fsdp = estimate_memory<Qwen3Moe>(bench_run(2), config, 2, Device::cuda);
+  const int64_t halves = (n - experts) / 2;
+  EXPECT_GE(fsdp.bytes(BillGroup::state), 16 * (experts + halves));
+  EXPECT_LE(fsdp.bytes(BillGroup::state), 16 * (experts + halves + 2 * config.num_layers + 3));  // padding: one element per unit
+  EXPECT_GE(item(fsdp, "expert all-to-all buffers at the peak"), 0);
+}
+
+// docs/performance.md: one H200 peaks at 99.72 GiB (sequence 4096), 95.43 GiB (1024) and 116.9 GiB
+// (16384); EP = 2 on two H200 at 59.53 GiB per GPU (replicated dense weights, before FSDP). The
+// trainer's figure counts arenas and the pool.
+TEST(MemoryEstimate, BenchPeaksMatchTheMeasuredOnes) {
+  const Qwen3MoeConfig config = bench_config();
+  auto peak = [&](RunConfig rc, int64_t world) { return estimate_memory<Qwen3Moe>(rc, config, world, Device::cuda).trainer_peak() / kGiB; };
+  EXPECT_NEAR(peak(bench_run(), 1), 99.72, 0.03 * 99.72);
+  RunConfig short_seq = bench_run(), long_seq = bench_run();
+  short_seq.seq_len = 1024;
+  long_seq.seq_len = 16384;
+  EXPECT_NEAR(peak(short_seq, 1), 95.43, 0.03 * 95.43);
+  EXPECT_NEAR(peak(long_seq, 1), 116.9, 0.03 * 116.9);
+  EXPECT_NEAR(replicated_bill(bench_run(2), 2).trainer_peak() / kGiB, 59.53, 0.03 * 59.53);
+}
+
+TEST(MemoryEstimate, LargestFitIsTheEdge) {
+  const Qwen3MoeConfig config = bench_config();
+  const double gpu = 139.8 * kGiB;
+  const LargestFit fit = largest_fit<Qwen3Moe>(bench_run(), config, 1, Device::cuda, gpu);
+  ASSERT_GT(fit.micro_batch, 1);
+  ASSERT_GT(fit.seq_len, 4096);
+  auto total = [&](int64_t micro_batch, int64_t seq_len) {
+    RunConfig rc = bench_run();
+    rc.micro_batch = micro_batch;
+    rc.seq_len = seq_len;
+    return double(estimate_memory<Qwen3Moe>(rc, config, 1, Device::cuda).total());
+  };
+  EXPECT_LE(total(fit.micro_batch, 4096), gpu);
+  EXPECT_GT(total(fit.micro_batch + 1, 4096), gpu);
+  EXPECT_LE(total(1, fit.seq_len), gpu);
+  EXPECT_GT(total(1, fit.seq_len + 1), gpu);
+  // Weights and optimizer state alone exceed 50 GiB: nothing fits.
+  const LargestFit none = largest_fit<Qwen3Moe>(bench_run(), config, 1, Device::cuda, 50 * kGiB);
+  EXPECT_EQ(none.micro_batch, 0);
+  EXPECT_EQ(none.seq_len, 0);
+}
+
+TEST(MemoryEstimate, ImpossibleLayoutsGiveOneSentence) {
+  RunConfig rc = bench_run(2);
+  EXPECT_EQ(estimate_error([&] { estimate_mesh(rc, 128, 3); }),
+            "the job has 3 processes, which parallel.pp x parallel.cp x parallel.ep = 1 x 1 x 2 = 2 does not divide");
+  EXPECT_EQ(estimate_error([&] { estimate_mesh(rc, 127, 2); }), "bench.toml: num_experts (127) is not a multiple of parallel.ep (2)");
+  rc.dp_shard = 3;
+  EXPECT_EQ(estimate_error([&] { estimate_mesh(rc, 128, 8); }),
+            "bench.toml: parallel.dp_shard (3) does not divide the 4 data-parallel ranks of 8 processes (pp 1 x dp 4 x cp 1 x ep 2)");
+  RunConfig batch = bench_run();
+  batch.micro_batch = 3;
+  EXPECT_EQ(estimate_error([&] { check_global_batch(batch, mesh_shape(1, 1, 1, 1)); }),
+            "bench.toml: train.global_batch (4) is not a multiple of the 1 data-parallel processes (pp 1 x dp 1 x cp 1 x ep 1) times "
+            "train.micro_batch (3)");
+}
+
+}  // namespace
+}  // namespace marrow

@@ -1,0 +1,98 @@
+"""marrow estimate: the memory bill of one process, on a build without a GPU.
+
+- The bench config's bill: every category, a total, the GPU's memory and the largest fits.
+- Two processes with expert parallelism: half the experts and the all-to-all buffers.
+- FSDP's shards: more processes, smaller state.
+- A config that does not fit says so and names the largest micro-batch and sequence that do.
+- Bad inputs stop it with one sentence and exit 1.
+"""
+import argparse
+import re
+import subprocess
+import sys
+
+FAILURES = []
+
+
+def check(condition, what):
+    print(("ok      " if condition else "FAILED  ") + what)
+    if not condition:
+        FAILURES.append(what)
+
+
+def estimate(marrow, args):
+    p = subprocess.run([marrow, "estimate"] + args, capture_output=True, text=True, timeout=120)
+    return p.returncode, p.stdout, p.stderr
+
+
+def gib(stdout, label):
+    m = re.search(r"^" + re.escape(label) + r"\s+[\d.]+\s+([\d.]+)", stdout, re.M)
+    return float(m.group(1)) if m else None
+
+
+def one_error(marrow, args, expected, what):
+    code, stdout, stderr = estimate(marrow, args)
+    lines = [l for l in stderr.strip().splitlines() if l]
+    check(code == 1 and len(lines) == 1 and lines[0].startswith("marrow estimate: error: ") and expected in lines[0],
+          f"{what}: one sentence ({stderr.strip()!r})")
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--marrow", required=True)
+    parser.add_argument("--build-dir", required=True)
+    args = parser.parse_args()
+    bench = "configs/bench.toml"
+
+    code, stdout, stderr = estimate(args.marrow, [bench])
+    print(stdout, stderr)
+    check(code == 0, "bench config: exits 0 without a GPU")
+    for label in ["fp32 master weights", "AdamW exp_avg_sq (fp32)", "bf16 weights of units kept whole", "experts (stage 3)",
+                  "epilog: final norm, logits, loss", "CUDA context and kernels", "trainer's peak figure", "total"]:
+        check(label in stdout, f"bench bill lists '{label}'")
+    one_gpu = gib(stdout, "trainer's peak figure (arenas + activations)")
+    check(one_gpu is not None and abs(one_gpu - 99.72) / 99.72 < 0.05, f"one GPU: {one_gpu} GiB against the measured 99.72")
+    check("fits in 139.80 GiB of GPU memory" in stdout, "bench config fits an H200")
+    check(re.search(r"largest train.micro_batch that fits at seq_len 4096: \d+", stdout) is not None, "names the largest micro-batch")
+    check(re.search(r"largest train.seq_len that fits at micro_batch 1: \d+", stdout) is not None, "names the largest sequence")
+
+    code, stdout, stderr = estimate(args.marrow, [bench, "--world", "2", "--parallel.ep=2"])
+    print(stdout, stderr)
+    ep2 = gib(stdout, "trainer's peak figure (arenas + activations)")
+    check(code == 0 and "64 experts per layer" in stdout and "2 processes" in stdout, "EP = 2: each process holds 64 experts")
+    check("expert all-to-all buffers at the peak" in stdout and "NCCL communicators" in stdout, "EP = 2: all-to-all buffers and NCCL")
+    # Below today's measured 59.53 GiB: FSDP also halves the dense weights over the two ranks.
+    check(ep2 is not None and 45 < ep2 < 59.53, f"EP = 2: {ep2} GiB per process")
+
+    code, stdout, stderr = estimate(args.marrow, [bench, "--world=4", "--train.global_batch=8"])
+    fsdp = gib(stdout, "parameters and optimizer state")
+    check(code == 0 and fsdp is not None and abs(fsdp - 83.56 / 4) < 0.1, f"FSDP over 4: a quarter of the state ({fsdp} GiB)")
+
+    code, stdout, stderr = estimate(args.marrow, [bench, "--train.seq_len=65536", "--gpu-memory", "120"])
+    print(stdout, stderr)
+    check(code == 0 and "does NOT fit in 120.00 GiB of GPU memory" in stdout, "a long sequence does not fit")
+    m = re.search(r"largest train.seq_len that fits at micro_batch 1: (\d+)", stdout)
+    check(m is not None and 4096 < int(m.group(1)) < 65536, "it names the largest sequence that fits")
+    check("no train.micro_batch fits at seq_len 65536" in stdout, "and says no micro-batch fits at that length")
+    code, stdout, stderr = estimate(args.marrow, [bench, "--gpu-memory=40"])
+    check(code == 0 and "nothing fits" in stdout, "state larger than the GPU: nothing fits")
+
+    one_error(args.marrow, [bench, "--train.bogus=1"], "unknown run-config key --train.bogus", "unknown key")
+    one_error(args.marrow, [bench, "--world", "two"], "--world must be a whole number of processes, at least 1, got 'two'", "bad --world")
+    one_error(args.marrow, [bench, "--world"], "--world needs a value", "--world without a value")
+    one_error(args.marrow, [bench, "--gpu-memory=-3"], "--gpu-memory must be a positive number of GiB, got '-3'", "bad --gpu-memory")
+    one_error(args.marrow, [bench, "--parallel.ep=2"], "does not divide", "ep larger than the world")
+    one_error(args.marrow, [bench, "--world=3", "--parallel.ep=3"], "num_experts (128) is not a multiple of parallel.ep (3)",
+              "experts that do not split")
+    one_error(args.marrow, [bench, "--world=8", "--parallel.dp_shard=3"], "parallel.dp_shard (3) does not divide", "bad dp_shard")
+    one_error(args.marrow, [bench, "--world=8"], "train.global_batch (4) is not a multiple", "a batch that does not split")
+    one_error(args.marrow, ["configs/none.toml"], "cannot open run config configs/none.toml", "missing run config")
+
+    if FAILURES:
+        print(f"{len(FAILURES)} check(s) FAILED")
+        sys.exit(1)
+    print("PASS")
+
+
+if __name__ == "__main__":
+    main()
