@@ -11,5 +11,6 @@ int import_command(int argc, char** argv);
 int sample_command(int argc, char** argv);
 int check_command(int argc, char** argv);
 int bench_command(int argc, char** argv);
+int plot_command(int argc, char** argv);
 
 }  // namespace marrow

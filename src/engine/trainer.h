@@ -28,6 +28,7 @@
 #include "engine/lr_schedule.h"
 #include "engine/run_config.h"
 #include "engine/step.h"
+#include "engine/tensorboard.h"
 #include "ops/adamw.h"
 #include "ops/cast.h"
 #include "ops/cross_entropy.h"
@@ -40,6 +41,7 @@ namespace marrow {
 
 struct StepMetrics {
   int64_t step = 0;
+  int64_t tokens_seen = 0;  // targets trained on through this step: step x global_batch x seq_len
   double loss = 0, load_balance = 0, lr = 0, grad_norm = 0, tokens_per_s = 0, step_ms = 0;
   size_t peak_bytes = 0;
   bool skipped = false;
@@ -60,6 +62,7 @@ inline std::string step_json(const StepMetrics& s) {
          {"grad_norm", s.grad_norm}, {"tokens_per_s", s.tokens_per_s}, {"step_ms", s.step_ms}, {"peak_bytes", s.peak_bytes},
          {"skipped", s.skipped}};
   if (!std::isnan(s.val_loss)) j["val_loss"] = s.val_loss;
+  j["tokens_seen"] = s.tokens_seen;
   return j.dump();
 }
 
@@ -333,7 +336,7 @@ std::vector<StepMetrics> train(const RunConfig& rc, const typename M::Config& mo
   }
   const TrainSetup<M> s(rc, model_config, device);
   const bool leader = s.mesh.world.rank() == 0;
-  TokenDataset data(rc.data_path, rc.seq_len, rc.seed, rc.validation_fraction);
+  TokenDataset data(rc.data_path, rc.seq_len, rc.seed, rc.validation_fraction, !rc.quiet);
   data.require_vocab_fits(model_config.vocab_size);
   data.require_train_samples(rc.steps * rc.global_batch);
   data.set_samples_per_step(rc.global_batch);
@@ -362,6 +365,8 @@ std::vector<StepMetrics> train(const RunConfig& rc, const typename M::Config& mo
     metrics.open(metrics_path, first_step > 1 ? std::ios::app : std::ios::trunc);
     MARROW_CHECK(metrics.good(), "cannot write {}", metrics_path);
   }
+  std::optional<TensorBoardLog> tensorboard;  // <output.dir>/tb/ (engine/tensorboard.h), cut back on a resume as metrics.jsonl is
+  if (leader) tensorboard.emplace(rc, first_step);
   if (s.mesh.world.size() > 1) watchdog::start(rc.timeout_s, s.mesh.who(), nccl_async_error);
 
   const LrSchedule schedule{rc.schedule, rc.lr, rc.min_lr, rc.warmup_steps, rc.steps, rc.decay_fraction};
@@ -385,6 +390,7 @@ std::vector<StepMetrics> train(const RunConfig& rc, const typename M::Config& mo
 
     StepMetrics m;
     m.step = step;
+    m.tokens_seen = step * rc.global_batch * S;
     if (s.experts) m.expert_traffic = s.experts->take_traffic();
     m.loss = s.mesh.data.sum(token_loss_sum, "loss (sum)") * loss_scale;
     // Reported normalised so that perfectly balanced routing reads 1.0.
@@ -429,6 +435,8 @@ std::vector<StepMetrics> train(const RunConfig& rc, const typename M::Config& mo
     if (leader) {
       metrics << step_json(m) << "\n";
       metrics.flush();
+      MARROW_CHECK(metrics.good(), "cannot write {} (is the disk full?)", metrics_path);
+      tensorboard->add_step(Json::parse(step_json(m)));
     }
     history.push_back(m);
     const int stop_signal = agreed_stop_signal(s.mesh.world);
