@@ -17,7 +17,7 @@ constexpr double kLeft = 80, kRight = 30, kTop = 50, kBottom = 70;
 const char* const kColors[] = {"#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf"};
 
 struct Axis {
-  double low, high, step;  // covers the data; ticks at low, low + step, ..., high
+  double low, high, step;  // covers the data; ticks at the multiples of step in [low, high]
 };
 
 // Ticks 1, 2 or 5 x 10^k apart, about five of them, from below min to above max.
@@ -33,10 +33,11 @@ Axis nice_axis(double min, double max) {
   return {std::floor(min / step) * step, std::ceil(max / step) * step, step};
 }
 
-// low, low + step, ..., high, each computed from its index so that no rounding error adds up.
+// The multiples of step from low to high, each computed from its index so that no rounding error adds up.
 std::vector<double> ticks(const Axis& axis) {
   std::vector<double> out;
-  for (int i = 0; axis.low + i * axis.step <= axis.high + axis.step / 2; ++i) out.push_back(axis.low + i * axis.step);
+  const double first = std::ceil(axis.low / axis.step - 1e-9);
+  for (int i = 0; (first + i) * axis.step <= axis.high + axis.step * 1e-9; ++i) out.push_back((first + i) * axis.step);
   return out;
 }
 
@@ -99,7 +100,9 @@ Frame frame_of(const std::vector<LossCurve>& runs) {
         y_min = std::min(y_min, y);
         y_max = std::max(y_max, y);
       }
-  return {nice_axis(0, x_max), nice_axis(y_min, y_max)};
+  // Tokens start at 0 and the axis ends with the data; the loss axis ends on ticks.
+  const Axis x = nice_axis(0, x_max);
+  return {{0, x_max > 0 ? x_max : x.high, x.step}, nice_axis(y_min, y_max)};
 }
 
 std::string axes_svg(const Frame& f) {
