@@ -20,8 +20,10 @@ std::vector<std::string> run_names(const std::vector<std::string>& dirs) {
   std::vector<std::string> names;
   std::multiset<std::string> seen;
   for (const std::string& dir : dirs) {
-    const std::string base = fs::path(dir).lexically_normal().filename().string();
-    names.push_back(base.empty() || base == "." ? dir : base);
+    fs::path path = fs::absolute(dir).lexically_normal();
+    if (path.filename().empty()) path = path.parent_path();  // "runs/tiny-moe/"
+    const std::string base = path.filename().string();
+    names.push_back(base.empty() ? dir : base);
     seen.insert(names.back());
   }
   for (size_t i = 0; i < dirs.size(); ++i)

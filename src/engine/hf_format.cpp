@@ -86,7 +86,7 @@ void write_hf_model(const std::string& out_dir, const std::vector<TensorSpec>& s
       total += size_t(specs[i].numel) * element;
     }
     write_safetensors(out_dir + "/" + file, entries, {{"format", "pt"}});
-    progress.add(uint64_t(n) * element);
+    progress.set(total);
   }
   progress.finish();
   write_json_file(out_dir + "/model.safetensors.index.json", {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}});

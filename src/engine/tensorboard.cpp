@@ -39,20 +39,32 @@ double wall_time() { return std::chrono::duration<double>(std::chrono::system_cl
 std::string host_name() {
   char name[256] = {};
   MARROW_CHECK(::gethostname(name, sizeof name - 1) == 0, "cannot read the host name: {}", std::strerror(errno));
-  std::string host(name);
-  std::replace(host.begin(), host.end(), '/', '_');
-  return host.empty() ? "localhost" : host;
+  return name[0] ? name : "localhost";
 }
 
-// The command line and the run-config file as markdown (indented lines are TensorBoard's code blocks).
+// The run config's command-line arguments and file as markdown (indented lines are code blocks).
 std::string run_config_markdown(const RunConfig& rc) {
-  std::string command = "marrow train " + rc.source;
-  for (const std::string& arg : rc.overrides) command += " " + arg;
-  std::string text = "    " + command + "\n\n";
+  std::string arguments = rc.source;
+  for (const std::string& arg : rc.overrides) arguments += " " + arg;
+  std::string text = "    " + arguments + "\n\n";
   std::ifstream in(rc.source);
   std::string line;
   while (std::getline(in, line)) text += "    " + line + "\n";
   return text;
+}
+
+// The event files in dir, in the order they were written.
+std::vector<std::string> event_files(const std::string& dir) {
+  std::error_code ec;
+  std::vector<std::string> files;
+  for (const auto& entry : fs::directory_iterator(dir, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (entry.is_regular_file() && name.starts_with("events.out.tfevents.") && !name.ends_with(".tmp"))
+      files.push_back(entry.path().string());
+  }
+  MARROW_CHECK(!ec, "cannot list {}: {}", dir, ec.message());
+  std::sort(files.begin(), files.end());
+  return files;
 }
 
 // A rewrite killed midway leaves <file>.tmp, which readers would take for events of the run.
@@ -68,10 +80,14 @@ void remove_rewrite_leftovers(const std::string& dir) {
   MARROW_CHECK(!ec, "cannot list {}: {}", dir, ec.message());
 }
 
-// The new file's name sorts after every earlier one: its time is not earlier and, within the same
-// second and host, its number is larger.
+// The run's new event file, after the earlier ones are removed (a fresh start) or cut back (a
+// resume). Its name sorts after every earlier one: its time is not earlier and, within the same
+// second on the same host, its number is larger.
 std::string new_event_file(const RunConfig& rc, int64_t first_step) {
   const std::string dir = rc.out_dir + "/tb";
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  MARROW_CHECK(!ec, "cannot create {}: {}", dir, ec.message());
   std::vector<std::string> earlier = event_files(dir);
   remove_rewrite_leftovers(dir);
   for (const std::string& path : earlier) {
@@ -79,7 +95,6 @@ std::string new_event_file(const RunConfig& rc, int64_t first_step) {
       keep_events_through(path, first_step - 1);
       continue;
     }
-    std::error_code ec;
     fs::remove(path, ec);
     MARROW_CHECK(!ec, "cannot remove {} (an earlier run's events): {}", path, ec.message());
   }
@@ -88,21 +103,6 @@ std::string new_event_file(const RunConfig& rc, int64_t first_step) {
 }
 
 }  // namespace
-
-std::vector<std::string> event_files(const std::string& dir) {
-  std::error_code ec;
-  fs::create_directories(dir, ec);
-  MARROW_CHECK(!ec, "cannot create {}: {}", dir, ec.message());
-  std::vector<std::string> files;
-  for (const auto& entry : fs::directory_iterator(dir, ec)) {
-    const std::string name = entry.path().filename().string();
-    if (entry.is_regular_file() && name.starts_with("events.out.tfevents.") && !name.ends_with(".tmp"))
-      files.push_back(entry.path().string());
-  }
-  MARROW_CHECK(!ec, "cannot list {}: {}", dir, ec.message());
-  std::sort(files.begin(), files.end());
-  return files;
-}
 
 TensorBoardLog::TensorBoardLog(const RunConfig& rc, int64_t first_step) : file_(new_event_file(rc, first_step)) {
   const double now = wall_time();

@@ -6,12 +6,13 @@
 //     load_balance -> train/load_balance, tokens_seen -> train/tokens_seen,
 //     tokens_per_s -> perf/tokens_per_s, step_ms -> perf/step_ms, peak_bytes -> perf/peak_memory_gib (GiB),
 //   any other number <key> -> train/<key> (flags such as skipped are not numbers and stay out);
-// - the run config (the run-config file and the command line) as the text "run_config", at step 0
+// - the run config (its command-line arguments, then the file) as the text "run_config", at step 0
 //   for a fresh run and at the checkpoint's step for a resume, so each start shows how it ran.
 // Invariant, as for metrics.jsonl: each step is in the files once. A fresh start removes the event
 // files an earlier run left in tb/; a resume cuts those files back to the steps <= the checkpoint's
-// (the steps after it are trained again, and TensorBoard's reader would show both copies). The
-// file names sort in the order they were written (time, then NNNN), which is the order readers take.
+// (the steps after it are trained again, and TensorBoard's Python reader would show both copies).
+// The file names sort in the order they were written (by time; within a second on one host, by
+// NNNN), which is the order readers take them in.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -32,8 +33,5 @@ class TensorBoardLog {
  private:
   EventFileWriter file_;
 };
-
-// The event files in dir (created when missing), in the order they were written.
-std::vector<std::string> event_files(const std::string& dir);
 
 }  // namespace marrow
