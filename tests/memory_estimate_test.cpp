@@ -54,7 +54,7 @@ struct SmallTable {
 
 MemoryBill small_bill(const RunConfig& rc, const SmallTable& t, int64_t world, Device device) {
   const MeshShape mesh = mesh_shape(world, 1, 1, rc.ep);
-  return estimate_memory(rc, t.model(), mesh, shard_groups(rc, mesh), device);
+  return estimate_memory(rc, t.model(), mesh, shard_groups(mesh), device);
 }
 
 RunConfig small_run(bool keep_gathered = false) {
@@ -205,7 +205,7 @@ TEST(MemoryEstimate, ImpossibleLayoutsGiveOneSentence) {
   EXPECT_EQ(estimate_error([&] { estimate_mesh(rc, 127, 2); }), "bench.toml: num_experts (127) is not a multiple of parallel.ep (2)");
   rc.dp_shard = 3;
   EXPECT_EQ(estimate_error([&] { estimate_mesh(rc, 128, 8); }),
-            "bench.toml: parallel.dp_shard (3) does not divide the 4 data-parallel ranks of 8 processes (pp 1 x dp 4 x cp 1 x ep 2)");
+            "parallel.dp_shard (3) does not divide the 4 data-parallel ranks of 8 processes (pp 1 x dp 4 x cp 1 x ep 2)");
   RunConfig batch = bench_run();
   batch.micro_batch = 3;
   EXPECT_EQ(estimate_error([&] { check_global_batch(batch, mesh_shape(1, 1, 1, 1)); }),

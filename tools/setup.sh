@@ -18,8 +18,9 @@ if [ ${#missing[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -q "${missing[@]}"
 fi
 
-# Pinned so that parity results do not move under us; torch is only a test dependency.
-python_packages="torch==2.15.0 transformers==5.24.0 tokenizers==0.23.3 safetensors==0.8.0 numpy==2.4.6"
+# Pinned so that parity results do not move under us; torch is only a test dependency, and so is
+# tensorboard (its event reader checks the event files a run writes, tests/python/test_tensorboard.py).
+python_packages="torch==2.15.0 transformers==5.24.0 tokenizers==0.23.3 safetensors==0.8.0 numpy==2.4.6 tensorboard==2.21.0"
 stamp=.venv/marrow-packages
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$python_packages" ]; then
   echo "setup: creating .venv with $python_packages"

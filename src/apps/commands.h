@@ -12,5 +12,6 @@ int sample_command(int argc, char** argv);
 int check_command(int argc, char** argv);
 int bench_command(int argc, char** argv);
 int estimate_command(int argc, char** argv);
+int plot_command(int argc, char** argv);
 
 }  // namespace marrow

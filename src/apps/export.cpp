@@ -1,4 +1,4 @@
-// marrow export <checkpoint> <out-dir> [--dtype float32|bfloat16] [--shard-mib N] [--overwrite]
+// marrow export <checkpoint> <out-dir> [--dtype float32|bfloat16] [--shard-mib N] [--overwrite] [--quiet]
 // A checkpoint (or a run directory: its newest checkpoint) to a Hugging Face model directory
 // (engine/hf_format.h) that transformers, vLLM and lm-evaluation-harness load as is.
 #include <CLI/CLI.hpp>
@@ -17,12 +17,13 @@ int export_command(int argc, char** argv) {
   CLI::App app{"Export a checkpoint as a Hugging Face model directory.", "marrow export"};
   std::string from, out, dtype = "float32";
   int64_t shard_mib = 2048;
-  bool overwrite = false;
+  bool overwrite = false, quiet = false;
   app.add_option("checkpoint", from, "checkpoint directory (step-XXXXXXXX), or a run directory for its newest")->required();
   app.add_option("out-dir", out, "the Hugging Face model directory to write")->required();
   app.add_option("--dtype", dtype, "dtype of the exported weights")->check(CLI::IsMember({"float32", "bfloat16"}))->capture_default_str();
   app.add_option("--shard-mib", shard_mib, "largest safetensors shard, in MiB")->check(CLI::PositiveNumber)->capture_default_str();
   app.add_flag("--overwrite", overwrite, "replace the model files of an existing out-dir");
+  app.add_flag("--quiet", quiet, "no progress line");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -42,6 +43,7 @@ int export_command(int argc, char** argv) {
   options.dtype = dtype == "bfloat16" ? DType::bf16 : DType::f32;
   options.shard_bytes = size_t(shard_mib) << 20;
   options.tokenizer = source.tokenizer;
+  options.progress = !quiet;
   if (source.is_checkpoint) {
     const Json meta = read_json_file(source.dir + "/meta.json");
     options.eos_token = meta.value("data", Json::object()).value("eos_token", "");

@@ -1,4 +1,4 @@
-// marrow import <hf-dir> <checkpoint-dir> [--overwrite]
+// marrow import <hf-dir> <checkpoint-dir> [--overwrite] [--quiet]
 // A Hugging Face model directory (sharded or single-file safetensors, fp32 or bf16) to a checkpoint
 // for continued pretraining: weights only, so the run starts its AdamW moments at zero. Train from it
 // with [model] config = <checkpoint-dir>/config.json and [checkpoint] resume = <checkpoint-dir>.
@@ -17,10 +17,11 @@ namespace marrow {
 int import_command(int argc, char** argv) {
   CLI::App app{"Import a Hugging Face model directory as a checkpoint for continued pretraining.", "marrow import"};
   std::string from, out;
-  bool overwrite = false;
+  bool overwrite = false, quiet = false;
   app.add_option("hf-dir", from, "Hugging Face model directory (config.json + safetensors)")->required();
   app.add_option("checkpoint-dir", out, "the checkpoint directory to write")->required();
   app.add_flag("--overwrite", overwrite, "replace an existing checkpoint at checkpoint-dir");
+  app.add_flag("--quiet", quiet, "no progress line");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -45,7 +46,7 @@ int import_command(int argc, char** argv) {
   with_model(config_json, config_path, [&]<class M>(const typename M::Config& config) {
     M model(config, DType::f32, Device::cpu);
     Arena params("parameters", DType::f32, Device::cpu, model.num_parameters());
-    read_hf_weights(from, model.specs(), params);
+    read_hf_weights(from, model.specs(), params, !quiet);
     Json meta = {{"step", 0},
                  {"samples_seen", 0},
                  {"tokens_seen", 0},

@@ -23,6 +23,7 @@ const Command kCommands[] = {
     {"tokenize", marrow::tokenize_command, "tokenize raw text (txt, jsonl, jsonl.zst) into a training corpus"},
     {"export", marrow::export_command, "export a checkpoint as a Hugging Face model: marrow export <checkpoint> <out-dir>"},
     {"import", marrow::import_command, "import a Hugging Face model as a checkpoint: marrow import <hf-dir> <checkpoint-dir>"},
+    {"plot", marrow::plot_command, "plot loss against tokens seen for runs: marrow plot <run-dir>... [--out plot.svg]"},
     {"sample", marrow::sample_command, "continue a prompt: marrow sample <checkpoint-or-hf-dir> --prompt \"...\""},
     {"check", marrow::check_command, "compare every CUDA op and the model with the CPU reference (needs a GPU) [--only <group>]"},
     {"bench", marrow::bench_command, "measure training speed: marrow bench <run-config> [--warmup=N --steps=M] [--profile-steps=A:B] | --kernels"},

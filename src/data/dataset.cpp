@@ -15,6 +15,7 @@
 #include <thread>
 
 #include "core/errors.h"
+#include "core/progress.h"
 
 namespace marrow {
 namespace fs = std::filesystem;
@@ -50,7 +51,7 @@ uint64_t permute(uint64_t index, uint64_t n, uint64_t key) {
 
 }  // namespace
 
-TokenDataset::TokenDataset(const std::string& dir, int64_t seq_len, uint64_t seed, double validation_fraction)
+TokenDataset::TokenDataset(const std::string& dir, int64_t seq_len, uint64_t seed, double validation_fraction, bool show_progress)
     : dir_(dir), manifest_(read_manifest(dir)), seq_len_(seq_len), seed_(seed) {
   MARROW_CHECK(seq_len > 0, "seq_len must be positive, got {}", seq_len);
   MARROW_CHECK(validation_fraction >= 0 && validation_fraction <= 0.5, "the validation fraction must be in [0, 0.5], got {}",
@@ -60,7 +61,7 @@ TokenDataset::TokenDataset(const std::string& dir, int64_t seq_len, uint64_t see
   windows_ = (manifest_.tokens - 1) / seq_len;
   if (validation_fraction > 0 && windows_ >= 2)
     validation_windows_ = std::clamp<int64_t>(int64_t(double(windows_) * validation_fraction), 1, windows_ / 2);
-  verify_and_map();
+  verify_and_map(show_progress);
 }
 
 TokenDataset::~TokenDataset() {
@@ -68,7 +69,7 @@ TokenDataset::~TokenDataset() {
     if (shard.tokens) ::munmap(const_cast<uint32_t*>(shard.tokens), shard.bytes);
 }
 
-void TokenDataset::verify_and_map() {
+void TokenDataset::verify_and_map(bool show_progress) {
   int64_t offset = 0;
   for (const ShardInfo& info : manifest_.shards) {
     std::string path = (fs::path(dir_) / info.file).string();
@@ -114,16 +115,13 @@ void TokenDataset::verify_and_map() {
     std::vector<std::jthread> pool;
     unsigned threads = std::clamp<unsigned>(std::thread::hardware_concurrency(), 1, unsigned(shards_.size()));
     for (unsigned t = 0; t < threads; ++t) pool.emplace_back(hash_shards);
-    auto start = std::chrono::steady_clock::now();
-    bool reported = false;
+    Progress progress(fmt::format("dataset: checking sha256 of {}", dir_), total_bytes, show_progress);
     while (hashed_bytes < total_bytes) {
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
-      if (std::chrono::steady_clock::now() - start < std::chrono::seconds(2)) continue;
-      std::fprintf(stderr, "\rdataset: checking sha256 of %s: %.1f of %.1f GB", dir_.c_str(), hashed_bytes / 1e9, total_bytes / 1e9);
-      reported = true;
-      std::this_thread::sleep_for(std::chrono::seconds(1));
+      progress.set(hashed_bytes);
     }
-    if (reported) std::fprintf(stderr, "\n");
+    progress.set(total_bytes);
+    progress.finish();
   }
   for (size_t i = 0; i < shards_.size(); ++i)
     MARROW_CHECK(digests[i] == manifest_.shards[i].sha256,

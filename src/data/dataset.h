@@ -19,8 +19,9 @@ namespace marrow {
 
 class TokenDataset {
  public:
-  // Opens a tokenized corpus directory, verifies manifest, shard sizes and sha256 (progress line if slow).
-  TokenDataset(const std::string& dir, int64_t seq_len, uint64_t seed, double validation_fraction = 0.01);
+  // Opens a tokenized corpus directory, verifies manifest, shard sizes and sha256 (with a progress
+  // line, core/progress.h, when slow and show_progress).
+  TokenDataset(const std::string& dir, int64_t seq_len, uint64_t seed, double validation_fraction = 0.01, bool show_progress = true);
   ~TokenDataset();
   TokenDataset(const TokenDataset&) = delete;
   TokenDataset& operator=(const TokenDataset&) = delete;
@@ -58,7 +59,7 @@ class TokenDataset {
     size_t bytes = 0;
     int64_t first_token = 0;  // offset of the shard in the whole stream
   };
-  void verify_and_map();
+  void verify_and_map(bool show_progress);
   int64_t validation_before(int64_t window) const;  // validation windows with a smaller index
   int64_t train_window(int64_t train_index) const;  // the train_index-th window that is not held out
   void copy_window(int64_t window, int32_t* out) const;

@@ -7,6 +7,7 @@
 #include <set>
 
 #include "core/bf16.h"
+#include "core/progress.h"
 #include "core/safetensors.h"
 
 namespace fs = std::filesystem;
@@ -58,6 +59,9 @@ void write_hf_model(const std::string& out_dir, const std::vector<TensorSpec>& s
   const auto shards = shard_specs(specs, dtype_size(options.dtype), options.shard_bytes);
   Json weight_map = Json::object();
   size_t total = 0;
+  uint64_t weight_bytes = 0;
+  for (const TensorSpec& s : specs) weight_bytes += uint64_t(s.numel) * dtype_size(options.dtype);
+  Progress progress("writing " + out_dir, weight_bytes, options.progress);
   for (size_t k = 0; k < shards.size(); ++k) {
     const TensorSpec& first = specs[shards[k].first];
     const TensorSpec& last = specs[shards[k].second - 1];
@@ -82,7 +86,9 @@ void write_hf_model(const std::string& out_dir, const std::vector<TensorSpec>& s
       total += size_t(specs[i].numel) * element;
     }
     write_safetensors(out_dir + "/" + file, entries, {{"format", "pt"}});
+    progress.set(total);
   }
+  progress.finish();
   write_json_file(out_dir + "/model.safetensors.index.json", {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}});
 
   Json hf_config = config;
@@ -112,7 +118,7 @@ bool is_hf_model_dir(const std::string& dir) {
          (fs::exists(dir + "/model.safetensors.index.json") || fs::exists(dir + "/model.safetensors"));
 }
 
-void read_hf_weights(const std::string& dir, const std::vector<TensorSpec>& specs, const Arena& params) {
+void read_hf_weights(const std::string& dir, const std::vector<TensorSpec>& specs, const Arena& params, bool show_progress) {
   std::vector<std::string> paths;
   const std::string index_path = dir + "/model.safetensors.index.json";
   if (fs::exists(index_path)) {
@@ -138,6 +144,9 @@ void read_hf_weights(const std::string& dir, const std::vector<TensorSpec>& spec
     for (const std::string& name : files.back()->names()) where[name] = files.back().get();
   }
   std::set<std::string> used;
+  uint64_t weight_bytes = 0;  // counted as the fp32 parameters they become
+  for (const TensorSpec& s : specs) weight_bytes += uint64_t(s.numel) * sizeof(float);
+  Progress progress("reading " + dir, weight_bytes, show_progress);
 
   for (const TensorSpec& s : specs) {
     Tensor t;
@@ -179,7 +188,9 @@ void read_hf_weights(const std::string& dir, const std::vector<TensorSpec>& spec
     } else {
       fail("{}: tensor '{}' is {}; Marrow reads f32 and bf16 weights", file->path(), s.name, dtype_name(t.dtype));
     }
+    progress.add(uint64_t(s.numel) * sizeof(float));
   }
+  progress.finish();
   if (used.size() < where.size()) {
     std::string example;
     for (auto& [name, f] : where)

@@ -20,6 +20,7 @@ struct HfExportOptions {
   size_t shard_bytes = size_t(2) << 30;     // a new shard starts before this size is exceeded
   std::string tokenizer;                    // tokenizer.json to copy, "" for none
   std::string eos_token;                    // end-of-text token for tokenizer_config and generation_config
+  bool progress = false;                    // a progress line when the writing is slow (core/progress.h)
 };
 
 // Writes the model directory into out_dir (created if needed) from a parameter arena on any device.
@@ -31,6 +32,7 @@ bool is_hf_model_dir(const std::string& dir);
 
 // Fills a parameter arena (any device) from the directory's safetensors, converting bf16 to fp32;
 // a missing tensor, a wrong shape or an unsupported dtype is an Error naming the file and tensor.
-void read_hf_weights(const std::string& dir, const std::vector<TensorSpec>& specs, const Arena& params);
+// progress: a progress line when the reading is slow (core/progress.h).
+void read_hf_weights(const std::string& dir, const std::vector<TensorSpec>& specs, const Arena& params, bool progress = false);
 
 }  // namespace marrow

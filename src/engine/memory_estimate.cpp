@@ -269,11 +269,8 @@ int64_t MemoryBill::total() const {
 
 MeshShape estimate_mesh(const RunConfig& rc, int64_t num_experts, int64_t world) {
   MARROW_CHECK(world >= 1, "--world must be at least 1, got {}", world);
-  const MeshShape mesh = mesh_shape(world, rc.pp, rc.cp, rc.ep);
+  const MeshShape mesh = mesh_shape(world, rc.pp, rc.cp, rc.ep, rc.dp_shard);
   MARROW_CHECK(num_experts % mesh.ep == 0, "{}: num_experts ({}) is not a multiple of parallel.ep ({})", rc.source, num_experts, mesh.ep);
-  MARROW_CHECK(rc.dp_shard == 0 || mesh.dp % rc.dp_shard == 0,
-               "{}: parallel.dp_shard ({}) does not divide the {} data-parallel ranks of {} processes ({})", rc.source, rc.dp_shard, mesh.dp,
-               world, mesh.describe());
   return mesh;
 }
 
@@ -284,9 +281,8 @@ void check_global_batch(const RunConfig& rc, const MeshShape& mesh) {
                rc.source, rc.global_batch, mesh.data_parallel(), mesh.describe(), rc.micro_batch);
 }
 
-ShardGroups shard_groups(const RunConfig& rc, const MeshShape& mesh) {
-  const int64_t dp_shard = rc.dp_shard > 0 ? rc.dp_shard : mesh.dp;
-  return {dp_shard * mesh.cp * mesh.ep, dp_shard * mesh.cp};
+ShardGroups shard_groups(const MeshShape& mesh) {
+  return {mesh.dp_shard * mesh.cp * mesh.ep, mesh.dp_shard * mesh.cp};
 }
 
 MemoryBill estimate_memory(const RunConfig& rc, const EstimatedModel& m, const MeshShape& mesh, ShardGroups groups, Device device) {
@@ -315,7 +311,7 @@ LargestFit largest_fit(const RunConfig& rc, const EstimatedModel& m, const MeshS
     RunConfig trial = rc;
     trial.micro_batch = micro_batch;
     trial.seq_len = seq_len;
-    return double(estimate_memory(trial, m, mesh, shard_groups(rc, mesh), device).total()) <= gpu_bytes;
+    return double(estimate_memory(trial, m, mesh, shard_groups(mesh), device).total()) <= gpu_bytes;
   };
   return {largest_fitting([&](int64_t b) { return fits(b, rc.seq_len); }, kMaxTokens / rc.seq_len),
           largest_fitting([&](int64_t s) { return fits(rc.micro_batch, s); }, kMaxTokens / rc.micro_batch)};

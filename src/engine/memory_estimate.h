@@ -77,7 +77,7 @@ struct LargestFit {
 struct ShardGroups {
   int64_t dense = 1, expert = 1;
 };
-ShardGroups shard_groups(const RunConfig& rc, const MeshShape& mesh);
+ShardGroups shard_groups(const MeshShape& mesh);
 
 // groups {1, 1} is the trainer before FSDP: every process holds whole copies of its tensors.
 MemoryBill estimate_memory(const RunConfig& rc, const EstimatedModel& model, const MeshShape& mesh, ShardGroups groups, Device device);
@@ -105,7 +105,7 @@ auto with_estimated_model(const RunConfig& rc, const typename M::Config& config,
 template <MoeModel M>
 MemoryBill estimate_memory(const RunConfig& rc, const typename M::Config& config, int64_t world, Device device) {
   return with_estimated_model<M>(rc, config, world, device,
-                                 [&](const EstimatedModel& m, const MeshShape& mesh) { return estimate_memory(rc, m, mesh, shard_groups(rc, mesh), device); });
+                                 [&](const EstimatedModel& m, const MeshShape& mesh) { return estimate_memory(rc, m, mesh, shard_groups(mesh), device); });
 }
 
 template <MoeModel M>

@@ -78,7 +78,7 @@ const CLI::Validator kNonNegative = number_at_least(0, true);
 void require_values(const std::vector<std::string>& args, size_t command_line) {
   for (size_t i = args.size() - command_line; i < args.size(); ++i) {
     const std::string& a = args[i];
-    if (!a.starts_with("--")) continue;
+    if (!a.starts_with("--") || a == "--quiet") continue;
     const size_t eq = a.find('=');
     if (eq != std::string::npos) {
       MARROW_CHECK(eq + 1 < a.size(), "{} has an empty value", a.substr(0, eq));
@@ -97,7 +97,7 @@ void check_profile_steps(const RunConfig& rc) {
 }
 
 RunConfig parse_run_config(int argc, char** argv) {
-  MARROW_CHECK(argc >= 2 && argv[1][0] != '-', "usage: marrow {} <run-config> [--section.key=value ...] [--profile-steps=A:B]", argv[0]);
+  MARROW_CHECK(argc >= 2 && argv[1][0] != '-', "usage: marrow {} <run-config> [--section.key=value ...] [--profile-steps=A:B] [--quiet]", argv[0]);
   RunConfig rc;
   rc.source = argv[1];
   CLI::App app{"marrow run"};
@@ -141,9 +141,11 @@ RunConfig parse_run_config(int argc, char** argv) {
   // Not a file key: a run's command line asks for a trace (both --profile-steps=A:B and --profile-steps A:B).
   std::string profile_steps;
   app.add_option("--profile-steps", profile_steps);
+  app.add_flag("--quiet", rc.quiet);
 
   std::vector<std::string> args = config_file_arguments(rc.source);
-  for (int i = 2; i < argc; ++i) args.push_back(argv[i]);
+  rc.overrides.assign(argv + 2, argv + argc);
+  args.insert(args.end(), rc.overrides.begin(), rc.overrides.end());
   require_values(args, size_t(argc - 2));
   // CLI11 parses a reversed vector (last element first).
   std::vector<std::string> reversed(args.rbegin(), args.rend());

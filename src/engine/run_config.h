@@ -4,6 +4,7 @@
 #pragma once
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace marrow {
 
@@ -57,11 +58,14 @@ struct RunConfig {
   // --profile-steps A:B (engine/kernel_trace.h): a kernel trace of optimizer steps A..B (1-based,
   // inclusive) in output.dir; 0:0 traces nothing.
   int64_t profile_first = 0, profile_last = 0;
+  // --quiet: no progress lines for slow work (core/progress.h), such as checking a large corpus.
+  bool quiet = false;
 
-  std::string source;  // the run config file, for messages
+  std::string source;                  // the run config file, for messages
+  std::vector<std::string> overrides;  // the command line after it, as given (for the logs)
 };
 
-// Parses `<run-config> [--section.key=value ...] [--profile-steps A:B]` (argv[0] is the subcommand's
+// Parses `<run-config> [--section.key=value ...] [--profile-steps A:B] [--quiet]` (argv[0] is the subcommand's
 // name). Any problem (missing file, unknown key, bad value, inconsistent sizes) is a marrow::Error
 // with one sentence.
 RunConfig parse_run_config(int argc, char** argv);

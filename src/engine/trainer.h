@@ -27,8 +27,10 @@
 #include "engine/checkpoint.h"
 #include "engine/kernel_trace.h"
 #include "engine/lr_schedule.h"
+#include "engine/memory_estimate.h"
 #include "engine/run_config.h"
 #include "engine/step.h"
+#include "engine/tensorboard.h"
 #include "ops/adamw.h"
 #include "ops/cast.h"
 #include "ops/cross_entropy.h"
@@ -42,6 +44,7 @@ namespace marrow {
 
 struct StepMetrics {
   int64_t step = 0;
+  int64_t tokens_seen = 0;  // targets trained on through this step: step x global_batch x seq_len
   double loss = 0, load_balance = 0, lr = 0, grad_norm = 0, tokens_per_s = 0, step_ms = 0;
   size_t peak_bytes = 0;
   bool skipped = false;
@@ -62,6 +65,7 @@ inline std::string step_json(const StepMetrics& s) {
          {"grad_norm", s.grad_norm}, {"tokens_per_s", s.tokens_per_s}, {"step_ms", s.step_ms}, {"peak_bytes", s.peak_bytes},
          {"skipped", s.skipped}};
   if (!std::isnan(s.val_loss)) j["val_loss"] = s.val_loss;
+  j["tokens_seen"] = s.tokens_seen;
   return j.dump();
 }
 
@@ -130,13 +134,8 @@ inline void inject_test_fault(int64_t step, int rank) {
 
 // The mesh for the job's processes, with one sentence for every layout the run cannot use.
 inline Mesh make_mesh(const RunConfig& rc, int64_t num_experts, Device device) {
-  const MeshShape shape = mesh_shape(process::size(), rc.pp, rc.cp, rc.ep, rc.dp_shard);
-  MARROW_CHECK(num_experts % shape.ep == 0, "{}: num_experts ({}) is not a multiple of parallel.ep ({})", rc.source, num_experts,
-               shape.ep);
-  const int64_t round = shape.data_parallel() * rc.micro_batch;
-  MARROW_CHECK(rc.global_batch % round == 0,
-               "{}: train.global_batch ({}) is not a multiple of the {} data-parallel processes ({}) times train.micro_batch ({})",
-               rc.source, rc.global_batch, shape.data_parallel(), shape.describe(), rc.micro_batch);
+  const MeshShape shape = estimate_mesh(rc, num_experts, process::size());
+  check_global_batch(rc, shape);
   if (device == Device::cuda) {
     use_gpu(process::local_rank());
     keep_pool_memory();
@@ -194,6 +193,11 @@ template <MoeModel M> void print_setup(const TrainSetup<M>& s, const RunConfig& 
                 (long long)s.mesh.world.size(), s.mesh.shape.describe().c_str(), (long long)(m.num_experts() / s.mesh.shape.ep),
                 (long long)m.num_experts(), s.state.params().all().numel() / 1e6);
   std::printf("memory%s: %s\n", s.mesh.world.size() > 1 ? " per process" : "", memory_bill(s.arenas()).c_str());
+  // The estimate (marrow estimate) next to what the run measures, so the two can be compared.
+  const MemoryBill bill = estimate_memory<M>(rc, m.config(), s.mesh.world.size(), s.device);
+  std::printf("estimated peak%s: %.2f GiB (arenas %.2f GiB + activations at %s %.2f GiB)\n", s.mesh.world.size() > 1 ? " per process" : "",
+              bill.trainer_peak() / 1073741824.0, (bill.bytes(BillGroup::state) + bill.bytes(BillGroup::weights)) / 1073741824.0,
+              bill.activation_peak_at.c_str(), bill.bytes(BillGroup::activations) / 1073741824.0);
   std::printf("data: %s, %lld training samples of %lld tokens; %lld steps x %lld sequences (micro-batch %lld%s)\n", rc.data_path.c_str(),
               (long long)data.train_samples(), (long long)rc.seq_len + 1, (long long)rc.steps, (long long)rc.global_batch,
               (long long)rc.micro_batch, s.mesh.shape.data_parallel() > 1 ? " per process" : "");
@@ -265,7 +269,7 @@ std::vector<StepMetrics> train(const RunConfig& rc, const typename M::Config& mo
   }
   TrainSetup<M> s(rc, model_config, device);
   const bool leader = s.mesh.world.rank() == 0;
-  TokenDataset data(rc.data_path, rc.seq_len, rc.seed, rc.validation_fraction);
+  TokenDataset data(rc.data_path, rc.seq_len, rc.seed, rc.validation_fraction, !rc.quiet);
   data.require_vocab_fits(model_config.vocab_size);
   data.require_train_samples(rc.steps * rc.global_batch);
   data.set_samples_per_step(rc.global_batch);
@@ -295,6 +299,8 @@ std::vector<StepMetrics> train(const RunConfig& rc, const typename M::Config& mo
     metrics.open(metrics_path, first_step > 1 ? std::ios::app : std::ios::trunc);
     MARROW_CHECK(metrics.good(), "cannot write {}", metrics_path);
   }
+  std::optional<TensorBoardLog> tensorboard;  // <output.dir>/tb/ (engine/tensorboard.h), cut back on a resume as metrics.jsonl is
+  if (leader) tensorboard.emplace(rc, first_step);
   if (s.mesh.world.size() > 1) watchdog::start(rc.timeout_s, s.mesh.who(), nccl_async_error);
 
   const LrSchedule schedule{rc.schedule, rc.lr, rc.min_lr, rc.warmup_steps, rc.steps, rc.decay_fraction};
@@ -318,6 +324,7 @@ std::vector<StepMetrics> train(const RunConfig& rc, const typename M::Config& mo
 
     StepMetrics m;
     m.step = step;
+    m.tokens_seen = step * rc.global_batch * S;
     if (s.experts) m.expert_traffic = s.experts->take_traffic();
     m.loss = s.mesh.data.sum(token_loss_sum, "loss (sum)") * loss_scale;
     // Reported normalised so that perfectly balanced routing reads 1.0.
@@ -362,6 +369,8 @@ std::vector<StepMetrics> train(const RunConfig& rc, const typename M::Config& mo
     if (leader) {
       metrics << step_json(m) << "\n";
       metrics.flush();
+      MARROW_CHECK(metrics.good(), "cannot write {} (is the disk full?)", metrics_path);
+      tensorboard->add_step(Json::parse(step_json(m)));
     }
     history.push_back(m);
     const int stop_signal = agreed_stop_signal(s.mesh.world);

@@ -8,7 +8,7 @@ namespace marrow {
 
 std::string MeshShape::describe() const {
   return fmt::format("pp {} x dp {} x cp {} x ep {}{}", pp, dp, cp, ep,
-                     dp > 1 ? fmt::format(" (dp sharded {} x replicated {})", dp_shard, dp_replicas()) : "");
+                     dp_shard < dp ? fmt::format(" (dp: shards over {}, {} replicas)", dp_shard, dp_replicas()) : "");
 }
 
 MeshShape mesh_shape(int64_t world_size, int64_t pp, int64_t cp, int64_t ep, int64_t dp_shard) {
@@ -21,8 +21,8 @@ MeshShape mesh_shape(int64_t world_size, int64_t pp, int64_t cp, int64_t ep, int
   MARROW_CHECK(cp == 1, "parallel.cp = {}: context parallelism is not implemented yet (issue #13); use cp = 1", cp);
   const int64_t dp = world_size / (pp * cp * ep);
   if (dp_shard == 0) dp_shard = dp;
-  MARROW_CHECK(dp_shard >= 1 && dp % dp_shard == 0, "parallel.dp_shard = {} does not divide the {} data-parallel ranks (dp)", dp_shard,
-               dp);
+  MARROW_CHECK(dp_shard >= 1 && dp % dp_shard == 0, "parallel.dp_shard ({}) does not divide the {} data-parallel ranks of {} processes ({})",
+               dp_shard, dp, world_size, MeshShape{pp, dp, cp, ep, dp}.describe());
   return {pp, dp, cp, ep, dp_shard};
 }
 

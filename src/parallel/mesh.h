@@ -20,7 +20,7 @@ struct MeshShape {
   int64_t dp_replicas() const { return dp / dp_shard; }
   // Processes that see different data: each trains on its own share of the global batch.
   int64_t data_parallel() const { return dp * ep; }
-  std::string describe() const;  // "pp 1 x dp 2 x cp 1 x ep 2"
+  std::string describe() const;  // "pp 1 x dp 4 x cp 1 x ep 2 (dp: shards over 2, 2 replicas)"
 };
 
 // The shape for world_size processes and the [parallel] sizes (dp_shard 0: all of dp); one

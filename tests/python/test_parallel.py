@@ -296,7 +296,7 @@ def test_bad_layouts(tmp):
     cases = [
         (2, ["--parallel.pp=2"], "pipeline parallelism is not implemented yet"),
         (2, ["--parallel.ep=4"], "does not divide"),
-        (4, ["--parallel.dp_shard=3", "--train.micro_batch=1"], "parallel.dp_shard = 3 does not divide the 4 data-parallel ranks"),
+        (4, ["--parallel.dp_shard=3", "--train.micro_batch=1"], "parallel.dp_shard (3) does not divide the 4 data-parallel ranks"),
         (3, ["--parallel.ep=3", "--train.micro_batch=1", "--train.global_batch=6"], "is not a multiple of parallel.ep"),
         (4, ["--parallel.ep=2", "--train.micro_batch=1", "--train.global_batch=6"], "is not a multiple of the 4 data-parallel processes"),
     ]
