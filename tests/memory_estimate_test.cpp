@@ -53,7 +53,7 @@ struct SmallTable {
 };
 
 MemoryBill small_bill(const RunConfig& rc, const SmallTable& t, int64_t world, Device device) {
-  const MeshShape mesh = mesh_shape(world, 1, 1, rc.ep);
+  const MeshShape mesh = mesh_shape(world, 1, 1, rc.ep, rc.dp_shard);
   return estimate_memory(rc, t.model(), mesh, shard_groups(mesh), device);
 }
 
