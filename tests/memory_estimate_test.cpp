@@ -59,7 +59,7 @@ MemoryBill small_bill(const RunConfig& rc, const SmallTable& t, int64_t world, D
 
 RunConfig small_run(bool keep_gathered = false) {
   RunConfig rc;
-  rc.keep_gathered = keep_gathered;
+  rc.keep_gathered = rc.keep_whole_grads = keep_gathered;
   rc.source = "test.toml";
   return rc;
 }

@@ -112,7 +112,8 @@ Json run_config_json(const RunConfig& rc) {
           {"output", {{"dir", rc.out_dir}, {"log_every", rc.log_every}}},
           {"parallel",
            {{"pp", rc.pp}, {"cp", rc.cp}, {"ep", rc.ep}, {"timeout_s", rc.timeout_s}, {"overlap_grad_reduce", rc.overlap_grad_reduce},
-            {"dp_shard", rc.dp_shard}, {"keep_gathered", rc.keep_gathered}}}};
+            {"dp_shard", rc.dp_shard}, {"keep_gathered", rc.keep_gathered},
+            {"keep_whole_grads", rc.keep_whole_grads}}}};
 }
 
 }  // namespace

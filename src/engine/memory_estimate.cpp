@@ -27,12 +27,12 @@ constexpr int64_t kMaxTokens = int64_t(1) << 31;
 struct Unit {
   bool expert = false, decoder_layer = false;
   int64_t numel = 0, n = 1, chunk = 0;
-  bool kept = true;  // whole weights and gradient kept for the step (else the layers' slots)
+  bool weights_kept = true, grads_kept = true;  // whole for the step (else the layers' slots)
 };
 
 // The units of a parameter table: all norms together, else one per (layer, expert or not).
 std::vector<Unit> cut_units(const std::vector<TensorSpec>& specs, int64_t num_layers, int64_t dense_n, int64_t expert_n,
-                            bool keep_gathered) {
+                            bool keep_gathered, bool keep_whole_grads) {
   std::vector<Unit> units;
   std::map<std::tuple<bool, int64_t, bool>, size_t> index;
   for (const TensorSpec& s : specs) {
@@ -44,7 +44,8 @@ std::vector<Unit> cut_units(const std::vector<TensorSpec>& specs, int64_t num_la
   for (Unit& u : units) {
     u.n = u.expert ? expert_n : dense_n;
     u.chunk = (u.numel + u.n - 1) / u.n;
-    u.kept = keep_gathered || u.n == 1 || !u.decoder_layer;
+    u.weights_kept = keep_gathered || u.n == 1 || !u.decoder_layer;
+    u.grads_kept = keep_whole_grads || u.n == 1 || !u.decoder_layer;
   }
   return units;
 }
@@ -71,23 +72,24 @@ void add_weights(MemoryBill& bill, const std::vector<Unit>& units, Device device
   const int64_t w = gpu ? 2 : 4;
   const std::string dtype = gpu ? "bf16" : "fp32";
   int64_t kept_whole = 0, kept_grads = 0, layer_shards = 0;
-  std::array<int64_t, 2> slot{0, 0};  // the largest slotted unit, dense and expert: n*c elements
+  std::array<int64_t, 2> slot{0, 0}, grad_slot{0, 0};  // the largest slotted unit, dense and expert: n*c elements
   for (const Unit& u : units) {
-    if (u.kept) {
+    if (u.weights_kept) {
       if (gpu || u.n > 1) kept_whole += u.n * u.chunk;
-      if (u.n > 1) kept_grads += u.n * u.chunk;
     } else {
       slot[u.expert] = std::max(slot[u.expert], u.n * u.chunk);
       if (gpu) layer_shards += u.chunk;
     }
+    if (!u.grads_kept) grad_slot[u.expert] = std::max(grad_slot[u.expert], u.n * u.chunk);
+    else if (u.n > 1) kept_grads += u.n * u.chunk;
   }
-  const int64_t slots = 2 * (slot[0] + slot[1]);
+  const int64_t slots = 2 * (slot[0] + slot[1]), grad_slots = 2 * (grad_slot[0] + grad_slot[1]);
   bill.items.push_back({BillGroup::weights, dtype + " weights of units kept whole", w * kept_whole,
                         "prolog, epilog, norms; units with n = 1 or keep_gathered"});
   bill.items.push_back({BillGroup::weights, dtype + " weight shards of the slotted layers", w * layer_shards, ""});
   bill.items.push_back({BillGroup::weights, dtype + " gathered layer slots", w * slots, "2 dense + 2 expert"});
   bill.items.push_back({BillGroup::weights, "fp32 whole gradients of units kept whole", 4 * kept_grads, ""});
-  bill.items.push_back({BillGroup::weights, "fp32 gradient slots of the layers", 4 * slots, "2 dense + 2 expert"});
+  bill.items.push_back({BillGroup::weights, "fp32 gradient slots of the layers", 4 * grad_slots, "2 dense + 2 expert"});
 }
 
 // What one micro-batch holds from the forward for the backward, by kind.
@@ -294,11 +296,11 @@ MemoryBill estimate_memory(const RunConfig& rc, const EstimatedModel& m, const M
   bill.context = {
       "model: " + m.description,
       fmt::format("layout: {} process{} ({}); shard groups: {} (dense units), {} (expert units){}", mesh.world(), mesh.world() > 1 ? "es" : "",
-                  mesh.describe(), groups.dense, groups.expert, rc.keep_gathered ? "; parallel.keep_gathered" : ""),
+                  mesh.describe(), groups.dense, groups.expert, fmt::format("{}{}", rc.keep_gathered ? "; parallel.keep_gathered" : "", rc.keep_whole_grads ? "; parallel.keep_whole_grads" : "")),
       fmt::format("micro-batch: {} x {} tokens, {} per optimizer step; {} ({})", rc.micro_batch, rc.seq_len,
                   std::max<int64_t>(1, rc.global_batch / (rc.micro_batch * mesh.data_parallel())), device_name(device),
                   device == Device::cuda ? "bf16 compute, fp32 master weights" : "fp32")};
-  const std::vector<Unit> units = cut_units(m.specs, m.num_layers, groups.dense, groups.expert, rc.keep_gathered);
+  const std::vector<Unit> units = cut_units(m.specs, m.num_layers, groups.dense, groups.expert, rc.keep_gathered, rc.keep_whole_grads);
   add_state(bill, units);
   add_weights(bill, units, device);
   add_activations(bill, rc, m, mesh.ep, device);

@@ -138,6 +138,7 @@ RunConfig parse_run_config(int argc, char** argv) {
   app.add_option("--parallel.overlap_grad_reduce", rc.overlap_grad_reduce);
   app.add_option("--parallel.dp_shard", rc.dp_shard)->check(kNonNegative);
   app.add_option("--parallel.keep_gathered", rc.keep_gathered);
+  app.add_option("--parallel.keep_whole_grads", rc.keep_whole_grads);
   // Not a file key: a run's command line asks for a trace (both --profile-steps=A:B and --profile-steps A:B).
   std::string profile_steps;
   app.add_option("--profile-steps", profile_steps);

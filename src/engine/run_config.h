@@ -51,10 +51,12 @@ struct RunConfig {
   // and AdamW moments are sharded over groups of dp_shard data-parallel ranks and replicated across
   // the dp / dp_shard groups (HSDP). 0 shards over all of dp (ZeRO-3); 1 replicates (plain DDP).
   int64_t dp_shard = 0;
-  // true: gather each layer's weights once per step and keep them, and accumulate whole gradients
-  // to reduce-scatter once per step (faster, more memory); false: gather before each use and
-  // reduce-scatter each micro-batch's gradients (least memory).
+  // true: gather each layer's weights once per step and keep them (faster, more memory); false:
+  // gather them before each use, forward and backward.
   bool keep_gathered = false;
+  // true: accumulate each layer's whole gradient over the micro-batches and reduce-scatter it once
+  // per step (less traffic, more memory); false: reduce-scatter each micro-batch's.
+  bool keep_whole_grads = false;
   // --profile-steps A:B (engine/kernel_trace.h): a kernel trace of optimizer steps A..B (1-based,
   // inclusive) in output.dir; 0:0 traces nothing.
   int64_t profile_first = 0, profile_last = 0;

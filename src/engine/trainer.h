@@ -166,7 +166,7 @@ template <MoeModel M> struct TrainSetup {
         mesh(make_mesh(rc, config.num_experts, device)),
         model(config, dtype, device, expert_shard(mesh, config.num_experts)),
         model_tensors(M(config, dtype, device).specs().size()),
-        state(model.specs(), model.num_layers(), mesh, rc.keep_gathered, device, dtype) {
+        state(model.specs(), model.num_layers(), mesh, rc.keep_gathered, rc.keep_whole_grads, device, dtype) {
     if (mesh.shape.ep > 1) experts.emplace(mesh.ep, config.num_experts);
     state.initialize([&](Tensor out, const TensorSpec& spec, int64_t first) { model.initialize(out, spec, first, rc.seed); });
     w = model.bind(state.weights());

@@ -23,7 +23,7 @@ UnitKey unit_key(const TensorSpec& s) { return s.is_norm ? UnitKey{true, -1, fal
 }  // namespace
 
 std::vector<ShardedParameters::Unit> ShardedParameters::cut_units(const std::vector<TensorSpec>& specs, int64_t num_layers,
-                                                                  const Mesh& mesh, bool keep_gathered) {
+                                                                  const Mesh& mesh, bool keep_gathered, bool keep_whole_grads) {
   std::vector<Unit> units;
   std::vector<UnitKey> seen;
   for (const TensorSpec& s : specs) {
@@ -43,7 +43,9 @@ std::vector<ShardedParameters::Unit> ShardedParameters::cut_units(const std::vec
     u.numel = s.numel;
     u.group = u.expert ? &mesh.expert_shard : &mesh.shard;
     u.n = u.group->size();
-    u.kept = keep_gathered || u.n == 1 || u.norms || u.stage < 0 || u.stage >= num_layers;
+    const bool whole_anyway = u.n == 1 || u.norms || u.stage < 0 || u.stage >= num_layers;
+    u.weights_kept = keep_gathered || whole_anyway;
+    u.grads_kept = keep_whole_grads || whole_anyway;
     units.push_back(u);
   }
   int64_t offset = 0;
@@ -62,18 +64,22 @@ int64_t ShardedParameters::shard_elements(const std::vector<Unit>& units) {
 }
 
 ShardedParameters::ShardedParameters(const std::vector<TensorSpec>& specs, int64_t num_layers, const Mesh& mesh, bool keep_gathered,
-                                     Device device, DType compute)
+                                     bool keep_whole_grads, Device device, DType compute)
     : specs_(specs),
       num_layers_(num_layers),
       device_(device),
       mesh_(mesh),
-      units_(cut_units(specs, num_layers, mesh, keep_gathered)),
+      units_(cut_units(specs, num_layers, mesh, keep_gathered, keep_whole_grads)),
       params_("parameters", DType::f32, device, shard_elements(units_)),
       grads_("gradients", DType::f32, device, shard_elements(units_)),
       exp_avg_("adam exp_avg", DType::f32, device, shard_elements(units_)),
       exp_avg_sq_("adam exp_avg_sq", DType::f32, device, shard_elements(units_)) {
   by_stage_.resize(size_t(num_layers + 2));
   for (size_t i = 0; i < units_.size(); ++i) by_stage_[size_t(units_[i].stage + 1)].push_back(i);
+  for (const std::vector<size_t>& stage : by_stage_)
+    for (size_t i : stage)
+      if (units_[i].norms) update_order_.insert(update_order_.begin(), i);
+      else update_order_.push_back(i);
   saves_ = mesh.replica_rank == 0;
   allocate(compute);
   place(specs);
@@ -87,15 +93,17 @@ ShardedParameters::ShardedParameters(const std::vector<TensorSpec>& specs, int64
 void ShardedParameters::allocate(DType compute) {
   const bool separate_working = compute != DType::f32;  // the CPU computes on the fp32 master shard
   int64_t shards = 0, gathered = 0, whole = 0;
-  std::array<int64_t, 2> slot_size{0, 0};
+  std::array<int64_t, 2> weight_slot{0, 0}, grad_slot{0, 0};
   for (const Unit& u : units_) {
-    if (!u.kept) slot_size[u.expert ? 1 : 0] = std::max(slot_size[u.expert ? 1 : 0], u.n * u.chunk);
+    const size_t kind = u.expert ? 1 : 0;
+    if (!u.weights_kept) weight_slot[kind] = std::max(weight_slot[kind], u.n * u.chunk);
     else if (separate_working || u.n > 1) gathered += u.n * u.chunk;
-    if (!u.kept && separate_working) shards += u.chunk;
-    if (u.kept && u.n > 1) whole += u.n * u.chunk;
+    if (!u.weights_kept && separate_working) shards += u.chunk;
+    if (!u.grads_kept) grad_slot[kind] = std::max(grad_slot[kind], u.n * u.chunk);
+    else if (u.n > 1) whole += u.n * u.chunk;
   }
-  gathered += 2 * (slot_size[0] + slot_size[1]);
-  whole += 2 * (slot_size[0] + slot_size[1]);
+  gathered += 2 * (weight_slot[0] + weight_slot[1]);
+  whole += 2 * (grad_slot[0] + grad_slot[1]);
   if (shards > 0) shards_.emplace("bf16 weight shards", compute, device_, shards);
   if (gathered > 0) gathered_.emplace(separate_working ? "bf16 gathered weights" : "gathered weights", compute, device_, gathered);
   if (whole > 0) whole_grads_.emplace("whole gradients", DType::f32, device_, whole);
@@ -105,30 +113,29 @@ void ShardedParameters::allocate(DType compute) {
     return a->slice(at - n, {n});
   };
   for (Unit& u : units_) {
-    if (u.kept && (separate_working || u.n > 1)) {
+    if (u.weights_kept && (separate_working || u.n > 1)) {
       u.gathered = take(gathered_, at_gathered, u.n * u.chunk);
       u.working = separate_working ? u.gathered.rows(u.group->rank() * u.chunk, (u.group->rank() + 1) * u.chunk) : u.shard(params_);
-    } else if (u.kept) {
+    } else if (u.weights_kept) {
       u.gathered = u.working = u.shard(params_);
     } else {
       u.working = separate_working ? take(shards_, at_shard, u.chunk) : u.shard(params_);
     }
-    if (u.kept) u.whole_grad = u.n > 1 ? take(whole_grads_, at_whole, u.n * u.chunk) : u.shard(grads_);
+    if (u.grads_kept) u.whole_grad = u.n > 1 ? take(whole_grads_, at_whole, u.n * u.chunk) : u.shard(grads_);
   }
-  for (int kind = 0; kind < 2; ++kind)
-    for (Slot& s : slots_[size_t(kind)])
-      if (slot_size[size_t(kind)] > 0) {
-        s.weights = take(gathered_, at_gathered, slot_size[size_t(kind)]);
-        s.grad = take(whole_grads_, at_whole, slot_size[size_t(kind)]);
-      }
+  for (size_t kind = 0; kind < 2; ++kind)
+    for (Slot& s : slots_[kind]) {
+      if (weight_slot[kind] > 0) s.weights = take(gathered_, at_gathered, weight_slot[kind]);
+      if (grad_slot[kind] > 0) s.grad = take(whole_grads_, at_whole, grad_slot[kind]);
+    }
 }
 
 // The model's views (weights_, gradients_), the gradient ranges zeroed before use, the checkpoint
 // pieces.
 void ShardedParameters::place(const std::vector<TensorSpec>& specs) {
   for (Unit& u : units_) {
-    const Tensor weights = u.kept ? u.gathered : slot(u, u.stage).weights;
-    const Tensor grad = u.kept ? u.whole_grad : slot(u, u.stage).grad;
+    const Tensor weights = u.weights_kept ? u.gathered : slot(u, u.stage).weights;
+    const Tensor grad = u.grads_kept ? u.whole_grad : slot(u, u.stage).grad;
     weights_.place(u.begin, weights.rows(0, u.numel));
     gradients_.place(u.begin, grad.rows(0, u.numel));
     const int64_t own_first = u.begin + u.group->rank() * u.chunk, own_end = std::min(u.begin + u.numel, own_first + u.chunk);
@@ -136,14 +143,14 @@ void ShardedParameters::place(const std::vector<TensorSpec>& specs) {
       const TensorSpec& s = specs[i];
       if (s.offset < u.begin || s.offset >= u.begin + u.numel) continue;
       if (!s.first_backward_writes) u.zeroed.push_back(grad.rows(s.offset - u.begin, s.offset - u.begin + s.numel));
-      else first_writes_slotted_ = first_writes_slotted_ || !u.kept;
+      else first_writes_slotted_ = first_writes_slotted_ || !u.grads_kept;
       const int64_t first = std::max(s.offset, own_first), end = std::min(s.offset + s.numel, own_end);
       if (first < end) pieces_.push_back({i, first - s.offset, end - first, u.offset + first - own_first});
     }
   }
   for (const Unit& u : units_)
     for (const TensorSpec& s : specs)
-      MARROW_CHECK(!s.first_backward_writes || s.offset < u.begin || s.offset >= u.begin + u.numel || u.kept != first_writes_slotted_,
+      MARROW_CHECK(!s.first_backward_writes || s.offset < u.begin || s.offset >= u.begin + u.numel || u.grads_kept != first_writes_slotted_,
                    "internal: gradients marked first_backward_writes are in kept and slotted units alike");
 }
 
@@ -160,24 +167,28 @@ void ShardedParameters::initialize(const std::function<void(Tensor, const Tensor
 }
 
 void ShardedParameters::master_changed() {
-  for (const Unit& u : units_)
+  forget_slots();
+  for (size_t i : update_order_) {
+    Unit& u = units_[i];
     if (u.working.data != u.shard(params_).data) cast(u.working, u.shard(params_));
-  gather_kept();
+    gather_kept(u);
+  }
 }
 
-void ShardedParameters::gather_kept() {
+void ShardedParameters::forget_slots() {
   for (int kind = 0; kind < 2; ++kind)
     for (Slot& s : slots_[size_t(kind)]) s.holds = -1;
-  for (Unit& u : units_)
-    if (u.kept && u.n > 1) {
-      u.group->all_gather(u.gathered, u.working, "weights all_gather (kept)", false);
-      u.gathered_at = u.group->queued();
-    }
+}
+
+void ShardedParameters::gather_kept(Unit& u) {
+  if (!u.weights_kept || u.n == 1) return;
+  u.group->all_gather(u.gathered, u.working, "weights all_gather (kept)", false);
+  u.gathered_at = u.group->queued();
 }
 
 void ShardedParameters::start_step() {
   for (const Unit& u : units_)
-    if (u.kept)
+    if (u.grads_kept)
       for (const Tensor& t : u.zeroed) fill_zero(t);
 }
 
@@ -192,15 +203,14 @@ void ShardedParameters::gather_slot(const Unit& u, int64_t layer) {
 void ShardedParameters::wait_for_weights(int64_t stage, bool backward) {
   for (size_t i : by_stage_[size_t(stage + 1)]) {
     const Unit& u = units_[i];
-    if (u.kept) {
+    if (u.weights_kept) {
       u.group->wait_for(u.gathered_at);
-      continue;
+    } else {
+      gather_slot(u, stage);
+      u.group->wait_for(slot(u, stage).gathered_at);
     }
-    gather_slot(u, stage);
-    Slot& s = slot(u, stage);
-    u.group->wait_for(s.gathered_at);
-    if (!backward) continue;
-    u.group->wait_for(s.reduced_at);  // the slot's previous gradient is scattered
+    if (!backward || u.grads_kept) continue;
+    u.group->wait_for(slot(u, stage).reduced_at);  // the slot's previous gradient is scattered
     for (const Tensor& t : u.zeroed) fill_zero(t);
   }
 }
@@ -209,7 +219,7 @@ void ShardedParameters::wait_for_weights(int64_t stage, bool backward) {
 void ShardedParameters::prefetch(int64_t layer) {
   if (layer < 0 || layer >= num_layers_) return;
   for (size_t i : by_stage_[size_t(layer + 1)])
-    if (!units_[i].kept) gather_slot(units_[i], layer);
+    if (!units_[i].weights_kept) gather_slot(units_[i], layer);
 }
 
 void ShardedParameters::before_forward(int64_t stage) {
@@ -230,7 +240,7 @@ void ShardedParameters::reduce_kept(const Unit& u) {
 void ShardedParameters::after_backward(int64_t stage, int64_t micro, bool last, bool overlap) {
   for (size_t i : by_stage_[size_t(stage + 1)]) {
     const Unit& u = units_[i];
-    if (!u.kept) {
+    if (!u.grads_kept) {
       Slot& s = slot(u, stage);
       u.group->reduce_scatter_sum(u.shard(grads_), s.grad.rows(0, u.n * u.chunk), "gradient reduce_scatter (layer)", micro > 0, false);
       s.reduced_at = u.group->queued();
@@ -244,7 +254,7 @@ void ShardedParameters::finish_gradients(bool overlapped) {
   if (!overlapped)
     for (int64_t stage = num_layers_; stage >= -1; --stage)
       for (size_t i : by_stage_[size_t(stage + 1)])
-        if (units_[i].kept) reduce_kept(units_[i]);
+        if (units_[i].grads_kept) reduce_kept(units_[i]);
   mesh_.shard.join();
   mesh_.expert_shard.join();
   // Sharded units' replica sums wait for their scatters (another stream), so they start here.
@@ -260,12 +270,15 @@ double ShardedParameters::gradient_norm() const {
 
 void ShardedParameters::optimizer_step(AdamWHyper hyper) {
   const double weight_decay = hyper.weight_decay;
-  for (const Unit& u : units_) {
+  forget_slots();
+  // In the order the next forward needs them, each unit's gather starting as soon as it is updated.
+  for (size_t i : update_order_) {
+    Unit& u = units_[i];
     hyper.weight_decay = u.norms ? 0 : weight_decay;
     const bool separate = u.working.data != u.shard(params_).data;
     adamw_step(u.shard(params_), separate ? u.working : Tensor{}, u.shard(exp_avg_), u.shard(exp_avg_sq_), u.shard(grads_), hyper);
+    gather_kept(u);
   }
-  gather_kept();
 }
 
 }  // namespace marrow

@@ -14,15 +14,16 @@
 //   weights  AdamW writes the compute-dtype shard (bf16 on the GPU; on the CPU the fp32 master
 //            shard itself serves). It is all-gathered into a whole copy on the group's
 //            communication stream: kept units (prolog, epilog, norms; every unit with
-//            keep_gathered) once after each optimizer step, decoder layers before each forward
-//            and backward, one layer ahead, through two slots (layer l in slot l % 2). After the
-//            forward the last two layers are still in their slots and the backward starts on them.
+//            parallel.keep_gathered) right after the optimizer updated them, decoder layers before
+//            each forward and backward, one layer ahead, through two slots (layer l in slot l % 2).
+//            After the forward the last two layers are still in their slots and the backward
+//            starts on them.
 //   grads    The backward writes a whole fp32 gradient of the unit. Decoder layers write it into
 //            two slots and reduce-scatter it into the owner's shard after each micro-batch
-//            (adding to the earlier micro-batches'); kept units (and every unit with
-//            keep_gathered) accumulate it whole over the micro-batches and reduce-scatter it once,
-//            as soon as the last micro-batch's backward has passed the stage. Replicas then sum
-//            the shards.
+//            (adding to the earlier micro-batches'); prolog, epilog and norms (every unit with
+//            parallel.keep_whole_grads) accumulate it whole over the micro-batches and
+//            reduce-scatter it once, as soon as the last micro-batch's backward has passed the
+//            stage. Replicas then sum the shards.
 // A unit of one chunk (n = 1) is neither gathered nor scattered: its whole copy is the shard, and
 // this is plain replicated data parallelism (and the single process).
 #pragma once
@@ -41,8 +42,8 @@ namespace marrow {
 class ShardedParameters {
  public:
   // compute: the dtype the model computes in (bf16 on the GPU, f32 on the CPU).
-  ShardedParameters(const std::vector<TensorSpec>& specs, int64_t num_layers, const Mesh& mesh, bool keep_gathered, Device device,
-                    DType compute);
+  ShardedParameters(const std::vector<TensorSpec>& specs, int64_t num_layers, const Mesh& mesh, bool keep_gathered,
+                    bool keep_whole_grads, Device device, DType compute);
   ShardedParameters(const ShardedParameters&) = delete;
   ShardedParameters& operator=(const ShardedParameters&) = delete;
 
@@ -93,11 +94,12 @@ class ShardedParameters {
     int64_t begin = 0, numel = 0;  // in the model's layout
     const Comm* group = nullptr;
     int64_t n = 1, chunk = 0, offset = 0;  // shard group size, chunk, place in the shard arenas
-    bool kept = true;                      // whole weights and gradient kept for the step (else slots)
+    bool weights_kept = true;              // the whole weights kept for the step (else slots)
+    bool grads_kept = true;                // the whole gradient accumulated over the step (else slots)
     Tensor working;                        // the shard the optimizer writes, in the compute dtype
-    Tensor gathered;                       // kept: the whole unit, n * chunk elements
-    Tensor whole_grad;                     // kept: the whole fp32 gradient (n == 1: the shard)
-    std::vector<Tensor> zeroed;            // gradient views a step (kept) or a use (slots) starts at zero
+    Tensor gathered;                       // weights_kept: the whole unit, n * chunk elements
+    Tensor whole_grad;                     // grads_kept: the whole fp32 gradient (n == 1: the shard)
+    std::vector<Tensor> zeroed;            // gradient views a step (grads_kept) or a use (slots) starts at zero
     Comm::Point gathered_at;
     Tensor shard(const Arena& a) const { return a.slice(offset, {chunk}); }
   };
@@ -107,12 +109,15 @@ class ShardedParameters {
     Comm::Point gathered_at, reduced_at;
   };
 
-  static std::vector<Unit> cut_units(const std::vector<TensorSpec>& specs, int64_t num_layers, const Mesh& mesh, bool keep_gathered);
+  static std::vector<Unit> cut_units(const std::vector<TensorSpec>& specs, int64_t num_layers, const Mesh& mesh, bool keep_gathered,
+                                     bool keep_whole_grads);
   static int64_t shard_elements(const std::vector<Unit>& units);
   void allocate(DType compute);
   void place(const std::vector<TensorSpec>& specs);
-  // The weights the last optimizer step (or master_changed) left: kept units gathered anew, slots stale.
-  void gather_kept();
+  // After unit u's master shard changed: its kept weights are gathered anew.
+  void gather_kept(Unit& u);
+  // The slots' weights are stale (the master shards changed).
+  void forget_slots();
   void gather_slot(const Unit& u, int64_t layer);
   // The compute stream waits for the stage's weights (and, in the backward, for its gradient slots).
   void wait_for_weights(int64_t stage, bool backward);
@@ -126,6 +131,7 @@ class ShardedParameters {
   const Mesh& mesh_;
   std::vector<Unit> units_;
   std::vector<std::vector<size_t>> by_stage_;  // units by stage + 1
+  std::vector<size_t> update_order_;           // the order the forward needs the units in: norms, then by stage
   Arena params_, grads_, exp_avg_, exp_avg_sq_;
   std::optional<Arena> shards_, gathered_, whole_grads_;  // compute-dtype shards, whole copies, whole gradients
   std::array<std::array<Slot, 2>, 2> slots_;             // [dense, expert][layer % 2]
