@@ -5,9 +5,10 @@
 # build -> mpirun -np 2 marrow check --only expert_parallel (the collectives over NCCL, incl. the
 # in-place all_gather and accumulating reduce_scatter FSDP uses) -> the bench config (3 warm-up + 17
 # measured steps) on one GPU, then DP = 2 with FSDP (default: gathered per stage, gradients
-# reduce-scattered per micro-batch), with parallel.keep_gathered, and replicated (dp_shard = 1) ->
+# reduce-scattered per micro-batch), with parallel.keep_gathered, with it and keep_whole_grads, and
+# replicated (dp_shard = 1) ->
 # DP = 2 losses against one GPU (bf16 tolerance) -> the bench config with 16 layers (does not fit
-# one H200) on two GPUs with FSDP, 20 steps, losses falling. Each run prints the memory bill, the
+# one H200) on two GPUs with FSDP, 20 steps, losses falling, and with keep_gathered. Each run prints the memory bill, the
 # estimated peak and the measured one. Ends with PASS or FAIL.
 set -uo pipefail
 out=${1:-$OUT}
@@ -45,8 +46,11 @@ rm -rf runs/fsdp-*
 run "bench config on one GPU" "$out/bench-1gpu.log" "" "${bench[@]}" --output.dir=runs/fsdp-1gpu
 run "DP = 2, FSDP (gather per stage, reduce-scatter per micro-batch)" "$out/bench-fsdp.log" mpi "${bench[@]}" --output.dir=runs/fsdp-dp2
 sed -n '/^stage (per step)/,$p' "$out/bench-fsdp.log" | tail -9
-run "DP = 2, FSDP with parallel.keep_gathered = true" "$out/bench-fsdp-kept.log" mpi "${bench[@]}" --parallel.keep_gathered=true \
-  --output.dir=runs/fsdp-dp2-kept
+run "DP = 2, FSDP with parallel.keep_gathered (weights gathered once per step)" "$out/bench-fsdp-weights.log" mpi "${bench[@]}" \
+  --parallel.keep_gathered=true --output.dir=runs/fsdp-dp2-weights
+run "DP = 2, FSDP with keep_gathered and keep_whole_grads (gradients reduce-scattered once per step)" "$out/bench-fsdp-kept.log" mpi \
+  "${bench[@]}" --parallel.keep_gathered=true --parallel.keep_whole_grads=true --output.dir=runs/fsdp-dp2-kept
+sed -n '/^stage (per step)/,$p' "$out/bench-fsdp-kept.log" | tail -9
 run "DP = 2, replicated (parallel.dp_shard = 1)" "$out/bench-ddp.log" mpi "${bench[@]}" --parallel.dp_shard=1 --output.dir=runs/fsdp-ddp
 
 step "DP = 2 (FSDP) losses against one GPU (bf16 tolerance, 2%)"
@@ -63,6 +67,9 @@ first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
 print(f"16 layers: {len(losses)} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f} (mean of first 3 {first:.3f}, last 3 {last:.3f})")
 sys.exit(0 if len(losses) == 20 and last < first else 1)
 PY
+run "16 layers on two GPUs, FSDP with parallel.keep_gathered" "$out/bench-16layers-weights.log" mpi "${bench[@]}" \
+  --model.config=configs/bench-moe-16.json --parallel.keep_gathered=true --output.dir=runs/fsdp-16-weights
+sed -n '/^stage (per step)/,$p' "$out/bench-16layers-weights.log" | tail -9
 
 if [ $status -eq 0 ]; then echo PASS | tee -a "$out/summary.log"; else echo FAIL | tee -a "$out/summary.log"; fi
 exit $status
