@@ -55,7 +55,7 @@ int export_command(int argc, char** argv) {
   with_model(source.config, source.config_path, [&]<class M>(const typename M::Config& config) {
     M model(config, DType::f32, Device::cpu);
     Arena params("parameters", DType::f32, Device::cpu, model.num_parameters());
-    load_model_weights(source, model.specs(), params);
+    load_model_weights(source, model.specs(), params, !quiet);
     write_hf_model(out, model.specs(), params, config.json, options);
     std::printf("export: %s -> %s: %.2fM parameters as %s%s\n", source.dir.c_str(), out.c_str(), model.num_parameters() / 1e6,
                 dtype.c_str(), options.tokenizer.empty() ? " (no tokenizer: the run's corpus had none)" : ", with tokenizer");

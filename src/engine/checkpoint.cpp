@@ -18,6 +18,7 @@
 #include <set>
 #include <thread>
 
+#include "core/progress.h"
 #include "core/safetensors.h"
 #include "core/sha256.h"
 #include "data/token_corpus.h"
@@ -144,13 +145,12 @@ std::vector<TensorPiece> whole_tensors(const std::vector<TensorSpec>& specs) {
 }
 
 Json write_checkpoint_part(const std::string& tmp, const std::vector<TensorSpec>& specs, const std::vector<TensorPiece>& pieces,
-                           const CheckpointArenas& arenas, const std::string& part, size_t shard_bytes) {
-  const auto start = std::chrono::steady_clock::now();
+                           const CheckpointArenas& arenas, const std::string& part, size_t shard_bytes, bool show_progress) {
   const Arena* group_arena[] = {arenas.weights, arenas.exp_avg, arenas.exp_avg_sq};
-  size_t total = 0, done = 0;
+  size_t total = 0;
   for (const Arena* a : group_arena)
     for (const TensorPiece& p : pieces) total += a ? size_t(p.count) * sizeof(float) : 0;
-  const bool progress = total >= (size_t(1) << 30);
+  Progress progress("checkpoint: writing " + tmp, total, show_progress);
   // Pauses after the first file of each save, so tests can kill a save midway (crash safety).
   const char* pause_ms = std::getenv("MARROW_TEST_SAVE_PAUSE_MS");
 
@@ -184,16 +184,12 @@ Json write_checkpoint_part(const std::string& tmp, const std::vector<TensorSpec>
       files.push_back({{"file", name}, {"group", kGroups[g]}, {"bytes", fs::file_size(path)}});
       if (!slices.empty()) files.back()["slices"] = slices;
       hashes.push_back(std::async(std::launch::async, [path] { return sha256_file(path); }));
-      done += host.view().bytes();
-      if (progress) {
-        std::printf("checkpoint: %s %s of %s (%.0f s)\n", path.c_str(), human_bytes(double(done)).c_str(), human_bytes(double(total)).c_str(),
-                    std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
-        std::fflush(stdout);
-      }
+      progress.add(host.view().bytes());
       if (pause_ms && files.size() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(std::atol(pause_ms)));
     }
   }
   for (size_t i = 0; i < hashes.size(); ++i) files[i]["sha256"] = hashes[i].get();
+  progress.finish();
   return files;
 }
 
@@ -288,25 +284,24 @@ Checkpoint open_checkpoint(const std::string& path) {
   return c;
 }
 
-void verify_checkpoint(const Checkpoint& c) {
+void verify_checkpoint(const Checkpoint& c, bool show_progress) {
   std::vector<std::pair<std::string, std::future<std::string>>> hashes;
   double bytes = 0;
   for (const Json& file : c.meta["files"]) bytes += file.value("bytes", 0.0);
-  if (bytes >= 1073741824.0) {
-    std::printf("checkpoint: verifying the sha256 of %s (%s in %zu files)\n", c.dir.c_str(), human_bytes(bytes).c_str(),
-                c.meta["files"].size());
-    std::fflush(stdout);
-  }
+  Progress progress("checkpoint: verifying the sha256 of " + c.dir, uint64_t(bytes), show_progress);
   for (const Json& file : c.meta["files"]) {
     const std::string path = c.dir + "/" + file["file"].get<std::string>();
     hashes.push_back({path, std::async(std::launch::async, [path] { return sha256_file(path); })});
   }
   size_t i = 0;
   for (auto& [path, hash] : hashes) {
-    const std::string want = c.meta["files"][i++].value("sha256", "");
+    const Json& file = c.meta["files"][i++];
+    const std::string want = file.value("sha256", "");
     const std::string got = hash.get();
     MARROW_CHECK(got == want, "{} is corrupt: its sha256 is {} but {}/{} records {}", path, got, c.dir, kMeta, want);
+    progress.add(uint64_t(file.value("bytes", 0.0)));
   }
+  progress.finish();
 }
 
 namespace {
@@ -355,8 +350,11 @@ void check_stored(const StoredSlice& s, const TensorSpec& spec) {
 }  // namespace
 
 void load_checkpoint_pieces(const Checkpoint& c, const std::string& group, const std::vector<TensorSpec>& specs,
-                            const std::vector<TensorPiece>& pieces, const Arena& arena, size_t model_tensors) {
+                            const std::vector<TensorPiece>& pieces, const Arena& arena, size_t model_tensors, bool show_progress) {
   if (model_tensors == 0) model_tensors = specs.size();
+  uint64_t total = 0;
+  for (const TensorPiece& p : pieces) total += uint64_t(p.count) * sizeof(float);
+  Progress progress(fmt::format("checkpoint: reading {} of {}", group, c.dir), total, show_progress);
   std::vector<std::unique_ptr<SafetensorsFile>> files;
   const auto where = stored_slices(c, group, files);
   MARROW_CHECK(!files.empty(), "checkpoint {} holds no {} tensors", c.dir, group);
@@ -376,14 +374,16 @@ void load_checkpoint_pieces(const Checkpoint& c, const std::string& group, const
     }
     MARROW_CHECK(at == p.first + p.count, "checkpoint {} lacks elements [{}, {}) of tensor '{}' in its {} files: a part is missing",
                  c.dir, at, p.first + p.count, spec.name, group);
+    progress.add(uint64_t(p.count) * sizeof(float));
   }
+  progress.finish();
   MARROW_CHECK(where.size() == model_tensors, "checkpoint {} holds {} {} tensors but the model has {}: it was written for another model",
                c.dir, where.size(), group, model_tensors);
 }
 
 void load_checkpoint_tensors(const Checkpoint& c, const std::string& group, const std::vector<TensorSpec>& specs, const Arena& arena,
-                             size_t model_tensors) {
-  load_checkpoint_pieces(c, group, specs, whole_tensors(specs), arena, model_tensors);
+                             size_t model_tensors, bool show_progress) {
+  load_checkpoint_pieces(c, group, specs, whole_tensors(specs), arena, model_tensors, show_progress);
 }
 
 std::string model_config_difference(const Json& saved, const Json& current) {
@@ -425,11 +425,11 @@ ModelSource find_model(const std::string& path) {
   return m;
 }
 
-void load_model_weights(const ModelSource& source, const std::vector<TensorSpec>& specs, const Arena& params) {
-  if (!source.is_checkpoint) return read_hf_weights(source.dir, specs, params);
+void load_model_weights(const ModelSource& source, const std::vector<TensorSpec>& specs, const Arena& params, bool show_progress) {
+  if (!source.is_checkpoint) return read_hf_weights(source.dir, specs, params, show_progress);
   const Checkpoint c = open_checkpoint(source.dir);
-  verify_checkpoint(c);
-  load_checkpoint_tensors(c, "weights", specs, params);
+  verify_checkpoint(c, show_progress);
+  load_checkpoint_tensors(c, "weights", specs, params, 0, show_progress);
 }
 
 TrainCheckpoints::TrainCheckpoints(const RunConfig& rc, const Json& model_config, const std::vector<TensorSpec>& specs,
@@ -450,11 +450,12 @@ int64_t TrainCheckpoints::resume() {
   const std::string diff = model_config_difference(c.meta.value("model_config", Json::object()), model_config_);
   MARROW_CHECK(diff.empty(), "cannot resume from {}: {}/{} was written for another model than {} ({}); train this model in another output.dir",
                c.dir, c.dir, kMeta, rc_.model_config, diff);
-  verify_checkpoint(c);
-  load_checkpoint_pieces(c, "weights", specs_, pieces_, *arenas_.weights, sharing_.model_tensors);
+  const bool show = !rc_.quiet && sharing_.world.rank() == 0;
+  verify_checkpoint(c, show);
+  load_checkpoint_pieces(c, "weights", specs_, pieces_, *arenas_.weights, sharing_.model_tensors, show);
   if (c.has_optimizer_state) {
-    load_checkpoint_pieces(c, "exp_avg", specs_, pieces_, *arenas_.exp_avg, sharing_.model_tensors);
-    load_checkpoint_pieces(c, "exp_avg_sq", specs_, pieces_, *arenas_.exp_avg_sq, sharing_.model_tensors);
+    load_checkpoint_pieces(c, "exp_avg", specs_, pieces_, *arenas_.exp_avg, sharing_.model_tensors, show);
+    load_checkpoint_pieces(c, "exp_avg_sq", specs_, pieces_, *arenas_.exp_avg_sq, sharing_.model_tensors, show);
   } else {
     arenas_.exp_avg->fill_zero();
     arenas_.exp_avg_sq->fill_zero();
@@ -498,7 +499,9 @@ std::string TrainCheckpoints::save(int64_t step) {
   CheckpointArenas arenas = arenas_;
   if (!rc_.checkpoint_optimizer_state) arenas.exp_avg = arenas.exp_avg_sq = nullptr;
   const std::string part = world.size() > 1 ? fmt::format("rank{:05d}", world.rank()) : "";
-  const Json files = sharing_.saves ? write_checkpoint_part(dir + ".tmp", specs_, pieces_, arenas, part) : Json::array();
+  const Json files =
+      sharing_.saves ? write_checkpoint_part(dir + ".tmp", specs_, pieces_, arenas, part, kCheckpointShardBytes, !rc_.quiet && leader)
+                     : Json::array();
   const std::vector<std::string> parts = world.all_gather_text(files.dump(), "checkpoint file lists (all_gather)");
   if (leader) {
     Json all_files = Json::array();

@@ -62,7 +62,8 @@ std::string checkpoint_name(int64_t step);
 // tensor, and its shape).
 void start_checkpoint(const std::string& dir);
 Json write_checkpoint_part(const std::string& tmp, const std::vector<TensorSpec>& specs, const std::vector<TensorPiece>& pieces,
-                           const CheckpointArenas& arenas, const std::string& part, size_t shard_bytes = kCheckpointShardBytes);
+                           const CheckpointArenas& arenas, const std::string& part, size_t shard_bytes = kCheckpointShardBytes,
+                           bool show_progress = true);
 void finish_checkpoint(const std::string& dir, Json files, Json meta, const Json& model_config, const std::string& tokenizer_json);
 
 // One process writes a complete checkpoint at dir (replacing one already there): the arenas' tensors, config.json,
@@ -79,16 +80,19 @@ std::optional<std::string> latest_checkpoint(const std::string& run_dir);
 // checks that every file it lists is there with its recorded size.
 Checkpoint open_checkpoint(const std::string& path);
 // Checks every file's sha256 against meta.json.
-void verify_checkpoint(const Checkpoint& checkpoint);
+// show_progress: a progress line (core/progress.h) when the work takes more than a few seconds, here
+// and in the loaders below.
+void verify_checkpoint(const Checkpoint& checkpoint, bool show_progress = true);
 // Fills arena (any device) with group "weights", "exp_avg" or "exp_avg_sq" of the checkpoint, piece
 // by piece, whatever slicing wrote it; every element must be there, with the tensor's shape, and
 // the checkpoint must hold model_tensors tensors in the group (the whole model's; 0: specs.size(),
 // when specs is the whole model).
 void load_checkpoint_pieces(const Checkpoint& checkpoint, const std::string& group, const std::vector<TensorSpec>& specs,
-                            const std::vector<TensorPiece>& pieces, const Arena& arena, size_t model_tensors = 0);
+                            const std::vector<TensorPiece>& pieces, const Arena& arena, size_t model_tensors = 0,
+                            bool show_progress = true);
 // The same for whole tensors at their spec offsets.
 void load_checkpoint_tensors(const Checkpoint& checkpoint, const std::string& group, const std::vector<TensorSpec>& specs,
-                             const Arena& arena, size_t model_tensors = 0);
+                             const Arena& arena, size_t model_tensors = 0, bool show_progress = true);
 // One piece per spec: the whole tensor at its offset in an arena laid out by the table.
 std::vector<TensorPiece> whole_tensors(const std::vector<TensorSpec>& specs);
 
@@ -107,7 +111,7 @@ struct ModelSource {
 };
 ModelSource find_model(const std::string& path);
 // Loads the weights of a model source into a parameter arena laid out by specs.
-void load_model_weights(const ModelSource& source, const std::vector<TensorSpec>& specs, const Arena& params);
+void load_model_weights(const ModelSource& source, const std::vector<TensorSpec>& specs, const Arena& params, bool show_progress = true);
 
 // How the processes of a job share a checkpoint: each writes the pieces it holds (when it is the
 // one replica that saves them) into files of its own, and world rank 0 writes meta.json once every

@@ -164,6 +164,10 @@ def main():
             lines = progress_lines(err, "dataset: checking sha256 of")
             check(code == 0 and (len(lines) >= 2 if not quiet else not lines),
                   f"train {' '.join(quiet)}: the corpus check {'is silent' if quiet else 'shows progress'}: {lines}")
+            for what in ("checkpoint: verifying the sha256 of", "checkpoint: reading weights of"):
+                lines = progress_lines(err, what)
+                check(code == 0 and (len(lines) >= 2 if not quiet else not lines),
+                      f"train {' '.join(quiet)}: resuming, '{what}' {'is silent' if quiet else 'shows progress'}: {lines}")
         code, out, err = marrow("export", demo, hf, "--overwrite")
         check(code == 0 and not progress_lines(err, "writing"), "quick work prints no progress line")
 
