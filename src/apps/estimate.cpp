@@ -84,6 +84,10 @@ int estimate_command(int argc, char** argv) {
   with_model(read_json_file(rc.model_config), rc.model_config, [&]<class M>(const typename M::Config& config) {
     check_global_batch(rc, estimate_mesh(rc, config.num_experts, options.world));
     std::printf("%s", format_bill(estimate_memory<M>(rc, config, options.world, device), gpu_bytes).c_str());
+    if (rc.uses_dualpipev())
+      std::printf("\n%s", with_estimated_model<M>(rc, config, options.world, device, [&](const EstimatedModel& m, const MeshShape& mesh) {
+                    return pipeline_report(rc, m, mesh);
+                  }).c_str());
     if (device == Device::cuda) std::printf("%s", fit_lines(largest_fit<M>(rc, config, options.world, device, gpu_bytes), rc).c_str());
   });
   return 0;

@@ -135,6 +135,10 @@ void Placement::place(int64_t begin, Tensor storage) {
   ranges_.insert(at, {begin, storage.reshape({storage.numel()})});
 }
 
+void Placement::place_absent(int64_t begin, int64_t numel, DType dtype, Device device) {
+  place(begin, Tensor(nullptr, dtype, device, {numel}));
+}
+
 Tensor Placement::slice(int64_t offset, std::initializer_list<int64_t> dims) const {
   int64_t n = 1;
   for (int64_t d : dims) n *= d;
@@ -142,6 +146,7 @@ Tensor Placement::slice(int64_t offset, std::initializer_list<int64_t> dims) con
   MARROW_CHECK(at != ranges_.begin(), "internal: no placed range holds element {}", offset);
   const Range& r = *std::prev(at);
   MARROW_CHECK(offset + n <= r.begin + r.storage.numel(), "internal: elements [{}, {}) cross the end of a placed range", offset, offset + n);
+  if (r.storage.data == nullptr) return Tensor(nullptr, r.storage.dtype, r.storage.device, dims);
   return r.storage.rows(offset - r.begin, offset - r.begin + n).reshape(dims);
 }
 

@@ -70,6 +70,9 @@ class Placement {
   Placement(const Arena& arena) { place(0, arena.all()); }  // NOLINT: an arena is the one-range placement
   // Elements [begin, begin + storage.numel()) live in storage (a flat view); ranges must not overlap.
   void place(int64_t begin, Tensor storage);
+  // Elements [begin, begin + numel) are not on this process (another pipeline rank's layers):
+  // their slices are tensors with no data.
+  void place_absent(int64_t begin, int64_t numel, DType dtype, Device device);
   // Elements [offset, offset + prod(dims)) seen as a tensor of shape dims; they must lie in one range.
   Tensor slice(int64_t offset, std::initializer_list<int64_t> dims) const;
 

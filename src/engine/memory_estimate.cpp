@@ -6,6 +6,7 @@
 #include <tuple>
 
 #include "core/blas.h"
+#include "parallel/dualpipev.h"
 
 namespace marrow {
 
@@ -30,13 +31,16 @@ struct Unit {
   bool weights_kept = true, grads_kept = true;  // whole for the step (else the layers' slots)
 };
 
-// The units of a parameter table: all norms together, else one per (layer, expert or not).
-std::vector<Unit> cut_units(const std::vector<TensorSpec>& specs, int64_t num_layers, int64_t dense_n, int64_t expert_n,
-                            bool keep_gathered, bool keep_whole_grads) {
+// The units of a parameter table on one pipeline rank: the norms of each chunk together, else one
+// per (layer, expert or not); stage_chunk as ShardedParameters takes it (-1: another rank's).
+std::vector<Unit> cut_units(const std::vector<TensorSpec>& specs, int64_t num_layers, const std::vector<int64_t>& stage_chunk,
+                            int64_t dense_n, int64_t expert_n, bool keep_gathered, bool keep_whole_grads) {
   std::vector<Unit> units;
   std::map<std::tuple<bool, int64_t, bool>, size_t> index;
   for (const TensorSpec& s : specs) {
-    const auto key = s.is_norm ? std::tuple{true, int64_t(-1), false} : std::tuple{false, s.layer, s.is_expert};
+    const int64_t chunk = stage_chunk[size_t(s.layer + 1)];
+    if (chunk < 0) continue;
+    const auto key = s.is_norm ? std::tuple{true, -1 - chunk, false} : std::tuple{false, s.layer, s.is_expert};
     auto [it, added] = index.try_emplace(key, units.size());
     if (added) units.push_back({s.is_expert, !s.is_norm && s.layer >= 0 && s.layer < num_layers});
     units[it->second].numel += s.numel;
@@ -178,6 +182,7 @@ class Walk {
   }
   const Moment& peak() const { return peak_; }
   const Moment& largest_exchange() const { return exchange_; }
+  int64_t largest_scratch() const { return largest_scratch_; }
 
  private:
   void layer_backward(int64_t l) {
@@ -196,22 +201,39 @@ class Walk {
     const Moment m{where, now_, scratch, exchange};
     if (m.total() > peak_.total()) peak_ = m;
     if (exchange > exchange_.exchange) exchange_ = m;
+    largest_scratch_ = std::max(largest_scratch_, scratch);
   }
   const ModelActivationBytes& m_;
   const EngineBytes& e_;
   int64_t layers_;
   std::array<int64_t, kKeptKinds> now_{};
   Moment peak_, exchange_;
+  int64_t largest_scratch_ = 0;
+};
+
+// One micro-batch of rc through the whole model: its stages' bytes and the walk over them.
+struct OneMicroBatch {
+  int64_t tokens, rows;  // rows: the expert rows of each layer on this process
+  ModelActivationBytes model;
+  EngineBytes engine;
+  Walk walk;
+  OneMicroBatch(const RunConfig& rc, const EstimatedModel& m, int64_t ep, Device device)
+      : tokens(rc.micro_batch * rc.seq_len),
+        rows(ep == 1 ? tokens * m.top_k : int64_t(double(tokens * m.top_k) * kExpertRowSkew)),
+        model(m.activation_bytes(rc.micro_batch, rc.seq_len, rows)),
+        engine(engine_bytes(m, tokens, rows, ep, device)),
+        walk(model, engine, m.num_layers, 3 * tokens * 4) {
+    walk.forward();
+    walk.backward();
+  }
 };
 
 void add_activations(MemoryBill& bill, const RunConfig& rc, const EstimatedModel& m, int64_t ep, Device device) {
-  const int64_t T = rc.micro_batch * rc.seq_len, balanced = T * m.top_k;
-  const int64_t rows = ep == 1 ? balanced : int64_t(double(balanced) * kExpertRowSkew);
-  const ModelActivationBytes model = m.activation_bytes(rc.micro_batch, rc.seq_len, rows);
-  const EngineBytes engine = engine_bytes(m, T, rows, ep, device);
-  Walk walk(model, engine, m.num_layers, 3 * T * 4);
-  walk.forward();
-  walk.backward();
+  const OneMicroBatch one(rc, m, ep, device);
+  const ModelActivationBytes& model = one.model;
+  const EngineBytes& engine = one.engine;
+  const Walk& walk = one.walk;
+  const int64_t rows = one.rows;
   const Moment& p = walk.peak();
   bill.activation_peak_at = p.where;
   auto per_layer = [&](int64_t bytes) { return fmt::format("kept: {} per layer", mib(bytes)); };
@@ -229,6 +251,47 @@ void add_activations(MemoryBill& bill, const RunConfig& rc, const EstimatedModel
                           fmt::format("largest {} in {}; expert rows {} per layer (+{:.0f}% for routing skew)", mib(x.exchange), x.where,
                                       rows, (kExpertRowSkew - 1) * 100)});
   }
+}
+
+// Activations of one pipeline rank under DualPipeV: every micro-batch chunk whose forward ran and
+// whose backward (or, deferred, its W) has not, at the heaviest op of the rank's order, plus the
+// largest temporaries of one micro-batch (a bound: the op's own are at most those).
+struct PipelinePlace {
+  const std::vector<PipelineChunk>& chunks;
+  int64_t pp, rank, micro_batches;
+};
+
+void add_pipeline_activations(MemoryBill& bill, const RunConfig& rc, const EstimatedModel& m, int64_t ep, Device device,
+                              const PipelinePlace& place) {
+  const OneMicroBatch one(rc, m, ep, device);
+  const ModelActivationBytes& model = one.model;
+  const EngineBytes& engine = one.engine;
+  const int64_t T = one.tokens;
+  const int64_t per_layer = model.attention.kept + engine.route + engine.rows + model.experts.kept;
+  // A deferred W keeps the experts' inputs, dy_perm and dgate_up (two thirds of the backward's scratch).
+  const int64_t waiting = model.experts.kept + engine.rows + 2 * model.experts.backward_scratch / 3;
+  auto kept = [&](int phase) {
+    const PipelineChunk& c = place.chunks[size_t(phase == 0 ? place.rank : 2 * place.pp - 1 - place.rank)];
+    return c.layers(m.num_layers) * per_layer + (c.last == m.num_layers ? model.epilog.kept : 0);
+  };
+  auto layers = [&](int phase) { return place.chunks[size_t(phase == 0 ? place.rank : 2 * place.pp - 1 - place.rank)].layers(m.num_layers); };
+  int64_t live = 0, peak = 0;
+  std::string peak_at;
+  for (const PipelineOp& op : dualpipev_order(place.pp, place.rank, place.micro_batches)) {
+    const bool forward = op.kind == PipelineOp::forward || op.kind == PipelineOp::forward_backward;
+    if (forward) live += kept(op.phase);
+    if (live > peak) {
+      peak = live;
+      peak_at = describe_order({op});
+    }
+    if (op.kind == PipelineOp::forward_backward) live -= kept(1 - op.phase);
+    if (op.kind == PipelineOp::backward) live -= op.defer_weights ? kept(op.phase) - layers(op.phase) * waiting : kept(op.phase);
+    if (op.kind == PipelineOp::weights) live -= layers(op.phase) * waiting;
+  }
+  bill.activation_peak_at = "DualPipeV op " + peak_at + " of pipeline rank " + std::to_string(place.rank);
+  bill.items.push_back({BillGroup::activations, "token ids, targets, positions", 3 * T * 4 * place.micro_batches, "every micro-batch of the step"});
+  bill.items.push_back({BillGroup::activations, "micro-batch chunks alive", peak, fmt::format("kept: {} per layer", mib(per_layer))});
+  bill.items.push_back({BillGroup::activations, "temporaries (one micro-batch's largest)", one.walk.largest_scratch(), "gradients flowing back, op scratch"});
 }
 
 void add_runtime(MemoryBill& bill, const MeshShape& mesh) {
@@ -281,31 +344,90 @@ void check_global_batch(const RunConfig& rc, const MeshShape& mesh) {
   MARROW_CHECK(rc.global_batch % round == 0,
                "{}: train.global_batch ({}) is not a multiple of the {} data-parallel processes ({}) times train.micro_batch ({})",
                rc.source, rc.global_batch, mesh.data_parallel(), mesh.describe(), rc.micro_batch);
+  MARROW_CHECK(rc.pipeline_schedule != "sequential" || mesh.pp == 1, "{}: parallel.schedule = sequential runs no pipeline; parallel.pp = {} needs dualpipev",
+               rc.source, mesh.pp);
+  const int64_t micro_batches = rc.global_batch / round;
+  MARROW_CHECK(!rc.uses_dualpipev() || micro_batches >= 2 * mesh.pp,
+               "{}: DualPipeV needs at least 2 x parallel.pp = {} micro-batches per step, but train.global_batch / (train.micro_batch x {} "
+               "data-parallel processes) = {}",
+               rc.source, 2 * mesh.pp, mesh.data_parallel(), micro_batches);
 }
 
 ShardGroups shard_groups(const MeshShape& mesh) {
   return {mesh.dp_shard * mesh.cp * mesh.ep, mesh.dp_shard * mesh.cp};
 }
 
-MemoryBill estimate_memory(const RunConfig& rc, const EstimatedModel& m, const MeshShape& mesh, ShardGroups groups, Device device) {
-  MARROW_CHECK(rc.micro_batch <= kMaxTokens / rc.seq_len,
-               "{}: train.micro_batch x train.seq_len ({} x {}) is beyond the 2^31 tokens per micro-batch that the estimate counts", rc.source,
-               rc.micro_batch, rc.seq_len);
+namespace {
+
+// The bill of pipeline rank `rank` (with DualPipeV; else the only one).
+MemoryBill rank_bill(const RunConfig& rc, const EstimatedModel& m, const MeshShape& mesh, ShardGroups groups, Device device, int64_t rank) {
+  const bool pipelined = rc.uses_dualpipev();
+  const int64_t micro_batches = std::max<int64_t>(1, rc.global_batch / (rc.micro_batch * mesh.data_parallel()));
+  const std::vector<PipelineChunk> chunks = pipelined ? pipeline_chunks(m.num_layers, mesh.pp) : std::vector<PipelineChunk>{};
+  const std::vector<int64_t> held = pipelined ? held_stage_chunks(chunks, m.num_layers, rank) : std::vector<int64_t>(size_t(m.num_layers + 2), 0);
+  const bool keep_gathered = rc.keep_gathered || pipelined, keep_whole_grads = rc.keep_whole_grads || pipelined;
   MemoryBill bill;
   bill.device = device;
   bill.context = {
       "model: " + m.description,
       fmt::format("layout: {} process{} ({}); shard groups: {} (dense units), {} (expert units){}", mesh.world(), mesh.world() > 1 ? "es" : "",
-                  mesh.describe(), groups.dense, groups.expert, fmt::format("{}{}", rc.keep_gathered ? "; parallel.keep_gathered" : "", rc.keep_whole_grads ? "; parallel.keep_whole_grads" : "")),
-      fmt::format("micro-batch: {} x {} tokens, {} per optimizer step; {} ({})", rc.micro_batch, rc.seq_len,
-                  std::max<int64_t>(1, rc.global_batch / (rc.micro_batch * mesh.data_parallel())), device_name(device),
+                  mesh.describe(), groups.dense, groups.expert, fmt::format("{}{}", keep_gathered ? "; parallel.keep_gathered" : "", keep_whole_grads ? "; parallel.keep_whole_grads" : "")),
+      fmt::format("micro-batch: {} x {} tokens, {} per optimizer step; {} ({})", rc.micro_batch, rc.seq_len, micro_batches, device_name(device),
                   device == Device::cuda ? "bf16 compute, fp32 master weights" : "fp32")};
-  const std::vector<Unit> units = cut_units(m.specs, m.num_layers, groups.dense, groups.expert, rc.keep_gathered, rc.keep_whole_grads);
+  if (pipelined)
+    bill.context.push_back(fmt::format("DualPipeV: pipeline rank {} of {} (chunks {} and {}), the rank with the largest bill", rank, mesh.pp,
+                                       rank, 2 * mesh.pp - 1 - rank));
+  const std::vector<Unit> units = cut_units(m.specs, m.num_layers, held, groups.dense, groups.expert, keep_gathered, keep_whole_grads);
   add_state(bill, units);
   add_weights(bill, units, device);
-  add_activations(bill, rc, m, mesh.ep, device);
+  if (pipelined) add_pipeline_activations(bill, rc, m, mesh.ep, device, {chunks, mesh.pp, rank, micro_batches});
+  else add_activations(bill, rc, m, mesh.ep, device);
   if (device == Device::cuda) add_runtime(bill, mesh);
   return bill;
+}
+
+}  // namespace
+
+MemoryBill estimate_memory(const RunConfig& rc, const EstimatedModel& m, const MeshShape& mesh, ShardGroups groups, Device device) {
+  MARROW_CHECK(rc.micro_batch <= kMaxTokens / rc.seq_len,
+               "{}: train.micro_batch x train.seq_len ({} x {}) is beyond the 2^31 tokens per micro-batch that the estimate counts", rc.source,
+               rc.micro_batch, rc.seq_len);
+  MemoryBill largest = rank_bill(rc, m, mesh, groups, device, 0);
+  for (int64_t r = 1; rc.uses_dualpipev() && r < mesh.pp; ++r) {
+    MemoryBill bill = rank_bill(rc, m, mesh, groups, device, r);
+    if (bill.total() > largest.total()) largest = std::move(bill);
+  }
+  return largest;
+}
+
+std::string pipeline_report(const RunConfig& rc, const EstimatedModel& m, const MeshShape& mesh) {
+  const int64_t micro_batches = rc.global_batch / (rc.micro_batch * mesh.data_parallel());
+  const std::vector<PipelineChunk> chunks = pipeline_chunks(m.num_layers, mesh.pp);
+  // Matmul work per token of each stage, in active parameters (dense, and the top-k experts' share).
+  std::vector<double> dense(size_t(m.num_layers + 2), 0), experts(size_t(m.num_layers + 2), 0);
+  for (const TensorSpec& s : m.specs)
+    if (!s.is_norm && s.layer >= 0) (s.is_expert ? experts : dense)[size_t(s.layer + 1)] += double(s.numel);
+  const double active_share = double(m.top_k * mesh.ep) / double(m.num_experts);
+  std::vector<ChunkCost> cost;
+  for (const PipelineChunk& c : chunks) {
+    ChunkCost k{0, 0, 0};
+    for (int64_t stage = std::max<int64_t>(c.first, 0); stage <= c.last; ++stage) {
+      const double d = dense[size_t(stage + 1)], x = experts[size_t(stage + 1)] * active_share;
+      k.forward += d + x;
+      k.backward += d + x + d;  // input gradients, and the dense weight gradients computed inline
+      k.weights += x;           // the expert weight gradients a W may take later
+    }
+    cost.push_back(k);
+  }
+  const PipelineSimulation sim = simulate_dualpipev(mesh.pp, micro_batches, cost);
+  std::string out = fmt::format("DualPipeV: {} pipeline ranks, {} micro-batches per step; layers per chunk:", mesh.pp, micro_batches);
+  for (const PipelineChunk& c : chunks) out += fmt::format(" {}", c.layers(m.num_layers));
+  out += fmt::format("\nsimulated bubble: {:.1f}% of the step idle (costs: matmul work per chunk; no transfer time)\npeak live micro-batch chunks per rank:",
+                     100 * sim.bubble());
+  for (int64_t live : sim.peak_live) out += fmt::format(" {}", live);
+  out += "\n";
+  for (int64_t r = 0; r < mesh.pp; ++r) out += fmt::format("schedule: pipeline rank {}: {}\n", r, describe_order(dualpipev_order(mesh.pp, r, micro_batches)));
+  return out;
 }
 
 LargestFit largest_fit(const RunConfig& rc, const EstimatedModel& m, const MeshShape& mesh, Device device, double gpu_bytes) {

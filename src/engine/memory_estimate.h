@@ -10,7 +10,8 @@
 //   elements each; the other decoder layers hold their working shard plus two shared slots per kind
 //   (dense, expert) of gathered weights and of gradients.
 // - activations: one micro-batch at its peak moment (micro-batches run one after the other, so only
-//   one is alive). The model family reports its stages' bytes (core/stage_bytes.h); the walk in
+//   one is alive); with DualPipeV, the micro-batch chunks alive at the heaviest op of the pipeline
+//   rank's order, and of the ranks the one with the largest bill. The model family reports its stages' bytes (core/stage_bytes.h); the walk in
 //   memory_estimate.cpp replays engine/step.h's forward and backward order with the engine's own
 //   buffers (residual gradient, dispatch/combine rows, the expert all-to-all buffers with ep > 1).
 // - runtime (GPU only): CUDA context, cuBLAS workspace and NCCL communicators, which live outside
@@ -82,6 +83,9 @@ ShardGroups shard_groups(const MeshShape& mesh);
 // groups {1, 1} is the trainer before FSDP: every process holds whole copies of its tensors.
 MemoryBill estimate_memory(const RunConfig& rc, const EstimatedModel& model, const MeshShape& mesh, ShardGroups groups, Device device);
 LargestFit largest_fit(const RunConfig& rc, const EstimatedModel& model, const MeshShape& mesh, Device device, double gpu_bytes);
+// With DualPipeV: the chunks, each pipeline rank's order of work (as the trainer prints it with
+// parallel.print_schedule), and the simulated bubble and live activations (parallel/dualpipev.h).
+std::string pipeline_report(const RunConfig& rc, const EstimatedModel& model, const MeshShape& mesh);
 
 // The bill as a table, with the total against gpu_bytes of device memory (GPU bills only).
 std::string format_bill(const MemoryBill& bill, double gpu_bytes);

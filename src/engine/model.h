@@ -32,6 +32,8 @@ concept MoeModel = requires(const M& m, typename M::AttentionActivations& a, typ
   { m.aux_loss(a) } -> std::convertible_to<double>;
   m.experts_forward(t, e, std::move(buffer), t, w.layers[0]);
   m.experts_backward(t, w.layers[0], t, e, t, w.layers[0], flag);
+  m.experts_backward_input(t, t, e, t, w.layers[0]);
+  m.experts_backward_weights(w.layers[0], t, e, t, flag);
   m.aggregate_forward(t, a, t, t);
   m.aggregate_backward(t, t, t, a, t, t);
   { m.epilog_forward(p, std::move(buffer), batch, w) } -> std::convertible_to<double>;

@@ -139,6 +139,8 @@ RunConfig parse_run_config(int argc, char** argv) {
   app.add_option("--parallel.dp_shard", rc.dp_shard)->check(kNonNegative);
   app.add_option("--parallel.keep_gathered", rc.keep_gathered);
   app.add_option("--parallel.keep_whole_grads", rc.keep_whole_grads);
+  app.add_option("--parallel.schedule", rc.pipeline_schedule)->check(CLI::IsMember({"auto", "sequential", "dualpipev"}));
+  app.add_option("--parallel.print_schedule", rc.print_schedule);
   // Not a file key: a run's command line asks for a trace (both --profile-steps=A:B and --profile-steps A:B).
   std::string profile_steps;
   app.add_option("--profile-steps", profile_steps);

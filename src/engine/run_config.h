@@ -57,6 +57,13 @@ struct RunConfig {
   // true: accumulate each layer's whole gradient over the micro-batches and reduce-scatter it once
   // per step (less traffic, more memory); false: reduce-scatter each micro-batch's.
   bool keep_whole_grads = false;
+  // How a step runs its micro-batches: "sequential" (each forward then its backward), "dualpipev"
+  // (parallel/dualpipev.h: forwards overlapped with other micro-batches' backwards, on two chunks
+  // of the model even with pp = 1), "auto" (dualpipev when pp > 1). DualPipeV gathers weights and
+  // reduces gradients once per step (keep_gathered and keep_whole_grads are implied).
+  std::string pipeline_schedule = "auto";  // parallel.schedule
+  bool print_schedule = false;  // print each pipeline rank's order of work in the first step
+  bool uses_dualpipev() const { return pipeline_schedule == "dualpipev" || (pipeline_schedule == "auto" && pp > 1); }
   // --profile-steps A:B (engine/kernel_trace.h): a kernel trace of optimizer steps A..B (1-based,
   // inclusive) in output.dir; 0:0 traces nothing.
   int64_t profile_first = 0, profile_last = 0;

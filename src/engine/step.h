@@ -1,9 +1,11 @@
-// One micro-batch through the model on a single pipeline stage: the engine's half of the
+// One micro-batch through the model, or through one pipeline chunk of it: the engine's half of the
 // five-stage contract. Stage 2 (dispatch) and stage 4 (combine) live here because with expert
 // parallelism they are the all-to-all exchanges (parallel/expert_parallel.h); with one
-// expert-parallel rank the expert outputs are already local and combine moves nothing. forward()
-// keeps what backward() consumes in a MicroBatch, so a schedule can interleave the two across
-// micro-batches.
+// expert-parallel rank the expert outputs are already local and combine moves nothing. A forward
+// keeps what the backward consumes in a MicroBatch, so a schedule can interleave the two across
+// micro-batches. ForwardPass and BackwardPass run a chunk one stage at a time, so a schedule can
+// also interleave one micro-batch's forward with another's backward stage by stage
+// (forward_backward): each all-to-all then has the other micro-batch's compute to hide under.
 #pragma once
 #include <functional>
 #include <vector>
@@ -11,6 +13,7 @@
 #include "engine/model.h"
 #include "engine/stage_timer.h"
 #include "ops/dispatch.h"
+#include "parallel/dualpipev.h"
 #include "parallel/expert_parallel.h"
 
 namespace marrow {
@@ -37,6 +40,13 @@ template <MoeModel M> struct MicroBatch {
   };
   std::vector<Layer> layers;
   typename M::EpilogActivations epilog;  // epilog.logits holds the logits until backward
+  // Expert weight gradients a deferring backward left for weights_backward(), layers top down.
+  struct DeferredExperts {
+    int64_t layer;
+    typename M::ExpertActivations experts;
+    Buffer dy_perm, expert_offsets;
+  };
+  std::vector<DeferredExperts> deferred;
   double token_loss_sum = 0;  // cross-entropy summed over counted targets
   double aux_loss_sum = 0;    // load-balance loss (Hugging Face's form) summed over layers
 };
@@ -54,114 +64,260 @@ template <MoeModel M> Buffer dispatch_local(typename MicroBatch<M>::Layer& s, co
   return x_perm;
 }
 
-// timer, when given, gets each stage's time (engine/stage_timer.h).
+// Stages [-1, num_layers]: the whole model as one chunk.
+template <MoeModel M> PipelineChunk whole_model(const M& m) { return {-1, m.num_layers()}; }
+
+// The forward of one micro-batch through a chunk, one stage per step(): the prolog, each layer's
+// attention, dispatch, experts and combine, the epilog. x is the chunk's input (empty when the
+// chunk starts with the prolog); output() is what it hands to the next chunk (empty after the
+// epilog, which leaves the loss in the MicroBatch). timer, when given, gets each stage's time.
+template <MoeModel M> class ForwardPass {
+ public:
+  ForwardPass(MicroBatch<M>& mb, const M& m, const typename M::Weights& w, const typename M::Batch& batch, PipelineChunk chunk,
+              Buffer x, StepGroups groups = {}, StageTimer* timer = nullptr)
+      : mb_(mb), m_(m), w_(w), batch_(batch), chunk_(chunk), groups_(std::move(groups)), timer_(timer), stage_(chunk.first),
+        x_(std::move(x)) {
+    mb_.layers.resize(size_t(m.num_layers()));
+  }
+  bool done() const { return stage_ > chunk_.last; }
+  // The next step is an exchange between processes (an expert all-to-all).
+  bool next_communicates() const { return groups_.experts && stage_ >= 0 && stage_ < m_.num_layers() && part_ % 2 == 1; }
+  Buffer output() { return std::move(x_); }
+
+  void step() {
+    const int64_t T = batch_.batch * batch_.seq, H = m_.hidden_size();
+    if (stage_ < 0 || stage_ == m_.num_layers()) return end_step();
+    auto& s = mb_.layers[size_t(stage_)];
+    const auto& lw = w_.layers[size_t(stage_)];
+    switch (part_) {
+      case 0: {
+        before(stage_);
+        StageScope scope(timer_, Stage::attention);
+        m_.attention_forward(s.attention, std::move(x_), batch_, lw);
+        if (groups_.routing) groups_.routing->all_reduce_sum(s.attention.routing_stats, "load-balance statistics (all_reduce)");
+        mb_.aux_loss_sum += m_.aux_loss(s.attention);
+        break;
+      }
+      case 1: {
+        StageScope scope(timer_, Stage::dispatch);
+        x_perm_ = groups_.experts ? groups_.experts->dispatch_forward(s.route, s.attention.h2, s.attention.topk_index, s.attention.topk_weight)
+                                  : dispatch_local<M>(s, m_);
+        break;
+      }
+      case 2: {
+        const Tensor offsets = groups_.experts ? s.route.expert_offsets.view() : s.expert_offsets.view();
+        s.y_perm = m_.buffer({x_perm_.view().size(0), H});
+        StageScope scope(timer_, Stage::experts);
+        m_.experts_forward(s.y_perm, s.experts, std::move(x_perm_), offsets, lw);
+        break;
+      }
+      case 3: {
+        x_ = m_.buffer({T, H});
+        StageScope scope(timer_, Stage::combine);
+        if (groups_.experts) groups_.experts->combine_forward(x_, s.attention.x_mid, s.y_perm, s.route);
+        else m_.aggregate_forward(x_, s.attention, s.y_perm, s.copy_row);
+        ++stage_;
+        break;
+      }
+    }
+    part_ = (part_ + 1) % 4;
+  }
+
+ private:
+  void before(int64_t stage) {
+    if (groups_.before_stage) groups_.before_stage(stage, true);
+  }
+  void end_step() {
+    before(stage_);
+    if (stage_ < 0) {
+      StageScope scope(timer_, Stage::prolog);
+      x_ = m_.buffer({batch_.batch * batch_.seq, m_.hidden_size()});
+      m_.prolog_forward(x_, batch_, w_);
+    } else {
+      StageScope scope(timer_, Stage::epilog);
+      mb_.token_loss_sum = m_.epilog_forward(mb_.epilog, std::move(x_), batch_, w_);
+    }
+    ++stage_;
+  }
+
+  MicroBatch<M>& mb_;
+  const M& m_;
+  const typename M::Weights& w_;
+  const typename M::Batch& batch_;
+  PipelineChunk chunk_;
+  StepGroups groups_;
+  StageTimer* timer_;
+  int64_t stage_;
+  int part_ = 0;  // within a decoder layer: attention, dispatch, experts, combine
+  Buffer x_, x_perm_;
+};
+
+// The backward of one micro-batch through a chunk, one stage per step(): the epilog, each layer's
+// combine, experts, dispatch and attention from the top, the prolog. Gradients of (loss_scale *
+// token_loss_sum + aux_grad * aux_loss_sum) accumulate into grads, except that first_micro_batch
+// = true writes the gradients the model's spec table marks first_backward_writes (the caller
+// zeroes only the others). dx is the gradient of the chunk's output (empty when it ends with the
+// epilog); output() the gradient of its input (empty after the prolog). With defer_expert_weights
+// the expert weight gradients wait in the MicroBatch for weights_backward(). Activations are
+// released as the backward passes them.
+template <MoeModel M> class BackwardPass {
+ public:
+  struct Options {
+    double loss_scale = 1, aux_grad = 0;
+    bool first_micro_batch = false, defer_expert_weights = false;
+  };
+  BackwardPass(MicroBatch<M>& mb, const M& m, const typename M::Weights& w, const typename M::Weights& grads,
+               const typename M::Batch& batch, PipelineChunk chunk, Buffer dx, Options options, StepGroups groups = {},
+               StageTimer* timer = nullptr)
+      : mb_(mb), m_(m), w_(w), g_(grads), batch_(batch), chunk_(chunk), options_(options), groups_(std::move(groups)), timer_(timer),
+        stage_(chunk.last), dx_(std::move(dx)) {}
+  bool done() const { return stage_ < chunk_.first; }
+  bool next_communicates() const { return groups_.experts && stage_ >= 0 && stage_ < m_.num_layers() && part_ % 2 == 0; }
+  Buffer output() { return std::move(dx_); }
+
+  void step() {
+    if (stage_ < 0 || stage_ == m_.num_layers()) return end_step();
+    switch (part_) {
+      case 0: return combine();
+      case 1: return experts();
+      case 2: return dispatch();
+      case 3: return attention();
+    }
+  }
+
+ private:
+  typename MicroBatch<M>::Layer& layer() { return mb_.layers[size_t(stage_)]; }
+  Tensor offsets() { return groups_.experts ? layer().route.expert_offsets.view() : layer().expert_offsets.view(); }
+  void before(int64_t stage) {
+    if (groups_.before_stage) groups_.before_stage(stage, false);
+  }
+  void done_with(int64_t stage) {
+    if (groups_.layer_done) groups_.layer_done(stage);
+  }
+  void end_step() {
+    before(stage_);
+    if (stage_ < 0) {
+      StageScope scope(timer_, Stage::prolog);
+      m_.prolog_backward(g_, dx_, batch_);
+      dx_ = Buffer{};
+    } else {
+      dx_ = m_.buffer({batch_.batch * batch_.seq, m_.hidden_size()});
+      StageScope scope(timer_, Stage::epilog);
+      m_.epilog_backward(dx_, g_, options_.loss_scale, mb_.epilog, batch_, w_);
+    }
+    done_with(stage_);
+    --stage_;
+  }
+  void combine() {
+    auto& s = layer();
+    const int64_t T = batch_.batch * batch_.seq, H = m_.hidden_size();
+    dy_perm_ = m_.buffer({s.y_perm.view().size(0), H});
+    dtopk_weight_ = m_.stats({T, m_.top_k()});
+    before(stage_);
+    StageScope scope(timer_, Stage::combine);
+    if (groups_.experts) dweight_recv_ = groups_.experts->combine_backward(dy_perm_, dx_, s.y_perm, s.route);
+    else m_.aggregate_backward(dy_perm_, dtopk_weight_, dx_, s.attention, s.y_perm, s.copy_row);
+    part_ = 1;
+  }
+  void experts() {
+    auto& s = layer();
+    dx_perm_ = m_.buffer({dy_perm_.view().size(0), m_.hidden_size()});
+    StageScope scope(timer_, Stage::experts);
+    const auto& lw = w_.layers[size_t(stage_)];
+    if (!options_.defer_expert_weights) {
+      m_.experts_backward(dx_perm_, g_.layers[size_t(stage_)], dy_perm_, s.experts, offsets(), lw, options_.first_micro_batch);
+    } else {
+      m_.experts_backward_input(dx_perm_, dy_perm_, s.experts, offsets(), lw);
+      Buffer& kept_offsets = groups_.experts ? s.route.expert_offsets : s.expert_offsets;
+      mb_.deferred.push_back({stage_, std::move(s.experts), std::move(dy_perm_), std::move(kept_offsets)});
+    }
+    dy_perm_ = Buffer{};
+    part_ = 2;
+  }
+  void dispatch() {
+    auto& s = layer();
+    dh2_ = m_.buffer({batch_.batch * batch_.seq, m_.hidden_size()});
+    StageScope scope(timer_, Stage::dispatch);
+    if (groups_.experts) groups_.experts->dispatch_backward(dh2_, dtopk_weight_, dx_perm_, dweight_recv_, s.route);
+    else dispatch_backward(dh2_, dx_perm_, s.copy_row);
+    dx_perm_ = Buffer{};
+    dweight_recv_ = Buffer{};
+    part_ = 3;
+  }
+  void attention() {
+    auto& s = layer();
+    Buffer dx_in = m_.buffer({batch_.batch * batch_.seq, m_.hidden_size()});
+    {
+      StageScope scope(timer_, Stage::attention);
+      m_.attention_backward(dx_in, g_.layers[size_t(stage_)], dx_, dh2_, dtopk_weight_, options_.aux_grad, s.attention, batch_,
+                            w_.layers[size_t(stage_)]);
+    }
+    dx_ = std::move(dx_in);
+    dh2_ = Buffer{};
+    dtopk_weight_ = Buffer{};
+    s = typename MicroBatch<M>::Layer{};
+    done_with(stage_);
+    --stage_;
+    part_ = 0;
+  }
+
+  MicroBatch<M>& mb_;
+  const M& m_;
+  const typename M::Weights& w_;
+  const typename M::Weights& g_;
+  const typename M::Batch& batch_;
+  PipelineChunk chunk_;
+  Options options_;
+  StepGroups groups_;
+  StageTimer* timer_;
+  int64_t stage_;
+  int part_ = 0;  // within a decoder layer: combine, experts, dispatch, attention
+  Buffer dx_, dy_perm_, dtopk_weight_, dweight_recv_, dx_perm_, dh2_;
+};
+
+// The expert weight gradients a deferring backward of mb left, in the order it left them.
+template <MoeModel M>
+void weights_backward(MicroBatch<M>& mb, const M& m, const typename M::Weights& grads, bool first_micro_batch, StageTimer* timer = nullptr) {
+  StageScope scope(timer, Stage::experts);
+  for (auto& d : mb.deferred)
+    m.experts_backward_weights(grads.layers[size_t(d.layer)], d.dy_perm, d.experts, d.expert_offsets.view(), first_micro_batch);
+  mb.deferred.clear();
+}
+
+// A forward and another micro-batch's backward, stage by stage: whichever of the two comes to an
+// exchange issues it first, so the exchange runs while the other's compute that follows it does.
+template <MoeModel M> void forward_backward(ForwardPass<M>& f, BackwardPass<M>& b) {
+  while (!f.done() || !b.done()) {
+    const bool forward_first = b.done() || (!f.done() && f.next_communicates());
+    if (forward_first) f.step();
+    if (!b.done()) b.step();
+    if (!forward_first && !f.done()) f.step();
+  }
+}
+
+template <MoeModel M> void run_pass(ForwardPass<M>& f) {
+  while (!f.done()) f.step();
+}
+template <MoeModel M> void run_pass(BackwardPass<M>& b) {
+  while (!b.done()) b.step();
+}
+
+// The whole model's forward of one micro-batch.
 template <MoeModel M>
 void forward(MicroBatch<M>& mb, const M& m, const typename M::Weights& w, const typename M::Batch& batch, StepGroups groups = {},
              StageTimer* timer = nullptr) {
-  const int64_t T = batch.batch * batch.seq, H = m.hidden_size();
-  mb.layers.resize(size_t(m.num_layers()));
-  auto before = [&](int64_t stage, bool forward) {
-    if (groups.before_stage) groups.before_stage(stage, forward);
-  };
-  Buffer x = m.buffer({T, H});
-  {
-    StageScope scope(timer, Stage::prolog);
-    before(-1, true);
-    m.prolog_forward(x, batch, w);
-  }
-  for (int64_t l = 0; l < m.num_layers(); ++l) {
-    auto& s = mb.layers[size_t(l)];
-    const auto& lw = w.layers[size_t(l)];
-    {
-      before(l, true);
-      StageScope scope(timer, Stage::attention);
-      m.attention_forward(s.attention, std::move(x), batch, lw);
-      if (groups.routing) groups.routing->all_reduce_sum(s.attention.routing_stats, "load-balance statistics (all_reduce)");
-      mb.aux_loss_sum += m.aux_loss(s.attention);
-    }
-    Buffer x_perm;
-    {
-      StageScope scope(timer, Stage::dispatch);
-      x_perm = groups.experts ? groups.experts->dispatch_forward(s.route, s.attention.h2, s.attention.topk_index, s.attention.topk_weight)
-                              : dispatch_local<M>(s, m);
-    }
-    const Tensor offsets = groups.experts ? s.route.expert_offsets.view() : s.expert_offsets.view();
-    s.y_perm = m.buffer({x_perm.view().size(0), H});
-    {
-      StageScope scope(timer, Stage::experts);
-      m.experts_forward(s.y_perm, s.experts, std::move(x_perm), offsets, lw);
-    }
-    x = m.buffer({T, H});
-    {
-      StageScope scope(timer, Stage::combine);
-      if (groups.experts) groups.experts->combine_forward(x, s.attention.x_mid, s.y_perm, s.route);
-      else m.aggregate_forward(x, s.attention, s.y_perm, s.copy_row);
-    }
-  }
-  StageScope scope(timer, Stage::epilog);
-  before(m.num_layers(), true);
-  mb.token_loss_sum = m.epilog_forward(mb.epilog, std::move(x), batch, w);
+  ForwardPass<M> f(mb, m, w, batch, whole_model(m), Buffer{}, std::move(groups), timer);
+  run_pass(f);
 }
 
-// Gradients of (loss_scale * token_loss_sum + aux_grad * aux_loss_sum) accumulate into grads,
-// except that first_micro_batch = true writes the gradients the model's spec table marks
-// first_backward_writes (the caller zeroes only the others); the micro-batch's activations are
-// released as the backward passes them.
+// The whole model's backward of one micro-batch (see BackwardPass).
 template <MoeModel M>
 void backward(MicroBatch<M>& mb, const M& m, const typename M::Weights& w, const typename M::Weights& grads,
               const typename M::Batch& batch, double loss_scale, double aux_grad, bool first_micro_batch = false,
               StepGroups groups = {}, StageTimer* timer = nullptr) {
-  const int64_t T = batch.batch * batch.seq, H = m.hidden_size(), K = m.top_k();
-  auto before = [&](int64_t stage) {
-    if (groups.before_stage) groups.before_stage(stage, false);
-  };
-  auto done = [&](int64_t stage) {
-    if (groups.layer_done) groups.layer_done(stage);
-  };
-  Buffer dx = m.buffer({T, H});
-  {
-    StageScope scope(timer, Stage::epilog);
-    before(m.num_layers());
-    m.epilog_backward(dx, grads, loss_scale, mb.epilog, batch, w);
-  }
-  done(m.num_layers());
-  for (int64_t l = m.num_layers() - 1; l >= 0; --l) {
-    auto& s = mb.layers[size_t(l)];
-    const auto& lw = w.layers[size_t(l)];
-    const auto& lg = grads.layers[size_t(l)];
-    const int64_t rows = s.y_perm.view().size(0);
-    const Tensor offsets = groups.experts ? s.route.expert_offsets.view() : s.expert_offsets.view();
-    Buffer dy_perm = m.buffer({rows, H}), dtopk_weight = m.stats({T, K}), dweight_recv;
-    {
-      StageScope scope(timer, Stage::combine);
-      before(l);
-      if (groups.experts) dweight_recv = groups.experts->combine_backward(dy_perm, dx, s.y_perm, s.route);
-      else m.aggregate_backward(dy_perm, dtopk_weight, dx, s.attention, s.y_perm, s.copy_row);
-    }
-    Buffer dx_perm = m.buffer({rows, H});
-    {
-      StageScope scope(timer, Stage::experts);
-      m.experts_backward(dx_perm, lg, dy_perm, s.experts, offsets, lw, first_micro_batch);
-    }
-    Buffer dh2 = m.buffer({T, H});
-    {
-      StageScope scope(timer, Stage::dispatch);
-      if (groups.experts) groups.experts->dispatch_backward(dh2, dtopk_weight, dx_perm, dweight_recv, s.route);
-      else dispatch_backward(dh2, dx_perm, s.copy_row);
-    }
-    Buffer dx_in = m.buffer({T, H});
-    {
-      StageScope scope(timer, Stage::attention);
-      m.attention_backward(dx_in, lg, dx, dh2, dtopk_weight, aux_grad, s.attention, batch, lw);
-    }
-    dx = std::move(dx_in);
-    s = typename MicroBatch<M>::Layer{};
-    done(l);
-  }
-  StageScope scope(timer, Stage::prolog);
-  before(-1);
-  m.prolog_backward(grads, dx, batch);
-  done(-1);
+  BackwardPass<M> b(mb, m, w, grads, batch, whole_model(m), Buffer{}, {loss_scale, aux_grad, first_micro_batch, false}, std::move(groups),
+                    timer);
+  run_pass(b);
 }
 
 }  // namespace marrow

@@ -28,6 +28,7 @@
 #include "engine/kernel_trace.h"
 #include "engine/lr_schedule.h"
 #include "engine/memory_estimate.h"
+#include "engine/pipeline_step.h"
 #include "engine/run_config.h"
 #include "engine/step.h"
 #include "engine/tensorboard.h"
@@ -148,6 +149,13 @@ inline ExpertShard expert_shard(const Mesh& mesh, int64_t num_experts) {
   return {mesh.ep_rank * local, local};
 }
 
+// The pipeline chunk of each stage (index stage + 1) this pipeline rank holds, -1 for the others';
+// without DualPipeV the whole model is chunk 0.
+inline std::vector<int64_t> held_stages(const std::vector<PipelineChunk>& chunks, int64_t num_layers, const Mesh& mesh) {
+  if (chunks.empty()) return std::vector<int64_t>(size_t(num_layers + 2), 0);
+  return held_stage_chunks(chunks, num_layers, mesh.pp_rank);
+}
+
 // Everything a run holds: the mesh, the model's share on this process, its sharded state
 // (initialised) and the model's views of it.
 template <MoeModel M> struct TrainSetup {
@@ -157,6 +165,8 @@ template <MoeModel M> struct TrainSetup {
   std::optional<ExpertParallel> experts;  // with parallel.ep > 1
   M model;
   size_t model_tensors;  // canonical tensors of the whole model (every rank's together)
+  std::vector<PipelineChunk> chunks;      // with DualPipeV: the 2 x pp chunks (parallel/dualpipev.h)
+  std::optional<PipelineLinks> links;     // with parallel.pp > 1
   ShardedParameters state;
   typename M::Weights w, g;
 
@@ -166,8 +176,11 @@ template <MoeModel M> struct TrainSetup {
         mesh(make_mesh(rc, config.num_experts, device)),
         model(config, dtype, device, expert_shard(mesh, config.num_experts)),
         model_tensors(M(config, dtype, device).specs().size()),
-        state(model.specs(), model.num_layers(), mesh, rc.keep_gathered, rc.keep_whole_grads, device, dtype) {
+        chunks(rc.uses_dualpipev() ? pipeline_chunks(config.num_layers, mesh.shape.pp) : std::vector<PipelineChunk>{}),
+        state(model.specs(), model.num_layers(), held_stages(chunks, config.num_layers, mesh), mesh, rc.keep_gathered || rc.uses_dualpipev(),
+              rc.keep_whole_grads || rc.uses_dualpipev(), device, dtype) {
     if (mesh.shape.ep > 1) experts.emplace(mesh.ep, config.num_experts);
+    if (mesh.shape.pp > 1) links = PipelineLinks::create(mesh.pipeline);
     state.initialize([&](Tensor out, const TensorSpec& spec, int64_t first) { model.initialize(out, spec, first, rc.seed); });
     w = model.bind(state.weights());
     g = model.bind(state.gradients());
@@ -246,6 +259,62 @@ std::pair<double, double> run_micro_batches(TrainSetup<M>& s, const RunConfig& r
   return {token_loss_sum, aux_loss_sum};
 }
 
+// The same with DualPipeV (parallel/dualpipev.h): this pipeline rank's order of work over both of
+// its chunks; `executed`, when given, receives the order as run. Gradients are reduced after the step.
+template <MoeModel M>
+std::pair<double, double> run_pipeline(TrainSetup<M>& s, const RunConfig& rc, const TokenDataset& data, int64_t step, double loss_scale,
+                                       double aux_grad, StageTimer* timer, std::string* executed = nullptr) {
+  const int64_t B = rc.micro_batch, S = rc.seq_len, W = s.mesh.shape.data_parallel(), n = rc.global_batch / (B * W);
+  auto batches = [&](int64_t micro) {
+    std::vector<int32_t> tokens(size_t(B * (S + 1)));
+    data.train_batch(step - 1, micro, B, tokens.data(), int(s.mesh.data_rank()), int(W));
+    return make_batch<M>(tokens, B, S, s.device);
+  };
+  auto groups = [&](int64_t micro) { return s.groups(micro, n, false); };
+  PipelineStep<M> pipeline({s.model, s.w, s.g, s.mesh.shape.pp, s.mesh.pp_rank, s.chunks, s.links ? &*s.links : nullptr, timer}, n,
+                           batches, groups, {loss_scale, aux_grad, false, false},
+                           [&](int64_t micro) { return s.state.first_writes_fresh(micro); });
+  watchdog::progress("a pipeline step");
+  const auto losses = pipeline.run(dualpipev_order(s.mesh.shape.pp, s.mesh.pp_rank, n));
+  if (executed) *executed = describe_order(pipeline.executed());
+  return losses;
+}
+
+// The micro-batches of a step, sequentially or through DualPipeV; returns the token and
+// load-balance loss sums of the whole pipeline (every stage's share summed).
+template <MoeModel M>
+std::pair<double, double> run_step(TrainSetup<M>& s, const RunConfig& rc, const TokenDataset& data, int64_t step, double loss_scale,
+                                   double aux_grad, StageTimer* timer) {
+  if (!rc.uses_dualpipev()) return run_micro_batches(s, rc, data, step, loss_scale, aux_grad, timer);
+  std::string order;
+  const bool print = rc.print_schedule && step == 1;
+  const auto [token_loss, aux_loss] = run_pipeline(s, rc, data, step, loss_scale, aux_grad, timer, print ? &order : nullptr);
+  if (print) {
+    const std::vector<std::string> orders = s.mesh.pipeline.all_gather_text(order, "pipeline orders (all_gather)");
+    for (size_t r = 0; r < orders.size(); ++r) std::printf("schedule: pipeline rank %zu: %s\n", r, orders[r].c_str());
+  }
+  return {token_loss, s.mesh.pipeline.sum(aux_loss, "load-balance loss over the pipeline (sum)")};
+}
+
+// validation_loss, through the pipeline with DualPipeV (every pipeline rank runs its chunks).
+template <MoeModel M> double evaluation_loss(TrainSetup<M>& s, const RunConfig& rc, const TokenDataset& data) {
+  const int64_t samples = rc.eval_samples, micro = rc.micro_batch, S = rc.seq_len;
+  StepGroups groups = s.groups();
+  groups.routing = nullptr;  // every process evaluates the same sequences
+  if (!rc.uses_dualpipev()) return validation_loss(s.model, s.w, data, samples, micro, S, s.device, groups);
+  auto batches = [&](int64_t i) {
+    const int64_t first = i * micro, B = std::min(micro, samples - first);
+    std::vector<int32_t> tokens(size_t(B * (S + 1)));
+    data.validation_batch(first, B, tokens.data());
+    return make_batch<M>(tokens, B, S, s.device);
+  };
+  const int64_t n = (samples + micro - 1) / micro;
+  PipelineStep<M> pipeline({s.model, s.w, s.g, s.mesh.shape.pp, s.mesh.pp_rank, s.chunks, s.links ? &*s.links : nullptr, nullptr}, n,
+                           batches, [&](int64_t) { return groups; }, {}, [](int64_t) { return false; });
+  const double loss_sum = pipeline.run(forward_only_order(n), true).first;
+  return s.mesh.pipeline.sum(loss_sum, "validation loss over the pipeline (sum)") / double(samples * S);
+}
+
 // A stop signal seen by any process stops all of them after the same step.
 inline int agreed_stop_signal(const Comm& world) {
   const int local = StopSignals::received();
@@ -320,18 +389,18 @@ std::vector<StepMetrics> train(const RunConfig& rc, const typename M::Config& mo
     // Every target of a sample is a real next token, so the step's counted tokens are known upfront.
     const double loss_scale = 1.0 / double(rc.global_batch * S);
     const double aux_grad = aux_coef / double(s.model.num_layers() * micro_batches);
-    const auto [token_loss_sum, aux_loss_sum] = run_micro_batches(s, rc, data, step, loss_scale, aux_grad, timer);
+    const auto [token_loss_sum, aux_loss_sum] = run_step(s, rc, data, step, loss_scale, aux_grad, timer);
 
     StepMetrics m;
     m.step = step;
     m.tokens_seen = step * rc.global_batch * S;
     if (s.experts) m.expert_traffic = s.experts->take_traffic();
-    m.loss = s.mesh.data.sum(token_loss_sum, "loss (sum)") * loss_scale;
+    m.loss = s.mesh.world.sum(token_loss_sum, "loss (sum)") * loss_scale;  // pipeline: only the LM head's rank has it
     // Reported normalised so that perfectly balanced routing reads 1.0.
     m.load_balance = aux_loss_sum / double(s.model.num_layers() * micro_batches * s.model.top_k());
     m.lr = schedule.at(step);
     std::optional<StageScope> optimizer_scope(std::in_place, timer, Stage::optimizer);
-    state.finish_gradients(rc.overlap_grad_reduce);
+    state.finish_gradients(rc.overlap_grad_reduce && !rc.uses_dualpipev());
     m.grad_norm = state.gradient_norm();
     if (!std::isfinite(m.loss) || !std::isfinite(m.grad_norm)) {
       m.skipped = true;
@@ -360,7 +429,7 @@ std::vector<StepMetrics> train(const RunConfig& rc, const typename M::Config& mo
     // After the step's timing: evaluation is not training speed.
     const bool evaluate = rc.eval_every > 0 && (step % rc.eval_every == 0 || step == rc.steps);
     if (evaluate)
-      m.val_loss = validation_loss(s.model, s.w, data, rc.eval_samples, rc.micro_batch, S, device, s.groups());
+      m.val_loss = evaluation_loss(s, rc, data);
     if (s.experts) s.experts->take_traffic();  // evaluation is not training traffic
     if (step % rc.log_every == 0 || step == 1 || step == rc.steps || m.skipped || evaluate) {
       std::printf("%s\n", step_line(m, rc.steps).c_str());

@@ -309,14 +309,25 @@ void Qwen3Moe::experts_forward(Tensor y_perm, Qwen3MoeExpertActivations& e, Buff
 
 void Qwen3Moe::experts_backward(Tensor dx_perm, const Qwen3MoeLayerWeights& grads, Tensor dy_perm, Qwen3MoeExpertActivations& e,
                                 Tensor expert_offsets, const Qwen3MoeLayerWeights& w, bool overwrite_grads) const {
+  experts_backward_input(dx_perm, dy_perm, e, expert_offsets, w);
+  experts_backward_weights(grads, dy_perm, e, expert_offsets, overwrite_grads);
+}
+
+void Qwen3Moe::experts_backward_input(Tensor dx_perm, Tensor dy_perm, Qwen3MoeExpertActivations& e, Tensor expert_offsets,
+                                      const Qwen3MoeLayerWeights& w) const {
   const int64_t R = e.x_perm.view().size(0), I = config_.expert_intermediate_size;
   Buffer dact = buffer({R, I});
   grouped_linear_backward_input(dact, dy_perm, w.experts_down, expert_offsets);
+  e.dgate_up = buffer({R, 2 * I});
+  swiglu_backward(e.dgate_up, dact, e.gate_up);
+  e.gate_up = Buffer{};
+  grouped_linear_backward_input(dx_perm, e.dgate_up, w.experts_gate_up, expert_offsets);
+}
+
+void Qwen3Moe::experts_backward_weights(const Qwen3MoeLayerWeights& grads, Tensor dy_perm, Qwen3MoeExpertActivations& e,
+                                        Tensor expert_offsets, bool overwrite_grads) const {
   grouped_linear_backward_weight(grads.experts_down, dy_perm, e.act, expert_offsets, overwrite_grads);
-  Buffer dgate_up = buffer({R, 2 * I});
-  swiglu_backward(dgate_up, dact, e.gate_up);
-  grouped_linear_backward_weight(grads.experts_gate_up, dgate_up, e.x_perm, expert_offsets, overwrite_grads);
-  grouped_linear_backward_input(dx_perm, dgate_up, w.experts_gate_up, expert_offsets);
+  grouped_linear_backward_weight(grads.experts_gate_up, e.dgate_up, e.x_perm, expert_offsets, overwrite_grads);
   e = Qwen3MoeExpertActivations{};
 }
 

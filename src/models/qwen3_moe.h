@@ -72,6 +72,7 @@ struct Qwen3MoeAttentionActivations {
 
 struct Qwen3MoeExpertActivations {
   Buffer x_perm, gate_up, act;
+  Buffer dgate_up;  // from experts_backward_input to experts_backward_weights
 };
 
 struct Qwen3MoeEpilogActivations {
@@ -141,6 +142,13 @@ class Qwen3Moe {
   // overwrite_grads: write the expert weight gradients instead of adding (TensorSpec::first_backward_writes).
   void experts_backward(Tensor dx_perm, const Qwen3MoeLayerWeights& grads, Tensor dy_perm, Qwen3MoeExpertActivations& e,
                         Tensor expert_offsets, const Qwen3MoeLayerWeights& w, bool overwrite_grads) const;
+  // experts_backward in two halves, so the weight gradients can wait for a gap in a pipeline
+  // schedule (zero bubble): the input gradient now (e keeps what the weights need), and later,
+  // with the same dy_perm and offsets, the weight gradients (which release e).
+  void experts_backward_input(Tensor dx_perm, Tensor dy_perm, Qwen3MoeExpertActivations& e, Tensor expert_offsets,
+                              const Qwen3MoeLayerWeights& w) const;
+  void experts_backward_weights(const Qwen3MoeLayerWeights& grads, Tensor dy_perm, Qwen3MoeExpertActivations& e, Tensor expert_offsets,
+                                bool overwrite_grads) const;
 
   // Stage 5: out = x_mid + sum_j topk_weight[t, j] * y_perm[copy_row[t, j]].
   void aggregate_forward(Tensor out, const Qwen3MoeAttentionActivations& a, Tensor y_perm, Tensor copy_row) const;

@@ -41,6 +41,7 @@ namespace marrow {
 
 struct Comm::Handles {
   MPI_Comm mpi = MPI_COMM_NULL;
+  std::vector<MPI_Request> sends;  // host send()s not yet waited for
 #if MARROW_CUDA
   ncclComm_t nccl = nullptr;
   cudaStream_t stream = nullptr;
@@ -419,6 +420,47 @@ void Comm::send_recv(Tensor send, int dst, Tensor recv, int src, const char* wha
   if (sending)
     MARROW_MPI_CHECK(MPI_Isend(send.data, mpi_count(send.bytes(), what), MPI_BYTE, dst, 0, handles_->mpi, &requests[pending++]));
   MARROW_MPI_CHECK(MPI_Waitall(pending, requests, MPI_STATUSES_IGNORE));
+}
+
+void Comm::send(Tensor t, int dst, const char* what) const {
+  MARROW_CHECK(dst >= 0 && dst < size_ && dst != rank_, "{}: no rank {} to send to in a group of {}", what, dst, size_);
+  if (t.numel() == 0) return;
+  InFlight scope(what);
+  if (t.device == Device::cuda) {
+#if MARROW_CUDA
+    on_comm_stream(*handles_, [&](cudaStream_t s) {
+      MARROW_NCCL_CHECK(ncclSend(t.data, size_t(t.numel()), nccl_type(t.dtype), dst, handles_->nccl, s));
+    }, false);
+    return;
+#endif
+  }
+  MPI_Request request;
+  MARROW_MPI_CHECK(MPI_Isend(t.data, mpi_count(t.bytes(), what), MPI_BYTE, dst, 0, handles_->mpi, &request));
+  handles_->sends.push_back(request);
+}
+
+void Comm::recv(Tensor t, int src, const char* what) const {
+  MARROW_CHECK(src >= 0 && src < size_ && src != rank_, "{}: no rank {} to receive from in a group of {}", what, src, size_);
+  if (t.numel() == 0) return;
+  InFlight scope(what);
+  if (t.device == Device::cuda) {
+#if MARROW_CUDA
+    on_comm_stream(*handles_, [&](cudaStream_t s) {
+      MARROW_NCCL_CHECK(ncclRecv(t.data, size_t(t.numel()), nccl_type(t.dtype), src, handles_->nccl, s));
+    });
+    return;
+#endif
+  }
+  MARROW_MPI_CHECK(MPI_Recv(t.data, mpi_count(t.bytes(), what), MPI_BYTE, src, 0, handles_->mpi, MPI_STATUS_IGNORE));
+}
+
+void Comm::wait_sends() const {
+  if (size_ == 1) return;
+  join();
+  if (handles_->sends.empty()) return;
+  InFlight scope("pipeline sends (wait)");
+  MARROW_MPI_CHECK(MPI_Waitall(int(handles_->sends.size()), handles_->sends.data(), MPI_STATUSES_IGNORE));
+  handles_->sends.clear();
 }
 
 void Comm::barrier(const char* what) const {

@@ -66,6 +66,13 @@ class Comm {
   // Sends `send` to member dst and receives `recv` from member src, as one exchange (a ring or a
   // pair of pipeline stages cannot deadlock); an empty tensor (Tensor{}) skips that half.
   void send_recv(Tensor send, int dst, Tensor recv, int src, const char* what) const;
+  // One direction of a pipeline link: send() queues t for member dst and returns at once (t must
+  // stay alive and unchanged until wait_sends()); recv() fills t from member src before the compute
+  // stream (on the host: the caller) goes on. Messages between two members arrive in the order sent;
+  // give each kind of message its own group, so a receiver never waits behind another kind.
+  void send(Tensor t, int dst, const char* what) const;
+  void recv(Tensor t, int src, const char* what) const;
+  void wait_sends() const;
   void barrier(const char* what) const;
 
   // The subgroup of members with the same color, ordered by key (every member calls it).

@@ -33,6 +33,7 @@ struct Mesh {
   Comm world;
   Comm ep;           // same pp, dp, cp: the expert all-to-alls
   Comm data;         // same pp (dp x cp x ep): non-expert gradients, losses, routing statistics
+  Comm pipeline;     // same dp, cp, ep (the pp ranks in order): activations and their gradients
   Comm expert_data;  // same pp and ep (dp x cp): the gradients of the experts this rank holds
   // Fully sharded data parallelism (sharded_params.h): the dp ranks are replicas r of shard
   // position s, dp_rank = r * dp_shard + s.

@@ -10,7 +10,8 @@ namespace marrow {
 
 namespace {
 
-// Which unit a tensor belongs to: all norms together, else its stage's dense or expert tensors.
+// Which unit a tensor belongs to: the norms of one pipeline chunk together, else its stage's dense
+// or expert tensors.
 struct UnitKey {
   bool norms;
   int64_t stage;
@@ -18,16 +19,20 @@ struct UnitKey {
   bool operator==(const UnitKey&) const = default;
 };
 
-UnitKey unit_key(const TensorSpec& s) { return s.is_norm ? UnitKey{true, -1, false} : UnitKey{false, s.layer, s.is_expert}; }
+UnitKey unit_key(const TensorSpec& s, const std::vector<int64_t>& stage_chunk) {
+  return s.is_norm ? UnitKey{true, -1 - stage_chunk[size_t(s.layer + 1)], false} : UnitKey{false, s.layer, s.is_expert};
+}
 
 }  // namespace
 
 std::vector<ShardedParameters::Unit> ShardedParameters::cut_units(const std::vector<TensorSpec>& specs, int64_t num_layers,
-                                                                  const Mesh& mesh, bool keep_gathered, bool keep_whole_grads) {
+                                                                  const std::vector<int64_t>& stage_chunk, const Mesh& mesh,
+                                                                  bool keep_gathered, bool keep_whole_grads) {
   std::vector<Unit> units;
   std::vector<UnitKey> seen;
   for (const TensorSpec& s : specs) {
-    const UnitKey key = unit_key(s);
+    if (stage_chunk[size_t(s.layer + 1)] < 0) continue;  // another pipeline rank's
+    const UnitKey key = unit_key(s, stage_chunk);
     if (!units.empty() && seen.back() == key && units.back().begin + units.back().numel == s.offset) {
       units.back().numel += s.numel;
       continue;
@@ -36,7 +41,7 @@ std::vector<ShardedParameters::Unit> ShardedParameters::cut_units(const std::vec
                  "internal: the tensors of one shard unit are not contiguous in the parameter table ({})", s.name);
     seen.push_back(key);
     Unit u;
-    u.stage = key.stage;
+    u.stage = key.norms ? s.layer : key.stage;  // norms: waited for and reduced with their chunk's first layer
     u.expert = key.expert;
     u.norms = key.norms;
     u.begin = s.offset;
@@ -63,13 +68,13 @@ int64_t ShardedParameters::shard_elements(const std::vector<Unit>& units) {
   return total;
 }
 
-ShardedParameters::ShardedParameters(const std::vector<TensorSpec>& specs, int64_t num_layers, const Mesh& mesh, bool keep_gathered,
-                                     bool keep_whole_grads, Device device, DType compute)
+ShardedParameters::ShardedParameters(const std::vector<TensorSpec>& specs, int64_t num_layers, const std::vector<int64_t>& stage_chunk,
+                                     const Mesh& mesh, bool keep_gathered, bool keep_whole_grads, Device device, DType compute)
     : specs_(specs),
       num_layers_(num_layers),
       device_(device),
       mesh_(mesh),
-      units_(cut_units(specs, num_layers, mesh, keep_gathered, keep_whole_grads)),
+      units_(cut_units(specs, num_layers, stage_chunk, mesh, keep_gathered, keep_whole_grads)),
       params_("parameters", DType::f32, device, shard_elements(units_)),
       grads_("gradients", DType::f32, device, shard_elements(units_)),
       exp_avg_("adam exp_avg", DType::f32, device, shard_elements(units_)),
@@ -83,6 +88,7 @@ ShardedParameters::ShardedParameters(const std::vector<TensorSpec>& specs, int64
   saves_ = mesh.replica_rank == 0;
   allocate(compute);
   place(specs);
+  place_absent(specs, stage_chunk, compute);
   fill_zero(grads_.all());
   if (gathered_) fill_zero(gathered_->all());
   if (whole_grads_) fill_zero(whole_grads_->all());
@@ -152,6 +158,21 @@ void ShardedParameters::place(const std::vector<TensorSpec>& specs) {
     for (const TensorSpec& s : specs)
       MARROW_CHECK(!s.first_backward_writes || s.offset < u.begin || s.offset >= u.begin + u.numel || u.grads_kept != first_writes_slotted_,
                    "internal: gradients marked first_backward_writes are in kept and slotted units alike");
+}
+
+// Other pipeline ranks' tensors, each run of consecutive ones as one range (a model view may span
+// several tensors, as the fused expert weights do).
+void ShardedParameters::place_absent(const std::vector<TensorSpec>& specs, const std::vector<int64_t>& stage_chunk, DType compute) {
+  for (size_t i = 0; i < specs.size();) {
+    size_t end = i;
+    while (end < specs.size() && stage_chunk[size_t(specs[end].layer + 1)] < 0) ++end;
+    if (end > i) {
+      const int64_t begin = specs[i].offset, numel = specs[end - 1].offset + specs[end - 1].numel - begin;
+      weights_.place_absent(begin, numel, compute, device_);
+      gradients_.place_absent(begin, numel, DType::f32, device_);
+    }
+    i = std::max(end, i + 1);
+  }
 }
 
 std::vector<const Arena*> ShardedParameters::arenas() const {
@@ -265,7 +286,8 @@ void ShardedParameters::finish_gradients(bool overlapped) {
 
 double ShardedParameters::gradient_norm() const {
   const double squares = std::pow(l2_norm(grads_.all()), 2);
-  return std::sqrt(mesh_.shard.sum(squares, "gradient norm (sum of squares)"));
+  const double stage_squares = mesh_.shard.sum(squares, "gradient norm (sum of squares)");
+  return std::sqrt(mesh_.pipeline.sum(stage_squares, "gradient norm over the pipeline (sum of squares)"));
 }
 
 void ShardedParameters::optimizer_step(AdamWHyper hyper) {

@@ -2,8 +2,9 @@
 // model whose parameter table (core/tensor_spec.h) tells each tensor's stage.
 //
 // The table is cut into units, each a contiguous range of the model's layout: the prolog's
-// tensors, each decoder layer's dense tensors, each layer's expert tensors, the epilog's, and all
-// norms together (tiny, and needed by every stage). A unit of N elements is cut into n chunks of
+// tensors, each decoder layer's dense tensors, each layer's expert tensors, the epilog's, and the
+// norms of each pipeline chunk together (tiny, and needed by every stage). With pipeline
+// parallelism a rank has only the units of its chunks' stages. A unit of N elements is cut into n chunks of
 // c = ceil(N / n) elements (the last one padded with zeros) over its shard group: expert units over
 // the dp_shard x cp ranks that hold the same experts (Mesh::expert_shard), the others over
 // dp_shard x cp x ep (Mesh::shard). Member r of the group owns elements [r c, (r + 1) c): their fp32
@@ -41,9 +42,11 @@ namespace marrow {
 
 class ShardedParameters {
  public:
-  // compute: the dtype the model computes in (bf16 on the GPU, f32 on the CPU).
-  ShardedParameters(const std::vector<TensorSpec>& specs, int64_t num_layers, const Mesh& mesh, bool keep_gathered,
-                    bool keep_whole_grads, Device device, DType compute);
+  // compute: the dtype the model computes in (bf16 on the GPU, f32 on the CPU). stage_chunk[stage
+  // + 1]: the pipeline chunk holding each stage (-1 prolog .. num_layers epilog), -1 where another
+  // pipeline rank holds it.
+  ShardedParameters(const std::vector<TensorSpec>& specs, int64_t num_layers, const std::vector<int64_t>& stage_chunk, const Mesh& mesh,
+                    bool keep_gathered, bool keep_whole_grads, Device device, DType compute);
   ShardedParameters(const ShardedParameters&) = delete;
   ShardedParameters& operator=(const ShardedParameters&) = delete;
 
@@ -82,7 +85,8 @@ class ShardedParameters {
   // The reductions not started during the backward (all, without overlap); the compute stream
   // then waits for all of them.
   void finish_gradients(bool overlapped);
-  // The global gradient norm, each element counted once (summed over the shard group in rank order).
+  // The global gradient norm, each element counted once (summed over the shard group, then the
+  // pipeline, in rank order).
   double gradient_norm() const;
   // AdamW on the shards (norm units without weight decay); then the compute copies are re-gathered.
   void optimizer_step(AdamWHyper hyper);
@@ -109,11 +113,12 @@ class ShardedParameters {
     Comm::Point gathered_at, reduced_at;
   };
 
-  static std::vector<Unit> cut_units(const std::vector<TensorSpec>& specs, int64_t num_layers, const Mesh& mesh, bool keep_gathered,
-                                     bool keep_whole_grads);
+  static std::vector<Unit> cut_units(const std::vector<TensorSpec>& specs, int64_t num_layers, const std::vector<int64_t>& stage_chunk,
+                                     const Mesh& mesh, bool keep_gathered, bool keep_whole_grads);
   static int64_t shard_elements(const std::vector<Unit>& units);
   void allocate(DType compute);
   void place(const std::vector<TensorSpec>& specs);
+  void place_absent(const std::vector<TensorSpec>& specs, const std::vector<int64_t>& stage_chunk, DType compute);
   // After unit u's master shard changed: its kept weights are gathered anew.
   void gather_kept(Unit& u);
   // The slots' weights are stale (the master shards changed).

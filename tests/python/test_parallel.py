@@ -162,11 +162,13 @@ def dir_name(prefix, layout):
     return prefix + "".join(c for c in layout if c.isalnum())
 
 
-def all_experts_config(tmp):
+def all_experts_config(tmp, layers=None):
     """The tiny model with num_experts_per_tok = num_experts: routing without discontinuities."""
     config = json.load(open("configs/tiny-moe.json"))
     config["num_experts_per_tok"] = config["num_experts"]
-    path = os.path.join(tmp, "tiny-moe-all-experts.json")
+    if layers:
+        config["num_hidden_layers"] = layers
+    path = os.path.join(tmp, f"tiny-moe-all-experts{layers or ''}.json")
     json.dump(config, open(path, "w"))
     return path
 
@@ -259,6 +261,55 @@ def test_resume_on_other_layouts(tmp):
           "the export's tensors are the checkpoint's slices assembled, bit for bit")
 
 
+def schedule_lines(text):
+    return [line[len("schedule: "):] for line in text.splitlines() if line.startswith("schedule: pipeline rank")]
+
+
+def test_pipeline(tmp):
+    """DualPipeV on the 4-layer tiny model (all experts active, small lr), 4 micro-batches per pipeline and step: PP = 2
+    and PP = 2 x EP = 2 against one process; PP = 1's overlapped schedule against the plain one, bit for bit; the
+    trainer's printed order against `marrow estimate`'s simulated one; a PP = 2 checkpoint resumed on one process."""
+    strict = [f"--model.config={all_experts_config(tmp, 4)}", *SMOOTH_OPTIMIZER, "--checkpoint.every=5"]
+    runs = {
+        "one process": (0, ["--train.micro_batch=4"]),
+        "one process, sequential": (0, ["--train.micro_batch=2", "--parallel.schedule=sequential"]),
+        "PP=1 (DualPipeV)": (0, ["--train.micro_batch=2", "--parallel.schedule=dualpipev"]),
+        "PP=2": (2, ["--parallel.pp=2", "--train.micro_batch=2", "--parallel.print_schedule=true"]),
+        "PP=2 x EP=2": (4, ["--parallel.pp=2", "--parallel.ep=2", "--train.micro_batch=1"]),
+    }
+    dirs, outs = {}, {}
+    for name, (np, args) in runs.items():
+        dirs[name] = os.path.join(tmp, dir_name("pipe-", name))
+        code, outs[name], _ = train(args + strict, np, dirs[name])
+        check(code == 0, f"{name}, 4 layers: trains 5 steps")
+    for name in ("PP=2", "PP=2 x EP=2"):
+        compare_runs(f"{name} vs one process", dirs["one process"], dirs[name], 5)
+    plain, overlapped = metrics(dirs["one process, sequential"]), metrics(dirs["PP=1 (DualPipeV)"])
+    keys = ("loss", "grad_norm", "load_balance")
+    check([[m[k] for k in keys] for m in plain] == [[m[k] for k in keys] for m in overlapped],
+          "PP=1: the DualPipeV order's losses, gradient norms and load balance equal the sequential order's bit for bit")
+    ta = checkpoint_tensors(os.path.join(dirs["one process, sequential"], "step-00000005"))
+    tb = checkpoint_tensors(os.path.join(dirs["PP=1 (DualPipeV)"], "step-00000005"))
+    check(ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta),
+          f"PP=1: after 5 steps every weight and AdamW moment of the DualPipeV order equals the sequential order's bit for bit")
+    printed = schedule_lines(outs["PP=2"])
+    estimate = subprocess.run([ARGS.marrow, "estimate", *COMMON, *strict, "--parallel.pp=2", "--train.micro_batch=2", "--world=2"],
+                              capture_output=True, text=True)
+    simulated = schedule_lines(estimate.stdout)
+    check(len(printed) == 2 and printed == simulated,
+          f"PP=2: the trainer's order of step 1 equals marrow estimate's simulated order ({len(printed)} and {len(simulated)} ranks)")
+    check("bubble" in estimate.stdout, "marrow estimate prints the simulated bubble of PP=2")
+    six = ["--train.micro_batch=4", "--train.steps=6", "--checkpoint.every=0"]
+    code, _, _ = train(strict + six, 0, dirs["one process"])
+    resumed = os.path.join(tmp, "pipe-resumed")
+    step5 = os.path.join(dirs["PP=2"], "step-00000005")
+    code2, out, _ = train(strict + six + [f"--checkpoint.resume={step5}"], 0, resumed)
+    check(code == 0 and code2 == 0 and "resuming from" in out, "the PP=2 checkpoint resumes on one process")
+    if code == code2 == 0:
+        want, got = metrics(dirs["one process"])[-1]["loss"], metrics(resumed)[-1]["loss"]
+        check(abs(want - got) <= 1e-6 * abs(want), f"resumed from PP=2: step 6's loss is one process's ({got} vs {want})")
+
+
 def ranks_of(mpirun_pid):
     out = subprocess.run(["pgrep", "-P", str(mpirun_pid)], capture_output=True, text=True).stdout
     return [int(p) for p in out.split()]
@@ -301,7 +352,8 @@ def test_fail_fast(tmp):
 
 def test_bad_layouts(tmp):
     cases = [
-        (2, ["--parallel.pp=2"], "pipeline parallelism is not implemented yet"),
+        (2, ["--parallel.pp=2", "--train.micro_batch=2"], "cuts the model into 4 pipeline chunks but it has only 2 decoder layers"),
+        (2, ["--parallel.pp=2", "--train.micro_batch=4"], "DualPipeV needs at least 2 x parallel.pp = 4 micro-batches per step"),
         (2, ["--parallel.ep=4"], "does not divide"),
         (4, ["--parallel.dp_shard=3", "--train.micro_batch=1"], "parallel.dp_shard (3) does not divide the 4 data-parallel ranks"),
         (3, ["--parallel.ep=3", "--train.micro_batch=1", "--train.global_batch=6"], "is not a multiple of parallel.ep"),
@@ -324,6 +376,7 @@ def main():
               "--train.seq_len=32", "--schedule.warmup_steps=1", "--eval.every=0", "--train.device=cpu"]
     torch.set_printoptions(precision=10)
     with tempfile.TemporaryDirectory() as tmp:
+        test_pipeline(tmp)
         test_layouts(tmp)
         test_initial_weights(tmp)
         test_resume_on_other_layouts(tmp)

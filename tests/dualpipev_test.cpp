@@ -1,0 +1,82 @@
+// DualPipeV's layer partition, per-rank orders and simulator (parallel/dualpipev.h).
+#include "parallel/dualpipev.h"
+
+#include <gtest/gtest.h>
+
+#include <map>
+
+#include "core/errors.h"
+
+namespace marrow {
+namespace {
+
+std::vector<int64_t> layer_counts(int64_t layers, int64_t pp) {
+  std::vector<int64_t> out;
+  for (const PipelineChunk& c : pipeline_chunks(layers, pp)) out.push_back(c.layers(layers));
+  return out;
+}
+
+TEST(DualPipeV, ChunksPutTheRemainderOnInteriorChunks) {
+  EXPECT_EQ(layer_counts(16, 2), (std::vector<int64_t>{4, 4, 4, 4}));
+  EXPECT_EQ(layer_counts(6, 2), (std::vector<int64_t>{1, 2, 2, 1}));
+  EXPECT_EQ(layer_counts(7, 2), (std::vector<int64_t>{2, 2, 2, 1}));
+  EXPECT_EQ(layer_counts(5, 1), (std::vector<int64_t>{3, 2}));
+  EXPECT_EQ(layer_counts(11, 4), (std::vector<int64_t>{1, 1, 2, 2, 2, 1, 1, 1}));
+  const std::vector<PipelineChunk> c = pipeline_chunks(6, 2);
+  EXPECT_EQ(c[0].first, -1);  // the prolog
+  EXPECT_EQ(c[0].last, 0);
+  EXPECT_EQ(c[1].first, 1);
+  EXPECT_EQ(c[3].first, 5);
+  EXPECT_EQ(c[3].last, 6);  // the epilog
+  EXPECT_THROW(pipeline_chunks(3, 2), Error);
+}
+
+TEST(DualPipeV, OnePipelineRankPairsTheTwoChunks) {
+  EXPECT_EQ(describe_order(dualpipev_order(1, 0, 2)), "F0.0 F1.0 F0.1 B1.0 FB1.1/0.0 B1.1 B0.1w W0.1");
+  EXPECT_EQ(describe_order(dualpipev_order(1, 0, 4)),
+            "F0.0 F1.0 F0.1 B1.0 FB1.1/0.0 FB0.2/1.1 FB1.2/0.1 FB0.3/1.2 FB1.3/0.2 B1.3 B0.3w W0.3");
+}
+
+// Every rank runs each (chunk, micro-batch) forward and backward once, in micro-batch order, and
+// a W for each deferred backward after it.
+TEST(DualPipeV, EveryOrderRunsEachMicroBatchOnceInOrder) {
+  for (int64_t pp : {1, 2, 3, 4})
+    for (int64_t n : {2 * pp, 2 * pp + 1, 3 * pp + 2})
+      for (int64_t r = 0; r < pp; ++r) {
+        std::map<int, std::vector<int64_t>> forwards, backwards;
+        std::vector<std::pair<int, int64_t>> deferred, weighed;
+        for (const PipelineOp& op : dualpipev_order(pp, r, n)) {
+          if (op.kind == PipelineOp::forward || op.kind == PipelineOp::forward_backward) forwards[op.phase].push_back(op.micro);
+          if (op.kind == PipelineOp::backward) backwards[op.phase].push_back(op.micro);
+          if (op.kind == PipelineOp::forward_backward) backwards[1 - op.phase].push_back(op.back_micro);
+          if (op.kind == PipelineOp::backward && op.defer_weights) deferred.push_back({op.phase, op.micro});
+          if (op.kind == PipelineOp::weights) weighed.push_back({op.phase, op.micro});
+        }
+        std::vector<int64_t> all(static_cast<size_t>(n));
+        for (int64_t i = 0; i < n; ++i) all[size_t(i)] = i;
+        for (int phase : {0, 1}) {
+          EXPECT_EQ(forwards[phase], all) << "pp " << pp << " rank " << r << " phase " << phase;
+          EXPECT_EQ(backwards[phase], all) << "pp " << pp << " rank " << r << " phase " << phase;
+        }
+        EXPECT_EQ(deferred, weighed) << "pp " << pp << " rank " << r;
+      }
+}
+
+TEST(DualPipeV, SimulationFinishesWithASmallBubble) {
+  for (int64_t pp : {1, 2, 4}) {
+    const int64_t n = 4 * pp;
+    const PipelineSimulation sim = simulate_dualpipev(pp, n, std::vector<ChunkCost>(size_t(2 * pp)));
+    // Per rank: 2n chunk forwards, backwards and weights of cost 1 each.
+    for (double b : sim.busy) EXPECT_DOUBLE_EQ(b, 6.0 * double(n));
+    // 1F1B on pp ranks with n micro-batches idles (pp - 1) / (n + pp - 1); the V with its W
+    // slots idles less.
+    EXPECT_LT(sim.bubble(), double(pp - 1) / double(n + pp - 1) + 1e-12) << "pp " << pp;
+    EXPECT_GE(sim.bubble(), 0.0);
+    for (int64_t live : sim.peak_live) EXPECT_LE(live, 2 * pp + 1);
+  }
+  EXPECT_DOUBLE_EQ(simulate_dualpipev(1, 2, std::vector<ChunkCost>(2)).bubble(), 0.0);
+  EXPECT_THROW(dualpipev_order(2, 0, 3), Error);
+}
+
+}  // namespace
+}  // namespace marrow
