@@ -70,15 +70,20 @@ void check_case(CheckReport& report, const Comm& world, int64_t T, int64_t H, in
   ExpertRoute route;
   Buffer topk_d = to_device(topk, DType::i32), weight_d = to_device(weight, DType::f32);
   Buffer x_d = to_device(x, DType::bf16), residual_d = to_device(residual, DType::bf16), dout_d = to_device(dout, DType::bf16);
-  Buffer x_perm = ep.dispatch_forward(route, x_d.view().reshape({T, H}), topk_d.view().reshape({T, K}), weight_d.view().reshape({T, K}));
+  ExpertParallel::Exchange exchange =
+      ep.start_dispatch(route, x_d.view().reshape({T, H}), topk_d.view().reshape({T, K}), weight_d.view().reshape({T, K}));
+  Buffer x_perm = ep.finish_dispatch(exchange, route);
   Buffer y_perm = run_experts(x_perm, route, ep.first_local_expert());
   Buffer out = poisoned(DType::bf16, {T, H});
-  ep.combine_forward(out, residual_d.view().reshape({T, H}), y_perm.view().reshape({route.copies, H}), route);
+  exchange = ep.start_combine(y_perm.view().reshape({route.copies, H}), route);
+  ep.finish_combine(out, residual_d.view().reshape({T, H}), exchange, route);
   Buffer dy_perm = poisoned(DType::bf16, {route.copies, H});
-  Buffer dweight_recv = ep.combine_backward(dy_perm, dout_d.view().reshape({T, H}), y_perm.view().reshape({route.copies, H}), route);
+  exchange = ep.start_combine_backward(dout_d.view().reshape({T, H}), route);
+  Buffer dweight_recv = ep.finish_combine_backward(dy_perm, y_perm.view().reshape({route.copies, H}), exchange, route);
   Buffer dx_perm = run_experts(dy_perm, route, ep.first_local_expert());
   Buffer dx = poisoned(DType::bf16, {T, H}), dtopk = poisoned(DType::f32, {T, K});
-  ep.dispatch_backward(dx, dtopk, dx_perm.view().reshape({route.copies, H}), dweight_recv, route);
+  exchange = ep.start_dispatch_backward(dx_perm.view().reshape({route.copies, H}), std::move(dweight_recv), route);
+  ep.finish_dispatch_backward(dx, dtopk, exchange, route);
 
   Buffer out_ref(DType::f32, Device::cpu, {T, H}), dx_ref(DType::f32, Device::cpu, {T, H}), dtopk_ref(DType::f32, Device::cpu, {T, K});
   for (int64_t t = 0; t < T; ++t) {

@@ -80,12 +80,16 @@ template <MoeModel M> class ForwardPass {
     mb_.layers.resize(size_t(m.num_layers()));
   }
   bool done() const { return stage_ > chunk_.last; }
-  // The next step is an exchange between processes (an expert all-to-all).
+  // The next step starts an exchange between processes (an expert all-to-all).
   bool next_communicates() const { return groups_.experts && stage_ >= 0 && stage_ < m_.num_layers() && part_ % 2 == 1; }
-  Buffer output() { return std::move(x_); }
+  Buffer output() {
+    finish_combine();
+    return std::move(x_);
+  }
 
   void step() {
-    const int64_t T = batch_.batch * batch_.seq, H = m_.hidden_size();
+    const int64_t H = m_.hidden_size();
+    finish_combine();
     if (stage_ < 0 || stage_ == m_.num_layers()) return end_step();
     auto& s = mb_.layers[size_t(stage_)];
     const auto& lw = w_.layers[size_t(stage_)];
@@ -100,11 +104,15 @@ template <MoeModel M> class ForwardPass {
       }
       case 1: {
         StageScope scope(timer_, Stage::dispatch);
-        x_perm_ = groups_.experts ? groups_.experts->dispatch_forward(s.route, s.attention.h2, s.attention.topk_index, s.attention.topk_weight)
-                                  : dispatch_local<M>(s, m_);
+        if (groups_.experts) exchange_ = groups_.experts->start_dispatch(s.route, s.attention.h2, s.attention.topk_index, s.attention.topk_weight);
+        else x_perm_ = dispatch_local<M>(s, m_);
         break;
       }
       case 2: {
+        if (groups_.experts) {
+          StageScope scope(timer_, Stage::dispatch);
+          x_perm_ = groups_.experts->finish_dispatch(exchange_, s.route);
+        }
         const Tensor offsets = groups_.experts ? s.route.expert_offsets.view() : s.expert_offsets.view();
         s.y_perm = m_.buffer({x_perm_.view().size(0), H});
         StageScope scope(timer_, Stage::experts);
@@ -112,10 +120,14 @@ template <MoeModel M> class ForwardPass {
         break;
       }
       case 3: {
-        x_ = m_.buffer({T, H});
         StageScope scope(timer_, Stage::combine);
-        if (groups_.experts) groups_.experts->combine_forward(x_, s.attention.x_mid, s.y_perm, s.route);
-        else m_.aggregate_forward(x_, s.attention, s.y_perm, s.copy_row);
+        if (groups_.experts) {
+          exchange_ = groups_.experts->start_combine(s.y_perm, s.route);
+          combining_ = stage_;
+        } else {
+          x_ = m_.buffer({batch_.batch * batch_.seq, H});
+          m_.aggregate_forward(x_, s.attention, s.y_perm, s.copy_row);
+        }
         ++stage_;
         break;
       }
@@ -124,6 +136,16 @@ template <MoeModel M> class ForwardPass {
   }
 
  private:
+  // The residual after an expert-parallel layer exists once its combine has arrived: the step that
+  // consumes it waits here, so the exchange overlaps whatever was queued in between.
+  void finish_combine() {
+    if (combining_ < 0) return;
+    auto& s = mb_.layers[size_t(combining_)];
+    x_ = m_.buffer({batch_.batch * batch_.seq, m_.hidden_size()});
+    StageScope scope(timer_, Stage::combine);
+    groups_.experts->finish_combine(x_, s.attention.x_mid, exchange_, s.route);
+    combining_ = -1;
+  }
   void before(int64_t stage) {
     if (groups_.before_stage) groups_.before_stage(stage, true);
   }
@@ -150,6 +172,8 @@ template <MoeModel M> class ForwardPass {
   int64_t stage_;
   int part_ = 0;  // within a decoder layer: attention, dispatch, experts, combine
   Buffer x_, x_perm_;
+  ExpertParallel::Exchange exchange_;  // the layer's dispatch or combine in flight
+  int64_t combining_ = -1;             // the layer whose combine is in flight
 };
 
 // The backward of one micro-batch through a chunk, one stage per step(): the epilog, each layer's
@@ -208,6 +232,8 @@ template <MoeModel M> class BackwardPass {
     done_with(stage_);
     --stage_;
   }
+  // With expert parallelism each exchange is started by one step and finished by the next, which
+  // consumes it (see ForwardPass::finish_combine).
   void combine() {
     auto& s = layer();
     const int64_t T = batch_.batch * batch_.seq, H = m_.hidden_size();
@@ -215,12 +241,16 @@ template <MoeModel M> class BackwardPass {
     dtopk_weight_ = m_.stats({T, m_.top_k()});
     before(stage_);
     StageScope scope(timer_, Stage::combine);
-    if (groups_.experts) dweight_recv_ = groups_.experts->combine_backward(dy_perm_, dx_, s.y_perm, s.route);
+    if (groups_.experts) exchange_ = groups_.experts->start_combine_backward(dx_, s.route);
     else m_.aggregate_backward(dy_perm_, dtopk_weight_, dx_, s.attention, s.y_perm, s.copy_row);
     part_ = 1;
   }
   void experts() {
     auto& s = layer();
+    if (groups_.experts) {
+      StageScope scope(timer_, Stage::combine);
+      dweight_recv_ = groups_.experts->finish_combine_backward(dy_perm_, s.y_perm, exchange_, s.route);
+    }
     dx_perm_ = m_.buffer({dy_perm_.view().size(0), m_.hidden_size()});
     StageScope scope(timer_, Stage::experts);
     const auto& lw = w_.layers[size_t(stage_)];
@@ -236,16 +266,23 @@ template <MoeModel M> class BackwardPass {
   }
   void dispatch() {
     auto& s = layer();
-    dh2_ = m_.buffer({batch_.batch * batch_.seq, m_.hidden_size()});
     StageScope scope(timer_, Stage::dispatch);
-    if (groups_.experts) groups_.experts->dispatch_backward(dh2_, dtopk_weight_, dx_perm_, dweight_recv_, s.route);
-    else dispatch_backward(dh2_, dx_perm_, s.copy_row);
+    if (groups_.experts) {
+      exchange_ = groups_.experts->start_dispatch_backward(dx_perm_, std::move(dweight_recv_), s.route);
+    } else {
+      dh2_ = m_.buffer({batch_.batch * batch_.seq, m_.hidden_size()});
+      dispatch_backward(dh2_, dx_perm_, s.copy_row);
+    }
     dx_perm_ = Buffer{};
-    dweight_recv_ = Buffer{};
     part_ = 3;
   }
   void attention() {
     auto& s = layer();
+    if (groups_.experts) {
+      dh2_ = m_.buffer({batch_.batch * batch_.seq, m_.hidden_size()});
+      StageScope scope(timer_, Stage::dispatch);
+      groups_.experts->finish_dispatch_backward(dh2_, dtopk_weight_, exchange_, s.route);
+    }
     Buffer dx_in = m_.buffer({batch_.batch * batch_.seq, m_.hidden_size()});
     {
       StageScope scope(timer_, Stage::attention);
@@ -273,6 +310,7 @@ template <MoeModel M> class BackwardPass {
   int64_t stage_;
   int part_ = 0;  // within a decoder layer: combine, experts, dispatch, attention
   Buffer dx_, dy_perm_, dtopk_weight_, dweight_recv_, dx_perm_, dh2_;
+  ExpertParallel::Exchange exchange_;  // the layer's combine or dispatch gradients in flight
 };
 
 // The expert weight gradients a deferring backward of mb left, in the order it left them.

@@ -311,7 +311,7 @@ void Comm::wait_for(const Point& point) const {
 }
 
 void Comm::all_to_all_v(Tensor recv, const std::vector<int64_t>& recv_rows, Tensor send, const std::vector<int64_t>& send_rows,
-                        const char* what) const {
+                        const char* what, bool join) const {
   check_device(recv, send, what);
   MARROW_CHECK(recv.dtype == send.dtype, "{}: all_to_all_v of {} into {}", what, dtype_name(send.dtype), dtype_name(recv.dtype));
   MARROW_CHECK(int(recv_rows.size()) == size_ && int(send_rows.size()) == size_, "{}: {} receive and {} send counts for {} ranks", what,
@@ -341,8 +341,10 @@ void Comm::all_to_all_v(Tensor recv, const std::vector<int64_t>& recv_rows, Tens
         received += recv_rows[size_t(peer)];
       }
       MARROW_NCCL_CHECK(ncclGroupEnd());
-    });
+    }, join);
     return;
+#else
+    (void)join;
 #endif
   }
   std::vector<int> sc(static_cast<size_t>(size_)), so(static_cast<size_t>(size_)), rc(static_cast<size_t>(size_)), ro(static_cast<size_t>(size_));

@@ -53,9 +53,10 @@ class Comm {
   void wait_for(const Point& point) const;
   // Rows in blocks by rank: send rows [sum(send_rows[<d]), +send_rows[d]) go to member d; what
   // member s sends lands in recv rows [sum(recv_rows[<s]), +recv_rows[s]). Both sides must agree
-  // on the counts (exchange_counts). Rows are the first dimension of send and recv.
+  // on the counts (exchange_counts). Rows are the first dimension of send and recv. join as for
+  // all_reduce_sum.
   void all_to_all_v(Tensor recv, const std::vector<int64_t>& recv_rows, Tensor send, const std::vector<int64_t>& send_rows,
-                    const char* what) const;
+                    const char* what, bool join = true) const;
   // Host integers: sent[d] goes to member d; returns what each member sent to this one.
   std::vector<int64_t> exchange_counts(const std::vector<int64_t>& sent, const char* what) const;
   // Host doubles summed over the group in rank order (losses, squared norms).

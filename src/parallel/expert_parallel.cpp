@@ -110,8 +110,8 @@ void ExpertParallel::plan(ExpertRoute& route, Tensor topk_index, Device device) 
   traffic_.plan_ms += std::chrono::duration<double, std::milli>(end - start).count();
 }
 
-Buffer ExpertParallel::dispatch_forward(ExpertRoute& route, Tensor x, Tensor topk_index, Tensor topk_weight) const {
-  const char* op = "ExpertParallel::dispatch_forward";
+ExpertParallel::Exchange ExpertParallel::start_dispatch(ExpertRoute& route, Tensor x, Tensor topk_index, Tensor topk_weight) const {
+  const char* op = "ExpertParallel::start_dispatch";
   MARROW_CHECK(x.ndim == 2 && topk_index.ndim == 2, "{}: x must be [tokens, hidden] and topk_index [tokens, k], got {} and {}", op,
                x.shape_string(), topk_index.shape_string());
   const int64_t T = x.size(0), H = x.size(1), K = topk_index.size(1), P = group_.size();
@@ -120,54 +120,79 @@ Buffer ExpertParallel::dispatch_forward(ExpertRoute& route, Tensor x, Tensor top
   plan(route, topk_index, x.device);
   route.unit_weight = like(topk_weight, {T, P});
   fill_constant(route.unit_weight, 1.0);
-  Buffer x_send = like(x, {route.sent, H}), weight_send = like(topk_weight, {route.sent, K});
-  marrow::dispatch_forward(x_send, x, route.send_row);
-  marrow::dispatch_forward(weight_send, topk_weight, route.send_row);
-  Buffer x_recv = like(x, {route.received, H});
-  route.recv_weight = like(topk_weight, {route.received, K});
-  group_.all_to_all_v(x_recv, route.recv_rows, x_send, route.send_rows, "expert-parallel dispatch of hidden states (all_to_all_v)");
-  group_.all_to_all_v(route.recv_weight, route.recv_rows, weight_send, route.send_rows,
-                      "expert-parallel dispatch of routing weights (all_to_all_v)");
-  Buffer x_perm = like(x, {route.copies, H});
-  marrow::dispatch_forward(x_perm, x_recv, route.copy_row);
+  Exchange e{like(x, {route.sent, H}), like(topk_weight, {route.sent, K}), like(x, {route.received, H}), like(topk_weight, {route.received, K}), {}};
+  marrow::dispatch_forward(e.sent, x, route.send_row);
+  marrow::dispatch_forward(e.sent_weights, topk_weight, route.send_row);
+  group_.all_to_all_v(e.received, route.recv_rows, e.sent, route.send_rows, "expert-parallel dispatch of hidden states (all_to_all_v)", false);
+  group_.all_to_all_v(e.received_weights, route.recv_rows, e.sent_weights, route.send_rows,
+                      "expert-parallel dispatch of routing weights (all_to_all_v)", false);
+  e.done = group_.queued();
+  return e;
+}
+
+Buffer ExpertParallel::finish_dispatch(Exchange& e, ExpertRoute& route) const {
+  group_.wait_for(e.done);
+  Buffer x_perm = like(e.received, {route.copies, e.received.view().size(1)});
+  marrow::dispatch_forward(x_perm, e.received, route.copy_row);
+  route.recv_weight = std::move(e.received_weights);
+  e = Exchange{};
   return x_perm;
 }
 
-void ExpertParallel::combine_forward(Tensor out, Tensor residual, Tensor y_perm, const ExpertRoute& route) const {
+ExpertParallel::Exchange ExpertParallel::start_combine(Tensor y_perm, const ExpertRoute& route) const {
   const int64_t H = y_perm.size(1);
-  expect_shape("ExpertParallel::combine_forward", "y_perm", y_perm, {route.copies, H});
-  Buffer y_recv = like(y_perm, {route.received, H});
-  marrow::combine_forward(y_recv, Tensor{}, y_perm, route.recv_weight, route.copy_row);
-  Buffer y_back = like(y_perm, {route.sent, H});
-  group_.all_to_all_v(y_back, route.send_rows, y_recv, route.recv_rows, "expert-parallel combine of expert outputs (all_to_all_v)");
-  marrow::combine_forward(out, residual, y_back, route.unit_weight, route.send_row);
+  expect_shape("ExpertParallel::start_combine", "y_perm", y_perm, {route.copies, H});
+  Exchange e{like(y_perm, {route.received, H}), {}, like(y_perm, {route.sent, H}), {}, {}};
+  marrow::combine_forward(e.sent, Tensor{}, y_perm, route.recv_weight, route.copy_row);
+  group_.all_to_all_v(e.received, route.send_rows, e.sent, route.recv_rows, "expert-parallel combine of expert outputs (all_to_all_v)", false);
+  e.done = group_.queued();
+  return e;
 }
 
-Buffer ExpertParallel::combine_backward(Tensor dy_perm, Tensor dout, Tensor y_perm, const ExpertRoute& route) const {
-  const int64_t H = dout.size(1), K = route.recv_weight.view().size(1);
-  expect_shape("ExpertParallel::combine_backward", "dy_perm", dy_perm, {route.copies, H});
-  Buffer dy_send = like(dout, {route.sent, H});
-  marrow::dispatch_forward(dy_send, dout, route.send_row);
-  Buffer dy_recv = like(dout, {route.received, H});
-  group_.all_to_all_v(dy_recv, route.recv_rows, dy_send, route.send_rows, "expert-parallel output gradients (all_to_all_v)");
+void ExpertParallel::finish_combine(Tensor out, Tensor residual, Exchange& e, const ExpertRoute& route) const {
+  group_.wait_for(e.done);
+  marrow::combine_forward(out, residual, e.received, route.unit_weight, route.send_row);
+  e = Exchange{};
+}
+
+ExpertParallel::Exchange ExpertParallel::start_combine_backward(Tensor dout, const ExpertRoute& route) const {
+  const int64_t H = dout.size(1);
+  Exchange e{like(dout, {route.sent, H}), {}, like(dout, {route.received, H}), {}, {}};
+  marrow::dispatch_forward(e.sent, dout, route.send_row);
+  group_.all_to_all_v(e.received, route.recv_rows, e.sent, route.send_rows, "expert-parallel output gradients (all_to_all_v)", false);
+  e.done = group_.queued();
+  return e;
+}
+
+Buffer ExpertParallel::finish_combine_backward(Tensor dy_perm, Tensor y_perm, Exchange& e, const ExpertRoute& route) const {
+  const int64_t H = y_perm.size(1), K = route.recv_weight.view().size(1);
+  expect_shape("ExpertParallel::finish_combine_backward", "dy_perm", dy_perm, {route.copies, H});
+  group_.wait_for(e.done);
   Buffer dweight_recv = like(route.recv_weight, {route.received, K});
-  marrow::combine_backward(dy_perm, dweight_recv, dy_recv, y_perm, route.recv_weight, route.copy_row);
+  marrow::combine_backward(dy_perm, dweight_recv, e.received, y_perm, route.recv_weight, route.copy_row);
+  e = Exchange{};
   return dweight_recv;
 }
 
-void ExpertParallel::dispatch_backward(Tensor dx, Tensor dtopk_weight, Tensor dx_perm, Tensor dweight_recv,
-                                       const ExpertRoute& route) const {
-  const int64_t H = dx.size(1), K = dtopk_weight.size(1);
-  expect_shape("ExpertParallel::dispatch_backward", "dx_perm", dx_perm, {route.copies, H});
-  expect_shape("ExpertParallel::dispatch_backward", "dweight_recv", dweight_recv, {route.received, K});
-  Buffer dx_recv = like(dx, {route.received, H});
-  marrow::dispatch_backward(dx_recv, dx_perm, route.copy_row);
-  Buffer dx_back = like(dx, {route.sent, H}), dweight_back = like(dtopk_weight, {route.sent, K});
-  group_.all_to_all_v(dx_back, route.send_rows, dx_recv, route.recv_rows, "expert-parallel input gradients (all_to_all_v)");
-  group_.all_to_all_v(dweight_back, route.send_rows, dweight_recv, route.recv_rows,
-                      "expert-parallel routing-weight gradients (all_to_all_v)");
-  marrow::dispatch_backward(dx, dx_back, route.send_row);
-  marrow::dispatch_backward(dtopk_weight, dweight_back, route.send_row);
+ExpertParallel::Exchange ExpertParallel::start_dispatch_backward(Tensor dx_perm, Buffer dweight_recv, const ExpertRoute& route) const {
+  const int64_t H = dx_perm.size(1), K = dweight_recv.view().size(1);
+  expect_shape("ExpertParallel::start_dispatch_backward", "dx_perm", dx_perm, {route.copies, H});
+  expect_shape("ExpertParallel::start_dispatch_backward", "dweight_recv", dweight_recv, {route.received, K});
+  Buffer weights_back = like(dweight_recv.view(), {route.sent, K});
+  Exchange e{like(dx_perm, {route.received, H}), std::move(dweight_recv), like(dx_perm, {route.sent, H}), std::move(weights_back), {}};
+  marrow::dispatch_backward(e.sent, dx_perm, route.copy_row);
+  group_.all_to_all_v(e.received, route.send_rows, e.sent, route.recv_rows, "expert-parallel input gradients (all_to_all_v)", false);
+  group_.all_to_all_v(e.received_weights, route.send_rows, e.sent_weights, route.recv_rows,
+                      "expert-parallel routing-weight gradients (all_to_all_v)", false);
+  e.done = group_.queued();
+  return e;
+}
+
+void ExpertParallel::finish_dispatch_backward(Tensor dx, Tensor dtopk_weight, Exchange& e, const ExpertRoute& route) const {
+  group_.wait_for(e.done);
+  marrow::dispatch_backward(dx, e.received, route.send_row);
+  marrow::dispatch_backward(dtopk_weight, e.received_weights, route.send_row);
+  e = Exchange{};
 }
 
 }  // namespace marrow

@@ -64,19 +64,32 @@ class ExpertParallel {
   // Totals over the dispatches since the last call, which resets them.
   ExpertTraffic take_traffic() const { return std::exchange(traffic_, {}); }
 
+  // Each exchange in two halves, so that the compute stream is free between them (another
+  // micro-batch's stage can run there while the all-to-all is in flight, engine/step.h): start_*
+  // gathers the rows to send and queues the all-to-alls; finish_* makes the compute stream wait for
+  // them and scatters what arrived. On the host the exchange is done when start_* returns.
+  struct Exchange {
+    Buffer sent, sent_weights, received, received_weights;  // alive until finish_*
+    Comm::Point done;
+  };
+
   // Stage 2 forward: from this member's x[T, H] and routing (topk_index [T, K] i32, topk_weight
-  // [T, K]), plans the route and returns x_perm [copies, H], this member's expert inputs grouped
-  // by local expert (route.expert_offsets).
-  Buffer dispatch_forward(ExpertRoute& route, Tensor x, Tensor topk_index, Tensor topk_weight) const;
+  // [T, K]), plans the route; finish_dispatch returns x_perm [copies, H], this member's expert
+  // inputs grouped by local expert (route.expert_offsets).
+  Exchange start_dispatch(ExpertRoute& route, Tensor x, Tensor topk_index, Tensor topk_weight) const;
+  Buffer finish_dispatch(Exchange& exchange, ExpertRoute& route) const;
   // Stage 4 forward: out[T, H] = residual + sum over members of the weighted expert outputs they
   // computed for each token; y_perm [copies, H] are this member's expert outputs. out may alias residual.
-  void combine_forward(Tensor out, Tensor residual, Tensor y_perm, const ExpertRoute& route) const;
+  Exchange start_combine(Tensor y_perm, const ExpertRoute& route) const;
+  void finish_combine(Tensor out, Tensor residual, Exchange& exchange, const ExpertRoute& route) const;
   // Stage 4 backward from dout[T, H]: dy_perm [copies, H] (overwritten) for this member's experts;
-  // returns the gradient of the received rows' routing weights [R, K] for dispatch_backward.
-  Buffer combine_backward(Tensor dy_perm, Tensor dout, Tensor y_perm, const ExpertRoute& route) const;
+  // returns the gradient of the received rows' routing weights [R, K] for the dispatch backward.
+  Exchange start_combine_backward(Tensor dout, const ExpertRoute& route) const;
+  Buffer finish_combine_backward(Tensor dy_perm, Tensor y_perm, Exchange& exchange, const ExpertRoute& route) const;
   // Stage 2 backward: dx[T, H] and dtopk_weight[T, K] (overwritten) from this member's expert
-  // input gradients dx_perm [copies, H] and combine_backward's weight gradients.
-  void dispatch_backward(Tensor dx, Tensor dtopk_weight, Tensor dx_perm, Tensor dweight_recv, const ExpertRoute& route) const;
+  // input gradients dx_perm [copies, H] and the combine backward's weight gradients.
+  Exchange start_dispatch_backward(Tensor dx_perm, Buffer dweight_recv, const ExpertRoute& route) const;
+  void finish_dispatch_backward(Tensor dx, Tensor dtopk_weight, Exchange& exchange, const ExpertRoute& route) const;
 
  private:
   void plan(ExpertRoute& route, Tensor topk_index, Device device) const;

@@ -80,18 +80,22 @@ void run_case(const Comm& group, int64_t experts, bool all_on_member0) {
   Buffer topk(DType::i32, Device::cpu, {T, K});
   std::copy(c.topk.begin(), c.topk.end(), topk.ptr<int32_t>());
   ExpertRoute route;
-  Buffer x_perm = ep.dispatch_forward(route, view(c.x, T, H), topk, view(c.weight, T, K));
+  ExpertParallel::Exchange exchange = ep.start_dispatch(route, view(c.x, T, H), topk, view(c.weight, T, K));
+  Buffer x_perm = ep.finish_dispatch(exchange, route);
   Buffer y_perm(DType::f64, Device::cpu, {route.copies, H});
   apply_experts(y_perm, x_perm, route, ep.first_local_expert());
   Buffer out(DType::f64, Device::cpu, {T, H});
-  ep.combine_forward(out, view(c.residual, T, H), y_perm, route);
+  exchange = ep.start_combine(y_perm, route);
+  ep.finish_combine(out, view(c.residual, T, H), exchange, route);
 
   Buffer dy_perm(DType::f64, Device::cpu, {route.copies, H});
-  Buffer dweight_recv = ep.combine_backward(dy_perm, view(c.dout, T, H), y_perm, route);
+  exchange = ep.start_combine_backward(view(c.dout, T, H), route);
+  Buffer dweight_recv = ep.finish_combine_backward(dy_perm, y_perm, exchange, route);
   Buffer dx_perm(DType::f64, Device::cpu, {route.copies, H});
   apply_experts(dx_perm, dy_perm, route, ep.first_local_expert());
   Buffer dx(DType::f64, Device::cpu, {T, H}), dtopk(DType::f64, Device::cpu, {T, K});
-  ep.dispatch_backward(dx, dtopk, dx_perm, dweight_recv, route);
+  exchange = ep.start_dispatch_backward(dx_perm, std::move(dweight_recv), route);
+  ep.finish_dispatch_backward(dx, dtopk, exchange, route);
 
   for (int64_t t = 0; t < T; ++t) {
     double dot = 0;
