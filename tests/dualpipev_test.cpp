@@ -3,6 +3,8 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cstdio>
 #include <map>
 
 #include "core/errors.h"
@@ -76,6 +78,24 @@ TEST(DualPipeV, SimulationFinishesWithASmallBubble) {
   }
   EXPECT_DOUBLE_EQ(simulate_dualpipev(1, 2, std::vector<ChunkCost>(2)).bubble(), 0.0);
   EXPECT_THROW(dualpipev_order(2, 0, 3), Error);
+}
+
+// The timeline of docs/architecture.md (pp 2, 6 micro-batches, unit costs), printed by this test:
+// every op in its place, each rank's line as long as the step, idle cells where the simulator says.
+TEST(DualPipeV, TimelineDrawsEveryOpWhereTheSimulatorPutsIt) {
+  const PipelineSimulation sim = simulate_dualpipev(2, 6, std::vector<ChunkCost>(4));
+  const std::string picture = draw_timeline(2, 6, sim, 5);
+  std::printf("%s", picture.c_str());
+  const size_t first_line = picture.find('\n');
+  const std::string rank0 = picture.substr(0, first_line), rank1 = picture.substr(first_line + 1, picture.size() - first_line - 2);
+  EXPECT_EQ(rank0.size(), rank1.size());
+  EXPECT_EQ(rank0.size(), std::string("rank 0 |").size() + size_t(sim.makespan * 5) + 1);
+  for (int64_t r = 0; r < 2; ++r) {
+    const std::string& line = r == 0 ? rank0 : rank1;
+    for (const PipelineOp& op : dualpipev_order(2, r, 6)) EXPECT_NE(line.find(describe_order({op})), std::string::npos) << line;
+    const double idle = double(std::count(line.begin() + line.find('|'), line.end(), ' ')) / 5;
+    EXPECT_DOUBLE_EQ(idle, sim.makespan - sim.busy[size_t(r)]) << line;
+  }
 }
 
 }  // namespace

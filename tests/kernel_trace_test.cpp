@@ -93,6 +93,41 @@ TEST(KernelTrace, TopKernelsAggregateByNameHeaviestFirst) {
   EXPECT_EQ(table.find("tie_y"), std::string::npos) << table;
 }
 
+// An all-to-all of 10 ms under two compute kernels but for 1 ms, one of 4 ms fully under two touching
+// kernels, and an all-gather on another GPU with nothing to hide it: 13 of 18 ms hidden.
+TEST(KernelTrace, CommunicationOverlapCountsTimeUnderComputeKernelsOfItsGpu) {
+  auto on = [](KernelRecord r, uint32_t device, uint32_t stream) {
+    r.device = device;
+    r.stream = stream;
+    return r;
+  };
+  std::vector<KernelRecord> records{
+      on(kernel("ncclDevKernel_SendRecv", 0, 10'000'000), 0, 9),
+      on(kernel("gemm", 5'000'000, 20'000'000), 0, 7),
+      on(kernel("ncclDevKernel_SendRecv", 30'000'000, 34'000'000), 0, 9),
+      on(kernel("attention", 29'000'000, 32'000'000), 0, 7),
+      on(kernel("norm", 32'000'000, 35'000'000), 0, 7),
+      on(kernel("ncclDevKernel_AllGather", 0, 4'000'000), 1, 9),
+      on(kernel("gemm", 0, 4'000'000), 0, 7),  // GPU 0's: hides nothing on GPU 1
+  };
+  const std::vector<CommunicationOverlap> rows = communication_overlap(records);
+  ASSERT_EQ(rows.size(), 2u);
+  EXPECT_EQ(rows[0].name, "ncclDevKernel_AllGather");
+  EXPECT_DOUBLE_EQ(rows[0].total_ms, 4.0);
+  EXPECT_DOUBLE_EQ(rows[0].hidden_ms, 0.0);
+  EXPECT_EQ(rows[1].name, "ncclDevKernel_SendRecv");
+  EXPECT_EQ(rows[1].calls, 2);
+  EXPECT_DOUBLE_EQ(rows[1].total_ms, 14.0);
+  EXPECT_DOUBLE_EQ(rows[1].hidden_ms, 9.0 + 4.0);  // [0,4) and [5,10) are covered, [4,5) is not; then [30,34)
+  const std::string table = communication_table(rows);
+  EXPECT_NE(table.find("all communication"), std::string::npos) << table;
+  EXPECT_NE(table.find("72.2%"), std::string::npos) << table;  // 13 of 18 ms
+  // GPU 0: compute kernels cover [0, 4), [5, 20) and [29, 35) of [0, 35): 25 of 35 ms; GPU 1 has none.
+  const std::string busy = compute_busy_lines(records);
+  EXPECT_NE(busy.find("GPU 0: busy 25.000 ms of the 35.000 ms"), std::string::npos) << busy;
+  EXPECT_NE(busy.find("GPU 1: busy 0.000 ms of the 4.000 ms"), std::string::npos) << busy;
+}
+
 RunConfig parse(std::vector<std::string> args) {
   args.insert(args.begin(), {"train", MARROW_SOURCE_DIR "/configs/tiny-moe.toml", "--data.path=unused", "--train.steps=10",
                              "--schedule.warmup_steps=2"});

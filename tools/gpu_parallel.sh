@@ -9,20 +9,7 @@
 # trace of two EP = 2 steps on rank 0 (NCCL kernels among the top ten). Ends with PASS or FAIL.
 set -uo pipefail
 out=${1:-$OUT}
-mkdir -p "$out"
-cd "$(dirname "$0")/.."
-export PKG_CONFIG_PATH=$PWD/.gpu-carry/pcre2/lib/pkgconfig OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-status=0
-step() { echo "== $*" | tee -a "$out/summary.log"; }
-fail() { echo "FAILED: $*" | tee -a "$out/summary.log"; status=1; }
-mpi=(mpirun --allow-run-as-root --bind-to none -np 2)
-
-step "build (commit $(cat .gpu-carry/commit 2>/dev/null || echo unknown: rerun tools/gpu_prepare.sh))"
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$out/summary.log"
-if ! { cmake -S . -B build-gpu -G Ninja -DMARROW_CUDA=ON -DMARROW_PYTHON=python3 && ninja -C build-gpu marrow; } > "$out/build.log" 2>&1; then
-  grep -E "error|Error" "$out/build.log" | head -40; echo FAIL; exit 1
-fi
-rm -f "$out/build.log"
+source "$(dirname "$0")/gpu_common.sh"
 
 step "marrow check --only elementwise (one GPU)"
 timeout 600 build-gpu/marrow check --only elementwise > "$out/check.log" 2>&1

@@ -194,11 +194,93 @@ std::string kernel_table(const std::vector<KernelRecord>& records, size_t n) {
   return table;
 }
 
+namespace {
+
+bool is_communication(const KernelRecord& r) { return r.kind == ActivityKind::kernel && r.name.starts_with("nccl"); }
+
+// The union of a device's compute kernels' intervals, sorted and disjoint.
+std::vector<std::pair<uint64_t, uint64_t>> compute_busy(const std::vector<KernelRecord>& records, uint32_t device) {
+  std::vector<std::pair<uint64_t, uint64_t>> spans, merged;
+  for (const KernelRecord& r : records)
+    if (r.kind == ActivityKind::kernel && !is_communication(r) && r.device == device) spans.push_back({r.start_ns, r.end_ns});
+  std::sort(spans.begin(), spans.end());
+  for (const auto& s : spans)
+    if (!merged.empty() && s.first <= merged.back().second) merged.back().second = std::max(merged.back().second, s.second);
+    else merged.push_back(s);
+  return merged;
+}
+
+uint64_t covered_ns(const std::vector<std::pair<uint64_t, uint64_t>>& busy, uint64_t start, uint64_t end) {
+  uint64_t covered = 0;
+  auto at = std::upper_bound(busy.begin(), busy.end(), std::pair<uint64_t, uint64_t>{start, 0});
+  if (at != busy.begin()) --at;
+  for (; at != busy.end() && at->first < end; ++at)
+    if (at->second > start) covered += std::min(end, at->second) - std::max(start, at->first);
+  return covered;
+}
+
+}  // namespace
+
+std::vector<CommunicationOverlap> communication_overlap(const std::vector<KernelRecord>& records) {
+  std::map<uint32_t, std::vector<std::pair<uint64_t, uint64_t>>> busy;
+  std::map<std::string, CommunicationOverlap> rows;
+  for (const KernelRecord& r : records) {
+    if (!is_communication(r)) continue;
+    if (!busy.count(r.device)) busy[r.device] = compute_busy(records, r.device);
+    CommunicationOverlap& row = rows[kernel_display_name(r.name)];
+    row.calls += 1;
+    row.total_ms += duration_ns(r) / 1e6;
+    row.hidden_ms += covered_ns(busy[r.device], r.start_ns, r.end_ns) / 1e6;
+  }
+  std::vector<CommunicationOverlap> out;
+  for (auto& [name, row] : rows) {
+    row.name = name;
+    out.push_back(row);
+  }
+  return out;
+}
+
+std::string communication_table(const std::vector<CommunicationOverlap>& rows) {
+  if (rows.empty()) return "";
+  std::string table = fmt::format("{:<60} {:>8} {:>11} {:>11} {:>7}\n", "communication kernels (NCCL)", "calls", "total ms", "hidden ms", "hidden");
+  CommunicationOverlap all{"all communication", 0, 0, 0};
+  for (const CommunicationOverlap& r : rows) {
+    all.calls += r.calls;
+    all.total_ms += r.total_ms;
+    all.hidden_ms += r.hidden_ms;
+  }
+  std::vector<CommunicationOverlap> shown = rows;
+  shown.push_back(all);
+  for (const CommunicationOverlap& r : shown)
+    table += fmt::format("{:<60} {:>8} {:>11.3f} {:>11.3f} {:>6.1f}%\n", r.name.substr(0, 60), r.calls, r.total_ms, r.hidden_ms,
+                         r.total_ms > 0 ? 100 * r.hidden_ms / r.total_ms : 0.0);
+  return table;
+}
+
+std::string compute_busy_lines(const std::vector<KernelRecord>& records) {
+  std::map<uint32_t, std::pair<uint64_t, uint64_t>> span;  // per device: first start, last end
+  for (const KernelRecord& r : records) {
+    if (r.kind != ActivityKind::kernel) continue;
+    auto [at, added] = span.try_emplace(r.device, r.start_ns, r.end_ns);
+    if (!added) at->second = {std::min(at->second.first, r.start_ns), std::max(at->second.second, r.end_ns)};
+  }
+  std::string out;
+  for (const auto& [device, s] : span) {
+    uint64_t busy = 0;
+    for (const auto& b : compute_busy(records, device)) busy += b.second - b.first;
+    const double total = double(s.second - s.first);
+    out += fmt::format("compute kernels on GPU {}: busy {:.3f} ms of the {:.3f} ms from the first kernel to the last ({:.1f}% idle)\n",
+                       device, busy / 1e6, total / 1e6, total > 0 ? 100 * (1 - busy / total) : 0.0);
+  }
+  return out;
+}
+
 void report_trace(const std::vector<KernelRecord>& records, const std::string& path) {
   write_chrome_trace(path, records);
   const auto ranges = std::count_if(records.begin(), records.end(), [](const KernelRecord& r) { return r.kind == ActivityKind::range; });
-  std::printf("kernel trace: %s (%zu records, %zu of them NVTX ranges; open it in ui.perfetto.dev)\n%s", path.c_str(), records.size(),
-              size_t(ranges), kernel_table(records).c_str());
+  std::printf("kernel trace: %s (%zu records, %zu of them NVTX ranges; open it in ui.perfetto.dev)\n%s%s", path.c_str(), records.size(),
+              size_t(ranges), kernel_table(records).c_str(),
+              (communication_table(communication_overlap(records)) + compute_busy_lines(records)).c_str());
   std::fflush(stdout);
 }
 

@@ -46,7 +46,21 @@ std::vector<KernelStat> top_kernels(const std::vector<KernelRecord>& records, si
 // The n heaviest kernels as a table, then the rest of the kernels, their total, and the copies.
 std::string kernel_table(const std::vector<KernelRecord>& records, size_t n = 10);
 
-// Writes the trace to path and prints where it is and the top-10 table.
+// How much of the communication kernels' time (NCCL's, which run on the groups' communication
+// streams) passed while a compute kernel (any other) ran on the same GPU: the share of
+// communication hidden under compute. One row per NCCL kernel name.
+struct CommunicationOverlap {
+  std::string name;  // kernel_display_name
+  int64_t calls = 0;
+  double total_ms = 0, hidden_ms = 0;
+};
+std::vector<CommunicationOverlap> communication_overlap(const std::vector<KernelRecord>& records);
+std::string communication_table(const std::vector<CommunicationOverlap>& rows);
+// Per GPU: the time some compute kernel ran, of the time from the first kernel to the last (the
+// rest is idle: a pipeline's bubble, waits for other processes, the host).
+std::string compute_busy_lines(const std::vector<KernelRecord>& records);
+
+// Writes the trace to path and prints where it is, the top-10 table and the communication overlap.
 void report_trace(const std::vector<KernelRecord>& records, const std::string& path);
 
 // Collects the activity of the GPU between start() and stop() through CUPTI. Construct it before

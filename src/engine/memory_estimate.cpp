@@ -419,6 +419,9 @@ std::string pipeline_report(const RunConfig& rc, const EstimatedModel& m, const 
     }
     cost.push_back(k);
   }
+  double smallest = cost.front().forward;
+  for (const ChunkCost& k : cost) smallest = std::min(smallest, k.forward);
+  for (ChunkCost& k : cost) k = {k.forward / smallest, k.backward / smallest, k.weights / smallest};  // the lightest forward is 1
   const PipelineSimulation sim = simulate_dualpipev(mesh.pp, micro_batches, cost);
   std::string out = fmt::format("DualPipeV: {} pipeline ranks, {} micro-batches per step; layers per chunk:", mesh.pp, micro_batches);
   for (const PipelineChunk& c : chunks) out += fmt::format(" {}", c.layers(m.num_layers));
@@ -427,7 +430,7 @@ std::string pipeline_report(const RunConfig& rc, const EstimatedModel& m, const 
   for (int64_t live : sim.peak_live) out += fmt::format(" {}", live);
   out += "\n";
   for (int64_t r = 0; r < mesh.pp; ++r) out += fmt::format("schedule: pipeline rank {}: {}\n", r, describe_order(dualpipev_order(mesh.pp, r, micro_batches)));
-  return out;
+  return out + "timeline (6 columns = the lightest chunk's forward; blank: idle):\n" + draw_timeline(mesh.pp, micro_batches, sim, 6);
 }
 
 LargestFit largest_fit(const RunConfig& rc, const EstimatedModel& m, const MeshShape& mesh, Device device, double gpu_bytes) {

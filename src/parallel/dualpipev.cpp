@@ -229,6 +229,7 @@ PipelineSimulation simulate_dualpipev(int64_t pp, int64_t micro_batches, const s
   out.busy.assign(size_t(pp), 0);
   out.peak_live.assign(size_t(pp), 0);
   out.start.resize(size_t(pp));
+  out.end.resize(size_t(pp));
   std::vector<size_t> next(size_t(pp), 0);
   std::vector<double> free(size_t(pp), 0);
   std::vector<int64_t> live(size_t(pp), 0);
@@ -242,6 +243,7 @@ PipelineSimulation simulate_dualpipev(int64_t pp, int64_t micro_batches, const s
         const double start = std::max(ready, free[size_t(r)]);
         out.start[size_t(r)].push_back(start);
         free[size_t(r)] = start + duration;
+        out.end[size_t(r)].push_back(start + duration);
         out.busy[size_t(r)] += duration;
         sim.finish(r, op, free[size_t(r)]);
         // A forward-backward pair holds the new activations before it frees the old ones.
@@ -256,6 +258,25 @@ PipelineSimulation simulate_dualpipev(int64_t pp, int64_t micro_batches, const s
     MARROW_CHECK(next[size_t(r)] == orders[size_t(r)].size(), "internal: the DualPipeV orders deadlock: pipeline rank {} stops at its op {} ({})",
                  r, next[size_t(r)], describe_order({orders[size_t(r)][next[size_t(r)]]}));
     out.makespan = std::max(out.makespan, free[size_t(r)]);
+  }
+  return out;
+}
+
+std::string draw_timeline(int64_t pp, int64_t micro_batches, const PipelineSimulation& sim, double columns) {
+  std::string out;
+  for (int64_t r = 0; r < pp; ++r) {
+    const std::vector<PipelineOp> order = dualpipev_order(pp, r, micro_batches);
+    std::string line = fmt::format("rank {} |", r);
+    const size_t origin = line.size();
+    for (size_t i = 0; i < order.size(); ++i) {
+      const size_t from = origin + size_t(sim.start[size_t(r)][i] * columns + 0.5), to = origin + size_t(sim.end[size_t(r)][i] * columns + 0.5);
+      line.resize(std::max(line.size(), from), ' ');
+      std::string cell = describe_order({order[i]});
+      cell.resize(std::max(cell.size(), to - from), '=');
+      line += cell;
+    }
+    line.resize(std::max(line.size(), origin + size_t(sim.makespan * columns + 0.5)), ' ');
+    out += line + "|\n";
   }
   return out;
 }

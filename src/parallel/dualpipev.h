@@ -67,7 +67,7 @@ struct PipelineSimulation {
   std::vector<double> busy;               // per rank: time spent computing
   std::vector<int64_t> peak_live;         // per rank: most micro-batch chunks whose activations are alive at once
   double bubble() const;                  // 1 - sum(busy) / (ranks x makespan)
-  std::vector<std::vector<double>> start;  // per rank, per op: when it starts
+  std::vector<std::vector<double>> start, end;  // per rank, per op of its order
 };
 
 // Runs every rank's dualpipev_order on an ideal machine: an op starts when its rank is free and the
@@ -75,5 +75,9 @@ struct PipelineSimulation {
 // forward and backward pair costs the sum of both. cost[c] is chunk c's. One sentence if the orders
 // deadlock (a schedule bug).
 PipelineSimulation simulate_dualpipev(int64_t pp, int64_t micro_batches, const std::vector<ChunkCost>& cost, double hop = 0);
+
+// The simulation as text, one line per rank, `columns` characters per unit of time: each op is its
+// label ("FB1.2/0.0" etc.) padded with '=' to its length, idle time is blank.
+std::string draw_timeline(int64_t pp, int64_t micro_batches, const PipelineSimulation& sim, double columns);
 
 }  // namespace marrow

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# DualPipeV and the overlapped expert exchanges on the two-GPU machine (device kind nvidia-h200-x2),
+# run there from the repository root after tools/gpu_prepare.sh here, with the device tool carrying
+# .gpu-carry:
+#   tools/gpu_pipeline.sh <log-dir> [ep|pp|all]
+# ep: build -> mpirun -np 2 marrow check --only expert_parallel (the exchange halves over NCCL) ->
+#     EP = 2 on the bench config with 8 micro-batches per rank and step, sequential against the
+#     DualPipeV order (forwards overlapped with other micro-batches' backwards), each with a kernel
+#     trace of one step: tokens/s and the share of NCCL time hidden under compute kernels.
+# pp: PP = 2 on the 16-layer bench model (does not fit one H200), 8 micro-batches: tokens/s per GPU,
+#     peak against marrow estimate, the GPU's idle share from the trace against the simulated bubble,
+#     losses falling.
+# Ends with PASS or FAIL.
+set -uo pipefail
+out=${1:-$OUT}
+what=${2:-all}
+source "$(dirname "$0")/gpu_common.sh"
+
+bench=(configs/bench.toml --data.path=.gpu-carry/qwen3 --warmup=3 --steps=9 --checkpoint.every=0 --parallel.timeout_s=180)
+show() { grep -E "^mesh|^memory|^estimated|^bench:|peak|error|communication|all communication|compute kernels|SendRecv|ncclDev" "$1" \
+  | grep -v "^step" | tail -14; }
+run() {  # run <name> <log> args...
+  local name=$1 log=$2
+  shift 2
+  step "$name"
+  timeout 400 "${mpi[@]}" build-gpu/marrow bench "$@" > "$log" 2>&1 || fail "$name"
+  show "$log"
+}
+
+if [ "$what" = ep ] || [ "$what" = all ]; then
+  step "mpirun -np 2 marrow check --only expert_parallel (exchange halves over NCCL)"
+  timeout 300 "${mpi[@]}" build-gpu/marrow check --only expert_parallel > "$out/check.log" 2>&1
+  grep -E "checks," "$out/check.log" | tail -3
+  tail -1 "$out/check.log" | grep -q '^PASS$' || fail "expert_parallel check on 2 GPUs"
+  # Both with weights and gradients moved once per step, as DualPipeV implies.
+  ep=("${bench[@]}" --parallel.ep=2 --train.global_batch=16 --parallel.keep_gathered=true --parallel.keep_whole_grads=true --profile-steps=6:6)
+  run "EP = 2, sequential micro-batches" "$out/ep2-sequential.log" "${ep[@]}" --parallel.schedule=sequential --output.dir=runs/pipe-ep2-seq
+  run "EP = 2, DualPipeV order on one pipeline rank (overlapped pairs)" "$out/ep2-dualpipev.log" "${ep[@]}" --parallel.schedule=dualpipev \
+    --output.dir=runs/pipe-ep2-dpv
+fi
+
+if [ "$what" = pp ] || [ "$what" = all ]; then
+  pp=("${bench[@]}" --model.config=configs/bench-moe-16.json --parallel.pp=2 --train.global_batch=8)
+  step "marrow estimate: PP = 2, 16 layers, 8 micro-batches"
+  build-gpu/marrow estimate "${pp[@]:0:2}" --model.config=configs/bench-moe-16.json --parallel.pp=2 --train.global_batch=8 --world=2 \
+    > "$out/pp2-estimate.log" 2>&1 || fail "estimate"
+  grep -E "trainer's peak|bubble|layers per chunk|peak live" "$out/pp2-estimate.log"
+  run "PP = 2, 16 layers (DualPipeV), 8 micro-batches" "$out/pp2-16layers.log" "${pp[@]}" --profile-steps=6:6 --output.dir=runs/pipe-pp2
+  python3 - runs/pipe-pp2/bench/metrics.jsonl <<'PY' | tee -a "$out/summary.log" || fail "PP = 2: losses do not fall"
+import json, sys
+losses = [json.loads(l)["loss"] for l in open(sys.argv[1])]
+print(f"PP = 2, 16 layers: {len(losses)} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+sys.exit(0 if len(losses) >= 10 and losses[-1] < losses[0] else 1)
+PY
+fi
+
+if [ $status -eq 0 ]; then echo PASS | tee -a "$out/summary.log"; else echo FAIL | tee -a "$out/summary.log"; fi
+exit $status
