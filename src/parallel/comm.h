@@ -64,8 +64,9 @@ class Comm {
   // Every member's text, in rank order.
   std::vector<std::string> all_gather_text(const std::string& text, const char* what) const;
   // Sends `send` to member dst and receives `recv` from member src, as one exchange (a ring or a
-  // pair of pipeline stages cannot deadlock); an empty tensor (Tensor{}) skips that half.
-  void send_recv(Tensor send, int dst, Tensor recv, int src, const char* what) const;
+  // pair of pipeline stages cannot deadlock); an empty tensor (Tensor{}) skips that half. join as
+  // for all_reduce_sum: neither tensor may be touched until then.
+  void send_recv(Tensor send, int dst, Tensor recv, int src, const char* what, bool join = true) const;
   void barrier(const char* what) const;
 
   // The subgroup of members with the same color, ordered by key (every member calls it).
