@@ -174,5 +174,161 @@ TEST(Attention, RejectsBadShapes) {
   }
 }
 
+// Blocks: q[B, Sq, Hq, D] against k, v[B, Sk, Hkv, D] (random; seeds shared with Attn).
+struct BlockAttn {
+  Buffer q, k, v, out, lse, dq, dk, dv, dout;
+  BlockAttn(Shape n, int64_t kv_seq)
+      : q(random_buffer(DType::f64, {n.b, n.s, n.hq, n.d}, 1)),
+        k(random_buffer(DType::f64, {n.b, kv_seq, n.hkv, n.d}, 2)),
+        v(random_buffer(DType::f64, {n.b, kv_seq, n.hkv, n.d}, 3)),
+        out(DType::f64, Device::cpu, {n.b, n.s, n.hq, n.d}),
+        lse(DType::f64, Device::cpu, {n.b, n.hq, n.s}),
+        dq(DType::f64, Device::cpu, {n.b, n.s, n.hq, n.d}),
+        dk(DType::f64, Device::cpu, {n.b, kv_seq, n.hkv, n.d}),
+        dv(DType::f64, Device::cpu, {n.b, kv_seq, n.hkv, n.d}),
+        dout(random_buffer(DType::f64, {n.b, n.s, n.hq, n.d}, 4)) {}
+};
+
+void fill(const Tensor& t, double value) {
+  for (int64_t i = 0; i < t.numel(); ++i) t.ptr<double>()[i] = value;
+}
+
+// One block alone: its out and lse are final, so the block backward is the gradient of
+// sum(dout * out) over the block's rows. Rows outside the block keep their 7 (out, lse); the
+// gradients start at 0.5 and the backward must add to them.
+TEST(AttentionBlock, GradientsMatchFiniteDifferences) {
+  const Shape n{2, 7, 4, 2, 5};  // GQA groups of 2
+  for (const auto& [block, kv_seq] : {std::pair{AttentionBlock{AttentionMask::full, 2, 6, 1, 4}, int64_t(5)},
+                                      std::pair{AttentionBlock{AttentionMask::full, 0, 7, 0, 9}, int64_t(9)},
+                                      std::pair{AttentionBlock{AttentionMask::causal, 3, 7, 1, 5}, int64_t(6)},
+                                      std::pair{AttentionBlock{AttentionMask::causal, 0, 7, 0, 7}, int64_t(7)}}) {
+    BlockAttn r(n, kv_seq);
+    auto loss = [&] {
+      fill(r.out, 7);
+      fill(r.lse, 7);
+      attention_block_forward(r.out, r.lse, r.q, r.k, r.v, block);
+      return testing::weighted_sum(r.out, r.dout);
+    };
+    loss();
+    for (int64_t b = 0; b < n.b; ++b)
+      for (int64_t h = 0; h < n.hq; ++h)
+        for (int64_t i = 0; i < n.s; ++i) {
+          const bool inside = block.q_begin <= i && i < block.q_end;
+          EXPECT_EQ(element(r.lse, (b * n.hq + h) * n.s + i) == 7, !inside) << i;
+          EXPECT_EQ(element(r.out, ((b * n.s + i) * n.hq + h) * n.d) == 7, !inside) << i;
+        }
+    for (Buffer* g : {&r.dq, &r.dk, &r.dv}) fill(*g, 0.5);
+    attention_block_backward(r.dq, r.dk, r.dv, r.dout, r.q, r.k, r.v, r.out, r.lse, block);
+    for (Buffer* g : {&r.dq, &r.dk, &r.dv})
+      for (int64_t i = 0; i < g->numel(); ++i) g->ptr<double>()[i] -= 0.5;
+    // Rows outside the block hold 7 * dout, a constant: the loss's gradient there is zero as well.
+    testing::expect_gradient("dq", r.q, r.dq, loss);
+    testing::expect_gradient("dk", r.k, r.dk, loss);
+    testing::expect_gradient("dv", r.v, r.dv, loss);
+  }
+}
+
+// Causal attention as blocks of keys [k0, k1): the queries of the same tokens see them causally,
+// the later queries [k1, S) in full, the earlier ones not at all. Merging the partials gives the
+// whole op's out and lse; the blocks' backwards from the merged out, lse sum to its gradients.
+struct Blockwise {
+  std::vector<AttentionBlock> blocks;
+  explicit Blockwise(int64_t seq, std::initializer_list<int64_t> cuts) {
+    int64_t k0 = 0;
+    std::vector<int64_t> ends(cuts);
+    ends.push_back(seq);
+    for (int64_t k1 : ends) {
+      blocks.push_back({AttentionMask::causal, k0, k1, k0, k1});
+      if (k1 < seq) blocks.push_back({AttentionMask::full, k1, seq, k0, k1});
+      k0 = k1;
+    }
+  }
+  // out, lse of a merge of every block's partial into a running result that starts at (0, -inf).
+  void forward(Attn& r, const Shape& n) const {
+    fill(r.out, 0);
+    fill(r.lse, -INFINITY);
+    Buffer part_out(DType::f64, Device::cpu, {n.b, n.s, n.hq, n.d}), part_lse(DType::f64, Device::cpu, {n.b, n.hq, n.s});
+    for (const AttentionBlock& block : blocks) {
+      attention_block_forward(part_out, part_lse, r.q, r.k, r.v, block);
+      attention_merge(r.out, r.lse, part_out, part_lse, block.q_begin, block.q_end);
+    }
+  }
+  void backward(Attn& r) const {
+    for (Buffer* g : {&r.dq, &r.dk, &r.dv}) fill(*g, 0);
+    for (const AttentionBlock& block : blocks)
+      attention_block_backward(r.dq, r.dk, r.dv, r.dout, r.q, r.k, r.v, r.out, r.lse, block);
+  }
+};
+
+TEST(AttentionBlock, BlockwiseEqualsTheWholeCausalOp) {
+  // S = 23 and 37: primes, so no block or tile size divides them; GQA groups of 2; head_dim 8 and 64.
+  for (const auto& [n, blocks] : {std::pair{Shape{2, 23, 4, 2, 8}, Blockwise(23, {5, 6, 17})},
+                                   std::pair{Shape{1, 37, 4, 2, 64}, Blockwise(37, {18})},
+                                   std::pair{Shape{1, 37, 2, 1, 3}, Blockwise(37, {1, 2, 3, 36})}}) {
+    Attn whole(DType::f64, n), split(DType::f64, n);
+    whole.forward();
+    whole.backward();
+    blocks.forward(split, n);
+    blocks.backward(split);
+    for (auto [a, b] : {std::pair{&split.out, &whole.out}, std::pair{&split.lse, &whole.lse},
+                        std::pair{&split.dq, &whole.dq}, std::pair{&split.dk, &whole.dk},
+                        std::pair{&split.dv, &whole.dv}})
+      for (int64_t i = 0; i < a->numel(); ++i)
+        ASSERT_NEAR(element(*a, i), element(*b, i), 1e-12 * (1 + std::abs(element(*b, i)))) << i;
+  }
+}
+
+// The merge inside the composite: the gradients of sum(dout * out) with out merged from blocks,
+// computed by the block backwards, against finite differences through the merges.
+TEST(AttentionMerge, BlockwiseGradientsMatchFiniteDifferences) {
+  const Shape n{2, 9, 4, 2, 5};
+  const Blockwise blocks(9, {2, 4});
+  Attn r(DType::f64, n);
+  auto loss = [&] {
+    blocks.forward(r, n);
+    return testing::weighted_sum(r.out, r.dout);
+  };
+  loss();
+  blocks.backward(r);
+  testing::expect_gradient("dq", r.q, r.dq, loss);
+  testing::expect_gradient("dk", r.k, r.dk, loss);
+  testing::expect_gradient("dv", r.v, r.dv, loss);
+}
+
+// Two partials with hand-picked lse: out is their softmax-weighted mean, lse their logaddexp; a
+// running result at (0, -inf) becomes the partial; rows outside the range are untouched.
+TEST(AttentionMerge, WeighsByLogSumExp) {
+  Buffer out(DType::f64, Device::cpu, {1, 3, 1, 2}), lse(DType::f64, Device::cpu, {1, 1, 3});
+  Buffer part(DType::f64, Device::cpu, {1, 3, 1, 2}), part_lse(DType::f64, Device::cpu, {1, 1, 3});
+  const double o[] = {1, 2, 0, 0, 5, 5}, l[] = {std::log(3.0), -INFINITY, 1}, p[] = {4, -2, 7, 8, 9, 9},
+               pl[] = {std::log(1.0), 2, 1};
+  std::copy(o, o + 6, out.ptr<double>());
+  std::copy(l, l + 3, lse.ptr<double>());
+  std::copy(p, p + 6, part.ptr<double>());
+  std::copy(pl, pl + 3, part_lse.ptr<double>());
+  attention_merge(out, lse, part, part_lse, 0, 2);
+  const double want_out[] = {(3 * 1 + 4) / 4.0, (3 * 2 - 2) / 4.0, 7, 8, 5, 5},
+               want_lse[] = {std::log(4.0), 2, 1};
+  for (int i = 0; i < 6; ++i) EXPECT_NEAR(element(out, i), want_out[i], 1e-15) << i;
+  for (int i = 0; i < 3; ++i) EXPECT_NEAR(element(lse, i), want_lse[i], 1e-15) << i;
+}
+
+TEST(AttentionBlock, RejectsBadBlocks) {
+  BlockAttn r(Shape{1, 4, 2, 1, 3}, 6);
+  auto message = [&](AttentionBlock block) {
+    try {
+      attention_block_forward(r.out, r.lse, r.q, r.k, r.v, block);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_EQ(message({AttentionMask::causal, 0, 4, 0, 5}),
+            "attention_block_forward: a causal block pairs 4 queries with 5 keys (it needs equal counts)");
+  EXPECT_EQ(message({AttentionMask::full, 0, 4, 2, 7}),
+            "attention_block_forward: query rows [0, 4) and key rows [2, 7) do not fit 4 queries and 6 keys");
+  EXPECT_EQ(message({AttentionMask::full, 1, 3, 2, 2}), "attention_block_forward: 2 queries see no key");
+}
+
 }  // namespace
 }  // namespace marrow

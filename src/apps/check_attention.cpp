@@ -1,6 +1,8 @@
 // marrow check, attention group: the flash-attention kernels of ops/attention.cu against the f32
 // CPU reference, at odd lengths (1, 37, 257), GQA groups 1, 4 and 8, head_dim 64 and 128, and the
-// bench shape (B 1, S 4096, 32 query / 4 key-value heads of 128).
+// bench shape (B 1, S 4096, 32 query / 4 key-value heads of 128); then the blocks of ring attention
+// (full and causal on sub-ranges, the zigzag split's cases, the backward adding into f32) and the
+// log-sum-exp merge, with the same bounds.
 //
 // Bounds, as error = max |gpu - cpu| / max |cpu| (check.h). Both sides read the same bf16 inputs,
 // and the tensor cores multiply bf16 operands exactly into f32 accumulators, so the GPU's coarse
@@ -195,6 +197,100 @@ void check_rejects_head_dim(CheckReport& report) {
   report.add({"attention rejects head_dim 96 on the GPU", rejected ? 0.0 : 1.0, 0, rejected});
 }
 
+// Blocks (ring attention): q[B, Sq] against k, v[B, Sk] on sub-ranges, full and causal.
+struct BlockCase {
+  Shape n;  // n.s is Sq
+  int64_t kv_seq;
+  AttentionBlock block;
+};
+
+std::string block_label(const char* what, const BlockCase& c) {
+  const AttentionBlock& b = c.block;
+  return fmt::format("attention block {} {} q[{}, {}) k[{}, {}) B{} Sq{} Sk{} H{}/{} D{}", what,
+                     b.mask == AttentionMask::full ? "full" : "causal", b.q_begin, b.q_end, b.k_begin, b.k_end, c.n.b,
+                     c.n.s, c.kv_seq, c.n.hq, c.n.hkv, c.n.d);
+}
+
+// The block forward (rows outside the block must keep their zeros), then the block backward from
+// the block's own out and lse added into random f32 gradients: the GPU's sums minus those starting
+// values against the CPU's share.
+void check_block(CheckReport& report, const BlockCase& c, uint64_t seed) {
+  const Shape& n = c.n;
+  Problem p{n,
+            random_host({n.b, n.s, n.hq, n.d}, seed),
+            random_host({n.b, c.kv_seq, n.hkv, n.d}, seed + 1),
+            random_host({n.b, c.kv_seq, n.hkv, n.d}, seed + 2),
+            random_host({n.b, n.s, n.hq, n.d}, seed + 3),
+            Buffer::zeros(DType::f32, Device::cpu, {n.b, n.s, n.hq, n.d}),
+            Buffer::zeros(DType::f32, Device::cpu, {n.b, n.hq, n.s}),
+            Buffer::zeros(DType::f32, Device::cpu, {n.b, n.s, n.hq, n.d}),
+            Buffer::zeros(DType::f32, Device::cpu, {n.b, c.kv_seq, n.hkv, n.d}),
+            Buffer::zeros(DType::f32, Device::cpu, {n.b, c.kv_seq, n.hkv, n.d}),
+            {}};
+  for (Buffer* b : {&p.q, &p.k, &p.v, &p.dout}) round_to_bf16(*b);
+  attention_block_forward(p.out, p.lse, p.q, p.k, p.v, c.block);
+  Buffer q = to_device(p.q, DType::bf16), k = to_device(p.k, DType::bf16), v = to_device(p.v, DType::bf16);
+  Buffer dout = to_device(p.dout, DType::bf16);
+  auto rows4 = [&](const Buffer& b, int64_t seq, int64_t heads) { return b.view().reshape({n.b, seq, heads, n.d}); };
+  Buffer out = Buffer::zeros(DType::bf16, Device::cuda, {n.b, n.s, n.hq, n.d});
+  Buffer lse = Buffer::zeros(DType::f32, Device::cuda, {n.b, n.hq, n.s});
+  attention_block_forward(out, lse, rows4(q, n.s, n.hq), rows4(k, c.kv_seq, n.hkv), rows4(v, c.kv_seq, n.hkv), c.block);
+  compare(report, block_label("out", c), out, p.out, kOutBound);
+  compare(report, block_label("lse", c), lse, p.lse, kLseBound);
+
+  p.out_bf16 = Buffer(DType::f32, Device::cpu, {n.b, n.s, n.hq, n.d});
+  copy(p.out_bf16, p.out);
+  round_to_bf16(p.out_bf16);
+  attention_block_backward(p.dq, p.dk, p.dv, p.dout, p.q, p.k, p.v, p.out_bf16, p.lse, c.block);
+  Buffer out_in = to_device(p.out_bf16, DType::bf16), lse_in = to_device(p.lse, DType::f32);
+  const Buffer base[3] = {random_host({n.b, n.s, n.hq, n.d}, seed + 4), random_host({n.b, c.kv_seq, n.hkv, n.d}, seed + 5),
+                          random_host({n.b, c.kv_seq, n.hkv, n.d}, seed + 6)};
+  Buffer grads[3] = {to_device(base[0], DType::f32), to_device(base[1], DType::f32), to_device(base[2], DType::f32)};
+  attention_block_backward(rows4(grads[0], n.s, n.hq), rows4(grads[1], c.kv_seq, n.hkv), rows4(grads[2], c.kv_seq, n.hkv),
+                           rows4(dout, n.s, n.hq), rows4(q, n.s, n.hq), rows4(k, c.kv_seq, n.hkv),
+                           rows4(v, c.kv_seq, n.hkv), rows4(out_in, n.s, n.hq), lse_in.view().reshape({n.b, n.hq, n.s}),
+                           c.block);
+  const std::pair<const char*, const Buffer*> want[3] = {{"dq", &p.dq}, {"dk", &p.dk}, {"dv", &p.dv}};
+  for (int i = 0; i < 3; ++i) {
+    Buffer added = to_host_f32(grads[i]);
+    for (int64_t e = 0; e < added.numel(); ++e) added.ptr<float>()[e] -= base[i].ptr<float>()[e];
+    compare(report, block_label(want[i].first, c), added, *want[i].second, kGradBound);
+  }
+}
+
+// The merge of two partials (keys [0, 20) and [20, 45) in full) into a running result at (0, -inf),
+// on query rows [3, 30) of 37: f32 arithmetic on the same inputs (the partial out rounded to bf16
+// on both sides), so 1e-5 of the largest element bounds it; rows outside must keep 0 and -inf.
+void check_merge(CheckReport& report) {
+  const Shape n{2, 37, 8, 2, 64};
+  const int64_t begin = 3, end = 30;
+  Buffer q = random_host({n.b, n.s, n.hq, n.d}, 700), k = random_host({n.b, 45, n.hkv, n.d}, 701),
+         v = random_host({n.b, 45, n.hkv, n.d}, 702);
+  Buffer out = Buffer::zeros(DType::f32, Device::cpu, {n.b, n.s, n.hq, n.d});
+  Buffer lse(DType::f32, Device::cpu, {n.b, n.hq, n.s});
+  for (int64_t i = 0; i < lse.numel(); ++i) lse.ptr<float>()[i] = -INFINITY;
+  Buffer gpu_out = to_device(out, DType::f32), gpu_lse = to_device(lse, DType::f32);
+  for (const auto& [k0, k1] : {std::pair{int64_t(0), int64_t(20)}, std::pair{int64_t(20), int64_t(45)}}) {
+    Buffer part = Buffer::zeros(DType::f32, Device::cpu, {n.b, n.s, n.hq, n.d});
+    Buffer part_lse = Buffer::zeros(DType::f32, Device::cpu, {n.b, n.hq, n.s});
+    attention_block_forward(part, part_lse, q, k, v, {AttentionMask::full, begin, end, k0, k1});
+    round_to_bf16(part);
+    attention_merge(out, lse, part, part_lse, begin, end);
+    Buffer gpu_part = to_device(part, DType::bf16), gpu_part_lse = to_device(part_lse, DType::f32);
+    attention_merge(gpu_out.view().reshape({n.b, n.s, n.hq, n.d}), gpu_lse.view().reshape({n.b, n.hq, n.s}),
+                    gpu_part.view().reshape({n.b, n.s, n.hq, n.d}), gpu_part_lse.view().reshape({n.b, n.hq, n.s}), begin,
+                    end);
+  }
+  report.compare("attention merge out B2 S37 rows [3, 30) H8 D64", gpu_out, out, 1e-5);
+  Buffer got_lse = to_host_f32(gpu_lse);
+  double error = 0;
+  for (int64_t i = 0; i < lse.numel(); ++i) {
+    const float g = got_lse.ptr<float>()[i], w = lse.ptr<float>()[i];
+    error = std::max(error, std::isinf(w) ? (g == w ? 0.0 : INFINITY) : std::abs(double(g) - w));
+  }
+  report.add({"attention merge lse B2 S37 rows [3, 30) (abs; -inf outside)", error, 1e-5, error <= 1e-5});
+}
+
 }  // namespace
 
 void check_attention_op(CheckReport& report) {
@@ -206,6 +302,16 @@ void check_attention_op(CheckReport& report) {
   };
   uint64_t seed = 100;  // each problem draws from seeds seed .. seed + 3
   for (const Shape& n : shapes) check_shape(report, reference(n, seed += 4));
+  // The zigzag split's blocks at chunks of 65 (two chunks: 130 local tokens) and odd sub-ranges.
+  const BlockCase blocks[] = {
+      {{1, 130, 8, 2, 128}, 130, {AttentionMask::full, 0, 130, 0, 65}},   // an earlier member's K/V
+      {{1, 130, 8, 2, 128}, 130, {AttentionMask::full, 65, 130, 0, 130}},  // a later member's K/V
+      {{2, 37, 8, 2, 64}, 45, {AttentionMask::full, 5, 37, 3, 44}},         // Sq != Sk, offsets
+      {{1, 80, 4, 4, 64}, 90, {AttentionMask::causal, 3, 70, 10, 77}},      // causal with different offsets
+      {{1, 1, 8, 1, 128}, 1, {AttentionMask::full, 0, 1, 0, 1}},            // one query, one key
+  };
+  for (const BlockCase& c : blocks) check_block(report, c, seed += 8);
+  check_merge(report);
   check_bench(report);
   check_rejects_head_dim(report);
 }

@@ -18,39 +18,46 @@ namespace marrow {
 namespace {
 
 struct Dims {
-  int64_t batch, seq, q_heads, kv_heads, head_dim;
+  int64_t batch, q_seq, kv_seq, q_heads, kv_heads, head_dim;
   // Element offsets of row (b, i) of a query head and of a key/value head.
-  int64_t q(int64_t b, int64_t i, int64_t h) const { return ((b * seq + i) * q_heads + h) * head_dim; }
+  int64_t q(int64_t b, int64_t i, int64_t h) const { return ((b * q_seq + i) * q_heads + h) * head_dim; }
   int64_t kv(int64_t b, int64_t j, int64_t h) const {
-    return ((b * seq + j) * kv_heads + h / (q_heads / kv_heads)) * head_dim;
+    return ((b * kv_seq + j) * kv_heads + h / (q_heads / kv_heads)) * head_dim;
   }
-  int64_t lse(int64_t b, int64_t i, int64_t h) const { return (b * q_heads + h) * seq + i; }
+  int64_t lse(int64_t b, int64_t i, int64_t h) const { return (b * q_heads + h) * q_seq + i; }
 };
 
+// The keys query row i of a block sees: [k_begin, k_begin + keys_seen(block, i)).
+int64_t keys_seen(const AttentionBlock& block, int64_t i) {
+  return block.mask == AttentionMask::causal ? i - block.q_begin + 1 : block.k_end - block.k_begin;
+}
+
 template <typename T>
-void forward_cpu(T* out, T* lse, const T* q, const T* k, const T* v, const Dims& n) {
+void forward_cpu(T* out, T* lse, const T* q, const T* k, const T* v, const Dims& n, const AttentionBlock& blk) {
   const T scale = T(1 / std::sqrt(double(n.head_dim)));
-#pragma omp parallel if (n.batch * n.q_heads * n.seq * n.seq * n.head_dim > kParallelWork)
+  const int64_t k_len = blk.k_end - blk.k_begin;
+#pragma omp parallel if (n.batch * n.q_heads * (blk.q_end - blk.q_begin) * k_len * n.head_dim > kParallelWork)
   {
-    std::vector<T> p(n.seq);
+    std::vector<T> p(static_cast<size_t>(k_len));
 #pragma omp for collapse(2) schedule(static)
     for (int64_t b = 0; b < n.batch; ++b)
       for (int64_t h = 0; h < n.q_heads; ++h)
-        for (int64_t i = 0; i < n.seq; ++i) {
+        for (int64_t i = blk.q_begin; i < blk.q_end; ++i) {
           const T* qi = q + n.q(b, i, h);
+          const int64_t seen = keys_seen(blk, i);
           T m = -std::numeric_limits<T>::infinity();
-          for (int64_t j = 0; j <= i; ++j) {
-            p[j] = scale * dot(qi, k + n.kv(b, j, h), n.head_dim);
+          for (int64_t j = 0; j < seen; ++j) {
+            p[j] = scale * dot(qi, k + n.kv(b, blk.k_begin + j, h), n.head_dim);
             m = std::max(m, p[j]);
           }
           double sum = 0;
-          for (int64_t j = 0; j <= i; ++j) {
+          for (int64_t j = 0; j < seen; ++j) {
             p[j] = std::exp(p[j] - m);
             sum += p[j];
           }
           T* oi = out + n.q(b, i, h);
           std::fill(oi, oi + n.head_dim, T(0));
-          for (int64_t j = 0; j <= i; ++j) axpy(oi, T(p[j] / sum), v + n.kv(b, j, h), n.head_dim);
+          for (int64_t j = 0; j < seen; ++j) axpy(oi, T(p[j] / sum), v + n.kv(b, blk.k_begin + j, h), n.head_dim);
           lse[n.lse(b, i, h)] = T(m + std::log(sum));
         }
   }
@@ -58,28 +65,27 @@ void forward_cpu(T* out, T* lse, const T* q, const T* k, const T* v, const Dims&
 
 // With P = exp(s - lse) and D_i = dout_i . out_i (= sum_j P[i, j] dout_i . v_j):
 //   dv_j += P[i, j] dout_i,   dS[i, j] = P[i, j] (dout_i . v_j - D_i),
-//   dq_i = scale sum_j dS[i, j] k_j,   dk_j += scale dS[i, j] q_i.
-// Query heads of one group add into the same dk, dv rows in a fixed order: deterministic.
+//   dq_i += scale sum_j dS[i, j] k_j,   dk_j += scale dS[i, j] q_i.
+// lse and out are the final ones (every key block merged), so P is the true probability and the
+// blocks' shares sum to the whole gradient. Query heads of one group add into the same dk, dv rows
+// in a fixed order: deterministic.
 template <typename T>
 void backward_cpu(T* dq, T* dk, T* dv, const T* dout, const T* q, const T* k, const T* v, const T* out, const T* lse,
-                  const Dims& n) {
-  const int64_t kv_numel = n.batch * n.seq * n.kv_heads * n.head_dim;
-  std::fill(dk, dk + kv_numel, T(0));
-  std::fill(dv, dv + kv_numel, T(0));
+                  const Dims& n, const AttentionBlock& blk) {
   const T scale = T(1 / std::sqrt(double(n.head_dim)));
   // Threads own key/value heads: the query heads of a group add into dk, dv in head order.
   const int64_t group = n.q_heads / n.kv_heads;
-#pragma omp parallel for collapse(2) schedule(static) if (n.batch * n.q_heads * n.seq * n.seq * n.head_dim > kParallelWork)
+#pragma omp parallel for collapse(2) schedule(static) if (n.batch * n.q_heads * (blk.q_end - blk.q_begin) * \
+                                                              (blk.k_end - blk.k_begin) * n.head_dim > kParallelWork)
   for (int64_t b = 0; b < n.batch; ++b)
     for (int64_t hk = 0; hk < n.kv_heads; ++hk)
       for (int64_t h = hk * group; h < (hk + 1) * group; ++h)
-        for (int64_t i = 0; i < n.seq; ++i) {
+        for (int64_t i = blk.q_begin; i < blk.q_end; ++i) {
           const int64_t qo = n.q(b, i, h);
           const T *qi = q + qo, *douti = dout + qo;
           const T di = dot(douti, out + qo, n.head_dim), lse_i = lse[n.lse(b, i, h)];
           T* dqi = dq + qo;
-          std::fill(dqi, dqi + n.head_dim, T(0));
-          for (int64_t j = 0; j <= i; ++j) {
+          for (int64_t j = blk.k_begin; j < blk.k_begin + keys_seen(blk, i); ++j) {
             const int64_t kvo = n.kv(b, j, h);
             const T p = std::exp(scale * dot(qi, k + kvo, n.head_dim) - lse_i);
             const T ds = p * (dot(douti, v + kvo, n.head_dim) - di);
@@ -90,17 +96,48 @@ void backward_cpu(T* dq, T* dk, T* dv, const T* dout, const T* q, const T* k, co
         }
 }
 
-// Checks q's layout and that k and v match it; returns the sizes.
+// Rows [begin, end) of (out, lse) become the log-sum-exp merge with (part_out, part_lse). A row
+// whose two lse are -inf (no key seen yet on either side) stays as it is.
+template <typename T>
+void merge_cpu(T* out, T* lse, const T* part_out, const T* part_lse, const Dims& n, int64_t begin, int64_t end) {
+  for (int64_t b = 0; b < n.batch; ++b)
+    for (int64_t h = 0; h < n.q_heads; ++h)
+      for (int64_t i = begin; i < end; ++i) {
+        T& l = lse[n.lse(b, i, h)];
+        const T l2 = part_lse[n.lse(b, i, h)], m = std::max(l, l2);
+        if (m == -std::numeric_limits<T>::infinity()) continue;
+        const T w1 = std::exp(l - m), w2 = std::exp(l2 - m), sum = w1 + w2;
+        T* o = out + n.q(b, i, h);
+        const T* o2 = part_out + n.q(b, i, h);
+        for (int64_t d = 0; d < n.head_dim; ++d) o[d] = (w1 * o[d] + w2 * o2[d]) / sum;
+        l = m + std::log(sum);
+      }
+}
+
+// Checks q's layout and that k and v match each other; returns the sizes.
 Dims check_qkv(const char* op, const Tensor& q, const Tensor& k, const Tensor& v) {
   MARROW_CHECK(q.ndim == 4, "{}: q must be [batch, seq, heads, head_dim], got {}", op, q.shape_string());
   MARROW_CHECK(k.ndim == 4, "{}: k must be [batch, seq, kv_heads, head_dim], got {}", op, k.shape_string());
-  Dims n{q.size(0), q.size(1), q.size(2), k.size(2), q.size(3)};
-  expect_shape(op, "k", k, {n.batch, n.seq, n.kv_heads, n.head_dim});
-  expect_shape(op, "v", v, {n.batch, n.seq, n.kv_heads, n.head_dim});
+  Dims n{q.size(0), q.size(1), k.size(1), q.size(2), k.size(2), q.size(3)};
+  expect_shape(op, "k", k, {n.batch, n.kv_seq, n.kv_heads, n.head_dim});
+  expect_shape(op, "v", v, {n.batch, n.kv_seq, n.kv_heads, n.head_dim});
   MARROW_CHECK(n.kv_heads > 0 && n.q_heads % n.kv_heads == 0,
                "{}: the {} query heads of q are not a multiple of the {} key/value heads of k", op, n.q_heads,
                n.kv_heads);
   return n;
+}
+
+// A block's ranges lie inside q and k, and a causal block pairs ranges of equal length.
+void check_block(const char* op, const Dims& n, const AttentionBlock& blk) {
+  MARROW_CHECK(0 <= blk.q_begin && blk.q_begin <= blk.q_end && blk.q_end <= n.q_seq && 0 <= blk.k_begin &&
+                   blk.k_begin <= blk.k_end && blk.k_end <= n.kv_seq,
+               "{}: query rows [{}, {}) and key rows [{}, {}) do not fit {} queries and {} keys", op, blk.q_begin,
+               blk.q_end, blk.k_begin, blk.k_end, n.q_seq, n.kv_seq);
+  MARROW_CHECK(blk.mask == AttentionMask::full || blk.q_end - blk.q_begin == blk.k_end - blk.k_begin,
+               "{}: a causal block pairs {} queries with {} keys (it needs equal counts)", op, blk.q_end - blk.q_begin,
+               blk.k_end - blk.k_begin);
+  MARROW_CHECK(blk.q_begin == blk.q_end || blk.k_begin < blk.k_end, "{}: {} queries see no key", op,
+               blk.q_end - blk.q_begin);
 }
 
 #ifdef __CUDACC__
@@ -245,16 +282,39 @@ __device__ __forceinline__ float quad_max(float x) {
   return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
 }
 
+// One block of attention (ops/attention.h): query rows [q_begin, q_begin + q_len) of q against key
+// rows [k_begin, k_begin + k_len) of k and v. The causal op is the causal block over all rows.
 struct GpuArgs {
   const bf16 *q, *k, *v, *out, *dout;
   bf16* o;               // forward output
   float* lse;            // forward output; backward input
-  const float* delta;    // backward: rowsum(dout * out), [B, Hq, S]
-  bf16 *dq, *dk, *dv;    // backward outputs
-  float *dk_part, *dv_part;  // [B, S, Hq, D] per-query-head dk, dv when Hq > Hkv; null otherwise
-  int seq, q_heads, kv_heads;
+  const float* delta;    // backward: rowsum(dout * out) of the block's queries, [B, Hq, q_len]
+  bf16 *dq, *dk, *dv;    // backward outputs, overwritten (the causal op)
+  float *dq_acc, *dk_acc, *dv_acc;  // or f32 backward outputs added into (a block); null otherwise
+  float *dk_part, *dv_part;  // [B, k_len, Hq, D] per-query-head dk, dv when Hq > Hkv; null otherwise
+  int q_seq, kv_seq;     // rows of the q and k tensors
+  int q_begin, q_len, k_begin, k_len;
+  bool full;             // every query sees every key; else causal (q_len == k_len)
+  int q_heads, kv_heads;
   float scale, scale_log2;  // 1/sqrt(D), and times log2(e): probabilities go through exp2
+
+  // Head rows (units of D elements) of the block's query i of head h and key j of kv head hk.
+  __device__ int64_t q_row(int64_t b, int64_t i, int64_t h) const {
+    return (b * q_seq + q_begin + i) * q_heads + h;
+  }
+  __device__ int64_t kv_row(int64_t b, int64_t j, int64_t hk) const {
+    return (b * kv_seq + k_begin + j) * kv_heads + hk;
+  }
+  __device__ int64_t lse_at(int64_t b, int64_t h, int64_t i) const { return (b * q_heads + h) * q_seq + q_begin + i; }
+  // The last key (block index) query i may see.
+  __device__ int last_key(int i) const { return full ? k_len - 1 : i; }
 };
+
+// Adds (x, y) into the adjacent f32 elements p[0], p[1] (8-byte aligned).
+__device__ __forceinline__ void add_float2(float* p, float x, float y) {
+  const float2 o = *reinterpret_cast<const float2*>(p);
+  *reinterpret_cast<float2*>(p) = make_float2(o.x + x, o.y + y);
+}
 
 // Forward. Grid (query blocks of 64, Hq, B); block = 4 warps, 16 query rows each. Shared: the
 // Q tile [64][D+8] and two stages of K and V tiles [64][D+8]: 87 KB at D = 128 (2 blocks per SM),
@@ -274,14 +334,14 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(GpuArgs a) 
   const int m0 = (gridDim.x - 1 - blockIdx.x) * BM;
   const int h = blockIdx.y, b = blockIdx.z, hk = h / (a.q_heads / a.kv_heads);
   const int64_t q_ld = int64_t(a.q_heads) * D, kv_ld = int64_t(a.kv_heads) * D;
-  const bf16* q = a.q + (int64_t(b) * a.seq * a.q_heads + h) * D;
-  const bf16* k = a.k + (int64_t(b) * a.seq * a.kv_heads + hk) * D;
-  const bf16* v = a.v + (int64_t(b) * a.seq * a.kv_heads + hk) * D;
-  const int n_tiles = min(cdiv(a.seq, BN), cdiv(m0 + BM, BN));  // key tiles up to the diagonal
+  const bf16* q = a.q + a.q_row(b, 0, h) * D;
+  const bf16* k = a.k + a.kv_row(b, 0, hk) * D;
+  const bf16* v = a.v + a.kv_row(b, 0, hk) * D;
+  const int n_tiles = cdiv(min(a.k_len, a.last_key(m0 + BM - 1) + 1), BN);  // key tiles any row sees
 
-  load_rows<BM, D>(sq, q, q_ld, m0, a.seq);
-  load_rows<BN, D>(sk, k, kv_ld, 0, a.seq);
-  load_rows<BN, D>(sv, v, kv_ld, 0, a.seq);
+  load_rows<BM, D>(sq, q, q_ld, m0, a.q_len);
+  load_rows<BN, D>(sk, k, kv_ld, 0, a.k_len);
+  load_rows<BN, D>(sv, v, kv_ld, 0, a.k_len);
   cp_async_commit();
 
   const int row0 = m0 + warp * kWarpRows, row = row0 + g;  // this lane's rows: row and row + 8
@@ -290,8 +350,8 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(GpuArgs a) 
   for (int nt = 0; nt < n_tiles; ++nt) {
     const int stage = nt & 1, n0 = nt * BN;
     if (nt + 1 < n_tiles) {  // prefetch the next key tile into the other stage
-      load_rows<BN, D>(sk + (stage ^ 1) * BN * LD, k, kv_ld, n0 + BN, a.seq);
-      load_rows<BN, D>(sv + (stage ^ 1) * BN * LD, v, kv_ld, n0 + BN, a.seq);
+      load_rows<BN, D>(sk + (stage ^ 1) * BN * LD, k, kv_ld, n0 + BN, a.k_len);
+      load_rows<BN, D>(sv + (stage ^ 1) * BN * LD, v, kv_ld, n0 + BN, a.k_len);
     }
     cp_async_commit();
     cp_async_wait<1>();  // this tile (and Q) has landed
@@ -302,16 +362,17 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(GpuArgs a) 
     float s[BN / 8][4] = {};
     warp_mma_nt<D, BN>(s, sq, warp * kWarpRows, kt, lane);
 
-    // Keys after the query are -inf; keys past the end are after every stored query. Every row
-    // has key 0, seen in the first tile, so the running max is finite from then on.
-    const bool diagonal = n0 + BN - 1 > row0;
+    // Keys past a row's last key are -inf: after the query (causal; keys past the end are after
+    // every stored query) or past the block's end (full). Every row sees key 0, in the first tile,
+    // so the running max is finite from then on.
+    const bool edge = n0 + BN - 1 > a.last_key(row0);
     float tile_max[2] = {row_max[0], row_max[1]};
 #pragma unroll
     for (int j = 0; j < BN / 8; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         float x = s[j][e] * a.scale_log2;
-        if (diagonal && n0 + j * 8 + 2 * t + e % 2 > row + e / 2 * 8) x = -INFINITY;
+        if (edge && n0 + j * 8 + 2 * t + e % 2 > a.last_key(row + e / 2 * 8)) x = -INFINITY;
         s[j][e] = x;
         tile_max[e / 2] = fmaxf(tile_max[e / 2], x);
       }
@@ -344,37 +405,36 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(GpuArgs a) 
   for (int r = 0; r < 2; ++r) {
     const int i = row + r * 8;
     const float sum = quad_sum(row_sum[r]);
-    if (i >= a.seq) continue;
+    if (i >= a.q_len) continue;
     const float inv = 1.f / sum;
-    bf16* dst = a.o + ((int64_t(b) * a.seq + i) * a.q_heads + h) * D + 2 * t;
+    bf16* dst = a.o + a.q_row(b, i, h) * D + 2 * t;
 #pragma unroll
     for (int d = 0; d < D / 8; ++d)
       *reinterpret_cast<__nv_bfloat162*>(dst + d * 8) = __floats2bfloat162_rn(o[d][2 * r] * inv, o[d][2 * r + 1] * inv);
-    if (t == 0) a.lse[(int64_t(b) * a.q_heads + h) * a.seq + i] = (row_max[r] + log2f(sum)) * kLn2;
+    if (t == 0) a.lse[a.lse_at(b, h, i)] = (row_max[r] + log2f(sum)) * kLn2;
   }
 }
 
-// Backward, step 1: delta[b, h, i] = dout_i . out_i in f32, one warp per row (a fixed-order
-// shuffle tree, so deterministic).
+// Backward, step 1: delta[b, h, i] = dout_i . out_i in f32 for the block's queries, one warp per
+// row (a fixed-order shuffle tree, so deterministic).
 template <int D>
-__global__ void attention_delta_kernel(float* delta, const bf16* dout, const bf16* out, int64_t rows, int seq,
-                                       int q_heads) {
+__global__ void attention_delta_kernel(GpuArgs a, float* delta, int64_t rows) {
   const int64_t r = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
   if (r >= rows) return;
+  // r indexes [B, q_len, Hq]; delta is [B, Hq, q_len]
+  const int64_t b = r / (int64_t(a.q_len) * a.q_heads), i = r / a.q_heads % a.q_len, h = r % a.q_heads;
+  const int64_t at = a.q_row(b, i, h) * D;
   float acc = 0.f;
 #pragma unroll
   for (int c = 2 * lane; c < D; c += 64) {
-    const float2 x = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(dout + r * D + c));
-    const float2 y = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(out + r * D + c));
+    const float2 x = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(a.dout + at + c));
+    const float2 y = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(a.out + at + c));
     acc += x.x * y.x + x.y * y.y;
   }
 #pragma unroll
   for (int m = 16; m > 0; m /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, m);
-  if (lane == 0) {  // r indexes [B, S, Hq]; delta is [B, Hq, S]
-    const int64_t b = r / (int64_t(seq) * q_heads), i = r / q_heads % seq, h = r % q_heads;
-    delta[(b * q_heads + h) * seq + i] = acc;
-  }
+  if (lane == 0) delta[(b * a.q_heads + h) * a.q_len + i] = acc;
 }
 
 // Backward, step 2: dk and dv. Grid (key blocks of 64, Hq, B); block = 4 warps, 16 key rows each,
@@ -386,7 +446,7 @@ __global__ void attention_delta_kernel(float* delta, const bf16* dout, const bf1
 // Per query tile each warp forms P^T (16 keys x 32 queries) from lse, adds P^T dO into dV, forms
 // dP^T = V dO^T and dS^T = P^T (dP^T - delta), and adds dS^T Q into dK. 32 queries per tile keeps
 // P^T and dS^T at 16 registers each beside the two 64-register accumulators (D = 128: ptxas
-// reports 255 registers, no spills, 2 blocks per SM).
+// reports 244 registers, no spills, 2 blocks per SM).
 template <int D>
 __global__ void __launch_bounds__(kThreads) attention_dkdv_kernel(GpuArgs a) {
   constexpr int BN = 64, BM = 32, LD = D + kPad;
@@ -402,23 +462,24 @@ __global__ void __launch_bounds__(kThreads) attention_dkdv_kernel(GpuArgs a) {
   const int n0 = blockIdx.x * BN;  // the first keys are seen by the most queries: they start first
   const int h = blockIdx.y, b = blockIdx.z, hk = h / (a.q_heads / a.kv_heads);
   const int64_t q_ld = int64_t(a.q_heads) * D, kv_ld = int64_t(a.kv_heads) * D;
-  const bf16* q = a.q + (int64_t(b) * a.seq * a.q_heads + h) * D;
-  const bf16* dout = a.dout + (int64_t(b) * a.seq * a.q_heads + h) * D;
-  const float* lse = a.lse + (int64_t(b) * a.q_heads + h) * a.seq;
-  const float* delta = a.delta + (int64_t(b) * a.q_heads + h) * a.seq;
-  const int m_first = n0 / BM, m_tiles = cdiv(a.seq, BM);  // query tiles from the diagonal on
+  const bf16* q = a.q + a.q_row(b, 0, h) * D;
+  const bf16* dout = a.dout + a.q_row(b, 0, h) * D;
+  const float* lse = a.lse + a.lse_at(b, h, 0);
+  const float* delta = a.delta + (int64_t(b) * a.q_heads + h) * a.q_len;
+  // Query tiles: from the diagonal on (causal), all of them (full).
+  const int m_first = a.full ? 0 : n0 / BM, m_tiles = cdiv(a.q_len, BM);
 
   auto load_queries = [&](int mt, int stage) {
-    load_rows<BM, D>(sq + stage * BM * LD, q, q_ld, mt * BM, a.seq);
-    load_rows<BM, D>(sdo + stage * BM * LD, dout, q_ld, mt * BM, a.seq);
+    load_rows<BM, D>(sq + stage * BM * LD, q, q_ld, mt * BM, a.q_len);
+    load_rows<BM, D>(sdo + stage * BM * LD, dout, q_ld, mt * BM, a.q_len);
     if (threadIdx.x < 2 * BM) {  // warp 0 copies lse, warp 1 delta; zeros past the end
-      const int c = threadIdx.x % BM, i = min(mt * BM + c, a.seq - 1);
+      const int c = threadIdx.x % BM, i = min(mt * BM + c, a.q_len - 1);
       float* dst = threadIdx.x < BM ? slse : sdelta;
-      cp_async4(dst + stage * BM + c, (threadIdx.x < BM ? lse : delta) + i, mt * BM + c < a.seq);
+      cp_async4(dst + stage * BM + c, (threadIdx.x < BM ? lse : delta) + i, mt * BM + c < a.q_len);
     }
   };
-  load_rows<BN, D>(sk, a.k + (int64_t(b) * a.seq * a.kv_heads + hk) * D, kv_ld, n0, a.seq);
-  load_rows<BN, D>(sv, a.v + (int64_t(b) * a.seq * a.kv_heads + hk) * D, kv_ld, n0, a.seq);
+  load_rows<BN, D>(sk, a.k + a.kv_row(b, 0, hk) * D, kv_ld, n0, a.k_len);
+  load_rows<BN, D>(sv, a.v + a.kv_row(b, 0, hk) * D, kv_ld, n0, a.k_len);
   load_queries(m_first, 0);
   cp_async_commit();
 
@@ -435,18 +496,19 @@ __global__ void __launch_bounds__(kThreads) attention_dkdv_kernel(GpuArgs a) {
     const float* lse_t = slse + stage * BM;
     const float* dl = sdelta + stage * BM;
 
-    // P^T[key, query] = exp(scale k . q - lse), zero where the query precedes the key or is past
-    // the end (there Q and dO rows are zeros, so P would not matter, but say it anyway).
+    // P^T[key, query] = exp(scale k . q - lse), zero where the query precedes the key (causal) or
+    // is past the end (there Q and dO rows are zeros, so P would not matter, but say it anyway).
+    // Keys past the end of a full block get P but are never written.
     float p[BM / 8][4] = {};
     warp_mma_nt<D, BM>(p, sk, warp * kWarpRows, qt, lane);
-    const bool edge = m0 < key0 + kWarpRows - 1 || m0 + BM > a.seq;
+    const bool edge = (!a.full && m0 < key0 + kWarpRows - 1) || m0 + BM > a.q_len;
 #pragma unroll
     for (int j = 0; j < BM / 8; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int c = j * 8 + 2 * t + e % 2;  // query within the tile
         const float x = exp2f(p[j][e] * a.scale_log2 - lse_t[c] * kLog2e);
-        p[j][e] = edge && (m0 + c < key + e / 2 * 8 || m0 + c >= a.seq) ? 0.f : x;
+        p[j][e] = edge && ((!a.full && m0 + c < key + e / 2 * 8) || m0 + c >= a.q_len) ? 0.f : x;
       }
     warp_mma_pn<BM, D>(dv, p, dot, lane);  // dV += P^T dO
 
@@ -463,17 +525,24 @@ __global__ void __launch_bounds__(kThreads) attention_dkdv_kernel(GpuArgs a) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int j = key + r * 8;
-    if (j >= a.seq) continue;
+    if (j >= a.k_len) continue;
     if (a.dk_part) {
-      const int64_t at = ((int64_t(b) * a.seq + j) * a.q_heads + h) * D + 2 * t;
+      const int64_t at = ((int64_t(b) * a.k_len + j) * a.q_heads + h) * D + 2 * t;
 #pragma unroll
       for (int d = 0; d < D / 8; ++d) {
         *reinterpret_cast<float2*>(a.dk_part + at + d * 8) =
             make_float2(dk[d][2 * r] * a.scale, dk[d][2 * r + 1] * a.scale);
         *reinterpret_cast<float2*>(a.dv_part + at + d * 8) = make_float2(dv[d][2 * r], dv[d][2 * r + 1]);
       }
+    } else if (a.dk_acc) {
+      const int64_t at = a.kv_row(b, j, hk) * D + 2 * t;
+#pragma unroll
+      for (int d = 0; d < D / 8; ++d) {
+        add_float2(a.dk_acc + at + d * 8, dk[d][2 * r] * a.scale, dk[d][2 * r + 1] * a.scale);
+        add_float2(a.dv_acc + at + d * 8, dv[d][2 * r], dv[d][2 * r + 1]);
+      }
     } else {
-      const int64_t at = ((int64_t(b) * a.seq + j) * a.kv_heads + hk) * D + 2 * t;
+      const int64_t at = a.kv_row(b, j, hk) * D + 2 * t;
 #pragma unroll
       for (int d = 0; d < D / 8; ++d) {
         *reinterpret_cast<__nv_bfloat162*>(a.dk + at + d * 8) =
@@ -503,14 +572,14 @@ __global__ void __launch_bounds__(kThreads) attention_dq_kernel(GpuArgs a) {
   const int m0 = (gridDim.x - 1 - blockIdx.x) * BM;
   const int h = blockIdx.y, b = blockIdx.z, hk = h / (a.q_heads / a.kv_heads);
   const int64_t q_ld = int64_t(a.q_heads) * D, kv_ld = int64_t(a.kv_heads) * D;
-  const bf16* k = a.k + (int64_t(b) * a.seq * a.kv_heads + hk) * D;
-  const bf16* v = a.v + (int64_t(b) * a.seq * a.kv_heads + hk) * D;
-  const int n_tiles = min(cdiv(a.seq, BN), cdiv(m0 + BM, BN));
+  const bf16* k = a.k + a.kv_row(b, 0, hk) * D;
+  const bf16* v = a.v + a.kv_row(b, 0, hk) * D;
+  const int n_tiles = cdiv(min(a.k_len, a.last_key(m0 + BM - 1) + 1), BN);
 
-  load_rows<BM, D>(sq, a.q + (int64_t(b) * a.seq * a.q_heads + h) * D, q_ld, m0, a.seq);
-  load_rows<BM, D>(sdo, a.dout + (int64_t(b) * a.seq * a.q_heads + h) * D, q_ld, m0, a.seq);
-  load_rows<BN, D>(sk, k, kv_ld, 0, a.seq);
-  load_rows<BN, D>(sv, v, kv_ld, 0, a.seq);
+  load_rows<BM, D>(sq, a.q + a.q_row(b, 0, h) * D, q_ld, m0, a.q_len);
+  load_rows<BM, D>(sdo, a.dout + a.q_row(b, 0, h) * D, q_ld, m0, a.q_len);
+  load_rows<BN, D>(sk, k, kv_ld, 0, a.k_len);
+  load_rows<BN, D>(sv, v, kv_ld, 0, a.k_len);
   cp_async_commit();
 
   const int row0 = m0 + warp * kWarpRows, row = row0 + g;  // this lane's rows: row and row + 8
@@ -518,16 +587,15 @@ __global__ void __launch_bounds__(kThreads) attention_dq_kernel(GpuArgs a) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int i = row + r * 8;
-    const int64_t at = (int64_t(b) * a.q_heads + h) * a.seq + i;
-    lse2[r] = i < a.seq ? a.lse[at] * kLog2e : INFINITY;  // P = 0 on rows past the end
-    dl[r] = i < a.seq ? a.delta[at] : 0.f;
+    lse2[r] = i < a.q_len ? a.lse[a.lse_at(b, h, i)] * kLog2e : INFINITY;  // P = 0 on rows past the end
+    dl[r] = i < a.q_len ? a.delta[(int64_t(b) * a.q_heads + h) * a.q_len + i] : 0.f;
   }
   float dq[D / 8][4] = {};
   for (int nt = 0; nt < n_tiles; ++nt) {
     const int stage = nt & 1, n0 = nt * BN;
     if (nt + 1 < n_tiles) {
-      load_rows<BN, D>(sk + (stage ^ 1) * BN * LD, k, kv_ld, n0 + BN, a.seq);
-      load_rows<BN, D>(sv + (stage ^ 1) * BN * LD, v, kv_ld, n0 + BN, a.seq);
+      load_rows<BN, D>(sk + (stage ^ 1) * BN * LD, k, kv_ld, n0 + BN, a.k_len);
+      load_rows<BN, D>(sv + (stage ^ 1) * BN * LD, v, kv_ld, n0 + BN, a.k_len);
     }
     cp_async_commit();
     cp_async_wait<1>();
@@ -537,13 +605,13 @@ __global__ void __launch_bounds__(kThreads) attention_dq_kernel(GpuArgs a) {
 
     float p[BN / 8][4] = {};
     warp_mma_nt<D, BN>(p, sq, warp * kWarpRows, kt, lane);
-    const bool diagonal = n0 + BN - 1 > row0;
+    const bool edge = n0 + BN - 1 > a.last_key(row0);
 #pragma unroll
     for (int j = 0; j < BN / 8; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const float x = exp2f(p[j][e] * a.scale_log2 - lse2[e / 2]);
-        p[j][e] = diagonal && n0 + j * 8 + 2 * t + e % 2 > row + e / 2 * 8 ? 0.f : x;
+        p[j][e] = edge && n0 + j * 8 + 2 * t + e % 2 > a.last_key(row + e / 2 * 8) ? 0.f : x;
       }
     float ds[BN / 8][4] = {};
     warp_mma_nt<D, BN>(ds, sdo, warp * kWarpRows, vt, lane);  // dP = dO V^T
@@ -558,8 +626,15 @@ __global__ void __launch_bounds__(kThreads) attention_dq_kernel(GpuArgs a) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int i = row + r * 8;
-    if (i >= a.seq) continue;
-    bf16* dst = a.dq + ((int64_t(b) * a.seq + i) * a.q_heads + h) * D + 2 * t;
+    if (i >= a.q_len) continue;
+    const int64_t at = a.q_row(b, i, h) * D + 2 * t;
+    if (a.dq_acc) {
+#pragma unroll
+      for (int d = 0; d < D / 8; ++d)
+        add_float2(a.dq_acc + at + d * 8, dq[d][2 * r] * a.scale, dq[d][2 * r + 1] * a.scale);
+      continue;
+    }
+    bf16* dst = a.dq + at;
 #pragma unroll
     for (int d = 0; d < D / 8; ++d)
       *reinterpret_cast<__nv_bfloat162*>(dst + d * 8) =
@@ -569,50 +644,89 @@ __global__ void __launch_bounds__(kThreads) attention_dq_kernel(GpuArgs a) {
 
 // Backward, step 4 (GQA only): dk[b, j, hk, :] = sum over the group's query heads, in head order,
 // of dk_part[b, j, hk * group + g, :] (the heads of a group are adjacent, so a row's partials are
-// one contiguous run); the same for dv. One thread per output element.
-__global__ void attention_group_sum_kernel(bf16* dk, bf16* dv, const float* dk_part, const float* dv_part, int64_t n,
-                                           int group, int head_dim) {
+// one contiguous run); the same for dv. Written as bf16 (the causal op) or added into f32 (a block).
+// One thread per output element.
+__global__ void attention_group_sum_kernel(GpuArgs a, int64_t n, int head_dim) {
+  const int group = a.q_heads / a.kv_heads;
   for (int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; e < n; e += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t at = e / head_dim * group * head_dim + e % head_dim;
+    const int64_t row = e / head_dim, at = row * group * head_dim + e % head_dim;  // row of [B, k_len, Hkv]
     float sk = 0.f, sv = 0.f;
     for (int i = 0; i < group; ++i) {
-      sk += dk_part[at + int64_t(i) * head_dim];
-      sv += dv_part[at + int64_t(i) * head_dim];
+      sk += a.dk_part[at + int64_t(i) * head_dim];
+      sv += a.dv_part[at + int64_t(i) * head_dim];
     }
-    dk[e] = __float2bfloat16_rn(sk);
-    dv[e] = __float2bfloat16_rn(sv);
+    const int64_t bj = row / a.kv_heads;
+    const int64_t dst = a.kv_row(bj / a.k_len, bj % a.k_len, row % a.kv_heads) * head_dim + e % head_dim;
+    if (a.dk_acc) {
+      a.dk_acc[dst] += sk;
+      a.dv_acc[dst] += sv;
+    } else {
+      a.dk[dst] = __float2bfloat16_rn(sk);
+      a.dv[dst] = __float2bfloat16_rn(sv);
+    }
   }
 }
 
+// Merge: one warp per row (b, i, h) of the range; the lanes split the row's D elements. The
+// running out and lse are f32, the partial out bf16 (a block forward's output).
+__global__ void attention_merge_kernel(float* out, float* lse, const bf16* part_out, const float* part_lse,
+                                       int64_t rows, int begin, int len, int seq, int heads, int head_dim) {
+  const int64_t r = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (r >= rows) return;
+  const int64_t b = r / (int64_t(len) * heads), i = begin + r / heads % len, h = r % heads;
+  const int64_t l_at = (b * heads + h) * seq + i, o_at = ((b * seq + i) * heads + h) * head_dim;
+  const float l1 = lse[l_at], l2 = part_lse[l_at], m = fmaxf(l1, l2);
+  if (m == -INFINITY) return;
+  const float w1 = expf(l1 - m), w2 = expf(l2 - m), inv = 1.f / (w1 + w2);
+  for (int d = lane; d < head_dim; d += 32)
+    out[o_at + d] = (w1 * out[o_at + d] + w2 * __bfloat162float(part_out[o_at + d])) * inv;
+  __syncwarp();  // every lane has read lse[l_at] before lane 0 overwrites it
+  if (lane == 0) lse[l_at] = m + logf(w1 + w2);
+}
+
 template <typename Kernel>
-void launch_tiled(Kernel kernel, const Dims& n, size_t smem_bytes, const GpuArgs& args, cudaStream_t stream) {
+void launch_tiled(Kernel kernel, const Dims& n, int64_t rows, size_t smem_bytes, const GpuArgs& args,
+                  cudaStream_t stream) {
   // Blocks of these kernels need more than the default 48 KB of dynamic shared memory at D = 128.
   MARROW_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem_bytes)));
-  const dim3 grid(unsigned(cdiv(int(n.seq), 64)), unsigned(n.q_heads), unsigned(n.batch));
+  const dim3 grid(unsigned(cdiv(int(rows), 64)), unsigned(n.q_heads), unsigned(n.batch));
   kernel<<<grid, kThreads, smem_bytes, stream>>>(args);
   MARROW_CUDA_CHECK_LAUNCH();
+}
+
+// 16-byte aligned device tensors of one dtype, named in the message.
+void expect_gpu_tensors(const char* op, DType dtype, std::initializer_list<std::pair<const char*, const Tensor*>> ts) {
+  for (auto [name, t] : ts) {
+    expect_dtype(op, name, *t, dtype);
+    MARROW_CHECK(reinterpret_cast<uintptr_t>(t->data) % 16 == 0, "{}: {} is not 16-byte aligned on the GPU", op, name);
+  }
 }
 
 // The GPU's dtypes (docs/gpu-path.md) and the limits of the kernels, checked with the tensors' names.
 void check_gpu_inputs(const char* op, const Dims& n, std::initializer_list<std::pair<const char*, const Tensor*>> bf16s,
                       const Tensor& lse) {
-  for (auto [name, t] : bf16s) {
-    expect_dtype(op, name, *t, DType::bf16);
-    MARROW_CHECK(reinterpret_cast<uintptr_t>(t->data) % 16 == 0, "{}: {} is not 16-byte aligned on the GPU", op, name);
-  }
+  expect_gpu_tensors(op, DType::bf16, bf16s);
   expect_dtype(op, "lse", lse, DType::f32);
   MARROW_CHECK(n.head_dim == 64 || n.head_dim == 128,
                "{}: head_dim {} has no GPU kernel (the CUDA kernels take head_dim 64 or 128)", op, n.head_dim);
-  MARROW_CHECK(n.seq < (int64_t(1) << 30) && n.q_heads <= 65535 && n.batch <= 65535,
-               "{}: batch {}, seq {}, {} query heads exceed the GPU kernels' grid", op, n.batch, n.seq, n.q_heads);
+  MARROW_CHECK(std::max(n.q_seq, n.kv_seq) < (int64_t(1) << 30) && n.q_heads <= 65535 && n.batch <= 65535,
+               "{}: batch {}, seq {}, {} query heads exceed the GPU kernels' grid", op, n.batch,
+               std::max(n.q_seq, n.kv_seq), n.q_heads);
 }
 
-GpuArgs gpu_args(const Dims& n, Tensor q, Tensor k, Tensor v) {
+GpuArgs gpu_args(const Dims& n, const AttentionBlock& blk, Tensor q, Tensor k, Tensor v) {
   GpuArgs a{};
   a.q = static_cast<const bf16*>(q.data);
   a.k = static_cast<const bf16*>(k.data);
   a.v = static_cast<const bf16*>(v.data);
-  a.seq = int(n.seq);
+  a.q_seq = int(n.q_seq);
+  a.kv_seq = int(n.kv_seq);
+  a.q_begin = int(blk.q_begin);
+  a.q_len = int(blk.q_end - blk.q_begin);
+  a.k_begin = int(blk.k_begin);
+  a.k_len = int(blk.k_end - blk.k_begin);
+  a.full = blk.mask == AttentionMask::full;
   a.q_heads = int(n.q_heads);
   a.kv_heads = int(n.kv_heads);
   a.scale = float(1 / std::sqrt(double(n.head_dim)));
@@ -620,49 +734,54 @@ GpuArgs gpu_args(const Dims& n, Tensor q, Tensor k, Tensor v) {
   return a;
 }
 
-void forward_gpu(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v, const Dims& n, Stream stream) {
-  check_gpu_inputs("attention_forward", n, {{"q", &q}, {"k", &k}, {"v", &v}, {"out", &out}}, lse);
-  if (n.batch * n.seq * n.q_heads == 0) return;
-  GpuArgs a = gpu_args(n, q, k, v);
+void forward_gpu(const char* op, Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v, const Dims& n,
+                 const AttentionBlock& blk, Stream stream) {
+  check_gpu_inputs(op, n, {{"q", &q}, {"k", &k}, {"v", &v}, {"out", &out}}, lse);
+  GpuArgs a = gpu_args(n, blk, q, k, v);
+  if (n.batch * a.q_len * n.q_heads == 0) return;
   a.o = static_cast<bf16*>(out.data);
   a.lse = static_cast<float*>(lse.data);
   const auto s = static_cast<cudaStream_t>(stream.handle);
   const size_t smem = size_t(64 + 4 * 64) * (n.head_dim + kPad) * sizeof(bf16);
-  if (n.head_dim == 64) launch_tiled(attention_forward_kernel<64>, n, smem, a, s);
-  else launch_tiled(attention_forward_kernel<128>, n, smem, a, s);
+  if (n.head_dim == 64) launch_tiled(attention_forward_kernel<64>, n, a.q_len, smem, a, s);
+  else launch_tiled(attention_forward_kernel<128>, n, a.q_len, smem, a, s);
 }
 
-void backward_gpu(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse,
-                  const Dims& n, Stream stream) {
-  check_gpu_inputs("attention_backward", n,
-                   {{"q", &q}, {"k", &k}, {"v", &v}, {"out", &out}, {"dout", &dout}, {"dq", &dq}, {"dk", &dk},
-                    {"dv", &dv}},
-                   lse);
-  if (n.batch * n.seq * n.q_heads == 0) return;
+// accumulate: add into f32 dq, dk, dv (a block); else overwrite bf16 ones (the causal op).
+void backward_gpu(const char* op, Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v,
+                  Tensor out, Tensor lse, const Dims& n, const AttentionBlock& blk, bool accumulate, Stream stream) {
+  check_gpu_inputs(op, n, {{"q", &q}, {"k", &k}, {"v", &v}, {"out", &out}, {"dout", &dout}}, lse);
+  expect_gpu_tensors(op, accumulate ? DType::f32 : DType::bf16, {{"dq", &dq}, {"dk", &dk}, {"dv", &dv}});
+  GpuArgs a = gpu_args(n, blk, q, k, v);
+  if (n.batch * a.q_len * n.q_heads == 0) return;
   const auto s = static_cast<cudaStream_t>(stream.handle);
-  GpuArgs a = gpu_args(n, q, k, v);
   a.out = static_cast<const bf16*>(out.data);
   a.dout = static_cast<const bf16*>(dout.data);
   a.lse = static_cast<float*>(lse.data);
-  a.dq = static_cast<bf16*>(dq.data);
-  a.dk = static_cast<bf16*>(dk.data);
-  a.dv = static_cast<bf16*>(dv.data);
+  if (accumulate) {
+    a.dq_acc = dq.ptr<float>();
+    a.dk_acc = dk.ptr<float>();
+    a.dv_acc = dv.ptr<float>();
+  } else {
+    a.dq = static_cast<bf16*>(dq.data);
+    a.dk = static_cast<bf16*>(dk.data);
+    a.dv = static_cast<bf16*>(dv.data);
+  }
   const bool d64 = n.head_dim == 64;
 
-  Buffer delta(DType::f32, Device::cuda, {n.batch, n.q_heads, n.seq}, stream);
-  float* delta_out = delta.ptr<float>();
-  a.delta = delta_out;
-  const int64_t rows = n.batch * n.seq * n.q_heads;
+  Buffer delta(DType::f32, Device::cuda, {n.batch, n.q_heads, a.q_len}, stream);
+  a.delta = delta.ptr<float>();
+  const int64_t rows = n.batch * a.q_len * n.q_heads;
   const unsigned delta_blocks = unsigned((rows + 7) / 8);  // blocks of 256 threads: 8 warps, a row each
-  if (d64) attention_delta_kernel<64><<<delta_blocks, 256, 0, s>>>(delta_out, a.dout, a.out, rows, a.seq, a.q_heads);
-  else attention_delta_kernel<128><<<delta_blocks, 256, 0, s>>>(delta_out, a.dout, a.out, rows, a.seq, a.q_heads);
+  if (d64) attention_delta_kernel<64><<<delta_blocks, 256, 0, s>>>(a, delta.ptr<float>(), rows);
+  else attention_delta_kernel<128><<<delta_blocks, 256, 0, s>>>(a, delta.ptr<float>(), rows);
   MARROW_CUDA_CHECK_LAUNCH();
 
   const int64_t group = n.q_heads / n.kv_heads;
   Buffer dk_part, dv_part;  // freed in stream order after the kernels below
   if (group > 1) {
-    dk_part = Buffer(DType::f32, Device::cuda, {n.batch, n.seq, n.q_heads, n.head_dim}, stream);
-    dv_part = Buffer(DType::f32, Device::cuda, {n.batch, n.seq, n.q_heads, n.head_dim}, stream);
+    dk_part = Buffer(DType::f32, Device::cuda, {n.batch, a.k_len, n.q_heads, n.head_dim}, stream);
+    dv_part = Buffer(DType::f32, Device::cuda, {n.batch, a.k_len, n.q_heads, n.head_dim}, stream);
     a.dk_part = dk_part.ptr<float>();
     a.dv_part = dv_part.ptr<float>();
   }
@@ -670,32 +789,43 @@ void backward_gpu(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor
   const size_t dkdv_smem = size_t(2 * 64 + 4 * 32) * ld_bytes + 4 * 32 * sizeof(float);
   const size_t dq_smem = size_t(2 * 64 + 4 * 64) * ld_bytes;
   if (d64) {
-    launch_tiled(attention_dkdv_kernel<64>, n, dkdv_smem, a, s);
-    launch_tiled(attention_dq_kernel<64>, n, dq_smem, a, s);
+    launch_tiled(attention_dkdv_kernel<64>, n, a.k_len, dkdv_smem, a, s);
+    launch_tiled(attention_dq_kernel<64>, n, a.q_len, dq_smem, a, s);
   } else {
-    launch_tiled(attention_dkdv_kernel<128>, n, dkdv_smem, a, s);
-    launch_tiled(attention_dq_kernel<128>, n, dq_smem, a, s);
+    launch_tiled(attention_dkdv_kernel<128>, n, a.k_len, dkdv_smem, a, s);
+    launch_tiled(attention_dq_kernel<128>, n, a.q_len, dq_smem, a, s);
   }
   if (group > 1) {
-    const int64_t numel = n.batch * n.seq * n.kv_heads * n.head_dim;
+    const int64_t numel = n.batch * a.k_len * n.kv_heads * n.head_dim;
     const unsigned blocks = unsigned(std::min<int64_t>((numel + 255) / 256, 65536));
-    attention_group_sum_kernel<<<blocks, 256, 0, s>>>(a.dk, a.dv, a.dk_part, a.dv_part, numel, int(group),
-                                                      int(n.head_dim));
+    attention_group_sum_kernel<<<blocks, 256, 0, s>>>(a, numel, int(n.head_dim));
     MARROW_CUDA_CHECK_LAUNCH();
   }
 }
+
+void merge_gpu(Tensor out, Tensor lse, Tensor part_out, Tensor part_lse, const Dims& n, int64_t begin, int64_t end,
+               Stream stream) {
+  const char* op = "attention_merge";
+  for (auto [name, t] : {std::pair{"out", &out}, std::pair{"lse", &lse}, std::pair{"part_lse", &part_lse}})
+    expect_dtype(op, name, *t, DType::f32);
+  expect_dtype(op, "part_out", part_out, DType::bf16);
+  const int64_t rows = n.batch * (end - begin) * n.q_heads;
+  if (rows == 0) return;
+  MARROW_CHECK(n.q_seq < (int64_t(1) << 30) && n.head_dim < (int64_t(1) << 30), "{}: {} rows of {} exceed the GPU kernel",
+               op, n.q_seq, n.head_dim);
+  attention_merge_kernel<<<unsigned((rows + 7) / 8), 256, 0, static_cast<cudaStream_t>(stream.handle)>>>(
+      out.ptr<float>(), lse.ptr<float>(), static_cast<const bf16*>(part_out.data), part_lse.ptr<float>(), rows,
+      int(begin), int(end - begin), int(n.q_seq), int(n.q_heads), int(n.head_dim));
+  MARROW_CUDA_CHECK_LAUNCH();
+}
 #endif  // __CUDACC__
 
-}  // namespace
-
-void attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v, Stream stream) {
-  const char* op = "attention_forward";
-  const Dims n = check_qkv(op, q, k, v);
-  expect_shape(op, "out", out, {n.batch, n.seq, n.q_heads, n.head_dim});
-  expect_shape(op, "lse", lse, {n.batch, n.q_heads, n.seq});
+// Both forwards after their shape checks: the device's path.
+void forward(const char* op, Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v, const Dims& n,
+             const AttentionBlock& block, Stream stream) {
   if (common_device(op, {{"q", &q}, {"k", &k}, {"v", &v}, {"out", &out}, {"lse", &lse}}) == Device::cuda) {
 #ifdef __CUDACC__
-    return forward_gpu(out, lse, q, k, v, n, stream);
+    return forward_gpu(op, out, lse, q, k, v, n, block, stream);
 #else
     no_cuda_kernel(op);
 #endif
@@ -704,36 +834,112 @@ void attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v, Str
   (void)stream;
   with_cpu_scalar(op, q, [&](auto s) {
     using T = decltype(s);
-    forward_cpu<T>(out.ptr<T>(), lse.ptr<T>(), q.ptr<T>(), k.ptr<T>(), v.ptr<T>(), n);
+    forward_cpu<T>(out.ptr<T>(), lse.ptr<T>(), q.ptr<T>(), k.ptr<T>(), v.ptr<T>(), n, block);
   });
+}
+
+// The backward's shape and device checks (the gradients' dtypes are the caller's); returns the
+// sizes and whether the tensors are on the GPU.
+std::pair<Dims, bool> check_backward(const char* op, Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k,
+                                     Tensor v, Tensor out, Tensor lse) {
+  const Dims n = check_qkv(op, q, k, v);
+  expect_shape(op, "dq", dq, {n.batch, n.q_seq, n.q_heads, n.head_dim});
+  expect_shape(op, "dk", dk, {n.batch, n.kv_seq, n.kv_heads, n.head_dim});
+  expect_shape(op, "dv", dv, {n.batch, n.kv_seq, n.kv_heads, n.head_dim});
+  expect_shape(op, "dout", dout, {n.batch, n.q_seq, n.q_heads, n.head_dim});
+  expect_shape(op, "out", out, {n.batch, n.q_seq, n.q_heads, n.head_dim});
+  expect_shape(op, "lse", lse, {n.batch, n.q_heads, n.q_seq});
+  const std::initializer_list<std::pair<const char*, const Tensor*>> tensors = {
+      {"q", &q},       {"k", &k},   {"v", &v},   {"out", &out}, {"lse", &lse},
+      {"dout", &dout}, {"dq", &dq}, {"dk", &dk}, {"dv", &dv}};
+  const bool gpu = common_device(op, tensors) == Device::cuda;
+  if (!gpu) expect_same_dtype(op, tensors);
+  return {n, gpu};
+}
+
+// Both backwards after their shape checks: the device's path. accumulate: add the block's share
+// into dq, dk, dv (f32 on the GPU); else overwrite them (bf16 on the GPU).
+void backward(const char* op, Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out,
+              Tensor lse, const Dims& n, const AttentionBlock& block, bool accumulate, bool gpu, Stream stream) {
+  if (gpu) {
+#ifdef __CUDACC__
+    return backward_gpu(op, dq, dk, dv, dout, q, k, v, out, lse, n, block, accumulate, stream);
+#else
+    no_cuda_kernel(op);
+#endif
+  }
+  (void)stream;
+  if (!accumulate)
+    for (Tensor g : {dq, dk, dv}) fill_zero(g);
+  with_cpu_scalar(op, q, [&](auto s) {
+    using T = decltype(s);
+    backward_cpu<T>(dq.ptr<T>(), dk.ptr<T>(), dv.ptr<T>(), dout.ptr<T>(), q.ptr<T>(), k.ptr<T>(), v.ptr<T>(),
+                    out.ptr<T>(), lse.ptr<T>(), n, block);
+  });
+}
+
+}  // namespace
+
+void attention_block_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v, const AttentionBlock& block,
+                             Stream stream) {
+  const char* op = "attention_block_forward";
+  const Dims n = check_qkv(op, q, k, v);
+  expect_shape(op, "out", out, {n.batch, n.q_seq, n.q_heads, n.head_dim});
+  expect_shape(op, "lse", lse, {n.batch, n.q_heads, n.q_seq});
+  check_block(op, n, block);
+  forward(op, out, lse, q, k, v, n, block, stream);
+}
+
+void attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v, Stream stream) {
+  const char* op = "attention_forward";
+  const Dims n = check_qkv(op, q, k, v);
+  expect_shape(op, "k", k, {n.batch, n.q_seq, n.kv_heads, n.head_dim});
+  expect_shape(op, "out", out, {n.batch, n.q_seq, n.q_heads, n.head_dim});
+  expect_shape(op, "lse", lse, {n.batch, n.q_heads, n.q_seq});
+  forward(op, out, lse, q, k, v, n, {AttentionMask::causal, 0, n.q_seq, 0, n.q_seq}, stream);
+}
+
+void attention_block_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out,
+                              Tensor lse, const AttentionBlock& block, Stream stream) {
+  const char* op = "attention_block_backward";
+  const auto [n, gpu] = check_backward(op, dq, dk, dv, dout, q, k, v, out, lse);
+  check_block(op, n, block);
+  backward(op, dq, dk, dv, dout, q, k, v, out, lse, n, block, true, gpu, stream);
 }
 
 void attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out,
                         Tensor lse, Stream stream) {
   const char* op = "attention_backward";
-  const Dims n = check_qkv(op, q, k, v);
-  expect_shape(op, "dq", dq, {n.batch, n.seq, n.q_heads, n.head_dim});
-  expect_shape(op, "dk", dk, {n.batch, n.seq, n.kv_heads, n.head_dim});
-  expect_shape(op, "dv", dv, {n.batch, n.seq, n.kv_heads, n.head_dim});
-  expect_shape(op, "dout", dout, {n.batch, n.seq, n.q_heads, n.head_dim});
-  expect_shape(op, "out", out, {n.batch, n.seq, n.q_heads, n.head_dim});
-  expect_shape(op, "lse", lse, {n.batch, n.q_heads, n.seq});
+  const auto [n, gpu] = check_backward(op, dq, dk, dv, dout, q, k, v, out, lse);
+  expect_shape(op, "k", k, {n.batch, n.q_seq, n.kv_heads, n.head_dim});
+  backward(op, dq, dk, dv, dout, q, k, v, out, lse, n, {AttentionMask::causal, 0, n.q_seq, 0, n.q_seq}, false, gpu,
+           stream);
+}
+
+void attention_merge(Tensor out, Tensor lse, Tensor part_out, Tensor part_lse, int64_t begin, int64_t end,
+                     Stream stream) {
+  const char* op = "attention_merge";
+  MARROW_CHECK(out.ndim == 4, "{}: out must be [batch, seq, heads, head_dim], got {}", op, out.shape_string());
+  const Dims n{out.size(0), out.size(1), out.size(1), out.size(2), out.size(2), out.size(3)};
+  expect_shape(op, "lse", lse, {n.batch, n.q_heads, n.q_seq});
+  expect_shape(op, "part_out", part_out, {n.batch, n.q_seq, n.q_heads, n.head_dim});
+  expect_shape(op, "part_lse", part_lse, {n.batch, n.q_heads, n.q_seq});
+  MARROW_CHECK(0 <= begin && begin <= end && end <= n.q_seq, "{}: rows [{}, {}) do not fit {} rows", op, begin, end,
+               n.q_seq);
   const std::initializer_list<std::pair<const char*, const Tensor*>> tensors = {
-      {"q", &q},       {"k", &k},   {"v", &v},   {"out", &out}, {"lse", &lse},
-      {"dout", &dout}, {"dq", &dq}, {"dk", &dk}, {"dv", &dv}};
+      {"out", &out}, {"lse", &lse}, {"part_out", &part_out}, {"part_lse", &part_lse}};
   if (common_device(op, tensors) == Device::cuda) {
 #ifdef __CUDACC__
-    return backward_gpu(dq, dk, dv, dout, q, k, v, out, lse, n, stream);
+    return merge_gpu(out, lse, part_out, part_lse, n, begin, end, stream);
 #else
     no_cuda_kernel(op);
 #endif
   }
   expect_same_dtype(op, tensors);
   (void)stream;
-  with_cpu_scalar(op, q, [&](auto s) {
+  with_cpu_scalar(op, out, [&](auto s) {
     using T = decltype(s);
-    backward_cpu<T>(dq.ptr<T>(), dk.ptr<T>(), dv.ptr<T>(), dout.ptr<T>(), q.ptr<T>(), k.ptr<T>(), v.ptr<T>(),
-                    out.ptr<T>(), lse.ptr<T>(), n);
+    merge_cpu<T>(out.ptr<T>(), lse.ptr<T>(), part_out.ptr<T>(), part_lse.ptr<T>(), n, begin, end);
   });
 }
 

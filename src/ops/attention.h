@@ -7,7 +7,23 @@
 // GPU: q, k, v, out, dout, dq, dk, dv bf16 and lse f32 (natural log, as on the CPU); head_dim 64 or
 // 128. The backward is deterministic (no atomics) and takes scratch from the stream-ordered pool:
 // delta [B, Hq, S] f32 and, when Hq > Hkv, per-query-head dk, dv partials [B, S, Hq, D] f32 each.
+//
+// Blocks (ring attention, parallel/ring_attention.h): the queries of one token range attend the
+// keys of another, and the partial results are merged by their log-sum-exp. A block is query rows
+// [q_begin, q_end) of q against key rows [k_begin, k_end) of k and v (q and k may hold different
+// token counts), masked one of two ways:
+//   causal: the ranges are the same tokens (equal lengths): query q_begin + i sees keys
+//           k_begin .. k_begin + i;
+//   full:   every query of the range sees every key of the range (keys that all come earlier).
+// The causal op above is the causal block over all rows. The block forward writes the block's own
+// softmax (out, lse) on its query rows; attention_merge folds it into a running (out, lse). The
+// block backward takes the FINAL out and lse (after every merge) with P = exp(s - lse_final), so its
+// dq, dk, dv are exactly the block's share of the whole gradient: it adds them (+=) into dq, dk, dv,
+// and the shares of all blocks sum to the gradient of the merged attention. GPU: the block's out
+// is bf16, the running out of the merge and the accumulated dq, dk, dv are f32; lse f32.
 #pragma once
+#include <cstdint>
+
 #include "core/tensor.h"
 
 namespace marrow {
@@ -20,5 +36,29 @@ void attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v, Str
 // gradients may not alias any input.
 void attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out,
                         Tensor lse, Stream stream = {});
+
+enum class AttentionMask : uint8_t { causal, full };
+
+struct AttentionBlock {
+  AttentionMask mask = AttentionMask::causal;
+  int64_t q_begin = 0, q_end = 0;  // query rows (dimension 1 of q)
+  int64_t k_begin = 0, k_end = 0;  // key rows (dimension 1 of k and v)
+};
+
+// Rows [q_begin, q_end) of out[B, Sq, Hq, D] and lse[B, Hq, Sq] (the others are left as they are)
+// from q[B, Sq, Hq, D], k[B, Sk, Hkv, D], v[B, Sk, Hkv, D] under the block's mask.
+void attention_block_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v, const AttentionBlock& block,
+                             Stream stream = {});
+
+// The block's share of the gradients, added into rows [q_begin, q_end) of dq and [k_begin, k_end)
+// of dk and dv; out, lse are the final (merged) ones, dout the gradient of out.
+void attention_block_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out,
+                              Tensor lse, const AttentionBlock& block, Stream stream = {});
+
+// Rows [begin, end) of out[B, S, Hq, D], lse[B, Hq, S] become the merge with a partial result of
+// the same shapes: out = (e^lse out + e^part_lse part_out) / (e^lse + e^part_lse), lse = log(e^lse +
+// e^part_lse). A running result starts as out = 0, lse = -inf (a row with both lse -inf is left as is).
+void attention_merge(Tensor out, Tensor lse, Tensor part_out, Tensor part_lse, int64_t begin, int64_t end,
+                     Stream stream = {});
 
 }  // namespace marrow

@@ -397,7 +397,7 @@ std::vector<std::string> Comm::all_gather_text(const std::string& text, const ch
   return texts;
 }
 
-void Comm::send_recv(Tensor send, int dst, Tensor recv, int src, const char* what) const {
+void Comm::send_recv(Tensor send, int dst, Tensor recv, int src, const char* what, bool join) const {
   const bool sending = send.data != nullptr && send.numel() > 0, receiving = recv.data != nullptr && recv.numel() > 0;
   MARROW_CHECK(!sending || (dst >= 0 && dst < size_ && dst != rank_), "{}: no rank {} to send to in a group of {}", what, dst, size_);
   MARROW_CHECK(!receiving || (src >= 0 && src < size_ && src != rank_), "{}: no rank {} to receive from in a group of {}", what, src, size_);
@@ -411,8 +411,10 @@ void Comm::send_recv(Tensor send, int dst, Tensor recv, int src, const char* wha
       if (sending) MARROW_NCCL_CHECK(ncclSend(send.data, size_t(send.numel()), nccl_type(send.dtype), dst, handles_->nccl, s));
       if (receiving) MARROW_NCCL_CHECK(ncclRecv(recv.data, size_t(recv.numel()), nccl_type(recv.dtype), src, handles_->nccl, s));
       MARROW_NCCL_CHECK(ncclGroupEnd());
-    });
+    }, join);
     return;
+#else
+    (void)join;
 #endif
   }
   MPI_Request requests[2];

@@ -65,8 +65,9 @@ class Comm {
   // Every member's text, in rank order.
   std::vector<std::string> all_gather_text(const std::string& text, const char* what) const;
   // Sends `send` to member dst and receives `recv` from member src, as one exchange (a ring or a
-  // pair of pipeline stages cannot deadlock); an empty tensor (Tensor{}) skips that half.
-  void send_recv(Tensor send, int dst, Tensor recv, int src, const char* what) const;
+  // pair of pipeline stages cannot deadlock); an empty tensor (Tensor{}) skips that half. join as
+  // for all_reduce_sum: neither tensor may be touched until then.
+  void send_recv(Tensor send, int dst, Tensor recv, int src, const char* what, bool join = true) const;
   // One direction of a pipeline link: send() queues t for member dst and returns at once (t must
   // stay alive and unchanged until wait_sends()); recv() fills t from member src before the compute
   // stream (on the host: the caller) goes on. Messages between two members arrive in the order sent;

@@ -16,9 +16,9 @@
 
 #include "apps/check.h"
 #include "core/memory.h"
+#include "mpi_check.h"
 #include "parallel/comm.h"
 #include "parallel/expert_parallel.h"
-#include "parallel/process.h"
 
 namespace {
 
@@ -130,10 +130,7 @@ void run_case(const Comm& group, int64_t experts, bool all_on_member0) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  marrow::process::start(&argc, &argv);
-  int code = 0;
-  try {
-    const marrow::Comm world = marrow::Comm::world(marrow::Device::cpu);
+  return marrow::run_mpi_check(argc, argv, [](const marrow::Comm& world) {
     marrow::CheckReport report;
     marrow::check_collectives(report, world, marrow::Device::cpu);
     MARROW_CHECK(report.passed(), "rank {}: a collective gave a wrong result (the FAIL rows above)", world.rank());
@@ -143,11 +140,5 @@ int main(int argc, char** argv) {
     }
     const double all_worst = world.sum(worst, "worst error (sum)");
     if (world.rank() == 0) std::printf("collectives exact; expert-parallel dispatch/combine on %d processes: worst relative error %.2e\nPASS\n", world.size(), all_worst);
-  } catch (const marrow::Error& e) {
-    std::fprintf(stderr, "rank %d: %s\nFAIL\n", marrow::process::rank(), e.what());
-    code = 1;
-    if (marrow::process::size() > 1) marrow::process::abort_job(1);
-  }
-  marrow::process::finish();
-  return code;
+  });
 }

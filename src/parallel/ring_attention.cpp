@@ -1,0 +1,166 @@
+#include "parallel/ring_attention.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "core/memory.h"
+#include "ops/add.h"
+#include "ops/cast.h"
+#include "parallel/comm.h"
+
+namespace marrow {
+
+ZigzagSplit zigzag_split(int64_t seq, int rank, int ranks) {
+  MARROW_CHECK(ranks > 0 && 0 <= rank && rank < ranks, "zigzag split: no member {} of {}", rank, ranks);
+  MARROW_CHECK(seq > 0 && seq % (2 * ranks) == 0,
+               "context parallelism over {} ranks needs a sequence length that is a multiple of {}, got {}", ranks,
+               2 * ranks, seq);
+  const int64_t chunk = seq / (2 * ranks);
+  return {chunk, rank * chunk, (2 * ranks - 1 - rank) * chunk};
+}
+
+void zigzag_slice(Tensor local, Tensor whole, const ZigzagSplit& split) {
+  const char* op = "zigzag_slice";
+  MARROW_CHECK(whole.ndim >= 2 && local.ndim == whole.ndim && local.dtype == whole.dtype,
+               "{}: local {} {} and whole {} {} are not slices of one layout", op, local.shape_string(),
+               dtype_name(local.dtype), whole.shape_string(), dtype_name(whole.dtype));
+  const int64_t n = whole.size(0), seq = whole.size(1), row = whole.numel() / std::max<int64_t>(1, n * seq);
+  MARROW_CHECK(split.second + split.chunk <= seq && local.size(0) == n && local.size(1) == 2 * split.chunk &&
+                   local.numel() == n * 2 * split.chunk * row,
+               "{}: local has shape {} but the member holds {} of whole {}'s tokens", op, local.shape_string(),
+               2 * split.chunk, whole.shape_string());
+  const Tensor from = whole.reshape({n * seq, row}), to = local.reshape({n * 2 * split.chunk, row});
+  for (int64_t b = 0; b < n; ++b)
+    for (const auto& [dst, src] : {std::pair{int64_t{0}, split.first}, std::pair{split.chunk, split.second}}) {
+      const int64_t at = b * 2 * split.chunk + dst;
+      copy(to.rows(at, at + split.chunk), from.rows(b * seq + src, b * seq + src + split.chunk));
+    }
+}
+
+AttentionBlock zigzag_block(int64_t local_seq, int rank, int source) {
+  const int64_t c = local_seq / 2;
+  if (source == rank) return {AttentionMask::causal, 0, local_seq, 0, local_seq};
+  if (source < rank) return {AttentionMask::full, 0, local_seq, 0, c};
+  return {AttentionMask::full, c, local_seq, 0, local_seq};
+}
+
+namespace {
+
+struct RingShape {
+  int64_t batch, seq, q_heads, kv_heads, head_dim;
+};
+
+// q, k, v of one member; a split over several members needs an even local length (two chunks).
+RingShape check_ring(const char* op, const Tensor& q, const Tensor& k, const Tensor& v, const Comm& cp) {
+  MARROW_CHECK(q.ndim == 4 && k.ndim == 4, "{}: q {} and k {} must be [batch, seq, heads, head_dim]", op,
+               q.shape_string(), k.shape_string());
+  const RingShape n{q.size(0), q.size(1), q.size(2), k.size(2), q.size(3)};
+  expect_shape(op, "k", k, {n.batch, n.seq, n.kv_heads, n.head_dim});
+  expect_shape(op, "v", v, {n.batch, n.seq, n.kv_heads, n.head_dim});
+  MARROW_CHECK(cp.size() == 1 || n.seq % 2 == 0,
+               "{}: a member's {} tokens are not two zigzag chunks (the length must be even)", op, n.seq);
+  return n;
+}
+
+// K and V (or dK and dV) of one member in one buffer, so one exchange moves both.
+struct KvPair {
+  Buffer both;
+  KvPair(DType dtype, Device device, const RingShape& n)
+      : both(dtype, device, {2 * n.batch * n.seq * n.kv_heads * n.head_dim}) {}
+  Tensor half(int i, const RingShape& n) const {
+    const int64_t numel = both.numel() / 2;
+    return both.view().rows(i * numel, (i + 1) * numel).reshape({n.batch, n.seq, n.kv_heads, n.head_dim});
+  }
+  Tensor k(const RingShape& n) const { return half(0, n); }
+  Tensor v(const RingShape& n) const { return half(1, n); }
+};
+
+// The running out and the accumulated gradients: f32 on the GPU (bf16 tensors), else the dtype.
+DType accumulator_dtype(const Tensor& t) { return t.device == Device::cuda ? DType::f32 : t.dtype; }
+
+int next_member(const Comm& cp) { return (cp.rank() + 1) % cp.size(); }
+int previous_member(const Comm& cp) { return (cp.rank() + cp.size() - 1) % cp.size(); }
+// The member whose K/V block this member holds at ring step t.
+int source_at(const Comm& cp, int t) { return (cp.rank() - t + cp.size()) % cp.size(); }
+
+// Step t's K/V block (this one) goes on to the next member while the previous member's arrives in
+// `next`; posted before the step's compute, joined after it.
+void pass_on(const Comm& cp, const KvPair& kv, const KvPair& next) {
+  cp.send_recv(kv.both, next_member(cp), next.both, previous_member(cp), "ring attention: K/V to the next member",
+               false);
+}
+
+}  // namespace
+
+void ring_attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v, const Comm& cp) {
+  const char* op = "ring_attention_forward";
+  const RingShape n = check_ring(op, q, k, v, cp);
+  expect_shape(op, "out", out, {n.batch, n.seq, n.q_heads, n.head_dim});
+  expect_shape(op, "lse", lse, {n.batch, n.q_heads, n.seq});
+  KvPair kv[2] = {{k.dtype, k.device, n}, {k.dtype, k.device, n}};
+  copy(kv[0].k(n), k);
+  copy(kv[0].v(n), v);
+  Buffer part_out(out.dtype, out.device, {n.batch, n.seq, n.q_heads, n.head_dim});
+  Buffer part_lse(lse.dtype, lse.device, {n.batch, n.q_heads, n.seq});
+  Buffer running(accumulator_dtype(out), out.device, {n.batch, n.seq, n.q_heads, n.head_dim});
+  for (int t = 0; t < cp.size(); ++t) {
+    const KvPair& here = kv[t % 2];
+    if (t + 1 < cp.size()) pass_on(cp, here, kv[(t + 1) % 2]);
+    const AttentionBlock block = zigzag_block(n.seq, cp.rank(), source_at(cp, t));
+    // The own block comes first and covers every row: it starts the running result.
+    attention_block_forward(part_out, t == 0 ? lse : part_lse.view(), q, here.k(n), here.v(n), block);
+    if (t == 0) cast(running, part_out);
+    else attention_merge(running, lse, part_out, part_lse, block.q_begin, block.q_end);
+    if (t + 1 < cp.size()) cp.join();
+  }
+  cast(out, running);
+}
+
+void ring_attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out,
+                             Tensor lse, const Comm& cp) {
+  const char* op = "ring_attention_backward";
+  const RingShape n = check_ring(op, q, k, v, cp);
+  for (auto [name, t] : {std::pair{"dq", &dq}, std::pair{"dout", &dout}, std::pair{"out", &out}})
+    expect_shape(op, name, *t, {n.batch, n.seq, n.q_heads, n.head_dim});
+  expect_shape(op, "dk", dk, {n.batch, n.seq, n.kv_heads, n.head_dim});
+  expect_shape(op, "dv", dv, {n.batch, n.seq, n.kv_heads, n.head_dim});
+  expect_shape(op, "lse", lse, {n.batch, n.q_heads, n.seq});
+  const DType acc = accumulator_dtype(dq);
+  KvPair kv[2] = {{k.dtype, k.device, n}, {k.dtype, k.device, n}};
+  copy(kv[0].k(n), k);
+  copy(kv[0].v(n), v);
+  // dK/dV ring: step t adds its share into share[t % 2], then the sum so far (incoming + share)
+  // goes on to the next member. Two share buffers: step t + 1 fills one while step t's is in flight.
+  KvPair share[2] = {{acc, k.device, n}, {acc, k.device, n}}, incoming{acc, k.device, n};
+  Buffer dq_sum = Buffer::zeros(acc, dq.device, {n.batch, n.seq, n.q_heads, n.head_dim});
+  Comm::Point kv_arrived, grads_arrived;
+  for (int t = 0; t < cp.size(); ++t) {
+    const KvPair& here = kv[t % 2];
+    if (t + 1 < cp.size()) {
+      pass_on(cp, here, kv[(t + 1) % 2]);
+      kv_arrived = cp.queued();
+    }
+    const KvPair& mine = share[t % 2];
+    fill_zero(mine.both);
+    attention_block_backward(dq_sum, mine.k(n), mine.v(n), dout, q, here.k(n), here.v(n), out, lse,
+                             zigzag_block(n.seq, cp.rank(), source_at(cp, t)));
+    if (t > 0) {
+      cp.wait_for(grads_arrived);
+      add(mine.both, mine.both, incoming.both);
+    }
+    // After the last step this hop brings each member the gradients of its own K/V.
+    if (cp.size() > 1) {
+      cp.send_recv(mine.both, next_member(cp), incoming.both, previous_member(cp),
+                   "ring attention: dK/dV to the next member", false);
+      grads_arrived = cp.queued();
+    }
+    if (t + 1 < cp.size()) cp.wait_for(kv_arrived);
+  }
+  cp.wait_for(grads_arrived);
+  const KvPair& home = cp.size() > 1 ? incoming : share[0];
+  cast(dq, dq_sum);
+  cast(dk, home.k(n));
+  cast(dv, home.v(n));
+}
+
+}  // namespace marrow

@@ -1,0 +1,66 @@
+// Context parallelism: causal attention over a sequence split across the members of the cp group,
+// with the zigzag split and ring attention.
+//
+// Zigzag split: the sequence of S tokens is cut into 2·CP chunks of S / (2·CP); member r holds
+// chunks r and 2·CP − 1 − r, in that order. Causal attention work grows with the position, so one
+// early and one late chunk give every member the same work.
+//
+// Ring attention: each member keeps its queries; the keys and values travel around the ring, one
+// hop per step (member r sends to r + 1), so after CP − 1 hops every member has seen every K/V
+// block. The next hop's exchange is posted before the current block is computed, so on the GPU the
+// transfer runs under the attention kernels. With c = S / (2·CP) and the member's local tokens
+// [0, c) = chunk r and [c, 2c) = chunk 2·CP − 1 − r, the block of the keys that came from member s is
+// (ops/attention.h's modes on sub-ranges):
+//   s = r: causal over all 2c local rows (chunk r sees itself causally, chunk 2·CP−1−r sees chunk r in
+//          full and itself causally; chunk r never sees the later chunk 2·CP−1−r);
+//   s < r: queries [0, 2c) against keys [0, c) in full (chunk s precedes both local chunks, chunk
+//          2·CP−1−s follows both);
+//   s > r: queries [c, 2c) against keys [0, 2c) in full (both of s's chunks lie between r's two).
+// Each block's partial (out, lse) is merged into the running one by its log-sum-exp. The backward
+// runs the K/V ring again beside a ring of dK/dV accumulators: each block's share of dk, dv is added
+// to the accumulator that travels with its K/V block, which one last hop brings home, so every
+// member ends with the whole gradient of its own K/V.
+//
+// Numbers: the CPU runs in the tensors' dtype (f32, f64); on the GPU q, k, v, out, dout, dq, dk, dv
+// are bf16 and lse f32, while the running out and the dq, dk, dv accumulators are f32 (each rounded
+// to bf16 once, at the end). Runs on the compute stream (the default stream, as Comm expects); the
+// exchanges run on the group's stream. The order of additions is fixed (blocks in ring order), so
+// results are deterministic for a given CP, and equal the one-process op up to that order.
+#pragma once
+#include <cstdint>
+
+#include "core/tensor.h"
+#include "ops/attention.h"
+
+namespace marrow {
+
+class Comm;
+
+// Where a member's tokens sit in the sequence.
+struct ZigzagSplit {
+  int64_t chunk = 0;              // tokens per chunk: S / (2·CP)
+  int64_t first = 0, second = 0;  // the sequence positions of the member's two chunks' first tokens
+  // The sequence position of the member's local token i (0 <= i < 2·chunk).
+  int64_t position(int64_t i) const { return i < chunk ? first + i : second + (i - chunk); }
+};
+
+// The zigzag split of `seq` tokens for member `rank` of `ranks`; seq must be a multiple of 2·ranks.
+ZigzagSplit zigzag_split(int64_t seq, int rank, int ranks);
+
+// This member's tokens of whole[N, S, ...] (dimension 1 is the sequence: tokens [B, S], activations
+// [B, S, H, D], or lse [B, H, S] seen as [B·H, S]) copied into local[N, 2·chunk, ...], on any device.
+void zigzag_slice(Tensor local, Tensor whole, const ZigzagSplit& split);
+
+// The block of member `rank`'s local_seq queries against the K/V block of member `source` (above).
+AttentionBlock zigzag_block(int64_t local_seq, int rank, int source);
+
+// out[B, Sl, Hq, D] and lse[B, Hq, Sl] of this member's queries q[B, Sl, Hq, D] against the keys and
+// values k, v[B, Sl, Hkv, D] of every member (causal over the true positions); Sl = S / CP.
+void ring_attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v, const Comm& cp);
+
+// dq, dk, dv (overwritten, shaped like q, k, v) of this member's tensors, from dout and the
+// forward's out and lse.
+void ring_attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out,
+                             Tensor lse, const Comm& cp);
+
+}  // namespace marrow
