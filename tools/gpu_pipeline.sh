@@ -2,7 +2,10 @@
 # DualPipeV and the overlapped expert exchanges on the two-GPU machine (device kind nvidia-h200-x2),
 # run there from the repository root after tools/gpu_prepare.sh here, with the device tool carrying
 # .gpu-carry:
-#   tools/gpu_pipeline.sh <log-dir> [ep|pp|all]
+#   tools/gpu_pipeline.sh <log-dir> [one|ep|pp|all]
+# one (one GPU, device kind nvidia-h200): build -> marrow check -> the bench config with 8 micro-batches
+#     per step, sequential against the DualPipeV order on the GPU's two chunks: losses equal bit for
+#     bit, tokens/s and peak of each, a kernel trace of one step each.
 # ep: build -> mpirun -np 2 marrow check --only expert_parallel (the exchange halves over NCCL) ->
 #     EP = 2 on the bench config with 8 micro-batches per rank and step, sequential against the
 #     DualPipeV order (forwards overlapped with other micro-batches' backwards), each with a kernel
@@ -26,6 +29,27 @@ run() {  # run <name> <log> args...
   timeout 400 "${mpi[@]}" build-gpu/marrow bench "$@" > "$log" 2>&1 || fail "$name"
   show "$log"
 }
+
+if [ "$what" = one ]; then
+  step "marrow check (every CUDA op and the model against the CPU reference)"
+  timeout 400 build-gpu/marrow check > "$out/check-one.log" 2>&1
+  grep -E "checks,|FAIL" "$out/check-one.log" | tail -5
+  tail -1 "$out/check-one.log" | grep -q '^PASS$' || fail "marrow check"
+  one=("${bench[@]}" --train.global_batch=8 --profile-steps=6:6)
+  for schedule in sequential dualpipev; do
+    step "one GPU, $schedule order, 8 micro-batches"
+    timeout 400 build-gpu/marrow bench "${one[@]}" --parallel.schedule=$schedule --output.dir=runs/pipe-one-$schedule \
+      > "$out/one-$schedule.log" 2>&1 || fail "one GPU, $schedule"
+    show "$out/one-$schedule.log"
+  done
+  step "one GPU: the DualPipeV order's losses equal the sequential order's bit for bit"
+  python3 - runs/pipe-one-sequential/bench/metrics.jsonl runs/pipe-one-dualpipev/bench/metrics.jsonl <<'PY' | tee -a "$out/summary.log" || fail "losses differ"
+import json, sys
+a, b = ([json.loads(l)["loss"] for l in open(p)] for p in sys.argv[1:3])
+print(f"sequential {a[:3]}... dualpipev {b[:3]}...; {len(a)} and {len(b)} steps; equal: {a == b}")
+sys.exit(0 if a == b and len(a) >= 10 else 1)
+PY
+fi
 
 if [ "$what" = ep ] || [ "$what" = all ]; then
   step "mpirun -np 2 marrow check --only expert_parallel (exchange halves over NCCL)"
