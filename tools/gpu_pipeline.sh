@@ -66,9 +66,11 @@ fi
 if [ "$what" = pp ] || [ "$what" = all ]; then
   pp=("${bench[@]}" --model.config=configs/bench-moe-16.json --parallel.pp=2 --train.global_batch=8)
   step "marrow estimate: PP = 2, 16 layers, 8 micro-batches"
-  build-gpu/marrow estimate "${pp[@]:0:2}" --model.config=configs/bench-moe-16.json --parallel.pp=2 --train.global_batch=8 --world=2 \
+  build-gpu/marrow estimate "${pp[@]:0:2}" --model.config=configs/bench-moe-16.json --parallel.pp=2 --train.global_batch=8 \
+    --train.micro_batch=1 --world=2 \
     > "$out/pp2-estimate.log" 2>&1 || fail "estimate"
   grep -E "trainer's peak|bubble|layers per chunk|peak live" "$out/pp2-estimate.log"
+  # Rank 0 traces: its idle share is the one to hold against the simulated rank 0's.
   run "PP = 2, 16 layers (DualPipeV), 8 micro-batches" "$out/pp2-16layers.log" "${pp[@]}" --profile-steps=6:6 --output.dir=runs/pipe-pp2
   python3 - runs/pipe-pp2/bench/metrics.jsonl <<'PY' | tee -a "$out/summary.log" || fail "PP = 2: losses do not fall"
 import json, sys

@@ -196,7 +196,10 @@ std::string kernel_table(const std::vector<KernelRecord>& records, size_t n) {
 
 namespace {
 
-bool is_communication(const KernelRecord& r) { return r.kind == ActivityKind::kernel && r.name.starts_with("nccl"); }
+// CUPTI reports NCCL's kernels mangled ("_Z22ncclDevKernel_SendRecv..." on some versions).
+bool is_communication(const KernelRecord& r) {
+  return r.kind == ActivityKind::kernel && kernel_display_name(r.name).starts_with("nccl");
+}
 
 // The union of a device's compute kernels' intervals, sorted and disjoint.
 std::vector<std::pair<uint64_t, uint64_t>> compute_busy(const std::vector<KernelRecord>& records, uint32_t device) {

@@ -425,8 +425,9 @@ std::string pipeline_report(const RunConfig& rc, const EstimatedModel& m, const 
   const PipelineSimulation sim = simulate_dualpipev(mesh.pp, micro_batches, cost);
   std::string out = fmt::format("DualPipeV: {} pipeline ranks, {} micro-batches per step; layers per chunk:", mesh.pp, micro_batches);
   for (const PipelineChunk& c : chunks) out += fmt::format(" {}", c.layers(m.num_layers));
-  out += fmt::format("\nsimulated bubble: {:.1f}% of the step idle (costs: matmul work per chunk; no transfer time)\npeak live micro-batch chunks per rank:",
-                     100 * sim.bubble());
+  out += fmt::format("\nsimulated bubble: {:.1f}% of the step idle (costs: matmul work per chunk; no transfer time); per rank:", 100 * sim.bubble());
+  for (double busy : sim.busy) out += fmt::format(" {:.1f}%", 100 * (1 - busy / sim.makespan));
+  out += "\npeak live micro-batch chunks per rank:";
   for (int64_t live : sim.peak_live) out += fmt::format(" {}", live);
   out += "\n";
   for (int64_t r = 0; r < mesh.pp; ++r) out += fmt::format("schedule: pipeline rank {}: {}\n", r, describe_order(dualpipev_order(mesh.pp, r, micro_batches)));
@@ -438,6 +439,8 @@ LargestFit largest_fit(const RunConfig& rc, const EstimatedModel& m, const MeshS
     RunConfig trial = rc;
     trial.micro_batch = micro_batch;
     trial.seq_len = seq_len;
+    // As many micro-batches per step as rc has (DualPipeV's order depends on their number).
+    trial.global_batch = rc.global_batch / rc.micro_batch * micro_batch;
     return double(estimate_memory(trial, m, mesh, shard_groups(mesh), device).total()) <= gpu_bytes;
   };
   return {largest_fitting([&](int64_t b) { return fits(b, rc.seq_len); }, kMaxTokens / rc.seq_len),
