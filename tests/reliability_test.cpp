@@ -1,5 +1,5 @@
 // Issue #16's building blocks, one process: the run lock, the checked metrics log and the rule on
-// config changes at a resume. tests/python/test_faults.py drives the same through the binary.
+// config changes at a resume, the memory floor checked before allocation. tests/python/test_faults.py drives the same through the binary.
 #include <gtest/gtest.h>
 #include <sys/resource.h>
 #include <unistd.h>
@@ -9,8 +9,10 @@
 
 #include "data_test_util.h"
 #include "engine/config_changes.h"
+#include "engine/memory_guard.h"
 #include "engine/metrics_log.h"
 #include "engine/run_lock.h"
+#include "models/qwen3_moe.h"
 
 namespace marrow {
 namespace {
@@ -120,6 +122,29 @@ TEST(ConfigChanges, EarlierRecordsAreKept) {
   Json meta = saved_meta(rc, corpus);
   meta["config_changes"] = Json::array({{{"at_step", 4}, {"allowed", {"data"}}, {"changes", {"data: x"}}}});
   EXPECT_EQ(check_config_changes(meta, rc, corpus), meta["config_changes"]);
+}
+
+// The guard's arithmetic is the model's: any drift (a new tensor) shows here.
+TEST(MemoryGuard, ModelSizeCountsWhatTheModelHolds) {
+  for (const char* name : {"tiny-moe.json", "bench-moe.json", "bench-moe-16.json"}) {
+    const Qwen3MoeConfig config = Qwen3MoeConfig::load(std::string(MARROW_SOURCE_DIR) + "/configs/" + name);
+    const Qwen3Moe model(config, DType::f32, Device::cpu);
+    const ModelSize size = model_size(config);
+    EXPECT_EQ(size.parameters, double(model.num_parameters())) << name;
+    EXPECT_EQ(size.tensors, double(model.specs().size())) << name;
+  }
+}
+
+TEST(MemoryGuard, RefusesWhatCannotFitWithTheNumbers) {
+  Qwen3MoeConfig config = Qwen3MoeConfig::load(std::string(MARROW_SOURCE_DIR) + "/configs/tiny-moe.json");
+  EXPECT_EQ(error_of([&] { check_state_fits(model_size(config), 1, Device::cpu, 0); }), "no error");
+  config.num_experts = 1000000000;
+  // 2 layers x (attention 64*64*12 + router 1e9*64 + experts 3*1e9*64*64 + norms 256) + 2*4096*64 + 64
+  // parameters; 2 x (9 + 3e9) + 3 tensors of 160 bytes.
+  const std::string error = error_of([&] { check_state_fits(model_size(config), 4, Device::cpu, 0); });
+  EXPECT_EQ(error.rfind("the model cannot fit: 2.47e+13 parameters need 3.681e+05 GiB of fp32 training state (16 bytes each), "
+                        "9.203e+04 GiB per process over 4 plus 894.1 GiB for their table of 6e+09 tensors, more than the ", 0), 0u)
+      << error;
 }
 
 }  // namespace

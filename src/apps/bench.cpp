@@ -15,6 +15,7 @@
 #include "apps/check.h"
 #include "apps/commands.h"
 #include "core/cuda_check.h"
+#include "engine/memory_guard.h"
 #include "engine/trainer.h"
 #include "apps/model_switch.h"
 #include "ops/attention.h"
@@ -127,6 +128,7 @@ void print_expert_traffic(const std::vector<StepMetrics>& history, int64_t warmu
 
 template <MoeModel M>
 void bench_training(RunConfig rc, const typename M::Config& config, int64_t warmup, int64_t steps) {
+  check_state_fits(model_size(config), process::size(), choose_device(rc.device), process::local_rank());
   rc.steps = warmup + steps;
   rc.warmup_steps = std::min(rc.warmup_steps, rc.steps);
   // A benchmark times fresh steps: it saves no checkpoint, and its own folder holds none to resume.

@@ -6,6 +6,7 @@
 #include "apps/commands.h"
 #include "apps/model_switch.h"
 #include "core/json.h"
+#include "engine/memory_guard.h"
 #include "engine/trainer.h"
 
 namespace marrow {
@@ -39,7 +40,10 @@ int train_command(int argc, char** argv) {
   check_run_paths(rc);
   const Json model_json = read_json_file(rc.model_config);
   warn_beyond_positions(rc, model_json);
-  with_model(model_json, rc.model_config, [&]<class M>(const typename M::Config& config) { train<M>(rc, config); });
+  with_model(model_json, rc.model_config, [&]<class M>(const typename M::Config& config) {
+    check_state_fits(model_size(config), process::size(), choose_device(rc.device), process::local_rank());
+    train<M>(rc, config);
+  });
   return 0;
 }
 

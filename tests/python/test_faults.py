@@ -127,6 +127,12 @@ def short_positions(ctx):
     json.dump(model, open(os.path.join(ctx["tmp"], "short.json"), "w"))
 
 
+def huge_experts(ctx):
+    model = json.load(open(os.path.join(ctx["repo"], "configs", "tiny-moe.json")))
+    model["num_experts"] = 10 ** 9
+    json.dump(model, open(os.path.join(ctx["tmp"], "huge.json"), "w"))
+
+
 def full_after_metrics(ctx):
     """The disk fills up at the next metrics line: the limit lies just past metrics.jsonl's size, above
     what the resumed run writes into its new event file before it."""
@@ -232,6 +238,10 @@ FAULTS = [
     Fault("train-tokenizer --threads 100000",
           ["train-tokenizer", "--input", "{tmp}/text.txt", "--vocab-size", "300", "--out", "{tmp}/t.json", "--threads", "100000"],
           1, "--threads must be between 1 and 1024", setup=text_file, absent=["{tmp}/t.json", "{tmp}/t.json.incomplete"]),
+    # 8. A model that cannot fit is refused before anything is allocated.
+    Fault("num_experts = 1e9", train("--model.config={tmp}/huge.json", out="{tmp}/huge", steps=1), 1,
+          "the model cannot fit: 2.47e+13 parameters need 3.681e+05 GiB of fp32 training state", setup=huge_experts,
+          absent=["{tmp}/huge/metrics.jsonl"]),
     # 9. Lengths beyond the model's positions.
     Fault("sample --tokens 1e12", ["sample", "{run}", "--prompt", "The", "--tokens", "1000000000000"], 1,
           "exceed the model's max_position_embeddings (2048): ask for at most"),
