@@ -102,6 +102,9 @@ TEST(RunConfig, RefusesNonFiniteAndOutOfRangeNumbersAtParseTime) {
   const std::string huge = parse_error({"--data.validation_fraction=1.79e308"});
   EXPECT_NE(huge.find("must be between 0 and 0.5, got 1.79e308"), std::string::npos) << huge;
   EXPECT_LT(huge.size(), 200u) << huge;
+  EXPECT_NE(parse_error({"--train.steps=1.79e308"}).find("--train.steps: must be a positive integer, got 1.79e308"), std::string::npos);
+  EXPECT_NE(parse_error({"--train.steps=2.5"}).find("--train.steps: must be a positive integer, got 2.5"), std::string::npos);
+  EXPECT_NE(parse_error({"--eval.every=-1"}).find("--eval.every: must be an integer, zero or more, got -1"), std::string::npos);
   EXPECT_NE(parse_error({"--checkpoint.allow_changes=data,weights"}).find("got 'weights'"), std::string::npos);
   EXPECT_EQ(parse_error({"--checkpoint.allow_changes=data,tokenizer", "--optimizer.beta2=0"}), "no error");
 }

@@ -81,6 +81,21 @@ CLI::Validator number_in(double low, double high, bool low_open, bool high_open,
       },
       "");
 }
+// Integers are read whole: "1.5", "1e3" and values past int64 are refused here, echoed as given.
+CLI::Validator integer_at_least(int64_t low, const std::string& what) {
+  return CLI::Validator(
+      [=](std::string& value) -> std::string {
+        try {
+          size_t used = 0;
+          if (std::stoll(value, &used) >= low && used == value.size()) return "";
+        } catch (const std::exception&) {
+        }
+        return fmt::format("must be {}, got {}", what, value);
+      },
+      "");
+}
+const CLI::Validator kCount = integer_at_least(1, "a positive integer");
+const CLI::Validator kCountOrZero = integer_at_least(0, "an integer, zero or more");
 constexpr double kHuge = std::numeric_limits<double>::max();
 const CLI::Validator kPositive = number_in(0, kHuge, true, false, "positive");
 const CLI::Validator kNonNegative = number_in(0, kHuge, false, false, "zero or more");
@@ -124,15 +139,13 @@ void require_values(const std::vector<std::string>& args, size_t command_line) {
 void check_run_paths(const RunConfig& rc) {
   namespace fs = std::filesystem;
   std::error_code ec;
-  const std::string cwd = fs::current_path(ec).string();
-  auto check = [&](const std::string& key, const std::string& path, bool directory) {
-    const bool exists = fs::exists(path, ec), is_directory = fs::is_directory(path, ec);
-    MARROW_CHECK(exists && is_directory == directory, "{}: {} {} {}{}", rc.source, key, path,
-                 !exists ? "does not exist" : directory ? "is a file, not a directory" : "is a directory, not a file",
-                 fs::path(path).is_relative() ? fmt::format(" (relative paths in a run config resolve against the working directory, {})", cwd) : "");
-  };
-  check("model.config", rc.model_config, false);
-  check("data.path", rc.data_path, true);
+  const std::string& path = rc.model_config;
+  const bool exists = fs::exists(path, ec);
+  MARROW_CHECK(exists && !fs::is_directory(path, ec), "{}: model.config {} {}{}", rc.source, path,
+               exists ? "is a directory, not a file" : "does not exist",
+               fs::path(path).is_relative()
+                   ? fmt::format(" (relative paths in a run config resolve against the working directory, {})", fs::current_path(ec).string())
+                   : "");
 }
 
 void check_profile_steps(const RunConfig& rc) {
@@ -148,14 +161,14 @@ void add_run_config_options(CLI::App& app, RunConfig& rc, std::string& profile_s
   app.add_option("--model.config", rc.model_config)->required();
   app.add_option("--data.path", rc.data_path)->required();
   app.add_option("--data.validation_fraction", rc.validation_fraction)->check(number_in(0, 0.5, false, false, "between 0 and 0.5"));
-  app.add_option("--train.steps", rc.steps)->check(kPositive);
-  app.add_option("--train.global_batch", rc.global_batch)->check(kPositive);
-  app.add_option("--train.micro_batch", rc.micro_batch)->check(kPositive);
-  app.add_option("--train.seq_len", rc.seq_len)->check(kPositive);
+  app.add_option("--train.steps", rc.steps)->check(kCount);
+  app.add_option("--train.global_batch", rc.global_batch)->check(kCount);
+  app.add_option("--train.micro_batch", rc.micro_batch)->check(kCount);
+  app.add_option("--train.seq_len", rc.seq_len)->check(kCount);
   app.add_option("--train.seed", rc.seed)->check(number_in(0, 1.8446744073709552e19, false, true, "an integer from 0 to 2^64 - 1"));
   app.add_option("--train.device", rc.device)->check(CLI::IsMember({"auto", "cpu", "cuda"}));
   app.add_option("--train.aux_loss_coef", rc.aux_loss_coef)->check(kFinite);
-  app.add_option("--train.max_bad_steps", rc.max_bad_steps)->check(kPositive);
+  app.add_option("--train.max_bad_steps", rc.max_bad_steps)->check(kCount);
   app.add_option("--optimizer.lr", rc.lr)->check(kPositive);
   app.add_option("--optimizer.min_lr", rc.min_lr)->check(kNonNegative);
   app.add_option("--optimizer.beta1", rc.beta1)->check(kBeta);
@@ -164,23 +177,23 @@ void add_run_config_options(CLI::App& app, RunConfig& rc, std::string& profile_s
   app.add_option("--optimizer.weight_decay", rc.weight_decay)->check(kNonNegative);
   app.add_option("--optimizer.grad_clip", rc.grad_clip)->check(kNonNegative);
   app.add_option("--schedule.kind", rc.schedule)->check(CLI::IsMember({"cosine", "wsd"}));
-  app.add_option("--schedule.warmup_steps", rc.warmup_steps)->check(kNonNegative);
+  app.add_option("--schedule.warmup_steps", rc.warmup_steps)->check(kCountOrZero);
   app.add_option("--schedule.decay_fraction", rc.decay_fraction)->check(kFraction);
   app.add_option("--output.dir", rc.out_dir);
-  app.add_option("--output.log_every", rc.log_every)->check(kPositive);
-  app.add_option("--eval.every", rc.eval_every)->check(kNonNegative);
-  app.add_option("--eval.samples", rc.eval_samples)->check(kPositive);
-  app.add_option("--checkpoint.every", rc.checkpoint_every)->check(kNonNegative);
-  app.add_option("--checkpoint.keep", rc.checkpoint_keep)->check(kPositive);
+  app.add_option("--output.log_every", rc.log_every)->check(kCount);
+  app.add_option("--eval.every", rc.eval_every)->check(kCountOrZero);
+  app.add_option("--eval.samples", rc.eval_samples)->check(kCount);
+  app.add_option("--checkpoint.every", rc.checkpoint_every)->check(kCountOrZero);
+  app.add_option("--checkpoint.keep", rc.checkpoint_keep)->check(kCount);
   app.add_option("--checkpoint.resume", rc.checkpoint_resume);
   app.add_option("--checkpoint.optimizer_state", rc.checkpoint_optimizer_state);
   app.add_option("--checkpoint.allow_changes", rc.checkpoint_allow_changes)->check(kChangeList);
-  app.add_option("--parallel.pp", rc.pp)->check(kPositive);
-  app.add_option("--parallel.cp", rc.cp)->check(kPositive);
-  app.add_option("--parallel.ep", rc.ep)->check(kPositive);
+  app.add_option("--parallel.pp", rc.pp)->check(kCount);
+  app.add_option("--parallel.cp", rc.cp)->check(kCount);
+  app.add_option("--parallel.ep", rc.ep)->check(kCount);
   app.add_option("--parallel.timeout_s", rc.timeout_s)->check(kPositive);
   app.add_option("--parallel.overlap_grad_reduce", rc.overlap_grad_reduce);
-  app.add_option("--parallel.dp_shard", rc.dp_shard)->check(kNonNegative);
+  app.add_option("--parallel.dp_shard", rc.dp_shard)->check(kCountOrZero);
   app.add_option("--parallel.keep_gathered", rc.keep_gathered);
   app.add_option("--parallel.keep_whole_grads", rc.keep_whole_grads);
   // Not a file key: a run's command line asks for a trace (both --profile-steps=A:B and --profile-steps A:B).

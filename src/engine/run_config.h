@@ -75,8 +75,8 @@ struct RunConfig {
 // with one sentence.
 RunConfig parse_run_config(int argc, char** argv);
 
-// Fails with one sentence unless model.config is a file and data.path a directory; a relative one's
-// message says that it resolves against the working directory.
+// Fails with one sentence unless model.config is a file; a relative one's message says that it
+// resolves against the working directory (as a missing corpus's does, data/token_corpus.h).
 void check_run_paths(const RunConfig& rc);
 
 // `marrow <cmd> --help` (or -h): prints the usage and every run-config key and returns true; else false.

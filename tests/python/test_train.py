@@ -120,7 +120,7 @@ def main():
         cases.append((base + ["--train.stepz=3"], "unknown run-config key --train.stepz"))
         cases.append((base + ["--train.global_batch=8", "--train.micro_batch=3"],
                       "train.micro_batch (3) does not divide train.global_batch (8)"))
-        cases.append((base + ["--train.seq_len=-5"], "--train.seq_len: must be positive, got -5"))
+        cases.append((base + ["--train.seq_len=-5"], "--train.seq_len: must be a positive integer, got -5"))
         cases.append((base + ["--data.path=/nonexistent/corpus"], "/nonexistent/corpus"))
         cases.append((base + ["--train.steps=100000000"], "but the run needs"))
         cases.append((base + ["--eval.every=5", "--eval.samples=100000"], "validation samples of 65 tokens but eval.samples is 100000"))
