@@ -19,6 +19,7 @@ namespace marrow {
 namespace {
 
 namespace fs = std::filesystem;
+using data_testing::error_of;
 using data_testing::ScratchDir;
 
 Json tiny_json(int64_t hidden = 16) {
@@ -50,15 +51,6 @@ struct Tiny {
 
 bool same_bits(const Arena& a, const Arena& b) {
   return a.bytes() == b.bytes() && std::memcmp(a.all().data, b.all().data, a.bytes()) == 0;
-}
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "no error";
 }
 
 // A checkpoint with several files per group (small shards), written into dir/step-00000003.

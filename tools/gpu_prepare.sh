@@ -2,6 +2,7 @@
 # Run on the CPU machine before a GPU run: fills .gpu-carry/ (git-ignored) with what the GPU machine
 # lacks, for the device tool to carry there (carry: [".gpu-carry"]):
 #   pcre2/     PCRE2 header and static library (the GPU image has no libpcre2-dev)
+#   tomlplusplus/  toml++'s headers (header-only; the GPU image has no libtomlplusplus-dev)
 #   demo/      the demo corpus (tools/make_demo_corpus.sh)
 #   qwen3/     a corpus in the Qwen3 tokenizer's vocabulary for the bench config, made from the text
 #              and tokenizer given as arguments (default: ../shared/data's State of the Union text)
@@ -24,6 +25,8 @@ Version: 10.42
 Libs: -L\${prefix}/lib -lpcre2-8
 Cflags: -I\${prefix}/include
 PC
+mkdir -p $carry/tomlplusplus/include
+cp -r /usr/include/toml++ $carry/tomlplusplus/include/
 tools/make_demo_corpus.sh "$marrow" $carry/demo
 if [ ! -f $carry/qwen3/manifest.json ]; then
   "$marrow" tokenize --input "$text" --tokenizer "$tokenizer" --out $carry/qwen3

@@ -15,6 +15,7 @@
 #include "apps/check.h"
 #include "apps/commands.h"
 #include "core/cuda_check.h"
+#include "engine/memory_guard.h"
 #include "engine/trainer.h"
 #include "apps/model_switch.h"
 #include "ops/attention.h"
@@ -127,6 +128,7 @@ void print_expert_traffic(const std::vector<StepMetrics>& history, int64_t warmu
 
 template <MoeModel M>
 void bench_training(RunConfig rc, const typename M::Config& config, int64_t warmup, int64_t steps) {
+  check_state_fits(model_size(config), process::size(), choose_device(rc.device), process::local_rank());
   rc.steps = warmup + steps;
   rc.warmup_steps = std::min(rc.warmup_steps, rc.steps);
   // A benchmark times fresh steps: it saves no checkpoint, and its own folder holds none to resume.
@@ -153,10 +155,14 @@ void bench_training(RunConfig rc, const typename M::Config& config, int64_t warm
   const double tflops = flops_per_token * tokens / (ms * 1e-3) / 1e12;
   // Several processes: the figures are per GPU (tokens/s of the whole job over its processes).
   const double gpus = double(process::size());
-  std::printf("bench: %lld measured steps after %lld warm-up | %.0f tokens/s%s | %.1f ms/step | %.1f TFLOP/s | MFU %.1f%% | peak %.2f GiB\n",
-              (long long)steps, (long long)warmup, tokens / (ms * 1e-3) / gpus, gpus > 1 ? " per GPU" : "", ms, tflops / gpus,
-              100 * tflops / gpus / kPeakTflops, peak / 1073741824.0);
-  const int64_t row_bytes = config.hidden_size * (choose_device(rc.device) == Device::cuda ? 2 : 4);  // bf16 or f32 rows
+  // MFU compares with a GPU's datasheet: a CPU run reports its GFLOP/s, labelled, and no MFU.
+  const bool gpu = choose_device(rc.device) == Device::cuda;
+  const std::string speed = gpu ? fmt::format("{:.1f} TFLOP/s | MFU {:.1f}%", tflops / gpus, 100 * tflops / gpus / kPeakTflops)
+                                : fmt::format("{:.3g} GFLOP/s on the CPU (fp32; MFU needs a GPU)", tflops * 1e3 / gpus);
+  std::printf("bench: %lld measured steps after %lld warm-up | %.0f tokens/s%s | %.1f ms/step | %s | peak %.2f GiB\n", (long long)steps,
+              (long long)warmup, tokens / (ms * 1e-3) / gpus, gpus > 1 ? (gpu ? " per GPU" : " per process") : "", ms, speed.c_str(),
+              peak / 1073741824.0);
+  const int64_t row_bytes = config.hidden_size * (gpu ? 2 : 4);  // bf16 or f32 rows
   if (rc.ep > 1) print_expert_traffic(history, warmup, row_bytes, ms);
   // The stages' own time; what is left of the step is host work between them (data, launches, syncs).
   std::printf("%-24s %10s %7s\n", "stage (per step)", "ms", "share");
@@ -176,6 +182,10 @@ int bench_command(int argc, char** argv) {
     bench_kernels();
     return 0;
   }
+  if (print_run_config_help(argc, argv)) {
+    std::printf("\nbench's own: --warmup=N (3) --steps=M (10) measured steps; marrow bench --kernels times the heaviest kernels (GPU)\n");
+    return 0;
+  }
   // --warmup and --steps are bench's own; everything else is the run config and its overrides.
   int64_t warmup = 3, steps = 10;
   std::vector<char*> rest;
@@ -187,6 +197,7 @@ int bench_command(int argc, char** argv) {
     else rest.push_back(argv[i]);
   }
   const RunConfig rc = parse_run_config(int(rest.size()), rest.data());
+  check_run_paths(rc);
   with_model(read_json_file(rc.model_config), rc.model_config,
              [&]<class M>(const typename M::Config& config) { bench_training<M>(rc, config, warmup, steps); });
   return 0;

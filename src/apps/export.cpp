@@ -30,6 +30,11 @@ int export_command(int argc, char** argv) {
     return app.exit(e) == 0 ? 0 : 2;
   }
   const ModelSource source = find_model(from);
+  const std::string run_data = enclosing_run_data(out);
+  MARROW_CHECK(run_data.empty(), "refusing to export into {}: it is or lies inside the checkpoint or run directory {}, whose files an "
+               "export would replace; choose an out-dir outside it", out, run_data);
+  MARROW_CHECK(fs::weakly_canonical(fs::absolute(out)) != fs::weakly_canonical(fs::absolute(source.dir)),
+               "refusing to export {} onto itself: choose another out-dir", source.dir);
   if (fs::exists(out) && !fs::is_empty(out)) {
     MARROW_CHECK(overwrite, "{} exists and is not empty (pass --overwrite to replace its model files)", out);
     for (const auto& entry : fs::directory_iterator(out)) {

@@ -7,6 +7,7 @@
 
 #include "apps/commands.h"
 #include "apps/model_switch.h"
+#include "core/sha256.h"
 #include "engine/checkpoint.h"
 #include "engine/hf_format.h"
 
@@ -53,6 +54,8 @@ int import_command(int argc, char** argv) {
                  {"imported_from", fs::absolute(from).string()},
                  {"model_config", config_json},
                  {"data", {{"eos_token", eos_token}}}};
+    // Continued training compares it with the corpus's tokenizer (engine/config_changes.h).
+    if (!tokenizer.empty()) meta["data"]["tokenizer_sha256"] = sha256_file(tokenizer);
     write_checkpoint(out, model.specs(), {&params}, meta, config_json, tokenizer);
     std::printf("import: %s -> %s: %.2fM parameters (no optimizer state)%s\n", from.c_str(), out.c_str(),
                 model.num_parameters() / 1e6, tokenizer.empty() ? "" : ", with tokenizer");

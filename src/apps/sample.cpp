@@ -57,6 +57,18 @@ std::string printable(const std::string& s) {
   return out;
 }
 
+// Each new token runs the whole sequence through the model (no KV cache), so the work grows with
+// the square of the length: the sequence stays within the positions the model was made for
+// (max_position_embeddings; kMaxSampleLength without one), or the command would run for ever.
+constexpr int64_t kMaxSampleLength = 32768;
+void check_length(int64_t prompt, int64_t tokens, int64_t max_positions) {
+  const int64_t limit = max_positions > 0 ? max_positions : kMaxSampleLength;
+  const char* what = max_positions > 0 ? "the model's max_position_embeddings" : "sample's limit without max_position_embeddings";
+  MARROW_CHECK(prompt <= limit, "the prompt is {} tokens long, more than {} ({})", prompt, what, limit);
+  MARROW_CHECK(tokens <= limit - prompt, "--tokens {} and the prompt's {} tokens exceed {} ({}): ask for at most {} new tokens", tokens,
+               prompt, what, limit, limit - prompt);
+}
+
 template <MoeModel M>
 void sample(const ModelSource& source, const typename M::Config& config, const Tokenizer& tokenizer, const SampleOptions& o) {
   M model(config, DType::f32, Device::cpu);
@@ -73,6 +85,7 @@ void sample(const ModelSource& source, const typename M::Config& config, const T
   for (int32_t id : prompt)
     MARROW_CHECK(id < vocab, "the prompt encodes to token {} but the model's vocab_size is {}: {} is not its tokenizer", id, vocab,
                  source.tokenizer);
+  check_length(int64_t(prompt.size()), o.tokens, config.json.value("max_position_embeddings", int64_t(0)));
   for (int64_t k = 0; k < o.samples; ++k) {
     std::mt19937_64 rng(o.seed + uint64_t(k));
     std::vector<int32_t> ids = prompt;

@@ -34,6 +34,7 @@ int train_tokenizer_command(int argc, char** argv) {
     return app.exit(e) == 0 ? 0 : 2;
   }
   options.progress = !quiet;
+  MARROW_CHECK(options.min_frequency >= 1, "--min-frequency must be at least 1, got {}", options.min_frequency);
   MARROW_CHECK(overwrite || !std::filesystem::exists(out), "output {} already exists; pass --overwrite to replace it", out);
   auto start = std::chrono::steady_clock::now();
   PieceCounts counts = count_pieces(options);

@@ -1,11 +1,14 @@
 #include "core/json.h"
 
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
 namespace marrow {
 
 Json read_json_file(const std::string& path) {
+  std::error_code ec;
+  MARROW_CHECK(!std::filesystem::is_directory(path, ec), "{} is a directory where a JSON file was expected", path);
   std::ifstream in(path);
   MARROW_CHECK(in.good(), "cannot open {}: no such file or it is not readable", path);
   std::stringstream text;
@@ -21,7 +24,8 @@ void write_json_file(const std::string& path, const Json& value) {
   std::ofstream out(path);
   MARROW_CHECK(out.good(), "cannot write {}", path);
   out << value.dump(2) << "\n";
-  MARROW_CHECK(out.good(), "error while writing {}", path);
+  out.flush();  // a full disk shows at the flush, not at <<
+  MARROW_CHECK(out.good(), "error while writing {} (is the disk full?)", path);
 }
 
 JsonFields::JsonFields(const Json& object, std::string source) : object_(object), source_(std::move(source)) {

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include <sys/resource.h>
+#include <unistd.h>
 
 #include <cstdlib>
 #include <cstring>
@@ -228,6 +229,20 @@ std::string memory_bill(const std::vector<const Arena*>& arenas) {
     s += fmt::format("; GPU free {:.1f} of {:.1f} GiB", free_bytes / 1073741824.0, total_bytes / 1073741824.0);
 #endif
   return s;
+}
+
+size_t device_memory_bytes(Device device, int gpu) {
+  if (device == Device::cpu) {
+    const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
+    return pages > 0 && page > 0 ? size_t(pages) * size_t(page) : 0;
+  }
+#if MARROW_CUDA
+  cudaDeviceProp properties{};
+  if (cudaGetDeviceProperties(&properties, gpu) == cudaSuccess) return properties.totalGlobalMem;
+#else
+  (void)gpu;
+#endif
+  return 0;
 }
 
 size_t peak_memory_bytes(Device device) {

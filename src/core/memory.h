@@ -115,4 +115,8 @@ std::string memory_bill(const std::vector<const Arena*>& arenas);
 // Peak bytes in use on the device so far (host: resident set high-water mark).
 size_t peak_memory_bytes(Device device);
 
+// The memory a device has in all: the machine's physical memory (cpu), or GPU `gpu`'s (cuda; read
+// from its properties, which creates no context on it). 0 when unknown.
+size_t device_memory_bytes(Device device, int gpu = 0);
+
 }  // namespace marrow

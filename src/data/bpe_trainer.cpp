@@ -57,7 +57,7 @@ Tokenizer untrained_tokenizer(const std::vector<std::string>& special_tokens) {
 }
 
 PieceCounts count_pieces(const BpeTrainOptions& options) {
-  MARROW_CHECK(options.threads >= 1, "--threads must be at least 1, got {}", options.threads);
+  check_pipeline_threads(options.threads);
   std::vector<InputFile> files = find_input_files(options.inputs);
   MARROW_CHECK(!files.empty(), "no input files were given");
   Tokenizer splitter = untrained_tokenizer(options.special_tokens);

@@ -12,9 +12,17 @@
 #include <thread>
 #include <vector>
 
+#include "core/errors.h"
 #include "data/corpus_reader.h"
 
 namespace marrow {
+
+// --threads of tokenize and train-tokenizer: far beyond any machine's cores, below the point where
+// the system refuses to start more threads.
+constexpr int kMaxPipelineThreads = 1024;
+inline void check_pipeline_threads(int threads) {
+  MARROW_CHECK(threads >= 1 && threads <= kMaxPipelineThreads, "--threads must be between 1 and {}, got {}", kMaxPipelineThreads, threads);
+}
 
 template <typename Result>
 void run_chunk_pipeline(ChunkReader& reader, int threads, const std::function<Result(const TextChunk&, int worker)>& work,

@@ -96,6 +96,7 @@ void TokenDataset::verify_and_map(bool show_progress) {
   std::atomic<size_t> next_shard{0};
   std::atomic<uint64_t> hashed_bytes{0};
   std::vector<std::string> digests(shards_.size());
+  std::vector<uint32_t> largest_id(shards_.size(), 0);  // checked against the manifest's vocab_size below
   uint64_t total_bytes = 0;
   for (const Shard& shard : shards_) total_bytes += shard.bytes;
   auto hash_shards = [&] {
@@ -105,6 +106,8 @@ void TokenDataset::verify_and_map(bool show_progress) {
       for (size_t at = 0; at < shards_[i].bytes;) {
         size_t take = std::min<size_t>(shards_[i].bytes - at, size_t(64) << 20);
         hash.update(bytes + at, take);
+        const uint32_t* ids = shards_[i].tokens + at / sizeof(uint32_t);
+        largest_id[i] = std::max(largest_id[i], *std::max_element(ids, ids + take / sizeof(uint32_t)));
         hashed_bytes += take;
         at += take;
       }
@@ -127,6 +130,12 @@ void TokenDataset::verify_and_map(bool show_progress) {
     MARROW_CHECK(digests[i] == manifest_.shards[i].sha256,
                  "corpus {}: shard {} is corrupt: its sha256 is {} but the manifest says {}", dir_, manifest_.shards[i].file,
                  digests[i], manifest_.shards[i].sha256);
+  // An id outside the vocabulary would index past the embeddings, or (0xFFFFFF9C) read as the
+  // ignore index -100 and silently train on nothing.
+  for (size_t i = 0; i < shards_.size(); ++i)
+    MARROW_CHECK(int64_t(largest_id[i]) < manifest_.vocab_size,
+                 "corpus {}: shard {} holds token id {} but the manifest's vocab_size is {}: the shard or manifest.json was changed",
+                 dir_, manifest_.shards[i].file, largest_id[i], manifest_.vocab_size);
   std::string tokenizer = (fs::path(dir_) / kCorpusTokenizerFile).string();
   if (fs::exists(tokenizer))
     MARROW_CHECK(sha256_file(tokenizer) == manifest_.tokenizer_sha256,

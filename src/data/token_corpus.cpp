@@ -18,6 +18,9 @@ static_assert(std::endian::native == std::endian::little, "shards are little-end
 
 CorpusManifest read_manifest(const std::string& dir) {
   std::string path = (fs::path(dir) / kManifestFile).string();
+  std::error_code ec;
+  MARROW_CHECK(fs::exists(dir, ec), "{} is not a tokenized corpus: it does not exist{}", dir,
+               fs::path(dir).is_relative() ? fmt::format(" (a relative path resolves against the working directory, {})", fs::current_path(ec).string()) : "");
   MARROW_CHECK(fs::exists(path), "{} is not a tokenized corpus: it has no {} (make one with 'marrow tokenize')", dir, kManifestFile);
   Json json = read_json_file(path);
   JsonFields fields(json, path);

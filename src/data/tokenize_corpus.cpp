@@ -50,7 +50,7 @@ std::string format_count(double value) {
 
 TokenizeReport tokenize_corpus(const TokenizeOptions& options) {
   auto start = std::chrono::steady_clock::now();
-  MARROW_CHECK(options.threads >= 1, "--threads must be at least 1, got {}", options.threads);
+  check_pipeline_threads(options.threads);
   MARROW_CHECK(!options.out_dir.empty(), "an output directory is needed (--out)");
   std::string out_dir = fs::path(options.out_dir).lexically_normal().string();
   if (out_dir.size() > 1 && out_dir.ends_with('/')) out_dir.pop_back();

@@ -22,6 +22,7 @@
 #include "core/safetensors.h"
 #include "core/sha256.h"
 #include "data/token_corpus.h"
+#include "engine/config_changes.h"
 #include "engine/hf_format.h"
 
 namespace fs = std::filesystem;
@@ -109,7 +110,7 @@ Json run_config_json(const RunConfig& rc) {
           {"schedule", {{"kind", rc.schedule}, {"warmup_steps", rc.warmup_steps}, {"decay_fraction", rc.decay_fraction}}},
           {"checkpoint",
            {{"every", rc.checkpoint_every}, {"keep", rc.checkpoint_keep}, {"resume", rc.checkpoint_resume},
-            {"optimizer_state", rc.checkpoint_optimizer_state}}},
+            {"optimizer_state", rc.checkpoint_optimizer_state}, {"allow_changes", rc.checkpoint_allow_changes}}},
           {"output", {{"dir", rc.out_dir}, {"log_every", rc.log_every}}},
           {"parallel",
            {{"pp", rc.pp}, {"cp", rc.cp}, {"ep", rc.ep}, {"timeout_s", rc.timeout_s}, {"overlap_grad_reduce", rc.overlap_grad_reduce},
@@ -247,6 +248,17 @@ std::optional<std::string> latest_checkpoint(const std::string& run_dir) {
   auto all = complete_checkpoints(run_dir);
   if (all.empty()) return std::nullopt;
   return all.back().second;
+}
+
+std::string enclosing_run_data(const std::string& path) {
+  std::error_code ec;
+  fs::path at = fs::weakly_canonical(fs::absolute(path), ec);
+  MARROW_CHECK(!ec, "cannot resolve {}: {}", path, ec.message());
+  for (;; at = at.parent_path()) {
+    if (fs::exists(at / kMeta) || fs::exists(at / "metrics.jsonl") || fs::exists(at / ".lock") || latest_checkpoint(at.string()))
+      return at.string();
+    if (at == at.root_path()) return "";
+  }
 }
 
 Checkpoint open_checkpoint(const std::string& path) {
@@ -450,25 +462,26 @@ int64_t TrainCheckpoints::resume() {
   const std::string diff = model_config_difference(c.meta.value("model_config", Json::object()), model_config_);
   MARROW_CHECK(diff.empty(), "cannot resume from {}: {}/{} was written for another model than {} ({}); train this model in another output.dir",
                c.dir, c.dir, kMeta, rc_.model_config, diff);
+  config_changes_ = check_config_changes(c.meta, rc_, read_manifest(rc_.data_path));
   const bool show = !rc_.quiet && sharing_.world.rank() == 0;
   verify_checkpoint(c, show);
   load_checkpoint_pieces(c, "weights", specs_, pieces_, *arenas_.weights, sharing_.model_tensors, show);
   if (c.has_optimizer_state) {
     load_checkpoint_pieces(c, "exp_avg", specs_, pieces_, *arenas_.exp_avg, sharing_.model_tensors, show);
     load_checkpoint_pieces(c, "exp_avg_sq", specs_, pieces_, *arenas_.exp_avg_sq, sharing_.model_tensors, show);
+    // Checkpoints from before the count was saved applied one update per step.
+    const Json optimizer = c.meta.value("optimizer", Json::object());
+    resumed_updates_ = optimizer.value("updates", optimizer.value("step", c.step));
   } else {
     arenas_.exp_avg->fill_zero();
     arenas_.exp_avg_sq->fill_zero();
+    resumed_updates_ = 0;
   }
   std::printf("resuming from %s at step %lld%s\n", c.dir.c_str(), (long long)c.step,
               c.has_optimizer_state ? "" : " (no optimizer state in it: AdamW moments start at zero)");
-  // The sample order is a pure function of (seed, step, global batch, sequence length): say so when they changed.
-  const Json saved = c.meta.value("run_config", Json::object()).value("train", Json::object());
-  const Json now = run_config_json(rc_)["train"];
-  for (const char* key : {"seed", "global_batch", "seq_len"})
-    if (saved.contains(key) && saved[key] != now[key])
-      std::printf("note: train.%s is %s in the checkpoint but %s now: the data order differs from the original run's\n", key,
-                  saved[key].dump().c_str(), now[key].dump().c_str());
+  if (!rc_.checkpoint_resume.empty() && from != rc_.checkpoint_resume)
+    std::printf("note: checkpoint.resume = %s is not used: output.dir already holds this run's own checkpoint, which comes first\n",
+                rc_.checkpoint_resume.c_str());
   std::fflush(stdout);
   return c.step;
 }
@@ -477,7 +490,7 @@ bool TrainCheckpoints::due(int64_t step, bool stopping) const {
   return rc_.checkpoint_every > 0 && (step % rc_.checkpoint_every == 0 || step == rc_.steps || stopping);
 }
 
-std::string TrainCheckpoints::save(int64_t step) {
+std::string TrainCheckpoints::save(int64_t step, int64_t updates) {
   const auto start = std::chrono::steady_clock::now();
   const Comm& world = sharing_.world;
   const bool leader = world.rank() == 0;
@@ -515,12 +528,14 @@ std::string TrainCheckpoints::save(int64_t step) {
                  {"seed", rc_.seed},
                  // The parallel layout that wrote it; the tensors themselves do not depend on it.
                  {"mesh", sharing_.mesh},
-                 {"optimizer", {{"name", "adamw"}, {"step", step}, {"state_saved", rc_.checkpoint_optimizer_state}}},
+                 // updates: AdamW steps applied (skipped non-finite steps are not), what bias correction counts.
+                 {"optimizer", {{"name", "adamw"}, {"step", step}, {"updates", updates}, {"state_saved", rc_.checkpoint_optimizer_state}}},
                  {"model_config", model_config_},
                  {"run_config", run_config_json(rc_)},
+                 {"config_changes", config_changes_},
                  {"data",
-                  {{"path", rc_.data_path}, {"tokenizer_sha256", manifest.tokenizer_sha256}, {"eos_id", manifest.eos_id},
-                   {"eos_token", manifest.eos_token}}}};
+                  {{"path", rc_.data_path}, {"tokenizer_sha256", manifest.tokenizer_sha256}, {"corpus_sha256", corpus_fingerprint(manifest)},
+                   {"eos_id", manifest.eos_id}, {"eos_token", manifest.eos_token}}}};
     finish_checkpoint(dir, std::move(all_files), meta, model_config_, fs::exists(tokenizer) ? tokenizer : "");
     auto all = complete_checkpoints(rc_.out_dir);
     const size_t keep = size_t(std::max<int64_t>(1, rc_.checkpoint_keep));
@@ -552,7 +567,8 @@ void keep_metrics_through(const std::string& path, int64_t step) {
   {
     std::ofstream out(path + ".tmp", std::ios::trunc);
     out << kept;
-    MARROW_CHECK(out.good(), "cannot write {}.tmp", path);
+    out.flush();  // a full disk shows at the flush: never rename a truncated copy over the metrics
+    MARROW_CHECK(out.good(), "cannot write {}.tmp (is the disk full?); {} is unchanged", path, path);
   }
   rename_path(path + ".tmp", path);
 }

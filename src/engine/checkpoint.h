@@ -76,6 +76,11 @@ void write_checkpoint(const std::string& dir, const std::vector<TensorSpec>& spe
 // The newest complete step-XXXXXXXX directory in run_dir, if any.
 std::optional<std::string> latest_checkpoint(const std::string& run_dir);
 
+// The checkpoint (meta.json) or run directory (checkpoints, metrics.jsonl or a run lock) that path
+// is or lies inside, or "" when none. Outputs of other commands must never land there: an export
+// with --overwrite would delete a checkpoint's weights while its meta.json still calls it complete.
+std::string enclosing_run_data(const std::string& path);
+
 // Opens a checkpoint directory, or a run directory (its newest checkpoint): reads meta.json and
 // checks that every file it lists is there with its recorded size.
 Checkpoint open_checkpoint(const std::string& path);
@@ -130,12 +135,18 @@ class TrainCheckpoints {
   TrainCheckpoints(const RunConfig& rc, const Json& model_config, const std::vector<TensorSpec>& specs, CheckpointArenas arenas,
                    CheckpointSharing sharing = {});
   // Loads the newest complete checkpoint in output.dir, or else checkpoint.resume when set, into
-  // the arenas; returns its step (0: a fresh start). A checkpoint of another model is an Error.
+  // the arenas; returns its step (0: a fresh start). A checkpoint of another model, or a change of
+  // the data order or tokenizer that checkpoint.allow_changes does not name (engine/config_changes.h),
+  // is an Error.
   int64_t resume();
+  // AdamW updates applied up to the resumed checkpoint (skipped non-finite steps do not count; 0
+  // when it holds no optimizer state, whose moments restart at zero): bias correction counts these.
+  int64_t resumed_updates() const { return resumed_updates_; }
   // Whether step (just finished) is saved: every checkpoint.every steps, the last step, or a stop.
   bool due(int64_t step, bool stopping) const;
-  // Saves step into output.dir/step-XXXXXXXX, then deletes all but the newest checkpoint.keep.
-  std::string save(int64_t step);
+  // Saves step, with `updates` AdamW updates applied so far, into output.dir/step-XXXXXXXX, then
+  // deletes all but the newest checkpoint.keep.
+  std::string save(int64_t step, int64_t updates);
 
  private:
   const RunConfig& rc_;
@@ -144,6 +155,8 @@ class TrainCheckpoints {
   CheckpointArenas arenas_;
   CheckpointSharing sharing_;
   std::vector<TensorPiece> pieces_;
+  int64_t resumed_updates_ = 0;
+  Json config_changes_ = Json::array();  // the allowed changes of every resume so far (meta.json)
 };
 
 // Rewrites a metrics.jsonl keeping the lines of steps <= step (a resumed run appends after them).

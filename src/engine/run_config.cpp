@@ -1,72 +1,117 @@
 #include "engine/run_config.h"
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <regex>
+#include <sstream>
 #include <vector>
 
 #include "core/errors.h"
+#include "engine/config_changes.h"
+
+#define TOML_HEADER_ONLY 1  // Debian ships a shared library too; the GPU machine has only the headers
+#include <toml++/toml.h>
 
 namespace marrow {
 
 namespace {
 
-std::string trim(const std::string& s) {
-  size_t b = s.find_first_not_of(" \t\r"), e = s.find_last_not_of(" \t\r");
-  return b == std::string::npos ? "" : s.substr(b, e - b + 1);
+// A TOML scalar as the text of a command-line value, or "" for anything else.
+std::string scalar_text(const toml::node& value) {
+  if (auto v = value.as_string()) return v->get();
+  if (auto v = value.as_integer()) return std::to_string(v->get());
+  if (auto v = value.as_floating_point()) return fmt::format("{}", v->get());
+  if (auto v = value.as_boolean()) return v->get() ? "true" : "false";
+  return "";
 }
 
-// The file's lines as "--section.key=value" arguments. CLI11 2.1 (Debian 12) does not map TOML
-// sections onto dotted option names, so the file syntax is read here and CLI11 types the values.
+std::string where(const std::string& path, const toml::source_region& at) {
+  return fmt::format("{}:{}:{}", path, at.begin.line, at.begin.column);
+}
+
+// The file's keys as "--section.key=value" arguments, read by toml++ (which refuses duplicate keys,
+// bad quoting and such with line:column); CLI11 then types and checks the values, so the file and
+// the command line go through one set of checks.
 std::vector<std::string> config_file_arguments(const std::string& path) {
-  std::ifstream in(path);
-  MARROW_CHECK(in.good(), "cannot open run config {}: no such file or it is not readable", path);
+  std::error_code ec;
+  MARROW_CHECK(!std::filesystem::is_directory(path, ec), "run config {} is a directory; give the .toml file", path);
+  MARROW_CHECK(std::ifstream(path).good(), "cannot open run config {}: no such file or it is not readable", path);
+  toml::table file;
+  try {
+    file = toml::parse_file(path);
+  } catch (const toml::parse_error& e) {
+    fail("{}: {}", where(path, e.source()), std::string(e.description()));
+  }
   std::vector<std::string> args;
-  std::string line, section;
-  for (int number = 1; std::getline(in, line); ++number) {
-    bool quoted = false;
-    for (size_t i = 0; i < line.size(); ++i) {
-      if (line[i] == '"') quoted = !quoted;
-      if (line[i] == '#' && !quoted) {
-        line.resize(i);
-        break;
-      }
+  for (const auto& [section, content] : file) {
+    const toml::table* keys = content.as_table();
+    MARROW_CHECK(keys != nullptr, "{}: '{}' is outside any [section]; run-config keys live in sections such as [train]",
+                 where(path, content.source()), std::string(section.str()));
+    for (const auto& [key, value] : *keys) {
+      const std::string name = fmt::format("{}.{}", section.str(), key.str()), text = scalar_text(value);
+      MARROW_CHECK(!value.is_table() && !value.is_array(), "{}: {} must be a single value, not a {}", where(path, value.source()), name,
+                   value.is_table() ? "table" : "list");
+      MARROW_CHECK(!text.empty(), "{}: {} has an empty value", where(path, value.source()), name);
+      args.push_back("--" + name + "=" + text);
     }
-    line = trim(line);
-    if (line.empty()) continue;
-    if (line.front() == '[') {
-      MARROW_CHECK(line.back() == ']', "{}:{}: malformed section header '{}'", path, number, line);
-      section = trim(line.substr(1, line.size() - 2));
-      continue;
-    }
-    size_t eq = line.find('=');
-    MARROW_CHECK(eq != std::string::npos, "{}:{}: expected 'key = value', got '{}'", path, number, line);
-    std::string key = trim(line.substr(0, eq)), value = trim(line.substr(eq + 1));
-    MARROW_CHECK(!key.empty() && !value.empty(), "{}:{}: expected 'key = value', got '{}'", path, number, line);
-    if (value.size() >= 2 && value.front() == '"' && value.back() == '"') value = value.substr(1, value.size() - 2);
-    MARROW_CHECK(!value.empty(), "{}:{}: {} has an empty value", path, number, key);
-    args.push_back("--" + (section.empty() ? key : section + "." + key) + "=" + value);
   }
   return args;
 }
 
 // Validators whose messages read as one sentence: "--train.seq_len: must be positive, got -5".
-CLI::Validator number_at_least(double low, bool inclusive) {
+// Numbers must be finite (inf, nan and 1e999 are refused here, not at the first step) and are
+// echoed as given, never as a 300-digit expansion.
+CLI::Validator number_in(double low, double high, bool low_open, bool high_open, const std::string& what) {
   return CLI::Validator(
       [=](std::string& value) -> std::string {
         double v = 0;
         try {
-          v = std::stod(value);
+          size_t used = 0;
+          v = std::stod(value, &used);
+          if (used != value.size()) return fmt::format("must be a number, got '{}'", value);
         } catch (const std::exception&) {
-          return "must be a number, got '" + value + "'";
+          return fmt::format("must be a {}number, got '{}'", value.find_first_of("0123456789") != std::string::npos ? "finite " : "", value);
         }
-        if (inclusive ? v >= low : v > low) return "";
-        return fmt::format("must be {}, got {}", low == 0 ? (inclusive ? "zero or more" : "positive") : "larger", value);
+        const bool inside = std::isfinite(v) && (low_open ? v > low : v >= low) && (high_open ? v < high : v <= high);
+        return inside ? "" : fmt::format("must be {}, got {}", what, value);
       },
       "");
 }
-const CLI::Validator kPositive = number_at_least(0, false);
-const CLI::Validator kNonNegative = number_at_least(0, true);
+// Integers are read whole: "1.5", "1e3" and values past int64 are refused here, echoed as given.
+CLI::Validator integer_at_least(int64_t low, const std::string& what) {
+  return CLI::Validator(
+      [=](std::string& value) -> std::string {
+        try {
+          size_t used = 0;
+          if (std::stoll(value, &used) >= low && used == value.size()) return "";
+        } catch (const std::exception&) {
+        }
+        return fmt::format("must be {}, got {}", what, value);
+      },
+      "");
+}
+const CLI::Validator kCount = integer_at_least(1, "a positive integer");
+const CLI::Validator kCountOrZero = integer_at_least(0, "an integer, zero or more");
+constexpr double kHuge = std::numeric_limits<double>::max();
+const CLI::Validator kPositive = number_in(0, kHuge, true, false, "positive");
+const CLI::Validator kNonNegative = number_in(0, kHuge, false, false, "zero or more");
+const CLI::Validator kFinite = number_in(-kHuge, kHuge, false, false, "a finite number");
+const CLI::Validator kFraction = number_in(0, 1, false, false, "between 0 and 1");
+const CLI::Validator kBeta = number_in(0, 1, false, true, "at least 0 and below 1 (1 would never forget a gradient)");
+// checkpoint.allow_changes: a comma-separated list of kChangeKinds.
+const CLI::Validator kChangeList(
+    [](std::string& value) -> std::string {
+      std::stringstream in(value);
+      for (std::string kind; std::getline(in, kind, ',');)
+        if (std::find(kChangeKinds.begin(), kChangeKinds.end(), kind) == kChangeKinds.end())
+          return fmt::format("must be a comma-separated list of {}, got '{}'", fmt::join(kChangeKinds, ", "), kind);
+      return "";
+    },
+    "");
 
 [[noreturn]] void bad_profile_steps(int64_t steps, const std::string& got) {
   fail("--profile-steps must be A:B with 1 <= A <= B <= train.steps ({}), got '{}'", steps, got);
@@ -91,60 +136,95 @@ void require_values(const std::vector<std::string>& args, size_t command_line) {
 
 }  // namespace
 
+void check_run_paths(const RunConfig& rc) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const std::string& path = rc.model_config;
+  const bool exists = fs::exists(path, ec);
+  MARROW_CHECK(exists && !fs::is_directory(path, ec), "{}: model.config {} {}{}", rc.source, path,
+               exists ? "is a directory, not a file" : "does not exist",
+               fs::path(path).is_relative()
+                   ? fmt::format(" (relative paths in a run config resolve against the working directory, {})", fs::current_path(ec).string())
+                   : "");
+}
+
 void check_profile_steps(const RunConfig& rc) {
   if (rc.profile_first < 1 || rc.profile_first > rc.profile_last || rc.profile_last > rc.steps)
     bad_profile_steps(rc.steps, fmt::format("{}:{}", rc.profile_first, rc.profile_last));
 }
 
-RunConfig parse_run_config(int argc, char** argv) {
-  MARROW_CHECK(argc >= 2 && argv[1][0] != '-', "usage: marrow {} <run-config> [--section.key=value ...] [--profile-steps=A:B] [--quiet]", argv[0]);
-  RunConfig rc;
-  rc.source = argv[1];
-  CLI::App app{"marrow run"};
+// Every run-config key as a CLI11 option bound to rc (profile_steps receives --profile-steps).
+namespace {
+
+void add_run_config_options(CLI::App& app, RunConfig& rc, std::string& profile_steps) {
   app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   app.add_option("--model.config", rc.model_config)->required();
   app.add_option("--data.path", rc.data_path)->required();
-  app.add_option("--data.validation_fraction", rc.validation_fraction)->check(CLI::Range(0.0, 0.5));
-  app.add_option("--train.steps", rc.steps)->check(kPositive);
-  app.add_option("--train.global_batch", rc.global_batch)->check(kPositive);
-  app.add_option("--train.micro_batch", rc.micro_batch)->check(kPositive);
-  app.add_option("--train.seq_len", rc.seq_len)->check(kPositive);
-  app.add_option("--train.seed", rc.seed);
+  app.add_option("--data.validation_fraction", rc.validation_fraction)->check(number_in(0, 0.5, false, false, "between 0 and 0.5"));
+  app.add_option("--train.steps", rc.steps)->check(kCount);
+  app.add_option("--train.global_batch", rc.global_batch)->check(kCount);
+  app.add_option("--train.micro_batch", rc.micro_batch)->check(kCount);
+  app.add_option("--train.seq_len", rc.seq_len)->check(kCount);
+  app.add_option("--train.seed", rc.seed)->check(number_in(0, 1.8446744073709552e19, false, true, "an integer from 0 to 2^64 - 1"));
   app.add_option("--train.device", rc.device)->check(CLI::IsMember({"auto", "cpu", "cuda"}));
-  app.add_option("--train.aux_loss_coef", rc.aux_loss_coef);
-  app.add_option("--train.max_bad_steps", rc.max_bad_steps)->check(kPositive);
+  app.add_option("--train.aux_loss_coef", rc.aux_loss_coef)->check(kFinite);
+  app.add_option("--train.max_bad_steps", rc.max_bad_steps)->check(kCount);
   app.add_option("--optimizer.lr", rc.lr)->check(kPositive);
   app.add_option("--optimizer.min_lr", rc.min_lr)->check(kNonNegative);
-  app.add_option("--optimizer.beta1", rc.beta1)->check(CLI::Range(0.0, 1.0));
-  app.add_option("--optimizer.beta2", rc.beta2)->check(CLI::Range(0.0, 1.0));
+  app.add_option("--optimizer.beta1", rc.beta1)->check(kBeta);
+  app.add_option("--optimizer.beta2", rc.beta2)->check(kBeta);
   app.add_option("--optimizer.eps", rc.eps)->check(kPositive);
   app.add_option("--optimizer.weight_decay", rc.weight_decay)->check(kNonNegative);
   app.add_option("--optimizer.grad_clip", rc.grad_clip)->check(kNonNegative);
   app.add_option("--schedule.kind", rc.schedule)->check(CLI::IsMember({"cosine", "wsd"}));
-  app.add_option("--schedule.warmup_steps", rc.warmup_steps)->check(kNonNegative);
-  app.add_option("--schedule.decay_fraction", rc.decay_fraction)->check(CLI::Range(0.0, 1.0));
+  app.add_option("--schedule.warmup_steps", rc.warmup_steps)->check(kCountOrZero);
+  app.add_option("--schedule.decay_fraction", rc.decay_fraction)->check(kFraction);
   app.add_option("--output.dir", rc.out_dir);
-  app.add_option("--output.log_every", rc.log_every)->check(kPositive);
-  app.add_option("--eval.every", rc.eval_every)->check(kNonNegative);
-  app.add_option("--eval.samples", rc.eval_samples)->check(kPositive);
-  app.add_option("--checkpoint.every", rc.checkpoint_every)->check(kNonNegative);
-  app.add_option("--checkpoint.keep", rc.checkpoint_keep)->check(kPositive);
+  app.add_option("--output.log_every", rc.log_every)->check(kCount);
+  app.add_option("--eval.every", rc.eval_every)->check(kCountOrZero);
+  app.add_option("--eval.samples", rc.eval_samples)->check(kCount);
+  app.add_option("--checkpoint.every", rc.checkpoint_every)->check(kCountOrZero);
+  app.add_option("--checkpoint.keep", rc.checkpoint_keep)->check(kCount);
   app.add_option("--checkpoint.resume", rc.checkpoint_resume);
   app.add_option("--checkpoint.optimizer_state", rc.checkpoint_optimizer_state);
-  app.add_option("--parallel.pp", rc.pp)->check(kPositive);
-  app.add_option("--parallel.cp", rc.cp)->check(kPositive);
-  app.add_option("--parallel.ep", rc.ep)->check(kPositive);
+  app.add_option("--checkpoint.allow_changes", rc.checkpoint_allow_changes)->check(kChangeList);
+  app.add_option("--parallel.pp", rc.pp)->check(kCount);
+  app.add_option("--parallel.cp", rc.cp)->check(kCount);
+  app.add_option("--parallel.ep", rc.ep)->check(kCount);
   app.add_option("--parallel.timeout_s", rc.timeout_s)->check(kPositive);
   app.add_option("--parallel.overlap_grad_reduce", rc.overlap_grad_reduce);
-  app.add_option("--parallel.dp_shard", rc.dp_shard)->check(kNonNegative);
+  app.add_option("--parallel.dp_shard", rc.dp_shard)->check(kCountOrZero);
   app.add_option("--parallel.keep_gathered", rc.keep_gathered);
   app.add_option("--parallel.keep_whole_grads", rc.keep_whole_grads);
   app.add_option("--parallel.schedule", rc.pipeline_schedule)->check(CLI::IsMember({"auto", "sequential", "dualpipev"}));
   app.add_option("--parallel.print_schedule", rc.print_schedule);
   // Not a file key: a run's command line asks for a trace (both --profile-steps=A:B and --profile-steps A:B).
+  app.add_option("--profile-steps", profile_steps, "a kernel trace of steps A:B (GPU)");
+  app.add_flag("--quiet", rc.quiet, "no progress lines");
+}
+
+constexpr const char* kUsage = "usage: marrow {} <run-config> [--section.key=value ...] [--profile-steps=A:B] [--quiet]";
+
+}  // namespace
+
+bool print_run_config_help(int argc, char** argv) {
+  if (argc < 2 || (std::string(argv[1]) != "--help" && std::string(argv[1]) != "-h")) return false;
+  RunConfig rc;
   std::string profile_steps;
-  app.add_option("--profile-steps", profile_steps);
-  app.add_flag("--quiet", rc.quiet);
+  CLI::App app{fmt::format(kUsage, argv[0]) +
+               "\nThe run config is a TOML file of [section] key = value; --section.key=value overrides a key. Keys:"};
+  add_run_config_options(app, rc, profile_steps);
+  std::printf("%s", app.help().c_str());
+  return true;
+}
+
+RunConfig parse_run_config(int argc, char** argv) {
+  MARROW_CHECK(argc >= 2 && argv[1][0] != '-', "{} (--help lists the keys)", fmt::format(kUsage, argv[0]));
+  RunConfig rc;
+  rc.source = argv[1];
+  CLI::App app{"marrow run"};
+  std::string profile_steps;
+  add_run_config_options(app, rc, profile_steps);
 
   std::vector<std::string> args = config_file_arguments(rc.source);
   rc.overrides.assign(argv + 2, argv + argc);

@@ -1,5 +1,5 @@
-// The run configuration: a TOML-style file of [section] key = value lines plus command-line
-// overrides --section.key=value (the command line wins). Every key is a CLI11 option, so types,
+// The run configuration: a TOML file of [section] key = value lines (read by toml++) plus
+// command-line overrides --section.key=value (the command line wins). Every key is a CLI11 option, so types,
 // ranges and unknown keys are all checked in one place with one message each.
 #pragma once
 #include <cstdint>
@@ -10,7 +10,9 @@ namespace marrow {
 
 struct RunConfig {
   // [model]
-  std::string model_config;  // path to a Hugging Face config.json (relative paths: from the working directory)
+  // Relative paths (model.config, data.path, output.dir, checkpoint.resume) resolve against the
+  // working directory, not the config file's; a missing one's message says so.
+  std::string model_config;  // path to a Hugging Face config.json
   // [data]
   std::string data_path;     // tokenized corpus directory (marrow tokenize)
   double validation_fraction = 0.01;
@@ -40,6 +42,7 @@ struct RunConfig {
   int64_t checkpoint_keep = 2;             // complete checkpoints kept in output.dir; older ones are deleted
   std::string checkpoint_resume;           // a checkpoint to start from when output.dir holds none
   bool checkpoint_optimizer_state = true;  // false: weights only (a resume restarts the AdamW moments at zero)
+  std::string checkpoint_allow_changes;    // comma-separated kinds a resume may change (engine/config_changes.h): data, tokenizer
   // [parallel] (parallel/mesh.h): processes per pipeline stage, context and expert group; the
   // data-parallel width is what remains of the job's processes.
   int64_t pp = 1, cp = 1, ep = 1;
@@ -78,6 +81,13 @@ struct RunConfig {
 // name). Any problem (missing file, unknown key, bad value, inconsistent sizes) is a marrow::Error
 // with one sentence.
 RunConfig parse_run_config(int argc, char** argv);
+
+// Fails with one sentence unless model.config is a file; a relative one's message says that it
+// resolves against the working directory (as a missing corpus's does, data/token_corpus.h).
+void check_run_paths(const RunConfig& rc);
+
+// `marrow <cmd> --help` (or -h): prints the usage and every run-config key and returns true; else false.
+bool print_run_config_help(int argc, char** argv);
 
 // Fails unless 1 <= profile_first <= profile_last <= steps; marrow bench sets its own step count
 // after parsing, so the trainer checks again.

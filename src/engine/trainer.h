@@ -28,8 +28,10 @@
 #include "engine/kernel_trace.h"
 #include "engine/lr_schedule.h"
 #include "engine/memory_estimate.h"
+#include "engine/metrics_log.h"
 #include "engine/pipeline_step.h"
 #include "engine/run_config.h"
+#include "engine/run_lock.h"
 #include "engine/step.h"
 #include "engine/tensorboard.h"
 #include "ops/adamw.h"
@@ -118,19 +120,22 @@ inline Device choose_device(const std::string& requested) {
   return cuda_available() ? Device::cuda : Device::cpu;
 }
 
-// Test hook for the fail-fast tests: MARROW_TEST_FAULT=<rank>:<step>:<raise|exit|hang> makes that
-// world rank raise an error, exit with code 3, or stop making progress at the start of that step.
-inline void inject_test_fault(int64_t step, int rank) {
+// Test hook for the fail-fast tests: MARROW_TEST_FAULT=<rank>:<step>:<raise|exit|hang|nan> makes that
+// world rank raise an error, exit with code 3, or stop making progress at the start of that step;
+// nan returns true: the step's loss counts as non-finite (its update is skipped).
+inline bool inject_test_fault(int64_t step, int rank) {
   const char* fault = std::getenv("MARROW_TEST_FAULT");
-  if (!fault) return;
+  if (!fault) return false;
   int fault_rank = -1;
   long long fault_step = -1;
   char kind[16] = {};
-  if (std::sscanf(fault, "%d:%lld:%15s", &fault_rank, &fault_step, kind) != 3 || fault_rank != rank || fault_step != step) return;
+  if (std::sscanf(fault, "%d:%lld:%15s", &fault_rank, &fault_step, kind) != 3 || fault_rank != rank || fault_step != step) return false;
+  if (std::string(kind) == "nan") return true;
   if (std::string(kind) == "raise") fail("MARROW_TEST_FAULT: rank {} raises at step {}", rank, step);
   if (std::string(kind) == "exit") std::exit(3);
   if (std::string(kind) == "hang")
     for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
+  return false;
 }
 
 // The mesh for the job's processes, with one sentence for every layout the run cannot use.
@@ -228,10 +233,10 @@ inline CheckpointSharing checkpoint_sharing(const Mesh& mesh, const ShardedParam
   return c;
 }
 
-// One AdamW step over the shards; clipping scales the gradient inside the step, which also writes
-// the bf16 working weights.
-template <MoeModel M> void optimizer_step(TrainSetup<M>& s, const RunConfig& rc, const StepMetrics& m) {
-  AdamWHyper hyper{m.lr, rc.beta1, rc.beta2, rc.eps, rc.weight_decay, m.step};
+// One AdamW step over the shards, the update-th applied (bias correction counts applied updates,
+// not steps); clipping scales the gradient inside the step, which also writes the bf16 working weights.
+template <MoeModel M> void optimizer_step(TrainSetup<M>& s, const RunConfig& rc, const StepMetrics& m, int64_t update) {
+  AdamWHyper hyper{m.lr, rc.beta1, rc.beta2, rc.eps, rc.weight_decay, update};
   if (rc.grad_clip > 0 && m.grad_norm > rc.grad_clip) hyper.grad_scale = rc.grad_clip / m.grad_norm;
   s.state.optimizer_step(hyper);
 }
@@ -326,6 +331,7 @@ inline int agreed_stop_signal(const Comm& world) {
 template <MoeModel M>
 std::vector<StepMetrics> train(const RunConfig& rc, const typename M::Config& model_config, StageTimer* timer = nullptr) {
   const Device device = choose_device(rc.device);
+  const RunLock lock(rc.out_dir, process::rank() == 0);  // one run per output.dir (engine/run_lock.h)
   // --profile-steps: the trace exists before any NVTX range (see KernelTrace); the stages are NVTX
   // ranges only when timed, so a traced run times them.
   // With several processes, world rank 0 traces.
@@ -354,19 +360,18 @@ std::vector<StepMetrics> train(const RunConfig& rc, const typename M::Config& mo
   TrainCheckpoints checkpoints(rc, model_config.json, s.model.specs(), {&state.params(), &state.exp_avg(), &state.exp_avg_sq()},
                                checkpoint_sharing(s.mesh, state, s.model_tensors));
   const int64_t first_step = checkpoints.resume() + 1;
+  int64_t updates = checkpoints.resumed_updates();
   state.master_changed();
-  std::filesystem::create_directories(rc.out_dir);
   const std::string metrics_path = rc.out_dir + "/metrics.jsonl";
   if (first_step > rc.steps) {
     std::printf("the run is complete: its checkpoint is at step %lld of train.steps = %lld\n", (long long)first_step - 1,
                 (long long)rc.steps);
     return {};
   }
-  std::ofstream metrics;
+  MetricsLog metrics;  // every append checked (engine/metrics_log.h)
   if (leader) {
     if (first_step > 1) keep_metrics_through(metrics_path, first_step - 1);
-    metrics.open(metrics_path, first_step > 1 ? std::ios::app : std::ios::trunc);
-    MARROW_CHECK(metrics.good(), "cannot write {}", metrics_path);
+    metrics = MetricsLog(metrics_path, first_step == 1);
   }
   std::optional<TensorBoardLog> tensorboard;  // <output.dir>/tb/ (engine/tensorboard.h), cut back on a resume as metrics.jsonl is
   if (leader) tensorboard.emplace(rc, first_step);
@@ -381,7 +386,7 @@ std::vector<StepMetrics> train(const RunConfig& rc, const typename M::Config& mo
 
   for (int64_t step = first_step; step <= rc.steps; ++step) {
     if (trace && !trace->running() && step >= rc.profile_first && step <= rc.profile_last) trace->start();
-    inject_test_fault(step, s.mesh.world.rank());
+    const bool poisoned = inject_test_fault(step, s.mesh.world.rank());
     watchdog::arm(true);
     std::optional<NvtxRange> step_range(std::in_place, fmt::format("step {}", step));
     const auto start = std::chrono::steady_clock::now();
@@ -402,6 +407,7 @@ std::vector<StepMetrics> train(const RunConfig& rc, const typename M::Config& mo
     std::optional<StageScope> optimizer_scope(std::in_place, timer, Stage::optimizer);
     state.finish_gradients(rc.overlap_grad_reduce && !rc.uses_dualpipev());
     m.grad_norm = state.gradient_norm();
+    if (poisoned) m.loss = std::numeric_limits<double>::quiet_NaN();
     if (!std::isfinite(m.loss) || !std::isfinite(m.grad_norm)) {
       m.skipped = true;
       ++bad_in_a_row;
@@ -411,7 +417,7 @@ std::vector<StepMetrics> train(const RunConfig& rc, const typename M::Config& mo
                    step, bad_in_a_row);
     } else {
       bad_in_a_row = 0;
-      optimizer_step(s, rc, m);
+      optimizer_step(s, rc, m, ++updates);
     }
     optimizer_scope.reset();
     if (device == Device::cuda) synchronize();
@@ -436,16 +442,14 @@ std::vector<StepMetrics> train(const RunConfig& rc, const typename M::Config& mo
       std::fflush(stdout);
     }
     if (leader) {
-      metrics << step_json(m) << "\n";
-      metrics.flush();
-      MARROW_CHECK(metrics.good(), "cannot write {} (is the disk full?)", metrics_path);
+      metrics.append(step_json(m));
       tensorboard->add_step(Json::parse(step_json(m)));
     }
     history.push_back(m);
     const int stop_signal = agreed_stop_signal(s.mesh.world);
     if (trace && trace->running() && (step == rc.profile_last || stop_signal != 0))
       report_trace(trace->stop(), fmt::format("{}/trace-steps-{}-{}.json", rc.out_dir, std::max(rc.profile_first, first_step), step));
-    const std::string saved = checkpoints.due(step, stop_signal != 0) ? checkpoints.save(step) : "";
+    const std::string saved = checkpoints.due(step, stop_signal != 0) ? checkpoints.save(step, updates) : "";
     if (stop_signal != 0 && step < rc.steps) {
       std::printf("stopped by %s after step %lld: %s\n", stop_signal == SIGTERM ? "SIGTERM" : "SIGINT", (long long)step,
                   saved.empty() ? "no checkpoint (checkpoint.every = 0)"

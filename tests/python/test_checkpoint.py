@@ -115,8 +115,8 @@ def main():
         check(code == 0, f"straight run of {2 * N} steps exits 0 {err[-300:]}")
         straight = losses(path("straight"))
         last = path("straight", f"step-{2 * N:08d}")
-        check(sorted(os.listdir(path("straight"))) == ["metrics.jsonl", f"step-{N:08d}", f"step-{2 * N:08d}", "tb"],
-              "checkpoints at every N steps and the end, the logs (metrics.jsonl, tb/), nothing else left in output.dir")
+        check(sorted(os.listdir(path("straight"))) == [".lock", "metrics.jsonl", f"step-{N:08d}", f"step-{2 * N:08d}", "tb"],
+              "checkpoints at every N steps and the end, the logs (metrics.jsonl, tb/), the run lock, nothing else left in output.dir")
         files = checkpoint_files(last)
         check(any(f.startswith("weights-") for f in files) and any(f.startswith("exp_avg-") for f in files)
               and any(f.startswith("exp_avg_sq-") for f in files), f"checkpoint holds weights and AdamW moments: {files}")

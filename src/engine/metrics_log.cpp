@@ -1,0 +1,45 @@
+#include "engine/metrics_log.h"
+
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <utility>
+
+#include "core/errors.h"
+
+namespace marrow {
+
+MetricsLog::MetricsLog(const std::string& path, bool fresh) : path_(path) {
+  file_ = std::fopen(path.c_str(), fresh ? "w" : "a");
+  MARROW_CHECK(file_ != nullptr, "cannot open {} for writing: {}", path, std::strerror(errno));
+}
+
+MetricsLog::~MetricsLog() {
+  if (file_) std::fclose(file_);
+}
+
+MetricsLog::MetricsLog(MetricsLog&& other) noexcept : path_(std::move(other.path_)), file_(std::exchange(other.file_, nullptr)) {}
+
+MetricsLog& MetricsLog::operator=(MetricsLog&& other) noexcept {
+  std::swap(path_, other.path_);
+  std::swap(file_, other.file_);
+  return *this;
+}
+
+void MetricsLog::append(const std::string& line) {
+  MARROW_CHECK(file_ != nullptr, "internal: {} was written before it was opened", path_);
+  const long before = std::fseek(file_, 0, SEEK_END) == 0 ? std::ftell(file_) : -1;
+  const std::string text = line + "\n";
+  if (std::fwrite(text.data(), 1, text.size(), file_) == text.size() && std::fflush(file_) == 0) return;
+  const int err = errno;
+  // Closed first, so that nothing left in its buffer is written after the cut; cutting a file
+  // back needs no space.
+  std::fclose(file_);
+  file_ = nullptr;
+  const bool cut = before >= 0 && ::truncate(path_.c_str(), before) == 0;
+  fail("cannot write {}: {} (is the disk full?); {}", path_, std::strerror(err),
+       cut ? "the file is as it was before this step" : "its last line may be cut short");
+}
+
+}  // namespace marrow
