@@ -3,6 +3,7 @@
 # lacks, for the device tool to carry there (carry: [".gpu-carry"]):
 #   pcre2/     PCRE2 header and static library (the GPU image has no libpcre2-dev)
 #   tomlplusplus/  toml++'s headers (header-only; the GPU image has no libtomlplusplus-dev)
+#   cudnn-frontend/  the cuDNN frontend's headers (header-only; tools/setup.sh fetches them)
 #   demo/      the demo corpus (tools/make_demo_corpus.sh)
 #   qwen3/     a corpus in the Qwen3 tokenizer's vocabulary for the bench config, made from the text
 #              and tokenizer given as arguments (default: ../shared/data's State of the Union text)
@@ -27,6 +28,8 @@ Cflags: -I\${prefix}/include
 PC
 mkdir -p $carry/tomlplusplus/include
 cp -r /usr/include/toml++ $carry/tomlplusplus/include/
+[ -f .cache/cudnn-frontend/include/cudnn_frontend.h ] || tools/setup.sh
+rm -rf $carry/cudnn-frontend && cp -r .cache/cudnn-frontend $carry/cudnn-frontend
 tools/make_demo_corpus.sh "$marrow" $carry/demo
 if [ ! -f $carry/qwen3/manifest.json ]; then
   "$marrow" tokenize --input "$text" --tokenizer "$tokenizer" --out $carry/qwen3

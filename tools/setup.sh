@@ -30,4 +30,17 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$python_packages" ]; then
   .venv/bin/pip install -q $python_packages
   echo "$python_packages" > "$stamp"
 fi
+# The cuDNN frontend (header-only C++ over cuDNN's graph API; ops/attention_cudnn.cpp) ships as headers
+# inside its PyPI wheel: only the headers are kept, in .cache/cudnn-frontend/include.
+frontend_version=1.16.0
+frontend=.cache/cudnn-frontend
+if [ "$(cat $frontend/version 2>/dev/null)" != "$frontend_version" ]; then
+  echo "setup: fetching the cuDNN frontend $frontend_version headers"
+  rm -rf $frontend && mkdir -p $frontend/wheel
+  .venv/bin/pip download -q --no-deps --only-binary=:all: -d $frontend/wheel "nvidia-cudnn-frontend==$frontend_version"
+  .venv/bin/python -c "import sys, zipfile; z = zipfile.ZipFile(sys.argv[1]); \
+[z.extract(n, sys.argv[2]) for n in z.namelist() if n.startswith('include/')]" $frontend/wheel/*.whl $frontend
+  rm -rf $frontend/wheel
+  echo $frontend_version > $frontend/version
+fi
 echo "setup: done"

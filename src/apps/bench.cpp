@@ -19,6 +19,7 @@
 #include "engine/trainer.h"
 #include "apps/model_switch.h"
 #include "ops/attention.h"
+#include "ops/attention_cudnn.h"
 #include "ops/grouped_linear.h"
 #include "ops/linear.h"
 #include "parallel/process.h"
@@ -62,20 +63,35 @@ void kernel_row(const std::string& name, double flops, const std::function<void(
   std::fflush(stdout);
 }
 
+// Attention at one sequence length: the own kernels, cuDNN's (deterministic backward, the training
+// path) and cuDNN's default backward (float atomics in dQ) to show what determinism costs.
+void bench_attention_kernels(int64_t S, int64_t Hq, int64_t Hkv, int64_t D) {
+  Buffer q = random_device({1, S, Hq, D}, 1, "q"), k = random_device({1, S, Hkv, D}, 1, "k"), v = random_device({1, S, Hkv, D}, 1, "v");
+  Buffer out(DType::bf16, Device::cuda, {1, S, Hq, D}), lse(DType::f32, Device::cuda, {1, Hq, S});
+  Buffer dout = random_device({1, S, Hq, D}, 2, "dout");
+  Buffer dq(DType::bf16, Device::cuda, {1, S, Hq, D}), dk(DType::bf16, Device::cuda, {1, S, Hkv, D}),
+      dv(DType::bf16, Device::cuda, {1, S, Hkv, D});
+  // Causal: half of the 4 S^2 D multiply-adds per head forward; the backward does 2.5x the forward.
+  const double fwd = 2.0 * double(S) * double(S) * double(D) * double(Hq);
+  const AttentionKernels before = attention_kernels();
+  for (const AttentionKernels kernels : {AttentionKernels::own, AttentionKernels::cudnn}) {
+    set_attention_kernels(kernels);
+    const std::string name = fmt::format("attention S{} Hq{} Hkv{} D{} causal, {}", S, Hq, Hkv, D, attention_kernels_name(kernels));
+    kernel_row(name + " fwd", fwd, [&] { attention_forward(out, lse, q, k, v); });
+    kernel_row(name + " bwd", 2.5 * fwd, [&] { attention_backward(dq, dk, dv, dout, q, k, v, out, lse); });
+  }
+  set_attention_kernels(before);
+#if MARROW_CUDA
+  kernel_row(fmt::format("attention S{} cudnn bwd, float atomics (not used)", S), 2.5 * fwd,
+             [&] { cudnn_attention_backward(dq, dk, dv, dout, q, k, v, out, lse, {}, false); });
+#endif
+}
+
 void bench_kernels() {
+  keep_pool_memory();  // as in training: scratch (cuDNN's 1 GiB dP workspace) is reused, not re-mapped
   std::printf("%-64s %12s %16s\n", "kernel (bench shapes, bf16)", "median", "achieved");
   const int64_t S = 4096, Hq = 32, Hkv = 4, D = 128, H = 2048, E = 128, K = 8, I = 768;
-  {
-    Buffer q = random_device({1, S, Hq, D}, 1, "q"), k = random_device({1, S, Hkv, D}, 1, "k"), v = random_device({1, S, Hkv, D}, 1, "v");
-    Buffer out(DType::bf16, Device::cuda, {1, S, Hq, D}), lse(DType::f32, Device::cuda, {1, Hq, S});
-    Buffer dout = random_device({1, S, Hq, D}, 2, "dout");
-    Buffer dq(DType::bf16, Device::cuda, {1, S, Hq, D}), dk(DType::bf16, Device::cuda, {1, S, Hkv, D}),
-        dv(DType::bf16, Device::cuda, {1, S, Hkv, D});
-    // Causal: half of the 4 S^2 D multiply-adds per head forward; the backward does 2.5x the forward.
-    const double fwd = 2.0 * double(S) * double(S) * double(D) * double(Hq);
-    kernel_row("attention fwd S4096 Hq32 Hkv4 D128 causal", fwd, [&] { attention_forward(out, lse, q, k, v); });
-    kernel_row("attention bwd", 2.5 * fwd, [&] { attention_backward(dq, dk, dv, dout, q, k, v, out, lse); });
-  }
+  for (const int64_t seq : {S, 4 * S}) bench_attention_kernels(seq, Hq, Hkv, D);
   {
     Buffer x = random_device({S, H}, 3, "x"), w = random_device({Hq * D, H}, 3, "w"), dy = random_device({S, Hq * D}, 3, "dy");
     Buffer y(DType::bf16, Device::cuda, {S, Hq * D}), dx(DType::bf16, Device::cuda, {S, H});

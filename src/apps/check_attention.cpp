@@ -2,7 +2,8 @@
 // CPU reference, at odd lengths (1, 37, 257), GQA groups 1, 4 and 8, head_dim 64 and 128, and the
 // bench shape (B 1, S 4096, 32 query / 4 key-value heads of 128); then the blocks of ring attention
 // (full and causal on sub-ranges, the zigzag split's cases, the backward adding into f32) and the
-// log-sum-exp merge, with the same bounds.
+// log-sum-exp merge, with the same bounds. The causal op's rows run twice: on the own kernels and
+// on cuDNN's (ops/attention_cudnn.h; rows named "attention cudnn ...").
 //
 // Bounds, as error = max |gpu - cpu| / max |cpu| (check.h). Both sides read the same bf16 inputs,
 // and the tensor cores multiply bf16 operands exactly into f32 accumulators, so the GPU's coarse
@@ -16,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <iterator>
 #include <utility>
 
 #include "apps/check.h"
@@ -33,8 +35,10 @@ struct Shape {
   int64_t b, s, hq, hkv, d;
 };
 
+// Rows of the causal op name the kernels that ran it when they are cuDNN's.
 std::string label(const char* what, const Shape& n) {
-  return fmt::format("attention {} B{} S{} H{}/{} D{}", what, n.b, n.s, n.hq, n.hkv, n.d);
+  const char* kernels = attention_kernels() == AttentionKernels::cudnn ? " cudnn" : "";
+  return fmt::format("attention{} {} B{} S{} H{}/{} D{}", kernels, what, n.b, n.s, n.hq, n.hkv, n.d);
 }
 
 // Inputs (host f32, already rounded to bf16) and the CPU reference's results.
@@ -301,7 +305,15 @@ void check_attention_op(CheckReport& report) {
       {1, 129, 8, 1, 64},   // group 8 at D 64, S one past two tiles
   };
   uint64_t seed = 100;  // each problem draws from seeds seed .. seed + 3
-  for (const Shape& n : shapes) check_shape(report, reference(n, seed += 4));
+  const AttentionKernels before = attention_kernels();
+  for (const AttentionKernels kernels : {AttentionKernels::own, AttentionKernels::cudnn}) {
+    set_attention_kernels(kernels);
+    uint64_t shape_seed = seed;
+    for (const Shape& n : shapes) check_shape(report, reference(n, shape_seed += 4));
+    check_bench(report);
+  }
+  set_attention_kernels(before);
+  seed += 4 * std::size(shapes);
   // The zigzag split's blocks at chunks of 65 (two chunks: 130 local tokens) and odd sub-ranges.
   const BlockCase blocks[] = {
       {{1, 130, 8, 2, 128}, 130, {AttentionMask::full, 0, 130, 0, 65}},   // an earlier member's K/V
@@ -312,7 +324,6 @@ void check_attention_op(CheckReport& report) {
   };
   for (const BlockCase& c : blocks) check_block(report, c, seed += 8);
   check_merge(report);
-  check_bench(report);
   check_rejects_head_dim(report);
 }
 

@@ -9,6 +9,7 @@
 #include "apps/commands.h"
 #include "apps/model_switch.h"
 #include "engine/memory_estimate.h"
+#include "ops/attention.h"
 
 namespace marrow {
 
@@ -78,6 +79,7 @@ int estimate_command(int argc, char** argv) {
   std::vector<char*> pointers;
   for (std::string& a : args) pointers.push_back(a.data());
   const RunConfig rc = parse_run_config(int(pointers.size()), pointers.data());
+  set_attention_kernels(parse_attention_kernels(rc.attention_kernels));  // their scratch differs
   // An estimate is for the GPU unless the run is asked to train on the CPU.
   const Device device = rc.device == "cpu" ? Device::cpu : Device::cuda;
   const double gpu_bytes = options.gpu_gib * 1073741824.0;

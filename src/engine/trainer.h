@@ -35,6 +35,7 @@
 #include "engine/step.h"
 #include "engine/tensorboard.h"
 #include "ops/adamw.h"
+#include "ops/attention.h"
 #include "ops/cast.h"
 #include "ops/cross_entropy.h"
 #include "ops/grad_norm.h"
@@ -332,6 +333,7 @@ template <MoeModel M>
 std::vector<StepMetrics> train(const RunConfig& rc, const typename M::Config& model_config, StageTimer* timer = nullptr) {
   const Device device = choose_device(rc.device);
   const RunLock lock(rc.out_dir, process::rank() == 0);  // one run per output.dir (engine/run_lock.h)
+  set_attention_kernels(parse_attention_kernels(rc.attention_kernels));
   // --profile-steps: the trace exists before any NVTX range (see KernelTrace); the stages are NVTX
   // ranges only when timed, so a traced run times them.
   // With several processes, world rank 0 traces.

@@ -5,6 +5,7 @@
 #include "ops/init.h"
 #include "ops/add.h"
 #include "ops/attention.h"
+#include "ops/attention_cudnn.h"
 #include "ops/combine.h"
 #include "ops/cross_entropy.h"
 #include "ops/embedding.h"
@@ -368,9 +369,13 @@ void Qwen3Moe::epilog_backward(Tensor dx, const Qwen3MoeWeights& grads, double l
 
 namespace {
 
-// The GPU attention backward's own scratch (ops/attention.cu): the f32 row statistic delta and,
-// with grouped-query heads, f32 dK/dV per query head that are summed into the KV heads afterwards.
-int64_t attention_backward_op_scratch(int64_t T, int64_t q_heads, int64_t kv_heads, int64_t head_dim) {
+// The GPU attention backward's scratch. Own kernels (ops/attention.cu): the f32 row statistic delta
+// and, with grouped-query heads, f32 dK/dV per query head that are summed into the KV heads
+// afterwards. cuDNN's (ops/attention_cudnn.h): its dP workspace.
+int64_t attention_backward_op_scratch(int64_t batch, int64_t seq, int64_t q_heads, int64_t kv_heads, int64_t head_dim) {
+  if (attention_kernels() == AttentionKernels::cudnn && cudnn_attention_supports(batch, seq, q_heads, kv_heads, head_dim))
+    return cudnn_attention_backward_scratch(batch, seq, q_heads, kv_heads);
+  const int64_t T = batch * seq;
   return T * q_heads * 4 + (q_heads > kv_heads ? 2 * T * q_heads * head_dim * 4 : 0);
 }
 
@@ -395,7 +400,7 @@ ModelActivationBytes Qwen3Moe::activation_bytes(int64_t batch, int64_t seq, int6
   // Alive through the attention op: dlogits, dh2_router, dres, dattn, dq_rope, dk_rope, dv; after
   // it, dq, dk, dh1 and dh1_part join them.
   const int64_t before_op = T * (E + 2 * H + 2 * q + 2 * kv) * a;
-  const int64_t op = gpu ? attention_backward_op_scratch(T, c.num_heads, c.num_kv_heads, D) : 0;
+  const int64_t op = gpu ? attention_backward_op_scratch(batch, seq, c.num_heads, c.num_kv_heads, D) : 0;
   m.attention.backward_scratch = before_op + std::max(op, T * (q + kv + 2 * H) * a);
 
   m.experts.kept = R * (H + 3 * I) * a;        // x_perm, gate_up, act

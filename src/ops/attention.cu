@@ -7,6 +7,7 @@
 
 #include "core/cuda_check.h"
 #include "core/memory.h"
+#include "ops/attention_cudnn.h"
 #include "ops/common.h"
 
 #ifdef __CUDACC__
@@ -878,7 +879,36 @@ void backward(const char* op, Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tens
   });
 }
 
+// The causal op goes to cuDNN when the setting asks for it and cuDNN serves the sizes.
+bool runs_on_cudnn(const Dims& n, Tensor q) {
+#if MARROW_CUDA
+  return attention_kernels() == AttentionKernels::cudnn && q.device == Device::cuda &&
+         cudnn_attention_supports(n.batch, n.q_seq, n.q_heads, n.kv_heads, n.head_dim);
+#else
+  (void)n, (void)q;
+  return false;
+#endif
+}
+
+AttentionKernels& kernels_setting() {
+  static AttentionKernels kernels = AttentionKernels::own;
+  return kernels;
+}
+
 }  // namespace
+
+void set_attention_kernels(AttentionKernels kernels) { kernels_setting() = kernels; }
+AttentionKernels attention_kernels() { return kernels_setting(); }
+
+AttentionKernels parse_attention_kernels(const std::string& name) {
+  if (name == "own") return AttentionKernels::own;
+  MARROW_CHECK(name == "cudnn", "attention kernels must be own or cudnn, got '{}'", name);
+  return AttentionKernels::cudnn;
+}
+
+const char* attention_kernels_name(AttentionKernels kernels) {
+  return kernels == AttentionKernels::cudnn ? "cudnn" : "own";
+}
 
 void attention_block_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v, const AttentionBlock& block,
                              Stream stream) {
@@ -896,6 +926,9 @@ void attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v, Str
   expect_shape(op, "k", k, {n.batch, n.q_seq, n.kv_heads, n.head_dim});
   expect_shape(op, "out", out, {n.batch, n.q_seq, n.q_heads, n.head_dim});
   expect_shape(op, "lse", lse, {n.batch, n.q_heads, n.q_seq});
+#if MARROW_CUDA
+  if (runs_on_cudnn(n, q)) return cudnn_attention_forward(out, lse, q, k, v, stream);
+#endif
   forward(op, out, lse, q, k, v, n, {AttentionMask::causal, 0, n.q_seq, 0, n.q_seq}, stream);
 }
 
@@ -912,6 +945,9 @@ void attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, 
   const char* op = "attention_backward";
   const auto [n, gpu] = check_backward(op, dq, dk, dv, dout, q, k, v, out, lse);
   expect_shape(op, "k", k, {n.batch, n.q_seq, n.kv_heads, n.head_dim});
+#if MARROW_CUDA
+  if (runs_on_cudnn(n, q)) return cudnn_attention_backward(dq, dk, dv, dout, q, k, v, out, lse, stream);
+#endif
   backward(op, dq, dk, dv, dout, q, k, v, out, lse, n, {AttentionMask::causal, 0, n.q_seq, 0, n.q_seq}, false, gpu,
            stream);
 }

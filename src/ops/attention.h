@@ -23,10 +23,22 @@
 // is bf16, the running out of the merge and the accumulated dq, dk, dv are f32; lse f32.
 #pragma once
 #include <cstdint>
+#include <string>
 
 #include "core/tensor.h"
 
 namespace marrow {
+
+// Which kernels run the causal op (attention_forward/backward) on the GPU: Marrow's own
+// (FlashAttention-2 style on mma.sync, below) or cuDNN's fused SDPA (ops/attention_cudnn.h: Hopper
+// wgmma kernels, deterministic backward), falling back to the own ones for sizes cuDNN does not
+// serve. Blocks always run the own kernels. One setting per process; the CPU ignores it.
+enum class AttentionKernels : uint8_t { own, cudnn };
+void set_attention_kernels(AttentionKernels kernels);
+AttentionKernels attention_kernels();
+// "own" or "cudnn" (run configs, bench labels).
+AttentionKernels parse_attention_kernels(const std::string& name);
+const char* attention_kernels_name(AttentionKernels kernels);
 
 // out[B, S, Hq, D] and lse[B, Hq, S] from q[B, S, Hq, D], k[B, S, Hkv, D], v[B, S, Hkv, D].
 // out may not alias q, k or v.
