@@ -159,6 +159,26 @@ TEST(Qwen3Moe, WholeModelGradientsMatchFiniteDifferences) {
   }
 }
 
+// Logits computed in chunks of tokens (long sequences), the backward computing each chunk again,
+// give the loss and gradients of whole logits: the same sums, the LM head's gradient added up over
+// the chunks in another order.
+TEST(Qwen3Moe, ChunkedLogitsGiveTheLossAndGradientsOfWholeOnes) {
+  TinyRun whole(DType::f64, 2, 6, tiny_config_json()), chunked(DType::f64, 2, 6, tiny_config_json());
+  chunked.model.set_logits_chunk(5);
+  EXPECT_EQ(chunked.model.logits_chunk(12), 5);  // 12 tokens: chunks of 5, 5 and 2
+  EXPECT_EQ(whole.model.logits_chunk(12), 12);
+  EXPECT_NEAR(chunked.loss_and_gradients(), whole.loss_and_gradients(), 1e-12);
+  const double* a = chunked.grads.all().ptr<double>();
+  const double* b = whole.grads.all().ptr<double>();
+  double largest = 0, worst = 0;
+  for (int64_t i = 0; i < whole.model.num_parameters(); ++i) {
+    largest = std::max(largest, std::abs(b[i]));
+    worst = std::max(worst, std::abs(a[i] - b[i]));
+  }
+  EXPECT_GT(largest, 0);
+  EXPECT_LE(worst, 1e-12 * largest);
+}
+
 TEST(Qwen3Moe, SameInputsGiveBitwiseSameLossAndGradients) {
   TinyRun a(DType::f32, 2, 8, tiny_config_json()), b(DType::f32, 2, 8, tiny_config_json());
   EXPECT_EQ(a.loss_and_gradients(), b.loss_and_gradients());

@@ -6,7 +6,8 @@
 # check: marrow check --only attention (both kernel sets against the CPU reference, bits twice)
 # speed: the attention rows of marrow bench --kernels; the bench config (3 + 17 steps) with each
 #        kernel set
-# long:  one sequence per step at 16,384 and 32,768 tokens (3 + 7 steps), cuDNN kernels
+# long:  train.bf16_weight_copy=false against the default (losses bit for bit); one sequence per
+#        step at 16,384 and 32,768 tokens (3 + 7 steps), cuDNN kernels, with and without the copy
 # Ends with PASS or FAIL; logs in <log-dir>.
 set -uo pipefail
 out=${1:-$OUT}
@@ -35,12 +36,21 @@ if [ "$what" = speed ] || [ "$what" = all ]; then
 fi
 
 if [ "$what" = long ] || [ "$what" = all ]; then
-  for seq in 16384 32768; do
-    step "one sequence of $seq tokens per step, cuDNN attention: 3 warm-up + 7 measured steps"
-    "${bench[@]}" --warmup=3 --steps=7 --train.seq_len=$seq --train.global_batch=1 --train.micro_batch=1 \
-      --output.dir=runs/long-$seq > "$out/long-$seq.log" 2>&1 || fail "bench at $seq tokens"
-    grep -E "^memory|error" "$out/long-$seq.log" | head -5
-    sed -n '/^bench:/,$p' "$out/long-$seq.log" | head -12
+  step "train.bf16_weight_copy=false (layers cast from the fp32 master before each use) gives the losses of the default bit for bit"
+  for copy in true false; do
+    "${bench[@]}" --warmup=2 --steps=3 --train.bf16_weight_copy=$copy --output.dir=runs/copy-$copy > "$out/copy-$copy.log" 2>&1 \
+      || fail "bench with bf16_weight_copy=$copy"
+  done
+  grep -E "^bench:" "$out"/copy-*.log
+  python3 -c "import json, sys; l = [[json.loads(x)['loss'] for x in open(f'runs/copy-{c}/bench/metrics.jsonl')] for c in ('true', 'false')]; \
+print('losses', l[0]); print('same bits' if l[0] == l[1] else f'DIFFER: {l[1]}'); sys.exit(l[0] != l[1])" || fail "losses differ"
+  for run in "16384 true" "16384 false" "32768 true" "32768 false"; do
+    set -- $run
+    step "one sequence of $1 tokens per step, cuDNN attention, bf16_weight_copy=$2: 3 warm-up + 7 measured steps"
+    "${bench[@]}" --warmup=3 --steps=7 --train.seq_len=$1 --train.global_batch=1 --train.micro_batch=1 --train.bf16_weight_copy=$2 \
+      --output.dir=runs/long-$1-$2 > "$out/long-$1-$2.log" 2>&1 || fail "bench at $1 tokens, bf16_weight_copy=$2"
+    grep -E "^estimated peak|error" "$out/long-$1-$2.log" | head -3
+    sed -n '/^bench:/,$p' "$out/long-$1-$2.log" | head -12
   done
 fi
 

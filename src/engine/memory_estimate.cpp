@@ -34,7 +34,7 @@ struct Unit {
 // The units of a parameter table on one pipeline rank: the norms of each chunk together, else one
 // per (layer, expert or not); stage_chunk as ShardedParameters takes it (-1: another rank's).
 std::vector<Unit> cut_units(const std::vector<TensorSpec>& specs, int64_t num_layers, const std::vector<int64_t>& stage_chunk,
-                            int64_t dense_n, int64_t expert_n, bool keep_gathered, bool keep_whole_grads) {
+                            int64_t dense_n, int64_t expert_n, bool keep_gathered, bool keep_whole_grads, bool cast_on_use) {
   std::vector<Unit> units;
   std::map<std::tuple<bool, int64_t, bool>, size_t> index;
   for (const TensorSpec& s : specs) {
@@ -48,7 +48,7 @@ std::vector<Unit> cut_units(const std::vector<TensorSpec>& specs, int64_t num_la
   for (Unit& u : units) {
     u.n = u.expert ? expert_n : dense_n;
     u.chunk = (u.numel + u.n - 1) / u.n;
-    u.weights_kept = keep_gathered || u.n == 1 || !u.decoder_layer;
+    u.weights_kept = keep_gathered || (u.n == 1 && !cast_on_use) || !u.decoder_layer;
     u.grads_kept = keep_whole_grads || u.n == 1 || !u.decoder_layer;
   }
   return units;
@@ -82,7 +82,7 @@ void add_weights(MemoryBill& bill, const std::vector<Unit>& units, Device device
       if (gpu || u.n > 1) kept_whole += u.n * u.chunk;
     } else {
       slot[u.expert] = std::max(slot[u.expert], u.n * u.chunk);
-      if (gpu) layer_shards += u.chunk;
+      if (gpu && u.n > 1) layer_shards += u.chunk;  // n = 1: cast from the master into the slot
     }
     if (!u.grads_kept) grad_slot[u.expert] = std::max(grad_slot[u.expert], u.n * u.chunk);
     else if (u.n > 1) kept_grads += u.n * u.chunk;
@@ -377,7 +377,8 @@ MemoryBill rank_bill(const RunConfig& rc, const EstimatedModel& m, const MeshSha
   if (pipelined)
     bill.context.push_back(fmt::format("DualPipeV: pipeline rank {} of {} (chunks {} and {}), the rank with the largest bill", rank, mesh.pp,
                                        rank, 2 * mesh.pp - 1 - rank));
-  const std::vector<Unit> units = cut_units(m.specs, m.num_layers, held, groups.dense, groups.expert, keep_gathered, keep_whole_grads);
+  const bool cast_on_use = !rc.bf16_weight_copy && device == Device::cuda;
+  const std::vector<Unit> units = cut_units(m.specs, m.num_layers, held, groups.dense, groups.expert, keep_gathered, keep_whole_grads, cast_on_use);
   add_state(bill, units);
   add_weights(bill, units, device);
   if (pipelined) add_pipeline_activations(bill, rc, m, mesh.ep, device, {chunks, mesh.pp, rank, micro_batches});

@@ -26,6 +26,9 @@ struct RunConfig {
   double aux_loss_coef = -1;    // load-balance coefficient; negative takes router_aux_loss_coef from config.json
   int64_t max_bad_steps = 5;    // non-finite steps in a row that stop the run
   std::string attention_kernels = "cudnn";  // GPU attention: cudnn or own (ops/attention.h)
+  // A bf16 copy of every weight kept for the step (GPU). false: each decoder layer's weights are cast from
+  // the fp32 master into a slot before each use (2 bytes per parameter less, a cast per layer per use).
+  bool bf16_weight_copy = true;
   // [optimizer]
   double lr = 3e-3, min_lr = 3e-4, beta1 = 0.9, beta2 = 0.95, eps = 1e-8, weight_decay = 0.1, grad_clip = 1.0;
   // [schedule]

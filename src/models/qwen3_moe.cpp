@@ -341,6 +341,14 @@ void Qwen3Moe::aggregate_backward(Tensor dy_perm, Tensor dtopk_weight, Tensor do
   combine_backward(dy_perm, dtopk_weight, dout, y_perm, a.topk_weight, copy_row);
 }
 
+int64_t Qwen3Moe::logits_chunk(int64_t tokens) const {
+  if (forced_logits_chunk_ > 0) return std::min(tokens, forced_logits_chunk_);
+  const int64_t row_bytes = config_.vocab_size * int64_t(dtype_size(dtype_));
+  if (tokens * row_bytes <= kWholeLogitsBytes) return tokens;
+  // 512 MiB chunks, whole multiples of 64 rows (1,728 tokens of Qwen3's vocabulary in bf16).
+  return std::min(tokens, std::max<int64_t>(64, (int64_t(512) << 20) / row_bytes / 64 * 64));
+}
+
 double Qwen3Moe::epilog_forward(Qwen3MoeEpilogActivations& p, Buffer x, const Qwen3MoeBatch& batch, const Qwen3MoeWeights& w) const {
   const int64_t T = batch.batch * batch.seq, H = config_.hidden_size, V = config_.vocab_size;
   expect_shape("Qwen3Moe::epilog_forward", "x", x, {T, H});
@@ -348,21 +356,36 @@ double Qwen3Moe::epilog_forward(Qwen3MoeEpilogActivations& p, Buffer x, const Qw
   p.h = buffer({T, H});
   p.rstd = stats({T});
   rmsnorm_forward(p.h, p.rstd, p.x, w.final_norm, config_.rms_norm_eps);
-  p.logits = buffer({T, V});
-  linear_forward(p.logits, p.h, w.lm_head);
   p.lse = stats({T});
   p.token_loss = stats({T});
-  cross_entropy_forward(p.token_loss, p.lse, p.logits, batch.targets);
+  const int64_t chunk = logits_chunk(T);
+  Buffer logits = buffer({chunk, V});
+  for (int64_t begin = 0; begin < T; begin += chunk) {
+    const int64_t end = std::min(T, begin + chunk);
+    const Tensor part = logits.view().rows(0, end - begin);
+    linear_forward(part, p.h.view().rows(begin, end), w.lm_head);
+    cross_entropy_forward(p.token_loss.view().rows(begin, end), p.lse.view().rows(begin, end), part,
+                          batch.targets.view().rows(begin, end));
+  }
+  if (chunk == T) p.logits = std::move(logits);
   return host_sum(p.token_loss);
 }
 
 void Qwen3Moe::epilog_backward(Tensor dx, const Qwen3MoeWeights& grads, double loss_scale, Qwen3MoeEpilogActivations& p,
                                const Qwen3MoeBatch& batch, const Qwen3MoeWeights& w) const {
-  const int64_t T = batch.batch * batch.seq, H = config_.hidden_size;
-  cross_entropy_backward(p.logits, p.logits, p.lse, batch.targets, loss_scale);
-  linear_backward_weight(grads.lm_head, p.logits, p.h);
+  const int64_t T = batch.batch * batch.seq, H = config_.hidden_size, V = config_.vocab_size;
+  const bool kept = p.logits.view().data != nullptr;
+  const int64_t chunk = kept ? T : logits_chunk(T);
+  Buffer logits = kept ? std::move(p.logits) : buffer({chunk, V});
   Buffer dh = buffer({T, H});
-  linear_backward_input(dh, p.logits, w.lm_head);
+  for (int64_t begin = 0; begin < T; begin += chunk) {
+    const int64_t end = std::min(T, begin + chunk);
+    const Tensor part = logits.view().rows(0, end - begin), h = p.h.view().rows(begin, end);
+    if (!kept) linear_forward(part, h, w.lm_head);
+    cross_entropy_backward(part, part, p.lse.view().rows(begin, end), batch.targets.view().rows(begin, end), loss_scale);
+    linear_backward_weight(grads.lm_head, part, h);
+    linear_backward_input(dh.view().rows(begin, end), part, w.lm_head);
+  }
   rmsnorm_backward(dx, grads.final_norm, dh, p.x, w.final_norm, p.rstd);
   p = Qwen3MoeEpilogActivations{};
 }
@@ -373,7 +396,8 @@ namespace {
 // and, with grouped-query heads, f32 dK/dV per query head that are summed into the KV heads
 // afterwards. cuDNN's (ops/attention_cudnn.h): its dP workspace.
 int64_t attention_backward_op_scratch(int64_t batch, int64_t seq, int64_t q_heads, int64_t kv_heads, int64_t head_dim) {
-  if (attention_kernels() == AttentionKernels::cudnn && cudnn_attention_supports(batch, seq, q_heads, kv_heads, head_dim))
+  if (attention_kernels() == AttentionKernels::cudnn &&
+      cudnn_attention_backward_supports(batch, seq, q_heads, kv_heads, head_dim))
     return cudnn_attention_backward_scratch(batch, seq, q_heads, kv_heads);
   const int64_t T = batch * seq;
   return T * q_heads * 4 + (q_heads > kv_heads ? 2 * T * q_heads * head_dim * 4 : 0);
@@ -406,8 +430,12 @@ ModelActivationBytes Qwen3Moe::activation_bytes(int64_t batch, int64_t seq, int6
   m.experts.kept = R * (H + 3 * I) * a;        // x_perm, gate_up, act
   m.experts.backward_scratch = R * 3 * I * a;  // dact, dgate_up
 
-  m.epilog.kept = T * (2 * H + V) * a + 3 * T * s;  // x, h, logits; rstd, lse, token losses
-  m.epilog.backward_scratch = T * H * a;            // dh (the loss gradient overwrites the logits)
+  // x, h, the logits when kept whole; rstd, lse, token losses. Chunked logits: one chunk's buffer
+  // in the forward and again in the backward, beside dh (the loss gradient overwrites the logits).
+  const int64_t chunk = logits_chunk(T);
+  m.epilog.kept = T * 2 * H * a + (chunk == T ? T * V * a : 0) + 3 * T * s;
+  m.epilog.forward_scratch = chunk == T ? 0 : chunk * V * a;
+  m.epilog.backward_scratch = T * H * a + (chunk == T ? 0 : chunk * V * a);
   return m;
 }
 

@@ -76,7 +76,7 @@ struct Qwen3MoeExpertActivations {
 };
 
 struct Qwen3MoeEpilogActivations {
-  Buffer x, h, rstd, logits, lse, token_loss;
+  Buffer x, h, rstd, logits, lse, token_loss;  // logits: empty when computed in chunks
 };
 
 class Qwen3Moe {
@@ -156,7 +156,15 @@ class Qwen3Moe {
   void aggregate_backward(Tensor dy_perm, Tensor dtopk_weight, Tensor dout, const Qwen3MoeAttentionActivations& a,
                           Tensor y_perm, Tensor copy_row) const;
 
-  // Epilog: returns the sum of token losses over non-ignored targets; keeps the logits in p.logits.
+  // Epilog: returns the sum of token losses over non-ignored targets. The LM head's logits of a
+  // micro-batch stay whole in p.logits for the backward up to kWholeLogitsBytes; past that (long
+  // sequences: 4.6 GiB at 16,384 tokens of Qwen3's vocabulary) they exist only one chunk of tokens
+  // at a time, and the backward computes each chunk again (one more LM-head GEMM).
+  static constexpr int64_t kWholeLogitsBytes = int64_t(2) << 30;
+  // Tokens per logits chunk for a micro-batch of `tokens` (all of them when kept whole);
+  // set_logits_chunk(n > 0) forces n (tests), 0 restores the rule above.
+  int64_t logits_chunk(int64_t tokens) const;
+  void set_logits_chunk(int64_t tokens) { forced_logits_chunk_ = tokens; }
   double epilog_forward(Qwen3MoeEpilogActivations& p, Buffer x, const Qwen3MoeBatch& batch, const Qwen3MoeWeights& w) const;
   // dx (overwritten); loss_scale = d(total loss)/d(sum of token losses), e.g. 1 / counted tokens.
   void epilog_backward(Tensor dx, const Qwen3MoeWeights& grads, double loss_scale, Qwen3MoeEpilogActivations& p,
@@ -178,6 +186,7 @@ class Qwen3Moe {
   Config config_;
   DType dtype_;
   Device device_;
+  int64_t forced_logits_chunk_ = 0;
   ExpertShard experts_;
   std::vector<TensorSpec> specs_;
   int64_t num_parameters_ = 0, num_decayed_ = 0;

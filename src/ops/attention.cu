@@ -880,10 +880,20 @@ void backward(const char* op, Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tens
 }
 
 // The causal op goes to cuDNN when the setting asks for it and cuDNN serves the sizes.
-bool runs_on_cudnn(const Dims& n, Tensor q) {
+bool forward_on_cudnn(const Dims& n, Tensor q) {
 #if MARROW_CUDA
   return attention_kernels() == AttentionKernels::cudnn && q.device == Device::cuda &&
-         cudnn_attention_supports(n.batch, n.q_seq, n.q_heads, n.kv_heads, n.head_dim);
+         cudnn_attention_forward_supports(n.q_seq, n.head_dim);
+#else
+  (void)n, (void)q;
+  return false;
+#endif
+}
+
+bool backward_on_cudnn(const Dims& n, Tensor q) {
+#if MARROW_CUDA
+  return attention_kernels() == AttentionKernels::cudnn && q.device == Device::cuda &&
+         cudnn_attention_backward_supports(n.batch, n.q_seq, n.q_heads, n.kv_heads, n.head_dim);
 #else
   (void)n, (void)q;
   return false;
@@ -927,7 +937,7 @@ void attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v, Str
   expect_shape(op, "out", out, {n.batch, n.q_seq, n.q_heads, n.head_dim});
   expect_shape(op, "lse", lse, {n.batch, n.q_heads, n.q_seq});
 #if MARROW_CUDA
-  if (runs_on_cudnn(n, q)) return cudnn_attention_forward(out, lse, q, k, v, stream);
+  if (forward_on_cudnn(n, q)) return cudnn_attention_forward(out, lse, q, k, v, stream);
 #endif
   forward(op, out, lse, q, k, v, n, {AttentionMask::causal, 0, n.q_seq, 0, n.q_seq}, stream);
 }
@@ -946,7 +956,7 @@ void attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, 
   const auto [n, gpu] = check_backward(op, dq, dk, dv, dout, q, k, v, out, lse);
   expect_shape(op, "k", k, {n.batch, n.q_seq, n.kv_heads, n.head_dim});
 #if MARROW_CUDA
-  if (runs_on_cudnn(n, q)) return cudnn_attention_backward(dq, dk, dv, dout, q, k, v, out, lse, stream);
+  if (backward_on_cudnn(n, q)) return cudnn_attention_backward(dq, dk, dv, dout, q, k, v, out, lse, stream);
 #endif
   backward(op, dq, dk, dv, dout, q, k, v, out, lse, n, {AttentionMask::causal, 0, n.q_seq, 0, n.q_seq}, false, gpu,
            stream);

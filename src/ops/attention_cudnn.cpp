@@ -27,9 +27,13 @@ int64_t backward_splits(int64_t batch, int64_t seq, int64_t q_heads, int64_t kv_
 
 }  // namespace
 
-bool cudnn_attention_supports(int64_t batch, int64_t seq, int64_t q_heads, int64_t kv_heads, int64_t head_dim) {
-  // cuDNN refuses a single position (s_q = s_kv = 1); the own kernels take it.
-  return seq > 1 && (head_dim == 64 || head_dim == 128) && q_heads % kv_heads == 0 &&
+// cuDNN refuses a single position (s_q = s_kv = 1); the own kernels take it.
+bool cudnn_attention_forward_supports(int64_t seq, int64_t head_dim) {
+  return seq > 1 && (head_dim == 64 || head_dim == 128);
+}
+
+bool cudnn_attention_backward_supports(int64_t batch, int64_t seq, int64_t q_heads, int64_t kv_heads, int64_t head_dim) {
+  return cudnn_attention_forward_supports(seq, head_dim) && q_heads % kv_heads == 0 &&
          backward_splits(batch, seq, q_heads, kv_heads) > 0;
 }
 
@@ -221,9 +225,11 @@ GraphKey key_of(const char* op, Tensor q, Tensor k, Tensor v, Tensor out, Tensor
   expect_shape(op, "v", v, {key.batch, key.seq, key.kv_heads, key.head_dim});
   expect_shape(op, "out", out, {key.batch, key.seq, key.q_heads, key.head_dim});
   expect_shape(op, "lse", lse, {key.batch, key.q_heads, key.seq});
-  MARROW_CHECK(cudnn_attention_supports(key.batch, key.seq, key.q_heads, key.kv_heads, key.head_dim),
-               "{}: cuDNN attention does not serve batch {}, sequence {}, {} / {} heads of {}", op, key.batch, key.seq,
-               key.q_heads, key.kv_heads, key.head_dim);
+  const bool served = backward && deterministic
+                          ? cudnn_attention_backward_supports(key.batch, key.seq, key.q_heads, key.kv_heads, key.head_dim)
+                          : cudnn_attention_forward_supports(key.seq, key.head_dim);
+  MARROW_CHECK(served, "{}: cuDNN attention does not serve batch {}, sequence {}, {} / {} heads of {}", op, key.batch,
+               key.seq, key.q_heads, key.kv_heads, key.head_dim);
   expect_dtype(op, "lse", lse, DType::f32);
   key.splits = backward && deterministic ? backward_splits(key.batch, key.seq, key.q_heads, key.kv_heads) : 1;
   return key;

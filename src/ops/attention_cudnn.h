@@ -7,7 +7,7 @@
 // bf16 workspace of B x Hq x S' x S' (S' = S rounded up to 64; 1 GiB at S = 4096 with 32 heads)
 // instead of adding dQ with float atomics. When that workspace would pass the cap below, the
 // backward runs one key/value head group at a time (the workspace shrinks by the group count);
-// past the cap even for one group it refuses, and the caller uses the own kernels.
+// past the cap even for one group the own kernels run the backward.
 // Graphs are built once per shape (the first call of a shape takes ~0.1-1 s) and kept.
 #pragma once
 #include <cstdint>
@@ -20,9 +20,11 @@ namespace marrow {
 // (8 x 16384^2 x 2 B = 4 GiB).
 inline constexpr int64_t kCudnnAttentionWorkspaceCap = int64_t(4) << 30;
 
-// Whether cuDNN serves these sizes: more than one position, head_dim 64 or 128, the backward's
-// workspace within the cap for some split of the key/value heads.
-bool cudnn_attention_supports(int64_t batch, int64_t seq, int64_t q_heads, int64_t kv_heads, int64_t head_dim);
+// Whether cuDNN serves these sizes: the forward, more than one position and head_dim 64 or 128;
+// the backward, also its workspace within the cap for some split of the key/value heads. Past it
+// the backward runs on the own kernels from cuDNN's forward (their lse is the same).
+bool cudnn_attention_forward_supports(int64_t seq, int64_t head_dim);
+bool cudnn_attention_backward_supports(int64_t batch, int64_t seq, int64_t q_heads, int64_t kv_heads, int64_t head_dim);
 
 // The GPU scratch the backward takes from the stream-ordered pool (the largest of its calls).
 int64_t cudnn_attention_backward_scratch(int64_t batch, int64_t seq, int64_t q_heads, int64_t kv_heads);

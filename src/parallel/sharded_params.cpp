@@ -27,7 +27,7 @@ UnitKey unit_key(const TensorSpec& s, const std::vector<int64_t>& stage_chunk) {
 
 std::vector<ShardedParameters::Unit> ShardedParameters::cut_units(const std::vector<TensorSpec>& specs, int64_t num_layers,
                                                                   const std::vector<int64_t>& stage_chunk, const Mesh& mesh,
-                                                                  bool keep_gathered, bool keep_whole_grads) {
+                                                                  bool keep_gathered, bool keep_whole_grads, bool cast_on_use) {
   std::vector<Unit> units;
   std::vector<UnitKey> seen;
   for (const TensorSpec& s : specs) {
@@ -48,9 +48,10 @@ std::vector<ShardedParameters::Unit> ShardedParameters::cut_units(const std::vec
     u.numel = s.numel;
     u.group = u.expert ? &mesh.expert_shard : &mesh.shard;
     u.n = u.group->size();
-    const bool whole_anyway = u.n == 1 || u.norms || u.stage < 0 || u.stage >= num_layers;
-    u.weights_kept = keep_gathered || whole_anyway;
-    u.grads_kept = keep_whole_grads || whole_anyway;
+    const bool whole_anyway = u.norms || u.stage < 0 || u.stage >= num_layers;
+    u.weights_kept = keep_gathered || whole_anyway || (u.n == 1 && !cast_on_use);
+    u.grads_kept = keep_whole_grads || whole_anyway || u.n == 1;
+    u.cast = u.n == 1 && !u.weights_kept;
     units.push_back(u);
   }
   int64_t offset = 0;
@@ -69,12 +70,13 @@ int64_t ShardedParameters::shard_elements(const std::vector<Unit>& units) {
 }
 
 ShardedParameters::ShardedParameters(const std::vector<TensorSpec>& specs, int64_t num_layers, const std::vector<int64_t>& stage_chunk,
-                                     const Mesh& mesh, bool keep_gathered, bool keep_whole_grads, Device device, DType compute)
+                                     const Mesh& mesh, bool keep_gathered, bool keep_whole_grads, bool cast_on_use, Device device,
+                                     DType compute)
     : specs_(specs),
       num_layers_(num_layers),
       device_(device),
       mesh_(mesh),
-      units_(cut_units(specs, num_layers, stage_chunk, mesh, keep_gathered, keep_whole_grads)),
+      units_(cut_units(specs, num_layers, stage_chunk, mesh, keep_gathered, keep_whole_grads, cast_on_use && compute != DType::f32)),
       params_("parameters", DType::f32, device, shard_elements(units_)),
       grads_("gradients", DType::f32, device, shard_elements(units_)),
       exp_avg_("adam exp_avg", DType::f32, device, shard_elements(units_)),
@@ -104,7 +106,7 @@ void ShardedParameters::allocate(DType compute) {
     const size_t kind = u.expert ? 1 : 0;
     if (!u.weights_kept) weight_slot[kind] = std::max(weight_slot[kind], u.n * u.chunk);
     else if (separate_working || u.n > 1) gathered += u.n * u.chunk;
-    if (!u.weights_kept && separate_working) shards += u.chunk;
+    if (!u.weights_kept && separate_working && !u.cast) shards += u.chunk;
     if (!u.grads_kept) grad_slot[kind] = std::max(grad_slot[kind], u.n * u.chunk);
     else if (u.n > 1) whole += u.n * u.chunk;
   }
@@ -124,7 +126,7 @@ void ShardedParameters::allocate(DType compute) {
       u.working = separate_working ? u.gathered.rows(u.group->rank() * u.chunk, (u.group->rank() + 1) * u.chunk) : u.shard(params_);
     } else if (u.weights_kept) {
       u.gathered = u.working = u.shard(params_);
-    } else {
+    } else if (!u.cast) {
       u.working = separate_working ? take(shards_, at_shard, u.chunk) : u.shard(params_);
     }
     if (u.grads_kept) u.whole_grad = u.n > 1 ? take(whole_grads_, at_whole, u.n * u.chunk) : u.shard(grads_);
@@ -191,7 +193,7 @@ void ShardedParameters::master_changed() {
   forget_slots();
   for (size_t i : update_order_) {
     Unit& u = units_[i];
-    if (u.working.data != u.shard(params_).data) cast(u.working, u.shard(params_));
+    if (u.working.data != nullptr && u.working.data != u.shard(params_).data) cast(u.working, u.shard(params_));
     gather_kept(u);
   }
 }
@@ -216,9 +218,13 @@ void ShardedParameters::start_step() {
 void ShardedParameters::gather_slot(const Unit& u, int64_t layer) {
   Slot& s = slot(u, layer);
   if (s.holds == layer) return;
+  s.holds = layer;
+  if (u.cast) {  // on the compute stream, which uses it next: nothing to wait for
+    cast(s.weights.rows(0, u.numel), u.shard(params_));
+    return;
+  }
   u.group->all_gather(s.weights.rows(0, u.n * u.chunk), u.working, "weights all_gather (layer)", false);
   s.gathered_at = u.group->queued();
-  s.holds = layer;
 }
 
 void ShardedParameters::wait_for_weights(int64_t stage, bool backward) {
@@ -297,7 +303,7 @@ void ShardedParameters::optimizer_step(AdamWHyper hyper) {
   for (size_t i : update_order_) {
     Unit& u = units_[i];
     hyper.weight_decay = u.norms ? 0 : weight_decay;
-    const bool separate = u.working.data != u.shard(params_).data;
+    const bool separate = u.working.data != nullptr && u.working.data != u.shard(params_).data;
     adamw_step(u.shard(params_), separate ? u.working : Tensor{}, u.shard(exp_avg_), u.shard(exp_avg_sq_), u.shard(grads_), hyper);
     gather_kept(u);
   }

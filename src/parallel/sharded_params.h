@@ -26,7 +26,9 @@
 //            reduce-scatter it once, as soon as the last micro-batch's backward has passed the
 //            stage. Replicas then sum the shards.
 // A unit of one chunk (n = 1) is neither gathered nor scattered: its whole copy is the shard, and
-// this is plain replicated data parallelism (and the single process).
+// this is plain replicated data parallelism (and the single process). With cast_on_use (GPU), such
+// a unit of a decoder layer keeps no compute copy: before each use its fp32 master is cast into the
+// layer's slot, as a sharded unit would be gathered there.
 #pragma once
 #include <array>
 #include <functional>
@@ -46,7 +48,7 @@ class ShardedParameters {
   // + 1]: the pipeline chunk holding each stage (-1 prolog .. num_layers epilog), -1 where another
   // pipeline rank holds it.
   ShardedParameters(const std::vector<TensorSpec>& specs, int64_t num_layers, const std::vector<int64_t>& stage_chunk, const Mesh& mesh,
-                    bool keep_gathered, bool keep_whole_grads, Device device, DType compute);
+                    bool keep_gathered, bool keep_whole_grads, bool cast_on_use, Device device, DType compute);
   ShardedParameters(const ShardedParameters&) = delete;
   ShardedParameters& operator=(const ShardedParameters&) = delete;
 
@@ -100,6 +102,7 @@ class ShardedParameters {
     int64_t n = 1, chunk = 0, offset = 0;  // shard group size, chunk, place in the shard arenas
     bool weights_kept = true;              // the whole weights kept for the step (else slots)
     bool grads_kept = true;                // the whole gradient accumulated over the step (else slots)
+    bool cast = false;                     // n == 1 in slots: cast from the master, no compute copy kept
     Tensor working;                        // the shard the optimizer writes, in the compute dtype
     Tensor gathered;                       // weights_kept: the whole unit, n * chunk elements
     Tensor whole_grad;                     // grads_kept: the whole fp32 gradient (n == 1: the shard)
@@ -114,7 +117,7 @@ class ShardedParameters {
   };
 
   static std::vector<Unit> cut_units(const std::vector<TensorSpec>& specs, int64_t num_layers, const std::vector<int64_t>& stage_chunk,
-                                     const Mesh& mesh, bool keep_gathered, bool keep_whole_grads);
+                                     const Mesh& mesh, bool keep_gathered, bool keep_whole_grads, bool cast_on_use);
   static int64_t shard_elements(const std::vector<Unit>& units);
   void allocate(DType compute);
   void place(const std::vector<TensorSpec>& specs);
