@@ -303,9 +303,11 @@ void Qwen3Moe::experts_forward(Tensor y_perm, Qwen3MoeExpertActivations& e, Buff
   e.x_perm = std::move(x_perm);
   e.gate_up = buffer({R, 2 * I});
   grouped_linear_forward(e.gate_up, e.x_perm, w.experts_gate_up, expert_offsets);
-  e.act = buffer({R, I});
-  swiglu_forward(e.act, e.gate_up);
-  grouped_linear_forward(y_perm, e.act, w.experts_down, expert_offsets);
+  // The SwiGLU output is not kept: the backward computes it again from gate_up (a cheap
+  // elementwise pass), R x I activations less per layer until then.
+  const Buffer act = buffer({R, I});
+  swiglu_forward(act, e.gate_up);
+  grouped_linear_forward(y_perm, act, w.experts_down, expert_offsets);
 }
 
 void Qwen3Moe::experts_backward(Tensor dx_perm, const Qwen3MoeLayerWeights& grads, Tensor dy_perm, Qwen3MoeExpertActivations& e,
@@ -317,6 +319,8 @@ void Qwen3Moe::experts_backward(Tensor dx_perm, const Qwen3MoeLayerWeights& grad
 void Qwen3Moe::experts_backward_input(Tensor dx_perm, Tensor dy_perm, Qwen3MoeExpertActivations& e, Tensor expert_offsets,
                                       const Qwen3MoeLayerWeights& w) const {
   const int64_t R = e.x_perm.view().size(0), I = config_.expert_intermediate_size;
+  e.act = buffer({R, I});  // for the down projection's weight gradient
+  swiglu_forward(e.act, e.gate_up);
   Buffer dact = buffer({R, I});
   grouped_linear_backward_input(dact, dy_perm, w.experts_down, expert_offsets);
   e.dgate_up = buffer({R, 2 * I});
@@ -427,8 +431,9 @@ ModelActivationBytes Qwen3Moe::activation_bytes(int64_t batch, int64_t seq, int6
   const int64_t op = gpu ? attention_backward_op_scratch(batch, seq, c.num_heads, c.num_kv_heads, D) : 0;
   m.attention.backward_scratch = before_op + std::max(op, T * (q + kv + 2 * H) * a);
 
-  m.experts.kept = R * (H + 3 * I) * a;        // x_perm, gate_up, act
-  m.experts.backward_scratch = R * 3 * I * a;  // dact, dgate_up
+  m.experts.kept = R * (H + 2 * I) * a;        // x_perm, gate_up
+  m.experts.forward_scratch = R * I * a;       // act
+  m.experts.backward_scratch = R * 4 * I * a;  // act (again), dact, dgate_up
 
   // x, h, the logits when kept whole; rstd, lse, token losses. Chunked logits: one chunk's buffer
   // in the forward and again in the backward, beside dh (the loss gradient overwrites the logits).

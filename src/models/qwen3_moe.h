@@ -71,8 +71,8 @@ struct Qwen3MoeAttentionActivations {
 };
 
 struct Qwen3MoeExpertActivations {
-  Buffer x_perm, gate_up, act;
-  Buffer dgate_up;  // from experts_backward_input to experts_backward_weights
+  Buffer x_perm, gate_up;
+  Buffer act, dgate_up;  // from experts_backward_input (act computed again there) to experts_backward_weights
 };
 
 struct Qwen3MoeEpilogActivations {
