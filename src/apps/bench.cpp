@@ -98,6 +98,10 @@ void bench_kernels() {
       const std::string name = fmt::format("grouped {} {} E128 {}x{}->{}", label, even ? "even" : "skewed", R, in, out);
       kernel_row(name + " fwd", flops, [&] { grouped_linear_forward(y, x, w, offsets); });
       kernel_row(name + " bwd input", flops, [&] { grouped_linear_backward_input(dx, dy, w, offsets); });
+      set_grouped_gemm_backend(GroupedGemmBackend::cublas);
+      kernel_row(name + " fwd (cuBLAS grouped)", flops, [&] { grouped_linear_forward(y, x, w, offsets); });
+      kernel_row(name + " bwd input (cuBLAS grouped)", flops, [&] { grouped_linear_backward_input(dx, dy, w, offsets); });
+      set_grouped_gemm_backend(GroupedGemmBackend::wgmma);
       kernel_row(name + " bwd weight", flops, [&] { grouped_linear_backward_weight(dw, dy, x, offsets); });
       kernel_row(name + " bwd weight (overwrite)", flops, [&] { grouped_linear_backward_weight(dw, dy, x, offsets, true); });
     }

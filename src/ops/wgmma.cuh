@@ -1,14 +1,21 @@
 // Hopper (sm_90a) grouped GEMM for the expert layers: out_e = in_e B_e for the row groups of
-// grouped_linear, B_e = W_e^T (forward, W_e [O, I] is K-major) or W_e (backward input, N-major).
-// A persistent grid walks tiles of 128 rows x 256 columns of one expert (expert, column tile, row
-// tile: the row tiles of one weight tile run next to each other, so each weight tile is read from
-// memory about once). Per block one producer warpgroup (one thread issues the TMA copies into
-// 128-byte-swizzled shared tiles, kStages deep, completing on mbarriers) and two consumer
-// warpgroups, each multiplying 64 rows with wgmma.m64n256k16 (fp32 accumulators in registers) and
-// storing bf16. Rows past the expert's end are loaded (the next expert's rows or TMA's zeros) but
-// never stored; a consumer whose 64 rows all lie past the end skips the multiply, so the last tile
-// of an expert costs half a tile when it holds at most 64 rows. Needs O and I multiples of 8 and
-// 16-byte aligned tensors (TMA's stride rule); the sums run in a fixed order (deterministic).
+// grouped_linear, B_e = W_e^T (forward; W_e [O, I] is K-major) or W_e (backward input; N-major, read
+// through wgmma's transpose bit for B). Tiles are 128 rows x 256 columns of one expert, ordered
+// (expert, column tile, row tile) so that the row tiles of one weight tile run side by side and each
+// weight tile comes from memory about once. A persistent grid: each block starts on tile blockIdx.x
+// and takes the next from a counter (tiles differ in cost, see below); which block computes a tile
+// does not change its bits, so results are deterministic. Per block one producer warpgroup (one
+// thread issues the TMA copies into 128-byte-swizzled shared tiles, kStages deep, completing on
+// mbarriers) and two consumer warpgroups, each multiplying 64 rows with wgmma.m64n256k16 (fp32
+// accumulators in registers) and storing bf16 through shared memory. Rows past the expert's end are
+// loaded (the next expert's rows or TMA's zeros) but never stored; a consumer whose 64 rows all lie
+// past the end skips the multiply, so an expert's last tile costs about half when it holds at most
+// 64 rows. K and N edges are TMA's zero fill (the weight is a 3-D map, so no tile reads into the next
+// expert's weights). Needs O and I multiples of 8 and 16-byte aligned tensors (TMA's stride rule).
+// Descriptor facts, verified on the H200 (2026-12-01): K-major 128-byte swizzle: leading byte offset
+// unused (1), stride 1024 (8 rows of 128 bytes), 16 of K = +32 bytes on the start address; N-major:
+// leading = the distance between 64-column blocks, stride = between 8-row groups of K (swapped, the
+// results are wrong).
 #pragma once
 #include <cuda.h>
 #include <cuda_bf16.h>
