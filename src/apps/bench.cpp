@@ -1,10 +1,12 @@
 // marrow bench: measured speed, never pass/fail.
-//   marrow bench <run-config> [--warmup N] [--steps M] [--section.key=value ...]
+//   marrow bench <run-config> [--warmup N] [--steps M] [--grouped-gemm=wgmma|cublas] [--section.key=value ...]
 //     trains warm-up + measured steps and reports over the measured ones: tokens/s, achieved TFLOP/s
 //     (6 x active parameters incl. the LM head per token, plus causal attention), MFU against the
 //     H100/H200 datasheet's 989 dense bf16 TFLOP/s, peak memory and the time per stage.
 //     --profile-steps=A:B (any run config option) also writes a CUPTI kernel trace of steps A..B
 //     and prints the ten heaviest kernels; the traced steps' times include CUPTI's overhead.
+//     --grouped-gemm=cublas runs the expert forward and backward input on cuBLAS's grouped call
+//     instead of the own wgmma kernel (an A/B of the two in one binary).
 //   marrow bench --kernels
 //     times the heaviest kernels at the bench shapes (GPU.md) with CUDA events: attention forward
 //     and backward, the dense q_proj GEMM, the grouped expert GEMMs.
@@ -63,6 +65,9 @@ void kernel_row(const std::string& name, double flops, const std::function<void(
 }
 
 void bench_kernels() {
+  // As in training: without it the pool hands freed memory back at every event sync, and each timed
+  // call that allocates (the grouped GEMMs' small schedules) pays for mapping it again (~80 us).
+  keep_pool_memory();
   std::printf("%-64s %12s %16s\n", "kernel (bench shapes, bf16)", "median", "achieved");
   const int64_t S = 4096, Hq = 32, Hkv = 4, D = 128, H = 2048, E = 128, K = 8, I = 768;
   {
@@ -187,10 +192,11 @@ int bench_command(int argc, char** argv) {
     return 0;
   }
   if (print_run_config_help(argc, argv)) {
-    std::printf("\nbench's own: --warmup=N (3) --steps=M (10) measured steps; marrow bench --kernels times the heaviest kernels (GPU)\n");
+    std::printf("\nbench's own: --warmup=N (3) --steps=M (10) measured steps; --grouped-gemm=wgmma|cublas (the expert GEMMs' kernel);\n"
+                "marrow bench --kernels times the heaviest kernels (GPU)\n");
     return 0;
   }
-  // --warmup and --steps are bench's own; everything else is the run config and its overrides.
+  // --warmup, --steps and --grouped-gemm are bench's own; everything else is the run config and its overrides.
   int64_t warmup = 3, steps = 10;
   std::vector<char*> rest;
   for (int i = 0; i < argc; ++i) {
@@ -198,6 +204,11 @@ int bench_command(int argc, char** argv) {
     auto value = [&](const std::string& flag) { return a.rfind(flag + "=", 0) == 0 ? std::stoll(a.substr(flag.size() + 1)) : -1; };
     if (value("--warmup") >= 0) warmup = value("--warmup");
     else if (value("--steps") > 0) steps = value("--steps");
+    else if (a.rfind("--grouped-gemm=", 0) == 0) {
+      const std::string kernel = a.substr(15);
+      MARROW_CHECK(kernel == "wgmma" || kernel == "cublas", "bench: --grouped-gemm takes wgmma or cublas, got '{}'", kernel);
+      set_grouped_gemm_backend(kernel == "cublas" ? GroupedGemmBackend::cublas : GroupedGemmBackend::wgmma);
+    }
     else rest.push_back(argv[i]);
   }
   const RunConfig rc = parse_run_config(int(rest.size()), rest.data());
