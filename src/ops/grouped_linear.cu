@@ -109,7 +109,7 @@ int64_t row_count(const char* op, const char* name, const Tensor& t) {
 // set_grouped_gemm_backend, one cublasGemmGroupedBatchedEx call (bf16 in/out, fp32 compute) where
 // every expert with rows is a group of one problem; experts without rows are left out. (cuBLAS 13's
 // grouped call runs SM80 mma.sync kernels, ~260 TFLOP/s at the bench shapes; an own mma.sync kernel
-// was 4-12% slower still; the wgmma kernel does 510-590: docs/performance.md.) backward_weight: an
+// was 4-12% slower still; the wgmma kernel does 490-640: docs/performance.md.) backward_weight: an
 // own grouped kernel (tensor cores through mma.sync, fp32 accumulators) that adds dy_e^T x_e straight
 // into the fp32 gradient; cuBLAS's grouped call has no fp32 output.
 using bf16 = __nv_bfloat16;
