@@ -1,10 +1,12 @@
 // marrow bench: measured speed, never pass/fail.
-//   marrow bench <run-config> [--warmup N] [--steps M] [--section.key=value ...]
+//   marrow bench <run-config> [--warmup N] [--steps M] [--grouped-gemm=wgmma|cublas] [--section.key=value ...]
 //     trains warm-up + measured steps and reports over the measured ones: tokens/s, achieved TFLOP/s
 //     (6 x active parameters incl. the LM head per token, plus causal attention), MFU against the
 //     H100/H200 datasheet's 989 dense bf16 TFLOP/s, peak memory and the time per stage.
 //     --profile-steps=A:B (any run config option) also writes a CUPTI kernel trace of steps A..B
 //     and prints the ten heaviest kernels; the traced steps' times include CUPTI's overhead.
+//     --grouped-gemm=cublas runs the expert forward and backward input on cuBLAS's grouped call
+//     instead of the own wgmma kernel (an A/B of the two in one binary).
 //   marrow bench --kernels
 //     times the heaviest kernels at the bench shapes (GPU.md) with CUDA events: attention forward
 //     and backward, the dense q_proj GEMM, the grouped expert GEMMs.
@@ -88,7 +90,9 @@ void bench_attention_kernels(int64_t S, int64_t Hq, int64_t Hkv, int64_t D) {
 }
 
 void bench_kernels() {
-  keep_pool_memory();  // as in training: scratch (cuDNN's 1 GiB dP workspace) is reused, not re-mapped
+  // As in training: without it the pool hands freed memory back at every event sync, and each timed
+  // call that allocates (the grouped GEMMs' small schedules, cuDNN's 1 GiB dP workspace) pays for mapping it again (~80 us).
+  keep_pool_memory();
   std::printf("%-64s %12s %16s\n", "kernel (bench shapes, bf16)", "median", "achieved");
   const int64_t S = 4096, Hq = 32, Hkv = 4, D = 128, H = 2048, E = 128, K = 8, I = 768;
   for (const int64_t seq : {S, 4 * S}) bench_attention_kernels(seq, Hq, Hkv, D);
@@ -114,6 +118,10 @@ void bench_kernels() {
       const std::string name = fmt::format("grouped {} {} E128 {}x{}->{}", label, even ? "even" : "skewed", R, in, out);
       kernel_row(name + " fwd", flops, [&] { grouped_linear_forward(y, x, w, offsets); });
       kernel_row(name + " bwd input", flops, [&] { grouped_linear_backward_input(dx, dy, w, offsets); });
+      set_grouped_gemm_backend(GroupedGemmBackend::cublas);
+      kernel_row(name + " fwd (cuBLAS grouped)", flops, [&] { grouped_linear_forward(y, x, w, offsets); });
+      kernel_row(name + " bwd input (cuBLAS grouped)", flops, [&] { grouped_linear_backward_input(dx, dy, w, offsets); });
+      set_grouped_gemm_backend(GroupedGemmBackend::wgmma);
       kernel_row(name + " bwd weight", flops, [&] { grouped_linear_backward_weight(dw, dy, x, offsets); });
       kernel_row(name + " bwd weight (overwrite)", flops, [&] { grouped_linear_backward_weight(dw, dy, x, offsets, true); });
     }
@@ -199,10 +207,11 @@ int bench_command(int argc, char** argv) {
     return 0;
   }
   if (print_run_config_help(argc, argv)) {
-    std::printf("\nbench's own: --warmup=N (3) --steps=M (10) measured steps; marrow bench --kernels times the heaviest kernels (GPU)\n");
+    std::printf("\nbench's own: --warmup=N (3) --steps=M (10) measured steps; --grouped-gemm=wgmma|cublas (the expert GEMMs' kernel);\n"
+                "marrow bench --kernels times the heaviest kernels (GPU)\n");
     return 0;
   }
-  // --warmup and --steps are bench's own; everything else is the run config and its overrides.
+  // --warmup, --steps and --grouped-gemm are bench's own; everything else is the run config and its overrides.
   int64_t warmup = 3, steps = 10;
   std::vector<char*> rest;
   for (int i = 0; i < argc; ++i) {
@@ -210,6 +219,11 @@ int bench_command(int argc, char** argv) {
     auto value = [&](const std::string& flag) { return a.rfind(flag + "=", 0) == 0 ? std::stoll(a.substr(flag.size() + 1)) : -1; };
     if (value("--warmup") >= 0) warmup = value("--warmup");
     else if (value("--steps") > 0) steps = value("--steps");
+    else if (a.rfind("--grouped-gemm=", 0) == 0) {
+      const std::string kernel = a.substr(15);
+      MARROW_CHECK(kernel == "wgmma" || kernel == "cublas", "bench: --grouped-gemm takes wgmma or cublas, got '{}'", kernel);
+      set_grouped_gemm_backend(kernel == "cublas" ? GroupedGemmBackend::cublas : GroupedGemmBackend::wgmma);
+    }
     else rest.push_back(argv[i]);
   }
   const RunConfig rc = parse_run_config(int(rest.size()), rest.data());

@@ -1,4 +1,4 @@
-// marrow check, group "gemm": linear (cuBLASLt) and grouped_linear (cuBLAS grouped GEMM forward and
+// marrow check, group "gemm": linear (cuBLASLt) and grouped_linear (own wgmma GEMM forward and
 // backward_input, own tensor-core kernel for the fp32 weight gradient) against the CPU reference.
 // Small odd shapes are compared in full; the bench shapes (Qwen3-30B-A3B's layer) are drawn on the
 // GPU and compared on slices whose reference the CPU computes in well under a second: the last rows
@@ -126,11 +126,13 @@ void check_linear_bench(CheckReport& report, const char* label, int64_t n, int64
 
 // ---- grouped_linear ----------------------------------------------------------------------------
 
-void check_grouped_small(CheckReport& report, int64_t out, int64_t in, const std::vector<int32_t>& counts, uint64_t seed) {
+// kernel: a name for the rows when the forward/backward-input kernel is not the default one.
+void check_grouped_small(CheckReport& report, int64_t out, int64_t in, const std::vector<int32_t>& counts, uint64_t seed,
+                         const char* kernel = nullptr) {
   const int64_t e = int64_t(counts.size());
   Buffer offsets = offsets_host(counts);
   const int64_t r = offsets.ptr<int32_t>()[e];
-  const std::string shape = fmt::format("E{} {}x{}->{}", e, r, in, out);
+  const std::string shape = fmt::format("E{} {}x{}->{}{}", e, r, in, out, kernel ? fmt::format(" ({})", kernel) : "");
   Buffer x = host_bf16_values({r, in}, seed), w = host_bf16_values({e, out, in}, seed + 1), dy = host_bf16_values({r, out}, seed + 2);
   Buffer y_ref(DType::f32, Device::cpu, {r, out}), dx_ref(DType::f32, Device::cpu, {r, in});
   Buffer dw_ref = Buffer::zeros(DType::f32, Device::cpu, {e, out, in});
@@ -217,9 +219,21 @@ void check_gemm_ops(CheckReport& report) {
   // O or I not a multiple of 8: the simple grouped kernel and the dW kernel's element-wise loads.
   check_grouped_small(report, 130, 72, {0, 13, 1, 0, 29, 7}, 200);
   check_grouped_small(report, 37, 75, {5, 0, 11, 3}, 210);
-  // Multiples of 8 with odd row counts and partial tiles: the cuBLAS grouped call and cp.async loads.
+  // Multiples of 8 with odd row counts and partial tiles: the wgmma kernel (128 x 256 tiles, K in
+  // steps of 64) and the dW kernel's cp.async loads.
   check_grouped_small(report, 136, 200, {17, 0, 1, 40, 33, 0}, 220);
   check_grouped_small(report, 264, 128, {0, 0, 130, 2, 64}, 230);
+  // Experts of 1 to 3 row tiles whose last tile holds 1, 44, 64 (one consumer warpgroup) or 65 rows;
+  // 520 columns = 2 full column tiles and a partial one, K = 264 not a multiple of 64.
+  check_grouped_small(report, 520, 264, {0, 1, 300, 65, 64, 129, 0}, 240);
+  // 40 experts, the rows in the last few: the kernel's search for a tile's expert crosses 32 of them.
+  std::vector<int32_t> late(40, 0);
+  late[36] = 5, late[37] = 129, late[39] = 1;
+  check_grouped_small(report, 264, 136, late, 250);
+  // The cuBLAS grouped call, still selectable for comparisons.
+  set_grouped_gemm_backend(GroupedGemmBackend::cublas);
+  check_grouped_small(report, 136, 200, {17, 0, 1, 40, 33, 0}, 220, "cuBLAS");
+  set_grouped_gemm_backend(GroupedGemmBackend::wgmma);
 
   // Bench shapes: Qwen3-30B-A3B, hidden 2048, 32 query heads of 128, 128 experts top-8 of width 768,
   // 4096 tokens.

@@ -14,11 +14,14 @@
 #include "core/blas.h"
 #include "core/cuda_check.h"
 #include "core/memory.h"
+#include "ops/wgmma.cuh"
 #endif
 
 namespace marrow {
 
 namespace {
+
+GroupedGemmBackend grouped_gemm_backend = GroupedGemmBackend::wgmma;
 
 template <typename T>
 void forward_cpu(T* y, const T* x, const T* weight, const int32_t* offsets, int64_t e, int64_t o, int64_t in) {
@@ -102,12 +105,13 @@ int64_t row_count(const char* op, const char* name, const Tensor& t) {
 
 #ifdef __CUDACC__
 // ---------------------------------------------------------------------------------------------
-// GPU. Forward and backward_input: one cublasGemmGroupedBatchedEx call (bf16 in/out, fp32 compute)
-// where every expert with rows is a group of one problem; experts without rows are left out. (An
-// own mma.sync kernel with 128 x 128 tiles per expert row slice measured 4-12% slower on the H200;
-// docs/performance.md.) backward_weight: an own grouped kernel (tensor cores through mma.sync, fp32
-// accumulators) that adds dy_e^T x_e straight into the fp32 gradient; cuBLAS's grouped call has no
-// fp32 output.
+// GPU. Forward and backward_input: the own wgmma kernel (ops/wgmma.cuh) or, selected by
+// set_grouped_gemm_backend, one cublasGemmGroupedBatchedEx call (bf16 in/out, fp32 compute) where
+// every expert with rows is a group of one problem; experts without rows are left out. (cuBLAS 13's
+// grouped call runs SM80 mma.sync kernels, ~260 TFLOP/s at the bench shapes; an own mma.sync kernel
+// was 4-12% slower still; the wgmma kernel does 490-640: docs/performance.md.) backward_weight: an
+// own grouped kernel (tensor cores through mma.sync, fp32 accumulators) that adds dy_e^T x_e straight
+// into the fp32 gradient; cuBLAS's grouped call has no fp32 output.
 using bf16 = __nv_bfloat16;
 
 bool aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
@@ -145,8 +149,9 @@ Buffer upload(const std::vector<T>& host, Stream stream) {
 //   backward_input  dx_e[R_e,I] = dy_e W_e  ->  DX_e[I,R_e] = W_e[I,O] DY_e[O,R_e]        (m=I, n=R_e, k=O)
 // cuBLAS cannot look at the matrix pointers (they sit in device memory), so its kernels assume an
 // alignment; the grouped call is used only where every matrix and every row starts on 16 bytes
-// (O and I multiples of 8, base pointers 16-byte aligned): always true for the models' shapes.
-// Other shapes (odd sizes in tests) take grouped_simple_kernel below.
+// (O and I multiples of 8, base pointers 16-byte aligned): always true for the models' shapes, and
+// the same condition as the wgmma kernel's. Other shapes (odd sizes in tests) take
+// grouped_simple_kernel below.
 void grouped_gemm_cublas(bool forward, Tensor out, Tensor in, Tensor weight, const int32_t* offsets, int64_t e, int64_t o,
                          int64_t i, Stream stream) {
   const int64_t m = forward ? o : i, k = forward ? i : o;  // out is [R, m], in is [R, k]
@@ -182,8 +187,20 @@ void grouped_gemm_cublas(bool forward, Tensor out, Tensor in, Tensor weight, con
                                                  CUBLAS_COMPUTE_32F));
 }
 
+// The wgmma kernel: its tile schedule (offsets, each expert's first tile, a counter) goes to the
+// device in stream order with the call.
+void grouped_gemm_wgmma(bool forward, Tensor out, Tensor in, Tensor weight, const int32_t* offsets, int64_t e, int64_t o, int64_t i,
+                        Stream stream) {
+  const std::vector<int32_t> schedule = wgmma::tile_schedule(offsets, e, forward ? o : i);
+  Buffer device_schedule = upload(schedule, stream);
+  wgmma::grouped_gemm(forward, static_cast<bf16*>(out.data), static_cast<const bf16*>(in.data), static_cast<const bf16*>(weight.data),
+                      static_cast<int32_t*>(device_schedule.view().data), schedule[size_t(2 * e + 1)], e, o, i, in.size(0),
+                      static_cast<cudaStream_t>(stream.handle));
+}
+
 // out[r, c] = sum_j in[r, j] W_e[c * wc + j * wj] for row r of expert e, one thread per output, fp32
-// sums in a fixed order. Only for shapes the grouped cuBLAS call cannot take (see above): slow.
+// sums in a fixed order. Only for shapes the wgmma kernel and the grouped cuBLAS call cannot take
+// (see above): slow.
 __global__ void grouped_simple_kernel(bf16* out, const bf16* in, const bf16* weight, const int32_t* offsets, int experts,
                                       int64_t rows, int cols, int inner, int64_t wc, int64_t wj) {
   const int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
@@ -212,8 +229,11 @@ void grouped_gemm_gpu(bool forward, Tensor out, Tensor in, Tensor weight, Tensor
     MARROW_CUDA_CHECK(cudaMemsetAsync(out.data, 0, out.bytes(), s));
     return;
   }
-  if (o % 8 == 0 && i % 8 == 0 && aligned(out.data, 16) && aligned(in.data, 16) && aligned(weight.data, 16))
-    return grouped_gemm_cublas(forward, out, in, weight, expert_offsets.ptr<int32_t>(), e, o, i, stream);
+  if (o % 8 == 0 && i % 8 == 0 && aligned(out.data, 16) && aligned(in.data, 16) && aligned(weight.data, 16)) {
+    if (grouped_gemm_backend == GroupedGemmBackend::cublas)
+      return grouped_gemm_cublas(forward, out, in, weight, expert_offsets.ptr<int32_t>(), e, o, i, stream);
+    return grouped_gemm_wgmma(forward, out, in, weight, expert_offsets.ptr<int32_t>(), e, o, i, stream);
+  }
   Buffer offsets = upload(std::vector<int32_t>(expert_offsets.ptr<int32_t>(), expert_offsets.ptr<int32_t>() + e + 1), stream);
   const int64_t n = rows * cols;
   grouped_simple_kernel<<<unsigned((n + 255) / 256), 256, 0, s>>>(
@@ -430,6 +450,8 @@ void backward_weight_gpu(Tensor dweight, Tensor dy, Tensor x, Tensor expert_offs
 #endif
 
 }  // namespace
+
+void set_grouped_gemm_backend(GroupedGemmBackend backend) { grouped_gemm_backend = backend; }
 
 void grouped_linear_forward(Tensor y, Tensor x, Tensor weight, Tensor expert_offsets, Stream stream) {
   const char* op = "grouped_linear_forward";

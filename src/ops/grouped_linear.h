@@ -4,13 +4,23 @@
 // The groups are consecutive, cover all R rows, and may be empty (an expert no token chose).
 // expert_offsets[E + 1] is i32 and always on the host, even when the data is on the GPU: the
 // grouped GEMM needs the group sizes on the host to launch.
-// GPU: x, weight, y, dy, dx bf16; dweight f32. Forward and backward_input are one
-// cublasGemmGroupedBatchedEx call (fp32 compute) when O and I are multiples of 8; backward_weight is
-// an own tensor-core kernel that adds into the fp32 gradient deterministically (one block per tile).
+// GPU: x, weight, y, dy, dx bf16; dweight f32. Forward and backward_input run an own Hopper kernel
+// (ops/wgmma.cuh: TMA + wgmma, fp32 accumulation, persistent tiles of 128 rows x 256 columns of one
+// expert; 2.1x cuBLAS's grouped call at the bench shapes) when O and I are multiples of 8 and the
+// tensors 16-byte aligned (TMA's rule), else a plain one-thread-per-output kernel (odd test shapes).
+// cublasGemmGroupedBatchedEx (SM80 mma.sync inside) stays selectable for comparisons
+// (set_grouped_gemm_backend). backward_weight is an own tensor-core kernel that adds into the fp32
+// gradient deterministically (one block per tile). All of them are deterministic (no atomics on data).
 #pragma once
 #include "core/tensor.h"
 
 namespace marrow {
+
+// The kernel behind the GPU forward and backward_input where O and I are multiples of 8: the own
+// wgmma kernel (the default) or cuBLAS's grouped call (`marrow bench --kernels` times both). For the
+// whole process; set it before a run, not while other threads call the ops.
+enum class GroupedGemmBackend { wgmma, cublas };
+void set_grouped_gemm_backend(GroupedGemmBackend backend);
 
 // y[R, O] from x[R, I] and weight[E, O, I].
 void grouped_linear_forward(Tensor y, Tensor x, Tensor weight, Tensor expert_offsets, Stream stream = {});

@@ -1,0 +1,369 @@
+// Hopper (sm_90a) grouped GEMM for the expert layers: out_e = in_e B_e for the row groups of
+// grouped_linear, B_e = W_e^T (forward; W_e [O, I] is K-major) or W_e (backward input; N-major, read
+// through wgmma's transpose bit for B). Tiles are 128 rows x 256 columns of one expert, ordered
+// (expert, column tile, row tile) so that the row tiles of one weight tile run side by side and each
+// weight tile comes from memory about once. A persistent grid: each block starts on tile blockIdx.x
+// and takes the next from a counter (tiles differ in cost, see below); which block computes a tile
+// does not change its bits, so results are deterministic. Per block one producer warpgroup (one
+// thread issues the TMA copies into 128-byte-swizzled shared tiles, kStages deep, completing on
+// mbarriers) and two consumer warpgroups, each multiplying 64 rows with wgmma.m64n256k16 (fp32
+// accumulators in registers) and storing bf16 through shared memory. Rows past the expert's end are
+// loaded (the next expert's rows or TMA's zeros) but never stored; a consumer whose 64 rows all lie
+// past the end skips the multiply, so an expert's last tile costs about half when it holds at most
+// 64 rows. K and N edges are TMA's zero fill (the weight is a 3-D map, so no tile reads into the next
+// expert's weights). Needs O and I multiples of 8 and 16-byte aligned tensors (TMA's stride rule).
+// Descriptor facts, verified on the H200 (2026-12-01): K-major 128-byte swizzle: leading byte offset
+// unused (1), stride 1024 (8 rows of 128 bytes), 16 of K = +32 bytes on the start address; N-major:
+// leading = the distance between 64-column blocks, stride = between 8-row groups of K (swapped, the
+// results are wrong).
+#pragma once
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cudaTypedefs.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "core/cuda_check.h"
+
+namespace marrow::wgmma {
+
+using bf16 = __nv_bfloat16;
+
+constexpr int kBlockM = 128;  // rows per tile: two consumer warpgroups of 64
+constexpr int kBlockN = 256;  // columns per tile: one m64n256k16 per consumer and 16 of K
+constexpr int kBlockK = 64;   // 64 bf16 = one 128-byte swizzle row
+constexpr int kStages = 4;
+constexpr int kConsumers = 2;
+constexpr int kThreads = 128 * (1 + kConsumers);
+constexpr int kTileABytes = kBlockM * kBlockK * 2;  // 16 KiB
+constexpr int kTileBBytes = kBlockN * kBlockK * 2;  // 32 KiB
+constexpr int kStageBytes = kTileABytes + kTileBBytes;
+constexpr int kStagingBytes = 4 * kConsumers * 16 * 256;  // the epilogue's 16 rows x 128 columns per warp
+// 1024 bytes of slack to align the stages to the 128-byte swizzle's 1024-byte period, the stages,
+// the epilogue's staging, the full/empty mbarriers and the tile each stage starts (16 bytes).
+constexpr int kSmemBytes = 1024 + kStages * kStageBytes + kStagingBytes + 2 * kStages * 8 + kStages * 16;
+
+// ---- PTX wrappers -------------------------------------------------------------------------------
+__device__ __forceinline__ uint32_t smem_address(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
+
+__device__ __forceinline__ void barrier_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void barrier_expect_bytes(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void barrier_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+// Waits until the phase with this parity has completed (a fresh barrier counts parity 1 as done).
+__device__ __forceinline__ void barrier_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0, int c1) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];" ::"r"(dst),
+      "l"(map), "r"(bar), "r"(c0), "r"(c1)
+      : "memory");
+}
+__device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0, int c1, int c2) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], [%2];" ::"r"(dst),
+      "l"(map), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
+}
+
+// Shared-memory matrix descriptor for a 128-byte-swizzled tile: start address, leading and stride
+// byte offsets (each >> 4) and the swizzle mode (1 = 128 bytes) in bits 62-63. Tiles are 1024-byte
+// aligned, so the base-offset field stays 0.
+__device__ __forceinline__ uint64_t descriptor(uint32_t address, uint32_t leading_bytes, uint32_t stride_bytes) {
+  return uint64_t((address & 0x3FFFF) >> 4) | uint64_t(leading_bytes >> 4) << 16 | uint64_t(stride_bytes >> 4) << 32 | 1ull << 62;
+}
+
+__device__ __forceinline__ void mma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void mma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int kPending>
+__device__ __forceinline__ void mma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(kPending) : "memory");
+}
+// Keeps the compiler from moving accumulator reads or writes across an asynchronous wgmma.
+__device__ __forceinline__ void fence_registers(float (&d)[128]) {
+#pragma unroll
+  for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// d (+)= A B for 64 rows x 256 columns x 16 of K; accumulate = 0 overwrites d. kTransB = 1: B's
+// tile is N-major (N contiguous), else K-major.
+template <int kTransB>
+__device__ __forceinline__ void mma_m64n256k16(float (&d)[128], uint64_t a_desc, uint64_t b_desc, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127},"
+      " %128, %129, p, 1, 1, 0, %131;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "l"(a_desc), "l"(b_desc), "r"(accumulate), "n"(kTransB));
+}
+
+// ---- the kernel ---------------------------------------------------------------------------------
+// schedule: offsets[E + 1] (rows of each expert), tile_start[E + 1] (the first tile of each expert;
+// tile_start[E] = all tiles), then a counter the launcher zeroes. Tile t of expert e: column tile
+// (t - tile_start[e]) / row tiles, row tile (t - tile_start[e]) % row tiles.
+struct Tile {
+  int expert, row0, row_end, col0;  // expert < 0: no tiles left
+};
+
+// The producer warp's tile lookup: the expert is found by a warp-wide scan of tile_start that
+// resumes at the previous tile's expert (a block's tiles come in increasing order).
+__device__ __forceinline__ Tile find_tile(int t, const int32_t* schedule, int experts, int& expert) {
+  const int32_t *offsets = schedule, *tile_start = schedule + experts + 1;
+  const int lane = threadIdx.x % 32;
+  for (;;) {  // tile_start[expert] <= t < tile_start[experts]: some lane's test fails
+    const int e = expert + lane;
+    const unsigned started = __ballot_sync(~0u, e <= experts && tile_start[e] <= t);
+    if (started != ~0u) {
+      expert += __popc(started) - 1;
+      break;
+    }
+    expert += 32;
+  }
+  const int row_begin = offsets[expert], row_end = offsets[expert + 1];
+  const int row_tiles = (row_end - row_begin + kBlockM - 1) / kBlockM, local = t - tile_start[expert];
+  return {expert, row_begin + (local % row_tiles) * kBlockM, row_end, (local / row_tiles) * kBlockN};
+}
+
+// One consumer warp's 16 rows x 256 columns to out[rows, n] as bf16, rows at or past row_end left
+// out. Accumulator layout of m64nNk16: warp w of the warpgroup holds rows 16w + lane / 4 (+ 8); d[4j],
+// d[4j + 1] are columns 8j + 2 (lane % 4) (+ 1) of the first row, d[4j + 2], d[4j + 3] of the second.
+// Stored straight from there, each warp store would touch 8 rows with 16 bytes each; so each half
+// of the columns goes through the warp's 4 KiB of shared memory (16-byte chunks XORed with row % 8:
+// no bank conflicts either way) and leaves as 16-byte stores that cover whole 256-byte row pieces.
+__device__ __forceinline__ void store_rows(bf16* out, const float (&d)[128], unsigned char* staging, int row, int row_end, int col0,
+                                           int n) {
+  const int lane = threadIdx.x % 32, quad_row = lane / 4;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    __syncwarp();
+#pragma unroll
+    for (int jj = 0; jj < 16; ++jj) {
+      const int j = 16 * half + jj;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = quad_row + 8 * h;
+        *reinterpret_cast<__nv_bfloat162*>(staging + r * 256 + ((jj ^ (r % 8)) * 16) + 4 * (lane % 4)) =
+            __floats2bfloat162_rn(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
+      }
+    }
+    __syncwarp();
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int r = 2 * i + lane / 16, chunk = lane % 16, col = col0 + 128 * half + 8 * chunk;
+      const uint4 v = *reinterpret_cast<const uint4*>(staging + r * 256 + ((chunk ^ (r % 8)) * 16));
+      if (row + r < row_end && col < n) *reinterpret_cast<uint4*>(out + int64_t(row + r) * n + col) = v;  // n % 8 == 0
+    }
+  }
+}
+
+// out[R, n] = in[R, k] B_e per expert. a_map: in as [R, k] (box 64 x 128 rows). b_map: W as [E, O, I]
+// (box 64 of I x 256 of O for the forward, 64 of I x 64 of O for the transposed B, four per stage).
+template <int kTransB>
+__global__ void __launch_bounds__(kThreads, 1)
+    grouped_gemm_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map, bf16* out,
+                        int32_t* schedule, int experts, int n, int k) {
+  extern __shared__ unsigned char smem_raw[];
+  const uint32_t raw = smem_address(smem_raw), base = (raw + 1023) & ~1023u;
+  unsigned char* smem = smem_raw + (base - raw);
+  unsigned char* staging = smem + kStages * kStageBytes;                   // 4 KiB per consumer warp
+  const uint32_t full = base + kStages * kStageBytes + kStagingBytes;      // mbarriers, 8 bytes each
+  const uint32_t empty = full + kStages * 8;
+  Tile* stage_tile = reinterpret_cast<Tile*>(staging + kStagingBytes + 2 * kStages * 8);  // the tile a stage starts
+  auto tile_a = [&](int s) { return base + s * kStageBytes; };
+  auto tile_b = [&](int s) { return base + s * kStageBytes + kTileABytes; };
+  const int warpgroup = threadIdx.x / 128;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      barrier_init(full + 8 * s, 1);                // the producer's arrive with the byte count
+      barrier_init(empty + 8 * s, 4 * kConsumers);  // one arrive per consumer warp
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  const int k_blocks = (k + kBlockK - 1) / kBlockK;
+
+  if (warpgroup == 0) {  // producer: warp 0 finds the tiles, its lane 0 issues the copies
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+    if (threadIdx.x >= 32) return;
+    const bool leader = threadIdx.x == 0;
+    const int tiles = schedule[2 * experts + 1];
+    int* counter = schedule + 2 * experts + 2;
+    int it = 0, expert = 0;
+    // Blocks start on tiles blockIdx.x and take the next free one from the counter when done: tiles
+    // differ in cost (an expert's last row tile), so a fixed round robin leaves blocks idle at the end.
+    for (int t = blockIdx.x; t < tiles;) {
+      int next = 0;
+      if (leader) next = int(gridDim.x) + atomicAdd(counter, 1);
+      const Tile tile = find_tile(t, schedule, experts, expert);
+      if (leader) {
+        for (int kb = 0; kb < k_blocks; ++kb, ++it) {
+          const int s = it % kStages;
+          barrier_wait(empty + 8 * s, ((it / kStages) & 1) ^ 1);
+          if (kb == 0) stage_tile[s] = tile;  // published by the arrive below
+          barrier_expect_bytes(full + 8 * s, kStageBytes);
+          tma_load_2d(tile_a(s), &a_map, full + 8 * s, kb * kBlockK, tile.row0);
+          if constexpr (kTransB) {
+            for (int j = 0; j < kBlockN / 64; ++j)
+              tma_load_3d(tile_b(s) + j * (kTileBBytes / 4), &b_map, full + 8 * s, tile.col0 + 64 * j, kb * kBlockK, tile.expert);
+          } else {
+            tma_load_3d(tile_b(s), &b_map, full + 8 * s, kb * kBlockK, tile.col0, tile.expert);
+          }
+        }
+      }
+      t = __shfl_sync(~0u, next, 0);
+    }
+    if (leader) {  // the end: a stage that carries no tile
+      const int s = it % kStages;
+      barrier_wait(empty + 8 * s, ((it / kStages) & 1) ^ 1);
+      stage_tile[s] = Tile{-1, 0, 0, 0};
+      barrier_arrive(full + 8 * s);
+    }
+    return;
+  }
+
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+  const int consumer = warpgroup - 1;
+  const bool lane0 = threadIdx.x % 32 == 0;
+  unsigned char* warp_staging = staging + (threadIdx.x / 32 - 4) * (kStagingBytes / (4 * kConsumers));
+  float d[128];
+  for (int it = 0;;) {
+    barrier_wait(full + 8 * (it % kStages), (it / kStages) & 1);
+    const Tile tile = stage_tile[it % kStages];
+    if (tile.expert < 0) break;
+    const int row = tile.row0 + 64 * consumer;
+    const bool active = row < tile.row_end;  // else all 64 rows lie past the expert's end
+    int previous = 0;
+    for (int kb = 0; kb < k_blocks; ++kb, ++it) {
+      const int s = it % kStages;
+      if (kb > 0) barrier_wait(full + 8 * s, (it / kStages) & 1);
+      if (active) {
+        fence_registers(d);
+        mma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kBlockK / 16; ++kk) {
+          // K-major tiles: rows of 128 bytes, 8-row swizzle atoms 1024 bytes apart, 16 of K = 32
+          // bytes. The N-major B: 64-column blocks of 64 K rows (8 KiB apart), 8-row atoms 1024
+          // bytes apart, 16 of K = 2048 bytes.
+          const uint64_t a = descriptor(tile_a(s) + consumer * 64 * 128 + kk * 32, 16, 1024);
+          const uint64_t b = kTransB ? descriptor(tile_b(s) + kk * 16 * 128, kTileBBytes / 4, 1024)
+                                     : descriptor(tile_b(s) + kk * 32, 16, 1024);
+          mma_m64n256k16<kTransB>(d, a, b, kb > 0 || kk > 0);
+        }
+        mma_commit();
+        mma_wait<1>();  // the previous stage's multiplies are done: it may be refilled
+        fence_registers(d);
+      }
+      if (kb > 0 && lane0) barrier_arrive(empty + 8 * previous);
+      previous = s;
+    }
+    mma_wait<0>();
+    fence_registers(d);
+    if (lane0) barrier_arrive(empty + 8 * previous);
+    if (active) store_rows(out, d, warp_staging, row + (threadIdx.x / 32 % 4) * 16, tile.row_end, tile.col0, n);
+  }
+}
+
+// ---- host ---------------------------------------------------------------------------------------
+inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    MARROW_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found));
+    MARROW_CHECK(found == cudaDriverEntryPointSuccess && fn, "the CUDA driver has no cuTensorMapEncodeTiled (TMA needs CUDA 12)");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }();
+  return encode;
+}
+
+// A bf16 tensor map with 128-byte swizzle; dims innermost first, strides in bytes (rank - 1 of them).
+inline CUtensorMap tensor_map(const void* data, int rank, const cuuint64_t* dims, const cuuint64_t* strides, const cuuint32_t* box) {
+  CUtensorMap map;
+  const cuuint32_t element_strides[3] = {1, 1, 1};
+  const CUresult result = tensor_map_encoder()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, cuuint32_t(rank), const_cast<void*>(data), dims,
+                                               strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                               CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  MARROW_CHECK(result == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed with CUresult {}", int(result));
+  return map;
+}
+
+// The schedule the kernel reads (see Tile) for output columns `cols`, its counter zero.
+inline std::vector<int32_t> tile_schedule(const int32_t* offsets, int64_t experts, int64_t cols) {
+  std::vector<int32_t> schedule(offsets, offsets + experts + 1);
+  const int32_t col_tiles = int32_t((cols + kBlockN - 1) / kBlockN);
+  int32_t start = 0;
+  for (int64_t e = 0; e <= experts; ++e) {
+    schedule.push_back(start);
+    if (e < experts) start += (offsets[e + 1] - offsets[e] + kBlockM - 1) / kBlockM * col_tiles;
+  }
+  schedule.push_back(0);
+  return schedule;
+}
+
+// out[R, cols] from in[R, inner] and weight[E, O, I]: forward (cols = O, inner = I) or backward input
+// (cols = I, inner = O). schedule: tile_schedule's array in device memory (its counter is zeroed
+// here, so one schedule serves several calls in stream order); tiles: its entry tile_start[E].
+inline void grouped_gemm(bool forward, bf16* out, const bf16* in, const bf16* weight, int32_t* schedule, int tiles, int64_t experts,
+                         int64_t o, int64_t i, int64_t rows, cudaStream_t stream) {
+  if (tiles == 0) return;
+  const int64_t cols = forward ? o : i, inner = forward ? i : o;
+  const cuuint64_t a_dims[2] = {cuuint64_t(inner), cuuint64_t(rows)}, a_strides[1] = {cuuint64_t(inner) * 2};
+  const cuuint32_t a_box[2] = {kBlockK, kBlockM};
+  const cuuint64_t w_dims[3] = {cuuint64_t(i), cuuint64_t(o), cuuint64_t(experts)}, w_strides[2] = {cuuint64_t(i) * 2, cuuint64_t(o * i) * 2};
+  const cuuint32_t w_box_forward[3] = {kBlockK, kBlockN, 1}, w_box_backward[3] = {64, kBlockK, 1};
+  const CUtensorMap a_map = tensor_map(in, 2, a_dims, a_strides, a_box);
+  const CUtensorMap b_map = tensor_map(weight, 3, w_dims, w_strides, forward ? w_box_forward : w_box_backward);
+  int device = 0, sms = 0;
+  MARROW_CUDA_CHECK(cudaGetDevice(&device));
+  MARROW_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  MARROW_CUDA_CHECK(cudaMemsetAsync(schedule + 2 * experts + 2, 0, sizeof(int32_t), stream));
+  const unsigned grid = unsigned(std::min(tiles, sms));
+  auto launch = [&](auto kernel) {
+    MARROW_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+    kernel<<<grid, kThreads, kSmemBytes, stream>>>(a_map, b_map, out, schedule, int(experts), int(cols), int(inner));
+    MARROW_CUDA_CHECK_LAUNCH();
+  };
+  if (forward) launch(grouped_gemm_kernel<0>);
+  else launch(grouped_gemm_kernel<1>);
+}
+
+}  // namespace marrow::wgmma
