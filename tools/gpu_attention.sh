@@ -2,12 +2,14 @@
 # Attention on one H200: cuDNN's fused SDPA (ops/attention_cudnn.h) against the own kernels. Run on
 # the GPU machine from the repository root after tools/gpu_prepare.sh here (device tool, carry
 # [".gpu-carry"]):
-#   tools/gpu_attention.sh <log-dir> [check|speed|long|all]
+#   tools/gpu_attention.sh <log-dir> [check|speed|long|all|final]
 # check: marrow check --only attention (both kernel sets against the CPU reference, bits twice)
 # speed: the attention rows of marrow bench --kernels; the bench config (3 + 17 steps) with each
 #        kernel set
 # long:  train.bf16_weight_copy=false against the default (losses bit for bit); one sequence per
 #        step at 16,384 and 32,768 tokens (3 + 7 steps), cuDNN kernels, with and without the copy
+# final: marrow check of the model, the grouped GEMMs and attention; the bench config (3 + 27 steps);
+#        16,384 tokens with the defaults and 32,768 without the bf16 weight copy
 # Ends with PASS or FAIL; logs in <log-dir>.
 set -uo pipefail
 out=${1:-$OUT}
@@ -51,6 +53,27 @@ print('losses', l[0]); print('same bits' if l[0] == l[1] else f'DIFFER: {l[1]}')
       --output.dir=runs/long-$1-$2 > "$out/long-$1-$2.log" 2>&1 || fail "bench at $1 tokens, bf16_weight_copy=$2"
     grep -E "^estimated peak|error" "$out/long-$1-$2.log" | head -3
     sed -n '/^bench:/,$p' "$out/long-$1-$2.log" | head -12
+  done
+fi
+
+if [ "$what" = final ]; then
+  for group in model gemm attention; do
+    step "marrow check --only $group"
+    build-gpu/marrow check --only $group > "$out/check-$group.log" 2>&1
+    grep -E "FAIL|checks,|error" "$out/check-$group.log" | head -20
+    grep -q '^PASS$' "$out/check-$group.log" || fail "marrow check --only $group"
+  done
+  step "bench config: 3 warm-up + 27 measured steps"
+  "${bench[@]}" --warmup=3 --steps=27 --output.dir=runs/final > "$out/bench.log" 2>&1 || fail "bench"
+  grep -E "^estimated peak|error" "$out/bench.log" | head -3
+  sed -n '/^bench:/,$p' "$out/bench.log" | head -12
+  for run in "16384 true" "32768 false"; do
+    set -- $run
+    step "one sequence of $1 tokens per step, bf16_weight_copy=$2: 3 warm-up + 7 measured steps"
+    "${bench[@]}" --warmup=3 --steps=7 --train.seq_len=$1 --train.global_batch=1 --train.micro_batch=1 --train.bf16_weight_copy=$2 \
+      --output.dir=runs/final-$1 > "$out/long-$1.log" 2>&1 || fail "bench at $1 tokens"
+    grep -E "^estimated peak|error" "$out/long-$1.log" | head -3
+    sed -n '/^bench:/,$p' "$out/long-$1.log" | head -12
   done
 fi
 
