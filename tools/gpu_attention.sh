@@ -9,7 +9,8 @@
 # long:  train.bf16_weight_copy=false against the default (losses bit for bit); one sequence per
 #        step at 16,384 and 32,768 tokens (3 + 7 steps), cuDNN kernels, with and without the copy
 # final: marrow check of the model, the grouped GEMMs and attention; the bench config (3 + 27 steps);
-#        16,384 tokens with the defaults and 32,768 without the bf16 weight copy
+#        16,384 tokens with the defaults and 32,768 without the bf16 weight copy, each with cuDNN's
+#        deterministic and non-deterministic attention backward
 # Ends with PASS or FAIL; logs in <log-dir>.
 set -uo pipefail
 out=${1:-$OUT}
@@ -67,13 +68,13 @@ if [ "$what" = final ]; then
   "${bench[@]}" --warmup=3 --steps=27 --output.dir=runs/final > "$out/bench.log" 2>&1 || fail "bench"
   grep -E "^estimated peak|error" "$out/bench.log" | head -3
   sed -n '/^bench:/,$p' "$out/bench.log" | head -12
-  for run in "16384 true" "32768 false"; do
+  for run in "16384 true cudnn" "16384 true cudnn_nondeterministic" "32768 false cudnn" "32768 false cudnn_nondeterministic"; do
     set -- $run
-    step "one sequence of $1 tokens per step, bf16_weight_copy=$2: 3 warm-up + 7 measured steps"
+    step "one sequence of $1 tokens per step, bf16_weight_copy=$2, attention kernels $3: 3 warm-up + 7 measured steps"
     "${bench[@]}" --warmup=3 --steps=7 --train.seq_len=$1 --train.global_batch=1 --train.micro_batch=1 --train.bf16_weight_copy=$2 \
-      --output.dir=runs/final-$1 > "$out/long-$1.log" 2>&1 || fail "bench at $1 tokens"
-    grep -E "^estimated peak|error" "$out/long-$1.log" | head -3
-    sed -n '/^bench:/,$p' "$out/long-$1.log" | head -12
+      --train.attention_kernels=$3 --output.dir=runs/final-$1-$3 > "$out/long-$1-$3.log" 2>&1 || fail "bench at $1 tokens, $3"
+    grep -E "^estimated peak|error" "$out/long-$1-$3.log" | head -3
+    sed -n '/^bench:/,$p' "$out/long-$1-$3.log" | head -5
   done
 fi
 

@@ -21,7 +21,6 @@
 #include "engine/trainer.h"
 #include "apps/model_switch.h"
 #include "ops/attention.h"
-#include "ops/attention_cudnn.h"
 #include "ops/grouped_linear.h"
 #include "ops/linear.h"
 #include "parallel/process.h"
@@ -65,8 +64,8 @@ void kernel_row(const std::string& name, double flops, const std::function<void(
   std::fflush(stdout);
 }
 
-// Attention at one sequence length: the own kernels, cuDNN's (deterministic backward, the training
-// path) and cuDNN's default backward (float atomics in dQ) to show what determinism costs.
+// Attention at one sequence length: the own kernels, cuDNN's (deterministic backward, the default)
+// and cuDNN's with its default backward (float atomics in dQ): what determinism costs.
 void bench_attention_kernels(int64_t S, int64_t Hq, int64_t Hkv, int64_t D) {
   Buffer q = random_device({1, S, Hq, D}, 1, "q"), k = random_device({1, S, Hkv, D}, 1, "k"), v = random_device({1, S, Hkv, D}, 1, "v");
   Buffer out(DType::bf16, Device::cuda, {1, S, Hq, D}), lse(DType::f32, Device::cuda, {1, Hq, S});
@@ -76,17 +75,13 @@ void bench_attention_kernels(int64_t S, int64_t Hq, int64_t Hkv, int64_t D) {
   // Causal: half of the 4 S^2 D multiply-adds per head forward; the backward does 2.5x the forward.
   const double fwd = 2.0 * double(S) * double(S) * double(D) * double(Hq);
   const AttentionKernels before = attention_kernels();
-  for (const AttentionKernels kernels : {AttentionKernels::own, AttentionKernels::cudnn}) {
+  for (const AttentionKernels kernels : {AttentionKernels::own, AttentionKernels::cudnn, AttentionKernels::cudnn_nondeterministic}) {
     set_attention_kernels(kernels);
     const std::string name = fmt::format("attention S{} Hq{} Hkv{} D{} causal, {}", S, Hq, Hkv, D, attention_kernels_name(kernels));
     kernel_row(name + " fwd", fwd, [&] { attention_forward(out, lse, q, k, v); });
     kernel_row(name + " bwd", 2.5 * fwd, [&] { attention_backward(dq, dk, dv, dout, q, k, v, out, lse); });
   }
   set_attention_kernels(before);
-#if MARROW_CUDA
-  kernel_row(fmt::format("attention S{} cudnn bwd, float atomics (not used)", S), 2.5 * fwd,
-             [&] { cudnn_attention_backward(dq, dk, dv, dout, q, k, v, out, lse, {}, false); });
-#endif
 }
 
 void bench_kernels() {

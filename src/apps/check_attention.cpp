@@ -2,8 +2,9 @@
 // CPU reference, at odd lengths (1, 37, 257), GQA groups 1, 4 and 8, head_dim 64 and 128, and the
 // bench shape (B 1, S 4096, 32 query / 4 key-value heads of 128); then the blocks of ring attention
 // (full and causal on sub-ranges, the zigzag split's cases, the backward adding into f32) and the
-// log-sum-exp merge, with the same bounds. The causal op's rows run twice: on the own kernels and
-// on cuDNN's (ops/attention_cudnn.h; rows named "attention cudnn ...").
+// log-sum-exp merge, with the same bounds. The causal op's rows run three times: on the own kernels,
+// on cuDNN's (ops/attention_cudnn.h; rows named "attention cudnn ...") and on cuDNN's with its
+// non-deterministic backward (no "same bits" rows there).
 //
 // Bounds, as error = max |gpu - cpu| / max |cpu| (check.h). Both sides read the same bf16 inputs,
 // and the tensor cores multiply bf16 operands exactly into f32 accumulators, so the GPU's coarse
@@ -37,7 +38,8 @@ struct Shape {
 
 // Rows of the causal op name the kernels that ran it when they are cuDNN's.
 std::string label(const char* what, const Shape& n) {
-  const char* kernels = attention_kernels() == AttentionKernels::cudnn ? " cudnn" : "";
+  const std::string kernels =
+      attention_kernels() == AttentionKernels::own ? "" : fmt::format(" {}", attention_kernels_name(attention_kernels()));
   return fmt::format("attention{} {} B{} S{} H{}/{} D{}", kernels, what, n.b, n.s, n.hq, n.hkv, n.d);
 }
 
@@ -183,6 +185,7 @@ void check_bench(CheckReport& report) {
       {"dk", {&first.dk, &second.dk}},    {"dv", {&first.dv, &second.dv}}};
   for (const auto& [what, runs] : results) {
     expect_finite(report, label(fmt::format("{} finite", what).c_str(), bench), *runs.first);
+    if (attention_kernels() == AttentionKernels::cudnn_nondeterministic) continue;  // its dq differs run to run
     Buffer bits = to_host(*runs.first);
     report.expect_equal(label(fmt::format("{} same bits", what).c_str(), bench), *runs.second, bits);
   }
@@ -306,7 +309,7 @@ void check_attention_op(CheckReport& report) {
   };
   uint64_t seed = 100;  // each problem draws from seeds seed .. seed + 3
   const AttentionKernels before = attention_kernels();
-  for (const AttentionKernels kernels : {AttentionKernels::own, AttentionKernels::cudnn}) {
+  for (const AttentionKernels kernels : {AttentionKernels::own, AttentionKernels::cudnn, AttentionKernels::cudnn_nondeterministic}) {
     set_attention_kernels(kernels);
     uint64_t shape_seed = seed;
     for (const Shape& n : shapes) check_shape(report, reference(n, shape_seed += 4));

@@ -400,9 +400,10 @@ namespace {
 // and, with grouped-query heads, f32 dK/dV per query head that are summed into the KV heads
 // afterwards. cuDNN's (ops/attention_cudnn.h): its dP workspace.
 int64_t attention_backward_op_scratch(int64_t batch, int64_t seq, int64_t q_heads, int64_t kv_heads, int64_t head_dim) {
-  if (attention_kernels() == AttentionKernels::cudnn &&
-      cudnn_attention_backward_supports(batch, seq, q_heads, kv_heads, head_dim))
-    return cudnn_attention_backward_scratch(batch, seq, q_heads, kv_heads);
+  const bool deterministic = attention_kernels() == AttentionKernels::cudnn;
+  if (attention_kernels() != AttentionKernels::own &&
+      cudnn_attention_backward_supports(batch, seq, q_heads, kv_heads, head_dim, deterministic))
+    return cudnn_attention_backward_scratch(batch, seq, q_heads, kv_heads, head_dim, deterministic);
   const int64_t T = batch * seq;
   return T * q_heads * 4 + (q_heads > kv_heads ? 2 * T * q_heads * head_dim * 4 : 0);
 }

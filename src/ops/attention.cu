@@ -882,7 +882,7 @@ void backward(const char* op, Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tens
 // The causal op goes to cuDNN when the setting asks for it and cuDNN serves the sizes.
 bool forward_on_cudnn(const Dims& n, Tensor q) {
 #if MARROW_CUDA
-  return attention_kernels() == AttentionKernels::cudnn && q.device == Device::cuda &&
+  return attention_kernels() != AttentionKernels::own && q.device == Device::cuda &&
          cudnn_attention_forward_supports(n.q_seq, n.head_dim);
 #else
   (void)n, (void)q;
@@ -892,8 +892,9 @@ bool forward_on_cudnn(const Dims& n, Tensor q) {
 
 bool backward_on_cudnn(const Dims& n, Tensor q) {
 #if MARROW_CUDA
-  return attention_kernels() == AttentionKernels::cudnn && q.device == Device::cuda &&
-         cudnn_attention_backward_supports(n.batch, n.q_seq, n.q_heads, n.kv_heads, n.head_dim);
+  return attention_kernels() != AttentionKernels::own && q.device == Device::cuda &&
+         cudnn_attention_backward_supports(n.batch, n.q_seq, n.q_heads, n.kv_heads, n.head_dim,
+                                           attention_kernels() == AttentionKernels::cudnn);
 #else
   (void)n, (void)q;
   return false;
@@ -911,13 +912,17 @@ void set_attention_kernels(AttentionKernels kernels) { kernels_setting() = kerne
 AttentionKernels attention_kernels() { return kernels_setting(); }
 
 AttentionKernels parse_attention_kernels(const std::string& name) {
-  if (name == "own") return AttentionKernels::own;
-  MARROW_CHECK(name == "cudnn", "attention kernels must be own or cudnn, got '{}'", name);
-  return AttentionKernels::cudnn;
+  for (AttentionKernels k : {AttentionKernels::own, AttentionKernels::cudnn, AttentionKernels::cudnn_nondeterministic})
+    if (name == attention_kernels_name(k)) return k;
+  fail("attention kernels must be own, cudnn or cudnn_nondeterministic, got '{}'", name);
 }
 
 const char* attention_kernels_name(AttentionKernels kernels) {
-  return kernels == AttentionKernels::cudnn ? "cudnn" : "own";
+  switch (kernels) {
+    case AttentionKernels::cudnn: return "cudnn";
+    case AttentionKernels::cudnn_nondeterministic: return "cudnn_nondeterministic";
+    default: return "own";
+  }
 }
 
 void attention_block_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v, const AttentionBlock& block,
@@ -956,7 +961,9 @@ void attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, 
   const auto [n, gpu] = check_backward(op, dq, dk, dv, dout, q, k, v, out, lse);
   expect_shape(op, "k", k, {n.batch, n.q_seq, n.kv_heads, n.head_dim});
 #if MARROW_CUDA
-  if (backward_on_cudnn(n, q)) return cudnn_attention_backward(dq, dk, dv, dout, q, k, v, out, lse, stream);
+  if (backward_on_cudnn(n, q))
+    return cudnn_attention_backward(dq, dk, dv, dout, q, k, v, out, lse, stream,
+                                    attention_kernels() == AttentionKernels::cudnn);
 #endif
   backward(op, dq, dk, dv, dout, q, k, v, out, lse, n, {AttentionMask::causal, 0, n.q_seq, 0, n.q_seq}, false, gpu,
            stream);

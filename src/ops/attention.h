@@ -33,10 +33,13 @@ namespace marrow {
 // (FlashAttention-2 style on mma.sync, below) or cuDNN's fused SDPA (ops/attention_cudnn.h: Hopper
 // wgmma kernels, deterministic backward), falling back to the own ones for sizes cuDNN does not
 // serve. Blocks always run the own kernels. One setting per process; the CPU ignores it.
-enum class AttentionKernels : uint8_t { own, cudnn };
+// cudnn_nondeterministic: cuDNN's default backward, which adds dQ with float atomics (no dP
+// workspace, any length, faster), so two runs differ in their last bits: the one exception to
+// DESIGN.md's determinism, never a default.
+enum class AttentionKernels : uint8_t { own, cudnn, cudnn_nondeterministic };
 void set_attention_kernels(AttentionKernels kernels);
 AttentionKernels attention_kernels();
-// "own" or "cudnn" (run configs, bench labels).
+// "own", "cudnn" or "cudnn_nondeterministic" (run configs, bench labels).
 AttentionKernels parse_attention_kernels(const std::string& name);
 const char* attention_kernels_name(AttentionKernels kernels);
 

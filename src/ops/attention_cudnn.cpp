@@ -32,16 +32,20 @@ bool cudnn_attention_forward_supports(int64_t seq, int64_t head_dim) {
   return seq > 1 && (head_dim == 64 || head_dim == 128);
 }
 
-bool cudnn_attention_backward_supports(int64_t batch, int64_t seq, int64_t q_heads, int64_t kv_heads, int64_t head_dim) {
+bool cudnn_attention_backward_supports(int64_t batch, int64_t seq, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
+                                       bool deterministic) {
   return cudnn_attention_forward_supports(seq, head_dim) && q_heads % kv_heads == 0 &&
-         backward_splits(batch, seq, q_heads, kv_heads) > 0;
+         (!deterministic || backward_splits(batch, seq, q_heads, kv_heads) > 0);
 }
 
-int64_t cudnn_attention_backward_scratch(int64_t batch, int64_t seq, int64_t q_heads, int64_t kv_heads) {
+int64_t cudnn_attention_backward_scratch(int64_t batch, int64_t seq, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
+                                         bool deterministic) {
+  // Besides dP (deterministic) or the f32 dQ accumulator (not): the row sums of dO * O (f32) and
+  // cuDNN's own few MiB.
+  const int64_t small = batch * q_heads * seq * 4 + (int64_t(16) << 20);
+  if (!deterministic) return batch * seq * q_heads * head_dim * 4 + small;
   const int64_t splits = backward_splits(batch, seq, q_heads, kv_heads);
-  if (splits == 0) return 0;
-  // Besides dP: the row sums of dO * O (f32) and cuDNN's own few MiB.
-  return dp_workspace_bytes(batch, seq, q_heads / splits) + batch * (q_heads / splits) * seq * 4 + (int64_t(16) << 20);
+  return splits == 0 ? 0 : dp_workspace_bytes(batch, seq, q_heads / splits) + small / splits;
 }
 
 }  // namespace marrow

@@ -24,17 +24,19 @@ inline constexpr int64_t kCudnnAttentionWorkspaceCap = int64_t(4) << 30;
 // the backward, also its workspace within the cap for some split of the key/value heads. Past it
 // the backward runs on the own kernels from cuDNN's forward (their lse is the same).
 bool cudnn_attention_forward_supports(int64_t seq, int64_t head_dim);
-bool cudnn_attention_backward_supports(int64_t batch, int64_t seq, int64_t q_heads, int64_t kv_heads, int64_t head_dim);
+bool cudnn_attention_backward_supports(int64_t batch, int64_t seq, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
+                                       bool deterministic = true);
 
 // The GPU scratch the backward takes from the stream-ordered pool (the largest of its calls).
-int64_t cudnn_attention_backward_scratch(int64_t batch, int64_t seq, int64_t q_heads, int64_t kv_heads);
+int64_t cudnn_attention_backward_scratch(int64_t batch, int64_t seq, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
+                                         bool deterministic = true);
 
 // out[B, S, Hq, D] and lse[B, Hq, S] from q[B, S, Hq, D], k, v[B, S, Hkv, D]; bf16 on the GPU.
 void cudnn_attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v, Stream stream);
 
 // dq, dk, dv overwritten (bf16), from the forward's out and lse. deterministic = false runs
-// cuDNN's default algorithm (dQ added with float atomics, no dP workspace): for `marrow bench
-// --kernels` only, to show what determinism costs.
+// cuDNN's default algorithm (dQ added with float atomics into an f32 accumulator, no dP workspace):
+// AttentionKernels::cudnn_nondeterministic, never a default.
 void cudnn_attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out,
                               Tensor lse, Stream stream, bool deterministic = true);
 
