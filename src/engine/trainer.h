@@ -8,7 +8,9 @@
 // data-parallel width is dp x ep) and holds the experts of its expert-parallel rank. Weights,
 // gradients and AdamW moments are sharded over the data-parallel ranks (parallel/sharded_params.h:
 // gathered before each stage computes, gradients reduce-scattered after), so each rank updates its
-// own shard. World rank 0 alone prints and writes metrics; every rank writes its shards into the
+// own shard. With context parallelism (parallel.cp > 1) the ranks of a cp group take the same
+// samples, each its zigzag share of every sequence (SequenceShare), and attention runs around the
+// group. World rank 0 alone prints and writes metrics; every rank writes its shards into the
 // checkpoint.
 #pragma once
 #include <chrono>

@@ -1,5 +1,5 @@
-"""Several processes on the CPU path (mpirun --oversubscribe): expert parallelism and fully sharded data
-parallelism against one process.
+"""Several processes on the CPU path (mpirun --oversubscribe): expert parallelism, fully sharded data
+parallelism, context parallelism and the pipeline against one process.
 
 - Layouts: EP = 2, EP = 4, DP = 2 (FSDP; with weights kept; with weights and whole gradients kept;
   replicated), DP = 2 x EP = 2, HSDP 2 x 2 (dp_shard = 2 of dp = 4) and DP = 4 train the tiny model 5 steps on
@@ -18,6 +18,9 @@ parallelism against one process.
   too, at its own lr, by the per-step losses (within 1e-4).
   tests/tools/parallel_check (ctest parallel.check_np*) checks the dispatch and combine
   of routed tokens exactly, in f64, and the collectives (in-place all_gather, accumulating reduce_scatter).
+- Context parallelism (zigzag ring attention): CP = 2 and CP = 2 x EP = 2 (test_context_parallel), PP = 2 x CP = 2
+  (test_pipeline) against one process as strictly as the layouts above, the validation loss too; a CP = 2
+  checkpoint resumes on one process.
 - Initial weights: one step at a denormal lr leaves them as initialised; every mesh's equal one process's bit
   for bit (a shard draws the slice of the whole tensor's random numbers).
 - Checkpoints: a checkpoint written by DP = 2 x EP = 2 (each rank its own slices) resumes on one process, on
@@ -173,15 +176,22 @@ def all_experts_config(tmp, layers=None):
     return path
 
 
+def train_runs(runs, common, prefix, tmp, what):
+    """Trains each run name: (np, args) with the common args in its own directory; returns the directories and stdouts."""
+    dirs, outs = {}, {}
+    for name, (np, args) in runs.items():
+        dirs[name] = os.path.join(tmp, dir_name(prefix, name))
+        code, outs[name], _ = train(args + common, np, dirs[name])
+        check(code == 0, f"{name}, {what}: trains 5 steps")
+    return dirs, outs
+
+
 def test_layouts(tmp):
     strict = [f"--model.config={all_experts_config(tmp)}", *SMOOTH_OPTIMIZER, "--checkpoint.every=5"]
-    dirs = {}
-    for name, (np, args) in LAYOUTS.items():
-        dirs[name] = os.path.join(tmp, dir_name("strict-", name))
-        code, out, _ = train(args + strict, np, dirs[name])
-        check(code == 0, f"{name}, all experts active: trains 5 steps")
+    dirs, outs = train_runs(LAYOUTS, strict, "strict-", tmp, "all experts active")
+    for name, (np, _) in LAYOUTS.items():
         if np > 0:
-            check("mesh: " in out, f"{name}: rank 0 prints the mesh")
+            check("mesh: " in outs[name], f"{name}: rank 0 prints the mesh")
     for name in LAYOUTS:
         if name != "one process":
             compare_runs(f"{name} vs one process", dirs["one process"], dirs[name], 5)
@@ -278,11 +288,7 @@ def test_pipeline(tmp):
         "PP=2 x EP=2": (4, ["--parallel.pp=2", "--parallel.ep=2", "--train.micro_batch=1"]),
         "PP=2 x CP=2": (4, ["--parallel.pp=2", "--parallel.cp=2", "--train.micro_batch=2"]),
     }
-    dirs, outs = {}, {}
-    for name, (np, args) in runs.items():
-        dirs[name] = os.path.join(tmp, dir_name("pipe-", name))
-        code, outs[name], _ = train(args + strict, np, dirs[name])
-        check(code == 0, f"{name}, 4 layers: trains 5 steps")
+    dirs, outs = train_runs(runs, strict, "pipe-", tmp, "4 layers")
     for name in ("PP=2", "PP=2 x EP=2", "PP=2 x CP=2"):
         compare_runs(f"{name} vs one process", dirs["one process"], dirs[name], 5)
     plain, overlapped = metrics(dirs["one process, sequential"]), metrics(dirs["PP=1 (DualPipeV)"])
@@ -322,13 +328,10 @@ def test_context_parallel(tmp):
         "CP=2": (2, ["--parallel.cp=2", "--train.micro_batch=4"]),
         "CP=2 x EP=2": (4, ["--parallel.cp=2", "--parallel.ep=2", "--train.micro_batch=2"]),
     }
-    dirs = {}
-    for name, (np, args) in runs.items():
-        dirs[name] = os.path.join(tmp, dir_name("cp-", name))
-        code, out, _ = train(args + strict, np, dirs[name])
-        check(code == 0, f"{name}, all experts active: trains 5 steps")
+    dirs, outs = train_runs(runs, strict, "cp-", tmp, "all experts active")
+    for name, (np, _) in runs.items():
         if np > 0:
-            check(f"cp 2 x ep {np // 2}" in out, f"{name}: rank 0 prints the mesh")
+            check(f"cp 2 x ep {np // 2}" in outs[name], f"{name}: rank 0 prints the mesh with cp 2")
     for name in ("CP=2", "CP=2 x EP=2"):
         compare_runs(f"{name} vs one process", dirs["one process"], dirs[name], 5)
         want, got = metrics(dirs["one process"])[-1].get("val_loss"), metrics(dirs[name])[-1].get("val_loss")
