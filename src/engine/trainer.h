@@ -240,9 +240,11 @@ template <MoeModel M> void print_setup(const TrainSetup<M>& s, const RunConfig& 
               device_name(s.device), M(m.config(), m.dtype(), m.device()).num_parameters() / 1e6, m.num_active_parameters() / 1e6,
               (long long)m.num_layers(), (long long)m.num_experts(), (long long)m.top_k());
   if (s.mesh.world.size() > 1)
-    std::printf("mesh: %lld processes, %s; each computes with %lld of %lld experts per layer and owns a shard of %.2fM parameters\n",
+    std::printf("mesh: %lld processes, %s; each computes with %lld of %lld experts per layer%s and owns a shard of %.2fM parameters\n",
                 (long long)s.mesh.world.size(), s.mesh.shape.describe().c_str(), (long long)(m.num_experts() / s.mesh.shape.ep),
-                (long long)m.num_experts(), s.state.params().all().numel() / 1e6);
+                (long long)m.num_experts(),
+                s.mesh.shape.cp > 1 ? fmt::format(" on {} of each sequence's {} tokens", s.share.tokens, rc.seq_len).c_str() : "",
+                s.state.params().all().numel() / 1e6);
   std::printf("memory%s: %s\n", s.mesh.world.size() > 1 ? " per process" : "", memory_bill(s.arenas()).c_str());
   // The estimate (marrow estimate) next to what the run measures, so the two can be compared.
   const MemoryBill bill = estimate_memory<M>(rc, m.config(), s.mesh.world.size(), s.device);
