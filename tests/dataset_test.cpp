@@ -117,6 +117,32 @@ TEST(TokenDataset, PureFunctionOfSeedAndStepAndSplitAcrossRanks) {
   }
 }
 
+// Context parallelism reads spans of each sample (a zigzag share: two chunks with their last
+// targets): exactly those tokens of the whole samples, across shard boundaries, in training and validation.
+TEST(TokenDataset, SpansReadThosePartsOfEachSample) {
+  ScratchDir dir;
+  std::string corpus = make_counting_corpus(dir, 20000, 1000);
+  TokenDataset data(corpus, 15, 7);
+  data.set_samples_per_step(4);
+  const std::vector<TokenSpan> spans = {{4, 5}, {8, 5}};  // chunks 1 and 2 of 4 (CP = 2, rank 1) with one more token each
+  const size_t sample = 16;
+  std::vector<int32_t> whole(4 * sample), parts(4 * 10);
+  data.train_batch(3, 0, 4, whole.data());
+  data.train_batch(3, 0, 4, parts.data(), 0, 1, spans);
+  for (size_t s = 0; s < 4; ++s)
+    for (size_t i = 0; i < 5; ++i) {
+      EXPECT_EQ(parts[s * 10 + i], whole[s * sample + 4 + i]);
+      EXPECT_EQ(parts[s * 10 + 5 + i], whole[s * sample + 8 + i]);
+    }
+  data.validation_batch(0, 1, whole.data());
+  data.validation_batch(0, 1, parts.data(), spans);
+  EXPECT_TRUE(std::equal(parts.begin(), parts.begin() + 5, whole.begin() + 4));
+  EXPECT_TRUE(std::equal(parts.begin() + 5, parts.begin() + 10, whole.begin() + 8));
+  EXPECT_EQ(sample_tokens(spans, 15), 10);
+  EXPECT_EQ(sample_tokens({}, 15), 16);
+  EXPECT_EQ(error_of([&] { sample_tokens({{12, 5}}, 15); }), "tokens [12, 17) are not within a sample of 16");
+}
+
 TEST(TokenDataset, ClearErrorsForSmallCorporaVocabulariesAndDamage) {
   ScratchDir dir;
   std::string corpus = make_counting_corpus(dir, 4097, 1000, 50000);

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include "models/qwen3_moe.h"
+#include "parallel/ring_attention.h"
 
 namespace marrow {
 namespace {
@@ -198,6 +199,41 @@ TEST(MemoryEstimate, LargestFitIsTheEdge) {
   EXPECT_EQ(none.seq_len, 0);
 }
 
+// Context parallelism: a process holds seq_len / cp tokens of each sequence, so its activations are a
+// cp = 1 process's at seq_len / cp on as many processes (the same shard groups, so the same state)
+// plus ring attention's buffers where they are alive at the peak.
+TEST(MemoryEstimate, ContextParallelHoldsItsShareOfTheSequence) {
+  const Qwen3MoeConfig config = bench_config();
+  RunConfig cp2 = bench_run(), half = bench_run(), whole = bench_run();
+  cp2.cp = 2;
+  cp2.seq_len = whole.seq_len = 65536;
+  half.seq_len = 32768;
+  const MemoryBill ring = estimate_memory<Qwen3Moe>(cp2, config, 2, Device::cuda);
+  const MemoryBill plain = estimate_memory<Qwen3Moe>(half, config, 2, Device::cuda);
+  const MemoryBill unsplit = estimate_memory<Qwen3Moe>(whole, config, 2, Device::cuda);
+  EXPECT_EQ(ring.bytes(BillGroup::state), plain.bytes(BillGroup::state));
+  const RingAttentionBytes buffers = ring_attention_bytes(32768, config.num_heads, config.num_kv_heads, config.head_dim, Device::cuda);
+  EXPECT_GT(buffers.forward, 0);
+  EXPECT_GT(buffers.backward, 0);
+  const int64_t extra = ring.bytes(BillGroup::activations) - plain.bytes(BillGroup::activations);
+  EXPECT_GE(extra, 0);
+  EXPECT_LE(extra, std::max(buffers.forward, buffers.backward));
+  EXPECT_EQ(item(ring, "ring attention buffers at the peak"), extra);
+  EXPECT_LT(ring.bytes(BillGroup::activations), 0.55 * unsplit.bytes(BillGroup::activations));
+  // The largest sequence that fits is a multiple of 2 x cp, about twice cp = 1's on as many processes.
+  const double gpu = 139.8 * kGiB;
+  const LargestFit fit = largest_fit<Qwen3Moe>(cp2, config, 2, Device::cuda, gpu), fit1 = largest_fit<Qwen3Moe>(whole, config, 2, Device::cuda, gpu);
+  EXPECT_EQ(fit.seq_len % 4, 0);
+  EXPECT_GT(fit.seq_len, 1.8 * fit1.seq_len);
+  auto total = [&](int64_t seq_len) {
+    RunConfig rc = cp2;
+    rc.seq_len = seq_len;
+    return double(estimate_memory<Qwen3Moe>(rc, config, 2, Device::cuda).total());
+  };
+  EXPECT_LE(total(fit.seq_len), gpu);
+  EXPECT_GT(total(fit.seq_len + 4), gpu);
+}
+
 TEST(MemoryEstimate, ImpossibleLayoutsGiveOneSentence) {
   RunConfig rc = bench_run(2);
   EXPECT_EQ(estimate_error([&] { estimate_mesh(rc, 128, 3); }),
@@ -211,6 +247,12 @@ TEST(MemoryEstimate, ImpossibleLayoutsGiveOneSentence) {
   EXPECT_EQ(estimate_error([&] { check_global_batch(batch, mesh_shape(1, 1, 1, 1)); }),
             "bench.toml: train.global_batch (4) is not a multiple of the 1 data-parallel processes (pp 1 x dp 1 x cp 1 x ep 1) times "
             "train.micro_batch (3)");
+  RunConfig split = bench_run();
+  split.cp = 2;
+  split.seq_len = 4098;
+  EXPECT_EQ(estimate_error([&] { estimate_mesh(split, 128, 2); }),
+            "bench.toml: train.seq_len (4098) is not a multiple of 2 x parallel.cp = 4 (context parallelism cuts each sequence into 2 x cp "
+            "chunks)");
 }
 
 }  // namespace

@@ -1,5 +1,6 @@
 // marrow check [--only <group>]: the GPU correctness report (DESIGN.md §7, layer 2); under mpirun,
-// `--only expert_parallel` checks the expert all-to-alls over NCCL.
+// `--only expert_parallel` checks the expert all-to-alls over NCCL, `--only ring_attention` ring
+// attention's K/V and dK/dV hops.
 #include "apps/check.h"
 
 #include <CLI/CLI.hpp>
@@ -126,11 +127,11 @@ Buffer offsets_host(const std::vector<int32_t>& counts) {
 }
 
 int check_command(int argc, char** argv) {
-  MARROW_CHECK(process::size() == 1 || argc >= 3, "marrow check under mpirun runs one group: --only expert_parallel");
+  MARROW_CHECK(process::size() == 1 || argc >= 3, "marrow check under mpirun runs one group: --only expert_parallel or --only ring_attention");
   CLI::App app{"marrow check: every CUDA op and the model against the CPU reference"};
   std::string only;
-  app.add_option("--only", only, "run one group: elementwise, gemm, attention, model, expert_parallel (also under mpirun)")
-      ->check(CLI::IsMember({"elementwise", "gemm", "attention", "model", "expert_parallel"}));
+  app.add_option("--only", only, "run one group: elementwise, gemm, attention, model, expert_parallel or ring_attention (these two also under mpirun)")
+      ->check(CLI::IsMember({"elementwise", "gemm", "attention", "model", "expert_parallel", "ring_attention"}));
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -144,6 +145,7 @@ int check_command(int argc, char** argv) {
   if (only.empty() || only == "attention") check_attention_op(report);
   if (only.empty() || only == "model") check_model(report);
   if (only.empty() || only == "expert_parallel") check_expert_parallel(report);
+  if (only.empty() || only == "ring_attention") check_ring_attention(report);
   const auto failed = std::count_if(report.rows().begin(), report.rows().end(), [](const CheckRow& r) { return !r.passed; });
   std::printf("%zu checks, %ld failed\n%s\n", report.rows().size(), long(failed), report.passed() ? "PASS" : "FAIL");
   return report.passed() ? 0 : 1;

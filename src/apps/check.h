@@ -63,5 +63,9 @@ void check_expert_parallel(CheckReport& report);
 class Comm;
 // Every collective of parallel/comm.h on tensors of `device` against exactly known results.
 void check_collectives(CheckReport& report, const Comm& group, Device device);
+// Under mpirun -np P (P = 1 too): ring attention over the job's GPUs (check_ring_attention.cpp).
+void check_ring_attention(CheckReport& report);
+// A row that fails when any rank of world has a failed row (rank 0 alone prints the table).
+void add_failed_rows_of_all_ranks(CheckReport& report, const Comm& world, const char* group);
 
 }  // namespace marrow

@@ -212,10 +212,14 @@ void check_expert_parallel(CheckReport& report) {
                                    {4096, 2048, 128, 8}})
     check_case(report, world, T, H, E, K);
   check_collectives(report, world, Device::cuda);
+  add_failed_rows_of_all_ranks(report, world, "expert_parallel");
+}
+
+void add_failed_rows_of_all_ranks(CheckReport& report, const Comm& world, const char* group) {
   // Rank 0 prints the table; the other ranks' rows count through this one.
   const double failed = world.sum(double(std::count_if(report.rows().begin(), report.rows().end(), [](const CheckRow& r) { return !r.passed; })),
                                   "failed checks (sum)");
-  report.add({fmt::format("expert_parallel: failed rows on all {} ranks", world.size()), failed, 0.0, failed == 0});
+  report.add({fmt::format("{}: failed rows on all {} ranks", group, world.size()), failed, 0.0, failed == 0});
 }
 
 }  // namespace marrow

@@ -18,9 +18,16 @@ struct StageBytes {
   int64_t kept = 0, forward_scratch = 0, backward_scratch = 0;
 };
 
+// The heads of a layer's causal attention op: with context parallelism the engine adds the bytes
+// of ring attention (parallel/ring_attention.h) that replaces the op.
+struct AttentionHeads {
+  int64_t q_heads = 0, kv_heads = 0, head_dim = 0;
+};
+
 // attention and experts are one decoder layer's; the engine multiplies by the layer count.
 struct ModelActivationBytes {
   StageBytes prolog, attention, experts, epilog;
+  AttentionHeads attention_heads;
 };
 
 }  // namespace marrow

@@ -203,36 +203,56 @@ int64_t TokenDataset::train_window_at(int64_t position) const {
   return train_window(int64_t(permute(uint64_t(position % n), uint64_t(n), key)));
 }
 
-void TokenDataset::copy_window(int64_t window, int32_t* out) const {
-  int64_t begin = window * seq_len_, left = seq_len_ + 1;
+void TokenDataset::copy_tokens(int64_t begin, int64_t count, int32_t* out) const {
   auto shard = std::upper_bound(shards_.begin(), shards_.end(), begin,
                                 [](int64_t offset, const Shard& s) { return offset < s.first_token; }) - 1;
-  while (left > 0) {
+  while (count > 0) {
     int64_t in_shard = begin - shard->first_token;
-    int64_t take = std::min<int64_t>(left, int64_t(shard->bytes / sizeof(uint32_t)) - in_shard);
+    int64_t take = std::min<int64_t>(count, int64_t(shard->bytes / sizeof(uint32_t)) - in_shard);
     std::memcpy(out, shard->tokens + in_shard, size_t(take) * sizeof(uint32_t));
     out += take;
     begin += take;
-    left -= take;
+    count -= take;
     ++shard;
   }
 }
 
-void TokenDataset::train_batch(int64_t step, int64_t micro, int64_t count, int32_t* tokens, int dp_rank, int dp_size) const {
+int64_t sample_tokens(const std::vector<TokenSpan>& spans, int64_t seq_len) {
+  if (spans.empty()) return seq_len + 1;
+  int64_t sum = 0;
+  for (const TokenSpan& s : spans) {
+    MARROW_CHECK(s.first >= 0 && s.count >= 0 && s.first + s.count <= seq_len + 1, "tokens [{}, {}) are not within a sample of {}",
+                 s.first, s.first + s.count, seq_len + 1);
+    sum += s.count;
+  }
+  return sum;
+}
+
+void TokenDataset::copy_window(int64_t window, int32_t* out, const std::vector<TokenSpan>& spans) const {
+  if (spans.empty()) return copy_tokens(window * seq_len_, seq_len_ + 1, out);
+  for (const TokenSpan& s : spans) {
+    copy_tokens(window * seq_len_ + s.first, s.count, out);
+    out += s.count;
+  }
+}
+
+void TokenDataset::train_batch(int64_t step, int64_t micro, int64_t count, int32_t* tokens, int dp_rank, int dp_size,
+                               const std::vector<TokenSpan>& spans) const {
   MARROW_CHECK(samples_per_step_ > 0, "TokenDataset::train_batch needs set_samples_per_step(global batch) first");
   MARROW_CHECK(dp_size >= 1 && dp_rank >= 0 && dp_rank < dp_size, "data-parallel rank {} of {} is invalid", dp_rank, dp_size);
   const int64_t round = count * dp_size;  // samples of one micro-batch over all ranks
   MARROW_CHECK(step >= 0 && micro >= 0 && count >= 0 && (micro + 1) * round <= samples_per_step_,
                "micro-batch {} of {} samples on {} data-parallel ranks does not fit a global batch of {}", micro, count, dp_size,
                samples_per_step_);
-  const int64_t base = step * samples_per_step_ + micro * round + dp_rank * count;
-  for (int64_t i = 0; i < count; ++i) copy_window(train_window_at(base + i), tokens + i * (seq_len_ + 1));
+  const int64_t base = step * samples_per_step_ + micro * round + dp_rank * count, sample = sample_tokens(spans, seq_len_);
+  for (int64_t i = 0; i < count; ++i) copy_window(train_window_at(base + i), tokens + i * sample, spans);
 }
 
-void TokenDataset::validation_batch(int64_t first, int64_t count, int32_t* tokens) const {
+void TokenDataset::validation_batch(int64_t first, int64_t count, int32_t* tokens, const std::vector<TokenSpan>& spans) const {
   MARROW_CHECK(first >= 0 && count >= 0 && first + count <= validation_windows_,
                "validation samples {}..{} are outside the {} the corpus holds", first, first + count - 1, validation_windows_);
-  for (int64_t i = 0; i < count; ++i) copy_window(validation_window(first + i), tokens + i * (seq_len_ + 1));
+  const int64_t sample = sample_tokens(spans, seq_len_);
+  for (int64_t i = 0; i < count; ++i) copy_window(validation_window(first + i), tokens + i * sample, spans);
 }
 
 }  // namespace marrow

@@ -17,6 +17,14 @@
 
 namespace marrow {
 
+// Tokens [first, first + count) of a sample's seq_len + 1: context parallelism reads only the
+// parts of each sequence a process trains on. Spans of a sample are read one after another; none
+// means the whole sample.
+struct TokenSpan {
+  int64_t first = 0, count = 0;
+};
+int64_t sample_tokens(const std::vector<TokenSpan>& spans, int64_t seq_len);
+
 class TokenDataset {
  public:
   // Opens a tokenized corpus directory, verifies manifest, shard sizes and sha256 (with a progress
@@ -44,9 +52,11 @@ class TokenDataset {
   // data-parallel rank dp_rank of dp_size: the step's samples micro*count*dp_size + dp_rank*count + [0, count).
   // One round of micro-batches covers every rank before the next, so micro-batch m of all ranks together
   // is micro-batch m of one process with count*dp_size samples (its load-balance statistics too).
-  // A pure function of (seed, step, indices).
-  void train_batch(int64_t step, int64_t micro, int64_t count, int32_t* tokens, int dp_rank = 0, int dp_size = 1) const;
-  void validation_batch(int64_t first, int64_t count, int32_t* tokens) const;
+  // A pure function of (seed, step, indices). With spans, only those tokens of each sample are read
+  // (below): tokens holds count * sample_tokens(spans).
+  void train_batch(int64_t step, int64_t micro, int64_t count, int32_t* tokens, int dp_rank = 0, int dp_size = 1,
+                   const std::vector<TokenSpan>& spans = {}) const;
+  void validation_batch(int64_t first, int64_t count, int32_t* tokens, const std::vector<TokenSpan>& spans = {}) const;
 
   // The window (index into the corpus's windows) of training sample `position` of the endless order.
   int64_t train_window_at(int64_t position) const;
@@ -62,7 +72,9 @@ class TokenDataset {
   void verify_and_map(bool show_progress);
   int64_t validation_before(int64_t window) const;  // validation windows with a smaller index
   int64_t train_window(int64_t train_index) const;  // the train_index-th window that is not held out
-  void copy_window(int64_t window, int32_t* out) const;
+  // Copies the spans of the window (all of it when none) to out, one after another.
+  void copy_window(int64_t window, int32_t* out, const std::vector<TokenSpan>& spans) const;
+  void copy_tokens(int64_t begin, int64_t count, int32_t* out) const;  // tokens [begin, begin + count) of the stream
 
   std::string dir_;
   CorpusManifest manifest_;

@@ -7,6 +7,7 @@
 
 #include "core/blas.h"
 #include "parallel/dualpipev.h"
+#include "parallel/ring_attention.h"
 
 namespace marrow {
 
@@ -102,7 +103,7 @@ enum Kept { kBatch, kAttention, kRoutes, kExperts, kEpilog, kKeptKinds };
 struct Moment {
   std::string where;
   std::array<int64_t, kKeptKinds> kept{};
-  int64_t scratch = 0, exchange = 0;  // temporaries; of them the expert all-to-all buffers
+  int64_t scratch = 0, exchange = 0, ring = 0;  // temporaries; of them the expert all-to-all and the ring attention buffers
   int64_t total() const {
     int64_t sum = scratch;
     for (int64_t k : kept) sum += k;
@@ -120,6 +121,7 @@ struct EngineBytes {
   int64_t dispatch_scratch = 0;
   // ep > 1: rows sent to and received from the group (deduplicated per token and member).
   int64_t sent_rows = 0, recv_rows = 0, sent_weights = 0, recv_weights = 0;
+  RingAttentionBytes ring;  // cp > 1: ring attention's buffers in the attention forward and backward
 };
 
 // The chance that a token's K experts (uniform, distinct) include one of a member's E/P.
@@ -132,9 +134,11 @@ double member_hit(int64_t E, int64_t K, int64_t P) {
   return 1 - miss;
 }
 
-EngineBytes engine_bytes(const EstimatedModel& m, int64_t T, int64_t R, int64_t ep, Device device) {
-  const int64_t a = device == Device::cuda ? 2 : 4, s = 4, i32 = 4, H = m.hidden_size, K = m.top_k;
+EngineBytes engine_bytes(const EstimatedModel& m, const AttentionHeads& heads, int64_t T, int64_t R, const MeshShape& mesh,
+                         Device device) {
+  const int64_t a = device == Device::cuda ? 2 : 4, s = 4, i32 = 4, H = m.hidden_size, K = m.top_k, ep = mesh.ep;
   EngineBytes e;
+  if (mesh.cp > 1) e.ring = ring_attention_bytes(T, heads.q_heads, heads.kv_heads, heads.head_dim, device);
   e.residual = T * H * a;
   e.rows = R * H * a;
   e.dtopk = T * K * s;
@@ -161,7 +165,9 @@ class Walk {
     at("the prolog's forward", m_.prolog.forward_scratch + e_.residual);
     for (int64_t l = 0; l < layers_; ++l) {
       now_[kAttention] += m_.attention.kept;
-      at(fmt::format("layer {}'s attention forward", l), m_.attention.forward_scratch);
+      // The ring's buffers are freed before the router's logits are made.
+      const int64_t forward = std::max(m_.attention.forward_scratch, e_.ring.forward);
+      at(fmt::format("layer {}'s attention forward", l), forward, 0, e_.ring.forward == forward ? forward : 0);
       now_[kRoutes] += e_.route;
       // The plan's scratch is gone when x_perm is made; the exchange buffers live until dispatch returns.
       const int64_t exchange = e_.sent_rows + e_.recv_rows + e_.sent_weights;
@@ -193,12 +199,15 @@ class Walk {
     held += e_.rows + e_.residual;  // dx_perm, dh2
     const int64_t back = e_.recv_rows + e_.sent_rows + e_.sent_weights;
     at(fmt::format("layer {}'s dispatch backward", l), held + back, back);
-    at(fmt::format("layer {}'s attention backward", l), held + e_.residual + m_.attention.backward_scratch);
+    // With cp > 1 the ring's buffers join the op's scratch (a bound: the model's figure is the larger
+    // of the op's scratch and the gradients that follow it).
+    at(fmt::format("layer {}'s attention backward", l), held + e_.residual + m_.attention.backward_scratch + e_.ring.backward, 0,
+       e_.ring.backward);
     now_[kAttention] -= m_.attention.kept;
     now_[kRoutes] -= e_.route + e_.rows;
   }
-  void at(const std::string& where, int64_t scratch, int64_t exchange = 0) {
-    const Moment m{where, now_, scratch, exchange};
+  void at(const std::string& where, int64_t scratch, int64_t exchange = 0, int64_t ring = 0) {
+    const Moment m{where, now_, scratch, exchange, ring};
     if (m.total() > peak_.total()) peak_ = m;
     if (exchange > exchange_.exchange) exchange_ = m;
     largest_scratch_ = std::max(largest_scratch_, scratch);
@@ -211,25 +220,27 @@ class Walk {
   int64_t largest_scratch_ = 0;
 };
 
-// One micro-batch of rc through the whole model: its stages' bytes and the walk over them.
+// One micro-batch of rc through the whole model: its stages' bytes and the walk over them. With
+// context parallelism a process holds seq_len / cp tokens of each sequence.
 struct OneMicroBatch {
   int64_t tokens, rows;  // rows: the expert rows of each layer on this process
   ModelActivationBytes model;
   EngineBytes engine;
   Walk walk;
-  OneMicroBatch(const RunConfig& rc, const EstimatedModel& m, int64_t ep, Device device)
-      : tokens(rc.micro_batch * rc.seq_len),
-        rows(ep == 1 ? tokens * m.top_k : int64_t(double(tokens * m.top_k) * kExpertRowSkew)),
-        model(m.activation_bytes(rc.micro_batch, rc.seq_len, rows)),
-        engine(engine_bytes(m, tokens, rows, ep, device)),
+  OneMicroBatch(const RunConfig& rc, const EstimatedModel& m, const MeshShape& mesh, Device device)
+      : tokens(rc.micro_batch * rc.seq_len / mesh.cp),
+        rows(mesh.ep == 1 ? tokens * m.top_k : int64_t(double(tokens * m.top_k) * kExpertRowSkew)),
+        model(m.activation_bytes(rc.micro_batch, rc.seq_len / mesh.cp, rows)),
+        engine(engine_bytes(m, model.attention_heads, tokens, rows, mesh, device)),
         walk(model, engine, m.num_layers, 3 * tokens * 4) {
     walk.forward();
     walk.backward();
   }
 };
 
-void add_activations(MemoryBill& bill, const RunConfig& rc, const EstimatedModel& m, int64_t ep, Device device) {
-  const OneMicroBatch one(rc, m, ep, device);
+void add_activations(MemoryBill& bill, const RunConfig& rc, const EstimatedModel& m, const MeshShape& mesh, Device device) {
+  const OneMicroBatch one(rc, m, mesh, device);
+  const int64_t ep = mesh.ep;
   const ModelActivationBytes& model = one.model;
   const EngineBytes& engine = one.engine;
   const Walk& walk = one.walk;
@@ -244,7 +255,11 @@ void add_activations(MemoryBill& bill, const RunConfig& rc, const EstimatedModel
       {"experts (stage 3)", per_layer(model.experts.kept)},
       {"epilog: final norm, logits, loss", fmt::format("kept: {}", mib(model.epilog.kept))}};
   for (size_t k = 0; k < kinds.size(); ++k) bill.items.push_back({BillGroup::activations, kinds[k].first, p.kept[k], kinds[k].second});
-  bill.items.push_back({BillGroup::activations, "temporaries at the peak", p.scratch - p.exchange, "gradients flowing back, op scratch"});
+  bill.items.push_back({BillGroup::activations, "temporaries at the peak", p.scratch - p.exchange - p.ring, "gradients flowing back, op scratch"});
+  if (mesh.cp > 1)
+    bill.items.push_back({BillGroup::activations, "ring attention buffers at the peak", p.ring,
+                          fmt::format("context parallelism over {}: {} in a layer's forward, {} in its backward", mesh.cp,
+                                      mib(engine.ring.forward), mib(engine.ring.backward))});
   if (ep > 1) {
     const Moment& x = walk.largest_exchange();
     bill.items.push_back({BillGroup::activations, "expert all-to-all buffers at the peak", p.exchange,
@@ -261,9 +276,9 @@ struct PipelinePlace {
   int64_t pp, rank, micro_batches;
 };
 
-void add_pipeline_activations(MemoryBill& bill, const RunConfig& rc, const EstimatedModel& m, int64_t ep, Device device,
+void add_pipeline_activations(MemoryBill& bill, const RunConfig& rc, const EstimatedModel& m, const MeshShape& mesh, Device device,
                               const PipelinePlace& place) {
-  const OneMicroBatch one(rc, m, ep, device);
+  const OneMicroBatch one(rc, m, mesh, device);
   const ModelActivationBytes& model = one.model;
   const EngineBytes& engine = one.engine;
   const int64_t T = one.tokens;
@@ -336,6 +351,9 @@ MeshShape estimate_mesh(const RunConfig& rc, int64_t num_experts, int64_t world)
   MARROW_CHECK(world >= 1, "--world must be at least 1, got {}", world);
   const MeshShape mesh = mesh_shape(world, rc.pp, rc.cp, rc.ep, rc.dp_shard);
   MARROW_CHECK(num_experts % mesh.ep == 0, "{}: num_experts ({}) is not a multiple of parallel.ep ({})", rc.source, num_experts, mesh.ep);
+  MARROW_CHECK(mesh.cp == 1 || rc.seq_len % (2 * mesh.cp) == 0,
+               "{}: train.seq_len ({}) is not a multiple of 2 x parallel.cp = {} (context parallelism cuts each sequence into 2 x cp chunks)",
+               rc.source, rc.seq_len, 2 * mesh.cp);
   return mesh;
 }
 
@@ -372,8 +390,9 @@ MemoryBill rank_bill(const RunConfig& rc, const EstimatedModel& m, const MeshSha
       "model: " + m.description,
       fmt::format("layout: {} process{} ({}); shard groups: {} (dense units), {} (expert units){}", mesh.world(), mesh.world() > 1 ? "es" : "",
                   mesh.describe(), groups.dense, groups.expert, fmt::format("{}{}", keep_gathered ? "; parallel.keep_gathered" : "", keep_whole_grads ? "; parallel.keep_whole_grads" : "")),
-      fmt::format("micro-batch: {} x {} tokens, {} per optimizer step; {} ({})", rc.micro_batch, rc.seq_len, micro_batches, device_name(device),
-                  device == Device::cuda ? "bf16 compute, fp32 master weights" : "fp32")};
+      fmt::format("micro-batch: {} x {} tokens{}, {} per optimizer step; {} ({})", rc.micro_batch, rc.seq_len,
+                  mesh.cp > 1 ? fmt::format(" ({} of each sequence on this process: context parallelism)", rc.seq_len / mesh.cp) : "",
+                  micro_batches, device_name(device), device == Device::cuda ? "bf16 compute, fp32 master weights" : "fp32")};
   if (pipelined)
     bill.context.push_back(fmt::format("DualPipeV: pipeline rank {} of {} (chunks {} and {}), the rank with the largest bill", rank, mesh.pp,
                                        rank, 2 * mesh.pp - 1 - rank));
@@ -381,8 +400,8 @@ MemoryBill rank_bill(const RunConfig& rc, const EstimatedModel& m, const MeshSha
   const std::vector<Unit> units = cut_units(m.specs, m.num_layers, held, groups.dense, groups.expert, keep_gathered, keep_whole_grads, cast_on_use);
   add_state(bill, units);
   add_weights(bill, units, device);
-  if (pipelined) add_pipeline_activations(bill, rc, m, mesh.ep, device, {chunks, mesh.pp, rank, micro_batches});
-  else add_activations(bill, rc, m, mesh.ep, device);
+  if (pipelined) add_pipeline_activations(bill, rc, m, mesh, device, {chunks, mesh.pp, rank, micro_batches});
+  else add_activations(bill, rc, m, mesh, device);
   if (device == Device::cuda) add_runtime(bill, mesh);
   return bill;
 }
@@ -444,8 +463,10 @@ LargestFit largest_fit(const RunConfig& rc, const EstimatedModel& m, const MeshS
     trial.global_batch = rc.global_batch / rc.micro_batch * micro_batch;
     return double(estimate_memory(trial, m, mesh, shard_groups(mesh), device).total()) <= gpu_bytes;
   };
+  // Context parallelism cuts a sequence into 2 x cp chunks: the sequences tried are multiples of that.
+  const int64_t unit = mesh.cp > 1 ? 2 * mesh.cp : 1;
   return {largest_fitting([&](int64_t b) { return fits(b, rc.seq_len); }, kMaxTokens / rc.seq_len),
-          largest_fitting([&](int64_t s) { return fits(rc.micro_batch, s); }, kMaxTokens / rc.micro_batch)};
+          unit * largest_fitting([&](int64_t s) { return fits(rc.micro_batch, unit * s); }, kMaxTokens / rc.micro_batch / unit)};
 }
 
 std::string format_bill(const MemoryBill& bill, double gpu_bytes) {

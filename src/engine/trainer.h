@@ -8,7 +8,9 @@
 // data-parallel width is dp x ep) and holds the experts of its expert-parallel rank. Weights,
 // gradients and AdamW moments are sharded over the data-parallel ranks (parallel/sharded_params.h:
 // gathered before each stage computes, gradients reduce-scattered after), so each rank updates its
-// own shard. World rank 0 alone prints and writes metrics; every rank writes its shards into the
+// own shard. With context parallelism (parallel.cp > 1) the ranks of a cp group take the same
+// samples, each its zigzag share of every sequence (SequenceShare), and attention runs around the
+// group. World rank 0 alone prints and writes metrics; every rank writes its shards into the
 // checkpoint.
 #pragma once
 #include <chrono>
@@ -41,6 +43,7 @@
 #include "ops/grad_norm.h"
 #include "parallel/mesh.h"
 #include "parallel/process.h"
+#include "parallel/ring_attention.h"
 #include "parallel/sharded_params.h"
 #include "parallel/watchdog.h"
 
@@ -73,43 +76,71 @@ inline std::string step_json(const StepMetrics& s) {
   return j.dump();
 }
 
-// A micro-batch of B samples of S + 1 tokens: inputs are tokens [0, S), targets [1, S + 1).
+// This process's tokens of every sequence of seq_len: all of them, or with context parallelism
+// (parallel.cp > 1) the zigzag split's two chunks (parallel/ring_attention.h), whose attention runs
+// around the cp group. A span of the data holds a piece's inputs and its last target (one token
+// more), from the piece's first position in the sequence.
+struct SequenceShare {
+  int64_t tokens = 0;            // per sequence: seq_len / cp
+  std::vector<TokenSpan> spans;  // per piece of the sequence, in the order of the local tokens
+  AttentionRunner ring;          // empty with cp = 1
+  const AttentionRunner* attention() const { return ring.forward ? &ring : nullptr; }
+};
+
+// cp must outlive the share (its ring refers to it).
+inline SequenceShare sequence_share(int64_t seq_len, const Comm& cp) {
+  if (cp.size() == 1) return {seq_len, {{0, seq_len + 1}}, {}};
+  const ZigzagSplit z = zigzag_split(seq_len, cp.rank(), cp.size());
+  return {2 * z.chunk, {{z.first, z.chunk + 1}, {z.second, z.chunk + 1}}, ring_attention_runner(cp)};
+}
+
+// A micro-batch of B samples read through share's spans: each span's tokens [0, n - 1) are inputs,
+// [1, n) their targets, at the span's positions in the sequence.
 template <MoeModel M>
-typename M::Batch make_batch(const std::vector<int32_t>& tokens, int64_t B, int64_t S, Device device) {
-  const int64_t T = B * S;
+typename M::Batch make_batch(const std::vector<int32_t>& tokens, int64_t B, const SequenceShare& share, Device device) {
+  const int64_t S = share.tokens, T = B * S;
   Buffer ids(DType::i32, Device::cpu, {T}), targets(DType::i32, Device::cpu, {T}), positions(DType::i32, Device::cpu, {T});
+  int64_t at = 0, t = 0;
   for (int64_t b = 0; b < B; ++b)
-    for (int64_t s = 0; s < S; ++s) {
-      ids.ptr<int32_t>()[b * S + s] = tokens[size_t(b * (S + 1) + s)];
-      targets.ptr<int32_t>()[b * S + s] = tokens[size_t(b * (S + 1) + s + 1)];
-      positions.ptr<int32_t>()[b * S + s] = int32_t(s);
+    for (const TokenSpan& span : share.spans) {
+      for (int64_t i = 0; i + 1 < span.count; ++i, ++t) {
+        ids.ptr<int32_t>()[t] = tokens[size_t(at + i)];
+        targets.ptr<int32_t>()[t] = tokens[size_t(at + i + 1)];
+        positions.ptr<int32_t>()[t] = int32_t(span.first + i);
+      }
+      at += span.count;
     }
-  if (device == Device::cpu) return {B, S, std::move(ids), std::move(targets), std::move(positions)};
-  typename M::Batch batch{B, S, Buffer(DType::i32, device, {T}), Buffer(DType::i32, device, {T}), Buffer(DType::i32, device, {T})};
+  if (device == Device::cpu) return {B, S, std::move(ids), std::move(targets), std::move(positions), share.attention()};
+  typename M::Batch batch{B, S, Buffer(DType::i32, device, {T}), Buffer(DType::i32, device, {T}), Buffer(DType::i32, device, {T}),
+                          share.attention()};
   copy(batch.input_ids, ids);
   copy(batch.targets, targets);
   copy(batch.positions, positions);
   return batch;
 }
 
-// Mean cross-entropy per target over the first `samples` held-out sequences, forward only, in
-// micro-batches of `micro`: the same sequences at every evaluation, so the numbers are comparable.
-// Every process evaluates all of them (the experts' all-to-alls need the whole group).
+// The tokens of B samples read through share's spans.
+inline std::vector<int32_t> share_tokens(int64_t B, const SequenceShare& share, int64_t seq_len) {
+  return std::vector<int32_t>(size_t(B * sample_tokens(share.spans, seq_len)));
+}
+
+// Cross-entropy summed over this process's share of the first `samples` held-out sequences,
+// forward only, in micro-batches of `micro`: the same sequences at every evaluation, so the numbers
+// are comparable. Every process evaluates all of them (the experts' all-to-alls need the whole group).
 template <MoeModel M>
-double validation_loss(const M& model, const typename M::Weights& w, const TokenDataset& data, int64_t samples, int64_t micro,
-                       int64_t S, Device device, StepGroups groups) {
-  std::vector<int32_t> tokens;
+double validation_loss_sum(const M& model, const typename M::Weights& w, const TokenDataset& data, int64_t samples, int64_t micro,
+                           const SequenceShare& share, Device device, StepGroups groups) {
   double loss_sum = 0;
   for (int64_t first = 0; first < samples; first += micro) {
     const int64_t B = std::min(micro, samples - first);
-    tokens.resize(size_t(B * (S + 1)));
-    data.validation_batch(first, B, tokens.data());
+    std::vector<int32_t> tokens = share_tokens(B, share, data.seq_len());
+    data.validation_batch(first, B, tokens.data(), share.spans);
     MicroBatch<M> mb;
     groups.routing = nullptr;  // every process evaluates the same sequences
-    forward(mb, model, w, make_batch<M>(tokens, B, S, device), groups);
+    forward(mb, model, w, make_batch<M>(tokens, B, share, device), groups);
     loss_sum += mb.token_loss_sum;
   }
-  return loss_sum / double(samples * S);
+  return loss_sum;
 }
 
 inline Device choose_device(const std::string& requested) {
@@ -169,6 +200,7 @@ template <MoeModel M> struct TrainSetup {
   DType dtype;  // the GPU computes in bf16 from a working copy of the fp32 master weights; the CPU in fp32
   Mesh mesh;
   std::optional<ExpertParallel> experts;  // with parallel.ep > 1
+  SequenceShare share;  // this process's tokens of each sequence (context parallelism)
   M model;
   size_t model_tensors;  // canonical tensors of the whole model (every rank's together)
   std::vector<PipelineChunk> chunks;      // with DualPipeV: the 2 x pp chunks (parallel/dualpipev.h)
@@ -180,6 +212,7 @@ template <MoeModel M> struct TrainSetup {
       : device(device_),
         dtype(device == Device::cuda ? DType::bf16 : DType::f32),
         mesh(make_mesh(rc, config.num_experts, device)),
+        share(sequence_share(rc.seq_len, mesh.cp)),
         model(config, dtype, device, expert_shard(mesh, config.num_experts)),
         model_tensors(M(config, dtype, device).specs().size()),
         chunks(rc.uses_dualpipev() ? pipeline_chunks(config.num_layers, mesh.shape.pp) : std::vector<PipelineChunk>{}),
@@ -208,9 +241,11 @@ template <MoeModel M> void print_setup(const TrainSetup<M>& s, const RunConfig& 
               device_name(s.device), M(m.config(), m.dtype(), m.device()).num_parameters() / 1e6, m.num_active_parameters() / 1e6,
               (long long)m.num_layers(), (long long)m.num_experts(), (long long)m.top_k());
   if (s.mesh.world.size() > 1)
-    std::printf("mesh: %lld processes, %s; each computes with %lld of %lld experts per layer and owns a shard of %.2fM parameters\n",
+    std::printf("mesh: %lld processes, %s; each computes with %lld of %lld experts per layer%s and owns a shard of %.2fM parameters\n",
                 (long long)s.mesh.world.size(), s.mesh.shape.describe().c_str(), (long long)(m.num_experts() / s.mesh.shape.ep),
-                (long long)m.num_experts(), s.state.params().all().numel() / 1e6);
+                (long long)m.num_experts(),
+                s.mesh.shape.cp > 1 ? fmt::format(" on {} of each sequence's {} tokens", s.share.tokens, rc.seq_len).c_str() : "",
+                s.state.params().all().numel() / 1e6);
   std::printf("memory%s: %s\n", s.mesh.world.size() > 1 ? " per process" : "", memory_bill(s.arenas()).c_str());
   // The estimate (marrow estimate) next to what the run measures, so the two can be compared.
   const MemoryBill bill = estimate_memory<M>(rc, m.config(), s.mesh.world.size(), s.device);
@@ -247,14 +282,14 @@ template <MoeModel M> void optimizer_step(TrainSetup<M>& s, const RunConfig& rc,
 template <MoeModel M>
 std::pair<double, double> run_micro_batches(TrainSetup<M>& s, const RunConfig& rc, const TokenDataset& data, int64_t step,
                                             double loss_scale, double aux_grad, StageTimer* timer) {
-  const int64_t B = rc.micro_batch, S = rc.seq_len, W = s.mesh.shape.data_parallel();
-  std::vector<int32_t> tokens(size_t(B * (S + 1)));
+  const int64_t B = rc.micro_batch, W = s.mesh.shape.data_parallel();
+  std::vector<int32_t> tokens = share_tokens(B, s.share, rc.seq_len);
   double token_loss_sum = 0, aux_loss_sum = 0;
   const int64_t micro_batches = rc.global_batch / (B * W);
   for (int64_t micro = 0; micro < micro_batches; ++micro) {
     watchdog::progress("a micro-batch");
-    data.train_batch(step - 1, micro, B, tokens.data(), int(s.mesh.data_rank()), int(W));
-    const typename M::Batch batch = make_batch<M>(tokens, B, S, s.device);
+    data.train_batch(step - 1, micro, B, tokens.data(), int(s.mesh.data_rank()), int(W), s.share.spans);
+    const typename M::Batch batch = make_batch<M>(tokens, B, s.share, s.device);
     MicroBatch<M> mb;
     const StepGroups groups = s.groups(micro, micro_batches, rc.overlap_grad_reduce);
     forward(mb, s.model, s.w, batch, groups, timer);
@@ -270,11 +305,11 @@ std::pair<double, double> run_micro_batches(TrainSetup<M>& s, const RunConfig& r
 template <MoeModel M>
 std::pair<double, double> run_pipeline(TrainSetup<M>& s, const RunConfig& rc, const TokenDataset& data, int64_t step, double loss_scale,
                                        double aux_grad, StageTimer* timer, std::string* executed = nullptr) {
-  const int64_t B = rc.micro_batch, S = rc.seq_len, W = s.mesh.shape.data_parallel(), n = rc.global_batch / (B * W);
+  const int64_t B = rc.micro_batch, W = s.mesh.shape.data_parallel(), n = rc.global_batch / (B * W);
   auto batches = [&](int64_t micro) {
-    std::vector<int32_t> tokens(size_t(B * (S + 1)));
-    data.train_batch(step - 1, micro, B, tokens.data(), int(s.mesh.data_rank()), int(W));
-    return make_batch<M>(tokens, B, S, s.device);
+    std::vector<int32_t> tokens = share_tokens(B, s.share, rc.seq_len);
+    data.train_batch(step - 1, micro, B, tokens.data(), int(s.mesh.data_rank()), int(W), s.share.spans);
+    return make_batch<M>(tokens, B, s.share, s.device);
   };
   auto groups = [&](int64_t micro) { return s.groups(micro, n, false); };
   PipelineStep<M> pipeline({s.model, s.w, s.g, s.mesh.shape.pp, s.mesh.pp_rank, s.chunks, s.links ? &*s.links : nullptr, timer}, n,
@@ -302,23 +337,28 @@ std::pair<double, double> run_step(TrainSetup<M>& s, const RunConfig& rc, const 
   return {token_loss, s.mesh.pipeline.sum(aux_loss, "load-balance loss over the pipeline (sum)")};
 }
 
-// validation_loss, through the pipeline with DualPipeV (every pipeline rank runs its chunks).
+// The mean validation loss per target (validation_loss_sum over the shares of the cp group), through
+// the pipeline with DualPipeV (every pipeline rank runs its chunks).
 template <MoeModel M> double evaluation_loss(TrainSetup<M>& s, const RunConfig& rc, const TokenDataset& data) {
-  const int64_t samples = rc.eval_samples, micro = rc.micro_batch, S = rc.seq_len;
+  const int64_t samples = rc.eval_samples, micro = rc.micro_batch;
+  const double targets = double(samples * rc.seq_len);
   StepGroups groups = s.groups();
   groups.routing = nullptr;  // every process evaluates the same sequences
-  if (!rc.uses_dualpipev()) return validation_loss(s.model, s.w, data, samples, micro, S, s.device, groups);
+  if (!rc.uses_dualpipev())
+    return s.mesh.cp.sum(validation_loss_sum(s.model, s.w, data, samples, micro, s.share, s.device, groups),
+                         "validation loss over the sequence's shares (sum)") / targets;
   auto batches = [&](int64_t i) {
     const int64_t first = i * micro, B = std::min(micro, samples - first);
-    std::vector<int32_t> tokens(size_t(B * (S + 1)));
-    data.validation_batch(first, B, tokens.data());
-    return make_batch<M>(tokens, B, S, s.device);
+    std::vector<int32_t> tokens = share_tokens(B, s.share, rc.seq_len);
+    data.validation_batch(first, B, tokens.data(), s.share.spans);
+    return make_batch<M>(tokens, B, s.share, s.device);
   };
   const int64_t n = (samples + micro - 1) / micro;
   PipelineStep<M> pipeline({s.model, s.w, s.g, s.mesh.shape.pp, s.mesh.pp_rank, s.chunks, s.links ? &*s.links : nullptr, nullptr}, n,
                            batches, [&](int64_t) { return groups; }, {}, [](int64_t) { return false; });
   const double loss_sum = pipeline.run(forward_only_order(n), true).first;
-  return s.mesh.pipeline.sum(loss_sum, "validation loss over the pipeline (sum)") / double(samples * S);
+  const double pipeline_sum = s.mesh.pipeline.sum(loss_sum, "validation loss over the pipeline (sum)");
+  return s.mesh.cp.sum(pipeline_sum, "validation loss over the sequence's shares (sum)") / targets;
 }
 
 // A stop signal seen by any process stops all of them after the same step.

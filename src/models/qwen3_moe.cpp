@@ -222,9 +222,11 @@ void Qwen3Moe::attention_forward(Qwen3MoeAttentionActivations& a, Buffer x, cons
   rope_forward(a.k_rope, a.k_rope, batch.positions, c.rope_theta);
   a.attn = buffer({B, S, Hq, D});
   a.lse = stats({B, Hq, S});
+  const Tensor q = a.q_rope.view().reshape({B, S, Hq, D}), k = a.k_rope.view().reshape({B, S, Hkv, D}),
+               v = a.v.view().reshape({B, S, Hkv, D});
   // Qualified: the member of the same name is the whole stage.
-  marrow::attention_forward(a.attn, a.lse, a.q_rope.view().reshape({B, S, Hq, D}), a.k_rope.view().reshape({B, S, Hkv, D}),
-                    a.v.view().reshape({B, S, Hkv, D}));
+  if (batch.attention) batch.attention->forward(a.attn, a.lse, q, k, v);
+  else marrow::attention_forward(a.attn, a.lse, q, k, v);
   a.x_mid = buffer({T, H});
   linear_forward(a.x_mid, a.attn.view().reshape({T, Hq * D}), w.o_proj);
   add(a.x_mid, a.x_mid, a.x);
@@ -272,9 +274,12 @@ void Qwen3Moe::attention_backward(Tensor dx, const Qwen3MoeLayerWeights& grads, 
   Buffer dattn = buffer({T, Hq * D});
   linear_backward_input(dattn, dres, w.o_proj);
   Buffer dq_rope = buffer({T, Hq, D}), dk_rope = buffer({T, Hkv, D}), dv = buffer({T, Hkv * D});
-  marrow::attention_backward(dq_rope.view().reshape({B, S, Hq, D}), dk_rope.view().reshape({B, S, Hkv, D}),
-                     dv.view().reshape({B, S, Hkv, D}), dattn.view().reshape({B, S, Hq, D}), a.q_rope.view().reshape({B, S, Hq, D}),
-                     a.k_rope.view().reshape({B, S, Hkv, D}), a.v.view().reshape({B, S, Hkv, D}), a.attn, a.lse);
+  const Tensor dq_4d = dq_rope.view().reshape({B, S, Hq, D}), dk_4d = dk_rope.view().reshape({B, S, Hkv, D}),
+               dv_4d = dv.view().reshape({B, S, Hkv, D}), dattn_4d = dattn.view().reshape({B, S, Hq, D});
+  const Tensor q = a.q_rope.view().reshape({B, S, Hq, D}), k = a.k_rope.view().reshape({B, S, Hkv, D}),
+               v = a.v.view().reshape({B, S, Hkv, D});
+  if (batch.attention) batch.attention->backward(dq_4d, dk_4d, dv_4d, dattn_4d, q, k, v, a.attn, a.lse);
+  else marrow::attention_backward(dq_4d, dk_4d, dv_4d, dattn_4d, q, k, v, a.attn, a.lse);
   rope_backward(dq_rope, dq_rope, batch.positions, c.rope_theta);
   rope_backward(dk_rope, dk_rope, batch.positions, c.rope_theta);
   Buffer dq = buffer({T, Hq * D}), dk = buffer({T, Hkv * D});
@@ -419,6 +424,7 @@ ModelActivationBytes Qwen3Moe::activation_bytes(int64_t batch, int64_t seq, int6
   const bool gpu = device_ == Device::cuda;
   const int64_t a = int64_t(dtype_size(dtype_)), s = gpu ? 4 : a, i32 = 4;  // buffer(), stats(), indices
   ModelActivationBytes m;
+  m.attention_heads = {c.num_heads, c.num_kv_heads, D};
   // The GPU embedding backward sorts the token ids: three index arrays and cub's temporary.
   m.prolog.backward_scratch = gpu ? 4 * T * i32 : 0;
 

@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "core/attention_runner.h"
 #include "core/json.h"
 #include "core/memory.h"
 #include "core/stage_bytes.h"
@@ -54,12 +55,15 @@ struct Qwen3MoeWeights {
   std::vector<Qwen3MoeLayerWeights> layers;
 };
 
-// One micro-batch of B sequences of S tokens (T = B * S), with what the backward needs.
+// One micro-batch of B sequences of S tokens (T = B * S), with what the backward needs. With
+// context parallelism the S tokens are this process's share of longer sequences: positions are
+// their places in the sequence (RoPE) and `attention` runs their attention with the other shares'.
 struct Qwen3MoeBatch {
   int64_t batch = 0, seq = 0;
   Buffer input_ids;  // [T] i32
   Buffer targets;    // [T] i32, kIgnoreIndex where no loss
   Buffer positions;  // [T] i32
+  const AttentionRunner* attention = nullptr;  // none: the sequences are whole (core/attention_runner.h)
 };
 
 struct Qwen3MoeAttentionActivations {

@@ -17,7 +17,6 @@ MeshShape mesh_shape(int64_t world_size, int64_t pp, int64_t cp, int64_t ep, int
   MARROW_CHECK(world_size % (pp * cp * ep) == 0,
                "the job has {} processes, which parallel.pp x parallel.cp x parallel.ep = {} x {} x {} = {} does not divide", world_size,
                pp, cp, ep, pp * cp * ep);
-  MARROW_CHECK(cp == 1, "parallel.cp = {}: context parallelism is not implemented yet (issue #13); use cp = 1", cp);
   const int64_t dp = world_size / (pp * cp * ep);
   if (dp_shard == 0) dp_shard = dp;
   MARROW_CHECK(dp_shard >= 1 && dp % dp_shard == 0, "parallel.dp_shard ({}) does not divide the {} data-parallel ranks of {} processes ({})",
@@ -44,6 +43,7 @@ Mesh Mesh::create(const MeshShape& shape, Device device) {
   const int64_t rank = m.world.rank();
   // Colors name the coordinates the members share; keys keep them in world order.
   m.ep = m.world.split(int((m.pp_rank * shape.dp + m.dp_rank) * shape.cp + m.cp_rank), int(rank));
+  m.cp = m.world.split(int((m.pp_rank * shape.dp + m.dp_rank) * shape.ep + m.ep_rank), int(rank));
   m.data = m.world.split(int(m.pp_rank), int(rank));
   m.pipeline = m.world.split(int((m.dp_rank * shape.cp + m.cp_rank) * shape.ep + m.ep_rank), int(rank));
   m.expert_data = m.world.split(int(m.pp_rank * shape.ep + m.ep_rank), int(rank));

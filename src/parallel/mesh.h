@@ -32,6 +32,7 @@ struct Mesh {
   int64_t pp_rank = 0, dp_rank = 0, cp_rank = 0, ep_rank = 0;
   Comm world;
   Comm ep;           // same pp, dp, cp: the expert all-to-alls
+  Comm cp;           // same pp, dp, ep: the members sharing each sequence (ring attention, ring_attention.h)
   Comm data;         // same pp (dp x cp x ep): non-expert gradients, losses, routing statistics
   Comm pipeline;     // same dp, cp, ep (the pp ranks in order): activations and their gradients
   Comm expert_data;  // same pp and ep (dp x cp): the gradients of the experts this rank holds

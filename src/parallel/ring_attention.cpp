@@ -163,4 +163,19 @@ void ring_attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tenso
   cast(dv, home.v(n));
 }
 
+AttentionRunner ring_attention_runner(const Comm& cp) {
+  return {[&cp](Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v) { ring_attention_forward(out, lse, q, k, v, cp); },
+          [&cp](Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse) {
+            ring_attention_backward(dq, dk, dv, dout, q, k, v, out, lse, cp);
+          }};
+}
+
+RingAttentionBytes ring_attention_bytes(int64_t tokens, int64_t q_heads, int64_t kv_heads, int64_t head_dim, Device device) {
+  const bool gpu = device == Device::cuda;
+  const int64_t a = gpu ? 2 : 4, acc = 4;  // bf16 or f32 activations; f32 running results and lse
+  const int64_t q = tokens * q_heads * head_dim, kv = 2 * tokens * kv_heads * head_dim;  // a KvPair holds K and V
+  // Forward: kv[2], part_out, part_lse, running. Backward: kv[2], share[2] and incoming, dq_sum.
+  return {2 * kv * a + q * a + tokens * q_heads * acc + q * acc, 2 * kv * a + 3 * kv * acc + q * acc};
+}
+
 }  // namespace marrow

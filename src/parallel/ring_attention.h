@@ -29,6 +29,7 @@
 #pragma once
 #include <cstdint>
 
+#include "core/attention_runner.h"
 #include "core/tensor.h"
 #include "ops/attention.h"
 
@@ -62,5 +63,18 @@ void ring_attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v
 // forward's out and lse.
 void ring_attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out,
                              Tensor lse, const Comm& cp);
+
+// The model's attention hook (core/attention_runner.h) for micro-batches cut by the zigzag split
+// over cp: ring_attention_forward/backward over the group, which must outlive the runner.
+AttentionRunner ring_attention_runner(const Comm& cp);
+
+// Device bytes ring attention allocates beyond its inputs and outputs, for `tokens` local tokens
+// (batch x local sequence) of q_heads and kv_heads heads of head_dim: the two K/V blocks of the ring,
+// the partial and running results (forward), the dK/dV accumulators and the f32 dq sum (backward).
+// Activations of `bytes` bytes (2 on the GPU), the running results f32 on the GPU.
+struct RingAttentionBytes {
+  int64_t forward = 0, backward = 0;
+};
+RingAttentionBytes ring_attention_bytes(int64_t tokens, int64_t q_heads, int64_t kv_heads, int64_t head_dim, Device device);
 
 }  // namespace marrow

@@ -3,6 +3,8 @@
 - The bench config's bill: every category, a total, the GPU's memory and the largest fits.
 - Two processes with expert parallelism: half the experts and the all-to-all buffers.
 - FSDP's shards: more processes, smaller state.
+- Context parallelism: a process's activations are those of its seq_len / cp tokens plus the ring's buffers, and the
+  largest sequence that fits is a multiple of 2 x cp.
 - A config that does not fit says so and names the largest micro-batch and sequence that do.
 - Bad inputs stop it with one sentence and exit 1.
 """
@@ -85,6 +87,21 @@ def main():
     fsdp = gib(stdout, "parameters and optimizer state")
     check(code == 0 and fsdp is not None and abs(fsdp - 83.56 / 4) < 0.1, f"FSDP over 4: a quarter of the state ({fsdp} GiB)")
 
+    code, stdout, stderr = estimate(args.marrow, [bench, "--world=2", "--parallel.cp=2", "--train.seq_len=65536"])
+    print(stdout, stderr)
+    cp2 = gib(stdout, "activations of one micro-batch")
+    check(code == 0 and "32768 of each sequence on this process" in stdout and "ring attention buffers at the peak" in stdout,
+          "CP = 2: each process holds half of every sequence, and the ring's buffers are billed")
+    code, stdout, stderr = estimate(args.marrow, [bench, "--world=2", "--train.seq_len=32768"])
+    half = gib(stdout, "activations of one micro-batch")
+    # The ring's buffers of the bench model at 32768 local tokens: 0.9 GiB forward, 1.0 GiB backward.
+    check(cp2 is not None and half is not None and half <= cp2 <= half + 1.0,
+          f"CP = 2 at 65536: activations {cp2} GiB, those of 32768 tokens ({half} GiB) plus at most the ring's buffers")
+    code, stdout, stderr = estimate(args.marrow, [bench, "--world=2", "--parallel.cp=2", "--train.seq_len=65536", "--gpu-memory=120"])
+    m = re.search(r"largest train.seq_len that fits at micro_batch 1: (\d+)", stdout)
+    check(m is not None and int(m.group(1)) % 4 == 0 and int(m.group(1)) > 65536,
+          f"CP = 2: the largest sequence that fits is a multiple of 4 beyond 65536 ({m.group(1) if m else None})")
+
     code, stdout, stderr = estimate(args.marrow, [bench, "--train.seq_len=65536", "--gpu-memory", "120"])
     print(stdout, stderr)
     check(code == 0 and "does NOT fit in 120.00 GiB of GPU memory" in stdout, "a long sequence does not fit")
@@ -103,6 +120,8 @@ def main():
               "experts that do not split")
     one_error(args.marrow, [bench, "--world=8", "--parallel.dp_shard=3"], "parallel.dp_shard (3) does not divide", "bad dp_shard")
     one_error(args.marrow, [bench, "--world=8"], "train.global_batch (4) is not a multiple", "a batch that does not split")
+    one_error(args.marrow, [bench, "--world=2", "--parallel.cp=2", "--train.seq_len=4098"],
+              "train.seq_len (4098) is not a multiple of 2 x parallel.cp = 4", "a sequence that does not split")
     one_error(args.marrow, ["configs/none.toml"], "cannot open run config configs/none.toml", "missing run config")
 
     if FAILURES:

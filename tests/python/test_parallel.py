@@ -1,5 +1,5 @@
-"""Several processes on the CPU path (mpirun --oversubscribe): expert parallelism and fully sharded data
-parallelism against one process.
+"""Several processes on the CPU path (mpirun --oversubscribe): expert parallelism, fully sharded data
+parallelism, context parallelism and the pipeline against one process.
 
 - Layouts: EP = 2, EP = 4, DP = 2 (FSDP; with weights kept; with weights and whole gradients kept;
   replicated), DP = 2 x EP = 2, HSDP 2 x 2 (dp_shard = 2 of dp = 4) and DP = 4 train the tiny model 5 steps on
@@ -18,6 +18,9 @@ parallelism against one process.
   too, at its own lr, by the per-step losses (within 1e-4).
   tests/tools/parallel_check (ctest parallel.check_np*) checks the dispatch and combine
   of routed tokens exactly, in f64, and the collectives (in-place all_gather, accumulating reduce_scatter).
+- Context parallelism (zigzag ring attention): CP = 2 and CP = 2 x EP = 2 (test_context_parallel), PP = 2 x CP = 2
+  (test_pipeline) against one process as strictly as the layouts above, the validation loss too; a CP = 2
+  checkpoint resumes on one process.
 - Initial weights: one step at a denormal lr leaves them as initialised; every mesh's equal one process's bit
   for bit (a shard draws the slice of the whole tensor's random numbers).
 - Checkpoints: a checkpoint written by DP = 2 x EP = 2 (each rank its own slices) resumes on one process, on
@@ -173,15 +176,22 @@ def all_experts_config(tmp, layers=None):
     return path
 
 
+def train_runs(runs, common, prefix, tmp, what):
+    """Trains each run name: (np, args) with the common args in its own directory; returns the directories and stdouts."""
+    dirs, outs = {}, {}
+    for name, (np, args) in runs.items():
+        dirs[name] = os.path.join(tmp, dir_name(prefix, name))
+        code, outs[name], _ = train(args + common, np, dirs[name])
+        check(code == 0, f"{name}, {what}: trains 5 steps")
+    return dirs, outs
+
+
 def test_layouts(tmp):
     strict = [f"--model.config={all_experts_config(tmp)}", *SMOOTH_OPTIMIZER, "--checkpoint.every=5"]
-    dirs = {}
-    for name, (np, args) in LAYOUTS.items():
-        dirs[name] = os.path.join(tmp, dir_name("strict-", name))
-        code, out, _ = train(args + strict, np, dirs[name])
-        check(code == 0, f"{name}, all experts active: trains 5 steps")
+    dirs, outs = train_runs(LAYOUTS, strict, "strict-", tmp, "all experts active")
+    for name, (np, _) in LAYOUTS.items():
         if np > 0:
-            check("mesh: " in out, f"{name}: rank 0 prints the mesh")
+            check("mesh: " in outs[name], f"{name}: rank 0 prints the mesh")
     for name in LAYOUTS:
         if name != "one process":
             compare_runs(f"{name} vs one process", dirs["one process"], dirs[name], 5)
@@ -266,8 +276,8 @@ def schedule_lines(text):
 
 
 def test_pipeline(tmp):
-    """DualPipeV on the 4-layer tiny model (all experts active, small lr), 4 micro-batches per pipeline and step: PP = 2
-    and PP = 2 x EP = 2 against one process; PP = 1's overlapped schedule against the plain one, bit for bit; the
+    """DualPipeV on the 4-layer tiny model (all experts active, small lr), 4 micro-batches per pipeline and step: PP = 2,
+    PP = 2 x EP = 2 and PP = 2 x CP = 2 against one process; PP = 1's overlapped schedule against the plain one, bit for bit; the
     trainer's printed order against `marrow estimate`'s simulated one; a PP = 2 checkpoint resumed on one process."""
     strict = [f"--model.config={all_experts_config(tmp, 4)}", *SMOOTH_OPTIMIZER, "--checkpoint.every=5"]
     runs = {
@@ -276,13 +286,10 @@ def test_pipeline(tmp):
         "PP=1 (DualPipeV)": (0, ["--train.micro_batch=2", "--parallel.schedule=dualpipev"]),
         "PP=2": (2, ["--parallel.pp=2", "--train.micro_batch=2", "--parallel.print_schedule=true"]),
         "PP=2 x EP=2": (4, ["--parallel.pp=2", "--parallel.ep=2", "--train.micro_batch=1"]),
+        "PP=2 x CP=2": (4, ["--parallel.pp=2", "--parallel.cp=2", "--train.micro_batch=2"]),
     }
-    dirs, outs = {}, {}
-    for name, (np, args) in runs.items():
-        dirs[name] = os.path.join(tmp, dir_name("pipe-", name))
-        code, outs[name], _ = train(args + strict, np, dirs[name])
-        check(code == 0, f"{name}, 4 layers: trains 5 steps")
-    for name in ("PP=2", "PP=2 x EP=2"):
+    dirs, outs = train_runs(runs, strict, "pipe-", tmp, "4 layers")
+    for name in ("PP=2", "PP=2 x EP=2", "PP=2 x CP=2"):
         compare_runs(f"{name} vs one process", dirs["one process"], dirs[name], 5)
     plain, overlapped = metrics(dirs["one process, sequential"]), metrics(dirs["PP=1 (DualPipeV)"])
     keys = ("loss", "grad_norm", "load_balance")
@@ -308,6 +315,38 @@ def test_pipeline(tmp):
     if code == code2 == 0:
         want, got = metrics(dirs["one process"])[-1]["loss"], metrics(resumed)[-1]["loss"]
         check(abs(want - got) <= 1e-6 * abs(want), f"resumed from PP=2: step 6's loss is one process's ({got} vs {want})")
+
+
+def test_context_parallel(tmp):
+    """Context parallelism (zigzag ring attention) on the tiny model with all experts active and a small lr: CP = 2 and
+    CP = 2 x EP = 2 against one process (losses, gradient norms, load balance, the validation loss, every weight and AdamW
+    moment); a CP = 2 checkpoint resumed on one process."""
+    strict = [f"--model.config={all_experts_config(tmp)}", *SMOOTH_OPTIMIZER, "--checkpoint.every=5", "--eval.every=5",
+              "--eval.samples=4"]
+    runs = {
+        "one process": (0, ["--train.micro_batch=4"]),
+        "CP=2": (2, ["--parallel.cp=2", "--train.micro_batch=4"]),
+        "CP=2 x EP=2": (4, ["--parallel.cp=2", "--parallel.ep=2", "--train.micro_batch=2"]),
+    }
+    dirs, outs = train_runs(runs, strict, "cp-", tmp, "all experts active")
+    for name, (np, _) in runs.items():
+        if np > 0:
+            check(f"cp 2 x ep {np // 2}" in outs[name], f"{name}: rank 0 prints the mesh with cp 2")
+    for name in ("CP=2", "CP=2 x EP=2"):
+        compare_runs(f"{name} vs one process", dirs["one process"], dirs[name], 5)
+        want, got = metrics(dirs["one process"])[-1].get("val_loss"), metrics(dirs[name])[-1].get("val_loss")
+        check(want is not None and got is not None and abs(want - got) <= 1e-6 * abs(want),
+              f"{name}: the validation loss is one process's ({got} vs {want})")
+    six = ["--train.micro_batch=4", "--train.steps=6", "--checkpoint.every=0", "--eval.every=0"]
+    # Both resume a step-5 checkpoint of a 5-step run for a sixth step (the lr schedule spans the run).
+    straight, resumed = dirs["one process"], os.path.join(tmp, "cp-resumed")
+    code, _, _ = train(strict + six, 0, straight)
+    step5 = os.path.join(dirs["CP=2"], "step-00000005")
+    code2, out, _ = train(strict + six + [f"--checkpoint.resume={step5}"], 0, resumed)
+    check(code == 0 and code2 == 0 and "resuming from" in out, "the CP=2 checkpoint resumes on one process")
+    if code == code2 == 0:
+        want, got = metrics(straight)[-1]["loss"], metrics(resumed)[-1]["loss"]
+        check(abs(want - got) <= 1e-6 * abs(want), f"resumed from CP=2: step 6's loss is one process's ({got} vs {want})")
 
 
 def ranks_of(mpirun_pid):
@@ -358,6 +397,7 @@ def test_bad_layouts(tmp):
         (4, ["--parallel.dp_shard=3", "--train.micro_batch=1"], "parallel.dp_shard (3) does not divide the 4 data-parallel ranks"),
         (3, ["--parallel.ep=3", "--train.micro_batch=1", "--train.global_batch=6"], "is not a multiple of parallel.ep"),
         (4, ["--parallel.ep=2", "--train.micro_batch=1", "--train.global_batch=6"], "is not a multiple of the 4 data-parallel processes"),
+        (2, ["--parallel.cp=2", "--train.seq_len=30"], "train.seq_len (30) is not a multiple of 2 x parallel.cp = 4"),
     ]
     for np, args, sentence in cases:
         start = time.time()
@@ -370,18 +410,18 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--marrow", required=True)
     parser.add_argument("--build-dir", required=True)
+    parser.add_argument("--only", help="run the tests whose name contains this (e.g. context_parallel)")
     ARGS = parser.parse_args()
     corpus = os.environ.get("MARROW_DEMO_CORPUS", os.path.join(ARGS.build_dir, "demo-corpus"))
     COMMON = ["configs/tiny-moe.toml", f"--data.path={corpus}/corpus", "--train.steps=5", "--train.global_batch=8",
               "--train.seq_len=32", "--schedule.warmup_steps=1", "--eval.every=0", "--train.device=cpu"]
     torch.set_printoptions(precision=10)
+    tests = [test_pipeline, test_context_parallel, test_layouts, test_initial_weights, test_resume_on_other_layouts, test_fail_fast,
+             test_bad_layouts]
     with tempfile.TemporaryDirectory() as tmp:
-        test_pipeline(tmp)
-        test_layouts(tmp)
-        test_initial_weights(tmp)
-        test_resume_on_other_layouts(tmp)
-        test_fail_fast(tmp)
-        test_bad_layouts(tmp)
+        for test in tests:
+            if not ARGS.only or ARGS.only in test.__name__:
+                test(tmp)
     if FAILURES:
         print(f"FAIL: {len(FAILURES)} checks failed", flush=True)
         sys.exit(1)
