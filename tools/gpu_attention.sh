@@ -2,7 +2,7 @@
 # Attention on one H200: cuDNN's fused SDPA (ops/attention_cudnn.h) against the own kernels. Run on
 # the GPU machine from the repository root after tools/gpu_prepare.sh here (device tool, carry
 # [".gpu-carry"]):
-#   tools/gpu_attention.sh <log-dir> [check|speed|long|all|final]
+#   tools/gpu_attention.sh <log-dir> [check|speed|long|all|final|memory]
 # check: marrow check --only attention (both kernel sets against the CPU reference, bits twice)
 # speed: the attention rows of marrow bench --kernels; the bench config (3 + 17 steps) with each
 #        kernel set
@@ -11,6 +11,8 @@
 # final: marrow check of the model, the grouped GEMMs and attention; the bench config (3 + 27 steps);
 #        16,384 tokens with the defaults and 32,768 without the bf16 weight copy, each with cuDNN's
 #        deterministic and non-deterministic attention backward
+# memory: marrow check --only model; measured against estimated peaks at 4,096 (4 per step), 16,384 and
+#         32,768 tokens (with and without the bf16 weight copy), 3 + 5 steps each
 # Ends with PASS or FAIL; logs in <log-dir>.
 set -uo pipefail
 out=${1:-$OUT}
@@ -75,6 +77,20 @@ if [ "$what" = final ]; then
       --train.attention_kernels=$3 --output.dir=runs/final-$1-$3 > "$out/long-$1-$3.log" 2>&1 || fail "bench at $1 tokens, $3"
     grep -E "^estimated peak|error" "$out/long-$1-$3.log" | head -3
     sed -n '/^bench:/,$p' "$out/long-$1-$3.log" | head -5
+  done
+fi
+
+if [ "$what" = memory ]; then
+  step "marrow check --only model"
+  build-gpu/marrow check --only model > "$out/check-model.log" 2>&1
+  grep -E "FAIL|checks,|error" "$out/check-model.log" | head -20
+  grep -q '^PASS$' "$out/check-model.log" || fail "marrow check --only model"
+  for run in "4096 true 4" "16384 true 1" "32768 true 1" "32768 false 1"; do
+    set -- $run
+    step "peak at $1 tokens x $3 per step, bf16_weight_copy=$2: 3 warm-up + 5 measured steps"
+    "${bench[@]}" --warmup=3 --steps=5 --train.seq_len=$1 --train.global_batch=$3 --train.micro_batch=1 --train.bf16_weight_copy=$2 \
+      --output.dir=runs/memory-$1-$2 > "$out/memory-$1-$2.log" 2>&1 || fail "bench at $1 tokens, bf16_weight_copy=$2"
+    grep -E "^estimated peak|^bench:|error" "$out/memory-$1-$2.log" | head -3
   done
 fi
 

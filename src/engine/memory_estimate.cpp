@@ -116,6 +116,9 @@ struct Moment {
 struct EngineBytes {
   int64_t residual = 0;  // x, dx, dh2, dx_in: [T, H]
   int64_t rows = 0;      // x_perm, y_perm, dy_perm, dx_perm: [R, H]
+  // x_perm kept from the forward to the backward (ep > 1: what arrived), or gathered again from h2 at
+  // the layer's experts backward (ep = 1).
+  int64_t x_perm_kept = 0, x_perm_again = 0;
   int64_t route = 0;     // kept until the layer's backward ends, besides y_perm
   int64_t dtopk = 0;     // [T, K] statistics
   int64_t dispatch_scratch = 0;
@@ -142,6 +145,7 @@ EngineBytes engine_bytes(const EstimatedModel& m, const AttentionHeads& heads, i
   e.residual = T * H * a;
   e.rows = R * H * a;
   e.dtopk = T * K * s;
+  (ep == 1 ? e.x_perm_again : e.x_perm_kept) = e.rows;
   if (ep == 1) {
     e.route = T * K * i32;  // copy_row
     e.dispatch_scratch = device == Device::cuda ? 4 * T * K * i32 : 0;  // the plan's radix sort
@@ -173,8 +177,8 @@ class Walk {
       const int64_t exchange = e_.sent_rows + e_.recv_rows + e_.sent_weights;
       at(fmt::format("layer {}'s dispatch", l), std::max(e_.dispatch_scratch, e_.rows + exchange), exchange);
       now_[kRoutes] += e_.rows;  // y_perm
-      now_[kExperts] += m_.experts.kept;
-      at(fmt::format("layer {}'s experts forward", l), m_.experts.forward_scratch);
+      now_[kExperts] += m_.experts.kept + e_.x_perm_kept;
+      at(fmt::format("layer {}'s experts forward", l), m_.experts.forward_scratch + e_.x_perm_again);
       at(fmt::format("layer {}'s combine", l), e_.residual + e_.recv_rows + e_.sent_rows, e_.recv_rows + e_.sent_rows);
     }
     now_[kEpilog] += m_.epilog.kept;
@@ -194,8 +198,8 @@ class Walk {
   void layer_backward(int64_t l) {
     int64_t held = e_.residual + e_.rows + e_.dtopk + e_.recv_weights;  // dx, dy_perm, dtopk_weight, dweight_recv
     at(fmt::format("layer {}'s combine backward", l), held + e_.sent_rows + e_.recv_rows, e_.sent_rows + e_.recv_rows);
-    at(fmt::format("layer {}'s experts backward", l), held + e_.rows + m_.experts.backward_scratch);
-    now_[kExperts] -= m_.experts.kept;
+    at(fmt::format("layer {}'s experts backward", l), held + e_.rows + e_.x_perm_again + m_.experts.backward_scratch);
+    now_[kExperts] -= m_.experts.kept + e_.x_perm_kept;
     held += e_.rows + e_.residual;  // dx_perm, dh2
     const int64_t back = e_.recv_rows + e_.sent_rows + e_.sent_weights;
     at(fmt::format("layer {}'s dispatch backward", l), held + back, back);
@@ -252,7 +256,7 @@ void add_activations(MemoryBill& bill, const RunConfig& rc, const EstimatedModel
       {"token ids, targets, positions", ""},
       {"attention + router (stage 1)", per_layer(model.attention.kept)},
       {"dispatch/combine rows and routes", per_layer(engine.route + engine.rows)},
-      {"experts (stage 3)", per_layer(model.experts.kept)},
+      {"experts (stage 3)", per_layer(model.experts.kept + engine.x_perm_kept)},
       {"epilog: final norm, logits, loss", fmt::format("kept: {}", mib(model.epilog.kept))}};
   for (size_t k = 0; k < kinds.size(); ++k) bill.items.push_back({BillGroup::activations, kinds[k].first, p.kept[k], kinds[k].second});
   bill.items.push_back({BillGroup::activations, "temporaries at the peak", p.scratch - p.exchange - p.ring, "gradients flowing back, op scratch"});
@@ -282,9 +286,11 @@ void add_pipeline_activations(MemoryBill& bill, const RunConfig& rc, const Estim
   const ModelActivationBytes& model = one.model;
   const EngineBytes& engine = one.engine;
   const int64_t T = one.tokens;
-  const int64_t per_layer = model.attention.kept + engine.route + engine.rows + model.experts.kept;
-  // A deferred W keeps the experts' inputs, dy_perm and dgate_up (two thirds of the backward's scratch).
-  const int64_t waiting = model.experts.kept + engine.rows + 2 * model.experts.backward_scratch / 3;
+  const int64_t per_layer = model.attention.kept + engine.route + engine.rows + model.experts.kept + engine.x_perm_kept;
+  // A deferred W keeps the experts' inputs (x_perm too, gathered again with ep = 1), dy_perm, the
+  // SwiGLU output and dgate_up (three quarters of the backward's scratch).
+  const int64_t waiting = model.experts.kept + engine.x_perm_kept + engine.x_perm_again + engine.rows +
+                          3 * model.experts.backward_scratch / 4;
   auto kept = [&](int phase) {
     const PipelineChunk& c = place.chunks[size_t(phase == 0 ? place.rank : 2 * place.pp - 1 - place.rank)];
     return c.layers(m.num_layers) * per_layer + (c.last == m.num_layers ? model.epilog.kept : 0);

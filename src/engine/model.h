@@ -34,6 +34,8 @@ concept MoeModel = requires(const M& m, typename M::AttentionActivations& a, typ
   m.experts_backward(t, w.layers[0], t, e, t, w.layers[0], flag);
   m.experts_backward_input(t, t, e, t, w.layers[0]);
   m.experts_backward_weights(w.layers[0], t, e, t, flag);
+  m.experts_drop_input(e);
+  m.experts_restore_input(e, std::move(buffer));
   m.aggregate_forward(t, a, t, t);
   m.aggregate_backward(t, t, t, a, t, t);
   { m.epilog_forward(p, std::move(buffer), batch, w) } -> std::convertible_to<double>;

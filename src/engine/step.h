@@ -51,6 +51,13 @@ template <MoeModel M> struct MicroBatch {
   double aux_loss_sum = 0;    // load-balance loss (Hugging Face's form) summed over layers
 };
 
+// The rows of x_perm gathered from h2 by the layer's plan (again, for the backward).
+template <MoeModel M> Buffer gather_expert_rows(typename MicroBatch<M>::Layer& s, const M& m) {
+  Buffer x_perm = m.buffer({s.copy_row.view().numel(), m.hidden_size()});
+  dispatch_forward(x_perm, s.attention.h2, s.copy_row);
+  return x_perm;
+}
+
 // Stage 2 of one process: all of a token's copies stay here. Returns x_perm.
 template <MoeModel M> Buffer dispatch_local(typename MicroBatch<M>::Layer& s, const M& m) {
   const Tensor index = s.attention.topk_index;
@@ -59,9 +66,7 @@ template <MoeModel M> Buffer dispatch_local(typename MicroBatch<M>::Layer& s, co
   s.expert_offsets = Buffer(DType::i32, Device::cpu, {m.num_experts() + 1});
   s.copy_row = Buffer(DType::i32, m.device(), {T, K});
   dispatch_plan(s.expert_offsets, s.copy_row, index);
-  Buffer x_perm = m.buffer({T * K, m.hidden_size()});
-  dispatch_forward(x_perm, s.attention.h2, s.copy_row);
-  return x_perm;
+  return gather_expert_rows<M>(s, m);
 }
 
 // Stages [-1, num_layers]: the whole model as one chunk.
@@ -117,6 +122,7 @@ template <MoeModel M> class ForwardPass {
         s.y_perm = m_.buffer({x_perm_.view().size(0), H});
         StageScope scope(timer_, Stage::experts);
         m_.experts_forward(s.y_perm, s.experts, std::move(x_perm_), offsets, lw);
+        if (!groups_.experts) m_.experts_drop_input(s.experts);  // gathered again for the backward
         break;
       }
       case 3: {
@@ -253,6 +259,7 @@ template <MoeModel M> class BackwardPass {
     }
     dx_perm_ = m_.buffer({dy_perm_.view().size(0), m_.hidden_size()});
     StageScope scope(timer_, Stage::experts);
+    if (!groups_.experts) m_.experts_restore_input(s.experts, gather_expert_rows<M>(s, m_));
     const auto& lw = w_.layers[size_t(stage_)];
     if (!options_.defer_expert_weights) {
       m_.experts_backward(dx_perm_, g_.layers[size_t(stage_)], dy_perm_, s.experts, offsets(), lw, options_.first_micro_batch);

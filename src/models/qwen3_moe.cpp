@@ -323,7 +323,7 @@ void Qwen3Moe::experts_backward(Tensor dx_perm, const Qwen3MoeLayerWeights& grad
 
 void Qwen3Moe::experts_backward_input(Tensor dx_perm, Tensor dy_perm, Qwen3MoeExpertActivations& e, Tensor expert_offsets,
                                       const Qwen3MoeLayerWeights& w) const {
-  const int64_t R = e.x_perm.view().size(0), I = config_.expert_intermediate_size;
+  const int64_t R = e.gate_up.view().size(0), I = config_.expert_intermediate_size;
   e.act = buffer({R, I});  // for the down projection's weight gradient
   swiglu_forward(e.act, e.gate_up);
   Buffer dact = buffer({R, I});
@@ -438,7 +438,7 @@ ModelActivationBytes Qwen3Moe::activation_bytes(int64_t batch, int64_t seq, int6
   const int64_t op = gpu ? attention_backward_op_scratch(batch, seq, c.num_heads, c.num_kv_heads, D) : 0;
   m.attention.backward_scratch = before_op + std::max(op, T * (q + kv + 2 * H) * a);
 
-  m.experts.kept = R * (H + 2 * I) * a;        // x_perm, gate_up
+  m.experts.kept = R * 2 * I * a;              // gate_up (x_perm is the engine's: EngineBytes)
   m.experts.forward_scratch = R * I * a;       // act
   m.experts.backward_scratch = R * 4 * I * a;  // act (again), dact, dgate_up
 

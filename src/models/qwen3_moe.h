@@ -153,6 +153,10 @@ class Qwen3Moe {
                               const Qwen3MoeLayerWeights& w) const;
   void experts_backward_weights(const Qwen3MoeLayerWeights& grads, Tensor dy_perm, Qwen3MoeExpertActivations& e, Tensor expert_offsets,
                                 bool overwrite_grads) const;
+  // x_perm is a gather of h2 (which stage 1 keeps) when all of a token's copies stay on this
+  // process: the engine then drops it after the forward and gathers it again for the backward.
+  void experts_drop_input(Qwen3MoeExpertActivations& e) const { e.x_perm = Buffer{}; }
+  void experts_restore_input(Qwen3MoeExpertActivations& e, Buffer x_perm) const { e.x_perm = std::move(x_perm); }
 
   // Stage 5: out = x_mid + sum_j topk_weight[t, j] * y_perm[copy_row[t, j]].
   void aggregate_forward(Tensor out, const Qwen3MoeAttentionActivations& a, Tensor y_perm, Tensor copy_row) const;
