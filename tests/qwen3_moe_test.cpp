@@ -179,6 +179,22 @@ TEST(Qwen3Moe, ChunkedLogitsGiveTheLossAndGradientsOfWholeOnes) {
   EXPECT_LE(worst, 1e-12 * largest);
 }
 
+// x_perm dropped after the experts forward and gathered again from h2 for the backward (long
+// micro-batches) gives the same bits as keeping it: the same gather of the same rows.
+TEST(Qwen3Moe, ExpertRowsGatheredAgainGiveTheSameBits) {
+  TinyRun kept(DType::f32, 2, 8, tiny_config_json()), again(DType::f32, 2, 8, tiny_config_json());
+  const int64_t before = expert_rows_gathered_again_from();
+  EXPECT_FALSE(gathers_expert_rows_again(16, false));
+  const double kept_loss = kept.loss_and_gradients();
+  expert_rows_gathered_again_from() = 1;
+  EXPECT_TRUE(gathers_expert_rows_again(16, false));
+  EXPECT_FALSE(gathers_expert_rows_again(16, true));  // with expert parallelism x_perm is what arrived
+  const double again_loss = again.loss_and_gradients();
+  expert_rows_gathered_again_from() = before;
+  EXPECT_EQ(kept_loss, again_loss);
+  EXPECT_EQ(std::memcmp(kept.grads.all().data, again.grads.all().data, kept.grads.bytes()), 0);
+}
+
 TEST(Qwen3Moe, SameInputsGiveBitwiseSameLossAndGradients) {
   TinyRun a(DType::f32, 2, 8, tiny_config_json()), b(DType::f32, 2, 8, tiny_config_json());
   EXPECT_EQ(a.loss_and_gradients(), b.loss_and_gradients());

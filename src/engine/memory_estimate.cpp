@@ -116,8 +116,8 @@ struct Moment {
 struct EngineBytes {
   int64_t residual = 0;  // x, dx, dh2, dx_in: [T, H]
   int64_t rows = 0;      // x_perm, y_perm, dy_perm, dx_perm: [R, H]
-  // x_perm kept from the forward to the backward (ep > 1: what arrived), or gathered again from h2 at
-  // the layer's experts backward (ep = 1).
+  // x_perm kept from the forward to the backward, or gathered again from h2 at the layer's experts
+  // backward (engine/model.h: gathers_expert_rows_again).
   int64_t x_perm_kept = 0, x_perm_again = 0;
   int64_t route = 0;     // kept until the layer's backward ends, besides y_perm
   int64_t dtopk = 0;     // [T, K] statistics
@@ -145,7 +145,7 @@ EngineBytes engine_bytes(const EstimatedModel& m, const AttentionHeads& heads, i
   e.residual = T * H * a;
   e.rows = R * H * a;
   e.dtopk = T * K * s;
-  (ep == 1 ? e.x_perm_again : e.x_perm_kept) = e.rows;
+  (gathers_expert_rows_again(T, ep > 1) ? e.x_perm_again : e.x_perm_kept) = e.rows;
   if (ep == 1) {
     e.route = T * K * i32;  // copy_row
     e.dispatch_scratch = device == Device::cuda ? 4 * T * K * i32 : 0;  // the plan's radix sort
@@ -287,7 +287,7 @@ void add_pipeline_activations(MemoryBill& bill, const RunConfig& rc, const Estim
   const EngineBytes& engine = one.engine;
   const int64_t T = one.tokens;
   const int64_t per_layer = model.attention.kept + engine.route + engine.rows + model.experts.kept + engine.x_perm_kept;
-  // A deferred W keeps the experts' inputs (x_perm too, gathered again with ep = 1), dy_perm, the
+  // A deferred W keeps the experts' inputs (x_perm too, when gathered again), dy_perm, the
   // SwiGLU output and dgate_up (three quarters of the backward's scratch).
   const int64_t waiting = model.experts.kept + engine.x_perm_kept + engine.x_perm_again + engine.rows +
                           3 * model.experts.backward_scratch / 4;

@@ -122,7 +122,7 @@ template <MoeModel M> class ForwardPass {
         s.y_perm = m_.buffer({x_perm_.view().size(0), H});
         StageScope scope(timer_, Stage::experts);
         m_.experts_forward(s.y_perm, s.experts, std::move(x_perm_), offsets, lw);
-        if (!groups_.experts) m_.experts_drop_input(s.experts);  // gathered again for the backward
+        if (gathers_expert_rows_again(batch_.batch * batch_.seq, groups_.experts != nullptr)) m_.experts_drop_input(s.experts);
         break;
       }
       case 3: {
@@ -259,7 +259,8 @@ template <MoeModel M> class BackwardPass {
     }
     dx_perm_ = m_.buffer({dy_perm_.view().size(0), m_.hidden_size()});
     StageScope scope(timer_, Stage::experts);
-    if (!groups_.experts) m_.experts_restore_input(s.experts, gather_expert_rows<M>(s, m_));
+    if (gathers_expert_rows_again(batch_.batch * batch_.seq, groups_.experts != nullptr))
+      m_.experts_restore_input(s.experts, gather_expert_rows<M>(s, m_));
     const auto& lw = w_.layers[size_t(stage_)];
     if (!options_.defer_expert_weights) {
       m_.experts_backward(dx_perm_, g_.layers[size_t(stage_)], dy_perm_, s.experts, offsets(), lw, options_.first_micro_batch);
