@@ -7,6 +7,7 @@
 #include "gradcheck.h"
 #include "ops/dispatch.h"
 #include "ops/grouped_linear.h"
+#include "ops/route_weight.h"
 #include "ops/router.h"
 #include "ops/swiglu.h"
 
@@ -170,9 +171,17 @@ struct ExpertBlock {
     return testing::weighted_sum(out, r) + aux_grad * router_aux_loss(routing_stats);
   }
 
-  void backward() {
-    combine_backward(dy_perm, dtopk_weight, r, y_perm, topk_weight, copy_row);
-    grouped_linear_backward_input(dact, dy_perm, w_down, offsets);
+  // weights_in_experts: the one-process path of the engine, where combine's backward passes dout's
+  // copies unweighted and the experts apply the routing weights (ops/route_weight.h).
+  void backward(bool weights_in_experts = false) {
+    if (weights_in_experts) {
+      dispatch_forward(dy_perm, r, copy_row);
+      grouped_linear_backward_input(dact, dy_perm, w_down, offsets);
+      route_weight_backward(dtopk_weight, dact, act, topk_weight, copy_row);
+    } else {
+      combine_backward(dy_perm, dtopk_weight, r, y_perm, topk_weight, copy_row);
+      grouped_linear_backward_input(dact, dy_perm, w_down, offsets);
+    }
     grouped_linear_backward_weight(dw_down, dy_perm, act, offsets);
     swiglu_backward(dgate_up, dact, gate_up);
     grouped_linear_backward_input(dx_perm, dgate_up, w_gate_up, offsets);
@@ -192,6 +201,22 @@ TEST(Combine, WholeExpertBlockGradientsMatchFiniteDifferences) {
   testing::expect_gradient("dlogits", b.logits, b.dlogits, loss);
   testing::expect_gradient("dw_gate_up", b.w_gate_up, b.dw_gate_up, loss);
   testing::expect_gradient("dw_down", b.w_down, b.dw_down, loss);
+}
+
+TEST(Combine, RoutingWeightsAppliedInTheExpertsGiveTheSameGradients) {
+  ExpertBlock weighted(DType::f64), in_experts(DType::f64);
+  weighted.forward();
+  in_experts.forward();
+  weighted.backward();
+  in_experts.backward(true);
+  for (auto [name, a, e] : {std::tuple{"dx", &in_experts.dx, &weighted.dx}, std::tuple{"dlogits", &in_experts.dlogits, &weighted.dlogits},
+                            std::tuple{"dtopk_weight", &in_experts.dtopk_weight, &weighted.dtopk_weight},
+                            std::tuple{"dw_gate_up", &in_experts.dw_gate_up, &weighted.dw_gate_up},
+                            std::tuple{"dw_down", &in_experts.dw_down, &weighted.dw_down}})
+    for (int64_t i = 0; i < e->numel(); ++i) {
+      const double want = testing::element(*e, i);
+      EXPECT_NEAR(testing::element(*a, i), want, 1e-12 * (1 + std::abs(want))) << name << " element " << i;
+    }
 }
 
 TEST(Combine, F32PathMatchesF64ThroughWholeExpertBlock) {

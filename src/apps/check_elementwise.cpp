@@ -18,6 +18,7 @@
 #include "ops/grad_norm.h"
 #include "ops/rmsnorm.h"
 #include "ops/rope.h"
+#include "ops/route_weight.h"
 #include "ops/router.h"
 #include "ops/swiglu.h"
 
@@ -301,6 +302,16 @@ void check_combine_rank(CheckReport& report, int64_t n, int64_t e, int64_t k, in
   combine_backward(dy_perm_d, dweight_d, dout_d, y_perm_d, weight_d, rows_d);
   report.compare("combine_backward dy_perm " + size, dy_perm_d, dy_perm, kBf16);
   report.compare("combine_backward dtopk_weight " + size, dweight_d, dweight, kF32);
+
+  // The one-process backward's routing weights, applied in the experts (its -1 entries come from the rank's plan).
+  Buffer dact = random_bf16({plan.rows, h}, 97), act = random_bf16({plan.rows, h}, 98), dweight_in = host_f32({n, k});
+  OnDevice dact_d(dact, DType::bf16), act_d(act, DType::bf16);
+  Buffer dweight_in_d = poisoned(DType::f32, {n, k});
+  route_weight_backward(dweight_in, dact, act, topk_weight, plan.copy_row);
+  route_weight_backward(dweight_in_d, dact_d, act_d, weight_d, rows_d);
+  report.compare("route_weight_backward dtopk_weight " + size, dweight_in_d, dweight_in, kF32);
+  report.compare("route_weight_backward dact " + size, dact_d, dact, kBf16);
+  report.compare("route_weight_backward act " + size, act_d, act, kBf16);
 }
 
 // Every 7th target is the ignore index; the backward writes dlogits over the logits, as the model does.

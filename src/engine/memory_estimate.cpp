@@ -120,6 +120,9 @@ struct EngineBytes {
   // backward (engine/model.h: gathers_expert_rows_again).
   int64_t x_perm_kept = 0, x_perm_again = 0;
   int64_t route = 0;     // kept until the layer's backward ends, besides y_perm
+  // y_perm kept to the backward (ep > 1: the expert's process takes the routing weights' gradient
+  // from it), or freed after combine (ep = 1: engine/step.h, ops/route_weight.h).
+  int64_t y_perm_kept = 0, y_perm_until_combine = 0;
   int64_t dtopk = 0;     // [T, K] statistics
   int64_t dispatch_scratch = 0;
   // ep > 1: rows sent to and received from the group (deduplicated per token and member).
@@ -146,6 +149,7 @@ EngineBytes engine_bytes(const EstimatedModel& m, const AttentionHeads& heads, i
   e.rows = R * H * a;
   e.dtopk = T * K * s;
   (gathers_expert_rows_again(T, ep > 1) ? e.x_perm_again : e.x_perm_kept) = e.rows;
+  (ep > 1 ? e.y_perm_kept : e.y_perm_until_combine) = e.rows;
   if (ep == 1) {
     e.route = T * K * i32;  // copy_row
     e.dispatch_scratch = device == Device::cuda ? 4 * T * K * i32 : 0;  // the plan's radix sort
@@ -176,10 +180,11 @@ class Walk {
       // The plan's scratch is gone when x_perm is made; the exchange buffers live until dispatch returns.
       const int64_t exchange = e_.sent_rows + e_.recv_rows + e_.sent_weights;
       at(fmt::format("layer {}'s dispatch", l), std::max(e_.dispatch_scratch, e_.rows + exchange), exchange);
-      now_[kRoutes] += e_.rows;  // y_perm
+      now_[kRoutes] += e_.y_perm_kept;
       now_[kExperts] += m_.experts.kept + e_.x_perm_kept;
-      at(fmt::format("layer {}'s experts forward", l), m_.experts.forward_scratch + e_.x_perm_again);
-      at(fmt::format("layer {}'s combine", l), e_.residual + e_.recv_rows + e_.sent_rows, e_.recv_rows + e_.sent_rows);
+      at(fmt::format("layer {}'s experts forward", l), m_.experts.forward_scratch + e_.x_perm_again + e_.y_perm_until_combine);
+      at(fmt::format("layer {}'s combine", l), e_.residual + e_.recv_rows + e_.sent_rows + e_.y_perm_until_combine,
+         e_.recv_rows + e_.sent_rows);
     }
     now_[kEpilog] += m_.epilog.kept;
     at("the epilog's forward", m_.epilog.forward_scratch);
@@ -208,7 +213,7 @@ class Walk {
     at(fmt::format("layer {}'s attention backward", l), held + e_.residual + m_.attention.backward_scratch + e_.ring.backward, 0,
        e_.ring.backward);
     now_[kAttention] -= m_.attention.kept;
-    now_[kRoutes] -= e_.route + e_.rows;
+    now_[kRoutes] -= e_.route + e_.y_perm_kept;
   }
   void at(const std::string& where, int64_t scratch, int64_t exchange = 0, int64_t ring = 0) {
     const Moment m{where, now_, scratch, exchange, ring};
@@ -255,7 +260,7 @@ void add_activations(MemoryBill& bill, const RunConfig& rc, const EstimatedModel
   const std::vector<std::pair<std::string, std::string>> kinds = {
       {"token ids, targets, positions", ""},
       {"attention + router (stage 1)", per_layer(model.attention.kept)},
-      {"dispatch/combine rows and routes", per_layer(engine.route + engine.rows)},
+      {"dispatch/combine rows and routes", per_layer(engine.route + engine.y_perm_kept)},
       {"experts (stage 3)", per_layer(model.experts.kept + engine.x_perm_kept)},
       {"epilog: final norm, logits, loss", fmt::format("kept: {}", mib(model.epilog.kept))}};
   for (size_t k = 0; k < kinds.size(); ++k) bill.items.push_back({BillGroup::activations, kinds[k].first, p.kept[k], kinds[k].second});
@@ -286,7 +291,7 @@ void add_pipeline_activations(MemoryBill& bill, const RunConfig& rc, const Estim
   const ModelActivationBytes& model = one.model;
   const EngineBytes& engine = one.engine;
   const int64_t T = one.tokens;
-  const int64_t per_layer = model.attention.kept + engine.route + engine.rows + model.experts.kept + engine.x_perm_kept;
+  const int64_t per_layer = model.attention.kept + engine.route + engine.y_perm_kept + model.experts.kept + engine.x_perm_kept;
   // A deferred W keeps the experts' inputs (x_perm too, when gathered again), dy_perm, the
   // SwiGLU output and dgate_up (three quarters of the backward's scratch).
   const int64_t waiting = model.experts.kept + engine.x_perm_kept + engine.x_perm_again + engine.rows +

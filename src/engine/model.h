@@ -37,7 +37,7 @@ concept MoeModel = requires(const M& m, typename M::AttentionActivations& a, typ
   m.experts_drop_input(e);
   m.experts_restore_input(e, std::move(buffer));
   m.aggregate_forward(t, a, t, t);
-  m.aggregate_backward(t, t, t, a, t, t);
+  m.aggregate_backward(t, t, t, a, t, e);
   { m.epilog_forward(p, std::move(buffer), batch, w) } -> std::convertible_to<double>;
   m.epilog_backward(t, w, scale, p, batch, w);
 };

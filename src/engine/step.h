@@ -35,7 +35,8 @@ template <MoeModel M> struct MicroBatch {
   struct Layer {
     typename M::AttentionActivations attention;
     typename M::ExpertActivations experts;
-    Buffer expert_offsets, copy_row, y_perm;
+    Buffer expert_offsets, copy_row;
+    Buffer y_perm;  // the expert outputs; kept for the backward only under expert parallelism
     ExpertRoute route;  // with expert parallelism, instead of expert_offsets and copy_row
   };
   std::vector<Layer> layers;
@@ -133,6 +134,9 @@ template <MoeModel M> class ForwardPass {
         } else {
           x_ = m_.buffer({batch_.batch * batch_.seq, H});
           m_.aggregate_forward(x_, s.attention, s.y_perm, s.copy_row);
+          // The backward takes the routing weights' gradient from the experts instead (MoeModel's
+          // aggregate_backward), so the largest activation of a layer goes now.
+          s.y_perm = Buffer{};
         }
         ++stage_;
         break;
@@ -243,12 +247,12 @@ template <MoeModel M> class BackwardPass {
   void combine() {
     auto& s = layer();
     const int64_t T = batch_.batch * batch_.seq, H = m_.hidden_size();
-    dy_perm_ = m_.buffer({s.y_perm.view().size(0), H});
+    dy_perm_ = m_.buffer({groups_.experts ? s.y_perm.view().size(0) : s.copy_row.view().numel(), H});
     dtopk_weight_ = m_.stats({T, m_.top_k()});
     before(stage_);
     StageScope scope(timer_, Stage::combine);
     if (groups_.experts) exchange_ = groups_.experts->start_combine_backward(dx_, s.route);
-    else m_.aggregate_backward(dy_perm_, dtopk_weight_, dx_, s.attention, s.y_perm, s.copy_row);
+    else m_.aggregate_backward(dy_perm_, dtopk_weight_, dx_, s.attention, s.copy_row, s.experts);
     part_ = 1;
   }
   void experts() {

@@ -8,11 +8,13 @@
 #include "ops/attention_cudnn.h"
 #include "ops/combine.h"
 #include "ops/cross_entropy.h"
+#include "ops/dispatch.h"
 #include "ops/embedding.h"
 #include "ops/grouped_linear.h"
 #include "ops/linear.h"
 #include "ops/rmsnorm.h"
 #include "ops/rope.h"
+#include "ops/route_weight.h"
 #include "ops/router.h"
 #include "ops/swiglu.h"
 
@@ -328,6 +330,10 @@ void Qwen3Moe::experts_backward_input(Tensor dx_perm, Tensor dy_perm, Qwen3MoeEx
   swiglu_forward(e.act, e.gate_up);
   Buffer dact = buffer({R, I});
   grouped_linear_backward_input(dact, dy_perm, w.experts_down, expert_offsets);
+  if (e.copy_row.data != nullptr) {
+    route_weight_backward(e.dtopk_weight, dact, e.act, e.topk_weight, e.copy_row);
+    e.topk_weight = e.copy_row = e.dtopk_weight = Tensor{};
+  }
   e.dgate_up = buffer({R, 2 * I});
   swiglu_backward(e.dgate_up, dact, e.gate_up);
   e.gate_up = Buffer{};
@@ -346,8 +352,11 @@ void Qwen3Moe::aggregate_forward(Tensor out, const Qwen3MoeAttentionActivations&
 }
 
 void Qwen3Moe::aggregate_backward(Tensor dy_perm, Tensor dtopk_weight, Tensor dout, const Qwen3MoeAttentionActivations& a,
-                                  Tensor y_perm, Tensor copy_row) const {
-  combine_backward(dy_perm, dtopk_weight, dout, y_perm, a.topk_weight, copy_row);
+                                  Tensor copy_row, Qwen3MoeExpertActivations& e) const {
+  dispatch_forward(dy_perm, dout, copy_row);
+  e.topk_weight = a.topk_weight;
+  e.copy_row = copy_row;
+  e.dtopk_weight = dtopk_weight;
 }
 
 int64_t Qwen3Moe::logits_chunk(int64_t tokens) const {

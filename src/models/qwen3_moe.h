@@ -77,6 +77,9 @@ struct Qwen3MoeAttentionActivations {
 struct Qwen3MoeExpertActivations {
   Buffer x_perm, gate_up;
   Buffer act, dgate_up;  // from experts_backward_input (act computed again there) to experts_backward_weights
+  // Set by aggregate_backward, where dy_perm holds dout's copies unweighted: experts_backward_input
+  // applies the routing weights and writes their gradient (ops/route_weight.h), then clears them.
+  Tensor topk_weight, copy_row, dtopk_weight;
 };
 
 struct Qwen3MoeEpilogActivations {
@@ -160,9 +163,12 @@ class Qwen3Moe {
 
   // Stage 5: out = x_mid + sum_j topk_weight[t, j] * y_perm[copy_row[t, j]].
   void aggregate_forward(Tensor out, const Qwen3MoeAttentionActivations& a, Tensor y_perm, Tensor copy_row) const;
-  // dy_perm and dtopk_weight (overwritten) from dout; the residual's gradient is dout itself.
-  void aggregate_backward(Tensor dy_perm, Tensor dtopk_weight, Tensor dout, const Qwen3MoeAttentionActivations& a,
-                          Tensor y_perm, Tensor copy_row) const;
+  // With one expert-parallel rank: dy_perm (overwritten) = dout's copies, unweighted; the routing
+  // weights' part waits for experts_backward_input, which writes dtopk_weight from the SwiGLU output,
+  // so y_perm need not be kept (ops/route_weight.h). The residual's gradient is dout itself. (Under
+  // expert parallelism the expert's process applies the weights: parallel/expert_parallel.h.)
+  void aggregate_backward(Tensor dy_perm, Tensor dtopk_weight, Tensor dout, const Qwen3MoeAttentionActivations& a, Tensor copy_row,
+                          Qwen3MoeExpertActivations& e) const;
 
   // Epilog: returns the sum of token losses over non-ignored targets. The LM head's logits of a
   // micro-batch stay whole in p.logits for the backward up to kWholeLogitsBytes; past that (long
