@@ -6,6 +6,12 @@
 #include "ops/cast.h"
 #include "ops/grad_norm.h"
 
+#if MARROW_CUDA
+#include <cuda_runtime.h>
+
+#include "core/cuda_check.h"
+#endif
+
 namespace marrow {
 
 namespace {
@@ -94,6 +100,13 @@ ShardedParameters::ShardedParameters(const std::vector<TensorSpec>& specs, int64
   fill_zero(grads_.all());
   if (gathered_) fill_zero(gathered_->all());
   if (whole_grads_) fill_zero(whole_grads_->all());
+#if MARROW_CUDA
+  if (device == Device::cuda && std::any_of(units_.begin(), units_.end(), [](const Unit& u) { return u.cast; })) {
+    cudaStream_t stream = nullptr;
+    MARROW_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    cast_stream_ = std::shared_ptr<void>(stream, [](void* p) { cudaStreamDestroy(static_cast<cudaStream_t>(p)); });
+  }
+#endif
 }
 
 // Compute-dtype shards of slotted units, whole copies and whole gradients of kept units (the shard
@@ -219,12 +232,35 @@ void ShardedParameters::gather_slot(const Unit& u, int64_t layer) {
   Slot& s = slot(u, layer);
   if (s.holds == layer) return;
   s.holds = layer;
-  if (u.cast) {  // on the compute stream, which uses it next: nothing to wait for
-    cast(s.weights.rows(0, u.numel), u.shard(params_));
+  if (u.cast) {
+    s.gathered_at = cast_into_slot(s.weights.rows(0, u.numel), u.shard(params_));
     return;
   }
   u.group->all_gather(s.weights.rows(0, u.n * u.chunk), u.working, "weights all_gather (layer)", false);
   s.gathered_at = u.group->queued();
+}
+
+// The cast starts after everything the compute stream has queued so far, which includes the last
+// use of the slot's previous layer.
+Comm::Point ShardedParameters::cast_into_slot(Tensor weights, Tensor master) {
+#if MARROW_CUDA
+  if (cast_stream_) {
+    auto stream = static_cast<cudaStream_t>(cast_stream_.get());
+    auto event = [] {
+      cudaEvent_t e = nullptr;
+      MARROW_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+      return std::shared_ptr<void>(e, [](void* p) { cudaEventDestroy(static_cast<cudaEvent_t>(p)); });
+    };
+    const std::shared_ptr<void> queued = event(), done = event();
+    MARROW_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(queued.get()), nullptr));
+    MARROW_CUDA_CHECK(cudaStreamWaitEvent(stream, static_cast<cudaEvent_t>(queued.get()), 0));
+    cast(weights, master, Stream{stream});
+    MARROW_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(done.get()), stream));
+    return {done};
+  }
+#endif
+  cast(weights, master);  // on the compute stream, which uses it next: nothing to wait for
+  return {};
 }
 
 void ShardedParameters::wait_for_weights(int64_t stage, bool backward) {

@@ -32,6 +32,7 @@
 #pragma once
 #include <array>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <vector>
 
@@ -127,6 +128,9 @@ class ShardedParameters {
   // The slots' weights are stale (the master shards changed).
   void forget_slots();
   void gather_slot(const Unit& u, int64_t layer);
+  // cast_on_use: the slot's weights from the master shard, on cast_stream_ (GPU); returns the point
+  // the compute stream waits for.
+  Comm::Point cast_into_slot(Tensor weights, Tensor master);
   // The compute stream waits for the stage's weights (and, in the backward, for its gradient slots).
   void wait_for_weights(int64_t stage, bool backward);
   void prefetch(int64_t layer);
@@ -146,6 +150,9 @@ class ShardedParameters {
   Placement weights_, gradients_;
   std::vector<TensorPiece> pieces_;
   bool saves_ = true, first_writes_slotted_ = false;
+  // A GPU stream of its own for cast_on_use's casts, so the next layer's cast overlaps this layer's
+  // compute as a gather on a communication stream would (null on the CPU and without casts).
+  std::shared_ptr<void> cast_stream_;
 };
 
 }  // namespace marrow
