@@ -2,7 +2,7 @@
 # Attention on one H200: cuDNN's fused SDPA (ops/attention_cudnn.h) against the own kernels. Run on
 # the GPU machine from the repository root after tools/gpu_prepare.sh here (device tool, carry
 # [".gpu-carry"]):
-#   tools/gpu_attention.sh <log-dir> [check|speed|long|all|final|memory]
+#   tools/gpu_attention.sh <log-dir> [check|speed|long|all|final|memory|checks|measure]
 # check: marrow check --only attention (both kernel sets against the CPU reference, bits twice)
 # speed: the attention rows of marrow bench --kernels; the bench config (3 + 17 steps) with each
 #        kernel set
@@ -13,6 +13,11 @@
 #        deterministic and non-deterministic attention backward
 # memory: marrow check --only model; measured against estimated peaks at 4,096 (4 per step), 16,384 and
 #         32,768 tokens (with and without the bf16 weight copy), 3 + 5 steps each
+# checks: marrow check of elementwise ops, the model, the grouped GEMMs and attention; losses of
+#         train.bf16_weight_copy=false against the default, bit for bit (4,096 x 4, 2 + 3 steps)
+# measure: the kernel table; the bench config (3 + 27 steps); one sequence per step at 16,384 and
+#          32,768 tokens with and without the bf16 weight copy, and the bench config without it (3 + 5
+#          steps): tokens/s and peaks
 # Ends with PASS or FAIL; logs in <log-dir>.
 set -uo pipefail
 out=${1:-$OUT}
@@ -91,6 +96,41 @@ if [ "$what" = memory ]; then
     "${bench[@]}" --warmup=3 --steps=5 --train.seq_len=$1 --train.global_batch=$3 --train.micro_batch=1 --train.bf16_weight_copy=$2 \
       --output.dir=runs/memory-$1-$2 > "$out/memory-$1-$2.log" 2>&1 || fail "bench at $1 tokens, bf16_weight_copy=$2"
     grep -E "^estimated peak|^bench:|error" "$out/memory-$1-$2.log" | head -3
+  done
+fi
+
+if [ "$what" = checks ]; then
+  for group in elementwise model gemm attention; do
+    step "marrow check --only $group"
+    build-gpu/marrow check --only $group > "$out/check-$group.log" 2>&1
+    grep -E "FAIL|checks,|error" "$out/check-$group.log" | head -20
+    grep -q '^PASS$' "$out/check-$group.log" || fail "marrow check --only $group"
+  done
+  step "train.bf16_weight_copy=false gives the losses of the default bit for bit"
+  for copy in true false; do
+    "${bench[@]}" --warmup=2 --steps=3 --train.bf16_weight_copy=$copy --output.dir=runs/copy-$copy > "$out/copy-$copy.log" 2>&1 \
+      || fail "bench with bf16_weight_copy=$copy"
+  done
+  grep -E "^bench:" "$out"/copy-*.log
+  python3 -c "import json, sys; l = [[json.loads(x)['loss'] for x in open(f'runs/copy-{c}/bench/metrics.jsonl')] for c in ('true', 'false')]; \
+print('losses', l[0]); print('same bits' if l[0] == l[1] else f'DIFFER: {l[1]}'); sys.exit(l[0] != l[1])" || fail "losses differ"
+fi
+
+if [ "$what" = measure ]; then
+  step "kernel table"
+  build-gpu/marrow bench --kernels > "$out/kernels.log" 2>&1 || fail "bench --kernels"
+  grep -E "^kernel|^attention|^grouped|weight" "$out/kernels.log" | head -40
+  step "bench config: 3 warm-up + 27 measured steps"
+  "${bench[@]}" --warmup=3 --steps=27 --output.dir=runs/measure > "$out/bench.log" 2>&1 || fail "bench"
+  grep -E "^estimated peak|error" "$out/bench.log" | head -3
+  sed -n '/^bench:/,$p' "$out/bench.log" | head -14
+  for run in "16384 true 1" "16384 false 1" "32768 true 1" "32768 false 1" "4096 false 4"; do
+    set -- $run
+    step "$3 sequence(s) of $1 tokens per step, bf16_weight_copy=$2: 3 warm-up + 5 measured steps"
+    "${bench[@]}" --warmup=3 --steps=5 --train.seq_len=$1 --train.global_batch=$3 --train.micro_batch=1 --train.bf16_weight_copy=$2 \
+      --output.dir=runs/measure-$1-$2 > "$out/long-$1-$2.log" 2>&1 || fail "bench at $1 tokens, bf16_weight_copy=$2"
+    grep -E "^estimated peak|error" "$out/long-$1-$2.log" | head -3
+    sed -n '/^bench:/,$p' "$out/long-$1-$2.log" | head -8
   done
 fi
 
