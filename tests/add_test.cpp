@@ -1,5 +1,6 @@
 #include "ops/add.h"
 
+#include "core/bf16.h"
 #include "gradcheck.h"
 
 namespace marrow {
@@ -64,6 +65,19 @@ TEST(Add, RejectsDifferentElementCountsAndDtypes) {
   } catch (const Error& e) {
     EXPECT_STREQ(e.what(), "add: b has dtype f64 but out has f32");
   }
+}
+
+// add_into sums bf16 (or f32) partials into an f32 accumulator, element by element.
+TEST(Add, AddIntoAccumulatesBf16AndF32IntoF32) {
+  float acc[5] = {1, 2, 3, 4, 5}, x32[5] = {0.5f, -1, 2, 0, 10};
+  uint16_t x16[5];
+  for (int i = 0; i < 5; ++i) x16[i] = float_to_bf16(x32[i] * 2);
+  add_into(Tensor(acc, DType::f32, Device::cpu, {5}), Tensor(x32, DType::f32, Device::cpu, {5}));
+  add_into(Tensor(acc, DType::f32, Device::cpu, {5}), Tensor(x16, DType::bf16, Device::cpu, {5}));
+  const float want[5] = {2.5f, -1, 9, 4, 35};
+  for (int i = 0; i < 5; ++i) EXPECT_EQ(acc[i], want[i]) << i;
+  float wrong[4] = {};
+  EXPECT_THROW(add_into(Tensor(acc, DType::f32, Device::cpu, {5}), Tensor(wrong, DType::f32, Device::cpu, {4})), Error);
 }
 
 }  // namespace

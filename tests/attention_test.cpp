@@ -1,4 +1,5 @@
 #include "ops/attention.h"
+#include "ops/attention_cudnn.h"
 
 #include <cmath>
 
@@ -328,6 +329,26 @@ TEST(AttentionBlock, RejectsBadBlocks) {
   EXPECT_EQ(message({AttentionMask::full, 0, 4, 2, 7}),
             "attention_block_forward: query rows [0, 4) and key rows [2, 7) do not fit 4 queries and 6 keys");
   EXPECT_EQ(message({AttentionMask::full, 1, 3, 2, 2}), "attention_block_forward: 2 queries see no key");
+}
+
+// cuDNN's deterministic backward plan (no GPU needed): its scratch is cuDNN's workspace of the
+// largest call, as get_workspace_size gave it on an H200 (cuDNN 9.14), plus the f32 dK, dV sums
+// when it runs in query chunks.
+TEST(AttentionCudnn, BackwardPlanKeepsDpWithinTheCap) {
+  const int64_t GiB = int64_t(1) << 30, MiB = int64_t(1) << 20;
+  // 16,384: 4 head groups of 8, whole: dP 4 GiB, per-query-head dK, dV 64 MiB, row sums 512 KiB.
+  EXPECT_EQ(cudnn_attention_backward_scratch(1, 16384, 32, 4, 128), 4 * GiB + 64 * MiB + 512 * 1024 + 256);
+  // 32,768: 16 chunks of 2048 over all 32 heads; the last sees every key (4,832,100,608 measured).
+  ASSERT_TRUE(cudnn_attention_backward_supports(1, 32768, 32, 4, 128));
+  EXPECT_EQ(cudnn_attention_backward_scratch(1, 32768, 32, 4, 128), int64_t(4832100608) + 128 * MiB);
+  // A 1 GiB cap: 16,384 in 16 chunks of 1024 over all heads (1,342,308,608 measured).
+  set_cudnn_backward_workspace_cap(GiB);
+  EXPECT_EQ(cudnn_attention_backward_scratch(1, 16384, 32, 4, 128), int64_t(1342308608) + 64 * MiB);
+  set_cudnn_backward_workspace_cap(0);
+  // Not even 64 query rows of one head group fit: the own kernels run the backward.
+  EXPECT_FALSE(cudnn_attention_backward_supports(1024, 32768, 32, 4, 128));
+  EXPECT_TRUE(cudnn_attention_backward_supports(1024, 32768, 32, 4, 128, false));
+  EXPECT_TRUE(cudnn_attention_backward_supports(0, 4096, 32, 4, 128));  // an empty batch: nothing to run
 }
 
 }  // namespace

@@ -21,6 +21,7 @@
 #include "engine/trainer.h"
 #include "apps/model_switch.h"
 #include "ops/attention.h"
+#include "ops/attention_cudnn.h"
 #include "ops/grouped_linear.h"
 #include "ops/linear.h"
 #include "parallel/process.h"
@@ -81,6 +82,23 @@ void bench_attention_kernels(int64_t S, int64_t Hq, int64_t Hkv, int64_t D) {
     kernel_row(name + " fwd", fwd, [&] { attention_forward(out, lse, q, k, v); });
     kernel_row(name + " bwd", 2.5 * fwd, [&] { attention_backward(dq, dk, dv, dout, q, k, v, out, lse); });
   }
+  // Long sequences: cuDNN's deterministic backward under smaller workspace caps (more calls, less
+  // memory), and in query chunks over all heads at the cap (the plan's choice at 32,768; at 16,384
+  // it runs 4 whole head groups instead).
+  if (S >= 16384) {
+    set_attention_kernels(AttentionKernels::cudnn);
+    const std::string name = fmt::format("attention S{} Hq{} Hkv{} D{} causal, cudnn bwd", S, Hq, Hkv, D);
+    auto backward = [&] { attention_backward(dq, dk, dv, dout, q, k, v, out, lse); };
+    for (const int64_t gib : {2, 1}) {
+      set_cudnn_backward_workspace_cap(gib << 30);
+      kernel_row(fmt::format("{}, cap {} GiB", name, gib), 2.5 * fwd, backward);
+    }
+    set_cudnn_backward_workspace_cap(0);
+    const int64_t rows = kCudnnAttentionWorkspaceCap / (Hq * S * 2);
+    set_cudnn_backward_chunk(rows);
+    kernel_row(fmt::format("{}, chunks of {} (all heads)", name, rows), 2.5 * fwd, backward);
+    set_cudnn_backward_chunk(0);
+  }
   set_attention_kernels(before);
 }
 
@@ -90,7 +108,7 @@ void bench_kernels() {
   keep_pool_memory();
   std::printf("%-64s %12s %16s\n", "kernel (bench shapes, bf16)", "median", "achieved");
   const int64_t S = 4096, Hq = 32, Hkv = 4, D = 128, H = 2048, E = 128, K = 8, I = 768;
-  for (const int64_t seq : {S, 4 * S}) bench_attention_kernels(seq, Hq, Hkv, D);
+  for (const int64_t seq : {S, 4 * S, 8 * S}) bench_attention_kernels(seq, Hq, Hkv, D);
   {
     Buffer x = random_device({S, H}, 3, "x"), w = random_device({Hq * D, H}, 3, "w"), dy = random_device({S, Hq * D}, 3, "dy");
     Buffer y(DType::bf16, Device::cuda, {S, Hq * D}), dx(DType::bf16, Device::cuda, {S, H});

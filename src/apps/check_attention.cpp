@@ -4,7 +4,9 @@
 // (full and causal on sub-ranges, the zigzag split's cases, the backward adding into f32) and the
 // log-sum-exp merge, with the same bounds. The causal op's rows run three times: on the own kernels,
 // on cuDNN's (ops/attention_cudnn.h; rows named "attention cudnn ...") and on cuDNN's with its
-// non-deterministic backward (no "same bits" rows there).
+// non-deterministic backward (no "same bits" rows there). Then cuDNN's deterministic backward in
+// forced query chunks (rows "attention cudnn chunk N ..."; set_cudnn_backward_chunk) at odd lengths,
+// within head groups, and at the bench shape, same bounds and the same bits twice.
 //
 // Bounds, as error = max |gpu - cpu| / max |cpu| (check.h). Both sides read the same bf16 inputs,
 // and the tensor cores multiply bf16 operands exactly into f32 accumulators, so the GPU's coarse
@@ -24,6 +26,7 @@
 #include "apps/check.h"
 #include "core/errors.h"
 #include "ops/attention.h"
+#include "ops/attention_cudnn.h"
 
 namespace marrow {
 namespace {
@@ -36,11 +39,15 @@ struct Shape {
   int64_t b, s, hq, hkv, d;
 };
 
+// How cuDNN's deterministic backward is forced to split (rows "... chunk 64"); empty for its own plan.
+std::string backward_variant;
+
 // Rows of the causal op name the kernels that ran it when they are cuDNN's.
 std::string label(const char* what, const Shape& n) {
   const std::string kernels =
       attention_kernels() == AttentionKernels::own ? "" : fmt::format(" {}", attention_kernels_name(attention_kernels()));
-  return fmt::format("attention{} {} B{} S{} H{}/{} D{}", kernels, what, n.b, n.s, n.hq, n.hkv, n.d);
+  return fmt::format("attention{}{} {} B{} S{} H{}/{} D{}", kernels, backward_variant, what, n.b, n.s, n.hq, n.hkv,
+                     n.d);
 }
 
 // Inputs (host f32, already rounded to bf16) and the CPU reference's results.
@@ -315,6 +322,34 @@ void check_attention_op(CheckReport& report) {
     for (const Shape& n : shapes) check_shape(report, reference(n, shape_seed += 4));
     check_bench(report);
   }
+  // cuDNN's deterministic backward in query chunks, which its plan takes only past the workspace
+  // cap (S > 16384 at the bench's heads), forced here: chunks that do not divide odd lengths (the
+  // first chunk is the short one, a single row joins the next), both head dims, two batch rows;
+  // chunks within two key/value head groups (a cap that one call over all heads passes); the bench
+  // shape in chunks of 1024 (its first 1024 rows against the reference, the same bits twice).
+  set_attention_kernels(AttentionKernels::cudnn);
+  const std::pair<Shape, int64_t> chunked[] = {
+      {{2, 37, 8, 2, 64}, 16},     // chunks 5 + 16 + 16
+      {{1, 257, 4, 4, 128}, 64},   // 65 + 3 x 64
+      {{1, 129, 8, 1, 64}, 64},    // 65 + 64
+      {{1, 300, 8, 2, 128}, 128},  // 44 + 2 x 128
+  };
+  uint64_t chunk_seed = 900;
+  for (const auto& [n, rows] : chunked) {
+    set_cudnn_backward_chunk(rows);
+    backward_variant = fmt::format(" chunk {}", rows);
+    check_shape(report, reference(n, chunk_seed += 4));
+  }
+  set_cudnn_backward_chunk(64);
+  set_cudnn_backward_workspace_cap(100000);  // one call of 4 heads x 64 x 320 x 2 B = 160 KiB passes; 2 heads fit
+  backward_variant = " chunk 64 in 2 head groups";
+  check_shape(report, reference({1, 257, 4, 4, 128}, chunk_seed += 4));
+  set_cudnn_backward_workspace_cap(0);
+  set_cudnn_backward_chunk(1024);
+  backward_variant = " chunk 1024";
+  check_bench(report);
+  set_cudnn_backward_chunk(0);
+  backward_variant.clear();
   set_attention_kernels(before);
   seed += 4 * std::size(shapes);
   // The zigzag split's blocks at chunks of 65 (two chunks: 130 local tokens) and odd sub-ranges.

@@ -131,6 +131,16 @@ void check_add(CheckReport& report, int64_t rows, int64_t cols, DType dtype) {
   report.compare("add " + size, a_d, out, dtype == DType::bf16 ? kBf16 : kSameOrder);
 }
 
+// acc (f32) += x (bf16 or f32): x's values are bf16-exact on both sides, one f32 addition each.
+void check_add_into(CheckReport& report, int64_t rows, int64_t cols, DType dtype) {
+  const std::string size = fmt::format("{} [{}, {}]", dtype_name(dtype), rows, cols);
+  Buffer acc = random_bf16({rows, cols}, 32), x = random_bf16({rows, cols}, 33);
+  OnDevice acc_d(acc, DType::f32), x_d(x, dtype);
+  add_into(acc, x);
+  add_into(acc_d, x_d);
+  report.compare("add_into f32 += " + size, acc_d, acc, kSameOrder);
+}
+
 void check_swiglu(CheckReport& report, int64_t rows, int64_t inter) {
   const std::string size = fmt::format("R={} I={}", rows, inter);
   Buffer gate_up = random_bf16({rows, 2 * inter}, 40, 2.0), out = host_f32({rows, inter});
@@ -378,6 +388,8 @@ void check_elementwise_ops(CheckReport& report) {
   check_rope(report, 37, 3, 16, false, true);
   check_add(report, 37, 75, DType::bf16);
   check_add(report, 37, 75, DType::f32);
+  check_add_into(report, 37, 75, DType::bf16);
+  check_add_into(report, 37, 75, DType::f32);
   check_swiglu(report, 37, 72);
   check_swiglu(report, 37, 75);
   check_moe(report, 37, 8, 2, 72, true, -1);

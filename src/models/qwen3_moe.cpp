@@ -412,7 +412,8 @@ namespace {
 
 // The GPU attention backward's scratch. Own kernels (ops/attention.cu): the f32 row statistic delta
 // and, with grouped-query heads, f32 dK/dV per query head that are summed into the KV heads
-// afterwards. cuDNN's (ops/attention_cudnn.h): its dP workspace.
+// afterwards. cuDNN's (ops/attention_cudnn.h): its workspace (dP and more) and, when the deterministic
+// backward runs in query chunks, the f32 dK, dV sums.
 int64_t attention_backward_op_scratch(int64_t batch, int64_t seq, int64_t q_heads, int64_t kv_heads, int64_t head_dim) {
   const bool deterministic = attention_kernels() == AttentionKernels::cudnn;
   if (attention_kernels() != AttentionKernels::own &&

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "core/bf16.h"
 #include "core/cuda_check.h"
 #include "ops/common.h"
 
@@ -55,6 +56,37 @@ template <typename T> void launch_add(Tensor out, Tensor a, Tensor b, Stream str
   else add_kernel<T, 1><<<blocks, threads, 0, s>>>(o, pa, pb, n);
   MARROW_CUDA_CHECK_LAUNCH();
 }
+
+// acc (f32) += x: one thread per pack of 4 (acc 16-byte, x 4-element aligned) or per element.
+template <typename T, int N> __global__ void add_into_kernel(float* acc, const T* x, int64_t n) {
+  using PA = Pack<float, N>;
+  using PX = Pack<T, N>;
+  const int64_t first = blockIdx.x * int64_t(blockDim.x) + threadIdx.x, stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = first; i < n / N; i += stride) {
+    PA pa = reinterpret_cast<const PA*>(acc)[i];
+    const PX px = reinterpret_cast<const PX*>(x)[i];
+#pragma unroll
+    for (int l = 0; l < N; ++l) pa.v[l] += float(px.v[l]);
+    reinterpret_cast<PA*>(acc)[i] = pa;
+  }
+  for (int64_t i = n / N * N + first; i < n; i += stride) acc[i] += float(x[i]);
+}
+
+template <typename T> void launch_add_into(Tensor acc, Tensor x, Stream stream) {
+  const int64_t n = acc.numel();
+  if (n == 0) return;
+  constexpr int kPack = 4;
+  const bool aligned =
+      reinterpret_cast<uintptr_t>(acc.data) % 16 == 0 && reinterpret_cast<uintptr_t>(x.data) % (kPack * sizeof(T)) == 0;
+  const int threads = 256;
+  const int blocks = int(std::min<int64_t>((n / (aligned ? kPack : 1) + threads) / threads, 8192));
+  auto s = static_cast<cudaStream_t>(stream.handle);
+  auto* a = static_cast<float*>(acc.data);
+  const auto* px = static_cast<const T*>(x.data);
+  if (aligned) add_into_kernel<T, kPack><<<blocks, threads, 0, s>>>(a, px, n);
+  else add_into_kernel<T, 1><<<blocks, threads, 0, s>>>(a, px, n);
+  MARROW_CUDA_CHECK_LAUNCH();
+}
 #endif
 
 }  // namespace
@@ -80,6 +112,27 @@ void add(Tensor out, Tensor a, Tensor b, Stream stream) {
     using T = decltype(s);
     add_cpu<T>(out.ptr<T>(), a.ptr<T>(), b.ptr<T>(), out.numel());
   });
+}
+
+void add_into(Tensor acc, Tensor x, Stream stream) {
+  const char* op = "add_into";
+  MARROW_CHECK(x.numel() == acc.numel(), "{}: x has shape {} ({} elements) but acc has shape {} ({} elements)", op,
+               x.shape_string(), x.numel(), acc.shape_string(), acc.numel());
+  expect_dtype(op, "acc", acc, DType::f32);
+  MARROW_CHECK(x.dtype == DType::f32 || x.dtype == DType::bf16, "{}: x must be f32 or bf16, got {}", op,
+               dtype_name(x.dtype));
+  if (common_device(op, {{"acc", &acc}, {"x", &x}}) == Device::cuda) {
+#ifdef __CUDACC__
+    if (x.dtype == DType::bf16) return launch_add_into<__nv_bfloat16>(acc, x, stream);
+    return launch_add_into<float>(acc, x, stream);
+#else
+    no_cuda_kernel(op);
+#endif
+  }
+  (void)stream;
+  float* a = acc.ptr<float>();
+  for (int64_t i = 0; i < acc.numel(); ++i)
+    a[i] += x.dtype == DType::f32 ? x.ptr<float>()[i] : bf16_to_float(static_cast<const uint16_t*>(x.data)[i]);
 }
 
 }  // namespace marrow

@@ -4,10 +4,19 @@
 // with either backward. cuDNN's Hopper kernels use wgmma and TMA, which the own kernels (mma.sync)
 // do not.
 // Deterministic: the backward runs cuDNN's deterministic algorithm, which writes dP = dO V^T to a
-// bf16 workspace of B x Hq x S' x S' (S' = S rounded up to 64; 1 GiB at S = 4096 with 32 heads)
-// instead of adding dQ with float atomics. When that workspace would pass the cap below, the
-// backward runs one key/value head group at a time (the workspace shrinks by the group count);
-// past the cap even for one group the own kernels run the backward.
+// bf16 workspace of B x Hq x Sq' x Skv' (lengths rounded up to 64; 1 GiB at S = 4096 with 32 heads)
+// instead of adding dQ with float atomics. To keep that workspace within the cap below the backward
+// runs in calls over a key/value head group and/or a chunk of query rows: chunk [q0, q1) against
+// key rows [0, q1) with the causal mask aligned bottom-right gives the chunk's dQ exactly and its
+// share of dK, dV for rows [0, q1). Chunks run from the last (all key rows) to the first, and their
+// shares are summed in that fixed order into f32 accumulators, rounded to bf16 at the end. The
+// graphs write dK, dV in bf16 (an f32 output was not tried), so each share is rounded once before
+// the f32 sum (a few 2^-9 roundings of parts of dK, dV, within the check's bounds; cuDNN itself
+// sums bf16 per-query-head dK, dV into the key/value heads). The plan takes the fewest calls: at the
+// bench's heads, S = 16384 in 4 head groups (12.1 ms on an H200), S = 32768 in 16 chunks of 2048
+// query rows over all heads (52.9 ms against 104 ms on the own kernels). Besides dP, cuDNN's
+// workspace holds those per-query-head dK, dV and the f32 row sums of dO * O (4.5 GiB in all for
+// the 32,768 chunks); the chunked backward adds the f32 dK, dV accumulators (128 MiB at 32,768).
 // Graphs are built once per shape (the first call of a shape takes ~0.1-1 s) and kept.
 #pragma once
 #include <cstdint>
@@ -16,18 +25,28 @@
 
 namespace marrow {
 
-// The largest dP workspace the backward may take (bytes): one key/value head group at S = 16384
-// (8 x 16384^2 x 2 B = 4 GiB).
+// The largest dP workspace one deterministic backward call may take (bytes): one key/value head
+// group at S = 16384 (8 x 16384^2 x 2 B = 4 GiB), or 2048 query rows of all 32 heads at 32,768.
+// Measured on an H200: a 1 GiB cap costs ~20% of the backward (marrow bench --kernels, 16,384:
+// 12.1 -> 14.4 ms; 32,768: 52.9 -> 62.8 ms) and 5.6% of a 16,384-token step (46.3K -> 43.6K
+// tokens/s) without lowering its peak (111.37 GiB either way: the epilog's backward sets it).
 inline constexpr int64_t kCudnnAttentionWorkspaceCap = int64_t(4) << 30;
 
+// Test and bench hooks (0 restores the default): the workspace cap, and a fixed query chunk (rows)
+// for the deterministic backward, as the model's set_logits_chunk does for its logits.
+void set_cudnn_backward_workspace_cap(int64_t bytes);
+void set_cudnn_backward_chunk(int64_t rows);
+
 // Whether cuDNN serves these sizes: the forward, more than one position and head_dim 64 or 128;
-// the backward, also its workspace within the cap for some split of the key/value heads. Past it
-// the backward runs on the own kernels from cuDNN's forward (their lse is the same).
+// the backward, also a plan of calls within the workspace cap (query chunks of at least 64 rows).
+// Where it has none (a batch x heads so large that 64 query rows x S keys pass the cap) the backward
+// runs on the own kernels from cuDNN's forward (their lse is the same).
 bool cudnn_attention_forward_supports(int64_t seq, int64_t head_dim);
 bool cudnn_attention_backward_supports(int64_t batch, int64_t seq, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
                                        bool deterministic = true);
 
-// The GPU scratch the backward takes from the stream-ordered pool (the largest of its calls).
+// The GPU scratch the backward takes from the stream-ordered pool: the largest of its calls, plus the
+// f32 dK, dV accumulators when it runs in query chunks.
 int64_t cudnn_attention_backward_scratch(int64_t batch, int64_t seq, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
                                          bool deterministic = true);
 
