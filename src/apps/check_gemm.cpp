@@ -1,11 +1,11 @@
 // marrow check, group "gemm": linear (cuBLASLt) and grouped_linear (own wgmma GEMM forward and
-// backward_input, own tensor-core kernel for the fp32 weight gradient) against the CPU reference.
+// backward_input, own wgmma kernel for the fp32 weight gradient) against the CPU reference.
 // Small odd shapes are compared in full; the bench shapes (Qwen3-30B-A3B's layer) are drawn on the
 // GPU and compared on slices whose reference the CPU computes in well under a second: the last rows
 // of outputs, a band of weight-gradient rows, a few experts. Outputs are poisoned first and the
 // whole of each bench output must be finite. Weight gradients start at zero, are compared after one
 // call, then after a second call with twice the reference (they accumulate). Timings of the same
-// shapes are in `marrow bench --kernels`.
+// shapes are in `marrow bench --kernels`. A second overwriting call must give the same bits.
 #include <algorithm>
 #include <cmath>
 #include <string>
@@ -157,6 +157,9 @@ void check_grouped_small(CheckReport& report, int64_t out, int64_t in, const std
   Buffer dw_written = poisoned(DType::f32, {e, out, in});
   grouped_linear_backward_weight(dw_written, dyt, xt, offsets, true);
   report.compare("grouped bwd_weight overwrite " + shape, dw_written, dw_ref, kF32Bound);
+  Buffer dw_again = poisoned(DType::f32, {e, out, in});
+  grouped_linear_backward_weight(dw_again, dyt, xt, offsets, true);
+  report.expect_equal("grouped bwd_weight overwrite twice, same bits " + shape, dw_again, to_host_f32(dw_written));
 }
 
 // Bench shape: E experts, rows routed by skewed_counts. Outputs compared on up to 48 last rows of a
@@ -204,8 +207,23 @@ void check_grouped_bench(CheckReport& report, const char* label, int64_t e, int6
                    dw_rows.rows(g * out + o0, g * out + o1), scaled(dw_refs[j], 2), kF32Bound);
   }
   const int64_t empty = std::find(counts.begin(), counts.end(), 0) - counts.begin();
+  const Buffer zeros = Buffer::zeros(DType::f32, Device::cpu, {out, in});
   report.expect_equal(fmt::format("grouped bwd_weight {} expert {} (no rows) untouched", shape, empty),
-                      dw_rows.rows(empty * out, (empty + 1) * out), Buffer::zeros(DType::f32, Device::cpu, {out, in}));
+                      dw_rows.rows(empty * out, (empty + 1) * out), zeros);
+  // Overwriting (NaN before) twice: the reference, zeros for the empty expert, the same bits each time.
+  Buffer dw_written = poisoned(DType::f32, {e, out, in}), dw_again = poisoned(DType::f32, {e, out, in});
+  grouped_linear_backward_weight(dw_written, dy, x, offsets, true);
+  grouped_linear_backward_weight(dw_again, dy, x, offsets, true);
+  const Tensor written_rows = dw_written.view().reshape({e * out, in}), again_rows = dw_again.view().reshape({e * out, in});
+  for (size_t j = 0; j < experts.size(); ++j) {
+    const int64_t g = experts[j];
+    report.compare(fmt::format("grouped bwd_weight overwrite {} expert {} dW rows {}-{}", shape, g, o0, o1),
+                   written_rows.rows(g * out + o0, g * out + o1), dw_refs[j], kF32Bound);
+    report.expect_equal(fmt::format("grouped bwd_weight overwrite twice, same bits {} expert {}", shape, g),
+                        again_rows.rows(g * out, (g + 1) * out), to_host_f32(written_rows.rows(g * out, (g + 1) * out)));
+  }
+  report.expect_equal(fmt::format("grouped bwd_weight overwrite {} expert {} (no rows) zero", shape, empty),
+                      written_rows.rows(empty * out, (empty + 1) * out), zeros);
 }
 
 }  // namespace
@@ -216,16 +234,20 @@ void check_gemm_ops(CheckReport& report) {
   check_linear_small(report, 37, 75, 131, 110);
   check_linear_small(report, 1, 40, 24, 120);
   check_linear_small(report, 200, 136, 264, 130);
-  // O or I not a multiple of 8: the simple grouped kernel and the dW kernel's element-wise loads.
+  // O or I not a multiple of 8: the simple grouped kernels (y or dx, and dW).
   check_grouped_small(report, 130, 72, {0, 13, 1, 0, 29, 7}, 200);
   check_grouped_small(report, 37, 75, {5, 0, 11, 3}, 210);
   // Multiples of 8 with odd row counts and partial tiles: the wgmma kernel (128 x 256 tiles, K in
-  // steps of 64) and the dW kernel's cp.async loads.
+  // steps of 64) and the wgmma dW kernel.
   check_grouped_small(report, 136, 200, {17, 0, 1, 40, 33, 0}, 220);
   check_grouped_small(report, 264, 128, {0, 0, 130, 2, 64}, 230);
   // Experts of 1 to 3 row tiles whose last tile holds 1, 44, 64 (one consumer warpgroup) or 65 rows;
   // 520 columns = 2 full column tiles and a partial one, K = 264 not a multiple of 64.
   check_grouped_small(report, 520, 264, {0, 1, 300, 65, 64, 129, 0}, 240);
+  // The dW kernel's K is an expert's rows: experts of 44 (less than one k-step of 64), 64, 65, 127,
+  // 264 rows and none at the end (its k-step lies wholly past the last row); O = 264 and I = 520
+  // end in partial tiles of its 128 x 256 dW tiles.
+  check_grouped_small(report, 264, 520, {44, 0, 1, 64, 65, 264, 127, 0}, 245);
   // 40 experts, the rows in the last few: the kernel's search for a tile's expert crosses 32 of them.
   std::vector<int32_t> late(40, 0);
   late[36] = 5, late[37] = 129, late[39] = 1;

@@ -15,6 +15,7 @@
 #include "core/cuda_check.h"
 #include "core/memory.h"
 #include "ops/wgmma.cuh"
+#include "ops/wgmma_dw.cuh"
 #endif
 
 namespace marrow {
@@ -110,8 +111,8 @@ int64_t row_count(const char* op, const char* name, const Tensor& t) {
 // every expert with rows is a group of one problem; experts without rows are left out. (cuBLAS 13's
 // grouped call runs SM80 mma.sync kernels, ~260 TFLOP/s at the bench shapes; an own mma.sync kernel
 // was 4-12% slower still; the wgmma kernel does 490-640: docs/performance.md.) backward_weight: an
-// own grouped kernel (tensor cores through mma.sync, fp32 accumulators) that adds dy_e^T x_e straight
-// into the fp32 gradient; cuBLAS's grouped call has no fp32 output.
+// own TMA + wgmma kernel (ops/wgmma_dw.cuh) that adds dy_e^T x_e straight into the fp32 gradient;
+// cuBLAS's grouped call has no fp32 output.
 using bf16 = __nv_bfloat16;
 
 bool aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
@@ -243,209 +244,58 @@ void grouped_gemm_gpu(bool forward, Tensor out, Tensor in, Tensor weight, Tensor
 }
 
 // --- backward_weight: dW[e] += dy_e^T x_e ----------------------------------------------------
-// One block owns one 128x128 tile of one expert's dW[e] ([O, I], fp32) and loops over the expert's
-// rows in order, 32 at a time: no other block touches the tile and the sum order is fixed, so the
-// result is deterministic (no split over rows, no atomics). Rows stream through a 4-stage cp.async
-// pipeline into shared memory as they lie in memory (dy rows: 128 o-values, x rows: 128 i-values);
-// ldmatrix.trans turns them into mma.sync m16n8k16 fragments (A = dy^T, B = x). 8 warps as 2 x 4,
-// each computing 64 x 32. Shapes with O or I not a multiple of 8 (or unaligned tensors) load
-// element by element instead (kVec = false); everything else is the same.
-namespace dw {
-constexpr int kTile = 128;  // dW tile: 128 rows (o) x 128 columns (i); also the row length of a stage tile
-constexpr int kRows = 32;   // token rows per pipeline stage (the GEMM's k step)
-constexpr int kStages = 4;
-constexpr int kThreads = 256;
-constexpr int kStageElems = kRows * kTile;                           // one operand's stage tile
-constexpr int kSmemBytes = kStages * 2 * kStageElems * int(sizeof(bf16));  // 64 KiB
-}  // namespace dw
+// The own wgmma kernel (ops/wgmma_dw.cuh) where O and I are multiples of 8 and dy, x 16-byte
+// aligned (TMA's rule), else grouped_dw_simple_kernel.
 
-// Element (row, col) of a stage tile (rows of 128 bf16 = 16 chunks of 16 bytes): the chunk index is
-// XORed with row % 8, so the 8 row addresses of one ldmatrix hit 8 different bank groups.
-__device__ __forceinline__ int swizzle(int row, int col) { return row * dw::kTile + ((((col >> 3) ^ (row & 7))) << 3) + (col & 7); }
-
-__device__ __forceinline__ uint32_t smem_address(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
-
-// Rows [row0, row0 + kRows) and columns [col0, col0 + 128) of g (row length ld) into a stage tile;
-// rows at or past row_end and columns at or past cols are zero.
-template <bool kVec>
-__device__ __forceinline__ void load_stage(bf16* tile, const bf16* g, int64_t ld, int64_t row0, int64_t row_end, int col0, int cols) {
-  if constexpr (kVec) {
-    for (int chunk = threadIdx.x; chunk < dw::kRows * 16; chunk += dw::kThreads) {
-      const int row = chunk >> 4, col = (chunk & 15) * 8;
-      const bool inside = row0 + row < row_end && col0 + col < cols;
-      const bf16* src = inside ? g + (row0 + row) * ld + col0 + col : g;
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_address(tile + swizzle(row, col))), "l"(src),
-                   "r"(inside ? 16 : 0)
-                   : "memory");
-    }
-  } else {
-    for (int idx = threadIdx.x; idx < dw::kStageElems; idx += dw::kThreads) {
-      const int row = idx / dw::kTile, col = idx % dw::kTile;
-      const bool inside = row0 + row < row_end && col0 + col < cols;
-      tile[swizzle(row, col)] = inside ? g[(row0 + row) * ld + col0 + col] : __float2bfloat16(0.0f);
-    }
-  }
+// dW[e][o][c] (+)= sum over expert e's rows r of dy[r, o] x[r, c], one thread per dW element, fp32
+// sums in row order; an expert without rows is left alone when accumulating. Only for shapes the
+// wgmma kernel cannot take (odd test shapes): slow.
+__global__ void grouped_dw_simple_kernel(float* dweight, const bf16* dy, const bf16* x, const int32_t* offsets, int64_t n, int o_size,
+                                         int i_size, bool accumulate) {
+  const int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (idx >= n) return;
+  const int64_t per_expert = int64_t(o_size) * i_size;
+  const int e = int(idx / per_expert), o = int(idx % per_expert / i_size), c = int(idx % i_size);
+  const int begin = offsets[e], end = offsets[e + 1];
+  if (accumulate && begin == end) return;
+  float sum = accumulate ? dweight[idx] : 0.0f;
+  for (int64_t r = begin; r < end; ++r) sum += __bfloat162float(dy[r * o_size + o]) * __bfloat162float(x[r * i_size + c]);
+  dweight[idx] = sum;
 }
 
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
-}
-
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t address) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(address));
-}
-
-__device__ __forceinline__ void mma_bf16_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// The K loop: load(step) issues the cp.async copies of step `step` into stage
-// step % kStages, compute(stage) multiplies a stage. kStages - 1 steps are in flight while one is
-// multiplied; one barrier per step both publishes the stage and frees the one loaded next.
-template <int kStages, class Load, class Compute>
-__device__ __forceinline__ void pipelined_k_loop(int steps, Load&& load, Compute&& compute) {
-  for (int step = 0; step < kStages - 1; ++step) {
-    if (step < steps) load(step);
-    cp_async_commit();
-  }
-  for (int step = 0; step < steps; ++step) {
-    cp_async_wait<kStages - 2>();
-    __syncthreads();
-    if (step + kStages - 1 < steps) load(step + kStages - 1);
-    cp_async_commit();
-    compute(step % kStages);
-  }
-  cp_async_wait<0>();
-}
-
-// work[3 * z ..]: (expert, first row, end row) of the z-th expert with rows; grid (I tiles, O tiles, experts with rows).
-template <bool kVec>
-__global__ void __launch_bounds__(dw::kThreads, 2)
-    grouped_dw_kernel(float* dweight, const bf16* dy, const bf16* x, const int32_t* work, int o_size, int i_size, bool accumulate) {
-  extern __shared__ __align__(128) unsigned char smem[];
-  bf16* sa = reinterpret_cast<bf16*>(smem);  // dy rows, [kStages][kRows][128 o]
-  bf16* sb = sa + dw::kStages * dw::kStageElems;  // x rows,  [kStages][kRows][128 i]
-  const int expert = work[3 * blockIdx.z], row_begin = work[3 * blockIdx.z + 1], row_end = work[3 * blockIdx.z + 2];
-  const int o0 = blockIdx.y * dw::kTile, i0 = blockIdx.x * dw::kTile;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int warp_o = (warp >> 2) * 64, warp_i = (warp & 3) * 32;
-  const int steps = (row_end - row_begin + dw::kRows - 1) / dw::kRows;
-
-  auto load = [&](int step) {
-    const int stage = step % dw::kStages;
-    const int64_t r0 = row_begin + int64_t(step) * dw::kRows;
-    load_stage<kVec>(sa + stage * dw::kStageElems, dy, o_size, r0, row_end, o0, o_size);
-    load_stage<kVec>(sb + stage * dw::kStageElems, x, i_size, r0, row_end, i0, i_size);
-  };
-
-  // The accumulators start from the tile's current dW values (or zero when overwriting, where the
-  // work list has every expert, so experts without rows get zeros): the kernel is bound by this fp32
-  // read-modify-write (2 x 4 bytes per dW element against ~2 x 2 x 256 / 128 bytes of input per
-  // element at the average expert's 256 rows), so the reads are issued first and wait in flight
-  // behind the input pipeline, and the epilogue only stores (stores do not stall the block).
-  // Accumulator (mi, ni): c0, c1 at (o = g, i = 2t, 2t + 1), c2, c3 at (o = g + 8, same i).
-  float* out = dweight + int64_t(expert) * o_size * i_size;
-  const int g = lane >> 2, t = lane & 3;
-  float acc[4][4][4];
-#pragma unroll
-  for (int mi = 0; mi < 4; ++mi)
-#pragma unroll
-    for (int ni = 0; ni < 4; ++ni)
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int o = o0 + warp_o + mi * 16 + g + half * 8, i = i0 + warp_i + ni * 8 + 2 * t;
-        const float* p = out + int64_t(o) * i_size + i;
-        float2 v = make_float2(0.0f, 0.0f);
-        if (accumulate && o < o_size) {
-          if constexpr (kVec) {
-            if (i < i_size) v = *reinterpret_cast<const float2*>(p);
-          } else {
-            if (i < i_size) v.x = p[0];
-            if (i + 1 < i_size) v.y = p[1];
-          }
-        }
-        acc[mi][ni][2 * half] = v.x;
-        acc[mi][ni][2 * half + 1] = v.y;
-      }
-  // ldmatrix lane roles: lane l gives the address of row l % 8 of 8x8 matrix l / 8.
-  const int mat = lane >> 3, mat_row = lane & 7;
-  pipelined_k_loop<dw::kStages>(steps, load, [&](int stage) {
-    const bf16* a = sa + stage * dw::kStageElems;
-    const bf16* b = sb + stage * dw::kStageElems;
-#pragma unroll
-    for (int kk = 0; kk < dw::kRows; kk += 16) {
-      // A (16 o x 16 rows) = dy^T: matrices (o 0-7, k 0-7), (o 8-15, k 0-7), (o 0-7, k 8-15), (o 8-15, k 8-15).
-      uint32_t af[4][4];
-#pragma unroll
-      for (int mi = 0; mi < 4; ++mi)
-        ldmatrix_x4_trans(af[mi], smem_address(a + swizzle(kk + (mat >> 1) * 8 + mat_row, warp_o + mi * 16 + (mat & 1) * 8)));
-      // B (16 rows x 8 i) = x, two n-tiles per ldmatrix: (k 0-7, i 0-7), (k 8-15, i 0-7), (k 0-7, i 8-15), (k 8-15, i 8-15).
-      uint32_t bfrag[2][4];
-#pragma unroll
-      for (int nj = 0; nj < 2; ++nj)
-        ldmatrix_x4_trans(bfrag[nj], smem_address(b + swizzle(kk + (mat & 1) * 8 + mat_row, warp_i + nj * 16 + (mat >> 1) * 8)));
-#pragma unroll
-      for (int mi = 0; mi < 4; ++mi)
-#pragma unroll
-        for (int ni = 0; ni < 4; ++ni)
-          mma_bf16_16816(acc[mi][ni], af[mi], bfrag[ni >> 1][(ni & 1) * 2], bfrag[ni >> 1][(ni & 1) * 2 + 1]);
-    }
-  });
-
-#pragma unroll
-  for (int mi = 0; mi < 4; ++mi)
-#pragma unroll
-    for (int ni = 0; ni < 4; ++ni)
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int o = o0 + warp_o + mi * 16 + g + half * 8, i = i0 + warp_i + ni * 8 + 2 * t;
-        if (o >= o_size) continue;
-        float* p = out + int64_t(o) * i_size + i;
-        const float c0 = acc[mi][ni][2 * half], c1 = acc[mi][ni][2 * half + 1];
-        if constexpr (kVec) {
-          if (i < i_size) *reinterpret_cast<float2*>(p) = make_float2(c0, c1);
-        } else {
-          if (i < i_size) p[0] = c0;
-          if (i + 1 < i_size) p[1] = c1;
-        }
-      }
-}
-
-template <bool kVec>
-void launch_grouped_dw(dim3 grid, float* dweight, const bf16* dy, const bf16* x, const int32_t* work, int o, int i, bool accumulate,
-                       cudaStream_t s) {
-  MARROW_CUDA_CHECK(cudaFuncSetAttribute(grouped_dw_kernel<kVec>, cudaFuncAttributeMaxDynamicSharedMemorySize, dw::kSmemBytes));
-  grouped_dw_kernel<kVec><<<grid, dw::kThreads, dw::kSmemBytes, s>>>(dweight, dy, x, work, o, i, accumulate);
-  MARROW_CUDA_CHECK_LAUNCH();
-}
-
-void backward_weight_gpu(Tensor dweight, Tensor dy, Tensor x, Tensor expert_offsets, bool overwrite, Stream stream) {
-  const int64_t e = dweight.size(0), o = dweight.size(1), i = dweight.size(2);
-  const int32_t* offsets = expert_offsets.ptr<int32_t>();
+// The wgmma kernel: its work list (expert, first row, end row) of every expert with rows (every
+// expert when overwriting), then the tile counter, goes to the device in stream order.
+void backward_weight_wgmma(float* dweight, const bf16* dy, const bf16* x, const int32_t* offsets, int64_t e, int64_t o, int64_t i,
+                           int64_t rows, bool overwrite, Stream stream) {
   std::vector<int32_t> work;
   for (int64_t g = 0; g < e; ++g)
     if (overwrite || offsets[g + 1] > offsets[g]) work.insert(work.end(), {int32_t(g), offsets[g], offsets[g + 1]});
-  const int64_t experts = int64_t(work.size()) / 3;
-  if (experts == 0 || o == 0 || i == 0) return;
-  MARROW_CHECK(experts <= 65535, "grouped_linear_backward_weight: {} experts with rows exceed the grid limit of 65535", experts);
+  const int works = int(work.size() / 3);
+  if (works == 0) return;
+  work.push_back(0);  // the tile counter
   Buffer device_work = upload(work, stream);
-  const dim3 grid(unsigned((i + dw::kTile - 1) / dw::kTile), unsigned((o + dw::kTile - 1) / dw::kTile), unsigned(experts));
+  wgmma::dw::grouped_dw(dweight, dy, x, static_cast<int32_t*>(device_work.view().data), works, o, i, rows, !overwrite,
+                        static_cast<cudaStream_t>(stream.handle));
+}
+
+void backward_weight_gpu(Tensor dweight, Tensor dy, Tensor x, Tensor expert_offsets, bool overwrite, Stream stream) {
+  const int64_t e = dweight.size(0), o = dweight.size(1), i = dweight.size(2), rows = dy.size(0);
+  const int32_t* offsets = expert_offsets.ptr<int32_t>();
   auto* dw_ptr = static_cast<float*>(dweight.data);
   auto *dy_ptr = static_cast<const bf16*>(dy.data), *x_ptr = static_cast<const bf16*>(x.data);
-  auto* work_ptr = static_cast<const int32_t*>(device_work.view().data);
   auto s = static_cast<cudaStream_t>(stream.handle);
+  if (e == 0 || o == 0 || i == 0) return;
+  if (rows == 0) {  // every expert empty
+    if (overwrite) MARROW_CUDA_CHECK(cudaMemsetAsync(dweight.data, 0, dweight.bytes(), s));
+    return;
+  }
   if (o % 8 == 0 && i % 8 == 0 && aligned(dy.data, 16) && aligned(x.data, 16) && aligned(dweight.data, 8))
-    launch_grouped_dw<true>(grid, dw_ptr, dy_ptr, x_ptr, work_ptr, int(o), int(i), !overwrite, s);
-  else
-    launch_grouped_dw<false>(grid, dw_ptr, dy_ptr, x_ptr, work_ptr, int(o), int(i), !overwrite, s);
+    return backward_weight_wgmma(dw_ptr, dy_ptr, x_ptr, offsets, e, o, i, rows, overwrite, stream);
+  Buffer device_offsets = upload(std::vector<int32_t>(offsets, offsets + e + 1), stream);
+  const int64_t n = e * o * i;
+  grouped_dw_simple_kernel<<<unsigned((n + 255) / 256), 256, 0, s>>>(dw_ptr, dy_ptr, x_ptr, static_cast<const int32_t*>(device_offsets.view().data),
+                                                                     n, int(o), int(i), !overwrite);
+  MARROW_CUDA_CHECK_LAUNCH();
 }
 #endif
 

@@ -9,8 +9,11 @@
 // expert; 2.1x cuBLAS's grouped call at the bench shapes) when O and I are multiples of 8 and the
 // tensors 16-byte aligned (TMA's rule), else a plain one-thread-per-output kernel (odd test shapes).
 // cublasGemmGroupedBatchedEx (SM80 mma.sync inside) stays selectable for comparisons
-// (set_grouped_gemm_backend). backward_weight is an own tensor-core kernel that adds into the fp32
-// gradient deterministically (one block per tile). All of them are deterministic (no atomics on data).
+// (set_grouped_gemm_backend). backward_weight runs an own Hopper kernel too (ops/wgmma_dw.cuh: TMA +
+// wgmma with both operands transposed, persistent tiles of 128 x 256 of one expert's dW, each summed
+// over the expert's rows in order by one block, read-modify-write of the fp32 gradient from
+// registers) under the same shape rule, else a plain one-thread-per-dW-element kernel. All of them
+// are deterministic (no atomics on data).
 #pragma once
 #include "core/tensor.h"
 

@@ -101,9 +101,9 @@ __device__ __forceinline__ void fence_registers(float (&d)[128]) {
   for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-// d (+)= A B for 64 rows x 256 columns x 16 of K; accumulate = 0 overwrites d. kTransB = 1: B's
-// tile is N-major (N contiguous), else K-major.
-template <int kTransB>
+// d (+)= A B for 64 rows x 256 columns x 16 of K; accumulate = 0 overwrites d. kTransA = 1: A's
+// tile is M-major (M contiguous), kTransB = 1: B's tile is N-major (N contiguous), else K-major.
+template <int kTransA, int kTransB>
 __device__ __forceinline__ void mma_m64n256k16(float (&d)[128], uint64_t a_desc, uint64_t b_desc, int accumulate) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
@@ -116,7 +116,7 @@ __device__ __forceinline__ void mma_m64n256k16(float (&d)[128], uint64_t a_desc,
       "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
       "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
       "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127},"
-      " %128, %129, p, 1, 1, 0, %131;\n}\n"
+      " %128, %129, p, 1, 1, %131, %132;\n}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
         "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
         "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
@@ -133,7 +133,7 @@ __device__ __forceinline__ void mma_m64n256k16(float (&d)[128], uint64_t a_desc,
         "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
         "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
         "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-      : "l"(a_desc), "l"(b_desc), "r"(accumulate), "n"(kTransB));
+      : "l"(a_desc), "l"(b_desc), "r"(accumulate), "n"(kTransA), "n"(kTransB));
 }
 
 // ---- the kernel ---------------------------------------------------------------------------------
@@ -286,7 +286,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           const uint64_t a = descriptor(tile_a(s) + consumer * 64 * 128 + kk * 32, 16, 1024);
           const uint64_t b = kTransB ? descriptor(tile_b(s) + kk * 16 * 128, kTileBBytes / 4, 1024)
                                      : descriptor(tile_b(s) + kk * 32, 16, 1024);
-          mma_m64n256k16<kTransB>(d, a, b, kb > 0 || kk > 0);
+          mma_m64n256k16<0, kTransB>(d, a, b, kb > 0 || kk > 0);
         }
         mma_commit();
         mma_wait<1>();  // the previous stage's multiplies are done: it may be refilled

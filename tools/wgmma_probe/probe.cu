@@ -1,10 +1,11 @@
-// Standalone probe for the wgmma grouped GEMM (src/ops/wgmma.cuh) without the rest of Marrow:
-// correctness against a plain CUDA reference, bitwise determinism, and TFLOP/s against
-// cublasGemmGroupedBatchedEx at the bench shapes (skewed and even routing), plus a timing study
-// (uniform vs normal data, one call vs 20 back to back, host time per launch). core/cuda_check.h
-// here stands in for Marrow's. On a GPU machine, from the repository root:
+// Standalone probe for the wgmma grouped GEMM (src/ops/wgmma.cuh) and the expert weight gradient
+// (src/ops/wgmma_dw.cuh) without the rest of Marrow: correctness against a plain CUDA reference,
+// bitwise determinism, and TFLOP/s (the GEMM against cublasGemmGroupedBatchedEx) at the bench
+// shapes (skewed and even routing), plus a timing study (uniform vs normal data, one call vs 20 back
+// to back, host time per launch). core/cuda_check.h here stands in for Marrow's. On a GPU machine,
+// from the repository root:
 //   cd tools/wgmma_probe && nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -I. -I../../src \
-//     -o probe probe.cu -lcublas && ./probe        (PROBE_SHORT=1: the timing study only)
+//     -o probe probe.cu -lcublas && ./probe   (PROBE_SHORT=1: the timing study only; PROBE_DW=1: dW only)
 #include <cublas_v2.h>
 
 #include <algorithm>
@@ -13,6 +14,7 @@
 #include <string>
 
 #include "ops/wgmma.cuh"
+#include "ops/wgmma_dw.cuh"
 
 using marrow::wgmma::bf16;
 
@@ -228,11 +230,130 @@ void timing_study(const char* label, bool forward, const std::vector<int32_t>& c
   cudaFree(in); cudaFree(w); cudaFree(out); cudaFree(ptrs); cudaFree(sched);
 }
 
+// ---- dW: dweight[e] (+)= dy_e^T x_e ----
+// want[e, o, c] = base[e, o, c] + sum_r dy[r, o] x[r, c] (base: the old dW, or 0 when overwriting;
+// kept for an expert without rows when accumulating), one thread per element.
+__global__ void dw_reference(float* want, const float* base, const bf16* dy, const bf16* x, const int32_t* offsets, int64_t n, int o, int i) {
+  const int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (idx >= n) return;
+  const int e = int(idx / (int64_t(o) * i)), row = int(idx / i % o), c = int(idx % i);
+  float sum = base ? base[idx] : 0.0f;
+  for (int r = offsets[e]; r < offsets[e + 1]; ++r) sum += __bfloat162float(dy[int64_t(r) * o + row]) * __bfloat162float(x[int64_t(r) * i + c]);
+  want[idx] = sum;
+}
+__global__ void dw_error(const float* got, const float* want, int64_t n, float* result) {  // max |diff|, max |want|, non-finite count
+  float diff = 0, mag = 0, bad = 0;
+  for (int64_t k = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; k < n; k += int64_t(gridDim.x) * blockDim.x) {
+    if (!isfinite(got[k])) bad += 1;
+    else diff = fmaxf(diff, fabsf(got[k] - want[k]));
+    mag = fmaxf(mag, fabsf(want[k]));
+  }
+  atomicMax(reinterpret_cast<int*>(result), __float_as_int(diff));
+  atomicMax(reinterpret_cast<int*>(result + 1), __float_as_int(mag));
+  atomicAdd(result + 2, bad);
+}
+__global__ void bf16_to_f32(float* out, const bf16* in, int64_t n) {
+  for (int64_t k = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; k < n; k += int64_t(gridDim.x) * blockDim.x) out[k] = __bfloat162float(in[k]);
+}
+
+// Checks accumulate (onto random old values) and overwrite (onto NaN, twice: same bits), then times
+// both; TFLOP/s count 2 x rows x O x I, GB/s the dW bytes (read + write, or write).
+void dw_run(const char* label, const std::vector<int32_t>& counts, int64_t o, int64_t i, bool time) {
+  const int64_t e = int64_t(counts.size()), n = e * o * i;
+  std::vector<int32_t> offsets(e + 1, 0);
+  for (int64_t g = 0; g < e; ++g) offsets[g + 1] = offsets[g] + counts[g];
+  const int64_t rows = offsets[e];
+  bf16 *dy, *x, *old16;
+  float *old, *dw, *dw2, *want, *err;
+  int32_t *doff, *work_acc, *work_over;
+  MARROW_CUDA_CHECK(cudaMalloc(&dy, rows * o * 2));
+  MARROW_CUDA_CHECK(cudaMalloc(&x, rows * i * 2));
+  MARROW_CUDA_CHECK(cudaMalloc(&old16, n * 2));
+  MARROW_CUDA_CHECK(cudaMalloc(&old, n * 4));
+  MARROW_CUDA_CHECK(cudaMalloc(&dw, n * 4));
+  MARROW_CUDA_CHECK(cudaMalloc(&dw2, n * 4));
+  MARROW_CUDA_CHECK(cudaMalloc(&want, n * 4));
+  MARROW_CUDA_CHECK(cudaMalloc(&err, 16));
+  MARROW_CUDA_CHECK(cudaMalloc(&doff, (e + 1) * 4));
+  MARROW_CUDA_CHECK(cudaMalloc(&work_acc, (3 * e + 1) * 4));
+  MARROW_CUDA_CHECK(cudaMalloc(&work_over, (3 * e + 1) * 4));
+  fill_random<<<1024, 256>>>(dy, rows * o, 3);
+  fill_random<<<1024, 256>>>(x, rows * i, 4);
+  fill_random<<<1024, 256>>>(old16, n, 5);
+  bf16_to_f32<<<1024, 256>>>(old, old16, n);
+  MARROW_CUDA_CHECK(cudaMemcpy(doff, offsets.data(), (e + 1) * 4, cudaMemcpyHostToDevice));
+  std::vector<int32_t> acc_list, over_list;  // as grouped_linear.cu builds them
+  for (int64_t g = 0; g < e; ++g) {
+    if (counts[g] > 0) acc_list.insert(acc_list.end(), {int32_t(g), offsets[g], offsets[g + 1]});
+    over_list.insert(over_list.end(), {int32_t(g), offsets[g], offsets[g + 1]});
+  }
+  const int acc_works = int(acc_list.size() / 3), over_works = int(over_list.size() / 3);
+  acc_list.push_back(0);
+  over_list.push_back(0);
+  MARROW_CUDA_CHECK(cudaMemcpy(work_acc, acc_list.data(), acc_list.size() * 4, cudaMemcpyHostToDevice));
+  MARROW_CUDA_CHECK(cudaMemcpy(work_over, over_list.data(), over_list.size() * 4, cudaMemcpyHostToDevice));
+  auto call = [&](float* out, bool accumulate) {  // the counter after the list back to zero, then the kernel
+    const int works = accumulate ? acc_works : over_works;
+    int32_t* work = accumulate ? work_acc : work_over;
+    MARROW_CUDA_CHECK(cudaMemsetAsync(work + 3 * works, 0, 4));
+    marrow::wgmma::dw::grouped_dw(out, dy, x, work, works, o, i, rows, accumulate, 0);
+  };
+  auto error = [&](const float* got, const char* what) {
+    float h[3] = {0, 0, 0};
+    MARROW_CUDA_CHECK(cudaMemset(err, 0, 16));
+    dw_error<<<1024, 256>>>(got, want, n, err);
+    MARROW_CUDA_CHECK(cudaMemcpy(h, err, 12, cudaMemcpyDeviceToHost));
+    const double rel = h[1] > 0 ? h[0] / h[1] : h[0];
+    printf("  %s err %.2e nan %.0f %s;", what, rel, h[2], rel < 1e-3 && h[2] == 0 ? "PASS" : "FAIL");
+    return rel < 1e-3 && h[2] == 0;
+  };
+  printf("%-18s dW E%-3ld R%-6ld O%-5ld I%-5ld:", label, long(e), long(rows), long(o), long(i));
+  MARROW_CUDA_CHECK(cudaMemcpy(dw, old, n * 4, cudaMemcpyDeviceToDevice));
+  call(dw, true);
+  dw_reference<<<unsigned((n + 255) / 256), 256>>>(want, old, dy, x, doff, n, int(o), int(i));
+  MARROW_CUDA_CHECK(cudaDeviceSynchronize());
+  bool ok = error(dw, "accumulate");
+  fill_nan<<<1024, 256>>>(reinterpret_cast<bf16*>(dw), 2 * n);
+  fill_nan<<<1024, 256>>>(reinterpret_cast<bf16*>(dw2), 2 * n);
+  call(dw, false);
+  call(dw2, false);
+  dw_reference<<<unsigned((n + 255) / 256), 256>>>(want, nullptr, dy, x, doff, n, int(o), int(i));
+  MARROW_CUDA_CHECK(cudaDeviceSynchronize());
+  ok = error(dw, "overwrite") && ok;
+  std::vector<float> a(n), b(n);
+  MARROW_CUDA_CHECK(cudaMemcpy(a.data(), dw, n * 4, cudaMemcpyDeviceToHost));
+  MARROW_CUDA_CHECK(cudaMemcpy(b.data(), dw2, n * 4, cudaMemcpyDeviceToHost));
+  const bool same = std::memcmp(a.data(), b.data(), n * 4) == 0;
+  printf("  bitwise-repeat %s  %s\n", same ? "yes" : "NO", ok && same ? "PASS" : "FAIL");
+  if (time) {
+    const double flops = 2.0 * rows * o * i;
+    for (bool accumulate : {true, false}) {
+      const float ms = median_ms([&] { call(dw, accumulate); });
+      printf("    %-10s %.3f ms %6.1f TFLOP/s  dW %.2f TB/s\n", accumulate ? "accumulate" : "overwrite", ms, flops / ms * 1e-9,
+             (accumulate ? 8.0 : 4.0) * n / ms * 1e-9);
+    }
+  }
+  fflush(stdout);
+  cudaFree(dy); cudaFree(x); cudaFree(old16); cudaFree(old); cudaFree(dw); cudaFree(dw2); cudaFree(want); cudaFree(err);
+  cudaFree(doff); cudaFree(work_acc); cudaFree(work_over);
+}
+
 int main() {
   cublasCreate(&handle);
   cudaDeviceProp prop;
   cudaGetDeviceProperties(&prop, 0);
   printf("%s, %d SMs\n", prop.name, prop.multiProcessorCount);
+  const int64_t E = 128, R = 32768;
+  // dW: experts of 0, 1, 44, 64, 65, 127, 264, 300 rows (K = the expert's rows), partial dW tiles.
+  dw_run("small odd", {0, 1, 44, 64, 65, 0, 300}, 520, 264, false);
+  dw_run("small odd", {44, 0, 1, 64, 65, 264, 127, 0}, 264, 520, false);
+  dw_run("small aligned", {128, 256, 0, 64}, 256, 512, false);
+  for (bool even : {false, true}) {
+    const std::vector<int32_t> counts = even ? std::vector<int32_t>(E, R / E) : skewed_counts(E, R);
+    dw_run(even ? "gate/up even" : "gate/up skewed", counts, 1536, 2048, true);
+    dw_run(even ? "down even" : "down skewed", counts, 2048, 768, true);
+  }
+  if (getenv("PROBE_DW")) return 0;
   // Small odd shapes: experts with 0 and 1 rows, partial tiles, K not a multiple of 64, N not of 256.
   for (bool fwd : {true, false}) {
     run("small odd", fwd, {0, 1, 37, 130}, 136, 200, false);
@@ -241,7 +362,6 @@ int main() {
   }
   run("many experts", true, std::vector<int32_t>(70, 3), 264, 256, false);
   run("many experts", false, {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 5, 129, 0, 1}, 264, 256, false);
-  const int64_t E = 128, R = 32768;
   timing_study("gate/up skewed", true, skewed_counts(E, R), 1536, 2048);
   timing_study("down skewed", true, skewed_counts(E, R), 2048, 768);
   timing_study("gate/up skewed", false, skewed_counts(E, R), 1536, 2048);

@@ -1,0 +1,203 @@
+// Hopper (sm_90a) kernel of the expert weight gradient: dW[e] (f32 [O, I]) (+)= dy_e^T x_e, where
+// rows [offsets[e], offsets[e + 1]) of dy [R, O] and x [R, I] (bf16) belong to expert e. The GEMM's
+// K is the expert's rows: D[O tile, I tile] = A[O tile, k] B[k, I tile] with A = dy_e^T and B = x_e,
+// both read by TMA as they lie in memory (tiles of 64 token rows x 64 contiguous columns, 128-byte
+// swizzle), so A is M-major and B N-major: wgmma's transpose bits for both (A from shared memory).
+// Persistent like ops/wgmma.cuh (whose PTX wrappers it uses): one producer warpgroup (one thread
+// issues the copies, kStages deep, on mbarriers) and two consumer warpgroups of m64n256k16, each 64
+// dW rows of a 128 x 256 tile; blocks take tiles from a counter. A tile's sum runs over its expert's
+// rows in order in one block, so the result is deterministic (no split over rows, no atomics on data).
+// Expert boundaries lie inside K and are arbitrary: a tile's copies start at the expert's first row
+// (TMA coordinates need no alignment), so no earlier row is read; the last k-step may hold the next
+// expert's rows, which the consumers zero in shared memory (rows past the end of each of the stage's
+// six 8 KiB boxes are one contiguous byte range) before a proxy fence and a barrier of the two
+// consumer warpgroups, then multiply. (Per-expert tensor maps with TMA's zero fill would do the same
+// with 2E maps built and uploaded per call and a tensormap fence per tile; zeroing costs a few
+// shared stores in one k-step per tile.) An expert with no rows (overwrite only) runs one k-step of
+// 64 zeroed rows. Accumulate: the accumulators start from the old dW tile, loaded into registers
+// before the first multiply; the epilogue stores them straight from registers (each warp store
+// covers whole 32-byte sectors). dW moves with streaming hints (ld/st .cs) so that its 2 x 4 bytes
+// per element do not push the inputs out of L2. The kernel is bound by that traffic at the bench
+// shapes: see grouped_linear.h and docs/performance.md.
+#pragma once
+#include "ops/wgmma.cuh"
+
+namespace marrow::wgmma::dw {
+
+constexpr int kBlockM = 128;  // dW rows (o) per tile: two consumer warpgroups of 64
+constexpr int kBlockN = 256;  // dW columns (i) per tile: one m64n256k16 per consumer
+constexpr int kBlockK = 64;   // token rows per stage
+constexpr int kStages = 4;
+constexpr int kConsumers = 2;
+constexpr int kThreads = 128 * (1 + kConsumers);
+constexpr int kBoxBytes = 64 * kBlockK * 2;             // one TMA box: 64 token rows x 64 columns (128 bytes)
+constexpr int kTileABytes = kBlockM / 64 * kBoxBytes;  // dy: 2 boxes
+constexpr int kStageBytes = kTileABytes + kBlockN / 64 * kBoxBytes;  // + x: 4 boxes = 48 KiB
+
+// A tile: rows [row_begin, row_end) of `expert`, dW rows o0.., columns i0..; expert < 0: no tiles left.
+struct Tile {
+  int expert, row_begin, row_end, o0, i0;
+};
+// 1024 bytes of slack to align the stages to the swizzle's 1024-byte period, the stages, the
+// full/empty mbarriers and the tile each stage starts.
+constexpr int kSmemBytes = 1024 + kStages * kStageBytes + 2 * kStages * 8 + kStages * int(sizeof(Tile));
+
+// k-steps of a tile: an expert without rows still runs one (all its rows zeroed).
+__device__ __forceinline__ int k_steps(const Tile& t) {
+  const int steps = (t.row_end - t.row_begin + kBlockK - 1) / kBlockK;
+  return steps > 0 ? steps : 1;
+}
+
+// work: (expert, first row, end row) of each expert that gets tiles, then a counter at work[3 * works]
+// (zero at launch). Tile t: work item t / tiles_per_work, its dW tiles in row-major order.
+__device__ __forceinline__ Tile find_tile(int t, const int32_t* work, int o_size, int i_size) {
+  const int i_tiles = (i_size + kBlockN - 1) / kBlockN, o_tiles = (o_size + kBlockM - 1) / kBlockM;
+  const int w = t / (o_tiles * i_tiles), local = t % (o_tiles * i_tiles);
+  return {work[3 * w], work[3 * w + 1], work[3 * w + 2], local / i_tiles * kBlockM, local % i_tiles * kBlockN};
+}
+
+// Zeroes token rows [valid, 64) of the stage's six boxes (valid < 64; a box row is 128 bytes,
+// swizzled only within itself), then makes the writes visible to wgmma (async proxy) in both
+// consumer warpgroups (named barrier 1 over their 256 threads).
+__device__ __forceinline__ void zero_rows_past_end(uint32_t stage, int valid) {
+  const int chunks = (kBlockK - valid) * 8;  // 16-byte chunks per box
+  for (int c = int(threadIdx.x) - 128; c < 6 * chunks; c += 128 * kConsumers) {
+    const uint32_t address = stage + (c / chunks) * kBoxBytes + valid * 128 + (c % chunks) * 16;
+    asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(address), "r"(0) : "memory");
+  }
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  asm volatile("bar.sync 1, %0;" ::"n"(128 * kConsumers) : "memory");
+}
+
+// One consumer warp's 16 dW rows (o, o + 8 for lanes / 4) x 256 columns in the accumulator layout
+// (see ops/wgmma.cuh's store_rows): d[4j + 2h], d[4j + 2h + 1] are row o + 8h, columns 8j + 2 (lane % 4)
+// and + 1. Loads the old values (accumulate) or zeros; rows past O and columns past I are left out.
+__device__ __forceinline__ void load_accumulators(float (&d)[128], const float* dw, int o, int i0, int o_size, int i_size, bool accumulate) {
+  const int i = i0 + 2 * (threadIdx.x % 4);
+#pragma unroll
+  for (int j = 0; j < 32; ++j)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float2 v = make_float2(0.0f, 0.0f);
+      if (accumulate && o + 8 * h < o_size && i + 8 * j < i_size)
+        v = __ldcs(reinterpret_cast<const float2*>(dw + int64_t(o + 8 * h) * i_size + i + 8 * j));
+      d[4 * j + 2 * h] = v.x;
+      d[4 * j + 2 * h + 1] = v.y;
+    }
+}
+
+__device__ __forceinline__ void store_accumulators(float* dw, const float (&d)[128], int o, int i0, int o_size, int i_size) {
+  const int i = i0 + 2 * (threadIdx.x % 4);
+#pragma unroll
+  for (int j = 0; j < 32; ++j)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      if (o + 8 * h < o_size && i + 8 * j < i_size)
+        __stcs(reinterpret_cast<float2*>(dw + int64_t(o + 8 * h) * i_size + i + 8 * j), make_float2(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]));
+}
+
+// dy_map: dy as [R, O], x_map: x as [R, I], boxes of 64 columns x 64 rows.
+__global__ void __launch_bounds__(kThreads, 1)
+    grouped_dw_kernel(const __grid_constant__ CUtensorMap dy_map, const __grid_constant__ CUtensorMap x_map, float* dweight,
+                      int32_t* work, int works, int o_size, int i_size, bool accumulate) {
+  extern __shared__ unsigned char smem_raw[];
+  const uint32_t raw = smem_address(smem_raw), base = (raw + 1023) & ~1023u;
+  const uint32_t full = base + kStages * kStageBytes, empty = full + kStages * 8;  // mbarriers, 8 bytes each
+  Tile* stage_tile = reinterpret_cast<Tile*>(smem_raw + (base - raw) + kStages * kStageBytes + 2 * kStages * 8);
+  auto stage = [&](int s) { return base + s * kStageBytes; };
+  const int warpgroup = threadIdx.x / 128;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      barrier_init(full + 8 * s, 1);                // the producer's arrive with the byte count
+      barrier_init(empty + 8 * s, 4 * kConsumers);  // one arrive per consumer warp
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  const int tiles = works * ((o_size + kBlockM - 1) / kBlockM) * ((i_size + kBlockN - 1) / kBlockN);
+
+  if (warpgroup == 0) {  // producer: one thread finds the tiles and issues the copies
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+    if (threadIdx.x != 0) return;
+    int it = 0;
+    for (int t = blockIdx.x; t < tiles;) {
+      const int next = int(gridDim.x) + atomicAdd(work + 3 * works, 1);
+      const Tile tile = find_tile(t, work, o_size, i_size);
+      for (int kb = 0; kb < k_steps(tile); ++kb, ++it) {
+        const int s = it % kStages, row = tile.row_begin + kb * kBlockK;
+        barrier_wait(empty + 8 * s, ((it / kStages) & 1) ^ 1);
+        if (kb == 0) stage_tile[s] = tile;  // published by the arrive below
+        barrier_expect_bytes(full + 8 * s, kStageBytes);
+        for (int j = 0; j < kBlockM / 64; ++j) tma_load_2d(stage(s) + j * kBoxBytes, &dy_map, full + 8 * s, tile.o0 + 64 * j, row);
+        for (int j = 0; j < kBlockN / 64; ++j)
+          tma_load_2d(stage(s) + kTileABytes + j * kBoxBytes, &x_map, full + 8 * s, tile.i0 + 64 * j, row);
+      }
+      t = next;
+    }
+    const int s = it % kStages;  // the end: a stage that carries no tile
+    barrier_wait(empty + 8 * s, ((it / kStages) & 1) ^ 1);
+    stage_tile[s] = Tile{-1, 0, 0, 0, 0};
+    barrier_arrive(full + 8 * s);
+    return;
+  }
+
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+  const int consumer = warpgroup - 1;
+  const bool lane0 = threadIdx.x % 32 == 0;
+  const int row_in_tile = 64 * consumer + 16 * (threadIdx.x / 32 % 4) + threadIdx.x % 32 / 4;  // this thread's first dW row
+  float d[128];
+  for (int it = 0;;) {
+    barrier_wait(full + 8 * (it % kStages), (it / kStages) & 1);
+    const Tile tile = stage_tile[it % kStages];
+    if (tile.expert < 0) break;
+    float* dw = dweight + int64_t(tile.expert) * o_size * i_size;
+    load_accumulators(d, dw, tile.o0 + row_in_tile, tile.i0, o_size, i_size, accumulate);
+    int previous = 0;
+    for (int kb = 0; kb < k_steps(tile); ++kb, ++it) {
+      const int s = it % kStages, valid = tile.row_end - tile.row_begin - kb * kBlockK;
+      if (kb > 0) barrier_wait(full + 8 * s, (it / kStages) & 1);
+      if (valid < kBlockK) zero_rows_past_end(stage(s), valid);
+      fence_registers(d);
+      mma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kBlockK / 16; ++kk) {
+        // Both operands MN-major: 64-column boxes of 64 token rows (8 KiB apart: the leading byte
+        // offset, used by B's four boxes), 8-row swizzle atoms 1024 bytes apart, 16 of K = 2048 bytes.
+        const uint64_t a = descriptor(stage(s) + consumer * kBoxBytes + kk * 16 * 128, kBoxBytes, 1024);
+        const uint64_t b = descriptor(stage(s) + kTileABytes + kk * 16 * 128, kBoxBytes, 1024);
+        mma_m64n256k16<1, 1>(d, a, b, 1);
+      }
+      mma_commit();
+      mma_wait<1>();  // the previous stage's multiplies are done: it may be refilled
+      fence_registers(d);
+      if (kb > 0 && lane0) barrier_arrive(empty + 8 * previous);
+      previous = s;
+    }
+    mma_wait<0>();
+    fence_registers(d);
+    if (lane0) barrier_arrive(empty + 8 * previous);
+    store_accumulators(dw, d, tile.o0 + row_in_tile, tile.i0, o_size, i_size);
+  }
+}
+
+// dweight[E, O, I] (+)= dy_e^T x_e for the `works` experts of `work` (device memory, see find_tile;
+// its counter must be zero). Needs rows > 0, O and I multiples of 8, dy and x 16-byte aligned, dweight 8.
+inline void grouped_dw(float* dweight, const bf16* dy, const bf16* x, int32_t* work, int works, int64_t o, int64_t i, int64_t rows,
+                       bool accumulate, cudaStream_t stream) {
+  const int64_t tiles = works * ((o + kBlockM - 1) / kBlockM) * ((i + kBlockN - 1) / kBlockN);
+  if (tiles == 0) return;
+  MARROW_CHECK(tiles < (int64_t(1) << 31), "grouped dW: {} tiles exceed the kernel's int range", tiles);
+  const cuuint64_t dy_dims[2] = {cuuint64_t(o), cuuint64_t(rows)}, dy_strides[1] = {cuuint64_t(o) * 2};
+  const cuuint64_t x_dims[2] = {cuuint64_t(i), cuuint64_t(rows)}, x_strides[1] = {cuuint64_t(i) * 2};
+  const cuuint32_t box[2] = {64, kBlockK};
+  const CUtensorMap dy_map = tensor_map(dy, 2, dy_dims, dy_strides, box), x_map = tensor_map(x, 2, x_dims, x_strides, box);
+  int device = 0, sms = 0;
+  MARROW_CUDA_CHECK(cudaGetDevice(&device));
+  MARROW_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  MARROW_CUDA_CHECK(cudaFuncSetAttribute(grouped_dw_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+  grouped_dw_kernel<<<unsigned(std::min<int64_t>(tiles, sms)), kThreads, kSmemBytes, stream>>>(dy_map, x_map, dweight, work, works, int(o),
+                                                                                               int(i), accumulate);
+  MARROW_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace marrow::wgmma::dw
