@@ -15,9 +15,9 @@
 #         32,768 tokens (with and without the bf16 weight copy), 3 + 5 steps each
 # checks: marrow check of elementwise ops, the model, the grouped GEMMs and attention; losses of
 #         train.bf16_weight_copy=false against the default, bit for bit (4,096 x 4, 2 + 3 steps)
-# measure: the kernel table; the bench config (3 + 27 steps); one sequence per step at 16,384 and
+# measure: the bench config (3 + 27 steps); one sequence per step at 16,384 and
 #          32,768 tokens with and without the bf16 weight copy, and the bench config without it (3 + 5
-#          steps): tokens/s and peaks
+#          steps): tokens/s and peaks; then the kernel table
 # Ends with PASS or FAIL; logs in <log-dir>.
 set -uo pipefail
 out=${1:-$OUT}
@@ -117,9 +117,6 @@ print('losses', l[0]); print('same bits' if l[0] == l[1] else f'DIFFER: {l[1]}')
 fi
 
 if [ "$what" = measure ]; then
-  step "kernel table"
-  build-gpu/marrow bench --kernels > "$out/kernels.log" 2>&1 || fail "bench --kernels"
-  grep -E "^kernel|^attention|^grouped|weight" "$out/kernels.log" | head -40
   step "bench config: 3 warm-up + 27 measured steps"
   "${bench[@]}" --warmup=3 --steps=27 --output.dir=runs/measure > "$out/bench.log" 2>&1 || fail "bench"
   grep -E "^estimated peak|error" "$out/bench.log" | head -3
@@ -132,6 +129,9 @@ if [ "$what" = measure ]; then
     grep -E "^estimated peak|error" "$out/long-$1-$2.log" | head -3
     sed -n '/^bench:/,$p' "$out/long-$1-$2.log" | head -8
   done
+  step "kernel table"
+  build-gpu/marrow bench --kernels > "$out/kernels.log" 2>&1 || fail "bench --kernels"
+  grep -E "^kernel|^attention|^grouped|weight" "$out/kernels.log" | head -40
 fi
 
 if [ $status -eq 0 ]; then echo PASS | tee -a "$out/summary.log"; else echo FAIL | tee -a "$out/summary.log"; fi
