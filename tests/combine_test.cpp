@@ -7,7 +7,6 @@
 #include "gradcheck.h"
 #include "ops/dispatch.h"
 #include "ops/grouped_linear.h"
-#include "ops/route_weight.h"
 #include "ops/router.h"
 #include "ops/swiglu.h"
 
@@ -172,18 +171,18 @@ struct ExpertBlock {
   }
 
   // weights_in_experts: the one-process path of the engine, where combine's backward passes dout's
-  // copies unweighted and the experts apply the routing weights (ops/route_weight.h).
+  // copies unweighted and the experts apply the routing weights (swiglu_weighted_backward).
   void backward(bool weights_in_experts = false) {
     if (weights_in_experts) {
       dispatch_forward(dy_perm, r, copy_row);
       grouped_linear_backward_input(dact, dy_perm, w_down, offsets);
-      route_weight_backward(dtopk_weight, dact, act, topk_weight, copy_row);
+      swiglu_weighted_backward(dgate_up, act, dtopk_weight, dact, gate_up, topk_weight, copy_row);
     } else {
       combine_backward(dy_perm, dtopk_weight, r, y_perm, topk_weight, copy_row);
       grouped_linear_backward_input(dact, dy_perm, w_down, offsets);
+      swiglu_backward(dgate_up, dact, gate_up);
     }
     grouped_linear_backward_weight(dw_down, dy_perm, act, offsets);
-    swiglu_backward(dgate_up, dact, gate_up);
     grouped_linear_backward_input(dx_perm, dgate_up, w_gate_up, offsets);
     grouped_linear_backward_weight(dw_gate_up, dgate_up, x_perm, offsets);
     dispatch_backward(dx, dx_perm, copy_row);

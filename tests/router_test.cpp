@@ -78,6 +78,22 @@ TEST(Router, StatisticsMatchHandCountsAndSums) {
   for (int i = 0; i < 7; ++i) EXPECT_NEAR(stats[i], expected[i], 1e-15) << "stats[" << i << "]";
   // 3 * (1/3 * 0.8/3 + 3/3 * 1.1/3 + 2/3 * 1.1/3) = 6.3 / 3
   EXPECT_NEAR(router_aux_loss(host(stats, DType::f64, {7})), 2.1, 1e-15);
+  // The device-side form adds the same value to a running total, here twice.
+  double total = 0.5;
+  router_aux_loss_add(host(&total, DType::f64, {1}), host(stats, DType::f64, {7}));
+  router_aux_loss_add(host(&total, DType::f64, {1}), host(stats, DType::f64, {7}));
+  EXPECT_DOUBLE_EQ(total, 0.5 + router_aux_loss(host(stats, DType::f64, {7})) + router_aux_loss(host(stats, DType::f64, {7})));
+}
+
+TEST(Router, AuxLossAddRejectsATotalThatIsNotOneDouble) {
+  double stats[7] = {1, 3, 2, 0.8, 1.1, 1.1, 3};
+  float total = 0;
+  try {
+    router_aux_loss_add(host(&total, DType::f32, {1}), host(stats, DType::f64, {7}));
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(), "router_aux_loss_add: total has dtype f32 but expected f64");
+  }
 }
 
 TEST(Router, AuxLossFromStatisticsMatchesTheDirectFormula) {

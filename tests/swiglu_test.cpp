@@ -1,6 +1,7 @@
 #include "ops/swiglu.h"
 
 #include <cmath>
+#include <string>
 
 #include "gradcheck.h"
 
@@ -80,6 +81,57 @@ TEST(Swiglu, RejectsMixedDtypes) {
   } catch (const Error& e) {
     EXPECT_STREQ(e.what(), "swiglu_backward: dout has dtype f64 but gate_up has f32");
   }
+}
+
+TEST(Swiglu, WeightedBackwardIsTheThreeStepsInOne) {
+  // Three rows of I = 2; token 0's copies are rows 2 and 0, token 1 has row 1 and an entry of -1.
+  int32_t rows[4] = {2, 0, 1, -1};
+  const int64_t n = 3, d = 2;
+  Buffer gate_up = random_buffer(DType::f64, {n, 2 * d}, 5, 2.0), dact = random_buffer(DType::f64, {n, d}, 6);
+  double w[4] = {0.25, 0.75, 2, 9};
+  Tensor copy_row(rows, DType::i32, Device::cpu, {2, 2}), topk_weight(w, DType::f64, Device::cpu, {2, 2});
+  Buffer dgate_up(DType::f64, Device::cpu, {n, 2 * d}), act(DType::f64, Device::cpu, {n, d}), dtopk(DType::f64, Device::cpu, {2, 2});
+  swiglu_weighted_backward(dgate_up, act, dtopk, dact, gate_up, topk_weight, copy_row);
+
+  // The same from the separate steps: the SwiGLU output, its dot with dact, then both weighted.
+  Buffer plain(DType::f64, Device::cpu, {n, d}), weighted_dact(DType::f64, Device::cpu, {n, d}), want(DType::f64, Device::cpu, {n, 2 * d});
+  swiglu_forward(plain, gate_up);
+  const double row_weight[3] = {0.75, 2, 0.25};  // rows 0, 1, 2
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t i = 0; i < d; ++i) weighted_dact.ptr<double>()[r * d + i] = row_weight[r] * dact.ptr<double>()[r * d + i];
+  swiglu_backward(want, weighted_dact, gate_up);
+  auto dot = [&](int64_t r) { return dact.ptr<double>()[r * d] * plain.ptr<double>()[r * d] + dact.ptr<double>()[r * d + 1] * plain.ptr<double>()[r * d + 1]; };
+  EXPECT_DOUBLE_EQ(dtopk.ptr<double>()[0], dot(2));
+  EXPECT_DOUBLE_EQ(dtopk.ptr<double>()[1], dot(0));
+  EXPECT_DOUBLE_EQ(dtopk.ptr<double>()[2], dot(1));
+  EXPECT_EQ(dtopk.ptr<double>()[3], 0);
+  for (int64_t r = 0; r < n; ++r) {
+    for (int64_t i = 0; i < d; ++i)
+      EXPECT_DOUBLE_EQ(act.ptr<double>()[r * d + i], row_weight[r] * plain.ptr<double>()[r * d + i]) << "act row " << r;
+    for (int64_t i = 0; i < 2 * d; ++i)
+      EXPECT_DOUBLE_EQ(dgate_up.ptr<double>()[r * 2 * d + i], want.ptr<double>()[r * 2 * d + i]) << "dgate_up row " << r;
+  }
+}
+
+// The error of swiglu_weighted_backward on three rows of I = 2 with one token's two copies, given
+// those copies' rows and dact's row count.
+std::string weighted_backward_error(int32_t first_row, int32_t second_row, int64_t dact_rows) {
+  int32_t rows[2] = {first_row, second_row};
+  double gate_up[12] = {}, dact[6] = {}, act[6], dgate_up[12], w[2] = {1, 1}, dw[2];
+  try {
+    swiglu_weighted_backward(Tensor(dgate_up, DType::f64, Device::cpu, {3, 4}), Tensor(act, DType::f64, Device::cpu, {3, 2}),
+                             Tensor(dw, DType::f64, Device::cpu, {1, 2}), Tensor(dact, DType::f64, Device::cpu, {dact_rows, 2}),
+                             Tensor(gate_up, DType::f64, Device::cpu, {3, 4}), Tensor(w, DType::f64, Device::cpu, {1, 2}),
+                             Tensor(rows, DType::i32, Device::cpu, {1, 2}));
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "no error";
+}
+
+TEST(Swiglu, WeightedBackwardRejectsBadRowsAndShapes) {
+  EXPECT_EQ(weighted_backward_error(0, 3, 3), "swiglu_weighted_backward: copy_row[0, 1] = 3 is neither -1 nor inside [0, 3)");
+  EXPECT_EQ(weighted_backward_error(0, 1, 2), "swiglu_weighted_backward: dact has shape [2, 2] but expected [3, 2]");
 }
 
 }  // namespace

@@ -18,7 +18,6 @@
 #include "ops/grad_norm.h"
 #include "ops/rmsnorm.h"
 #include "ops/rope.h"
-#include "ops/route_weight.h"
 #include "ops/router.h"
 #include "ops/swiglu.h"
 
@@ -186,6 +185,11 @@ void check_moe(CheckReport& report, int64_t n, int64_t e, int64_t k, int64_t h, 
   aux.ptr<float>()[0] = float(router_aux_loss(stats));
   aux_d.ptr<float>()[0] = float(router_aux_loss(stats_d));
   report.compare("router_aux_loss " + size, aux_d, aux, kF32);
+  // The engine's form sums on the device: the same double arithmetic, so the same bits as the host's.
+  Buffer total = Buffer::zeros(DType::f64, Device::cpu, {1}), total_d = Buffer::zeros(DType::f64, Device::cuda, {1});
+  router_aux_loss_add(total, to_host(stats_d));
+  router_aux_loss_add(total_d, stats_d);
+  report.expect_equal("router_aux_loss_add " + size, total_d, total);
 
   // aux_grad = T / 2 makes the aux term's gradient comparable to the routing weights'.
   Buffer dtopk = random_host({n, k}, 51), dlogits = host_f32({n, e});
@@ -312,16 +316,26 @@ void check_combine_rank(CheckReport& report, int64_t n, int64_t e, int64_t k, in
   combine_backward(dy_perm_d, dweight_d, dout_d, y_perm_d, weight_d, rows_d);
   report.compare("combine_backward dy_perm " + size, dy_perm_d, dy_perm, kBf16);
   report.compare("combine_backward dtopk_weight " + size, dweight_d, dweight, kF32);
+}
 
-  // The one-process backward's routing weights, applied in the experts (its -1 entries come from the rank's plan).
-  Buffer dact = random_bf16({plan.rows, h}, 97), act = random_bf16({plan.rows, h}, 98), dweight_in = host_f32({n, k});
-  OnDevice dact_d(dact, DType::bf16), act_d(act, DType::bf16);
-  Buffer dweight_in_d = poisoned(DType::f32, {n, k});
-  route_weight_backward(dweight_in, dact, act, topk_weight, plan.copy_row);
-  route_weight_backward(dweight_in_d, dact_d, act_d, weight_d, rows_d);
-  report.compare("route_weight_backward dtopk_weight " + size, dweight_in_d, dweight_in, kF32);
-  report.compare("route_weight_backward dact " + size, dact_d, dact, kBf16);
-  report.compare("route_weight_backward act " + size, act_d, act, kBf16);
+// The experts' backward with the routing weights (one expert-parallel rank), on a rank's plan for
+// its -1 entries.
+void check_swiglu_weighted_rank(CheckReport& report, int64_t n, int64_t e, int64_t k, int64_t inter, int64_t ranks, int64_t rank) {
+  const RankPlan plan = rank_plan(n, e, k, ranks, rank);
+  const std::string size = fmt::format("T={} E={} K={} I={} rank {} of {} (R={})", n, e, k, inter, rank, ranks, plan.rows);
+  OnDevice rows_d(plan.copy_row, DType::i32);
+  Buffer gate_up = random_bf16({plan.rows, 2 * inter}, 97, 2.0), dact = random_bf16({plan.rows, inter}, 98);
+  Buffer topk_weight = random_host({n, k}, 99);
+  Buffer dgate_up = host_f32({plan.rows, 2 * inter}), act = host_f32({plan.rows, inter}), dweight = host_f32({n, k});
+  OnDevice gate_up_d(gate_up, DType::bf16), dact_d(dact, DType::bf16), weight_d(topk_weight, DType::f32);
+  Buffer dgate_up_d = poisoned(DType::bf16, {plan.rows, 2 * inter}), act_d = poisoned(DType::bf16, {plan.rows, inter});
+  Buffer dweight_d = poisoned(DType::f32, {n, k});
+  swiglu_weighted_backward(dgate_up, act, dweight, dact, gate_up, topk_weight, plan.copy_row);
+  swiglu_weighted_backward(dgate_up_d, act_d, dweight_d, dact_d, gate_up_d, weight_d, rows_d);
+  // The GPU's dot reads act rounded to bf16, as the separate ops did: a bf16 bound.
+  report.compare("swiglu_weighted_backward dtopk_weight " + size, dweight_d, dweight, kBf16);
+  report.compare("swiglu_weighted_backward act " + size, act_d, act, kBf16);
+  report.compare("swiglu_weighted_backward dgate_up " + size, dgate_up_d, dgate_up, kBf16);
 }
 
 // Every 7th target is the ignore index; the backward writes dlogits over the logits, as the model does.
@@ -402,6 +416,9 @@ void check_elementwise_ops(CheckReport& report) {
   check_dispatch_rank(report, 37, 8, 2, 2, 4, 3, DType::f32);
   check_combine_rank(report, 37, 8, 2, 72, 4, 1);
   check_combine_rank(report, 37, 8, 2, 75, 4, 1);
+  check_swiglu_weighted_rank(report, 37, 8, 2, 72, 4, 1);
+  check_swiglu_weighted_rank(report, 37, 8, 2, 75, 4, 1);
+  check_swiglu_weighted_rank(report, 4096, 128, 8, 768, 1, 0);
   check_cross_entropy(report, 37, 1001);
   check_adamw(report, 37 * 75, 0);
   check_adamw(report, 37 * 75, 1);

@@ -121,7 +121,7 @@ struct EngineBytes {
   int64_t x_perm_kept = 0, x_perm_again = 0;
   int64_t route = 0;     // kept until the layer's backward ends, besides y_perm
   // y_perm kept to the backward (ep > 1: the expert's process takes the routing weights' gradient
-  // from it), or freed after combine (ep = 1: engine/step.h, ops/route_weight.h).
+  // from it), or freed after combine (ep = 1: engine/step.h, swiglu_weighted_backward in ops/swiglu.h).
   int64_t y_perm_kept = 0, y_perm_until_combine = 0;
   int64_t dtopk = 0;     // [T, K] statistics
   int64_t dispatch_scratch = 0;

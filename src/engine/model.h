@@ -29,7 +29,7 @@ concept MoeModel = requires(const M& m, typename M::AttentionActivations& a, typ
   m.prolog_backward(w, t, batch);
   m.attention_forward(a, std::move(buffer), batch, w.layers[0]);
   m.attention_backward(t, w.layers[0], t, t, t, scale, a, batch, w.layers[0]);
-  { m.aux_loss(a) } -> std::convertible_to<double>;
+  m.add_aux_loss(t, a);
   m.experts_forward(t, e, std::move(buffer), t, w.layers[0]);
   m.experts_backward(t, w.layers[0], t, e, t, w.layers[0], flag);
   m.experts_backward_input(t, t, e, t, w.layers[0]);

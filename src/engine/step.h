@@ -50,6 +50,9 @@ template <MoeModel M> struct MicroBatch {
   std::vector<DeferredExperts> deferred;
   double token_loss_sum = 0;  // cross-entropy summed over counted targets
   double aux_loss_sum = 0;    // load-balance loss (Hugging Face's form) summed over layers
+  // The layers' load-balance losses summed on the model's device (f64 [1]) until the forward of a
+  // chunk ends and adds them to aux_loss_sum: one host read per chunk, not one per layer.
+  Buffer aux_loss_total;
 };
 
 // The rows of x_perm gathered from h2 by the layer's plan (again, for the backward).
@@ -84,6 +87,7 @@ template <MoeModel M> class ForwardPass {
       : mb_(mb), m_(m), w_(w), batch_(batch), chunk_(chunk), groups_(std::move(groups)), timer_(timer), stage_(chunk.first),
         x_(std::move(x)) {
     mb_.layers.resize(size_t(m.num_layers()));
+    mb_.aux_loss_total = Buffer::zeros(DType::f64, m.device(), {1});
   }
   bool done() const { return stage_ > chunk_.last; }
   // The next step starts an exchange between processes (an expert all-to-all).
@@ -94,6 +98,12 @@ template <MoeModel M> class ForwardPass {
   }
 
   void step() {
+    advance();
+    if (done()) read_aux_loss();
+  }
+
+ private:
+  void advance() {
     const int64_t H = m_.hidden_size();
     finish_combine();
     if (stage_ < 0 || stage_ == m_.num_layers()) return end_step();
@@ -105,7 +115,7 @@ template <MoeModel M> class ForwardPass {
         StageScope scope(timer_, Stage::attention);
         m_.attention_forward(s.attention, std::move(x_), batch_, lw);
         if (groups_.routing) groups_.routing->all_reduce_sum(s.attention.routing_stats, "load-balance statistics (all_reduce)");
-        mb_.aux_loss_sum += m_.aux_loss(s.attention);
+        m_.add_aux_loss(mb_.aux_loss_total, s.attention);
         break;
       }
       case 1: {
@@ -144,8 +154,12 @@ template <MoeModel M> class ForwardPass {
     }
     part_ = (part_ + 1) % 4;
   }
-
- private:
+  // After the epilog the loss read has waited for the GPU already, so this read costs no wait.
+  void read_aux_loss() {
+    const Buffer total = to_host(mb_.aux_loss_total);
+    mb_.aux_loss_sum += total.ptr<double>()[0];
+    mb_.aux_loss_total = Buffer{};
+  }
   // The residual after an expert-parallel layer exists once its combine has arrived: the step that
   // consumes it waits here, so the exchange overlaps whatever was queued in between.
   void finish_combine() {

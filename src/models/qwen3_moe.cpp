@@ -14,7 +14,6 @@
 #include "ops/linear.h"
 #include "ops/rmsnorm.h"
 #include "ops/rope.h"
-#include "ops/route_weight.h"
 #include "ops/router.h"
 #include "ops/swiglu.h"
 
@@ -245,8 +244,8 @@ void Qwen3Moe::attention_forward(Qwen3MoeAttentionActivations& a, Buffer x, cons
   router_statistics(a.routing_stats, a.probs, a.topk_index);
 }
 
-double Qwen3Moe::aux_loss(const Qwen3MoeAttentionActivations& a) const {
-  return router_aux_loss(a.routing_stats);
+void Qwen3Moe::add_aux_loss(Tensor total, const Qwen3MoeAttentionActivations& a) const {
+  router_aux_loss_add(total, a.routing_stats);
 }
 
 void Qwen3Moe::attention_backward(Tensor dx, const Qwen3MoeLayerWeights& grads, Tensor dx_mid, Tensor dh2, Tensor dtopk_weight,
@@ -326,16 +325,17 @@ void Qwen3Moe::experts_backward(Tensor dx_perm, const Qwen3MoeLayerWeights& grad
 void Qwen3Moe::experts_backward_input(Tensor dx_perm, Tensor dy_perm, Qwen3MoeExpertActivations& e, Tensor expert_offsets,
                                       const Qwen3MoeLayerWeights& w) const {
   const int64_t R = e.gate_up.view().size(0), I = config_.expert_intermediate_size;
-  e.act = buffer({R, I});  // for the down projection's weight gradient
-  swiglu_forward(e.act, e.gate_up);
   Buffer dact = buffer({R, I});
   grouped_linear_backward_input(dact, dy_perm, w.experts_down, expert_offsets);
-  if (e.copy_row.data != nullptr) {
-    route_weight_backward(e.dtopk_weight, dact, e.act, e.topk_weight, e.copy_row);
-    e.topk_weight = e.copy_row = e.dtopk_weight = Tensor{};
-  }
+  e.act = buffer({R, I});  // computed again, for the down projection's weight gradient
   e.dgate_up = buffer({R, 2 * I});
-  swiglu_backward(e.dgate_up, dact, e.gate_up);
+  if (e.copy_row.data != nullptr) {
+    swiglu_weighted_backward(e.dgate_up, e.act, e.dtopk_weight, dact, e.gate_up, e.topk_weight, e.copy_row);
+    e.topk_weight = e.copy_row = e.dtopk_weight = Tensor{};
+  } else {
+    swiglu_forward(e.act, e.gate_up);
+    swiglu_backward(e.dgate_up, dact, e.gate_up);
+  }
   e.gate_up = Buffer{};
   grouped_linear_backward_input(dx_perm, e.dgate_up, w.experts_gate_up, expert_offsets);
 }

@@ -78,7 +78,7 @@ struct Qwen3MoeExpertActivations {
   Buffer x_perm, gate_up;
   Buffer act, dgate_up;  // from experts_backward_input (act computed again there) to experts_backward_weights
   // Set by aggregate_backward, where dy_perm holds dout's copies unweighted: experts_backward_input
-  // applies the routing weights and writes their gradient (ops/route_weight.h), then clears them.
+  // applies the routing weights and writes their gradient (swiglu_weighted_backward), then clears them.
   Tensor topk_weight, copy_row, dtopk_weight;
 };
 
@@ -140,8 +140,9 @@ class Qwen3Moe {
   void attention_backward(Tensor dx, const Qwen3MoeLayerWeights& grads, Tensor dx_mid, Tensor dh2, Tensor dtopk_weight,
                           double aux_grad, Qwen3MoeAttentionActivations& a, const Qwen3MoeBatch& batch,
                           const Qwen3MoeLayerWeights& w) const;
-  // This layer's load-balance loss (Hugging Face's form: K when routing is balanced) from a.routing_stats.
-  double aux_loss(const Qwen3MoeAttentionActivations& a) const;
+  // total[0] += this layer's load-balance loss (Hugging Face's form: K when routing is balanced) from
+  // a.routing_stats, on the model's device (total: f64 [1]; no host read).
+  void add_aux_loss(Tensor total, const Qwen3MoeAttentionActivations& a) const;
 
   // Stage 3: y_perm[R, H] from the dispatched rows x_perm[R, H] (kept in e.x_perm).
   void experts_forward(Tensor y_perm, Qwen3MoeExpertActivations& e, Buffer x_perm, Tensor expert_offsets,
@@ -165,7 +166,7 @@ class Qwen3Moe {
   void aggregate_forward(Tensor out, const Qwen3MoeAttentionActivations& a, Tensor y_perm, Tensor copy_row) const;
   // With one expert-parallel rank: dy_perm (overwritten) = dout's copies, unweighted; the routing
   // weights' part waits for experts_backward_input, which writes dtopk_weight from the SwiGLU output,
-  // so y_perm need not be kept (ops/route_weight.h). The residual's gradient is dout itself. (Under
+  // so y_perm need not be kept (ops/swiglu.h: swiglu_weighted_backward). The residual's gradient is dout itself. (Under
   // expert parallelism the expert's process applies the weights: parallel/expert_parallel.h.)
   void aggregate_backward(Tensor dy_perm, Tensor dtopk_weight, Tensor dout, const Qwen3MoeAttentionActivations& a, Tensor copy_row,
                           Qwen3MoeExpertActivations& e) const;

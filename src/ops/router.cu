@@ -108,6 +108,15 @@ std::array<int64_t, 3> router_sizes(const char* op, const char* scores_name, con
   return {n, e, k};
 }
 
+// E * sum_e f_e * P_e in double from statistics [2E + 1] on the host.
+template <typename T> double aux_loss_cpu(const char* op, const T* v, int64_t e) {
+  const double n = double(v[2 * e]);
+  MARROW_CHECK(n > 0, "{}: the statistics count no tokens, so the expert fractions are undefined", op);
+  double loss = 0;
+  for (int64_t i = 0; i < e; ++i) loss += double(v[i]) / n * (double(v[e + i]) / n);
+  return double(e) * loss;
+}
+
 // The number of experts E of statistics [2E + 1].
 int64_t statistics_experts(const char* op, const Tensor& stats) {
   MARROW_CHECK(stats.ndim == 1 && stats.numel() >= 3 && stats.numel() % 2 == 1,
@@ -254,6 +263,16 @@ void launch_forward(Tensor probs, Tensor topk_index, Tensor topk_weight, Tensor 
   MARROW_CUDA_CHECK_LAUNCH();
 }
 
+// One thread, the arithmetic of aux_loss_cpu in the same order, each operation rounded on its own
+// (no fused multiply-adds), so the device's sum is the host's to the bit. A count of zero tokens
+// gives NaN (the host version refuses it).
+__global__ void router_aux_loss_add_kernel(double* total, const float* stats, int e) {
+  const double n = stats[2 * e];
+  double loss = 0;
+  for (int i = 0; i < e; ++i) loss = __dadd_rn(loss, __dmul_rn(__ddiv_rn(double(stats[i]), n), __ddiv_rn(double(stats[e + i]), n)));
+  total[0] = __dadd_rn(total[0], __dmul_rn(double(e), loss));
+}
+
 void launch_statistics(Tensor stats, Tensor probs, Tensor topk_index, Stream stream) {
   const int64_t n = probs.size(0), e = probs.size(1);
   auto s = static_cast<cudaStream_t>(stream.handle);
@@ -330,12 +349,31 @@ double router_aux_loss(Tensor stats, Stream stream) {
   double loss = 0;
   with_cpu_scalar(op, host, [&](auto s) {
     using T = decltype(s);
-    const T* v = host.ptr<T>();
-    const double n = double(v[2 * e]);
-    MARROW_CHECK(n > 0, "{}: the statistics count no tokens, so the expert fractions are undefined", op);
-    for (int64_t i = 0; i < e; ++i) loss += double(v[i]) / n * (double(v[e + i]) / n);
+    loss = aux_loss_cpu<T>(op, host.ptr<T>(), e);
   });
-  return double(e) * loss;
+  return loss;
+}
+
+void router_aux_loss_add(Tensor total, Tensor stats, Stream stream) {
+  const char* op = "router_aux_loss_add";
+  const int64_t e = statistics_experts(op, stats);
+  expect_shape(op, "total", total, {1});
+  expect_dtype(op, "total", total, DType::f64);
+  if (common_device(op, {{"total", &total}, {"stats", &stats}}) == Device::cuda) {
+    expect_dtype(op, "stats", stats, DType::f32);
+#ifdef __CUDACC__
+    router_aux_loss_add_kernel<<<1, 1, 0, static_cast<cudaStream_t>(stream.handle)>>>(total.ptr<double>(), stats.ptr<float>(), int(e));
+    MARROW_CUDA_CHECK_LAUNCH();
+    return;
+#else
+    no_cuda_kernel(op);
+#endif
+  }
+  (void)stream;
+  with_cpu_scalar(op, stats, [&](auto s) {
+    using T = decltype(s);
+    total.ptr<double>()[0] += aux_loss_cpu<T>(op, stats.ptr<T>(), e);
+  });
 }
 
 void router_backward(Tensor dlogits, Tensor dtopk_weight, Tensor probs, Tensor topk_index, Tensor topk_weight, bool normalize,

@@ -27,6 +27,9 @@ void router_statistics(Tensor stats, Tensor probs, Tensor topk_index, Stream str
 // f_e = (copies routed to e) / T and P_e = (sum_t probs[t, e]) / T, from statistics (on any device,
 // read on the host; computed in double); perfectly balanced routing gives K.
 double router_aux_loss(Tensor stats, Stream stream = {});
+// total[0] += router_aux_loss(stats), on stats' device and without reading anything on the host
+// (the engine reads the sum once per micro-batch, not once per layer). total: f64 [1].
+void router_aux_loss_add(Tensor total, Tensor stats, Stream stream = {});
 
 // dlogits[T, E] (overwritten) from dtopk_weight[T, K], the gradient of the routing weights, and
 // aux_grad = d(total loss) / d(the aux loss of stats). The aux gradient flows through P_e only

@@ -4,9 +4,11 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 #include "core/cuda_check.h"
 #include "ops/common.h"
+#include "ops/dispatch.h"
 
 #ifdef __CUDACC__
 #include <cuda_bf16.h>
@@ -37,6 +39,34 @@ void backward_cpu(T* dgate_up, const T* dout, const T* gate_up, int64_t n, int64
       dgate_up[r * 2 * d + d + c] = T(dy * g * s);
     }
 }
+
+// One copy at a time: the unweighted SwiGLU output, its dot with dact, then the weighted act and
+// the gradient of the weighted dact, each rounded to T where the separate ops would store it.
+template <typename T>
+void weighted_backward_cpu(T* dgate_up, T* act, T* dtopk_weight, const T* dact, const T* gate_up, const T* topk_weight,
+                           const int32_t* copy_row, int64_t copies, int64_t d) {
+  std::vector<T> a(static_cast<size_t>(d)), da(static_cast<size_t>(d));
+  for (int64_t c = 0; c < copies; ++c) {
+    const int64_t r = copy_row[c];
+    if (r == -1) {
+      dtopk_weight[c] = T(0);
+      continue;
+    }
+    forward_cpu<T>(a.data(), gate_up + r * 2 * d, 1, d);
+    double dot = 0;
+    for (int64_t i = 0; i < d; ++i) dot += double(dact[r * d + i]) * a[size_t(i)];
+    dtopk_weight[c] = T(dot);
+    const T w = topk_weight[c];
+    for (int64_t i = 0; i < d; ++i) {
+      act[r * d + i] = T(w * a[size_t(i)]);
+      da[size_t(i)] = T(w * dact[r * d + i]);
+    }
+    backward_cpu<T>(dgate_up + r * 2 * d, da.data(), gate_up + r * 2 * d, 1, d);
+  }
+}
+
+// The weighted backward keeps a row in registers: 32 lanes x 4 packs of 8 = 1,024 columns at most.
+constexpr int kPacksPerLane = 4;
 
 // gate_up[R, 2I]: returns (R, I).
 std::array<int64_t, 2> check_gate_up(const char* op, const Tensor& gate_up) {
@@ -91,6 +121,72 @@ __global__ void swiglu_backward_kernel(bf16* dgate_up, const bf16* dout, const b
     store<N>(dgate_up + r * 2 * inter + c, dg);
     store<N>(dgate_up + r * 2 * inter + inter + c, du);
   }
+}
+
+constexpr int kWarps = 4;  // copies per block of the weighted backward
+
+// One warp per copy; lanes own the packs p = lane + 32 i of the row, kept in registers between the
+// two passes (the dot must be whole before anything is weighted). The dot sums in pack order then
+// by a fixed butterfly, as route weights were summed before this fusion: deterministic. Rows
+// outside [0, R) other than -1 (copy_row is not checked on the GPU) get dtopk_weight = NaN and are
+// not touched.
+template <int N>
+__global__ void swiglu_weighted_backward_kernel(bf16* dgate_up, bf16* act, float* dtopk_weight, const bf16* dact, const bf16* gate_up,
+                                                const float* topk_weight, const int32_t* copy_row, int64_t copies, int64_t rows,
+                                                int64_t inter) {
+  const int64_t c = blockIdx.x * int64_t(kWarps) + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (c >= copies) return;
+  const int64_t r = copy_row[c];
+  if (r < 0 || r >= rows) {
+    if (lane == 0) dtopk_weight[c] = r == -1 ? 0.0f : NAN;
+    return;
+  }
+  const bf16* gu = gate_up + r * 2 * inter;
+  Pack<N> g[kPacksPerLane], u[kPacksPerLane], a[kPacksPerLane], dy[kPacksPerLane];
+  float dot = 0;
+#pragma unroll
+  for (int i = 0; i < kPacksPerLane; ++i) {
+    const int64_t col = (lane + 32 * int64_t(i)) * N;
+    if (col >= inter) break;
+    g[i] = load<N>(gu + col);
+    u[i] = load<N>(gu + inter + col);
+    dy[i] = load<N>(dact + r * inter + col);
+    for (int l = 0; l < N; ++l) {
+      const float gf = float(g[i].v[l]);
+      a[i].v[l] = bf16(gf * sigmoidf(gf) * float(u[i].v[l]));
+      dot += float(dy[i].v[l]) * float(a[i].v[l]);
+    }
+  }
+  for (int m = 16; m > 0; m /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, m);
+  if (lane == 0) dtopk_weight[c] = dot;
+  const float w = topk_weight[c];
+#pragma unroll
+  for (int i = 0; i < kPacksPerLane; ++i) {
+    const int64_t col = (lane + 32 * int64_t(i)) * N;
+    if (col >= inter) break;
+    Pack<N> aw, dg, du;
+    for (int l = 0; l < N; ++l) {
+      aw.v[l] = bf16(w * float(a[i].v[l]));
+      const float gf = float(g[i].v[l]), s = sigmoidf(gf), d = float(bf16(w * float(dy[i].v[l])));
+      dg.v[l] = bf16(d * float(u[i].v[l]) * s * (1.0f + gf * (1.0f - s)));
+      du.v[l] = bf16(d * gf * s);
+    }
+    store<N>(act + r * inter + col, aw);
+    store<N>(dgate_up + r * 2 * inter + col, dg);
+    store<N>(dgate_up + r * 2 * inter + inter + col, du);
+  }
+}
+
+template <int N>
+void launch_weighted_backward(Tensor dgate_up, Tensor act, Tensor dtopk_weight, Tensor dact, Tensor gate_up, Tensor topk_weight,
+                              Tensor copy_row, Stream stream) {
+  const int64_t copies = copy_row.numel(), rows = gate_up.size(0), inter = gate_up.size(1) / 2;
+  const unsigned blocks = unsigned((copies + kWarps - 1) / kWarps);
+  swiglu_weighted_backward_kernel<N><<<blocks, 32 * kWarps, 0, static_cast<cudaStream_t>(stream.handle)>>>(
+      static_cast<bf16*>(dgate_up.data), static_cast<bf16*>(act.data), dtopk_weight.ptr<float>(), static_cast<const bf16*>(dact.data),
+      static_cast<const bf16*>(gate_up.data), topk_weight.ptr<float>(), copy_row.ptr<int32_t>(), copies, rows, inter);
+  MARROW_CUDA_CHECK_LAUNCH();
 }
 
 bool aligned16(std::initializer_list<const void*> ptrs) {
@@ -158,6 +254,52 @@ void swiglu_backward(Tensor dgate_up, Tensor dout, Tensor gate_up, Stream stream
   with_cpu_scalar(op, gate_up, [&](auto s) {
     using T = decltype(s);
     backward_cpu<T>(dgate_up.ptr<T>(), dout.ptr<T>(), gate_up.ptr<T>(), n, d);
+  });
+}
+
+void swiglu_weighted_backward(Tensor dgate_up, Tensor act, Tensor dtopk_weight, Tensor dact, Tensor gate_up, Tensor topk_weight,
+                              Tensor copy_row, Stream stream) {
+  const char* op = "swiglu_weighted_backward";
+  const std::array<int64_t, 2> size = check_gate_up(op, gate_up);
+  const int64_t n = size[0], d = size[1];
+  MARROW_CHECK(copy_row.ndim == 2, "{}: copy_row must be [tokens, k], got {}", op, copy_row.shape_string());
+  expect_dtype(op, "copy_row", copy_row, DType::i32);
+  const int64_t copies = copy_row.numel();
+  expect_shape(op, "dgate_up", dgate_up, {n, 2 * d});
+  expect_shape(op, "act", act, {n, d});
+  expect_shape(op, "dact", dact, {n, d});
+  expect_shape(op, "topk_weight", topk_weight, {copy_row.size(0), copy_row.size(1)});
+  expect_shape(op, "dtopk_weight", dtopk_weight, {copy_row.size(0), copy_row.size(1)});
+  if (common_device(op, {{"gate_up", &gate_up},
+                         {"dgate_up", &dgate_up},
+                         {"act", &act},
+                         {"dact", &dact},
+                         {"topk_weight", &topk_weight},
+                         {"dtopk_weight", &dtopk_weight},
+                         {"copy_row", &copy_row}}) == Device::cuda) {
+    for (auto [name, t] : {std::pair{"gate_up", &gate_up}, std::pair{"dgate_up", &dgate_up}, std::pair{"act", &act}, std::pair{"dact", &dact}})
+      expect_dtype(op, name, *t, DType::bf16);
+    for (auto [name, t] : {std::pair{"topk_weight", &topk_weight}, std::pair{"dtopk_weight", &dtopk_weight}}) expect_dtype(op, name, *t, DType::f32);
+    MARROW_CHECK(d <= 32 * kPacksPerLane * 8, "{}: rows of {} intermediate columns are past this kernel's {} (registers)", op, d,
+                 32 * kPacksPerLane * 8);
+#ifdef __CUDACC__
+    if (copies == 0) return;
+    const bool packed = d % 8 == 0 && aligned16({dgate_up.data, act.data, dact.data, gate_up.data});
+    MARROW_CHECK(packed || d <= 32 * kPacksPerLane, "{}: {} intermediate columns need rows of whole 16-byte packs", op, d);
+    if (packed) return launch_weighted_backward<8>(dgate_up, act, dtopk_weight, dact, gate_up, topk_weight, copy_row, stream);
+    return launch_weighted_backward<1>(dgate_up, act, dtopk_weight, dact, gate_up, topk_weight, copy_row, stream);
+#else
+    no_cuda_kernel(op);
+#endif
+  }
+  expect_same_dtype(op, {{"gate_up", &gate_up}, {"dgate_up", &dgate_up}, {"act", &act}, {"dact", &dact}, {"topk_weight", &topk_weight},
+                         {"dtopk_weight", &dtopk_weight}});
+  (void)stream;
+  expect_copy_rows(op, copy_row, n);
+  with_cpu_scalar(op, gate_up, [&](auto s) {
+    using T = decltype(s);
+    weighted_backward_cpu<T>(dgate_up.ptr<T>(), act.ptr<T>(), dtopk_weight.ptr<T>(), dact.ptr<T>(), gate_up.ptr<T>(),
+                             topk_weight.ptr<T>(), copy_row.ptr<int32_t>(), copies, d);
   });
 }
 

@@ -14,4 +14,20 @@ void swiglu_forward(Tensor out, Tensor gate_up, Stream stream = {});
 //   dgate = dout * up * sigmoid(g) * (1 + g * (1 - sigmoid(g))),  dup = dout * silu(g).
 void swiglu_backward(Tensor dgate_up, Tensor dout, Tensor gate_up, Stream stream = {});
 
+// The experts' backward with one expert-parallel rank, where the routing weights are applied here
+// rather than in combine. Combine adds w[t, j] * y[r] with y[r] = act[r] W_down^T (r = copy_row[t, j]);
+// by linearity d loss / d w[t, j] = dot(dout[t], y[r]) = dot(dact[r], act[r]), where dact[r] =
+// dout[t] W_down is the down projection's input gradient of the unweighted copy. So the backward
+// needs the SwiGLU output (computed again here anyway), not y_perm (R x H, the largest activation a
+// layer would keep: 512 MiB at 16,384 tokens). In one pass over each named row r:
+//   dtopk_weight[t, j] = dot(dact[r], silu(gate) * up)     (an entry of -1 gets 0)
+//   act[r] = w[t, j] * silu(gate) * up                       (the down projection's weight gradient reads it)
+//   dgate_up[r] = swiglu_backward of w[t, j] * dact[r]
+// copy_row[T, K] (i32) names each row of gate_up[R, 2I] at most once (dispatch's plan); rows no
+// entry names are not written. On the GPU each intermediate is rounded to bf16 where the three
+// separate steps (swiglu_forward, the weighting, swiglu_backward) would round it, so the results
+// are theirs. GPU: act, dact, gate_up, dgate_up bf16; topk_weight, dtopk_weight f32.
+void swiglu_weighted_backward(Tensor dgate_up, Tensor act, Tensor dtopk_weight, Tensor dact, Tensor gate_up, Tensor topk_weight,
+                              Tensor copy_row, Stream stream = {});
+
 }  // namespace marrow
