@@ -1,5 +1,5 @@
-// marrow check, elementwise group: the memory-bound ops (embedding, rmsnorm, rope, add, router,
-// dispatch, combine, swiglu, cross-entropy, AdamW, gradient norm), forward and backward, each
+// marrow check, elementwise group: the memory-bound ops (embedding, rmsnorm and its fusions with add
+// and rope, rope, add, router, dispatch, combine, swiglu, cross-entropy, AdamW, gradient norm), forward and backward, each
 // against its f32 CPU reference on random inputs rounded to the GPU's dtypes (docs/gpu-path.md),
 // at odd sizes and at the bench sizes where the CPU reference is cheap. GPU outputs start
 // poisoned; accumulated outputs start from the same random values on both sides.
@@ -95,6 +95,92 @@ void check_rmsnorm(CheckReport& report, int64_t n, int64_t d) {
   rmsnorm_backward(dx_d, dweight_d, dy_d, x_d, weight_d, rstd_same);
   report.compare("rmsnorm_backward dx " + size, dx_d, dx, kBf16);
   report.compare("rmsnorm_backward dweight " + size, dweight_d, dweight, kF32);
+}
+
+// The residual add fused into the norm (sum written over x, as the model does) and the residual's
+// gradient joined to dx (written over dresidual). Against the f32 CPU reference -- whose norm reads
+// the sum rounded to bf16, as the GPU's does -- and bit for bit against the unfused GPU ops (add,
+// then rmsnorm_forward; rmsnorm_backward, then add), which the fused kernels round and sum like.
+// dweight runs twice from the same start: the same bits.
+void check_rmsnorm_add(CheckReport& report, int64_t n, int64_t d) {
+  const std::string size = fmt::format("N={} D={}", n, d);
+  const double eps = 1e-6;
+  Buffer x = random_bf16({n, d}, 14), residual = random_bf16({n, d}, 15), weight = random_bf16({d}, 16, 0.5);
+  Buffer sum = host_f32({n, d}), y = host_f32({n, d}), rstd = host_f32({n});
+  OnDevice x_d(x, DType::bf16), residual_d(residual, DType::bf16), weight_d(weight, DType::bf16), sum_unfused_d(x, DType::bf16);
+  Buffer y_d = poisoned(DType::bf16, {n, d}), rstd_d = poisoned(DType::f32, {n});
+  Buffer y_unfused_d = poisoned(DType::bf16, {n, d}), rstd_unfused_d = poisoned(DType::f32, {n});
+  rmsnorm_add_forward(y, sum, rstd, x, residual, weight, eps);
+  rmsnorm_add_forward(y_d, x_d, rstd_d, x_d, residual_d, weight_d, eps);
+  add(sum_unfused_d, sum_unfused_d, residual_d);
+  rmsnorm_forward(y_unfused_d, rstd_unfused_d, sum_unfused_d, weight_d, eps);
+  report.compare("rmsnorm_add_forward sum in place " + size, x_d, sum, kBf16);
+  round_to_bf16(sum);
+  rmsnorm_forward(y, rstd, sum, weight, eps);
+  report.compare("rmsnorm_add_forward y " + size, y_d, y, kBf16);
+  report.compare("rmsnorm_add_forward rstd " + size, rstd_d, rstd, kF32);
+  report.expect_equal("rmsnorm_add_forward sum = add's bits " + size, x_d, to_host(sum_unfused_d));
+  report.expect_equal("rmsnorm_add_forward y = add + rmsnorm_forward bits " + size, y_d, to_host(y_unfused_d));
+  report.expect_equal("rmsnorm_add_forward rstd = add + rmsnorm_forward bits " + size, rstd_d, to_host(rstd_unfused_d));
+
+  Buffer dy = random_bf16({n, d}, 17), dresidual = random_bf16({n, d}, 18), dx = host_f32({n, d}), dweight = random_host({d}, 19);
+  OnDevice dy_d(dy, DType::bf16), sum_d(sum, DType::bf16), rstd_same(rstd, DType::f32);
+  OnDevice dx_d(dresidual, DType::bf16), dx_again_d(dresidual, DType::bf16), dresidual_d(dresidual, DType::bf16);
+  OnDevice dweight_d(dweight, DType::f32), dweight_again_d(dweight, DType::f32), dweight_unfused_d(dweight, DType::f32);
+  Buffer dx_unfused_d = poisoned(DType::bf16, {n, d});
+  rmsnorm_backward(dx, dweight, dy, sum, weight, rstd, dresidual);
+  rmsnorm_backward(dx_d, dweight_d, dy_d, sum_d, weight_d, rstd_same, dx_d);
+  rmsnorm_backward(dx_again_d, dweight_again_d, dy_d, sum_d, weight_d, rstd_same, dx_again_d);
+  rmsnorm_backward(dx_unfused_d, dweight_unfused_d, dy_d, sum_d, weight_d, rstd_same);
+  add(dx_unfused_d, dx_unfused_d, dresidual_d);
+  report.compare("rmsnorm_backward + dresidual in place dx " + size, dx_d, dx, kBf16);
+  report.compare("rmsnorm_backward + dresidual dweight " + size, dweight_d, dweight, kF32);
+  report.expect_equal("rmsnorm_backward + dresidual dx = rmsnorm_backward + add bits " + size, dx_d, to_host(dx_unfused_d));
+  report.expect_equal("rmsnorm_backward + dresidual dweight = rmsnorm_backward bits " + size, dweight_d, to_host(dweight_unfused_d));
+  report.expect_equal("rmsnorm_backward + dresidual dx, two runs " + size, dx_again_d, to_host(dx_d));
+  report.expect_equal("rmsnorm_backward + dresidual dweight, two runs " + size, dweight_again_d, to_host(dweight_d));
+}
+
+// QK-norm with RoPE in one op against the f32 CPU reference (the norm, then rope, unrounded between
+// them: bf16 bounds) and bit for bit against the unfused GPU ops (rmsnorm_forward, then rope_forward
+// in place; rope_backward, then rmsnorm_backward); dweight twice from the same start: the same bits.
+// Random positions in [0, 40000).
+void check_rmsnorm_rope(CheckReport& report, int64_t n, int64_t heads, int64_t d) {
+  const std::string size = fmt::format("T={} H={} D={}", n, heads, d);
+  const double eps = 1e-6, theta = 1e6;
+  Buffer positions = random_ids({n}, 40000, 29);
+  Buffer x = random_bf16({n, heads, d}, 24), weight = random_bf16({d}, 25, 0.5), y = host_f32({n, heads, d}), rstd = host_f32({n * heads});
+  OnDevice positions_d(positions, DType::i32), x_d(x, DType::bf16), weight_d(weight, DType::bf16);
+  Buffer y_d = poisoned(DType::bf16, {n, heads, d}), rstd_d = poisoned(DType::f32, {n * heads});
+  Buffer y_unfused_d = poisoned(DType::bf16, {n, heads, d}), rstd_unfused_d = poisoned(DType::f32, {n * heads});
+  rmsnorm_rope_forward(y, rstd, x, weight, positions, eps, theta);
+  rmsnorm_rope_forward(y_d, rstd_d, x_d, weight_d, positions_d, eps, theta);
+  rmsnorm_forward(y_unfused_d.view().reshape({n * heads, d}), rstd_unfused_d, x_d.tensor.reshape({n * heads, d}), weight_d, eps);
+  rope_forward(y_unfused_d, y_unfused_d, positions_d, theta);
+  report.compare("rmsnorm_rope_forward y " + size, y_d, y, kBf16);
+  report.compare("rmsnorm_rope_forward rstd " + size, rstd_d, rstd, kF32);
+  report.expect_equal("rmsnorm_rope_forward y = rmsnorm_forward + rope_forward bits " + size, y_d, to_host(y_unfused_d));
+  report.expect_equal("rmsnorm_rope_forward rstd = rmsnorm_forward bits " + size, rstd_d, to_host(rstd_unfused_d));
+
+  Buffer dy = random_bf16({n, heads, d}, 26), dx = host_f32({n, heads, d}), dweight = random_host({d}, 27);
+  OnDevice dy_d(dy, DType::bf16), dy_unrotated_d(dy, DType::bf16), rstd_same(rstd, DType::f32);
+  OnDevice dweight_d(dweight, DType::f32), dweight_again_d(dweight, DType::f32), dweight_unfused_d(dweight, DType::f32);
+  Buffer dx_d = poisoned(DType::bf16, {n, heads, d}), dx_again_d = poisoned(DType::bf16, {n, heads, d}),
+         dx_unfused_d = poisoned(DType::bf16, {n, heads, d});
+  rmsnorm_rope_backward(dx, dweight, dy, x, weight, rstd, positions, theta);
+  rmsnorm_rope_backward(dx_d, dweight_d, dy_d, x_d, weight_d, rstd_same, positions_d, theta);
+  rmsnorm_rope_backward(dx_again_d, dweight_again_d, dy_d, x_d, weight_d, rstd_same, positions_d, theta);
+  rope_backward(dy_unrotated_d, dy_unrotated_d, positions_d, theta);
+  rmsnorm_backward(dx_unfused_d.view().reshape({n * heads, d}), dweight_unfused_d, dy_unrotated_d.tensor.reshape({n * heads, d}),
+                   x_d.tensor.reshape({n * heads, d}), weight_d, rstd_same);
+  report.compare("rmsnorm_rope_backward dx " + size, dx_d, dx, kBf16);
+  // The GPU sums dy un-rotated and rounded to bf16 (2^-9 each), the CPU unrounded.
+  report.compare("rmsnorm_rope_backward dweight " + size, dweight_d, dweight, kBf16);
+  report.expect_equal("rmsnorm_rope_backward dx = rope_backward + rmsnorm_backward bits " + size, dx_d, to_host(dx_unfused_d));
+  report.expect_equal("rmsnorm_rope_backward dweight = rope_backward + rmsnorm_backward bits " + size, dweight_d,
+                      to_host(dweight_unfused_d));
+  report.expect_equal("rmsnorm_rope_backward dx, two runs " + size, dx_again_d, to_host(dx_d));
+  report.expect_equal("rmsnorm_rope_backward dweight, two runs " + size, dweight_again_d, to_host(dweight_d));
 }
 
 // positions = t when `sequential`, else random in [0, 40000); the bench size runs in place.
@@ -398,6 +484,11 @@ void check_elementwise_ops(CheckReport& report) {
   check_embedding(report, 37, 101, 75);
   check_rmsnorm(report, 37, 72);
   check_rmsnorm(report, 37, 75);
+  check_rmsnorm_add(report, 37, 72);
+  check_rmsnorm_add(report, 37, 75);
+  check_rmsnorm_rope(report, 37, 3, 64);  // the packed kernels
+  check_rmsnorm_rope(report, 37, 3, 72);  // rows in packs of 8, halves (36) one element at a time
+  check_rmsnorm_rope(report, 37, 3, 18);  // one element at a time throughout
   check_rope(report, 37, 3, 72, false, false);
   check_rope(report, 37, 3, 16, false, true);
   check_add(report, 37, 75, DType::bf16);
@@ -429,6 +520,9 @@ void check_elementwise_ops(CheckReport& report) {
   check_embedding(report, 4096, 4099, 2048);  // V small enough for the CPU, so ids repeat a lot
   check_rmsnorm(report, 4096, 2048);
   check_rmsnorm(report, 4096 * 4, 128);  // QK-norm: rows are (token, head)
+  check_rmsnorm_add(report, 4096, 2048);
+  check_rmsnorm_rope(report, 4096, 32, 128);  // queries
+  check_rmsnorm_rope(report, 4096, 4, 128);   // keys
   check_rope(report, 4096, 32, 128, true, true);
   check_add(report, 4096, 2048, DType::bf16);
   check_add(report, 4096, 2048, DType::f32);

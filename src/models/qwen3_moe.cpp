@@ -13,7 +13,6 @@
 #include "ops/grouped_linear.h"
 #include "ops/linear.h"
 #include "ops/rmsnorm.h"
-#include "ops/rope.h"
 #include "ops/router.h"
 #include "ops/swiglu.h"
 
@@ -212,15 +211,13 @@ void Qwen3Moe::attention_forward(Qwen3MoeAttentionActivations& a, Buffer x, cons
   linear_forward(a.q, a.h1, w.q_proj);
   linear_forward(a.k, a.h1, w.k_proj);
   linear_forward(a.v, a.h1, w.v_proj);
-  // QK-norm writes straight into the RoPE buffers; RoPE then rotates them in place.
+  // QK-norm and RoPE in one op per tensor.
   a.rstd_q = stats({T * Hq});
   a.rstd_k = stats({T * Hkv});
   a.q_rope = buffer({T, Hq, D});
   a.k_rope = buffer({T, Hkv, D});
-  rmsnorm_forward(a.q_rope.view().reshape({T * Hq, D}), a.rstd_q, a.q.view().reshape({T * Hq, D}), w.q_norm, c.rms_norm_eps);
-  rmsnorm_forward(a.k_rope.view().reshape({T * Hkv, D}), a.rstd_k, a.k.view().reshape({T * Hkv, D}), w.k_norm, c.rms_norm_eps);
-  rope_forward(a.q_rope, a.q_rope, batch.positions, c.rope_theta);
-  rope_forward(a.k_rope, a.k_rope, batch.positions, c.rope_theta);
+  rmsnorm_rope_forward(a.q_rope, a.rstd_q, a.q.view().reshape({T, Hq, D}), w.q_norm, batch.positions, c.rms_norm_eps, c.rope_theta);
+  rmsnorm_rope_forward(a.k_rope, a.rstd_k, a.k.view().reshape({T, Hkv, D}), w.k_norm, batch.positions, c.rms_norm_eps, c.rope_theta);
   a.attn = buffer({B, S, Hq, D});
   a.lse = stats({B, Hq, S});
   const Tensor q = a.q_rope.view().reshape({B, S, Hq, D}), k = a.k_rope.view().reshape({B, S, Hkv, D}),
@@ -230,10 +227,10 @@ void Qwen3Moe::attention_forward(Qwen3MoeAttentionActivations& a, Buffer x, cons
   else marrow::attention_forward(a.attn, a.lse, q, k, v);
   a.x_mid = buffer({T, H});
   linear_forward(a.x_mid, a.attn.view().reshape({T, Hq * D}), w.o_proj);
-  add(a.x_mid, a.x_mid, a.x);
   a.h2 = buffer({T, H});
   a.rstd2 = stats({T});
-  rmsnorm_forward(a.h2, a.rstd2, a.x_mid, w.post_norm, c.rms_norm_eps);
+  // x_mid = o_proj's output + x (in place), h2 = norm(x_mid).
+  rmsnorm_add_forward(a.h2, a.x_mid, a.rstd2, a.x_mid, a.x, w.post_norm, c.rms_norm_eps);
   Buffer logits = stats({T, E});
   linear_forward(logits, a.h2, w.router);
   a.probs = stats({T, E});
@@ -268,8 +265,7 @@ void Qwen3Moe::attention_backward(Tensor dx, const Qwen3MoeLayerWeights& grads, 
 
   // Post-attention norm; the residual carries dx_mid straight through.
   Buffer dres = buffer({T, H});
-  rmsnorm_backward(dres, grads.post_norm, dh2, a.x_mid, w.post_norm, a.rstd2);
-  add(dres, dres, dx_mid);
+  rmsnorm_backward(dres, grads.post_norm, dh2, a.x_mid, w.post_norm, a.rstd2, dx_mid);
 
   linear_backward_weight(grads.o_proj, dres, a.attn.view().reshape({T, Hq * D}));
   Buffer dattn = buffer({T, Hq * D});
@@ -281,13 +277,11 @@ void Qwen3Moe::attention_backward(Tensor dx, const Qwen3MoeLayerWeights& grads, 
                v = a.v.view().reshape({B, S, Hkv, D});
   if (batch.attention) batch.attention->backward(dq_4d, dk_4d, dv_4d, dattn_4d, q, k, v, a.attn, a.lse);
   else marrow::attention_backward(dq_4d, dk_4d, dv_4d, dattn_4d, q, k, v, a.attn, a.lse);
-  rope_backward(dq_rope, dq_rope, batch.positions, c.rope_theta);
-  rope_backward(dk_rope, dk_rope, batch.positions, c.rope_theta);
   Buffer dq = buffer({T, Hq * D}), dk = buffer({T, Hkv * D});
-  rmsnorm_backward(dq.view().reshape({T * Hq, D}), grads.q_norm, dq_rope.view().reshape({T * Hq, D}), a.q.view().reshape({T * Hq, D}),
-                   w.q_norm, a.rstd_q);
-  rmsnorm_backward(dk.view().reshape({T * Hkv, D}), grads.k_norm, dk_rope.view().reshape({T * Hkv, D}),
-                   a.k.view().reshape({T * Hkv, D}), w.k_norm, a.rstd_k);
+  rmsnorm_rope_backward(dq.view().reshape({T, Hq, D}), grads.q_norm, dq_rope, a.q.view().reshape({T, Hq, D}), w.q_norm, a.rstd_q,
+                        batch.positions, c.rope_theta);
+  rmsnorm_rope_backward(dk.view().reshape({T, Hkv, D}), grads.k_norm, dk_rope, a.k.view().reshape({T, Hkv, D}), w.k_norm, a.rstd_k,
+                        batch.positions, c.rope_theta);
 
   linear_backward_weight(grads.q_proj, dq, a.h1);
   linear_backward_weight(grads.k_proj, dk, a.h1);
@@ -298,8 +292,7 @@ void Qwen3Moe::attention_backward(Tensor dx, const Qwen3MoeLayerWeights& grads, 
   add(dh1, dh1, dh1_part);
   linear_backward_input(dh1_part, dv, w.v_proj);
   add(dh1, dh1, dh1_part);
-  rmsnorm_backward(dx, grads.input_norm, dh1, a.x, w.input_norm, a.rstd1);
-  add(dx, dx, dres);
+  rmsnorm_backward(dx, grads.input_norm, dh1, a.x, w.input_norm, a.rstd1, dres);
   a = Qwen3MoeAttentionActivations{};
 }
 

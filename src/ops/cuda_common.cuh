@@ -19,4 +19,14 @@ template <typename T> __device__ T warp_sum(T v) {
   return v;
 }
 
+// One RoPE pair (a, b) = (x[j], x[j + D/2]) rotated by sign * position * inv_freq (ops/rope.h): the
+// angle in f32, the precise cosf/sinf, and every rounding written out. A product left to the
+// compiler may be contracted into an fma one way in one kernel and another way in the next (it
+// was: rope.cu's kernel and the fused QK-norm's differed); rope.cu and rmsnorm.cu's fused QK-norm
+// both rotate here, so they give the same bits.
+__device__ inline float2 rope_rotate(float a, float b, float position, float inv_freq, float sign) {
+  const float angle = __fmul_rn(position, inv_freq), c = cosf(angle), s = __fmul_rn(sign, sinf(angle));
+  return make_float2(fmaf(a, c, -__fmul_rn(b, s)), fmaf(b, c, __fmul_rn(a, s)));
+}
+
 }  // namespace marrow

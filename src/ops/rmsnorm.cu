@@ -1,11 +1,16 @@
 #include "ops/rmsnorm.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <initializer_list>
+#include <utility>
 
 #include "core/cuda_check.h"
 #include "core/memory.h"
+#include "ops/add.h"
 #include "ops/common.h"
+#include "ops/rope.h"
 
 #ifdef __CUDACC__
 #include <cuda_bf16.h>
@@ -30,9 +35,11 @@ void forward_cpu(T* y, T* rstd, const T* x, const T* weight, int64_t n, int64_t 
 }
 
 // With xhat = x * rstd: dweight += sum_i dy * xhat;
-// dx = rstd * (dy * w - xhat * mean_j(dy * w * xhat)).
+// dx = rstd * (dy * w - xhat * mean_j(dy * w * xhat)), then + dresidual (when not null) in T, as
+// add() would: dx may alias dresidual.
 template <typename T>
-void backward_cpu(T* dx, T* dweight, const T* dy, const T* x, const T* weight, const T* rstd, int64_t n, int64_t d) {
+void backward_cpu(T* dx, T* dweight, const T* dy, const T* x, const T* weight, const T* rstd, const T* dresidual, int64_t n,
+                  int64_t d) {
   for (int64_t i = 0; i < n; ++i) {
     const T *xi = x + i * d, *dyi = dy + i * d;
     double r = rstd[i], dot = 0;
@@ -41,66 +48,187 @@ void backward_cpu(T* dx, T* dweight, const T* dy, const T* x, const T* weight, c
     for (int64_t j = 0; j < d; ++j) {
       double xhat = xi[j] * r;
       dweight[j] += T(dyi[j] * xhat);
-      dx[i * d + j] = T(r * (double(dyi[j]) * weight[j] - xhat * mean));
+      const T g = T(r * (double(dyi[j]) * weight[j] - xhat * mean));
+      dx[i * d + j] = dresidual ? T(g + dresidual[i * d + j]) : g;
     }
   }
 }
-
 
 #ifdef __CUDACC__
 using bf16 = __nv_bfloat16;
 constexpr int kWarpsPerBlock = 8;
 constexpr int64_t kChunkRows = 64;  // rows per partial sum of dweight
+constexpr int kMaxHalf = 256;       // RoPE variants: head_dim up to 512, inv_freq travels as a kernel argument
 
 template <int N> struct alignas(2 * N) Pack {
   bf16 v[N];
 };
 template <int N> __device__ Pack<N> load(const bf16* p) { return *reinterpret_cast<const Pack<N>*>(p); }
+template <int N> __device__ void store(bf16* p, const Pack<N>& v) { *reinterpret_cast<Pack<N>*>(p) = v; }
 
-// One warp per row; lanes stride the row in packs of N (8 bf16 when D % 8 == 0). The sum of
-// squares is reduced in a fixed tree (warp_sum), so the result does not depend on scheduling.
+// One warp per row; lanes stride the row in packs of N (8 bf16 when D % 8 == 0). A lane sums the
+// squares of its packs in order, then warp_sum reduces the lanes in a fixed tree, so the result
+// does not depend on scheduling. Every forward kernel sums in this order, so all give one rstd.
+// The kernels' multiply-adds are written out (fmaf, __fmul_rn) wherever a fused and an unfused
+// kernel must agree: the compiler contracts a * b + c into an fma or not depending on the code
+// around it, which differs from kernel to kernel.
+template <int N> __device__ float lane_squares(const bf16* xr, int64_t d, int lane) {
+  float ss = 0;
+  for (int64_t c = lane * N; c < d; c += 32 * N) {
+    const Pack<N> p = load<N>(xr + c);
+    for (int l = 0; l < N; ++l) ss = fmaf(float(p.v[l]), float(p.v[l]), ss);
+  }
+  return ss;
+}
+
+__device__ float row_rstd(float lane_ss, int64_t d, float eps) { return 1.0f / sqrtf(warp_sum(lane_ss) / float(d) + eps); }
+
+// y = x * r * weight over the lane's packs of the row.
+template <int N> __device__ void normalise_row(bf16* yr, const bf16* xr, const bf16* weight, float r, int64_t d, int lane) {
+  for (int64_t c = lane * N; c < d; c += 32 * N) {
+    const Pack<N> p = load<N>(xr + c), w = load<N>(weight + c);
+    Pack<N> o;
+    for (int l = 0; l < N; ++l) o.v[l] = bf16(float(p.v[l]) * r * float(w.v[l]));
+    store<N>(yr + c, o);
+  }
+}
+
 template <int N>
 __global__ void rmsnorm_forward_kernel(bf16* y, float* rstd, const bf16* x, const bf16* weight, int64_t rows, int64_t d, float eps) {
   const int64_t row = blockIdx.x * int64_t(kWarpsPerBlock) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (row >= rows) return;
-  const bf16* xr = x + row * d;
-  float ss = 0;
-  for (int64_t c = lane * N; c < d; c += 32 * N) {
-    const Pack<N> p = load<N>(xr + c);
-    for (int l = 0; l < N; ++l) ss += float(p.v[l]) * float(p.v[l]);
-  }
-  const float r = 1.0f / sqrtf(warp_sum(ss) / float(d) + eps);
+  const float r = row_rstd(lane_squares<N>(x + row * d, d, lane), d, eps);
   if (lane == 0) rstd[row] = r;
-  for (int64_t c = lane * N; c < d; c += 32 * N) {
-    const Pack<N> p = load<N>(xr + c), w = load<N>(weight + c);
-    Pack<N> o;
-    for (int l = 0; l < N; ++l) o.v[l] = bf16(float(p.v[l]) * r * float(w.v[l]));
-    *reinterpret_cast<Pack<N>*>(y + row * d + c) = o;
-  }
+  normalise_row<N>(y + row * d, x + row * d, weight, r, d, lane);
 }
 
-// dx: one warp per row, as the forward; mean(dy * w * xhat) reduced in a fixed tree.
+// The forward with the residual add: the lane writes its packs of sum = bf16(x + residual) (add()'s
+// rounding) while summing their squares in lane_squares' order, then normalises the row of sum it
+// wrote, read back (its own writes). Each element is read before it is written, so sum may alias x
+// or residual.
 template <int N>
-__global__ void rmsnorm_backward_dx_kernel(bf16* dx, const bf16* dy, const bf16* x, const bf16* weight, const float* rstd, int64_t rows,
-                                   int64_t d) {
+__global__ void rmsnorm_add_forward_kernel(bf16* y, bf16* sum, float* rstd, const bf16* x, const bf16* residual, const bf16* weight,
+                                           int64_t rows, int64_t d, float eps) {
   const int64_t row = blockIdx.x * int64_t(kWarpsPerBlock) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (row >= rows) return;
-  const float r = rstd[row];
-  const bf16 *xr = x + row * d, *dyr = dy + row * d;
+  float ss = 0;
+  for (int64_t c = lane * N; c < d; c += 32 * N) {
+    const Pack<N> a = load<N>(x + row * d + c), b = load<N>(residual + row * d + c);
+    Pack<N> s;
+    for (int l = 0; l < N; ++l) {
+      s.v[l] = bf16(float(a.v[l]) + float(b.v[l]));
+      ss = fmaf(float(s.v[l]), float(s.v[l]), ss);
+    }
+    store<N>(sum + row * d + c, s);
+  }
+  const float r = row_rstd(ss, d, eps);
+  if (lane == 0) rstd[row] = r;
+  normalise_row<N>(y + row * d, sum + row * d, weight, r, d, lane);
+}
+
+// RoPE as ops/rope.cu computes it (rope_rotate): rows are (token, head) of `heads` heads; sign 1
+// forward and -1 backward.
+struct InvFreq {
+  float v[kMaxHalf];
+};
+struct Rope {
+  const int32_t* positions;
+  int64_t heads;
+  float sign;
+  InvFreq inv_freq;
+};
+struct Rotated {
+  bf16 a, b;
+};
+// The pair (a, b) = (v[j], v[j + D/2]) of a row rotated by the angle, rounded to bf16 as rope_forward
+// and rope_backward write it.
+__device__ Rotated rotate_pair(float a, float b, const Rope& rope, int64_t row, int64_t j) {
+  const float2 o = rope_rotate(a, b, float(rope.positions[row / rope.heads]), rope.inv_freq.v[j], rope.sign);
+  return {bf16(o.x), bf16(o.y)};
+}
+
+// QK-norm and RoPE: rstd from lane_squares in packs of NS (the plain kernel's N for this row
+// length), then the lane takes pairs (j, j + D/2) in packs of NP (8 when D/2 % 8 == 0), normalises
+// both halves, rounds them to bf16 (the unfused norm's output) and rotates them.
+template <int NS, int NP>
+__global__ void rmsnorm_rope_forward_kernel(bf16* y, float* rstd, const bf16* x, const bf16* weight, Rope rope, int64_t rows,
+                                            int64_t d, float eps) {
+  const int64_t row = blockIdx.x * int64_t(kWarpsPerBlock) + threadIdx.x / 32, half = d / 2;
+  const int lane = threadIdx.x % 32;
+  if (row >= rows) return;
+  const bf16* xr = x + row * d;
+  const float r = row_rstd(lane_squares<NS>(xr, d, lane), d, eps);
+  if (lane == 0) rstd[row] = r;
+  for (int64_t j = lane * NP; j < half; j += 32 * NP) {
+    const Pack<NP> xa = load<NP>(xr + j), xb = load<NP>(xr + half + j), wa = load<NP>(weight + j), wb = load<NP>(weight + half + j);
+    Pack<NP> ya, yb;
+    for (int l = 0; l < NP; ++l) {
+      const bf16 na = bf16(float(xa.v[l]) * r * float(wa.v[l])), nb = bf16(float(xb.v[l]) * r * float(wb.v[l]));
+      const Rotated o = rotate_pair(float(na), float(nb), rope, row, j + l);
+      ya.v[l] = o.a;
+      yb.v[l] = o.b;
+    }
+    store<NP>(y + row * d + j, ya);
+    store<NP>(y + row * d + half + j, yb);
+  }
+}
+
+// dx of one row: mean(dy * w * xhat) summed by the lane in order, reduced in a fixed tree; dx is
+// rounded to bf16, then dresidual (when not null) is added and rounded again, as add() after the
+// plain backward would. dy may be the warp's shared-memory row. dx may alias dresidual.
+template <int N>
+__device__ void dx_row(bf16* dxr, const bf16* dyr, const bf16* dresr, const bf16* xr, const bf16* weight, float r, int64_t d,
+                       int lane) {
   float dot = 0;
   for (int64_t c = lane * N; c < d; c += 32 * N) {
     const Pack<N> xp = load<N>(xr + c), gp = load<N>(dyr + c), wp = load<N>(weight + c);
-    for (int l = 0; l < N; ++l) dot += float(gp.v[l]) * float(wp.v[l]) * float(xp.v[l]) * r;
+    for (int l = 0; l < N; ++l) dot = fmaf(__fmul_rn(__fmul_rn(float(gp.v[l]), float(wp.v[l])), float(xp.v[l])), r, dot);
   }
   const float mean = warp_sum(dot) / float(d);
   for (int64_t c = lane * N; c < d; c += 32 * N) {
     const Pack<N> xp = load<N>(xr + c), gp = load<N>(dyr + c), wp = load<N>(weight + c);
     Pack<N> o;
-    for (int l = 0; l < N; ++l) o.v[l] = bf16(r * (float(gp.v[l]) * float(wp.v[l]) - float(xp.v[l]) * r * mean));
-    *reinterpret_cast<Pack<N>*>(dx + row * d + c) = o;
+    for (int l = 0; l < N; ++l) {
+      const float xhat_mean = __fmul_rn(__fmul_rn(float(xp.v[l]), r), mean);
+      o.v[l] = bf16(__fmul_rn(r, fmaf(float(gp.v[l]), float(wp.v[l]), -xhat_mean)));
+    }
+    if (dresr) {
+      const Pack<N> res = load<N>(dresr + c);
+      for (int l = 0; l < N; ++l) o.v[l] = bf16(float(o.v[l]) + float(res.v[l]));
+    }
+    store<N>(dxr + c, o);
   }
+}
+
+// dx: one warp per row, as the forward.
+template <int N>
+__global__ void rmsnorm_backward_dx_kernel(bf16* dx, const bf16* dy, const bf16* dresidual, const bf16* x, const bf16* weight,
+                                           const float* rstd, int64_t rows, int64_t d) {
+  const int64_t row = blockIdx.x * int64_t(kWarpsPerBlock) + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= rows) return;
+  dx_row<N>(dx + row * d, dy + row * d, dresidual ? dresidual + row * d : nullptr, x + row * d, weight, rstd[row], d, lane);
+}
+
+// dx of the RoPE variant: the warp un-rotates its row of dy into shared memory (bf16, rope_backward's
+// values), then runs the plain row on it.
+template <int N>
+__global__ void rmsnorm_rope_backward_dx_kernel(bf16* dx, const bf16* dy, const bf16* x, const bf16* weight, const float* rstd,
+                                                Rope rope, int64_t rows, int64_t d) {
+  __shared__ __align__(16) bf16 unrotated[kWarpsPerBlock][2 * kMaxHalf];
+  const int64_t row = blockIdx.x * int64_t(kWarpsPerBlock) + threadIdx.x / 32, half = d / 2;
+  const int lane = threadIdx.x % 32;
+  if (row >= rows) return;
+  bf16* u = unrotated[threadIdx.x / 32];
+  for (int64_t j = lane; j < half; j += 32) {
+    const Rotated o = rotate_pair(float(dy[row * d + j]), float(dy[row * d + half + j]), rope, row, j);
+    u[j] = o.a;
+    u[half + j] = o.b;
+  }
+  __syncwarp();
+  dx_row<N>(dx + row * d, u, nullptr, x + row * d, weight, rstd[row], d, lane);
 }
 
 // dweight, pass 1: block (chunk, column tile) -- each thread owns one column and sums dy * xhat
@@ -111,8 +239,24 @@ __global__ void rmsnorm_dweight_partial_kernel(float* partial, const bf16* dy, c
   if (c >= d) return;
   float acc = 0;
   for (int64_t r = chunk * kChunkRows; r < min(rows, (chunk + 1) * kChunkRows); ++r)
-    acc += float(dy[r * d + c]) * (float(x[r * d + c]) * rstd[r]);
+    acc = fmaf(float(dy[r * d + c]), __fmul_rn(float(x[r * d + c]), rstd[r]), acc);
   partial[chunk * d + c] = acc;
+}
+
+// dweight, pass 1 of the RoPE variant: a thread owns the column pair (j, j + D/2), un-rotates each
+// row's pair of dy once and sums both columns in row order, as the plain pass does per column.
+__global__ void rmsnorm_rope_dweight_partial_kernel(float* partial, const bf16* dy, const bf16* x, const float* rstd, Rope rope,
+                                                    int64_t rows, int64_t d) {
+  const int64_t j = blockIdx.y * int64_t(blockDim.x) + threadIdx.x, chunk = blockIdx.x, half = d / 2;
+  if (j >= half) return;
+  float acc_a = 0, acc_b = 0;
+  for (int64_t r = chunk * kChunkRows; r < min(rows, (chunk + 1) * kChunkRows); ++r) {
+    const Rotated u = rotate_pair(float(dy[r * d + j]), float(dy[r * d + half + j]), rope, r, j);
+    acc_a = fmaf(float(u.a), __fmul_rn(float(x[r * d + j]), rstd[r]), acc_a);
+    acc_b = fmaf(float(u.b), __fmul_rn(float(x[r * d + half + j]), rstd[r]), acc_b);
+  }
+  partial[chunk * d + j] = acc_a;
+  partial[chunk * d + half + j] = acc_b;
 }
 
 // dweight, pass 2: a block of 32 x 32 threads owns 32 columns; thread (column j, lane k) adds the
@@ -136,54 +280,124 @@ __global__ void rmsnorm_dweight_reduce_kernel(float* dweight, const float* parti
   }
 }
 
+unsigned row_blocks(int64_t n) { return unsigned((n + kWarpsPerBlock - 1) / kWarpsPerBlock); }
+constexpr unsigned kRowThreads = 32 * kWarpsPerBlock;
+const bf16* bf16_data(Tensor t) { return static_cast<const bf16*>(t.data); }
+bf16* bf16_out(Tensor t) { return static_cast<bf16*>(t.data); }
+
+Rope rope_args(Tensor positions, int64_t heads, int64_t d, double theta, float sign) {
+  Rope rope{positions.ptr<int32_t>(), heads, sign, {}};
+  for (int64_t j = 0; j < d / 2; ++j) rope.inv_freq.v[j] = rope_inverse_frequency(j, d, theta);
+  return rope;
+}
+
 void launch_forward(Tensor y, Tensor rstd, Tensor x, Tensor weight, double eps, Stream stream) {
   const int64_t n = x.size(0), d = x.size(1);
   if (n == 0) return;
   auto s = static_cast<cudaStream_t>(stream.handle);
-  const unsigned blocks = unsigned((n + kWarpsPerBlock - 1) / kWarpsPerBlock), threads = 32 * kWarpsPerBlock;
-  auto *out = static_cast<bf16*>(y.data), *in = static_cast<bf16*>(x.data), *w = static_cast<bf16*>(weight.data);
-  if (packable(d, {y.data, x.data, weight.data}))
-    rmsnorm_forward_kernel<8><<<blocks, threads, 0, s>>>(out, rstd.ptr<float>(), in, w, n, d, float(eps));
-  else rmsnorm_forward_kernel<1><<<blocks, threads, 0, s>>>(out, rstd.ptr<float>(), in, w, n, d, float(eps));
+  const auto kernel = packable(d, {y.data, x.data, weight.data}) ? rmsnorm_forward_kernel<8> : rmsnorm_forward_kernel<1>;
+  kernel<<<row_blocks(n), kRowThreads, 0, s>>>(bf16_out(y), rstd.ptr<float>(), bf16_data(x), bf16_data(weight), n, d, float(eps));
   MARROW_CUDA_CHECK_LAUNCH();
 }
 
-void launch_backward(Tensor dx, Tensor dweight, Tensor dy, Tensor x, Tensor weight, Tensor rstd, Stream stream) {
+void launch_add_forward(Tensor y, Tensor sum, Tensor rstd, Tensor x, Tensor residual, Tensor weight, double eps, Stream stream) {
+  const int64_t n = x.size(0), d = x.size(1);
+  if (n == 0) return;
+  auto s = static_cast<cudaStream_t>(stream.handle);
+  const auto kernel = packable(d, {y.data, sum.data, x.data, residual.data, weight.data}) ? rmsnorm_add_forward_kernel<8>
+                                                                                          : rmsnorm_add_forward_kernel<1>;
+  kernel<<<row_blocks(n), kRowThreads, 0, s>>>(bf16_out(y), bf16_out(sum), rstd.ptr<float>(), bf16_data(x), bf16_data(residual),
+                                               bf16_data(weight), n, d, float(eps));
+  MARROW_CUDA_CHECK_LAUNCH();
+}
+
+// NS as the plain forward picks it for these rows (so rstd has its bits); NP = 8 when the halves
+// split into aligned packs of 8.
+void launch_rope_forward(Tensor y, Tensor rstd, Tensor x, Tensor weight, Tensor positions, double eps, double theta, Stream stream) {
+  const int64_t heads = x.size(1), d = x.size(2), n = x.size(0) * heads;
+  if (n == 0) return;
+  auto s = static_cast<cudaStream_t>(stream.handle);
+  const Rope rope = rope_args(positions, heads, d, theta, 1.0f);
+  const bool whole = packable(d, {y.data, x.data, weight.data}), halves = whole && (d / 2) % 8 == 0;
+  const auto kernel =
+      halves ? rmsnorm_rope_forward_kernel<8, 8> : whole ? rmsnorm_rope_forward_kernel<8, 1> : rmsnorm_rope_forward_kernel<1, 1>;
+  kernel<<<row_blocks(n), kRowThreads, 0, s>>>(bf16_out(y), rstd.ptr<float>(), bf16_data(x), bf16_data(weight), rope, n, d,
+                                               float(eps));
+  MARROW_CUDA_CHECK_LAUNCH();
+}
+
+// dweight += the column sums of the [chunks, d] partials that launch_partial(partial, chunks, s)
+// writes, reduced in the fixed order of the reduce kernel.
+template <class Partial> void accumulate_dweight(Tensor dweight, int64_t n, int64_t d, Stream stream, Partial launch_partial) {
+  auto s = static_cast<cudaStream_t>(stream.handle);
+  const int64_t chunks = (n + kChunkRows - 1) / kChunkRows;
+  Buffer partial(DType::f32, Device::cuda, {chunks, d}, stream);
+  launch_partial(partial.ptr<float>(), unsigned(chunks), s);
+  MARROW_CUDA_CHECK_LAUNCH();
+  rmsnorm_dweight_reduce_kernel<<<unsigned((d + 31) / 32), 32 * kReduceLanes, 0, s>>>(dweight.ptr<float>(), partial.ptr<float>(),
+                                                                                      chunks, d);
+  MARROW_CUDA_CHECK_LAUNCH();
+}
+
+void launch_backward(Tensor dx, Tensor dweight, Tensor dy, Tensor x, Tensor weight, Tensor rstd, Tensor dresidual, Stream stream) {
   const int64_t n = x.size(0), d = x.size(1);
   if (n == 0 || d == 0) return;
   auto s = static_cast<cudaStream_t>(stream.handle);
-  const unsigned blocks = unsigned((n + kWarpsPerBlock - 1) / kWarpsPerBlock), threads = 32 * kWarpsPerBlock;
-  auto *dxp = static_cast<bf16*>(dx.data), *dyp = static_cast<bf16*>(dy.data), *xp = static_cast<bf16*>(x.data),
-       *w = static_cast<bf16*>(weight.data);
-  if (packable(d, {dx.data, dy.data, x.data, weight.data}))
-    rmsnorm_backward_dx_kernel<8><<<blocks, threads, 0, s>>>(dxp, dyp, xp, w, rstd.ptr<float>(), n, d);
-  else rmsnorm_backward_dx_kernel<1><<<blocks, threads, 0, s>>>(dxp, dyp, xp, w, rstd.ptr<float>(), n, d);
+  // A null dresidual passes packable's alignment test.
+  const auto kernel = packable(d, {dx.data, dy.data, dresidual.data, x.data, weight.data}) ? rmsnorm_backward_dx_kernel<8>
+                                                                                           : rmsnorm_backward_dx_kernel<1>;
+  kernel<<<row_blocks(n), kRowThreads, 0, s>>>(bf16_out(dx), bf16_data(dy), bf16_data(dresidual), bf16_data(x), bf16_data(weight),
+                                               rstd.ptr<float>(), n, d);
   MARROW_CUDA_CHECK_LAUNCH();
+  accumulate_dweight(dweight, n, d, stream, [&](float* partial, unsigned chunks, cudaStream_t st) {
+    rmsnorm_dweight_partial_kernel<<<dim3(chunks, unsigned((d + 255) / 256)), 256, 0, st>>>(partial, bf16_data(dy), bf16_data(x),
+                                                                                          rstd.ptr<float>(), n, d);
+  });
+}
 
-  const int64_t chunks = (n + kChunkRows - 1) / kChunkRows;
-  Buffer partial(DType::f32, Device::cuda, {chunks, d}, stream);
-  const unsigned column_blocks = unsigned((d + 255) / 256);
-  rmsnorm_dweight_partial_kernel<<<dim3(unsigned(chunks), column_blocks), 256, 0, s>>>(partial.ptr<float>(), dyp, xp, rstd.ptr<float>(),
-                                                                               n, d);
+void launch_rope_backward(Tensor dx, Tensor dweight, Tensor dy, Tensor x, Tensor weight, Tensor rstd, Tensor positions, double theta,
+                          Stream stream) {
+  const int64_t heads = x.size(1), d = x.size(2), n = x.size(0) * heads;
+  if (n == 0) return;
+  auto s = static_cast<cudaStream_t>(stream.handle);
+  const Rope rope = rope_args(positions, heads, d, theta, -1.0f);
+  const auto kernel =
+      packable(d, {dx.data, dy.data, x.data, weight.data}) ? rmsnorm_rope_backward_dx_kernel<8> : rmsnorm_rope_backward_dx_kernel<1>;
+  kernel<<<row_blocks(n), kRowThreads, 0, s>>>(bf16_out(dx), bf16_data(dy), bf16_data(x), bf16_data(weight), rstd.ptr<float>(), rope,
+                                               n, d);
   MARROW_CUDA_CHECK_LAUNCH();
-  rmsnorm_dweight_reduce_kernel<<<unsigned((d + 31) / 32), 32 * kReduceLanes, 0, s>>>(dweight.ptr<float>(), partial.ptr<float>(), chunks, d);
-  MARROW_CUDA_CHECK_LAUNCH();
+  // A thread per column pair: blocks of at most 256, no more warps than D/2 needs (64 threads at D = 128).
+  const int64_t threads = std::min<int64_t>(256, (d / 2 + 31) / 32 * 32);
+  accumulate_dweight(dweight, n, d, stream, [&](float* partial, unsigned chunks, cudaStream_t st) {
+    rmsnorm_rope_dweight_partial_kernel<<<dim3(chunks, unsigned((d / 2 + threads - 1) / threads)), unsigned(threads), 0, st>>>(
+        partial, bf16_data(dy), bf16_data(x), rstd.ptr<float>(), rope, n, d);
+  });
 }
 #endif
+
+// The GPU kernels' dtypes: activations and weights bf16, statistics and weight gradients f32.
+using Named = std::initializer_list<std::pair<const char*, const Tensor*>>;
+void expect_gpu_dtypes(const char* op, Named bf16_tensors, Named f32_tensors) {
+  for (auto [name, t] : bf16_tensors) expect_dtype(op, name, *t, DType::bf16);
+  for (auto [name, t] : f32_tensors) expect_dtype(op, name, *t, DType::f32);
+}
+
+// x must be [rows, dim], and so must the tensors named with it.
+void expect_rows(const char* op, const Tensor& x, Named like_x) {
+  MARROW_CHECK(x.ndim == 2, "{}: x must be [rows, dim], got {}", op, x.shape_string());
+  for (auto [name, t] : like_x) expect_shape(op, name, *t, {x.size(0), x.size(1)});
+}
 
 }  // namespace
 
 void rmsnorm_forward(Tensor y, Tensor rstd, Tensor x, Tensor weight, double eps, Stream stream) {
   const char* op = "rmsnorm_forward";
-  MARROW_CHECK(x.ndim == 2, "{}: x must be [rows, dim], got {}", op, x.shape_string());
+  expect_rows(op, x, {{"y", &y}});
   const int64_t n = x.size(0), d = x.size(1);
-  expect_shape(op, "y", y, {n, d});
   expect_shape(op, "rstd", rstd, {n});
   expect_shape(op, "weight", weight, {d});
   if (common_device(op, {{"x", &x}, {"y", &y}, {"rstd", &rstd}, {"weight", &weight}}) == Device::cuda) {
-    for (auto [name, t] : {std::pair{"x", &x}, std::pair{"y", &y}, std::pair{"weight", &weight}})
-      expect_dtype(op, name, *t, DType::bf16);
-    expect_dtype(op, "rstd", rstd, DType::f32);
+    expect_gpu_dtypes(op, {{"x", &x}, {"y", &y}, {"weight", &weight}}, {{"rstd", &rstd}});
 #ifdef __CUDACC__
     return launch_forward(y, rstd, x, weight, eps, stream);
 #else
@@ -198,33 +412,110 @@ void rmsnorm_forward(Tensor y, Tensor rstd, Tensor x, Tensor weight, double eps,
   });
 }
 
-void rmsnorm_backward(Tensor dx, Tensor dweight, Tensor dy, Tensor x, Tensor weight, Tensor rstd, Stream stream) {
-  const char* op = "rmsnorm_backward";
-  MARROW_CHECK(x.ndim == 2, "{}: x must be [rows, dim], got {}", op, x.shape_string());
+void rmsnorm_add_forward(Tensor y, Tensor sum, Tensor rstd, Tensor x, Tensor residual, Tensor weight, double eps, Stream stream) {
+  const char* op = "rmsnorm_add_forward";
+  expect_rows(op, x, {{"residual", &residual}, {"sum", &sum}, {"y", &y}});
   const int64_t n = x.size(0), d = x.size(1);
-  expect_shape(op, "dx", dx, {n, d});
-  expect_shape(op, "dy", dy, {n, d});
+  expect_shape(op, "rstd", rstd, {n});
+  expect_shape(op, "weight", weight, {d});
+  if (common_device(op, {{"x", &x}, {"residual", &residual}, {"sum", &sum}, {"y", &y}, {"rstd", &rstd}, {"weight", &weight}}) ==
+      Device::cpu) {
+    expect_same_dtype(op, {{"x", &x}, {"residual", &residual}, {"sum", &sum}, {"y", &y}, {"rstd", &rstd}, {"weight", &weight}});
+    add(sum, x, residual, stream);
+    return rmsnorm_forward(y, rstd, sum, weight, eps, stream);
+  }
+  expect_gpu_dtypes(op, {{"x", &x}, {"residual", &residual}, {"sum", &sum}, {"y", &y}, {"weight", &weight}}, {{"rstd", &rstd}});
+#ifdef __CUDACC__
+  launch_add_forward(y, sum, rstd, x, residual, weight, eps, stream);
+#else
+  no_cuda_kernel(op);
+#endif
+}
+
+void rmsnorm_rope_forward(Tensor y, Tensor rstd, Tensor x, Tensor weight, Tensor positions, double eps, double theta,
+                          Stream stream) {
+  const char* op = "rmsnorm_rope_forward";
+  MARROW_CHECK(x.ndim == 3, "{}: x must be [tokens, heads, head_dim], got {}", op, x.shape_string());
+  const int64_t tokens = x.size(0), heads = x.size(1), d = x.size(2);
+  MARROW_CHECK(d % 2 == 0, "{}: head_dim of x must be even, got {}", op, d);
+  expect_shape(op, "y", y, {tokens, heads, d});
+  expect_shape(op, "rstd", rstd, {tokens * heads});
+  expect_shape(op, "weight", weight, {d});
+  expect_shape(op, "positions", positions, {tokens});
+  expect_dtype(op, "positions", positions, DType::i32);
+  if (common_device(op, {{"x", &x}, {"y", &y}, {"rstd", &rstd}, {"weight", &weight}, {"positions", &positions}}) == Device::cpu) {
+    expect_same_dtype(op, {{"x", &x}, {"y", &y}, {"rstd", &rstd}, {"weight", &weight}});
+    rmsnorm_forward(y.reshape({tokens * heads, d}), rstd, x.reshape({tokens * heads, d}), weight, eps, stream);
+    return rope_forward(y, y, positions, theta, stream);
+  }
+  expect_gpu_dtypes(op, {{"x", &x}, {"y", &y}, {"weight", &weight}}, {{"rstd", &rstd}});
+  MARROW_CHECK(d / 2 <= 256, "{}: head_dim of x is {}, but the GPU kernel takes at most 512", op, d);
+#ifdef __CUDACC__
+  launch_rope_forward(y, rstd, x, weight, positions, eps, theta, stream);
+#else
+  no_cuda_kernel(op);
+#endif
+}
+
+void rmsnorm_backward(Tensor dx, Tensor dweight, Tensor dy, Tensor x, Tensor weight, Tensor rstd, Tensor dresidual, Stream stream) {
+  const char* op = "rmsnorm_backward";
+  expect_rows(op, x, {{"dx", &dx}, {"dy", &dy}});
+  const int64_t n = x.size(0), d = x.size(1);
   expect_shape(op, "dweight", dweight, {d});
   expect_shape(op, "weight", weight, {d});
   expect_shape(op, "rstd", rstd, {n});
-  if (common_device(op, {{"x", &x}, {"dx", &dx}, {"dy", &dy}, {"dweight", &dweight}, {"weight", &weight}, {"rstd", &rstd}}) ==
-      Device::cuda) {
-    for (auto [name, t] : {std::pair{"x", &x}, std::pair{"dx", &dx}, std::pair{"dy", &dy}, std::pair{"weight", &weight}})
-      expect_dtype(op, name, *t, DType::bf16);
-    expect_dtype(op, "rstd", rstd, DType::f32);
-    expect_dtype(op, "dweight", dweight, DType::f32);
+  const bool has_dresidual = dresidual.ndim != 0 || dresidual.data != nullptr;  // Tensor{}: none
+  if (has_dresidual) expect_shape(op, "dresidual", dresidual, {n, d});
+  const Device device =
+      common_device(op, {{"x", &x}, {"dx", &dx}, {"dy", &dy}, {"dweight", &dweight}, {"weight", &weight}, {"rstd", &rstd}});
+  if (has_dresidual) expect_device(op, "dresidual", dresidual, device);
+  if (device == Device::cuda) {
+    expect_gpu_dtypes(op, {{"x", &x}, {"dx", &dx}, {"dy", &dy}, {"weight", &weight}}, {{"rstd", &rstd}, {"dweight", &dweight}});
+    if (has_dresidual) expect_dtype(op, "dresidual", dresidual, DType::bf16);
 #ifdef __CUDACC__
-    return launch_backward(dx, dweight, dy, x, weight, rstd, stream);
+    return launch_backward(dx, dweight, dy, x, weight, rstd, dresidual, stream);
 #else
     no_cuda_kernel(op);
 #endif
   }
   expect_same_dtype(op, {{"x", &x}, {"dx", &dx}, {"dy", &dy}, {"dweight", &dweight}, {"weight", &weight}, {"rstd", &rstd}});
+  if (has_dresidual) expect_same_dtype(op, {{"x", &x}, {"dresidual", &dresidual}});
   (void)stream;
   with_cpu_scalar(op, x, [&](auto s) {
     using T = decltype(s);
-    backward_cpu<T>(dx.ptr<T>(), dweight.ptr<T>(), dy.ptr<T>(), x.ptr<T>(), weight.ptr<T>(), rstd.ptr<T>(), n, d);
+    backward_cpu<T>(dx.ptr<T>(), dweight.ptr<T>(), dy.ptr<T>(), x.ptr<T>(), weight.ptr<T>(), rstd.ptr<T>(),
+                    has_dresidual ? dresidual.ptr<T>() : nullptr, n, d);
   });
+}
+
+void rmsnorm_rope_backward(Tensor dx, Tensor dweight, Tensor dy, Tensor x, Tensor weight, Tensor rstd, Tensor positions,
+                           double theta, Stream stream) {
+  const char* op = "rmsnorm_rope_backward";
+  MARROW_CHECK(x.ndim == 3, "{}: x must be [tokens, heads, head_dim], got {}", op, x.shape_string());
+  const int64_t tokens = x.size(0), heads = x.size(1), d = x.size(2);
+  MARROW_CHECK(d % 2 == 0, "{}: head_dim of x must be even, got {}", op, d);
+  expect_shape(op, "dx", dx, {tokens, heads, d});
+  expect_shape(op, "dy", dy, {tokens, heads, d});
+  expect_shape(op, "dweight", dweight, {d});
+  expect_shape(op, "weight", weight, {d});
+  expect_shape(op, "rstd", rstd, {tokens * heads});
+  expect_shape(op, "positions", positions, {tokens});
+  expect_dtype(op, "positions", positions, DType::i32);
+  if (common_device(op, {{"x", &x}, {"dx", &dx}, {"dy", &dy}, {"dweight", &dweight}, {"weight", &weight}, {"rstd", &rstd},
+                         {"positions", &positions}}) == Device::cpu) {
+    expect_same_dtype(op, {{"x", &x}, {"dx", &dx}, {"dy", &dy}, {"dweight", &dweight}, {"weight", &weight}, {"rstd", &rstd}});
+    Buffer unrotated(x.dtype, Device::cpu, {tokens, heads, d});
+    rope_backward(unrotated, dy, positions, theta, stream);
+    const Tensor rows = unrotated.view().reshape({tokens * heads, d});
+    return rmsnorm_backward(dx.reshape({tokens * heads, d}), dweight, rows, x.reshape({tokens * heads, d}), weight, rstd, {}, stream);
+  }
+  expect_gpu_dtypes(op, {{"x", &x}, {"dx", &dx}, {"dy", &dy}, {"weight", &weight}}, {{"rstd", &rstd}, {"dweight", &dweight}});
+  MARROW_CHECK(d / 2 <= 256, "{}: head_dim of x is {}, but the GPU kernel takes at most 512", op, d);
+#ifdef __CUDACC__
+  launch_rope_backward(dx, dweight, dy, x, weight, rstd, positions, theta, stream);
+#else
+  no_cuda_kernel(op);
+#endif
 }
 
 }  // namespace marrow

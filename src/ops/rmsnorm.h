@@ -2,6 +2,17 @@
 //   y[i, :] = x[i, :] * rstd[i] * weight,   rstd[i] = 1 / sqrt(mean_j x[i, j]^2 + eps)
 // Rows are independent, so per-head norm is the same op on x viewed as [tokens * heads, head_dim].
 // rstd is saved by the forward for the backward.
+//
+// Two fusions save the memory passes of the op next to the norm (issue #14 item 4):
+// - rmsnorm_add_forward adds the residual stream first (sum = x + residual, y = norm(sum)); the
+//   backward's optional dresidual adds the residual stream's gradient to dx.
+// - rmsnorm_rope_forward rotates each normalised head by RoPE (ops/rope.h): y = rope(norm(x));
+//   rmsnorm_rope_backward un-rotates dy as it reads it.
+// Their CPU references are the unfused ops in sequence. On the GPU they round to bf16 wherever the
+// unfused sequence did (the sum before the norm reads it, the norm's output before the rotation,
+// the un-rotated dy, dx before dresidual joins it) and sum in the same order with the same fmas
+// (written out in the kernels), so they give the unfused sequence's bits while reading and writing
+// less: no rounding changed. The backward reads the bf16 sum the forward kept.
 #pragma once
 #include "core/tensor.h"
 
@@ -10,7 +21,28 @@ namespace marrow {
 // y[N, D], rstd[N] from x[N, D] and weight[D]. y may not alias x.
 void rmsnorm_forward(Tensor y, Tensor rstd, Tensor x, Tensor weight, double eps, Stream stream = {});
 
+// sum[N, D] = x + residual (both [N, D]), then y[N, D], rstd[N] = rmsnorm_forward of sum: the
+// residual connection and the norm after it in one pass. The norm reads sum as it is stored (bf16
+// on the GPU), the very tensor the backward gets as x. sum may alias x or residual; y aliases none.
+void rmsnorm_add_forward(Tensor y, Tensor sum, Tensor rstd, Tensor x, Tensor residual, Tensor weight, double eps,
+                         Stream stream = {});
+
+// y[T, H, D] = rope_forward(rmsnorm_forward(x[T, H, D]) per head row, positions[T], theta): QK-norm
+// and the rotary embedding in one pass; rstd is [T * H], weight [D]. y may not alias x.
+void rmsnorm_rope_forward(Tensor y, Tensor rstd, Tensor x, Tensor weight, Tensor positions, double eps, double theta,
+                          Stream stream = {});
+
 // dx[N, D] is overwritten; dweight[D] is accumulated (+=), as every weight gradient in Marrow is.
-void rmsnorm_backward(Tensor dx, Tensor dweight, Tensor dy, Tensor x, Tensor weight, Tensor rstd, Stream stream = {});
+// dresidual[N, D], when given (not Tensor{}), is added to dx: the gradient that reaches x around the
+// norm (the residual stream), as add(dx, dx, dresidual) after the plain backward would. dx may
+// alias dresidual, not dy.
+void rmsnorm_backward(Tensor dx, Tensor dweight, Tensor dy, Tensor x, Tensor weight, Tensor rstd, Tensor dresidual = {},
+                      Stream stream = {});
+
+// The backward of rmsnorm_rope_forward from dy[T, H, D], the gradient of its rotated output:
+// rmsnorm_backward of rope_backward(dy). dx[T, H, D] is overwritten, dweight[D] accumulated; dx may
+// not alias dy.
+void rmsnorm_rope_backward(Tensor dx, Tensor dweight, Tensor dy, Tensor x, Tensor weight, Tensor rstd, Tensor positions,
+                           double theta, Stream stream = {});
 
 }  // namespace marrow

@@ -10,17 +10,13 @@
 
 #ifdef __CUDACC__
 #include <cuda_bf16.h>
+
+#include "ops/cuda_common.cuh"
 #endif
 
 namespace marrow {
 
 namespace {
-
-// The float32 steps of transformers: arange(0, D, 2).float() / D, base ** that, 1.0 / that. The GPU
-// path takes these very floats from the host, so both sides rotate by identical angles.
-float inverse_frequency(int64_t j, int64_t d, double theta) {
-  return 1.0f / std::pow(float(theta), float(2 * j) / float(d));
-}
 
 // Rotates every head of every token by +angle (sign 1) or -angle (sign -1). Each pair is read into
 // locals before it is written, which is what lets the output alias the input.
@@ -29,7 +25,7 @@ void rotate_cpu(T* y, const T* x, const int32_t* positions, int64_t tokens, int6
                 int sign) {
   const int64_t half = d / 2;
   std::vector<float> inv_freq(half);
-  for (int64_t j = 0; j < half; ++j) inv_freq[j] = inverse_frequency(j, d, theta);
+  for (int64_t j = 0; j < half; ++j) inv_freq[j] = rope_inverse_frequency(j, d, theta);
   std::vector<T> cosines(half), sines(half);
   for (int64_t t = 0; t < tokens; ++t) {
     for (int64_t j = 0; j < half; ++j) {
@@ -62,7 +58,8 @@ template <int N> struct alignas(2 * N) Pack {
 
 // One thread per N adjacent pairs (j, j + D/2) of one head of one token (N = 8 when D/2 % 8 == 0
 // and the data is 16-byte aligned, else 1), grid-stride over T * H * (D/2) / N. The angle is
-// float(position) * inv_freq[j] in f32 and its cos/sin are the precise cosf/sinf, as on the CPU.
+// float(position) * inv_freq[j] in f32 and its cos/sin are the precise cosf/sinf, as on the CPU
+// (rope_rotate, ops/cuda_common.cuh).
 // Each thread reads both halves of its pairs before writing them, so y may alias x.
 template <int N>
 __global__ void rope_rotate_kernel(bf16* y, const bf16* x, const int32_t* positions, InvFreq inv_freq, int64_t tokens, int64_t heads,
@@ -76,10 +73,9 @@ __global__ void rope_rotate_kernel(bf16* y, const bf16* x, const int32_t* positi
     Pack<N> ya, yb;
 #pragma unroll
     for (int l = 0; l < N; ++l) {
-      const float angle = position * inv_freq.v[j + l], c = cosf(angle), s = sign * sinf(angle);
-      const float af = float(a.v[l]), bf = float(b.v[l]);
-      ya.v[l] = bf16(af * c - bf * s);
-      yb.v[l] = bf16(bf * c + af * s);
+      const float2 o = rope_rotate(float(a.v[l]), float(b.v[l]), position, inv_freq.v[j + l], sign);
+      ya.v[l] = bf16(o.x);
+      yb.v[l] = bf16(o.y);
     }
     *reinterpret_cast<Pack<N>*>(y + base + j) = ya;
     *reinterpret_cast<Pack<N>*>(y + base + half + j) = yb;
@@ -89,7 +85,7 @@ __global__ void rope_rotate_kernel(bf16* y, const bf16* x, const int32_t* positi
 void launch_rotate(Tensor y, Tensor x, Tensor positions, double theta, int sign, Stream stream) {
   const int64_t tokens = x.size(0), heads = x.size(1), d = x.size(2), half = d / 2;
   InvFreq inv_freq{};
-  for (int64_t j = 0; j < half; ++j) inv_freq.v[j] = inverse_frequency(j, d, theta);
+  for (int64_t j = 0; j < half; ++j) inv_freq.v[j] = rope_inverse_frequency(j, d, theta);
   const bool packed =
       half % 8 == 0 && (reinterpret_cast<uintptr_t>(x.data) | reinterpret_cast<uintptr_t>(y.data)) % 16 == 0;
   const int64_t work = tokens * heads * (packed ? half / 8 : half);
@@ -132,6 +128,10 @@ void rotate(const char* op, Tensor y, const char* y_name, Tensor x, const char* 
 }
 
 }  // namespace
+
+float rope_inverse_frequency(int64_t j, int64_t head_dim, double theta) {
+  return 1.0f / std::pow(float(theta), float(2 * j) / float(head_dim));
+}
 
 void rope_forward(Tensor y, Tensor x, Tensor positions, double theta, Stream stream) {
   rotate("rope_forward", y, "y", x, "x", positions, theta, 1, stream);

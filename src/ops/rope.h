@@ -18,4 +18,9 @@ void rope_forward(Tensor y, Tensor x, Tensor positions, double theta, Stream str
 // dx[T, H, D], overwritten, from dy[T, H, D]. dx may alias dy.
 void rope_backward(Tensor dx, Tensor dy, Tensor positions, double theta, Stream stream = {});
 
+// inv_freq_j for head_dim d, in transformers' float32 steps: arange(0, D, 2).float() / D, theta ** that,
+// 1.0 / that. The GPU kernels take these very floats from the host (rmsnorm_rope_* too), so every
+// path rotates by identical angles.
+float rope_inverse_frequency(int64_t j, int64_t head_dim, double theta);
+
 }  // namespace marrow
