@@ -5,7 +5,7 @@ mkdir -p "$out"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PKG_CONFIG_PATH=$PWD/.gpu-carry/pcre2/lib/pkgconfig OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 status=0
-step() { echo "== $*" | tee -a "$out/summary.log"; }
+step() { echo "== [$(date +%T)] $*" | tee -a "$out/summary.log"; }
 fail() { echo "FAILED: $*" | tee -a "$out/summary.log"; status=1; }
 mpi=(mpirun --allow-run-as-root --bind-to none -np 2)
 
