@@ -229,6 +229,32 @@ TEST(AttentionBlock, GradientsMatchFiniteDifferences) {
   }
 }
 
+// The kv half then the q half of a block backward add what the whole backward adds, bit for bit,
+// and each half leaves the other's gradients untouched.
+TEST(AttentionBlock, HalvesGiveTheBitsOfTheWholeBackward) {
+  const Shape n{2, 7, 4, 2, 5};
+  const AttentionBlock block{AttentionMask::full, 2, 6, 1, 4};
+  BlockAttn whole(n, 5), halves(n, 5);
+  for (BlockAttn* r : {&whole, &halves}) {
+    fill(r->out, 7);
+    fill(r->lse, 7);
+    attention_block_forward(r->out, r->lse, r->q, r->k, r->v, block);
+    for (Buffer* g : {&r->dq, &r->dk, &r->dv}) fill(*g, 0.5);
+  }
+  attention_block_backward(whole.dq, whole.dk, whole.dv, whole.dout, whole.q, whole.k, whole.v, whole.out, whole.lse,
+                           block);
+  attention_block_backward(halves.dq, halves.dk, halves.dv, halves.dout, halves.q, halves.k, halves.v, halves.out,
+                           halves.lse, block, AttentionGrads::kv);
+  for (int64_t i = 0; i < halves.dq.numel(); ++i) EXPECT_EQ(halves.dq.ptr<double>()[i], 0.5) << "dq " << i;
+  const double dk0 = halves.dk.ptr<double>()[n.d * n.hkv];  // key row 1: inside the block
+  EXPECT_NE(dk0, 0.5);
+  attention_block_backward(halves.dq, halves.dk, halves.dv, halves.dout, halves.q, halves.k, halves.v, halves.out,
+                           halves.lse, block, AttentionGrads::q);
+  EXPECT_EQ(halves.dk.ptr<double>()[n.d * n.hkv], dk0);
+  for (auto [a, b] : {std::pair{&halves.dq, &whole.dq}, std::pair{&halves.dk, &whole.dk}, std::pair{&halves.dv, &whole.dv}})
+    for (int64_t i = 0; i < a->numel(); ++i) ASSERT_EQ(a->ptr<double>()[i], b->ptr<double>()[i]) << i;
+}
+
 // Causal attention as blocks of keys [k0, k1): the queries of the same tokens see them causally,
 // the later queries [k1, S) in full, the earlier ones not at all. Merging the partials gives the
 // whole op's out and lse; the blocks' backwards from the merged out, lse sum to its gradients.

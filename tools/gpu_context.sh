@@ -14,7 +14,7 @@
 #     time that ran under compute (the attention blocks).
 # fit: the largest sequence that fits two GPUs with CP = 1 (DP = 2: the same shards of the state, a
 #     whole sequence per GPU) and with CP = 2: marrow estimate proposes (rounded down to a multiple of
-#     1024), a 3-step bench tries it, and 90% of it when it does not fit.
+#     1024), a 2-step bench tries it, and 90% of it when it does not fit.
 # Ends with PASS or FAIL.
 set -uo pipefail
 out=${1:-$OUT}
@@ -47,7 +47,8 @@ if [ "$what" = check ] || [ "$what" = all ]; then
   [ "${PIPESTATUS[0]}" -eq 0 ] || fail "CP = 2 losses against one GPU"
 fi
 
-long=("${bench[@]}" --train.seq_len=65536 --parallel.cp=2)
+# One sequence per step: the corpus of tools/gpu_prepare.sh holds 31 sequences of 65,536 tokens.
+long=("${bench[@]}" --train.seq_len=65536 --parallel.cp=2 --train.global_batch=1)
 if [ "$what" = long ] || [ "$what" = all ]; then
   step "the bench config at sequence 65,536 with CP = 2, 20 steps"
   build-gpu/marrow estimate "${long[@]}" --world=2 > "$out/cp2-65536-estimate.log" 2>&1 || fail "estimate at 65,536"
@@ -65,11 +66,13 @@ fi
 if [ "$what" = fit ] || [ "$what" = all ]; then
   for cp in 1 2; do
     step "the largest sequence that fits two GPUs with CP = $cp"
-    seq=$(proposed "${bench[@]}" --parallel.cp=$cp --world=2)
+    gb=$(( 2 / cp ))  # one sequence per data-parallel rank
+    seq=$(proposed "${bench[@]}" --parallel.cp=$cp --train.global_batch=$gb --world=2)
     echo "marrow estimate proposes $seq" | tee -a "$out/summary.log"
     [ -n "$seq" ] && [ "$seq" -gt 0 ] || { fail "no proposal for CP = $cp"; continue; }
     for try in "$seq" $(( seq * 9 / 10 / 1024 * 1024 )); do
-      if timeout 580 "${mpi[@]}" build-gpu/marrow bench "${bench[@]}" --parallel.cp=$cp --train.seq_len=$try --warmup=1 --steps=2 \
+      if timeout 580 "${mpi[@]}" build-gpu/marrow bench "${bench[@]}" --parallel.cp=$cp --train.seq_len=$try --train.global_batch=$gb \
+          --warmup=1 --steps=1 \
           --output.dir=runs/cp$cp-largest > "$out/cp$cp-largest-$try.log" 2>&1; then
         echo "CP = $cp: sequence $try fits" | tee -a "$out/summary.log"
         show "$out/cp$cp-largest-$try.log"

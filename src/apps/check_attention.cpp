@@ -264,7 +264,17 @@ void check_block(CheckReport& report, const BlockCase& c, uint64_t seed) {
                            rows4(dout, n.s, n.hq), rows4(q, n.s, n.hq), rows4(k, c.kv_seq, n.hkv),
                            rows4(v, c.kv_seq, n.hkv), rows4(out_in, n.s, n.hq), lse_in.view().reshape({n.b, n.hq, n.s}),
                            c.block);
+  // Ring attention runs the kv half and the q half apart: together they must give the whole's bits.
+  Buffer halves[3] = {to_device(base[0], DType::f32), to_device(base[1], DType::f32), to_device(base[2], DType::f32)};
+  for (AttentionGrads half : {AttentionGrads::kv, AttentionGrads::q})
+    attention_block_backward(rows4(halves[0], n.s, n.hq), rows4(halves[1], c.kv_seq, n.hkv),
+                             rows4(halves[2], c.kv_seq, n.hkv), rows4(dout, n.s, n.hq), rows4(q, n.s, n.hq),
+                             rows4(k, c.kv_seq, n.hkv), rows4(v, c.kv_seq, n.hkv), rows4(out_in, n.s, n.hq),
+                             lse_in.view().reshape({n.b, n.hq, n.s}), c.block, half);
   const std::pair<const char*, const Buffer*> want[3] = {{"dq", &p.dq}, {"dk", &p.dk}, {"dv", &p.dv}};
+  for (int i = 0; i < 3; ++i)
+    report.expect_equal(block_label(want[i].first, c) + " (kv half, then q half: the whole's bits)",
+                        to_host_f32(halves[i]), to_host_f32(grads[i]));
   for (int i = 0; i < 3; ++i) {
     Buffer added = to_host_f32(grads[i]);
     for (int64_t e = 0; e < added.numel(); ++e) added.ptr<float>()[e] -= base[i].ptr<float>()[e];

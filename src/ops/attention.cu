@@ -72,7 +72,8 @@ void forward_cpu(T* out, T* lse, const T* q, const T* k, const T* v, const Dims&
 // in a fixed order: deterministic.
 template <typename T>
 void backward_cpu(T* dq, T* dk, T* dv, const T* dout, const T* q, const T* k, const T* v, const T* out, const T* lse,
-                  const Dims& n, const AttentionBlock& blk) {
+                  const Dims& n, const AttentionBlock& blk, AttentionGrads grads) {
+  const bool want_q = grads != AttentionGrads::kv, want_kv = grads != AttentionGrads::q;
   const T scale = T(1 / std::sqrt(double(n.head_dim)));
   // Threads own key/value heads: the query heads of a group add into dk, dv in head order.
   const int64_t group = n.q_heads / n.kv_heads;
@@ -90,9 +91,9 @@ void backward_cpu(T* dq, T* dk, T* dv, const T* dout, const T* q, const T* k, co
             const int64_t kvo = n.kv(b, j, h);
             const T p = std::exp(scale * dot(qi, k + kvo, n.head_dim) - lse_i);
             const T ds = p * (dot(douti, v + kvo, n.head_dim) - di);
-            axpy(dv + kvo, p, douti, n.head_dim);
-            axpy(dqi, scale * ds, k + kvo, n.head_dim);
-            axpy(dk + kvo, scale * ds, qi, n.head_dim);
+            if (want_kv) axpy(dv + kvo, p, douti, n.head_dim);
+            if (want_q) axpy(dqi, scale * ds, k + kvo, n.head_dim);
+            if (want_kv) axpy(dk + kvo, scale * ds, qi, n.head_dim);
           }
         }
 }
@@ -748,9 +749,33 @@ void forward_gpu(const char* op, Tensor out, Tensor lse, Tensor q, Tensor k, Ten
   else launch_tiled(attention_forward_kernel<128>, n, a.q_len, smem, a, s);
 }
 
+// dk and dv of the backward (a.delta computed): the key-tile kernel, then the sum of each group's
+// query heads when Hq > Hkv.
+void dkdv_gpu(GpuArgs a, const Dims& n, size_t ld_bytes, Stream stream) {
+  const auto s = static_cast<cudaStream_t>(stream.handle);
+  const int64_t group = n.q_heads / n.kv_heads;
+  Buffer dk_part, dv_part;  // freed in stream order after the kernels below
+  if (group > 1) {
+    dk_part = Buffer(DType::f32, Device::cuda, {n.batch, a.k_len, n.q_heads, n.head_dim}, stream);
+    dv_part = Buffer(DType::f32, Device::cuda, {n.batch, a.k_len, n.q_heads, n.head_dim}, stream);
+    a.dk_part = dk_part.ptr<float>();
+    a.dv_part = dv_part.ptr<float>();
+  }
+  const size_t dkdv_smem = size_t(2 * 64 + 4 * 32) * ld_bytes + 4 * 32 * sizeof(float);
+  if (n.head_dim == 64) launch_tiled(attention_dkdv_kernel<64>, n, a.k_len, dkdv_smem, a, s);
+  else launch_tiled(attention_dkdv_kernel<128>, n, a.k_len, dkdv_smem, a, s);
+  if (group > 1) {
+    const int64_t numel = n.batch * a.k_len * n.kv_heads * n.head_dim;
+    const unsigned blocks = unsigned(std::min<int64_t>((numel + 255) / 256, 65536));
+    attention_group_sum_kernel<<<blocks, 256, 0, s>>>(a, numel, int(n.head_dim));
+    MARROW_CUDA_CHECK_LAUNCH();
+  }
+}
+
 // accumulate: add into f32 dq, dk, dv (a block); else overwrite bf16 ones (the causal op).
 void backward_gpu(const char* op, Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v,
-                  Tensor out, Tensor lse, const Dims& n, const AttentionBlock& blk, bool accumulate, Stream stream) {
+                  Tensor out, Tensor lse, const Dims& n, const AttentionBlock& blk, bool accumulate, AttentionGrads grads,
+                  Stream stream) {
   check_gpu_inputs(op, n, {{"q", &q}, {"k", &k}, {"v", &v}, {"out", &out}, {"dout", &dout}}, lse);
   expect_gpu_tensors(op, accumulate ? DType::f32 : DType::bf16, {{"dq", &dq}, {"dk", &dk}, {"dv", &dv}});
   GpuArgs a = gpu_args(n, blk, q, k, v);
@@ -778,30 +803,13 @@ void backward_gpu(const char* op, Tensor dq, Tensor dk, Tensor dv, Tensor dout, 
   else attention_delta_kernel<128><<<delta_blocks, 256, 0, s>>>(a, delta.ptr<float>(), rows);
   MARROW_CUDA_CHECK_LAUNCH();
 
-  const int64_t group = n.q_heads / n.kv_heads;
-  Buffer dk_part, dv_part;  // freed in stream order after the kernels below
-  if (group > 1) {
-    dk_part = Buffer(DType::f32, Device::cuda, {n.batch, a.k_len, n.q_heads, n.head_dim}, stream);
-    dv_part = Buffer(DType::f32, Device::cuda, {n.batch, a.k_len, n.q_heads, n.head_dim}, stream);
-    a.dk_part = dk_part.ptr<float>();
-    a.dv_part = dv_part.ptr<float>();
-  }
+  // dk and dv are final before dq's kernel starts, so a caller can send them on while it runs.
   const size_t ld_bytes = size_t(n.head_dim + kPad) * sizeof(bf16);
-  const size_t dkdv_smem = size_t(2 * 64 + 4 * 32) * ld_bytes + 4 * 32 * sizeof(float);
+  if (grads != AttentionGrads::q) dkdv_gpu(a, n, ld_bytes, stream);
+  if (grads == AttentionGrads::kv) return;
   const size_t dq_smem = size_t(2 * 64 + 4 * 64) * ld_bytes;
-  if (d64) {
-    launch_tiled(attention_dkdv_kernel<64>, n, a.k_len, dkdv_smem, a, s);
-    launch_tiled(attention_dq_kernel<64>, n, a.q_len, dq_smem, a, s);
-  } else {
-    launch_tiled(attention_dkdv_kernel<128>, n, a.k_len, dkdv_smem, a, s);
-    launch_tiled(attention_dq_kernel<128>, n, a.q_len, dq_smem, a, s);
-  }
-  if (group > 1) {
-    const int64_t numel = n.batch * a.k_len * n.kv_heads * n.head_dim;
-    const unsigned blocks = unsigned(std::min<int64_t>((numel + 255) / 256, 65536));
-    attention_group_sum_kernel<<<blocks, 256, 0, s>>>(a, numel, int(n.head_dim));
-    MARROW_CUDA_CHECK_LAUNCH();
-  }
+  if (d64) launch_tiled(attention_dq_kernel<64>, n, a.q_len, dq_smem, a, s);
+  else launch_tiled(attention_dq_kernel<128>, n, a.q_len, dq_smem, a, s);
 }
 
 void merge_gpu(Tensor out, Tensor lse, Tensor part_out, Tensor part_lse, const Dims& n, int64_t begin, int64_t end,
@@ -861,10 +869,11 @@ std::pair<Dims, bool> check_backward(const char* op, Tensor dq, Tensor dk, Tenso
 // Both backwards after their shape checks: the device's path. accumulate: add the block's share
 // into dq, dk, dv (f32 on the GPU); else overwrite them (bf16 on the GPU).
 void backward(const char* op, Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out,
-              Tensor lse, const Dims& n, const AttentionBlock& block, bool accumulate, bool gpu, Stream stream) {
+              Tensor lse, const Dims& n, const AttentionBlock& block, bool accumulate, AttentionGrads grads, bool gpu,
+              Stream stream) {
   if (gpu) {
 #ifdef __CUDACC__
-    return backward_gpu(op, dq, dk, dv, dout, q, k, v, out, lse, n, block, accumulate, stream);
+    return backward_gpu(op, dq, dk, dv, dout, q, k, v, out, lse, n, block, accumulate, grads, stream);
 #else
     no_cuda_kernel(op);
 #endif
@@ -875,7 +884,7 @@ void backward(const char* op, Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tens
   with_cpu_scalar(op, q, [&](auto s) {
     using T = decltype(s);
     backward_cpu<T>(dq.ptr<T>(), dk.ptr<T>(), dv.ptr<T>(), dout.ptr<T>(), q.ptr<T>(), k.ptr<T>(), v.ptr<T>(),
-                    out.ptr<T>(), lse.ptr<T>(), n, block);
+                    out.ptr<T>(), lse.ptr<T>(), n, block, grads);
   });
 }
 
@@ -948,11 +957,11 @@ void attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v, Str
 }
 
 void attention_block_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out,
-                              Tensor lse, const AttentionBlock& block, Stream stream) {
+                              Tensor lse, const AttentionBlock& block, AttentionGrads grads, Stream stream) {
   const char* op = "attention_block_backward";
   const auto [n, gpu] = check_backward(op, dq, dk, dv, dout, q, k, v, out, lse);
   check_block(op, n, block);
-  backward(op, dq, dk, dv, dout, q, k, v, out, lse, n, block, true, gpu, stream);
+  backward(op, dq, dk, dv, dout, q, k, v, out, lse, n, block, true, grads, gpu, stream);
 }
 
 void attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out,
@@ -965,8 +974,8 @@ void attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, 
     return cudnn_attention_backward(dq, dk, dv, dout, q, k, v, out, lse, stream,
                                     attention_kernels() == AttentionKernels::cudnn);
 #endif
-  backward(op, dq, dk, dv, dout, q, k, v, out, lse, n, {AttentionMask::causal, 0, n.q_seq, 0, n.q_seq}, false, gpu,
-           stream);
+  backward(op, dq, dk, dv, dout, q, k, v, out, lse, n, {AttentionMask::causal, 0, n.q_seq, 0, n.q_seq}, false,
+           AttentionGrads::all, gpu, stream);
 }
 
 void attention_merge(Tensor out, Tensor lse, Tensor part_out, Tensor part_lse, int64_t begin, int64_t end,

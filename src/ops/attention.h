@@ -65,10 +65,17 @@ struct AttentionBlock {
 void attention_block_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v, const AttentionBlock& block,
                              Stream stream = {});
 
+// Which gradients a block backward adds: all three, or dk and dv alone, or dq alone. Ring attention
+// runs the two halves apart so a block's dK/dV travel on while dq's kernel runs; the halves give the
+// bits of the whole (each gradient sums its terms in the same order either way).
+enum class AttentionGrads : uint8_t { all, kv, q };
+
 // The block's share of the gradients, added into rows [q_begin, q_end) of dq and [k_begin, k_end)
-// of dk and dv; out, lse are the final (merged) ones, dout the gradient of out.
+// of dk and dv (those that `grads` names; the others are left as they are); out, lse are the final
+// (merged) ones, dout the gradient of out.
 void attention_block_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out,
-                              Tensor lse, const AttentionBlock& block, Stream stream = {});
+                              Tensor lse, const AttentionBlock& block, AttentionGrads grads = AttentionGrads::all,
+                              Stream stream = {});
 
 // Rows [begin, end) of out[B, S, Hq, D], lse[B, Hq, S] become the merge with a partial result of
 // the same shapes: out = (e^lse out + e^part_lse part_out) / (e^lse + e^part_lse), lse = log(e^lse +
