@@ -169,6 +169,58 @@ void copy(Tensor dst, Tensor src, Stream stream) {
 #endif
 }
 
+void PinnedHost::Free::operator()(void* p) const {
+#if MARROW_CUDA
+  if (pinned) {
+    MARROW_CUDA_CHECK(cudaFreeHost(p));
+    return;
+  }
+#endif
+  std::free(p);
+}
+
+Tensor PinnedHost::tensor(DType dtype, std::initializer_list<int64_t> dims, Device device) {
+  Tensor t(nullptr, dtype, Device::cpu, dims);
+  const size_t bytes = t.bytes();
+  if (bytes > bytes_) {
+    const size_t grown = std::max(bytes, bytes_ + bytes_ / 2);
+    data_.reset();
+    void* p = nullptr;
+    const bool pinned = MARROW_CUDA && device == Device::cuda;
+#if MARROW_CUDA
+    if (pinned) MARROW_CUDA_CHECK(cudaMallocHost(&p, grown));
+#endif
+    if (!pinned) p = std::aligned_alloc(64, (grown + 63) / 64 * 64);
+    MARROW_CHECK(p != nullptr, "out of host memory allocating {} bytes", grown);
+    data_ = std::unique_ptr<void, Free>(p, Free{pinned});
+    bytes_ = grown;
+  }
+  t.data = data_.get();
+  return t;
+}
+
+StreamMark StreamMark::record(Device device, Stream stream) {
+  StreamMark mark;
+#if MARROW_CUDA
+  if (device == Device::cuda) {
+    cudaEvent_t event = nullptr;
+    MARROW_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+    mark.event_ = std::shared_ptr<void>(event, [](void* e) { cudaEventDestroy(static_cast<cudaEvent_t>(e)); });
+    MARROW_CUDA_CHECK(cudaEventRecord(event, static_cast<cudaStream_t>(stream.handle)));
+  }
+#else
+  (void)device;
+  (void)stream;
+#endif
+  return mark;
+}
+
+void StreamMark::wait() const {
+#if MARROW_CUDA
+  if (event_) MARROW_CUDA_CHECK(cudaEventSynchronize(static_cast<cudaEvent_t>(event_.get())));
+#endif
+}
+
 Buffer to_host(Tensor src, Stream stream) {
   Buffer b(src.dtype, Device::cpu, {src.numel()});
   copy(b, src, stream);

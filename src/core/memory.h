@@ -5,6 +5,7 @@
 // Buffer: one activation-sized allocation that frees itself; on the GPU it comes from CUDA's
 // stream-ordered pool so a freed buffer is reused without a device synchronisation.
 #pragma once
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -90,6 +91,39 @@ void fill_zero(Tensor t, Stream stream = {});
 // Copies src into dst: same dtype and element count, any pair of devices. On the GPU the copy is
 // queued on stream; a copy to the host waits for it, so the host can read the result at once.
 void copy(Tensor dst, Tensor src, Stream stream = {});
+
+// Page-locked host memory (plain host memory in a build without CUDA) that grows to the largest
+// size asked for and keeps its pages: the host side of copies that must not wait for the GPU's
+// queue (cudaMemcpyAsync from or to pageable memory may). A growth frees the old pages, so the
+// caller must know that no queued copy still uses them.
+class PinnedHost {
+ public:
+  PinnedHost() = default;
+  PinnedHost(PinnedHost&&) = default;
+  PinnedHost& operator=(PinnedHost&&) = default;
+  // A host tensor of dims over this memory (its contents are not kept across growths); page-locked
+  // when the copies it stages go to or come from `device` = cuda.
+  Tensor tensor(DType dtype, std::initializer_list<int64_t> dims, Device device);
+
+ private:
+  struct Free {
+    bool pinned;  // no default initializer: unique_ptr needs Free default-constructible here
+    void operator()(void* p) const;
+  };
+  std::unique_ptr<void, Free> data_{nullptr, Free{false}};
+  size_t bytes_ = 0;
+};
+
+// A point in a GPU stream's queue that the host can wait for alone, without waiting for what was
+// queued after it (nothing to wait for on the CPU).
+class StreamMark {
+ public:
+  static StreamMark record(Device device, Stream stream = {});
+  void wait() const;
+
+ private:
+  std::shared_ptr<void> event_;
+};
 
 // A host copy of a tensor on any device, e.g. to read a loss or check a kernel.
 Buffer to_host(Tensor src, Stream stream = {});

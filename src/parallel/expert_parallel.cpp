@@ -7,6 +7,12 @@
 #include "ops/dispatch.h"
 #include "ops/init.h"
 
+#if MARROW_CUDA
+#include <cuda_runtime.h>
+
+#include "core/cuda_check.h"
+#endif
+
 namespace marrow {
 
 namespace {
@@ -67,22 +73,35 @@ ExpertParallel::ExpertParallel(const Comm& group, int64_t num_experts)
   for (int64_t e = 0; e < num_experts; ++e) owner_.push_back(int32_t(e / local_experts_));
 }
 
+void ExpertParallel::read_routing(Tensor topk_index) const {
+  MARROW_CHECK(topk_index.ndim == 2 && topk_index.dtype == DType::i32, "ExpertParallel::read_routing: topk_index must be [tokens, k] i32, got {} {}",
+               topk_index.shape_string(), dtype_name(topk_index.dtype));
+  const Tensor staged = host_.topk_index.tensor(DType::i32, {topk_index.size(0), topk_index.size(1)}, topk_index.device);
+  if (topk_index.device == Device::cpu) copy(staged, topk_index);
+#if MARROW_CUDA
+  else MARROW_CUDA_CHECK(cudaMemcpyAsync(staged.data, topk_index.data, staged.bytes(), cudaMemcpyDeviceToHost, nullptr));
+#endif
+  host_.routing = topk_index.data;
+  host_.routing_arrived = StreamMark::record(topk_index.device);
+}
+
 void ExpertParallel::plan(ExpertRoute& route, Tensor topk_index, Device device) const {
   const int64_t T = topk_index.size(0), K = topk_index.size(1), P = group_.size();
   // Host arrays are reused from plan to plan: fresh ones of this size would be new pages, and page
   // faults made the plan ~1 ms per layer on the GPU machine.
   HostPlan& h = host_;
-  h.topk_index.resize(size_t(T * K));
-  copy(Tensor(h.topk_index.data(), DType::i32, Device::cpu, {T, K}), topk_index);  // waits for the GPU
+  if (h.routing != topk_index.data) read_routing(topk_index);
+  h.routing = nullptr;
+  h.routing_arrived.wait();  // the GPU's queue after the router may still run
   const auto start = std::chrono::steady_clock::now();
-  const int32_t* experts = h.topk_index.data();
+  const int32_t* experts = h.topk_index.tensor(DType::i32, {T, K}, device).ptr<int32_t>();
   for (int64_t i = 0; i < T * K; ++i) {
     MARROW_CHECK(experts[i] >= 0 && experts[i] < num_experts_, "expert-parallel dispatch: topk_index holds expert {} outside [0, {})",
                  experts[i], num_experts_);
     route.remote_copies += owner_[size_t(experts[i])] != group_.rank();
   }
-  h.send_row.resize(size_t(T * P));
-  route.send_rows = plan_sends(h.send_row.data(), h.send_slots, experts, T, K, P, local_experts_, owner_.data());
+  const Tensor send_row = h.send_row.tensor(DType::i32, {T, P}, device);
+  route.send_rows = plan_sends(send_row.ptr<int32_t>(), h.send_slots, experts, T, K, P, local_experts_, owner_.data());
   const auto exchange_start = std::chrono::steady_clock::now();
   route.recv_rows = group_.exchange_counts(route.send_rows, "expert-parallel row counts (exchange_counts)");
   route.sent = prefix_sums(route.send_rows).back();
@@ -98,13 +117,13 @@ void ExpertParallel::plan(ExpertRoute& route, Tensor topk_index, Device device) 
                       "expert-parallel expert slots (all_to_all_v)");
   traffic_.exchange_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - exchange_start).count();
   route.expert_offsets = Buffer(DType::i32, Device::cpu, {local_experts_ + 1});
-  h.copy_row.resize(size_t(route.received * K));
-  route.copies = plan_copies(route.expert_offsets.ptr<int32_t>(), h.copy_row.data(), h.recv_slots.data(), route.received, K, local_experts_);
+  const Tensor copy_row = h.copy_row.tensor(DType::i32, {route.received, K}, device);
+  route.copies = plan_copies(route.expert_offsets.ptr<int32_t>(), copy_row.ptr<int32_t>(), h.recv_slots.data(), route.received, K, local_experts_);
   const auto upload_start = std::chrono::steady_clock::now();
   route.send_row = Buffer(DType::i32, device, {T, P});
   route.copy_row = Buffer(DType::i32, device, {route.received, K});
-  copy(route.send_row, Tensor(h.send_row.data(), DType::i32, Device::cpu, {T, P}));
-  copy(route.copy_row, Tensor(h.copy_row.data(), DType::i32, Device::cpu, {route.received, K}));
+  copy(route.send_row, send_row);
+  copy(route.copy_row, copy_row);
   const auto end = std::chrono::steady_clock::now();
   traffic_.upload_ms += std::chrono::duration<double, std::milli>(end - upload_start).count();
   traffic_.plan_ms += std::chrono::duration<double, std::milli>(end - start).count();

@@ -15,7 +15,8 @@
 // members as the "slots" of a token (sender side), once with the local experts (receiver side),
 // with -1 marking a slot that is not there; plus four all-to-alls per direction. The plan (who
 // sends what where) is computed on the host from the routing, as the grouped GEMM needs the
-// per-expert row counts there anyway: one wait for the GPU per layer; the counts and the received
+// per-expert row counts there anyway: one wait per layer for the routing (its copy queued early by
+// read_routing, so the GPU can run other work while the host waits and plans); the counts and the received
 // rows' expert slots travel over MPI, the rows themselves over NCCL.
 #pragma once
 #include <cstdint>
@@ -48,8 +49,9 @@ struct ExpertRoute {
 // combine each move them twice: forward and backward), for the bench's traffic figures.
 struct ExpertTraffic {
   int64_t remote_rows = 0, remote_copies = 0, dispatches = 0;
-  // Host time of the plans from the moment the routing reached the host (the GPU has nothing
-  // queued then) to the upload of the plan: the GPU idles for it, waiting for the peers' counts too.
+  // Host time of the plans from the moment the routing reached the host to the upload of the
+  // plan, waiting for the peers' counts too: the GPU idles for it unless another micro-batch's
+  // compute was queued before the plan (engine/step.h's forward_backward).
   double plan_ms = 0;
   double exchange_ms = 0;  // of which in the MPI exchanges (the peers' plans arriving)
   double upload_ms = 0;    // and in copying the plan to the GPU
@@ -73,9 +75,15 @@ class ExpertParallel {
     Comm::Point done;
   };
 
+  // Queues the copy of a layer's routing (topk_index [T, K] i32) to the host, which the plan of
+  // start_dispatch needs, and returns at once: called as soon as the router has been queued, it
+  // lets a schedule queue another micro-batch's compute before start_dispatch waits for the
+  // routing, so the GPU runs that compute while the host plans (engine/step.h).
+  void read_routing(Tensor topk_index) const;
   // Stage 2 forward: from this member's x[T, H] and routing (topk_index [T, K] i32, topk_weight
-  // [T, K]), plans the route; finish_dispatch returns x_perm [copies, H], this member's expert
-  // inputs grouped by local expert (route.expert_offsets).
+  // [T, K]), plans the route (from read_routing's copy of topk_index, or reading it now);
+  // finish_dispatch returns x_perm [copies, H], this member's expert inputs grouped by local
+  // expert (route.expert_offsets).
   Exchange start_dispatch(ExpertRoute& route, Tensor x, Tensor topk_index, Tensor topk_weight) const;
   Buffer finish_dispatch(Exchange& exchange, ExpertRoute& route) const;
   // Stage 4 forward: out[T, H] = residual + sum over members of the weighted expert outputs they
@@ -93,9 +101,15 @@ class ExpertParallel {
 
  private:
   void plan(ExpertRoute& route, Tensor topk_index, Device device) const;
-  // The plan's host arrays, kept from one plan to the next (see plan()).
+  // The plan's host arrays, kept from one plan to the next (see plan()). The three that travel
+  // between host and GPU are page-locked, so neither copy waits for the GPU's queue; each is
+  // rewritten only after the copy that used it has run (the next plan waits for a routing that
+  // the GPU computes after the previous plan's uploads).
   struct HostPlan {
-    std::vector<int32_t> topk_index, send_row, send_slots, recv_slots, copy_row;
+    PinnedHost topk_index, send_row, copy_row;
+    std::vector<int32_t> send_slots, recv_slots;
+    const void* routing = nullptr;  // the topk_index read_routing copied last, and when it arrives
+    StreamMark routing_arrived;
   };
   Comm group_;
   int64_t num_experts_, local_experts_;

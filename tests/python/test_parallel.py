@@ -275,9 +275,25 @@ def schedule_lines(text):
     return [line[len("schedule: "):] for line in text.splitlines() if line.startswith("schedule: pipeline rank")]
 
 
+def same_bits(label, plain_dir, overlapped_dir, norm_within=0.0):
+    """The DualPipeV order's run against the sequential order's: losses, load balance and step 5's checkpoint bit for bit,
+    gradient norms within norm_within relative."""
+    plain, overlapped = metrics(plain_dir), metrics(overlapped_dir)
+    check([[m["loss"], m["load_balance"]] for m in plain] == [[m["loss"], m["load_balance"]] for m in overlapped],
+          f"{label}: the DualPipeV order's losses and load balance equal the sequential order's bit for bit")
+    worst = max(abs(a["grad_norm"] - b["grad_norm"]) / abs(a["grad_norm"]) for a, b in zip(plain, overlapped))
+    check(len(plain) == len(overlapped) and worst <= norm_within,
+          f"{label}: the gradient norms agree within {norm_within:g} relative (worst {worst:.2e})")
+    ta = checkpoint_tensors(os.path.join(plain_dir, "step-00000005"))
+    tb = checkpoint_tensors(os.path.join(overlapped_dir, "step-00000005"))
+    check(ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta),
+          f"{label}: after 5 steps every weight and AdamW moment of the DualPipeV order equals the sequential order's bit for bit")
+
+
 def test_pipeline(tmp):
     """DualPipeV on the 4-layer tiny model (all experts active, small lr), 4 micro-batches per pipeline and step: PP = 2,
-    PP = 2 x EP = 2 and PP = 2 x CP = 2 against one process; PP = 1's overlapped schedule against the plain one, bit for bit; the
+    PP = 2 x EP = 2 and PP = 2 x CP = 2 against one process; PP = 1's overlapped schedule against the plain one, bit for bit on
+    one process and with EP = 2 (the gradient norm there within 1e-13); the
     trainer's printed order against `marrow estimate`'s simulated one; a PP = 2 checkpoint resumed on one process."""
     strict = [f"--model.config={all_experts_config(tmp, 4)}", *SMOOTH_OPTIMIZER, "--checkpoint.every=5"]
     runs = {
@@ -287,18 +303,18 @@ def test_pipeline(tmp):
         "PP=2": (2, ["--parallel.pp=2", "--train.micro_batch=2", "--parallel.print_schedule=true"]),
         "PP=2 x EP=2": (4, ["--parallel.pp=2", "--parallel.ep=2", "--train.micro_batch=1"]),
         "PP=2 x CP=2": (4, ["--parallel.pp=2", "--parallel.cp=2", "--train.micro_batch=2"]),
+        "EP=2, sequential": (2, ["--parallel.ep=2", "--train.micro_batch=2", "--parallel.schedule=sequential",
+                                 "--parallel.keep_gathered=true", "--parallel.keep_whole_grads=true"]),
+        "EP=2 (DualPipeV)": (2, ["--parallel.ep=2", "--train.micro_batch=2", "--parallel.schedule=dualpipev"]),
     }
     dirs, outs = train_runs(runs, strict, "pipe-", tmp, "4 layers")
     for name in ("PP=2", "PP=2 x EP=2", "PP=2 x CP=2"):
         compare_runs(f"{name} vs one process", dirs["one process"], dirs[name], 5)
-    plain, overlapped = metrics(dirs["one process, sequential"]), metrics(dirs["PP=1 (DualPipeV)"])
-    keys = ("loss", "grad_norm", "load_balance")
-    check([[m[k] for k in keys] for m in plain] == [[m[k] for k in keys] for m in overlapped],
-          "PP=1: the DualPipeV order's losses, gradient norms and load balance equal the sequential order's bit for bit")
-    ta = checkpoint_tensors(os.path.join(dirs["one process, sequential"], "step-00000005"))
-    tb = checkpoint_tensors(os.path.join(dirs["PP=1 (DualPipeV)"], "step-00000005"))
-    check(ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta),
-          f"PP=1: after 5 steps every weight and AdamW moment of the DualPipeV order equals the sequential order's bit for bit")
+    same_bits("PP=1", dirs["one process, sequential"], dirs["PP=1 (DualPipeV)"])
+    # With EP = 2 the overlapped pairs also move each dispatch plan behind the other micro-batch's stage. The weights
+    # and moments stay bit for bit; the reported gradient norm differs in its last bits (~1e-15: its sum runs in
+    # another order there, not yet found).
+    same_bits("PP=1 x EP=2", dirs["EP=2, sequential"], dirs["EP=2 (DualPipeV)"], norm_within=1e-13)
     printed = schedule_lines(outs["PP=2"])
     estimate = subprocess.run([ARGS.marrow, "estimate", *COMMON, *strict, "--parallel.pp=2", "--train.micro_batch=2", "--world=2"],
                               capture_output=True, text=True)
