@@ -2,7 +2,7 @@
 # Attention on one H200: cuDNN's fused SDPA (ops/attention_cudnn.h) against the own kernels. Run on
 # the GPU machine from the repository root after tools/gpu_prepare.sh here (device tool, carry
 # [".gpu-carry"]):
-#   tools/gpu_attention.sh <log-dir> [check|speed|long|all|final|memory|checks|measure]
+#   tools/gpu_attention.sh <log-dir> [check|speed|long|all|final|memory|checks|quick|measure]
 # check: marrow check --only attention (both kernel sets against the CPU reference, bits twice)
 # speed: the attention rows of marrow bench --kernels; the bench config (3 + 17 steps) with each
 #        kernel set
@@ -15,6 +15,8 @@
 #         32,768 tokens (with and without the bf16 weight copy), 3 + 5 steps each
 # checks: marrow check of elementwise ops, the model, the grouped GEMMs and attention; losses of
 #         train.bf16_weight_copy=false against the default, bit for bit (4,096 x 4, 2 + 3 steps)
+# quick: marrow check of elementwise ops and the model; the bench config (3 + 27 steps); a kernel trace
+#        of 2 steps (trace-steps-3-4.json.gz)
 # measure: the bench config (3 + 27 steps); one sequence per step at 16,384 and
 #          32,768 tokens with and without the bf16 weight copy, and the bench config without it (3 + 5
 #          steps): tokens/s and peaks; then the kernel table
@@ -114,6 +116,21 @@ if [ "$what" = checks ]; then
   grep -E "^bench:" "$out"/copy-*.log
   python3 -c "import json, sys; l = [[json.loads(x)['loss'] for x in open(f'runs/copy-{c}/bench/metrics.jsonl')] for c in ('true', 'false')]; \
 print('losses', l[0]); print('same bits' if l[0] == l[1] else f'DIFFER: {l[1]}'); sys.exit(l[0] != l[1])" || fail "losses differ"
+fi
+
+if [ "$what" = quick ]; then
+  for group in elementwise model; do
+    step "marrow check --only $group"
+    build-gpu/marrow check --only $group > "$out/check-$group.log" 2>&1
+    grep -E "FAIL|checks,|error" "$out/check-$group.log" | head -20
+    grep -q '^PASS$' "$out/check-$group.log" || fail "marrow check --only $group"
+  done
+  step "bench config: 3 warm-up + 27 measured steps"
+  "${bench[@]}" --warmup=3 --steps=27 --output.dir=runs/quick > "$out/bench.log" 2>&1 || fail "bench"
+  sed -n '/^bench:/,$p' "$out/bench.log" | head -10
+  step "kernel trace: 2 bench steps after 2 warm-up"
+  "${bench[@]}" --warmup=2 --steps=2 --profile-steps=3:4 --output.dir=runs/quick-trace > "$out/profile.log" 2>&1 || fail "trace"
+  gzip -c runs/quick-trace/bench/trace-steps-3-4.json > "$out/trace-steps-3-4.json.gz" 2>/dev/null
 fi
 
 if [ "$what" = measure ]; then

@@ -24,9 +24,17 @@ template <typename T> __device__ T warp_sum(T v) {
 // compiler may be contracted into an fma one way in one kernel and another way in the next (it
 // was: rope.cu's kernel and the fused QK-norm's differed); rope.cu and rmsnorm.cu's fused QK-norm
 // both rotate here, so they give the same bits.
+// (cos, sign * sin) of a pair's angle, and the rotation by them: rope_rotate split so that a kernel
+// can reuse the angle of one token across its heads (the same bits).
+__device__ inline float2 rope_cos_sin(float position, float inv_freq, float sign) {
+  const float angle = __fmul_rn(position, inv_freq);
+  return make_float2(cosf(angle), __fmul_rn(sign, sinf(angle)));
+}
+__device__ inline float2 rope_apply(float a, float b, float2 cs) {
+  return make_float2(fmaf(a, cs.x, -__fmul_rn(b, cs.y)), fmaf(b, cs.x, __fmul_rn(a, cs.y)));
+}
 __device__ inline float2 rope_rotate(float a, float b, float position, float inv_freq, float sign) {
-  const float angle = __fmul_rn(position, inv_freq), c = cosf(angle), s = __fmul_rn(sign, sinf(angle));
-  return make_float2(fmaf(a, c, -__fmul_rn(b, s)), fmaf(b, c, __fmul_rn(a, s)));
+  return rope_apply(a, b, rope_cos_sin(position, inv_freq, sign));
 }
 
 }  // namespace marrow

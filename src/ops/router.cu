@@ -263,13 +263,19 @@ void launch_forward(Tensor probs, Tensor topk_index, Tensor topk_weight, Tensor 
   MARROW_CUDA_CHECK_LAUNCH();
 }
 
-// One thread, the arithmetic of aux_loss_cpu in the same order, each operation rounded on its own
-// (no fused multiply-adds), so the device's sum is the host's to the bit. A count of zero tokens
-// gives NaN (the host version refuses it).
+// The arithmetic of aux_loss_cpu, each operation rounded on its own (no fused multiply-adds): the
+// block's threads compute the experts' terms (two f64 divisions each: one thread doing all of them
+// took ~40 us), then thread 0 adds them in expert order, so the device's sum is the host's to the
+// bit. A count of zero tokens gives NaN (the host version refuses it).
 __global__ void router_aux_loss_add_kernel(double* total, const float* stats, int e) {
+  extern __shared__ double terms[];
   const double n = stats[2 * e];
+  for (int i = threadIdx.x; i < e; i += blockDim.x)
+    terms[i] = __dmul_rn(__ddiv_rn(double(stats[i]), n), __ddiv_rn(double(stats[e + i]), n));
+  __syncthreads();
+  if (threadIdx.x != 0) return;
   double loss = 0;
-  for (int i = 0; i < e; ++i) loss = __dadd_rn(loss, __dmul_rn(__ddiv_rn(double(stats[i]), n), __ddiv_rn(double(stats[e + i]), n)));
+  for (int i = 0; i < e; ++i) loss = __dadd_rn(loss, terms[i]);
   total[0] = __dadd_rn(total[0], __dmul_rn(double(e), loss));
 }
 
@@ -362,7 +368,9 @@ void router_aux_loss_add(Tensor total, Tensor stats, Stream stream) {
   if (common_device(op, {{"total", &total}, {"stats", &stats}}) == Device::cuda) {
     expect_dtype(op, "stats", stats, DType::f32);
 #ifdef __CUDACC__
-    router_aux_loss_add_kernel<<<1, 1, 0, static_cast<cudaStream_t>(stream.handle)>>>(total.ptr<double>(), stats.ptr<float>(), int(e));
+    MARROW_CHECK(e <= 4096, "{}: {} experts exceed the GPU kernel's shared memory (4096 at most)", op, e);
+    router_aux_loss_add_kernel<<<1, unsigned(std::min<int64_t>(e, 256)), size_t(e) * sizeof(double),
+                                 static_cast<cudaStream_t>(stream.handle)>>>(total.ptr<double>(), stats.ptr<float>(), int(e));
     MARROW_CUDA_CHECK_LAUNCH();
     return;
 #else
