@@ -139,36 +139,40 @@ struct Rope {
   float sign;
   InvFreq inv_freq;
 };
-struct Rotated {
-  bf16 a, b;
+// The lane's NP pairs (j, j + D/2) for j in [lane * NP, lane * NP + NP), D/2 = 32 * NP: the same
+// angles in every head of a token, so a warp takes a token and computes their cos/sin once.
+template <int NP> struct LanePairs {
+  float2 cs[NP];
+  __device__ LanePairs(const Rope& rope, int64_t token, int lane) {
+#pragma unroll
+    for (int l = 0; l < NP; ++l) cs[l] = rope_cos_sin(float(rope.positions[token]), rope.inv_freq.v[lane * NP + l], rope.sign);
+  }
 };
-// The pair (a, b) = (v[j], v[j + D/2]) of a row rotated by the angle, rounded to bf16 as rope_forward
-// and rope_backward write it.
-__device__ Rotated rotate_pair(float a, float b, const Rope& rope, int64_t row, int64_t j) {
-  const float2 o = rope_rotate(a, b, float(rope.positions[row / rope.heads]), rope.inv_freq.v[j], rope.sign);
-  return {bf16(o.x), bf16(o.y)};
-}
 
-// QK-norm and RoPE: rstd from lane_squares in packs of NS (the plain kernel's N for this row
-// length), then the lane takes pairs (j, j + D/2) in packs of NP (8 when D/2 % 8 == 0), normalises
-// both halves, rounds them to bf16 (the unfused norm's output) and rotates them.
+// QK-norm and RoPE, one warp per token walking its heads: rstd from lane_squares in packs of NS (the
+// plain kernel's N for this row length), then the lane normalises its pairs, rounds them to bf16
+// (the unfused norm's output) and rotates them.
 template <int NS, int NP>
-__global__ void rmsnorm_rope_forward_kernel(bf16* y, float* rstd, const bf16* x, const bf16* weight, Rope rope, int64_t rows,
+__global__ void rmsnorm_rope_forward_kernel(bf16* y, float* rstd, const bf16* x, const bf16* weight, Rope rope, int64_t tokens,
                                             int64_t d, float eps) {
-  const int64_t row = blockIdx.x * int64_t(kWarpsPerBlock) + threadIdx.x / 32, half = d / 2;
+  const int64_t token = blockIdx.x * int64_t(kWarpsPerBlock) + threadIdx.x / 32, half = d / 2;
   const int lane = threadIdx.x % 32;
-  if (row >= rows) return;
-  const bf16* xr = x + row * d;
-  const float r = row_rstd(lane_squares<NS>(xr, d, lane), d, eps);
-  if (lane == 0) rstd[row] = r;
-  for (int64_t j = lane * NP; j < half; j += 32 * NP) {
-    const Pack<NP> xa = load<NP>(xr + j), xb = load<NP>(xr + half + j), wa = load<NP>(weight + j), wb = load<NP>(weight + half + j);
+  if (token >= tokens) return;
+  const int64_t j = lane * NP;
+  const LanePairs<NP> pairs(rope, token, lane);
+  const Pack<NP> wa = load<NP>(weight + j), wb = load<NP>(weight + half + j);
+  for (int64_t row = token * rope.heads; row < (token + 1) * rope.heads; ++row) {
+    const bf16* xr = x + row * d;
+    const float r = row_rstd(lane_squares<NS>(xr, d, lane), d, eps);
+    if (lane == 0) rstd[row] = r;
+    const Pack<NP> xa = load<NP>(xr + j), xb = load<NP>(xr + half + j);
     Pack<NP> ya, yb;
+#pragma unroll
     for (int l = 0; l < NP; ++l) {
       const bf16 na = bf16(float(xa.v[l]) * r * float(wa.v[l])), nb = bf16(float(xb.v[l]) * r * float(wb.v[l]));
-      const Rotated o = rotate_pair(float(na), float(nb), rope, row, j + l);
-      ya.v[l] = o.a;
-      yb.v[l] = o.b;
+      const float2 o = rope_apply(float(na), float(nb), pairs.cs[l]);
+      ya.v[l] = bf16(o.x);
+      yb.v[l] = bf16(o.y);
     }
     store<NP>(y + row * d + j, ya);
     store<NP>(y + row * d + half + j, yb);
@@ -212,23 +216,29 @@ __global__ void rmsnorm_backward_dx_kernel(bf16* dx, const bf16* dy, const bf16*
   dx_row<N>(dx + row * d, dy + row * d, dresidual ? dresidual + row * d : nullptr, x + row * d, weight, rstd[row], d, lane);
 }
 
-// dx of the RoPE variant: the warp un-rotates its row of dy into shared memory (bf16, rope_backward's
-// values), then runs the plain row on it.
-template <int N>
+// dx of the RoPE variant, one warp per token walking its heads: the warp un-rotates a row of dy into
+// shared memory (bf16, rope_backward's values), then runs the plain row on it.
+template <int N, int NP>
 __global__ void rmsnorm_rope_backward_dx_kernel(bf16* dx, const bf16* dy, const bf16* x, const bf16* weight, const float* rstd,
-                                                Rope rope, int64_t rows, int64_t d) {
+                                                Rope rope, int64_t tokens, int64_t d) {
   __shared__ __align__(16) bf16 unrotated[kWarpsPerBlock][2 * kMaxHalf];
-  const int64_t row = blockIdx.x * int64_t(kWarpsPerBlock) + threadIdx.x / 32, half = d / 2;
+  const int64_t token = blockIdx.x * int64_t(kWarpsPerBlock) + threadIdx.x / 32, half = d / 2;
   const int lane = threadIdx.x % 32;
-  if (row >= rows) return;
+  if (token >= tokens) return;
+  const int64_t j = lane * NP;
+  const LanePairs<NP> pairs(rope, token, lane);
   bf16* u = unrotated[threadIdx.x / 32];
-  for (int64_t j = lane; j < half; j += 32) {
-    const Rotated o = rotate_pair(float(dy[row * d + j]), float(dy[row * d + half + j]), rope, row, j);
-    u[j] = o.a;
-    u[half + j] = o.b;
+  for (int64_t row = token * rope.heads; row < (token + 1) * rope.heads; ++row) {
+#pragma unroll
+    for (int l = 0; l < NP; ++l) {
+      const float2 o = rope_apply(float(dy[row * d + j + l]), float(dy[row * d + half + j + l]), pairs.cs[l]);
+      u[j + l] = bf16(o.x);
+      u[half + j + l] = bf16(o.y);
+    }
+    __syncwarp();
+    dx_row<N>(dx + row * d, u, nullptr, x + row * d, weight, rstd[row], d, lane);
+    __syncwarp();  // the next row overwrites u
   }
-  __syncwarp();
-  dx_row<N>(dx + row * d, u, nullptr, x + row * d, weight, rstd[row], d, lane);
 }
 
 // dweight, pass 1: block (chunk, column tile) -- each thread owns one column and sums dy * xhat
@@ -257,10 +267,10 @@ __global__ void rmsnorm_rope_dweight_partial_kernel(float* partial, const bf16* 
       token = r / rope.heads;
       cs = rope_cos_sin(float(rope.positions[token]), rope.inv_freq.v[j], rope.sign);
     }
+    // Rounded to bf16 as rope_backward writes it.
     const float2 o = rope_apply(float(dy[r * d + j]), float(dy[r * d + half + j]), cs);
-    const Rotated u{bf16(o.x), bf16(o.y)};
-    acc_a = fmaf(float(u.a), __fmul_rn(float(x[r * d + j]), rstd[r]), acc_a);
-    acc_b = fmaf(float(u.b), __fmul_rn(float(x[r * d + half + j]), rstd[r]), acc_b);
+    acc_a = fmaf(float(bf16(o.x)), __fmul_rn(float(x[r * d + j]), rstd[r]), acc_a);
+    acc_b = fmaf(float(bf16(o.y)), __fmul_rn(float(x[r * d + half + j]), rstd[r]), acc_b);
   }
   partial[chunk * d + j] = acc_a;
   partial[chunk * d + half + j] = acc_b;
@@ -318,19 +328,30 @@ void launch_add_forward(Tensor y, Tensor sum, Tensor rstd, Tensor x, Tensor resi
   MARROW_CUDA_CHECK_LAUNCH();
 }
 
-// NS as the plain forward picks it for these rows (so rstd has its bits); NP = 2 when the halves
-// split into aligned pairs, which keeps all 32 lanes rotating at D/2 = 64 (packs of 8 left 24 of
-// them idle and made each lane's chain of cos/sin four times longer: 2.2x the unfused time).
-void launch_rope_forward(Tensor y, Tensor rstd, Tensor x, Tensor weight, Tensor positions, double eps, double theta, Stream stream) {
-  const int64_t heads = x.size(1), d = x.size(2), n = x.size(0) * heads;
-  if (n == 0) return;
+// The fused kernels take D/2 = 32 * NP pairs, NP in {1, 2, 4, 8}, in packs of NP (aligned when the
+// rows pack in 8s); 0 when this head_dim does not fit them (the ops then run the unfused pair).
+int64_t lane_pairs(int64_t d, std::initializer_list<const void*> data) {
+  const int64_t np = d / 2 / 32;
+  if (d / 2 % 32 != 0 || (np != 1 && np != 2 && np != 4 && np != 8)) return 0;
+  return np == 1 || packable(d, data) ? np : 0;
+}
+
+// NS as the plain forward picks it for these rows (so rstd has its bits).
+void launch_rope_forward(Tensor y, Tensor rstd, Tensor x, Tensor weight, Tensor positions, double eps, double theta, int64_t np,
+                         Stream stream) {
+  const int64_t tokens = x.size(0), heads = x.size(1), d = x.size(2);
+  if (tokens * heads == 0) return;
   auto s = static_cast<cudaStream_t>(stream.handle);
   const Rope rope = rope_args(positions, heads, d, theta, 1.0f);
-  const bool whole = packable(d, {y.data, x.data, weight.data}), halves = whole && (d / 2) % 2 == 0;
-  const auto kernel =
-      halves ? rmsnorm_rope_forward_kernel<8, 2> : whole ? rmsnorm_rope_forward_kernel<8, 1> : rmsnorm_rope_forward_kernel<1, 1>;
-  kernel<<<row_blocks(n), kRowThreads, 0, s>>>(bf16_out(y), rstd.ptr<float>(), bf16_data(x), bf16_data(weight), rope, n, d,
-                                               float(eps));
+  const bool rows8 = packable(d, {y.data, x.data, weight.data});
+  auto launch = [&](auto kernel) {
+    kernel<<<row_blocks(tokens), kRowThreads, 0, s>>>(bf16_out(y), rstd.ptr<float>(), bf16_data(x), bf16_data(weight), rope, tokens,
+                                                      d, float(eps));
+  };
+  if (np == 1) rows8 ? launch(rmsnorm_rope_forward_kernel<8, 1>) : launch(rmsnorm_rope_forward_kernel<1, 1>);
+  else if (np == 2) launch(rmsnorm_rope_forward_kernel<8, 2>);
+  else if (np == 4) launch(rmsnorm_rope_forward_kernel<8, 4>);
+  else launch(rmsnorm_rope_forward_kernel<8, 8>);
   MARROW_CUDA_CHECK_LAUNCH();
 }
 
@@ -364,15 +385,20 @@ void launch_backward(Tensor dx, Tensor dweight, Tensor dy, Tensor x, Tensor weig
 }
 
 void launch_rope_backward(Tensor dx, Tensor dweight, Tensor dy, Tensor x, Tensor weight, Tensor rstd, Tensor positions, double theta,
-                          Stream stream) {
-  const int64_t heads = x.size(1), d = x.size(2), n = x.size(0) * heads;
+                          int64_t np, Stream stream) {
+  const int64_t tokens = x.size(0), heads = x.size(1), d = x.size(2), n = tokens * heads;
   if (n == 0) return;
   auto s = static_cast<cudaStream_t>(stream.handle);
   const Rope rope = rope_args(positions, heads, d, theta, -1.0f);
-  const auto kernel =
-      packable(d, {dx.data, dy.data, x.data, weight.data}) ? rmsnorm_rope_backward_dx_kernel<8> : rmsnorm_rope_backward_dx_kernel<1>;
-  kernel<<<row_blocks(n), kRowThreads, 0, s>>>(bf16_out(dx), bf16_data(dy), bf16_data(x), bf16_data(weight), rstd.ptr<float>(), rope,
-                                               n, d);
+  const bool rows8 = packable(d, {dx.data, dy.data, x.data, weight.data});
+  auto launch = [&](auto kernel) {
+    kernel<<<row_blocks(tokens), kRowThreads, 0, s>>>(bf16_out(dx), bf16_data(dy), bf16_data(x), bf16_data(weight), rstd.ptr<float>(),
+                                                      rope, tokens, d);
+  };
+  if (np == 1) rows8 ? launch(rmsnorm_rope_backward_dx_kernel<8, 1>) : launch(rmsnorm_rope_backward_dx_kernel<1, 1>);
+  else if (np == 2) launch(rmsnorm_rope_backward_dx_kernel<8, 2>);
+  else if (np == 4) launch(rmsnorm_rope_backward_dx_kernel<8, 4>);
+  else launch(rmsnorm_rope_backward_dx_kernel<8, 8>);
   MARROW_CUDA_CHECK_LAUNCH();
   // A thread per column pair: blocks of at most 256, no more warps than D/2 needs (64 threads at D = 128).
   const int64_t threads = std::min<int64_t>(256, (d / 2 + 31) / 32 * 32);
@@ -453,16 +479,16 @@ void rmsnorm_rope_forward(Tensor y, Tensor rstd, Tensor x, Tensor weight, Tensor
   expect_dtype(op, "positions", positions, DType::i32);
   if (common_device(op, {{"x", &x}, {"y", &y}, {"rstd", &rstd}, {"weight", &weight}, {"positions", &positions}}) == Device::cpu) {
     expect_same_dtype(op, {{"x", &x}, {"y", &y}, {"rstd", &rstd}, {"weight", &weight}});
-    rmsnorm_forward(y.reshape({tokens * heads, d}), rstd, x.reshape({tokens * heads, d}), weight, eps, stream);
-    return rope_forward(y, y, positions, theta, stream);
-  }
-  expect_gpu_dtypes(op, {{"x", &x}, {"y", &y}, {"weight", &weight}}, {{"rstd", &rstd}});
-  MARROW_CHECK(d / 2 <= 256, "{}: head_dim of x is {}, but the GPU kernel takes at most 512", op, d);
+  } else {
+    expect_gpu_dtypes(op, {{"x", &x}, {"y", &y}, {"weight", &weight}}, {{"rstd", &rstd}});
 #ifdef __CUDACC__
-  launch_rope_forward(y, rstd, x, weight, positions, eps, theta, stream);
-#else
-  no_cuda_kernel(op);
+    if (const int64_t np = lane_pairs(d, {y.data, x.data, weight.data}); np > 0)
+      return launch_rope_forward(y, rstd, x, weight, positions, eps, theta, np, stream);
 #endif
+  }
+  // The CPU, and head sizes the fused kernels do not take: the unfused pair, whose bits they keep.
+  rmsnorm_forward(y.reshape({tokens * heads, d}), rstd, x.reshape({tokens * heads, d}), weight, eps, stream);
+  rope_forward(y, y, positions, theta, stream);
 }
 
 void rmsnorm_backward(Tensor dx, Tensor dweight, Tensor dy, Tensor x, Tensor weight, Tensor rstd, Tensor dresidual, Stream stream) {
@@ -509,21 +535,22 @@ void rmsnorm_rope_backward(Tensor dx, Tensor dweight, Tensor dy, Tensor x, Tenso
   expect_shape(op, "rstd", rstd, {tokens * heads});
   expect_shape(op, "positions", positions, {tokens});
   expect_dtype(op, "positions", positions, DType::i32);
-  if (common_device(op, {{"x", &x}, {"dx", &dx}, {"dy", &dy}, {"dweight", &dweight}, {"weight", &weight}, {"rstd", &rstd},
-                         {"positions", &positions}}) == Device::cpu) {
+  const Device device = common_device(op, {{"x", &x}, {"dx", &dx}, {"dy", &dy}, {"dweight", &dweight}, {"weight", &weight},
+                                            {"rstd", &rstd}, {"positions", &positions}});
+  if (device == Device::cpu) {
     expect_same_dtype(op, {{"x", &x}, {"dx", &dx}, {"dy", &dy}, {"dweight", &dweight}, {"weight", &weight}, {"rstd", &rstd}});
-    Buffer unrotated(x.dtype, Device::cpu, {tokens, heads, d});
-    rope_backward(unrotated, dy, positions, theta, stream);
-    const Tensor rows = unrotated.view().reshape({tokens * heads, d});
-    return rmsnorm_backward(dx.reshape({tokens * heads, d}), dweight, rows, x.reshape({tokens * heads, d}), weight, rstd, {}, stream);
-  }
-  expect_gpu_dtypes(op, {{"x", &x}, {"dx", &dx}, {"dy", &dy}, {"weight", &weight}}, {{"rstd", &rstd}, {"dweight", &dweight}});
-  MARROW_CHECK(d / 2 <= 256, "{}: head_dim of x is {}, but the GPU kernel takes at most 512", op, d);
+  } else {
+    expect_gpu_dtypes(op, {{"x", &x}, {"dx", &dx}, {"dy", &dy}, {"weight", &weight}}, {{"rstd", &rstd}, {"dweight", &dweight}});
 #ifdef __CUDACC__
-  launch_rope_backward(dx, dweight, dy, x, weight, rstd, positions, theta, stream);
-#else
-  no_cuda_kernel(op);
+    if (const int64_t np = lane_pairs(d, {dx.data, dy.data, x.data, weight.data}); np > 0)
+      return launch_rope_backward(dx, dweight, dy, x, weight, rstd, positions, theta, np, stream);
 #endif
+  }
+  // The CPU, and head sizes the fused kernels do not take: the unfused pair, whose bits they keep.
+  Buffer unrotated(x.dtype, device, {tokens, heads, d}, stream);
+  rope_backward(unrotated, dy, positions, theta, stream);
+  const Tensor rows = unrotated.view().reshape({tokens * heads, d});
+  rmsnorm_backward(dx.reshape({tokens * heads, d}), dweight, rows, x.reshape({tokens * heads, d}), weight, rstd, {}, stream);
 }
 
 }  // namespace marrow
