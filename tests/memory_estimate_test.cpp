@@ -219,7 +219,11 @@ TEST(MemoryEstimate, ContextParallelHoldsItsShareOfTheSequence) {
   const int64_t extra = ring.bytes(BillGroup::activations) - plain.bytes(BillGroup::activations);
   EXPECT_GE(extra, 0);
   EXPECT_LE(extra, std::max(buffers.forward, buffers.backward));
-  EXPECT_EQ(item(ring, "ring attention buffers at the peak"), extra);
+  // The ring's peak is where its buffers are alive; the plain run's may lie elsewhere (a layer's
+  // experts backward), so the ring adds at most its buffers to it.
+  const int64_t at_peak = item(ring, "ring attention buffers at the peak");
+  EXPECT_TRUE(at_peak == buffers.forward || at_peak == buffers.backward) << at_peak;
+  EXPECT_GE(at_peak, extra);
   EXPECT_LT(ring.bytes(BillGroup::activations), 0.55 * unsplit.bytes(BillGroup::activations));
   // The largest sequence that fits is a multiple of 2 x cp, about twice cp = 1's on as many processes.
   const double gpu = 139.8 * kGiB;

@@ -2,7 +2,7 @@
 # Attention on one H200: cuDNN's fused SDPA (ops/attention_cudnn.h) against the own kernels. Run on
 # the GPU machine from the repository root after tools/gpu_prepare.sh here (device tool, carry
 # [".gpu-carry"]):
-#   tools/gpu_attention.sh <log-dir> [check|speed|long|all|final|memory|checks|quick|measure]
+#   tools/gpu_attention.sh <log-dir> [check|speed|long|all|final|memory|checks|quick|peaks|measure]
 # check: marrow check --only attention (both kernel sets against the CPU reference, bits twice)
 # speed: the attention rows of marrow bench --kernels; the bench config (3 + 17 steps) with each
 #        kernel set
@@ -17,6 +17,9 @@
 #         train.bf16_weight_copy=false against the default, bit for bit (4,096 x 4, 2 + 3 steps)
 # quick: marrow check of elementwise ops and the model; the bench config (3 + 27 steps); a kernel trace
 #        of 2 steps (trace-steps-3-4.json.gz)
+# peaks: the bench config's first 5 losses at full precision (against REF_LOSSES when set), the bench
+#        config (3 + 27 steps), one sequence of 16,384 (with and without the weight copy) and of 32,768
+#        (3 + 5 steps each): tokens/s, peaks against the estimate
 # measure: the bench config (3 + 27 steps); one sequence per step at 16,384 and
 #          32,768 tokens with and without the bf16 weight copy, and the bench config without it (3 + 5
 #          steps): tokens/s and peaks; then the kernel table
@@ -131,6 +134,26 @@ if [ "$what" = quick ]; then
   step "kernel trace: 2 bench steps after 2 warm-up"
   "${bench[@]}" --warmup=2 --steps=2 --profile-steps=3:4 --output.dir=runs/quick-trace > "$out/profile.log" 2>&1 || fail "trace"
   gzip -c runs/quick-trace/bench/trace-steps-3-4.json > "$out/trace-steps-3-4.json.gz" 2>/dev/null
+fi
+
+if [ "$what" = peaks ]; then
+  step "bench config, 2 + 3 steps: losses at full precision (REF_LOSSES='[...]' compares them bit for bit)"
+  "${bench[@]}" --warmup=2 --steps=3 --output.dir=runs/bits > "$out/bits.log" 2>&1 || fail "bench 2 + 3"
+  python3 -c "import json, os, sys; l = [json.loads(x)['loss'] for x in open('runs/bits/bench/metrics.jsonl')]; print('losses', l); \
+r = os.environ.get('REF_LOSSES'); sys.exit(0 if not r else (print('same bits as the reference') or 0) if json.loads(r) == l else (print('DIFFER from', r) or 1))" \
+    | tee -a "$out/summary.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || fail "losses differ from REF_LOSSES"
+  step "bench config: 3 warm-up + 27 measured steps"
+  "${bench[@]}" --warmup=3 --steps=27 --output.dir=runs/peaks > "$out/bench.log" 2>&1 || fail "bench"
+  grep -E "^estimated peak" "$out/bench.log"
+  sed -n '/^bench:/,$p' "$out/bench.log" | head -9
+  for run in "16384 false" "16384 true" "32768 true"; do
+    set -- $run
+    step "one sequence of $1 tokens per step, bf16_weight_copy=$2: 3 warm-up + 5 measured steps"
+    "${bench[@]}" --warmup=3 --steps=5 --train.seq_len=$1 --train.global_batch=1 --train.micro_batch=1 --train.bf16_weight_copy=$2 \
+      --output.dir=runs/peaks-$1-$2 > "$out/long-$1-$2.log" 2>&1 || fail "bench at $1 tokens, bf16_weight_copy=$2"
+    grep -E "^estimated peak|^bench:|error" "$out/long-$1-$2.log" | head -3
+  done
 fi
 
 if [ "$what" = measure ]; then

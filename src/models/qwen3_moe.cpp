@@ -195,6 +195,25 @@ void Qwen3Moe::prolog_backward(const Qwen3MoeWeights& grads, Tensor dx, const Qw
   embedding_backward(grads.embed, dx, batch.input_ids);
 }
 
+// h1 = the input norm of a.x, writing a.rstd1 (again, with the same bits, in the backward).
+Buffer Qwen3Moe::input_norm(Qwen3MoeAttentionActivations& a, const Qwen3MoeLayerWeights& w) const {
+  Buffer h1 = buffer({a.x.view().size(0), config_.hidden_size});
+  rmsnorm_forward(h1, a.rstd1, a.x, w.input_norm, config_.rms_norm_eps);
+  return h1;
+}
+
+// QK-norm and RoPE of a.q and a.k, one op per tensor, writing a.rstd_q and a.rstd_k (again, with the
+// same bits, in the backward): the attention op's q and k, [T, heads, D].
+std::pair<Buffer, Buffer> Qwen3Moe::attention_inputs(Qwen3MoeAttentionActivations& a, const Qwen3MoeBatch& batch,
+                                                     const Qwen3MoeLayerWeights& w) const {
+  const Config& c = config_;
+  const int64_t T = batch.batch * batch.seq, D = c.head_dim, Hq = c.num_heads, Hkv = c.num_kv_heads;
+  Buffer q_rope = buffer({T, Hq, D}), k_rope = buffer({T, Hkv, D});
+  rmsnorm_rope_forward(q_rope, a.rstd_q, a.q.view().reshape({T, Hq, D}), w.q_norm, batch.positions, c.rms_norm_eps, c.rope_theta);
+  rmsnorm_rope_forward(k_rope, a.rstd_k, a.k.view().reshape({T, Hkv, D}), w.k_norm, batch.positions, c.rms_norm_eps, c.rope_theta);
+  return {std::move(q_rope), std::move(k_rope)};
+}
+
 void Qwen3Moe::attention_forward(Qwen3MoeAttentionActivations& a, Buffer x, const Qwen3MoeBatch& batch,
                                  const Qwen3MoeLayerWeights& w) const {
   const Config& c = config_;
@@ -202,29 +221,28 @@ void Qwen3Moe::attention_forward(Qwen3MoeAttentionActivations& a, Buffer x, cons
   const int64_t Hq = c.num_heads, Hkv = c.num_kv_heads, E = c.num_experts, K = c.top_k;
   expect_shape("Qwen3Moe::attention_forward", "x", x, {T, H});
   a.x = std::move(x);
-  a.h1 = buffer({T, H});
   a.rstd1 = stats({T});
-  rmsnorm_forward(a.h1, a.rstd1, a.x, w.input_norm, c.rms_norm_eps);
   a.q = buffer({T, Hq * D});
   a.k = buffer({T, Hkv * D});
   a.v = buffer({T, Hkv * D});
-  linear_forward(a.q, a.h1, w.q_proj);
-  linear_forward(a.k, a.h1, w.k_proj);
-  linear_forward(a.v, a.h1, w.v_proj);
-  // QK-norm and RoPE in one op per tensor.
+  {
+    const Buffer h1 = input_norm(a, w);
+    linear_forward(a.q, h1, w.q_proj);
+    linear_forward(a.k, h1, w.k_proj);
+    linear_forward(a.v, h1, w.v_proj);
+  }
   a.rstd_q = stats({T * Hq});
   a.rstd_k = stats({T * Hkv});
-  a.q_rope = buffer({T, Hq, D});
-  a.k_rope = buffer({T, Hkv, D});
-  rmsnorm_rope_forward(a.q_rope, a.rstd_q, a.q.view().reshape({T, Hq, D}), w.q_norm, batch.positions, c.rms_norm_eps, c.rope_theta);
-  rmsnorm_rope_forward(a.k_rope, a.rstd_k, a.k.view().reshape({T, Hkv, D}), w.k_norm, batch.positions, c.rms_norm_eps, c.rope_theta);
   a.attn = buffer({B, S, Hq, D});
   a.lse = stats({B, Hq, S});
-  const Tensor q = a.q_rope.view().reshape({B, S, Hq, D}), k = a.k_rope.view().reshape({B, S, Hkv, D}),
-               v = a.v.view().reshape({B, S, Hkv, D});
-  // Qualified: the member of the same name is the whole stage.
-  if (batch.attention) batch.attention->forward(a.attn, a.lse, q, k, v);
-  else marrow::attention_forward(a.attn, a.lse, q, k, v);
+  {
+    const auto [q_rope, k_rope] = attention_inputs(a, batch, w);
+    const Tensor q = q_rope.view().reshape({B, S, Hq, D}), k = k_rope.view().reshape({B, S, Hkv, D}),
+                 v = a.v.view().reshape({B, S, Hkv, D});
+    // Qualified: the member of the same name is the whole stage.
+    if (batch.attention) batch.attention->forward(a.attn, a.lse, q, k, v);
+    else marrow::attention_forward(a.attn, a.lse, q, k, v);
+  }
   a.x_mid = buffer({T, H});
   linear_forward(a.x_mid, a.attn.view().reshape({T, Hq * D}), w.o_proj);
   a.h2 = buffer({T, H});
@@ -273,19 +291,25 @@ void Qwen3Moe::attention_backward(Tensor dx, const Qwen3MoeLayerWeights& grads, 
   Buffer dq_rope = buffer({T, Hq, D}), dk_rope = buffer({T, Hkv, D}), dv = buffer({T, Hkv * D});
   const Tensor dq_4d = dq_rope.view().reshape({B, S, Hq, D}), dk_4d = dk_rope.view().reshape({B, S, Hkv, D}),
                dv_4d = dv.view().reshape({B, S, Hkv, D}), dattn_4d = dattn.view().reshape({B, S, Hq, D});
-  const Tensor q = a.q_rope.view().reshape({B, S, Hq, D}), k = a.k_rope.view().reshape({B, S, Hkv, D}),
-               v = a.v.view().reshape({B, S, Hkv, D});
-  if (batch.attention) batch.attention->backward(dq_4d, dk_4d, dv_4d, dattn_4d, q, k, v, a.attn, a.lse);
-  else marrow::attention_backward(dq_4d, dk_4d, dv_4d, dattn_4d, q, k, v, a.attn, a.lse);
+  {
+    const auto [q_rope, k_rope] = attention_inputs(a, batch, w);
+    const Tensor q = q_rope.view().reshape({B, S, Hq, D}), k = k_rope.view().reshape({B, S, Hkv, D}),
+                 v = a.v.view().reshape({B, S, Hkv, D});
+    if (batch.attention) batch.attention->backward(dq_4d, dk_4d, dv_4d, dattn_4d, q, k, v, a.attn, a.lse);
+    else marrow::attention_backward(dq_4d, dk_4d, dv_4d, dattn_4d, q, k, v, a.attn, a.lse);
+  }
   Buffer dq = buffer({T, Hq * D}), dk = buffer({T, Hkv * D});
   rmsnorm_rope_backward(dq.view().reshape({T, Hq, D}), grads.q_norm, dq_rope, a.q.view().reshape({T, Hq, D}), w.q_norm, a.rstd_q,
                         batch.positions, c.rope_theta);
   rmsnorm_rope_backward(dk.view().reshape({T, Hkv, D}), grads.k_norm, dk_rope, a.k.view().reshape({T, Hkv, D}), w.k_norm, a.rstd_k,
                         batch.positions, c.rope_theta);
 
-  linear_backward_weight(grads.q_proj, dq, a.h1);
-  linear_backward_weight(grads.k_proj, dk, a.h1);
-  linear_backward_weight(grads.v_proj, dv, a.h1);
+  {
+    const Buffer h1 = input_norm(a, w);
+    linear_backward_weight(grads.q_proj, dq, h1);
+    linear_backward_weight(grads.k_proj, dk, h1);
+    linear_backward_weight(grads.v_proj, dv, h1);
+  }
   Buffer dh1 = buffer({T, H}), dh1_part = buffer({T, H});
   linear_backward_input(dh1, dq, w.q_proj);
   linear_backward_input(dh1_part, dk, w.k_proj);
@@ -431,15 +455,16 @@ ModelActivationBytes Qwen3Moe::activation_bytes(int64_t batch, int64_t seq, int6
   // The GPU embedding backward sorts the token ids: three index arrays and cub's temporary.
   m.prolog.backward_scratch = gpu ? 4 * T * i32 : 0;
 
-  // x, h1, q, k, v, q_rope, k_rope, attn, x_mid, h2; norm scales, lse, router probs and weights; top-k.
-  m.attention.kept = T * (4 * H + 3 * q + 3 * kv) * a + (T * (2 + 2 * c.num_heads + c.num_kv_heads + E + K) + 2 * E + 1) * s +
+  // x, q, k, v, attn, x_mid, h2; norm scales, lse, router probs and weights; top-k.
+  m.attention.kept = T * (3 * H + 2 * q + 2 * kv) * a + (T * (2 + 2 * c.num_heads + c.num_kv_heads + E + K) + 2 * E + 1) * s +
                      T * K * i32;
-  m.attention.forward_scratch = T * E * s;  // the router logits
-  // Alive through the attention op: dlogits, dh2_router, dres, dattn, dq_rope, dk_rope, dv; after
-  // it, dq, dk, dh1 and dh1_part join them.
+  // h1, then q_rope and k_rope, then the router logits: one at a time.
+  m.attention.forward_scratch = std::max({T * H * a, T * (q + kv) * a, T * E * s});
+  // Alive through the attention op: dlogits, dh2_router, dres, dattn, dq_rope, dk_rope, dv, and
+  // q_rope, k_rope computed again; after it, dq, dk, dh1, dh1_part and h1 computed again.
   const int64_t before_op = T * (E + 2 * H + 2 * q + 2 * kv) * a;
   const int64_t op = gpu ? attention_backward_op_scratch(batch, seq, c.num_heads, c.num_kv_heads, D) : 0;
-  m.attention.backward_scratch = before_op + std::max(op, T * (q + kv + 2 * H) * a);
+  m.attention.backward_scratch = before_op + std::max(T * (q + kv) * a + op, T * (q + kv + 3 * H) * a);
 
   m.experts.kept = R * 2 * I * a;              // gate_up (x_perm is the engine's: EngineBytes)
   m.experts.forward_scratch = R * I * a;       // act

@@ -68,7 +68,9 @@ struct Qwen3MoeBatch {
 
 struct Qwen3MoeAttentionActivations {
   Buffer x;  // residual stream entering the layer [T, H]
-  Buffer h1, rstd1, q, k, v, rstd_q, rstd_k, q_rope, k_rope, attn, lse;
+  // The input norm's output h1 and the attention inputs q_rope, k_rope are not kept: the backward
+  // computes them again from x, q and k (cheap, elementwise) with the forward's bits.
+  Buffer rstd1, q, k, v, rstd_q, rstd_k, attn, lse;
   Buffer x_mid;  // residual after attention [T, H]
   Buffer h2, rstd2, probs, topk_index, topk_weight;
   Buffer routing_stats;  // [2E + 1]: see router_statistics; the engine may sum it over processes before aux_loss and the backward
@@ -199,6 +201,10 @@ class Qwen3Moe {
   }
 
  private:
+  Buffer input_norm(Qwen3MoeAttentionActivations& a, const Qwen3MoeLayerWeights& w) const;
+  std::pair<Buffer, Buffer> attention_inputs(Qwen3MoeAttentionActivations& a, const Qwen3MoeBatch& batch,
+                                             const Qwen3MoeLayerWeights& w) const;
+
   Config config_;
   DType dtype_;
   Device device_;
