@@ -9,7 +9,8 @@
 # ep: build -> mpirun -np 2 marrow check --only expert_parallel (the exchange halves over NCCL) ->
 #     EP = 2 on the bench config with 8 micro-batches per rank and step, sequential against the
 #     DualPipeV order (forwards overlapped with other micro-batches' backwards), each with a kernel
-#     trace of one step: tokens/s and the share of NCCL time hidden under compute kernels.
+#     trace of one step: tokens/s, the share of NCCL time hidden under compute kernels, and the two
+#     orders' losses bit for bit.
 # pp: PP = 2 on the 16-layer bench model (does not fit one H200), 8 micro-batches: tokens/s per GPU,
 #     peak against marrow estimate, the GPU's idle share from the trace against the simulated bubble,
 #     losses falling.
@@ -61,6 +62,13 @@ if [ "$what" = ep ] || [ "$what" = all ]; then
   run "EP = 2, sequential micro-batches" "$out/ep2-sequential.log" "${ep[@]}" --parallel.schedule=sequential --output.dir=runs/pipe-ep2-seq
   run "EP = 2, DualPipeV order on one pipeline rank (overlapped pairs)" "$out/ep2-dualpipev.log" "${ep[@]}" --parallel.schedule=dualpipev \
     --output.dir=runs/pipe-ep2-dpv
+  step "EP = 2: the DualPipeV order's losses equal the sequential order's bit for bit"
+  python3 - runs/pipe-ep2-seq/bench/metrics.jsonl runs/pipe-ep2-dpv/bench/metrics.jsonl <<'PY' | tee -a "$out/summary.log" || fail "EP = 2 losses differ"
+import json, sys
+a, b = ([json.loads(l)["loss"] for l in open(p)] for p in sys.argv[1:3])
+print(f"sequential {a[:3]}... dualpipev {b[:3]}...; {len(a)} and {len(b)} steps; equal: {a == b}")
+sys.exit(0 if a == b and len(a) >= 10 else 1)
+PY
 fi
 
 if [ "$what" = pp ] || [ "$what" = all ]; then
