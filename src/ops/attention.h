@@ -32,7 +32,8 @@ namespace marrow {
 // Which kernels run the causal op (attention_forward/backward) on the GPU: Marrow's own
 // (FlashAttention-2 style on mma.sync, below) or cuDNN's fused SDPA (ops/attention_cudnn.h: Hopper
 // wgmma kernels, deterministic backward), falling back to the own ones for sizes cuDNN does not
-// serve. Blocks always run the own kernels. One setting per process; the CPU ignores it.
+// serve. Blocks always run the own kernels (ring attention runs a member's own block as the causal
+// op, so that one follows the setting). One setting per process; the CPU ignores it.
 // cudnn_nondeterministic: cuDNN's default backward, which adds dQ with float atomics (no dP
 // workspace, any length, faster), so two runs differ in their last bits: the one exception to
 // DESIGN.md's determinism, never a default.

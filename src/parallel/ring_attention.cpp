@@ -90,6 +90,19 @@ void pass_on(const Comm& cp, const KvPair& kv, const KvPair& next) {
                false);
 }
 
+// The own block's gradients start the sums dq_sum and grads (the first block of the backward): the
+// causal op over the local rows with the final out and lse, on cuDNN's kernels where they are
+// chosen. Those write gradients in the tensors' dtype, so on the GPU they land in bf16 first.
+void own_block_backward(Tensor dq_sum, const KvPair& grads, Tensor dout, Tensor q, const KvPair& kv, Tensor out, Tensor lse,
+                        const RingShape& n) {
+  if (dq_sum.dtype == q.dtype) return attention_backward(dq_sum, grads.k(n), grads.v(n), dout, q, kv.k(n), kv.v(n), out, lse);
+  Buffer dq(q.dtype, q.device, {n.batch, n.seq, n.q_heads, n.head_dim});
+  const KvPair dkv{q.dtype, q.device, n};
+  attention_backward(dq, dkv.k(n), dkv.v(n), dout, q, kv.k(n), kv.v(n), out, lse);
+  cast(dq_sum, dq);
+  cast(grads.both, dkv.both);
+}
+
 }  // namespace
 
 void ring_attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v, const Comm& cp) {
@@ -107,8 +120,10 @@ void ring_attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v
     const KvPair& here = kv[t % 2];
     if (t + 1 < cp.size()) pass_on(cp, here, kv[(t + 1) % 2]);
     const AttentionBlock block = zigzag_block(n.seq, cp.rank(), source_at(cp, t));
-    // The own block comes first and covers every row: it starts the running result.
-    attention_block_forward(part_out, t == 0 ? lse : part_lse.view(), q, here.k(n), here.v(n), block);
+    // The own block comes first and covers every row: it starts the running result. It is the causal
+    // op over the local rows, so it runs on cuDNN's kernels where they are chosen (ops/attention.h).
+    if (t == 0) attention_forward(part_out, lse, q, here.k(n), here.v(n));
+    else attention_block_forward(part_out, part_lse, q, here.k(n), here.v(n), block);
     if (t == 0) cast(running, part_out);
     else attention_merge(running, lse, part_out, part_lse, block.q_begin, block.q_end);
     if (t + 1 < cp.size()) cp.join();
@@ -142,9 +157,13 @@ void ring_attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tenso
     }
     const KvPair& mine = share[t % 2];
     const AttentionBlock block = zigzag_block(n.seq, cp.rank(), source_at(cp, t));
-    fill_zero(mine.both);
-    attention_block_backward(dq_sum, mine.k(n), mine.v(n), dout, q, here.k(n), here.v(n), out, lse, block,
-                             AttentionGrads::kv);
+    if (t == 0) {
+      own_block_backward(dq_sum, mine, dout, q, here, out, lse, n);
+    } else {
+      fill_zero(mine.both);
+      attention_block_backward(dq_sum, mine.k(n), mine.v(n), dout, q, here.k(n), here.v(n), out, lse, block,
+                               AttentionGrads::kv);
+    }
     if (t > 0) {
       cp.wait_for(grads_arrived);
       add(mine.both, mine.both, incoming.both);
@@ -157,8 +176,9 @@ void ring_attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tenso
                    "ring attention: dK/dV to the next member", false);
       grads_arrived = cp.queued();
     }
-    attention_block_backward(dq_sum, mine.k(n), mine.v(n), dout, q, here.k(n), here.v(n), out, lse, block,
-                             AttentionGrads::q);
+    if (t > 0)
+      attention_block_backward(dq_sum, mine.k(n), mine.v(n), dout, q, here.k(n), here.v(n), out, lse, block,
+                               AttentionGrads::q);
     if (t + 1 < cp.size()) cp.wait_for(kv_arrived);
   }
   cp.wait_for(grads_arrived);
@@ -179,8 +199,9 @@ RingAttentionBytes ring_attention_bytes(int64_t tokens, int64_t q_heads, int64_t
   const bool gpu = device == Device::cuda;
   const int64_t a = gpu ? 2 : 4, acc = 4;  // bf16 or f32 activations; f32 running results and lse
   const int64_t q = tokens * q_heads * head_dim, kv = 2 * tokens * kv_heads * head_dim;  // a KvPair holds K and V
-  // Forward: kv[2], part_out, part_lse, running. Backward: kv[2], share[2] and incoming, dq_sum.
-  return {2 * kv * a + q * a + tokens * q_heads * acc + q * acc, 2 * kv * a + 3 * kv * acc + q * acc};
+  // Forward: kv[2], part_out, part_lse, running. Backward: kv[2], share[2] and incoming, dq_sum, and on
+  // the GPU the own block's bf16 dq, dk, dv before they join the sums.
+  return {2 * kv * a + q * a + tokens * q_heads * acc + q * acc, 2 * kv * a + 3 * kv * acc + q * acc + (gpu ? (q + kv) * a : 0)};
 }
 
 }  // namespace marrow

@@ -70,7 +70,8 @@ AttentionRunner ring_attention_runner(const Comm& cp);
 
 // Device bytes ring attention allocates beyond its inputs and outputs, for `tokens` local tokens
 // (batch x local sequence) of q_heads and kv_heads heads of head_dim: the two K/V blocks of the ring,
-// the partial and running results (forward), the dK/dV accumulators and the f32 dq sum (backward).
+// the partial and running results (forward), the dK/dV accumulators, the f32 dq sum and on the GPU
+// the own block's bf16 gradients (backward).
 // Activations of `bytes` bytes (2 on the GPU), the running results f32 on the GPU.
 struct RingAttentionBytes {
   int64_t forward = 0, backward = 0;
