@@ -95,8 +95,9 @@ def main():
           "CP = 2: each process holds half of every sequence, and the ring's buffers are billed")
     code, stdout, stderr = estimate(args.marrow, [bench, "--world=2", "--train.seq_len=32768"])
     half = gib(stdout, "activations of one micro-batch")
-    # The ring's buffers of the bench model at 32768 local tokens: 0.9 GiB forward, 1.0 GiB backward.
-    check(cp2 is not None and half is not None and half <= cp2 <= half + 1.0,
+    # The ring's buffers of the bench model at 32768 local tokens: 0.9 GiB forward, 1.31 GiB backward (the own
+    # block's bf16 gradients included).
+    check(cp2 is not None and half is not None and half <= cp2 <= half + 1.32,
           f"CP = 2 at 65536: activations {cp2} GiB, those of 32768 tokens ({half} GiB) plus at most the ring's buffers")
     code, stdout, stderr = estimate(args.marrow, [bench, "--world=2", "--parallel.cp=2", "--train.seq_len=65536", "--gpu-memory=120"])
     m = re.search(r"largest train.seq_len that fits at micro_batch 1: (\d+)", stdout)
