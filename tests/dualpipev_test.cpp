@@ -37,6 +37,14 @@ TEST(DualPipeV, OnePipelineRankPairsTheTwoChunks) {
   EXPECT_EQ(describe_order(dualpipev_order(1, 0, 2)), "F0.0 F1.0 F0.1 B1.0 FB1.1/0.0 B1.1 B0.1w W0.1");
   EXPECT_EQ(describe_order(dualpipev_order(1, 0, 4)),
             "F0.0 F1.0 F0.1 B1.0 FB1.1/0.0 FB0.2/1.1 FB1.2/0.1 FB0.3/1.2 FB1.3/0.2 B1.3 B0.3w W0.3");
+  // 2N - 3 of the 2N forwards run paired with a backward (the share of expert exchanges that can
+  // hide; docs/performance.md): three forwards of the warm-up and three backwards of the cool-down not.
+  for (int64_t n : {2, 8, 16, 17}) {
+    const std::vector<PipelineOp> order = dualpipev_order(1, 0, n);
+    EXPECT_EQ(std::count_if(order.begin(), order.end(), [](const PipelineOp& op) { return op.kind == PipelineOp::forward_backward; }),
+              2 * n - 3)
+        << n;
+  }
 }
 
 // Every rank runs each (chunk, micro-batch) forward and backward once, in micro-batch order, and

@@ -461,6 +461,16 @@ std::string pipeline_report(const RunConfig& rc, const EstimatedModel& m, const 
   out += "\npeak live micro-batch chunks per rank:";
   for (int64_t live : sim.peak_live) out += fmt::format(" {}", live);
   out += "\n";
+  out += "chunk passes in forward-backward pairs per rank (only those can hide expert exchanges):";
+  for (int64_t r = 0; r < mesh.pp; ++r) {
+    const std::vector<PipelineOp> order = dualpipev_order(mesh.pp, r, micro_batches);
+    const auto pairs = std::count_if(order.begin(), order.end(), [](const PipelineOp& op) { return op.kind == PipelineOp::forward_backward; });
+    const auto single = std::count_if(order.begin(), order.end(), [](const PipelineOp& op) {
+      return op.kind == PipelineOp::forward || op.kind == PipelineOp::backward;
+    });
+    out += fmt::format(" {} of {}", 2 * pairs, 2 * pairs + single);
+  }
+  out += "\n";
   for (int64_t r = 0; r < mesh.pp; ++r) out += fmt::format("schedule: pipeline rank {}: {}\n", r, describe_order(dualpipev_order(mesh.pp, r, micro_batches)));
   return out + "timeline (6 columns = the lightest chunk's forward; blank: idle):\n" + draw_timeline(mesh.pp, micro_batches, sim, 6);
 }
