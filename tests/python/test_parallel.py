@@ -26,6 +26,8 @@ parallelism, context parallelism and the pipeline against one process.
 - Checkpoints: a checkpoint written by DP = 2 x EP = 2 (each rank its own slices) resumes on one process, on
   EP = 4, DP = 4 and DP = 2 with the losses of the straight run for the next 5 steps, and `marrow export`
   assembles it bit for bit.
+- One 8-GPU node's layouts (issue #15): PP = 2 x EP = 4 and EP = 8 on 8 processes against one process; a
+  PP = 2 x EP = 4 checkpoint resumes on 8 processes bit for bit and exports.
 - Fail fast: one rank raising, exiting or hanging (MARROW_TEST_FAULT), or killed with SIGKILL, ends every
   rank within 30 s with a non-zero exit and the failing rank named; resuming afterwards continues
   bit for bit like a run that never failed.
@@ -182,7 +184,7 @@ def train_runs(runs, common, prefix, tmp, what):
     for name, (np, args) in runs.items():
         dirs[name] = os.path.join(tmp, dir_name(prefix, name))
         code, outs[name], _ = train(args + common, np, dirs[name])
-        check(code == 0, f"{name}, {what}: trains 5 steps")
+        check(code == 0, f"{name}, {what}: trains")
     return dirs, outs
 
 
@@ -406,6 +408,42 @@ def test_fail_fast(tmp):
           f"one rank killed with SIGKILL: the job ends in {seconds:.1f} s with exit {code}, naming the rank")
 
 
+def test_full_node(tmp):
+    """Issue #15's two layouts of one 8-GPU node, PP = 2 x EP = 4 and EP = 8, on 8 processes: the 4-layer tiny model with all
+    experts active, 4 micro-batches per pipeline, 4 steps against one process; the PP = 2 x EP = 4 checkpoint of step 2
+    resumed on 8 processes continues bit for bit (losses, every weight and moment of step 4); `marrow export` assembles it."""
+    strict = [f"--model.config={all_experts_config(tmp, 4)}", *SMOOTH_OPTIMIZER, "--train.steps=4", "--train.global_batch=16",
+              "--checkpoint.every=2"]
+    runs = {
+        "one process": (0, ["--train.micro_batch=4"]),
+        "PP=2 x EP=4": (8, ["--parallel.pp=2", "--parallel.ep=4", "--train.micro_batch=1"]),
+        "EP=8": (8, ["--parallel.ep=8", "--train.micro_batch=1"]),
+    }
+    dirs, outs = train_runs(runs, strict, "node-", tmp, "8 processes")
+    check("pp 2 x dp 1 x cp 1 x ep 4" in outs["PP=2 x EP=4"], "PP=2 x EP=4: rank 0 prints the mesh of 8 processes")
+    for name in ("PP=2 x EP=4", "EP=8"):
+        compare_runs(f"{name} vs one process", dirs["one process"], dirs[name], 4)
+    step2 = os.path.join(dirs["PP=2 x EP=4"], "step-00000002")
+    resumed = os.path.join(tmp, "node-resumed")
+    code, out, _ = train(strict + runs["PP=2 x EP=4"][1] + [f"--checkpoint.resume={step2}"], 8, resumed)
+    check(code == 0 and "resuming from" in out, "the PP=2 x EP=4 checkpoint of step 2 resumes on 8 processes")
+    if code == 0:
+        want = [m["loss"] for m in metrics(dirs["PP=2 x EP=4"])][2:]
+        check([m["loss"] for m in metrics(resumed)] == want, "resumed on PP=2 x EP=4: the losses of steps 3-4 equal the straight run's bit for bit")
+        ta = checkpoint_tensors(os.path.join(dirs["PP=2 x EP=4"], "step-00000004"))
+        tb = checkpoint_tensors(os.path.join(resumed, "step-00000004"))
+        check(ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta),
+              f"resumed on PP=2 x EP=4: step 4's {len(ta)} weights and moments equal the straight run's bit for bit")
+    export = os.path.join(tmp, "export-pp2ep4")
+    code = subprocess.run([ARGS.marrow, "export", step2, export], capture_output=True, text=True).returncode
+    exported = {}
+    for path in glob.glob(os.path.join(export, "*.safetensors")):
+        exported.update(load_file(path))
+    saved = {name: t for (group, name), t in checkpoint_tensors(step2).items() if group == "weights"}
+    check(code == 0 and exported.keys() == saved.keys() and all(torch.equal(exported[n], saved[n]) for n in saved),
+          f"marrow export assembles the PP=2 x EP=4 checkpoint bit for bit ({len(exported)} tensors)")
+
+
 def test_bad_layouts(tmp):
     cases = [
         (2, ["--parallel.pp=2", "--train.micro_batch=2"], "cuts the model into 4 pipeline chunks but it has only 2 decoder layers"),
@@ -433,8 +471,8 @@ def main():
     COMMON = ["configs/tiny-moe.toml", f"--data.path={corpus}/corpus", "--train.steps=5", "--train.global_batch=8",
               "--train.seq_len=32", "--schedule.warmup_steps=1", "--eval.every=0", "--train.device=cpu"]
     torch.set_printoptions(precision=10)
-    tests = [test_pipeline, test_context_parallel, test_layouts, test_initial_weights, test_resume_on_other_layouts, test_fail_fast,
-             test_bad_layouts]
+    tests = [test_pipeline, test_context_parallel, test_layouts, test_initial_weights, test_resume_on_other_layouts, test_full_node,
+             test_fail_fast, test_bad_layouts]
     with tempfile.TemporaryDirectory() as tmp:
         for test in tests:
             if not ARGS.only or ARGS.only in test.__name__:
