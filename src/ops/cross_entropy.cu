@@ -87,6 +87,8 @@ __global__ void cross_entropy_forward_kernel(float* token_loss, float* lse, cons
   const int64_t t = blockIdx.x;
   const bf16* row = logits + t * vocab;
   float m = -INFINITY, s = 0;
+  // Unrolled so that a thread has several loads in flight (the sums keep their order).
+#pragma unroll 4
   for (int64_t c = threadIdx.x; c < vocab / N; c += kThreads) {
     const Pack<N> p = reinterpret_cast<const Pack<N>*>(row)[c];
     float pack_max = -INFINITY;

@@ -149,19 +149,37 @@ template <int NP> struct LanePairs {
   }
 };
 
-// QK-norm and RoPE, one warp per token walking its heads: rstd from lane_squares in packs of NS (the
-// plain kernel's N for this row length), then the lane normalises its pairs, rounds them to bf16
-// (the unfused norm's output) and rotates them.
+// A warp of the fused QK-norm + RoPE kernels takes up to kHeadsPerWarp heads of one token: its rows
+// [begin, end). A head is a chain of dependent steps (load, warp reduction, store); one warp walking
+// all 32 query heads left the kernels latency-bound at ~1.5 TB/s. A lane's cos/sin (NP of them) is
+// all the warps of a token repeat.
+constexpr int64_t kHeadsPerWarp = 4;
+struct WarpRows {
+  int64_t token, begin, end;
+};
+__device__ WarpRows warp_rows(int64_t heads) {
+  const int64_t warp = blockIdx.x * int64_t(kWarpsPerBlock) + threadIdx.x / 32, groups = (heads + kHeadsPerWarp - 1) / kHeadsPerWarp;
+  const int64_t token = warp / groups, begin = token * heads + warp % groups * kHeadsPerWarp;
+  return {token, begin, min(begin + kHeadsPerWarp, (token + 1) * heads)};
+}
+unsigned rope_blocks(int64_t tokens, int64_t heads) {
+  return unsigned((tokens * ((heads + kHeadsPerWarp - 1) / kHeadsPerWarp) + kWarpsPerBlock - 1) / kWarpsPerBlock);
+}
+
+// QK-norm and RoPE, a warp per kHeadsPerWarp heads of a token: rstd from lane_squares in packs of NS
+// (the plain kernel's N for this row length), then the lane normalises its pairs, rounds them to
+// bf16 (the unfused norm's output) and rotates them.
 template <int NS, int NP>
 __global__ void rmsnorm_rope_forward_kernel(bf16* y, float* rstd, const bf16* x, const bf16* weight, Rope rope, int64_t tokens,
                                             int64_t d, float eps) {
-  const int64_t token = blockIdx.x * int64_t(kWarpsPerBlock) + threadIdx.x / 32, half = d / 2;
+  const WarpRows rows = warp_rows(rope.heads);
+  const int64_t half = d / 2;
   const int lane = threadIdx.x % 32;
-  if (token >= tokens) return;
+  if (rows.token >= tokens) return;
   const int64_t j = lane * NP;
-  const LanePairs<NP> pairs(rope, token, lane);
+  const LanePairs<NP> pairs(rope, rows.token, lane);
   const Pack<NP> wa = load<NP>(weight + j), wb = load<NP>(weight + half + j);
-  for (int64_t row = token * rope.heads; row < (token + 1) * rope.heads; ++row) {
+  for (int64_t row = rows.begin; row < rows.end; ++row) {
     const bf16* xr = x + row * d;
     const float r = row_rstd(lane_squares<NS>(xr, d, lane), d, eps);
     if (lane == 0) rstd[row] = r;
@@ -216,19 +234,20 @@ __global__ void rmsnorm_backward_dx_kernel(bf16* dx, const bf16* dy, const bf16*
   dx_row<N>(dx + row * d, dy + row * d, dresidual ? dresidual + row * d : nullptr, x + row * d, weight, rstd[row], d, lane);
 }
 
-// dx of the RoPE variant, one warp per token walking its heads: the warp un-rotates a row of dy into
-// shared memory (bf16, rope_backward's values), then runs the plain row on it.
+// dx of the RoPE variant, a warp per kHeadsPerWarp heads of a token: the warp un-rotates a row of dy
+// into shared memory (bf16, rope_backward's values), then runs the plain row on it.
 template <int N, int NP>
 __global__ void rmsnorm_rope_backward_dx_kernel(bf16* dx, const bf16* dy, const bf16* x, const bf16* weight, const float* rstd,
                                                 Rope rope, int64_t tokens, int64_t d) {
   __shared__ __align__(16) bf16 unrotated[kWarpsPerBlock][2 * kMaxHalf];
-  const int64_t token = blockIdx.x * int64_t(kWarpsPerBlock) + threadIdx.x / 32, half = d / 2;
+  const WarpRows rows = warp_rows(rope.heads);
+  const int64_t half = d / 2;
   const int lane = threadIdx.x % 32;
-  if (token >= tokens) return;
+  if (rows.token >= tokens) return;
   const int64_t j = lane * NP;
-  const LanePairs<NP> pairs(rope, token, lane);
+  const LanePairs<NP> pairs(rope, rows.token, lane);
   bf16* u = unrotated[threadIdx.x / 32];
-  for (int64_t row = token * rope.heads; row < (token + 1) * rope.heads; ++row) {
+  for (int64_t row = rows.begin; row < rows.end; ++row) {
 #pragma unroll
     for (int l = 0; l < NP; ++l) {
       const float2 o = rope_apply(float(dy[row * d + j + l]), float(dy[row * d + half + j + l]), pairs.cs[l]);
@@ -242,19 +261,22 @@ __global__ void rmsnorm_rope_backward_dx_kernel(bf16* dx, const bf16* dy, const 
 }
 
 // dweight, pass 1: block (chunk, column tile) -- each thread owns one column and sums dy * xhat
-// over the chunk's kChunkRows rows in row order into partial[chunk, column].
+// over the chunk's kChunkRows rows in row order into partial[chunk, column]. The loop is unrolled so
+// that a thread has several rows' loads in flight; the sum keeps its order.
 __global__ void rmsnorm_dweight_partial_kernel(float* partial, const bf16* dy, const bf16* x, const float* rstd, int64_t rows,
                                        int64_t d) {
   const int64_t c = blockIdx.y * int64_t(blockDim.x) + threadIdx.x, chunk = blockIdx.x;
   if (c >= d) return;
   float acc = 0;
+#pragma unroll 8
   for (int64_t r = chunk * kChunkRows; r < min(rows, (chunk + 1) * kChunkRows); ++r)
     acc = fmaf(float(dy[r * d + c]), __fmul_rn(float(x[r * d + c]), rstd[r]), acc);
   partial[chunk * d + c] = acc;
 }
 
 // dweight, pass 1 of the RoPE variant: a thread owns the column pair (j, j + D/2), un-rotates each
-// row's pair of dy once and sums both columns in row order, as the plain pass does per column.
+// row's pair of dy once and sums both columns in row order, as the plain pass does per column
+// (unrolled as it is).
 __global__ void rmsnorm_rope_dweight_partial_kernel(float* partial, const bf16* dy, const bf16* x, const float* rstd, Rope rope,
                                                     int64_t rows, int64_t d) {
   const int64_t j = blockIdx.y * int64_t(blockDim.x) + threadIdx.x, chunk = blockIdx.x, half = d / 2;
@@ -262,6 +284,7 @@ __global__ void rmsnorm_rope_dweight_partial_kernel(float* partial, const bf16* 
   float acc_a = 0, acc_b = 0;
   int64_t token = -1;  // the rows of one token's heads share the angle: its cos and sin are computed once
   float2 cs{};
+#pragma unroll 8
   for (int64_t r = chunk * kChunkRows; r < min(rows, (chunk + 1) * kChunkRows); ++r) {
     if (r / rope.heads != token) {
       token = r / rope.heads;
@@ -345,8 +368,8 @@ void launch_rope_forward(Tensor y, Tensor rstd, Tensor x, Tensor weight, Tensor 
   const Rope rope = rope_args(positions, heads, d, theta, 1.0f);
   const bool rows8 = packable(d, {y.data, x.data, weight.data});
   auto launch = [&](auto kernel) {
-    kernel<<<row_blocks(tokens), kRowThreads, 0, s>>>(bf16_out(y), rstd.ptr<float>(), bf16_data(x), bf16_data(weight), rope, tokens,
-                                                      d, float(eps));
+    kernel<<<rope_blocks(tokens, heads), kRowThreads, 0, s>>>(bf16_out(y), rstd.ptr<float>(), bf16_data(x), bf16_data(weight), rope,
+                                                              tokens, d, float(eps));
   };
   if (np == 1) rows8 ? launch(rmsnorm_rope_forward_kernel<8, 1>) : launch(rmsnorm_rope_forward_kernel<1, 1>);
   else if (np == 2) launch(rmsnorm_rope_forward_kernel<8, 2>);
@@ -392,8 +415,8 @@ void launch_rope_backward(Tensor dx, Tensor dweight, Tensor dy, Tensor x, Tensor
   const Rope rope = rope_args(positions, heads, d, theta, -1.0f);
   const bool rows8 = packable(d, {dx.data, dy.data, x.data, weight.data});
   auto launch = [&](auto kernel) {
-    kernel<<<row_blocks(tokens), kRowThreads, 0, s>>>(bf16_out(dx), bf16_data(dy), bf16_data(x), bf16_data(weight), rstd.ptr<float>(),
-                                                      rope, tokens, d);
+    kernel<<<rope_blocks(tokens, heads), kRowThreads, 0, s>>>(bf16_out(dx), bf16_data(dy), bf16_data(x), bf16_data(weight),
+                                                              rstd.ptr<float>(), rope, tokens, d);
   };
   if (np == 1) rows8 ? launch(rmsnorm_rope_backward_dx_kernel<8, 1>) : launch(rmsnorm_rope_backward_dx_kernel<1, 1>);
   else if (np == 2) launch(rmsnorm_rope_backward_dx_kernel<8, 2>);
