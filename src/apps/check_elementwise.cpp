@@ -486,7 +486,11 @@ void check_elementwise_ops(CheckReport& report) {
   check_rmsnorm(report, 37, 75);
   check_rmsnorm_add(report, 37, 72);
   check_rmsnorm_add(report, 37, 75);
-  check_rmsnorm_rope(report, 37, 3, 64);  // the packed kernels
+  check_rmsnorm_rope(report, 37, 3, 64);    // the fused kernels: 8 lanes a head
+  check_rmsnorm_rope(report, 37, 32, 128);  // 16 lanes a head, the bench model's 32 query heads: 4 warps a token
+  check_rmsnorm_rope(report, 37, 5, 128);   // a warp's last pass holding one head of two
+  check_rmsnorm_rope(report, 37, 3, 256);   // 32 lanes a head
+  check_rmsnorm_rope(report, 37, 3, 512);   // past the fused kernels: the unfused pair
   check_rmsnorm_rope(report, 37, 3, 72);  // rows in packs of 8, halves (36) one element at a time
   check_rmsnorm_rope(report, 37, 3, 18);  // one element at a time throughout
   check_rope(report, 37, 3, 72, false, false);

@@ -43,13 +43,18 @@ struct Constants {
 };
 
 // step_cpu's formula in double, each operation rounded on its own (__d*_rn: no fused
-// multiply-adds, as the CPU computes it), so GPU and CPU results agree bit for bit.
+// multiply-adds, as the CPU computes it), so GPU and CPU results agree bit for bit. A zero moment
+// skips the square root and divisions whose results it knows exactly (0 / x = 0 of the
+// numerator's sign for x > 0): their zero operands take the slow paths of __dsqrt_rn and
+// __ddiv_rn, and the rows of an embedding that a step did not see are zero for many steps.
 __device__ void step_element(float& param, float grad, float& m, float& v, const Constants& k) {
   const double g = __dmul_rn(double(grad), k.grad_scale);
   m = float(__dadd_rn(__dmul_rn(k.beta1, m), __dmul_rn(k.one_minus_beta1, g)));
   v = float(__dadd_rn(__dmul_rn(k.beta2, v), __dmul_rn(__dmul_rn(k.one_minus_beta2, g), g)));
-  const double denom = __dadd_rn(__ddiv_rn(__dsqrt_rn(double(v)), k.bias2_sqrt), k.eps);
-  param = float(__dsub_rn(__dmul_rn(double(param), k.decay), __ddiv_rn(__dmul_rn(k.step_size, double(m)), denom)));
+  const double denom = v == 0.0f ? k.eps : __dadd_rn(__ddiv_rn(__dsqrt_rn(double(v)), k.bias2_sqrt), k.eps);
+  const double scaled_m = __dmul_rn(k.step_size, double(m));
+  const double update = m == 0.0f && denom > 0 ? scaled_m : __ddiv_rn(scaled_m, denom);
+  param = float(__dsub_rn(__dmul_rn(double(param), k.decay), update));
 }
 
 // Elementwise, grid-stride: one thread per float4 of the four tensors when all are 16-byte

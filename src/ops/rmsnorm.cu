@@ -58,7 +58,7 @@ void backward_cpu(T* dx, T* dweight, const T* dy, const T* x, const T* weight, c
 using bf16 = __nv_bfloat16;
 constexpr int kWarpsPerBlock = 8;
 constexpr int64_t kChunkRows = 64;  // rows per partial sum of dweight
-constexpr int kMaxHalf = 256;       // RoPE variants: head_dim up to 512, inv_freq travels as a kernel argument
+constexpr int kMaxHalf = 128;       // RoPE variants: head_dim up to 256, inv_freq travels as a kernel argument
 
 template <int N> struct alignas(2 * N) Pack {
   bf16 v[N];
@@ -128,75 +128,6 @@ __global__ void rmsnorm_add_forward_kernel(bf16* y, bf16* sum, float* rstd, cons
   normalise_row<N>(y + row * d, sum + row * d, weight, r, d, lane);
 }
 
-// RoPE as ops/rope.cu computes it (rope_rotate): rows are (token, head) of `heads` heads; sign 1
-// forward and -1 backward.
-struct InvFreq {
-  float v[kMaxHalf];
-};
-struct Rope {
-  const int32_t* positions;
-  int64_t heads;
-  float sign;
-  InvFreq inv_freq;
-};
-// The lane's NP pairs (j, j + D/2) for j in [lane * NP, lane * NP + NP), D/2 = 32 * NP: the same
-// angles in every head of a token, so a warp takes a token and computes their cos/sin once.
-template <int NP> struct LanePairs {
-  float2 cs[NP];
-  __device__ LanePairs(const Rope& rope, int64_t token, int lane) {
-#pragma unroll
-    for (int l = 0; l < NP; ++l) cs[l] = rope_cos_sin(float(rope.positions[token]), rope.inv_freq.v[lane * NP + l], rope.sign);
-  }
-};
-
-// A warp of the fused QK-norm + RoPE kernels takes up to kHeadsPerWarp heads of one token: its rows
-// [begin, end). A head is a chain of dependent steps (load, warp reduction, store); one warp walking
-// all 32 query heads left the kernels latency-bound at ~1.5 TB/s. A lane's cos/sin (NP of them) is
-// all the warps of a token repeat.
-constexpr int64_t kHeadsPerWarp = 4;
-struct WarpRows {
-  int64_t token, begin, end;
-};
-__device__ WarpRows warp_rows(int64_t heads) {
-  const int64_t warp = blockIdx.x * int64_t(kWarpsPerBlock) + threadIdx.x / 32, groups = (heads + kHeadsPerWarp - 1) / kHeadsPerWarp;
-  const int64_t token = warp / groups, begin = token * heads + warp % groups * kHeadsPerWarp;
-  return {token, begin, min(begin + kHeadsPerWarp, (token + 1) * heads)};
-}
-unsigned rope_blocks(int64_t tokens, int64_t heads) {
-  return unsigned((tokens * ((heads + kHeadsPerWarp - 1) / kHeadsPerWarp) + kWarpsPerBlock - 1) / kWarpsPerBlock);
-}
-
-// QK-norm and RoPE, a warp per kHeadsPerWarp heads of a token: rstd from lane_squares in packs of NS
-// (the plain kernel's N for this row length), then the lane normalises its pairs, rounds them to
-// bf16 (the unfused norm's output) and rotates them.
-template <int NS, int NP>
-__global__ void rmsnorm_rope_forward_kernel(bf16* y, float* rstd, const bf16* x, const bf16* weight, Rope rope, int64_t tokens,
-                                            int64_t d, float eps) {
-  const WarpRows rows = warp_rows(rope.heads);
-  const int64_t half = d / 2;
-  const int lane = threadIdx.x % 32;
-  if (rows.token >= tokens) return;
-  const int64_t j = lane * NP;
-  const LanePairs<NP> pairs(rope, rows.token, lane);
-  const Pack<NP> wa = load<NP>(weight + j), wb = load<NP>(weight + half + j);
-  for (int64_t row = rows.begin; row < rows.end; ++row) {
-    const bf16* xr = x + row * d;
-    const float r = row_rstd(lane_squares<NS>(xr, d, lane), d, eps);
-    if (lane == 0) rstd[row] = r;
-    const Pack<NP> xa = load<NP>(xr + j), xb = load<NP>(xr + half + j);
-    Pack<NP> ya, yb;
-#pragma unroll
-    for (int l = 0; l < NP; ++l) {
-      const bf16 na = bf16(float(xa.v[l]) * r * float(wa.v[l])), nb = bf16(float(xb.v[l]) * r * float(wb.v[l]));
-      const float2 o = rope_apply(float(na), float(nb), pairs.cs[l]);
-      ya.v[l] = bf16(o.x);
-      yb.v[l] = bf16(o.y);
-    }
-    store<NP>(y + row * d + j, ya);
-    store<NP>(y + row * d + half + j, yb);
-  }
-}
-
 // dx of one row: mean(dy * w * xhat) summed by the lane in order, reduced in a fixed tree; dx is
 // rounded to bf16, then dresidual (when not null) is added and rounded again, as add() after the
 // plain backward would. dy may be the warp's shared-memory row. dx may alias dresidual.
@@ -234,32 +165,6 @@ __global__ void rmsnorm_backward_dx_kernel(bf16* dx, const bf16* dy, const bf16*
   dx_row<N>(dx + row * d, dy + row * d, dresidual ? dresidual + row * d : nullptr, x + row * d, weight, rstd[row], d, lane);
 }
 
-// dx of the RoPE variant, a warp per kHeadsPerWarp heads of a token: the warp un-rotates a row of dy
-// into shared memory (bf16, rope_backward's values), then runs the plain row on it.
-template <int N, int NP>
-__global__ void rmsnorm_rope_backward_dx_kernel(bf16* dx, const bf16* dy, const bf16* x, const bf16* weight, const float* rstd,
-                                                Rope rope, int64_t tokens, int64_t d) {
-  __shared__ __align__(16) bf16 unrotated[kWarpsPerBlock][2 * kMaxHalf];
-  const WarpRows rows = warp_rows(rope.heads);
-  const int64_t half = d / 2;
-  const int lane = threadIdx.x % 32;
-  if (rows.token >= tokens) return;
-  const int64_t j = lane * NP;
-  const LanePairs<NP> pairs(rope, rows.token, lane);
-  bf16* u = unrotated[threadIdx.x / 32];
-  for (int64_t row = rows.begin; row < rows.end; ++row) {
-#pragma unroll
-    for (int l = 0; l < NP; ++l) {
-      const float2 o = rope_apply(float(dy[row * d + j + l]), float(dy[row * d + half + j + l]), pairs.cs[l]);
-      u[j + l] = bf16(o.x);
-      u[half + j + l] = bf16(o.y);
-    }
-    __syncwarp();
-    dx_row<N>(dx + row * d, u, nullptr, x + row * d, weight, rstd[row], d, lane);
-    __syncwarp();  // the next row overwrites u
-  }
-}
-
 // dweight, pass 1: block (chunk, column tile) -- each thread owns one column and sums dy * xhat
 // over the chunk's kChunkRows rows in row order into partial[chunk, column]. The loop is unrolled so
 // that a thread has several rows' loads in flight; the sum keeps its order.
@@ -274,29 +179,177 @@ __global__ void rmsnorm_dweight_partial_kernel(float* partial, const bf16* dy, c
   partial[chunk * d + c] = acc;
 }
 
-// dweight, pass 1 of the RoPE variant: a thread owns the column pair (j, j + D/2), un-rotates each
-// row's pair of dy once and sums both columns in row order, as the plain pass does per column
-// (unrolled as it is).
+// ---- QK-norm + RoPE fused (rmsnorm_rope_forward / _backward) --------------------------------------
+// RoPE as ops/rope.cu computes it (rope_rotate): rows are (token, head) of `heads` heads; sign 1
+// forward and -1 backward.
+struct InvFreq {
+  float v[kMaxHalf];
+};
+struct Rope {
+  const int32_t* positions;
+  int64_t heads;
+  float sign;
+  InvFreq inv_freq;
+};
+
+// Layout of the fused kernels, for head_dim D = 8 G with G in {8, 16, 32} (D = 64, 128, 256): a head
+// is G lanes, lane p of its group holding the 16-byte pack of elements [8p, 8p + 8), so a warp holds
+// 32 / G heads at once. That is the plain kernels' layout (lane_squares<8> and dx_row<8> give pack
+// p to lane p; the lanes past G add zeros first in warp_sum's tree, which leaves every sum as the
+// group's own tree, xor G/2 down to 1, computes it), so rstd, dx and y keep the unfused ops' bits.
+// A pack's RoPE partners (element j + D/2 for j < D/2) are the pack of lane p ^ G/2, exchanged by
+// shuffle. A warp takes kHeadsPerWarp heads of one token in turn, 32 / G at a time; its lanes'
+// cos/sin (8 each) are computed once. Per element this is a few instructions: a warp walking one
+// head at a time, 4 elements a lane, was instruction-bound at ~1.5 TB/s.
+constexpr int64_t kHeadsPerWarp = 8;
+template <int G> struct RopeLane {
+  static constexpr int kHeadsAtOnce = 32 / G;
+  int lane = int(threadIdx.x % 32), pack = lane % G;
+  bool first_half = pack < G / 2;
+  int64_t token, begin, end;  // the warp's token and its rows [begin, end)
+  bool valid;                 // token < tokens; the rest is set only then
+  float2 cs[8];               // cos, sign * sin of the lane's 8 pairs, 8 (pack mod G/2) + l
+  Pack<8> weight;             // the norm's weight over the lane's pack
+  __device__ RopeLane(const Rope& rope, int64_t tokens, const bf16* norm_weight) {
+    const int64_t warp = blockIdx.x * int64_t(kWarpsPerBlock) + threadIdx.x / 32;
+    const int64_t groups = (rope.heads + kHeadsPerWarp - 1) / kHeadsPerWarp;
+    token = warp / groups;
+    begin = token * rope.heads + warp % groups * kHeadsPerWarp;
+    end = min(begin + kHeadsPerWarp, (token + 1) * rope.heads);
+    valid = token < tokens;
+    if (!valid) return;
+    const float position = float(rope.positions[token]);
+#pragma unroll
+    for (int l = 0; l < 8; ++l) cs[l] = rope_cos_sin(position, rope.inv_freq.v[8 * (pack % (G / 2)) + l], rope.sign);
+    weight = load<8>(norm_weight + 8 * pack);
+  }
+  // The lane's row in the pass starting at row0, or -1 past the warp's rows.
+  __device__ int64_t row(int64_t row0) const { return row0 + lane / G < end ? row0 + lane / G : -1; }
+  // Sum over the head's G lanes, in the tree warp_sum runs over them.
+  __device__ float head_sum(float v) const {
+#pragma unroll
+    for (int m = G / 2; m > 0; m /= 2) v += __shfl_xor_sync(0xffffffffu, v, m);
+    return v;
+  }
+  // The partner lane's pack (elements j +- D/2 of this lane's).
+  __device__ Pack<8> partner(Pack<8> own) const {
+    uint4 bits = *reinterpret_cast<uint4*>(&own);
+    bits.x = __shfl_xor_sync(0xffffffffu, bits.x, G / 2);
+    bits.y = __shfl_xor_sync(0xffffffffu, bits.y, G / 2);
+    bits.z = __shfl_xor_sync(0xffffffffu, bits.z, G / 2);
+    bits.w = __shfl_xor_sync(0xffffffffu, bits.w, G / 2);
+    return *reinterpret_cast<Pack<8>*>(&bits);
+  }
+  // This lane's half of the rotation of (own, partner): rope_apply's x for the first half, y for the second.
+  __device__ Pack<8> rotate(const Pack<8>& own, const Pack<8>& other) const {
+    Pack<8> out;
+#pragma unroll
+    for (int l = 0; l < 8; ++l) {
+      const float a = float(first_half ? own.v[l] : other.v[l]), b = float(first_half ? other.v[l] : own.v[l]);
+      const float2 o = rope_apply(a, b, cs[l]);
+      out.v[l] = bf16(first_half ? o.x : o.y);
+    }
+    return out;
+  }
+};
+unsigned rope_blocks(int64_t tokens, int64_t heads) {
+  return unsigned((tokens * ((heads + kHeadsPerWarp - 1) / kHeadsPerWarp) + kWarpsPerBlock - 1) / kWarpsPerBlock);
+}
+
+// y = rope(norm(x)): rstd of each head, the normalised pack rounded to bf16 (the unfused norm's
+// output), rotated with its partner's.
+template <int G>
+__global__ void rmsnorm_rope_forward_kernel(bf16* y, float* rstd, const bf16* x, const bf16* weight, Rope rope, int64_t tokens,
+                                            float eps) {
+  constexpr int64_t d = 8 * G;
+  const RopeLane<G> lane(rope, tokens, weight);
+  if (!lane.valid) return;
+  for (int64_t row0 = lane.begin; row0 < lane.end; row0 += lane.kHeadsAtOnce) {
+    const int64_t row = lane.row(row0);
+    Pack<8> xp{};
+    if (row >= 0) xp = load<8>(x + row * d + 8 * lane.pack);
+    float ss = 0;
+#pragma unroll
+    for (int l = 0; l < 8; ++l) ss = fmaf(float(xp.v[l]), float(xp.v[l]), ss);
+    const float r = 1.0f / sqrtf(lane.head_sum(ss) / float(d) + eps);
+    Pack<8> normed;
+#pragma unroll
+    for (int l = 0; l < 8; ++l) normed.v[l] = bf16(float(xp.v[l]) * r * float(lane.weight.v[l]));
+    const Pack<8> rotated = lane.rotate(normed, lane.partner(normed));
+    if (row < 0) continue;
+    if (lane.pack == 0) rstd[row] = r;
+    store<8>(y + row * d + 8 * lane.pack, rotated);
+  }
+}
+
+// dx = rmsnorm_backward(rope_backward(dy)): the lane un-rotates its pack of dy with its partner's
+// (rounded to bf16 as rope_backward writes it), then dx_row's arithmetic on the pack.
+template <int G>
+__global__ void rmsnorm_rope_backward_dx_kernel(bf16* dx, const bf16* dy, const bf16* x, const bf16* weight, const float* rstd,
+                                                Rope rope, int64_t tokens) {
+  constexpr int64_t d = 8 * G;
+  const RopeLane<G> lane(rope, tokens, weight);
+  if (!lane.valid) return;
+  for (int64_t row0 = lane.begin; row0 < lane.end; row0 += lane.kHeadsAtOnce) {
+    const int64_t row = lane.row(row0);
+    Pack<8> gp{}, xp{};
+    float r = 0;
+    if (row >= 0) {
+      gp = load<8>(dy + row * d + 8 * lane.pack);
+      xp = load<8>(x + row * d + 8 * lane.pack);
+      r = rstd[row];
+    }
+    const Pack<8> u = lane.rotate(gp, lane.partner(gp));
+    float dot = 0;
+#pragma unroll
+    for (int l = 0; l < 8; ++l) dot = fmaf(__fmul_rn(__fmul_rn(float(u.v[l]), float(lane.weight.v[l])), float(xp.v[l])), r, dot);
+    const float mean = lane.head_sum(dot) / float(d);
+    if (row < 0) continue;
+    Pack<8> o;
+#pragma unroll
+    for (int l = 0; l < 8; ++l) {
+      const float xhat_mean = __fmul_rn(__fmul_rn(float(xp.v[l]), r), mean);
+      o.v[l] = bf16(__fmul_rn(r, fmaf(float(u.v[l]), float(lane.weight.v[l]), -xhat_mean)));
+    }
+    store<8>(dx + row * d + 8 * lane.pack, o);
+  }
+}
+
+// dweight, pass 1 of the RoPE variant: a thread owns 8 column pairs (j, j + D/2), j in [8t, 8t + 8),
+// of one chunk; it un-rotates each row's pairs of dy (rounded to bf16 as rope_backward writes them)
+// and sums each column in row order, as the plain pass does. The rows of a token share its angles,
+// computed once per token.
 __global__ void rmsnorm_rope_dweight_partial_kernel(float* partial, const bf16* dy, const bf16* x, const float* rstd, Rope rope,
-                                                    int64_t rows, int64_t d) {
-  const int64_t j = blockIdx.y * int64_t(blockDim.x) + threadIdx.x, chunk = blockIdx.x, half = d / 2;
-  if (j >= half) return;
-  float acc_a = 0, acc_b = 0;
-  int64_t token = -1;  // the rows of one token's heads share the angle: its cos and sin are computed once
-  float2 cs{};
-#pragma unroll 8
+                                                    int64_t rows, int64_t chunks, int64_t d) {
+  const int64_t half = d / 2, per_chunk = half / 8, id = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  const int64_t chunk = id / per_chunk, j = id % per_chunk * 8;
+  if (chunk >= chunks) return;
+  float acc_a[8] = {}, acc_b[8] = {};
+  int64_t token = -1;
+  float2 cs[8];
+#pragma unroll 2
   for (int64_t r = chunk * kChunkRows; r < min(rows, (chunk + 1) * kChunkRows); ++r) {
     if (r / rope.heads != token) {
       token = r / rope.heads;
-      cs = rope_cos_sin(float(rope.positions[token]), rope.inv_freq.v[j], rope.sign);
+#pragma unroll
+      for (int l = 0; l < 8; ++l) cs[l] = rope_cos_sin(float(rope.positions[token]), rope.inv_freq.v[j + l], rope.sign);
     }
-    // Rounded to bf16 as rope_backward writes it.
-    const float2 o = rope_apply(float(dy[r * d + j]), float(dy[r * d + half + j]), cs);
-    acc_a = fmaf(float(bf16(o.x)), __fmul_rn(float(x[r * d + j]), rstd[r]), acc_a);
-    acc_b = fmaf(float(bf16(o.y)), __fmul_rn(float(x[r * d + half + j]), rstd[r]), acc_b);
+    const Pack<8> ga = load<8>(dy + r * d + j), gb = load<8>(dy + r * d + half + j);
+    const Pack<8> xa = load<8>(x + r * d + j), xb = load<8>(x + r * d + half + j);
+    const float rs = rstd[r];
+#pragma unroll
+    for (int l = 0; l < 8; ++l) {
+      const float2 o = rope_apply(float(ga.v[l]), float(gb.v[l]), cs[l]);
+      acc_a[l] = fmaf(float(bf16(o.x)), __fmul_rn(float(xa.v[l]), rs), acc_a[l]);
+      acc_b[l] = fmaf(float(bf16(o.y)), __fmul_rn(float(xb.v[l]), rs), acc_b[l]);
+    }
   }
-  partial[chunk * d + j] = acc_a;
-  partial[chunk * d + half + j] = acc_b;
+  float4* out_a = reinterpret_cast<float4*>(partial + chunk * d + j);
+  float4* out_b = reinterpret_cast<float4*>(partial + chunk * d + half + j);
+  out_a[0] = make_float4(acc_a[0], acc_a[1], acc_a[2], acc_a[3]);
+  out_a[1] = make_float4(acc_a[4], acc_a[5], acc_a[6], acc_a[7]);
+  out_b[0] = make_float4(acc_b[0], acc_b[1], acc_b[2], acc_b[3]);
+  out_b[1] = make_float4(acc_b[4], acc_b[5], acc_b[6], acc_b[7]);
 }
 
 // dweight, pass 2: a block of 32 x 32 threads owns 32 columns; thread (column j, lane k) adds the
@@ -351,30 +404,25 @@ void launch_add_forward(Tensor y, Tensor sum, Tensor rstd, Tensor x, Tensor resi
   MARROW_CUDA_CHECK_LAUNCH();
 }
 
-// The fused kernels take D/2 = 32 * NP pairs, NP in {1, 2, 4, 8}, in packs of NP (aligned when the
-// rows pack in 8s); 0 when this head_dim does not fit them (the ops then run the unfused pair).
-int64_t lane_pairs(int64_t d, std::initializer_list<const void*> data) {
-  const int64_t np = d / 2 / 32;
-  if (d / 2 % 32 != 0 || (np != 1 && np != 2 && np != 4 && np != 8)) return 0;
-  return np == 1 || packable(d, data) ? np : 0;
+// G = D / 8 lanes per head for the fused kernels (see RopeLane): D in {64, 128, 256} with rows in
+// aligned packs of 8; 0 for other head sizes (the ops then run the unfused pair).
+int64_t rope_group(int64_t d, std::initializer_list<const void*> data) {
+  return (d == 64 || d == 128 || d == 256) && packable(d, data) ? d / 8 : 0;
 }
 
-// NS as the plain forward picks it for these rows (so rstd has its bits).
-void launch_rope_forward(Tensor y, Tensor rstd, Tensor x, Tensor weight, Tensor positions, double eps, double theta, int64_t np,
+void launch_rope_forward(Tensor y, Tensor rstd, Tensor x, Tensor weight, Tensor positions, double eps, double theta, int64_t group,
                          Stream stream) {
   const int64_t tokens = x.size(0), heads = x.size(1), d = x.size(2);
   if (tokens * heads == 0) return;
   auto s = static_cast<cudaStream_t>(stream.handle);
   const Rope rope = rope_args(positions, heads, d, theta, 1.0f);
-  const bool rows8 = packable(d, {y.data, x.data, weight.data});
   auto launch = [&](auto kernel) {
     kernel<<<rope_blocks(tokens, heads), kRowThreads, 0, s>>>(bf16_out(y), rstd.ptr<float>(), bf16_data(x), bf16_data(weight), rope,
-                                                              tokens, d, float(eps));
+                                                              tokens, float(eps));
   };
-  if (np == 1) rows8 ? launch(rmsnorm_rope_forward_kernel<8, 1>) : launch(rmsnorm_rope_forward_kernel<1, 1>);
-  else if (np == 2) launch(rmsnorm_rope_forward_kernel<8, 2>);
-  else if (np == 4) launch(rmsnorm_rope_forward_kernel<8, 4>);
-  else launch(rmsnorm_rope_forward_kernel<8, 8>);
+  if (group == 8) launch(rmsnorm_rope_forward_kernel<8>);
+  else if (group == 16) launch(rmsnorm_rope_forward_kernel<16>);
+  else launch(rmsnorm_rope_forward_kernel<32>);
   MARROW_CUDA_CHECK_LAUNCH();
 }
 
@@ -408,26 +456,23 @@ void launch_backward(Tensor dx, Tensor dweight, Tensor dy, Tensor x, Tensor weig
 }
 
 void launch_rope_backward(Tensor dx, Tensor dweight, Tensor dy, Tensor x, Tensor weight, Tensor rstd, Tensor positions, double theta,
-                          int64_t np, Stream stream) {
+                          int64_t group, Stream stream) {
   const int64_t tokens = x.size(0), heads = x.size(1), d = x.size(2), n = tokens * heads;
   if (n == 0) return;
   auto s = static_cast<cudaStream_t>(stream.handle);
   const Rope rope = rope_args(positions, heads, d, theta, -1.0f);
-  const bool rows8 = packable(d, {dx.data, dy.data, x.data, weight.data});
   auto launch = [&](auto kernel) {
     kernel<<<rope_blocks(tokens, heads), kRowThreads, 0, s>>>(bf16_out(dx), bf16_data(dy), bf16_data(x), bf16_data(weight),
-                                                              rstd.ptr<float>(), rope, tokens, d);
+                                                              rstd.ptr<float>(), rope, tokens);
   };
-  if (np == 1) rows8 ? launch(rmsnorm_rope_backward_dx_kernel<8, 1>) : launch(rmsnorm_rope_backward_dx_kernel<1, 1>);
-  else if (np == 2) launch(rmsnorm_rope_backward_dx_kernel<8, 2>);
-  else if (np == 4) launch(rmsnorm_rope_backward_dx_kernel<8, 4>);
-  else launch(rmsnorm_rope_backward_dx_kernel<8, 8>);
+  if (group == 8) launch(rmsnorm_rope_backward_dx_kernel<8>);
+  else if (group == 16) launch(rmsnorm_rope_backward_dx_kernel<16>);
+  else launch(rmsnorm_rope_backward_dx_kernel<32>);
   MARROW_CUDA_CHECK_LAUNCH();
-  // A thread per column pair: blocks of at most 256, no more warps than D/2 needs (64 threads at D = 128).
-  const int64_t threads = std::min<int64_t>(256, (d / 2 + 31) / 32 * 32);
   accumulate_dweight(dweight, n, d, stream, [&](float* partial, unsigned chunks, cudaStream_t st) {
-    rmsnorm_rope_dweight_partial_kernel<<<dim3(chunks, unsigned((d / 2 + threads - 1) / threads)), unsigned(threads), 0, st>>>(
-        partial, bf16_data(dy), bf16_data(x), rstd.ptr<float>(), rope, n, d);
+    const int64_t threads = int64_t(chunks) * (d / 16);  // 8 column pairs each
+    rmsnorm_rope_dweight_partial_kernel<<<unsigned((threads + 255) / 256), 256, 0, st>>>(partial, bf16_data(dy), bf16_data(x),
+                                                                                      rstd.ptr<float>(), rope, n, chunks, d);
   });
 }
 #endif
@@ -505,8 +550,8 @@ void rmsnorm_rope_forward(Tensor y, Tensor rstd, Tensor x, Tensor weight, Tensor
   } else {
     expect_gpu_dtypes(op, {{"x", &x}, {"y", &y}, {"weight", &weight}}, {{"rstd", &rstd}});
 #ifdef __CUDACC__
-    if (const int64_t np = lane_pairs(d, {y.data, x.data, weight.data}); np > 0)
-      return launch_rope_forward(y, rstd, x, weight, positions, eps, theta, np, stream);
+    if (const int64_t group = rope_group(d, {y.data, x.data, weight.data}); group > 0)
+      return launch_rope_forward(y, rstd, x, weight, positions, eps, theta, group, stream);
 #endif
   }
   // The CPU, and head sizes the fused kernels do not take: the unfused pair, whose bits they keep.
@@ -565,8 +610,8 @@ void rmsnorm_rope_backward(Tensor dx, Tensor dweight, Tensor dy, Tensor x, Tenso
   } else {
     expect_gpu_dtypes(op, {{"x", &x}, {"dx", &dx}, {"dy", &dy}, {"weight", &weight}}, {{"rstd", &rstd}, {"dweight", &dweight}});
 #ifdef __CUDACC__
-    if (const int64_t np = lane_pairs(d, {dx.data, dy.data, x.data, weight.data}); np > 0)
-      return launch_rope_backward(dx, dweight, dy, x, weight, rstd, positions, theta, np, stream);
+    if (const int64_t group = rope_group(d, {dx.data, dy.data, x.data, weight.data}); group > 0)
+      return launch_rope_backward(dx, dweight, dy, x, weight, rstd, positions, theta, group, stream);
 #endif
   }
   // The CPU, and head sizes the fused kernels do not take: the unfused pair, whose bits they keep.
