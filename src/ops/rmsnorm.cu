@@ -315,41 +315,29 @@ __global__ void rmsnorm_rope_backward_dx_kernel(bf16* dx, const bf16* dy, const 
   }
 }
 
-// dweight, pass 1 of the RoPE variant: a thread owns 8 column pairs (j, j + D/2), j in [8t, 8t + 8),
-// of one chunk; it un-rotates each row's pairs of dy (rounded to bf16 as rope_backward writes them)
-// and sums each column in row order, as the plain pass does. The rows of a token share its angles,
-// computed once per token.
+// dweight, pass 1 of the RoPE variant: a thread owns the column pair (j, j + D/2), un-rotates each
+// row's pair of dy once and sums both columns in row order, as the plain pass does per column
+// (unrolled as it is).
 __global__ void rmsnorm_rope_dweight_partial_kernel(float* partial, const bf16* dy, const bf16* x, const float* rstd, Rope rope,
-                                                    int64_t rows, int64_t chunks, int64_t d) {
-  const int64_t half = d / 2, per_chunk = half / 8, id = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
-  const int64_t chunk = id / per_chunk, j = id % per_chunk * 8;
-  if (chunk >= chunks) return;
-  float acc_a[8] = {}, acc_b[8] = {};
-  int64_t token = -1;
-  float2 cs[8];
-#pragma unroll 2
+                                                    int64_t rows, int64_t d) {
+  const int64_t j = blockIdx.y * int64_t(blockDim.x) + threadIdx.x, chunk = blockIdx.x, half = d / 2;
+  if (j >= half) return;
+  float acc_a = 0, acc_b = 0;
+  int64_t token = -1;  // the rows of one token's heads share the angle: its cos and sin are computed once
+  float2 cs{};
+#pragma unroll 8
   for (int64_t r = chunk * kChunkRows; r < min(rows, (chunk + 1) * kChunkRows); ++r) {
     if (r / rope.heads != token) {
       token = r / rope.heads;
-#pragma unroll
-      for (int l = 0; l < 8; ++l) cs[l] = rope_cos_sin(float(rope.positions[token]), rope.inv_freq.v[j + l], rope.sign);
+      cs = rope_cos_sin(float(rope.positions[token]), rope.inv_freq.v[j], rope.sign);
     }
-    const Pack<8> ga = load<8>(dy + r * d + j), gb = load<8>(dy + r * d + half + j);
-    const Pack<8> xa = load<8>(x + r * d + j), xb = load<8>(x + r * d + half + j);
-    const float rs = rstd[r];
-#pragma unroll
-    for (int l = 0; l < 8; ++l) {
-      const float2 o = rope_apply(float(ga.v[l]), float(gb.v[l]), cs[l]);
-      acc_a[l] = fmaf(float(bf16(o.x)), __fmul_rn(float(xa.v[l]), rs), acc_a[l]);
-      acc_b[l] = fmaf(float(bf16(o.y)), __fmul_rn(float(xb.v[l]), rs), acc_b[l]);
-    }
+    // Rounded to bf16 as rope_backward writes it.
+    const float2 o = rope_apply(float(dy[r * d + j]), float(dy[r * d + half + j]), cs);
+    acc_a = fmaf(float(bf16(o.x)), __fmul_rn(float(x[r * d + j]), rstd[r]), acc_a);
+    acc_b = fmaf(float(bf16(o.y)), __fmul_rn(float(x[r * d + half + j]), rstd[r]), acc_b);
   }
-  float4* out_a = reinterpret_cast<float4*>(partial + chunk * d + j);
-  float4* out_b = reinterpret_cast<float4*>(partial + chunk * d + half + j);
-  out_a[0] = make_float4(acc_a[0], acc_a[1], acc_a[2], acc_a[3]);
-  out_a[1] = make_float4(acc_a[4], acc_a[5], acc_a[6], acc_a[7]);
-  out_b[0] = make_float4(acc_b[0], acc_b[1], acc_b[2], acc_b[3]);
-  out_b[1] = make_float4(acc_b[4], acc_b[5], acc_b[6], acc_b[7]);
+  partial[chunk * d + j] = acc_a;
+  partial[chunk * d + half + j] = acc_b;
 }
 
 // dweight, pass 2: a block of 32 x 32 threads owns 32 columns; thread (column j, lane k) adds the
@@ -469,10 +457,11 @@ void launch_rope_backward(Tensor dx, Tensor dweight, Tensor dy, Tensor x, Tensor
   else if (group == 16) launch(rmsnorm_rope_backward_dx_kernel<16>);
   else launch(rmsnorm_rope_backward_dx_kernel<32>);
   MARROW_CUDA_CHECK_LAUNCH();
+  // A thread per column pair: blocks of at most 256, no more warps than D/2 needs (64 threads at D = 128).
+  const int64_t threads = std::min<int64_t>(256, (d / 2 + 31) / 32 * 32);
   accumulate_dweight(dweight, n, d, stream, [&](float* partial, unsigned chunks, cudaStream_t st) {
-    const int64_t threads = int64_t(chunks) * (d / 16);  // 8 column pairs each
-    rmsnorm_rope_dweight_partial_kernel<<<unsigned((threads + 255) / 256), 256, 0, st>>>(partial, bf16_data(dy), bf16_data(x),
-                                                                                      rstd.ptr<float>(), rope, n, chunks, d);
+    rmsnorm_rope_dweight_partial_kernel<<<dim3(chunks, unsigned((d / 2 + threads - 1) / threads)), unsigned(threads), 0, st>>>(
+        partial, bf16_data(dy), bf16_data(x), rstd.ptr<float>(), rope, n, d);
   });
 }
 #endif
