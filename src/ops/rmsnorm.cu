@@ -225,12 +225,6 @@ template <int G> struct RopeLane {
   }
   // The lane's row in the pass starting at row0, or -1 past the warp's rows.
   __device__ int64_t row(int64_t row0) const { return row0 + lane / G < end ? row0 + lane / G : -1; }
-  // The lane's pack of `row` in t [rows, D], zeros for row -1.
-  __device__ Pack<8> load_pack(const bf16* t, int64_t row) const {
-    Pack<8> p{};
-    if (row >= 0) p = load<8>(t + row * 8 * G + 8 * pack);
-    return p;
-  }
   // Sum over the head's G lanes, in the tree warp_sum runs over them.
   __device__ float head_sum(float v) const {
 #pragma unroll
@@ -238,16 +232,13 @@ template <int G> struct RopeLane {
     return v;
   }
   // The partner lane's pack (elements j +- D/2 of this lane's).
-  __device__ Pack<8> partner(const Pack<8>& own) const {
-    Pack<8> other;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {  // two bf16 per shuffle, packed in registers
-      const uint32_t word = uint32_t(__bfloat16_as_ushort(own.v[2 * i])) | uint32_t(__bfloat16_as_ushort(own.v[2 * i + 1])) << 16;
-      const uint32_t got = __shfl_xor_sync(0xffffffffu, word, G / 2);
-      other.v[2 * i] = __ushort_as_bfloat16(uint16_t(got & 0xffffu));
-      other.v[2 * i + 1] = __ushort_as_bfloat16(uint16_t(got >> 16));
-    }
-    return other;
+  __device__ Pack<8> partner(Pack<8> own) const {
+    uint4 bits = *reinterpret_cast<uint4*>(&own);
+    bits.x = __shfl_xor_sync(0xffffffffu, bits.x, G / 2);
+    bits.y = __shfl_xor_sync(0xffffffffu, bits.y, G / 2);
+    bits.z = __shfl_xor_sync(0xffffffffu, bits.z, G / 2);
+    bits.w = __shfl_xor_sync(0xffffffffu, bits.w, G / 2);
+    return *reinterpret_cast<Pack<8>*>(&bits);
   }
   // This lane's half of the rotation of (own, partner): rope_apply's x for the first half, y for the second.
   __device__ Pack<8> rotate(const Pack<8>& own, const Pack<8>& other) const {
@@ -273,13 +264,10 @@ __global__ void rmsnorm_rope_forward_kernel(bf16* y, float* rstd, const bf16* x,
   constexpr int64_t d = 8 * G;
   const RopeLane<G> lane(rope, tokens, weight);
   if (!lane.valid) return;
-  // Each pass loads the next pass's pack before its own reduction and store, so the load's latency
-  // is not in the warp's chain of passes.
-  int64_t row = lane.row(lane.begin);
-  Pack<8> xp = lane.load_pack(x, row);
   for (int64_t row0 = lane.begin; row0 < lane.end; row0 += lane.kHeadsAtOnce) {
-    const int64_t next_row = lane.row(row0 + lane.kHeadsAtOnce);
-    const Pack<8> next = lane.load_pack(x, next_row);
+    const int64_t row = lane.row(row0);
+    Pack<8> xp{};
+    if (row >= 0) xp = load<8>(x + row * d + 8 * lane.pack);
     float ss = 0;
 #pragma unroll
     for (int l = 0; l < 8; ++l) ss = fmaf(float(xp.v[l]), float(xp.v[l]), ss);
@@ -288,12 +276,9 @@ __global__ void rmsnorm_rope_forward_kernel(bf16* y, float* rstd, const bf16* x,
 #pragma unroll
     for (int l = 0; l < 8; ++l) normed.v[l] = bf16(float(xp.v[l]) * r * float(lane.weight.v[l]));
     const Pack<8> rotated = lane.rotate(normed, lane.partner(normed));
-    if (row >= 0) {
-      if (lane.pack == 0) rstd[row] = r;
-      store<8>(y + row * d + 8 * lane.pack, rotated);
-    }
-    row = next_row;
-    xp = next;
+    if (row < 0) continue;
+    if (lane.pack == 0) rstd[row] = r;
+    store<8>(y + row * d + 8 * lane.pack, rotated);
   }
 }
 
@@ -305,56 +290,51 @@ __global__ void rmsnorm_rope_backward_dx_kernel(bf16* dx, const bf16* dy, const 
   constexpr int64_t d = 8 * G;
   const RopeLane<G> lane(rope, tokens, weight);
   if (!lane.valid) return;
-  int64_t row = lane.row(lane.begin);  // and the next pass's loads issued early, as in the forward
-  Pack<8> gp = lane.load_pack(dy, row), xp = lane.load_pack(x, row);
-  float r = row >= 0 ? rstd[row] : 0.0f;
   for (int64_t row0 = lane.begin; row0 < lane.end; row0 += lane.kHeadsAtOnce) {
-    const int64_t next_row = lane.row(row0 + lane.kHeadsAtOnce);
-    const Pack<8> next_gp = lane.load_pack(dy, next_row), next_xp = lane.load_pack(x, next_row);
-    const float next_r = next_row >= 0 ? rstd[next_row] : 0.0f;
+    const int64_t row = lane.row(row0);
+    Pack<8> gp{}, xp{};
+    float r = 0;
+    if (row >= 0) {
+      gp = load<8>(dy + row * d + 8 * lane.pack);
+      xp = load<8>(x + row * d + 8 * lane.pack);
+      r = rstd[row];
+    }
     const Pack<8> u = lane.rotate(gp, lane.partner(gp));
     float dot = 0;
 #pragma unroll
     for (int l = 0; l < 8; ++l) dot = fmaf(__fmul_rn(__fmul_rn(float(u.v[l]), float(lane.weight.v[l])), float(xp.v[l])), r, dot);
     const float mean = lane.head_sum(dot) / float(d);
-    if (row >= 0) {
-      Pack<8> o;
+    if (row < 0) continue;
+    Pack<8> o;
 #pragma unroll
-      for (int l = 0; l < 8; ++l) {
-        const float xhat_mean = __fmul_rn(__fmul_rn(float(xp.v[l]), r), mean);
-        o.v[l] = bf16(__fmul_rn(r, fmaf(float(u.v[l]), float(lane.weight.v[l]), -xhat_mean)));
-      }
-      store<8>(dx + row * d + 8 * lane.pack, o);
+    for (int l = 0; l < 8; ++l) {
+      const float xhat_mean = __fmul_rn(__fmul_rn(float(xp.v[l]), r), mean);
+      o.v[l] = bf16(__fmul_rn(r, fmaf(float(u.v[l]), float(lane.weight.v[l]), -xhat_mean)));
     }
-    row = next_row;
-    gp = next_gp;
-    xp = next_xp;
-    r = next_r;
+    store<8>(dx + row * d + 8 * lane.pack, o);
   }
 }
 
 // dweight, pass 1 of the RoPE variant: a thread owns the column pair (j, j + D/2), un-rotates each
-// row's pair of dy once and sums both columns in row order, as the plain pass does per column. The
-// rows go token by token: the angle once per token, then the token's rows in an unrolled loop with
-// nothing else in it. (With the angle computed inside the row loop, the local-memory stores of
-// sinf's slow path kept the compiler from issuing the next rows' loads early: one row in flight.)
+// row's pair of dy once and sums both columns in row order, as the plain pass does per column
+// (unrolled as it is).
 __global__ void rmsnorm_rope_dweight_partial_kernel(float* partial, const bf16* dy, const bf16* x, const float* rstd, Rope rope,
                                                     int64_t rows, int64_t d) {
   const int64_t j = blockIdx.y * int64_t(blockDim.x) + threadIdx.x, chunk = blockIdx.x, half = d / 2;
   if (j >= half) return;
   float acc_a = 0, acc_b = 0;
-  const int64_t end = min(rows, (chunk + 1) * kChunkRows);
-  for (int64_t first = chunk * kChunkRows; first < end;) {
-    const int64_t token = first / rope.heads, last = min(end, (token + 1) * rope.heads);
-    const float2 cs = rope_cos_sin(float(rope.positions[token]), rope.inv_freq.v[j], rope.sign);
+  int64_t token = -1;  // the rows of one token's heads share the angle: its cos and sin are computed once
+  float2 cs{};
 #pragma unroll 8
-    for (int64_t r = first; r < last; ++r) {
-      // Rounded to bf16 as rope_backward writes it.
-      const float2 o = rope_apply(float(dy[r * d + j]), float(dy[r * d + half + j]), cs);
-      acc_a = fmaf(float(bf16(o.x)), __fmul_rn(float(x[r * d + j]), rstd[r]), acc_a);
-      acc_b = fmaf(float(bf16(o.y)), __fmul_rn(float(x[r * d + half + j]), rstd[r]), acc_b);
+  for (int64_t r = chunk * kChunkRows; r < min(rows, (chunk + 1) * kChunkRows); ++r) {
+    if (r / rope.heads != token) {
+      token = r / rope.heads;
+      cs = rope_cos_sin(float(rope.positions[token]), rope.inv_freq.v[j], rope.sign);
     }
-    first = last;
+    // Rounded to bf16 as rope_backward writes it.
+    const float2 o = rope_apply(float(dy[r * d + j]), float(dy[r * d + half + j]), cs);
+    acc_a = fmaf(float(bf16(o.x)), __fmul_rn(float(x[r * d + j]), rstd[r]), acc_a);
+    acc_b = fmaf(float(bf16(o.y)), __fmul_rn(float(x[r * d + half + j]), rstd[r]), acc_b);
   }
   partial[chunk * d + j] = acc_a;
   partial[chunk * d + half + j] = acc_b;
