@@ -466,6 +466,30 @@ void check_adamw(CheckReport& report, int64_t n, int64_t offset) {
   report.expect_equal("adamw_step param_bf16 " + size, tail(copy_d), tail(copy));
 }
 
+// Rows an embedding step did not see: zero gradient and moments (+0 and -0). AdamW skips the square
+// root and the divisions for them (ops/adamw.cu); the results are known exactly: the moments become
+// +0 and the weight only decays, float(double(param) * decay). lr and weight_decay make decay
+// 0.875, exact in any rounding.
+void check_adamw_zero_moments(CheckReport& report, int64_t n) {
+  AdamWHyper hyper{0.25, 0.9, 0.95, 1e-8, 0.5, 3};
+  Buffer param = random_host({n}, 74), grad(DType::f32, Device::cpu, {n}), m(DType::f32, Device::cpu, {n}),
+         v(DType::f32, Device::cpu, {n}), zero(DType::f32, Device::cpu, {n}), want(DType::f32, Device::cpu, {n});
+  float* p = param.ptr<float>();
+  p[0] = 0.0f;
+  p[1] = -0.0f;
+  for (int64_t i = 0; i < n; ++i) {
+    grad.ptr<float>()[i] = v.ptr<float>()[i] = zero.ptr<float>()[i] = 0.0f;
+    m.ptr<float>()[i] = i % 2 ? -0.0f : 0.0f;
+    want.ptr<float>()[i] = float(double(p[i]) * 0.875);
+  }
+  OnDevice param_d(param, DType::f32), grad_d(grad, DType::f32), m_d(m, DType::f32), v_d(v, DType::f32);
+  adamw_step(param_d, Tensor{}, m_d, v_d, grad_d, hyper);
+  const std::string size = fmt::format("n={}", n);
+  report.expect_equal("adamw_step zero moments: param only decays " + size, param_d, want);
+  report.expect_equal("adamw_step zero moments: exp_avg +0 " + size, m_d, zero);
+  report.expect_equal("adamw_step zero moments: exp_avg_sq +0 " + size, v_d, zero);
+}
+
 void check_grad_norm(CheckReport& report, int64_t n, int64_t offset) {
   const std::string size = fmt::format("n={}{}", n, offset ? " unaligned" : "");
   Buffer x = random_host({n + offset}, 80);
@@ -517,6 +541,7 @@ void check_elementwise_ops(CheckReport& report) {
   check_cross_entropy(report, 37, 1001);
   check_adamw(report, 37 * 75, 0);
   check_adamw(report, 37 * 75, 1);
+  check_adamw_zero_moments(report, 37 * 75);
   check_grad_norm(report, 37 * 75, 0);
   check_grad_norm(report, 37 * 75, 1);
 
