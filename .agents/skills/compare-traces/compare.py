@@ -1,0 +1,57 @@
+"""Kernel time per step of two kernel traces (marrow's --profile-steps Chrome JSON, plain or gzipped), side by side.
+
+usage: compare.py <before-trace> <after-trace> [--steps N] [--top K] [--match REGEX]
+Prints, per kernel name (first 80 characters), ms per step before and after, the difference, calls per step and the mean
+duration of a call after; then the totals. Machines differ by a few percent in kernel speed: compare the kernels a change
+touched, and read the untouched GEMMs' difference as the machine's.
+"""
+import argparse
+import collections
+import gzip
+import json
+import re
+import sys
+
+
+def kernel_times(path):
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        events = json.load(f)["traceEvents"]
+    total, calls = collections.Counter(), collections.Counter()
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") == "kernel":
+            total[e["name"][:80]] += e["dur"]
+            calls[e["name"][:80]] += 1
+    return total, calls
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("before")
+    parser.add_argument("after")
+    parser.add_argument("--steps", type=int, default=2, help="steps in each trace (--profile-steps=3:4 traces 2)")
+    parser.add_argument("--top", type=int, default=30)
+    parser.add_argument("--match", default="", help="only kernels whose name matches this regex")
+    args = parser.parse_args()
+    before, _ = kernel_times(args.before)
+    after, calls = kernel_times(args.after)
+    if not before or not after:
+        print(f"no kernel events in {args.before if not before else args.after}")
+        print("FAIL")
+        return 1
+    scale = 1000.0 * args.steps  # microseconds over the traced steps -> ms per step
+    names = sorted(set(before) | set(after), key=lambda n: -max(before[n], after[n]))
+    names = [n for n in names if re.search(args.match, n)][:args.top]
+    print(f"{'before':>9} {'after':>9} {'diff':>8} {'calls':>6} {'us/call':>9}  kernel (ms per step)")
+    for n in names:
+        per_call = after[n] / calls[n] if calls[n] else 0.0
+        print(f"{before[n] / scale:9.2f} {after[n] / scale:9.2f} {(after[n] - before[n]) / scale:+8.2f} "
+              f"{calls[n] // args.steps:6d} {per_call:9.1f}  {n}")
+    b, a = sum(before.values()) / scale, sum(after.values()) / scale
+    print(f"{b:9.2f} {a:9.2f} {a - b:+8.2f}  all kernels")
+    print("PASS")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
