@@ -69,7 +69,7 @@ TEST(GroupedLinear, OverwriteEqualsAccumulatingOntoZeros) {
   for (int64_t i = o * in; i < 2 * o * in; ++i) EXPECT_EQ(written.ptr<double>()[i], 0.0);
 }
 
-TEST(GroupedLinear, RejectsOffsetsOnTheGpu) {
+TEST(GroupedLinear, RejectsOffsetsOnTheGpuForDataOnTheCpu) {
   Buffer x(DType::f32, Device::cpu, {2, 3}), w(DType::f32, Device::cpu, {2, 4, 3}), y(DType::f32, Device::cpu, {2, 4});
   int32_t bounds[3] = {0, 1, 2};
   try {

@@ -126,6 +126,26 @@ void check_linear_bench(CheckReport& report, const char* label, int64_t n, int64
 
 // ---- grouped_linear ----------------------------------------------------------------------------
 
+// The grouped ops again with the offsets in GPU memory (the tile schedules and dW work lists built on
+// the device, no wait for the GPU): every output bit for bit the host offsets' outputs, given as
+// y, dx, dw after two accumulating calls from zero, and dw overwritten.
+void check_device_offsets(CheckReport& report, const std::string& shape, Tensor x, Tensor w, Tensor dy, Tensor offsets, Tensor y,
+                          Tensor dx, Tensor dw_twice, Tensor dw_written) {
+  const Buffer offsets_d = to_device(offsets, DType::i32);
+  const int64_t r = x.size(0), in = x.size(1), e = w.size(0), out = w.size(1);
+  Buffer y2 = poisoned(DType::bf16, {r, out}), dx2 = poisoned(DType::bf16, {r, in});
+  grouped_linear_forward(y2, x, w, offsets_d);
+  grouped_linear_backward_input(dx2, dy, w, offsets_d);
+  Buffer dw2 = Buffer::zeros(DType::f32, Device::cuda, {e, out, in}), written2 = poisoned(DType::f32, {e, out, in});
+  grouped_linear_backward_weight(dw2, dy, x, offsets_d);
+  grouped_linear_backward_weight(dw2, dy, x, offsets_d);
+  grouped_linear_backward_weight(written2, dy, x, offsets_d, true);
+  report.expect_equal("grouped fwd, offsets on the GPU = on the host " + shape, y2, to_host(y));
+  report.expect_equal("grouped bwd_input, offsets on the GPU = on the host " + shape, dx2, to_host(dx));
+  report.expect_equal("grouped bwd_weight x2, offsets on the GPU = on the host " + shape, dw2, to_host(dw_twice));
+  report.expect_equal("grouped bwd_weight overwrite, offsets on the GPU = on the host " + shape, written2, to_host(dw_written));
+}
+
 // kernel: a name for the rows when the forward/backward-input kernel is not the default one.
 void check_grouped_small(CheckReport& report, int64_t out, int64_t in, const std::vector<int32_t>& counts, uint64_t seed,
                          const char* kernel = nullptr) {
@@ -160,6 +180,7 @@ void check_grouped_small(CheckReport& report, int64_t out, int64_t in, const std
   Buffer dw_again = poisoned(DType::f32, {e, out, in});
   grouped_linear_backward_weight(dw_again, dyt, xt, offsets, true);
   report.expect_equal("grouped bwd_weight overwrite twice, same bits " + shape, dw_again, to_host_f32(dw_written));
+  check_device_offsets(report, shape, xt, wt, dyt, offsets, y, dx, dw, dw_written);
 }
 
 // Bench shape: E experts, rows routed by skewed_counts. Outputs compared on up to 48 last rows of a
@@ -224,6 +245,7 @@ void check_grouped_bench(CheckReport& report, const char* label, int64_t e, int6
   }
   report.expect_equal(fmt::format("grouped bwd_weight overwrite {} expert {} (no rows) zero", shape, empty),
                       written_rows.rows(empty * out, (empty + 1) * out), zeros);
+  check_device_offsets(report, shape, x, w, dy, offsets, y, dx, dw, dw_written);
 }
 
 }  // namespace

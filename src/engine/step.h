@@ -66,8 +66,9 @@ template <MoeModel M> Buffer gather_expert_rows(typename MicroBatch<M>::Layer& s
 template <MoeModel M> Buffer dispatch_local(typename MicroBatch<M>::Layer& s, const M& m) {
   const Tensor index = s.attention.topk_index;
   const int64_t T = index.size(0), K = index.size(1);
-  // The grouped GEMMs need expert sizes on the host, so the offsets live there.
-  s.expert_offsets = Buffer(DType::i32, Device::cpu, {m.num_experts() + 1});
+  // On the GPU the offsets stay in its memory: the grouped GEMMs build their schedules there, so the
+  // plan does not wait for the GPU (ops/dispatch.h).
+  s.expert_offsets = Buffer(DType::i32, m.device(), {m.num_experts() + 1});
   s.copy_row = Buffer(DType::i32, m.device(), {T, K});
   dispatch_plan(s.expert_offsets, s.copy_row, index);
   return gather_expert_rows<M>(s, m);

@@ -144,10 +144,14 @@ __global__ void dispatch_backward_kernel(T* dx, const T* dx_perm, const int32_t*
 }
 
 // Returns whether every expert index was inside [0, E): those outside sort before 0 or after E - 1.
+// Offsets in GPU memory are written there and not read back (no wait for the GPU): true then.
 bool launch_plan(Tensor expert_offsets, Tensor copy_row, Tensor topk_index, Stream stream) {
   const int64_t copies = topk_index.numel(), e = expert_offsets.size(0) - 1;
   auto s = static_cast<cudaStream_t>(stream.handle);
-  Buffer offsets(DType::i32, Device::cuda, {e + 1}, stream);
+  const bool on_device = expert_offsets.device == Device::cuda;
+  Buffer host_bound;
+  if (!on_device) host_bound = Buffer(DType::i32, Device::cuda, {e + 1}, stream);
+  const Tensor offsets = on_device ? expert_offsets : host_bound.view();
   if (copies > 0) {
     Buffer ids(DType::i32, Device::cuda, {copies}, stream), sorted_experts(DType::i32, Device::cuda, {copies}, stream),
         sorted_copies(DType::i32, Device::cuda, {copies}, stream);
@@ -168,9 +172,10 @@ bool launch_plan(Tensor expert_offsets, Tensor copy_row, Tensor topk_index, Stre
                                                                        copies);
     MARROW_CUDA_CHECK_LAUNCH();
   } else {
-    MARROW_CUDA_CHECK(cudaMemsetAsync(offsets.view().data, 0, offsets.view().bytes(), s));
+    MARROW_CUDA_CHECK(cudaMemsetAsync(offsets.data, 0, offsets.bytes(), s));
   }
-  copy(expert_offsets, offsets, stream);  // waits for the stream: the grouped GEMM needs the offsets on the host
+  if (on_device) return true;
+  copy(expert_offsets, offsets, stream);  // waits for the stream: the offsets are wanted on the host
   const int32_t* host = expert_offsets.ptr<int32_t>();
   return host[0] == 0 && host[e] == copies;
 }
@@ -204,7 +209,6 @@ void dispatch_plan(Tensor expert_offsets, Tensor copy_row, Tensor topk_index, St
   expect_dtype(op, "expert_offsets", expert_offsets, DType::i32);
   MARROW_CHECK(n * k <= std::numeric_limits<int32_t>::max(), "{}: {} token copies do not fit the i32 row indices", op, n * k);
   if (common_device(op, {{"topk_index", &topk_index}, {"copy_row", &copy_row}}) == Device::cuda) {
-    expect_device(op, "expert_offsets", expert_offsets, Device::cpu);
 #ifdef __CUDACC__
     MARROW_CHECK(launch_plan(expert_offsets, copy_row, topk_index, stream), "{}: topk_index has entries outside [0, {})", op, e);
     return;

@@ -4,8 +4,10 @@
 //   then token, then slot; expert e owns rows [expert_offsets[e], expert_offsets[e + 1]), so
 //   expert_offsets[0] = 0, expert_offsets[E] = T * K, and copy_row is a permutation of [0, T * K).
 // The plan is a counting sort: deterministic, and a pure function of topk_index. On the GPU the
-// plan is a stable radix sort with the same result; expert_offsets stays a host tensor, so
-// dispatch_plan waits for the stream (the one sync per layer the grouped GEMM needs).
+// plan is a stable radix sort with the same result. expert_offsets may be a host tensor (the plan
+// then waits for the stream to copy them back, and checks the indices) or, on the GPU, a device
+// tensor: no wait, and the grouped GEMMs build their schedules from it on the device; the indices
+// are then not checked (they come from the router's top-k).
 //
 // dispatch_forward/backward (and combine) take any copy_row[T, K] (i32) and rows tensor [R, H]
 // with R >= 0, of which the plan's (R = T * K, a permutation) is one case. Expert parallelism
@@ -20,7 +22,7 @@
 namespace marrow {
 
 // expert_offsets[E + 1] and copy_row[T, K] (both i32) from topk_index[T, K] (i32). An expert
-// index outside [0, E) is an error.
+// index outside [0, E) is an error (not detected when expert_offsets is in GPU memory).
 void dispatch_plan(Tensor expert_offsets, Tensor copy_row, Tensor topk_index, Stream stream = {});
 
 // x_perm[copy_row[t, j]] = x[t] for every entry other than -1: x_perm[R, H] from x[T, H]. GPU: bf16

@@ -84,11 +84,13 @@ std::array<int64_t, 3> weight_sizes(const char* op, const char* name, const Tens
   return {weight.size(0), weight.size(1), weight.size(2)};
 }
 
-// The offsets drive raw row loops, so they must split [0, rows) into consecutive groups.
+// The offsets drive raw row loops, so they must split [0, rows) into consecutive groups. Offsets in
+// GPU memory (dispatch_plan's without a host copy) are checked for shape and type only: reading
+// them would wait for the GPU, which is what keeping them there avoids.
 void check_offsets(const char* op, const Tensor& offsets, int64_t experts, int64_t rows) {
   expect_shape(op, "expert_offsets", offsets, {experts + 1});
   expect_dtype(op, "expert_offsets", offsets, DType::i32);
-  expect_device(op, "expert_offsets", offsets, Device::cpu);
+  if (offsets.device == Device::cuda) return;
   const int32_t* o = offsets.ptr<int32_t>();
   MARROW_CHECK(o[0] == 0 && o[experts] == rows, "{}: expert_offsets must run from 0 to the {} rows, got {} to {}", op, rows,
                o[0], o[experts]);
@@ -188,15 +190,41 @@ void grouped_gemm_cublas(bool forward, Tensor out, Tensor in, Tensor weight, con
                                                  CUBLAS_COMPUTE_32F));
 }
 
-// The wgmma kernel: its tile schedule (offsets, each expert's first tile, a counter) goes to the
-// device in stream order with the call.
-void grouped_gemm_wgmma(bool forward, Tensor out, Tensor in, Tensor weight, const int32_t* offsets, int64_t e, int64_t o, int64_t i,
+// The wgmma kernel and its tile schedule (offsets, each expert's first tile, a counter): built on the
+// host and sent in stream order, or, from offsets in GPU memory, built there by one thread.
+void grouped_gemm_wgmma(bool forward, Tensor out, Tensor in, Tensor weight, Tensor expert_offsets, int64_t e, int64_t o, int64_t i,
                         Stream stream) {
-  const std::vector<int32_t> schedule = wgmma::tile_schedule(offsets, e, forward ? o : i);
-  Buffer device_schedule = upload(schedule, stream);
+  auto s = static_cast<cudaStream_t>(stream.handle);
+  Buffer schedule;
+  int tiles = -1;  // not known on the host for a schedule built on the GPU
+  if (expert_offsets.device == Device::cuda) {
+    schedule = Buffer(DType::i32, Device::cuda, {2 * e + 3}, stream);
+    wgmma::tile_schedule_kernel<<<1, 1, 0, s>>>(schedule.ptr<int32_t>(), expert_offsets.ptr<int32_t>(), int(e), int(forward ? o : i));
+    MARROW_CUDA_CHECK_LAUNCH();
+  } else {
+    const std::vector<int32_t> host = wgmma::tile_schedule(expert_offsets.ptr<int32_t>(), e, forward ? o : i);
+    tiles = host[size_t(2 * e + 1)];
+    schedule = upload(host, stream);
+  }
   wgmma::grouped_gemm(forward, static_cast<bf16*>(out.data), static_cast<const bf16*>(in.data), static_cast<const bf16*>(weight.data),
-                      static_cast<int32_t*>(device_schedule.view().data), schedule[size_t(2 * e + 1)], e, o, i, in.size(0),
-                      static_cast<cudaStream_t>(stream.handle));
+                      schedule.ptr<int32_t>(), tiles, e, o, i, in.size(0), s);
+}
+
+// The offsets on the host (a copy, waiting for the GPU, when they are in its memory), for the paths
+// that need the group sizes there.
+std::vector<int32_t> host_offsets(Tensor expert_offsets, Stream stream) {
+  if (expert_offsets.device == Device::cpu)
+    return std::vector<int32_t>(expert_offsets.ptr<int32_t>(), expert_offsets.ptr<int32_t>() + expert_offsets.numel());
+  const Buffer host = to_host(expert_offsets, stream);
+  return std::vector<int32_t>(host.ptr<int32_t>(), host.ptr<int32_t>() + host.numel());
+}
+
+// The offsets in GPU memory, for the plain kernels: as given, or uploaded in stream order into
+// `holder` when they are on the host.
+const int32_t* device_offsets(Tensor expert_offsets, Buffer& holder, Stream stream) {
+  if (expert_offsets.device == Device::cuda) return expert_offsets.ptr<int32_t>();
+  holder = upload(host_offsets(expert_offsets, stream), stream);
+  return holder.ptr<int32_t>();
 }
 
 // out[r, c] = sum_j in[r, j] W_e[c * wc + j * wj] for row r of expert e, one thread per output, fp32
@@ -232,14 +260,15 @@ void grouped_gemm_gpu(bool forward, Tensor out, Tensor in, Tensor weight, Tensor
   }
   if (o % 8 == 0 && i % 8 == 0 && aligned(out.data, 16) && aligned(in.data, 16) && aligned(weight.data, 16)) {
     if (grouped_gemm_backend == GroupedGemmBackend::cublas)
-      return grouped_gemm_cublas(forward, out, in, weight, expert_offsets.ptr<int32_t>(), e, o, i, stream);
-    return grouped_gemm_wgmma(forward, out, in, weight, expert_offsets.ptr<int32_t>(), e, o, i, stream);
+      return grouped_gemm_cublas(forward, out, in, weight, host_offsets(expert_offsets, stream).data(), e, o, i, stream);
+    return grouped_gemm_wgmma(forward, out, in, weight, expert_offsets, e, o, i, stream);
   }
-  Buffer offsets = upload(std::vector<int32_t>(expert_offsets.ptr<int32_t>(), expert_offsets.ptr<int32_t>() + e + 1), stream);
+  Buffer holder;
+  const int32_t* offsets = device_offsets(expert_offsets, holder, stream);
   const int64_t n = rows * cols;
   grouped_simple_kernel<<<unsigned((n + 255) / 256), 256, 0, s>>>(
       static_cast<bf16*>(out.data), static_cast<const bf16*>(in.data), static_cast<const bf16*>(weight.data),
-      static_cast<const int32_t*>(offsets.view().data), int(e), rows, int(cols), int(inner), forward ? i : 1, forward ? 1 : i);
+      offsets, int(e), rows, int(cols), int(inner), forward ? i : 1, forward ? 1 : i);
   MARROW_CUDA_CHECK_LAUNCH();
 }
 
@@ -263,24 +292,28 @@ __global__ void grouped_dw_simple_kernel(float* dweight, const bf16* dy, const b
   dweight[idx] = sum;
 }
 
-// The wgmma kernel: its work list (expert, first row, end row) of every expert with rows (every
-// expert when overwriting), then the tile counter, goes to the device in stream order.
-void backward_weight_wgmma(float* dweight, const bf16* dy, const bf16* x, const int32_t* offsets, int64_t e, int64_t o, int64_t i,
+// The wgmma kernel and its work list (wgmma_dw.cuh's work_list): built on the host and sent in stream
+// order, or, from offsets in GPU memory, built there by one thread.
+void backward_weight_wgmma(float* dweight, const bf16* dy, const bf16* x, Tensor expert_offsets, int64_t e, int64_t o, int64_t i,
                            int64_t rows, bool overwrite, Stream stream) {
-  std::vector<int32_t> work;
-  for (int64_t g = 0; g < e; ++g)
-    if (overwrite || offsets[g + 1] > offsets[g]) work.insert(work.end(), {int32_t(g), offsets[g], offsets[g + 1]});
-  const int works = int(work.size() / 3);
-  if (works == 0) return;
-  work.push_back(0);  // the tile counter
-  Buffer device_work = upload(work, stream);
-  wgmma::dw::grouped_dw(dweight, dy, x, static_cast<int32_t*>(device_work.view().data), works, o, i, rows, !overwrite,
-                        static_cast<cudaStream_t>(stream.handle));
+  auto s = static_cast<cudaStream_t>(stream.handle);
+  Buffer work;
+  int works = -1;  // not known on the host for a list built on the GPU
+  if (expert_offsets.device == Device::cuda) {
+    work = Buffer(DType::i32, Device::cuda, {3 * e + 2}, stream);
+    wgmma::dw::work_list_kernel<<<1, 1, 0, s>>>(work.ptr<int32_t>(), expert_offsets.ptr<int32_t>(), int(e), overwrite);
+    MARROW_CUDA_CHECK_LAUNCH();
+  } else {
+    const std::vector<int32_t> host = wgmma::dw::work_list(expert_offsets.ptr<int32_t>(), e, overwrite);
+    works = host[0];
+    if (works == 0) return;
+    work = upload(host, stream);
+  }
+  wgmma::dw::grouped_dw(dweight, dy, x, work.ptr<int32_t>(), works, o, i, rows, !overwrite, s);
 }
 
 void backward_weight_gpu(Tensor dweight, Tensor dy, Tensor x, Tensor expert_offsets, bool overwrite, Stream stream) {
   const int64_t e = dweight.size(0), o = dweight.size(1), i = dweight.size(2), rows = dy.size(0);
-  const int32_t* offsets = expert_offsets.ptr<int32_t>();
   auto* dw_ptr = static_cast<float*>(dweight.data);
   auto *dy_ptr = static_cast<const bf16*>(dy.data), *x_ptr = static_cast<const bf16*>(x.data);
   auto s = static_cast<cudaStream_t>(stream.handle);
@@ -290,11 +323,11 @@ void backward_weight_gpu(Tensor dweight, Tensor dy, Tensor x, Tensor expert_offs
     return;
   }
   if (o % 8 == 0 && i % 8 == 0 && aligned(dy.data, 16) && aligned(x.data, 16) && aligned(dweight.data, 8))
-    return backward_weight_wgmma(dw_ptr, dy_ptr, x_ptr, offsets, e, o, i, rows, overwrite, stream);
-  Buffer device_offsets = upload(std::vector<int32_t>(offsets, offsets + e + 1), stream);
+    return backward_weight_wgmma(dw_ptr, dy_ptr, x_ptr, expert_offsets, e, o, i, rows, overwrite, stream);
+  Buffer holder;
+  const int32_t* offsets = device_offsets(expert_offsets, holder, stream);
   const int64_t n = e * o * i;
-  grouped_dw_simple_kernel<<<unsigned((n + 255) / 256), 256, 0, s>>>(dw_ptr, dy_ptr, x_ptr, static_cast<const int32_t*>(device_offsets.view().data),
-                                                                     n, int(o), int(i), !overwrite);
+  grouped_dw_simple_kernel<<<unsigned((n + 255) / 256), 256, 0, s>>>(dw_ptr, dy_ptr, x_ptr, offsets, n, int(o), int(i), !overwrite);
   MARROW_CUDA_CHECK_LAUNCH();
 }
 #endif
@@ -313,6 +346,7 @@ void grouped_linear_forward(Tensor y, Tensor x, Tensor weight, Tensor expert_off
   check_offsets(op, expert_offsets, e, r);
   if (common_device(op, {{"x", &x}, {"y", &y}, {"weight", &weight}}) == Device::cpu) {
     expect_same_dtype(op, {{"x", &x}, {"y", &y}, {"weight", &weight}});
+    expect_device(op, "expert_offsets", expert_offsets, Device::cpu);
     return with_cpu_scalar(op, x, [&](auto s) {
       using T = decltype(s);
       forward_cpu<T>(y.ptr<T>(), x.ptr<T>(), weight.ptr<T>(), expert_offsets.ptr<int32_t>(), e, o, in);
@@ -337,6 +371,7 @@ void grouped_linear_backward_input(Tensor dx, Tensor dy, Tensor weight, Tensor e
   check_offsets(op, expert_offsets, e, r);
   if (common_device(op, {{"dy", &dy}, {"dx", &dx}, {"weight", &weight}}) == Device::cpu) {
     expect_same_dtype(op, {{"dy", &dy}, {"dx", &dx}, {"weight", &weight}});
+    expect_device(op, "expert_offsets", expert_offsets, Device::cpu);
     return with_cpu_scalar(op, dy, [&](auto s) {
       using T = decltype(s);
       backward_input_cpu<T>(dx.ptr<T>(), dy.ptr<T>(), weight.ptr<T>(), expert_offsets.ptr<int32_t>(), e, o, in);
@@ -361,6 +396,7 @@ void grouped_linear_backward_weight(Tensor dweight, Tensor dy, Tensor x, Tensor 
   check_offsets(op, expert_offsets, e, r);
   if (common_device(op, {{"dy", &dy}, {"dweight", &dweight}, {"x", &x}}) == Device::cpu) {
     expect_same_dtype(op, {{"dy", &dy}, {"dweight", &dweight}, {"x", &x}});
+    expect_device(op, "expert_offsets", expert_offsets, Device::cpu);
     return with_cpu_scalar(op, dy, [&](auto s) {
       using T = decltype(s);
       backward_weight_cpu<T>(dweight.ptr<T>(), dy.ptr<T>(), x.ptr<T>(), expert_offsets.ptr<int32_t>(), e, o, in, overwrite);

@@ -2,8 +2,9 @@
 // belong to expert e and use its weight in Hugging Face's layout [O, I]:
 //   y[r, :] = weight[e] @ x[r, :]   (y = x W_e^T per group)
 // The groups are consecutive, cover all R rows, and may be empty (an expert no token chose).
-// expert_offsets[E + 1] is i32 and always on the host, even when the data is on the GPU: the
-// grouped GEMM needs the group sizes on the host to launch.
+// expert_offsets[E + 1] is i32, on the host, or on the GPU when the data is there: the wgmma kernels
+// then build their tile schedules on the device, so nothing waits for the GPU (the offsets are not
+// checked then); cuBLAS's grouped call copies them to the host first.
 // GPU: x, weight, y, dy, dx bf16; dweight f32. Forward and backward_input run an own Hopper kernel
 // (ops/wgmma.cuh: TMA + wgmma, fp32 accumulation, persistent tiles of 128 rows x 256 columns of one
 // expert; 2.1x cuBLAS's grouped call at the bench shapes) when O and I are multiples of 8 and the

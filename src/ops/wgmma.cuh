@@ -339,9 +339,24 @@ inline std::vector<int32_t> tile_schedule(const int32_t* offsets, int64_t expert
   return schedule;
 }
 
+// tile_schedule's array, built on the device from offsets in device memory (one thread: E + 1 steps),
+// so that the host needs no expert sizes (no synchronisation after the dispatch plan).
+__global__ void tile_schedule_kernel(int32_t* schedule, const int32_t* offsets, int experts, int cols) {
+  const int col_tiles = (cols + kBlockN - 1) / kBlockN;
+  int start = 0;
+  for (int e = 0; e <= experts; ++e) {
+    schedule[e] = offsets[e];
+    schedule[experts + 1 + e] = start;
+    if (e < experts) start += (offsets[e + 1] - offsets[e] + kBlockM - 1) / kBlockM * col_tiles;
+  }
+  schedule[2 * experts + 2] = 0;
+}
+
 // out[R, cols] from in[R, inner] and weight[E, O, I]: forward (cols = O, inner = I) or backward input
 // (cols = I, inner = O). schedule: tile_schedule's array in device memory (its counter is zeroed
-// here, so one schedule serves several calls in stream order); tiles: its entry tile_start[E].
+// here, so one schedule serves several calls in stream order); tiles: its entry tile_start[E], or
+// -1 when the host does not know it (a schedule built on the device): one block per SM then, and
+// the blocks past the last tile end at once.
 inline void grouped_gemm(bool forward, bf16* out, const bf16* in, const bf16* weight, int32_t* schedule, int tiles, int64_t experts,
                          int64_t o, int64_t i, int64_t rows, cudaStream_t stream) {
   if (tiles == 0) return;
@@ -356,7 +371,7 @@ inline void grouped_gemm(bool forward, bf16* out, const bf16* in, const bf16* we
   MARROW_CUDA_CHECK(cudaGetDevice(&device));
   MARROW_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   MARROW_CUDA_CHECK(cudaMemsetAsync(schedule + 2 * experts + 2, 0, sizeof(int32_t), stream));
-  const unsigned grid = unsigned(std::min(tiles, sms));
+  const unsigned grid = unsigned(tiles < 0 ? sms : std::min(tiles, sms));
   auto launch = [&](auto kernel) {
     MARROW_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
     kernel<<<grid, kThreads, kSmemBytes, stream>>>(a_map, b_map, out, schedule, int(experts), int(cols), int(inner));

@@ -20,6 +20,8 @@
 // per element do not push the inputs out of L2. The kernel is bound by that traffic at the bench
 // shapes: see grouped_linear.h and docs/performance.md.
 #pragma once
+#include <vector>
+
 #include "ops/wgmma.cuh"
 
 namespace marrow::wgmma::dw {
@@ -48,12 +50,38 @@ __device__ __forceinline__ int k_steps(const Tile& t) {
   return steps > 0 ? steps : 1;
 }
 
-// work: (expert, first row, end row) of each expert that gets tiles, then a counter at work[3 * works]
-// (zero at launch). Tile t: work item t / tiles_per_work, its dW tiles in row-major order.
+// work: the number of work items, a tile counter (zero at launch), then (expert, first row, end row)
+// of each expert that gets tiles. Tile t: work item t / tiles_per_work, its dW tiles in row-major order.
 __device__ __forceinline__ Tile find_tile(int t, const int32_t* work, int o_size, int i_size) {
   const int i_tiles = (i_size + kBlockN - 1) / kBlockN, o_tiles = (o_size + kBlockM - 1) / kBlockM;
   const int w = t / (o_tiles * i_tiles), local = t % (o_tiles * i_tiles);
-  return {work[3 * w], work[3 * w + 1], work[3 * w + 2], local / i_tiles * kBlockM, local % i_tiles * kBlockN};
+  const int32_t* item = work + 2 + 3 * w;
+  return {item[0], item[1], item[2], local / i_tiles * kBlockM, local % i_tiles * kBlockN};
+}
+
+// The work list on the host from host offsets: every expert with rows, or every expert when
+// overwriting (an expert without rows then writes zeros); its counter zero.
+inline std::vector<int32_t> work_list(const int32_t* offsets, int64_t experts, bool overwrite) {
+  std::vector<int32_t> work{0, 0};
+  for (int64_t e = 0; e < experts; ++e)
+    if (overwrite || offsets[e + 1] > offsets[e]) work.insert(work.end(), {int32_t(e), offsets[e], offsets[e + 1]});
+  work[0] = int32_t((work.size() - 2) / 3);
+  return work;
+}
+
+// The same list built on the device from offsets in device memory (one thread), so that the host
+// needs no expert sizes.
+__global__ void work_list_kernel(int32_t* work, const int32_t* offsets, int experts, bool overwrite) {
+  int works = 0;
+  for (int e = 0; e < experts; ++e)
+    if (overwrite || offsets[e + 1] > offsets[e]) {
+      int32_t* item = work + 2 + 3 * works++;
+      item[0] = e;
+      item[1] = offsets[e];
+      item[2] = offsets[e + 1];
+    }
+  work[0] = works;
+  work[1] = 0;
 }
 
 // Zeroes token rows [valid, 64) of the stage's six boxes (valid < 64; a box row is 128 bytes,
@@ -99,7 +127,7 @@ __device__ __forceinline__ void store_accumulators(float* dw, const float (&d)[1
 // dy_map: dy as [R, O], x_map: x as [R, I], boxes of 64 columns x 64 rows.
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_dw_kernel(const __grid_constant__ CUtensorMap dy_map, const __grid_constant__ CUtensorMap x_map, float* dweight,
-                      int32_t* work, int works, int o_size, int i_size, bool accumulate) {
+                      int32_t* work, int o_size, int i_size, bool accumulate) {
   extern __shared__ unsigned char smem_raw[];
   const uint32_t raw = smem_address(smem_raw), base = (raw + 1023) & ~1023u;
   const uint32_t full = base + kStages * kStageBytes, empty = full + kStages * 8;  // mbarriers, 8 bytes each
@@ -114,14 +142,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
-  const int tiles = works * ((o_size + kBlockM - 1) / kBlockM) * ((i_size + kBlockN - 1) / kBlockN);
+  const int tiles = work[0] * ((o_size + kBlockM - 1) / kBlockM) * ((i_size + kBlockN - 1) / kBlockN);
 
   if (warpgroup == 0) {  // producer: one thread finds the tiles and issues the copies
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
     if (threadIdx.x != 0) return;
     int it = 0;
     for (int t = blockIdx.x; t < tiles;) {
-      const int next = int(gridDim.x) + atomicAdd(work + 3 * works, 1);
+      const int next = int(gridDim.x) + atomicAdd(work + 1, 1);
       const Tile tile = find_tile(t, work, o_size, i_size);
       for (int kb = 0; kb < k_steps(tile); ++kb, ++it) {
         const int s = it % kStages, row = tile.row_begin + kb * kBlockK;
@@ -180,12 +208,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
-// dweight[E, O, I] (+)= dy_e^T x_e for the `works` experts of `work` (device memory, see find_tile;
-// its counter must be zero). Needs rows > 0, O and I multiples of 8, dy and x 16-byte aligned, dweight 8.
+// dweight[E, O, I] (+)= dy_e^T x_e for the work items of `work` (device memory, see find_tile; its
+// counter must be zero); works: their number, or -1 when the host does not know it (a list built on
+// the device: one block per SM, the blocks past the last tile end at once). Needs rows > 0, O and I
+// multiples of 8, dy and x 16-byte aligned, dweight 8.
 inline void grouped_dw(float* dweight, const bf16* dy, const bf16* x, int32_t* work, int works, int64_t o, int64_t i, int64_t rows,
                        bool accumulate, cudaStream_t stream) {
-  const int64_t tiles = works * ((o + kBlockM - 1) / kBlockM) * ((i + kBlockN - 1) / kBlockN);
-  if (tiles == 0) return;
+  const int64_t tiles = int64_t(works) * ((o + kBlockM - 1) / kBlockM) * ((i + kBlockN - 1) / kBlockN);
+  if (works == 0) return;
   MARROW_CHECK(tiles < (int64_t(1) << 31), "grouped dW: {} tiles exceed the kernel's int range", tiles);
   const cuuint64_t dy_dims[2] = {cuuint64_t(o), cuuint64_t(rows)}, dy_strides[1] = {cuuint64_t(o) * 2};
   const cuuint64_t x_dims[2] = {cuuint64_t(i), cuuint64_t(rows)}, x_strides[1] = {cuuint64_t(i) * 2};
@@ -195,8 +225,8 @@ inline void grouped_dw(float* dweight, const bf16* dy, const bf16* x, int32_t* w
   MARROW_CUDA_CHECK(cudaGetDevice(&device));
   MARROW_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   MARROW_CUDA_CHECK(cudaFuncSetAttribute(grouped_dw_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
-  grouped_dw_kernel<<<unsigned(std::min<int64_t>(tiles, sms)), kThreads, kSmemBytes, stream>>>(dy_map, x_map, dweight, work, works, int(o),
-                                                                                               int(i), accumulate);
+  const unsigned grid = unsigned(works < 0 ? sms : std::min<int64_t>(tiles, sms));
+  grouped_dw_kernel<<<grid, kThreads, kSmemBytes, stream>>>(dy_map, x_map, dweight, work, int(o), int(i), accumulate);
   MARROW_CUDA_CHECK_LAUNCH();
 }
 

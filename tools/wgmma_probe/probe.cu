@@ -275,27 +275,21 @@ void dw_run(const char* label, const std::vector<int32_t>& counts, int64_t o, in
   MARROW_CUDA_CHECK(cudaMalloc(&want, n * 4));
   MARROW_CUDA_CHECK(cudaMalloc(&err, 16));
   MARROW_CUDA_CHECK(cudaMalloc(&doff, (e + 1) * 4));
-  MARROW_CUDA_CHECK(cudaMalloc(&work_acc, (3 * e + 1) * 4));
-  MARROW_CUDA_CHECK(cudaMalloc(&work_over, (3 * e + 1) * 4));
+  MARROW_CUDA_CHECK(cudaMalloc(&work_acc, (3 * e + 2) * 4));
+  MARROW_CUDA_CHECK(cudaMalloc(&work_over, (3 * e + 2) * 4));
   fill_random<<<1024, 256>>>(dy, rows * o, 3);
   fill_random<<<1024, 256>>>(x, rows * i, 4);
   fill_random<<<1024, 256>>>(old16, n, 5);
   bf16_to_f32<<<1024, 256>>>(old, old16, n);
   MARROW_CUDA_CHECK(cudaMemcpy(doff, offsets.data(), (e + 1) * 4, cudaMemcpyHostToDevice));
-  std::vector<int32_t> acc_list, over_list;  // as grouped_linear.cu builds them
-  for (int64_t g = 0; g < e; ++g) {
-    if (counts[g] > 0) acc_list.insert(acc_list.end(), {int32_t(g), offsets[g], offsets[g + 1]});
-    over_list.insert(over_list.end(), {int32_t(g), offsets[g], offsets[g + 1]});
-  }
-  const int acc_works = int(acc_list.size() / 3), over_works = int(over_list.size() / 3);
-  acc_list.push_back(0);
-  over_list.push_back(0);
+  const std::vector<int32_t> acc_list = marrow::wgmma::dw::work_list(offsets.data(), e, false),
+                             over_list = marrow::wgmma::dw::work_list(offsets.data(), e, true);
   MARROW_CUDA_CHECK(cudaMemcpy(work_acc, acc_list.data(), acc_list.size() * 4, cudaMemcpyHostToDevice));
   MARROW_CUDA_CHECK(cudaMemcpy(work_over, over_list.data(), over_list.size() * 4, cudaMemcpyHostToDevice));
-  auto call = [&](float* out, bool accumulate) {  // the counter after the list back to zero, then the kernel
-    const int works = accumulate ? acc_works : over_works;
+  auto call = [&](float* out, bool accumulate) {  // the counter back to zero, then the kernel
+    const int works = accumulate ? acc_list[0] : over_list[0];
     int32_t* work = accumulate ? work_acc : work_over;
-    MARROW_CUDA_CHECK(cudaMemsetAsync(work + 3 * works, 0, 4));
+    MARROW_CUDA_CHECK(cudaMemsetAsync(work + 1, 0, 4));
     marrow::wgmma::dw::grouped_dw(out, dy, x, work, works, o, i, rows, accumulate, 0);
   };
   auto error = [&](const float* got, const char* what) {
