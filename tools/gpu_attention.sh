@@ -15,8 +15,8 @@
 #         32,768 tokens (with and without the bf16 weight copy), 3 + 5 steps each
 # checks: marrow check of elementwise ops, the model, the grouped GEMMs and attention; losses of
 #         train.bf16_weight_copy=false against the default, bit for bit (4,096 x 4, 2 + 3 steps)
-# quick: marrow check of elementwise ops and the model; the bench config (3 + 27 steps); a kernel trace
-#        of 2 steps (trace-steps-3-4.json.gz)
+# quick: marrow check of elementwise ops and the model (or the groups in QUICK_CHECKS); the bench config
+#        (3 + 27 steps); a kernel trace of 2 steps (trace-steps-3-4.json.gz)
 # peaks: the bench config's first 5 losses at full precision (against REF_LOSSES when set), the bench
 #        config (3 + 27 steps), one sequence of 16,384 (with and without the weight copy) and of 32,768
 #        (3 + 5 steps each): tokens/s, peaks against the estimate
@@ -122,7 +122,7 @@ print('losses', l[0]); print('same bits' if l[0] == l[1] else f'DIFFER: {l[1]}')
 fi
 
 if [ "$what" = quick ]; then
-  for group in elementwise model; do
+  for group in ${QUICK_CHECKS:-elementwise model}; do
     step "marrow check --only $group"
     build-gpu/marrow check --only $group > "$out/check-$group.log" 2>&1
     grep -E "FAIL|checks,|error" "$out/check-$group.log" | head -20

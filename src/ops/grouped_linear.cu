@@ -133,8 +133,9 @@ __global__ void store_bytes_kernel(unsigned char* out, ParamBytes in, int n) {
 
 template <typename T>
 Buffer upload(const std::vector<T>& host, Stream stream) {
+  static_assert(sizeof(T) == 4 || sizeof(T) == 8, "upload: 4- or 8-byte elements");
   const size_t bytes = host.size() * sizeof(T);
-  Buffer device(DType::i64, Device::cuda, {int64_t((bytes + 7) / 8)}, stream);
+  Buffer device(sizeof(T) == 4 ? DType::i32 : DType::i64, Device::cuda, {int64_t(host.size())}, stream);
   auto* out = static_cast<unsigned char*>(device.view().data);
   for (size_t begin = 0; begin < bytes; begin += kParamBytes) {
     ParamBytes chunk;
