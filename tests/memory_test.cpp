@@ -1,7 +1,8 @@
-// PinnedHost (core/memory.h): the staging memory of the expert-parallel plan. On a machine without a
+// PinnedHost (core/memory.h): the staging memory of the expert-parallel plan; HostSum (core/host_sum.h) over it. On a machine without a
 // GPU it is plain host memory; what these tests hold on any machine is its reuse and growth.
 #include <gtest/gtest.h>
 
+#include "core/host_sum.h"
 #include "core/memory.h"
 
 namespace marrow {
@@ -35,6 +36,30 @@ TEST(StreamMark, OnTheCpuThereIsNothingToWaitFor) {
   const StreamMark mark = StreamMark::record(Device::cpu);
   mark.wait();
   StreamMark{}.wait();
+}
+
+// The sum is taken as reading each part when added would take it: each part's elements from zero
+// in index order, then the parts from zero in order; a nested sum is one part. (Added flat, 1 + 1 +
+// 1e16 would be 1e16 + 2; as parts, 1 + (1 + 1e16) rounds to 1e16.)
+TEST(HostSum, AddsEachPartInOrderThenThePartsAsReadingThemAtOnceWould) {
+  std::vector<float> a = {1.0f};
+  std::vector<double> b = {1.0, 1e16};
+  HostSum inner;
+  inner.add(Tensor(b.data(), DType::f64, Device::cpu, {2}));
+  HostSum sum;
+  sum.add(Tensor(a.data(), DType::f32, Device::cpu, {1}));
+  a[0] = 7;  // a CPU part is copied at once
+  sum.add(std::move(inner));
+  sum.add(HostSum{});
+  EXPECT_EQ(sum.value(), 1e16);
+  EXPECT_EQ(sum.value(), (0.0 + 1.0) + ((0.0 + 1.0) + 1e16) + 0.0);
+  EXPECT_EQ(HostSum{}.value(), 0.0);
+}
+
+TEST(HostSum, IntegerPartsAreOneSentence) {
+  std::vector<int32_t> ids = {1, 2};
+  HostSum sum;
+  EXPECT_THROW(sum.add(Tensor(ids.data(), DType::i32, Device::cpu, {2})), Error);
 }
 
 }  // namespace

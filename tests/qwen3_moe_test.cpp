@@ -140,7 +140,7 @@ struct TinyRun {
     MicroBatch<Qwen3Moe> mb;
     const auto w = model.bind(params);
     forward(mb, model, w, batch);
-    const double loss = loss_scale * mb.token_loss_sum + aux_grad * mb.aux_loss_sum;
+    const double loss = loss_scale * mb.token_loss.value() + aux_grad * mb.aux_loss.value();
     backward(mb, model, w, model.bind(grads), batch, loss_scale, aux_grad);
     return loss;
   }

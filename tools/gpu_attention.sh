@@ -16,7 +16,8 @@
 # checks: marrow check of elementwise ops, the model, the grouped GEMMs and attention; losses of
 #         train.bf16_weight_copy=false against the default, bit for bit (4,096 x 4, 2 + 3 steps)
 # quick: marrow check of elementwise ops and the model (or the groups in QUICK_CHECKS); the bench config
-#        (3 + 27 steps); a kernel trace of 2 steps (trace-steps-3-4.json.gz)
+#        (3 + 27 steps; its first 5 losses against REF_LOSSES when set); a kernel trace of 2 steps
+#        (trace-steps-3-4.json.gz)
 # peaks: the bench config's first 5 losses at full precision (against REF_LOSSES when set), the bench
 #        config (3 + 27 steps), one sequence of 16,384 (with and without the weight copy) and of 32,768
 #        (3 + 5 steps each): tokens/s, peaks against the estimate
@@ -29,6 +30,15 @@ out=${1:-$OUT}
 what=${2:-all}
 source "$(dirname "$0")/gpu_common.sh"
 bench=(build-gpu/marrow bench configs/bench.toml --data.path=.gpu-carry/qwen3 --checkpoint.every=0)
+
+# Prints a run's first 5 losses at full precision and, with REF_LOSSES='[...]' set, fails unless
+# they equal it bit for bit.
+first_losses() {
+  python3 -c "import json, os, sys; l = [json.loads(x)['loss'] for x in open('$1')][:5]; print('losses', l); \
+r = os.environ.get('REF_LOSSES'); sys.exit(0 if not r else (print('same bits as the reference') or 0) if json.loads(r) == l else (print('DIFFER from', r) or 1))" \
+    | tee -a "$out/summary.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || fail "losses differ from REF_LOSSES"
+}
 
 if [ "$what" = check ] || [ "$what" = all ]; then
   step "marrow check --only attention"
@@ -131,6 +141,7 @@ if [ "$what" = quick ]; then
   step "bench config: 3 warm-up + 27 measured steps"
   "${bench[@]}" --warmup=3 --steps=27 --output.dir=runs/quick > "$out/bench.log" 2>&1 || fail "bench"
   sed -n '/^bench:/,$p' "$out/bench.log" | head -10
+  first_losses runs/quick/bench/metrics.jsonl
   step "kernel trace: 2 bench steps after 2 warm-up"
   "${bench[@]}" --warmup=2 --steps=2 --profile-steps=3:4 --output.dir=runs/quick-trace > "$out/profile.log" 2>&1 || fail "trace"
   gzip -c runs/quick-trace/bench/trace-steps-3-4.json > "$out/trace-steps-3-4.json.gz" 2>/dev/null
@@ -139,10 +150,7 @@ fi
 if [ "$what" = peaks ]; then
   step "bench config, 2 + 3 steps: losses at full precision (REF_LOSSES='[...]' compares them bit for bit)"
   "${bench[@]}" --warmup=2 --steps=3 --output.dir=runs/bits > "$out/bits.log" 2>&1 || fail "bench 2 + 3"
-  python3 -c "import json, os, sys; l = [json.loads(x)['loss'] for x in open('runs/bits/bench/metrics.jsonl')]; print('losses', l); \
-r = os.environ.get('REF_LOSSES'); sys.exit(0 if not r else (print('same bits as the reference') or 0) if json.loads(r) == l else (print('DIFFER from', r) or 1))" \
-    | tee -a "$out/summary.log"
-  [ "${PIPESTATUS[0]}" -eq 0 ] || fail "losses differ from REF_LOSSES"
+  first_losses runs/bits/bench/metrics.jsonl
   step "bench config: 3 warm-up + 27 measured steps"
   "${bench[@]}" --warmup=3 --steps=27 --output.dir=runs/peaks > "$out/bench.log" 2>&1 || fail "bench"
   grep -E "^estimated peak" "$out/bench.log"

@@ -54,8 +54,8 @@ struct ModelSide {
     MicroBatch<Qwen3Moe> mb;
     forward(mb, model, w, batch);
     const double loss_scale = 1.0 / double(T), aux_grad = 0.01;
-    loss = mb.token_loss_sum * loss_scale;
-    aux = mb.aux_loss_sum;
+    loss = mb.token_loss.value() * loss_scale;
+    aux = mb.aux_loss.value();
     for (const auto& layer : mb.layers) routing.push_back(to_host(layer.attention.topk_index));
     backward(mb, model, w, model.bind(grads), batch, loss_scale, aux_grad);
     if (device == Device::cuda) synchronize();

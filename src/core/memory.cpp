@@ -221,6 +221,20 @@ void StreamMark::wait() const {
 #endif
 }
 
+StreamMark copy_to_host_async(Tensor host, Tensor src, Stream stream) {
+  MARROW_CHECK(host.device == Device::cpu && host.dtype == src.dtype && host.numel() == src.numel(),
+               "copy_to_host_async: destination {} {} on {} does not match source {} {}", dtype_name(host.dtype), host.shape_string(),
+               device_name(host.device), dtype_name(src.dtype), src.shape_string());
+  if (src.device == Device::cpu) {
+    copy(host, src);
+    return {};
+  }
+#if MARROW_CUDA
+  MARROW_CUDA_CHECK(cudaMemcpyAsync(host.data, src.data, src.bytes(), cudaMemcpyDeviceToHost, static_cast<cudaStream_t>(stream.handle)));
+#endif
+  return StreamMark::record(src.device, stream);
+}
+
 Buffer to_host(Tensor src, Stream stream) {
   Buffer b(src.dtype, Device::cpu, {src.numel()});
   copy(b, src, stream);

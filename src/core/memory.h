@@ -125,6 +125,11 @@ class StreamMark {
   std::shared_ptr<void> event_;
 };
 
+// Queues a copy of src (any device) into `host` on `stream` and returns the point to wait at before
+// reading it; `host` should be page-locked (PinnedHost) for the copy not to wait for the GPU's queue.
+// A copy from the CPU is done at once.
+StreamMark copy_to_host_async(Tensor host, Tensor src, Stream stream = {});
+
 // A host copy of a tensor on any device, e.g. to read a loss or check a kernel.
 Buffer to_host(Tensor src, Stream stream = {});
 

@@ -3,6 +3,7 @@
 #pragma once
 #include <concepts>
 
+#include "core/host_sum.h"
 #include "core/memory.h"
 #include "core/stage_bytes.h"
 
@@ -38,7 +39,7 @@ concept MoeModel = requires(const M& m, typename M::AttentionActivations& a, typ
   m.experts_restore_input(e, std::move(buffer));
   m.aggregate_forward(t, a, t, t);
   m.aggregate_backward(t, t, t, a, t, e);
-  { m.epilog_forward(p, std::move(buffer), batch, w) } -> std::convertible_to<double>;
+  { m.epilog_forward(p, std::move(buffer), batch, w) } -> std::same_as<HostSum>;
   m.epilog_backward(t, w, scale, p, batch, w);
 };
 

@@ -56,7 +56,7 @@ template <MoeModel M> class PipelineStep {
     }
     if (s_.links) s_.links->wait_sends();
     sent_.clear();
-    return {token_loss_, aux_loss_};
+    return {token_loss_.value(), aux_loss_.value()};
   }
   // The ops run so far, in the order they ran.
   const std::vector<PipelineOp>& executed() const { return executed_; }
@@ -130,8 +130,8 @@ template <MoeModel M> class PipelineStep {
   }
   void forward_done(int phase, int64_t micro, ForwardPass<M>& f, bool forward_only) {
     forward_output(phase, micro, f.output());
-    token_loss_ += mb(phase, micro).token_loss_sum;
-    aux_loss_ += mb(phase, micro).aux_loss_sum;
+    token_loss_.add(std::move(mb(phase, micro).token_loss));
+    aux_loss_.add(std::move(mb(phase, micro).aux_loss));
     if (forward_only) mb(phase, micro) = MicroBatch<M>{};
   }
   void forward(int phase, int64_t micro, bool forward_only) {
@@ -163,7 +163,7 @@ template <MoeModel M> class PipelineStep {
   std::map<std::pair<bool, int64_t>, Buffer> local_;  // (forward?, micro) handed over at the turn of the V
   std::vector<Buffer> sent_;                          // alive until the sends complete
   std::vector<PipelineOp> executed_;
-  double token_loss_ = 0, aux_loss_ = 0;
+  HostSum token_loss_, aux_loss_;  // read once the step's work is queued
 };
 
 // Evaluation through the pipeline: each micro-batch's forward down and back up the V.

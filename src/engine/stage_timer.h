@@ -5,6 +5,7 @@
 #pragma once
 #include <array>
 #include <chrono>
+#include <cstdint>
 #include <vector>
 
 #include "core/tensor.h"
@@ -22,6 +23,12 @@ class StageTimer {
   ~StageTimer();
   StageTimer(const StageTimer&) = delete;
   StageTimer& operator=(const StageTimer&) = delete;
+
+  // The training loop times the steps from `step` on (default: every step). Timing costs the GPU a
+  // few microseconds at each stage boundary (~1 ms of a bench step), so the bench times steps of
+  // its own after the ones it measures for speed.
+  void time_from_step(int64_t step) { first_step_ = step; }
+  bool times(int64_t step) const { return step >= first_step_; }
 
   void begin(Stage stage);
   void end(Stage stage);
@@ -41,6 +48,7 @@ class StageTimer {
   std::vector<Mark> marks_;
   std::vector<void*> free_events_;
   std::array<double, kStageCount> total_ms_{};
+  int64_t first_step_ = 1;
 };
 
 // Times one stage for the lifetime of the scope; a null timer times nothing.

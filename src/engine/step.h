@@ -48,10 +48,10 @@ template <MoeModel M> struct MicroBatch {
     Buffer dy_perm, expert_offsets;
   };
   std::vector<DeferredExperts> deferred;
-  double token_loss_sum = 0;  // cross-entropy summed over counted targets
-  double aux_loss_sum = 0;    // load-balance loss (Hugging Face's form) summed over layers
+  HostSum token_loss;  // cross-entropy summed over counted targets
+  HostSum aux_loss;    // load-balance loss (Hugging Face's form) summed over layers
   // The layers' load-balance losses summed on the model's device (f64 [1]) until the forward of a
-  // chunk ends and adds them to aux_loss_sum: one host read per chunk, not one per layer.
+  // chunk ends and adds them to aux_loss: one host read per chunk, not one per layer.
   Buffer aux_loss_total;
 };
 
@@ -158,10 +158,8 @@ template <MoeModel M> class ForwardPass {
     }
     part_ = (part_ + 1) % 4;
   }
-  // After the epilog the loss read has waited for the GPU already, so this read costs no wait.
   void read_aux_loss() {
-    const Buffer total = to_host(mb_.aux_loss_total);
-    mb_.aux_loss_sum += total.ptr<double>()[0];
+    mb_.aux_loss.add(mb_.aux_loss_total);
     mb_.aux_loss_total = Buffer{};
   }
   // The residual after an expert-parallel layer exists once its combine has arrived: the step that
@@ -185,7 +183,7 @@ template <MoeModel M> class ForwardPass {
       m_.prolog_forward(x_, batch_, w_);
     } else {
       StageScope scope(timer_, Stage::epilog);
-      mb_.token_loss_sum = m_.epilog_forward(mb_.epilog, std::move(x_), batch_, w_);
+      mb_.token_loss = m_.epilog_forward(mb_.epilog, std::move(x_), batch_, w_);
     }
     ++stage_;
   }
@@ -206,7 +204,7 @@ template <MoeModel M> class ForwardPass {
 
 // The backward of one micro-batch through a chunk, one stage per step(): the epilog, each layer's
 // combine, experts, dispatch and attention from the top, the prolog. Gradients of (loss_scale *
-// token_loss_sum + aux_grad * aux_loss_sum) accumulate into grads, except that first_micro_batch
+// token_loss + aux_grad * aux_loss) accumulate into grads, except that first_micro_batch
 // = true writes the gradients the model's spec table marks first_backward_writes (the caller
 // zeroes only the others). dx is the gradient of the chunk's output (empty when it ends with the
 // epilog); output() the gradient of its input (empty after the prolog). With defer_expert_weights

@@ -130,7 +130,7 @@ inline std::vector<int32_t> share_tokens(int64_t B, const SequenceShare& share, 
 template <MoeModel M>
 double validation_loss_sum(const M& model, const typename M::Weights& w, const TokenDataset& data, int64_t samples, int64_t micro,
                            const SequenceShare& share, Device device, StepGroups groups) {
-  double loss_sum = 0;
+  HostSum loss_sum;
   for (int64_t first = 0; first < samples; first += micro) {
     const int64_t B = std::min(micro, samples - first);
     std::vector<int32_t> tokens = share_tokens(B, share, data.seq_len());
@@ -138,9 +138,9 @@ double validation_loss_sum(const M& model, const typename M::Weights& w, const T
     MicroBatch<M> mb;
     groups.routing = nullptr;  // every process evaluates the same sequences
     forward(mb, model, w, make_batch<M>(tokens, B, share, device), groups);
-    loss_sum += mb.token_loss_sum;
+    loss_sum.add(std::move(mb.token_loss));
   }
-  return loss_sum;
+  return loss_sum.value();
 }
 
 inline Device choose_device(const std::string& requested) {
@@ -284,7 +284,7 @@ std::pair<double, double> run_micro_batches(TrainSetup<M>& s, const RunConfig& r
                                             double loss_scale, double aux_grad, StageTimer* timer) {
   const int64_t B = rc.micro_batch, W = s.mesh.shape.data_parallel();
   std::vector<int32_t> tokens = share_tokens(B, s.share, rc.seq_len);
-  double token_loss_sum = 0, aux_loss_sum = 0;
+  HostSum token_loss, aux_loss;  // read after the last micro-batch is queued: no wait for the GPU between them
   const int64_t micro_batches = rc.global_batch / (B * W);
   for (int64_t micro = 0; micro < micro_batches; ++micro) {
     watchdog::progress("a micro-batch");
@@ -293,11 +293,11 @@ std::pair<double, double> run_micro_batches(TrainSetup<M>& s, const RunConfig& r
     MicroBatch<M> mb;
     const StepGroups groups = s.groups(micro, micro_batches, rc.overlap_grad_reduce);
     forward(mb, s.model, s.w, batch, groups, timer);
-    token_loss_sum += mb.token_loss_sum;
-    aux_loss_sum += mb.aux_loss_sum;
+    token_loss.add(std::move(mb.token_loss));
+    aux_loss.add(std::move(mb.aux_loss));
     backward(mb, s.model, s.w, s.g, batch, loss_scale, aux_grad, s.state.first_writes_fresh(micro), groups, timer);
   }
-  return {token_loss_sum, aux_loss_sum};
+  return {token_loss.value(), aux_loss.value()};
 }
 
 // The same with DualPipeV (parallel/dualpipev.h): this pipeline rank's order of work over both of
@@ -383,6 +383,7 @@ std::vector<StepMetrics> train(const RunConfig& rc, const typename M::Config& mo
     check_profile_steps(rc);
     trace.emplace(device);
     if (!timer) timer = &traced_stages.emplace(device);
+    if (!timer->times(rc.profile_first)) timer->time_from_step(rc.profile_first);
   }
   TrainSetup<M> s(rc, model_config, device);
   const bool leader = s.mesh.world.rank() == 0;
@@ -436,7 +437,8 @@ std::vector<StepMetrics> train(const RunConfig& rc, const typename M::Config& mo
     // Every target of a sample is a real next token, so the step's counted tokens are known upfront.
     const double loss_scale = 1.0 / double(rc.global_batch * S);
     const double aux_grad = aux_coef / double(s.model.num_layers() * micro_batches);
-    const auto [token_loss_sum, aux_loss_sum] = run_step(s, rc, data, step, loss_scale, aux_grad, timer);
+    StageTimer* step_timer = timer && timer->times(step) ? timer : nullptr;
+    const auto [token_loss_sum, aux_loss_sum] = run_step(s, rc, data, step, loss_scale, aux_grad, step_timer);
 
     StepMetrics m;
     m.step = step;
@@ -446,7 +448,7 @@ std::vector<StepMetrics> train(const RunConfig& rc, const typename M::Config& mo
     // Reported normalised so that perfectly balanced routing reads 1.0.
     m.load_balance = aux_loss_sum / double(s.model.num_layers() * micro_batches * s.model.top_k());
     m.lr = schedule.at(step);
-    std::optional<StageScope> optimizer_scope(std::in_place, timer, Stage::optimizer);
+    std::optional<StageScope> optimizer_scope(std::in_place, step_timer, Stage::optimizer);
     state.finish_gradients(rc.overlap_grad_reduce && !rc.uses_dualpipev());
     m.grad_norm = state.gradient_norm();
     if (poisoned) m.loss = std::numeric_limits<double>::quiet_NaN();
@@ -465,10 +467,10 @@ std::vector<StepMetrics> train(const RunConfig& rc, const typename M::Config& mo
     if (device == Device::cuda) synchronize();
     watchdog::arm(false);
     step_range.reset();
-    if (timer) {
-      const std::array<double, kStageCount> before = timer->total_ms();
-      timer->collect();
-      for (int i = 0; i < kStageCount; ++i) m.stage_ms[size_t(i)] = timer->total_ms()[size_t(i)] - before[size_t(i)];
+    if (step_timer) {
+      const std::array<double, kStageCount> before = step_timer->total_ms();
+      step_timer->collect();
+      for (int i = 0; i < kStageCount; ++i) m.stage_ms[size_t(i)] = step_timer->total_ms()[size_t(i)] - before[size_t(i)];
     }
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     m.step_ms = seconds * 1e3;

@@ -175,18 +175,6 @@ void Qwen3Moe::initialize(Tensor out, const TensorSpec& spec, int64_t first, uin
   else fill_normal(out, seed, spec.name, config_.initializer_range, first);
 }
 
-namespace {
-
-// Sum of a small tensor of statistics (losses) on any device, read on the host.
-double host_sum(Tensor t) {
-  Buffer h = to_host(t);
-  double sum = 0;
-  for (int64_t i = 0; i < h.numel(); ++i) sum += t.dtype == DType::f64 ? h.ptr<double>()[i] : h.ptr<float>()[i];
-  return sum;
-}
-
-}  // namespace
-
 void Qwen3Moe::prolog_forward(Tensor x, const Qwen3MoeBatch& batch, const Qwen3MoeWeights& w) const {
   embedding_forward(x, batch.input_ids, w.embed);
 }
@@ -384,7 +372,7 @@ int64_t Qwen3Moe::logits_chunk(int64_t tokens) const {
   return std::min(tokens, std::max<int64_t>(64, (int64_t(512) << 20) / row_bytes / 64 * 64));
 }
 
-double Qwen3Moe::epilog_forward(Qwen3MoeEpilogActivations& p, Buffer x, const Qwen3MoeBatch& batch, const Qwen3MoeWeights& w) const {
+HostSum Qwen3Moe::epilog_forward(Qwen3MoeEpilogActivations& p, Buffer x, const Qwen3MoeBatch& batch, const Qwen3MoeWeights& w) const {
   const int64_t T = batch.batch * batch.seq, H = config_.hidden_size, V = config_.vocab_size;
   expect_shape("Qwen3Moe::epilog_forward", "x", x, {T, H});
   p.x = std::move(x);
@@ -403,7 +391,9 @@ double Qwen3Moe::epilog_forward(Qwen3MoeEpilogActivations& p, Buffer x, const Qw
                           batch.targets.view().rows(begin, end));
   }
   if (chunk == T) p.logits = std::move(logits);
-  return host_sum(p.token_loss);
+  HostSum loss;
+  loss.add(p.token_loss);
+  return loss;
 }
 
 void Qwen3Moe::epilog_backward(Tensor dx, const Qwen3MoeWeights& grads, double loss_scale, Qwen3MoeEpilogActivations& p,

@@ -25,6 +25,7 @@
 
 #include "core/attention_runner.h"
 #include "core/json.h"
+#include "core/host_sum.h"
 #include "core/memory.h"
 #include "core/stage_bytes.h"
 #include "core/tensor_spec.h"
@@ -173,7 +174,7 @@ class Qwen3Moe {
   void aggregate_backward(Tensor dy_perm, Tensor dtopk_weight, Tensor dout, const Qwen3MoeAttentionActivations& a, Tensor copy_row,
                           Qwen3MoeExpertActivations& e) const;
 
-  // Epilog: returns the sum of token losses over non-ignored targets. The LM head's logits of a
+  // Epilog: returns the sum of token losses over non-ignored targets (read when needed, core/host_sum.h). The LM head's logits of a
   // micro-batch stay whole in p.logits for the backward up to kWholeLogitsBytes; past that (long
   // sequences: 9.3 GiB at 32,768 tokens of Qwen3's vocabulary) they exist only one chunk of tokens
   // at a time, and the backward computes each chunk again (one more LM-head GEMM: +22 ms a step at
@@ -183,7 +184,7 @@ class Qwen3Moe {
   // set_logits_chunk(n > 0) forces n (tests), 0 restores the rule above.
   int64_t logits_chunk(int64_t tokens) const;
   void set_logits_chunk(int64_t tokens) { forced_logits_chunk_ = tokens; }
-  double epilog_forward(Qwen3MoeEpilogActivations& p, Buffer x, const Qwen3MoeBatch& batch, const Qwen3MoeWeights& w) const;
+  HostSum epilog_forward(Qwen3MoeEpilogActivations& p, Buffer x, const Qwen3MoeBatch& batch, const Qwen3MoeWeights& w) const;
   // dx (overwritten); loss_scale = d(total loss)/d(sum of token losses), e.g. 1 / counted tokens.
   void epilog_backward(Tensor dx, const Qwen3MoeWeights& grads, double loss_scale, Qwen3MoeEpilogActivations& p,
                        const Qwen3MoeBatch& batch, const Qwen3MoeWeights& w) const;

@@ -192,7 +192,7 @@ void grouped_gemm_cublas(bool forward, Tensor out, Tensor in, Tensor weight, con
 }
 
 // The wgmma kernel and its tile schedule (offsets, each expert's first tile, a counter): built on the
-// host and sent in stream order, or, from offsets in GPU memory, built there by one thread.
+// host and sent in stream order, or, from offsets in GPU memory, built there by one block.
 void grouped_gemm_wgmma(bool forward, Tensor out, Tensor in, Tensor weight, Tensor expert_offsets, int64_t e, int64_t o, int64_t i,
                         Stream stream) {
   auto s = static_cast<cudaStream_t>(stream.handle);
@@ -200,7 +200,7 @@ void grouped_gemm_wgmma(bool forward, Tensor out, Tensor in, Tensor weight, Tens
   int tiles = -1;  // not known on the host for a schedule built on the GPU
   if (expert_offsets.device == Device::cuda) {
     schedule = Buffer(DType::i32, Device::cuda, {2 * e + 3}, stream);
-    wgmma::tile_schedule_kernel<<<1, 1, 0, s>>>(schedule.ptr<int32_t>(), expert_offsets.ptr<int32_t>(), int(e), int(forward ? o : i));
+    wgmma::tile_schedule_kernel<<<1, wgmma::kScheduleThreads, 0, s>>>(schedule.ptr<int32_t>(), expert_offsets.ptr<int32_t>(), int(e), int(forward ? o : i));
     MARROW_CUDA_CHECK_LAUNCH();
   } else {
     const std::vector<int32_t> host = wgmma::tile_schedule(expert_offsets.ptr<int32_t>(), e, forward ? o : i);
@@ -294,7 +294,7 @@ __global__ void grouped_dw_simple_kernel(float* dweight, const bf16* dy, const b
 }
 
 // The wgmma kernel and its work list (wgmma_dw.cuh's work_list): built on the host and sent in stream
-// order, or, from offsets in GPU memory, built there by one thread.
+// order, or, from offsets in GPU memory, built there by one block.
 void backward_weight_wgmma(float* dweight, const bf16* dy, const bf16* x, Tensor expert_offsets, int64_t e, int64_t o, int64_t i,
                            int64_t rows, bool overwrite, Stream stream) {
   auto s = static_cast<cudaStream_t>(stream.handle);
@@ -302,7 +302,7 @@ void backward_weight_wgmma(float* dweight, const bf16* dy, const bf16* x, Tensor
   int works = -1;  // not known on the host for a list built on the GPU
   if (expert_offsets.device == Device::cuda) {
     work = Buffer(DType::i32, Device::cuda, {3 * e + 2}, stream);
-    wgmma::dw::work_list_kernel<<<1, 1, 0, s>>>(work.ptr<int32_t>(), expert_offsets.ptr<int32_t>(), int(e), overwrite);
+    wgmma::dw::work_list_kernel<<<1, wgmma::kScheduleThreads, 0, s>>>(work.ptr<int32_t>(), expert_offsets.ptr<int32_t>(), int(e), overwrite);
     MARROW_CUDA_CHECK_LAUNCH();
   } else {
     const std::vector<int32_t> host = wgmma::dw::work_list(expert_offsets.ptr<int32_t>(), e, overwrite);

@@ -69,19 +69,31 @@ inline std::vector<int32_t> work_list(const int32_t* offsets, int64_t experts, b
   return work;
 }
 
-// The same list built on the device from offsets in device memory (one thread), so that the host
-// needs no expert sizes.
-__global__ void work_list_kernel(int32_t* work, const int32_t* offsets, int experts, bool overwrite) {
-  int works = 0;
-  for (int e = 0; e < experts; ++e)
-    if (overwrite || offsets[e + 1] > offsets[e]) {
-      int32_t* item = work + 2 + 3 * works++;
+// The same list built on the device from offsets in device memory, so that the host needs no expert
+// sizes: one block of kScheduleThreads, each round's experts placed by an exclusive scan of which
+// of them have work.
+__global__ void __launch_bounds__(kScheduleThreads) work_list_kernel(int32_t* work, const int32_t* offsets, int experts, bool overwrite) {
+  using Scan = cub::BlockScan<int, kScheduleThreads>;
+  __shared__ typename Scan::TempStorage scan_storage;
+  int works = 0;  // items of the experts before this round
+  for (int base = 0; base < experts; base += kScheduleThreads) {
+    const int e = base + int(threadIdx.x);
+    const int has_work = e < experts && (overwrite || offsets[e + 1] > offsets[e]) ? 1 : 0;
+    int index = 0, round = 0;
+    Scan(scan_storage).ExclusiveSum(has_work, index, round);
+    if (has_work) {
+      int32_t* item = work + 2 + 3 * (works + index);
       item[0] = e;
       item[1] = offsets[e];
       item[2] = offsets[e + 1];
     }
-  work[0] = works;
-  work[1] = 0;
+    works += round;
+    __syncthreads();  // scan_storage is reused by the next round
+  }
+  if (threadIdx.x == 0) {
+    work[0] = works;
+    work[1] = 0;
+  }
 }
 
 // Zeroes token rows [valid, 64) of the stage's six boxes (valid < 64; a box row is 128 bytes,

@@ -77,12 +77,8 @@ void ExpertParallel::read_routing(Tensor topk_index) const {
   MARROW_CHECK(topk_index.ndim == 2 && topk_index.dtype == DType::i32, "ExpertParallel::read_routing: topk_index must be [tokens, k] i32, got {} {}",
                topk_index.shape_string(), dtype_name(topk_index.dtype));
   const Tensor staged = host_.topk_index.tensor(DType::i32, {topk_index.size(0), topk_index.size(1)}, topk_index.device);
-  if (topk_index.device == Device::cpu) copy(staged, topk_index);
-#if MARROW_CUDA
-  else MARROW_CUDA_CHECK(cudaMemcpyAsync(staged.data, topk_index.data, staged.bytes(), cudaMemcpyDeviceToHost, nullptr));
-#endif
+  host_.routing_arrived = copy_to_host_async(staged, topk_index);
   host_.routing = topk_index.data;
-  host_.routing_arrived = StreamMark::record(topk_index.device);
 }
 
 void ExpertParallel::plan(ExpertRoute& route, Tensor topk_index, Device device) const {

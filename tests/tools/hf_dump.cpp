@@ -70,7 +70,7 @@ int main(int argc, char** argv) try {
   write_safetensors(out + "/marrow_outputs.safetensors",
                     {{"logits", logits.view().reshape({B, S, model.config().vocab_size})},
                      {"input_ids", Tensor(ids.data(), DType::i32, Device::cpu, {B, S})}});
-  std::ofstream(out + "/marrow_loss.json") << fmt::format("{{\"loss\": {:.9g}}}\n", mb.token_loss_sum / double(counted));
+  std::ofstream(out + "/marrow_loss.json") << fmt::format("{{\"loss\": {:.9g}}}\n", mb.token_loss.value() / double(counted));
   return 0;
 } catch (const std::exception& e) {
   std::fprintf(stderr, "hf_dump: error: %s\n", e.what());

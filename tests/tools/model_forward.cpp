@@ -47,7 +47,7 @@ void run(const ModelSource& source, const typename M::Config& config, const std:
   MicroBatch<M> mb;
   forward(mb, model, w, batch);
   std::filesystem::create_directories(out);
-  std::ofstream(out + "/marrow_loss.json") << fmt::format("{{\"loss\": {:.9g}}}\n", mb.token_loss_sum / double(B * (S - 1)));
+  std::ofstream(out + "/marrow_loss.json") << fmt::format("{{\"loss\": {:.9g}}}\n", mb.token_loss.value() / double(B * (S - 1)));
   if (!logits_out) return;
   const int64_t V = config.vocab_size;
   Buffer logits32(DType::f32, device, {T, V});
