@@ -27,11 +27,20 @@ template <bool Vec4> __global__ void sum_squares_kernel(double* partial, const f
   double acc = 0;
   int64_t done = 0;
   if (Vec4) {
-    for (int64_t i = first; i < n / 4; i += stride) {
-      const float4 v = reinterpret_cast<const float4*>(x)[i];
-      acc += double(v.x) * v.x + double(v.y) * v.y + double(v.z) * v.z + double(v.w) * v.w;
+    // Four loads in flight a thread (one left the copy rate ~10% short), added in the same order.
+    const float4* x4 = reinterpret_cast<const float4*>(x);
+    const int64_t n4 = n / 4;
+    auto add = [&acc](float4 v) { acc += double(v.x) * v.x + double(v.y) * v.y + double(v.z) * v.z + double(v.w) * v.w; };
+    int64_t i = first;
+    for (; i + 3 * stride < n4; i += 4 * stride) {
+      const float4 a = x4[i], b = x4[i + stride], c = x4[i + 2 * stride], d = x4[i + 3 * stride];
+      add(a);
+      add(b);
+      add(c);
+      add(d);
     }
-    done = n / 4 * 4;
+    for (; i < n4; i += stride) add(x4[i]);
+    done = n4 * 4;
   }
   for (int64_t i = done + first; i < n; i += stride) acc += double(x[i]) * x[i];
   for (int m = 16; m > 0; m /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, m);

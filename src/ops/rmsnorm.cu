@@ -283,34 +283,59 @@ __global__ void rmsnorm_rope_forward_kernel(bf16* y, float* rstd, const bf16* x,
 
 // dx = rmsnorm_backward(rope_backward(dy)): the lane un-rotates its pack of dy with its partner's
 // (rounded to bf16 as rope_backward writes it), then dx_row's arithmetic on the pack.
-template <int G>
-__global__ void rmsnorm_rope_backward_dx_kernel(bf16* dx, const bf16* dy, const bf16* x, const bf16* weight, const float* rstd,
-                                                Rope rope, int64_t tokens) {
+// WithPartial (heads a multiple of kHeadsPerWarp, so block b holds rows [64 b, 64 b + 64), chunk b of
+// the dweight partials; G <= 16): the block also writes partial[b] as rmsnorm_rope_dweight_partial_kernel
+// would, each column summed over the chunk's rows in row order from the block's shared copy of the
+// un-rotated dy and of x, so dy and x are read once for both.
+template <int G, bool WithPartial>
+__global__ void rmsnorm_rope_backward_dx_kernel(bf16* dx, float* partial, const bf16* dy, const bf16* x, const bf16* weight,
+                                                const float* rstd, Rope rope, int64_t tokens) {
   constexpr int64_t d = 8 * G;
+  constexpr int kChunk = int(kChunkRows);
+  static_assert(!WithPartial || kWarpsPerBlock * kHeadsPerWarp == kChunkRows, "a block's rows must be one dweight chunk");
+  __shared__ Pack<8> u_rows[WithPartial ? kChunk : 1][WithPartial ? G : 1], x_rows[WithPartial ? kChunk : 1][WithPartial ? G : 1];
+  __shared__ float rstd_rows[WithPartial ? kChunk : 1];
   const RopeLane<G> lane(rope, tokens, weight);
-  if (!lane.valid) return;
-  for (int64_t row0 = lane.begin; row0 < lane.end; row0 += lane.kHeadsAtOnce) {
-    const int64_t row = lane.row(row0);
-    Pack<8> gp{}, xp{};
-    float r = 0;
-    if (row >= 0) {
-      gp = load<8>(dy + row * d + 8 * lane.pack);
-      xp = load<8>(x + row * d + 8 * lane.pack);
-      r = rstd[row];
-    }
-    const Pack<8> u = lane.rotate(gp, lane.partner(gp));
-    float dot = 0;
+  const int64_t chunk_row0 = int64_t(blockIdx.x) * kChunkRows;
+  if (lane.valid) {
+    for (int64_t row0 = lane.begin; row0 < lane.end; row0 += lane.kHeadsAtOnce) {
+      const int64_t row = lane.row(row0);
+      Pack<8> gp{}, xp{};
+      float r = 0;
+      if (row >= 0) {
+        gp = load<8>(dy + row * d + 8 * lane.pack);
+        xp = load<8>(x + row * d + 8 * lane.pack);
+        r = rstd[row];
+      }
+      const Pack<8> u = lane.rotate(gp, lane.partner(gp));
+      float dot = 0;
 #pragma unroll
-    for (int l = 0; l < 8; ++l) dot = fmaf(__fmul_rn(__fmul_rn(float(u.v[l]), float(lane.weight.v[l])), float(xp.v[l])), r, dot);
-    const float mean = lane.head_sum(dot) / float(d);
-    if (row < 0) continue;
-    Pack<8> o;
+      for (int l = 0; l < 8; ++l) dot = fmaf(__fmul_rn(__fmul_rn(float(u.v[l]), float(lane.weight.v[l])), float(xp.v[l])), r, dot);
+      const float mean = lane.head_sum(dot) / float(d);
+      if (row < 0) continue;
+      Pack<8> o;
 #pragma unroll
-    for (int l = 0; l < 8; ++l) {
-      const float xhat_mean = __fmul_rn(__fmul_rn(float(xp.v[l]), r), mean);
-      o.v[l] = bf16(__fmul_rn(r, fmaf(float(u.v[l]), float(lane.weight.v[l]), -xhat_mean)));
+      for (int l = 0; l < 8; ++l) {
+        const float xhat_mean = __fmul_rn(__fmul_rn(float(xp.v[l]), r), mean);
+        o.v[l] = bf16(__fmul_rn(r, fmaf(float(u.v[l]), float(lane.weight.v[l]), -xhat_mean)));
+      }
+      store<8>(dx + row * d + 8 * lane.pack, o);
+      if constexpr (WithPartial) {
+        u_rows[row - chunk_row0][lane.pack] = u;
+        x_rows[row - chunk_row0][lane.pack] = xp;
+        if (lane.pack == 0) rstd_rows[row - chunk_row0] = r;
+      }
     }
-    store<8>(dx + row * d + 8 * lane.pack, o);
+  }
+  if constexpr (WithPartial) {
+    __syncthreads();
+    const int c = int(threadIdx.x);
+    const int rows = int(min(kChunkRows, tokens * rope.heads - chunk_row0));
+    if (c >= d || rows <= 0) return;
+    float acc = 0;
+    for (int r = 0; r < rows; ++r)
+      acc = fmaf(float(u_rows[r][c / 8].v[c % 8]), __fmul_rn(float(x_rows[r][c / 8].v[c % 8]), rstd_rows[r]), acc);
+    partial[int64_t(blockIdx.x) * d + c] = acc;
   }
 }
 
@@ -448,14 +473,22 @@ void launch_rope_backward(Tensor dx, Tensor dweight, Tensor dy, Tensor x, Tensor
   if (n == 0) return;
   auto s = static_cast<cudaStream_t>(stream.handle);
   const Rope rope = rope_args(positions, heads, d, theta, -1.0f);
-  auto launch = [&](auto kernel) {
-    kernel<<<rope_blocks(tokens, heads), kRowThreads, 0, s>>>(bf16_out(dx), bf16_data(dy), bf16_data(x), bf16_data(weight),
-                                                              rstd.ptr<float>(), rope, tokens);
+  const unsigned blocks = rope_blocks(tokens, heads);
+  auto launch = [&](auto kernel, float* partial) {
+    kernel<<<blocks, kRowThreads, 0, s>>>(bf16_out(dx), partial, bf16_data(dy), bf16_data(x), bf16_data(weight), rstd.ptr<float>(),
+                                          rope, tokens);
+    MARROW_CUDA_CHECK_LAUNCH();
   };
-  if (group == 8) launch(rmsnorm_rope_backward_dx_kernel<8>);
-  else if (group == 16) launch(rmsnorm_rope_backward_dx_kernel<16>);
-  else launch(rmsnorm_rope_backward_dx_kernel<32>);
-  MARROW_CUDA_CHECK_LAUNCH();
+  // dx and the dweight partials in one pass (see the kernel); the chunks are its blocks.
+  if (heads % kHeadsPerWarp == 0 && group <= 16)
+    return accumulate_dweight(dweight, n, d, stream, [&](float* partial, unsigned chunks, cudaStream_t) {
+      MARROW_CHECK(chunks == blocks, "internal: {} dweight chunks for {} blocks", chunks, blocks);
+      if (group == 8) launch(rmsnorm_rope_backward_dx_kernel<8, true>, partial);
+      else launch(rmsnorm_rope_backward_dx_kernel<16, true>, partial);
+    });
+  if (group == 8) launch(rmsnorm_rope_backward_dx_kernel<8, false>, nullptr);
+  else if (group == 16) launch(rmsnorm_rope_backward_dx_kernel<16, false>, nullptr);
+  else launch(rmsnorm_rope_backward_dx_kernel<32, false>, nullptr);
   // A thread per column pair: blocks of at most 256, no more warps than D/2 needs (64 threads at D = 128).
   const int64_t threads = std::min<int64_t>(256, (d / 2 + 31) / 32 * 32);
   accumulate_dweight(dweight, n, d, stream, [&](float* partial, unsigned chunks, cudaStream_t st) {
