@@ -339,7 +339,9 @@ __global__ void rmsnorm_rope_backward_dx_kernel(bf16* dx, float* partial, const 
   }
 }
 
-// dweight, pass 1 of the RoPE variant: a thread owns the column pair (j, j + D/2), un-rotates each
+// dweight, pass 1 of the RoPE variant where the dx kernel does not write the partials (heads not a
+// multiple of kHeadsPerWarp, e.g. the bench model's 4 key heads, or D = 256): a thread owns the column
+// pair (j, j + D/2), un-rotates each
 // row's pair of dy once and sums both columns in row order, as the plain pass does per column
 // (unrolled as it is).
 __global__ void rmsnorm_rope_dweight_partial_kernel(float* partial, const bf16* dy, const bf16* x, const float* rstd, Rope rope,
