@@ -514,6 +514,7 @@ void check_elementwise_ops(CheckReport& report) {
   check_rmsnorm_rope(report, 37, 32, 128);  // 16 lanes a head, the bench model's 32 query heads: 4 warps a token; dweight's
                                             // partials from the dx kernel, the last chunk short
   check_rmsnorm_rope(report, 37, 8, 64);    // 8 lanes a head, dweight's partials from the dx kernel
+  check_rmsnorm_rope(report, 37, 4, 128);   // 4 heads: 16 warps a block, dweight's partials from the dx kernel
   check_rmsnorm_rope(report, 37, 5, 128);   // a warp's last pass holding one head of two
   check_rmsnorm_rope(report, 37, 3, 256);   // 32 lanes a head
   check_rmsnorm_rope(report, 37, 3, 512);   // past the fused kernels: the unfused pair

@@ -210,7 +210,7 @@ template <int G> struct RopeLane {
   float2 cs[8];               // cos, sign * sin of the lane's 8 pairs, 8 (pack mod G/2) + l
   Pack<8> weight;             // the norm's weight over the lane's pack
   __device__ RopeLane(const Rope& rope, int64_t tokens, const bf16* norm_weight) {
-    const int64_t warp = blockIdx.x * int64_t(kWarpsPerBlock) + threadIdx.x / 32;
+    const int64_t warp = blockIdx.x * int64_t(blockDim.x / 32) + threadIdx.x / 32;
     const int64_t groups = (rope.heads + kHeadsPerWarp - 1) / kHeadsPerWarp;
     token = warp / groups;
     begin = token * rope.heads + warp % groups * kHeadsPerWarp;
@@ -251,8 +251,8 @@ template <int G> struct RopeLane {
     return out;
   }
 };
-unsigned rope_blocks(int64_t tokens, int64_t heads) {
-  return unsigned((tokens * ((heads + kHeadsPerWarp - 1) / kHeadsPerWarp) + kWarpsPerBlock - 1) / kWarpsPerBlock);
+unsigned rope_blocks(int64_t tokens, int64_t heads, int64_t warps_per_block = kWarpsPerBlock) {
+  return unsigned((tokens * ((heads + kHeadsPerWarp - 1) / kHeadsPerWarp) + warps_per_block - 1) / warps_per_block);
 }
 
 // y = rope(norm(x)): rstd of each head, the normalised pack rounded to bf16 (the unfused norm's
@@ -283,16 +283,15 @@ __global__ void rmsnorm_rope_forward_kernel(bf16* y, float* rstd, const bf16* x,
 
 // dx = rmsnorm_backward(rope_backward(dy)): the lane un-rotates its pack of dy with its partner's
 // (rounded to bf16 as rope_backward writes it), then dx_row's arithmetic on the pack.
-// WithPartial (heads a multiple of kHeadsPerWarp, so block b holds rows [64 b, 64 b + 64), chunk b of
-// the dweight partials; G <= 16): the block also writes partial[b] as rmsnorm_rope_dweight_partial_kernel
-// would, each column summed over the chunk's rows in row order from the block's shared copy of the
-// un-rotated dy and of x, so dy and x are read once for both.
+// WithPartial (G <= 16, and blocks of kChunkRows rows: block b holds rows [64 b, 64 b + 64), chunk b of
+// the dweight partials; see launch_rope_backward): the block also writes partial[b] as
+// rmsnorm_rope_dweight_partial_kernel would, each column summed over the chunk's rows in row order from
+// the block's shared copy of the un-rotated dy and of x, so dy and x are read once for both.
 template <int G, bool WithPartial>
-__global__ void rmsnorm_rope_backward_dx_kernel(bf16* dx, float* partial, const bf16* dy, const bf16* x, const bf16* weight,
+__global__ void __launch_bounds__(512) rmsnorm_rope_backward_dx_kernel(bf16* dx, float* partial, const bf16* dy, const bf16* x, const bf16* weight,
                                                 const float* rstd, Rope rope, int64_t tokens) {
   constexpr int64_t d = 8 * G;
   constexpr int kChunk = int(kChunkRows);
-  static_assert(!WithPartial || kWarpsPerBlock * kHeadsPerWarp == kChunkRows, "a block's rows must be one dweight chunk");
   __shared__ Pack<8> u_rows[WithPartial ? kChunk : 1][WithPartial ? G : 1], x_rows[WithPartial ? kChunk : 1][WithPartial ? G : 1];
   __shared__ float rstd_rows[WithPartial ? kChunk : 1];
   const RopeLane<G> lane(rope, tokens, weight);
@@ -333,14 +332,16 @@ __global__ void rmsnorm_rope_backward_dx_kernel(bf16* dx, float* partial, const 
     const int rows = int(min(kChunkRows, tokens * rope.heads - chunk_row0));
     if (c >= d || rows <= 0) return;
     float acc = 0;
+    // Unrolled so that the shared loads run ahead of the chain of multiply-adds (same order).
+#pragma unroll 8
     for (int r = 0; r < rows; ++r)
       acc = fmaf(float(u_rows[r][c / 8].v[c % 8]), __fmul_rn(float(x_rows[r][c / 8].v[c % 8]), rstd_rows[r]), acc);
     partial[int64_t(blockIdx.x) * d + c] = acc;
   }
 }
 
-// dweight, pass 1 of the RoPE variant where the dx kernel does not write the partials (heads not a
-// multiple of kHeadsPerWarp, e.g. the bench model's 4 key heads, or D = 256): a thread owns the column
+// dweight, pass 1 of the RoPE variant where the dx kernel does not write the partials (heads neither 4
+// nor a multiple of kHeadsPerWarp, or D = 256): a thread owns the column
 // pair (j, j + D/2), un-rotates each
 // row's pair of dy once and sums both columns in row order, as the plain pass does per column
 // (unrolled as it is).
@@ -475,22 +476,25 @@ void launch_rope_backward(Tensor dx, Tensor dweight, Tensor dy, Tensor x, Tensor
   if (n == 0) return;
   auto s = static_cast<cudaStream_t>(stream.handle);
   const Rope rope = rope_args(positions, heads, d, theta, -1.0f);
-  const unsigned blocks = rope_blocks(tokens, heads);
-  auto launch = [&](auto kernel, float* partial) {
-    kernel<<<blocks, kRowThreads, 0, s>>>(bf16_out(dx), partial, bf16_data(dy), bf16_data(x), bf16_data(weight), rstd.ptr<float>(),
-                                          rope, tokens);
+  auto launch = [&](auto kernel, float* partial, int64_t warps_per_block) {
+    kernel<<<rope_blocks(tokens, heads, warps_per_block), unsigned(32 * warps_per_block), 0, s>>>(
+        bf16_out(dx), partial, bf16_data(dy), bf16_data(x), bf16_data(weight), rstd.ptr<float>(), rope, tokens);
     MARROW_CUDA_CHECK_LAUNCH();
   };
-  // dx and the dweight partials in one pass (see the kernel); the chunks are its blocks.
-  if (heads % kHeadsPerWarp == 0 && group <= 16)
+  // dx and the dweight partials in one pass (see the kernel) when a block can hold exactly one chunk: a
+  // warp takes kHeadsPerWarp rows (heads a multiple of it) or a token's 4 heads (16 warps a block).
+  const int64_t warp_rows = heads % kHeadsPerWarp == 0 ? kHeadsPerWarp : heads;
+  if (group <= 16 && (warp_rows == kHeadsPerWarp || warp_rows == 4))
     return accumulate_dweight(dweight, n, d, stream, [&](float* partial, unsigned chunks, cudaStream_t) {
-      MARROW_CHECK(chunks == blocks, "internal: {} dweight chunks for {} blocks", chunks, blocks);
-      if (group == 8) launch(rmsnorm_rope_backward_dx_kernel<8, true>, partial);
-      else launch(rmsnorm_rope_backward_dx_kernel<16, true>, partial);
+      const int64_t warps = kChunkRows / warp_rows;
+      MARROW_CHECK(chunks == rope_blocks(tokens, heads, warps), "internal: {} dweight chunks for {} blocks", chunks,
+                   rope_blocks(tokens, heads, warps));
+      if (group == 8) launch(rmsnorm_rope_backward_dx_kernel<8, true>, partial, warps);
+      else launch(rmsnorm_rope_backward_dx_kernel<16, true>, partial, warps);
     });
-  if (group == 8) launch(rmsnorm_rope_backward_dx_kernel<8, false>, nullptr);
-  else if (group == 16) launch(rmsnorm_rope_backward_dx_kernel<16, false>, nullptr);
-  else launch(rmsnorm_rope_backward_dx_kernel<32, false>, nullptr);
+  if (group == 8) launch(rmsnorm_rope_backward_dx_kernel<8, false>, nullptr, kWarpsPerBlock);
+  else if (group == 16) launch(rmsnorm_rope_backward_dx_kernel<16, false>, nullptr, kWarpsPerBlock);
+  else launch(rmsnorm_rope_backward_dx_kernel<32, false>, nullptr, kWarpsPerBlock);
   // A thread per column pair: blocks of at most 256, no more warps than D/2 needs (64 threads at D = 128).
   const int64_t threads = std::min<int64_t>(256, (d / 2 + 31) / 32 * 32);
   accumulate_dweight(dweight, n, d, stream, [&](float* partial, unsigned chunks, cudaStream_t st) {
