@@ -20,15 +20,19 @@ template <typename T> __device__ T warp_sum(T v) {
 }
 
 // One RoPE pair (a, b) = (x[j], x[j + D/2]) rotated by sign * position * inv_freq (ops/rope.h): the
-// angle in f32, the precise cosf/sinf, and every rounding written out. A product left to the
+// angle in f32, the precise cosine and sine, and every rounding written out. A product left to the
 // compiler may be contracted into an fma one way in one kernel and another way in the next (it
 // was: rope.cu's kernel and the fused QK-norm's differed); rope.cu and rmsnorm.cu's fused QK-norm
 // both rotate here, so they give the same bits.
 // (cos, sign * sin) of a pair's angle, and the rotation by them: rope_rotate split so that a kernel
 // can reuse the angle of one token across its heads (the same bits).
+// sincosf gives cosf's and sinf's values from one argument reduction and one pair of polynomials;
+// nvcc does not merge a cosf and a sinf of the same angle (they cost twice the instructions).
 __device__ inline float2 rope_cos_sin(float position, float inv_freq, float sign) {
   const float angle = __fmul_rn(position, inv_freq);
-  return make_float2(cosf(angle), __fmul_rn(sign, sinf(angle)));
+  float sine = 0, cosine = 0;
+  sincosf(angle, &sine, &cosine);
+  return make_float2(cosine, __fmul_rn(sign, sine));
 }
 __device__ inline float2 rope_apply(float a, float b, float2 cs) {
   return make_float2(fmaf(a, cs.x, -__fmul_rn(b, cs.y)), fmaf(b, cs.x, __fmul_rn(a, cs.y)));
