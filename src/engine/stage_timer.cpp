@@ -34,10 +34,13 @@ StageTimer::~StageTimer() {
 }
 
 void StageTimer::begin(Stage stage) {
+#if MARROW_CUDA
+  nvtxRangePushA(kStageNames[int(stage)]);
+#endif
+  if (!timing_) return;
   Mark m;
   m.stage = stage;
 #if MARROW_CUDA
-  nvtxRangePushA(kStageNames[int(stage)]);
   if (device_ == Device::cuda) {
     m.start = new_event(free_events_);
     m.stop = new_event(free_events_);
@@ -49,6 +52,12 @@ void StageTimer::begin(Stage stage) {
 }
 
 void StageTimer::end(Stage stage) {
+  if (!timing_) {
+#if MARROW_CUDA
+    nvtxRangePop();
+#endif
+    return;
+  }
   MARROW_CHECK(!marks_.empty() && marks_.back().stage == stage && !marks_.back().host_stop.time_since_epoch().count(),
                "StageTimer: stage '{}' ends without beginning", kStageNames[int(stage)]);
   Mark& m = marks_.back();

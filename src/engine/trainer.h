@@ -375,15 +375,18 @@ std::vector<StepMetrics> train(const RunConfig& rc, const typename M::Config& mo
   const RunLock lock(rc.out_dir, process::rank() == 0);  // one run per output.dir (engine/run_lock.h)
   set_attention_kernels(parse_attention_kernels(rc.attention_kernels));
   // --profile-steps: the trace exists before any NVTX range (see KernelTrace); the stages are NVTX
-  // ranges only when timed, so a traced run times them.
+  // ranges through a StageTimer, so a traced run without one gets one that times no step (timing
+  // would slow the traced steps, engine/stage_timer.h).
   // With several processes, world rank 0 traces.
   std::optional<KernelTrace> trace;
   std::optional<StageTimer> traced_stages;
   if (rc.profile_first > 0 && process::rank() == 0) {
     check_profile_steps(rc);
     trace.emplace(device);
-    if (!timer) timer = &traced_stages.emplace(device);
-    if (!timer->times(rc.profile_first)) timer->time_from_step(rc.profile_first);
+    if (!timer) {
+      timer = &traced_stages.emplace(device);
+      timer->time_from_step(std::numeric_limits<int64_t>::max());  // NVTX ranges only
+    }
   }
   TrainSetup<M> s(rc, model_config, device);
   const bool leader = s.mesh.world.rank() == 0;
@@ -437,8 +440,8 @@ std::vector<StepMetrics> train(const RunConfig& rc, const typename M::Config& mo
     // Every target of a sample is a real next token, so the step's counted tokens are known upfront.
     const double loss_scale = 1.0 / double(rc.global_batch * S);
     const double aux_grad = aux_coef / double(s.model.num_layers() * micro_batches);
-    StageTimer* step_timer = timer && timer->times(step) ? timer : nullptr;
-    const auto [token_loss_sum, aux_loss_sum] = run_step(s, rc, data, step, loss_scale, aux_grad, step_timer);
+    if (timer) timer->start_step(step);
+    const auto [token_loss_sum, aux_loss_sum] = run_step(s, rc, data, step, loss_scale, aux_grad, timer);
 
     StepMetrics m;
     m.step = step;
@@ -448,7 +451,7 @@ std::vector<StepMetrics> train(const RunConfig& rc, const typename M::Config& mo
     // Reported normalised so that perfectly balanced routing reads 1.0.
     m.load_balance = aux_loss_sum / double(s.model.num_layers() * micro_batches * s.model.top_k());
     m.lr = schedule.at(step);
-    std::optional<StageScope> optimizer_scope(std::in_place, step_timer, Stage::optimizer);
+    std::optional<StageScope> optimizer_scope(std::in_place, timer, Stage::optimizer);
     state.finish_gradients(rc.overlap_grad_reduce && !rc.uses_dualpipev());
     m.grad_norm = state.gradient_norm();
     if (poisoned) m.loss = std::numeric_limits<double>::quiet_NaN();
@@ -467,10 +470,10 @@ std::vector<StepMetrics> train(const RunConfig& rc, const typename M::Config& mo
     if (device == Device::cuda) synchronize();
     watchdog::arm(false);
     step_range.reset();
-    if (step_timer) {
-      const std::array<double, kStageCount> before = step_timer->total_ms();
-      step_timer->collect();
-      for (int i = 0; i < kStageCount; ++i) m.stage_ms[size_t(i)] = step_timer->total_ms()[size_t(i)] - before[size_t(i)];
+    if (timer && timer->times(step)) {
+      const std::array<double, kStageCount> before = timer->total_ms();
+      timer->collect();
+      for (int i = 0; i < kStageCount; ++i) m.stage_ms[size_t(i)] = timer->total_ms()[size_t(i)] - before[size_t(i)];
     }
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     m.step_ms = seconds * 1e3;
