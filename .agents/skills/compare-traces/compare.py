@@ -1,9 +1,12 @@
 """Kernel time per step of two kernel traces (marrow's --profile-steps Chrome JSON, plain or gzipped), side by side.
 
-usage: compare.py <before-trace> <after-trace> [--steps N] [--top K] [--match REGEX]
+usage: compare.py <before-trace> <after-trace> [--steps N] [--top K] [--match REGEX] [--gaps]
 Prints, per kernel name (first 80 characters), ms per step before and after, the difference, calls per step and the mean
 duration of a call after; then the totals. Machines differ by a few percent in kernel speed: compare the kernels a change
 touched, and read the untouched GEMMs' difference as the machine's.
+--gaps adds where the GPU waited in each trace: the time between consecutive kernels, copies and memsets, split into
+launch gaps (at most 3 us: back-to-back kernels) and longer ones (a wait for the host), the longer ones by the pair of
+names around them.
 """
 import argparse
 import collections
@@ -25,6 +28,37 @@ def kernel_times(path):
     return total, calls
 
 
+SHORT_GAP_US = 3.0
+
+
+def gpu_waits(path, steps, top):
+    """Prints the idle time per step between the GPU's operations (kernels, copies, memsets) of one trace."""
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        events = json.load(f)["traceEvents"]
+    ops = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "memcpy", "memset")),
+                 key=lambda e: e["ts"])
+    short = long_ = 0.0
+    short_count = 0
+    pairs = collections.Counter()
+    end, last = None, None
+    for e in ops:
+        if end is not None and e["ts"] > end:
+            gap = e["ts"] - end
+            if gap <= SHORT_GAP_US:
+                short += gap
+                short_count += 1
+            else:
+                long_ += gap
+                pairs[(last["name"][:40], e["name"][:40])] += gap
+        if end is None or e["ts"] + e["dur"] > end:
+            end, last = e["ts"] + e["dur"], e
+    print(f"{path}: GPU idle per step {(short + long_) / 1000 / steps:.2f} ms: launch gaps (<= {SHORT_GAP_US:g} us) "
+          f"{short / 1000 / steps:.2f} ms in {short_count // steps} gaps, longer gaps {long_ / 1000 / steps:.2f} ms")
+    for (a, b), us in pairs.most_common(top):
+        print(f"  {us / steps:9.1f} us/step  {a} -> {b}")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("before")
@@ -32,6 +66,7 @@ def main():
     parser.add_argument("--steps", type=int, default=2, help="steps in each trace (--profile-steps=3:4 traces 2)")
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--match", default="", help="only kernels whose name matches this regex")
+    parser.add_argument("--gaps", action="store_true", help="also where the GPU waited in each trace")
     args = parser.parse_args()
     before, _ = kernel_times(args.before)
     after, calls = kernel_times(args.after)
@@ -49,6 +84,9 @@ def main():
               f"{calls[n] // args.steps:6d} {per_call:9.1f}  {n}")
     b, a = sum(before.values()) / scale, sum(after.values()) / scale
     print(f"{b:9.2f} {a:9.2f} {a - b:+8.2f}  all kernels")
+    if args.gaps:
+        for path in (args.before, args.after):
+            gpu_waits(path, args.steps, 8)
     print("PASS")
     return 0
 
