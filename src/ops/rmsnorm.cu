@@ -207,7 +207,7 @@ template <int G> struct RopeLane {
   bool first_half = pack < G / 2;
   int64_t token, begin, end;  // the warp's token and its rows [begin, end)
   bool valid;                 // token < tokens; the rest is set only then
-  float2 cs[8];               // cos, sign * sin of the lane's 8 pairs, 8 (pack mod G/2) + l
+  float2 cs[8];               // cos and +-sign * sin of the lane's 8 pairs, 8 (pack mod G/2) + l (see rotate)
   Pack<8> weight;             // the norm's weight over the lane's pack
   __device__ RopeLane(const Rope& rope, int64_t tokens, const bf16* norm_weight) {
     const int64_t warp = blockIdx.x * int64_t(blockDim.x / 32) + threadIdx.x / 32;
@@ -219,7 +219,10 @@ template <int G> struct RopeLane {
     if (!valid) return;
     const float position = float(rope.positions[token]);
 #pragma unroll
-    for (int l = 0; l < 8; ++l) cs[l] = rope_cos_sin(position, rope.inv_freq.v[8 * (pack % (G / 2)) + l], rope.sign);
+    for (int l = 0; l < 8; ++l) {
+      cs[l] = rope_cos_sin(position, rope.inv_freq.v[8 * (pack % (G / 2)) + l], rope.sign);
+      if (first_half) cs[l].y = -cs[l].y;
+    }
     weight = load<8>(norm_weight + 8 * pack);
   }
   // The lane's row in the pass starting at row0, or -1 past the warp's rows.
@@ -239,15 +242,14 @@ template <int G> struct RopeLane {
     bits.w = __shfl_xor_sync(0xffffffffu, bits.w, G / 2);
     return *reinterpret_cast<Pack<8>*>(&bits);
   }
-  // This lane's half of the rotation of (own, partner): rope_apply's x for the first half, y for the second.
+  // This lane's half of the rotation of (own, partner): rope_apply's x for the first half,
+  // fmaf(own, cos, -(other * sin)), and its y for the second, fmaf(own, cos, other * sin). The sine's
+  // sign for the half is in cs (negation is exact, so the bits are rope_apply's), and only the
+  // lane's own component is computed.
   __device__ Pack<8> rotate(const Pack<8>& own, const Pack<8>& other) const {
     Pack<8> out;
 #pragma unroll
-    for (int l = 0; l < 8; ++l) {
-      const float a = float(first_half ? own.v[l] : other.v[l]), b = float(first_half ? other.v[l] : own.v[l]);
-      const float2 o = rope_apply(a, b, cs[l]);
-      out.v[l] = bf16(first_half ? o.x : o.y);
-    }
+    for (int l = 0; l < 8; ++l) out.v[l] = bf16(fmaf(float(own.v[l]), cs[l].x, __fmul_rn(float(other.v[l]), cs[l].y)));
     return out;
   }
 };
