@@ -263,6 +263,8 @@ FAULTS = [
     Fault("bench --help", ["bench", "--help"], 0, "--warmup=N"),
     Fault("bench on the CPU labels its speed", ["bench", *BASE, "--output.dir={tmp}/bench", "--steps=1", "--warmup=0"], 0,
           "GFLOP/s on the CPU (fp32; MFU needs a GPU)"),
+    Fault("bench splits stages in a step after the measured ones", ["bench", *BASE, "--output.dir={tmp}/bench-split", "--steps=4",
+          "--warmup=0"], 0, "(1 more step, timed by stage:"),
     Fault("optimizer.lr = inf", train("--optimizer.lr=inf"), 1, "--optimizer.lr: must be positive, got inf"),
     Fault("optimizer.beta1 = 1", train("--optimizer.beta1=1"), 1, "--optimizer.beta1: must be at least 0 and below 1"),
     Fault("train.seed = -1", train("--train.seed=-1"), 1, "--train.seed: must be an integer from 0 to 2^64 - 1, got -1"),
