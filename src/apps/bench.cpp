@@ -163,6 +163,19 @@ void print_expert_traffic(const std::vector<StepMetrics>& history, int64_t warmu
               dispatches / steps, plan_ms / steps, exchange_ms / steps, upload_ms / steps);
 }
 
+// The stages' own time in the `timed` steps after the measured ones (timing slows a step); what is
+// left of the step is host work between them (data, launches, syncs).
+void print_stage_split(const std::array<double, kStageCount>& stage_ms, int64_t timed, double timed_ms) {
+  std::printf("%-24s %10s %7s   (%lld more step%s, timed by stage: %.1f ms/step)\n", "stage (per step)", "ms", "share", (long long)timed,
+              timed > 1 ? "s" : "", timed_ms);
+  double staged = 0;
+  for (int k = 0; k < kStageCount; ++k) {
+    staged += stage_ms[size_t(k)];
+    std::printf("%-24s %10.1f %6.1f%%\n", kStageNames[k], stage_ms[size_t(k)], 100 * stage_ms[size_t(k)] / timed_ms);
+  }
+  std::printf("%-24s %10.1f %6.1f%%\n", "outside the stages", timed_ms - staged, 100 * (timed_ms - staged) / timed_ms);
+}
+
 template <MoeModel M>
 void bench_training(RunConfig rc, const typename M::Config& config, int64_t warmup, int64_t steps) {
   check_state_fits(model_size(config), process::size(), choose_device(rc.device), process::local_rank());
@@ -208,15 +221,7 @@ void bench_training(RunConfig rc, const typename M::Config& config, int64_t warm
               peak / 1073741824.0);
   const int64_t row_bytes = config.hidden_size * (gpu ? 2 : 4);  // bf16 or f32 rows
   if (rc.ep > 1) print_expert_traffic(history, warmup, row_bytes, ms);
-  // The stages' own time; what is left of the step is host work between them (data, launches, syncs).
-  std::printf("%-24s %10s %7s   (%lld more step%s, timed by stage: %.1f ms/step)\n", "stage (per step)", "ms", "share", (long long)timed,
-              timed > 1 ? "s" : "", timed_ms);
-  double staged = 0;
-  for (int k = 0; k < kStageCount; ++k) {
-    staged += stage_ms[size_t(k)];
-    std::printf("%-24s %10.1f %6.1f%%\n", kStageNames[k], stage_ms[size_t(k)], 100 * stage_ms[size_t(k)] / timed_ms);
-  }
-  std::printf("%-24s %10.1f %6.1f%%\n", "outside the stages", timed_ms - staged, 100 * (timed_ms - staged) / timed_ms);
+  print_stage_split(stage_ms, timed, timed_ms);
 }
 
 }  // namespace
