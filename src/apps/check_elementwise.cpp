@@ -5,6 +5,7 @@
 // poisoned; accumulated outputs start from the same random values on both sides.
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <string>
 
 #include "apps/check.h"
@@ -326,6 +327,41 @@ void check_moe(CheckReport& report, int64_t n, int64_t e, int64_t k, int64_t h, 
   report.compare("combine_backward dtopk_weight " + hsize, dweight_d, dweight, kF32);
 }
 
+// Expert indices outside [0, E) (-1 and E here): the GPU statistics count them for no expert, the
+// GPU plan with offsets on the host refuses them, and with offsets on the GPU leaves
+// expert_offsets[E] below the copy count.
+void check_routing_outside(CheckReport& report, int64_t n, int64_t e, int64_t k) {
+  const std::string size = fmt::format("T={} E={} K={}", n, e, k);
+  Buffer topk_index(DType::i32, Device::cpu, {n, k});
+  int32_t* idx = topk_index.ptr<int32_t>();
+  for (int64_t i = 0; i < n * k; ++i) idx[i] = int32_t(i % e);
+  idx[3] = -1;
+  idx[n * k - 2] = int32_t(e);
+  Buffer counts = host_f32({e});
+  std::fill(counts.ptr<float>(), counts.ptr<float>() + e, 0.0f);
+  for (int64_t i = 0; i < n * k; ++i)
+    if (0 <= idx[i] && idx[i] < e) counts.ptr<float>()[idx[i]] += 1;
+  OnDevice index_d(topk_index, DType::i32), probs_d(random_host({n, e}, 57), DType::f32);
+  Buffer stats_d = poisoned(DType::f32, {2 * e + 1});
+  router_statistics(stats_d, probs_d, index_d);
+  report.expect_equal("router_statistics counts, indices outside [0, E) " + size, stats_d.view().rows(0, e), counts);
+
+  Buffer offsets(DType::i32, Device::cpu, {e + 1}), copy_row = poisoned(DType::i32, {n, k});
+  bool rejected = false;
+  try {
+    dispatch_plan(offsets, copy_row, index_d);
+  } catch (const Error&) {
+    rejected = true;
+  }
+  report.add({"dispatch_plan rejects indices outside [0, E) " + size, rejected ? 0.0 : 1.0, 0, rejected});
+  Buffer offsets_d = poisoned(DType::i32, {e + 1});
+  dispatch_plan(offsets_d, copy_row, index_d);
+  const Buffer last = to_host(offsets_d);
+  const int64_t valid = n * k - 2;
+  report.add({"dispatch_plan offsets on the GPU: expert_offsets[E] = valid copies, indices outside [0, E) " + size,
+              double(std::abs(last.ptr<int32_t>()[e] - valid)), 0, last.ptr<int32_t>()[e] == valid});
+}
+
 // Expert parallelism: rank `rank` of `ranks` holds experts [rank * E / ranks, (rank + 1) * E / ranks)
 // and sees its part of the plan: copy_row keeps the rows of its experts' copies, shifted to start
 // at 0, and -1 for the copies other ranks hold, so the permuted tensors have R < T * K rows (the
@@ -532,6 +568,8 @@ void check_elementwise_ops(CheckReport& report) {
   check_moe(report, 37, 8, 2, 75, false, -1);
   check_moe(report, 37, 8, 8, 72, true, -1);  // K = E
   check_moe(report, 37, 128, 8, 75, true, 5);
+  check_routing_outside(report, 37, 8, 2);
+  check_routing_outside(report, 37, 128, 8);
   check_dispatch_rank(report, 37, 8, 2, 72, 4, 1, DType::bf16);
   check_dispatch_rank(report, 37, 8, 2, 75, 4, 1, DType::bf16);
   check_dispatch_rank(report, 37, 8, 8, 8, 2, 0, DType::f32);  // routing weights: H = K

@@ -78,16 +78,25 @@ template <typename T, int N> struct alignas(sizeof(T) * N < 16 ? sizeof(T) * N :
   T v[N];
 };
 
-__global__ void dispatch_iota_kernel(int32_t* out, int64_t n) {
+// The plan is a stable radix sort of the copies (t * K + j) by expert (cub, deterministic). Its keys:
+// each copy's expert, an index outside [0, E) replaced by E so that it sorts after every expert (the
+// plan's check then finds offsets[E] < copies); so the sort needs only the bits of E (one pass of
+// cub's onesweep for E < 256, where all 32 bits took four). Its values: the copy's own index.
+__global__ void dispatch_keys_kernel(int32_t* keys, int32_t* copies_ids, const int32_t* topk_index, int64_t copies, int e) {
   const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
-  if (i < n) out[i] = int32_t(i);
+  if (i >= copies) return;
+  const int32_t expert = topk_index[i];
+  keys[i] = 0 <= expert && expert < e ? expert : e;
+  copies_ids[i] = int32_t(i);
 }
 
-// The plan is a stable radix sort of the copies (t * K + j) by expert (cub, deterministic). Then
-// one thread per expert boundary e in [0, E]: expert_offsets[e] = the number of sorted experts
-// below e, by binary search.
-__global__ void dispatch_offsets_kernel(int32_t* offsets, const int32_t* sorted_experts, int64_t copies, int e) {
-  const int x = blockIdx.x * blockDim.x + threadIdx.x;
+// After the sort, one thread per row r: the copy the sort put at row r gets copy_row = r; and one
+// thread per expert boundary x in [0, E]: expert_offsets[x] = the number of sorted keys below x, by
+// binary search.
+__global__ void dispatch_rows_offsets_kernel(int32_t* copy_row, int32_t* offsets, const int32_t* sorted_copies,
+                                             const int32_t* sorted_experts, int64_t copies, int e) {
+  const int64_t x = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (x < copies) copy_row[sorted_copies[x]] = int32_t(x);
   if (x > e) return;
   int64_t lo = 0, hi = copies;
   while (lo < hi) {
@@ -96,12 +105,6 @@ __global__ void dispatch_offsets_kernel(int32_t* offsets, const int32_t* sorted_
     else hi = mid;
   }
   offsets[x] = int32_t(lo);
-}
-
-// One thread per row r: the copy the sort put at row r gets copy_row = r.
-__global__ void dispatch_scatter_rows_kernel(int32_t* copy_row, const int32_t* sorted_copies, int64_t copies) {
-  const int64_t r = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
-  if (r < copies) copy_row[sorted_copies[r]] = int32_t(r);
 }
 
 // One block per token; its threads stride the row in packs of N (8 elements when H % 8 == 0), each
@@ -143,7 +146,7 @@ __global__ void dispatch_backward_kernel(T* dx, const T* dx_perm, const int32_t*
   }
 }
 
-// Returns whether every expert index was inside [0, E): those outside sort before 0 or after E - 1.
+// Returns whether every expert index was inside [0, E): those outside sort after E - 1.
 // Offsets in GPU memory are written there and not read back (no wait for the GPU): true then.
 bool launch_plan(Tensor expert_offsets, Tensor copy_row, Tensor topk_index, Stream stream) {
   const int64_t copies = topk_index.numel(), e = expert_offsets.size(0) - 1;
@@ -153,23 +156,22 @@ bool launch_plan(Tensor expert_offsets, Tensor copy_row, Tensor topk_index, Stre
   if (!on_device) host_bound = Buffer(DType::i32, Device::cuda, {e + 1}, stream);
   const Tensor offsets = on_device ? expert_offsets : host_bound.view();
   if (copies > 0) {
-    Buffer ids(DType::i32, Device::cuda, {copies}, stream), sorted_experts(DType::i32, Device::cuda, {copies}, stream),
-        sorted_copies(DType::i32, Device::cuda, {copies}, stream);
-    dispatch_iota_kernel<<<unsigned((copies + 255) / 256), 256, 0, s>>>(ids.ptr<int32_t>(), copies);
+    Buffer keys(DType::i32, Device::cuda, {copies}, stream), ids(DType::i32, Device::cuda, {copies}, stream),
+        sorted_experts(DType::i32, Device::cuda, {copies}, stream), sorted_copies(DType::i32, Device::cuda, {copies}, stream);
+    dispatch_keys_kernel<<<unsigned((copies + 255) / 256), 256, 0, s>>>(keys.ptr<int32_t>(), ids.ptr<int32_t>(),
+                                                                      topk_index.ptr<int32_t>(), copies, int(e));
     MARROW_CUDA_CHECK_LAUNCH();
+    int key_bits = 1;  // enough bits for the keys 0..E
+    while ((int64_t(1) << key_bits) <= e) ++key_bits;
     size_t temp_bytes = 0;
-    MARROW_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, temp_bytes, topk_index.ptr<int32_t>(),
-                                                      sorted_experts.ptr<int32_t>(), ids.ptr<int32_t>(),
-                                                      sorted_copies.ptr<int32_t>(), int(copies), 0, 32, s));
+    MARROW_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, temp_bytes, keys.ptr<int32_t>(), sorted_experts.ptr<int32_t>(),
+                                                      ids.ptr<int32_t>(), sorted_copies.ptr<int32_t>(), int(copies), 0, key_bits, s));
     Buffer temp(DType::i64, Device::cuda, {int64_t(temp_bytes / 8 + 1)}, stream);
-    MARROW_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp.view().data, temp_bytes, topk_index.ptr<int32_t>(),
-                                                      sorted_experts.ptr<int32_t>(), ids.ptr<int32_t>(),
-                                                      sorted_copies.ptr<int32_t>(), int(copies), 0, 32, s));
-    dispatch_offsets_kernel<<<unsigned((e + 256) / 256), 256, 0, s>>>(offsets.ptr<int32_t>(), sorted_experts.ptr<int32_t>(), copies,
-                                                             int(e));
-    MARROW_CUDA_CHECK_LAUNCH();
-    dispatch_scatter_rows_kernel<<<unsigned((copies + 255) / 256), 256, 0, s>>>(copy_row.ptr<int32_t>(), sorted_copies.ptr<int32_t>(),
-                                                                       copies);
+    MARROW_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp.view().data, temp_bytes, keys.ptr<int32_t>(), sorted_experts.ptr<int32_t>(),
+                                                      ids.ptr<int32_t>(), sorted_copies.ptr<int32_t>(), int(copies), 0, key_bits, s));
+    const int64_t threads = std::max(copies, e + 1);
+    dispatch_rows_offsets_kernel<<<unsigned((threads + 255) / 256), 256, 0, s>>>(
+        copy_row.ptr<int32_t>(), offsets.ptr<int32_t>(), sorted_copies.ptr<int32_t>(), sorted_experts.ptr<int32_t>(), copies, int(e));
     MARROW_CUDA_CHECK_LAUNCH();
   } else {
     MARROW_CUDA_CHECK(cudaMemsetAsync(offsets.data, 0, offsets.bytes(), s));

@@ -185,25 +185,31 @@ __global__ void router_forward_kernel(float* probs, int32_t* topk_index, float* 
   }
 }
 
-// Copies routed to each expert. Integer atomics: the counts do not depend on the order.
-__global__ void router_count_kernel(int32_t* count, const int32_t* topk_index, int64_t copies, int e) {
-  const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
-  if (i < copies && 0 <= topk_index[i] && topk_index[i] < e) atomicAdd(&count[topk_index[i]], 1);
-}
-
 // Statistics: one block per expert; its threads sum probs[:, e] over tokens in double and the block
-// reduces them in a fixed tree. Block 0 also writes the token count.
-__global__ void router_statistics_kernel(float* stats, const float* probs, const int32_t* count, int64_t n, int e) {
+// reduces them in a fixed tree, and count the copies routed to e (integers: the order does not
+// matter; an index outside [0, E) counts for no expert). Block 0 also writes the token count.
+__global__ void router_statistics_kernel(float* stats, const float* probs, const int32_t* topk_index, int64_t n, int64_t copies, int e) {
   __shared__ double warp_sums[32];
+  __shared__ int warp_counts[32];
   double acc = 0;
   for (int64_t t = threadIdx.x; t < n; t += blockDim.x) acc += probs[t * e + blockIdx.x];
+  int count = 0;
+  for (int64_t i = threadIdx.x; i < copies; i += blockDim.x) count += topk_index[i] == int(blockIdx.x);
   acc = warp_sum(acc);
-  if (threadIdx.x % 32 == 0) warp_sums[threadIdx.x / 32] = acc;
+  count = warp_sum(count);
+  if (threadIdx.x % 32 == 0) {
+    warp_sums[threadIdx.x / 32] = acc;
+    warp_counts[threadIdx.x / 32] = count;
+  }
   __syncthreads();
   if (threadIdx.x == 0) {
     double sum = 0;
-    for (int w = 0; w < int(blockDim.x / 32); ++w) sum += warp_sums[w];
-    stats[blockIdx.x] = float(count[blockIdx.x]);
+    int total = 0;
+    for (int w = 0; w < int(blockDim.x / 32); ++w) {
+      sum += warp_sums[w];
+      total += warp_counts[w];
+    }
+    stats[blockIdx.x] = float(total);
     stats[e + blockIdx.x] = float(sum);
     if (blockIdx.x == 0) stats[2 * e] = float(n);
   }
@@ -244,16 +250,6 @@ __global__ void router_backward_kernel(__nv_bfloat16* dlogits, const float* dtop
   for (int i = lane; i < e; i += 32) dlogits[t * e + i] = __nv_bfloat16(p[i] * (dp[i] - dot));
 }
 
-Buffer expert_counts(Tensor topk_index, int64_t e, cudaStream_t s) {
-  Buffer count = Buffer::zeros(DType::i32, Device::cuda, {e}, Stream{s});
-  const int64_t copies = topk_index.numel();
-  if (copies > 0) {
-    router_count_kernel<<<unsigned((copies + 255) / 256), 256, 0, s>>>(count.ptr<int32_t>(), topk_index.ptr<int32_t>(), copies, int(e));
-    MARROW_CUDA_CHECK_LAUNCH();
-  }
-  return count;
-}
-
 void launch_forward(Tensor probs, Tensor topk_index, Tensor topk_weight, Tensor logits, bool normalize, Stream stream) {
   const int64_t n = logits.size(0), e = logits.size(1), k = topk_index.size(1);
   if (n == 0) return;
@@ -282,8 +278,8 @@ __global__ void router_aux_loss_add_kernel(double* total, const float* stats, in
 void launch_statistics(Tensor stats, Tensor probs, Tensor topk_index, Stream stream) {
   const int64_t n = probs.size(0), e = probs.size(1);
   auto s = static_cast<cudaStream_t>(stream.handle);
-  Buffer count = expert_counts(topk_index, e, s);
-  router_statistics_kernel<<<unsigned(e), 256, 0, s>>>(stats.ptr<float>(), probs.ptr<float>(), count.ptr<int32_t>(), n, int(e));
+  router_statistics_kernel<<<unsigned(e), 256, 0, s>>>(stats.ptr<float>(), probs.ptr<float>(), topk_index.ptr<int32_t>(), n,
+                                                       topk_index.numel(), int(e));
   MARROW_CUDA_CHECK_LAUNCH();
 }
 

@@ -139,7 +139,7 @@ __device__ __forceinline__ void mma_m64n256k16(float (&d)[128], uint64_t a_desc,
 
 // ---- the kernel ---------------------------------------------------------------------------------
 // schedule: offsets[E + 1] (rows of each expert), tile_start[E + 1] (the first tile of each expert;
-// tile_start[E] = all tiles), then a counter the launcher zeroes. Tile t of expert e: column tile
+// tile_start[E] = all tiles), then a counter that starts at zero. Tile t of expert e: column tile
 // (t - tile_start[e]) / row tiles, row tile (t - tile_start[e]) % row tiles.
 struct Tile {
   int expert, row0, row_end, col0;  // expert < 0: no tiles left
@@ -366,8 +366,8 @@ __global__ void __launch_bounds__(kScheduleThreads) tile_schedule_kernel(int32_t
 }
 
 // out[R, cols] from in[R, inner] and weight[E, O, I]: forward (cols = O, inner = I) or backward input
-// (cols = I, inner = O). schedule: tile_schedule's array in device memory (its counter is zeroed
-// here, so one schedule serves several calls in stream order); tiles: its entry tile_start[E], or
+// (cols = I, inner = O). schedule: tile_schedule's array in device memory, its counter zero (the
+// kernel advances it: each call takes a schedule of its own); tiles: its entry tile_start[E], or
 // -1 when the host does not know it (a schedule built on the device): one block per SM then, and
 // the blocks past the last tile end at once.
 inline void grouped_gemm(bool forward, bf16* out, const bf16* in, const bf16* weight, int32_t* schedule, int tiles, int64_t experts,
@@ -383,7 +383,6 @@ inline void grouped_gemm(bool forward, bf16* out, const bf16* in, const bf16* we
   int device = 0, sms = 0;
   MARROW_CUDA_CHECK(cudaGetDevice(&device));
   MARROW_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  MARROW_CUDA_CHECK(cudaMemsetAsync(schedule + 2 * experts + 2, 0, sizeof(int32_t), stream));
   const unsigned grid = unsigned(tiles < 0 ? sms : std::min(tiles, sms));
   auto launch = [&](auto kernel) {
     MARROW_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
