@@ -211,14 +211,21 @@ template <int G, bool OwnComponent> struct RopeLane {
   bool valid;                 // token < tokens; the rest is set only then
   float2 cs[8];               // cos and sign * sin of the lane's 8 pairs, 8 (pack mod G/2) + l (see rotate)
   Pack<8> weight;             // the norm's weight over the lane's pack
-  __device__ RopeLane(const Rope& rope, int64_t tokens, const bf16* norm_weight) {
+  static constexpr int kPasses = int(kHeadsPerWarp) / kHeadsAtOnce;  // passes over the warp's rows
+  static constexpr int kAhead = kPasses < 4 ? kPasses : 4;            // passes loaded before the trig (registers)
+  int passes = 0;                                                     // those that hold rows
+  // The warp's token and rows; the cos/sin come later (trig), so that the kernels' loads are in
+  // flight while they are computed (a load waited for at each pass stalled the forward 25% of its time).
+  __device__ RopeLane(const Rope& rope, int64_t tokens) {
     const int64_t warp = blockIdx.x * int64_t(blockDim.x / 32) + threadIdx.x / 32;
     const int64_t groups = (rope.heads + kHeadsPerWarp - 1) / kHeadsPerWarp;
     token = warp / groups;
     begin = token * rope.heads + warp % groups * kHeadsPerWarp;
     end = min(begin + kHeadsPerWarp, (token + 1) * rope.heads);
     valid = token < tokens;
-    if (!valid) return;
+    passes = valid ? int((end - begin + kHeadsAtOnce - 1) / kHeadsAtOnce) : 0;
+  }
+  __device__ void trig(const Rope& rope, const bf16* norm_weight) {
     const float position = float(rope.positions[token]);
 #pragma unroll
     for (int l = 0; l < 8; ++l) {
@@ -227,8 +234,30 @@ template <int G, bool OwnComponent> struct RopeLane {
     }
     weight = load<8>(norm_weight + 8 * pack);
   }
-  // The lane's row in the pass starting at row0, or -1 past the warp's rows.
-  __device__ int64_t row(int64_t row0) const { return row0 + lane / G < end ? row0 + lane / G : -1; }
+  // The lane's row in pass p, or -1 past the warp's rows.
+  __device__ int64_t row(int p) const {
+    const int64_t r = begin + int64_t(p) * kHeadsAtOnce + lane / G;
+    return r < end ? r : -1;
+  }
+  // body(row, inputs) for each pass over the warp's rows (row -1: the lane has none in this pass but
+  // takes part in the shuffles), inputs = load(row) (row >= 0); the first kAhead passes are loaded
+  // before the trig.
+  template <class Load, class Body> __device__ void run(const Rope& rope, const bf16* norm_weight, Load load, Body body) {
+    using Inputs = decltype(load(int64_t(0)));
+    auto load_pass = [&](int p) {
+      const int64_t r = row(p);
+      return p < passes && r >= 0 ? load(r) : Inputs{};
+    };
+    Inputs ahead[kAhead];
+#pragma unroll
+    for (int p = 0; p < kAhead; ++p) ahead[p] = load_pass(p);
+    trig(rope, norm_weight);
+#pragma unroll
+    for (int p = 0; p < kPasses; ++p) {
+      if (p >= passes) break;
+      body(row(p), p < kAhead ? ahead[p] : load_pass(p));
+    }
+  }
   // Sum over the head's G lanes, in the tree warp_sum runs over them.
   __device__ float head_sum(float v) const {
 #pragma unroll
@@ -255,7 +284,9 @@ template <int G, bool OwnComponent> struct RopeLane {
       if constexpr (OwnComponent) {
         out.v[l] = bf16(fmaf(float(own.v[l]), cs[l].x, __fmul_rn(float(other.v[l]), cs[l].y)));
       } else {
-        const float a = float(first_half ? own.v[l] : other.v[l]), b = float(first_half ? other.v[l] : own.v[l]);
+        // Selected as values: selecting the packs made nvcc address them in local memory.
+        const float mine = float(own.v[l]), theirs = float(other.v[l]);
+        const float a = first_half ? mine : theirs, b = first_half ? theirs : mine;
         const float2 o = rope_apply(a, b, cs[l]);
         out.v[l] = bf16(first_half ? o.x : o.y);
       }
@@ -273,12 +304,10 @@ template <int G>
 __global__ void rmsnorm_rope_forward_kernel(bf16* y, float* rstd, const bf16* x, const bf16* weight, Rope rope, int64_t tokens,
                                             float eps) {
   constexpr int64_t d = 8 * G;
-  const RopeLane<G, true> lane(rope, tokens, weight);
+  RopeLane<G, true> lane(rope, tokens);
   if (!lane.valid) return;
-  for (int64_t row0 = lane.begin; row0 < lane.end; row0 += lane.kHeadsAtOnce) {
-    const int64_t row = lane.row(row0);
-    Pack<8> xp{};
-    if (row >= 0) xp = load<8>(x + row * d + 8 * lane.pack);
+  auto load_row = [&](int64_t row) { return load<8>(x + row * d + 8 * lane.pack); };
+  lane.run(rope, weight, load_row, [&](int64_t row, const Pack<8>& xp) {
     float ss = 0;
 #pragma unroll
     for (int l = 0; l < 8; ++l) ss = fmaf(float(xp.v[l]), float(xp.v[l]), ss);
@@ -287,10 +316,10 @@ __global__ void rmsnorm_rope_forward_kernel(bf16* y, float* rstd, const bf16* x,
 #pragma unroll
     for (int l = 0; l < 8; ++l) normed.v[l] = bf16(float(xp.v[l]) * r * float(lane.weight.v[l]));
     const Pack<8> rotated = lane.rotate(normed, lane.partner(normed));
-    if (row < 0) continue;
+    if (row < 0) return;
     if (lane.pack == 0) rstd[row] = r;
     store<8>(y + row * d + 8 * lane.pack, rotated);
-  }
+  });
 }
 
 // dx = rmsnorm_backward(rope_backward(dy)): the lane un-rotates its pack of dy with its partner's
@@ -306,38 +335,37 @@ __global__ void __launch_bounds__(512) rmsnorm_rope_backward_dx_kernel(bf16* dx,
   constexpr int kChunk = int(kChunkRows);
   __shared__ Pack<8> u_rows[WithPartial ? kChunk : 1][WithPartial ? G : 1], x_rows[WithPartial ? kChunk : 1][WithPartial ? G : 1];
   __shared__ float rstd_rows[WithPartial ? kChunk : 1];
-  const RopeLane<G, false> lane(rope, tokens, weight);
+  RopeLane<G, false> lane(rope, tokens);
   const int64_t chunk_row0 = int64_t(blockIdx.x) * kChunkRows;
-  if (lane.valid) {
-    for (int64_t row0 = lane.begin; row0 < lane.end; row0 += lane.kHeadsAtOnce) {
-      const int64_t row = lane.row(row0);
-      Pack<8> gp{}, xp{};
-      float r = 0;
-      if (row >= 0) {
-        gp = load<8>(dy + row * d + 8 * lane.pack);
-        xp = load<8>(x + row * d + 8 * lane.pack);
-        r = rstd[row];
-      }
-      const Pack<8> u = lane.rotate(gp, lane.partner(gp));
-      float dot = 0;
+  struct Inputs {
+    Pack<8> dy, x;
+    float rstd;
+  };
+  auto load_row = [&](int64_t row) {
+    return Inputs{load<8>(dy + row * d + 8 * lane.pack), load<8>(x + row * d + 8 * lane.pack), rstd[row]};
+  };
+  if (lane.valid) lane.run(rope, weight, load_row, [&](int64_t row, const Inputs& in) {
+    const Pack<8>&gp = in.dy, &xp = in.x;
+    const float r = in.rstd;
+    const Pack<8> u = lane.rotate(gp, lane.partner(gp));
+    float dot = 0;
 #pragma unroll
-      for (int l = 0; l < 8; ++l) dot = fmaf(__fmul_rn(__fmul_rn(float(u.v[l]), float(lane.weight.v[l])), float(xp.v[l])), r, dot);
-      const float mean = lane.head_sum(dot) / float(d);
-      if (row < 0) continue;
-      Pack<8> o;
+    for (int l = 0; l < 8; ++l) dot = fmaf(__fmul_rn(__fmul_rn(float(u.v[l]), float(lane.weight.v[l])), float(xp.v[l])), r, dot);
+    const float mean = lane.head_sum(dot) / float(d);
+    if (row < 0) return;
+    Pack<8> o;
 #pragma unroll
-      for (int l = 0; l < 8; ++l) {
-        const float xhat_mean = __fmul_rn(__fmul_rn(float(xp.v[l]), r), mean);
-        o.v[l] = bf16(__fmul_rn(r, fmaf(float(u.v[l]), float(lane.weight.v[l]), -xhat_mean)));
-      }
-      store<8>(dx + row * d + 8 * lane.pack, o);
-      if constexpr (WithPartial) {
-        u_rows[row - chunk_row0][lane.pack] = u;
-        x_rows[row - chunk_row0][lane.pack] = xp;
-        if (lane.pack == 0) rstd_rows[row - chunk_row0] = r;
-      }
+    for (int l = 0; l < 8; ++l) {
+      const float xhat_mean = __fmul_rn(__fmul_rn(float(xp.v[l]), r), mean);
+      o.v[l] = bf16(__fmul_rn(r, fmaf(float(u.v[l]), float(lane.weight.v[l]), -xhat_mean)));
     }
-  }
+    store<8>(dx + row * d + 8 * lane.pack, o);
+    if constexpr (WithPartial) {
+      u_rows[row - chunk_row0][lane.pack] = u;
+      x_rows[row - chunk_row0][lane.pack] = xp;
+      if (lane.pack == 0) rstd_rows[row - chunk_row0] = r;
+    }
+  });
   if constexpr (WithPartial) {
     __syncthreads();
     const int c = int(threadIdx.x);
