@@ -184,6 +184,9 @@ TEST(RmsNorm, FusedOpsNameTheMisshapenTensor) {
             "rmsnorm_rope_backward: positions has shape [3] but expected [2]");
   EXPECT_EQ(error_of([&] { rmsnorm_rope_backward(a, w, b, c, w, rstd, positions_tensor(pos), 1e6); }),
             "rmsnorm_rope_backward: x must be [tokens, heads, head_dim], got [2, 4]");
+  Buffer table(DType::f32, Device::cpu, {2, 4, 2});
+  EXPECT_EQ(error_of([&] { rmsnorm_rope_forward(y, rstd6, x, w, positions_tensor(pos), 1e-6, 1e6, table); }),
+            "rmsnorm_rope_forward: cos_sin has shape [2, 4, 2] but expected [2, 2, 2]");
 }
 
 }  // namespace

@@ -130,5 +130,39 @@ TEST(Rope, RejectsOddHeadDimAndMismatchedPositions) {
   }
 }
 
+// The table holds the cosine and sine the rotation uses: rotating x = (1, 0) pairs by rope_forward
+// gives (cos, sin) of each angle, in f32.
+TEST(RopeCosSinTable, HoldsTheRotationsCosinesAndSines) {
+  const int64_t t = 3, d = 8;
+  std::vector<int32_t> pos = {0, 7, 40000};
+  Buffer table(DType::f32, Device::cpu, {t, d / 2, 2});
+  rope_cos_sin_table(table, positions_tensor(pos), d, 1e6);
+  Buffer x(DType::f32, Device::cpu, {t, 1, d}), y(DType::f32, Device::cpu, {t, 1, d});
+  for (int64_t i = 0; i < x.numel(); ++i) x.ptr<float>()[i] = i % d < d / 2 ? 1.0f : 0.0f;
+  rope_forward(y, x, positions_tensor(pos), 1e6);
+  for (int64_t r = 0; r < t; ++r)
+    for (int64_t j = 0; j < d / 2; ++j) {
+      EXPECT_EQ(element(table, 2 * (r * d / 2 + j)), element(y, r * d + j)) << r << " " << j;
+      EXPECT_EQ(element(table, 2 * (r * d / 2 + j) + 1), element(y, r * d + d / 2 + j)) << r << " " << j;
+    }
+}
+
+TEST(RopeCosSinTable, RejectsAnOddHeadDimAndAWrongShape) {
+  std::vector<int32_t> pos = {0, 1, 2};
+  Buffer table(DType::f32, Device::cpu, {3, 4, 2});
+  try {
+    rope_cos_sin_table(table, positions_tensor(pos), 7, 1e6);
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(), "rope_cos_sin_table: head_dim must be even and positive, got 7");
+  }
+  try {
+    rope_cos_sin_table(table, positions_tensor(pos), 16, 1e6);
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(), "rope_cos_sin_table: table has shape [3, 4, 2] but expected [3, 8, 2]");
+  }
+}
+
 }  // namespace
 }  // namespace marrow

@@ -162,6 +162,15 @@ void check_rmsnorm_rope(CheckReport& report, int64_t n, int64_t heads, int64_t d
   report.compare("rmsnorm_rope_forward rstd " + size, rstd_d, rstd, kF32);
   report.expect_equal("rmsnorm_rope_forward y = rmsnorm_forward + rope_forward bits " + size, y_d, to_host(y_unfused_d));
   report.expect_equal("rmsnorm_rope_forward rstd = rmsnorm_forward bits " + size, rstd_d, to_host(rstd_unfused_d));
+  // The same with the angles' cosines and sines read from rope_cos_sin_table: the same bits.
+  Buffer table = host_f32({n, d / 2, 2}), table_d = poisoned(DType::f32, {n, d / 2, 2});
+  rope_cos_sin_table(table, positions, d, theta);
+  rope_cos_sin_table(table_d, positions_d, d, theta);
+  report.compare("rope_cos_sin_table " + size, table_d, table, kF32);
+  Buffer y_table_d = poisoned(DType::bf16, {n, heads, d}), rstd_table_d = poisoned(DType::f32, {n * heads});
+  rmsnorm_rope_forward(y_table_d, rstd_table_d, x_d, weight_d, positions_d, eps, theta, table_d);
+  report.expect_equal("rmsnorm_rope_forward with the cos/sin table: y bits " + size, y_table_d, to_host(y_d));
+  report.expect_equal("rmsnorm_rope_forward with the cos/sin table: rstd bits " + size, rstd_table_d, to_host(rstd_d));
 
   Buffer dy = random_bf16({n, heads, d}, 26), dx = host_f32({n, heads, d}), dweight = random_host({d}, 27);
   OnDevice dy_d(dy, DType::bf16), dy_unrotated_d(dy, DType::bf16), rstd_same(rstd, DType::f32);
@@ -182,6 +191,11 @@ void check_rmsnorm_rope(CheckReport& report, int64_t n, int64_t heads, int64_t d
                       to_host(dweight_unfused_d));
   report.expect_equal("rmsnorm_rope_backward dx, two runs " + size, dx_again_d, to_host(dx_d));
   report.expect_equal("rmsnorm_rope_backward dweight, two runs " + size, dweight_again_d, to_host(dweight_d));
+  OnDevice dweight_table_d(dweight, DType::f32);
+  Buffer dx_table_d = poisoned(DType::bf16, {n, heads, d});
+  rmsnorm_rope_backward(dx_table_d, dweight_table_d, dy_d, x_d, weight_d, rstd_same, positions_d, theta, table_d);
+  report.expect_equal("rmsnorm_rope_backward with the cos/sin table: dx bits " + size, dx_table_d, to_host(dx_d));
+  report.expect_equal("rmsnorm_rope_backward with the cos/sin table: dweight bits " + size, dweight_table_d, to_host(dweight_d));
 }
 
 // positions = t when `sequential`, else random in [0, 40000); the bench size runs in place.

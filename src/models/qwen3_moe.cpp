@@ -13,6 +13,7 @@
 #include "ops/grouped_linear.h"
 #include "ops/linear.h"
 #include "ops/rmsnorm.h"
+#include "ops/rope.h"
 #include "ops/router.h"
 #include "ops/swiglu.h"
 
@@ -190,6 +191,17 @@ Buffer Qwen3Moe::input_norm(Qwen3MoeAttentionActivations& a, const Qwen3MoeLayer
   return h1;
 }
 
+// The micro-batch's RoPE cosines and sines on the GPU (built on first use), none on the CPU.
+Tensor Qwen3Moe::rope_cos_sin(const Qwen3MoeBatch& batch) const {
+  if (batch.positions.view().device != Device::cuda) return {};
+  if (!batch.rope_cos_sin.view().data) {
+    const int64_t T = batch.positions.view().size(0), D = config_.head_dim;
+    batch.rope_cos_sin = Buffer(DType::f32, Device::cuda, {T, D / 2, 2});
+    rope_cos_sin_table(batch.rope_cos_sin, batch.positions, D, config_.rope_theta);
+  }
+  return batch.rope_cos_sin;
+}
+
 // QK-norm and RoPE of a.q and a.k, one op per tensor, writing a.rstd_q and a.rstd_k (again, with the
 // same bits, in the backward): the attention op's q and k, [T, heads, D].
 std::pair<Buffer, Buffer> Qwen3Moe::attention_inputs(Qwen3MoeAttentionActivations& a, const Qwen3MoeBatch& batch,
@@ -197,8 +209,11 @@ std::pair<Buffer, Buffer> Qwen3Moe::attention_inputs(Qwen3MoeAttentionActivation
   const Config& c = config_;
   const int64_t T = batch.batch * batch.seq, D = c.head_dim, Hq = c.num_heads, Hkv = c.num_kv_heads;
   Buffer q_rope = buffer({T, Hq, D}), k_rope = buffer({T, Hkv, D});
-  rmsnorm_rope_forward(q_rope, a.rstd_q, a.q.view().reshape({T, Hq, D}), w.q_norm, batch.positions, c.rms_norm_eps, c.rope_theta);
-  rmsnorm_rope_forward(k_rope, a.rstd_k, a.k.view().reshape({T, Hkv, D}), w.k_norm, batch.positions, c.rms_norm_eps, c.rope_theta);
+  const Tensor cos_sin = rope_cos_sin(batch);
+  rmsnorm_rope_forward(q_rope, a.rstd_q, a.q.view().reshape({T, Hq, D}), w.q_norm, batch.positions, c.rms_norm_eps, c.rope_theta,
+                       cos_sin);
+  rmsnorm_rope_forward(k_rope, a.rstd_k, a.k.view().reshape({T, Hkv, D}), w.k_norm, batch.positions, c.rms_norm_eps, c.rope_theta,
+                       cos_sin);
   return {std::move(q_rope), std::move(k_rope)};
 }
 
@@ -288,9 +303,9 @@ void Qwen3Moe::attention_backward(Tensor dx, const Qwen3MoeLayerWeights& grads, 
   }
   Buffer dq = buffer({T, Hq * D}), dk = buffer({T, Hkv * D});
   rmsnorm_rope_backward(dq.view().reshape({T, Hq, D}), grads.q_norm, dq_rope, a.q.view().reshape({T, Hq, D}), w.q_norm, a.rstd_q,
-                        batch.positions, c.rope_theta);
+                        batch.positions, c.rope_theta, rope_cos_sin(batch));
   rmsnorm_rope_backward(dk.view().reshape({T, Hkv, D}), grads.k_norm, dk_rope, a.k.view().reshape({T, Hkv, D}), w.k_norm, a.rstd_k,
-                        batch.positions, c.rope_theta);
+                        batch.positions, c.rope_theta, rope_cos_sin(batch));
 
   {
     const Buffer h1 = input_norm(a, w);

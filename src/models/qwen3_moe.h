@@ -65,6 +65,9 @@ struct Qwen3MoeBatch {
   Buffer targets;    // [T] i32, kIgnoreIndex where no loss
   Buffer positions;  // [T] i32
   const AttentionRunner* attention = nullptr;  // none: the sequences are whole (core/attention_runner.h)
+  // rope_cos_sin_table of the positions on the GPU, built by the first layer that needs it and read by
+  // every layer's QK-norm forward and backward (derived data: a cache, hence mutable).
+  mutable Buffer rope_cos_sin = Buffer();
 };
 
 struct Qwen3MoeAttentionActivations {
@@ -203,6 +206,7 @@ class Qwen3Moe {
 
  private:
   Buffer input_norm(Qwen3MoeAttentionActivations& a, const Qwen3MoeLayerWeights& w) const;
+  Tensor rope_cos_sin(const Qwen3MoeBatch& batch) const;
   std::pair<Buffer, Buffer> attention_inputs(Qwen3MoeAttentionActivations& a, const Qwen3MoeBatch& batch,
                                              const Qwen3MoeLayerWeights& w) const;
 

@@ -186,6 +186,7 @@ struct InvFreq {
 };
 struct Rope {
   const int32_t* positions;
+  const float2* cos_sin;  // rope_cos_sin_table of the positions [T, D/2], or null: computed here
   int64_t heads;
   float sign;
   InvFreq inv_freq;
@@ -225,13 +226,24 @@ template <int G, bool OwnComponent> struct RopeLane {
     valid = token < tokens;
     passes = valid ? int((end - begin + kHeadsAtOnce - 1) / kHeadsAtOnce) : 0;
   }
+  // From the table (rope_cos_sin's bits; the sign's product is exact) or computed.
   __device__ void trig(const Rope& rope, const bf16* norm_weight) {
-    const float position = float(rope.positions[token]);
+    if (rope.cos_sin) {
+      const float4* from = reinterpret_cast<const float4*>(rope.cos_sin + token * (4 * G) + 8 * (pack % (G / 2)));
 #pragma unroll
-    for (int l = 0; l < 8; ++l) {
-      cs[l] = rope_cos_sin(position, rope.inv_freq.v[8 * (pack % (G / 2)) + l], rope.sign);
-      if (OwnComponent && first_half) cs[l].y = -cs[l].y;
+      for (int l = 0; l < 4; ++l) {
+        const float4 two = from[l];
+        cs[2 * l] = make_float2(two.x, __fmul_rn(rope.sign, two.y));
+        cs[2 * l + 1] = make_float2(two.z, __fmul_rn(rope.sign, two.w));
+      }
+    } else {
+      const float position = float(rope.positions[token]);
+#pragma unroll
+      for (int l = 0; l < 8; ++l) cs[l] = rope_cos_sin(position, rope.inv_freq.v[8 * (pack % (G / 2)) + l], rope.sign);
     }
+#pragma unroll
+    for (int l = 0; l < 8; ++l)
+      if (OwnComponent && first_half) cs[l].y = -cs[l].y;
     weight = load<8>(norm_weight + 8 * pack);
   }
   // The lane's row in pass p, or -1 past the warp's rows.
@@ -433,8 +445,8 @@ constexpr unsigned kRowThreads = 32 * kWarpsPerBlock;
 const bf16* bf16_data(Tensor t) { return static_cast<const bf16*>(t.data); }
 bf16* bf16_out(Tensor t) { return static_cast<bf16*>(t.data); }
 
-Rope rope_args(Tensor positions, int64_t heads, int64_t d, double theta, float sign) {
-  Rope rope{positions.ptr<int32_t>(), heads, sign, {}};
+Rope rope_args(Tensor positions, Tensor cos_sin, int64_t heads, int64_t d, double theta, float sign) {
+  Rope rope{positions.ptr<int32_t>(), static_cast<const float2*>(cos_sin.data), heads, sign, {}};
   for (int64_t j = 0; j < d / 2; ++j) rope.inv_freq.v[j] = rope_inverse_frequency(j, d, theta);
   return rope;
 }
@@ -465,12 +477,12 @@ int64_t rope_group(int64_t d, std::initializer_list<const void*> data) {
   return (d == 64 || d == 128 || d == 256) && packable(d, data) ? d / 8 : 0;
 }
 
-void launch_rope_forward(Tensor y, Tensor rstd, Tensor x, Tensor weight, Tensor positions, double eps, double theta, int64_t group,
-                         Stream stream) {
+void launch_rope_forward(Tensor y, Tensor rstd, Tensor x, Tensor weight, Tensor positions, Tensor cos_sin, double eps, double theta,
+                         int64_t group, Stream stream) {
   const int64_t tokens = x.size(0), heads = x.size(1), d = x.size(2);
   if (tokens * heads == 0) return;
   auto s = static_cast<cudaStream_t>(stream.handle);
-  const Rope rope = rope_args(positions, heads, d, theta, 1.0f);
+  const Rope rope = rope_args(positions, cos_sin, heads, d, theta, 1.0f);
   auto launch = [&](auto kernel) {
     kernel<<<rope_blocks(tokens, heads), kRowThreads, 0, s>>>(bf16_out(y), rstd.ptr<float>(), bf16_data(x), bf16_data(weight), rope,
                                                               tokens, float(eps));
@@ -510,12 +522,12 @@ void launch_backward(Tensor dx, Tensor dweight, Tensor dy, Tensor x, Tensor weig
   });
 }
 
-void launch_rope_backward(Tensor dx, Tensor dweight, Tensor dy, Tensor x, Tensor weight, Tensor rstd, Tensor positions, double theta,
-                          int64_t group, Stream stream) {
+void launch_rope_backward(Tensor dx, Tensor dweight, Tensor dy, Tensor x, Tensor weight, Tensor rstd, Tensor positions, Tensor cos_sin,
+                          double theta, int64_t group, Stream stream) {
   const int64_t tokens = x.size(0), heads = x.size(1), d = x.size(2), n = tokens * heads;
   if (n == 0) return;
   auto s = static_cast<cudaStream_t>(stream.handle);
-  const Rope rope = rope_args(positions, heads, d, theta, -1.0f);
+  const Rope rope = rope_args(positions, cos_sin, heads, d, theta, -1.0f);
   auto launch = [&](auto kernel, float* partial, int64_t warps_per_block) {
     kernel<<<rope_blocks(tokens, heads, warps_per_block), unsigned(32 * warps_per_block), 0, s>>>(
         bf16_out(dx), partial, bf16_data(dy), bf16_data(x), bf16_data(weight), rstd.ptr<float>(), rope, tokens);
@@ -555,6 +567,15 @@ void expect_gpu_dtypes(const char* op, Named bf16_tensors, Named f32_tensors) {
 void expect_rows(const char* op, const Tensor& x, Named like_x) {
   MARROW_CHECK(x.ndim == 2, "{}: x must be [rows, dim], got {}", op, x.shape_string());
   for (auto [name, t] : like_x) expect_shape(op, name, *t, {x.size(0), x.size(1)});
+}
+
+// An optional rope_cos_sin_table: [tokens, D/2, 2] f32 when given, on the device of x.
+void expect_cos_sin(const char* op, const Tensor& cos_sin, const Tensor& x) {
+  if (!cos_sin.data) return;
+  expect_shape(op, "cos_sin", cos_sin, {x.size(0), x.size(2) / 2, 2});
+  expect_dtype(op, "cos_sin", cos_sin, DType::f32);
+  MARROW_CHECK(cos_sin.device == x.device, "{}: cos_sin must be on the device of x", op);
+  MARROW_CHECK(reinterpret_cast<uintptr_t>(cos_sin.data) % 16 == 0, "{}: cos_sin must be 16-byte aligned", op);
 }
 
 }  // namespace
@@ -602,7 +623,7 @@ void rmsnorm_add_forward(Tensor y, Tensor sum, Tensor rstd, Tensor x, Tensor res
 }
 
 void rmsnorm_rope_forward(Tensor y, Tensor rstd, Tensor x, Tensor weight, Tensor positions, double eps, double theta,
-                          Stream stream) {
+                          Tensor cos_sin, Stream stream) {
   const char* op = "rmsnorm_rope_forward";
   MARROW_CHECK(x.ndim == 3, "{}: x must be [tokens, heads, head_dim], got {}", op, x.shape_string());
   const int64_t tokens = x.size(0), heads = x.size(1), d = x.size(2);
@@ -612,13 +633,14 @@ void rmsnorm_rope_forward(Tensor y, Tensor rstd, Tensor x, Tensor weight, Tensor
   expect_shape(op, "weight", weight, {d});
   expect_shape(op, "positions", positions, {tokens});
   expect_dtype(op, "positions", positions, DType::i32);
+  expect_cos_sin(op, cos_sin, x);
   if (common_device(op, {{"x", &x}, {"y", &y}, {"rstd", &rstd}, {"weight", &weight}, {"positions", &positions}}) == Device::cpu) {
     expect_same_dtype(op, {{"x", &x}, {"y", &y}, {"rstd", &rstd}, {"weight", &weight}});
   } else {
     expect_gpu_dtypes(op, {{"x", &x}, {"y", &y}, {"weight", &weight}}, {{"rstd", &rstd}});
 #ifdef __CUDACC__
     if (const int64_t group = rope_group(d, {y.data, x.data, weight.data}); group > 0)
-      return launch_rope_forward(y, rstd, x, weight, positions, eps, theta, group, stream);
+      return launch_rope_forward(y, rstd, x, weight, positions, cos_sin, eps, theta, group, stream);
 #endif
   }
   // The CPU, and head sizes the fused kernels do not take: the unfused pair, whose bits they keep.
@@ -658,7 +680,7 @@ void rmsnorm_backward(Tensor dx, Tensor dweight, Tensor dy, Tensor x, Tensor wei
 }
 
 void rmsnorm_rope_backward(Tensor dx, Tensor dweight, Tensor dy, Tensor x, Tensor weight, Tensor rstd, Tensor positions,
-                           double theta, Stream stream) {
+                           double theta, Tensor cos_sin, Stream stream) {
   const char* op = "rmsnorm_rope_backward";
   MARROW_CHECK(x.ndim == 3, "{}: x must be [tokens, heads, head_dim], got {}", op, x.shape_string());
   const int64_t tokens = x.size(0), heads = x.size(1), d = x.size(2);
@@ -670,6 +692,7 @@ void rmsnorm_rope_backward(Tensor dx, Tensor dweight, Tensor dy, Tensor x, Tenso
   expect_shape(op, "rstd", rstd, {tokens * heads});
   expect_shape(op, "positions", positions, {tokens});
   expect_dtype(op, "positions", positions, DType::i32);
+  expect_cos_sin(op, cos_sin, x);
   const Device device = common_device(op, {{"x", &x}, {"dx", &dx}, {"dy", &dy}, {"dweight", &dweight}, {"weight", &weight},
                                             {"rstd", &rstd}, {"positions", &positions}});
   if (device == Device::cpu) {
@@ -678,7 +701,7 @@ void rmsnorm_rope_backward(Tensor dx, Tensor dweight, Tensor dy, Tensor x, Tenso
     expect_gpu_dtypes(op, {{"x", &x}, {"dx", &dx}, {"dy", &dy}, {"weight", &weight}}, {{"rstd", &rstd}, {"dweight", &dweight}});
 #ifdef __CUDACC__
     if (const int64_t group = rope_group(d, {dx.data, dy.data, x.data, weight.data}); group > 0)
-      return launch_rope_backward(dx, dweight, dy, x, weight, rstd, positions, theta, group, stream);
+      return launch_rope_backward(dx, dweight, dy, x, weight, rstd, positions, cos_sin, theta, group, stream);
 #endif
   }
   // The CPU, and head sizes the fused kernels do not take: the unfused pair, whose bits they keep.

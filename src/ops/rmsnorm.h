@@ -28,9 +28,12 @@ void rmsnorm_add_forward(Tensor y, Tensor sum, Tensor rstd, Tensor x, Tensor res
                          Stream stream = {});
 
 // y[T, H, D] = rope_forward(rmsnorm_forward(x[T, H, D]) per head row, positions[T], theta): QK-norm
-// and the rotary embedding in one pass; rstd is [T * H], weight [D]. y may not alias x.
+// and the rotary embedding in one pass; rstd is [T * H], weight [D]. y may not alias x. cos_sin,
+// when given, is rope_cos_sin_table(positions, D, theta) (ops/rope.h): the GPU kernels then read the
+// angles' cosines and sines from it rather than computing them (the same bits); the CPU path
+// computes its own.
 void rmsnorm_rope_forward(Tensor y, Tensor rstd, Tensor x, Tensor weight, Tensor positions, double eps, double theta,
-                          Stream stream = {});
+                          Tensor cos_sin = {}, Stream stream = {});
 
 // dx[N, D] is overwritten; dweight[D] is accumulated (+=), as every weight gradient in Marrow is.
 // dresidual[N, D], when given (not Tensor{}), is added to dx: the gradient that reaches x around the
@@ -41,8 +44,8 @@ void rmsnorm_backward(Tensor dx, Tensor dweight, Tensor dy, Tensor x, Tensor wei
 
 // The backward of rmsnorm_rope_forward from dy[T, H, D], the gradient of its rotated output:
 // rmsnorm_backward of rope_backward(dy). dx[T, H, D] is overwritten, dweight[D] accumulated; dx may
-// not alias dy.
+// not alias dy. cos_sin as for rmsnorm_rope_forward.
 void rmsnorm_rope_backward(Tensor dx, Tensor dweight, Tensor dy, Tensor x, Tensor weight, Tensor rstd, Tensor positions,
-                           double theta, Stream stream = {});
+                           double theta, Tensor cos_sin = {}, Stream stream = {});
 
 }  // namespace marrow

@@ -18,6 +18,8 @@ namespace marrow {
 
 namespace {
 
+constexpr int64_t kMaxHalfHost = 256;  // the GPU kernels' inv_freq argument holds D/2 <= 256
+
 // Rotates every head of every token by +angle (sign 1) or -angle (sign -1). Each pair is read into
 // locals before it is written, which is what lets the output alias the input.
 template <typename T>
@@ -46,7 +48,7 @@ void rotate_cpu(T* y, const T* x, const int32_t* positions, int64_t tokens, int6
 
 #ifdef __CUDACC__
 using bf16 = __nv_bfloat16;
-constexpr int kMaxHalf = 256;  // head_dim up to 512: inv_freq travels as a kernel argument
+constexpr int kMaxHalf = int(kMaxHalfHost);  // head_dim up to 512: inv_freq travels as a kernel argument
 
 struct InvFreq {
   float v[kMaxHalf];
@@ -82,6 +84,13 @@ __global__ void rope_rotate_kernel(bf16* y, const bf16* x, const int32_t* positi
   }
 }
 
+// One thread per (token, j): table[t, j] = (cos, sin) of positions[t] * inv_freq[j], rope_cos_sin's bits.
+__global__ void rope_cos_sin_table_kernel(float2* table, const int32_t* positions, InvFreq inv_freq, int64_t tokens, int64_t half) {
+  const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (i >= tokens * half) return;
+  table[i] = rope_cos_sin(float(positions[i / half]), inv_freq.v[i % half], 1.0f);
+}
+
 void launch_rotate(Tensor y, Tensor x, Tensor positions, double theta, int sign, Stream stream) {
   const int64_t tokens = x.size(0), heads = x.size(1), d = x.size(2), half = d / 2;
   InvFreq inv_freq{};
@@ -113,7 +122,7 @@ void rotate(const char* op, Tensor y, const char* y_name, Tensor x, const char* 
   expect_same_dtype(op, {{x_name, &x}, {y_name, &y}});
   if (common_device(op, {{x_name, &x}, {y_name, &y}, {"positions", &positions}}) == Device::cuda) {
     expect_dtype(op, x_name, x, DType::bf16);
-    MARROW_CHECK(d / 2 <= 256, "{}: head_dim of {} is {}, but the GPU kernel takes at most 512", op, x_name, d);
+    MARROW_CHECK(d / 2 <= kMaxHalfHost, "{}: head_dim of {} is {}, but the GPU kernel takes at most {}", op, x_name, d, 2 * kMaxHalfHost);
 #ifdef __CUDACC__
     return launch_rotate(y, x, positions, theta, sign, stream);
 #else
@@ -131,6 +140,40 @@ void rotate(const char* op, Tensor y, const char* y_name, Tensor x, const char* 
 
 float rope_inverse_frequency(int64_t j, int64_t head_dim, double theta) {
   return 1.0f / std::pow(float(theta), float(2 * j) / float(head_dim));
+}
+
+void rope_cos_sin_table(Tensor table, Tensor positions, int64_t head_dim, double theta, Stream stream) {
+  const char* op = "rope_cos_sin_table";
+  MARROW_CHECK(head_dim > 0 && head_dim % 2 == 0, "{}: head_dim must be even and positive, got {}", op, head_dim);
+  MARROW_CHECK(theta > 0, "{}: theta must be positive, got {}", op, theta);
+  MARROW_CHECK(positions.ndim == 1, "{}: positions must be [tokens], got {}", op, positions.shape_string());
+  const int64_t tokens = positions.size(0), half = head_dim / 2;
+  expect_dtype(op, "positions", positions, DType::i32);
+  expect_shape(op, "table", table, {tokens, half, 2});
+  expect_dtype(op, "table", table, DType::f32);
+  if (common_device(op, {{"table", &table}, {"positions", &positions}}) == Device::cuda) {
+    MARROW_CHECK(half <= kMaxHalfHost, "{}: head_dim is {}, but the GPU kernel takes at most {}", op, head_dim, 2 * kMaxHalfHost);
+#ifdef __CUDACC__
+    if (tokens == 0) return;
+    InvFreq inv_freq{};
+    for (int64_t j = 0; j < half; ++j) inv_freq.v[j] = rope_inverse_frequency(j, head_dim, theta);
+    const int64_t n = tokens * half;
+    rope_cos_sin_table_kernel<<<unsigned((n + 255) / 256), 256, 0, static_cast<cudaStream_t>(stream.handle)>>>(
+        static_cast<float2*>(table.data), positions.ptr<int32_t>(), inv_freq, tokens, half);
+    MARROW_CUDA_CHECK_LAUNCH();
+    return;
+#else
+    (void)stream;
+    no_cuda_kernel(op);
+#endif
+  }
+  float* out = table.ptr<float>();
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t j = 0; j < half; ++j) {
+      const float angle = float(positions.ptr<int32_t>()[t]) * rope_inverse_frequency(j, head_dim, theta);
+      out[2 * (t * half + j)] = std::cos(angle);
+      out[2 * (t * half + j) + 1] = std::sin(angle);
+    }
 }
 
 void rope_forward(Tensor y, Tensor x, Tensor positions, double theta, Stream stream) {

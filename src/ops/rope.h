@@ -18,6 +18,12 @@ void rope_forward(Tensor y, Tensor x, Tensor positions, double theta, Stream str
 // dx[T, H, D], overwritten, from dy[T, H, D]. dx may alias dy.
 void rope_backward(Tensor dx, Tensor dy, Tensor positions, double theta, Stream stream = {});
 
+// table[T, D/2, 2] (f32): the cosine and sine of each position's angles, position * inv_freq_j, as
+// the rotation computes them on that device (the GPU's from rope_cos_sin, the CPU's from std::cos
+// and std::sin). rmsnorm_rope_forward / _backward read them from here when given one: a micro-batch
+// computes them once for every layer's queries and keys, where each warp computed its token's again.
+void rope_cos_sin_table(Tensor table, Tensor positions, int64_t head_dim, double theta, Stream stream = {});
+
 // inv_freq_j for head_dim d, in transformers' float32 steps: arange(0, D, 2).float() / D, theta ** that,
 // 1.0 / that. The GPU kernels take these very floats from the host (rmsnorm_rope_* too), so every
 // path rotates by identical angles.
