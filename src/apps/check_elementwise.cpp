@@ -127,7 +127,8 @@ void check_rmsnorm_add(CheckReport& report, int64_t n, int64_t d) {
   Buffer dy = random_bf16({n, d}, 17), dresidual = random_bf16({n, d}, 18), dx = host_f32({n, d}), dweight = random_host({d}, 19);
   OnDevice dy_d(dy, DType::bf16), sum_d(sum, DType::bf16), rstd_same(rstd, DType::f32);
   OnDevice dx_d(dresidual, DType::bf16), dx_again_d(dresidual, DType::bf16), dresidual_d(dresidual, DType::bf16);
-  OnDevice dweight_d(dweight, DType::f32), dweight_again_d(dweight, DType::f32), dweight_unfused_d(dweight, DType::f32);
+  OnDevice dweight_d(dweight, DType::f32), dweight_again_d(dweight, DType::f32), dweight_unfused_d(dweight, DType::f32),
+      dweight_table_d(dweight, DType::f32);
   Buffer dx_unfused_d = poisoned(DType::bf16, {n, d});
   rmsnorm_backward(dx, dweight, dy, sum, weight, rstd, dresidual);
   rmsnorm_backward(dx_d, dweight_d, dy_d, sum_d, weight_d, rstd_same, dx_d);
@@ -174,7 +175,8 @@ void check_rmsnorm_rope(CheckReport& report, int64_t n, int64_t heads, int64_t d
 
   Buffer dy = random_bf16({n, heads, d}, 26), dx = host_f32({n, heads, d}), dweight = random_host({d}, 27);
   OnDevice dy_d(dy, DType::bf16), dy_unrotated_d(dy, DType::bf16), rstd_same(rstd, DType::f32);
-  OnDevice dweight_d(dweight, DType::f32), dweight_again_d(dweight, DType::f32), dweight_unfused_d(dweight, DType::f32);
+  OnDevice dweight_d(dweight, DType::f32), dweight_again_d(dweight, DType::f32), dweight_unfused_d(dweight, DType::f32),
+      dweight_table_d(dweight, DType::f32);
   Buffer dx_d = poisoned(DType::bf16, {n, heads, d}), dx_again_d = poisoned(DType::bf16, {n, heads, d}),
          dx_unfused_d = poisoned(DType::bf16, {n, heads, d});
   rmsnorm_rope_backward(dx, dweight, dy, x, weight, rstd, positions, theta);
@@ -191,7 +193,6 @@ void check_rmsnorm_rope(CheckReport& report, int64_t n, int64_t heads, int64_t d
                       to_host(dweight_unfused_d));
   report.expect_equal("rmsnorm_rope_backward dx, two runs " + size, dx_again_d, to_host(dx_d));
   report.expect_equal("rmsnorm_rope_backward dweight, two runs " + size, dweight_again_d, to_host(dweight_d));
-  OnDevice dweight_table_d(dweight, DType::f32);
   Buffer dx_table_d = poisoned(DType::bf16, {n, heads, d});
   rmsnorm_rope_backward(dx_table_d, dweight_table_d, dy_d, x_d, weight_d, rstd_same, positions_d, theta, table_d);
   report.expect_equal("rmsnorm_rope_backward with the cos/sin table: dx bits " + size, dx_table_d, to_host(dx_d));
