@@ -66,7 +66,8 @@ struct Qwen3MoeBatch {
   Buffer positions;  // [T] i32
   const AttentionRunner* attention = nullptr;  // none: the sequences are whole (core/attention_runner.h)
   // rope_cos_sin_table of the positions on the GPU, built by the first layer that needs it and read by
-  // every layer's QK-norm forward and backward (derived data: a cache, hence mutable).
+  // every layer's QK-norm forward and backward (derived data: a cache, hence mutable). So positions
+  // must not change once a forward has run on the batch: a new micro-batch is a new Batch.
   mutable Buffer rope_cos_sin = Buffer();
 };
 
