@@ -40,5 +40,33 @@ TEST(GradNorm, RejectsIntegerTensor) {
   }
 }
 
+// Parts on the device: l2_norm is the square root of its parts' sum, and pieces summed into
+// parts of one buffer add up to the whole.
+TEST(GradNorm, PartsAddUpToTheNorm) {
+  Buffer x = testing::random_buffer(DType::f32, {5000}, 2);
+  Buffer parts(DType::f64, Device::cpu, {2 * kSumParts});
+  const Tensor x_all = x, first = x_all.rows(0, 1234), rest = x_all.rows(1234, 5000);
+  sum_squares_parts(parts.view().rows(0, kSumParts), first);
+  sum_squares_parts(parts.view().rows(kSumParts, 2 * kSumParts), rest);
+  const double whole = std::pow(l2_norm(x), 2);
+  EXPECT_NEAR(sum_parts_on_host(parts), whole, 1e-14 * whole);
+  sum_squares_parts(parts.view().rows(0, kSumParts), x);
+  EXPECT_EQ(std::sqrt(sum_parts_on_host(parts.view().rows(0, kSumParts))), l2_norm(x));
+  double values[3] = {1.5, -2, 4};
+  sum_values_parts(parts.view().rows(0, kSumParts), Tensor(values, DType::f64, Device::cpu, {3}));
+  EXPECT_EQ(sum_parts_on_host(parts.view().rows(0, kSumParts)), 3.5);
+}
+
+TEST(GradNorm, PartsOfTheWrongShapeAreNamed) {
+  float x[2] = {3, 4};
+  Buffer parts(DType::f64, Device::cpu, {7});
+  try {
+    sum_squares_parts(parts, Tensor(x, DType::f32, Device::cpu, {2}));
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(), "sum_squares_parts: parts has shape [7] but expected [1024]");
+  }
+}
+
 }  // namespace
 }  // namespace marrow

@@ -5,6 +5,8 @@
 #include "engine/step.h"
 #include "gradcheck.h"
 #include "ops/cross_entropy.h"
+#include "ops/grad_norm.h"
+#include "parallel/sharded_params.h"
 
 namespace marrow {
 namespace {
@@ -250,6 +252,46 @@ TEST(Qwen3Moe, ThreadCountDoesNotChangeTheBits) {
   omp_set_num_threads(saved);
   EXPECT_EQ(loss1, loss3);
   EXPECT_EQ(std::memcmp(grads1.view().data, grads3.view().data, grads1.view().bytes()), 0);
+}
+
+// The step's last backward writes each layer's sums of squares of its expert gradients: they add
+// up to what reading those gradients gives, and the gradient norm built from them (the rest of
+// the arena read) is the norm of the whole arena, to the rounding of a different order of sums.
+TEST(Qwen3Moe, ExpertSquaresOfTheLastBackwardGiveTheGradientNorm) {
+  TinyRun run(DType::f32, 2, 8, tiny_config_json());
+  const Mesh mesh = Mesh::create(MeshShape{}, Device::cpu);
+  const int64_t L = run.model.num_layers();
+  ShardedParameters state(run.model.specs(), L, std::vector<int64_t>(size_t(L + 2), 0), mesh, false, false, false, Device::cpu,
+                          DType::f32);
+  EXPECT_TRUE(state.expert_grads_final());
+  copy(state.params().all(), run.params.all());
+  const auto w = run.model.bind(state.weights());
+  const auto g = run.model.bind(state.gradients());
+  std::vector<Buffer> squares;
+  std::vector<Tensor> views;
+  for (const auto& layer : g.layers) {
+    squares.emplace_back(DType::f64, Device::cpu, std::initializer_list<int64_t>{run.model.expert_squares_count(layer)});
+    views.push_back(squares.back());
+  }
+  state.start_step();
+  for (int micro = 0; micro < 2; ++micro) {
+    MicroBatch<Qwen3Moe> mb;
+    forward(mb, run.model, w, run.batch);
+    backward(mb, run.model, w, g, run.batch, run.loss_scale, run.aux_grad, micro == 0, {}, nullptr,
+             micro == 1 ? std::span<const Tensor>(views) : std::span<const Tensor>{});
+  }
+  for (int64_t l = 0; l < L; ++l) {
+    const double read = std::pow(l2_norm(g.layers[size_t(l)].experts_down), 2) + std::pow(l2_norm(g.layers[size_t(l)].experts_gate_up), 2);
+    double written = 0;
+    for (int64_t i = 0; i < squares[size_t(l)].numel(); ++i) written += squares[size_t(l)].ptr<double>()[i];
+    EXPECT_GT(read, 0);
+    EXPECT_NEAR(written, read, 1e-13 * read) << "layer " << l;
+  }
+  const double whole = state.gradient_norm(), fused = state.gradient_norm(views);
+  EXPECT_EQ(whole, l2_norm(state.grads().all()));
+  EXPECT_NEAR(fused, whole, 1e-13 * whole);
+  std::vector<Tensor> first_layer_only{views[0]};
+  EXPECT_NEAR(state.gradient_norm(first_layer_only), whole, 1e-13 * whole);
 }
 
 }  // namespace

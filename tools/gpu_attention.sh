@@ -31,10 +31,11 @@ what=${2:-all}
 source "$(dirname "$0")/gpu_common.sh"
 bench=(build-gpu/marrow bench configs/bench.toml --data.path=.gpu-carry/qwen3 --checkpoint.every=0)
 
-# Prints a run's first 5 losses at full precision and, with REF_LOSSES='[...]' set, fails unless
-# they equal it bit for bit.
+# Prints a run's first 5 losses and gradient norms at full precision and, with REF_LOSSES='[...]'
+# set, fails unless the losses equal it bit for bit.
 first_losses() {
-  python3 -c "import json, os, sys; l = [json.loads(x)['loss'] for x in open('$1')][:5]; print('losses', l); \
+  python3 -c "import json, os, sys; m = [json.loads(x) for x in open('$1')][:5]; l = [x['loss'] for x in m]; print('losses', l); \
+print('gradient norms', [x['grad_norm'] for x in m]); \
 r = os.environ.get('REF_LOSSES'); sys.exit(0 if not r else (print('same bits as the reference') or 0) if json.loads(r) == l else (print('DIFFER from', r) or 1))" \
     | tee -a "$out/summary.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || fail "losses differ from REF_LOSSES"

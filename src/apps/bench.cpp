@@ -137,6 +137,8 @@ void bench_kernels() {
       set_grouped_gemm_backend(GroupedGemmBackend::wgmma);
       kernel_row(name + " bwd weight", flops, [&] { grouped_linear_backward_weight(dw, dy, x, offsets); });
       kernel_row(name + " bwd weight (overwrite)", flops, [&] { grouped_linear_backward_weight(dw, dy, x, offsets, true); });
+      Buffer squares(DType::f64, Device::cuda, {grouped_weight_squares_count(E, out, in)});
+      kernel_row(name + " bwd weight (with squares)", flops, [&] { grouped_linear_backward_weight(dw, dy, x, offsets, false, squares); });
     }
   }
 }

@@ -146,6 +146,55 @@ void check_device_offsets(CheckReport& report, const std::string& shape, Tensor 
   report.expect_equal("grouped bwd_weight overwrite, offsets on the GPU = on the host " + shape, written2, to_host(dw_written));
 }
 
+// The bands' sums of squares (grouped_linear.h) of one expert's dW [O, I] (device f32), in f64 on the host.
+std::vector<double> band_squares_ref(Tensor dw_expert, int64_t o, int64_t in) {
+  const Buffer h = to_host(dw_expert);
+  const int64_t bands_o = (o + kSquaresBandRows - 1) / kSquaresBandRows, bands_i = (in + kSquaresBandCols - 1) / kSquaresBandCols;
+  std::vector<double> sums(size_t(bands_o * bands_i), 0.0);
+  for (int64_t r = 0; r < o; ++r)
+    for (int64_t c = 0; c < in; ++c) sums[size_t(r / kSquaresBandRows * bands_i + c / kSquaresBandCols)] += std::pow(double(h.ptr<float>()[r * in + c]), 2);
+  return sums;
+}
+
+Buffer device_copy(Tensor t) {
+  Buffer c(t.dtype, Device::cuda, {t.numel()});
+  copy(c, t);
+  return c;
+}
+
+// grouped_linear_backward_weight with squares, from dw_start (accumulating, or overwriting): dW
+// the bits of the call without squares, the listed experts' bands (empty ones too) against sums
+// read back from that dW (the GPU adds groups of 8 squares in f32: ~1e-7 relative), and the same
+// squares' bits from a second call.
+void check_squares(CheckReport& report, const std::string& shape, Tensor dw_start, Tensor dy, Tensor x, Tensor offsets, bool overwrite,
+                   const std::vector<int64_t>& experts) {
+  const int64_t e = dw_start.size(0), o = dw_start.size(1), in = dw_start.size(2), per_expert = grouped_weight_squares_count(1, o, in);
+  const std::string mode = fmt::format("{} {}{}", overwrite ? "overwrite" : "accumulate", shape,
+                                       offsets.device == Device::cuda ? ", offsets on the GPU" : "");
+  Buffer with = device_copy(dw_start), without = device_copy(dw_start);
+  Buffer squares = poisoned(DType::f64, {e * per_expert}), again = poisoned(DType::f64, {e * per_expert});
+  const Tensor with3 = with.view().reshape({e, o, in});
+  grouped_linear_backward_weight(without.view().reshape({e, o, in}), dy, x, offsets, overwrite);
+  grouped_linear_backward_weight(with3, dy, x, offsets, overwrite, squares);
+  report.expect_equal("grouped bwd_weight with squares, dW bits as without " + mode, with, to_host(without));
+  const Buffer got = to_host(squares);
+  double error = 0;
+  bool finite = true;
+  for (int64_t g : experts) {
+    const std::vector<double> ref = band_squares_ref(with.view().rows(g * o * in, (g + 1) * o * in), o, in);
+    for (size_t b = 0; b < ref.size(); ++b) {
+      const double v = got.ptr<double>()[size_t(g * per_expert) + b];
+      finite = finite && std::isfinite(v);
+      error = std::max(error, std::abs(v - ref[b]) / std::max(ref[b], 1e-300));
+    }
+  }
+  report.add({fmt::format("grouped bwd_weight squares of {} experts' bands {}", experts.size(), mode), finite ? error : INFINITY, 2e-6,
+              finite && error <= 2e-6});
+  Buffer dw_again = device_copy(dw_start);
+  grouped_linear_backward_weight(dw_again.view().reshape({e, o, in}), dy, x, offsets, overwrite, again);
+  report.expect_equal("grouped bwd_weight squares twice, same bits " + mode, again, got);
+}
+
 // kernel: a name for the rows when the forward/backward-input kernel is not the default one.
 void check_grouped_small(CheckReport& report, int64_t out, int64_t in, const std::vector<int32_t>& counts, uint64_t seed,
                          const char* kernel = nullptr) {
@@ -181,6 +230,13 @@ void check_grouped_small(CheckReport& report, int64_t out, int64_t in, const std
   grouped_linear_backward_weight(dw_again, dyt, xt, offsets, true);
   report.expect_equal("grouped bwd_weight overwrite twice, same bits " + shape, dw_again, to_host_f32(dw_written));
   check_device_offsets(report, shape, xt, wt, dyt, offsets, y, dx, dw, dw_written);
+  std::vector<int64_t> every(static_cast<size_t>(e));
+  for (int64_t g = 0; g < e; ++g) every[size_t(g)] = g;
+  const Buffer offsets_d = to_device(offsets, DType::i32);
+  for (const bool overwrite : {false, true}) {
+    check_squares(report, shape, dw, dyt, xt, offsets, overwrite, every);
+    check_squares(report, shape, dw, dyt, xt, offsets_d, overwrite, every);
+  }
 }
 
 // Bench shape: E experts, rows routed by skewed_counts. Outputs compared on up to 48 last rows of a
@@ -246,6 +302,11 @@ void check_grouped_bench(CheckReport& report, const char* label, int64_t e, int6
   report.expect_equal(fmt::format("grouped bwd_weight overwrite {} expert {} (no rows) zero", shape, empty),
                       written_rows.rows(empty * out, (empty + 1) * out), zeros);
   check_device_offsets(report, shape, x, w, dy, offsets, y, dx, dw, dw_written);
+  std::vector<int64_t> banded = experts;
+  banded.push_back(empty);
+  const Buffer offsets_d = to_device(offsets, DType::i32);
+  check_squares(report, shape, dw.view().reshape({e, out, in}), dy, x, offsets_d, false, banded);
+  check_squares(report, shape, dw.view().reshape({e, out, in}), dy, x, offsets, true, banded);
 }
 
 }  // namespace

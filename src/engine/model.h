@@ -32,9 +32,10 @@ concept MoeModel = requires(const M& m, typename M::AttentionActivations& a, typ
   m.attention_backward(t, w.layers[0], t, t, t, scale, a, batch, w.layers[0]);
   m.add_aux_loss(t, a);
   m.experts_forward(t, e, std::move(buffer), t, w.layers[0]);
-  m.experts_backward(t, w.layers[0], t, e, t, w.layers[0], flag);
+  m.experts_backward(t, w.layers[0], t, e, t, w.layers[0], flag, t);  // t last: the gradients' sums of squares
   m.experts_backward_input(t, t, e, t, w.layers[0]);
-  m.experts_backward_weights(w.layers[0], t, e, t, flag);
+  m.experts_backward_weights(w.layers[0], t, e, t, flag, t);
+  { m.expert_squares_count(w.layers[0]) } -> std::convertible_to<int64_t>;
   m.experts_drop_input(e);
   m.experts_restore_input(e, std::move(buffer));
   m.aggregate_forward(t, a, t, t);

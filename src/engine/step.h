@@ -8,6 +8,7 @@
 // (forward_backward): each all-to-all then has the other micro-batch's compute to hide under.
 #pragma once
 #include <functional>
+#include <span>
 #include <vector>
 
 #include "engine/model.h"
@@ -208,13 +209,16 @@ template <MoeModel M> class ForwardPass {
 // = true writes the gradients the model's spec table marks first_backward_writes (the caller
 // zeroes only the others). dx is the gradient of the chunk's output (empty when it ends with the
 // epilog); output() the gradient of its input (empty after the prolog). With defer_expert_weights
-// the expert weight gradients wait in the MicroBatch for weights_backward(). Activations are
-// released as the backward passes them.
+// the expert weight gradients wait in the MicroBatch for weights_backward(). expert_squares[l],
+// where given, receives the sums of squares of layer l's expert gradients as this backward leaves
+// them (the step's last backward: the gradient norm then need not read them again). Activations
+// are released as the backward passes them.
 template <MoeModel M> class BackwardPass {
  public:
   struct Options {
     double loss_scale = 1, aux_grad = 0;
     bool first_micro_batch = false, defer_expert_weights = false;
+    std::span<const Tensor> expert_squares = {};
   };
   BackwardPass(MicroBatch<M>& mb, const M& m, const typename M::Weights& w, const typename M::Weights& grads,
                const typename M::Batch& batch, PipelineChunk chunk, Buffer dx, Options options, StepGroups groups = {},
@@ -283,7 +287,8 @@ template <MoeModel M> class BackwardPass {
       m_.experts_restore_input(s.experts, gather_expert_rows<M>(s, m_));
     const auto& lw = w_.layers[size_t(stage_)];
     if (!options_.defer_expert_weights) {
-      m_.experts_backward(dx_perm_, g_.layers[size_t(stage_)], dy_perm_, s.experts, offsets(), lw, options_.first_micro_batch);
+      const Tensor squares = size_t(stage_) < options_.expert_squares.size() ? options_.expert_squares[size_t(stage_)] : Tensor{};
+      m_.experts_backward(dx_perm_, g_.layers[size_t(stage_)], dy_perm_, s.experts, offsets(), lw, options_.first_micro_batch, squares);
     } else {
       m_.experts_backward_input(dx_perm_, dy_perm_, s.experts, offsets(), lw);
       Buffer& kept_offsets = groups_.experts ? s.route.expert_offsets : s.expert_offsets;
@@ -383,9 +388,9 @@ void forward(MicroBatch<M>& mb, const M& m, const typename M::Weights& w, const 
 template <MoeModel M>
 void backward(MicroBatch<M>& mb, const M& m, const typename M::Weights& w, const typename M::Weights& grads,
               const typename M::Batch& batch, double loss_scale, double aux_grad, bool first_micro_batch = false,
-              StepGroups groups = {}, StageTimer* timer = nullptr) {
-  BackwardPass<M> b(mb, m, w, grads, batch, whole_model(m), Buffer{}, {loss_scale, aux_grad, first_micro_batch, false}, std::move(groups),
-                    timer);
+              StepGroups groups = {}, StageTimer* timer = nullptr, std::span<const Tensor> expert_squares = {}) {
+  BackwardPass<M> b(mb, m, w, grads, batch, whole_model(m), Buffer{}, {loss_scale, aux_grad, first_micro_batch, false, expert_squares},
+                    std::move(groups), timer);
   run_pass(b);
 }
 

@@ -207,6 +207,12 @@ template <MoeModel M> struct TrainSetup {
   std::optional<PipelineLinks> links;     // with parallel.pp > 1
   ShardedParameters state;
   typename M::Weights w, g;
+  // Per decoder layer, the sums of squares of its expert gradients that the step's last backward
+  // writes (the expert weight-gradient kernels compute them as they store), so that the gradient
+  // norm does not read those gradients again; empty where they are reduced after the backward or
+  // DualPipeV runs the step.
+  std::vector<Buffer> expert_squares;
+  std::vector<Tensor> expert_squares_views;
 
   TrainSetup(const RunConfig& rc, const typename M::Config& config, Device device_)
       : device(device_),
@@ -223,6 +229,11 @@ template <MoeModel M> struct TrainSetup {
     state.initialize([&](Tensor out, const TensorSpec& spec, int64_t first) { model.initialize(out, spec, first, rc.seed); });
     w = model.bind(state.weights());
     g = model.bind(state.gradients());
+    if (!rc.uses_dualpipev() && state.expert_grads_final())
+      for (const auto& layer : g.layers) {
+        expert_squares.emplace_back(DType::f64, device, std::initializer_list<int64_t>{model.expert_squares_count(layer)});
+        expert_squares_views.push_back(expert_squares.back());
+      }
   }
   // The groups and hooks of one micro-batch (the micro-th of `count` in a step; evaluation: -1).
   StepGroups groups(int64_t micro = -1, int64_t count = 0, bool overlap = true) {
@@ -295,7 +306,9 @@ std::pair<double, double> run_micro_batches(TrainSetup<M>& s, const RunConfig& r
     forward(mb, s.model, s.w, batch, groups, timer);
     token_loss.add(std::move(mb.token_loss));
     aux_loss.add(std::move(mb.aux_loss));
-    backward(mb, s.model, s.w, s.g, batch, loss_scale, aux_grad, s.state.first_writes_fresh(micro), groups, timer);
+    const bool last = micro + 1 == micro_batches;
+    backward(mb, s.model, s.w, s.g, batch, loss_scale, aux_grad, s.state.first_writes_fresh(micro), groups, timer,
+             last ? std::span<const Tensor>(s.expert_squares_views) : std::span<const Tensor>{});
   }
   return {token_loss.value(), aux_loss.value()};
 }
@@ -453,7 +466,7 @@ std::vector<StepMetrics> train(const RunConfig& rc, const typename M::Config& mo
     m.lr = schedule.at(step);
     std::optional<StageScope> optimizer_scope(std::in_place, timer, Stage::optimizer);
     state.finish_gradients(rc.overlap_grad_reduce && !rc.uses_dualpipev());
-    m.grad_norm = state.gradient_norm();
+    m.grad_norm = state.gradient_norm(s.expert_squares_views);
     if (poisoned) m.loss = std::numeric_limits<double>::quiet_NaN();
     if (!std::isfinite(m.loss) || !std::isfinite(m.grad_norm)) {
       m.skipped = true;

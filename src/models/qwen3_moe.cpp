@@ -337,9 +337,17 @@ void Qwen3Moe::experts_forward(Tensor y_perm, Qwen3MoeExpertActivations& e, Buff
 }
 
 void Qwen3Moe::experts_backward(Tensor dx_perm, const Qwen3MoeLayerWeights& grads, Tensor dy_perm, Qwen3MoeExpertActivations& e,
-                                Tensor expert_offsets, const Qwen3MoeLayerWeights& w, bool overwrite_grads) const {
+                                Tensor expert_offsets, const Qwen3MoeLayerWeights& w, bool overwrite_grads, Tensor squares) const {
   experts_backward_input(dx_perm, dy_perm, e, expert_offsets, w);
-  experts_backward_weights(grads, dy_perm, e, expert_offsets, overwrite_grads);
+  experts_backward_weights(grads, dy_perm, e, expert_offsets, overwrite_grads, squares);
+}
+
+namespace {
+int64_t squares_count(Tensor dweight) { return grouped_weight_squares_count(dweight.size(0), dweight.size(1), dweight.size(2)); }
+}  // namespace
+
+int64_t Qwen3Moe::expert_squares_count(const Qwen3MoeLayerWeights& grads) const {
+  return squares_count(grads.experts_down) + squares_count(grads.experts_gate_up);
 }
 
 void Qwen3Moe::experts_backward_input(Tensor dx_perm, Tensor dy_perm, Qwen3MoeExpertActivations& e, Tensor expert_offsets,
@@ -361,9 +369,18 @@ void Qwen3Moe::experts_backward_input(Tensor dx_perm, Tensor dy_perm, Qwen3MoeEx
 }
 
 void Qwen3Moe::experts_backward_weights(const Qwen3MoeLayerWeights& grads, Tensor dy_perm, Qwen3MoeExpertActivations& e,
-                                        Tensor expert_offsets, bool overwrite_grads) const {
-  grouped_linear_backward_weight(grads.experts_down, dy_perm, e.act, expert_offsets, overwrite_grads);
-  grouped_linear_backward_weight(grads.experts_gate_up, e.dgate_up, e.x_perm, expert_offsets, overwrite_grads);
+                                        Tensor expert_offsets, bool overwrite_grads, Tensor squares) const {
+  Tensor down_squares, gate_up_squares;
+  if (squares.data != nullptr) {
+    const int64_t down = squares_count(grads.experts_down);
+    MARROW_CHECK(squares.ndim == 1 && squares.numel() == expert_squares_count(grads),
+                 "experts_backward_weights: squares has shape {} but the layer's expert gradients need [{}]", squares.shape_string(),
+                 expert_squares_count(grads));
+    down_squares = squares.rows(0, down);
+    gate_up_squares = squares.rows(down, squares.numel());
+  }
+  grouped_linear_backward_weight(grads.experts_down, dy_perm, e.act, expert_offsets, overwrite_grads, down_squares);
+  grouped_linear_backward_weight(grads.experts_gate_up, e.dgate_up, e.x_perm, expert_offsets, overwrite_grads, gate_up_squares);
   e = Qwen3MoeExpertActivations{};
 }
 

@@ -155,15 +155,18 @@ class Qwen3Moe {
   void experts_forward(Tensor y_perm, Qwen3MoeExpertActivations& e, Buffer x_perm, Tensor expert_offsets,
                        const Qwen3MoeLayerWeights& w) const;
   // overwrite_grads: write the expert weight gradients instead of adding (TensorSpec::first_backward_writes).
+  // squares (f64 [expert_squares_count(grads)]), when given: sums of squares of the resulting
+  // expert gradients, whose total is theirs (grouped_linear_backward_weight's bands, down then gate_up).
   void experts_backward(Tensor dx_perm, const Qwen3MoeLayerWeights& grads, Tensor dy_perm, Qwen3MoeExpertActivations& e,
-                        Tensor expert_offsets, const Qwen3MoeLayerWeights& w, bool overwrite_grads) const;
+                        Tensor expert_offsets, const Qwen3MoeLayerWeights& w, bool overwrite_grads, Tensor squares = {}) const;
+  int64_t expert_squares_count(const Qwen3MoeLayerWeights& grads) const;
   // experts_backward in two halves, so the weight gradients can wait for a gap in a pipeline
   // schedule (zero bubble): the input gradient now (e keeps what the weights need), and later,
   // with the same dy_perm and offsets, the weight gradients (which release e).
   void experts_backward_input(Tensor dx_perm, Tensor dy_perm, Qwen3MoeExpertActivations& e, Tensor expert_offsets,
                               const Qwen3MoeLayerWeights& w) const;
   void experts_backward_weights(const Qwen3MoeLayerWeights& grads, Tensor dy_perm, Qwen3MoeExpertActivations& e, Tensor expert_offsets,
-                                bool overwrite_grads) const;
+                                bool overwrite_grads, Tensor squares = {}) const;
   // x_perm is a gather of h2 (which stage 1 keeps) when all of a token's copies stay on this
   // process: the engine then drops it after the forward and gathers it again for the backward.
   void experts_drop_input(Qwen3MoeExpertActivations& e) const { e.x_perm = Buffer{}; }

@@ -15,14 +15,26 @@ namespace {
 #ifdef __CUDACC__
 // A fixed partition, independent of the GPU: block b's threads take elements (or float4s) in a
 // grid-stride loop, so which element lands in which partial sum depends only on n.
-constexpr int kBlocks = 1024, kThreads = 256;
+constexpr int kBlocks = int(kSumParts), kThreads = 256;
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-// Pass 1 of l2_norm: per-thread sums of squares in double, reduced within the block in a fixed
-// tree (butterfly in each warp, then warp 0 over the warps) into partial[block].
-template <bool Vec4> __global__ void sum_squares_kernel(double* partial, const float* x, int64_t n) {
+// The block's sum of the threads' acc in a fixed tree (butterfly in each warp, then warp 0 over
+// the warps) into parts[block].
+__device__ void store_block_sum(double* parts, double acc) {
   __shared__ double warp_sums[kThreads / 32];
+  for (int m = 16; m > 0; m /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, m);
+  if (threadIdx.x % 32 == 0) warp_sums[threadIdx.x / 32] = acc;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    double sum = 0;
+    for (int w = 0; w < kThreads / 32; ++w) sum += warp_sums[w];
+    parts[blockIdx.x] = sum;
+  }
+}
+
+// Per-thread sums of squares in double, then store_block_sum.
+template <bool Vec4> __global__ void sum_squares_kernel(double* parts, const float* x, int64_t n) {
   const int64_t first = blockIdx.x * int64_t(kThreads) + threadIdx.x, stride = int64_t(kBlocks) * kThreads;
   double acc = 0;
   int64_t done = 0;
@@ -43,55 +55,107 @@ template <bool Vec4> __global__ void sum_squares_kernel(double* partial, const f
     done = n4 * 4;
   }
   for (int64_t i = done + first; i < n; i += stride) acc += double(x[i]) * x[i];
-  for (int m = 16; m > 0; m /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, m);
-  if (threadIdx.x % 32 == 0) warp_sums[threadIdx.x / 32] = acc;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    double sum = 0;
-    for (int w = 0; w < kThreads / 32; ++w) sum += warp_sums[w];
-    partial[blockIdx.x] = sum;
-  }
+  store_block_sum(parts, acc);
 }
 
-// x *= factor, elementwise in a grid-stride loop; the product is taken in double, as on the CPU.
-// Pass 2 runs on the host: the kBlocks partial sums are copied back (a wait on the stream) and
-// added in block order.
-double launch_l2_norm(Tensor x, Stream stream) {
-  const int64_t n = x.numel();
-  if (n == 0) return 0;
+__global__ void sum_values_kernel(double* parts, const double* x, int64_t n) {
+  double acc = 0;
+  for (int64_t i = blockIdx.x * int64_t(kThreads) + threadIdx.x; i < n; i += int64_t(kBlocks) * kThreads) acc += x[i];
+  store_block_sum(parts, acc);
+}
+
+void launch_sum_squares(Tensor parts, Tensor x, Stream stream) {
   auto s = static_cast<cudaStream_t>(stream.handle);
-  Buffer partial(DType::f64, Device::cuda, {kBlocks}, stream);
-  if (aligned16(x.data)) sum_squares_kernel<true><<<kBlocks, kThreads, 0, s>>>(partial.ptr<double>(), x.ptr<float>(), n);
-  else sum_squares_kernel<false><<<kBlocks, kThreads, 0, s>>>(partial.ptr<double>(), x.ptr<float>(), n);
+  const int64_t n = x.numel();
+  if (aligned16(x.data)) sum_squares_kernel<true><<<kBlocks, kThreads, 0, s>>>(parts.ptr<double>(), x.ptr<float>(), n);
+  else sum_squares_kernel<false><<<kBlocks, kThreads, 0, s>>>(parts.ptr<double>(), x.ptr<float>(), n);
   MARROW_CUDA_CHECK_LAUNCH();
-  Buffer host = to_host(partial, stream);
-  double sum = 0;
-  for (int b = 0; b < kBlocks; ++b) sum += host.ptr<double>()[b];
-  return std::sqrt(sum);
 }
 
+void launch_sum_values(Tensor parts, Tensor x, Stream stream) {
+  sum_values_kernel<<<kBlocks, kThreads, 0, static_cast<cudaStream_t>(stream.handle)>>>(parts.ptr<double>(), x.ptr<double>(), x.numel());
+  MARROW_CUDA_CHECK_LAUNCH();
+}
 #endif
 
-}  // namespace
+void check_parts(const char* op, Tensor parts, Tensor x) {
+  expect_shape(op, "parts", parts, {kSumParts});
+  expect_dtype(op, "parts", parts, DType::f64);
+  expect_device(op, "parts", parts, x.device);
+}
 
-double l2_norm(Tensor x, Stream stream) {
-  const char* op = "l2_norm";
+// The CPU's parts: the whole sum in parts[0], in index order.
+template <typename F> void cpu_parts(Tensor parts, F&& sum) {
+  double* p = parts.ptr<double>();
+  std::fill(p, p + kSumParts, 0.0);
+  p[0] = sum();
+}
+
+// sum_squares_parts under the name of the op that asked (errors name it).
+void squares_parts(const char* op, Tensor parts, Tensor x, Stream stream) {
+  check_parts(op, parts, x);
   if (x.device == Device::cuda) {
     expect_dtype(op, "x", x, DType::f32);
 #ifdef __CUDACC__
-    return launch_l2_norm(x, stream);
+    return launch_sum_squares(parts, x, stream);
 #else
     no_cuda_kernel(op);
 #endif
   }
   (void)stream;
-  double sum = 0;
   with_cpu_scalar(op, x, [&](auto s) {
     using T = decltype(s);
-    const T* p = x.ptr<T>();
-    for (int64_t i = 0; i < x.numel(); ++i) sum += double(p[i]) * p[i];
+    cpu_parts(parts, [&] {
+      const T* p = x.ptr<T>();
+      double sum = 0;
+      for (int64_t i = 0; i < x.numel(); ++i) sum += double(p[i]) * p[i];
+      return sum;
+    });
   });
-  return std::sqrt(sum);
+}
+
+}  // namespace
+
+double l2_norm(Tensor x, Stream stream) {
+  Buffer parts(DType::f64, x.device, {kSumParts}, stream);
+  squares_parts("l2_norm", parts, x, stream);
+  return std::sqrt(sum_parts_on_host(parts, stream));
+}
+
+void sum_squares_parts(Tensor parts, Tensor x, Stream stream) { squares_parts("sum_squares_parts", parts, x, stream); }
+
+void sum_values_parts(Tensor parts, Tensor x, Stream stream) {
+  const char* op = "sum_values_parts";
+  check_parts(op, parts, x);
+  expect_dtype(op, "x", x, DType::f64);
+  if (x.device == Device::cuda) {
+#ifdef __CUDACC__
+    return launch_sum_values(parts, x, stream);
+#else
+    no_cuda_kernel(op);
+#endif
+  }
+  (void)stream;
+  cpu_parts(parts, [&] {
+    double sum = 0;
+    for (int64_t i = 0; i < x.numel(); ++i) sum += x.ptr<double>()[i];
+    return sum;
+  });
+}
+
+double sum_parts_on_host(Tensor parts, Stream stream) {
+  const char* op = "sum_parts_on_host";
+  expect_dtype(op, "parts", parts, DType::f64);
+  MARROW_CHECK(parts.numel() % kSumParts == 0, "{}: parts has {} elements, not a multiple of {}", op, parts.numel(), kSumParts);
+  Buffer host;
+  const double* p = parts.ptr<double>();
+  if (parts.device == Device::cuda) {
+    host = to_host(parts, stream);
+    p = host.ptr<double>();
+  }
+  double sum = 0;
+  for (int64_t i = 0; i < parts.numel(); ++i) sum += p[i];
+  return sum;
 }
 
 }  // namespace marrow

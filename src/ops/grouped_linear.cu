@@ -58,6 +58,21 @@ void backward_input_cpu(T* dx, const T* dy, const T* weight, const int32_t* offs
   }
 }
 
+// grouped_linear.h's bands of dweight [E, O, I], each summed in f64 in row-major order.
+template <typename T> void band_squares_cpu(double* squares, const T* dweight, int64_t e, int64_t o, int64_t in) {
+  const int64_t bands_o = (o + kSquaresBandRows - 1) / kSquaresBandRows, bands_i = (in + kSquaresBandCols - 1) / kSquaresBandCols;
+  for (int64_t band = 0; band < e * bands_o * bands_i; ++band) {
+    const int64_t g = band / (bands_o * bands_i), r0 = band / bands_i % bands_o * kSquaresBandRows, c0 = band % bands_i * kSquaresBandCols;
+    double sum = 0;
+    for (int64_t r = r0; r < std::min(o, r0 + kSquaresBandRows); ++r)
+      for (int64_t c = c0; c < std::min(in, c0 + kSquaresBandCols); ++c) {
+        const double v = dweight[(g * o + r) * in + c];
+        sum += v * v;
+      }
+    squares[band] = sum;
+  }
+}
+
 template <typename T>
 void backward_weight_cpu(T* dweight, const T* dy, const T* x, const int32_t* offsets, int64_t e, int64_t o, int64_t in, bool overwrite) {
   for (int64_t g = 0; g < e; ++g) {
@@ -293,43 +308,69 @@ __global__ void grouped_dw_simple_kernel(float* dweight, const bf16* dy, const b
   dweight[idx] = sum;
 }
 
+// grouped_linear.h's bands of dweight [E, O, I] read back, one thread a band in f64, row-major: for
+// the paths other than the wgmma kernel's epilogue (odd shapes, no rows at all).
+__global__ void band_squares_kernel(double* squares, const float* dweight, int64_t bands, int o_size, int i_size) {
+  const int64_t band = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (band >= bands) return;
+  const int bands_o = int((o_size + kSquaresBandRows - 1) / kSquaresBandRows), bands_i = int((i_size + kSquaresBandCols - 1) / kSquaresBandCols);
+  const int64_t g = band / (bands_o * bands_i);
+  const int r0 = int(band / bands_i % bands_o * kSquaresBandRows), c0 = int(band % bands_i * kSquaresBandCols);
+  double sum = 0;
+  for (int r = r0; r < min(o_size, r0 + int(kSquaresBandRows)); ++r)
+    for (int c = c0; c < min(i_size, c0 + int(kSquaresBandCols)); ++c) {
+      const double v = dweight[(g * o_size + r) * i_size + c];
+      sum += v * v;
+    }
+  squares[band] = sum;
+}
+
 // The wgmma kernel and its work list (wgmma_dw.cuh's work_list): built on the host and sent in stream
-// order, or, from offsets in GPU memory, built there by one block.
+// order, or, from offsets in GPU memory, built there by one block. With squares every expert gets
+// its tiles, so that every band is written.
 void backward_weight_wgmma(float* dweight, const bf16* dy, const bf16* x, Tensor expert_offsets, int64_t e, int64_t o, int64_t i,
-                           int64_t rows, bool overwrite, Stream stream) {
+                           int64_t rows, bool overwrite, double* squares, Stream stream) {
   auto s = static_cast<cudaStream_t>(stream.handle);
+  const bool every_expert = overwrite || squares != nullptr;
   Buffer work;
   int works = -1;  // not known on the host for a list built on the GPU
   if (expert_offsets.device == Device::cuda) {
     work = Buffer(DType::i32, Device::cuda, {3 * e + 2}, stream);
-    wgmma::dw::work_list_kernel<<<1, wgmma::kScheduleThreads, 0, s>>>(work.ptr<int32_t>(), expert_offsets.ptr<int32_t>(), int(e), overwrite);
+    wgmma::dw::work_list_kernel<<<1, wgmma::kScheduleThreads, 0, s>>>(work.ptr<int32_t>(), expert_offsets.ptr<int32_t>(), int(e),
+                                                                       every_expert);
     MARROW_CUDA_CHECK_LAUNCH();
   } else {
-    const std::vector<int32_t> host = wgmma::dw::work_list(expert_offsets.ptr<int32_t>(), e, overwrite);
+    const std::vector<int32_t> host = wgmma::dw::work_list(expert_offsets.ptr<int32_t>(), e, every_expert);
     works = host[0];
     if (works == 0) return;
     work = upload(host, stream);
   }
-  wgmma::dw::grouped_dw(dweight, dy, x, work.ptr<int32_t>(), works, o, i, rows, !overwrite, s);
+  wgmma::dw::grouped_dw(dweight, dy, x, work.ptr<int32_t>(), works, o, i, rows, !overwrite, squares, s);
 }
 
-void backward_weight_gpu(Tensor dweight, Tensor dy, Tensor x, Tensor expert_offsets, bool overwrite, Stream stream) {
+void backward_weight_gpu(Tensor dweight, Tensor dy, Tensor x, Tensor expert_offsets, bool overwrite, Tensor squares, Stream stream) {
   const int64_t e = dweight.size(0), o = dweight.size(1), i = dweight.size(2), rows = dy.size(0);
   auto* dw_ptr = static_cast<float*>(dweight.data);
   auto *dy_ptr = static_cast<const bf16*>(dy.data), *x_ptr = static_cast<const bf16*>(x.data);
+  auto* squares_ptr = static_cast<double*>(squares.data);
   auto s = static_cast<cudaStream_t>(stream.handle);
   if (e == 0 || o == 0 || i == 0) return;
+  if (rows > 0 && o % 8 == 0 && i % 8 == 0 && aligned(dy.data, 16) && aligned(x.data, 16) && aligned(dweight.data, 8))
+    return backward_weight_wgmma(dw_ptr, dy_ptr, x_ptr, expert_offsets, e, o, i, rows, overwrite, squares_ptr, stream);
   if (rows == 0) {  // every expert empty
     if (overwrite) MARROW_CUDA_CHECK(cudaMemsetAsync(dweight.data, 0, dweight.bytes(), s));
-    return;
+  } else {
+    Buffer holder;
+    const int32_t* offsets = device_offsets(expert_offsets, holder, stream);
+    const int64_t n = e * o * i;
+    grouped_dw_simple_kernel<<<unsigned((n + 255) / 256), 256, 0, s>>>(dw_ptr, dy_ptr, x_ptr, offsets, n, int(o), int(i), !overwrite);
+    MARROW_CUDA_CHECK_LAUNCH();
   }
-  if (o % 8 == 0 && i % 8 == 0 && aligned(dy.data, 16) && aligned(x.data, 16) && aligned(dweight.data, 8))
-    return backward_weight_wgmma(dw_ptr, dy_ptr, x_ptr, expert_offsets, e, o, i, rows, overwrite, stream);
-  Buffer holder;
-  const int32_t* offsets = device_offsets(expert_offsets, holder, stream);
-  const int64_t n = e * o * i;
-  grouped_dw_simple_kernel<<<unsigned((n + 255) / 256), 256, 0, s>>>(dw_ptr, dy_ptr, x_ptr, offsets, n, int(o), int(i), !overwrite);
-  MARROW_CUDA_CHECK_LAUNCH();
+  if (squares_ptr) {
+    const int64_t bands = squares.numel();
+    band_squares_kernel<<<unsigned((bands + 255) / 256), 256, 0, s>>>(squares_ptr, dw_ptr, bands, int(o), int(i));
+    MARROW_CUDA_CHECK_LAUNCH();
+  }
 }
 #endif
 
@@ -387,7 +428,12 @@ void grouped_linear_backward_input(Tensor dx, Tensor dy, Tensor weight, Tensor e
 #endif
 }
 
-void grouped_linear_backward_weight(Tensor dweight, Tensor dy, Tensor x, Tensor expert_offsets, bool overwrite, Stream stream) {
+int64_t grouped_weight_squares_count(int64_t experts, int64_t o, int64_t i) {
+  return experts * ((o + kSquaresBandRows - 1) / kSquaresBandRows) * ((i + kSquaresBandCols - 1) / kSquaresBandCols);
+}
+
+void grouped_linear_backward_weight(Tensor dweight, Tensor dy, Tensor x, Tensor expert_offsets, bool overwrite, Tensor squares,
+                                    Stream stream) {
   const char* op = "grouped_linear_backward_weight";
   const std::array<int64_t, 3> sizes = weight_sizes(op, "dweight", dweight);
   const int64_t e = sizes[0], o = sizes[1], in = sizes[2];
@@ -395,19 +441,26 @@ void grouped_linear_backward_weight(Tensor dweight, Tensor dy, Tensor x, Tensor 
   expect_shape(op, "dy", dy, {r, o});
   expect_shape(op, "x", x, {r, in});
   check_offsets(op, expert_offsets, e, r);
+  const bool with_squares = squares.data != nullptr;
+  if (with_squares) {
+    expect_shape(op, "squares", squares, {grouped_weight_squares_count(e, o, in)});
+    expect_dtype(op, "squares", squares, DType::f64);
+    expect_device(op, "squares", squares, dweight.device);
+  }
   if (common_device(op, {{"dy", &dy}, {"dweight", &dweight}, {"x", &x}}) == Device::cpu) {
     expect_same_dtype(op, {{"dy", &dy}, {"dweight", &dweight}, {"x", &x}});
     expect_device(op, "expert_offsets", expert_offsets, Device::cpu);
     return with_cpu_scalar(op, dy, [&](auto s) {
       using T = decltype(s);
       backward_weight_cpu<T>(dweight.ptr<T>(), dy.ptr<T>(), x.ptr<T>(), expert_offsets.ptr<int32_t>(), e, o, in, overwrite);
+      if (with_squares) band_squares_cpu<T>(squares.ptr<double>(), dweight.ptr<T>(), e, o, in);
     });
   }
 #ifdef __CUDACC__
   expect_dtype(op, "dy", dy, DType::bf16);
   expect_dtype(op, "x", x, DType::bf16);
   expect_dtype(op, "dweight", dweight, DType::f32);
-  backward_weight_gpu(dweight, dy, x, expert_offsets, overwrite, stream);
+  backward_weight_gpu(dweight, dy, x, expert_offsets, overwrite, squares, stream);
 #else
   (void)stream;
   no_cuda_kernel(op);

@@ -18,7 +18,9 @@
 // before the first multiply; the epilogue stores them straight from registers (each warp store
 // covers whole 32-byte sectors). dW moves with streaming hints (ld/st .cs) so that its 2 x 4 bytes
 // per element do not push the inputs out of L2. The kernel is bound by that traffic at the bench
-// shapes: see grouped_linear.h and docs/performance.md.
+// shapes: see grouped_linear.h and docs/performance.md. Given `squares`, each consumer warp also
+// writes the sum of squares of its 16 finished dW rows x 256 columns (grouped_linear.h's bands),
+// from the registers the epilogue stores, so the gradient norm need not read dW again.
 #pragma once
 #include <vector>
 
@@ -59,12 +61,13 @@ __device__ __forceinline__ Tile find_tile(int t, const int32_t* work, int o_size
   return {item[0], item[1], item[2], local / i_tiles * kBlockM, local % i_tiles * kBlockN};
 }
 
-// The work list on the host from host offsets: every expert with rows, or every expert when
-// overwriting (an expert without rows then writes zeros); its counter zero.
-inline std::vector<int32_t> work_list(const int32_t* offsets, int64_t experts, bool overwrite) {
+// The work list on the host from host offsets: every expert with rows, or every expert
+// (every_expert: when overwriting, so an expert without rows writes zeros, and for the sums of
+// squares, which every expert's tiles must write); its counter zero.
+inline std::vector<int32_t> work_list(const int32_t* offsets, int64_t experts, bool every_expert) {
   std::vector<int32_t> work{0, 0};
   for (int64_t e = 0; e < experts; ++e)
-    if (overwrite || offsets[e + 1] > offsets[e]) work.insert(work.end(), {int32_t(e), offsets[e], offsets[e + 1]});
+    if (every_expert || offsets[e + 1] > offsets[e]) work.insert(work.end(), {int32_t(e), offsets[e], offsets[e + 1]});
   work[0] = int32_t((work.size() - 2) / 3);
   return work;
 }
@@ -72,13 +75,13 @@ inline std::vector<int32_t> work_list(const int32_t* offsets, int64_t experts, b
 // The same list built on the device from offsets in device memory, so that the host needs no expert
 // sizes: one block of kScheduleThreads, each round's experts placed by an exclusive scan of which
 // of them have work.
-__global__ void __launch_bounds__(kScheduleThreads) work_list_kernel(int32_t* work, const int32_t* offsets, int experts, bool overwrite) {
+__global__ void __launch_bounds__(kScheduleThreads) work_list_kernel(int32_t* work, const int32_t* offsets, int experts, bool every_expert) {
   using Scan = cub::BlockScan<int, kScheduleThreads>;
   __shared__ typename Scan::TempStorage scan_storage;
   int works = 0;  // items of the experts before this round
   for (int base = 0; base < experts; base += kScheduleThreads) {
     const int e = base + int(threadIdx.x);
-    const int has_work = e < experts && (overwrite || offsets[e + 1] > offsets[e]) ? 1 : 0;
+    const int has_work = e < experts && (every_expert || offsets[e + 1] > offsets[e]) ? 1 : 0;
     int index = 0, round = 0;
     Scan(scan_storage).ExclusiveSum(has_work, index, round);
     if (has_work) {
@@ -136,10 +139,36 @@ __device__ __forceinline__ void store_accumulators(float* dw, const float (&d)[1
         __stcs(reinterpret_cast<float2*>(dw + int64_t(o + 8 * h) * i_size + i + 8 * j), make_float2(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]));
 }
 
+// The sum of squares of one warp's finished 16 dW rows (o is the band's first row for lane 0) x
+// 256 columns: a lane's values in groups of 8 squared and added in f32 (a conversion to f64 per
+// value would cost more than the tile's other epilogue work), the groups in f64, the lanes in a
+// butterfly; lane 0 writes the band (grouped_linear.h's layout), unless it starts past O.
+__device__ __forceinline__ void store_band_squares(double* squares, const float (&d)[128], int expert, int o, int i0, int o_size,
+                                                   int i_size) {
+  const int i = i0 + 2 * (threadIdx.x % 4);
+  double sum = 0;
+#pragma unroll
+  for (int j2 = 0; j2 < 16; ++j2) {
+    float group = 0;
+#pragma unroll
+    for (int j = 2 * j2; j < 2 * j2 + 2; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        if (o + 8 * h < o_size && i + 8 * j < i_size) {
+          group = fmaf(d[4 * j + 2 * h], d[4 * j + 2 * h], group);
+          group = fmaf(d[4 * j + 2 * h + 1], d[4 * j + 2 * h + 1], group);
+        }
+    sum += double(group);
+  }
+  for (int m = 16; m > 0; m /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, m);
+  const int bands_o = (o_size + 15) / 16, bands_i = (i_size + kBlockN - 1) / kBlockN;
+  if (threadIdx.x % 32 == 0 && o < o_size) squares[(int64_t(expert) * bands_o + o / 16) * bands_i + i0 / kBlockN] = sum;
+}
+
 // dy_map: dy as [R, O], x_map: x as [R, I], boxes of 64 columns x 64 rows.
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_dw_kernel(const __grid_constant__ CUtensorMap dy_map, const __grid_constant__ CUtensorMap x_map, float* dweight,
-                      int32_t* work, int o_size, int i_size, bool accumulate) {
+                      int32_t* work, int o_size, int i_size, bool accumulate, double* squares) {
   extern __shared__ unsigned char smem_raw[];
   const uint32_t raw = smem_address(smem_raw), base = (raw + 1023) & ~1023u;
   const uint32_t full = base + kStages * kStageBytes, empty = full + kStages * 8;  // mbarriers, 8 bytes each
@@ -217,15 +246,17 @@ __global__ void __launch_bounds__(kThreads, 1)
     fence_registers(d);
     if (lane0) barrier_arrive(empty + 8 * previous);
     store_accumulators(dw, d, tile.o0 + row_in_tile, tile.i0, o_size, i_size);
+    if (squares) store_band_squares(squares, d, tile.expert, tile.o0 + row_in_tile, tile.i0, o_size, i_size);
   }
 }
 
 // dweight[E, O, I] (+)= dy_e^T x_e for the work items of `work` (device memory, see find_tile; its
 // counter must be zero); works: their number, or -1 when the host does not know it (a list built on
 // the device: one block per SM, the blocks past the last tile end at once). Needs rows > 0, O and I
-// multiples of 8, dy and x 16-byte aligned, dweight 8.
+// multiples of 8, dy and x 16-byte aligned, dweight 8. squares (may be null): the bands' sums of
+// squares of the tiles in `work` (all of every expert's tiles: a list of every expert).
 inline void grouped_dw(float* dweight, const bf16* dy, const bf16* x, int32_t* work, int works, int64_t o, int64_t i, int64_t rows,
-                       bool accumulate, cudaStream_t stream) {
+                       bool accumulate, double* squares, cudaStream_t stream) {
   const int64_t tiles = int64_t(works) * ((o + kBlockM - 1) / kBlockM) * ((i + kBlockN - 1) / kBlockN);
   if (works == 0) return;
   MARROW_CHECK(tiles < (int64_t(1) << 31), "grouped dW: {} tiles exceed the kernel's int range", tiles);
@@ -238,7 +269,7 @@ inline void grouped_dw(float* dweight, const bf16* dy, const bf16* x, int32_t* w
   MARROW_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   MARROW_CUDA_CHECK(cudaFuncSetAttribute(grouped_dw_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
   const unsigned grid = unsigned(works < 0 ? sms : std::min<int64_t>(tiles, sms));
-  grouped_dw_kernel<<<grid, kThreads, kSmemBytes, stream>>>(dy_map, x_map, dweight, work, int(o), int(i), accumulate);
+  grouped_dw_kernel<<<grid, kThreads, kSmemBytes, stream>>>(dy_map, x_map, dweight, work, int(o), int(i), accumulate, squares);
   MARROW_CUDA_CHECK_LAUNCH();
 }
 

@@ -326,8 +326,46 @@ void ShardedParameters::finish_gradients(bool overlapped) {
   mesh_.replicas.join();
 }
 
-double ShardedParameters::gradient_norm() const {
-  const double squares = std::pow(l2_norm(grads_.all()), 2);
+bool ShardedParameters::expert_grads_final() const {
+  if (mesh_.replicas.size() > 1) return false;
+  for (const Unit& u : units_)
+    if (u.expert && (u.n > 1 || !u.grads_kept)) return false;
+  return true;
+}
+
+double ShardedParameters::local_squares(std::span<const Tensor> expert_squares) const {
+  auto fused = [&](const Unit& u) {
+    return u.expert && u.stage >= 0 && size_t(u.stage) < expert_squares.size() && expert_squares[size_t(u.stage)].data != nullptr;
+  };
+  int64_t pieces = 1;  // runs of unfused units, and the fused units between them
+  for (size_t i = 0; i < units_.size(); ++i)
+    if (fused(units_[i]) || (i > 0 && fused(units_[i - 1]))) ++pieces;
+  Buffer parts(DType::f64, device_, {pieces * kSumParts});
+  int64_t piece = 0, run_begin = 0, run_end = 0;
+  auto part = [&] { return parts.view().rows(piece * kSumParts, (piece + 1) * kSumParts); };
+  auto end_run = [&] {
+    if (run_end == run_begin) return;
+    sum_squares_parts(part(), grads_.slice(run_begin, {run_end - run_begin}));
+    ++piece;
+  };
+  for (const Unit& u : units_) {
+    if (!fused(u)) {
+      run_end = u.offset + u.chunk;  // units lie one after another in the arena
+      continue;
+    }
+    MARROW_CHECK(u.n == 1 && u.grads_kept && mesh_.replicas.size() == 1,
+                 "internal: layer {}'s expert gradients are reduced after the backward, so their sums of squares cannot come from it", u.stage);
+    end_run();
+    sum_values_parts(part(), expert_squares[size_t(u.stage)]);
+    ++piece;
+    run_begin = run_end = u.offset + u.chunk;
+  }
+  end_run();
+  return sum_parts_on_host(parts.view().rows(0, piece * kSumParts));
+}
+
+double ShardedParameters::gradient_norm(std::span<const Tensor> expert_squares) const {
+  const double squares = expert_squares.empty() ? std::pow(l2_norm(grads_.all()), 2) : local_squares(expert_squares);
   const double stage_squares = mesh_.shard.sum(squares, "gradient norm (sum of squares)");
   return std::sqrt(mesh_.pipeline.sum(stage_squares, "gradient norm over the pipeline (sum of squares)"));
 }

@@ -34,6 +34,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <span>
 #include <vector>
 
 #include "core/memory.h"
@@ -89,8 +90,15 @@ class ShardedParameters {
   // then waits for all of them.
   void finish_gradients(bool overlapped);
   // The global gradient norm, each element counted once (summed over the shard group, then the
-  // pipeline, in rank order).
-  double gradient_norm() const;
+  // pipeline, in rank order). expert_squares[l], where given (f64, any length), holds parts whose
+  // sum is the sum of squares of decoder layer l's expert gradients as they stand (the last
+  // backward wrote them: grouped_linear_backward_weight's squares); that unit is then not read.
+  // Only where expert_grads_final(). The sums then run on the device, one piece per run of
+  // units, and reach the host in one copy.
+  double gradient_norm(std::span<const Tensor> expert_squares = {}) const;
+  // Whether every expert unit's gradient is complete once the step's last backward has written
+  // it: no shard reduction and no replica sum follows (n = 1, no dp replicas).
+  bool expert_grads_final() const;
   // AdamW on the shards (norm units without weight decay); then the compute copies are re-gathered.
   void optimizer_step(AdamWHyper hyper);
 
@@ -136,6 +144,8 @@ class ShardedParameters {
   void prefetch(int64_t layer);
   Slot& slot(const Unit& u, int64_t layer) { return slots_[u.expert ? 1 : 0][size_t(layer % 2)]; }
   void reduce_kept(const Unit& u);
+  // This rank's sum of squares of its gradient shards (see gradient_norm).
+  double local_squares(std::span<const Tensor> expert_squares) const;
 
   const std::vector<TensorSpec>& specs_;
   int64_t num_layers_;
