@@ -156,43 +156,38 @@ std::vector<double> band_squares_ref(Tensor dw_expert, int64_t o, int64_t in) {
   return sums;
 }
 
-Buffer device_copy(Tensor t) {
-  Buffer c(t.dtype, Device::cuda, {t.numel()});
-  copy(c, t);
-  return c;
-}
-
-// grouped_linear_backward_weight with squares, from dw_start (accumulating, or overwriting): dW
-// the bits of the call without squares, the listed experts' bands (empty ones too) against sums
-// read back from that dW (the GPU adds groups of 8 squares in f32: ~1e-7 relative), and the same
-// squares' bits from a second call.
-void check_squares(CheckReport& report, const std::string& shape, Tensor dw_start, Tensor dy, Tensor x, Tensor offsets, bool overwrite,
+// grouped_linear_backward_weight with squares over a step's two kinds of call: one overwriting,
+// then one accumulating, the same squares given to both (an expert without rows keeps its bands
+// from the first). After each: dW the bits of the same call without squares, the listed experts'
+// bands (empty ones too) against sums read back from that dW (the GPU adds groups of 8 squares in
+// f32: ~1e-7 relative); a second run gives the same squares' bits.
+void check_squares(CheckReport& report, const std::string& shape, Tensor dy, Tensor x, Tensor offsets, int64_t o,
                    const std::vector<int64_t>& experts) {
-  const int64_t e = dw_start.size(0), o = dw_start.size(1), in = dw_start.size(2), per_expert = grouped_weight_squares_count(1, o, in);
-  const std::string mode = fmt::format("{} {}{}", overwrite ? "overwrite" : "accumulate", shape,
-                                       offsets.device == Device::cuda ? ", offsets on the GPU" : "");
-  Buffer with = device_copy(dw_start), without = device_copy(dw_start);
-  Buffer squares = poisoned(DType::f64, {e * per_expert}), again = poisoned(DType::f64, {e * per_expert});
-  const Tensor with3 = with.view().reshape({e, o, in});
-  grouped_linear_backward_weight(without.view().reshape({e, o, in}), dy, x, offsets, overwrite);
-  grouped_linear_backward_weight(with3, dy, x, offsets, overwrite, squares);
-  report.expect_equal("grouped bwd_weight with squares, dW bits as without " + mode, with, to_host(without));
-  const Buffer got = to_host(squares);
-  double error = 0;
-  bool finite = true;
-  for (int64_t g : experts) {
-    const std::vector<double> ref = band_squares_ref(with.view().rows(g * o * in, (g + 1) * o * in), o, in);
-    for (size_t b = 0; b < ref.size(); ++b) {
-      const double v = got.ptr<double>()[size_t(g * per_expert) + b];
-      finite = finite && std::isfinite(v);
-      error = std::max(error, std::abs(v - ref[b]) / std::max(ref[b], 1e-300));
+  const int64_t in = x.size(1), e = offsets.numel() - 1, per_expert = grouped_weight_squares_count(1, o, in);
+  const std::string where = shape + (offsets.device == Device::cuda ? ", offsets on the GPU" : "");
+  Buffer dw = poisoned(DType::f32, {e, o, in}), plain = poisoned(DType::f32, {e, o, in}), again = poisoned(DType::f32, {e, o, in});
+  Buffer squares = poisoned(DType::f64, {e * per_expert}), squares_again = poisoned(DType::f64, {e * per_expert});
+  for (const bool overwrite : {true, false}) {
+    const std::string mode = fmt::format("{} {}", overwrite ? "overwrite" : "then accumulate", where);
+    grouped_linear_backward_weight(dw, dy, x, offsets, overwrite, squares);
+    grouped_linear_backward_weight(plain, dy, x, offsets, overwrite);
+    grouped_linear_backward_weight(again, dy, x, offsets, overwrite, squares_again);
+    report.expect_equal("grouped bwd_weight with squares, dW bits as without, " + mode, dw, to_host(plain));
+    const Buffer got = to_host(squares);
+    double error = 0;
+    bool finite = true;
+    for (int64_t g : experts) {
+      const std::vector<double> ref = band_squares_ref(dw.view().reshape({e * o * in}).rows(g * o * in, (g + 1) * o * in), o, in);
+      for (size_t b = 0; b < ref.size(); ++b) {
+        const double v = got.ptr<double>()[size_t(g * per_expert) + b];
+        finite = finite && std::isfinite(v);
+        error = std::max(error, std::abs(v - ref[b]) / std::max(ref[b], 1e-300));
+      }
     }
+    report.add({fmt::format("grouped bwd_weight squares of {} experts' bands, {}", experts.size(), mode), finite ? error : INFINITY, 2e-6,
+                finite && error <= 2e-6});
+    report.expect_equal("grouped bwd_weight squares twice, same bits, " + mode, squares_again, got);
   }
-  report.add({fmt::format("grouped bwd_weight squares of {} experts' bands {}", experts.size(), mode), finite ? error : INFINITY, 2e-6,
-              finite && error <= 2e-6});
-  Buffer dw_again = device_copy(dw_start);
-  grouped_linear_backward_weight(dw_again.view().reshape({e, o, in}), dy, x, offsets, overwrite, again);
-  report.expect_equal("grouped bwd_weight squares twice, same bits " + mode, again, got);
 }
 
 // kernel: a name for the rows when the forward/backward-input kernel is not the default one.
@@ -232,11 +227,8 @@ void check_grouped_small(CheckReport& report, int64_t out, int64_t in, const std
   check_device_offsets(report, shape, xt, wt, dyt, offsets, y, dx, dw, dw_written);
   std::vector<int64_t> every(static_cast<size_t>(e));
   for (int64_t g = 0; g < e; ++g) every[size_t(g)] = g;
-  const Buffer offsets_d = to_device(offsets, DType::i32);
-  for (const bool overwrite : {false, true}) {
-    check_squares(report, shape, dw, dyt, xt, offsets, overwrite, every);
-    check_squares(report, shape, dw, dyt, xt, offsets_d, overwrite, every);
-  }
+  check_squares(report, shape, dyt, xt, offsets, out, every);
+  check_squares(report, shape, dyt, xt, to_device(offsets, DType::i32), out, every);
 }
 
 // Bench shape: E experts, rows routed by skewed_counts. Outputs compared on up to 48 last rows of a
@@ -304,9 +296,8 @@ void check_grouped_bench(CheckReport& report, const char* label, int64_t e, int6
   check_device_offsets(report, shape, x, w, dy, offsets, y, dx, dw, dw_written);
   std::vector<int64_t> banded = experts;
   banded.push_back(empty);
-  const Buffer offsets_d = to_device(offsets, DType::i32);
-  check_squares(report, shape, dw.view().reshape({e, out, in}), dy, x, offsets_d, false, banded);
-  check_squares(report, shape, dw.view().reshape({e, out, in}), dy, x, offsets, true, banded);
+  check_squares(report, shape, dy, x, offsets, out, banded);
+  check_squares(report, shape, dy, x, to_device(offsets, DType::i32), out, banded);
 }
 
 }  // namespace

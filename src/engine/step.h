@@ -210,8 +210,9 @@ template <MoeModel M> class ForwardPass {
 // zeroes only the others). dx is the gradient of the chunk's output (empty when it ends with the
 // epilog); output() the gradient of its input (empty after the prolog). With defer_expert_weights
 // the expert weight gradients wait in the MicroBatch for weights_backward(). expert_squares[l],
-// where given, receives the sums of squares of layer l's expert gradients as this backward leaves
-// them (the step's last backward: the gradient norm then need not read them again). Activations
+// where given, gets the sums of squares of layer l's expert gradients that this backward writes
+// (grouped_linear_backward_weight's squares): given to every backward of a step, after the last
+// they describe the final gradients, so the gradient norm need not read them again. Activations
 // are released as the backward passes them.
 template <MoeModel M> class BackwardPass {
  public:

@@ -207,8 +207,8 @@ template <MoeModel M> struct TrainSetup {
   std::optional<PipelineLinks> links;     // with parallel.pp > 1
   ShardedParameters state;
   typename M::Weights w, g;
-  // Per decoder layer, the sums of squares of its expert gradients that the step's last backward
-  // writes (the expert weight-gradient kernels compute them as they store), so that the gradient
+  // Per decoder layer, the sums of squares of its expert gradients, which every backward of a step
+  // updates (the expert weight-gradient kernels compute them as they store), so that the gradient
   // norm does not read those gradients again; empty where they are reduced after the backward or
   // DualPipeV runs the step.
   std::vector<Buffer> expert_squares;
@@ -306,9 +306,7 @@ std::pair<double, double> run_micro_batches(TrainSetup<M>& s, const RunConfig& r
     forward(mb, s.model, s.w, batch, groups, timer);
     token_loss.add(std::move(mb.token_loss));
     aux_loss.add(std::move(mb.aux_loss));
-    const bool last = micro + 1 == micro_batches;
-    backward(mb, s.model, s.w, s.g, batch, loss_scale, aux_grad, s.state.first_writes_fresh(micro), groups, timer,
-             last ? std::span<const Tensor>(s.expert_squares_views) : std::span<const Tensor>{});
+    backward(mb, s.model, s.w, s.g, batch, loss_scale, aux_grad, s.state.first_writes_fresh(micro), groups, timer, s.expert_squares_views);
   }
   return {token_loss.value(), aux_loss.value()};
 }

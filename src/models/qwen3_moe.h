@@ -155,8 +155,8 @@ class Qwen3Moe {
   void experts_forward(Tensor y_perm, Qwen3MoeExpertActivations& e, Buffer x_perm, Tensor expert_offsets,
                        const Qwen3MoeLayerWeights& w) const;
   // overwrite_grads: write the expert weight gradients instead of adding (TensorSpec::first_backward_writes).
-  // squares (f64 [expert_squares_count(grads)]), when given: sums of squares of the resulting
-  // expert gradients, whose total is theirs (grouped_linear_backward_weight's bands, down then gate_up).
+  // squares (f64 [expert_squares_count(grads)]), when given: the sums of squares of the expert
+  // gradients this call writes (grouped_linear_backward_weight's bands, down then gate_up).
   void experts_backward(Tensor dx_perm, const Qwen3MoeLayerWeights& grads, Tensor dy_perm, Qwen3MoeExpertActivations& e,
                         Tensor expert_offsets, const Qwen3MoeLayerWeights& w, bool overwrite_grads, Tensor squares = {}) const;
   int64_t expert_squares_count(const Qwen3MoeLayerWeights& grads) const;

@@ -308,8 +308,8 @@ __global__ void grouped_dw_simple_kernel(float* dweight, const bf16* dy, const b
   dweight[idx] = sum;
 }
 
-// grouped_linear.h's bands of dweight [E, O, I] read back, one thread a band in f64, row-major: for
-// the paths other than the wgmma kernel's epilogue (odd shapes, no rows at all).
+// grouped_linear.h's bands of dweight [E, O, I] read back (every expert's), one thread a band in
+// f64, row-major: for the paths other than the wgmma kernel's epilogue (odd shapes, no rows at all).
 __global__ void band_squares_kernel(double* squares, const float* dweight, int64_t bands, int o_size, int i_size) {
   const int64_t band = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   if (band >= bands) return;
@@ -326,21 +326,18 @@ __global__ void band_squares_kernel(double* squares, const float* dweight, int64
 }
 
 // The wgmma kernel and its work list (wgmma_dw.cuh's work_list): built on the host and sent in stream
-// order, or, from offsets in GPU memory, built there by one block. With squares every expert gets
-// its tiles, so that every band is written.
+// order, or, from offsets in GPU memory, built there by one block.
 void backward_weight_wgmma(float* dweight, const bf16* dy, const bf16* x, Tensor expert_offsets, int64_t e, int64_t o, int64_t i,
                            int64_t rows, bool overwrite, double* squares, Stream stream) {
   auto s = static_cast<cudaStream_t>(stream.handle);
-  const bool every_expert = overwrite || squares != nullptr;
   Buffer work;
   int works = -1;  // not known on the host for a list built on the GPU
   if (expert_offsets.device == Device::cuda) {
     work = Buffer(DType::i32, Device::cuda, {3 * e + 2}, stream);
-    wgmma::dw::work_list_kernel<<<1, wgmma::kScheduleThreads, 0, s>>>(work.ptr<int32_t>(), expert_offsets.ptr<int32_t>(), int(e),
-                                                                       every_expert);
+    wgmma::dw::work_list_kernel<<<1, wgmma::kScheduleThreads, 0, s>>>(work.ptr<int32_t>(), expert_offsets.ptr<int32_t>(), int(e), overwrite);
     MARROW_CUDA_CHECK_LAUNCH();
   } else {
-    const std::vector<int32_t> host = wgmma::dw::work_list(expert_offsets.ptr<int32_t>(), e, every_expert);
+    const std::vector<int32_t> host = wgmma::dw::work_list(expert_offsets.ptr<int32_t>(), e, overwrite);
     works = host[0];
     if (works == 0) return;
     work = upload(host, stream);

@@ -37,14 +37,17 @@ void grouped_linear_backward_input(Tensor dx, Tensor dy, Tensor weight, Tensor e
 // for an expert without rows): the first micro-batch of a step, which saves zeroing the expert
 // gradients and reading those zeros back.
 //
-// squares (f64 [grouped_weight_squares_count(E, O, I)]), when given, receives the sums of squares of
-// the resulting dweight, so that the gradient norm need not read a last micro-batch's expert
-// gradients again: expert e's [O, I] is cut into bands of kSquaresBandRows rows x kSquaresBandCols
-// columns (the last ones cut at O and I), band (b, c) at e * ceil(O / 16) * ceil(I / 256) +
-// b * ceil(I / 256) + c. Every expert's bands are written, also those of experts without rows. The
-// GPU computes a band in the wgmma kernel's epilogue (groups of 8 squares added in f32, the groups
-// in f64) and the CPU in f64 in row-major order, so the two agree to about 1e-7 relative; each is
-// deterministic.
+// squares (f64 [grouped_weight_squares_count(E, O, I)]), when given, receives sums of squares of
+// the resulting dweight, so that the gradient norm need not read the expert gradients again:
+// expert e's [O, I] is cut into bands of kSquaresBandRows rows x kSquaresBandCols columns (the last
+// ones cut at O and I), band (b, c) at e * ceil(O / 16) * ceil(I / 256) + b * ceil(I / 256) + c.
+// The bands of every expert the call writes (every expert when overwriting, else those with rows)
+// are set from its new dweight; an expert the call leaves alone keeps its bands (the GPU's other
+// paths set them again from the same dweight). So when every call of a step passes the same
+// squares and the first overwrites, after the last call they describe the final gradient without
+// any extra read. The GPU computes a band in the wgmma kernel's epilogue (groups of 8 squares added
+// in f32, the groups in f64) and the CPU in f64 in row-major order: they agree to about 1e-7
+// relative, and each is deterministic.
 constexpr int64_t kSquaresBandRows = 16, kSquaresBandCols = 256;
 int64_t grouped_weight_squares_count(int64_t experts, int64_t o, int64_t i);
 void grouped_linear_backward_weight(Tensor dweight, Tensor dy, Tensor x, Tensor expert_offsets, bool overwrite = false,

@@ -61,13 +61,12 @@ __device__ __forceinline__ Tile find_tile(int t, const int32_t* work, int o_size
   return {item[0], item[1], item[2], local / i_tiles * kBlockM, local % i_tiles * kBlockN};
 }
 
-// The work list on the host from host offsets: every expert with rows, or every expert
-// (every_expert: when overwriting, so an expert without rows writes zeros, and for the sums of
-// squares, which every expert's tiles must write); its counter zero.
-inline std::vector<int32_t> work_list(const int32_t* offsets, int64_t experts, bool every_expert) {
+// The work list on the host from host offsets: every expert with rows, or every expert when
+// overwriting (an expert without rows then writes zeros); its counter zero.
+inline std::vector<int32_t> work_list(const int32_t* offsets, int64_t experts, bool overwrite) {
   std::vector<int32_t> work{0, 0};
   for (int64_t e = 0; e < experts; ++e)
-    if (every_expert || offsets[e + 1] > offsets[e]) work.insert(work.end(), {int32_t(e), offsets[e], offsets[e + 1]});
+    if (overwrite || offsets[e + 1] > offsets[e]) work.insert(work.end(), {int32_t(e), offsets[e], offsets[e + 1]});
   work[0] = int32_t((work.size() - 2) / 3);
   return work;
 }
@@ -75,13 +74,13 @@ inline std::vector<int32_t> work_list(const int32_t* offsets, int64_t experts, b
 // The same list built on the device from offsets in device memory, so that the host needs no expert
 // sizes: one block of kScheduleThreads, each round's experts placed by an exclusive scan of which
 // of them have work.
-__global__ void __launch_bounds__(kScheduleThreads) work_list_kernel(int32_t* work, const int32_t* offsets, int experts, bool every_expert) {
+__global__ void __launch_bounds__(kScheduleThreads) work_list_kernel(int32_t* work, const int32_t* offsets, int experts, bool overwrite) {
   using Scan = cub::BlockScan<int, kScheduleThreads>;
   __shared__ typename Scan::TempStorage scan_storage;
   int works = 0;  // items of the experts before this round
   for (int base = 0; base < experts; base += kScheduleThreads) {
     const int e = base + int(threadIdx.x);
-    const int has_work = e < experts && (every_expert || offsets[e + 1] > offsets[e]) ? 1 : 0;
+    const int has_work = e < experts && (overwrite || offsets[e + 1] > offsets[e]) ? 1 : 0;
     int index = 0, round = 0;
     Scan(scan_storage).ExclusiveSum(has_work, index, round);
     if (has_work) {
@@ -254,7 +253,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 // counter must be zero); works: their number, or -1 when the host does not know it (a list built on
 // the device: one block per SM, the blocks past the last tile end at once). Needs rows > 0, O and I
 // multiples of 8, dy and x 16-byte aligned, dweight 8. squares (may be null): the bands' sums of
-// squares of the tiles in `work` (all of every expert's tiles: a list of every expert).
+// squares of the tiles in `work`.
 inline void grouped_dw(float* dweight, const bf16* dy, const bf16* x, int32_t* work, int works, int64_t o, int64_t i, int64_t rows,
                        bool accumulate, double* squares, cudaStream_t stream) {
   const int64_t tiles = int64_t(works) * ((o + kBlockM - 1) / kBlockM) * ((i + kBlockN - 1) / kBlockN);

@@ -91,8 +91,8 @@ class ShardedParameters {
   void finish_gradients(bool overlapped);
   // The global gradient norm, each element counted once (summed over the shard group, then the
   // pipeline, in rank order). expert_squares[l], where given (f64, any length), holds parts whose
-  // sum is the sum of squares of decoder layer l's expert gradients as they stand (the last
-  // backward wrote them: grouped_linear_backward_weight's squares); that unit is then not read.
+  // sum is the sum of squares of decoder layer l's expert gradients as they stand (the step's
+  // backwards wrote them: grouped_linear_backward_weight's squares); that unit is then not read.
   // Only where expert_grads_final(). The sums then run on the device, one piece per run of
   // units, and reach the host in one copy.
   double gradient_norm(std::span<const Tensor> expert_squares = {}) const;
