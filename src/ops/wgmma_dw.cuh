@@ -13,8 +13,8 @@
 // six 8 KiB boxes are one contiguous byte range) before a proxy fence and a barrier of the two
 // consumer warpgroups, then multiply. (Per-expert tensor maps with TMA's zero fill would do the same
 // with 2E maps built and uploaded per call and a tensormap fence per tile; zeroing costs a few
-// shared stores in one k-step per tile.) An expert with no rows (overwrite only) runs one k-step of
-// 64 zeroed rows. Accumulate: the accumulators start from the old dW tile, loaded into registers
+// shared stores in one k-step per tile.) An expert with no rows (overwrite only) takes one stage
+// that carries its tile and nothing else, and its tiles store zeros: nothing loaded or multiplied. Accumulate: the accumulators start from the old dW tile, loaded into registers
 // before the first multiply; the epilogue stores them straight from registers (each warp store
 // covers whole 32-byte sectors). dW moves with streaming hints (ld/st .cs) so that its 2 x 4 bytes
 // per element do not push the inputs out of L2. The kernel is bound by that traffic at the bench
@@ -138,6 +138,12 @@ __device__ __forceinline__ void store_accumulators(float* dw, const float (&d)[1
         __stcs(reinterpret_cast<float2*>(dw + int64_t(o + 8 * h) * i_size + i + 8 * j), make_float2(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]));
 }
 
+// grouped_linear.h's band of dW row o (a multiple of 16), columns i0..
+__device__ __forceinline__ int64_t band_index(int expert, int o, int i0, int o_size, int i_size) {
+  const int bands_o = (o_size + 15) / 16, bands_i = (i_size + kBlockN - 1) / kBlockN;
+  return (int64_t(expert) * bands_o + o / 16) * bands_i + i0 / kBlockN;
+}
+
 // The sum of squares of one warp's finished 16 dW rows (o is the band's first row for lane 0) x
 // 256 columns: a lane's values in groups of 8 squared and added in f32 (a conversion to f64 per
 // value would cost more than the tile's other epilogue work), the groups in f64, the lanes in a
@@ -160,8 +166,7 @@ __device__ __forceinline__ void store_band_squares(double* squares, const float 
     sum += double(group);
   }
   for (int m = 16; m > 0; m /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, m);
-  const int bands_o = (o_size + 15) / 16, bands_i = (i_size + kBlockN - 1) / kBlockN;
-  if (threadIdx.x % 32 == 0 && o < o_size) squares[(int64_t(expert) * bands_o + o / 16) * bands_i + i0 / kBlockN] = sum;
+  if (threadIdx.x % 32 == 0 && o < o_size) squares[band_index(expert, o, i0, o_size, i_size)] = sum;
 }
 
 // dy_map: dy as [R, O], x_map: x as [R, I], boxes of 64 columns x 64 rows.
@@ -195,6 +200,10 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int s = it % kStages, row = tile.row_begin + kb * kBlockK;
         barrier_wait(empty + 8 * s, ((it / kStages) & 1) ^ 1);
         if (kb == 0) stage_tile[s] = tile;  // published by the arrive below
+        if (tile.row_end == tile.row_begin) {     // no rows: the tile alone
+          barrier_arrive(full + 8 * s);
+          continue;
+        }
         barrier_expect_bytes(full + 8 * s, kStageBytes);
         for (int j = 0; j < kBlockM / 64; ++j) tma_load_2d(stage(s) + j * kBoxBytes, &dy_map, full + 8 * s, tile.o0 + 64 * j, row);
         for (int j = 0; j < kBlockN / 64; ++j)
@@ -219,6 +228,15 @@ __global__ void __launch_bounds__(kThreads, 1)
     const Tile tile = stage_tile[it % kStages];
     if (tile.expert < 0) break;
     float* dw = dweight + int64_t(tile.expert) * o_size * i_size;
+    if (tile.row_end == tile.row_begin) {  // no rows (overwriting: accumulating lists only experts with rows)
+      if (lane0) barrier_arrive(empty + 8 * (it % kStages));
+      ++it;
+      load_accumulators(d, dw, tile.o0 + row_in_tile, tile.i0, o_size, i_size, false);
+      store_accumulators(dw, d, tile.o0 + row_in_tile, tile.i0, o_size, i_size);
+      const int band = tile.o0 + row_in_tile;  // lane 0's row starts the warp's band
+      if (squares && lane0 && band < o_size) squares[band_index(tile.expert, band, tile.i0, o_size, i_size)] = 0.0;
+      continue;
+    }
     load_accumulators(d, dw, tile.o0 + row_in_tile, tile.i0, o_size, i_size, accumulate);
     int previous = 0;
     for (int kb = 0; kb < k_steps(tile); ++kb, ++it) {
