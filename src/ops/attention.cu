@@ -12,6 +12,8 @@
 
 #ifdef __CUDACC__
 #include <cuda_bf16.h>
+
+#include "ops/cuda_common.cuh"
 #endif
 
 namespace marrow {
@@ -171,24 +173,10 @@ constexpr float kLn2 = 0.6931471805599453f;
 
 __host__ __device__ constexpr int cdiv(int a, int b) { return (a + b - 1) / b; }
 
-__device__ __forceinline__ uint32_t smem_address(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// 16 bytes global -> shared without a register round trip; valid = false writes 16 zero bytes.
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_address(smem)), "l"(gmem),
-               "r"(valid ? 16 : 0));
-}
 // 4 bytes (lse, delta entries); valid = false writes a zero.
 __device__ __forceinline__ void cp_async4(void* smem, const void* gmem, bool valid) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_address(smem)), "l"(gmem),
                "r"(valid ? 4 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-// Waits until at most N of this thread's committed groups are still in flight.
-template <int N> __device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const bf16* p) {

@@ -13,6 +13,16 @@ inline bool packable(int64_t row_elements, std::initializer_list<const void*> pt
   return row_elements % 8 == 0 && bits % 16 == 0;
 }
 
+__device__ __forceinline__ uint32_t smem_address(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
+
+// 16 bytes global -> shared without a register round trip; valid = false writes 16 zero bytes.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid = true) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_address(smem)), "l"(gmem), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+// Waits until at most N of this thread's committed groups are still in flight.
+template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+
 // Butterfly sum: every lane adds the same values in the same tree, so all lanes hold one result.
 template <typename T> __device__ T warp_sum(T v) {
   for (int m = 16; m > 0; m /= 2) v += __shfl_xor_sync(0xffffffffu, v, m);

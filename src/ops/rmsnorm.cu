@@ -155,27 +155,67 @@ __device__ void dx_row(bf16* dxr, const bf16* dyr, const bf16* dresr, const bf16
   }
 }
 
-// dx: one warp per row, as the forward.
-template <int N>
+// dx: one warp per row, as the forward. Staged (packs of 8): the warp first copies its rows of x,
+// dy and dresidual into its part of shared memory (cp.async: the whole row in flight at once,
+// without registers), then dx_row reads them there. Reading global memory a pack at a time in
+// dx_row's two halves left the kernel latency-bound (ncu: issue slots 37% busy, waits at each
+// load's first use), and holding the row in registers instead took 127-173 of them.
+template <int N, bool Staged>
 __global__ void rmsnorm_backward_dx_kernel(bf16* dx, const bf16* dy, const bf16* dresidual, const bf16* x, const bf16* weight,
                                            const float* rstd, int64_t rows, int64_t d) {
-  const int64_t row = blockIdx.x * int64_t(kWarpsPerBlock) + threadIdx.x / 32;
+  const int64_t row = blockIdx.x * int64_t(blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (row >= rows) return;
-  dx_row<N>(dx + row * d, dy + row * d, dresidual ? dresidual + row * d : nullptr, x + row * d, weight, rstd[row], d, lane);
+  const bf16 *xr = x + row * d, *dyr = dy + row * d, *dresr = dresidual ? dresidual + row * d : nullptr;
+  if constexpr (Staged) {
+    extern __shared__ Pack<8> staged_rows[];
+    bf16* mine = reinterpret_cast<bf16*>(staged_rows) + (threadIdx.x / 32) * 3 * d;
+    for (int64_t c = lane * 8; c < d; c += 32 * 8) {
+      cp_async16(mine + c, xr + c);
+      cp_async16(mine + d + c, dyr + c);
+      if (dresr) cp_async16(mine + 2 * d + c, dresr + c);
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncwarp();
+    xr = mine;
+    dyr = mine + d;
+    if (dresr) dresr = mine + 2 * d;
+  }
+  dx_row<N>(dx + row * d, dyr, dresr, xr, weight, rstd[row], d, lane);
 }
 
-// dweight, pass 1: block (chunk, column tile) -- each thread owns one column and sums dy * xhat
-// over the chunk's kChunkRows rows in row order into partial[chunk, column]. (Unrolling the loop 8
-// times made it ~10% slower on the H200; the RoPE variant below gained a few percent from it.)
+// dweight, pass 1: block (chunk, column tile) -- each thread owns N adjacent columns (a 16-byte
+// pack when N = 8) and sums dy * xhat over the chunk's kChunkRows rows in row order into
+// partial[chunk, column], one chain per column; it loads kPartialBatch rows before adding them, so
+// that many loads are in flight. (One column a thread, two-byte loads one row at a time, left the
+// kernel waiting at its loads: ncu, issue slots 28% busy.)
+constexpr int kPartialBatch = 8;
+template <int N>
 __global__ void rmsnorm_dweight_partial_kernel(float* partial, const bf16* dy, const bf16* x, const float* rstd, int64_t rows,
-                                       int64_t d) {
-  const int64_t c = blockIdx.y * int64_t(blockDim.x) + threadIdx.x, chunk = blockIdx.x;
+                                               int64_t d) {
+  const int64_t c = (blockIdx.y * int64_t(blockDim.x) + threadIdx.x) * N, chunk = blockIdx.x;
   if (c >= d) return;
-  float acc = 0;
-  for (int64_t r = chunk * kChunkRows; r < min(rows, (chunk + 1) * kChunkRows); ++r)
-    acc = fmaf(float(dy[r * d + c]), __fmul_rn(float(x[r * d + c]), rstd[r]), acc);
-  partial[chunk * d + c] = acc;
+  const int64_t end = min(rows, (chunk + 1) * kChunkRows);
+  float acc[N] = {};
+  for (int64_t r0 = chunk * kChunkRows; r0 < end; r0 += kPartialBatch) {
+    Pack<N> g[kPartialBatch], xp[kPartialBatch];
+    float rs[kPartialBatch];
+#pragma unroll
+    for (int i = 0; i < kPartialBatch; ++i)
+      if (r0 + i < end) {
+        g[i] = load<N>(dy + (r0 + i) * d + c);
+        xp[i] = load<N>(x + (r0 + i) * d + c);
+        rs[i] = rstd[r0 + i];
+      }
+#pragma unroll
+    for (int i = 0; i < kPartialBatch; ++i)
+      if (r0 + i < end)
+#pragma unroll
+        for (int l = 0; l < N; ++l) acc[l] = fmaf(float(g[i].v[l]), __fmul_rn(float(xp[i].v[l]), rs[i]), acc[l]);
+  }
+#pragma unroll
+  for (int l = 0; l < N; ++l) partial[chunk * d + c + l] = acc[l];
 }
 
 // ---- QK-norm + RoPE fused (rmsnorm_rope_forward / _backward) --------------------------------------
@@ -441,6 +481,7 @@ __global__ void rmsnorm_dweight_reduce_kernel(float* dweight, const float* parti
 }
 
 unsigned row_blocks(int64_t n) { return unsigned((n + kWarpsPerBlock - 1) / kWarpsPerBlock); }
+constexpr int64_t kStagedWarps = 4, kMaxStagedBytes = 200 << 10;  // rmsnorm_backward_dx_kernel's staged rows
 constexpr unsigned kRowThreads = 32 * kWarpsPerBlock;
 const bf16* bf16_data(Tensor t) { return static_cast<const bf16*>(t.data); }
 bf16* bf16_out(Tensor t) { return static_cast<bf16*>(t.data); }
@@ -510,15 +551,33 @@ void launch_backward(Tensor dx, Tensor dweight, Tensor dy, Tensor x, Tensor weig
   const int64_t n = x.size(0), d = x.size(1);
   if (n == 0 || d == 0) return;
   auto s = static_cast<cudaStream_t>(stream.handle);
-  // A null dresidual passes packable's alignment test.
-  const auto kernel = packable(d, {dx.data, dy.data, dresidual.data, x.data, weight.data}) ? rmsnorm_backward_dx_kernel<8>
-                                                                                           : rmsnorm_backward_dx_kernel<1>;
-  kernel<<<row_blocks(n), kRowThreads, 0, s>>>(bf16_out(dx), bf16_data(dy), bf16_data(dresidual), bf16_data(x), bf16_data(weight),
-                                               rstd.ptr<float>(), n, d);
-  MARROW_CUDA_CHECK_LAUNCH();
+  // A null dresidual passes packable's alignment test. Staged: kStagedWarps rows a block, each
+  // warp 3 rows of D bf16 in shared memory (48 KiB a block at D = 2,048).
+  const bool packed = packable(d, {dx.data, dy.data, dresidual.data, x.data, weight.data});
+  const int64_t staged_bytes = kStagedWarps * 3 * d * 2;
+  auto args = [&](auto kernel, unsigned blocks, unsigned threads, size_t smem) {
+    kernel<<<blocks, threads, smem, s>>>(bf16_out(dx), bf16_data(dy), bf16_data(dresidual), bf16_data(x), bf16_data(weight),
+                                         rstd.ptr<float>(), n, d);
+    MARROW_CUDA_CHECK_LAUNCH();
+  };
+  if (packed && staged_bytes <= kMaxStagedBytes) {
+    MARROW_CUDA_CHECK(
+        cudaFuncSetAttribute(rmsnorm_backward_dx_kernel<8, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(staged_bytes)));
+    args(rmsnorm_backward_dx_kernel<8, true>, unsigned((n + kStagedWarps - 1) / kStagedWarps), unsigned(32 * kStagedWarps),
+         size_t(staged_bytes));
+  } else if (packed) {
+    args(rmsnorm_backward_dx_kernel<8, false>, row_blocks(n), kRowThreads, 0);
+  } else {
+    args(rmsnorm_backward_dx_kernel<1, false>, row_blocks(n), kRowThreads, 0);
+  }
+  // Packs of 8 columns: 64 threads a block (512 blocks of two warps at D = 2,048 and 4,096 rows).
+  const bool columns_packed = packable(d, {dy.data, x.data});
+  const int64_t per_thread = columns_packed ? 8 : 1, threads = columns_packed ? 64 : 256;
+  const unsigned column_blocks = unsigned((d / per_thread + threads - 1) / threads);
   accumulate_dweight(dweight, n, d, stream, [&](float* partial, unsigned chunks, cudaStream_t st) {
-    rmsnorm_dweight_partial_kernel<<<dim3(chunks, unsigned((d + 255) / 256)), 256, 0, st>>>(partial, bf16_data(dy), bf16_data(x),
-                                                                                          rstd.ptr<float>(), n, d);
+    const auto partial_kernel = columns_packed ? rmsnorm_dweight_partial_kernel<8> : rmsnorm_dweight_partial_kernel<1>;
+    partial_kernel<<<dim3(chunks, column_blocks), unsigned(threads), 0, st>>>(partial, bf16_data(dy), bf16_data(x), rstd.ptr<float>(),
+                                                                            n, d);
   });
 }
 
