@@ -347,12 +347,16 @@ template <MoeModel M> class BackwardPass {
   ExpertParallel::Exchange exchange_;  // the layer's combine or dispatch gradients in flight
 };
 
-// The expert weight gradients a deferring backward of mb left, in the order it left them.
+// The expert weight gradients a deferring backward of mb left, in the order it left them
+// (expert_squares as BackwardPass's).
 template <MoeModel M>
-void weights_backward(MicroBatch<M>& mb, const M& m, const typename M::Weights& grads, bool first_micro_batch, StageTimer* timer = nullptr) {
+void weights_backward(MicroBatch<M>& mb, const M& m, const typename M::Weights& grads, bool first_micro_batch, StageTimer* timer = nullptr,
+                      std::span<const Tensor> expert_squares = {}) {
   StageScope scope(timer, Stage::experts);
-  for (auto& d : mb.deferred)
-    m.experts_backward_weights(grads.layers[size_t(d.layer)], d.dy_perm, d.experts, d.expert_offsets.view(), first_micro_batch);
+  for (auto& d : mb.deferred) {
+    const Tensor squares = size_t(d.layer) < expert_squares.size() ? expert_squares[size_t(d.layer)] : Tensor{};
+    m.experts_backward_weights(grads.layers[size_t(d.layer)], d.dy_perm, d.experts, d.expert_offsets.view(), first_micro_batch, squares);
+  }
   mb.deferred.clear();
 }
 

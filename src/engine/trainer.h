@@ -209,8 +209,8 @@ template <MoeModel M> struct TrainSetup {
   typename M::Weights w, g;
   // Per decoder layer, the sums of squares of its expert gradients, which every backward of a step
   // updates (the expert weight-gradient kernels compute them as they store), so that the gradient
-  // norm does not read those gradients again; empty where they are reduced after the backward or
-  // DualPipeV runs the step.
+  // norm does not read those gradients again; empty where they are reduced after the backward, and
+  // an empty tensor for another pipeline rank's layers.
   std::vector<Buffer> expert_squares;
   std::vector<Tensor> expert_squares_views;
 
@@ -229,11 +229,14 @@ template <MoeModel M> struct TrainSetup {
     state.initialize([&](Tensor out, const TensorSpec& spec, int64_t first) { model.initialize(out, spec, first, rc.seed); });
     w = model.bind(state.weights());
     g = model.bind(state.gradients());
-    if (!rc.uses_dualpipev() && state.expert_grads_final())
-      for (const auto& layer : g.layers) {
-        expert_squares.emplace_back(DType::f64, device, std::initializer_list<int64_t>{model.expert_squares_count(layer)});
-        expert_squares_views.push_back(expert_squares.back());
+    if (state.expert_grads_final()) {
+      const std::vector<int64_t> held = held_stages(chunks, config.num_layers, mesh);
+      for (size_t l = 0; l < g.layers.size(); ++l) {
+        const int64_t count = held[l + 1] >= 0 ? model.expert_squares_count(g.layers[l]) : 0;
+        expert_squares.emplace_back(DType::f64, device, std::initializer_list<int64_t>{count});
+        expert_squares_views.push_back(count > 0 ? expert_squares.back().view() : Tensor{});
       }
+    }
   }
   // The groups and hooks of one micro-batch (the micro-th of `count` in a step; evaluation: -1).
   StepGroups groups(int64_t micro = -1, int64_t count = 0, bool overlap = true) {
@@ -324,7 +327,7 @@ std::pair<double, double> run_pipeline(TrainSetup<M>& s, const RunConfig& rc, co
   };
   auto groups = [&](int64_t micro) { return s.groups(micro, n, false); };
   PipelineStep<M> pipeline({s.model, s.w, s.g, s.mesh.shape.pp, s.mesh.pp_rank, s.chunks, s.links ? &*s.links : nullptr, timer}, n,
-                           batches, groups, {loss_scale, aux_grad, false, false},
+                           batches, groups, {loss_scale, aux_grad, false, false, s.expert_squares_views},
                            [&](int64_t micro) { return s.state.first_writes_fresh(micro); });
   watchdog::progress("a pipeline step");
   const auto losses = pipeline.run(dualpipev_order(s.mesh.shape.pp, s.mesh.pp_rank, n));

@@ -157,9 +157,10 @@ __device__ void dx_row(bf16* dxr, const bf16* dyr, const bf16* dresr, const bf16
 
 // dx: one warp per row, as the forward. Staged (packs of 8): the warp first copies its rows of x,
 // dy and dresidual into its part of shared memory (cp.async: the whole row in flight at once,
-// without registers), then dx_row reads them there. Reading global memory a pack at a time in
-// dx_row's two halves left the kernel latency-bound (ncu: issue slots 37% busy, waits at each
-// load's first use), and holding the row in registers instead took 127-173 of them.
+// without registers), then dx_row reads them there: 25.4 -> 23.5 us a call at the bench shape
+// (docs/performance.md). Reading global memory a pack at a time in dx_row's two halves left the
+// kernel waiting at each load (ncu: issue slots 37% busy); holding the row in registers instead
+// took 127-173 of them.
 template <int N, bool Staged>
 __global__ void rmsnorm_backward_dx_kernel(bf16* dx, const bf16* dy, const bf16* dresidual, const bf16* x, const bf16* weight,
                                            const float* rstd, int64_t rows, int64_t d) {
@@ -185,37 +186,17 @@ __global__ void rmsnorm_backward_dx_kernel(bf16* dx, const bf16* dy, const bf16*
   dx_row<N>(dx + row * d, dyr, dresr, xr, weight, rstd[row], d, lane);
 }
 
-// dweight, pass 1: block (chunk, column tile) -- each thread owns N adjacent columns (a 16-byte
-// pack when N = 8) and sums dy * xhat over the chunk's kChunkRows rows in row order into
-// partial[chunk, column], one chain per column; it loads kPartialBatch rows before adding them, so
-// that many loads are in flight. (One column a thread, two-byte loads one row at a time, left the
-// kernel waiting at its loads: ncu, issue slots 28% busy.)
-constexpr int kPartialBatch = 8;
-template <int N>
+// dweight, pass 1: block (chunk, column tile) -- each thread owns one column and sums dy * xhat
+// over the chunk's kChunkRows rows in row order into partial[chunk, column]. (Unrolling the loop 8
+// times made it ~10% slower on the H200; the RoPE variant below gained a few percent from it.)
 __global__ void rmsnorm_dweight_partial_kernel(float* partial, const bf16* dy, const bf16* x, const float* rstd, int64_t rows,
-                                               int64_t d) {
-  const int64_t c = (blockIdx.y * int64_t(blockDim.x) + threadIdx.x) * N, chunk = blockIdx.x;
+                                       int64_t d) {
+  const int64_t c = blockIdx.y * int64_t(blockDim.x) + threadIdx.x, chunk = blockIdx.x;
   if (c >= d) return;
-  const int64_t end = min(rows, (chunk + 1) * kChunkRows);
-  float acc[N] = {};
-  for (int64_t r0 = chunk * kChunkRows; r0 < end; r0 += kPartialBatch) {
-    Pack<N> g[kPartialBatch], xp[kPartialBatch];
-    float rs[kPartialBatch];
-#pragma unroll
-    for (int i = 0; i < kPartialBatch; ++i)
-      if (r0 + i < end) {
-        g[i] = load<N>(dy + (r0 + i) * d + c);
-        xp[i] = load<N>(x + (r0 + i) * d + c);
-        rs[i] = rstd[r0 + i];
-      }
-#pragma unroll
-    for (int i = 0; i < kPartialBatch; ++i)
-      if (r0 + i < end)
-#pragma unroll
-        for (int l = 0; l < N; ++l) acc[l] = fmaf(float(g[i].v[l]), __fmul_rn(float(xp[i].v[l]), rs[i]), acc[l]);
-  }
-#pragma unroll
-  for (int l = 0; l < N; ++l) partial[chunk * d + c + l] = acc[l];
+  float acc = 0;
+  for (int64_t r = chunk * kChunkRows; r < min(rows, (chunk + 1) * kChunkRows); ++r)
+    acc = fmaf(float(dy[r * d + c]), __fmul_rn(float(x[r * d + c]), rstd[r]), acc);
+  partial[chunk * d + c] = acc;
 }
 
 // ---- QK-norm + RoPE fused (rmsnorm_rope_forward / _backward) --------------------------------------
@@ -565,19 +546,12 @@ void launch_backward(Tensor dx, Tensor dweight, Tensor dy, Tensor x, Tensor weig
         cudaFuncSetAttribute(rmsnorm_backward_dx_kernel<8, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(staged_bytes)));
     args(rmsnorm_backward_dx_kernel<8, true>, unsigned((n + kStagedWarps - 1) / kStagedWarps), unsigned(32 * kStagedWarps),
          size_t(staged_bytes));
-  } else if (packed) {
-    args(rmsnorm_backward_dx_kernel<8, false>, row_blocks(n), kRowThreads, 0);
-  } else {
+  } else {  // odd widths, or rows too long to stage (D > 17,066)
     args(rmsnorm_backward_dx_kernel<1, false>, row_blocks(n), kRowThreads, 0);
   }
-  // Packs of 8 columns: 64 threads a block (512 blocks of two warps at D = 2,048 and 4,096 rows).
-  const bool columns_packed = packable(d, {dy.data, x.data});
-  const int64_t per_thread = columns_packed ? 8 : 1, threads = columns_packed ? 64 : 256;
-  const unsigned column_blocks = unsigned((d / per_thread + threads - 1) / threads);
   accumulate_dweight(dweight, n, d, stream, [&](float* partial, unsigned chunks, cudaStream_t st) {
-    const auto partial_kernel = columns_packed ? rmsnorm_dweight_partial_kernel<8> : rmsnorm_dweight_partial_kernel<1>;
-    partial_kernel<<<dim3(chunks, column_blocks), unsigned(threads), 0, st>>>(partial, bf16_data(dy), bf16_data(x), rstd.ptr<float>(),
-                                                                            n, d);
+    rmsnorm_dweight_partial_kernel<<<dim3(chunks, unsigned((d + 255) / 256)), 256, 0, st>>>(partial, bf16_data(dy), bf16_data(x),
+                                                                                          rstd.ptr<float>(), n, d);
   });
 }
 

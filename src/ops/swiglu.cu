@@ -122,50 +122,13 @@ __global__ void swiglu_backward_kernel(bf16* dgate_up, const bf16* dout, const b
 
 constexpr int kWarps = 4;  // copies per block of the weighted backward
 
-// One warp per copy; lanes own the packs p = lane + 32 i of the row. Two halves: the first computes
-// the SwiGLU output and its dot with dact (the dot must be whole before anything is weighted), the
-// second writes. A lane keeps its first K packs of gate, up and dact and their sigmoids in registers
-// from the first half to the second (K = 3 covers Qwen3-30B-A3B's I = 768 in packs of 8, at 156
-// registers; 4 took 182), so those are loaded once and their sigmoids computed once: the kernel was
-// issue-bound with both halves loading and computing everything (ncu: 78% of issue slots). Packs past K, for longer rows, are read again in
-// the second half (from L2: a row is a few KiB, just read). The dot sums in pack order then by a
-// fixed butterfly, as route weights were summed before this fusion: deterministic, and the same
-// bits however the row is split. Rows outside [0, R) other than -1 (copy_row is not checked on the
-// GPU) get dtopk_weight = NaN and are not touched.
-constexpr int kCachedPacks = 3;
-
-// The unweighted SwiGLU output, rounded as the forward rounds it.
-__device__ __forceinline__ float act_value(float gf, float s, float uf) { return float(bf16(gf * s * uf)); }
-
-// One pack's outputs of the second half from its inputs and sigmoids; w the copy's route weight.
-template <int N>
-__device__ __forceinline__ void write_weighted_pack(bf16* act, bf16* dgate, bf16* dup, const Pack<N>& g, const Pack<N>& u,
-                                                    const Pack<N>& dy, const float (&s)[N], float w) {
-  Pack<N> aw, dg, du;
-#pragma unroll
-  for (int l = 0; l < N; ++l) {
-    const float gf = float(g.v[l]), uf = float(u.v[l]), d = float(bf16(w * float(dy.v[l])));
-    aw.v[l] = bf16(w * act_value(gf, s[l], uf));
-    dg.v[l] = bf16(d * uf * s[l] * (1.0f + gf * (1.0f - s[l])));
-    du.v[l] = bf16(d * gf * s[l]);
-  }
-  store<N>(act, aw);
-  store<N>(dgate, dg);
-  store<N>(dup, du);
-}
-
-// s = the pack's sigmoids; returns its dot with dy, added in element order onto dot.
-template <int N>
-__device__ __forceinline__ float add_pack_dot(float dot, const Pack<N>& g, const Pack<N>& u, const Pack<N>& dy, float (&s)[N]) {
-#pragma unroll
-  for (int l = 0; l < N; ++l) {
-    const float gf = float(g.v[l]);
-    s[l] = sigmoidf(gf);
-    dot += float(dy.v[l]) * act_value(gf, s[l], float(u.v[l]));
-  }
-  return dot;
-}
-
+// One warp per copy; lanes own the packs p = lane + 32 i of the row. Two passes over the row: the
+// first computes the SwiGLU output and its dot with dact (the dot must be whole before anything is
+// weighted), the second reads the row again (from L2: a row is a few KiB, just read) and writes.
+// Keeping the row in registers instead held a warp at ~150 registers and the kernel at ~1.9 TB/s.
+// The dot sums in pack order then by a fixed butterfly, as route weights were summed before this
+// fusion: deterministic. Rows outside [0, R) other than -1 (copy_row is not checked on the GPU)
+// get dtopk_weight = NaN and are not touched.
 template <int N>
 __global__ void swiglu_weighted_backward_kernel(bf16* dgate_up, bf16* act, float* dtopk_weight, const bf16* dact, const bf16* gate_up,
                                                 const float* topk_weight, const int32_t* copy_row, int64_t copies, int64_t rows,
@@ -179,38 +142,31 @@ __global__ void swiglu_weighted_backward_kernel(bf16* dgate_up, bf16* act, float
     return;
   }
   const bf16 *gu = gate_up + r * 2 * inter, *dy_row = dact + r * inter;
-  Pack<N> g[kCachedPacks], u[kCachedPacks], dy[kCachedPacks];
-  float s[kCachedPacks][N];
   float dot = 0;
+  for (int64_t col = int64_t(lane) * N; col < inter; col += 32 * N) {
+    const Pack<N> g = load<N>(gu + col), u = load<N>(gu + inter + col), dy = load<N>(dy_row + col);
 #pragma unroll
-  for (int k = 0; k < kCachedPacks; ++k) {
-    const int64_t col = (lane + 32 * int64_t(k)) * N;
-    if (col < inter) {
-      g[k] = load<N>(gu + col);
-      u[k] = load<N>(gu + inter + col);
-      dy[k] = load<N>(dy_row + col);
+    for (int l = 0; l < N; ++l) {
+      const float gf = float(g.v[l]);
+      dot += float(dy.v[l]) * float(bf16(gf * sigmoidf(gf) * float(u.v[l])));
     }
   }
-#pragma unroll
-  for (int k = 0; k < kCachedPacks; ++k)
-    if ((lane + 32 * int64_t(k)) * N < inter) dot = add_pack_dot<N>(dot, g[k], u[k], dy[k], s[k]);
-  float rest[N];
-  for (int64_t col = (lane + 32 * int64_t(kCachedPacks)) * N; col < inter; col += 32 * N)
-    dot = add_pack_dot<N>(dot, load<N>(gu + col), load<N>(gu + inter + col), load<N>(dy_row + col), rest);
   for (int m = 16; m > 0; m /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, m);
   if (lane == 0) dtopk_weight[c] = dot;
   const float w = topk_weight[c];
-  bf16 *act_row = act + r * inter, *dg_row = dgate_up + r * 2 * inter;
+  for (int64_t col = int64_t(lane) * N; col < inter; col += 32 * N) {
+    const Pack<N> g = load<N>(gu + col), u = load<N>(gu + inter + col), dy = load<N>(dy_row + col);
+    Pack<N> aw, dg, du;
 #pragma unroll
-  for (int k = 0; k < kCachedPacks; ++k) {
-    const int64_t col = (lane + 32 * int64_t(k)) * N;
-    if (col < inter) write_weighted_pack<N>(act_row + col, dg_row + col, dg_row + inter + col, g[k], u[k], dy[k], s[k], w);
-  }
-  for (int64_t col = (lane + 32 * int64_t(kCachedPacks)) * N; col < inter; col += 32 * N) {
-    const Pack<N> gp = load<N>(gu + col), up = load<N>(gu + inter + col), dyp = load<N>(dy_row + col);
-#pragma unroll
-    for (int l = 0; l < N; ++l) rest[l] = sigmoidf(float(gp.v[l]));
-    write_weighted_pack<N>(act_row + col, dg_row + col, dg_row + inter + col, gp, up, dyp, rest, w);
+    for (int l = 0; l < N; ++l) {
+      const float gf = float(g.v[l]), s = sigmoidf(gf), d = float(bf16(w * float(dy.v[l])));
+      aw.v[l] = bf16(w * float(bf16(gf * s * float(u.v[l]))));
+      dg.v[l] = bf16(d * float(u.v[l]) * s * (1.0f + gf * (1.0f - s)));
+      du.v[l] = bf16(d * gf * s);
+    }
+    store<N>(act + r * inter + col, aw);
+    store<N>(dgate_up + r * 2 * inter + col, dg);
+    store<N>(dgate_up + r * 2 * inter + inter + col, du);
   }
 }
 
