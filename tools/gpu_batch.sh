@@ -19,7 +19,7 @@ for part in "$@"; do
   set -- $part
   dir=$logs/$i-${1%.sh}-${2:-all}
   echo "#### part $i: $part ($(date +%T))" | tee -a "$out/summary.log"
-  tools/$1 "$dir" "${2:-all}" || status=1
+  tools/$1 "$dir" "${2:-all}" "${@:3}" || status=1
   cat "$dir/summary.log" >> "$out/summary.log" 2>/dev/null
   tar czf "$out/logs.tgz" -C "$logs" .
 done
