@@ -486,6 +486,37 @@ int64_t TrainCheckpoints::resume() {
   return c.step;
 }
 
+namespace {
+
+// Bytes free for this process at path (or the nearest directory above it that exists);
+// MARROW_TEST_DISK_FREE=<bytes> stands in for the file system in tests.
+uint64_t available_bytes(const std::string& path) {
+  if (const char* test = std::getenv("MARROW_TEST_DISK_FREE")) return std::strtoull(test, nullptr, 10);
+  fs::path at = fs::absolute(path);
+  while (!fs::exists(at) && at.has_parent_path() && at != at.parent_path()) at = at.parent_path();
+  std::error_code ec;
+  const fs::space_info space = fs::space(at, ec);
+  MARROW_CHECK(!ec, "cannot read the free space of {}: {}", at.string(), ec.message());
+  return space.available;
+}
+
+}  // namespace
+
+void TrainCheckpoints::require_disk_space() const {
+  if (rc_.checkpoint_every <= 0) return;
+  int64_t elements = 0;
+  if (sharing_.saves)
+    for (const TensorPiece& p : pieces_) elements += p.count;
+  const double bytes = sharing_.world.sum(double(elements) * 4 * (rc_.checkpoint_optimizer_state ? 3 : 1), "checkpoint size (sum)");
+  if (sharing_.world.rank() != 0) return;
+  const uint64_t free = available_bytes(rc_.out_dir);
+  MARROW_CHECK(double(free) >= bytes,
+               "output.dir {} has {:.2f} GiB free but one checkpoint of this run takes {:.2f} GiB ({}): free space, choose another "
+               "output.dir, or set checkpoint.every = 0",
+               rc_.out_dir, double(free) / 1073741824.0, bytes / 1073741824.0,
+               rc_.checkpoint_optimizer_state ? "weights and AdamW moments, fp32" : "fp32 weights; checkpoint.optimizer_state = false");
+}
+
 bool TrainCheckpoints::due(int64_t step, bool stopping) const {
   return rc_.checkpoint_every > 0 && (step % rc_.checkpoint_every == 0 || step == rc_.steps || stopping);
 }

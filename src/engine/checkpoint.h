@@ -144,6 +144,11 @@ class TrainCheckpoints {
   int64_t resumed_updates() const { return resumed_updates_; }
   // Whether step (just finished) is saved: every checkpoint.every steps, the last step, or a stop.
   bool due(int64_t step, bool stopping) const;
+  // With checkpoints on, one sentence (an Error) when output.dir's file system has less room than
+  // one checkpoint of this run takes (its weights, and AdamW's moments with
+  // checkpoint.optimizer_state: 12 bytes a parameter): said before training, not hours later at
+  // the first save. Every process of the job calls it (the size is summed over them).
+  void require_disk_space() const;
   // Saves step, with `updates` AdamW updates applied so far, into output.dir/step-XXXXXXXX, then
   // deletes all but the newest checkpoint.keep.
   std::string save(int64_t step, int64_t updates);

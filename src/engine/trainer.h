@@ -420,6 +420,7 @@ std::vector<StepMetrics> train(const RunConfig& rc, const typename M::Config& mo
   TrainCheckpoints checkpoints(rc, model_config.json, s.model.specs(), {&state.params(), &state.exp_avg(), &state.exp_avg_sq()},
                                checkpoint_sharing(s.mesh, state, s.model_tensors));
   const int64_t first_step = checkpoints.resume() + 1;
+  checkpoints.require_disk_space();
   int64_t updates = checkpoints.resumed_updates();
   state.master_changed();
   const std::string metrics_path = rc.out_dir + "/metrics.jsonl";

@@ -1,6 +1,6 @@
 """marrow estimate: the memory bill of one process, on a build without a GPU.
 
-- The bench config's bill: every category, a total, the GPU's memory and the largest fits.
+- The bench config's bill: every category, a total, the GPU's memory, the largest fits and one checkpoint's size.
 - Two processes with expert parallelism: half the experts and the all-to-all buffers.
 - FSDP's shards: more processes, smaller state.
 - Context parallelism: a process's activations are those of its seq_len / cp tokens plus the ring's buffers, and the
@@ -57,6 +57,13 @@ def main():
     check("fits in 139.80 GiB of GPU memory" in stdout, "bench config fits an H200")
     check(re.search(r"largest train.micro_batch that fits at seq_len 4096: \d+", stdout) is not None, "names the largest micro-batch")
     check(re.search(r"largest train.seq_len that fits at micro_batch 1: \d+", stdout) is not None, "names the largest sequence")
+    # One checkpoint: 5.61e9 parameters x (weights + two AdamW moments) x 4 bytes; a third without the moments.
+    m = re.search(r"one checkpoint: ([\d.]+) GiB in output.dir", stdout)
+    check(m is not None and abs(float(m.group(1)) - 5.61e9 * 12 / 2**30) < 0.3, f"one checkpoint of the bench model: {m and m.group(1)} GiB")
+    code, stdout, stderr = estimate(args.marrow, [bench, "--checkpoint.optimizer_state=false"])
+    m2 = re.search(r"one checkpoint: ([\d.]+) GiB in output.dir \(fp32 weights,", stdout)
+    check(m is not None and m2 is not None and abs(float(m2.group(1)) * 3 - float(m.group(1))) < 0.02,
+          f"without the optimizer state a checkpoint is a third: {m2 and m2.group(1)} GiB")
 
     # Long sequences, one per step, against the peaks measured on an H200 (docs/performance.md, 346c008:
     # h1, q_rope and k_rope computed again in the backward); without the bf16 weight copy the decoder

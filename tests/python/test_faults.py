@@ -217,6 +217,11 @@ FAULTS = [
           setup=full_after_metrics, fsize=-1),
     Fault("full disk during a checkpoint save", train(), 1, "(disk full?)", fsize=1 << 20,
           unchanged=["{run}/step-00000005", "{run}/step-00000010"], after=no_checkpoint_11),
+    Fault("a checkpoint larger than the free space is refused before training", train(out="{tmp}/small-disk", steps=2), 1,
+          "output.dir {tmp}/small-disk has 0.00 GiB free but one checkpoint of this run takes",
+          env={"MARROW_TEST_DISK_FREE": "1000"}, absent=["{tmp}/small-disk/metrics.jsonl"]),
+    Fault("without checkpoints the free space is not asked", train("--checkpoint.every=0", out="{tmp}/no-checkpoints", steps=1), 0,
+          "step 1/1", env={"MARROW_TEST_DISK_FREE": "1000"}),
     # 5. One run per output directory.
     Fault("second run on one output.dir", train(), 1, "is in use by another run (process {holder_pid} on ", setup=holder,
           after=stop_holder),
