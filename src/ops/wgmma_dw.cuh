@@ -14,8 +14,9 @@
 // consumer warpgroups, then multiply. (Per-expert tensor maps with TMA's zero fill would do the same
 // with 2E maps built and uploaded per call and a tensormap fence per tile; zeroing costs a few
 // shared stores in one k-step per tile.) An expert with no rows (overwrite only) takes one stage
-// that carries its tile and nothing else, and its tiles store zeros: nothing loaded or multiplied. Accumulate: the accumulators start from the old dW tile, loaded into registers
-// before the first multiply; the epilogue stores them straight from registers (each warp store
+// that carries its tile and nothing else, and its tiles store zeros: nothing loaded or multiplied.
+// Accumulate: the accumulators start from the old dW tile, loaded into registers before the first
+// multiply; the epilogue stores them straight from registers (each warp store
 // covers whole 32-byte sectors). dW moves with streaming hints (ld/st .cs) so that its 2 x 4 bytes
 // per element do not push the inputs out of L2. The kernel is bound by that traffic at the bench
 // shapes: see grouped_linear.h and docs/performance.md. Given `squares`, each consumer warp also
@@ -145,9 +146,9 @@ __device__ __forceinline__ int64_t band_index(int expert, int o, int i0, int o_s
 }
 
 // The sum of squares of one warp's finished 16 dW rows (o is the band's first row for lane 0) x
-// 256 columns: a lane's values in groups of 8 squared and added in f32 (a conversion to f64 per
-// value would cost more than the tile's other epilogue work), the groups in f64, the lanes in a
-// butterfly; lane 0 writes the band (grouped_linear.h's layout), unless it starts past O.
+// 256 columns: a lane's values in groups of 8 squared and added in f32 (16 conversions to f64 a
+// lane instead of 128: f64 conversions issue at an eighth of the f32 rate), the groups in f64, the
+// lanes in a butterfly; lane 0 writes the band (grouped_linear.h's layout), unless it starts past O.
 __device__ __forceinline__ void store_band_squares(double* squares, const float (&d)[128], int expert, int o, int i0, int o_size,
                                                    int i_size) {
   const int i = i0 + 2 * (threadIdx.x % 4);
