@@ -149,9 +149,16 @@ TEST(TokenDataset, ClearErrorsForSmallCorporaVocabulariesAndDamage) {
   TokenDataset data(corpus, 64, 1);
   EXPECT_EQ(error_of([&] { data.require_train_samples(1000); }),
             fmt::format("corpus {} holds {} training samples of 65 tokens but the run needs 1000 (steps x global batch); "
-                        "tokenize more text, or lower the steps, the batch or seq_len",
+                        "tokenize more text, or lower the steps, the batch or seq_len, or allow more passes (data.max_epochs)",
                         corpus, data.train_samples()));
   EXPECT_NO_THROW(data.require_train_samples(data.train_samples()));
+  // More passes when asked for, and the error names the limit.
+  EXPECT_NO_THROW(data.require_train_samples(2 * data.train_samples(), 2));
+  EXPECT_EQ(error_of([&] { data.require_train_samples(2 * data.train_samples() + 1, 2); }),
+            fmt::format("corpus {} holds {} training samples of 65 tokens but the run needs {} (steps x global batch), more than "
+                        "data.max_epochs = 2 passes; tokenize more text, or lower the steps, the batch or seq_len, or allow more "
+                        "passes (data.max_epochs)",
+                        corpus, data.train_samples(), 2 * data.train_samples() + 1));
   EXPECT_NE(error_of([&] { data.require_vocab_fits(32000); }).find("vocabulary of 50000 tokens but the model has only 32000"),
             std::string::npos);
   EXPECT_NO_THROW(data.require_vocab_fits(50000));

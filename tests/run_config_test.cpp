@@ -105,6 +105,7 @@ TEST(RunConfig, RefusesNonFiniteAndOutOfRangeNumbersAtParseTime) {
   EXPECT_NE(parse_error({"--train.steps=1.79e308"}).find("--train.steps: must be a positive integer, got 1.79e308"), std::string::npos);
   EXPECT_NE(parse_error({"--train.steps=2.5"}).find("--train.steps: must be a positive integer, got 2.5"), std::string::npos);
   EXPECT_NE(parse_error({"--eval.every=-1"}).find("--eval.every: must be an integer, zero or more, got -1"), std::string::npos);
+  EXPECT_NE(parse_error({"--data.max_epochs=0"}).find("--data.max_epochs: must be a positive integer, got 0"), std::string::npos);
   EXPECT_NE(parse_error({"--checkpoint.allow_changes=data,weights"}).find("got 'weights'"), std::string::npos);
   EXPECT_EQ(parse_error({"--checkpoint.allow_changes=data,tokenizer", "--optimizer.beta2=0"}), "no error");
 }

@@ -147,11 +147,12 @@ void TokenDataset::set_samples_per_step(int64_t samples_per_step) {
   samples_per_step_ = samples_per_step;
 }
 
-void TokenDataset::require_train_samples(int64_t needed) const {
-  MARROW_CHECK(needed <= train_samples(),
-               "corpus {} holds {} training samples of {} tokens but the run needs {} (steps x global batch); "
-               "tokenize more text, or lower the steps, the batch or seq_len",
-               dir_, train_samples(), seq_len_ + 1, needed);
+void TokenDataset::require_train_samples(int64_t needed, int64_t max_epochs) const {
+  MARROW_CHECK(needed <= max_epochs * train_samples(),
+               "corpus {} holds {} training samples of {} tokens but the run needs {} (steps x global batch){}; "
+               "tokenize more text, or lower the steps, the batch or seq_len, or allow more passes (data.max_epochs)",
+               dir_, train_samples(), seq_len_ + 1, needed,
+               max_epochs > 1 ? fmt::format(", more than data.max_epochs = {} passes", max_epochs) : "");
 }
 
 void TokenDataset::require_vocab_fits(int64_t model_vocab_size) const {

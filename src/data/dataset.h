@@ -44,8 +44,9 @@ class TokenDataset {
   // The global batch: training samples per optimizer step over all data-parallel ranks. It sets
   // where each step starts in the sample order, so it must be called before train_batch.
   void set_samples_per_step(int64_t samples_per_step);
-  // Error "corpus <dir> holds N training samples of L tokens but the run needs M (...)" when too small.
-  void require_train_samples(int64_t needed) const;
+  // Error "corpus <dir> holds N training samples of L tokens but the run needs M (...)" when the
+  // run would need more than max_epochs passes over them.
+  void require_train_samples(int64_t needed, int64_t max_epochs = 1) const;
   // Error naming both numbers when the corpus's vocabulary does not fit the model's vocab_size.
   void require_vocab_fits(int64_t model_vocab_size) const;
   // Fills tokens[count*(seq_len+1)] with micro-batch `micro` of `count` samples of optimizer step `step` for

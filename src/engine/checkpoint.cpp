@@ -100,7 +100,7 @@ std::string now_utc() {
 
 Json run_config_json(const RunConfig& rc) {
   return {{"model", {{"config", rc.model_config}}},
-          {"data", {{"path", rc.data_path}, {"validation_fraction", rc.validation_fraction}}},
+          {"data", {{"path", rc.data_path}, {"validation_fraction", rc.validation_fraction}, {"max_epochs", rc.max_epochs}}},
           {"train",
            {{"steps", rc.steps}, {"global_batch", rc.global_batch}, {"micro_batch", rc.micro_batch}, {"seq_len", rc.seq_len},
             {"seed", rc.seed}, {"device", rc.device}, {"aux_loss_coef", rc.aux_loss_coef}, {"max_bad_steps", rc.max_bad_steps}}},

@@ -161,6 +161,7 @@ void add_run_config_options(CLI::App& app, RunConfig& rc, std::string& profile_s
   app.add_option("--model.config", rc.model_config)->required();
   app.add_option("--data.path", rc.data_path)->required();
   app.add_option("--data.validation_fraction", rc.validation_fraction)->check(number_in(0, 0.5, false, false, "between 0 and 0.5"));
+  app.add_option("--data.max_epochs", rc.max_epochs)->check(kCount);
   app.add_option("--train.steps", rc.steps)->check(kCount);
   app.add_option("--train.global_batch", rc.global_batch)->check(kCount);
   app.add_option("--train.micro_batch", rc.micro_batch)->check(kCount);

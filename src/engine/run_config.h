@@ -16,6 +16,9 @@ struct RunConfig {
   // [data]
   std::string data_path;     // tokenized corpus directory (marrow tokenize)
   double validation_fraction = 0.01;
+  // Passes over the training samples a run may make (dataset.h's endless order: a new permutation
+  // each pass); a run that needs more is refused, so a small corpus is never repeated unasked.
+  int64_t max_epochs = 1;
   // [train]
   int64_t steps = 200;
   int64_t global_batch = 8;  // sequences per optimizer step

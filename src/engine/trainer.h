@@ -406,7 +406,11 @@ std::vector<StepMetrics> train(const RunConfig& rc, const typename M::Config& mo
   const bool leader = s.mesh.world.rank() == 0;
   TokenDataset data(rc.data_path, rc.seq_len, rc.seed, rc.validation_fraction, !rc.quiet);
   data.require_vocab_fits(model_config.vocab_size);
-  data.require_train_samples(rc.steps * rc.global_batch);
+  data.require_train_samples(rc.steps * rc.global_batch, rc.max_epochs);
+  if (rc.steps * rc.global_batch > data.train_samples() && process::rank() == 0)
+    std::printf("note: the run reads %lld training samples of a corpus of %lld: %.2f passes over it (data.max_epochs = %lld)\n",
+                (long long)(rc.steps * rc.global_batch), (long long)data.train_samples(),
+                double(rc.steps * rc.global_batch) / double(data.train_samples()), (long long)rc.max_epochs);
   data.set_samples_per_step(rc.global_batch);
   MARROW_CHECK(rc.eval_every == 0 || rc.eval_samples <= data.validation_samples(),
                "corpus {} holds {} validation samples of {} tokens but eval.samples is {} (lower it or raise data.validation_fraction)",

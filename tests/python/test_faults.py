@@ -121,6 +121,15 @@ def text_file(ctx):
     write("text.txt", "the quick brown fox jumps over the lazy dog\n" * 50)(ctx)
 
 
+def small_corpus(ctx):
+    """{small}: ~1,100 tokens of the demo tokenizer, ~16 training samples of 65 tokens."""
+    write("small.txt", "the quick brown fox jumps over the lazy dog\n" * 60)(ctx)
+    out = os.path.join(ctx["tmp"], "small")
+    subprocess.run([ctx["marrow"], "tokenize", "--input", os.path.join(ctx["tmp"], "small.txt"), "--tokenizer",
+                    os.path.join(ctx["corpus"], "tokenizer.json"), "--out", out], cwd=ctx["repo"], check=True, capture_output=True)
+    ctx["small"] = out
+
+
 def short_positions(ctx):
     model = json.load(open(os.path.join(ctx["repo"], "configs", "tiny-moe.json")))
     model["max_position_embeddings"] = 32
@@ -222,6 +231,13 @@ FAULTS = [
           env={"MARROW_TEST_DISK_FREE": "1000"}, absent=["{tmp}/small-disk/metrics.jsonl"]),
     Fault("without checkpoints the free space is not asked", train("--checkpoint.every=0", out="{tmp}/no-checkpoints", steps=1), 0,
           "step 1/1", env={"MARROW_TEST_DISK_FREE": "1000"}),
+    # 4b. A run never repeats its corpus unasked: data.max_epochs allows more passes.
+    Fault("a run needing more samples than the corpus holds", train("--data.path={small}", out="{tmp}/once", steps=10), 1,
+          "but the run needs 40 (steps x global batch); tokenize more text, or lower the steps, the batch or seq_len, or allow "
+          "more passes (data.max_epochs)", setup=small_corpus, absent=["{tmp}/once/metrics.jsonl"]),
+    Fault("data.max_epochs allows more passes over the corpus", train("--data.path={small}", "--data.max_epochs=3",
+                                                                       out="{tmp}/thrice", steps=10), 0,
+          "passes over it (data.max_epochs = 3)", setup=small_corpus),
     # 5. One run per output directory.
     Fault("second run on one output.dir", train(), 1, "is in use by another run (process {holder_pid} on ", setup=holder,
           after=stop_holder),
