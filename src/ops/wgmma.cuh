@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "core/cuda_check.h"
+#include "ops/cuda_common.cuh"
 
 namespace marrow::wgmma {
 
@@ -46,8 +47,7 @@ constexpr int kStagingBytes = 4 * kConsumers * 16 * 256;  // the epilogue's 16 r
 // the epilogue's staging, the full/empty mbarriers and the tile each stage starts (16 bytes).
 constexpr int kSmemBytes = 1024 + kStages * kStageBytes + kStagingBytes + 2 * kStages * 8 + kStages * 16;
 
-// ---- PTX wrappers -------------------------------------------------------------------------------
-__device__ __forceinline__ uint32_t smem_address(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
+// ---- PTX wrappers (smem_address: ops/cuda_common.cuh) ---------------------------------------------
 
 __device__ __forceinline__ void barrier_init(uint32_t bar, uint32_t count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
