@@ -75,7 +75,11 @@ __global__ void embedding_iota_kernel(int32_t* out, int64_t n) {
 // After a stable sort of (id, position) by id, block i handles sorted entry i; only the first entry
 // of a run of equal ids does work: its threads, over the row in packs of N, sum the dout rows of the
 // run in position order onto dtable's own value -- the CPU reference's order exactly. Each table
-// row has a single writer, so there are no atomics and the result is deterministic.
+// row has a single writer, so there are no atomics and the result is deterministic. A run is read
+// kRunBatch entries at a time (their ids and positions, then their dout packs, all loads in flight
+// together) and added in order: one entry at a time, a frequent token's run (hundreds of copies of
+// a common word in a sequence) was a chain of dependent loads that set the kernel's time.
+constexpr int kRunBatch = 8;
 template <int N>
 __global__ void embedding_backward_kernel(float* dtable, const bf16* dout, const int32_t* sorted_ids, const int32_t* sorted_pos, int64_t n,
                                 int64_t vocab, int64_t h) {
@@ -86,9 +90,19 @@ __global__ void embedding_backward_kernel(float* dtable, const bf16* dout, const
     float acc[N];
     const Pack<float, N> old = reinterpret_cast<const Pack<float, N>*>(dtable + id * h)[c];
     for (int l = 0; l < N; ++l) acc[l] = old.v[l];
-    for (int64_t j = i; j < n && sorted_ids[j] == id; ++j) {
-      const Pack<bf16, N> g = reinterpret_cast<const Pack<bf16, N>*>(dout + int64_t(sorted_pos[j]) * h)[c];
-      for (int l = 0; l < N; ++l) acc[l] += float(g.v[l]);
+    for (int64_t j0 = i;; j0 += kRunBatch) {
+      bool in_run[kRunBatch];
+      Pack<bf16, N> g[kRunBatch];
+#pragma unroll
+      for (int b = 0; b < kRunBatch; ++b) {
+        in_run[b] = j0 + b < n && sorted_ids[j0 + b] == id;  // the run is contiguous: ids are sorted
+        if (in_run[b]) g[b] = reinterpret_cast<const Pack<bf16, N>*>(dout + int64_t(sorted_pos[j0 + b]) * h)[c];
+      }
+#pragma unroll
+      for (int b = 0; b < kRunBatch; ++b)
+        if (in_run[b])
+          for (int l = 0; l < N; ++l) acc[l] += float(g[b].v[l]);
+      if (!in_run[kRunBatch - 1]) break;
     }
     Pack<float, N> out;
     for (int l = 0; l < N; ++l) out.v[l] = acc[l];
