@@ -1,6 +1,7 @@
-// marrow estimate <run-config> [--section.key=value ...] [--world N] [--gpu-memory GiB]
+// marrow estimate <run-config> [--section.key=value ...] [--world N] [--gpu-memory GiB] [--layouts]
 // The memory bill of one process of a training job (engine/memory_estimate.h), computed without a
-// GPU, against the GPU's memory, and the largest micro-batch and sequence that fit.
+// GPU, against the GPU's memory, and the largest micro-batch and sequence that fit. --layouts lists
+// every pipeline x expert-parallel x FSDP layout of the world instead, each with its peak per GPU.
 #include <cstdio>
 #include <optional>
 #include <string>
@@ -21,6 +22,7 @@ constexpr double kH200GiB = 139.8;
 struct EstimateOptions {
   int64_t world = 1;
   double gpu_gib = kH200GiB;
+  bool layouts = false;
 };
 
 // The value of --name=V or --name V at args[i] (advancing i past V), or nothing for another argument.
@@ -54,6 +56,8 @@ EstimateOptions take_options(std::vector<std::string>& args) {
         used = 0;
       }
       MARROW_CHECK(used == gib->size() && used > 0 && o.gpu_gib > 0, "--gpu-memory must be a positive number of GiB, got '{}'", *gib);
+    } else if (args[i] == "--layouts") {
+      o.layouts = true;
     } else {
       rest.push_back(args[i]);
     }
@@ -71,6 +75,43 @@ std::string fit_lines(const LargestFit& fit, const RunConfig& rc) {
   return batch + fmt::format("largest train.seq_len that fits at micro_batch {}: {}\n", rc.micro_batch, fit.seq_len);
 }
 
+// Every layout of `world` processes the trainer accepts with rc's other settings (parallel.cp kept):
+// pp and ep dividing the world, dp_shard 1 (replicated) or all of dp (ZeRO-3), each with the
+// trainer's peak per GPU against gpu_bytes, the layouts that fit first, the smallest peak first.
+template <MoeModel M>
+std::string layout_table(const RunConfig& rc, const typename M::Config& config, int64_t world, Device device, double gpu_bytes) {
+  struct Row {
+    std::string layout;
+    double peak;
+  };
+  std::vector<Row> rows;
+  for (int64_t pp = 1; pp <= world; ++pp)
+    for (int64_t ep = 1; ep <= world / pp; ++ep)
+      for (const int64_t dp_shard : {int64_t(0), int64_t(1)}) {
+        if (world % (pp * ep) != 0) continue;
+        RunConfig candidate = rc;
+        candidate.pp = pp;
+        candidate.ep = ep;
+        candidate.dp_shard = dp_shard;
+        try {
+          const MeshShape mesh = estimate_mesh(candidate, config.num_experts, world);
+          if (dp_shard == 1 && mesh.dp == 1) continue;  // the same layout as dp_shard = 0
+          check_global_batch(candidate, mesh);
+          rows.push_back({mesh.describe(), double(estimate_memory<M>(candidate, config, world, device).total())});
+        } catch (const Error&) {
+          // A layout the trainer refuses (sizes that do not divide, too few layers or micro-batches).
+        }
+      }
+  std::stable_sort(rows.begin(), rows.end(), [&](const Row& a, const Row& b) {
+    return (a.peak <= gpu_bytes) != (b.peak <= gpu_bytes) ? a.peak <= gpu_bytes : a.peak < b.peak;
+  });
+  std::string out = fmt::format("layouts of {} processes (total per GPU against {:.2f} GiB):\n", world, gpu_bytes / 1073741824.0);
+  for (const Row& r : rows)
+    out += fmt::format("  {:<58} {:>9.2f} GiB  {}\n", r.layout, r.peak / 1073741824.0, r.peak <= gpu_bytes ? "fits" : "does NOT fit");
+  if (rows.empty()) out += "  none the trainer accepts with these settings (global_batch, micro_batch, layers, experts)\n";
+  return out;
+}
+
 }  // namespace
 
 int estimate_command(int argc, char** argv) {
@@ -84,6 +125,10 @@ int estimate_command(int argc, char** argv) {
   const Device device = rc.device == "cpu" ? Device::cpu : Device::cuda;
   const double gpu_bytes = options.gpu_gib * 1073741824.0;
   with_model(read_json_file(rc.model_config), rc.model_config, [&]<class M>(const typename M::Config& config) {
+    if (options.layouts) {
+      std::printf("%s", layout_table<M>(rc, config, options.world, device, gpu_bytes).c_str());
+      return;
+    }
     check_global_batch(rc, estimate_mesh(rc, config.num_experts, options.world));
     std::printf("%s", format_bill(estimate_memory<M>(rc, config, options.world, device), gpu_bytes).c_str());
     if (rc.uses_dualpipev())

@@ -28,7 +28,7 @@ const Command kCommands[] = {
     {"check", marrow::check_command, "compare every CUDA op and the model with the CPU reference (needs a GPU) [--only <group>]"},
     {"bench", marrow::bench_command, "measure training speed: marrow bench <run-config> [--warmup=N --steps=M] [--profile-steps=A:B] | --kernels"},
     {"estimate", marrow::estimate_command,
-     "GPU memory per process, without a GPU: marrow estimate <run-config> [--section.key=value ...] [--world N] [--gpu-memory GiB]"},
+     "GPU memory per process, without a GPU: marrow estimate <run-config> [--section.key=value ...] [--world N] [--gpu-memory GiB] [--layouts]"},
 };
 
 void usage() {

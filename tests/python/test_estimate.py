@@ -82,6 +82,19 @@ def main():
     full = gib(stdout, "trainer's peak figure (arenas + activations)")
     check(code == 0 and "fits in 139.80 GiB" in stdout and full is not None and 80 < full < 120,
           f"Qwen3-30B-A3B, EP = 8 on 8 GPUs: {full} GiB per GPU")
+    total = gib(stdout, "total")
+    # --layouts: every layout of the 8 processes with its total per GPU, the one above among them with the same figure,
+    # the ones that fit listed first; layouts the trainer refuses (ep = 3: 128 experts do not split) are left out.
+    code, stdout, stderr = estimate(args.marrow, ["configs/qwen3-30b-a3b.toml", "--world=8", "--layouts"])
+    print(stdout, stderr)
+    rows = re.findall(r"^  (pp \d+ x dp \d+ x cp \d+ x ep \d+[^\d]*?(?:\(.*?\))?)\s+([\d.]+) GiB  (fits|does NOT fit)$", stdout, re.M)
+    table = {layout.strip(): (float(g), fits == "fits") for layout, g, fits in rows}
+    ep8 = table.get("pp 1 x dp 1 x cp 1 x ep 8")
+    check(code == 0 and ep8 is not None and total is not None and abs(ep8[0] - total) < 0.01 and ep8[1],
+          f"--layouts: EP = 8 at {ep8} against the plain estimate's total {total} GiB")
+    check("pp 2 x dp 1 x cp 1 x ep 4" in table and not any("ep 3" in k for k in table), "--layouts: PP = 2 x EP = 4 listed, EP = 3 refused")
+    fits = [f == "fits" for _, _, f in rows]
+    check(fits == sorted(fits, reverse=True) and any(fits) and not all(fits), "--layouts: the layouts that fit come first, some do not")
 
     code, stdout, stderr = estimate(args.marrow, [bench, "--world", "2", "--parallel.ep=2"])
     print(stdout, stderr)
