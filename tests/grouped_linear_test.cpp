@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "gradcheck.h"
@@ -140,6 +141,32 @@ TEST(GroupedLinear, SquaresSumEachBandOfTheResultingGradient) {
     FAIL() << "expected an error";
   } catch (const Error& err) {
     EXPECT_STREQ(err.what(), "grouped_linear_backward_weight: squares has shape [5] but expected [12]");
+  }
+}
+
+// Two micro-batches at once: the bits of the two calls it stands for (the first overwriting or
+// not, the second accumulating; squares of the final gradient), experts without rows in either.
+TEST(GroupedLinear, PairIsTheTwoCallsItStandsFor) {
+  const int64_t e = 4, o = 20, in = 300;
+  Buffer first_offsets = offsets_buffer({0, 2, 2, 5, 5}), second_offsets = offsets_buffer({0, 0, 3, 3, 4});
+  Buffer x1 = random_buffer(DType::f32, {5, in}, 1), dy1 = random_buffer(DType::f32, {5, o}, 2);
+  Buffer x2 = random_buffer(DType::f32, {4, in}, 3), dy2 = random_buffer(DType::f32, {4, o}, 4);
+  for (const bool overwrite : {true, false}) {
+    Buffer twice = random_buffer(DType::f32, {e, o, in}, 5), paired = random_buffer(DType::f32, {e, o, in}, 5);
+    Buffer squares_twice(DType::f64, Device::cpu, {grouped_weight_squares_count(e, o, in)});
+    Buffer squares_paired(DType::f64, Device::cpu, {grouped_weight_squares_count(e, o, in)});
+    grouped_linear_backward_weight(twice, dy1, x1, first_offsets, overwrite, squares_twice);
+    grouped_linear_backward_weight(twice, dy2, x2, second_offsets, false, squares_twice);
+    grouped_linear_backward_weight_pair(paired, {dy1, x1, first_offsets}, {dy2, x2, second_offsets}, overwrite, squares_paired);
+    EXPECT_EQ(std::memcmp(paired.view().data, twice.view().data, twice.view().bytes()), 0) << overwrite;
+    EXPECT_EQ(std::memcmp(squares_paired.view().data, squares_twice.view().data, squares_twice.view().bytes()), 0) << overwrite;
+  }
+  Buffer dw(DType::f32, Device::cpu, {e, o, in});
+  try {
+    grouped_linear_backward_weight_pair(dw, {dy1, x1, first_offsets}, {dy2, x1, second_offsets});
+    FAIL() << "expected an error";
+  } catch (const Error& err) {
+    EXPECT_STREQ(err.what(), "grouped_linear_backward_weight_pair: x has shape [5, 300] but expected [4, 300]");
   }
 }
 

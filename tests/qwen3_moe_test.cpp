@@ -230,6 +230,53 @@ TEST(Qwen3Moe, FirstMicroBatchWritingExpertGradientsEqualsZeroingThem) {
   EXPECT_GT(written, run.model.num_parameters() / 2);  // the experts are most of the model
 }
 
+// Micro-batches paired for their expert weight gradients as the trainer pairs them (0 with 1, the
+// earlier one's inputs held; 2 alone) give the bits of three plain backwards, each micro-batch its
+// own tokens, the expert gradients garbage before the first (it writes them).
+TEST(Qwen3Moe, PairedExpertWeightGradientsGiveTheSameBits) {
+  TinyRun run(DType::f32, 2, 8, tiny_config_json());
+  const auto w = run.model.bind(run.params);
+  const auto g = run.model.bind(run.grads);
+  const int64_t V = run.model.config().vocab_size, n = run.batch.batch * run.batch.seq;
+  std::vector<Qwen3MoeBatch> batches;
+  for (int32_t micro = 0; micro < 3; ++micro) {
+    Qwen3MoeBatch b{run.batch.batch, run.batch.seq, Buffer(DType::i32, Device::cpu, {n}), Buffer(DType::i32, Device::cpu, {n}),
+                    Buffer(DType::i32, Device::cpu, {n})};
+    for (int64_t i = 0; i < n; ++i) {
+      b.input_ids.ptr<int32_t>()[i] = int32_t((run.batch.input_ids.ptr<int32_t>()[i] + 7 * micro) % V);
+      b.targets.ptr<int32_t>()[i] = run.batch.targets.ptr<int32_t>()[i];
+      b.positions.ptr<int32_t>()[i] = run.batch.positions.ptr<int32_t>()[i];
+    }
+    batches.push_back(std::move(b));
+  }
+  auto three_micro_batches = [&](bool paired) {
+    for (const TensorSpec& s : run.model.specs()) {
+      Tensor t = run.grads.slice(s.offset, {s.numel});
+      for (int64_t i = 0; i < s.numel; ++i) testing::set_element(t, i, s.first_backward_writes ? 1e30 : 0.0);
+    }
+    std::vector<MicroBatch<Qwen3Moe>::DeferredExperts> earlier;
+    for (int micro = 0; micro < 3; ++micro) {
+      MicroBatch<Qwen3Moe> mb;
+      forward(mb, run.model, w, batches[size_t(micro)]);
+      BackwardPass<Qwen3Moe>::Options options{run.loss_scale, run.aux_grad, micro == 0, paired && micro == 0};
+      if (paired && micro == 1) {
+        options.earlier = &earlier;
+        options.earlier_overwrites = true;
+      }
+      backward(mb, run.model, w, g, batches[size_t(micro)], options);
+      if (paired && micro == 0) {
+        EXPECT_EQ(int64_t(mb.deferred.size()), run.model.num_layers());
+        earlier = std::move(mb.deferred);
+      }
+      EXPECT_TRUE(mb.deferred.empty());
+    }
+    EXPECT_TRUE(earlier.empty());
+    return to_host(run.grads.all());
+  };
+  const Buffer plain = three_micro_batches(false), paired = three_micro_batches(true);
+  EXPECT_EQ(std::memcmp(plain.view().data, paired.view().data, plain.view().bytes()), 0);
+}
+
 // The CPU references split loops over OpenMP threads only where each output keeps its sequential
 // order of additions: one thread and three give the same bits. The shapes are large enough for
 // every op's parallel threshold (ops/common.h).

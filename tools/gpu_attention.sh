@@ -2,7 +2,7 @@
 # Attention on one H200: cuDNN's fused SDPA (ops/attention_cudnn.h) against the own kernels. Run on
 # the GPU machine from the repository root after tools/gpu_prepare.sh here (device tool, carry
 # [".gpu-carry"]):
-#   tools/gpu_attention.sh <log-dir> [check|speed|long|all|final|memory|checks|quick|peaks|measure]
+#   tools/gpu_attention.sh <log-dir> [check|speed|long|all|final|memory|checks|quick|peaks|measure|kernels]
 # check: marrow check --only attention (both kernel sets against the CPU reference, bits twice)
 # speed: the attention rows of marrow bench --kernels; the bench config (3 + 17 steps) with each
 #        kernel set
@@ -24,6 +24,7 @@
 # measure: the bench config (3 + 27 steps); one sequence per step at 16,384 and
 #          32,768 tokens with and without the bf16 weight copy, and the bench config without it (3 + 5
 #          steps): tokens/s and peaks; then the kernel table
+# kernels: marrow bench --kernels, the rows matching the regex KERNEL_ROWS (default: every row)
 # Ends with PASS or FAIL; logs in <log-dir>.
 set -uo pipefail
 out=${1:-$OUT}
@@ -130,6 +131,12 @@ if [ "$what" = checks ]; then
   grep -E "^bench:" "$out"/copy-*.log
   python3 -c "import json, sys; l = [[json.loads(x)['loss'] for x in open(f'runs/copy-{c}/bench/metrics.jsonl')] for c in ('true', 'false')]; \
 print('losses', l[0]); print('same bits' if l[0] == l[1] else f'DIFFER: {l[1]}'); sys.exit(l[0] != l[1])" || fail "losses differ"
+fi
+
+if [ "$what" = kernels ]; then
+  step "marrow bench --kernels"
+  build-gpu/marrow bench --kernels > "$out/kernels.log" 2>&1 || fail "bench --kernels"
+  grep -E "${KERNEL_ROWS:-.}" "$out/kernels.log"
 fi
 
 if [ "$what" = quick ]; then

@@ -139,6 +139,9 @@ void bench_kernels() {
       kernel_row(name + " bwd weight (overwrite)", flops, [&] { grouped_linear_backward_weight(dw, dy, x, offsets, true); });
       Buffer squares(DType::f64, Device::cuda, {grouped_weight_squares_count(E, out, in)});
       kernel_row(name + " bwd weight (with squares)", flops, [&] { grouped_linear_backward_weight(dw, dy, x, offsets, false, squares); });
+      // Two micro-batches' rows (the same ones twice) in one pass: twice the multiplies, one pass over dW.
+      kernel_row(name + " bwd weight (two micro-batches)", 2 * flops,
+                 [&] { grouped_linear_backward_weight_pair(dw, {dy, x, offsets}, {dy, x, offsets}, false, squares); });
     }
   }
 }

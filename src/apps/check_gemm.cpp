@@ -190,6 +190,32 @@ void check_squares(CheckReport& report, const std::string& shape, Tensor dy, Ten
   }
 }
 
+// grouped_linear_backward_weight_pair of (dy, x) and a second micro-batch routed by counts2 (its
+// own random rows): dW and squares the bits of the two calls it stands for, overwriting from NaN
+// and then accumulating, with the offsets on the host and on the GPU.
+void check_pair(CheckReport& report, const std::string& shape, Tensor dy, Tensor x, Tensor offsets, const std::vector<int32_t>& counts2,
+                uint64_t seed) {
+  const int64_t in = x.size(1), o = dy.size(1), e = offsets.numel() - 1, squares_count = grouped_weight_squares_count(e, o, in);
+  Buffer offsets2 = offsets_host(counts2);
+  const int64_t r2 = offsets2.ptr<int32_t>()[e];
+  Buffer x2 = random_device({r2, in}, seed, "x2"), dy2 = random_device({r2, o}, seed, "dy2");
+  for (const bool on_gpu : {false, true}) {
+    const Buffer first_offsets = on_gpu ? to_device(offsets, DType::i32) : Buffer{}, second_offsets = on_gpu ? to_device(offsets2, DType::i32) : Buffer{};
+    const ExpertRows first{dy, x, on_gpu ? first_offsets.view() : offsets}, second{dy2, x2, on_gpu ? second_offsets.view() : offsets2.view()};
+    Buffer sequential = poisoned(DType::f32, {e, o, in}), paired = poisoned(DType::f32, {e, o, in});
+    Buffer squares_sequential = poisoned(DType::f64, {squares_count}), squares_paired = poisoned(DType::f64, {squares_count});
+    for (const bool overwrite : {true, false}) {
+      const std::string mode = fmt::format("{} {} with E{} {} rows, {}", overwrite ? "overwrite" : "then accumulate", shape, e, r2,
+                                           on_gpu ? "offsets on the GPU" : "offsets on the host");
+      grouped_linear_backward_weight(sequential, first.dy, first.x, first.expert_offsets, overwrite, squares_sequential);
+      grouped_linear_backward_weight(sequential, second.dy, second.x, second.expert_offsets, false, squares_sequential);
+      grouped_linear_backward_weight_pair(paired, first, second, overwrite, squares_paired);
+      report.expect_equal("grouped bwd_weight pair = two calls, dW bits, " + mode, paired, to_host(sequential));
+      report.expect_equal("grouped bwd_weight pair = two calls, squares bits, " + mode, squares_paired, to_host(squares_sequential));
+    }
+  }
+}
+
 // kernel: a name for the rows when the forward/backward-input kernel is not the default one.
 void check_grouped_small(CheckReport& report, int64_t out, int64_t in, const std::vector<int32_t>& counts, uint64_t seed,
                          const char* kernel = nullptr) {
@@ -229,6 +255,8 @@ void check_grouped_small(CheckReport& report, int64_t out, int64_t in, const std
   for (int64_t g = 0; g < e; ++g) every[size_t(g)] = g;
   check_squares(report, shape, dyt, xt, offsets, out, every);
   check_squares(report, shape, dyt, xt, to_device(offsets, DType::i32), out, every);
+  // The second micro-batch's counts reversed: experts empty in one have rows in the other.
+  check_pair(report, shape, dyt, xt, offsets, std::vector<int32_t>(counts.rbegin(), counts.rend()), seed + 3);
 }
 
 // Bench shape: E experts, rows routed by skewed_counts. Outputs compared on up to 48 last rows of a
@@ -298,6 +326,7 @@ void check_grouped_bench(CheckReport& report, const char* label, int64_t e, int6
   banded.push_back(empty);
   check_squares(report, shape, dy, x, offsets, out, banded);
   check_squares(report, shape, dy, x, to_device(offsets, DType::i32), out, banded);
+  check_pair(report, shape, dy, x, offsets, std::vector<int32_t>(counts.rbegin(), counts.rend()), seed + 3);
 }
 
 }  // namespace

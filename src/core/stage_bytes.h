@@ -16,6 +16,10 @@ namespace marrow {
 
 struct StageBytes {
   int64_t kept = 0, forward_scratch = 0, backward_scratch = 0;
+  // Experts only: what the input-gradient half of the backward leaves for the weight gradients
+  // when they wait (a pipeline's deferred W, a micro-batch paired with the next), beyond the
+  // engine's x_perm and dy_perm.
+  int64_t held_for_weights = 0;
 };
 
 // The heads of a layer's causal attention op: with context parallelism the engine adds the bytes

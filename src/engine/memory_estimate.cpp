@@ -97,8 +97,9 @@ void add_weights(MemoryBill& bill, const std::vector<Unit>& units, Device device
   bill.items.push_back({BillGroup::weights, "fp32 gradient slots of the layers", 4 * grad_slots, "2 dense + 2 expert"});
 }
 
-// What one micro-batch holds from the forward for the backward, by kind.
-enum Kept { kBatch, kAttention, kRoutes, kExperts, kEpilog, kKeptKinds };
+// What one micro-batch holds from the forward for the backward, by kind; and what the previous
+// micro-batch left for its expert weight gradients, paired with this one's (engine/trainer.h).
+enum Kept { kBatch, kAttention, kRoutes, kExperts, kEpilog, kEarlier, kKeptKinds };
 
 struct Moment {
   std::string where;
@@ -162,12 +163,20 @@ EngineBytes engine_bytes(const EstimatedModel& m, const AttentionHeads& heads, i
   return e;
 }
 
-// Replays forward() and backward() of engine/step.h for one micro-batch, keeping the largest moment.
+// A layer's expert inputs held for its weight gradients: x_perm, dy_perm and the model's.
+int64_t held_for_weights(const ModelActivationBytes& model, const EngineBytes& engine) {
+  return 2 * engine.rows + model.experts.held_for_weights;
+}
+
+// Replays forward() and backward() of engine/step.h for one micro-batch, keeping the largest moment;
+// with `paired`, the second of a pair of micro-batches (the previous one's expert inputs held
+// through this one's forward, each layer's released by its experts backward).
 class Walk {
  public:
-  Walk(const ModelActivationBytes& model, const EngineBytes& engine, int64_t layers, int64_t batch_bytes)
-      : m_(model), e_(engine), layers_(layers) {
+  Walk(const ModelActivationBytes& model, const EngineBytes& engine, int64_t layers, int64_t batch_bytes, bool paired)
+      : m_(model), e_(engine), layers_(layers), earlier_per_layer_(paired ? held_for_weights(model, engine) : 0) {
     now_[kBatch] = batch_bytes;
+    now_[kEarlier] = layers_ * earlier_per_layer_;
   }
   void forward() {
     at("the prolog's forward", m_.prolog.forward_scratch + e_.residual);
@@ -205,6 +214,7 @@ class Walk {
     at(fmt::format("layer {}'s combine backward", l), held + e_.sent_rows + e_.recv_rows, e_.sent_rows + e_.recv_rows);
     at(fmt::format("layer {}'s experts backward", l), held + e_.rows + e_.x_perm_again + m_.experts.backward_scratch);
     now_[kExperts] -= m_.experts.kept + e_.x_perm_kept;
+    now_[kEarlier] -= earlier_per_layer_;
     held += e_.rows + e_.residual;  // dx_perm, dh2
     const int64_t back = e_.recv_rows + e_.sent_rows + e_.sent_weights;
     at(fmt::format("layer {}'s dispatch backward", l), held + back, back);
@@ -223,7 +233,7 @@ class Walk {
   }
   const ModelActivationBytes& m_;
   const EngineBytes& e_;
-  int64_t layers_;
+  int64_t layers_, earlier_per_layer_;
   std::array<int64_t, kKeptKinds> now_{};
   Moment peak_, exchange_;
   int64_t largest_scratch_ = 0;
@@ -236,19 +246,20 @@ struct OneMicroBatch {
   ModelActivationBytes model;
   EngineBytes engine;
   Walk walk;
-  OneMicroBatch(const RunConfig& rc, const EstimatedModel& m, const MeshShape& mesh, Device device)
+  OneMicroBatch(const RunConfig& rc, const EstimatedModel& m, const MeshShape& mesh, Device device, bool paired = false)
       : tokens(rc.micro_batch * rc.seq_len / mesh.cp),
         rows(mesh.ep == 1 ? tokens * m.top_k : int64_t(double(tokens * m.top_k) * kExpertRowSkew)),
         model(m.activation_bytes(rc.micro_batch, rc.seq_len / mesh.cp, rows)),
         engine(engine_bytes(m, model.attention_heads, tokens, rows, mesh, device)),
-        walk(model, engine, m.num_layers, 3 * tokens * 4) {
+        walk(model, engine, m.num_layers, 3 * tokens * 4, paired) {
     walk.forward();
     walk.backward();
   }
 };
 
-void add_activations(MemoryBill& bill, const RunConfig& rc, const EstimatedModel& m, const MeshShape& mesh, Device device) {
-  const OneMicroBatch one(rc, m, mesh, device);
+// paired: the step's micro-batches pair their expert weight gradients (engine/trainer.h).
+void add_activations(MemoryBill& bill, const RunConfig& rc, const EstimatedModel& m, const MeshShape& mesh, Device device, bool paired) {
+  const OneMicroBatch one(rc, m, mesh, device, paired);
   const int64_t ep = mesh.ep;
   const ModelActivationBytes& model = one.model;
   const EngineBytes& engine = one.engine;
@@ -262,7 +273,9 @@ void add_activations(MemoryBill& bill, const RunConfig& rc, const EstimatedModel
       {"attention + router (stage 1)", per_layer(model.attention.kept)},
       {"dispatch/combine rows and routes", per_layer(engine.route + engine.y_perm_kept)},
       {"experts (stage 3)", per_layer(model.experts.kept + engine.x_perm_kept)},
-      {"epilog: final norm, logits, loss", fmt::format("kept: {}", mib(model.epilog.kept))}};
+      {"epilog: final norm, logits, loss", fmt::format("kept: {}", mib(model.epilog.kept))},
+      {"previous micro-batch's expert inputs", paired ? fmt::format("{} per layer until its weight gradients, paired with this one's",
+                                                                     mib(held_for_weights(model, engine))) : "none: no pairs"}};
   for (size_t k = 0; k < kinds.size(); ++k) bill.items.push_back({BillGroup::activations, kinds[k].first, p.kept[k], kinds[k].second});
   bill.items.push_back({BillGroup::activations, "temporaries at the peak", p.scratch - p.exchange - p.ring, "gradients flowing back, op scratch"});
   if (mesh.cp > 1)
@@ -292,10 +305,7 @@ void add_pipeline_activations(MemoryBill& bill, const RunConfig& rc, const Estim
   const EngineBytes& engine = one.engine;
   const int64_t T = one.tokens;
   const int64_t per_layer = model.attention.kept + engine.route + engine.y_perm_kept + model.experts.kept + engine.x_perm_kept;
-  // A deferred W keeps the experts' inputs (x_perm too, when gathered again), dy_perm, the
-  // SwiGLU output and dgate_up (three quarters of the backward's scratch).
-  const int64_t waiting = model.experts.kept + engine.x_perm_kept + engine.x_perm_again + engine.rows +
-                          3 * model.experts.backward_scratch / 4;
+  const int64_t waiting = held_for_weights(model, engine);  // a deferred W's
   auto kept = [&](int phase) {
     const PipelineChunk& c = place.chunks[size_t(phase == 0 ? place.rank : 2 * place.pp - 1 - place.rank)];
     return c.layers(m.num_layers) * per_layer + (c.last == m.num_layers ? model.epilog.kept : 0);
@@ -412,7 +422,9 @@ MemoryBill rank_bill(const RunConfig& rc, const EstimatedModel& m, const MeshSha
   add_state(bill, units);
   add_weights(bill, units, device);
   if (pipelined) add_pipeline_activations(bill, rc, m, mesh, device, {chunks, mesh.pp, rank, micro_batches});
-  else add_activations(bill, rc, m, mesh, device);
+  else
+    add_activations(bill, rc, m, mesh, device,
+                    pairs_expert_weight_gradients(rc.micro_batch * rc.seq_len / mesh.cp) && micro_batches >= 2 && (keep_whole_grads || groups.expert == 1));
   if (device == Device::cuda) add_runtime(bill, mesh);
   return bill;
 }

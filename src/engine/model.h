@@ -35,6 +35,7 @@ concept MoeModel = requires(const M& m, typename M::AttentionActivations& a, typ
   m.experts_backward(t, w.layers[0], t, e, t, w.layers[0], flag, t);  // t last: the gradients' sums of squares
   m.experts_backward_input(t, t, e, t, w.layers[0]);
   m.experts_backward_weights(w.layers[0], t, e, t, flag, t);
+  m.experts_backward_weights_pair(w.layers[0], t, e, t, t, e, t, flag, t);  // an earlier micro-batch's, then this one's
   { m.expert_squares_count(w.layers[0]) } -> std::convertible_to<int64_t>;
   m.experts_drop_input(e);
   m.experts_restore_input(e, std::move(buffer));
@@ -55,6 +56,22 @@ inline int64_t& expert_rows_gathered_again_from() {
 }
 inline bool gathers_expert_rows_again(int64_t tokens, bool expert_parallel) {
   return !expert_parallel && tokens >= expert_rows_gathered_again_from();
+}
+
+// Whether the trainer pairs consecutive micro-batches' expert weight gradients (engine/step.h's
+// BackwardPass earlier, engine/trainer.h's run_micro_batches): the fp32 expert gradients, read and
+// written once per micro-batch otherwise, are the traffic that bounds their kernel; a pair reads
+// and writes them once, for the memory of one micro-batch's expert inputs held until the next
+// one's backward (the memory estimate counts it). The time saved is the same for any micro-batch
+// size and the memory grows with it, so only micro-batches below the size where x_perm is dropped
+// to save memory pair (tokens: of one micro-batch on this process). The same bits either way;
+// tests turn it off.
+inline bool& expert_weight_pairs_enabled() {
+  static bool on = true;
+  return on;
+}
+inline bool pairs_expert_weight_gradients(int64_t tokens) {
+  return expert_weight_pairs_enabled() && tokens < expert_rows_gathered_again_from();
 }
 
 }  // namespace marrow

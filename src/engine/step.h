@@ -209,17 +209,22 @@ template <MoeModel M> class ForwardPass {
 // = true writes the gradients the model's spec table marks first_backward_writes (the caller
 // zeroes only the others). dx is the gradient of the chunk's output (empty when it ends with the
 // epilog); output() the gradient of its input (empty after the prolog). With defer_expert_weights
-// the expert weight gradients wait in the MicroBatch for weights_backward(). expert_squares[l],
-// where given, gets the sums of squares of layer l's expert gradients that this backward writes
-// (grouped_linear_backward_weight's squares): given to every backward of a step, after the last
-// they describe the final gradients, so the gradient norm need not read them again. Activations
-// are released as the backward passes them.
+// the expert weight gradients wait in the MicroBatch for weights_backward(), or for the next
+// micro-batch's backward given them as `earlier`: each layer then computes both micro-batches'
+// expert weight gradients in one pass over them (the model's experts_backward_weights_pair, the
+// same bits as two; earlier_overwrites: the earlier micro-batch writes first_backward_writes
+// gradients). expert_squares[l], where given, gets the sums of squares of layer l's expert
+// gradients that this backward writes (grouped_linear_backward_weight's squares): given to every
+// backward of a step, after the last they describe the final gradients, so the gradient norm need
+// not read them again. Activations are released as the backward passes them.
 template <MoeModel M> class BackwardPass {
  public:
   struct Options {
     double loss_scale = 1, aux_grad = 0;
     bool first_micro_batch = false, defer_expert_weights = false;
     std::span<const Tensor> expert_squares = {};
+    std::vector<typename MicroBatch<M>::DeferredExperts>* earlier = nullptr;  // consumed, layer by layer
+    bool earlier_overwrites = false;
   };
   BackwardPass(MicroBatch<M>& mb, const M& m, const typename M::Weights& w, const typename M::Weights& grads,
                const typename M::Batch& batch, PipelineChunk chunk, Buffer dx, Options options, StepGroups groups = {},
@@ -287,16 +292,30 @@ template <MoeModel M> class BackwardPass {
     if (gathers_expert_rows_again(batch_.batch * batch_.seq, groups_.experts != nullptr))
       m_.experts_restore_input(s.experts, gather_expert_rows<M>(s, m_));
     const auto& lw = w_.layers[size_t(stage_)];
-    if (!options_.defer_expert_weights) {
-      const Tensor squares = size_t(stage_) < options_.expert_squares.size() ? options_.expert_squares[size_t(stage_)] : Tensor{};
-      m_.experts_backward(dx_perm_, g_.layers[size_t(stage_)], dy_perm_, s.experts, offsets(), lw, options_.first_micro_batch, squares);
-    } else {
+    const auto& grads = g_.layers[size_t(stage_)];
+    const Tensor squares = size_t(stage_) < options_.expert_squares.size() ? options_.expert_squares[size_t(stage_)] : Tensor{};
+    auto* earlier = earlier_of_layer();
+    if (options_.defer_expert_weights) {
       m_.experts_backward_input(dx_perm_, dy_perm_, s.experts, offsets(), lw);
       Buffer& kept_offsets = groups_.experts ? s.route.expert_offsets : s.expert_offsets;
       mb_.deferred.push_back({stage_, std::move(s.experts), std::move(dy_perm_), std::move(kept_offsets)});
+    } else if (earlier != nullptr) {
+      m_.experts_backward_input(dx_perm_, dy_perm_, s.experts, offsets(), lw);
+      m_.experts_backward_weights_pair(grads, earlier->dy_perm, earlier->experts, earlier->expert_offsets.view(), dy_perm_, s.experts, offsets(),
+                                       options_.earlier_overwrites, squares);
+      options_.earlier->erase(options_.earlier->begin() + (earlier - options_.earlier->data()));
+    } else {
+      m_.experts_backward(dx_perm_, grads, dy_perm_, s.experts, offsets(), lw, options_.first_micro_batch, squares);
     }
     dy_perm_ = Buffer{};
     part_ = 2;
+  }
+  // The earlier micro-batch's held expert inputs of this layer, if any.
+  typename MicroBatch<M>::DeferredExperts* earlier_of_layer() {
+    if (options_.earlier == nullptr) return nullptr;
+    for (auto& d : *options_.earlier)
+      if (d.layer == stage_) return &d;
+    return nullptr;
   }
   void dispatch() {
     auto& s = layer();
@@ -392,11 +411,16 @@ void forward(MicroBatch<M>& mb, const M& m, const typename M::Weights& w, const 
 // The whole model's backward of one micro-batch (see BackwardPass).
 template <MoeModel M>
 void backward(MicroBatch<M>& mb, const M& m, const typename M::Weights& w, const typename M::Weights& grads,
+              const typename M::Batch& batch, const typename BackwardPass<M>::Options& options, StepGroups groups = {},
+              StageTimer* timer = nullptr) {
+  BackwardPass<M> b(mb, m, w, grads, batch, whole_model(m), Buffer{}, options, std::move(groups), timer);
+  run_pass(b);
+}
+template <MoeModel M>
+void backward(MicroBatch<M>& mb, const M& m, const typename M::Weights& w, const typename M::Weights& grads,
               const typename M::Batch& batch, double loss_scale, double aux_grad, bool first_micro_batch = false,
               StepGroups groups = {}, StageTimer* timer = nullptr, std::span<const Tensor> expert_squares = {}) {
-  BackwardPass<M> b(mb, m, w, grads, batch, whole_model(m), Buffer{}, {loss_scale, aux_grad, first_micro_batch, false, expert_squares},
-                    std::move(groups), timer);
-  run_pass(b);
+  backward(mb, m, w, grads, batch, {loss_scale, aux_grad, first_micro_batch, false, expert_squares}, std::move(groups), timer);
 }
 
 }  // namespace marrow

@@ -292,7 +292,9 @@ template <MoeModel M> void optimizer_step(TrainSetup<M>& s, const RunConfig& rc,
 }
 
 // Forward and backward of this process's micro-batches of one step; returns its summed token
-// losses and the (already global) load-balance losses.
+// losses and the (already global) load-balance losses. Where the expert gradients accumulate over
+// the step's micro-batches in place, micro-batches 2i and 2i + 1 pair their expert weight gradients
+// (engine/model.h's pairs_expert_weight_gradients).
 template <MoeModel M>
 std::pair<double, double> run_micro_batches(TrainSetup<M>& s, const RunConfig& rc, const TokenDataset& data, int64_t step,
                                             double loss_scale, double aux_grad, StageTimer* timer) {
@@ -300,6 +302,8 @@ std::pair<double, double> run_micro_batches(TrainSetup<M>& s, const RunConfig& r
   std::vector<int32_t> tokens = share_tokens(B, s.share, rc.seq_len);
   HostSum token_loss, aux_loss;  // read after the last micro-batch is queued: no wait for the GPU between them
   const int64_t micro_batches = rc.global_batch / (B * W);
+  const bool pairs = pairs_expert_weight_gradients(B * rc.seq_len / s.mesh.shape.cp) && s.state.expert_grads_accumulate();
+  std::vector<typename MicroBatch<M>::DeferredExperts> earlier;  // an even micro-batch's expert inputs, held for the next
   for (int64_t micro = 0; micro < micro_batches; ++micro) {
     watchdog::progress("a micro-batch");
     data.train_batch(step - 1, micro, B, tokens.data(), int(s.mesh.data_rank()), int(W), s.share.spans);
@@ -309,7 +313,15 @@ std::pair<double, double> run_micro_batches(TrainSetup<M>& s, const RunConfig& r
     forward(mb, s.model, s.w, batch, groups, timer);
     token_loss.add(std::move(mb.token_loss));
     aux_loss.add(std::move(mb.aux_loss));
-    backward(mb, s.model, s.w, s.g, batch, loss_scale, aux_grad, s.state.first_writes_fresh(micro), groups, timer, s.expert_squares_views);
+    const bool holds = pairs && micro % 2 == 0 && micro + 1 < micro_batches;
+    typename BackwardPass<M>::Options options{loss_scale, aux_grad, s.state.first_writes_fresh(micro), holds, s.expert_squares_views};
+    if (pairs && micro % 2 == 1) {
+      options.earlier = &earlier;
+      options.earlier_overwrites = s.state.first_writes_fresh(micro - 1);
+    }
+    backward(mb, s.model, s.w, s.g, batch, options, groups, timer);
+    if (holds) earlier = std::move(mb.deferred);
+    MARROW_CHECK(holds || earlier.empty(), "internal: {} layers' held expert inputs were not consumed by micro-batch {}", earlier.size(), micro);
   }
   return {token_loss.value(), aux_loss.value()};
 }

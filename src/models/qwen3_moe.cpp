@@ -368,19 +368,34 @@ void Qwen3Moe::experts_backward_input(Tensor dx_perm, Tensor dy_perm, Qwen3MoeEx
   grouped_linear_backward_input(dx_perm, e.dgate_up, w.experts_gate_up, expert_offsets);
 }
 
+namespace {
+// The layer's squares cut into the down projection's bands, then gate_up's (empty when not given).
+std::pair<Tensor, Tensor> split_squares(Tensor squares, const Qwen3MoeLayerWeights& grads, int64_t expected) {
+  if (squares.data == nullptr) return {};
+  MARROW_CHECK(squares.ndim == 1 && squares.numel() == expected,
+               "experts_backward_weights: squares has shape {} but the layer's expert gradients need [{}]", squares.shape_string(), expected);
+  const int64_t down = squares_count(grads.experts_down);
+  return {squares.rows(0, down), squares.rows(down, squares.numel())};
+}
+}  // namespace
+
 void Qwen3Moe::experts_backward_weights(const Qwen3MoeLayerWeights& grads, Tensor dy_perm, Qwen3MoeExpertActivations& e,
                                         Tensor expert_offsets, bool overwrite_grads, Tensor squares) const {
-  Tensor down_squares, gate_up_squares;
-  if (squares.data != nullptr) {
-    const int64_t down = squares_count(grads.experts_down);
-    MARROW_CHECK(squares.ndim == 1 && squares.numel() == expert_squares_count(grads),
-                 "experts_backward_weights: squares has shape {} but the layer's expert gradients need [{}]", squares.shape_string(),
-                 expert_squares_count(grads));
-    down_squares = squares.rows(0, down);
-    gate_up_squares = squares.rows(down, squares.numel());
-  }
+  const auto [down_squares, gate_up_squares] = split_squares(squares, grads, expert_squares_count(grads));
   grouped_linear_backward_weight(grads.experts_down, dy_perm, e.act, expert_offsets, overwrite_grads, down_squares);
   grouped_linear_backward_weight(grads.experts_gate_up, e.dgate_up, e.x_perm, expert_offsets, overwrite_grads, gate_up_squares);
+  e = Qwen3MoeExpertActivations{};
+}
+
+void Qwen3Moe::experts_backward_weights_pair(const Qwen3MoeLayerWeights& grads, Tensor earlier_dy_perm, Qwen3MoeExpertActivations& earlier,
+                                             Tensor earlier_offsets, Tensor dy_perm, Qwen3MoeExpertActivations& e, Tensor expert_offsets,
+                                             bool overwrite_grads, Tensor squares) const {
+  const auto [down_squares, gate_up_squares] = split_squares(squares, grads, expert_squares_count(grads));
+  grouped_linear_backward_weight_pair(grads.experts_down, {earlier_dy_perm, earlier.act, earlier_offsets}, {dy_perm, e.act, expert_offsets},
+                                      overwrite_grads, down_squares);
+  grouped_linear_backward_weight_pair(grads.experts_gate_up, {earlier.dgate_up, earlier.x_perm, earlier_offsets},
+                                      {e.dgate_up, e.x_perm, expert_offsets}, overwrite_grads, gate_up_squares);
+  earlier = Qwen3MoeExpertActivations{};
   e = Qwen3MoeExpertActivations{};
 }
 
@@ -491,6 +506,7 @@ ModelActivationBytes Qwen3Moe::activation_bytes(int64_t batch, int64_t seq, int6
   m.experts.kept = R * 2 * I * a;              // gate_up (x_perm is the engine's: EngineBytes)
   m.experts.forward_scratch = R * I * a;       // act
   m.experts.backward_scratch = R * 4 * I * a;  // act (again), dact, dgate_up
+  m.experts.held_for_weights = R * 3 * I * a;  // act, dgate_up (gate_up is freed)
 
   // x, h, the logits when kept whole; rstd, lse, token losses. Chunked logits: one chunk's buffer
   // in the forward and again in the backward, beside dh (the loss gradient overwrites the logits).

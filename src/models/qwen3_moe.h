@@ -167,6 +167,13 @@ class Qwen3Moe {
                               const Qwen3MoeLayerWeights& w) const;
   void experts_backward_weights(const Qwen3MoeLayerWeights& grads, Tensor dy_perm, Qwen3MoeExpertActivations& e, Tensor expert_offsets,
                                 bool overwrite_grads, Tensor squares = {}) const;
+  // The weight gradients of two micro-batches of a step in one pass over the gradients
+  // (grouped_linear_backward_weight_pair): the same bits as experts_backward_weights of the
+  // earlier one (its inputs held since its backward_input; overwrite_grads applies to it) followed
+  // by that of e's. Releases both.
+  void experts_backward_weights_pair(const Qwen3MoeLayerWeights& grads, Tensor earlier_dy_perm, Qwen3MoeExpertActivations& earlier,
+                                     Tensor earlier_offsets, Tensor dy_perm, Qwen3MoeExpertActivations& e, Tensor expert_offsets,
+                                     bool overwrite_grads, Tensor squares = {}) const;
   // x_perm is a gather of h2 (which stage 1 keeps) when all of a token's copies stay on this
   // process: the engine then drops it after the forward and gathers it again for the backward.
   void experts_drop_input(Qwen3MoeExpertActivations& e) const { e.x_perm = Buffer{}; }

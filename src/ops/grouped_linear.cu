@@ -325,24 +325,37 @@ __global__ void band_squares_kernel(double* squares, const float* dweight, int64
   squares[band] = sum;
 }
 
-// The wgmma kernel and its work list (wgmma_dw.cuh's work_list): built on the host and sent in stream
-// order, or, from offsets in GPU memory, built there by one block.
-void backward_weight_wgmma(float* dweight, const bf16* dy, const bf16* x, Tensor expert_offsets, int64_t e, int64_t o, int64_t i,
-                           int64_t rows, bool overwrite, double* squares, Stream stream) {
+// The wgmma kernel and its work list (wgmma_dw.cuh's work_list) over one source, or two (second's
+// offsets not null): built on the host and sent in stream order, or, from offsets in GPU memory,
+// built there by one block.
+void backward_weight_wgmma(float* dweight, const wgmma::dw::Source (&sources)[2], Tensor offsets, Tensor second_offsets, int64_t e,
+                           int64_t o, int64_t i, bool overwrite, double* squares, Stream stream) {
   auto s = static_cast<cudaStream_t>(stream.handle);
+  const bool two = second_offsets.data != nullptr;
   Buffer work;
   int works = -1;  // not known on the host for a list built on the GPU
-  if (expert_offsets.device == Device::cuda) {
-    work = Buffer(DType::i32, Device::cuda, {3 * e + 2}, stream);
-    wgmma::dw::work_list_kernel<<<1, wgmma::kScheduleThreads, 0, s>>>(work.ptr<int32_t>(), expert_offsets.ptr<int32_t>(), int(e), overwrite);
+  if (offsets.device == Device::cuda) {
+    work = Buffer(DType::i32, Device::cuda, {wgmma::dw::kWorkInts * e + 2}, stream);
+    wgmma::dw::work_list_kernel<<<1, wgmma::kScheduleThreads, 0, s>>>(work.ptr<int32_t>(), offsets.ptr<int32_t>(),
+                                                                      two ? second_offsets.ptr<int32_t>() : nullptr, int(e), overwrite);
     MARROW_CUDA_CHECK_LAUNCH();
   } else {
-    const std::vector<int32_t> host = wgmma::dw::work_list(expert_offsets.ptr<int32_t>(), e, overwrite);
+    const std::vector<int32_t> host =
+        wgmma::dw::work_list(offsets.ptr<int32_t>(), two ? second_offsets.ptr<int32_t>() : nullptr, e, overwrite);
     works = host[0];
     if (works == 0) return;
     work = upload(host, stream);
   }
-  wgmma::dw::grouped_dw(dweight, dy, x, work.ptr<int32_t>(), works, o, i, rows, !overwrite, squares, s);
+  wgmma::dw::grouped_dw(dweight, sources, work.ptr<int32_t>(), works, o, i, !overwrite, squares, s);
+}
+
+// Whether the wgmma kernel takes these rows (TMA's rules).
+bool wgmma_takes(const Tensor& dweight, const Tensor& dy, const Tensor& x) {
+  return dweight.size(1) % 8 == 0 && dweight.size(2) % 8 == 0 && aligned(dy.data, 16) && aligned(x.data, 16) && aligned(dweight.data, 8);
+}
+
+wgmma::dw::Source source_of(const Tensor& dy, const Tensor& x) {
+  return {static_cast<const bf16*>(dy.data), static_cast<const bf16*>(x.data), dy.size(0)};
 }
 
 void backward_weight_gpu(Tensor dweight, Tensor dy, Tensor x, Tensor expert_offsets, bool overwrite, Tensor squares, Stream stream) {
@@ -352,8 +365,10 @@ void backward_weight_gpu(Tensor dweight, Tensor dy, Tensor x, Tensor expert_offs
   auto* squares_ptr = static_cast<double*>(squares.data);
   auto s = static_cast<cudaStream_t>(stream.handle);
   if (e == 0 || o == 0 || i == 0) return;
-  if (rows > 0 && o % 8 == 0 && i % 8 == 0 && aligned(dy.data, 16) && aligned(x.data, 16) && aligned(dweight.data, 8))
-    return backward_weight_wgmma(dw_ptr, dy_ptr, x_ptr, expert_offsets, e, o, i, rows, overwrite, squares_ptr, stream);
+  if (rows > 0 && wgmma_takes(dweight, dy, x)) {
+    const wgmma::dw::Source sources[2] = {source_of(dy, x), {nullptr, nullptr, 0}};
+    return backward_weight_wgmma(dw_ptr, sources, expert_offsets, Tensor{}, e, o, i, overwrite, squares_ptr, stream);
+  }
   if (rows == 0) {  // every expert empty
     if (overwrite) MARROW_CUDA_CHECK(cudaMemsetAsync(dweight.data, 0, dweight.bytes(), s));
   } else {
@@ -368,6 +383,20 @@ void backward_weight_gpu(Tensor dweight, Tensor dy, Tensor x, Tensor expert_offs
     band_squares_kernel<<<unsigned((bands + 255) / 256), 256, 0, s>>>(squares_ptr, dw_ptr, bands, int(o), int(i));
     MARROW_CUDA_CHECK_LAUNCH();
   }
+}
+
+// One pass of the wgmma kernel over both micro-batches where it takes both, else the two calls.
+void backward_weight_pair_gpu(Tensor dweight, const ExpertRows& first, const ExpertRows& second, bool overwrite, Tensor squares,
+                              Stream stream) {
+  const int64_t e = dweight.size(0), o = dweight.size(1), i = dweight.size(2);
+  if (e == 0 || o == 0 || i == 0) return;
+  if (first.dy.size(0) + second.dy.size(0) > 0 && wgmma_takes(dweight, first.dy, first.x) && wgmma_takes(dweight, second.dy, second.x)) {
+    const wgmma::dw::Source sources[2] = {source_of(first.dy, first.x), source_of(second.dy, second.x)};
+    return backward_weight_wgmma(static_cast<float*>(dweight.data), sources, first.expert_offsets, second.expert_offsets, e, o, i,
+                                 overwrite, static_cast<double*>(squares.data), stream);
+  }
+  backward_weight_gpu(dweight, first.dy, first.x, first.expert_offsets, overwrite, squares, stream);
+  backward_weight_gpu(dweight, second.dy, second.x, second.expert_offsets, false, squares, stream);
 }
 #endif
 
@@ -429,17 +458,17 @@ int64_t grouped_weight_squares_count(int64_t experts, int64_t o, int64_t i) {
   return experts * ((o + kSquaresBandRows - 1) / kSquaresBandRows) * ((i + kSquaresBandCols - 1) / kSquaresBandCols);
 }
 
-void grouped_linear_backward_weight(Tensor dweight, Tensor dy, Tensor x, Tensor expert_offsets, bool overwrite, Tensor squares,
-                                    Stream stream) {
-  const char* op = "grouped_linear_backward_weight";
+namespace {
+// grouped_linear_backward_weight's checks of one call's tensors; returns whether they are on the CPU.
+bool check_backward_weight(const char* op, const Tensor& dweight, const Tensor& dy, const Tensor& x, const Tensor& expert_offsets,
+                           const Tensor& squares) {
   const std::array<int64_t, 3> sizes = weight_sizes(op, "dweight", dweight);
   const int64_t e = sizes[0], o = sizes[1], in = sizes[2];
   const int64_t r = row_count(op, "dy", dy);
   expect_shape(op, "dy", dy, {r, o});
   expect_shape(op, "x", x, {r, in});
   check_offsets(op, expert_offsets, e, r);
-  const bool with_squares = squares.data != nullptr;
-  if (with_squares) {
+  if (squares.data != nullptr) {
     expect_shape(op, "squares", squares, {grouped_weight_squares_count(e, o, in)});
     expect_dtype(op, "squares", squares, DType::f64);
     expect_device(op, "squares", squares, dweight.device);
@@ -447,17 +476,48 @@ void grouped_linear_backward_weight(Tensor dweight, Tensor dy, Tensor x, Tensor 
   if (common_device(op, {{"dy", &dy}, {"dweight", &dweight}, {"x", &x}}) == Device::cpu) {
     expect_same_dtype(op, {{"dy", &dy}, {"dweight", &dweight}, {"x", &x}});
     expect_device(op, "expert_offsets", expert_offsets, Device::cpu);
-    return with_cpu_scalar(op, dy, [&](auto s) {
-      using T = decltype(s);
-      backward_weight_cpu<T>(dweight.ptr<T>(), dy.ptr<T>(), x.ptr<T>(), expert_offsets.ptr<int32_t>(), e, o, in, overwrite);
-      if (with_squares) band_squares_cpu<T>(squares.ptr<double>(), dweight.ptr<T>(), e, o, in);
-    });
+    return true;
   }
-#ifdef __CUDACC__
   expect_dtype(op, "dy", dy, DType::bf16);
   expect_dtype(op, "x", x, DType::bf16);
   expect_dtype(op, "dweight", dweight, DType::f32);
+  return false;
+}
+}  // namespace
+
+void grouped_linear_backward_weight(Tensor dweight, Tensor dy, Tensor x, Tensor expert_offsets, bool overwrite, Tensor squares,
+                                    Stream stream) {
+  const char* op = "grouped_linear_backward_weight";
+  if (check_backward_weight(op, dweight, dy, x, expert_offsets, squares)) {
+    const int64_t e = dweight.size(0), o = dweight.size(1), in = dweight.size(2);
+    return with_cpu_scalar(op, dy, [&](auto s) {
+      using T = decltype(s);
+      backward_weight_cpu<T>(dweight.ptr<T>(), dy.ptr<T>(), x.ptr<T>(), expert_offsets.ptr<int32_t>(), e, o, in, overwrite);
+      if (squares.data != nullptr) band_squares_cpu<T>(squares.ptr<double>(), dweight.ptr<T>(), e, o, in);
+    });
+  }
+#ifdef __CUDACC__
   backward_weight_gpu(dweight, dy, x, expert_offsets, overwrite, squares, stream);
+#else
+  (void)stream;
+  no_cuda_kernel(op);
+#endif
+}
+
+void grouped_linear_backward_weight_pair(Tensor dweight, const ExpertRows& first, const ExpertRows& second, bool overwrite,
+                                         Tensor squares, Stream stream) {
+  const char* op = "grouped_linear_backward_weight_pair";
+  const bool cpu = check_backward_weight(op, dweight, first.dy, first.x, first.expert_offsets, squares);
+  check_backward_weight(op, dweight, second.dy, second.x, second.expert_offsets, squares);
+  MARROW_CHECK(first.expert_offsets.device == second.expert_offsets.device,
+               "{}: the two micro-batches' expert_offsets must be on the same device, got {} and {}", op,
+               device_name(first.expert_offsets.device), device_name(second.expert_offsets.device));
+  if (cpu) {
+    grouped_linear_backward_weight(dweight, first.dy, first.x, first.expert_offsets, overwrite, squares, stream);
+    return grouped_linear_backward_weight(dweight, second.dy, second.x, second.expert_offsets, false, squares, stream);
+  }
+#ifdef __CUDACC__
+  backward_weight_pair_gpu(dweight, first, second, overwrite, squares, stream);
 #else
   (void)stream;
   no_cuda_kernel(op);

@@ -53,4 +53,16 @@ int64_t grouped_weight_squares_count(int64_t experts, int64_t o, int64_t i);
 void grouped_linear_backward_weight(Tensor dweight, Tensor dy, Tensor x, Tensor expert_offsets, bool overwrite = false,
                                     Tensor squares = {}, Stream stream = {});
 
+// Two micro-batches' rows at once: the same, bit for bit, as grouped_linear_backward_weight of
+// `first` (with overwrite) followed by that of `second` (accumulating), both with squares. On the
+// GPU one pass of the wgmma kernel, each tile summing first's rows then second's in the k-steps the
+// two calls would run: dweight is read and written once instead of twice, the traffic that bounds
+// the kernel at the bench shapes (elsewhere, and on the CPU, the two calls). The offsets of both
+// must be on the same device.
+struct ExpertRows {
+  Tensor dy, x, expert_offsets;
+};
+void grouped_linear_backward_weight_pair(Tensor dweight, const ExpertRows& first, const ExpertRows& second, bool overwrite = false,
+                                         Tensor squares = {}, Stream stream = {});
+
 }  // namespace marrow

@@ -1,5 +1,8 @@
 // Hopper (sm_90a) kernel of the expert weight gradient: dW[e] (f32 [O, I]) (+)= dy_e^T x_e, where
-// rows [offsets[e], offsets[e + 1]) of dy [R, O] and x [R, I] (bf16) belong to expert e. The GEMM's
+// rows [offsets[e], offsets[e + 1]) of dy [R, O] and x [R, I] (bf16) belong to expert e; or of two
+// such pairs (two micro-batches), a tile summing the first's rows of its expert, then the second's,
+// in the very k-steps two calls would run, so its result is the two calls' bit for bit with one
+// read and one write of dW instead of two each (the traffic that bounds this kernel). The GEMM's
 // K is the expert's rows: D[O tile, I tile] = A[O tile, k] B[k, I tile] with A = dy_e^T and B = x_e,
 // both read by TMA as they lie in memory (tiles of 64 token rows x 64 contiguous columns, 128-byte
 // swizzle), so A is M-major and B N-major: wgmma's transpose bits for both (A from shared memory).
@@ -39,56 +42,79 @@ constexpr int kBoxBytes = 64 * kBlockK * 2;             // one TMA box: 64 token
 constexpr int kTileABytes = kBlockM / 64 * kBoxBytes;  // dy: 2 boxes
 constexpr int kStageBytes = kTileABytes + kBlockN / 64 * kBoxBytes;  // + x: 4 boxes = 48 KiB
 
-// A tile: rows [row_begin, row_end) of `expert`, dW rows o0.., columns i0..; expert < 0: no tiles left.
+// A tile: rows [begin0, end0) of `expert` in source 0, then [begin1, end1) in source 1, dW rows
+// o0.., columns i0..; expert < 0: no tiles left. (Named fields, not arrays: an array indexed by a
+// run-time source would live in local memory.)
 struct Tile {
-  int expert, row_begin, row_end, o0, i0;
+  int expert, begin0, end0, begin1, end1, o0, i0;
 };
 // 1024 bytes of slack to align the stages to the swizzle's 1024-byte period, the stages, the
 // full/empty mbarriers and the tile each stage starts.
 constexpr int kSmemBytes = 1024 + kStages * kStageBytes + 2 * kStages * 8 + kStages * int(sizeof(Tile));
 
-// k-steps of a tile: an expert without rows still runs one (all its rows zeroed).
+// k-steps of source p's rows, and of the whole tile: an expert without rows still runs one (all its
+// rows zeroed).
+__device__ __forceinline__ int steps_of(int begin, int end) { return (end - begin + kBlockK - 1) / kBlockK; }
 __device__ __forceinline__ int k_steps(const Tile& t) {
-  const int steps = (t.row_end - t.row_begin + kBlockK - 1) / kBlockK;
+  const int steps = steps_of(t.begin0, t.end0) + steps_of(t.begin1, t.end1);
   return steps > 0 ? steps : 1;
 }
+__device__ __forceinline__ bool no_rows(const Tile& t) { return t.end0 == t.begin0 && t.end1 == t.begin1; }
 
-// work: the number of work items, a tile counter (zero at launch), then (expert, first row, end row)
-// of each expert that gets tiles. Tile t: work item t / tiles_per_work, its dW tiles in row-major order.
+// Where k-step kb of a tile reads: its source, first row and number of rows (up to kBlockK).
+struct KStep {
+  int source, row, valid;
+};
+__device__ __forceinline__ KStep k_step(const Tile& t, int kb) {
+  const int first = steps_of(t.begin0, t.end0);
+  if (kb < first) return {0, t.begin0 + kb * kBlockK, t.end0 - t.begin0 - kb * kBlockK};
+  return {1, t.begin1 + (kb - first) * kBlockK, t.end1 - t.begin1 - (kb - first) * kBlockK};
+}
+
+// work: the number of work items, a tile counter (zero at launch), then (expert, first row, end row
+// in source 0, the same in source 1) of each expert that gets tiles. Tile t: work item
+// t / tiles_per_work, its dW tiles in row-major order.
+constexpr int kWorkInts = 5;
 __device__ __forceinline__ Tile find_tile(int t, const int32_t* work, int o_size, int i_size) {
   const int i_tiles = (i_size + kBlockN - 1) / kBlockN, o_tiles = (o_size + kBlockM - 1) / kBlockM;
   const int w = t / (o_tiles * i_tiles), local = t % (o_tiles * i_tiles);
-  const int32_t* item = work + 2 + 3 * w;
-  return {item[0], item[1], item[2], local / i_tiles * kBlockM, local % i_tiles * kBlockN};
+  const int32_t* item = work + 2 + kWorkInts * w;
+  return {item[0], item[1], item[2], item[3], item[4], local / i_tiles * kBlockM, local % i_tiles * kBlockN};
 }
 
-// The work list on the host from host offsets: every expert with rows, or every expert when
-// overwriting (an expert without rows then writes zeros); its counter zero.
-inline std::vector<int32_t> work_list(const int32_t* offsets, int64_t experts, bool overwrite) {
+// The work list on the host from host offsets (second: null for one source): every expert with
+// rows, or every expert when overwriting (an expert without rows then writes zeros); its counter zero.
+inline std::vector<int32_t> work_list(const int32_t* offsets, const int32_t* second, int64_t experts, bool overwrite) {
   std::vector<int32_t> work{0, 0};
-  for (int64_t e = 0; e < experts; ++e)
-    if (overwrite || offsets[e + 1] > offsets[e]) work.insert(work.end(), {int32_t(e), offsets[e], offsets[e + 1]});
-  work[0] = int32_t((work.size() - 2) / 3);
+  for (int64_t e = 0; e < experts; ++e) {
+    const int32_t b0 = second ? second[e] : 0, b1 = second ? second[e + 1] : 0;
+    if (overwrite || offsets[e + 1] > offsets[e] || b1 > b0) work.insert(work.end(), {int32_t(e), offsets[e], offsets[e + 1], b0, b1});
+  }
+  work[0] = int32_t((work.size() - 2) / kWorkInts);
   return work;
 }
 
 // The same list built on the device from offsets in device memory, so that the host needs no expert
 // sizes: one block of kScheduleThreads, each round's experts placed by an exclusive scan of which
 // of them have work.
-__global__ void __launch_bounds__(kScheduleThreads) work_list_kernel(int32_t* work, const int32_t* offsets, int experts, bool overwrite) {
+__global__ void __launch_bounds__(kScheduleThreads)
+    work_list_kernel(int32_t* work, const int32_t* offsets, const int32_t* second, int experts, bool overwrite) {
   using Scan = cub::BlockScan<int, kScheduleThreads>;
   __shared__ typename Scan::TempStorage scan_storage;
   int works = 0;  // items of the experts before this round
   for (int base = 0; base < experts; base += kScheduleThreads) {
     const int e = base + int(threadIdx.x);
-    const int has_work = e < experts && (overwrite || offsets[e + 1] > offsets[e]) ? 1 : 0;
+    const int b0 = e < experts && second ? second[e] : 0, b1 = e < experts && second ? second[e + 1] : 0;
+    const int has_work = e < experts && (overwrite || offsets[e + 1] > offsets[e] || b1 > b0) ? 1 : 0;
     int index = 0, round = 0;
     Scan(scan_storage).ExclusiveSum(has_work, index, round);
     if (has_work) {
-      int32_t* item = work + 2 + 3 * (works + index);
+      int32_t* item = work + 2 + kWorkInts * (works + index);
       item[0] = e;
       item[1] = offsets[e];
       item[2] = offsets[e + 1];
+      item[3] = b0;
+      item[4] = b1;
     }
     works += round;
     __syncthreads();  // scan_storage is reused by the next round
@@ -170,10 +196,14 @@ __device__ __forceinline__ void store_band_squares(double* squares, const float 
   if (threadIdx.x % 32 == 0 && o < o_size) squares[band_index(expert, o, i0, o_size, i_size)] = sum;
 }
 
-// dy_map: dy as [R, O], x_map: x as [R, I], boxes of 64 columns x 64 rows.
+// dy_maps[p]: source p's dy as [R_p, O], x_maps[p]: its x as [R_p, I], boxes of 64 columns x 64 rows
+// (with one source, source 1's maps repeat source 0's and no work item has rows there).
+struct SourceMaps {
+  CUtensorMap dy[2], x[2];
+};
 __global__ void __launch_bounds__(kThreads, 1)
-    grouped_dw_kernel(const __grid_constant__ CUtensorMap dy_map, const __grid_constant__ CUtensorMap x_map, float* dweight,
-                      int32_t* work, int o_size, int i_size, bool accumulate, double* squares) {
+    grouped_dw_kernel(const __grid_constant__ SourceMaps maps, float* dweight, int32_t* work, int o_size, int i_size, bool accumulate,
+                      double* squares) {
   extern __shared__ unsigned char smem_raw[];
   const uint32_t raw = smem_address(smem_raw), base = (raw + 1023) & ~1023u;
   const uint32_t full = base + kStages * kStageBytes, empty = full + kStages * 8;  // mbarriers, 8 bytes each
@@ -198,23 +228,25 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int next = int(gridDim.x) + atomicAdd(work + 1, 1);
       const Tile tile = find_tile(t, work, o_size, i_size);
       for (int kb = 0; kb < k_steps(tile); ++kb, ++it) {
-        const int s = it % kStages, row = tile.row_begin + kb * kBlockK;
+        const int s = it % kStages;
         barrier_wait(empty + 8 * s, ((it / kStages) & 1) ^ 1);
         if (kb == 0) stage_tile[s] = tile;  // published by the arrive below
-        if (tile.row_end == tile.row_begin) {     // no rows: the tile alone
+        if (no_rows(tile)) {                // the tile alone
           barrier_arrive(full + 8 * s);
           continue;
         }
+        const KStep step = k_step(tile, kb);
+        const CUtensorMap *dy_map = step.source == 0 ? &maps.dy[0] : &maps.dy[1], *x_map = step.source == 0 ? &maps.x[0] : &maps.x[1];
         barrier_expect_bytes(full + 8 * s, kStageBytes);
-        for (int j = 0; j < kBlockM / 64; ++j) tma_load_2d(stage(s) + j * kBoxBytes, &dy_map, full + 8 * s, tile.o0 + 64 * j, row);
+        for (int j = 0; j < kBlockM / 64; ++j) tma_load_2d(stage(s) + j * kBoxBytes, dy_map, full + 8 * s, tile.o0 + 64 * j, step.row);
         for (int j = 0; j < kBlockN / 64; ++j)
-          tma_load_2d(stage(s) + kTileABytes + j * kBoxBytes, &x_map, full + 8 * s, tile.i0 + 64 * j, row);
+          tma_load_2d(stage(s) + kTileABytes + j * kBoxBytes, x_map, full + 8 * s, tile.i0 + 64 * j, step.row);
       }
       t = next;
     }
     const int s = it % kStages;  // the end: a stage that carries no tile
     barrier_wait(empty + 8 * s, ((it / kStages) & 1) ^ 1);
-    stage_tile[s] = Tile{-1, 0, 0, 0, 0};
+    stage_tile[s] = Tile{-1, 0, 0, 0, 0, 0, 0};
     barrier_arrive(full + 8 * s);
     return;
   }
@@ -229,7 +261,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const Tile tile = stage_tile[it % kStages];
     if (tile.expert < 0) break;
     float* dw = dweight + int64_t(tile.expert) * o_size * i_size;
-    if (tile.row_end == tile.row_begin) {  // no rows (overwriting: accumulating lists only experts with rows)
+    if (no_rows(tile)) {  // overwriting (accumulating lists only experts with rows)
       if (lane0) barrier_arrive(empty + 8 * (it % kStages));
       ++it;
       load_accumulators(d, dw, tile.o0 + row_in_tile, tile.i0, o_size, i_size, false);
@@ -241,7 +273,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     load_accumulators(d, dw, tile.o0 + row_in_tile, tile.i0, o_size, i_size, accumulate);
     int previous = 0;
     for (int kb = 0; kb < k_steps(tile); ++kb, ++it) {
-      const int s = it % kStages, valid = tile.row_end - tile.row_begin - kb * kBlockK;
+      const int s = it % kStages, valid = k_step(tile, kb).valid;
       if (kb > 0) barrier_wait(full + 8 * s, (it / kStages) & 1);
       if (valid < kBlockK) zero_rows_past_end(stage(s), valid);
       fence_registers(d);
@@ -268,26 +300,40 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
-// dweight[E, O, I] (+)= dy_e^T x_e for the work items of `work` (device memory, see find_tile; its
-// counter must be zero); works: their number, or -1 when the host does not know it (a list built on
-// the device: one block per SM, the blocks past the last tile end at once). Needs rows > 0, O and I
-// multiples of 8, dy and x 16-byte aligned, dweight 8. squares (may be null): the bands' sums of
-// squares of the tiles in `work`.
-inline void grouped_dw(float* dweight, const bf16* dy, const bf16* x, int32_t* work, int works, int64_t o, int64_t i, int64_t rows,
-                       bool accumulate, double* squares, cudaStream_t stream) {
+// One source's rows: dy [rows, O] and x [rows, I].
+struct Source {
+  const bf16 *dy, *x;
+  int64_t rows;
+};
+
+// dweight[E, O, I] (+)= dy_e^T x_e over sources[0], then sources[1] when given (rows > 0), for the
+// work items of `work` (device memory, see find_tile; its counter must be zero); works: their
+// number, or -1 when the host does not know it (a list built on the device: one block per SM, the
+// blocks past the last tile end at once). Needs rows > 0 in one source, O and I multiples of 8, dy
+// and x 16-byte aligned, dweight 8. squares (may be null): the bands' sums of squares of the tiles
+// in `work`.
+inline void grouped_dw(float* dweight, const Source (&sources)[2], int32_t* work, int works, int64_t o, int64_t i, bool accumulate,
+                       double* squares, cudaStream_t stream) {
   const int64_t tiles = int64_t(works) * ((o + kBlockM - 1) / kBlockM) * ((i + kBlockN - 1) / kBlockN);
   if (works == 0) return;
   MARROW_CHECK(tiles < (int64_t(1) << 31), "grouped dW: {} tiles exceed the kernel's int range", tiles);
-  const cuuint64_t dy_dims[2] = {cuuint64_t(o), cuuint64_t(rows)}, dy_strides[1] = {cuuint64_t(o) * 2};
-  const cuuint64_t x_dims[2] = {cuuint64_t(i), cuuint64_t(rows)}, x_strides[1] = {cuuint64_t(i) * 2};
-  const cuuint32_t box[2] = {64, kBlockK};
-  const CUtensorMap dy_map = tensor_map(dy, 2, dy_dims, dy_strides, box), x_map = tensor_map(x, 2, x_dims, x_strides, box);
+  SourceMaps maps;
+  const Source& fallback = sources[0].rows > 0 ? sources[0] : sources[1];  // for a source without rows
+  MARROW_CHECK(fallback.rows > 0, "grouped dW: no source has rows");
+  for (int p = 0; p < 2; ++p) {
+    const Source& source = sources[p].rows > 0 ? sources[p] : fallback;
+    const cuuint64_t dy_dims[2] = {cuuint64_t(o), cuuint64_t(source.rows)}, dy_strides[1] = {cuuint64_t(o) * 2};
+    const cuuint64_t x_dims[2] = {cuuint64_t(i), cuuint64_t(source.rows)}, x_strides[1] = {cuuint64_t(i) * 2};
+    const cuuint32_t box[2] = {64, kBlockK};
+    maps.dy[p] = tensor_map(source.dy, 2, dy_dims, dy_strides, box);
+    maps.x[p] = tensor_map(source.x, 2, x_dims, x_strides, box);
+  }
   int device = 0, sms = 0;
   MARROW_CUDA_CHECK(cudaGetDevice(&device));
   MARROW_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   MARROW_CUDA_CHECK(cudaFuncSetAttribute(grouped_dw_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
   const unsigned grid = unsigned(works < 0 ? sms : std::min<int64_t>(tiles, sms));
-  grouped_dw_kernel<<<grid, kThreads, kSmemBytes, stream>>>(dy_map, x_map, dweight, work, int(o), int(i), accumulate, squares);
+  grouped_dw_kernel<<<grid, kThreads, kSmemBytes, stream>>>(maps, dweight, work, int(o), int(i), accumulate, squares);
   MARROW_CUDA_CHECK_LAUNCH();
 }
 

@@ -86,6 +86,9 @@ class ShardedParameters {
   // Whether this micro-batch's backward writes (rather than adds to) the gradients the table marks
   // first_backward_writes.
   bool first_writes_fresh(int64_t micro) const { return micro == 0 || first_writes_slotted_; }
+  // Whether those gradients add up over a step's micro-batches in one place (not slotted, each
+  // micro-batch's reduced after its backward).
+  bool expert_grads_accumulate() const { return !first_writes_slotted_; }
   // The reductions not started during the backward (all, without overlap); the compute stream
   // then waits for all of them.
   void finish_gradients(bool overlapped);
