@@ -182,8 +182,9 @@ TEST(MemoryEstimate, BenchPeaksMatchTheMeasuredOnes) {
 }
 
 // Paired micro-batches (engine/model.h): the second of a pair holds the first's expert inputs of
-// every layer through its forward (x_perm, dy_perm: [R, H]; act, dgate_up: [R, 3I], bf16); not
-// with one micro-batch a step, nor at 8,192 tokens and more, where nothing pairs.
+// every layer through its forward (x_perm [R, H]; dout [T, H] and copy_row [T, K] i32 for dy_perm;
+// act, dgate_up: [R, 3I]; bf16); not with one micro-batch a step, nor at 8,192 tokens and more,
+// where nothing pairs.
 TEST(MemoryEstimate, PairedMicroBatchesHoldTheEarlierOnesExpertInputs) {
   const Qwen3MoeConfig config = bench_config();
   auto bill = [&](RunConfig rc, bool pairs) {
@@ -193,7 +194,7 @@ TEST(MemoryEstimate, PairedMicroBatchesHoldTheEarlierOnesExpertInputs) {
     return b;
   };
   const int64_t R = 4096 * config.top_k, H = config.hidden_size, I = config.expert_intermediate_size;
-  const int64_t held = config.num_layers * R * (2 * H + 3 * I) * 2;
+  const int64_t held = config.num_layers * (R * (H + 3 * I) * 2 + 4096 * H * 2 + R * 4);
   const MemoryBill paired = bill(bench_run(), true), plain = bill(bench_run(), false);
   EXPECT_EQ(item(paired, "previous micro-batch's expert inputs"), held);
   EXPECT_EQ(item(plain, "previous micro-batch's expert inputs"), 0);

@@ -125,6 +125,9 @@ struct EngineBytes {
   // from it), or freed after combine (ep = 1: engine/step.h, swiglu_weighted_backward in ops/swiglu.h).
   int64_t y_perm_kept = 0, y_perm_until_combine = 0;
   int64_t dtopk = 0;     // [T, K] statistics
+  // What stands for dy_perm in a layer whose weight gradients wait (engine/step.h's DeferredExperts):
+  // dout and copy_row with one expert-parallel rank, else dy_perm.
+  int64_t waiting_dy = 0;
   int64_t dispatch_scratch = 0;
   // ep > 1: rows sent to and received from the group (deduplicated per token and member).
   int64_t sent_rows = 0, recv_rows = 0, sent_weights = 0, recv_weights = 0;
@@ -151,6 +154,7 @@ EngineBytes engine_bytes(const EstimatedModel& m, const AttentionHeads& heads, i
   e.dtopk = T * K * s;
   (gathers_expert_rows_again(T, ep > 1) ? e.x_perm_again : e.x_perm_kept) = e.rows;
   (ep > 1 ? e.y_perm_kept : e.y_perm_until_combine) = e.rows;
+  e.waiting_dy = ep == 1 ? e.residual + T * K * i32 : e.rows;
   if (ep == 1) {
     e.route = T * K * i32;  // copy_row
     e.dispatch_scratch = device == Device::cuda ? 4 * T * K * i32 : 0;  // the plan's radix sort
@@ -163,9 +167,10 @@ EngineBytes engine_bytes(const EstimatedModel& m, const AttentionHeads& heads, i
   return e;
 }
 
-// A layer's expert inputs held for its weight gradients: x_perm, dy_perm and the model's.
+// A layer's expert inputs held for its weight gradients: x_perm, dy_perm (or what stands for it)
+// and the model's.
 int64_t held_for_weights(const ModelActivationBytes& model, const EngineBytes& engine) {
-  return 2 * engine.rows + model.experts.held_for_weights;
+  return engine.rows + engine.waiting_dy + model.experts.held_for_weights;
 }
 
 // Replays forward() and backward() of engine/step.h for one micro-batch, keeping the largest moment;

@@ -41,6 +41,7 @@ concept MoeModel = requires(const M& m, typename M::AttentionActivations& a, typ
   m.experts_restore_input(e, std::move(buffer));
   m.aggregate_forward(t, a, t, t);
   m.aggregate_backward(t, t, t, a, t, e);
+  m.aggregate_backward_rows(t, t, t);
   { m.epilog_forward(p, std::move(buffer), batch, w) } -> std::same_as<HostSum>;
   m.epilog_backward(t, w, scale, p, batch, w);
 };

@@ -43,10 +43,21 @@ template <MoeModel M> struct MicroBatch {
   std::vector<Layer> layers;
   typename M::EpilogActivations epilog;  // epilog.logits holds the logits until backward
   // Expert weight gradients a deferring backward left for weights_backward(), layers top down.
+  // With one expert-parallel rank the layer keeps its output gradient dout [T, H] and copy_row
+  // instead of dy_perm [T x K, H], and gathers dy_perm again when the weights run (dy_perm()).
   struct DeferredExperts {
     int64_t layer;
     typename M::ExpertActivations experts;
     Buffer dy_perm, expert_offsets;
+    Buffer dout, copy_row;
+    Buffer take_dy_perm(const M& m) {
+      if (dout.view().data == nullptr) return std::move(dy_perm);
+      Buffer rows = m.buffer({copy_row.view().numel(), m.hidden_size()});
+      m.aggregate_backward_rows(rows, dout, copy_row);
+      dout = Buffer{};
+      copy_row = Buffer{};
+      return rows;
+    }
   };
   std::vector<DeferredExperts> deferred;
   HostSum token_loss;  // cross-entropy summed over counted targets
@@ -298,10 +309,12 @@ template <MoeModel M> class BackwardPass {
     if (options_.defer_expert_weights) {
       m_.experts_backward_input(dx_perm_, dy_perm_, s.experts, offsets(), lw);
       Buffer& kept_offsets = groups_.experts ? s.route.expert_offsets : s.expert_offsets;
-      mb_.deferred.push_back({stage_, std::move(s.experts), std::move(dy_perm_), std::move(kept_offsets)});
+      // One process: dout and copy_row join the entry when attention() is done with them.
+      mb_.deferred.push_back({stage_, std::move(s.experts), groups_.experts ? std::move(dy_perm_) : Buffer{}, std::move(kept_offsets)});
     } else if (earlier != nullptr) {
       m_.experts_backward_input(dx_perm_, dy_perm_, s.experts, offsets(), lw);
-      m_.experts_backward_weights_pair(grads, earlier->dy_perm, earlier->experts, earlier->expert_offsets.view(), dy_perm_, s.experts, offsets(),
+      const Buffer earlier_dy_perm = earlier->take_dy_perm(m_);
+      m_.experts_backward_weights_pair(grads, earlier_dy_perm, earlier->experts, earlier->expert_offsets.view(), dy_perm_, s.experts, offsets(),
                                        options_.earlier_overwrites, squares);
       options_.earlier->erase(options_.earlier->begin() + (earlier - options_.earlier->data()));
     } else {
@@ -342,7 +355,11 @@ template <MoeModel M> class BackwardPass {
       m_.attention_backward(dx_in, g_.layers[size_t(stage_)], dx_, dh2_, dtopk_weight_, options_.aux_grad, s.attention, batch_,
                             w_.layers[size_t(stage_)]);
     }
-    dx_ = std::move(dx_in);
+    Buffer dout = std::exchange(dx_, std::move(dx_in));
+    if (options_.defer_expert_weights && !groups_.experts) {
+      mb_.deferred.back().dout = std::move(dout);
+      mb_.deferred.back().copy_row = std::move(s.copy_row);
+    }
     dh2_ = Buffer{};
     dtopk_weight_ = Buffer{};
     s = typename MicroBatch<M>::Layer{};
@@ -374,7 +391,8 @@ void weights_backward(MicroBatch<M>& mb, const M& m, const typename M::Weights& 
   StageScope scope(timer, Stage::experts);
   for (auto& d : mb.deferred) {
     const Tensor squares = size_t(d.layer) < expert_squares.size() ? expert_squares[size_t(d.layer)] : Tensor{};
-    m.experts_backward_weights(grads.layers[size_t(d.layer)], d.dy_perm, d.experts, d.expert_offsets.view(), first_micro_batch, squares);
+    const Buffer dy_perm = d.take_dy_perm(m);
+    m.experts_backward_weights(grads.layers[size_t(d.layer)], dy_perm, d.experts, d.expert_offsets.view(), first_micro_batch, squares);
   }
   mb.deferred.clear();
 }

@@ -403,9 +403,11 @@ void Qwen3Moe::aggregate_forward(Tensor out, const Qwen3MoeAttentionActivations&
   combine_forward(out, a.x_mid, y_perm, a.topk_weight, copy_row);
 }
 
+void Qwen3Moe::aggregate_backward_rows(Tensor dy_perm, Tensor dout, Tensor copy_row) const { dispatch_forward(dy_perm, dout, copy_row); }
+
 void Qwen3Moe::aggregate_backward(Tensor dy_perm, Tensor dtopk_weight, Tensor dout, const Qwen3MoeAttentionActivations& a,
                                   Tensor copy_row, Qwen3MoeExpertActivations& e) const {
-  dispatch_forward(dy_perm, dout, copy_row);
+  aggregate_backward_rows(dy_perm, dout, copy_row);
   e.topk_weight = a.topk_weight;
   e.copy_row = copy_row;
   e.dtopk_weight = dtopk_weight;

@@ -187,6 +187,9 @@ class Qwen3Moe {
   // expert parallelism the expert's process applies the weights: parallel/expert_parallel.h.)
   void aggregate_backward(Tensor dy_perm, Tensor dtopk_weight, Tensor dout, const Qwen3MoeAttentionActivations& a, Tensor copy_row,
                           Qwen3MoeExpertActivations& e) const;
+  // aggregate_backward's dy_perm again (a layer whose weight gradients wait keeps dout, [T, H],
+  // instead of dy_perm, [T x K, H]).
+  void aggregate_backward_rows(Tensor dy_perm, Tensor dout, Tensor copy_row) const;
 
   // Epilog: returns the sum of token losses over non-ignored targets (read when needed, core/host_sum.h). The LM head's logits of a
   // micro-batch stay whole in p.logits for the backward up to kWholeLogitsBytes; past that (long
