@@ -196,17 +196,6 @@ __device__ __forceinline__ void store_band_squares(double* squares, const float 
   if (threadIdx.x % 32 == 0 && o < o_size) squares[band_index(expert, o, i0, o_size, i_size)] = sum;
 }
 
-// Asks L2 for a tile's old dW (its rows, each up to 256 contiguous columns; dweight 16-byte
-// aligned, I a multiple of 8): the producer does so for a block's next tile while the consumers
-// multiply the current one, so that their load_accumulators finds the tile in L2 instead of
-// waiting on DRAM with the multiplies idle (a block does one tile at a time).
-__device__ __forceinline__ void prefetch_tile(const float* dweight, const Tile& t, int o_size, int i_size) {
-  const int rows = min(kBlockM, o_size - t.o0), bytes = min(kBlockN, i_size - t.i0) * 4;
-  const float* first = dweight + (int64_t(t.expert) * o_size + t.o0) * i_size + t.i0;
-  for (int r = 0; r < rows; ++r)
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(first + int64_t(r) * i_size), "r"(bytes) : "memory");
-}
-
 // dy_maps[p]: source p's dy as [R_p, O], x_maps[p]: its x as [R_p, I], boxes of 64 columns x 64 rows
 // (with one source, source 1's maps repeat source 0's and no work item has rows there).
 struct SourceMaps {
@@ -214,7 +203,7 @@ struct SourceMaps {
 };
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_dw_kernel(const __grid_constant__ SourceMaps maps, float* dweight, int32_t* work, int o_size, int i_size, bool accumulate,
-                      bool prefetch, double* squares) {
+                      double* squares) {
   extern __shared__ unsigned char smem_raw[];
   const uint32_t raw = smem_address(smem_raw), base = (raw + 1023) & ~1023u;
   const uint32_t full = base + kStages * kStageBytes, empty = full + kStages * 8;  // mbarriers, 8 bytes each
@@ -235,10 +224,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
     if (threadIdx.x != 0) return;
     int it = 0;
-    if (prefetch && int(blockIdx.x) < tiles) prefetch_tile(dweight, find_tile(blockIdx.x, work, o_size, i_size), o_size, i_size);
     for (int t = blockIdx.x; t < tiles;) {
       const int next = int(gridDim.x) + atomicAdd(work + 1, 1);
-      if (prefetch && next < tiles) prefetch_tile(dweight, find_tile(next, work, o_size, i_size), o_size, i_size);
       const Tile tile = find_tile(t, work, o_size, i_size);
       for (int kb = 0; kb < k_steps(tile); ++kb, ++it) {
         const int s = it % kStages;
@@ -346,8 +333,7 @@ inline void grouped_dw(float* dweight, const Source (&sources)[2], int32_t* work
   MARROW_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   MARROW_CUDA_CHECK(cudaFuncSetAttribute(grouped_dw_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
   const unsigned grid = unsigned(works < 0 ? sms : std::min<int64_t>(tiles, sms));
-  const bool prefetch = accumulate && reinterpret_cast<uintptr_t>(dweight) % 16 == 0;
-  grouped_dw_kernel<<<grid, kThreads, kSmemBytes, stream>>>(maps, dweight, work, int(o), int(i), accumulate, prefetch, squares);
+  grouped_dw_kernel<<<grid, kThreads, kSmemBytes, stream>>>(maps, dweight, work, int(o), int(i), accumulate, squares);
   MARROW_CUDA_CHECK_LAUNCH();
 }
 
