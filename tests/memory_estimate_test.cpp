@@ -166,32 +166,32 @@ TEST(MemoryEstimate, ExpertParallelHoldsItsExperts) {
 // computed again in the backward), 95.43 GiB (1024, earlier) and 105.75 GiB (16384, 346c008);
 // EP = 2 on two H200 at 59.53 GiB per GPU (replicated dense weights, before FSDP). The trainer's
 // figure counts arenas and the pool.
-// Those were measured before micro-batches paired their expert weight gradients: pairs off.
+// Those were measured before micro-batches paired their expert weight gradients: train.pair_expert_grads off.
 TEST(MemoryEstimate, BenchPeaksMatchTheMeasuredOnes) {
   const Qwen3MoeConfig config = bench_config();
   auto peak = [&](RunConfig rc, int64_t world) { return estimate_memory<Qwen3Moe>(rc, config, world, Device::cuda).trainer_peak() / kGiB; };
-  expert_weight_pairs_enabled() = false;
-  EXPECT_NEAR(peak(bench_run(), 1), 97.94, 0.03 * 97.94);
-  RunConfig short_seq = bench_run(), long_seq = bench_run();
+  auto unpaired = [](RunConfig rc) {
+    rc.pair_expert_grads = false;
+    return rc;
+  };
+  EXPECT_NEAR(peak(unpaired(bench_run()), 1), 97.94, 0.03 * 97.94);
+  RunConfig short_seq = unpaired(bench_run()), long_seq = unpaired(bench_run());
   short_seq.seq_len = 1024;
   long_seq.seq_len = 16384;
   EXPECT_NEAR(peak(short_seq, 1), 95.43, 0.03 * 95.43);
   EXPECT_NEAR(peak(long_seq, 1), 105.75, 0.03 * 105.75);
-  EXPECT_NEAR(replicated_bill(bench_run(2), 2).trainer_peak() / kGiB, 59.53, 0.03 * 59.53);
-  expert_weight_pairs_enabled() = true;
+  EXPECT_NEAR(replicated_bill(unpaired(bench_run(2)), 2).trainer_peak() / kGiB, 59.53, 0.03 * 59.53);
 }
 
 // Paired micro-batches (engine/model.h): the second of a pair holds the first's expert inputs of
 // every layer through its forward (x_perm [R, H]; dout [T, H] and copy_row [T, K] i32 for dy_perm;
-// act, dgate_up: [R, 3I]; bf16); not with one micro-batch a step, nor at 8,192 tokens and more,
-// where nothing pairs.
+// act, dgate_up: [R, 3I]; bf16); not with train.pair_expert_grads = false, one micro-batch a step,
+// nor at 8,192 tokens and more, where nothing pairs.
 TEST(MemoryEstimate, PairedMicroBatchesHoldTheEarlierOnesExpertInputs) {
   const Qwen3MoeConfig config = bench_config();
   auto bill = [&](RunConfig rc, bool pairs) {
-    expert_weight_pairs_enabled() = pairs;
-    MemoryBill b = estimate_memory<Qwen3Moe>(rc, config, 1, Device::cuda);
-    expert_weight_pairs_enabled() = true;
-    return b;
+    rc.pair_expert_grads = pairs;
+    return estimate_memory<Qwen3Moe>(rc, config, 1, Device::cuda);
   };
   const int64_t R = 4096 * config.top_k, H = config.hidden_size, I = config.expert_intermediate_size;
   const int64_t held = config.num_layers * (R * (H + 3 * I) * 2 + 4096 * H * 2 + R * 4);

@@ -2,7 +2,7 @@
 # Attention on one H200: cuDNN's fused SDPA (ops/attention_cudnn.h) against the own kernels. Run on
 # the GPU machine from the repository root after tools/gpu_prepare.sh here (device tool, carry
 # [".gpu-carry"]):
-#   tools/gpu_attention.sh <log-dir> [check|speed|long|all|final|memory|checks|quick|peaks|measure|kernels]
+#   tools/gpu_attention.sh <log-dir> [check|speed|long|all|final|memory|checks|quick|peaks|measure|kernels|pairs]
 # check: marrow check --only attention (both kernel sets against the CPU reference, bits twice)
 # speed: the attention rows of marrow bench --kernels; the bench config (3 + 17 steps) with each
 #        kernel set
@@ -25,6 +25,8 @@
 #          32,768 tokens with and without the bf16 weight copy, and the bench config without it (3 + 5
 #          steps): tokens/s and peaks; then the kernel table
 # kernels: marrow bench --kernels, the rows matching the regex KERNEL_ROWS (default: every row)
+# pairs: the bench config (3 + 27 steps) with train.pair_expert_grads=false, then the default, on one
+#        machine: tokens/s and peaks side by side, losses bit for bit
 # Ends with PASS or FAIL; logs in <log-dir>.
 set -uo pipefail
 out=${1:-$OUT}
@@ -137,6 +139,19 @@ if [ "$what" = kernels ]; then
   step "marrow bench --kernels"
   build-gpu/marrow bench --kernels > "$out/kernels.log" 2>&1 || fail "bench --kernels"
   grep -E "${KERNEL_ROWS:-.}" "$out/kernels.log"
+fi
+
+if [ "$what" = pairs ]; then
+  for pair in false true; do
+    step "bench config, train.pair_expert_grads=$pair: 3 warm-up + 27 measured steps"
+    "${bench[@]}" --warmup=3 --steps=27 --train.pair_expert_grads=$pair --output.dir=runs/pairs-$pair > "$out/bench-pairs-$pair.log" 2>&1 \
+      || fail "bench with pair_expert_grads=$pair"
+    grep -E "^estimated peak|^data:|error" "$out/bench-pairs-$pair.log" | head -3
+    sed -n '/^bench:/,$p' "$out/bench-pairs-$pair.log" | head -11
+  done
+  python3 -c "import json, sys; l = [[json.loads(x)['loss'] for x in open(f'runs/pairs-{p}/bench/metrics.jsonl')] for p in ('false', 'true')]; \
+print('same bits' if l[0] == l[1] else f'DIFFER: {l[0][:3]} {l[1][:3]}'); sys.exit(l[0] != l[1])" | tee -a "$out/summary.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || fail "losses differ with and without pairs"
 fi
 
 if [ "$what" = quick ]; then

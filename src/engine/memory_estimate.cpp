@@ -429,7 +429,8 @@ MemoryBill rank_bill(const RunConfig& rc, const EstimatedModel& m, const MeshSha
   if (pipelined) add_pipeline_activations(bill, rc, m, mesh, device, {chunks, mesh.pp, rank, micro_batches});
   else
     add_activations(bill, rc, m, mesh, device,
-                    pairs_expert_weight_gradients(rc.micro_batch * rc.seq_len / mesh.cp) && micro_batches >= 2 && (keep_whole_grads || groups.expert == 1));
+                    pairs_expert_weight_gradients(rc.pair_expert_grads, rc.micro_batch * rc.seq_len / mesh.cp) && micro_batches >= 2 &&
+                        (keep_whole_grads || groups.expert == 1));
   if (device == Device::cuda) add_runtime(bill, mesh);
   return bill;
 }

@@ -65,14 +65,8 @@ inline bool gathers_expert_rows_again(int64_t tokens, bool expert_parallel) {
 // and writes them once, for the memory of one micro-batch's expert inputs held until the next
 // one's backward (the memory estimate counts it). The time saved is the same for any micro-batch
 // size and the memory grows with it, so only micro-batches below the size where x_perm is dropped
-// to save memory pair (tokens: of one micro-batch on this process). The same bits either way;
-// tests turn it off.
-inline bool& expert_weight_pairs_enabled() {
-  static bool on = true;
-  return on;
-}
-inline bool pairs_expert_weight_gradients(int64_t tokens) {
-  return expert_weight_pairs_enabled() && tokens < expert_rows_gathered_again_from();
-}
+// to save memory pair (tokens: of one micro-batch on this process), and only when the run config
+// wants it (train.pair_expert_grads). The same bits either way.
+inline bool pairs_expert_weight_gradients(bool wanted, int64_t tokens) { return wanted && tokens < expert_rows_gathered_again_from(); }
 
 }  // namespace marrow

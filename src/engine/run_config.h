@@ -32,6 +32,9 @@ struct RunConfig {
   // A bf16 copy of every weight kept for the step (GPU). false: each decoder layer's weights are cast from
   // the fp32 master into a slot before each use (2 bytes per parameter less, a cast per layer per use).
   bool bf16_weight_copy = true;
+  // Micro-batches 2i and 2i + 1 compute their expert weight gradients in one pass over the fp32
+  // gradients (engine/model.h: pairs_expert_weight_gradients); false saves the memory the pair holds.
+  bool pair_expert_grads = true;
   // [optimizer]
   double lr = 3e-3, min_lr = 3e-4, beta1 = 0.9, beta2 = 0.95, eps = 1e-8, weight_decay = 0.1, grad_clip = 1.0;
   // [schedule]

@@ -249,6 +249,13 @@ template <MoeModel M> struct TrainSetup {
   std::vector<const Arena*> arenas() const { return state.arenas(); }
 };
 
+// Whether run_micro_batches pairs micro-batches 2i and 2i + 1 for their expert weight gradients.
+template <MoeModel M> bool pairs_micro_batches(const TrainSetup<M>& s, const RunConfig& rc) {
+  const int64_t micro_batches = rc.global_batch / (rc.micro_batch * s.mesh.shape.data_parallel());
+  return !rc.uses_dualpipev() && micro_batches >= 2 && s.state.expert_grads_accumulate() &&
+         pairs_expert_weight_gradients(rc.pair_expert_grads, rc.micro_batch * rc.seq_len / s.mesh.shape.cp);
+}
+
 template <MoeModel M> void print_setup(const TrainSetup<M>& s, const RunConfig& rc, const TokenDataset& data) {
   const M& m = s.model;
   std::printf("model %s on %s: %.2fM parameters (%.2fM active per token), %lld layers, %lld experts top-%lld\n", M::model_type,
@@ -266,9 +273,10 @@ template <MoeModel M> void print_setup(const TrainSetup<M>& s, const RunConfig& 
   std::printf("estimated peak%s: %.2f GiB (arenas %.2f GiB + activations at %s %.2f GiB)\n", s.mesh.world.size() > 1 ? " per process" : "",
               bill.trainer_peak() / 1073741824.0, (bill.bytes(BillGroup::state) + bill.bytes(BillGroup::weights)) / 1073741824.0,
               bill.activation_peak_at.c_str(), bill.bytes(BillGroup::activations) / 1073741824.0);
-  std::printf("data: %s, %lld training samples of %lld tokens; %lld steps x %lld sequences (micro-batch %lld%s)\n", rc.data_path.c_str(),
+  std::printf("data: %s, %lld training samples of %lld tokens; %lld steps x %lld sequences (micro-batch %lld%s%s)\n", rc.data_path.c_str(),
               (long long)data.train_samples(), (long long)rc.seq_len + 1, (long long)rc.steps, (long long)rc.global_batch,
-              (long long)rc.micro_batch, s.mesh.shape.data_parallel() > 1 ? " per process" : "");
+              (long long)rc.micro_batch, s.mesh.shape.data_parallel() > 1 ? " per process" : "",
+              pairs_micro_batches(s, rc) ? "; expert weight gradients of micro-batches in pairs" : "");
   std::fflush(stdout);
 }
 
@@ -302,7 +310,7 @@ std::pair<double, double> run_micro_batches(TrainSetup<M>& s, const RunConfig& r
   std::vector<int32_t> tokens = share_tokens(B, s.share, rc.seq_len);
   HostSum token_loss, aux_loss;  // read after the last micro-batch is queued: no wait for the GPU between them
   const int64_t micro_batches = rc.global_batch / (B * W);
-  const bool pairs = pairs_expert_weight_gradients(B * rc.seq_len / s.mesh.shape.cp) && s.state.expert_grads_accumulate();
+  const bool pairs = pairs_micro_batches(s, rc);
   std::vector<typename MicroBatch<M>::DeferredExperts> earlier;  // an even micro-batch's expert inputs, held for the next
   for (int64_t micro = 0; micro < micro_batches; ++micro) {
     watchdog::progress("a micro-batch");

@@ -72,6 +72,18 @@ def main():
         code, _, _ = run(args.marrow, base + ["--train.steps=15", "--schedule.warmup_steps=5", "--train.seed=99", f"--output.dir={out}"], repo)
         check(code == 0 and losses(out) != runs[0], "another seed gives other losses")
 
+        # Paired expert weight gradients (the default) give the losses of unpaired ones bit for bit:
+        # three micro-batches a step, so one pair and one alone.
+        paired, said = [], []
+        for pair in ("true", "false"):
+            out = os.path.join(tmp, f"pair-{pair}")
+            code, stdout, _ = run(args.marrow, base + ["--train.steps=10", "--schedule.warmup_steps=5", "--train.global_batch=12",
+                                                       "--train.micro_batch=4", f"--train.pair_expert_grads={pair}", f"--output.dir={out}"], repo)
+            paired.append(losses(out) if code == 0 else None)
+            said.append("expert weight gradients of micro-batches in pairs" in stdout)
+        check(said == [True, False], f"the start-up line says whether micro-batches pair (default, false: {said})")
+        check(paired[0] is not None and paired[0] == paired[1], "train.pair_expert_grads=false gives the default's losses bit for bit")
+
         # Validation loss: at steps 10, 20 and the last (25), deterministic, falling, and training untouched.
         evals = []
         for name in ("eval1", "eval2"):
