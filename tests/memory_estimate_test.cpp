@@ -186,7 +186,8 @@ TEST(MemoryEstimate, BenchPeaksMatchTheMeasuredOnes) {
 // Paired micro-batches (engine/model.h): the second of a pair holds the first's expert inputs of
 // every layer through its forward (x_perm [R, H]; dout [T, H] and copy_row [T, K] i32 for dy_perm;
 // act, dgate_up: [R, 3I]; bf16); not with train.pair_expert_grads = false, one micro-batch a step,
-// nor at 8,192 tokens and more, where nothing pairs.
+// nor at 512 rows an expert and more (8,192 tokens of the bench model; Qwen3-30B-A3B under EP = 8
+// at 4,096), where nothing pairs.
 TEST(MemoryEstimate, PairedMicroBatchesHoldTheEarlierOnesExpertInputs) {
   const Qwen3MoeConfig config = bench_config();
   auto bill = [&](RunConfig rc, bool pairs) {
@@ -206,6 +207,12 @@ TEST(MemoryEstimate, PairedMicroBatchesHoldTheEarlierOnesExpertInputs) {
   long_seq.seq_len = 8192;
   EXPECT_EQ(bill(one, true).total(), bill(one, false).total());
   EXPECT_EQ(bill(long_seq, true).total(), bill(long_seq, false).total());
+  auto bill_ep8 = [&](bool pairs) {  // every expert takes 8 processes' rows: 2,048 each
+    RunConfig rc = bench_run(8);
+    rc.pair_expert_grads = pairs;
+    return estimate_memory<Qwen3Moe>(rc, config, 8, Device::cuda).total();
+  };
+  EXPECT_EQ(bill_ep8(true), bill_ep8(false));
 }
 
 TEST(MemoryEstimate, LargestFitIsTheEdge) {

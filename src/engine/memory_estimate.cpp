@@ -279,7 +279,7 @@ void add_activations(MemoryBill& bill, const RunConfig& rc, const EstimatedModel
       {"dispatch/combine rows and routes", per_layer(engine.route + engine.y_perm_kept)},
       {"experts (stage 3)", per_layer(model.experts.kept + engine.x_perm_kept)},
       {"epilog: final norm, logits, loss", fmt::format("kept: {}", mib(model.epilog.kept))},
-      {"previous micro-batch's expert inputs", paired ? fmt::format("{} per layer until its weight gradients, paired with this one's",
+      {"previous micro-batch's expert inputs", paired ? fmt::format("{} per layer until its weight gradients, paired with this one's (train.pair_expert_grads=false frees it)",
                                                                      mib(held_for_weights(model, engine))) : "none: no pairs"}};
   for (size_t k = 0; k < kinds.size(); ++k) bill.items.push_back({BillGroup::activations, kinds[k].first, p.kept[k], kinds[k].second});
   bill.items.push_back({BillGroup::activations, "temporaries at the peak", p.scratch - p.exchange - p.ring, "gradients flowing back, op scratch"});
@@ -429,8 +429,8 @@ MemoryBill rank_bill(const RunConfig& rc, const EstimatedModel& m, const MeshSha
   if (pipelined) add_pipeline_activations(bill, rc, m, mesh, device, {chunks, mesh.pp, rank, micro_batches});
   else
     add_activations(bill, rc, m, mesh, device,
-                    pairs_expert_weight_gradients(rc.pair_expert_grads, rc.micro_batch * rc.seq_len / mesh.cp) && micro_batches >= 2 &&
-                        (keep_whole_grads || groups.expert == 1));
+                    pairs_expert_weight_gradients(rc.pair_expert_grads, rc.micro_batch * rc.seq_len / mesh.cp, m.top_k, mesh.ep, m.num_experts) &&
+                        micro_batches >= 2 && (keep_whole_grads || groups.expert == 1));
   if (device == Device::cuda) add_runtime(bill, mesh);
   return bill;
 }

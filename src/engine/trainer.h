@@ -253,7 +253,8 @@ template <MoeModel M> struct TrainSetup {
 template <MoeModel M> bool pairs_micro_batches(const TrainSetup<M>& s, const RunConfig& rc) {
   const int64_t micro_batches = rc.global_batch / (rc.micro_batch * s.mesh.shape.data_parallel());
   return !rc.uses_dualpipev() && micro_batches >= 2 && s.state.expert_grads_accumulate() &&
-         pairs_expert_weight_gradients(rc.pair_expert_grads, rc.micro_batch * rc.seq_len / s.mesh.shape.cp);
+         pairs_expert_weight_gradients(rc.pair_expert_grads, rc.micro_batch * rc.seq_len / s.mesh.shape.cp, s.model.top_k(), s.mesh.shape.ep,
+                                       s.model.num_experts());
 }
 
 template <MoeModel M> void print_setup(const TrainSetup<M>& s, const RunConfig& rc, const TokenDataset& data) {
