@@ -7,40 +7,47 @@
 // both read by TMA as they lie in memory (tiles of 64 token rows x 64 contiguous columns, 128-byte
 // swizzle), so A is M-major and B N-major: wgmma's transpose bits for both (A from shared memory).
 // Persistent like ops/wgmma.cuh (whose PTX wrappers it uses): one producer warpgroup (one thread
-// issues the copies, kStages deep, on mbarriers) and two consumer warpgroups of m64n256k16, each 64
-// dW rows of a 128 x 256 tile; blocks take tiles from a counter. A tile's sum runs over its expert's
+// issues the copies, kStages deep, on mbarriers) and two consumer warpgroups of m64n128k16, each 64
+// dW rows of a 128 x 128 tile; blocks take tiles from a counter. A tile's sum runs over its expert's
 // rows in order in one block, so the result is deterministic (no split over rows, no atomics on data).
 // Expert boundaries lie inside K and are arbitrary: a tile's copies start at the expert's first row
 // (TMA coordinates need no alignment), so no earlier row is read; the last k-step may hold the next
 // expert's rows, which the consumers zero in shared memory (rows past the end of each of the stage's
-// six 8 KiB boxes are one contiguous byte range) before a proxy fence and a barrier of the two
+// four 8 KiB boxes are one contiguous byte range) before a proxy fence and a barrier of the two
 // consumer warpgroups, then multiply. (Per-expert tensor maps with TMA's zero fill would do the same
 // with 2E maps built and uploaded per call and a tensormap fence per tile; zeroing costs a few
 // shared stores in one k-step per tile.) An expert with no rows (overwrite only) takes one stage
 // that carries its tile and nothing else, and its tiles store zeros: nothing loaded or multiplied.
-// Accumulate: the accumulators start from the old dW tile, loaded into registers before the first
-// multiply; the epilogue stores them straight from registers (each warp store
-// covers whole 32-byte sectors). dW moves with streaming hints (ld/st .cs) so that its 2 x 4 bytes
-// per element do not push the inputs out of L2. The kernel is bound by that traffic at the bench
-// shapes: see grouped_linear.h and docs/performance.md. Given `squares`, each consumer warp also
-// writes the sum of squares of its 16 finished dW rows x 256 columns (grouped_linear.h's bands),
-// from the registers the epilogue stores, so the gradient norm need not read dW again.
+// Accumulate: the accumulators start from the old dW tile (the order that makes a pair the two
+// calls' bits); stores go straight from registers (each warp store covers whole 32-byte sectors).
+// That traffic, 2 x 4 bytes per dW element, bounds the kernel at the bench shapes (grouped_linear.h,
+// docs/performance.md), so it runs under the multiplies: each tile's first stage announces the
+// block's next tile, and while a tile multiplies (64 accumulators a thread) the consumers store the
+// previous tile's results and load the next tile's old dW from a second set of 64 registers, the
+// two sets trading places between tiles. dW moves with streaming hints (ld/st .cs) so that it does
+// not push the inputs out of L2. Given `squares`, each consumer warp also writes the sum of squares
+// of its 16 finished dW rows x 128 columns (grouped_linear.h's bands) from the registers it stores,
+// so the gradient norm need not read dW again.
 #pragma once
 #include <vector>
 
+#include "ops/grouped_linear.h"
 #include "ops/wgmma.cuh"
 
 namespace marrow::wgmma::dw {
 
 constexpr int kBlockM = 128;  // dW rows (o) per tile: two consumer warpgroups of 64
-constexpr int kBlockN = 256;  // dW columns (i) per tile: one m64n256k16 per consumer
+constexpr int kBlockN = 128;  // dW columns (i) per tile: one m64n128k16 per consumer
 constexpr int kBlockK = 64;   // token rows per stage
-constexpr int kStages = 4;
+constexpr int kStages = 6;
 constexpr int kConsumers = 2;
 constexpr int kThreads = 128 * (1 + kConsumers);
+constexpr int kAccumulators = kBlockN / 2;              // a consumer thread's share of its 64 x kBlockN
 constexpr int kBoxBytes = 64 * kBlockK * 2;             // one TMA box: 64 token rows x 64 columns (128 bytes)
 constexpr int kTileABytes = kBlockM / 64 * kBoxBytes;  // dy: 2 boxes
-constexpr int kStageBytes = kTileABytes + kBlockN / 64 * kBoxBytes;  // + x: 4 boxes = 48 KiB
+constexpr int kStageBytes = kTileABytes + kBlockN / 64 * kBoxBytes;  // + x: 2 boxes = 32 KiB
+constexpr int kStageBoxes = kStageBytes / kBoxBytes;
+static_assert(kBlockN == kSquaresBandCols, "a tile's epilogue writes whole bands of squares");
 
 // A tile: rows [begin0, end0) of `expert` in source 0, then [begin1, end1) in source 1, dW rows
 // o0.., columns i0..; expert < 0: no tiles left. (Named fields, not arrays: an array indexed by a
@@ -48,9 +55,15 @@ constexpr int kStageBytes = kTileABytes + kBlockN / 64 * kBoxBytes;  // + x: 4 b
 struct Tile {
   int expert, begin0, end0, begin1, end1, o0, i0;
 };
+// What the first stage of a tile carries: the tile and the block's next one (expert < 0: none), so
+// that the consumers load the next tile's old dW while this one multiplies.
+struct Announce {
+  Tile tile, next;
+};
+constexpr Tile kNoTile{-1, 0, 0, 0, 0, 0, 0};
 // 1024 bytes of slack to align the stages to the swizzle's 1024-byte period, the stages, the
-// full/empty mbarriers and the tile each stage starts.
-constexpr int kSmemBytes = 1024 + kStages * kStageBytes + 2 * kStages * 8 + kStages * int(sizeof(Tile));
+// full/empty mbarriers and the announcement each stage may carry.
+constexpr int kSmemBytes = 1024 + kStages * kStageBytes + 2 * kStages * 8 + kStages * int(sizeof(Announce));
 
 // k-steps of source p's rows, and of the whole tile: an expert without rows still runs one (all its
 // rows zeroed).
@@ -125,12 +138,12 @@ __global__ void __launch_bounds__(kScheduleThreads)
   }
 }
 
-// Zeroes token rows [valid, 64) of the stage's six boxes (valid < 64; a box row is 128 bytes,
+// Zeroes token rows [valid, 64) of the stage's boxes (valid < 64; a box row is 128 bytes,
 // swizzled only within itself), then makes the writes visible to wgmma (async proxy) in both
 // consumer warpgroups (named barrier 1 over their 256 threads).
 __device__ __forceinline__ void zero_rows_past_end(uint32_t stage, int valid) {
   const int chunks = (kBlockK - valid) * 8;  // 16-byte chunks per box
-  for (int c = int(threadIdx.x) - 128; c < 6 * chunks; c += 128 * kConsumers) {
+  for (int c = int(threadIdx.x) - 128; c < kStageBoxes * chunks; c += 128 * kConsumers) {
     const uint32_t address = stage + (c / chunks) * kBoxBytes + valid * 128 + (c % chunks) * 16;
     asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(address), "r"(0) : "memory");
   }
@@ -138,13 +151,15 @@ __device__ __forceinline__ void zero_rows_past_end(uint32_t stage, int valid) {
   asm volatile("bar.sync 1, %0;" ::"n"(128 * kConsumers) : "memory");
 }
 
-// One consumer warp's 16 dW rows (o, o + 8 for lanes / 4) x 256 columns in the accumulator layout
-// (see ops/wgmma.cuh's store_rows): d[4j + 2h], d[4j + 2h + 1] are row o + 8h, columns 8j + 2 (lane % 4)
-// and + 1. Loads the old values (accumulate) or zeros; rows past O and columns past I are left out.
-__device__ __forceinline__ void load_accumulators(float (&d)[128], const float* dw, int o, int i0, int o_size, int i_size, bool accumulate) {
+// One consumer warp's 16 dW rows (o, o + 8 for lanes / 4) x kBlockN columns in the accumulator
+// layout (see ops/wgmma.cuh's store_rows): d[4j + 2h], d[4j + 2h + 1] are row o + 8h, columns
+// 8j + 2 (lane % 4) and + 1. Loads the old values (accumulate) or zeros; rows past O and columns past
+// I are left out.
+__device__ __forceinline__ void load_accumulators(float (&d)[kAccumulators], const float* dw, int o, int i0, int o_size, int i_size,
+                                                  bool accumulate) {
   const int i = i0 + 2 * (threadIdx.x % 4);
 #pragma unroll
-  for (int j = 0; j < 32; ++j)
+  for (int j = 0; j < kBlockN / 8; ++j)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float2 v = make_float2(0.0f, 0.0f);
@@ -155,10 +170,10 @@ __device__ __forceinline__ void load_accumulators(float (&d)[128], const float* 
     }
 }
 
-__device__ __forceinline__ void store_accumulators(float* dw, const float (&d)[128], int o, int i0, int o_size, int i_size) {
+__device__ __forceinline__ void store_accumulators(float* dw, const float (&d)[kAccumulators], int o, int i0, int o_size, int i_size) {
   const int i = i0 + 2 * (threadIdx.x % 4);
 #pragma unroll
-  for (int j = 0; j < 32; ++j)
+  for (int j = 0; j < kBlockN / 8; ++j)
 #pragma unroll
     for (int h = 0; h < 2; ++h)
       if (o + 8 * h < o_size && i + 8 * j < i_size)
@@ -172,15 +187,15 @@ __device__ __forceinline__ int64_t band_index(int expert, int o, int i0, int o_s
 }
 
 // The sum of squares of one warp's finished 16 dW rows (o is the band's first row for lane 0) x
-// 256 columns: a lane's values in groups of 8 squared and added in f32 (16 conversions to f64 a
-// lane instead of 128: f64 conversions issue at an eighth of the f32 rate), the groups in f64, the
+// kBlockN columns: a lane's values in groups of 8 squared and added in f32 (8 conversions to f64 a
+// lane instead of 64: f64 conversions issue at an eighth of the f32 rate), the groups in f64, the
 // lanes in a butterfly; lane 0 writes the band (grouped_linear.h's layout), unless it starts past O.
-__device__ __forceinline__ void store_band_squares(double* squares, const float (&d)[128], int expert, int o, int i0, int o_size,
-                                                   int i_size) {
+__device__ __forceinline__ void store_band_squares(double* squares, const float (&d)[kAccumulators], int expert, int o, int i0,
+                                                   int o_size, int i_size) {
   const int i = i0 + 2 * (threadIdx.x % 4);
   double sum = 0;
 #pragma unroll
-  for (int j2 = 0; j2 < 16; ++j2) {
+  for (int j2 = 0; j2 < kBlockN / 16; ++j2) {
     float group = 0;
 #pragma unroll
     for (int j = 2 * j2; j < 2 * j2 + 2; ++j)
@@ -201,15 +216,125 @@ __device__ __forceinline__ void store_band_squares(double* squares, const float 
 struct SourceMaps {
   CUtensorMap dy[2], x[2];
 };
+
+// The producer: one thread finds the block's tiles (one ahead, so that each tile's first stage can
+// announce the next) and issues their copies.
+__device__ __forceinline__ void produce(const SourceMaps& maps, int32_t* work, int tiles, int o_size, int i_size, uint32_t base,
+                                        uint32_t full, uint32_t empty, Announce* announce) {
+  auto tile_of = [&](int t) { return t < tiles ? find_tile(t, work, o_size, i_size) : kNoTile; };
+  int it = 0, t = int(blockIdx.x), next = int(gridDim.x) + atomicAdd(work + 1, 1);
+  for (; t < tiles; t = next, next = int(gridDim.x) + atomicAdd(work + 1, 1)) {
+    const Tile tile = tile_of(t);
+    for (int kb = 0; kb < k_steps(tile); ++kb, ++it) {
+      const int s = it % kStages;
+      const uint32_t stage = base + s * kStageBytes;
+      barrier_wait(empty + 8 * s, ((it / kStages) & 1) ^ 1);
+      if (kb == 0) announce[s] = Announce{tile, tile_of(next)};  // published by the arrive below
+      if (no_rows(tile)) {                                      // the tile alone
+        barrier_arrive(full + 8 * s);
+        continue;
+      }
+      const KStep step = k_step(tile, kb);
+      const CUtensorMap *dy_map = step.source == 0 ? &maps.dy[0] : &maps.dy[1], *x_map = step.source == 0 ? &maps.x[0] : &maps.x[1];
+      barrier_expect_bytes(full + 8 * s, kStageBytes);
+      for (int j = 0; j < kBlockM / 64; ++j) tma_load_2d(stage + j * kBoxBytes, dy_map, full + 8 * s, tile.o0 + 64 * j, step.row);
+      for (int j = 0; j < kBlockN / 64; ++j) tma_load_2d(stage + kTileABytes + j * kBoxBytes, x_map, full + 8 * s, tile.i0 + 64 * j, step.row);
+    }
+  }
+  if (it == 0) {  // no tile for this block: its first stage says so
+    barrier_wait(empty, 1);
+    announce[0] = Announce{kNoTile, kNoTile};
+    barrier_arrive(full);
+  }
+}
+
+// A consumer thread's place in the block's tiles: the next stage, the tile whose multiplies come
+// next (its old dW in the accumulators) and the finished tile whose results wait in `held`
+// (expert < 0: none).
+struct ConsumerState {
+  int it;
+  Tile tile, finished;
+};
+
+// Runs the multiplies of state.tile into d and, once the first ones are issued, stores the finished
+// tile from `held` and loads the next tile's old dW into it: the gradient traffic of one tile moves
+// under the multiplies of another, and each tile's sum still starts from its old dW and runs over
+// its rows in order (the same bits). Then d and held trade places (plain moves after the multiplies
+// are done: wgmma's accumulators are never written by other instructions while any are in flight).
+// Returns false after the block's last tile, stored.
+__device__ __forceinline__ bool consume(ConsumerState& state, float (&d)[kAccumulators], float (&held)[kAccumulators], float* dweight,
+                                        int o_size, int i_size, bool accumulate, double* squares, uint32_t base, uint32_t full,
+                                        uint32_t empty, const Announce* announce) {
+  const int consumer = int(threadIdx.x) / 128 - 1;
+  const bool lane0 = threadIdx.x % 32 == 0;
+  const int row_in_tile = 64 * consumer + 16 * (threadIdx.x / 32 % 4) + threadIdx.x % 32 / 4;  // this thread's first dW row
+  const Tile tile = state.tile;
+  barrier_wait(full + 8 * (state.it % kStages), (state.it / kStages) & 1);
+  const Tile next = announce[state.it % kStages].next;
+  auto dw_of = [&](const Tile& t) { return dweight + int64_t(t.expert) * o_size * i_size; };
+  auto trade_traffic = [&]() {
+    if (state.finished.expert >= 0) {
+      const Tile& f = state.finished;
+      store_accumulators(dw_of(f), held, f.o0 + row_in_tile, f.i0, o_size, i_size);
+      if (squares) store_band_squares(squares, held, f.expert, f.o0 + row_in_tile, f.i0, o_size, i_size);
+    }
+    if (next.expert >= 0) load_accumulators(held, dw_of(next), next.o0 + row_in_tile, next.i0, o_size, i_size, accumulate);
+  };
+  if (no_rows(tile)) {  // overwriting (accumulating lists only experts with rows): zeros, loaded as such
+    if (lane0) barrier_arrive(empty + 8 * (state.it % kStages));
+    ++state.it;
+    trade_traffic();
+  } else {
+    int previous = 0;
+    for (int kb = 0; kb < k_steps(tile); ++kb, ++state.it) {
+      const int s = state.it % kStages, valid = k_step(tile, kb).valid;
+      const uint32_t stage = base + s * kStageBytes;
+      if (kb > 0) barrier_wait(full + 8 * s, (state.it / kStages) & 1);
+      if (valid < kBlockK) zero_rows_past_end(stage, valid);
+      fence_registers(d);
+      mma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kBlockK / 16; ++kk) {
+        // Both operands MN-major: 64-column boxes of 64 token rows (8 KiB apart: the leading byte
+        // offset, used by B's two boxes), 8-row swizzle atoms 1024 bytes apart, 16 of K = 2048 bytes.
+        const uint64_t a = descriptor(stage + consumer * kBoxBytes + kk * 16 * 128, kBoxBytes, 1024);
+        const uint64_t b = descriptor(stage + kTileABytes + kk * 16 * 128, kBoxBytes, 1024);
+        mma_m64n128k16<1, 1>(d, a, b, 1);
+      }
+      mma_commit();
+      if (kb == 0) trade_traffic();
+      mma_wait<1>();  // the previous stage's multiplies are done: it may be refilled
+      fence_registers(d);
+      if (kb > 0 && lane0) barrier_arrive(empty + 8 * previous);
+      previous = s;
+    }
+    mma_wait<0>();
+    fence_registers(d);
+    if (lane0) barrier_arrive(empty + 8 * previous);
+  }
+  state.finished = tile;
+  state.tile = next;
+  if (next.expert < 0) {
+    store_accumulators(dw_of(tile), d, tile.o0 + row_in_tile, tile.i0, o_size, i_size);
+    if (squares) store_band_squares(squares, d, tile.expert, tile.o0 + row_in_tile, tile.i0, o_size, i_size);
+    return false;
+  }
+#pragma unroll
+  for (int j = 0; j < kAccumulators; ++j) {
+    const float result = d[j];
+    d[j] = held[j];
+    held[j] = result;
+  }
+  return true;
+}
+
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_dw_kernel(const __grid_constant__ SourceMaps maps, float* dweight, int32_t* work, int o_size, int i_size, bool accumulate,
                       double* squares) {
   extern __shared__ unsigned char smem_raw[];
   const uint32_t raw = smem_address(smem_raw), base = (raw + 1023) & ~1023u;
   const uint32_t full = base + kStages * kStageBytes, empty = full + kStages * 8;  // mbarriers, 8 bytes each
-  Tile* stage_tile = reinterpret_cast<Tile*>(smem_raw + (base - raw) + kStages * kStageBytes + 2 * kStages * 8);
-  auto stage = [&](int s) { return base + s * kStageBytes; };
-  const int warpgroup = threadIdx.x / 128;
+  Announce* announce = reinterpret_cast<Announce*>(smem_raw + (base - raw) + kStages * kStageBytes + 2 * kStages * 8);
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       barrier_init(full + 8 * s, 1);                // the producer's arrive with the byte count
@@ -219,84 +344,21 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   __syncthreads();
   const int tiles = work[0] * ((o_size + kBlockM - 1) / kBlockM) * ((i_size + kBlockN - 1) / kBlockN);
-
-  if (warpgroup == 0) {  // producer: one thread finds the tiles and issues the copies
+  if (threadIdx.x / 128 == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
-    if (threadIdx.x != 0) return;
-    int it = 0;
-    for (int t = blockIdx.x; t < tiles;) {
-      const int next = int(gridDim.x) + atomicAdd(work + 1, 1);
-      const Tile tile = find_tile(t, work, o_size, i_size);
-      for (int kb = 0; kb < k_steps(tile); ++kb, ++it) {
-        const int s = it % kStages;
-        barrier_wait(empty + 8 * s, ((it / kStages) & 1) ^ 1);
-        if (kb == 0) stage_tile[s] = tile;  // published by the arrive below
-        if (no_rows(tile)) {                // the tile alone
-          barrier_arrive(full + 8 * s);
-          continue;
-        }
-        const KStep step = k_step(tile, kb);
-        const CUtensorMap *dy_map = step.source == 0 ? &maps.dy[0] : &maps.dy[1], *x_map = step.source == 0 ? &maps.x[0] : &maps.x[1];
-        barrier_expect_bytes(full + 8 * s, kStageBytes);
-        for (int j = 0; j < kBlockM / 64; ++j) tma_load_2d(stage(s) + j * kBoxBytes, dy_map, full + 8 * s, tile.o0 + 64 * j, step.row);
-        for (int j = 0; j < kBlockN / 64; ++j)
-          tma_load_2d(stage(s) + kTileABytes + j * kBoxBytes, x_map, full + 8 * s, tile.i0 + 64 * j, step.row);
-      }
-      t = next;
-    }
-    const int s = it % kStages;  // the end: a stage that carries no tile
-    barrier_wait(empty + 8 * s, ((it / kStages) & 1) ^ 1);
-    stage_tile[s] = Tile{-1, 0, 0, 0, 0, 0, 0};
-    barrier_arrive(full + 8 * s);
+    if (threadIdx.x == 0) produce(maps, work, tiles, o_size, i_size, base, full, empty, announce);
     return;
   }
-
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
-  const int consumer = warpgroup - 1;
-  const bool lane0 = threadIdx.x % 32 == 0;
-  const int row_in_tile = 64 * consumer + 16 * (threadIdx.x / 32 % 4) + threadIdx.x % 32 / 4;  // this thread's first dW row
-  float d[128];
-  for (int it = 0;;) {
-    barrier_wait(full + 8 * (it % kStages), (it / kStages) & 1);
-    const Tile tile = stage_tile[it % kStages];
-    if (tile.expert < 0) break;
-    float* dw = dweight + int64_t(tile.expert) * o_size * i_size;
-    if (no_rows(tile)) {  // overwriting (accumulating lists only experts with rows)
-      if (lane0) barrier_arrive(empty + 8 * (it % kStages));
-      ++it;
-      load_accumulators(d, dw, tile.o0 + row_in_tile, tile.i0, o_size, i_size, false);
-      store_accumulators(dw, d, tile.o0 + row_in_tile, tile.i0, o_size, i_size);
-      const int band = tile.o0 + row_in_tile;  // lane 0's row starts the warp's band
-      if (squares && lane0 && band < o_size) squares[band_index(tile.expert, band, tile.i0, o_size, i_size)] = 0.0;
-      continue;
-    }
-    load_accumulators(d, dw, tile.o0 + row_in_tile, tile.i0, o_size, i_size, accumulate);
-    int previous = 0;
-    for (int kb = 0; kb < k_steps(tile); ++kb, ++it) {
-      const int s = it % kStages, valid = k_step(tile, kb).valid;
-      if (kb > 0) barrier_wait(full + 8 * s, (it / kStages) & 1);
-      if (valid < kBlockK) zero_rows_past_end(stage(s), valid);
-      fence_registers(d);
-      mma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kBlockK / 16; ++kk) {
-        // Both operands MN-major: 64-column boxes of 64 token rows (8 KiB apart: the leading byte
-        // offset, used by B's four boxes), 8-row swizzle atoms 1024 bytes apart, 16 of K = 2048 bytes.
-        const uint64_t a = descriptor(stage(s) + consumer * kBoxBytes + kk * 16 * 128, kBoxBytes, 1024);
-        const uint64_t b = descriptor(stage(s) + kTileABytes + kk * 16 * 128, kBoxBytes, 1024);
-        mma_m64n256k16<1, 1>(d, a, b, 1);
-      }
-      mma_commit();
-      mma_wait<1>();  // the previous stage's multiplies are done: it may be refilled
-      fence_registers(d);
-      if (kb > 0 && lane0) barrier_arrive(empty + 8 * previous);
-      previous = s;
-    }
-    mma_wait<0>();
-    fence_registers(d);
-    if (lane0) barrier_arrive(empty + 8 * previous);
-    store_accumulators(dw, d, tile.o0 + row_in_tile, tile.i0, o_size, i_size);
-    if (squares) store_band_squares(squares, d, tile.expert, tile.o0 + row_in_tile, tile.i0, o_size, i_size);
+  // The first tile's old dW loads before anything overlaps it.
+  barrier_wait(full, 0);
+  ConsumerState state{0, announce[0].tile, kNoTile};
+  if (state.tile.expert < 0) return;
+  float d[kAccumulators], held[kAccumulators];
+  const int row_in_tile = 64 * (int(threadIdx.x) / 128 - 1) + 16 * (threadIdx.x / 32 % 4) + threadIdx.x % 32 / 4;
+  load_accumulators(d, dweight + int64_t(state.tile.expert) * o_size * i_size, state.tile.o0 + row_in_tile, state.tile.i0, o_size, i_size,
+                    accumulate);
+  while (consume(state, d, held, dweight, o_size, i_size, accumulate, squares, base, full, empty, announce)) {
   }
 }
 
