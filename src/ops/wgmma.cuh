@@ -52,6 +52,18 @@ constexpr int kSmemBytes = 1024 + kStages * kStageBytes + kStagingBytes + 2 * kS
 __device__ __forceinline__ void barrier_init(uint32_t bar, uint32_t count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
 }
+// A pipeline's full/empty mbarriers (8 bytes each, `stages` of each) for one producer thread and
+// `consumers` warpgroups, set up by thread 0 before the whole block goes on.
+__device__ __forceinline__ void init_stage_barriers(uint32_t full, uint32_t empty, int stages, int consumers) {
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < stages; ++s) {
+      barrier_init(full + 8 * s, 1);              // the producer's arrive with the byte count
+      barrier_init(empty + 8 * s, 4 * consumers);  // one arrive per consumer warp
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+}
 __device__ __forceinline__ void barrier_expect_bytes(uint32_t bar, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
 }
@@ -235,14 +247,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto tile_a = [&](int s) { return base + s * kStageBytes; };
   auto tile_b = [&](int s) { return base + s * kStageBytes + kTileABytes; };
   const int warpgroup = threadIdx.x / 128;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < kStages; ++s) {
-      barrier_init(full + 8 * s, 1);                // the producer's arrive with the byte count
-      barrier_init(empty + 8 * s, 4 * kConsumers);  // one arrive per consumer warp
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  __syncthreads();
+  init_stage_barriers(full, empty, kStages, kConsumers);
   const int k_blocks = (k + kBlockK - 1) / kBlockK;
 
   if (warpgroup == 0) {  // producer: warp 0 finds the tiles, its lane 0 issues the copies

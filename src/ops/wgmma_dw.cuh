@@ -335,14 +335,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t raw = smem_address(smem_raw), base = (raw + 1023) & ~1023u;
   const uint32_t full = base + kStages * kStageBytes, empty = full + kStages * 8;  // mbarriers, 8 bytes each
   Announce* announce = reinterpret_cast<Announce*>(smem_raw + (base - raw) + kStages * kStageBytes + 2 * kStages * 8);
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < kStages; ++s) {
-      barrier_init(full + 8 * s, 1);                // the producer's arrive with the byte count
-      barrier_init(empty + 8 * s, 4 * kConsumers);  // one arrive per consumer warp
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  __syncthreads();
+  init_stage_barriers(full, empty, kStages, kConsumers);
   const int tiles = work[0] * ((o_size + kBlockM - 1) / kBlockM) * ((i_size + kBlockN - 1) / kBlockN);
   if (threadIdx.x / 128 == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
