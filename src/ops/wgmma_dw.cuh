@@ -6,8 +6,8 @@
 // K is the expert's rows: D[O tile, I tile] = A[O tile, k] B[k, I tile] with A = dy_e^T and B = x_e,
 // both read by TMA as they lie in memory (tiles of 64 token rows x 64 contiguous columns, 128-byte
 // swizzle), so A is M-major and B N-major: wgmma's transpose bits for both (A from shared memory).
-// Persistent like ops/wgmma.cuh (whose PTX wrappers it uses): one producer warpgroup (one thread
-// issues the copies, kStages deep, on mbarriers) and two consumer warpgroups of m64n128k16, each 64
+// Persistent like ops/wgmma.cuh (whose PTX wrappers it uses): one producer warp after two consumer
+// warpgroups (one thread issues the copies, kStages deep, on mbarriers); consumers of m64n128k16, each 64
 // dW rows of a 128 x 128 tile; blocks take tiles from a counter. A tile's sum runs over its expert's
 // rows in order in one block, so the result is deterministic (no split over rows, no atomics on data).
 // Expert boundaries lie inside K and are arbitrary: a tile's copies start at the expert's first row
@@ -18,16 +18,15 @@
 // with 2E maps built and uploaded per call and a tensormap fence per tile; zeroing costs a few
 // shared stores in one k-step per tile.) An expert with no rows (overwrite only) takes one stage
 // that carries its tile and nothing else, and its tiles store zeros: nothing loaded or multiplied.
-// Accumulate: the accumulators start from the old dW tile (the order that makes a pair the two
-// calls' bits); stores go straight from registers (each warp store covers whole 32-byte sectors).
-// That traffic, 2 x 4 bytes per dW element, bounds the kernel at the bench shapes (grouped_linear.h,
-// docs/performance.md), so it runs under the multiplies: each tile's first stage announces the
-// block's next tile, and while a tile multiplies (64 accumulators a thread) the consumers store the
-// previous tile's results and load the next tile's old dW from a second set of 64 registers, the
-// two sets trading places between tiles. dW moves with streaming hints (ld/st .cs) so that it does
-// not push the inputs out of L2. Given `squares`, each consumer warp also writes the sum of squares
-// of its 16 finished dW rows x 128 columns (grouped_linear.h's bands) from the registers it stores,
-// so the gradient norm need not read dW again.
+// Accumulate: the accumulators start from the old dW tile, loaded into registers before the first
+// multiply (the order that makes a pair the two calls' bits); the epilogue stores them straight from
+// registers (each warp store covers whole 32-byte sectors). That traffic, 2 x 4 bytes per dW element,
+// bounds the kernel at the bench shapes (grouped_linear.h, docs/performance.md), and a block waits
+// for it with its multiplies idle; so two blocks share an SM (64 accumulators a thread, three
+// stages each), one multiplying while the other moves its tile. dW moves with streaming hints
+// (ld/st .cs) so that it does not push the inputs out of L2. Given `squares`, each consumer warp
+// also writes the sum of squares of its 16 finished dW rows x 128 columns (grouped_linear.h's
+// bands) from the registers it stores, so the gradient norm need not read dW again.
 #pragma once
 #include <vector>
 
@@ -39,9 +38,11 @@ namespace marrow::wgmma::dw {
 constexpr int kBlockM = 128;  // dW rows (o) per tile: two consumer warpgroups of 64
 constexpr int kBlockN = 128;  // dW columns (i) per tile: one m64n128k16 per consumer
 constexpr int kBlockK = 64;   // token rows per stage
-constexpr int kStages = 6;
+constexpr int kStages = 3;
 constexpr int kConsumers = 2;
-constexpr int kThreads = 128 * (1 + kConsumers);
+constexpr int kThreads = 128 * kConsumers + 32;  // the producer warp last: the consumers stay warpgroup-aligned
+constexpr int kBlocksPerSm = 2;
+constexpr int kRegisters = 65536 / (kBlocksPerSm * kThreads) / 8 * 8;  // 112 a thread
 constexpr int kAccumulators = kBlockN / 2;              // a consumer thread's share of its 64 x kBlockN
 constexpr int kBoxBytes = 64 * kBlockK * 2;             // one TMA box: 64 token rows x 64 columns (128 bytes)
 constexpr int kTileABytes = kBlockM / 64 * kBoxBytes;  // dy: 2 boxes
@@ -55,15 +56,9 @@ static_assert(kBlockN == kSquaresBandCols, "a tile's epilogue writes whole bands
 struct Tile {
   int expert, begin0, end0, begin1, end1, o0, i0;
 };
-// What the first stage of a tile carries: the tile and the block's next one (expert < 0: none), so
-// that the consumers load the next tile's old dW while this one multiplies.
-struct Announce {
-  Tile tile, next;
-};
-constexpr Tile kNoTile{-1, 0, 0, 0, 0, 0, 0};
 // 1024 bytes of slack to align the stages to the swizzle's 1024-byte period, the stages, the
-// full/empty mbarriers and the announcement each stage may carry.
-constexpr int kSmemBytes = 1024 + kStages * kStageBytes + 2 * kStages * 8 + kStages * int(sizeof(Announce));
+// full/empty mbarriers and the tile each stage starts.
+constexpr int kSmemBytes = 1024 + kStages * kStageBytes + 2 * kStages * 8 + kStages * int(sizeof(Tile));
 
 // k-steps of source p's rows, and of the whole tile: an expert without rows still runs one (all its
 // rows zeroed).
@@ -143,7 +138,7 @@ __global__ void __launch_bounds__(kScheduleThreads)
 // consumer warpgroups (named barrier 1 over their 256 threads).
 __device__ __forceinline__ void zero_rows_past_end(uint32_t stage, int valid) {
   const int chunks = (kBlockK - valid) * 8;  // 16-byte chunks per box
-  for (int c = int(threadIdx.x) - 128; c < kStageBoxes * chunks; c += 128 * kConsumers) {
+  for (int c = int(threadIdx.x); c < kStageBoxes * chunks; c += 128 * kConsumers) {
     const uint32_t address = stage + (c / chunks) * kBoxBytes + valid * 128 + (c % chunks) * 16;
     asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(address), "r"(0) : "memory");
   }
@@ -216,93 +211,82 @@ __device__ __forceinline__ void store_band_squares(double* squares, const float 
 struct SourceMaps {
   CUtensorMap dy[2], x[2];
 };
+__global__ void __maxnreg__(kRegisters)
+    grouped_dw_kernel(const __grid_constant__ SourceMaps maps, float* dweight, int32_t* work, int o_size, int i_size, bool accumulate,
+                      double* squares) {
+  extern __shared__ unsigned char smem_raw[];
+  const uint32_t raw = smem_address(smem_raw), base = (raw + 1023) & ~1023u;
+  const uint32_t full = base + kStages * kStageBytes, empty = full + kStages * 8;  // mbarriers, 8 bytes each
+  Tile* stage_tile = reinterpret_cast<Tile*>(smem_raw + (base - raw) + kStages * kStageBytes + 2 * kStages * 8);
+  auto stage = [&](int s) { return base + s * kStageBytes; };
+  init_stage_barriers(full, empty, kStages, kConsumers);
+  const int tiles = work[0] * ((o_size + kBlockM - 1) / kBlockM) * ((i_size + kBlockN - 1) / kBlockN);
 
-// The producer: one thread finds the block's tiles (one ahead, so that each tile's first stage can
-// announce the next) and issues their copies.
-__device__ __forceinline__ void produce(const SourceMaps& maps, int32_t* work, int tiles, int o_size, int i_size, uint32_t base,
-                                        uint32_t full, uint32_t empty, Announce* announce) {
-  auto tile_of = [&](int t) { return t < tiles ? find_tile(t, work, o_size, i_size) : kNoTile; };
-  int it = 0, t = int(blockIdx.x), next = int(gridDim.x) + atomicAdd(work + 1, 1);
-  for (; t < tiles; t = next, next = int(gridDim.x) + atomicAdd(work + 1, 1)) {
-    const Tile tile = tile_of(t);
-    for (int kb = 0; kb < k_steps(tile); ++kb, ++it) {
-      const int s = it % kStages;
-      const uint32_t stage = base + s * kStageBytes;
-      barrier_wait(empty + 8 * s, ((it / kStages) & 1) ^ 1);
-      if (kb == 0) announce[s] = Announce{tile, tile_of(next)};  // published by the arrive below
-      if (no_rows(tile)) {                                      // the tile alone
-        barrier_arrive(full + 8 * s);
-        continue;
+  if (threadIdx.x >= 128 * kConsumers) {  // producer: one thread finds the tiles and issues the copies
+    if (threadIdx.x != 128 * kConsumers) return;
+    int it = 0;
+    for (int t = blockIdx.x; t < tiles;) {
+      const int next = int(gridDim.x) + atomicAdd(work + 1, 1);
+      const Tile tile = find_tile(t, work, o_size, i_size);
+      for (int kb = 0; kb < k_steps(tile); ++kb, ++it) {
+        const int s = it % kStages;
+        barrier_wait(empty + 8 * s, ((it / kStages) & 1) ^ 1);
+        if (kb == 0) stage_tile[s] = tile;  // published by the arrive below
+        if (no_rows(tile)) {                // the tile alone
+          barrier_arrive(full + 8 * s);
+          continue;
+        }
+        const KStep step = k_step(tile, kb);
+        const CUtensorMap *dy_map = step.source == 0 ? &maps.dy[0] : &maps.dy[1], *x_map = step.source == 0 ? &maps.x[0] : &maps.x[1];
+        barrier_expect_bytes(full + 8 * s, kStageBytes);
+        for (int j = 0; j < kBlockM / 64; ++j) tma_load_2d(stage(s) + j * kBoxBytes, dy_map, full + 8 * s, tile.o0 + 64 * j, step.row);
+        for (int j = 0; j < kBlockN / 64; ++j)
+          tma_load_2d(stage(s) + kTileABytes + j * kBoxBytes, x_map, full + 8 * s, tile.i0 + 64 * j, step.row);
       }
-      const KStep step = k_step(tile, kb);
-      const CUtensorMap *dy_map = step.source == 0 ? &maps.dy[0] : &maps.dy[1], *x_map = step.source == 0 ? &maps.x[0] : &maps.x[1];
-      barrier_expect_bytes(full + 8 * s, kStageBytes);
-      for (int j = 0; j < kBlockM / 64; ++j) tma_load_2d(stage + j * kBoxBytes, dy_map, full + 8 * s, tile.o0 + 64 * j, step.row);
-      for (int j = 0; j < kBlockN / 64; ++j) tma_load_2d(stage + kTileABytes + j * kBoxBytes, x_map, full + 8 * s, tile.i0 + 64 * j, step.row);
+      t = next;
     }
+    const int s = it % kStages;  // the end: a stage that carries no tile
+    barrier_wait(empty + 8 * s, ((it / kStages) & 1) ^ 1);
+    stage_tile[s] = Tile{-1, 0, 0, 0, 0, 0, 0};
+    barrier_arrive(full + 8 * s);
+    return;
   }
-  if (it == 0) {  // no tile for this block: its first stage says so
-    barrier_wait(empty, 1);
-    announce[0] = Announce{kNoTile, kNoTile};
-    barrier_arrive(full);
-  }
-}
 
-// A consumer thread's place in the block's tiles: the next stage, the tile whose multiplies come
-// next (its old dW in the accumulators) and the finished tile whose results wait in `held`
-// (expert < 0: none).
-struct ConsumerState {
-  int it;
-  Tile tile, finished;
-};
-
-// Runs the multiplies of state.tile into d and, once the first ones are issued, stores the finished
-// tile from `held` and loads the next tile's old dW into it: the gradient traffic of one tile moves
-// under the multiplies of another, and each tile's sum still starts from its old dW and runs over
-// its rows in order (the same bits). Then d and held trade places (plain moves after the multiplies
-// are done: wgmma's accumulators are never written by other instructions while any are in flight).
-// Returns false after the block's last tile, stored.
-__device__ __forceinline__ bool consume(ConsumerState& state, float (&d)[kAccumulators], float (&held)[kAccumulators], float* dweight,
-                                        int o_size, int i_size, bool accumulate, double* squares, uint32_t base, uint32_t full,
-                                        uint32_t empty, const Announce* announce) {
-  const int consumer = int(threadIdx.x) / 128 - 1;
+  const int consumer = int(threadIdx.x) / 128;
   const bool lane0 = threadIdx.x % 32 == 0;
   const int row_in_tile = 64 * consumer + 16 * (threadIdx.x / 32 % 4) + threadIdx.x % 32 / 4;  // this thread's first dW row
-  const Tile tile = state.tile;
-  barrier_wait(full + 8 * (state.it % kStages), (state.it / kStages) & 1);
-  const Tile next = announce[state.it % kStages].next;
-  auto dw_of = [&](const Tile& t) { return dweight + int64_t(t.expert) * o_size * i_size; };
-  auto trade_traffic = [&]() {
-    if (state.finished.expert >= 0) {
-      const Tile& f = state.finished;
-      store_accumulators(dw_of(f), held, f.o0 + row_in_tile, f.i0, o_size, i_size);
-      if (squares) store_band_squares(squares, held, f.expert, f.o0 + row_in_tile, f.i0, o_size, i_size);
+  float d[kAccumulators];
+  for (int it = 0;;) {
+    barrier_wait(full + 8 * (it % kStages), (it / kStages) & 1);
+    const Tile tile = stage_tile[it % kStages];
+    if (tile.expert < 0) break;
+    float* dw = dweight + int64_t(tile.expert) * o_size * i_size;
+    if (no_rows(tile)) {  // overwriting (accumulating lists only experts with rows)
+      if (lane0) barrier_arrive(empty + 8 * (it % kStages));
+      ++it;
+      load_accumulators(d, dw, tile.o0 + row_in_tile, tile.i0, o_size, i_size, false);
+      store_accumulators(dw, d, tile.o0 + row_in_tile, tile.i0, o_size, i_size);
+      const int band = tile.o0 + row_in_tile;  // lane 0's row starts the warp's band
+      if (squares && lane0 && band < o_size) squares[band_index(tile.expert, band, tile.i0, o_size, i_size)] = 0.0;
+      continue;
     }
-    if (next.expert >= 0) load_accumulators(held, dw_of(next), next.o0 + row_in_tile, next.i0, o_size, i_size, accumulate);
-  };
-  if (no_rows(tile)) {  // overwriting (accumulating lists only experts with rows): zeros, loaded as such
-    if (lane0) barrier_arrive(empty + 8 * (state.it % kStages));
-    ++state.it;
-    trade_traffic();
-  } else {
+    load_accumulators(d, dw, tile.o0 + row_in_tile, tile.i0, o_size, i_size, accumulate);
     int previous = 0;
-    for (int kb = 0; kb < k_steps(tile); ++kb, ++state.it) {
-      const int s = state.it % kStages, valid = k_step(tile, kb).valid;
-      const uint32_t stage = base + s * kStageBytes;
-      if (kb > 0) barrier_wait(full + 8 * s, (state.it / kStages) & 1);
-      if (valid < kBlockK) zero_rows_past_end(stage, valid);
+    for (int kb = 0; kb < k_steps(tile); ++kb, ++it) {
+      const int s = it % kStages, valid = k_step(tile, kb).valid;
+      if (kb > 0) barrier_wait(full + 8 * s, (it / kStages) & 1);
+      if (valid < kBlockK) zero_rows_past_end(stage(s), valid);
       fence_registers(d);
       mma_fence();
 #pragma unroll
       for (int kk = 0; kk < kBlockK / 16; ++kk) {
         // Both operands MN-major: 64-column boxes of 64 token rows (8 KiB apart: the leading byte
         // offset, used by B's two boxes), 8-row swizzle atoms 1024 bytes apart, 16 of K = 2048 bytes.
-        const uint64_t a = descriptor(stage + consumer * kBoxBytes + kk * 16 * 128, kBoxBytes, 1024);
-        const uint64_t b = descriptor(stage + kTileABytes + kk * 16 * 128, kBoxBytes, 1024);
+        const uint64_t a = descriptor(stage(s) + consumer * kBoxBytes + kk * 16 * 128, kBoxBytes, 1024);
+        const uint64_t b = descriptor(stage(s) + kTileABytes + kk * 16 * 128, kBoxBytes, 1024);
         mma_m64n128k16<1, 1>(d, a, b, 1);
       }
       mma_commit();
-      if (kb == 0) trade_traffic();
       mma_wait<1>();  // the previous stage's multiplies are done: it may be refilled
       fence_registers(d);
       if (kb > 0 && lane0) barrier_arrive(empty + 8 * previous);
@@ -311,47 +295,8 @@ __device__ __forceinline__ bool consume(ConsumerState& state, float (&d)[kAccumu
     mma_wait<0>();
     fence_registers(d);
     if (lane0) barrier_arrive(empty + 8 * previous);
-  }
-  state.finished = tile;
-  state.tile = next;
-  if (next.expert < 0) {
-    store_accumulators(dw_of(tile), d, tile.o0 + row_in_tile, tile.i0, o_size, i_size);
+    store_accumulators(dw, d, tile.o0 + row_in_tile, tile.i0, o_size, i_size);
     if (squares) store_band_squares(squares, d, tile.expert, tile.o0 + row_in_tile, tile.i0, o_size, i_size);
-    return false;
-  }
-#pragma unroll
-  for (int j = 0; j < kAccumulators; ++j) {
-    const float result = d[j];
-    d[j] = held[j];
-    held[j] = result;
-  }
-  return true;
-}
-
-__global__ void __launch_bounds__(kThreads, 1)
-    grouped_dw_kernel(const __grid_constant__ SourceMaps maps, float* dweight, int32_t* work, int o_size, int i_size, bool accumulate,
-                      double* squares) {
-  extern __shared__ unsigned char smem_raw[];
-  const uint32_t raw = smem_address(smem_raw), base = (raw + 1023) & ~1023u;
-  const uint32_t full = base + kStages * kStageBytes, empty = full + kStages * 8;  // mbarriers, 8 bytes each
-  Announce* announce = reinterpret_cast<Announce*>(smem_raw + (base - raw) + kStages * kStageBytes + 2 * kStages * 8);
-  init_stage_barriers(full, empty, kStages, kConsumers);
-  const int tiles = work[0] * ((o_size + kBlockM - 1) / kBlockM) * ((i_size + kBlockN - 1) / kBlockN);
-  if (threadIdx.x / 128 == 0) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
-    if (threadIdx.x == 0) produce(maps, work, tiles, o_size, i_size, base, full, empty, announce);
-    return;
-  }
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
-  // The first tile's old dW loads before anything overlaps it.
-  barrier_wait(full, 0);
-  ConsumerState state{0, announce[0].tile, kNoTile};
-  if (state.tile.expert < 0) return;
-  float d[kAccumulators], held[kAccumulators];
-  const int row_in_tile = 64 * (int(threadIdx.x) / 128 - 1) + 16 * (threadIdx.x / 32 % 4) + threadIdx.x % 32 / 4;
-  load_accumulators(d, dweight + int64_t(state.tile.expert) * o_size * i_size, state.tile.o0 + row_in_tile, state.tile.i0, o_size, i_size,
-                    accumulate);
-  while (consume(state, d, held, dweight, o_size, i_size, accumulate, squares, base, full, empty, announce)) {
   }
 }
 
@@ -363,8 +308,8 @@ struct Source {
 
 // dweight[E, O, I] (+)= dy_e^T x_e over sources[0], then sources[1] when given (rows > 0), for the
 // work items of `work` (device memory, see find_tile; its counter must be zero); works: their
-// number, or -1 when the host does not know it (a list built on the device: one block per SM, the
-// blocks past the last tile end at once). Needs rows > 0 in one source, O and I multiples of 8, dy
+// number, or -1 when the host does not know it (a list built on the device: as many blocks as the
+// GPU holds at once, those past the last tile end at once). Needs rows > 0 in one source, O and I multiples of 8, dy
 // and x 16-byte aligned, dweight 8. squares (may be null): the bands' sums of squares of the tiles
 // in `work`.
 inline void grouped_dw(float* dweight, const Source (&sources)[2], int32_t* work, int works, int64_t o, int64_t i, bool accumulate,
@@ -387,7 +332,14 @@ inline void grouped_dw(float* dweight, const Source (&sources)[2], int32_t* work
   MARROW_CUDA_CHECK(cudaGetDevice(&device));
   MARROW_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   MARROW_CUDA_CHECK(cudaFuncSetAttribute(grouped_dw_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
-  const unsigned grid = unsigned(works < 0 ? sms : std::min<int64_t>(tiles, sms));
+  static const int per_sm = [] {  // one process drives one kind of GPU
+    int blocks = 0;
+    MARROW_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, grouped_dw_kernel, kThreads, kSmemBytes));
+    MARROW_CHECK(blocks >= 1, "grouped dW: the kernel does not fit on an SM");
+    return blocks;
+  }();
+  const int resident = per_sm * sms;  // kBlocksPerSm by design: one block multiplies while another moves dW
+  const unsigned grid = unsigned(works < 0 ? resident : std::min<int64_t>(tiles, resident));
   grouped_dw_kernel<<<grid, kThreads, kSmemBytes, stream>>>(maps, dweight, work, int(o), int(i), accumulate, squares);
   MARROW_CUDA_CHECK_LAUNCH();
 }
