@@ -11,9 +11,9 @@
 // tensors 16-byte aligned (TMA's rule), else a plain one-thread-per-output kernel (odd test shapes).
 // cublasGemmGroupedBatchedEx (SM80 mma.sync inside) stays selectable for comparisons
 // (set_grouped_gemm_backend). backward_weight runs an own Hopper kernel too (ops/wgmma_dw.cuh: TMA +
-// wgmma with both operands transposed, persistent tiles of 128 x 128 of one expert's dW, each summed
+// wgmma with both operands transposed, persistent tiles of 128 x 256 of one expert's dW, each summed
 // over the expert's rows in order by one block, read-modify-write of the fp32 gradient from
-// registers under the next tile's multiplies) under the same shape rule, else a plain one-thread-per-dW-element kernel. All of them
+// registers) under the same shape rule, else a plain one-thread-per-dW-element kernel. All of them
 // are deterministic (no atomics on data).
 #pragma once
 #include "core/tensor.h"
@@ -40,7 +40,7 @@ void grouped_linear_backward_input(Tensor dx, Tensor dy, Tensor weight, Tensor e
 // squares (f64 [grouped_weight_squares_count(E, O, I)]), when given, receives sums of squares of
 // the resulting dweight, so that the gradient norm need not read the expert gradients again:
 // expert e's [O, I] is cut into bands of kSquaresBandRows rows x kSquaresBandCols columns (the last
-// ones cut at O and I), band (b, c) at e * ceil(O / 16) * ceil(I / 128) + b * ceil(I / 128) + c.
+// ones cut at O and I), band (b, c) at e * ceil(O / 16) * ceil(I / 256) + b * ceil(I / 256) + c.
 // The bands of every expert the call writes (every expert when overwriting, else those with rows)
 // are set from its new dweight; an expert the call leaves alone keeps its bands (the GPU's other
 // paths set them again from the same dweight). So when every call of a step passes the same
@@ -48,7 +48,7 @@ void grouped_linear_backward_input(Tensor dx, Tensor dy, Tensor weight, Tensor e
 // any extra read. The GPU computes a band in the wgmma kernel's epilogue (groups of 8 squares added
 // in f32, the groups in f64) and the CPU in f64 in row-major order: they agree to about 1e-7
 // relative, and each is deterministic.
-constexpr int64_t kSquaresBandRows = 16, kSquaresBandCols = 128;
+constexpr int64_t kSquaresBandRows = 16, kSquaresBandCols = 256;
 int64_t grouped_weight_squares_count(int64_t experts, int64_t o, int64_t i);
 void grouped_linear_backward_weight(Tensor dweight, Tensor dy, Tensor x, Tensor expert_offsets, bool overwrite = false,
                                     Tensor squares = {}, Stream stream = {});

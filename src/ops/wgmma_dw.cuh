@@ -6,49 +6,41 @@
 // K is the expert's rows: D[O tile, I tile] = A[O tile, k] B[k, I tile] with A = dy_e^T and B = x_e,
 // both read by TMA as they lie in memory (tiles of 64 token rows x 64 contiguous columns, 128-byte
 // swizzle), so A is M-major and B N-major: wgmma's transpose bits for both (A from shared memory).
-// Persistent like ops/wgmma.cuh (whose PTX wrappers it uses): one producer warp after two consumer
-// warpgroups (one thread issues the copies, kStages deep, on mbarriers); consumers of m64n128k16, each 64
-// dW rows of a 128 x 128 tile; blocks take tiles from a counter. A tile's sum runs over its expert's
+// Persistent like ops/wgmma.cuh (whose PTX wrappers it uses): one producer warpgroup (one thread
+// issues the copies, kStages deep, on mbarriers) and two consumer warpgroups of m64n256k16, each 64
+// dW rows of a 128 x 256 tile; blocks take tiles from a counter. A tile's sum runs over its expert's
 // rows in order in one block, so the result is deterministic (no split over rows, no atomics on data).
 // Expert boundaries lie inside K and are arbitrary: a tile's copies start at the expert's first row
 // (TMA coordinates need no alignment), so no earlier row is read; the last k-step may hold the next
 // expert's rows, which the consumers zero in shared memory (rows past the end of each of the stage's
-// four 8 KiB boxes are one contiguous byte range) before a proxy fence and a barrier of the two
+// six 8 KiB boxes are one contiguous byte range) before a proxy fence and a barrier of the two
 // consumer warpgroups, then multiply. (Per-expert tensor maps with TMA's zero fill would do the same
 // with 2E maps built and uploaded per call and a tensormap fence per tile; zeroing costs a few
 // shared stores in one k-step per tile.) An expert with no rows (overwrite only) takes one stage
 // that carries its tile and nothing else, and its tiles store zeros: nothing loaded or multiplied.
 // Accumulate: the accumulators start from the old dW tile, loaded into registers before the first
-// multiply (the order that makes a pair the two calls' bits); the epilogue stores them straight from
-// registers (each warp store covers whole 32-byte sectors). That traffic, 2 x 4 bytes per dW element,
-// bounds the kernel at the bench shapes (grouped_linear.h, docs/performance.md), and a block waits
-// for it with its multiplies idle; so two blocks share an SM (64 accumulators a thread, three
-// stages each), one multiplying while the other moves its tile. dW moves with streaming hints
-// (ld/st .cs) so that it does not push the inputs out of L2. Given `squares`, each consumer warp
-// also writes the sum of squares of its 16 finished dW rows x 128 columns (grouped_linear.h's
-// bands) from the registers it stores, so the gradient norm need not read dW again.
+// multiply; the epilogue stores them straight from registers (each warp store
+// covers whole 32-byte sectors). dW moves with streaming hints (ld/st .cs) so that its 2 x 4 bytes
+// per element do not push the inputs out of L2. The kernel is bound by that traffic at the bench
+// shapes: see grouped_linear.h and docs/performance.md. Given `squares`, each consumer warp also
+// writes the sum of squares of its 16 finished dW rows x 256 columns (grouped_linear.h's bands),
+// from the registers the epilogue stores, so the gradient norm need not read dW again.
 #pragma once
 #include <vector>
 
-#include "ops/grouped_linear.h"
 #include "ops/wgmma.cuh"
 
 namespace marrow::wgmma::dw {
 
 constexpr int kBlockM = 128;  // dW rows (o) per tile: two consumer warpgroups of 64
-constexpr int kBlockN = 128;  // dW columns (i) per tile: one m64n128k16 per consumer
+constexpr int kBlockN = 256;  // dW columns (i) per tile: one m64n256k16 per consumer
 constexpr int kBlockK = 64;   // token rows per stage
-constexpr int kStages = 3;
+constexpr int kStages = 4;
 constexpr int kConsumers = 2;
-constexpr int kThreads = 128 * kConsumers + 32;  // the producer warp last: the consumers stay warpgroup-aligned
-constexpr int kBlocksPerSm = 2;
-constexpr int kRegisters = 65536 / (kBlocksPerSm * kThreads) / 8 * 8;  // 112 a thread
-constexpr int kAccumulators = kBlockN / 2;              // a consumer thread's share of its 64 x kBlockN
+constexpr int kThreads = 128 * (1 + kConsumers);
 constexpr int kBoxBytes = 64 * kBlockK * 2;             // one TMA box: 64 token rows x 64 columns (128 bytes)
 constexpr int kTileABytes = kBlockM / 64 * kBoxBytes;  // dy: 2 boxes
-constexpr int kStageBytes = kTileABytes + kBlockN / 64 * kBoxBytes;  // + x: 2 boxes = 32 KiB
-constexpr int kStageBoxes = kStageBytes / kBoxBytes;
-static_assert(kBlockN == kSquaresBandCols, "a tile's epilogue writes whole bands of squares");
+constexpr int kStageBytes = kTileABytes + kBlockN / 64 * kBoxBytes;  // + x: 4 boxes = 48 KiB
 
 // A tile: rows [begin0, end0) of `expert` in source 0, then [begin1, end1) in source 1, dW rows
 // o0.., columns i0..; expert < 0: no tiles left. (Named fields, not arrays: an array indexed by a
@@ -133,12 +125,12 @@ __global__ void __launch_bounds__(kScheduleThreads)
   }
 }
 
-// Zeroes token rows [valid, 64) of the stage's boxes (valid < 64; a box row is 128 bytes,
+// Zeroes token rows [valid, 64) of the stage's six boxes (valid < 64; a box row is 128 bytes,
 // swizzled only within itself), then makes the writes visible to wgmma (async proxy) in both
 // consumer warpgroups (named barrier 1 over their 256 threads).
 __device__ __forceinline__ void zero_rows_past_end(uint32_t stage, int valid) {
   const int chunks = (kBlockK - valid) * 8;  // 16-byte chunks per box
-  for (int c = int(threadIdx.x); c < kStageBoxes * chunks; c += 128 * kConsumers) {
+  for (int c = int(threadIdx.x) - 128; c < 6 * chunks; c += 128 * kConsumers) {
     const uint32_t address = stage + (c / chunks) * kBoxBytes + valid * 128 + (c % chunks) * 16;
     asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(address), "r"(0) : "memory");
   }
@@ -146,15 +138,13 @@ __device__ __forceinline__ void zero_rows_past_end(uint32_t stage, int valid) {
   asm volatile("bar.sync 1, %0;" ::"n"(128 * kConsumers) : "memory");
 }
 
-// One consumer warp's 16 dW rows (o, o + 8 for lanes / 4) x kBlockN columns in the accumulator
-// layout (see ops/wgmma.cuh's store_rows): d[4j + 2h], d[4j + 2h + 1] are row o + 8h, columns
-// 8j + 2 (lane % 4) and + 1. Loads the old values (accumulate) or zeros; rows past O and columns past
-// I are left out.
-__device__ __forceinline__ void load_accumulators(float (&d)[kAccumulators], const float* dw, int o, int i0, int o_size, int i_size,
-                                                  bool accumulate) {
+// One consumer warp's 16 dW rows (o, o + 8 for lanes / 4) x 256 columns in the accumulator layout
+// (see ops/wgmma.cuh's store_rows): d[4j + 2h], d[4j + 2h + 1] are row o + 8h, columns 8j + 2 (lane % 4)
+// and + 1. Loads the old values (accumulate) or zeros; rows past O and columns past I are left out.
+__device__ __forceinline__ void load_accumulators(float (&d)[128], const float* dw, int o, int i0, int o_size, int i_size, bool accumulate) {
   const int i = i0 + 2 * (threadIdx.x % 4);
 #pragma unroll
-  for (int j = 0; j < kBlockN / 8; ++j)
+  for (int j = 0; j < 32; ++j)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float2 v = make_float2(0.0f, 0.0f);
@@ -165,10 +155,10 @@ __device__ __forceinline__ void load_accumulators(float (&d)[kAccumulators], con
     }
 }
 
-__device__ __forceinline__ void store_accumulators(float* dw, const float (&d)[kAccumulators], int o, int i0, int o_size, int i_size) {
+__device__ __forceinline__ void store_accumulators(float* dw, const float (&d)[128], int o, int i0, int o_size, int i_size) {
   const int i = i0 + 2 * (threadIdx.x % 4);
 #pragma unroll
-  for (int j = 0; j < kBlockN / 8; ++j)
+  for (int j = 0; j < 32; ++j)
 #pragma unroll
     for (int h = 0; h < 2; ++h)
       if (o + 8 * h < o_size && i + 8 * j < i_size)
@@ -182,15 +172,15 @@ __device__ __forceinline__ int64_t band_index(int expert, int o, int i0, int o_s
 }
 
 // The sum of squares of one warp's finished 16 dW rows (o is the band's first row for lane 0) x
-// kBlockN columns: a lane's values in groups of 8 squared and added in f32 (8 conversions to f64 a
-// lane instead of 64: f64 conversions issue at an eighth of the f32 rate), the groups in f64, the
+// 256 columns: a lane's values in groups of 8 squared and added in f32 (16 conversions to f64 a
+// lane instead of 128: f64 conversions issue at an eighth of the f32 rate), the groups in f64, the
 // lanes in a butterfly; lane 0 writes the band (grouped_linear.h's layout), unless it starts past O.
-__device__ __forceinline__ void store_band_squares(double* squares, const float (&d)[kAccumulators], int expert, int o, int i0,
-                                                   int o_size, int i_size) {
+__device__ __forceinline__ void store_band_squares(double* squares, const float (&d)[128], int expert, int o, int i0, int o_size,
+                                                   int i_size) {
   const int i = i0 + 2 * (threadIdx.x % 4);
   double sum = 0;
 #pragma unroll
-  for (int j2 = 0; j2 < kBlockN / 16; ++j2) {
+  for (int j2 = 0; j2 < 16; ++j2) {
     float group = 0;
 #pragma unroll
     for (int j = 2 * j2; j < 2 * j2 + 2; ++j)
@@ -211,7 +201,7 @@ __device__ __forceinline__ void store_band_squares(double* squares, const float 
 struct SourceMaps {
   CUtensorMap dy[2], x[2];
 };
-__global__ void __maxnreg__(kRegisters)
+__global__ void __launch_bounds__(kThreads, 1)
     grouped_dw_kernel(const __grid_constant__ SourceMaps maps, float* dweight, int32_t* work, int o_size, int i_size, bool accumulate,
                       double* squares) {
   extern __shared__ unsigned char smem_raw[];
@@ -219,11 +209,13 @@ __global__ void __maxnreg__(kRegisters)
   const uint32_t full = base + kStages * kStageBytes, empty = full + kStages * 8;  // mbarriers, 8 bytes each
   Tile* stage_tile = reinterpret_cast<Tile*>(smem_raw + (base - raw) + kStages * kStageBytes + 2 * kStages * 8);
   auto stage = [&](int s) { return base + s * kStageBytes; };
+  const int warpgroup = threadIdx.x / 128;
   init_stage_barriers(full, empty, kStages, kConsumers);
   const int tiles = work[0] * ((o_size + kBlockM - 1) / kBlockM) * ((i_size + kBlockN - 1) / kBlockN);
 
-  if (threadIdx.x >= 128 * kConsumers) {  // producer: one thread finds the tiles and issues the copies
-    if (threadIdx.x != 128 * kConsumers) return;
+  if (warpgroup == 0) {  // producer: one thread finds the tiles and issues the copies
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+    if (threadIdx.x != 0) return;
     int it = 0;
     for (int t = blockIdx.x; t < tiles;) {
       const int next = int(gridDim.x) + atomicAdd(work + 1, 1);
@@ -252,10 +244,11 @@ __global__ void __maxnreg__(kRegisters)
     return;
   }
 
-  const int consumer = int(threadIdx.x) / 128;
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+  const int consumer = warpgroup - 1;
   const bool lane0 = threadIdx.x % 32 == 0;
   const int row_in_tile = 64 * consumer + 16 * (threadIdx.x / 32 % 4) + threadIdx.x % 32 / 4;  // this thread's first dW row
-  float d[kAccumulators];
+  float d[128];
   for (int it = 0;;) {
     barrier_wait(full + 8 * (it % kStages), (it / kStages) & 1);
     const Tile tile = stage_tile[it % kStages];
@@ -281,10 +274,10 @@ __global__ void __maxnreg__(kRegisters)
 #pragma unroll
       for (int kk = 0; kk < kBlockK / 16; ++kk) {
         // Both operands MN-major: 64-column boxes of 64 token rows (8 KiB apart: the leading byte
-        // offset, used by B's two boxes), 8-row swizzle atoms 1024 bytes apart, 16 of K = 2048 bytes.
+        // offset, used by B's four boxes), 8-row swizzle atoms 1024 bytes apart, 16 of K = 2048 bytes.
         const uint64_t a = descriptor(stage(s) + consumer * kBoxBytes + kk * 16 * 128, kBoxBytes, 1024);
         const uint64_t b = descriptor(stage(s) + kTileABytes + kk * 16 * 128, kBoxBytes, 1024);
-        mma_m64n128k16<1, 1>(d, a, b, 1);
+        mma_m64n256k16<1, 1>(d, a, b, 1);
       }
       mma_commit();
       mma_wait<1>();  // the previous stage's multiplies are done: it may be refilled
@@ -308,8 +301,8 @@ struct Source {
 
 // dweight[E, O, I] (+)= dy_e^T x_e over sources[0], then sources[1] when given (rows > 0), for the
 // work items of `work` (device memory, see find_tile; its counter must be zero); works: their
-// number, or -1 when the host does not know it (a list built on the device: as many blocks as the
-// GPU holds at once, those past the last tile end at once). Needs rows > 0 in one source, O and I multiples of 8, dy
+// number, or -1 when the host does not know it (a list built on the device: one block per SM, the
+// blocks past the last tile end at once). Needs rows > 0 in one source, O and I multiples of 8, dy
 // and x 16-byte aligned, dweight 8. squares (may be null): the bands' sums of squares of the tiles
 // in `work`.
 inline void grouped_dw(float* dweight, const Source (&sources)[2], int32_t* work, int works, int64_t o, int64_t i, bool accumulate,
@@ -332,14 +325,7 @@ inline void grouped_dw(float* dweight, const Source (&sources)[2], int32_t* work
   MARROW_CUDA_CHECK(cudaGetDevice(&device));
   MARROW_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   MARROW_CUDA_CHECK(cudaFuncSetAttribute(grouped_dw_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
-  static const int per_sm = [] {  // one process drives one kind of GPU
-    int blocks = 0;
-    MARROW_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, grouped_dw_kernel, kThreads, kSmemBytes));
-    MARROW_CHECK(blocks >= 1, "grouped dW: the kernel does not fit on an SM");
-    return blocks;
-  }();
-  const int resident = per_sm * sms;  // kBlocksPerSm by design: one block multiplies while another moves dW
-  const unsigned grid = unsigned(works < 0 ? resident : std::min<int64_t>(tiles, resident));
+  const unsigned grid = unsigned(works < 0 ? sms : std::min<int64_t>(tiles, sms));
   grouped_dw_kernel<<<grid, kThreads, kSmemBytes, stream>>>(maps, dweight, work, int(o), int(i), accumulate, squares);
   MARROW_CUDA_CHECK_LAUNCH();
 }
