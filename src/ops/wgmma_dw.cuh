@@ -8,10 +8,7 @@
 // swizzle), so A is M-major and B N-major: wgmma's transpose bits for both (A from shared memory).
 // Persistent like ops/wgmma.cuh (whose PTX wrappers it uses): one producer warpgroup (one thread
 // issues the copies, kStages deep, on mbarriers) and two consumer warpgroups of m64n256k16, each 64
-// dW rows of a 128 x 256 tile. Blocks run in clusters of two that take the dW tiles (o0, i0) and
-// (o0 + 128, i0) of one expert from a counter: both multiply the same x rows, which block 0's
-// producer copies once and multicasts to both (the kernel is bound by bytes through L2, and x is
-// two thirds of its inputs' bytes: docs/performance.md), along with each block's own dy columns. A tile's sum runs over its expert's
+// dW rows of a 128 x 256 tile; blocks take tiles from a counter. A tile's sum runs over its expert's
 // rows in order in one block, so the result is deterministic (no split over rows, no atomics on data).
 // Expert boundaries lie inside K and are arbitrary: a tile's copies start at the expert's first row
 // (TMA coordinates need no alignment), so no earlier row is read; the last k-step may hold the next
@@ -41,7 +38,6 @@ constexpr int kBlockK = 64;   // token rows per stage
 constexpr int kStages = 4;
 constexpr int kConsumers = 2;
 constexpr int kThreads = 128 * (1 + kConsumers);
-constexpr int kCluster = 2;  // blocks of a cluster take the dW tiles o0 and o0 + 128 of one expert and i0
 constexpr int kBoxBytes = 64 * kBlockK * 2;             // one TMA box: 64 token rows x 64 columns (128 bytes)
 constexpr int kTileABytes = kBlockM / 64 * kBoxBytes;  // dy: 2 boxes
 constexpr int kStageBytes = kTileABytes + kBlockN / 64 * kBoxBytes;  // + x: 4 boxes = 48 KiB
@@ -76,18 +72,14 @@ __device__ __forceinline__ KStep k_step(const Tile& t, int kb) {
 }
 
 // work: the number of work items, a tile counter (zero at launch), then (expert, first row, end row
-// in source 0, the same in source 1) of each expert that gets tiles. Cluster tile t: work item
-// t / tiles_per_work, its kCluster x kBlockM by kBlockN dW tiles in row-major order; the tile of the
-// cluster's first block (the next block's starts kBlockM rows further, possibly past O).
+// in source 0, the same in source 1) of each expert that gets tiles. Tile t: work item
+// t / tiles_per_work, its dW tiles in row-major order.
 constexpr int kWorkInts = 5;
-__host__ __device__ __forceinline__ int cluster_tiles_per_work(int64_t o_size, int64_t i_size) {
-  return int((o_size + kCluster * kBlockM - 1) / (kCluster * kBlockM) * ((i_size + kBlockN - 1) / kBlockN));
-}
 __device__ __forceinline__ Tile find_tile(int t, const int32_t* work, int o_size, int i_size) {
-  const int i_tiles = (i_size + kBlockN - 1) / kBlockN, per_work = cluster_tiles_per_work(o_size, i_size);
-  const int w = t / per_work, local = t % per_work;
+  const int i_tiles = (i_size + kBlockN - 1) / kBlockN, o_tiles = (o_size + kBlockM - 1) / kBlockM;
+  const int w = t / (o_tiles * i_tiles), local = t % (o_tiles * i_tiles);
   const int32_t* item = work + 2 + kWorkInts * w;
-  return {item[0], item[1], item[2], item[3], item[4], local / i_tiles * kCluster * kBlockM, local % i_tiles * kBlockN};
+  return {item[0], item[1], item[2], item[3], item[4], local / i_tiles * kBlockM, local % i_tiles * kBlockN};
 }
 
 // The work list on the host from host offsets (second: null for one source): every expert with
@@ -209,89 +201,61 @@ __device__ __forceinline__ void store_band_squares(double* squares, const float 
 struct SourceMaps {
   CUtensorMap dy[2], x[2];
 };
-// Where a block's pipeline lies in shared memory (the same offsets in both blocks of a cluster).
-struct Pipeline {
-  uint32_t base, full, empty;  // the stages, then full and empty mbarriers (8 bytes each)
-  Tile* stage_tile;            // the tile each stage starts
-  __device__ uint32_t stage(int s) const { return base + s * kStageBytes; }
-};
+__global__ void __launch_bounds__(kThreads, 1)
+    grouped_dw_kernel(const __grid_constant__ SourceMaps maps, float* dweight, int32_t* work, int o_size, int i_size, bool accumulate,
+                      double* squares) {
+  extern __shared__ unsigned char smem_raw[];
+  const uint32_t raw = smem_address(smem_raw), base = (raw + 1023) & ~1023u;
+  const uint32_t full = base + kStages * kStageBytes, empty = full + kStages * 8;  // mbarriers, 8 bytes each
+  Tile* stage_tile = reinterpret_cast<Tile*>(smem_raw + (base - raw) + kStages * kStageBytes + 2 * kStages * 8);
+  auto stage = [&](int s) { return base + s * kStageBytes; };
+  const int warpgroup = threadIdx.x / 128;
+  init_stage_barriers(full, empty, kStages, kConsumers);
+  const int tiles = work[0] * ((o_size + kBlockM - 1) / kBlockM) * ((i_size + kBlockN - 1) / kBlockN);
 
-// Tells the partner block (rank 1) about stage s: its tile (o0 kBlockM further) when it starts one,
-// and an arrive that expects `bytes` (with no bytes: the stage carries the tile alone).
-__device__ __forceinline__ void announce_to_partner(const Pipeline& p, int s, bool starts, const Tile& tile, uint32_t bytes) {
-  if (starts) {
-    const uint32_t slot = cluster_address(smem_address(p.stage_tile + s), 1);
-    cluster_store(slot, tile.expert);
-    cluster_store(slot + 4, tile.begin0);
-    cluster_store(slot + 8, tile.end0);
-    cluster_store(slot + 12, tile.begin1);
-    cluster_store(slot + 16, tile.end1);
-    cluster_store(slot + 20, tile.o0 + kBlockM);
-    cluster_store(slot + 24, tile.i0);
-  }
-  const uint32_t bar = cluster_address(p.full + 8 * s, 1);
-  if (bytes) cluster_expect_bytes(bar, bytes);
-  else cluster_arrive(bar);
-}
-
-// The cluster's producer (one thread of block 0) finds the tiles and issues both blocks' copies: each
-// block's own dy columns, and x's columns once, multicast to both. A stage is refilled when all
-// consumer warps of both blocks have released it (block 0's empty barriers count them all). At the
-// end it waits for the last stages' releases, so that no arrive reaches block 0 after it exits.
-__device__ __forceinline__ void produce(const SourceMaps& maps, const Pipeline& p, int32_t* work, int o_size, int i_size) {
-  const int tiles = work[0] * cluster_tiles_per_work(o_size, i_size);
-  int it = 0;
-  for (int t = int(cluster_index()); t < tiles;) {
-    const int next = int(cluster_count()) + atomicAdd(work + 1, 1);
-    const Tile tile = find_tile(t, work, o_size, i_size);
-    for (int kb = 0; kb < k_steps(tile); ++kb, ++it) {
-      const int s = it % kStages;
-      const uint32_t full = p.full + 8 * s;
-      cluster_barrier_wait(p.empty + 8 * s, ((it / kStages) & 1) ^ 1);
-      if (kb == 0) p.stage_tile[s] = tile;  // published by the arrive below
-      if (no_rows(tile)) {                  // the tile alone
-        announce_to_partner(p, s, true, tile, 0);
-        barrier_arrive(full);
-        continue;
+  if (warpgroup == 0) {  // producer: one thread finds the tiles and issues the copies
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+    if (threadIdx.x != 0) return;
+    int it = 0;
+    for (int t = blockIdx.x; t < tiles;) {
+      const int next = int(gridDim.x) + atomicAdd(work + 1, 1);
+      const Tile tile = find_tile(t, work, o_size, i_size);
+      for (int kb = 0; kb < k_steps(tile); ++kb, ++it) {
+        const int s = it % kStages;
+        barrier_wait(empty + 8 * s, ((it / kStages) & 1) ^ 1);
+        if (kb == 0) stage_tile[s] = tile;  // published by the arrive below
+        if (no_rows(tile)) {                // the tile alone
+          barrier_arrive(full + 8 * s);
+          continue;
+        }
+        const KStep step = k_step(tile, kb);
+        const CUtensorMap *dy_map = step.source == 0 ? &maps.dy[0] : &maps.dy[1], *x_map = step.source == 0 ? &maps.x[0] : &maps.x[1];
+        barrier_expect_bytes(full + 8 * s, kStageBytes);
+        for (int j = 0; j < kBlockM / 64; ++j) tma_load_2d(stage(s) + j * kBoxBytes, dy_map, full + 8 * s, tile.o0 + 64 * j, step.row);
+        for (int j = 0; j < kBlockN / 64; ++j)
+          tma_load_2d(stage(s) + kTileABytes + j * kBoxBytes, x_map, full + 8 * s, tile.i0 + 64 * j, step.row);
       }
-      announce_to_partner(p, s, kb == 0, tile, kStageBytes);
-      barrier_expect_bytes(full, kStageBytes);
-      const KStep step = k_step(tile, kb);
-      const CUtensorMap *dy_map = step.source == 0 ? &maps.dy[0] : &maps.dy[1], *x_map = step.source == 0 ? &maps.x[0] : &maps.x[1];
-      for (int j = 0; j < kBlockM / 64; ++j) {
-        tma_load_2d(p.stage(s) + j * kBoxBytes, dy_map, full, tile.o0 + 64 * j, step.row);
-        tma_load_2d_multicast(p.stage(s) + j * kBoxBytes, dy_map, full, tile.o0 + kBlockM + 64 * j, step.row, 0b10);
-      }
-      for (int j = 0; j < kBlockN / 64; ++j)
-        tma_load_2d_multicast(p.stage(s) + kTileABytes + j * kBoxBytes, x_map, full, tile.i0 + 64 * j, step.row, 0b11);
+      t = next;
     }
-    t = next;
+    const int s = it % kStages;  // the end: a stage that carries no tile
+    barrier_wait(empty + 8 * s, ((it / kStages) & 1) ^ 1);
+    stage_tile[s] = Tile{-1, 0, 0, 0, 0, 0, 0};
+    barrier_arrive(full + 8 * s);
+    return;
   }
-  const int s = it % kStages;  // the end: a stage that carries no tile
-  cluster_barrier_wait(p.empty + 8 * s, ((it / kStages) & 1) ^ 1);
-  const Tile end{-1, 0, 0, 0, 0, 0, 0};
-  p.stage_tile[s] = end;
-  announce_to_partner(p, s, true, end, 0);
-  barrier_arrive(p.full + 8 * s);
-  for (int later = it + 1; later < it + kStages; ++later)
-    cluster_barrier_wait(p.empty + 8 * (later % kStages), ((later / kStages) & 1) ^ 1);
-}
 
-// A consumer warpgroup of either block: its 64 rows of each tile's 128, multiplied over the tile's
-// k-steps from the old dW (accumulate) or zeros, stored with their bands of squares.
-__device__ __forceinline__ void consume(const Pipeline& p, float* dweight, int o_size, int i_size, bool accumulate, double* squares) {
-  const int consumer = int(threadIdx.x) / 128 - 1;
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+  const int consumer = warpgroup - 1;
   const bool lane0 = threadIdx.x % 32 == 0;
   const int row_in_tile = 64 * consumer + 16 * (threadIdx.x / 32 % 4) + threadIdx.x % 32 / 4;  // this thread's first dW row
-  const uint32_t empty = cluster_address(p.empty, 0);  // block 0's, where both blocks release stages
   float d[128];
   for (int it = 0;;) {
-    cluster_barrier_wait(p.full + 8 * (it % kStages), (it / kStages) & 1);
-    const Tile tile = p.stage_tile[it % kStages];
+    barrier_wait(full + 8 * (it % kStages), (it / kStages) & 1);
+    const Tile tile = stage_tile[it % kStages];
     if (tile.expert < 0) break;
     float* dw = dweight + int64_t(tile.expert) * o_size * i_size;
     if (no_rows(tile)) {  // overwriting (accumulating lists only experts with rows)
-      if (lane0) cluster_arrive(empty + 8 * (it % kStages));
+      if (lane0) barrier_arrive(empty + 8 * (it % kStages));
       ++it;
       load_accumulators(d, dw, tile.o0 + row_in_tile, tile.i0, o_size, i_size, false);
       store_accumulators(dw, d, tile.o0 + row_in_tile, tile.i0, o_size, i_size);
@@ -303,50 +267,30 @@ __device__ __forceinline__ void consume(const Pipeline& p, float* dweight, int o
     int previous = 0;
     for (int kb = 0; kb < k_steps(tile); ++kb, ++it) {
       const int s = it % kStages, valid = k_step(tile, kb).valid;
-      if (kb > 0) cluster_barrier_wait(p.full + 8 * s, (it / kStages) & 1);
-      if (valid < kBlockK) zero_rows_past_end(p.stage(s), valid);
+      if (kb > 0) barrier_wait(full + 8 * s, (it / kStages) & 1);
+      if (valid < kBlockK) zero_rows_past_end(stage(s), valid);
       fence_registers(d);
       mma_fence();
 #pragma unroll
       for (int kk = 0; kk < kBlockK / 16; ++kk) {
         // Both operands MN-major: 64-column boxes of 64 token rows (8 KiB apart: the leading byte
         // offset, used by B's four boxes), 8-row swizzle atoms 1024 bytes apart, 16 of K = 2048 bytes.
-        const uint64_t a = descriptor(p.stage(s) + consumer * kBoxBytes + kk * 16 * 128, kBoxBytes, 1024);
-        const uint64_t b = descriptor(p.stage(s) + kTileABytes + kk * 16 * 128, kBoxBytes, 1024);
+        const uint64_t a = descriptor(stage(s) + consumer * kBoxBytes + kk * 16 * 128, kBoxBytes, 1024);
+        const uint64_t b = descriptor(stage(s) + kTileABytes + kk * 16 * 128, kBoxBytes, 1024);
         mma_m64n256k16<1, 1>(d, a, b, 1);
       }
       mma_commit();
       mma_wait<1>();  // the previous stage's multiplies are done: it may be refilled
       fence_registers(d);
-      if (kb > 0 && lane0) cluster_arrive(empty + 8 * previous);
+      if (kb > 0 && lane0) barrier_arrive(empty + 8 * previous);
       previous = s;
     }
     mma_wait<0>();
     fence_registers(d);
-    if (lane0) cluster_arrive(empty + 8 * previous);
+    if (lane0) barrier_arrive(empty + 8 * previous);
     store_accumulators(dw, d, tile.o0 + row_in_tile, tile.i0, o_size, i_size);
     if (squares) store_band_squares(squares, d, tile.expert, tile.o0 + row_in_tile, tile.i0, o_size, i_size);
   }
-}
-
-// Launched in clusters of kCluster blocks (grouped_dw). The first block's empty barriers count the
-// consumer warps of both blocks; the second block's stay unused.
-__global__ void __launch_bounds__(kThreads, 1)
-    grouped_dw_kernel(const __grid_constant__ SourceMaps maps, float* dweight, int32_t* work, int o_size, int i_size, bool accumulate,
-                      double* squares) {
-  extern __shared__ unsigned char smem_raw[];
-  const uint32_t raw = smem_address(smem_raw), base = (raw + 1023) & ~1023u;
-  const Pipeline p{base, base + kStages * kStageBytes, base + kStages * kStageBytes + kStages * 8,
-                   reinterpret_cast<Tile*>(smem_raw + (base - raw) + kStages * kStageBytes + 2 * kStages * 8)};
-  init_stage_barriers(p.full, p.empty, kStages, kCluster * kConsumers);
-  cluster_sync();  // both blocks' barriers exist before either block's arrives or copies reach them
-  if (threadIdx.x < 128) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
-    if (threadIdx.x == 0 && cluster_rank() == 0) produce(maps, p, work, o_size, i_size);
-    return;
-  }
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
-  consume(p, dweight, o_size, i_size, accumulate, squares);
 }
 
 // One source's rows: dy [rows, O] and x [rows, I].
@@ -357,13 +301,13 @@ struct Source {
 
 // dweight[E, O, I] (+)= dy_e^T x_e over sources[0], then sources[1] when given (rows > 0), for the
 // work items of `work` (device memory, see find_tile; its counter must be zero); works: their
-// number, or -1 when the host does not know it (a list built on the device: as many clusters as the
-// GPU holds at once, those past the last tile end at once). Needs rows > 0 in one source, O and I multiples of 8, dy
+// number, or -1 when the host does not know it (a list built on the device: one block per SM, the
+// blocks past the last tile end at once). Needs rows > 0 in one source, O and I multiples of 8, dy
 // and x 16-byte aligned, dweight 8. squares (may be null): the bands' sums of squares of the tiles
 // in `work`.
 inline void grouped_dw(float* dweight, const Source (&sources)[2], int32_t* work, int works, int64_t o, int64_t i, bool accumulate,
                        double* squares, cudaStream_t stream) {
-  const int64_t tiles = int64_t(works) * cluster_tiles_per_work(o, i);
+  const int64_t tiles = int64_t(works) * ((o + kBlockM - 1) / kBlockM) * ((i + kBlockN - 1) / kBlockN);
   if (works == 0) return;
   MARROW_CHECK(tiles < (int64_t(1) << 31), "grouped dW: {} tiles exceed the kernel's int range", tiles);
   SourceMaps maps;
@@ -377,26 +321,13 @@ inline void grouped_dw(float* dweight, const Source (&sources)[2], int32_t* work
     maps.dy[p] = tensor_map(source.dy, 2, dy_dims, dy_strides, box);
     maps.x[p] = tensor_map(source.x, 2, x_dims, x_strides, box);
   }
-  cudaLaunchAttribute cluster;
-  cluster.id = cudaLaunchAttributeClusterDimension;
-  cluster.val.clusterDim.x = kCluster;
-  cluster.val.clusterDim.y = cluster.val.clusterDim.z = 1;
-  cudaLaunchConfig_t config{};
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = kSmemBytes;
-  config.stream = stream;
-  config.attrs = &cluster;
-  config.numAttrs = 1;
-  static const int resident = [&] {  // clusters the GPU holds at once (one process drives one kind of GPU)
-    MARROW_CUDA_CHECK(cudaFuncSetAttribute(grouped_dw_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
-    int clusters = 0;
-    config.gridDim = dim3(kCluster);
-    MARROW_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, grouped_dw_kernel, &config));
-    MARROW_CHECK(clusters >= 1, "grouped dW: a cluster of {} blocks does not fit on the GPU", kCluster);
-    return clusters;
-  }();
-  config.gridDim = dim3(unsigned(kCluster * (works < 0 ? resident : std::min<int64_t>(tiles, resident))));
-  MARROW_CUDA_CHECK(cudaLaunchKernelEx(&config, grouped_dw_kernel, maps, dweight, work, int(o), int(i), accumulate, squares));
+  int device = 0, sms = 0;
+  MARROW_CUDA_CHECK(cudaGetDevice(&device));
+  MARROW_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  MARROW_CUDA_CHECK(cudaFuncSetAttribute(grouped_dw_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+  const unsigned grid = unsigned(works < 0 ? sms : std::min<int64_t>(tiles, sms));
+  grouped_dw_kernel<<<grid, kThreads, kSmemBytes, stream>>>(maps, dweight, work, int(o), int(i), accumulate, squares);
+  MARROW_CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace marrow::wgmma::dw
