@@ -289,8 +289,8 @@ void grouped_gemm_gpu(bool forward, Tensor out, Tensor in, Tensor weight, Tensor
 }
 
 // --- backward_weight: dW[e] += dy_e^T x_e ----------------------------------------------------
-// The own wgmma kernel (ops/wgmma_dw.cuh) where O and I are multiples of 8 and dy, x and dweight
-// 16-byte aligned (TMA's rule), else grouped_dw_simple_kernel.
+// The own wgmma kernel (ops/wgmma_dw.cuh) where O and I are multiples of 8 and dy, x 16-byte
+// aligned (TMA's rule), else grouped_dw_simple_kernel.
 
 // dW[e][o][c] (+)= sum over expert e's rows r of dy[r, o] x[r, c], one thread per dW element, fp32
 // sums in row order; an expert without rows is left alone when accumulating. Only for shapes the
@@ -346,12 +346,12 @@ void backward_weight_wgmma(float* dweight, const wgmma::dw::Source (&sources)[2]
     if (works == 0) return;
     work = upload(host, stream);
   }
-  wgmma::dw::grouped_dw(dweight, sources, work.ptr<int32_t>(), works, e, o, i, !overwrite, squares, s);
+  wgmma::dw::grouped_dw(dweight, sources, work.ptr<int32_t>(), works, o, i, !overwrite, squares, s);
 }
 
 // Whether the wgmma kernel takes these rows (TMA's rules).
 bool wgmma_takes(const Tensor& dweight, const Tensor& dy, const Tensor& x) {
-  return dweight.size(1) % 8 == 0 && dweight.size(2) % 8 == 0 && aligned(dy.data, 16) && aligned(x.data, 16) && aligned(dweight.data, 16);
+  return dweight.size(1) % 8 == 0 && dweight.size(2) % 8 == 0 && aligned(dy.data, 16) && aligned(x.data, 16) && aligned(dweight.data, 8);
 }
 
 wgmma::dw::Source source_of(const Tensor& dy, const Tensor& x) {

@@ -12,9 +12,8 @@
 // cublasGemmGroupedBatchedEx (SM80 mma.sync inside) stays selectable for comparisons
 // (set_grouped_gemm_backend). backward_weight runs an own Hopper kernel too (ops/wgmma_dw.cuh: TMA +
 // wgmma with both operands transposed, persistent tiles of 128 x 256 of one expert's dW, each summed
-// over the expert's rows in order by one block, the old fp32 gradient loaded into the accumulators
-// and the result TMA-stored through shared memory) under the same shape rule (dweight 16-byte
-// aligned too), else a plain one-thread-per-dW-element kernel. All of them
+// over the expert's rows in order by one block, read-modify-write of the fp32 gradient from
+// registers) under the same shape rule, else a plain one-thread-per-dW-element kernel. All of them
 // are deterministic (no atomics on data).
 #pragma once
 #include "core/tensor.h"

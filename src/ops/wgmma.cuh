@@ -95,24 +95,6 @@ __device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map
       : "memory");
 }
 
-// A box of shared memory at `src` written to global memory by TMA (elements past the tensor's ends
-// are left out), in this thread's current bulk group, its lines marked first to leave L2 (not read
-// again by the kernels that store this way); commit closes the group, wait_read<N> waits
-// until at most N groups still read their shared memory, wait_all<0> until all are written.
-__device__ __forceinline__ void tma_store_3d(const CUtensorMap* map, uint32_t src, int c0, int c1, int c2) {
-  uint64_t policy;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-  asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.tile.bulk_group.L2::cache_hint [%0, {%2, %3, %4}], [%1], %5;" ::"l"(map),
-               "r"(src), "r"(c0), "r"(c1), "r"(c2), "l"(policy)
-               : "memory");
-}
-__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void bulk_wait_read() {
-  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
-}
-__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
-
 // Shared-memory matrix descriptor for a 128-byte-swizzled tile: start address, leading and stride
 // byte offsets (each >> 4) and the swizzle mode (1 = 128 bytes) in bits 62-63. Tiles are 1024-byte
 // aligned, so the base-offset field stays 0.
@@ -340,11 +322,10 @@ inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
 }
 
 // A bf16 tensor map with 128-byte swizzle; dims innermost first, strides in bytes (rank - 1 of them).
-inline CUtensorMap tensor_map(const void* data, int rank, const cuuint64_t* dims, const cuuint64_t* strides, const cuuint32_t* box,
-                              CUtensorMapDataType type = CU_TENSOR_MAP_DATA_TYPE_BFLOAT16) {
+inline CUtensorMap tensor_map(const void* data, int rank, const cuuint64_t* dims, const cuuint64_t* strides, const cuuint32_t* box) {
   CUtensorMap map;
   const cuuint32_t element_strides[3] = {1, 1, 1};
-  const CUresult result = tensor_map_encoder()(&map, type, cuuint32_t(rank), const_cast<void*>(data), dims,
+  const CUresult result = tensor_map_encoder()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, cuuint32_t(rank), const_cast<void*>(data), dims,
                                                strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
                                                CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                                                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);

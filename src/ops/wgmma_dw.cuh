@@ -19,10 +19,10 @@
 // shared stores in one k-step per tile.) An expert with no rows (overwrite only) takes one stage
 // that carries its tile and nothing else, and its tiles store zeros: nothing loaded or multiplied.
 // Accumulate: the accumulators start from the old dW tile, loaded into registers before the first
-// multiply (streaming loads, ld.cs, so that dW does not push the inputs out of L2). The epilogue
-// writes each consumer warpgroup's finished rows into shared memory and TMA stores them, so the
-// warps go back to multiplying while the bytes travel (stores from registers held up the warps'
-// next wgmma: docs/performance.md). Given `squares`, each consumer warp also
+// multiply; the epilogue stores them straight from registers (each warp store
+// covers whole 32-byte sectors). dW moves with streaming hints (ld/st .cs) so that its 2 x 4 bytes
+// per element do not push the inputs out of L2. The kernel is bound by that traffic at the bench
+// shapes: see grouped_linear.h and docs/performance.md. Given `squares`, each consumer warp also
 // writes the sum of squares of its 16 finished dW rows x 256 columns (grouped_linear.h's bands),
 // from the registers the epilogue stores, so the gradient norm need not read dW again.
 #pragma once
@@ -35,17 +35,12 @@ namespace marrow::wgmma::dw {
 constexpr int kBlockM = 128;  // dW rows (o) per tile: two consumer warpgroups of 64
 constexpr int kBlockN = 256;  // dW columns (i) per tile: one m64n256k16 per consumer
 constexpr int kBlockK = 64;   // token rows per stage
-constexpr int kStages = 3;
+constexpr int kStages = 4;
 constexpr int kConsumers = 2;
 constexpr int kThreads = 128 * (1 + kConsumers);
 constexpr int kBoxBytes = 64 * kBlockK * 2;             // one TMA box: 64 token rows x 64 columns (128 bytes)
 constexpr int kTileABytes = kBlockM / 64 * kBoxBytes;  // dy: 2 boxes
 constexpr int kStageBytes = kTileABytes + kBlockN / 64 * kBoxBytes;  // + x: 4 boxes = 48 KiB
-// A consumer warpgroup's staging for TMA stores of dW: half its 64 x 256 rows, as four boxes of 64
-// rows x 32 f32 columns (128-byte rows, 128-byte swizzle).
-constexpr int kStoreBoxCols = 32;
-constexpr int kStoreBoxBytes = 64 * kStoreBoxCols * 4;
-constexpr int kStagingBytes = kBlockN / 2 / kStoreBoxCols * kStoreBoxBytes;  // 32 KiB
 
 // A tile: rows [begin0, end0) of `expert` in source 0, then [begin1, end1) in source 1, dW rows
 // o0.., columns i0..; expert < 0: no tiles left. (Named fields, not arrays: an array indexed by a
@@ -53,9 +48,9 @@ constexpr int kStagingBytes = kBlockN / 2 / kStoreBoxCols * kStoreBoxBytes;  // 
 struct Tile {
   int expert, begin0, end0, begin1, end1, o0, i0;
 };
-// 1024 bytes of slack to align the stages to the swizzle's 1024-byte period, the stages, each
-// consumer warpgroup's staging, the full/empty mbarriers and the tile each stage starts.
-constexpr int kSmemBytes = 1024 + kStages * kStageBytes + kConsumers * kStagingBytes + 2 * kStages * 8 + kStages * int(sizeof(Tile));
+// 1024 bytes of slack to align the stages to the swizzle's 1024-byte period, the stages, the
+// full/empty mbarriers and the tile each stage starts.
+constexpr int kSmemBytes = 1024 + kStages * kStageBytes + 2 * kStages * 8 + kStages * int(sizeof(Tile));
 
 // k-steps of source p's rows, and of the whole tile: an expert without rows still runs one (all its
 // rows zeroed).
@@ -160,6 +155,16 @@ __device__ __forceinline__ void load_accumulators(float (&d)[128], const float* 
     }
 }
 
+__device__ __forceinline__ void store_accumulators(float* dw, const float (&d)[128], int o, int i0, int o_size, int i_size) {
+  const int i = i0 + 2 * (threadIdx.x % 4);
+#pragma unroll
+  for (int j = 0; j < 32; ++j)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      if (o + 8 * h < o_size && i + 8 * j < i_size)
+        __stcs(reinterpret_cast<float2*>(dw + int64_t(o + 8 * h) * i_size + i + 8 * j), make_float2(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]));
+}
+
 // grouped_linear.h's band of dW row o (a multiple of 16), columns i0..
 __device__ __forceinline__ int64_t band_index(int expert, int o, int i0, int o_size, int i_size) {
   const int bands_o = (o_size + 15) / 16, bands_i = (i_size + kBlockN - 1) / kBlockN;
@@ -191,59 +196,18 @@ __device__ __forceinline__ void store_band_squares(double* squares, const float 
   if (threadIdx.x % 32 == 0 && o < o_size) squares[band_index(expert, o, i0, o_size, i_size)] = sum;
 }
 
-// dy[p]: source p's dy as [R_p, O], x[p]: its x as [R_p, I], boxes of 64 columns x 64 rows (with one
-// source, source 1's maps repeat source 0's and no work item has rows there); dw: dweight as
-// [E, O, I] f32, boxes of 32 columns x 64 rows (kStoreBoxBytes).
-struct Maps {
-  CUtensorMap dy[2], x[2], dw;
+// dy_maps[p]: source p's dy as [R_p, O], x_maps[p]: its x as [R_p, I], boxes of 64 columns x 64 rows
+// (with one source, source 1's maps repeat source 0's and no work item has rows there).
+struct SourceMaps {
+  CUtensorMap dy[2], x[2];
 };
-
-// Named barriers 2 and 3 (1 is zero_rows_past_end's), as constants so ptxas reserves only those.
-__device__ __forceinline__ void warpgroup_barrier(int consumer) {
-  if (consumer == 0) asm volatile("bar.sync 2, 128;" ::: "memory");
-  else asm volatile("bar.sync 3, 128;" ::: "memory");
-}
-
-// A consumer warpgroup's finished 64 x 256 rows of the tile to dW through shared memory, in two
-// halves of 128 columns: each written into the warpgroup's staging (the accumulator layout of
-// load_accumulators, swizzled as TMA reads it: a warp's stores take two wavefronts) and sent by one
-// TMA store per box, so that the warps go back to multiplying while the bytes travel (rows past O
-// and columns past I are left out by TMA). Before each half, the warpgroup's first thread waits
-// until the staging's earlier stores have read it.
-__device__ __forceinline__ void store_tile(const CUtensorMap* map, uint32_t staging, const float (&d)[128], const Tile& tile, int consumer) {
-  const int t = int(threadIdx.x) % 128, row = 16 * (t / 32) + t % 32 / 4, q = t % 4;
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    if (t == 0) bulk_wait_read<0>();
-    warpgroup_barrier(consumer);
-#pragma unroll
-    for (int jj = 0; jj < 16; ++jj) {
-      const int j = 16 * half + jj, col = 8 * jj + 2 * q;  // d's columns 8j + 2q, + 1: col, col + 1 of the half
-      const int box = col / kStoreBoxCols, byte = col % kStoreBoxCols * 4;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int r = row + 8 * h;
-        const uint32_t address = staging + box * kStoreBoxBytes + r * 128 + ((byte / 16) ^ (r % 8)) * 16 + byte % 16;
-        asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(address), "f"(d[4 * j + 2 * h]), "f"(d[4 * j + 2 * h + 1]) : "memory");
-      }
-    }
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    warpgroup_barrier(consumer);
-    if (t == 0) {
-      for (int b = 0; b < kBlockN / 2 / kStoreBoxCols; ++b)
-        tma_store_3d(map, staging + b * kStoreBoxBytes, tile.i0 + kBlockN / 2 * half + kStoreBoxCols * b, tile.o0 + 64 * consumer, tile.expert);
-      bulk_commit();
-    }
-  }
-}
 __global__ void __launch_bounds__(kThreads, 1)
-    grouped_dw_kernel(const __grid_constant__ Maps maps, float* dweight, int32_t* work, int o_size, int i_size, bool accumulate,
+    grouped_dw_kernel(const __grid_constant__ SourceMaps maps, float* dweight, int32_t* work, int o_size, int i_size, bool accumulate,
                       double* squares) {
   extern __shared__ unsigned char smem_raw[];
   const uint32_t raw = smem_address(smem_raw), base = (raw + 1023) & ~1023u;
-  const uint32_t staging = base + kStages * kStageBytes;                                   // one per consumer warpgroup
-  const uint32_t full = staging + kConsumers * kStagingBytes, empty = full + kStages * 8;  // mbarriers, 8 bytes each
-  Tile* stage_tile = reinterpret_cast<Tile*>(smem_raw + (full - raw) + 2 * kStages * 8);
+  const uint32_t full = base + kStages * kStageBytes, empty = full + kStages * 8;  // mbarriers, 8 bytes each
+  Tile* stage_tile = reinterpret_cast<Tile*>(smem_raw + (base - raw) + kStages * kStageBytes + 2 * kStages * 8);
   auto stage = [&](int s) { return base + s * kStageBytes; };
   const int warpgroup = threadIdx.x / 128;
   init_stage_barriers(full, empty, kStages, kConsumers);
@@ -294,7 +258,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (lane0) barrier_arrive(empty + 8 * (it % kStages));
       ++it;
       load_accumulators(d, dw, tile.o0 + row_in_tile, tile.i0, o_size, i_size, false);
-      store_tile(&maps.dw, staging + consumer * kStagingBytes, d, tile, consumer);
+      store_accumulators(dw, d, tile.o0 + row_in_tile, tile.i0, o_size, i_size);
       const int band = tile.o0 + row_in_tile;  // lane 0's row starts the warp's band
       if (squares && lane0 && band < o_size) squares[band_index(tile.expert, band, tile.i0, o_size, i_size)] = 0.0;
       continue;
@@ -324,10 +288,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     mma_wait<0>();
     fence_registers(d);
     if (lane0) barrier_arrive(empty + 8 * previous);
-    store_tile(&maps.dw, staging + consumer * kStagingBytes, d, tile, consumer);
+    store_accumulators(dw, d, tile.o0 + row_in_tile, tile.i0, o_size, i_size);
     if (squares) store_band_squares(squares, d, tile.expert, tile.o0 + row_in_tile, tile.i0, o_size, i_size);
   }
-  if (threadIdx.x % 128 == 0) bulk_wait_all();  // the staging stays until its stores are done
 }
 
 // One source's rows: dy [rows, O] and x [rows, I].
@@ -339,15 +302,15 @@ struct Source {
 // dweight[E, O, I] (+)= dy_e^T x_e over sources[0], then sources[1] when given (rows > 0), for the
 // work items of `work` (device memory, see find_tile; its counter must be zero); works: their
 // number, or -1 when the host does not know it (a list built on the device: one block per SM, the
-// blocks past the last tile end at once). Needs rows > 0 in one source, O and I multiples of 8, dy,
-// x and dweight 16-byte aligned. squares (may be null): the bands' sums of squares of the tiles in
-// `work`.
-inline void grouped_dw(float* dweight, const Source (&sources)[2], int32_t* work, int works, int64_t experts, int64_t o, int64_t i,
-                       bool accumulate, double* squares, cudaStream_t stream) {
+// blocks past the last tile end at once). Needs rows > 0 in one source, O and I multiples of 8, dy
+// and x 16-byte aligned, dweight 8. squares (may be null): the bands' sums of squares of the tiles
+// in `work`.
+inline void grouped_dw(float* dweight, const Source (&sources)[2], int32_t* work, int works, int64_t o, int64_t i, bool accumulate,
+                       double* squares, cudaStream_t stream) {
   const int64_t tiles = int64_t(works) * ((o + kBlockM - 1) / kBlockM) * ((i + kBlockN - 1) / kBlockN);
   if (works == 0) return;
   MARROW_CHECK(tiles < (int64_t(1) << 31), "grouped dW: {} tiles exceed the kernel's int range", tiles);
-  Maps maps;
+  SourceMaps maps;
   const Source& fallback = sources[0].rows > 0 ? sources[0] : sources[1];  // for a source without rows
   MARROW_CHECK(fallback.rows > 0, "grouped dW: no source has rows");
   for (int p = 0; p < 2; ++p) {
@@ -358,10 +321,6 @@ inline void grouped_dw(float* dweight, const Source (&sources)[2], int32_t* work
     maps.dy[p] = tensor_map(source.dy, 2, dy_dims, dy_strides, box);
     maps.x[p] = tensor_map(source.x, 2, x_dims, x_strides, box);
   }
-  const cuuint64_t dw_dims[3] = {cuuint64_t(i), cuuint64_t(o), cuuint64_t(experts)};
-  const cuuint64_t dw_strides[2] = {cuuint64_t(i) * 4, cuuint64_t(o * i) * 4};
-  const cuuint32_t dw_box[3] = {kStoreBoxCols, 64, 1};
-  maps.dw = tensor_map(dweight, 3, dw_dims, dw_strides, dw_box, CU_TENSOR_MAP_DATA_TYPE_FLOAT32);
   int device = 0, sms = 0;
   MARROW_CUDA_CHECK(cudaGetDevice(&device));
   MARROW_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
