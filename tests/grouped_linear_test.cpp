@@ -170,5 +170,55 @@ TEST(GroupedLinear, PairIsTheTwoCallsItStandsFor) {
   }
 }
 
+// known_zero: an overwrite writes an empty expert's zeros only where its flag is not set, and the
+// flags follow grouped_linear.h (set exactly for the experts without rows after an overwrite,
+// cleared by rows); the results are those of the same calls without flags. Garbage planted in a
+// flagged expert's slice stays: the op trusts the flag (the caller's promise).
+TEST(GroupedLinear, KnownZeroFlagsSkipOnlyZerosThatAreThere) {
+  const int64_t e = 4, o = 3, in = 5;
+  Buffer offsets = offsets_buffer({0, 2, 2, 5, 5}), later = offsets_buffer({0, 0, 1, 1, 3});
+  Buffer x = random_buffer(DType::f64, {5, in}, 1), dy = random_buffer(DType::f64, {5, o}, 2);
+  Buffer x2 = random_buffer(DType::f64, {3, in}, 3), dy2 = random_buffer(DType::f64, {3, o}, 4);
+  Buffer plain = random_buffer(DType::f64, {e, o, in}, 5), flagged = random_buffer(DType::f64, {e, o, in}, 6);
+  Buffer known(DType::i32, Device::cpu, {e});
+  std::fill_n(known.ptr<int32_t>(), e, 0);
+  auto flags = [&] { return std::vector<int32_t>(known.ptr<int32_t>(), known.ptr<int32_t>() + e); };
+  auto same = [&] { return std::memcmp(plain.view().data, flagged.view().data, plain.view().bytes()) == 0; };
+  for (int step = 0; step < 2; ++step) {  // the second finds the empty experts' zeros known
+    grouped_linear_backward_weight(plain, dy, x, offsets, true);
+    grouped_linear_backward_weight(flagged, dy, x, offsets, true, {}, known);
+    EXPECT_TRUE(same()) << step;
+    EXPECT_EQ(flags(), (std::vector<int32_t>{0, 1, 0, 1})) << step;
+  }
+  grouped_linear_backward_weight(plain, dy2, x2, later, false);
+  grouped_linear_backward_weight(flagged, dy2, x2, later, false, {}, known);
+  EXPECT_TRUE(same());
+  EXPECT_EQ(flags(), (std::vector<int32_t>{0, 0, 0, 0}));  // experts 1 and 3 got rows
+  grouped_linear_backward_weight(flagged, dy, x, offsets, true, {}, known);
+  EXPECT_EQ(flags(), (std::vector<int32_t>{0, 1, 0, 1}));
+  flagged.ptr<double>()[3 * o * in] = 7;  // expert 3, flagged
+  grouped_linear_backward_weight(flagged, dy, x, offsets, true, {}, known);
+  EXPECT_EQ(flagged.ptr<double>()[3 * o * in], 7);
+  EXPECT_EQ(flagged.ptr<double>()[1 * o * in], 0);
+
+  // A pair from all-zero gradients, all flagged: experts 1 and 3 have rows in the second micro-batch
+  // only; rows in either count, and the results are the flagless pair's.
+  Buffer pair_flags(DType::i32, Device::cpu, {e});
+  std::fill_n(pair_flags.ptr<int32_t>(), e, 1);
+  fill_zero(plain);
+  fill_zero(flagged);
+  grouped_linear_backward_weight_pair(plain, {dy, x, offsets}, {dy2, x2, later}, true);
+  grouped_linear_backward_weight_pair(flagged, {dy, x, offsets}, {dy2, x2, later}, true, {}, pair_flags);
+  EXPECT_TRUE(same());
+  EXPECT_EQ(std::vector<int32_t>(pair_flags.ptr<int32_t>(), pair_flags.ptr<int32_t>() + e), (std::vector<int32_t>{0, 0, 0, 0}));
+  Buffer wrong(DType::i32, Device::cpu, {3});
+  try {
+    grouped_linear_backward_weight(flagged, dy, x, offsets, true, {}, wrong);
+    FAIL() << "expected an error";
+  } catch (const Error& err) {
+    EXPECT_STREQ(err.what(), "grouped_linear_backward_weight: known_zero has shape [3] but expected [4]");
+  }
+}
+
 }  // namespace
 }  // namespace marrow

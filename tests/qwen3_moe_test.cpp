@@ -277,6 +277,53 @@ TEST(Qwen3Moe, PairedExpertWeightGradientsGiveTheSameBits) {
   EXPECT_EQ(std::memcmp(plain.view().data, paired.view().data, plain.view().bytes()), 0);
 }
 
+// The known-zero flags, kept from step to step as the trainer keeps them: each step's gradients are
+// the bits of the same steps without them, though most experts of a layer get no rows (two tokens,
+// top 2 of 8), whose zeros the flagged steps write only once.
+TEST(Qwen3Moe, KnownZeroExpertGradientsKeepTheBits) {
+  TinyRun run(DType::f32, 1, 2, tiny_config_json());
+  const auto w = run.model.bind(run.params);
+  const auto g = run.model.bind(run.grads);
+  const int64_t V = run.model.config().vocab_size, n = run.batch.batch * run.batch.seq;
+  auto steps = [&](bool flagged) {
+    std::vector<Buffer> known, after;
+    std::vector<Tensor> views;
+    for (const auto& layer : g.layers) {
+      known.push_back(Buffer::zeros(DType::i32, Device::cpu, {run.model.expert_known_zero_count(layer)}));
+      views.push_back(known.back());
+    }
+    auto fill = [&](bool first_writes, double value) {
+      for (const TensorSpec& s : run.model.specs()) {
+        const Tensor t = run.grads.slice(s.offset, {s.numel});
+        if (s.first_backward_writes == first_writes)
+          for (int64_t i = 0; i < s.numel; ++i) testing::set_element(t, i, value);
+      }
+    };
+    fill(true, 1e30);
+    for (int32_t step = 0; step < 3; ++step) {
+      fill(false, 0.0);
+      for (int64_t i = 0; i < n; ++i)
+        run.batch.input_ids.ptr<int32_t>()[i] = int32_t((run.batch.input_ids.ptr<int32_t>()[i] + 5) % V);
+      MicroBatch<Qwen3Moe> mb;
+      forward(mb, run.model, w, run.batch);
+      BackwardPass<Qwen3Moe>::Options options{run.loss_scale, run.aux_grad, true, false};
+      if (flagged) options.expert_known_zero = views;
+      backward(mb, run.model, w, g, run.batch, options);
+      after.push_back(to_host(run.grads.all()));
+    }
+    int64_t set = 0;
+    for (const Buffer& k : known) set += std::count(k.ptr<int32_t>(), k.ptr<int32_t>() + k.numel(), 1);
+    EXPECT_EQ(set > 0, flagged);
+    return after;
+  };
+  const std::vector<int32_t> ids(run.batch.input_ids.ptr<int32_t>(), run.batch.input_ids.ptr<int32_t>() + n);
+  const std::vector<Buffer> plain = steps(false);
+  std::copy(ids.begin(), ids.end(), run.batch.input_ids.ptr<int32_t>());
+  const std::vector<Buffer> flagged = steps(true);
+  for (size_t step = 0; step < plain.size(); ++step)
+    EXPECT_EQ(std::memcmp(plain[step].view().data, flagged[step].view().data, plain[step].view().bytes()), 0) << step;
+}
+
 // The CPU references split loops over OpenMP threads only where each output keeps its sequential
 // order of additions: one thread and three give the same bits. The shapes are large enough for
 // every op's parallel threshold (ops/common.h).

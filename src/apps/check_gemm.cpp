@@ -216,6 +216,59 @@ void check_pair(CheckReport& report, const std::string& shape, Tensor dy, Tensor
   }
 }
 
+// The known_zero flags (grouped_linear.h) against the same calls without them, for one call and for
+// a pair with a second micro-batch routed by counts2, offsets on the host and on the GPU: an
+// overwrite from NaN, a second overwrite (the empty experts' zeros are known: skipped, their bands
+// set again from NaN), then an accumulating call of the second micro-batch: dW and squares the same
+// bits after each, the flags grouped_linear.h's; last, an expert whose flag is set is left alone
+// by an overwrite (its slice, planted with NaN, stays NaN).
+void check_known_zero(CheckReport& report, const std::string& shape, Tensor dy, Tensor x, Tensor offsets,
+                      const std::vector<int32_t>& counts2, uint64_t seed) {
+  const int64_t in = x.size(1), o = dy.size(1), e = offsets.numel() - 1, squares_count = grouped_weight_squares_count(e, o, in);
+  Buffer offsets2 = offsets_host(counts2);
+  const int64_t r2 = offsets2.ptr<int32_t>()[e];
+  Buffer x2 = random_device({r2, in}, seed, "x2"), dy2 = random_device({r2, o}, seed, "dy2");
+  Buffer expected(DType::i32, Device::cpu, {e});  // flags after each step: no rows in the step's micro-batches
+  for (int64_t g = 0; g < e; ++g)
+    expected.ptr<int32_t>()[g] = offsets.ptr<int32_t>()[g + 1] == offsets.ptr<int32_t>()[g] && counts2[size_t(g)] == 0 ? 1 : 0;
+  for (const bool pair : {false, true})
+    for (const bool on_gpu : {false, true}) {
+      const Buffer first_d = on_gpu ? to_device(offsets, DType::i32) : Buffer{}, second_d = on_gpu ? to_device(offsets2, DType::i32) : Buffer{};
+      const ExpertRows first{dy, x, on_gpu ? first_d.view() : offsets}, second{dy2, x2, on_gpu ? second_d.view() : offsets2.view()};
+      Buffer plain = poisoned(DType::f32, {e, o, in}), flagged = poisoned(DType::f32, {e, o, in});
+      Buffer squares_plain = poisoned(DType::f64, {squares_count}), squares_flagged = poisoned(DType::f64, {squares_count});
+      Buffer known = Buffer::zeros(DType::i32, Device::cuda, {e});
+      // A step of one micro-batch then the second (accumulating), or both as a pair.
+      auto step = [&](Tensor dw, Tensor squares, Tensor flags, bool overwrite) {
+        if (pair) return grouped_linear_backward_weight_pair(dw, first, second, overwrite, squares, flags);
+        grouped_linear_backward_weight(dw, first.dy, first.x, first.expert_offsets, overwrite, squares, flags);
+        grouped_linear_backward_weight(dw, second.dy, second.x, second.expert_offsets, false, squares, flags);
+      };
+      const std::string mode = fmt::format("{} {}, E{}, {}", pair ? "pair" : "two calls", shape, e, on_gpu ? "offsets on the GPU" : "on the host");
+      for (const char* when : {"first step", "second step (zeros known)", "accumulating step"}) {
+        const bool overwrite = when[0] != 'a';
+        if (when[0] == 's') poison(squares_flagged);
+        step(plain, squares_plain, Tensor{}, overwrite);
+        step(flagged, squares_flagged, known, overwrite);
+        report.expect_equal(fmt::format("grouped bwd_weight known zero, {}: dW bits, {}", when, mode), flagged, to_host(plain));
+        report.expect_equal(fmt::format("grouped bwd_weight known zero, {}: squares bits, {}", when, mode), squares_flagged,
+                            to_host(squares_plain));
+        report.expect_equal(fmt::format("grouped bwd_weight known zero, {}: flags, {}", when, mode), known, expected);
+      }
+      int64_t left = -1;  // an expert whose flag is set
+      for (int64_t g = 0; g < e && left < 0; ++g)
+        if (expected.ptr<int32_t>()[g]) left = g;
+      if (left < 0) continue;
+      const Tensor slice = flagged.view().reshape({e * o * in}).rows(left * o * in, (left + 1) * o * in);
+      poison(slice);
+      step(flagged, squares_flagged, known, true);
+      const Buffer kept = to_host(slice);
+      bool nan = true;
+      for (int64_t k = 0; k < kept.numel(); ++k) nan = nan && std::isnan(kept.ptr<float>()[k]);
+      report.add({fmt::format("grouped bwd_weight known zero: expert {}'s slice left alone, {}", left, mode), nan ? 0.0 : 1.0, 0.0, nan});
+    }
+}
+
 // kernel: a name for the rows when the forward/backward-input kernel is not the default one.
 void check_grouped_small(CheckReport& report, int64_t out, int64_t in, const std::vector<int32_t>& counts, uint64_t seed,
                          const char* kernel = nullptr) {
@@ -257,6 +310,7 @@ void check_grouped_small(CheckReport& report, int64_t out, int64_t in, const std
   check_squares(report, shape, dyt, xt, to_device(offsets, DType::i32), out, every);
   // The second micro-batch's counts reversed: experts empty in one have rows in the other.
   check_pair(report, shape, dyt, xt, offsets, std::vector<int32_t>(counts.rbegin(), counts.rend()), seed + 3);
+  check_known_zero(report, shape, dyt, xt, offsets, std::vector<int32_t>(counts.rbegin(), counts.rend()), seed + 4);
 }
 
 // Bench shape: E experts, rows routed by skewed_counts. Outputs compared on up to 48 last rows of a
@@ -327,6 +381,7 @@ void check_grouped_bench(CheckReport& report, const char* label, int64_t e, int6
   check_squares(report, shape, dy, x, offsets, out, banded);
   check_squares(report, shape, dy, x, to_device(offsets, DType::i32), out, banded);
   check_pair(report, shape, dy, x, offsets, std::vector<int32_t>(counts.rbegin(), counts.rend()), seed + 3);
+  check_known_zero(report, shape, dy, x, offsets, std::vector<int32_t>(counts.rbegin(), counts.rend()), seed + 4);
 }
 
 }  // namespace

@@ -48,7 +48,8 @@ template <MoeModel M> class PipelineStep {
         case PipelineOp::forward: forward(op.phase, op.micro, forward_only); break;
         case PipelineOp::backward: backward(op.phase, op.micro, op.defer_weights); break;
         case PipelineOp::weights:
-          weights_backward(mb(op.phase, op.micro), s_.model, s_.g, first_writes_(op.micro), s_.timer, backward_.expert_squares);
+          weights_backward(mb(op.phase, op.micro), s_.model, s_.g, first_writes_(op.micro), s_.timer, backward_.expert_squares,
+                           backward_.expert_known_zero);
           break;
         case PipelineOp::forward_backward: forward_backward(op); break;
       }

@@ -214,6 +214,12 @@ template <MoeModel M> class ForwardPass {
   int64_t combining_ = -1;             // the layer whose combine is in flight
 };
 
+// Layer `layer`'s entry of a per-layer record of the expert gradients (expert_squares,
+// expert_known_zero): empty where none is kept.
+inline Tensor layer_record(std::span<const Tensor> records, int64_t layer) {
+  return size_t(layer) < records.size() ? records[size_t(layer)] : Tensor{};
+}
+
 // The backward of one micro-batch through a chunk, one stage per step(): the epilog, each layer's
 // combine, experts, dispatch and attention from the top, the prolog. Gradients of (loss_scale *
 // token_loss + aux_grad * aux_loss) accumulate into grads, except that first_micro_batch
@@ -227,13 +233,16 @@ template <MoeModel M> class ForwardPass {
 // gradients). expert_squares[l], where given, gets the sums of squares of layer l's expert
 // gradients that this backward writes (grouped_linear_backward_weight's squares): given to every
 // backward of a step, after the last they describe the final gradients, so the gradient norm need
-// not read them again. Activations are released as the backward passes them.
+// not read them again; expert_known_zero[l] likewise the model's flags of which of layer l's expert
+// gradients are all zeros (kept from step to step with the gradients). Activations are released as
+// the backward passes them.
 template <MoeModel M> class BackwardPass {
  public:
   struct Options {
     double loss_scale = 1, aux_grad = 0;
     bool first_micro_batch = false, defer_expert_weights = false;
     std::span<const Tensor> expert_squares = {};
+    std::span<const Tensor> expert_known_zero = {};
     std::vector<typename MicroBatch<M>::DeferredExperts>* earlier = nullptr;  // consumed, layer by layer
     bool earlier_overwrites = false;
   };
@@ -304,7 +313,7 @@ template <MoeModel M> class BackwardPass {
       m_.experts_restore_input(s.experts, gather_expert_rows<M>(s, m_));
     const auto& lw = w_.layers[size_t(stage_)];
     const auto& grads = g_.layers[size_t(stage_)];
-    const Tensor squares = size_t(stage_) < options_.expert_squares.size() ? options_.expert_squares[size_t(stage_)] : Tensor{};
+    const Tensor squares = layer_record(options_.expert_squares, stage_), known_zero = layer_record(options_.expert_known_zero, stage_);
     auto* earlier = earlier_of_layer();
     if (options_.defer_expert_weights) {
       m_.experts_backward_input(dx_perm_, dy_perm_, s.experts, offsets(), lw);
@@ -315,10 +324,10 @@ template <MoeModel M> class BackwardPass {
       m_.experts_backward_input(dx_perm_, dy_perm_, s.experts, offsets(), lw);
       const Buffer earlier_dy_perm = earlier->take_dy_perm(m_);
       m_.experts_backward_weights_pair(grads, earlier_dy_perm, earlier->experts, earlier->expert_offsets.view(), dy_perm_, s.experts, offsets(),
-                                       options_.earlier_overwrites, squares);
+                                       options_.earlier_overwrites, squares, known_zero);
       options_.earlier->erase(options_.earlier->begin() + (earlier - options_.earlier->data()));
     } else {
-      m_.experts_backward(dx_perm_, grads, dy_perm_, s.experts, offsets(), lw, options_.first_micro_batch, squares);
+      m_.experts_backward(dx_perm_, grads, dy_perm_, s.experts, offsets(), lw, options_.first_micro_batch, squares, known_zero);
     }
     dy_perm_ = Buffer{};
     part_ = 2;
@@ -384,15 +393,15 @@ template <MoeModel M> class BackwardPass {
 };
 
 // The expert weight gradients a deferring backward of mb left, in the order it left them
-// (expert_squares as BackwardPass's).
+// (expert_squares and expert_known_zero as BackwardPass's).
 template <MoeModel M>
 void weights_backward(MicroBatch<M>& mb, const M& m, const typename M::Weights& grads, bool first_micro_batch, StageTimer* timer = nullptr,
-                      std::span<const Tensor> expert_squares = {}) {
+                      std::span<const Tensor> expert_squares = {}, std::span<const Tensor> expert_known_zero = {}) {
   StageScope scope(timer, Stage::experts);
   for (auto& d : mb.deferred) {
-    const Tensor squares = size_t(d.layer) < expert_squares.size() ? expert_squares[size_t(d.layer)] : Tensor{};
     const Buffer dy_perm = d.take_dy_perm(m);
-    m.experts_backward_weights(grads.layers[size_t(d.layer)], dy_perm, d.experts, d.expert_offsets.view(), first_micro_batch, squares);
+    m.experts_backward_weights(grads.layers[size_t(d.layer)], dy_perm, d.experts, d.expert_offsets.view(), first_micro_batch,
+                               layer_record(expert_squares, d.layer), layer_record(expert_known_zero, d.layer));
   }
   mb.deferred.clear();
 }

@@ -213,6 +213,11 @@ template <MoeModel M> struct TrainSetup {
   // an empty tensor for another pipeline rank's layers.
   std::vector<Buffer> expert_squares;
   std::vector<Tensor> expert_squares_views;
+  // Per decoder layer, which of its experts' gradients are all zeros (the model's known-zero flags),
+  // kept with the gradients from step to step (zero at the start: nothing known); where the
+  // squares are.
+  std::vector<Buffer> expert_known_zero;
+  std::vector<Tensor> expert_known_zero_views;
 
   TrainSetup(const RunConfig& rc, const typename M::Config& config, Device device_)
       : device(device_),
@@ -235,6 +240,9 @@ template <MoeModel M> struct TrainSetup {
         const int64_t count = held[l + 1] >= 0 ? model.expert_squares_count(g.layers[l]) : 0;
         expert_squares.emplace_back(DType::f64, device, std::initializer_list<int64_t>{count});
         expert_squares_views.push_back(count > 0 ? expert_squares.back().view() : Tensor{});
+        const int64_t flags = count > 0 ? model.expert_known_zero_count(g.layers[l]) : 0;
+        expert_known_zero.push_back(Buffer::zeros(DType::i32, device, {flags}));
+        expert_known_zero_views.push_back(flags > 0 ? expert_known_zero.back().view() : Tensor{});
       }
     }
   }
@@ -323,7 +331,8 @@ std::pair<double, double> run_micro_batches(TrainSetup<M>& s, const RunConfig& r
     token_loss.add(std::move(mb.token_loss));
     aux_loss.add(std::move(mb.aux_loss));
     const bool holds = pairs && micro % 2 == 0 && micro + 1 < micro_batches;
-    typename BackwardPass<M>::Options options{loss_scale, aux_grad, s.state.first_writes_fresh(micro), holds, s.expert_squares_views};
+    typename BackwardPass<M>::Options options{loss_scale, aux_grad, s.state.first_writes_fresh(micro), holds, s.expert_squares_views,
+                                              s.expert_known_zero_views};
     if (pairs && micro % 2 == 1) {
       options.earlier = &earlier;
       options.earlier_overwrites = s.state.first_writes_fresh(micro - 1);
@@ -348,7 +357,7 @@ std::pair<double, double> run_pipeline(TrainSetup<M>& s, const RunConfig& rc, co
   };
   auto groups = [&](int64_t micro) { return s.groups(micro, n, false); };
   PipelineStep<M> pipeline({s.model, s.w, s.g, s.mesh.shape.pp, s.mesh.pp_rank, s.chunks, s.links ? &*s.links : nullptr, timer}, n,
-                           batches, groups, {loss_scale, aux_grad, false, false, s.expert_squares_views},
+                           batches, groups, {loss_scale, aux_grad, false, false, s.expert_squares_views, s.expert_known_zero_views},
                            [&](int64_t micro) { return s.state.first_writes_fresh(micro); });
   watchdog::progress("a pipeline step");
   const auto losses = pipeline.run(dualpipev_order(s.mesh.shape.pp, s.mesh.pp_rank, n));

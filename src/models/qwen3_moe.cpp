@@ -337,9 +337,10 @@ void Qwen3Moe::experts_forward(Tensor y_perm, Qwen3MoeExpertActivations& e, Buff
 }
 
 void Qwen3Moe::experts_backward(Tensor dx_perm, const Qwen3MoeLayerWeights& grads, Tensor dy_perm, Qwen3MoeExpertActivations& e,
-                                Tensor expert_offsets, const Qwen3MoeLayerWeights& w, bool overwrite_grads, Tensor squares) const {
+                                Tensor expert_offsets, const Qwen3MoeLayerWeights& w, bool overwrite_grads, Tensor squares,
+                                Tensor known_zero) const {
   experts_backward_input(dx_perm, dy_perm, e, expert_offsets, w);
-  experts_backward_weights(grads, dy_perm, e, expert_offsets, overwrite_grads, squares);
+  experts_backward_weights(grads, dy_perm, e, expert_offsets, overwrite_grads, squares, known_zero);
 }
 
 namespace {
@@ -348,6 +349,10 @@ int64_t squares_count(Tensor dweight) { return grouped_weight_squares_count(dwei
 
 int64_t Qwen3Moe::expert_squares_count(const Qwen3MoeLayerWeights& grads) const {
   return squares_count(grads.experts_down) + squares_count(grads.experts_gate_up);
+}
+
+int64_t Qwen3Moe::expert_known_zero_count(const Qwen3MoeLayerWeights& grads) const {
+  return grads.experts_down.size(0) + grads.experts_gate_up.size(0);
 }
 
 void Qwen3Moe::experts_backward_input(Tensor dx_perm, Tensor dy_perm, Qwen3MoeExpertActivations& e, Tensor expert_offsets,
@@ -369,32 +374,34 @@ void Qwen3Moe::experts_backward_input(Tensor dx_perm, Tensor dy_perm, Qwen3MoeEx
 }
 
 namespace {
-// The layer's squares cut into the down projection's bands, then gate_up's (empty when not given).
-std::pair<Tensor, Tensor> split_squares(Tensor squares, const Qwen3MoeLayerWeights& grads, int64_t expected) {
-  if (squares.data == nullptr) return {};
-  MARROW_CHECK(squares.ndim == 1 && squares.numel() == expected,
-               "experts_backward_weights: squares has shape {} but the layer's expert gradients need [{}]", squares.shape_string(), expected);
-  const int64_t down = squares_count(grads.experts_down);
-  return {squares.rows(0, down), squares.rows(down, squares.numel())};
+// A layer's record of its expert gradients (squares or known_zero: `down` entries for the down
+// projection, then gate_up's), cut in two (empty when not given).
+std::pair<Tensor, Tensor> split_record(const char* name, Tensor record, int64_t down, int64_t expected) {
+  if (record.data == nullptr) return {};
+  MARROW_CHECK(record.ndim == 1 && record.numel() == expected, "experts_backward_weights: {} has shape {} but the layer's expert gradients need [{}]",
+               name, record.shape_string(), expected);
+  return {record.rows(0, down), record.rows(down, record.numel())};
 }
 }  // namespace
 
 void Qwen3Moe::experts_backward_weights(const Qwen3MoeLayerWeights& grads, Tensor dy_perm, Qwen3MoeExpertActivations& e,
-                                        Tensor expert_offsets, bool overwrite_grads, Tensor squares) const {
-  const auto [down_squares, gate_up_squares] = split_squares(squares, grads, expert_squares_count(grads));
-  grouped_linear_backward_weight(grads.experts_down, dy_perm, e.act, expert_offsets, overwrite_grads, down_squares);
-  grouped_linear_backward_weight(grads.experts_gate_up, e.dgate_up, e.x_perm, expert_offsets, overwrite_grads, gate_up_squares);
+                                        Tensor expert_offsets, bool overwrite_grads, Tensor squares, Tensor known_zero) const {
+  const auto [down_squares, gate_up_squares] = split_record("squares", squares, squares_count(grads.experts_down), expert_squares_count(grads));
+  const auto [down_zero, gate_up_zero] = split_record("known_zero", known_zero, grads.experts_down.size(0), expert_known_zero_count(grads));
+  grouped_linear_backward_weight(grads.experts_down, dy_perm, e.act, expert_offsets, overwrite_grads, down_squares, down_zero);
+  grouped_linear_backward_weight(grads.experts_gate_up, e.dgate_up, e.x_perm, expert_offsets, overwrite_grads, gate_up_squares, gate_up_zero);
   e = Qwen3MoeExpertActivations{};
 }
 
 void Qwen3Moe::experts_backward_weights_pair(const Qwen3MoeLayerWeights& grads, Tensor earlier_dy_perm, Qwen3MoeExpertActivations& earlier,
                                              Tensor earlier_offsets, Tensor dy_perm, Qwen3MoeExpertActivations& e, Tensor expert_offsets,
-                                             bool overwrite_grads, Tensor squares) const {
-  const auto [down_squares, gate_up_squares] = split_squares(squares, grads, expert_squares_count(grads));
+                                             bool overwrite_grads, Tensor squares, Tensor known_zero) const {
+  const auto [down_squares, gate_up_squares] = split_record("squares", squares, squares_count(grads.experts_down), expert_squares_count(grads));
+  const auto [down_zero, gate_up_zero] = split_record("known_zero", known_zero, grads.experts_down.size(0), expert_known_zero_count(grads));
   grouped_linear_backward_weight_pair(grads.experts_down, {earlier_dy_perm, earlier.act, earlier_offsets}, {dy_perm, e.act, expert_offsets},
-                                      overwrite_grads, down_squares);
+                                      overwrite_grads, down_squares, down_zero);
   grouped_linear_backward_weight_pair(grads.experts_gate_up, {earlier.dgate_up, earlier.x_perm, earlier_offsets},
-                                      {e.dgate_up, e.x_perm, expert_offsets}, overwrite_grads, gate_up_squares);
+                                      {e.dgate_up, e.x_perm, expert_offsets}, overwrite_grads, gate_up_squares, gate_up_zero);
   earlier = Qwen3MoeExpertActivations{};
   e = Qwen3MoeExpertActivations{};
 }

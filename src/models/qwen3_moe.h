@@ -157,23 +157,28 @@ class Qwen3Moe {
   // overwrite_grads: write the expert weight gradients instead of adding (TensorSpec::first_backward_writes).
   // squares (f64 [expert_squares_count(grads)]), when given: the sums of squares of the expert
   // gradients this call writes (grouped_linear_backward_weight's bands, down then gate_up).
+  // known_zero (i32 [expert_known_zero_count(grads)]), when given: which experts' gradients are all
+  // zeros (grouped_linear_backward_weight's flags, down then gate_up), kept from step to step so
+  // that an overwriting call writes an empty expert's zeros only when they are not there already.
   void experts_backward(Tensor dx_perm, const Qwen3MoeLayerWeights& grads, Tensor dy_perm, Qwen3MoeExpertActivations& e,
-                        Tensor expert_offsets, const Qwen3MoeLayerWeights& w, bool overwrite_grads, Tensor squares = {}) const;
+                        Tensor expert_offsets, const Qwen3MoeLayerWeights& w, bool overwrite_grads, Tensor squares = {},
+                        Tensor known_zero = {}) const;
   int64_t expert_squares_count(const Qwen3MoeLayerWeights& grads) const;
+  int64_t expert_known_zero_count(const Qwen3MoeLayerWeights& grads) const;
   // experts_backward in two halves, so the weight gradients can wait for a gap in a pipeline
   // schedule (zero bubble): the input gradient now (e keeps what the weights need), and later,
   // with the same dy_perm and offsets, the weight gradients (which release e).
   void experts_backward_input(Tensor dx_perm, Tensor dy_perm, Qwen3MoeExpertActivations& e, Tensor expert_offsets,
                               const Qwen3MoeLayerWeights& w) const;
   void experts_backward_weights(const Qwen3MoeLayerWeights& grads, Tensor dy_perm, Qwen3MoeExpertActivations& e, Tensor expert_offsets,
-                                bool overwrite_grads, Tensor squares = {}) const;
+                                bool overwrite_grads, Tensor squares = {}, Tensor known_zero = {}) const;
   // The weight gradients of two micro-batches of a step in one pass over the gradients
   // (grouped_linear_backward_weight_pair): the same bits as experts_backward_weights of the
   // earlier one (its inputs held since its backward_input; overwrite_grads applies to it) followed
   // by that of e's. Releases both.
   void experts_backward_weights_pair(const Qwen3MoeLayerWeights& grads, Tensor earlier_dy_perm, Qwen3MoeExpertActivations& earlier,
                                      Tensor earlier_offsets, Tensor dy_perm, Qwen3MoeExpertActivations& e, Tensor expert_offsets,
-                                     bool overwrite_grads, Tensor squares = {}) const;
+                                     bool overwrite_grads, Tensor squares = {}, Tensor known_zero = {}) const;
   // x_perm is a gather of h2 (which stage 1 keeps) when all of a token's copies stay on this
   // process: the engine then drops it after the forward and gathers it again for the backward.
   void experts_drop_input(Qwen3MoeExpertActivations& e) const { e.x_perm = Buffer{}; }

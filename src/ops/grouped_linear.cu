@@ -73,9 +73,16 @@ template <typename T> void band_squares_cpu(double* squares, const T* dweight, i
   }
 }
 
+// known_zero: grouped_linear.h's flags (null: none); an overwrite skips the flagged experts without
+// rows, and the flags are updated after.
 template <typename T>
-void backward_weight_cpu(T* dweight, const T* dy, const T* x, const int32_t* offsets, int64_t e, int64_t o, int64_t in, bool overwrite) {
+void backward_weight_cpu(T* dweight, const T* dy, const T* x, const int32_t* offsets, int64_t e, int64_t o, int64_t in, bool overwrite,
+                         int32_t* known_zero) {
   for (int64_t g = 0; g < e; ++g) {
+    const bool rows = offsets[g + 1] > offsets[g];
+    const bool skip = known_zero && overwrite && !rows && known_zero[g];
+    if (known_zero && (overwrite || rows)) known_zero[g] = rows ? 0 : 1;
+    if (skip) continue;
 #pragma omp parallel if ((offsets[g + 1] - offsets[g]) * o * in > kParallelWork)
     {
       std::vector<double> sum(in);
@@ -326,18 +333,22 @@ __global__ void band_squares_kernel(double* squares, const float* dweight, int64
 }
 
 // The wgmma kernel and its work list (wgmma_dw.cuh's work_list) over one source, or two (second's
-// offsets not null): built on the host and sent in stream order, or, from offsets in GPU memory,
-// built there by one block.
+// offsets not null): built on the host and sent in stream order, or, from offsets in GPU memory or
+// with known_zero flags (which live there), built there by one block.
 void backward_weight_wgmma(float* dweight, const wgmma::dw::Source (&sources)[2], Tensor offsets, Tensor second_offsets, int64_t e,
-                           int64_t o, int64_t i, bool overwrite, double* squares, Stream stream) {
+                           int64_t o, int64_t i, bool overwrite, double* squares, int32_t* known_zero, Stream stream) {
   auto s = static_cast<cudaStream_t>(stream.handle);
   const bool two = second_offsets.data != nullptr;
   Buffer work;
   int works = -1;  // not known on the host for a list built on the GPU
-  if (offsets.device == Device::cuda) {
+  if (offsets.device == Device::cuda || known_zero) {
+    Buffer holders[2];
+    const int32_t* first = device_offsets(offsets, holders[0], stream);
+    const int32_t* second = two ? device_offsets(second_offsets, holders[1], stream) : nullptr;
     work = Buffer(DType::i32, Device::cuda, {wgmma::dw::kWorkInts * e + 2}, stream);
-    wgmma::dw::work_list_kernel<<<1, wgmma::kScheduleThreads, 0, s>>>(work.ptr<int32_t>(), offsets.ptr<int32_t>(),
-                                                                      two ? second_offsets.ptr<int32_t>() : nullptr, int(e), overwrite);
+    const int band_count = int(grouped_weight_squares_count(1, o, i));
+    wgmma::dw::work_list_kernel<<<1, wgmma::kScheduleThreads, 0, s>>>(work.ptr<int32_t>(), first, second, int(e), overwrite, known_zero,
+                                                                      squares, band_count);
     MARROW_CUDA_CHECK_LAUNCH();
   } else {
     const std::vector<int32_t> host =
@@ -358,24 +369,39 @@ wgmma::dw::Source source_of(const Tensor& dy, const Tensor& x) {
   return {static_cast<const bf16*>(dy.data), static_cast<const bf16*>(x.data), dy.size(0)};
 }
 
-void backward_weight_gpu(Tensor dweight, Tensor dy, Tensor x, Tensor expert_offsets, bool overwrite, Tensor squares, Stream stream) {
+// grouped_linear.h's known_zero flags after a call that wrote every expert (overwrite) or every
+// expert with rows, one thread an expert.
+__global__ void update_known_zero_kernel(int32_t* known_zero, const int32_t* offsets, int experts, bool overwrite) {
+  const int e = int(blockIdx.x * blockDim.x + threadIdx.x);
+  if (e >= experts) return;
+  const bool rows = offsets[e + 1] > offsets[e];
+  if (overwrite || rows) known_zero[e] = rows ? 0 : 1;
+}
+
+void backward_weight_gpu(Tensor dweight, Tensor dy, Tensor x, Tensor expert_offsets, bool overwrite, Tensor squares, Tensor known_zero,
+                         Stream stream) {
   const int64_t e = dweight.size(0), o = dweight.size(1), i = dweight.size(2), rows = dy.size(0);
   auto* dw_ptr = static_cast<float*>(dweight.data);
   auto *dy_ptr = static_cast<const bf16*>(dy.data), *x_ptr = static_cast<const bf16*>(x.data);
   auto* squares_ptr = static_cast<double*>(squares.data);
+  auto* known_zero_ptr = static_cast<int32_t*>(known_zero.data);
   auto s = static_cast<cudaStream_t>(stream.handle);
   if (e == 0 || o == 0 || i == 0) return;
   if (rows > 0 && wgmma_takes(dweight, dy, x)) {
     const wgmma::dw::Source sources[2] = {source_of(dy, x), {nullptr, nullptr, 0}};
-    return backward_weight_wgmma(dw_ptr, sources, expert_offsets, Tensor{}, e, o, i, overwrite, squares_ptr, stream);
+    return backward_weight_wgmma(dw_ptr, sources, expert_offsets, Tensor{}, e, o, i, overwrite, squares_ptr, known_zero_ptr, stream);
   }
+  Buffer holder;
+  const int32_t* offsets = device_offsets(expert_offsets, holder, stream);
   if (rows == 0) {  // every expert empty
     if (overwrite) MARROW_CUDA_CHECK(cudaMemsetAsync(dweight.data, 0, dweight.bytes(), s));
   } else {
-    Buffer holder;
-    const int32_t* offsets = device_offsets(expert_offsets, holder, stream);
     const int64_t n = e * o * i;
     grouped_dw_simple_kernel<<<unsigned((n + 255) / 256), 256, 0, s>>>(dw_ptr, dy_ptr, x_ptr, offsets, n, int(o), int(i), !overwrite);
+    MARROW_CUDA_CHECK_LAUNCH();
+  }
+  if (known_zero_ptr) {
+    update_known_zero_kernel<<<unsigned((e + 255) / 256), 256, 0, s>>>(known_zero_ptr, offsets, int(e), overwrite);
     MARROW_CUDA_CHECK_LAUNCH();
   }
   if (squares_ptr) {
@@ -387,16 +413,16 @@ void backward_weight_gpu(Tensor dweight, Tensor dy, Tensor x, Tensor expert_offs
 
 // One pass of the wgmma kernel over both micro-batches where it takes both, else the two calls.
 void backward_weight_pair_gpu(Tensor dweight, const ExpertRows& first, const ExpertRows& second, bool overwrite, Tensor squares,
-                              Stream stream) {
+                              Tensor known_zero, Stream stream) {
   const int64_t e = dweight.size(0), o = dweight.size(1), i = dweight.size(2);
   if (e == 0 || o == 0 || i == 0) return;
   if (first.dy.size(0) + second.dy.size(0) > 0 && wgmma_takes(dweight, first.dy, first.x) && wgmma_takes(dweight, second.dy, second.x)) {
     const wgmma::dw::Source sources[2] = {source_of(first.dy, first.x), source_of(second.dy, second.x)};
     return backward_weight_wgmma(static_cast<float*>(dweight.data), sources, first.expert_offsets, second.expert_offsets, e, o, i,
-                                 overwrite, static_cast<double*>(squares.data), stream);
+                                 overwrite, static_cast<double*>(squares.data), static_cast<int32_t*>(known_zero.data), stream);
   }
-  backward_weight_gpu(dweight, first.dy, first.x, first.expert_offsets, overwrite, squares, stream);
-  backward_weight_gpu(dweight, second.dy, second.x, second.expert_offsets, false, squares, stream);
+  backward_weight_gpu(dweight, first.dy, first.x, first.expert_offsets, overwrite, squares, known_zero, stream);
+  backward_weight_gpu(dweight, second.dy, second.x, second.expert_offsets, false, squares, known_zero, stream);
 }
 #endif
 
@@ -461,7 +487,7 @@ int64_t grouped_weight_squares_count(int64_t experts, int64_t o, int64_t i) {
 namespace {
 // grouped_linear_backward_weight's checks of one call's tensors; returns whether they are on the CPU.
 bool check_backward_weight(const char* op, const Tensor& dweight, const Tensor& dy, const Tensor& x, const Tensor& expert_offsets,
-                           const Tensor& squares) {
+                           const Tensor& squares, const Tensor& known_zero) {
   const std::array<int64_t, 3> sizes = weight_sizes(op, "dweight", dweight);
   const int64_t e = sizes[0], o = sizes[1], in = sizes[2];
   const int64_t r = row_count(op, "dy", dy);
@@ -472,6 +498,11 @@ bool check_backward_weight(const char* op, const Tensor& dweight, const Tensor& 
     expect_shape(op, "squares", squares, {grouped_weight_squares_count(e, o, in)});
     expect_dtype(op, "squares", squares, DType::f64);
     expect_device(op, "squares", squares, dweight.device);
+  }
+  if (known_zero.data != nullptr) {
+    expect_shape(op, "known_zero", known_zero, {e});
+    expect_dtype(op, "known_zero", known_zero, DType::i32);
+    expect_device(op, "known_zero", known_zero, dweight.device);
   }
   if (common_device(op, {{"dy", &dy}, {"dweight", &dweight}, {"x", &x}}) == Device::cpu) {
     expect_same_dtype(op, {{"dy", &dy}, {"dweight", &dweight}, {"x", &x}});
@@ -486,18 +517,19 @@ bool check_backward_weight(const char* op, const Tensor& dweight, const Tensor& 
 }  // namespace
 
 void grouped_linear_backward_weight(Tensor dweight, Tensor dy, Tensor x, Tensor expert_offsets, bool overwrite, Tensor squares,
-                                    Stream stream) {
+                                    Tensor known_zero, Stream stream) {
   const char* op = "grouped_linear_backward_weight";
-  if (check_backward_weight(op, dweight, dy, x, expert_offsets, squares)) {
+  if (check_backward_weight(op, dweight, dy, x, expert_offsets, squares, known_zero)) {
     const int64_t e = dweight.size(0), o = dweight.size(1), in = dweight.size(2);
     return with_cpu_scalar(op, dy, [&](auto s) {
       using T = decltype(s);
-      backward_weight_cpu<T>(dweight.ptr<T>(), dy.ptr<T>(), x.ptr<T>(), expert_offsets.ptr<int32_t>(), e, o, in, overwrite);
+      backward_weight_cpu<T>(dweight.ptr<T>(), dy.ptr<T>(), x.ptr<T>(), expert_offsets.ptr<int32_t>(), e, o, in, overwrite,
+                             known_zero.data ? known_zero.ptr<int32_t>() : nullptr);
       if (squares.data != nullptr) band_squares_cpu<T>(squares.ptr<double>(), dweight.ptr<T>(), e, o, in);
     });
   }
 #ifdef __CUDACC__
-  backward_weight_gpu(dweight, dy, x, expert_offsets, overwrite, squares, stream);
+  backward_weight_gpu(dweight, dy, x, expert_offsets, overwrite, squares, known_zero, stream);
 #else
   (void)stream;
   no_cuda_kernel(op);
@@ -505,19 +537,19 @@ void grouped_linear_backward_weight(Tensor dweight, Tensor dy, Tensor x, Tensor 
 }
 
 void grouped_linear_backward_weight_pair(Tensor dweight, const ExpertRows& first, const ExpertRows& second, bool overwrite,
-                                         Tensor squares, Stream stream) {
+                                         Tensor squares, Tensor known_zero, Stream stream) {
   const char* op = "grouped_linear_backward_weight_pair";
-  const bool cpu = check_backward_weight(op, dweight, first.dy, first.x, first.expert_offsets, squares);
-  check_backward_weight(op, dweight, second.dy, second.x, second.expert_offsets, squares);
+  const bool cpu = check_backward_weight(op, dweight, first.dy, first.x, first.expert_offsets, squares, known_zero);
+  check_backward_weight(op, dweight, second.dy, second.x, second.expert_offsets, squares, known_zero);
   MARROW_CHECK(first.expert_offsets.device == second.expert_offsets.device,
                "{}: the two micro-batches' expert_offsets must be on the same device, got {} and {}", op,
                device_name(first.expert_offsets.device), device_name(second.expert_offsets.device));
   if (cpu) {
-    grouped_linear_backward_weight(dweight, first.dy, first.x, first.expert_offsets, overwrite, squares, stream);
-    return grouped_linear_backward_weight(dweight, second.dy, second.x, second.expert_offsets, false, squares, stream);
+    grouped_linear_backward_weight(dweight, first.dy, first.x, first.expert_offsets, overwrite, squares, known_zero, stream);
+    return grouped_linear_backward_weight(dweight, second.dy, second.x, second.expert_offsets, false, squares, known_zero, stream);
   }
 #ifdef __CUDACC__
-  backward_weight_pair_gpu(dweight, first, second, overwrite, squares, stream);
+  backward_weight_pair_gpu(dweight, first, second, overwrite, squares, known_zero, stream);
 #else
   (void)stream;
   no_cuda_kernel(op);

@@ -48,10 +48,18 @@ void grouped_linear_backward_input(Tensor dx, Tensor dy, Tensor weight, Tensor e
 // any extra read. The GPU computes a band in the wgmma kernel's epilogue (groups of 8 squares added
 // in f32, the groups in f64) and the CPU in f64 in row-major order: they agree to about 1e-7
 // relative, and each is deterministic.
+//
+// known_zero (i32 [E], on dweight's device), when given, records which experts' dweight is all zeros,
+// so that an overwriting call need not write those zeros again: it skips an expert without rows
+// whose flag is set (the caller's promise: nothing else wrote that slice since), writes zeros where
+// it is not, and leaves the flag set exactly for the experts without rows; an accumulating call
+// clears the flags of the experts with rows. Start it at zero (nothing known). The results are the
+// same bits either way; under an untrained router most experts of a layer get no rows, and their
+// zeros were most of an overwriting call's stores.
 constexpr int64_t kSquaresBandRows = 16, kSquaresBandCols = 256;
 int64_t grouped_weight_squares_count(int64_t experts, int64_t o, int64_t i);
 void grouped_linear_backward_weight(Tensor dweight, Tensor dy, Tensor x, Tensor expert_offsets, bool overwrite = false,
-                                    Tensor squares = {}, Stream stream = {});
+                                    Tensor squares = {}, Tensor known_zero = {}, Stream stream = {});
 
 // Two micro-batches' rows at once: the same, bit for bit, as grouped_linear_backward_weight of
 // `first` (with overwrite) followed by that of `second` (accumulating), both with squares. On the
@@ -63,6 +71,6 @@ struct ExpertRows {
   Tensor dy, x, expert_offsets;
 };
 void grouped_linear_backward_weight_pair(Tensor dweight, const ExpertRows& first, const ExpertRows& second, bool overwrite = false,
-                                         Tensor squares = {}, Stream stream = {});
+                                         Tensor squares = {}, Tensor known_zero = {}, Stream stream = {});
 
 }  // namespace marrow

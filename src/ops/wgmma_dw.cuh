@@ -96,16 +96,24 @@ inline std::vector<int32_t> work_list(const int32_t* offsets, const int32_t* sec
 
 // The same list built on the device from offsets in device memory, so that the host needs no expert
 // sizes: one block of kScheduleThreads, each round's experts placed by an exclusive scan of which
-// of them have work.
+// of them have work. With known_zero (grouped_linear.h), an overwrite leaves out the flagged experts
+// without rows and zeroes their `band_count` bands of squares (when given), and the flags are
+// updated.
 __global__ void __launch_bounds__(kScheduleThreads)
-    work_list_kernel(int32_t* work, const int32_t* offsets, const int32_t* second, int experts, bool overwrite) {
+    work_list_kernel(int32_t* work, const int32_t* offsets, const int32_t* second, int experts, bool overwrite, int32_t* known_zero,
+                     double* squares, int band_count) {
   using Scan = cub::BlockScan<int, kScheduleThreads>;
   __shared__ typename Scan::TempStorage scan_storage;
   int works = 0;  // items of the experts before this round
   for (int base = 0; base < experts; base += kScheduleThreads) {
     const int e = base + int(threadIdx.x);
     const int b0 = e < experts && second ? second[e] : 0, b1 = e < experts && second ? second[e + 1] : 0;
-    const int has_work = e < experts && (overwrite || offsets[e + 1] > offsets[e] || b1 > b0) ? 1 : 0;
+    const bool rows = e < experts && (offsets[e + 1] > offsets[e] || b1 > b0);
+    const bool zeros_known = e < experts && known_zero && overwrite && !rows && known_zero[e];
+    if (known_zero && e < experts && (overwrite || rows)) known_zero[e] = rows ? 0 : 1;
+    if (zeros_known && squares)
+      for (int band = 0; band < band_count; ++band) squares[int64_t(e) * band_count + band] = 0.0;
+    const int has_work = e < experts && (rows || (overwrite && !zeros_known)) ? 1 : 0;
     int index = 0, round = 0;
     Scan(scan_storage).ExclusiveSum(has_work, index, round);
     if (has_work) {
