@@ -1,6 +1,7 @@
 #include "ops/adamw.h"
 
 #include <cmath>
+#include <cstring>
 
 #include "core/bf16.h"
 #include "gradcheck.h"
@@ -114,6 +115,33 @@ TEST(AdamW, RejectsZeroStep) {
     FAIL() << "expected an error";
   } catch (const Error& e) {
     EXPECT_STREQ(e.what(), "adamw_step: step is 1-based, got 0");
+  }
+}
+
+// Rows flagged in known_zero take a zero gradient without reading it (garbage planted there is not
+// used): the bits of adamw_step over the gradient with those rows zeroed, negative zeros included.
+TEST(AdamW, KnownZeroRowsAreTheBitsOfZeroGradients) {
+  const int64_t rows = 4, per_row = 5, n = rows * per_row;
+  AdamWHyper hp{.lr = 0.1, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.01, .step = 3, .grad_scale = 0.5};
+  Buffer param = random_buffer(DType::f32, {n}, 1), m = random_buffer(DType::f32, {n}, 2), v = random_buffer(DType::f32, {n}, 3);
+  for (int64_t i = 0; i < n; ++i) v.ptr<float>()[i] = std::abs(v.ptr<float>()[i]);
+  Buffer grad = random_buffer(DType::f32, {n}, 4), zeroed(DType::f32, Device::cpu, {n});
+  const int32_t flags[rows] = {0, 1, 0, 1};
+  for (int64_t i = 0; i < n; ++i) zeroed.ptr<float>()[i] = flags[i / per_row] ? (i % 2 ? -0.0f : 0.0f) : grad.ptr<float>()[i];
+  Buffer known(DType::i32, Device::cpu, {rows});
+  std::copy(flags, flags + rows, known.ptr<int32_t>());
+  Buffer p1 = to_host(param), m1 = to_host(m), v1 = to_host(v), p2 = to_host(param), m2 = to_host(m), v2 = to_host(v);
+  Buffer copy1(DType::bf16, Device::cpu, {n}), copy2(DType::bf16, Device::cpu, {n});
+  adamw_step(p1, copy1, m1, v1, zeroed, hp);
+  adamw_step_known_zero(p2, copy2, m2, v2, grad, known, hp);
+  for (const auto& [a, b] : {std::pair{&p1, &p2}, std::pair{&m1, &m2}, std::pair{&v1, &v2}, std::pair{&copy1, &copy2}})
+    EXPECT_EQ(std::memcmp(a->view().data, b->view().data, a->view().bytes()), 0);
+  Buffer three(DType::i32, Device::cpu, {3});
+  try {
+    adamw_step_known_zero(p2, {}, m2, v2, grad, three, hp);
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(), "adamw_step_known_zero: known_zero has shape [3] but must be [E] with E dividing param's 20 elements");
   }
 }
 

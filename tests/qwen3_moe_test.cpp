@@ -388,5 +388,51 @@ TEST(Qwen3Moe, ExpertSquaresOfTheLastBackwardGiveTheGradientNorm) {
   EXPECT_NEAR(state.gradient_norm(first_layer_only), whole, 1e-13 * whole);
 }
 
+// AdamW given the known-zero flags: a flagged expert's gradient is taken as zero without being read
+// (garbage planted there changes nothing), and the unit's other parts update as without flags.
+TEST(Qwen3Moe, KnownZeroGradientsGiveTheOptimizerTheSameBits) {
+  TinyRun run(DType::f32, 1, 2, tiny_config_json());
+  const Mesh mesh = Mesh::create(MeshShape{}, Device::cpu);
+  const int64_t L = run.model.num_layers();
+  std::vector<Buffer> params;
+  for (const bool flagged : {false, true}) {
+    ShardedParameters state(run.model.specs(), L, std::vector<int64_t>(size_t(L + 2), 0), mesh, false, false, false, Device::cpu,
+                            DType::f32);
+    copy(state.params().all(), run.params.all());
+    const auto w = run.model.bind(state.weights());
+    const auto g = run.model.bind(state.gradients());
+    std::vector<Buffer> known;
+    std::vector<Tensor> views;
+    std::vector<ShardedParameters::KnownZeroGrads> parts;
+    for (const auto& layer : g.layers) {
+      known.push_back(Buffer::zeros(DType::i32, Device::cpu, {run.model.expert_known_zero_count(layer)}));
+      views.push_back(known.back());
+    }
+    state.start_step();
+    MicroBatch<Qwen3Moe> mb;
+    forward(mb, run.model, w, run.batch);
+    BackwardPass<Qwen3Moe>::Options options{run.loss_scale, run.aux_grad, true, false};
+    options.expert_known_zero = views;
+    backward(mb, run.model, w, g, run.batch, options);
+    int64_t planted = 0;
+    for (size_t l = 0; l < g.layers.size(); ++l)
+      for (const auto& [grad, flags] : run.model.expert_known_zero_parts(g.layers[l], views[l])) {
+        parts.push_back({grad, flags});
+        const int64_t per_expert = grad.numel() / flags.numel();
+        for (int64_t e = 0; e < flags.numel(); ++e)
+          if (flagged && flags.ptr<int32_t>()[e]) {
+            testing::set_element(grad.reshape({grad.numel()}), e * per_expert, 1e3);
+            ++planted;
+          }
+      }
+    EXPECT_EQ(planted > 0, flagged);
+    AdamWHyper hyper{1e-3, 0.9, 0.95, 1e-8, 0.1, 1};
+    if (flagged) state.optimizer_step(hyper, parts);
+    else state.optimizer_step(hyper);
+    params.push_back(to_host(state.params().all()));
+  }
+  EXPECT_EQ(std::memcmp(params[0].view().data, params[1].view().data, params[0].view().bytes()), 0);
+}
+
 }  // namespace
 }  // namespace marrow

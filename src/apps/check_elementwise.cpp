@@ -517,6 +517,29 @@ void check_adamw(CheckReport& report, int64_t n, int64_t offset) {
   report.expect_equal("adamw_step param_bf16 " + size, tail(copy_d), tail(copy));
 }
 
+// adamw_step_known_zero over `rows` rows, every third flagged (its gradient, random, must not be
+// read), against the CPU's, whose flagged rows take a zero gradient (exact in practice, as
+// check_adamw).
+void check_adamw_known_zero(CheckReport& report, int64_t rows, int64_t per_row) {
+  const int64_t n = rows * per_row;
+  const std::string size = fmt::format("{} rows of {}", rows, per_row);
+  AdamWHyper hyper{1e-3, 0.9, 0.95, 1e-8, 0.1, 3};
+  hyper.grad_scale = 0.37;
+  Buffer param = random_host({n}, 75), grad = random_host({n}, 76), m = random_host({n}, 77, 0.1), v = random_host({n}, 78, 0.01);
+  Buffer known(DType::i32, Device::cpu, {rows});
+  for (int64_t i = 0; i < n; ++i) v.ptr<float>()[i] = std::abs(v.ptr<float>()[i]);
+  for (int64_t r = 0; r < rows; ++r) known.ptr<int32_t>()[r] = r % 3 == 1;
+  OnDevice param_d(param, DType::f32), grad_d(grad, DType::f32), m_d(m, DType::f32), v_d(v, DType::f32);
+  const Buffer known_d = to_device(known, DType::i32);
+  Buffer copy(DType::bf16, Device::cpu, {n}), copy_d = poisoned(DType::bf16, {n});
+  adamw_step_known_zero(param, copy, m, v, grad, known, hyper);
+  adamw_step_known_zero(param_d, copy_d, m_d, v_d, grad_d, known_d, hyper);
+  report.compare("adamw_step_known_zero param " + size, param_d, param, kSameOrder);
+  report.compare("adamw_step_known_zero exp_avg " + size, m_d, m, kSameOrder);
+  report.compare("adamw_step_known_zero exp_avg_sq " + size, v_d, v, kSameOrder);
+  report.expect_equal("adamw_step_known_zero param_bf16 " + size, copy_d, copy);
+}
+
 // Rows an embedding step did not see: zero gradient and moments (+0 and -0). AdamW skips the square
 // root and the divisions for them (ops/adamw.cu); the results are known exactly: the moments become
 // +0 and the weight only decays, float(double(param) * decay). lr and weight_decay make decay
@@ -597,6 +620,8 @@ void check_elementwise_ops(CheckReport& report) {
   check_cross_entropy(report, 37, 1001);
   check_adamw(report, 37 * 75, 0);
   check_adamw(report, 37 * 75, 1);
+  check_adamw_known_zero(report, 7, 36);
+  check_adamw_known_zero(report, 5, 37);
   check_adamw_zero_moments(report, 37 * 75);
   check_grad_norm(report, 37 * 75, 0);
   check_grad_norm(report, 37 * 75, 1);

@@ -2,6 +2,8 @@
 // concept. Each family (src/models/) satisfies it with plain member functions; nothing is virtual.
 #pragma once
 #include <concepts>
+#include <utility>
+#include <vector>
 
 #include "core/host_sum.h"
 #include "core/memory.h"
@@ -38,6 +40,7 @@ concept MoeModel = requires(const M& m, typename M::AttentionActivations& a, typ
   m.experts_backward_weights_pair(w.layers[0], t, e, t, t, e, t, flag, t, t);  // an earlier micro-batch's, then this one's
   { m.expert_squares_count(w.layers[0]) } -> std::convertible_to<int64_t>;
   { m.expert_known_zero_count(w.layers[0]) } -> std::convertible_to<int64_t>;
+  { m.expert_known_zero_parts(w.layers[0], t) } -> std::same_as<std::vector<std::pair<Tensor, Tensor>>>;
   m.experts_drop_input(e);
   m.experts_restore_input(e, std::move(buffer));
   m.aggregate_forward(t, a, t, t);

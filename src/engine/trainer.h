@@ -218,6 +218,7 @@ template <MoeModel M> struct TrainSetup {
   // squares are.
   std::vector<Buffer> expert_known_zero;
   std::vector<Tensor> expert_known_zero_views;
+  std::vector<ShardedParameters::KnownZeroGrads> known_zero_grads;  // the gradients they describe, for AdamW
 
   TrainSetup(const RunConfig& rc, const typename M::Config& config, Device device_)
       : device(device_),
@@ -243,6 +244,9 @@ template <MoeModel M> struct TrainSetup {
         const int64_t flags = count > 0 ? model.expert_known_zero_count(g.layers[l]) : 0;
         expert_known_zero.push_back(Buffer::zeros(DType::i32, device, {flags}));
         expert_known_zero_views.push_back(flags > 0 ? expert_known_zero.back().view() : Tensor{});
+        if (flags > 0)
+          for (const auto& [grad, part] : model.expert_known_zero_parts(g.layers[l], expert_known_zero.back()))
+            known_zero_grads.push_back({grad, part});
       }
     }
   }
@@ -305,7 +309,7 @@ inline CheckpointSharing checkpoint_sharing(const Mesh& mesh, const ShardedParam
 template <MoeModel M> void optimizer_step(TrainSetup<M>& s, const RunConfig& rc, const StepMetrics& m, int64_t update) {
   AdamWHyper hyper{m.lr, rc.beta1, rc.beta2, rc.eps, rc.weight_decay, update};
   if (rc.grad_clip > 0 && m.grad_norm > rc.grad_clip) hyper.grad_scale = rc.grad_clip / m.grad_norm;
-  s.state.optimizer_step(hyper);
+  s.state.optimizer_step(hyper, s.known_zero_grads);
 }
 
 // Forward and backward of this process's micro-batches of one step; returns its summed token

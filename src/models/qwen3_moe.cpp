@@ -355,6 +355,11 @@ int64_t Qwen3Moe::expert_known_zero_count(const Qwen3MoeLayerWeights& grads) con
   return grads.experts_down.size(0) + grads.experts_gate_up.size(0);
 }
 
+std::vector<std::pair<Tensor, Tensor>> Qwen3Moe::expert_known_zero_parts(const Qwen3MoeLayerWeights& grads, Tensor known_zero) const {
+  const int64_t down = grads.experts_down.size(0);
+  return {{grads.experts_down, known_zero.rows(0, down)}, {grads.experts_gate_up, known_zero.rows(down, known_zero.numel())}};
+}
+
 void Qwen3Moe::experts_backward_input(Tensor dx_perm, Tensor dy_perm, Qwen3MoeExpertActivations& e, Tensor expert_offsets,
                                       const Qwen3MoeLayerWeights& w) const {
   const int64_t R = e.gate_up.view().size(0), I = config_.expert_intermediate_size;

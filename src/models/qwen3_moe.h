@@ -165,6 +165,9 @@ class Qwen3Moe {
                         Tensor known_zero = {}) const;
   int64_t expert_squares_count(const Qwen3MoeLayerWeights& grads) const;
   int64_t expert_known_zero_count(const Qwen3MoeLayerWeights& grads) const;
+  // The layer's expert gradients with their part of known_zero (its flags cover their rows: one an
+  // expert), for the optimizer to take a flagged expert's gradient as zero without reading it.
+  std::vector<std::pair<Tensor, Tensor>> expert_known_zero_parts(const Qwen3MoeLayerWeights& grads, Tensor known_zero) const;
   // experts_backward in two halves, so the weight gradients can wait for a gap in a pipeline
   // schedule (zero bubble): the input gradient now (e keeps what the weights need), and later,
   // with the same dy_perm and offsets, the weight gradients (which release e).

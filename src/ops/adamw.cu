@@ -19,14 +19,16 @@ namespace {
 // In torch's order of operations (the moments are rounded to T before use; the denominator is
 // sqrt(v) / sqrt(1 - beta2^step) + eps), so results stay as close to torch's as the double
 // intermediates allow.
-// param_bf16 may be null.
+// param_bf16 may be null; known_zero (null: none): rows of `per_row` elements whose gradient is
+// taken as zero without reading it (a zero's sign never shows: m + (-0) = m, (-0)^2 = +0).
 template <typename T>
-void step_cpu(T* param, uint16_t* param_bf16, T* m, T* v, const T* grad, int64_t n, const AdamWHyper& hp) {
+void step_cpu(T* param, uint16_t* param_bf16, T* m, T* v, const T* grad, int64_t n, const AdamWHyper& hp,
+              const int32_t* known_zero = nullptr, int64_t per_row = 1) {
   const double decay = 1 - hp.lr * hp.weight_decay;
   const double step_size = hp.lr / (1 - std::pow(hp.beta1, double(hp.step)));
   const double bias2_sqrt = std::sqrt(1 - std::pow(hp.beta2, double(hp.step)));
   for (int64_t i = 0; i < n; ++i) {
-    const double g = double(grad[i]) * hp.grad_scale;
+    const double g = known_zero && known_zero[i / per_row] ? 0.0 : double(grad[i]) * hp.grad_scale;
     m[i] = T(hp.beta1 * m[i] + (1 - hp.beta1) * g);
     v[i] = T(hp.beta2 * v[i] + (1 - hp.beta2) * g * g);
     const double denom = std::sqrt(double(v[i])) / bias2_sqrt + hp.eps;
@@ -57,6 +59,26 @@ __device__ void step_element(float& param, float grad, float& m, float& v, const
   param = float(__dsub_rn(__dmul_rn(double(param), k.decay), update));
 }
 
+// Float4 i of the tensors with gradient g; param_bf16 may be null.
+__device__ __forceinline__ void step_float4(float* param, __nv_bfloat16* param_bf16, float* m, float* v, float4 g, int64_t i,
+                                            const Constants& k) {
+  float4 p = reinterpret_cast<float4*>(param)[i], mm = reinterpret_cast<float4*>(m)[i], vv = reinterpret_cast<float4*>(v)[i];
+  step_element(p.x, g.x, mm.x, vv.x, k);
+  step_element(p.y, g.y, mm.y, vv.y, k);
+  step_element(p.z, g.z, mm.z, vv.z, k);
+  step_element(p.w, g.w, mm.w, vv.w, k);
+  reinterpret_cast<float4*>(param)[i] = p;
+  reinterpret_cast<float4*>(m)[i] = mm;
+  reinterpret_cast<float4*>(v)[i] = vv;
+  if (param_bf16) {
+    const __nv_bfloat162 lo = __floats2bfloat162_rn(p.x, p.y), hi = __floats2bfloat162_rn(p.z, p.w);
+    uint2 packed;
+    packed.x = *reinterpret_cast<const uint32_t*>(&lo);
+    packed.y = *reinterpret_cast<const uint32_t*>(&hi);
+    reinterpret_cast<uint2*>(param_bf16)[i] = packed;
+  }
+}
+
 // Elementwise, grid-stride: one thread per float4 of the four tensors when all are 16-byte
 // aligned (and param_bf16, if any, 8-byte aligned) (Vec4), then the n % 4 tail one element per
 // thread. param_bf16 may be null. (Loading the next float4s before computing the current ones
@@ -67,24 +89,7 @@ __global__ void adamw_step_kernel(float* param, __nv_bfloat16* param_bf16, float
   const int64_t first = blockIdx.x * int64_t(blockDim.x) + threadIdx.x, stride = int64_t(gridDim.x) * blockDim.x;
   int64_t done = 0;
   if (Vec4) {
-    for (int64_t i = first; i < n / 4; i += stride) {
-      float4 p = reinterpret_cast<float4*>(param)[i], mm = reinterpret_cast<float4*>(m)[i], vv = reinterpret_cast<float4*>(v)[i];
-      const float4 g = reinterpret_cast<const float4*>(grad)[i];
-      step_element(p.x, g.x, mm.x, vv.x, k);
-      step_element(p.y, g.y, mm.y, vv.y, k);
-      step_element(p.z, g.z, mm.z, vv.z, k);
-      step_element(p.w, g.w, mm.w, vv.w, k);
-      reinterpret_cast<float4*>(param)[i] = p;
-      reinterpret_cast<float4*>(m)[i] = mm;
-      reinterpret_cast<float4*>(v)[i] = vv;
-      if (param_bf16) {
-        const __nv_bfloat162 lo = __floats2bfloat162_rn(p.x, p.y), hi = __floats2bfloat162_rn(p.z, p.w);
-        uint2 packed;
-        packed.x = *reinterpret_cast<const uint32_t*>(&lo);
-        packed.y = *reinterpret_cast<const uint32_t*>(&hi);
-        reinterpret_cast<uint2*>(param_bf16)[i] = packed;
-      }
-    }
+    for (int64_t i = first; i < n / 4; i += stride) step_float4(param, param_bf16, m, v, reinterpret_cast<const float4*>(grad)[i], i, k);
     done = n / 4 * 4;
   }
   for (int64_t i = done + first; i < n; i += stride) {
@@ -93,22 +98,72 @@ __global__ void adamw_step_kernel(float* param, __nv_bfloat16* param_bf16, float
   }
 }
 
+// adamw_step_kernel over row blockIdx.y of `per_row` elements of each tensor, whose gradient is
+// taken as zero without reading it where known_zero[row] is set (Vec4: per_row a multiple of 4 too).
+template <bool Vec4>
+__global__ void adamw_step_rows_kernel(float* param, __nv_bfloat16* param_bf16, float* m, float* v, const float* grad,
+                                       const int32_t* known_zero, int64_t per_row, Constants k) {
+  const int64_t offset = blockIdx.y * per_row;
+  const bool zero = known_zero[blockIdx.y] != 0;
+  const int64_t first = blockIdx.x * int64_t(blockDim.x) + threadIdx.x, stride = int64_t(gridDim.x) * blockDim.x;
+  float *p = param + offset, *mr = m + offset, *vr = v + offset;
+  const float* g = grad + offset;
+  __nv_bfloat16* p16 = param_bf16 ? param_bf16 + offset : nullptr;
+  int64_t done = 0;
+  if (Vec4) {
+    for (int64_t i = first; i < per_row / 4; i += stride)
+      step_float4(p, p16, mr, vr, zero ? make_float4(0.0f, 0.0f, 0.0f, 0.0f) : reinterpret_cast<const float4*>(g)[i], i, k);
+    done = per_row / 4 * 4;
+  }
+  for (int64_t i = done + first; i < per_row; i += stride) {
+    step_element(p[i], zero ? 0.0f : g[i], mr[i], vr[i], k);
+    if (p16) p16[i] = __float2bfloat16(p[i]);
+  }
+}
+
+Constants constants(const AdamWHyper& hp) {
+  return {hp.grad_scale,
+          hp.beta1,
+          1 - hp.beta1,
+          hp.beta2,
+          1 - hp.beta2,
+          1 - hp.lr * hp.weight_decay,
+          hp.lr / (1 - std::pow(hp.beta1, double(hp.step))),
+          std::sqrt(1 - std::pow(hp.beta2, double(hp.step))),
+          hp.eps};
+}
+
+// Whether the float4 path takes the tensors (all 16-byte aligned, param_bf16 8).
+bool takes_vec4(const Tensor& param, const Tensor& param_bf16, const Tensor& exp_avg, const Tensor& exp_avg_sq, const Tensor& grad) {
+  return (reinterpret_cast<uintptr_t>(param.data) | reinterpret_cast<uintptr_t>(grad.data) | reinterpret_cast<uintptr_t>(exp_avg.data) |
+          reinterpret_cast<uintptr_t>(exp_avg_sq.data)) % 16 == 0 &&
+         reinterpret_cast<uintptr_t>(param_bf16.data) % 8 == 0;
+}
+
+void launch_step_rows(Tensor param, Tensor param_bf16, Tensor exp_avg, Tensor exp_avg_sq, Tensor grad, Tensor known_zero,
+                      const AdamWHyper& hp, Stream stream) {
+  const int64_t rows = known_zero.numel(), per_row = rows > 0 ? param.numel() / rows : 0;
+  if (per_row == 0) return;
+  const Constants k = constants(hp);
+  const bool vec4 = takes_vec4(param, param_bf16, exp_avg, exp_avg_sq, grad) && per_row % 4 == 0;
+  const int threads = 256;
+  const dim3 grid(unsigned(std::max<int64_t>(1, std::min<int64_t>((per_row / (vec4 ? 4 : 1) + threads) / threads, 8192 / rows))),
+                  unsigned(rows));
+  auto s = static_cast<cudaStream_t>(stream.handle);
+  float *p = param.ptr<float>(), *m = exp_avg.ptr<float>(), *v = exp_avg_sq.ptr<float>();
+  auto* p16 = static_cast<__nv_bfloat16*>(param_bf16.data);
+  const int32_t* flags = known_zero.ptr<int32_t>();
+  if (vec4) adamw_step_rows_kernel<true><<<grid, threads, 0, s>>>(p, p16, m, v, grad.ptr<float>(), flags, per_row, k);
+  else adamw_step_rows_kernel<false><<<grid, threads, 0, s>>>(p, p16, m, v, grad.ptr<float>(), flags, per_row, k);
+  MARROW_CUDA_CHECK_LAUNCH();
+}
+
 void launch_step(Tensor param, Tensor param_bf16, Tensor exp_avg, Tensor exp_avg_sq, Tensor grad, const AdamWHyper& hp,
                  Stream stream) {
   const int64_t n = param.numel();
   if (n == 0) return;
-  const Constants k{hp.grad_scale,
-                    hp.beta1,
-                    1 - hp.beta1,
-                    hp.beta2,
-                    1 - hp.beta2,
-                    1 - hp.lr * hp.weight_decay,
-                    hp.lr / (1 - std::pow(hp.beta1, double(hp.step))),
-                    std::sqrt(1 - std::pow(hp.beta2, double(hp.step))),
-                    hp.eps};
-  const bool vec4 = (reinterpret_cast<uintptr_t>(param.data) | reinterpret_cast<uintptr_t>(grad.data) |
-                     reinterpret_cast<uintptr_t>(exp_avg.data) | reinterpret_cast<uintptr_t>(exp_avg_sq.data)) % 16 == 0 &&
-                    reinterpret_cast<uintptr_t>(param_bf16.data) % 8 == 0;
+  const Constants k = constants(hp);
+  const bool vec4 = takes_vec4(param, param_bf16, exp_avg, exp_avg_sq, grad);
   const int threads = 256, blocks = int(std::min<int64_t>((n / (vec4 ? 4 : 1) + threads) / threads, 8192));
   auto s = static_cast<cudaStream_t>(stream.handle);
   float *p = param.ptr<float>(), *m = exp_avg.ptr<float>(), *v = exp_avg_sq.ptr<float>();
@@ -121,9 +176,10 @@ void launch_step(Tensor param, Tensor param_bf16, Tensor exp_avg, Tensor exp_avg
 
 }  // namespace
 
-void adamw_step(Tensor param, Tensor param_bf16, Tensor exp_avg, Tensor exp_avg_sq, Tensor grad, const AdamWHyper& hyper,
-                Stream stream) {
-  const char* op = "adamw_step";
+namespace {
+// adamw_step's checks; returns whether the tensors are on the GPU.
+bool check_step(const char* op, const Tensor& param, const Tensor& param_bf16, const Tensor& exp_avg, const Tensor& exp_avg_sq,
+                const Tensor& grad, const AdamWHyper& hyper) {
   const bool copy = param_bf16.data != nullptr;
   for (auto [name, t] : {std::pair{"grad", &grad}, std::pair{"exp_avg", &exp_avg}, std::pair{"exp_avg_sq", &exp_avg_sq}})
     MARROW_CHECK(t->numel() == param.numel(), "{}: {} has {} elements but param has {}", op, name, t->numel(), param.numel());
@@ -138,9 +194,27 @@ void adamw_step(Tensor param, Tensor param_bf16, Tensor exp_avg, Tensor exp_avg_
     expect_dtype(op, "param_bf16", param_bf16, DType::bf16);
     expect_device(op, "param_bf16", param_bf16, param.device);
   }
-  if (common_device(op, {{"param", &param}, {"grad", &grad}, {"exp_avg", &exp_avg}, {"exp_avg_sq", &exp_avg_sq}}) ==
-      Device::cuda) {
-    expect_dtype(op, "param", param, DType::f32);
+  if (common_device(op, {{"param", &param}, {"grad", &grad}, {"exp_avg", &exp_avg}, {"exp_avg_sq", &exp_avg_sq}}) == Device::cpu)
+    return false;
+  expect_dtype(op, "param", param, DType::f32);
+  return true;
+}
+
+// step_cpu over the tensors' scalar type (known_zero: rows of per_row elements, may be null).
+void step_on_cpu(const char* op, Tensor param, Tensor param_bf16, Tensor exp_avg, Tensor exp_avg_sq, Tensor grad, const AdamWHyper& hyper,
+                 const int32_t* known_zero, int64_t per_row) {
+  with_cpu_scalar(op, param, [&](auto s) {
+    using T = decltype(s);
+    step_cpu<T>(param.ptr<T>(), param_bf16.data ? static_cast<uint16_t*>(param_bf16.data) : nullptr, exp_avg.ptr<T>(),
+                exp_avg_sq.ptr<T>(), grad.ptr<T>(), param.numel(), hyper, known_zero, per_row);
+  });
+}
+}  // namespace
+
+void adamw_step(Tensor param, Tensor param_bf16, Tensor exp_avg, Tensor exp_avg_sq, Tensor grad, const AdamWHyper& hyper,
+                Stream stream) {
+  const char* op = "adamw_step";
+  if (check_step(op, param, param_bf16, exp_avg, exp_avg_sq, grad, hyper)) {
 #ifdef __CUDACC__
     return launch_step(param, param_bf16, exp_avg, exp_avg_sq, grad, hyper, stream);
 #else
@@ -148,11 +222,27 @@ void adamw_step(Tensor param, Tensor param_bf16, Tensor exp_avg, Tensor exp_avg_
 #endif
   }
   (void)stream;
-  with_cpu_scalar(op, param, [&](auto s) {
-    using T = decltype(s);
-    step_cpu<T>(param.ptr<T>(), copy ? static_cast<uint16_t*>(param_bf16.data) : nullptr, exp_avg.ptr<T>(), exp_avg_sq.ptr<T>(),
-                grad.ptr<T>(), param.numel(), hyper);
-  });
+  step_on_cpu(op, param, param_bf16, exp_avg, exp_avg_sq, grad, hyper, nullptr, 1);
+}
+
+void adamw_step_known_zero(Tensor param, Tensor param_bf16, Tensor exp_avg, Tensor exp_avg_sq, Tensor grad, Tensor known_zero,
+                           const AdamWHyper& hyper, Stream stream) {
+  const char* op = "adamw_step_known_zero";
+  const bool gpu = check_step(op, param, param_bf16, exp_avg, exp_avg_sq, grad, hyper);
+  expect_dtype(op, "known_zero", known_zero, DType::i32);
+  expect_device(op, "known_zero", known_zero, param.device);
+  MARROW_CHECK(known_zero.ndim == 1 && known_zero.numel() > 0 && param.numel() % known_zero.numel() == 0,
+               "{}: known_zero has shape {} but must be [E] with E dividing param's {} elements", op, known_zero.shape_string(),
+               param.numel());
+  if (gpu) {
+#ifdef __CUDACC__
+    return launch_step_rows(param, param_bf16, exp_avg, exp_avg_sq, grad, known_zero, hyper, stream);
+#else
+    no_cuda_kernel(op);
+#endif
+  }
+  (void)stream;
+  step_on_cpu(op, param, param_bf16, exp_avg, exp_avg_sq, grad, hyper, known_zero.ptr<int32_t>(), param.numel() / known_zero.numel());
 }
 
 }  // namespace marrow

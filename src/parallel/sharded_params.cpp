@@ -370,15 +370,43 @@ double ShardedParameters::gradient_norm(std::span<const Tensor> expert_squares) 
   return std::sqrt(mesh_.pipeline.sum(stage_squares, "gradient norm over the pipeline (sum of squares)"));
 }
 
-void ShardedParameters::optimizer_step(AdamWHyper hyper) {
+void ShardedParameters::adamw_unit(const Unit& u, const AdamWHyper& hyper, std::span<const KnownZeroGrads> known) {
+  const bool separate = u.working.data != nullptr && u.working.data != u.shard(params_).data;
+  auto part = [&](const Arena& a, int64_t begin, int64_t count) { return a.slice(u.offset + begin, {count}); };
+  auto update = [&](int64_t begin, int64_t count, const KnownZeroGrads* k) {
+    if (count == 0) return;
+    const Tensor working = separate ? u.working.reshape({u.chunk}).rows(begin, begin + count) : Tensor{};
+    if (k) adamw_step_known_zero(part(params_, begin, count), working, part(exp_avg_, begin, count), part(exp_avg_sq_, begin, count),
+                                 part(grads_, begin, count), k->flags, hyper);
+    else adamw_step(part(params_, begin, count), working, part(exp_avg_, begin, count), part(exp_avg_sq_, begin, count),
+                    part(grads_, begin, count), hyper);
+  };
+  const Tensor grad = u.shard(grads_);
+  const auto* base = static_cast<const char*>(grad.data);
+  std::vector<std::pair<int64_t, const KnownZeroGrads*>> inside;  // by element offset in the shard
+  for (const KnownZeroGrads& k : known) {
+    const auto* at = static_cast<const char*>(k.grad.data);
+    if (at >= base && at < base + grad.bytes()) inside.emplace_back(int64_t(at - base) / int64_t(dtype_size(grad.dtype)), &k);
+  }
+  MARROW_CHECK(inside.empty() || (u.n == 1 && u.grads_kept), "internal: known-zero gradients in a sharded unit of stage {}", u.stage);
+  std::sort(inside.begin(), inside.end());
+  int64_t done = 0;
+  for (const auto& [begin, k] : inside) {
+    update(done, begin - done, nullptr);
+    update(begin, k->grad.numel(), k);
+    done = begin + k->grad.numel();
+  }
+  update(done, u.chunk - done, nullptr);
+}
+
+void ShardedParameters::optimizer_step(AdamWHyper hyper, std::span<const KnownZeroGrads> known) {
   const double weight_decay = hyper.weight_decay;
   forget_slots();
   // In the order the next forward needs them, each unit's gather starting as soon as it is updated.
   for (size_t i : update_order_) {
     Unit& u = units_[i];
     hyper.weight_decay = u.norms ? 0 : weight_decay;
-    const bool separate = u.working.data != nullptr && u.working.data != u.shard(params_).data;
-    adamw_step(u.shard(params_), separate ? u.working : Tensor{}, u.shard(exp_avg_), u.shard(exp_avg_sq_), u.shard(grads_), hyper);
+    adamw_unit(u, hyper, known);
     gather_kept(u);
   }
 }

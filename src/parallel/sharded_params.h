@@ -103,7 +103,13 @@ class ShardedParameters {
   // it: no shard reduction and no replica sum follows (n = 1, no dp replicas).
   bool expert_grads_final() const;
   // AdamW on the shards (norm units without weight decay); then the compute copies are re-gathered.
-  void optimizer_step(AdamWHyper hyper);
+  // known: gradients (views into gradients()) whose rows are flagged all zeros (grouped_linear.h's
+  // known_zero: flags[e] set means row e of grad is zero), where expert_grads_final(): AdamW takes
+  // those rows' gradient as zero without reading it.
+  struct KnownZeroGrads {
+    Tensor grad, flags;
+  };
+  void optimizer_step(AdamWHyper hyper, std::span<const KnownZeroGrads> known = {});
 
  private:
   struct Unit {
@@ -147,6 +153,8 @@ class ShardedParameters {
   void prefetch(int64_t layer);
   Slot& slot(const Unit& u, int64_t layer) { return slots_[u.expert ? 1 : 0][size_t(layer % 2)]; }
   void reduce_kept(const Unit& u);
+  // AdamW on unit u's shard, the parts of `known` inside it by rows.
+  void adamw_unit(const Unit& u, const AdamWHyper& hyper, std::span<const KnownZeroGrads> known);
   // This rank's sum of squares of its gradient shards (see gradient_norm).
   double local_squares(std::span<const Tensor> expert_squares) const;
 
