@@ -24,6 +24,7 @@ if [ "${1:-}" = prepare ]; then
 fi
 out=${1:-$OUT}
 rounds=${2:-2}
+[[ $rounds =~ ^[0-9]+$ ]] || rounds=2  # gpu_batch.sh passes "all" when a part names no mode
 [ -f "$base/.commit" ] || { echo "no base sources: run tools/gpu_ab.sh prepare <commit> here before tools/gpu_prepare.sh"; echo FAIL; exit 1; }
 source tools/gpu_common.sh
 step "build of the base (commit $(cat "$base/.commit"))"
