@@ -7,7 +7,8 @@
 #   tools/gpu_ncu_source.sh <log-dir> <kernel-regex without spaces> [launches to skip first]
 #   tools/gpu_batch.sh $OUT "gpu_attention.sh quick" "gpu_ncu_source.sh rmsnorm_rope_forward"
 #   tools/gpu_batch.sh $OUT "gpu_attention.sh build" "gpu_ncu_source.sh adamw_step_kernel 3"  (layer 0's experts)
-# writes <log-dir>/details.log (every section) and <log-dir>/sass.csv (per-instruction counters).
+# writes <log-dir>/details.log (every section) and <log-dir>/sass.csv (per-instruction counters), and
+# in the summary where the warps wait (tools/ncu_stalls.py: by reason, opcode and runs of 50 lines).
 # Ends with PASS or FAIL (FAIL when ncu profiled nothing).
 set -uo pipefail
 out=$1
@@ -25,5 +26,6 @@ rm -f "$out/report.ncu-rep"
 {
   grep -E "Duration|Executed Instructions|Issue Slots Busy|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|Theoretical Occupancy|Block Limit" "$out/details.log" | head -30
   echo "sass.csv: $(wc -l < "$out/sass.csv") lines"
+  python3 tools/ncu_stalls.py "$out/sass.csv" --runs 50
 } | tee "$out/summary.log"
 if grep -q "Duration" "$out/details.log"; then echo PASS; else tail -20 "$out/profile.log"; echo FAIL; exit 1; fi

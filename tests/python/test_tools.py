@@ -1,6 +1,7 @@
 """The GPU run scripts' CPU dry runs, so that a script waiting for a machine kind that is not lent
 (tools/gpu_full_node.sh: issue #15's 8-GPU node) does not rot unseen: the same parts, with the tiny
-model on 8 processes under mpirun --oversubscribe, must end with PASS.
+model on 8 processes under mpirun --oversubscribe, must end with PASS. And tools/ncu_stalls.py, which
+reads Nsight Compute's source page on the GPU machine, on a small page of known shares.
 """
 import argparse
 import os
@@ -22,8 +23,28 @@ def main():
         print(p.stdout[-3000:], p.stderr[-2000:])
         ok = p.returncode == 0 and p.stdout.strip().endswith("PASS") and "equal sha256: True" in p.stdout
         print("ok      " if ok else "FAILED  ", "tools/gpu_full_node.sh's dry run: train, resume bit for bit, export")
-        print("PASS" if ok else "FAIL")
-        sys.exit(0 if ok else 1)
+        stalls_ok = check_ncu_stalls(repo, tmp)
+        print("ok      " if stalls_ok else "FAILED  ", "tools/ncu_stalls.py: shares by reason, opcode and run")
+        print("PASS" if ok and stalls_ok else "FAIL")
+        sys.exit(0 if ok and stalls_ok else 1)
+
+
+def check_ncu_stalls(repo, tmp):
+    """Three instructions with 30, 10 and 60 samples: the shares must come out as such."""
+    page = os.path.join(tmp, "sass.csv")
+    with open(page, "w") as f:
+        f.write('"Kernel Name","k"\n')
+        f.write('"Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed","stall_lg","stall_wait",'
+                '"stall_lg (Not Issued)"\n')
+        f.write('"0x10","LDG.E R2, [R4]","30","8","30","0","30"\n')
+        f.write('"0x20","@!P0 STG.E [R4], R2","10","8","0","10","0"\n')
+        f.write('"0x30","HGMMA.64x256x16.F32 R24, gdesc[UR4], R24","60","100","0","60","0"\n')
+    p = subprocess.run([sys.executable, os.path.join(repo, "tools", "ncu_stalls.py"), page, "--runs", "2"], capture_output=True,
+                       text=True, timeout=60)
+    print(p.stdout, p.stderr)
+    want = ["100 samples over 3 instructions", "wait                    70.0%", "lg                      30.0%",
+            "HGMMA         60.0%", "STG           10.0%", "0  40.0%", "2  60.0%"]
+    return p.returncode == 0 and all(w in p.stdout for w in want)
 
 
 if __name__ == "__main__":
