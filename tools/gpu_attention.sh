@@ -2,7 +2,7 @@
 # Attention on one H200: cuDNN's fused SDPA (ops/attention_cudnn.h) against the own kernels. Run on
 # the GPU machine from the repository root after tools/gpu_prepare.sh here (device tool, carry
 # [".gpu-carry"]):
-#   tools/gpu_attention.sh <log-dir> [check|speed|long|all|final|memory|checks|quick|peaks|measure|kernels|pairs]
+#   tools/gpu_attention.sh <log-dir> [check|speed|long|all|final|memory|checks|quick|peaks|measure|kernels|pairs|plans]
 # check: marrow check --only attention (both kernel sets against the CPU reference, bits twice)
 # speed: the attention rows of marrow bench --kernels; the bench config (3 + 17 steps) with each
 #        kernel set
@@ -25,6 +25,8 @@
 #          32,768 tokens with and without the bf16 weight copy, and the bench config without it (3 + 5
 #          steps): tokens/s and peaks; then the kernel table
 # kernels: marrow bench --kernels, the rows matching the regex KERNEL_ROWS (default: every row)
+# plans: marrow bench --attention-plans at the bench's 4,096 (and the lengths in PLAN_SEQS): every plan
+#        cuDNN offers for the forward and the deterministic backward, timed and compared with the op's
 # pairs: the bench config (3 + 27 steps) with train.pair_expert_grads=false, then the default, on one
 #        machine: tokens/s and peaks side by side, losses bit for bit
 # Ends with PASS or FAIL; logs in <log-dir>.
@@ -139,6 +141,14 @@ if [ "$what" = kernels ]; then
   step "marrow bench --kernels"
   build-gpu/marrow bench --kernels > "$out/kernels.log" 2>&1 || fail "bench --kernels"
   grep -E "${KERNEL_ROWS:-.}" "$out/kernels.log"
+fi
+
+if [ "$what" = plans ]; then
+  for seq in ${PLAN_SEQS:-4096}; do
+    step "marrow bench --attention-plans $seq"
+    build-gpu/marrow bench --attention-plans "$seq" > "$out/plans-$seq.log" 2>&1 || fail "bench --attention-plans $seq"
+    cat "$out/plans-$seq.log" | tee -a "$out/summary.log"
+  done
 fi
 
 if [ "$what" = pairs ]; then

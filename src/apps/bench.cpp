@@ -10,8 +10,14 @@
 //   marrow bench --kernels
 //     times the heaviest kernels at the bench shapes (GPU.md) with CUDA events: attention forward
 //     and backward, the dense q_proj GEMM, the grouped expert GEMMs.
+//   marrow bench --attention-plans [seq]
+//     every execution plan cuDNN offers for the bench's attention forward and deterministic
+//     backward (32 / 4 heads of 128, sequence 4096 by default): time, repeatability, and how its
+//     outputs differ from the plan the op runs.
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <cmath>
+#include <cstring>
 #include <functional>
 
 #include "apps/check.h"
@@ -101,6 +107,67 @@ void bench_attention_kernels(int64_t S, int64_t Hq, int64_t Hkv, int64_t D) {
   }
   set_attention_kernels(before);
 }
+
+#if MARROW_CUDA
+// The largest |a - b| over the outputs of two runs (host copies), and whether their bits are equal.
+std::pair<double, bool> compare_outputs(const std::vector<Buffer>& a, const std::vector<Buffer>& b) {
+  double diff = 0;
+  bool same = true;
+  for (size_t t = 0; t < a.size(); ++t) {
+    same = same && std::memcmp(a[t].view().data, b[t].view().data, a[t].view().bytes()) == 0;
+    const float *x = a[t].ptr<float>(), *y = b[t].ptr<float>();
+    for (int64_t i = 0; i < a[t].numel(); ++i) diff = std::max(diff, double(std::fabs(x[i] - y[i])));
+  }
+  return {diff, same};
+}
+
+// Every plan cuDNN offers for the attention forward and the deterministic backward at one shape:
+// its median time, whether two of its runs give the same bits, and how its outputs differ from the
+// op's own plan's. Which plans are faster than the op's, and whether they are deterministic.
+void bench_attention_plans(int64_t S, int64_t Hq, int64_t Hkv, int64_t D) {
+  keep_pool_memory();
+  set_attention_kernels(AttentionKernels::cudnn);
+  Buffer q = random_device({1, S, Hq, D}, 1, "q"), k = random_device({1, S, Hkv, D}, 1, "k"), v = random_device({1, S, Hkv, D}, 1, "v");
+  Buffer dout = random_device({1, S, Hq, D}, 2, "dout");
+  Buffer out(DType::bf16, Device::cuda, {1, S, Hq, D}), lse(DType::f32, Device::cuda, {1, Hq, S});
+  Buffer dq(DType::bf16, Device::cuda, {1, S, Hq, D}), dk(DType::bf16, Device::cuda, {1, S, Hkv, D}),
+      dv(DType::bf16, Device::cuda, {1, S, Hkv, D});
+  const double fwd = 2.0 * double(S) * double(S) * double(D) * double(Hq);
+  for (const bool backward : {false, true}) {
+    // The op's own plan first: its outputs are the reference (the forward's also feed the backward).
+    attention_forward(out, lse, q, k, v);
+    if (backward) attention_backward(dq, dk, dv, dout, q, k, v, out, lse);
+    const std::vector<Tensor> outputs = backward ? std::vector<Tensor>{dq, dk, dv} : std::vector<Tensor>{out, lse};
+    auto host_outputs = [&] {
+      std::vector<Buffer> copies;
+      for (const Tensor& t : outputs) copies.push_back(to_host_f32(t));
+      return copies;
+    };
+    const std::vector<Buffer> reference = host_outputs();
+    const double flops = backward ? 2.5 * fwd : fwd;
+    std::printf("\nattention S%lld Hq%lld Hkv%lld D%lld causal %s: cuDNN's plans (heuristics A, B, fallback)\n", (long long)S, (long long)Hq,
+                (long long)Hkv, (long long)D, backward ? "backward (deterministic)" : "forward");
+    std::printf("%-4s %-52s %10s %9s %9s %10s %10s %11s\n", "plan", "name", "workspace", "ms", "TFLOP/s", "repeatable", "op's bits", "max |diff|");
+    const std::vector<CudnnAttentionPlan> plans = cudnn_attention_plans(backward, dq, dk, dv, dout, q, k, v, out, lse);
+    for (size_t i = 0; i < plans.size(); ++i) {
+      const CudnnAttentionPlan& plan = plans[i];
+      if (!plan.run) {
+        std::printf("%-4zu %-52s %10s\n", i, plan.name.c_str(), "not built");
+        continue;
+      }
+      plan.run();
+      const std::vector<Buffer> first = host_outputs();
+      plan.run();
+      const std::vector<Buffer> second = host_outputs();
+      const double ms = median_ms(plan.run);
+      const auto [diff, same] = compare_outputs(reference, first);
+      std::printf("%-4zu %-52s %6.0f MiB %9.3f %9.1f %10s %10s %11.3e\n", i, plan.name.c_str(), double(plan.workspace_bytes) / (1 << 20), ms,
+                  flops / (ms * 1e-3) / 1e12, compare_outputs(first, second).second ? "yes" : "NO", same ? "same" : "differ", diff);
+      std::fflush(stdout);
+    }
+  }
+}
+#endif
 
 void bench_kernels() {
   // As in training: without it the pool hands freed memory back at every event sync, and each timed
@@ -237,9 +304,19 @@ int bench_command(int argc, char** argv) {
     bench_kernels();
     return 0;
   }
+  if (argc >= 2 && std::string(argv[1]) == "--attention-plans") {
+    MARROW_CHECK(cuda_available(), "bench --attention-plans needs a GPU");
+#if MARROW_CUDA
+    const int64_t seq = argc >= 3 ? std::stoll(argv[2]) : 4096;
+    MARROW_CHECK(seq > 0, "bench --attention-plans: the sequence length must be positive, got {}", seq);
+    bench_attention_plans(seq, 32, 4, 128);
+#endif
+    return 0;
+  }
   if (print_run_config_help(argc, argv)) {
     std::printf("\nbench's own: --warmup=N (3) --steps=M (10) measured steps; --grouped-gemm=wgmma|cublas (the expert GEMMs' kernel);\n"
-                "marrow bench --kernels times the heaviest kernels (GPU)\n");
+                "marrow bench --kernels times the heaviest kernels (GPU); marrow bench --attention-plans [seq] times every plan\n"
+                "cuDNN offers for the bench's attention (GPU)\n");
     return 0;
   }
   // --warmup, --steps and --grouped-gemm are bench's own; everything else is the run config and its overrides.

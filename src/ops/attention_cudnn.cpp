@@ -255,7 +255,8 @@ void describe_backward(fe::graph::Graph& g, const GraphKey& key, int64_t hq, int
   }
 }
 
-BuiltGraph build_graph(const GraphKey& key, cudnnHandle_t handle) {
+// The key's graph described and lowered, before any execution plan is chosen.
+std::shared_ptr<fe::graph::Graph> described_graph(const GraphKey& key, cudnnHandle_t handle) {
   auto g = std::make_shared<fe::graph::Graph>();
   g->set_io_data_type(fe::DataType_t::BFLOAT16)
       .set_intermediate_data_type(fe::DataType_t::FLOAT)
@@ -266,6 +267,11 @@ BuiltGraph build_graph(const GraphKey& key, cudnnHandle_t handle) {
   else describe_forward(*g, key, hq, hkv, scale);
   MARROW_CUDNN_FE_CHECK(g->validate());
   MARROW_CUDNN_FE_CHECK(g->build_operation_graph(handle));
+  return g;
+}
+
+BuiltGraph build_graph(const GraphKey& key, cudnnHandle_t handle) {
+  std::shared_ptr<fe::graph::Graph> g = described_graph(key, handle);
   MARROW_CUDNN_FE_CHECK(g->create_execution_plans({fe::HeurMode_t::A}));
   MARROW_CUDNN_FE_CHECK(g->check_support(handle));
   MARROW_CUDNN_FE_CHECK(g->build_plans(handle));
@@ -383,6 +389,39 @@ void cudnn_attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tens
   }
   cast(dk, dk_sum, stream);
   cast(dv, dv_sum, stream);
+}
+
+std::vector<CudnnAttentionPlan> cudnn_attention_plans(bool backward, Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q,
+                                                      Tensor k, Tensor v, Tensor out, Tensor lse) {
+  const char* op = "cudnn_attention_plans";
+  GraphKey key = key_of(op, q, k, v, out, lse, backward, true);
+  if (backward) {
+    const BackwardPlan plan = backward_plan(key.batch, key.seq, key.q_heads, key.kv_heads);
+    MARROW_CHECK(plan.splits == 1 && plan.rows == key.seq, "{}: the backward of these sizes runs in {} head groups of query chunks of {} rows, not one call",
+                 op, plan.splits, plan.rows);
+  }
+  std::unordered_map<int64_t, void*> pack{{kQ, q.data}, {kK, k.data}, {kV, v.data}, {kOut, out.data}, {kLse, lse.data}};
+  if (backward) pack.insert({{kDout, dout.data}, {kDq, dq.data}, {kDk, dk.data}, {kDv, dv.data}});
+  std::lock_guard<std::mutex> lock(cudnn_mutex());
+  cudnnHandle_t handle = handle_locked(nullptr);
+  std::shared_ptr<fe::graph::Graph> g = described_graph(key, handle);
+  MARROW_CUDNN_FE_CHECK(g->create_execution_plans({fe::HeurMode_t::A, fe::HeurMode_t::B, fe::HeurMode_t::FALLBACK}));
+  std::vector<CudnnAttentionPlan> plans;
+  for (int64_t i = 0; i < g->get_execution_plan_count(); ++i) {
+    CudnnAttentionPlan plan;
+    MARROW_CUDNN_FE_CHECK(g->get_plan_name_at_index(i, plan.name));
+    if (g->build_plan_at_index(i).is_good()) {
+      MARROW_CUDNN_FE_CHECK(g->get_workspace_size_plan_at_index(i, plan.workspace_bytes));
+      auto workspace = std::make_shared<Buffer>(DType::f32, Device::cuda, std::initializer_list<int64_t>{std::max<int64_t>(1, (plan.workspace_bytes + 3) / 4)});
+      plan.run = [g, i, pack, workspace] {
+        std::unordered_map<int64_t, void*> uids = pack;
+        std::lock_guard<std::mutex> lock(cudnn_mutex());
+        MARROW_CUDNN_FE_CHECK(g->execute_plan_at_index(handle_locked(nullptr), uids, workspace->ptr<float>(), i));
+      };
+    }
+    plans.push_back(std::move(plan));
+  }
+  return plans;
 }
 
 }  // namespace marrow

@@ -20,6 +20,9 @@
 // Graphs are built once per shape (the first call of a shape takes ~0.1-1 s) and kept.
 #pragma once
 #include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
 
 #include "core/tensor.h"
 
@@ -58,5 +61,18 @@ void cudnn_attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor 
 // AttentionKernels::cudnn_nondeterministic, never a default.
 void cudnn_attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out,
                               Tensor lse, Stream stream, bool deterministic = true);
+
+// Every execution plan cuDNN's heuristics (modes A, B and the fallback) offer for one graph of the
+// op: the causal forward, or the deterministic backward in one call (batch x heads small enough that
+// its plan needs no head groups or query chunks), on the given tensors (shapes as the op's). For
+// `marrow bench --attention-plans`, which times them and compares their outputs with the op's own
+// plan (the first that heuristic A builds). run is empty where cuDNN could not build the plan.
+struct CudnnAttentionPlan {
+  std::string name;  // cuDNN's engine and knob settings
+  int64_t workspace_bytes = 0;
+  std::function<void()> run;  // writes out, lse (forward) or dq, dk, dv (backward)
+};
+std::vector<CudnnAttentionPlan> cudnn_attention_plans(bool backward, Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q,
+                                                      Tensor k, Tensor v, Tensor out, Tensor lse);
 
 }  // namespace marrow
