@@ -1,8 +1,11 @@
 #include "ops/embedding.h"
 
+#include <cstring>
+
 #include <vector>
 
 #include "gradcheck.h"
+#include "ops/known_zero.h"
 
 namespace marrow {
 namespace {
@@ -20,6 +23,46 @@ TEST(Embedding, ForwardCopiesRows) {
                     Tensor(table, DType::f32, Device::cpu, {3, 2}));
   const float want[6] = {5, 6, 1, 2, 5, 6};
   for (int i = 0; i < 6; ++i) EXPECT_EQ(out[i], want[i]) << i;
+}
+
+// The row flags of ops/known_zero.h: a restart zeroes the rows written since the last one (and
+// only those: a flagged row holds its zeros already, so garbage planted there stays), then flags
+// every row; a backward clears the flags of the rows it adds to and computes what it computes
+// without flags.
+TEST(Embedding, KnownZeroRowsRestartAndClear) {
+  const int64_t V = 6, H = 3;
+  Buffer dtable = testing::random_buffer(DType::f32, {V, H}, 3), plain = Buffer::zeros(DType::f32, Device::cpu, {V, H});
+  int32_t flags[V] = {0, 1, 0, 1, 0, 0};
+  for (int64_t v = 0; v < V; ++v)
+    for (int64_t c = 0; c < H; ++c)
+      if (flags[v]) dtable.ptr<float>()[v * H + c] = 0.0f;  // what a flag says
+  dtable.ptr<float>()[1 * H] = 7.0f;  // flagged: left alone, so a zeroed flagged row would show
+  restart_known_zero(dtable, Tensor(flags, DType::i32, Device::cpu, {V}));
+  for (int64_t v = 0; v < V; ++v) {
+    EXPECT_EQ(flags[v], 1) << v;
+    for (int64_t c = 0; c < H; ++c) EXPECT_EQ(dtable.ptr<float>()[v * H + c], v == 1 && c == 0 ? 7.0f : 0.0f) << v << " " << c;
+  }
+  dtable.ptr<float>()[1 * H] = 0.0f;
+  std::vector<int32_t> ids = {4, 2, 4};
+  Buffer dout = testing::random_buffer(DType::f32, {3, H}, 4);
+  embedding_backward(dtable, dout, ids_tensor(ids), Tensor(flags, DType::i32, Device::cpu, {V}));
+  embedding_backward(plain, dout, ids_tensor(ids));
+  const int32_t want[V] = {1, 1, 0, 1, 0, 1};
+  for (int64_t v = 0; v < V; ++v) EXPECT_EQ(flags[v], want[v]) << v;
+  EXPECT_EQ(std::memcmp(dtable.view().data, plain.view().data, dtable.view().bytes()), 0);
+}
+
+TEST(Embedding, KnownZeroFlagsOfAnotherVocabularyAreAnError) {
+  float dtable[6] = {}, dout[2] = {};
+  int32_t flags[2] = {};
+  std::vector<int32_t> ids = {1};
+  try {
+    embedding_backward(Tensor(dtable, DType::f32, Device::cpu, {3, 2}), Tensor(dout, DType::f32, Device::cpu, {1, 2}), ids_tensor(ids),
+                       Tensor(flags, DType::i32, Device::cpu, {2}));
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(), "embedding_backward: known_zero has shape [2] but expected [3]");
+  }
 }
 
 TEST(Embedding, GradientsMatchFiniteDifferences) {

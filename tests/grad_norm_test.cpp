@@ -30,6 +30,37 @@ TEST(GradNorm, IsDeterministicAndAccumulatesInDouble) {
   EXPECT_EQ(l2_norm(x), l2_norm(x));
 }
 
+// Flagged rows are not read: NaN planted in them gives the parts of the same values with zeros
+// there; an unflagged row is read (its NaN shows).
+TEST(GradNorm, KnownZeroRowsAreNotRead) {
+  Buffer x = testing::random_buffer(DType::f32, {3 + 5 * 4 + 2}, 2);  // 3 before, 5 rows of 4, 2 after
+  int32_t flags[5] = {1, 0, 1, 1, 0};
+  for (int64_t r = 0; r < 5; ++r)
+    for (int64_t c = 0; c < 4; ++c) x.ptr<float>()[3 + r * 4 + c] = flags[r] ? 0.0f : x.ptr<float>()[3 + r * 4 + c];
+  Buffer plain(DType::f64, Device::cpu, {kSumParts}), known(DType::f64, Device::cpu, {kSumParts});
+  sum_squares_parts(plain, x);
+  for (int64_t r = 0; r < 5; ++r)
+    if (flags[r]) x.ptr<float>()[3 + r * 4 + 1] = std::nanf("");
+  const KnownZeroRows rows{Tensor(flags, DType::i32, Device::cpu, {5}), 3, 4};
+  sum_squares_parts(known, x, rows);
+  EXPECT_EQ(sum_parts_on_host(known), sum_parts_on_host(plain));
+  flags[2] = 0;
+  sum_squares_parts(known, x, rows);
+  EXPECT_TRUE(std::isnan(sum_parts_on_host(known)));
+}
+
+TEST(GradNorm, KnownZeroRowsPastTheEndAreAnError) {
+  float x[8] = {};
+  int32_t flags[3] = {};
+  Buffer parts(DType::f64, Device::cpu, {kSumParts});
+  try {
+    sum_squares_parts(parts, Tensor(x, DType::f32, Device::cpu, {8}), KnownZeroRows{Tensor(flags, DType::i32, Device::cpu, {3}), 1, 3});
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(), "sum_squares_parts: 3 known rows of 3 from element 1 pass the end of x (8 elements)");
+  }
+}
+
 TEST(GradNorm, RejectsIntegerTensor) {
   int32_t x[2] = {3, 4};
   try {

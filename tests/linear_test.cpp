@@ -1,5 +1,7 @@
 #include "ops/linear.h"
 
+#include <cstring>
+
 #include "gradcheck.h"
 
 namespace marrow {
@@ -35,6 +37,15 @@ TEST(Linear, GradientsMatchFiniteDifferences) {
     testing::expect_gradient("dx", x, dx, loss);
     testing::expect_gradient("dweight", w, dw, loss);
   }
+}
+
+// overwrite = true ignores what dweight held: the bits of accumulating into zeros.
+TEST(Linear, BackwardWeightOverwriteIsAccumulatingIntoZeros) {
+  Buffer x = random_buffer(DType::f64, {3, 4}, 1), dy = random_buffer(DType::f64, {3, 5}, 3);
+  Buffer fresh = Buffer::zeros(DType::f64, Device::cpu, {5, 4}), dw = random_buffer(DType::f64, {5, 4}, 4);
+  linear_backward_weight(fresh, dy, x);
+  linear_backward_weight(dw, dy, x, true);
+  EXPECT_EQ(std::memcmp(dw.view().data, fresh.view().data, dw.view().bytes()), 0);
 }
 
 TEST(Linear, BackwardWeightAccumulatesAndBackwardInputOverwrites) {

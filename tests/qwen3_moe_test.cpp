@@ -203,31 +203,35 @@ TEST(Qwen3Moe, SameInputsGiveBitwiseSameLossAndGradients) {
   EXPECT_EQ(std::memcmp(a.grads.all().data, b.grads.all().data, a.grads.bytes()), 0);
 }
 
-// Two micro-batches where the first writes the expert gradients (the trainer's way: it zeroes only
-// the other gradients) give bitwise what zeroing everything and accumulating both gives.
+// Two micro-batches where the first writes the expert and LM-head gradients (the trainer's way: it
+// zeroes only the other gradients) give bitwise what zeroing everything and accumulating both gives;
+// also with the logits in chunks, whose first alone writes the head's gradient.
 TEST(Qwen3Moe, FirstMicroBatchWritingExpertGradientsEqualsZeroingThem) {
-  TinyRun run(DType::f32, 2, 8, tiny_config_json());
-  const auto w = run.model.bind(run.params);
-  const auto g = run.model.bind(run.grads);
-  auto two_micro_batches = [&](bool first_writes) {
-    for (int micro = 0; micro < 2; ++micro) {
-      MicroBatch<Qwen3Moe> mb;
-      forward(mb, run.model, w, run.batch);
-      backward(mb, run.model, w, g, run.batch, run.loss_scale, run.aux_grad, first_writes && micro == 0);
+  for (const int64_t chunk : {0, 5}) {
+    TinyRun run(DType::f32, 2, 8, tiny_config_json());
+    run.model.set_logits_chunk(chunk);
+    const auto w = run.model.bind(run.params);
+    const auto g = run.model.bind(run.grads);
+    auto two_micro_batches = [&](bool first_writes) {
+      for (int micro = 0; micro < 2; ++micro) {
+        MicroBatch<Qwen3Moe> mb;
+        forward(mb, run.model, w, run.batch);
+        backward(mb, run.model, w, g, run.batch, run.loss_scale, run.aux_grad, first_writes && micro == 0);
+      }
+    };
+    run.grads.fill_zero();
+    two_micro_batches(false);
+    Buffer expected = to_host(run.grads.all());
+    for (const TensorSpec& s : run.model.specs()) {
+      Tensor t = run.grads.slice(s.offset, {s.numel});
+      for (int64_t i = 0; i < s.numel; ++i) testing::set_element(t, i, s.first_backward_writes ? 1e30 : 0.0);
     }
-  };
-  run.grads.fill_zero();
-  two_micro_batches(false);
-  Buffer expected = to_host(run.grads.all());
-  for (const TensorSpec& s : run.model.specs()) {
-    Tensor t = run.grads.slice(s.offset, {s.numel});
-    for (int64_t i = 0; i < s.numel; ++i) testing::set_element(t, i, s.first_backward_writes ? 1e30 : 0.0);
+    two_micro_batches(true);
+    EXPECT_EQ(std::memcmp(expected.view().data, run.grads.all().data, run.grads.bytes()), 0) << "logits chunk " << chunk;
+    int64_t written = 0;
+    for (const TensorSpec& s : run.model.specs()) written += s.first_backward_writes ? s.numel : 0;
+    EXPECT_GT(written, run.model.num_parameters() / 2);  // the experts are most of the model
   }
-  two_micro_batches(true);
-  EXPECT_EQ(std::memcmp(expected.view().data, run.grads.all().data, run.grads.bytes()), 0);
-  int64_t written = 0;
-  for (const TensorSpec& s : run.model.specs()) written += s.first_backward_writes ? s.numel : 0;
-  EXPECT_GT(written, run.model.num_parameters() / 2);  // the experts are most of the model
 }
 
 // Micro-batches paired for their expert weight gradients as the trainer pairs them (0 with 1, the
@@ -259,6 +263,7 @@ TEST(Qwen3Moe, PairedExpertWeightGradientsGiveTheSameBits) {
       MicroBatch<Qwen3Moe> mb;
       forward(mb, run.model, w, batches[size_t(micro)]);
       BackwardPass<Qwen3Moe>::Options options{run.loss_scale, run.aux_grad, micro == 0, paired && micro == 0};
+      options.first_of_step = micro == 0;
       if (paired && micro == 1) {
         options.earlier = &earlier;
         options.earlier_overwrites = true;
@@ -307,6 +312,7 @@ TEST(Qwen3Moe, KnownZeroExpertGradientsKeepTheBits) {
       MicroBatch<Qwen3Moe> mb;
       forward(mb, run.model, w, run.batch);
       BackwardPass<Qwen3Moe>::Options options{run.loss_scale, run.aux_grad, true, false};
+      options.first_of_step = true;
       if (flagged) options.expert_known_zero = views;
       backward(mb, run.model, w, g, run.batch, options);
       after.push_back(to_host(run.grads.all()));
@@ -412,6 +418,7 @@ TEST(Qwen3Moe, KnownZeroGradientsGiveTheOptimizerTheSameBits) {
     MicroBatch<Qwen3Moe> mb;
     forward(mb, run.model, w, run.batch);
     BackwardPass<Qwen3Moe>::Options options{run.loss_scale, run.aux_grad, true, false};
+    options.first_of_step = true;
     options.expert_known_zero = views;
     backward(mb, run.model, w, g, run.batch, options);
     int64_t planted = 0;
@@ -430,6 +437,64 @@ TEST(Qwen3Moe, KnownZeroGradientsGiveTheOptimizerTheSameBits) {
     if (flagged) state.optimizer_step(hyper, parts);
     else state.optimizer_step(hyper);
     params.push_back(to_host(state.params().all()));
+  }
+  EXPECT_EQ(std::memcmp(params[0].view().data, params[1].view().data, params[0].view().bytes()), 0);
+}
+
+// The embedding gradient's row flags through ShardedParameters, as the trainer runs them: each step
+// restarts the gradient by rows (start_step), the backward clears the flags of its tokens' rows, the
+// norm and AdamW skip the flagged ones. Three steps over shifting tokens give the gradients, norms
+// and weights of the same steps without flags, bit for bit; in the last, NaN planted in the flagged
+// rows after the backward reaches neither the norm nor AdamW.
+TEST(Qwen3Moe, KnownZeroEmbeddingRowsKeepTheBits) {
+  TinyRun run(DType::f32, 1, 4, tiny_config_json());
+  const Mesh mesh = Mesh::create(MeshShape{}, Device::cpu);
+  const int64_t L = run.model.num_layers(), V = run.model.config().vocab_size, n = run.batch.batch * run.batch.seq;
+  const std::vector<int32_t> ids(run.batch.input_ids.ptr<int32_t>(), run.batch.input_ids.ptr<int32_t>() + n);
+  std::vector<std::vector<Buffer>> grads(2);
+  std::vector<std::vector<double>> norms(2);
+  std::vector<Buffer> params;
+  for (const bool flagged : {false, true}) {
+    std::copy(ids.begin(), ids.end(), run.batch.input_ids.ptr<int32_t>());
+    ShardedParameters state(run.model.specs(), L, std::vector<int64_t>(size_t(L + 2), 0), mesh, false, false, false, Device::cpu,
+                            DType::f32);
+    ASSERT_TRUE(state.grads_final(-1));
+    copy(state.params().all(), run.params.all());
+    const auto w = run.model.bind(state.weights());
+    const auto g = run.model.bind(state.gradients());
+    Buffer flags = Buffer::zeros(DType::i32, Device::cpu, {run.model.prolog_known_zero_count()});
+    std::vector<ShardedParameters::KnownZeroGrads> known;
+    if (flagged)
+      for (const auto& [grad, part] : run.model.prolog_known_zero_parts(g, flags)) known.push_back({grad, part});
+    std::vector<Buffer> squares;
+    std::vector<Tensor> views;
+    for (const auto& layer : g.layers) {
+      squares.emplace_back(DType::f64, Device::cpu, std::initializer_list<int64_t>{run.model.expert_squares_count(layer)});
+      views.push_back(squares.back());
+    }
+    for (int step = 1; step <= 3; ++step) {
+      for (int64_t i = 0; i < n; ++i) run.batch.input_ids.ptr<int32_t>()[i] = int32_t((run.batch.input_ids.ptr<int32_t>()[i] + 3) % V);
+      state.start_step(known);
+      MicroBatch<Qwen3Moe> mb;
+      forward(mb, run.model, w, run.batch);
+      BackwardPass<Qwen3Moe>::Options options{run.loss_scale, run.aux_grad, true, false, views};
+      options.first_of_step = true;
+      if (flagged) options.prolog_known_zero = flags;
+      backward(mb, run.model, w, g, run.batch, options);
+      grads[flagged].push_back(to_host(state.grads().all()));
+      const int64_t set = std::count(flags.ptr<int32_t>(), flags.ptr<int32_t>() + V, 1);
+      EXPECT_EQ(set > 0, flagged) << step;
+      if (flagged && step == 3)
+        for (int64_t v = 0; v < V; ++v)
+          if (flags.ptr<int32_t>()[v]) testing::set_element(g.embed.reshape({g.embed.numel()}), v * g.embed.size(1), std::nan(""));
+      norms[flagged].push_back(state.gradient_norm(views, known));
+      state.optimizer_step(AdamWHyper{1e-3, 0.9, 0.95, 1e-8, 0.1, step, 0.5}, known);
+    }
+    params.push_back(to_host(state.params().all()));
+  }
+  for (size_t step = 0; step < 3; ++step) {
+    EXPECT_EQ(std::memcmp(grads[0][step].view().data, grads[1][step].view().data, grads[0][step].view().bytes()), 0) << step;
+    EXPECT_EQ(norms[0][step], norms[1][step]) << step;
   }
   EXPECT_EQ(std::memcmp(params[0].view().data, params[1].view().data, params[0].view().bytes()), 0);
 }

@@ -17,6 +17,7 @@
 #include "ops/dispatch.h"
 #include "ops/embedding.h"
 #include "ops/grad_norm.h"
+#include "ops/known_zero.h"
 #include "ops/rmsnorm.h"
 #include "ops/rope.h"
 #include "ops/router.h"
@@ -61,6 +62,29 @@ Buffer random_ids(std::initializer_list<int64_t> dims, int64_t limit, uint64_t s
   return b;
 }
 
+// The embedding gradient's row flags (ops/known_zero.h): every third row flagged (and zero), the
+// others holding old values; a restart, then a backward with the flags, twice (the second adds to
+// rows of the first). GPU against CPU bit for bit, gradient and flags.
+void check_embedding_known_zero(CheckReport& report, const Buffer& ids, const OnDevice& ids_d, const Buffer& dout, const OnDevice& dout_d,
+                                int64_t vocab, int64_t h, const std::string& size) {
+  Buffer dtable = random_host({vocab, h}, 5), flags(DType::i32, Device::cpu, {vocab});
+  for (int64_t v = 0; v < vocab; ++v) {
+    flags.ptr<int32_t>()[v] = v % 3 == 0;
+    if (v % 3 == 0) std::fill(dtable.ptr<float>() + v * h, dtable.ptr<float>() + (v + 1) * h, 0.0f);
+  }
+  OnDevice dtable_d(dtable, DType::f32), flags_d(flags, DType::i32);
+  restart_known_zero(dtable, flags);
+  restart_known_zero(dtable_d, flags_d);
+  report.expect_equal("restart_known_zero grad " + size, dtable_d, dtable);
+  report.expect_equal("restart_known_zero flags " + size, flags_d, flags);
+  for (int pass = 1; pass <= 2; ++pass) {
+    embedding_backward(dtable, dout, ids, flags);
+    embedding_backward(dtable_d, dout_d, ids_d, flags_d);
+    report.expect_equal(fmt::format("embedding_backward known zero, pass {}: dtable {}", pass, size), dtable_d, dtable);
+    report.expect_equal(fmt::format("embedding_backward known zero, pass {}: flags {}", pass, size), flags_d, flags);
+  }
+}
+
 void check_embedding(CheckReport& report, int64_t n, int64_t vocab, int64_t h) {
   const std::string size = fmt::format("T={} V={} H={}", n, vocab, h);
   Buffer ids = random_ids({n}, vocab, 1), table = random_bf16({vocab, h}, 2), out = host_f32({n, h});
@@ -76,6 +100,7 @@ void check_embedding(CheckReport& report, int64_t n, int64_t vocab, int64_t h) {
   embedding_backward(dtable, dout, ids);
   embedding_backward(dtable_d, dout_d, ids_d);
   report.compare("embedding_backward dtable " + size, dtable_d, dtable, kSameOrder);
+  check_embedding_known_zero(report, ids, ids_d, dout, dout_d, vocab, h, size);
 }
 
 void check_rmsnorm(CheckReport& report, int64_t n, int64_t d) {
@@ -564,6 +589,23 @@ void check_adamw_zero_moments(CheckReport& report, int64_t n) {
   report.expect_equal("adamw_step zero moments: exp_avg_sq +0 " + size, v_d, zero);
 }
 
+// sum_squares_parts with known-zero rows (every other row flagged, zeros; NaN planted on the GPU
+// side of each, which must not be read) gives the parts of the same call without them, bit for bit.
+void check_sum_squares_known_zero(CheckReport& report, int64_t before, int64_t rows, int64_t per_row) {
+  const std::string size = fmt::format("{} + {} rows of {} + 3", before, rows, per_row);
+  Buffer x = random_host({before + rows * per_row + 3}, 81), flags(DType::i32, Device::cpu, {rows});
+  for (int64_t r = 0; r < rows; ++r) {
+    flags.ptr<int32_t>()[r] = r % 2;
+    if (r % 2) std::fill(x.ptr<float>() + before + r * per_row, x.ptr<float>() + before + (r + 1) * per_row, 0.0f);
+  }
+  OnDevice x_d(x, DType::f32), flags_d(flags, DType::i32);
+  Buffer plain = poisoned(DType::f64, {kSumParts}), known = poisoned(DType::f64, {kSumParts});
+  sum_squares_parts(plain, x_d);
+  for (int64_t r = 1; r < rows; r += 2) poison(x_d.tensor.rows(before + r * per_row, before + r * per_row + 1));
+  sum_squares_parts(known, x_d, KnownZeroRows{flags_d, before, per_row});
+  report.expect_equal("sum_squares_parts known zero rows = plain " + size, known, to_host(plain));
+}
+
 void check_grad_norm(CheckReport& report, int64_t n, int64_t offset) {
   const std::string size = fmt::format("n={}{}", n, offset ? " unaligned" : "");
   Buffer x = random_host({n + offset}, 80);
@@ -622,6 +664,9 @@ void check_elementwise_ops(CheckReport& report) {
   check_adamw(report, 37 * 75, 1);
   check_adamw_known_zero(report, 7, 36);
   check_adamw_known_zero(report, 5, 37);
+  check_adamw_known_zero(report, 70001, 8);  // more rows than a grid's y (65,535): an embedding's
+  check_sum_squares_known_zero(report, 4, 37, 72);
+  check_sum_squares_known_zero(report, 5, 37, 75);
   check_adamw_zero_moments(report, 37 * 75);
   check_grad_norm(report, 37 * 75, 0);
   check_grad_norm(report, 37 * 75, 1);

@@ -91,6 +91,11 @@ void check_linear_small(CheckReport& report, int64_t n, int64_t in, int64_t out,
   report.compare("linear bwd_weight " + shape, dw, dw_ref, kF32Bound);
   linear_backward_weight(dw, dyt, xt);
   report.compare("linear bwd_weight x2 (accumulates) " + shape, dw, scaled(dw_ref, 2), kF32Bound);
+  // Overwriting over NaN: the bits of accumulating into zeros (the same algorithm, beta 0).
+  Buffer written = poisoned(DType::f32, {out, in}), accumulated = Buffer::zeros(DType::f32, Device::cuda, {out, in});
+  linear_backward_weight(written, dyt, xt, true);
+  linear_backward_weight(accumulated, dyt, xt);
+  report.expect_equal("linear bwd_weight overwrite = into zeros " + shape, written, to_host(accumulated));
 }
 
 // Bench shape: outputs compared on their last `rows` rows, dW on rows [o0, o0 + 64).

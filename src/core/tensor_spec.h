@@ -16,8 +16,11 @@ struct TensorSpec {
   int64_t numel = 0;
   bool is_norm = false;  // RMSNorm weights: initialised to 1, no weight decay
   // The backward of a step's first micro-batch writes this gradient instead of adding to it (the
-  // expert weights: their fp32 gradients are the bulk of the arena), so the trainer zeroes only
-  // the other gradients before a step.
+  // expert weights: their fp32 gradients are the bulk of the arena; the LM head, as large as the
+  // embedding), so the trainer zeroes only the other gradients before a step. Decoder layers' such
+  // gradients are written by every micro-batch where their unit is reduced after each (slots:
+  // ShardedParameters::first_writes_fresh); the epilog's are kept whole in every layout, so written
+  // by micro-batch 0 (BackwardPass::Options::first_of_step).
   bool first_backward_writes = false;
   // One expert's weight: held by one expert-parallel rank (ExpertShard), so its gradient is summed
   // over that rank's data-parallel replicas only, and that rank saves it.

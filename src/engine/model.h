@@ -29,7 +29,9 @@ concept MoeModel = requires(const M& m, typename M::AttentionActivations& a, typ
   { m.num_active_parameters() } -> std::convertible_to<int64_t>;
   { m.bind(std::declval<const Arena&>()) } -> std::same_as<typename M::Weights>;
   m.prolog_forward(t, batch, w);
-  m.prolog_backward(w, t, batch);
+  m.prolog_backward(w, t, batch, t);  // t: the embedding gradient's known-zero row flags
+  { m.prolog_known_zero_count() } -> std::convertible_to<int64_t>;
+  { m.prolog_known_zero_parts(w, t) } -> std::same_as<std::vector<std::pair<Tensor, Tensor>>>;
   m.attention_forward(a, std::move(buffer), batch, w.layers[0]);
   m.attention_backward(t, w.layers[0], t, t, t, scale, a, batch, w.layers[0]);
   m.add_aux_loss(t, a);
@@ -47,7 +49,7 @@ concept MoeModel = requires(const M& m, typename M::AttentionActivations& a, typ
   m.aggregate_backward(t, t, t, a, t, e);
   m.aggregate_backward_rows(t, t, t);
   { m.epilog_forward(p, std::move(buffer), batch, w) } -> std::same_as<HostSum>;
-  m.epilog_backward(t, w, scale, p, batch, w);
+  m.epilog_backward(t, w, scale, p, batch, w, flag);  // flag: write the first_backward_writes gradients
 };
 
 // With one expert-parallel rank, a micro-batch of at least this many tokens drops x_perm after the

@@ -125,6 +125,7 @@ template <MoeModel M> class PipelineStep {
   BackwardPass<M> backward_pass(int phase, int64_t micro, bool defer) {
     typename BackwardPass<M>::Options options = backward_;
     options.first_micro_batch = first_writes_(micro);
+    options.first_of_step = micro == 0;
     options.defer_expert_weights = defer;
     return BackwardPass<M>(mb(phase, micro), s_.model, s_.w, s_.g, batch(micro), chunk(phase), backward_input(phase, micro), options,
                            groups_(micro), s_.timer);

@@ -223,8 +223,8 @@ inline Tensor layer_record(std::span<const Tensor> records, int64_t layer) {
 // The backward of one micro-batch through a chunk, one stage per step(): the epilog, each layer's
 // combine, experts, dispatch and attention from the top, the prolog. Gradients of (loss_scale *
 // token_loss + aux_grad * aux_loss) accumulate into grads, except that first_micro_batch
-// = true writes the gradients the model's spec table marks first_backward_writes (the caller
-// zeroes only the others). dx is the gradient of the chunk's output (empty when it ends with the
+// = true writes the decoder layers' gradients the model's spec table marks first_backward_writes,
+// and first_of_step = true the epilog's (the caller zeroes only the others). dx is the gradient of the chunk's output (empty when it ends with the
 // epilog); output() the gradient of its input (empty after the prolog). With defer_expert_weights
 // the expert weight gradients wait in the MicroBatch for weights_backward(), or for the next
 // micro-batch's backward given them as `earlier`: each layer then computes both micro-batches'
@@ -234,8 +234,9 @@ inline Tensor layer_record(std::span<const Tensor> records, int64_t layer) {
 // gradients that this backward writes (grouped_linear_backward_weight's squares): given to every
 // backward of a step, after the last they describe the final gradients, so the gradient norm need
 // not read them again; expert_known_zero[l] likewise the model's flags of which of layer l's expert
-// gradients are all zeros (kept from step to step with the gradients). Activations are released as
-// the backward passes them.
+// gradients are all zeros (kept from step to step with the gradients), prolog_known_zero the row
+// flags of the prolog's gradients (the embedding's). Activations are released as the backward
+// passes them.
 template <MoeModel M> class BackwardPass {
  public:
   struct Options {
@@ -243,6 +244,10 @@ template <MoeModel M> class BackwardPass {
     bool first_micro_batch = false, defer_expert_weights = false;
     std::span<const Tensor> expert_squares = {};
     std::span<const Tensor> expert_known_zero = {};
+    Tensor prolog_known_zero = {};  // the prolog's gradient row flags (the model's prolog_known_zero_parts)
+    // Micro-batch 0 of the step: the epilog's first_backward_writes gradients (kept whole in every
+    // layout) are written, not added to.
+    bool first_of_step = false;
     std::vector<typename MicroBatch<M>::DeferredExperts>* earlier = nullptr;  // consumed, layer by layer
     bool earlier_overwrites = false;
   };
@@ -278,12 +283,12 @@ template <MoeModel M> class BackwardPass {
     before(stage_);
     if (stage_ < 0) {
       StageScope scope(timer_, Stage::prolog);
-      m_.prolog_backward(g_, dx_, batch_);
+      m_.prolog_backward(g_, dx_, batch_, options_.prolog_known_zero);
       dx_ = Buffer{};
     } else {
       dx_ = m_.buffer({batch_.batch * batch_.seq, m_.hidden_size()});
       StageScope scope(timer_, Stage::epilog);
-      m_.epilog_backward(dx_, g_, options_.loss_scale, mb_.epilog, batch_, w_);
+      m_.epilog_backward(dx_, g_, options_.loss_scale, mb_.epilog, batch_, w_, options_.first_of_step);
     }
     done_with(stage_);
     --stage_;
@@ -447,7 +452,9 @@ template <MoeModel M>
 void backward(MicroBatch<M>& mb, const M& m, const typename M::Weights& w, const typename M::Weights& grads,
               const typename M::Batch& batch, double loss_scale, double aux_grad, bool first_micro_batch = false,
               StepGroups groups = {}, StageTimer* timer = nullptr, std::span<const Tensor> expert_squares = {}) {
-  backward(mb, m, w, grads, batch, {loss_scale, aux_grad, first_micro_batch, false, expert_squares}, std::move(groups), timer);
+  typename BackwardPass<M>::Options options{loss_scale, aux_grad, first_micro_batch, false, expert_squares};
+  options.first_of_step = first_micro_batch;
+  backward(mb, m, w, grads, batch, options, std::move(groups), timer);
 }
 
 }  // namespace marrow

@@ -218,7 +218,12 @@ template <MoeModel M> struct TrainSetup {
   // squares are.
   std::vector<Buffer> expert_known_zero;
   std::vector<Tensor> expert_known_zero_views;
-  std::vector<ShardedParameters::KnownZeroGrads> known_zero_grads;  // the gradients they describe, for AdamW
+  // The row flags of the prolog's gradients (the model's prolog_known_zero_parts: the embedding's,
+  // whose step writes only its tokens' rows), where those gradients are final after the backward.
+  Buffer prolog_known_zero;
+  Tensor prolog_known_zero_view;
+  // The gradients the flags describe, for the step's start, the gradient norm and AdamW.
+  std::vector<ShardedParameters::KnownZeroGrads> known_zero_grads;
 
   TrainSetup(const RunConfig& rc, const typename M::Config& config, Device device_)
       : device(device_),
@@ -248,6 +253,11 @@ template <MoeModel M> struct TrainSetup {
           for (const auto& [grad, part] : model.expert_known_zero_parts(g.layers[l], expert_known_zero.back()))
             known_zero_grads.push_back({grad, part});
       }
+    }
+    if (state.grads_final(-1)) {
+      prolog_known_zero = Buffer::zeros(DType::i32, device, {model.prolog_known_zero_count()});
+      prolog_known_zero_view = prolog_known_zero.view();
+      for (const auto& [grad, part] : model.prolog_known_zero_parts(g, prolog_known_zero_view)) known_zero_grads.push_back({grad, part});
     }
   }
   // The groups and hooks of one micro-batch (the micro-th of `count` in a step; evaluation: -1).
@@ -336,7 +346,8 @@ std::pair<double, double> run_micro_batches(TrainSetup<M>& s, const RunConfig& r
     aux_loss.add(std::move(mb.aux_loss));
     const bool holds = pairs && micro % 2 == 0 && micro + 1 < micro_batches;
     typename BackwardPass<M>::Options options{loss_scale, aux_grad, s.state.first_writes_fresh(micro), holds, s.expert_squares_views,
-                                              s.expert_known_zero_views};
+                                              s.expert_known_zero_views, s.prolog_known_zero_view};
+    options.first_of_step = micro == 0;
     if (pairs && micro % 2 == 1) {
       options.earlier = &earlier;
       options.earlier_overwrites = s.state.first_writes_fresh(micro - 1);
@@ -361,7 +372,8 @@ std::pair<double, double> run_pipeline(TrainSetup<M>& s, const RunConfig& rc, co
   };
   auto groups = [&](int64_t micro) { return s.groups(micro, n, false); };
   PipelineStep<M> pipeline({s.model, s.w, s.g, s.mesh.shape.pp, s.mesh.pp_rank, s.chunks, s.links ? &*s.links : nullptr, timer}, n,
-                           batches, groups, {loss_scale, aux_grad, false, false, s.expert_squares_views, s.expert_known_zero_views},
+                           batches, groups,
+                           {loss_scale, aux_grad, false, false, s.expert_squares_views, s.expert_known_zero_views, s.prolog_known_zero_view},
                            [&](int64_t micro) { return s.state.first_writes_fresh(micro); });
   watchdog::progress("a pipeline step");
   const auto losses = pipeline.run(dualpipev_order(s.mesh.shape.pp, s.mesh.pp_rank, n));
@@ -489,7 +501,7 @@ std::vector<StepMetrics> train(const RunConfig& rc, const typename M::Config& mo
     watchdog::arm(true);
     std::optional<NvtxRange> step_range(std::in_place, fmt::format("step {}", step));
     const auto start = std::chrono::steady_clock::now();
-    state.start_step();
+    state.start_step(s.known_zero_grads);
     // Every target of a sample is a real next token, so the step's counted tokens are known upfront.
     const double loss_scale = 1.0 / double(rc.global_batch * S);
     const double aux_grad = aux_coef / double(s.model.num_layers() * micro_batches);
@@ -506,7 +518,7 @@ std::vector<StepMetrics> train(const RunConfig& rc, const typename M::Config& mo
     m.lr = schedule.at(step);
     std::optional<StageScope> optimizer_scope(std::in_place, timer, Stage::optimizer);
     state.finish_gradients(rc.overlap_grad_reduce && !rc.uses_dualpipev());
-    m.grad_norm = state.gradient_norm(s.expert_squares_views);
+    m.grad_norm = state.gradient_norm(s.expert_squares_views, s.known_zero_grads);
     if (poisoned) m.loss = std::numeric_limits<double>::quiet_NaN();
     if (!std::isfinite(m.loss) || !std::isfinite(m.grad_norm)) {
       m.skipped = true;

@@ -87,8 +87,10 @@ Qwen3Moe::Qwen3Moe(const Config& config, DType dtype, Device device, ExpertShard
   const int64_t first = experts_.first, last = experts_.first + experts_.count;
   int64_t layer = -1;  // TensorSpec::layer of the tensors added next: -1 is the prolog (embedding)
   auto add = [&](std::string name, std::vector<int64_t> shape, bool is_norm, bool is_expert = false) {
-    // The expert weights' gradients are written by the first backward of a step (TensorSpec).
-    TensorSpec s{std::move(name), std::move(shape), num_parameters_, 1, is_norm, is_expert, is_expert, layer};
+    // The expert weights' and the LM head's gradients are written by the first backward of a step
+    // (TensorSpec::first_backward_writes).
+    const bool first_writes = is_expert || (layer == c.num_layers && !is_norm);
+    TensorSpec s{std::move(name), std::move(shape), num_parameters_, 1, is_norm, first_writes, is_expert, layer};
     for (int64_t d : s.shape) s.numel *= d;
     num_parameters_ += s.numel;
     specs_.push_back(std::move(s));
@@ -180,8 +182,8 @@ void Qwen3Moe::prolog_forward(Tensor x, const Qwen3MoeBatch& batch, const Qwen3M
   embedding_forward(x, batch.input_ids, w.embed);
 }
 
-void Qwen3Moe::prolog_backward(const Qwen3MoeWeights& grads, Tensor dx, const Qwen3MoeBatch& batch) const {
-  embedding_backward(grads.embed, dx, batch.input_ids);
+void Qwen3Moe::prolog_backward(const Qwen3MoeWeights& grads, Tensor dx, const Qwen3MoeBatch& batch, Tensor known_zero) const {
+  embedding_backward(grads.embed, dx, batch.input_ids, known_zero);
 }
 
 // h1 = the input norm of a.x, writing a.rstd1 (again, with the same bits, in the backward).
@@ -458,7 +460,7 @@ HostSum Qwen3Moe::epilog_forward(Qwen3MoeEpilogActivations& p, Buffer x, const Q
 }
 
 void Qwen3Moe::epilog_backward(Tensor dx, const Qwen3MoeWeights& grads, double loss_scale, Qwen3MoeEpilogActivations& p,
-                               const Qwen3MoeBatch& batch, const Qwen3MoeWeights& w) const {
+                               const Qwen3MoeBatch& batch, const Qwen3MoeWeights& w, bool overwrite_grads) const {
   const int64_t T = batch.batch * batch.seq, H = config_.hidden_size, V = config_.vocab_size;
   const bool kept = p.logits.view().data != nullptr;
   const int64_t chunk = kept ? T : logits_chunk(T);
@@ -469,7 +471,7 @@ void Qwen3Moe::epilog_backward(Tensor dx, const Qwen3MoeWeights& grads, double l
     const Tensor part = logits.view().rows(0, end - begin), h = p.h.view().rows(begin, end);
     if (!kept) linear_forward(part, h, w.lm_head);
     cross_entropy_backward(part, part, p.lse.view().rows(begin, end), batch.targets.view().rows(begin, end), loss_scale);
-    linear_backward_weight(grads.lm_head, part, h);
+    linear_backward_weight(grads.lm_head, part, h, overwrite_grads && begin == 0);
     linear_backward_input(dh.view().rows(begin, end), part, w.lm_head);
   }
   rmsnorm_backward(dx, grads.final_norm, dh, p.x, w.final_norm, p.rstd);

@@ -135,7 +135,15 @@ class Qwen3Moe {
 
   // Prolog: x[T, H] = embed[input_ids].
   void prolog_forward(Tensor x, const Qwen3MoeBatch& batch, const Qwen3MoeWeights& w) const;
-  void prolog_backward(const Qwen3MoeWeights& grads, Tensor dx, const Qwen3MoeBatch& batch) const;
+  // known_zero (i32 [prolog_known_zero_count()]), when given: the embedding gradient's row flags
+  // (ops/known_zero.h), kept from step to step; the backward clears those of the rows it adds to.
+  void prolog_backward(const Qwen3MoeWeights& grads, Tensor dx, const Qwen3MoeBatch& batch, Tensor known_zero = {}) const;
+  int64_t prolog_known_zero_count() const { return config_.vocab_size; }
+  // The prolog's gradients whose rows known_zero flags (the embedding's, one flag a token), for the
+  // trainer to restart them by rows and the norm and the optimizer to skip the flagged ones.
+  std::vector<std::pair<Tensor, Tensor>> prolog_known_zero_parts(const Qwen3MoeWeights& grads, Tensor known_zero) const {
+    return {{grads.embed, known_zero}};
+  }
 
   // Stage 1: from the residual stream x, the residual after attention (a.x_mid), the routed input
   // (a.h2) and the routing (a.topk_index, a.topk_weight). a.x keeps x for the backward.
@@ -211,8 +219,10 @@ class Qwen3Moe {
   void set_logits_chunk(int64_t tokens) { forced_logits_chunk_ = tokens; }
   HostSum epilog_forward(Qwen3MoeEpilogActivations& p, Buffer x, const Qwen3MoeBatch& batch, const Qwen3MoeWeights& w) const;
   // dx (overwritten); loss_scale = d(total loss)/d(sum of token losses), e.g. 1 / counted tokens.
+  // overwrite_grads: write the LM head's gradient instead of adding (TensorSpec::first_backward_writes:
+  // the step's first micro-batch).
   void epilog_backward(Tensor dx, const Qwen3MoeWeights& grads, double loss_scale, Qwen3MoeEpilogActivations& p,
-                       const Qwen3MoeBatch& batch, const Qwen3MoeWeights& w) const;
+                       const Qwen3MoeBatch& batch, const Qwen3MoeWeights& w, bool overwrite_grads = false) const;
 
   // Device bytes of each stage for one micro-batch of batch x seq tokens whose layers each run
   // expert_rows token copies through this process's experts (core/stage_bytes.h): the buffers the

@@ -98,26 +98,29 @@ __global__ void adamw_step_kernel(float* param, __nv_bfloat16* param_bf16, float
   }
 }
 
-// adamw_step_kernel over row blockIdx.y of `per_row` elements of each tensor, whose gradient is
-// taken as zero without reading it where known_zero[row] is set (Vec4: per_row a multiple of 4 too).
+// adamw_step_kernel over rows blockIdx.y, + gridDim.y, ... of `per_row` elements of each tensor,
+// whose gradient is taken as zero without reading it where known_zero[row] is set (Vec4: per_row a
+// multiple of 4 too). Rows beyond the grid's 65,535 (an embedding's vocabulary) come round again.
 template <bool Vec4>
 __global__ void adamw_step_rows_kernel(float* param, __nv_bfloat16* param_bf16, float* m, float* v, const float* grad,
-                                       const int32_t* known_zero, int64_t per_row, Constants k) {
-  const int64_t offset = blockIdx.y * per_row;
-  const bool zero = known_zero[blockIdx.y] != 0;
+                                       const int32_t* known_zero, int64_t rows, int64_t per_row, Constants k) {
   const int64_t first = blockIdx.x * int64_t(blockDim.x) + threadIdx.x, stride = int64_t(gridDim.x) * blockDim.x;
-  float *p = param + offset, *mr = m + offset, *vr = v + offset;
-  const float* g = grad + offset;
-  __nv_bfloat16* p16 = param_bf16 ? param_bf16 + offset : nullptr;
-  int64_t done = 0;
-  if (Vec4) {
-    for (int64_t i = first; i < per_row / 4; i += stride)
-      step_float4(p, p16, mr, vr, zero ? make_float4(0.0f, 0.0f, 0.0f, 0.0f) : reinterpret_cast<const float4*>(g)[i], i, k);
-    done = per_row / 4 * 4;
-  }
-  for (int64_t i = done + first; i < per_row; i += stride) {
-    step_element(p[i], zero ? 0.0f : g[i], mr[i], vr[i], k);
-    if (p16) p16[i] = __float2bfloat16(p[i]);
+  for (int64_t row = blockIdx.y; row < rows; row += gridDim.y) {
+    const int64_t offset = row * per_row;
+    const bool zero = known_zero[row] != 0;
+    float *p = param + offset, *mr = m + offset, *vr = v + offset;
+    const float* g = grad + offset;
+    __nv_bfloat16* p16 = param_bf16 ? param_bf16 + offset : nullptr;
+    int64_t done = 0;
+    if (Vec4) {
+      for (int64_t i = first; i < per_row / 4; i += stride)
+        step_float4(p, p16, mr, vr, zero ? make_float4(0.0f, 0.0f, 0.0f, 0.0f) : reinterpret_cast<const float4*>(g)[i], i, k);
+      done = per_row / 4 * 4;
+    }
+    for (int64_t i = done + first; i < per_row; i += stride) {
+      step_element(p[i], zero ? 0.0f : g[i], mr[i], vr[i], k);
+      if (p16) p16[i] = __float2bfloat16(p[i]);
+    }
   }
 }
 
@@ -148,13 +151,13 @@ void launch_step_rows(Tensor param, Tensor param_bf16, Tensor exp_avg, Tensor ex
   const bool vec4 = takes_vec4(param, param_bf16, exp_avg, exp_avg_sq, grad) && per_row % 4 == 0;
   const int threads = 256;
   const dim3 grid(unsigned(std::max<int64_t>(1, std::min<int64_t>((per_row / (vec4 ? 4 : 1) + threads) / threads, 8192 / rows))),
-                  unsigned(rows));
+                  unsigned(std::min<int64_t>(rows, 65535)));
   auto s = static_cast<cudaStream_t>(stream.handle);
   float *p = param.ptr<float>(), *m = exp_avg.ptr<float>(), *v = exp_avg_sq.ptr<float>();
   auto* p16 = static_cast<__nv_bfloat16*>(param_bf16.data);
   const int32_t* flags = known_zero.ptr<int32_t>();
-  if (vec4) adamw_step_rows_kernel<true><<<grid, threads, 0, s>>>(p, p16, m, v, grad.ptr<float>(), flags, per_row, k);
-  else adamw_step_rows_kernel<false><<<grid, threads, 0, s>>>(p, p16, m, v, grad.ptr<float>(), flags, per_row, k);
+  if (vec4) adamw_step_rows_kernel<true><<<grid, threads, 0, s>>>(p, p16, m, v, grad.ptr<float>(), flags, rows, per_row, k);
+  else adamw_step_rows_kernel<false><<<grid, threads, 0, s>>>(p, p16, m, v, grad.ptr<float>(), flags, rows, per_row, k);
   MARROW_CUDA_CHECK_LAUNCH();
 }
 

@@ -27,7 +27,7 @@ void adamw_step(Tensor param, Tensor param_bf16, Tensor exp_avg, Tensor exp_avg_
 
 // The same over E equal rows of the flat tensors (their element count a multiple of E), where row e
 // of grad is all zeros when known_zero[e] (i32 [E], on the tensors' device) is set: those rows take
-// g = 0 without reading grad (grouped_linear.h's known_zero flags of an expert gradient). The bits
+// g = 0 without reading grad (ops/known_zero.h: an expert's gradient, an embedding's rows). The bits
 // of adamw_step over the same values.
 void adamw_step_known_zero(Tensor param, Tensor param_bf16, Tensor exp_avg, Tensor exp_avg_sq, Tensor grad, Tensor known_zero,
                            const AdamWHyper& hyper, Stream stream = {});

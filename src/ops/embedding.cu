@@ -35,10 +35,11 @@ void forward_cpu(T* out, const int32_t* ids, const T* table, int64_t n, int64_t 
 }
 
 template <typename T>
-void backward_cpu(T* dtable, const T* dout, const int32_t* ids, int64_t n, int64_t h) {
+void backward_cpu(T* dtable, const T* dout, const int32_t* ids, int64_t n, int64_t h, int32_t* known_zero) {
   for (int64_t t = 0; t < n; ++t) {
     T* row = dtable + int64_t(ids[t]) * h;
     for (int64_t j = 0; j < h; ++j) row[j] += dout[t * h + j];
+    if (known_zero) known_zero[ids[t]] = 0;
   }
 }
 
@@ -78,17 +79,25 @@ __global__ void embedding_iota_kernel(int32_t* out, int64_t n) {
 // row has a single writer, so there are no atomics and the result is deterministic. A run is read
 // kRunBatch entries at a time (their ids and positions, then their dout packs, all loads in flight
 // together) and added in order: one entry at a time, a frequent token's run (hundreds of copies of
-// a common word in a sequence) was a chain of dependent loads that set the kernel's time.
+// a common word in a sequence) was a chain of dependent loads that set the kernel's time. With
+// known_zero, a flagged row starts from zero unread (+0.0, the value it holds) and its flag is
+// cleared once every thread has read it.
 constexpr int kRunBatch = 8;
 template <int N>
 __global__ void embedding_backward_kernel(float* dtable, const bf16* dout, const int32_t* sorted_ids, const int32_t* sorted_pos, int64_t n,
-                                int64_t vocab, int64_t h) {
+                                int64_t vocab, int64_t h, int32_t* known_zero) {
   const int64_t i = blockIdx.x;
   const int32_t id = sorted_ids[i];
   if ((i > 0 && sorted_ids[i - 1] == id) || id < 0 || id >= vocab) return;
+  const bool zero = known_zero && known_zero[id];
+  __syncthreads();
+  if (known_zero && threadIdx.x == 0) known_zero[id] = 0;
   for (int64_t c = threadIdx.x; c < h / N; c += blockDim.x) {
     float acc[N];
-    const Pack<float, N> old = reinterpret_cast<const Pack<float, N>*>(dtable + id * h)[c];
+    Pack<float, N> old;
+    if (zero)
+      for (int l = 0; l < N; ++l) old.v[l] = 0.0f;
+    else old = reinterpret_cast<const Pack<float, N>*>(dtable + id * h)[c];
     for (int l = 0; l < N; ++l) acc[l] = old.v[l];
     for (int64_t j0 = i;; j0 += kRunBatch) {
       bool in_run[kRunBatch];
@@ -120,7 +129,7 @@ void launch_forward(Tensor out, Tensor ids, Tensor table, Stream stream) {
   MARROW_CUDA_CHECK_LAUNCH();
 }
 
-void launch_backward(Tensor dtable, Tensor dout, Tensor ids, Stream stream) {
+void launch_backward(Tensor dtable, Tensor dout, Tensor ids, Tensor known_zero, Stream stream) {
   const int64_t n = ids.size(0), vocab = dtable.size(0), h = dtable.size(1);
   if (n == 0 || h == 0) return;
   auto s = static_cast<cudaStream_t>(stream.handle);
@@ -137,9 +146,10 @@ void launch_backward(Tensor dtable, Tensor dout, Tensor ids, Stream stream) {
                                                     pos.ptr<int32_t>(), sorted_pos.ptr<int32_t>(), int(n), 0, 32, s));
   auto* dt = static_cast<float*>(dtable.data);
   auto* g = static_cast<const bf16*>(dout.data);
+  auto* flags = static_cast<int32_t*>(known_zero.data);
   if (packable(h, {dtable.data, dout.data}))
-    embedding_backward_kernel<8><<<n, 128, 0, s>>>(dt, g, sorted_ids.ptr<int32_t>(), sorted_pos.ptr<int32_t>(), n, vocab, h);
-  else embedding_backward_kernel<1><<<n, 128, 0, s>>>(dt, g, sorted_ids.ptr<int32_t>(), sorted_pos.ptr<int32_t>(), n, vocab, h);
+    embedding_backward_kernel<8><<<n, 128, 0, s>>>(dt, g, sorted_ids.ptr<int32_t>(), sorted_pos.ptr<int32_t>(), n, vocab, h, flags);
+  else embedding_backward_kernel<1><<<n, 128, 0, s>>>(dt, g, sorted_ids.ptr<int32_t>(), sorted_pos.ptr<int32_t>(), n, vocab, h, flags);
   MARROW_CUDA_CHECK_LAUNCH();
 }
 #endif
@@ -171,19 +181,25 @@ void embedding_forward(Tensor out, Tensor ids, Tensor table, Stream stream) {
   });
 }
 
-void embedding_backward(Tensor dtable, Tensor dout, Tensor ids, Stream stream) {
+void embedding_backward(Tensor dtable, Tensor dout, Tensor ids, Tensor known_zero, Stream stream) {
   const char* op = "embedding_backward";
   MARROW_CHECK(ids.ndim == 1, "{}: ids must be [tokens], got {}", op, ids.shape_string());
   MARROW_CHECK(dtable.ndim == 2, "{}: dtable must be [vocab, hidden], got {}", op, dtable.shape_string());
   const int64_t n = ids.size(0), vocab = dtable.size(0), h = dtable.size(1);
   expect_shape(op, "dout", dout, {n, h});
   expect_dtype(op, "ids", ids, DType::i32);
+  const bool flagged = known_zero.data != nullptr;
+  if (flagged) {
+    expect_shape(op, "known_zero", known_zero, {vocab});
+    expect_dtype(op, "known_zero", known_zero, DType::i32);
+    expect_device(op, "known_zero", known_zero, dtable.device);
+  }
   if (common_device(op, {{"dtable", &dtable}, {"dout", &dout}, {"ids", &ids}}) == Device::cuda) {
     expect_dtype(op, "dtable", dtable, DType::f32);
     expect_dtype(op, "dout", dout, DType::bf16);
     MARROW_CHECK(n < (int64_t(1) << 31), "{}: {} tokens exceed the GPU kernel's i32 grid", op, n);
 #ifdef __CUDACC__
-    return launch_backward(dtable, dout, ids, stream);
+    return launch_backward(dtable, dout, ids, known_zero, stream);
 #else
     no_cuda_kernel(op);
 #endif
@@ -193,7 +209,7 @@ void embedding_backward(Tensor dtable, Tensor dout, Tensor ids, Stream stream) {
   check_ids(op, ids.ptr<int32_t>(), n, vocab);
   with_cpu_scalar(op, dtable, [&](auto s) {
     using T = decltype(s);
-    backward_cpu<T>(dtable.ptr<T>(), dout.ptr<T>(), ids.ptr<int32_t>(), n, h);
+    backward_cpu<T>(dtable.ptr<T>(), dout.ptr<T>(), ids.ptr<int32_t>(), n, h, flagged ? known_zero.ptr<int32_t>() : nullptr);
   });
 }
 

@@ -12,6 +12,8 @@ namespace marrow {
 void embedding_forward(Tensor out, Tensor ids, Tensor table, Stream stream = {});
 
 // dtable[V, H] is accumulated (+=), as every weight gradient in Marrow is; dout is [T, H].
-void embedding_backward(Tensor dtable, Tensor dout, Tensor ids, Stream stream = {});
+// known_zero (i32 [V], ops/known_zero.h), when given: the flags of dtable's rows known to be zeros;
+// the rows this call adds to have theirs cleared (a flagged row's old value is not read: it is zero).
+void embedding_backward(Tensor dtable, Tensor dout, Tensor ids, Tensor known_zero = {}, Stream stream = {});
 
 }  // namespace marrow

@@ -33,8 +33,22 @@ __device__ void store_block_sum(double* parts, double acc) {
   }
 }
 
-// Per-thread sums of squares in double, then store_block_sum.
-template <bool Vec4> __global__ void sum_squares_kernel(double* parts, const float* x, int64_t n) {
+// Rows of x known zero (KnownZeroRows on the device): flags null for none.
+struct ZeroRows {
+  const int32_t* flags = nullptr;
+  int64_t begin = 0, end = 0, per_row = 1;
+  // Whether element i lies in a flagged row. The row by a 32-bit division where the rows span less
+  // than 2^31 elements (a 64-bit one, ~70 instructions, per float4 would cost more than the loads).
+  __device__ bool zero(int64_t i) const {
+    if (!flags || i < begin || i >= end) return false;
+    const int64_t offset = i - begin;
+    return flags[end - begin < (int64_t(1) << 31) ? int64_t(uint32_t(offset) / uint32_t(per_row)) : offset / per_row];
+  }
+};
+
+// Per-thread sums of squares in double, then store_block_sum. Elements of known-zero rows are
+// taken as +0.0 without a load (Vec4: the rows start and end on float4 boundaries).
+template <bool Vec4> __global__ void sum_squares_kernel(double* parts, const float* x, int64_t n, ZeroRows known) {
   const int64_t first = blockIdx.x * int64_t(kThreads) + threadIdx.x, stride = int64_t(kBlocks) * kThreads;
   double acc = 0;
   int64_t done = 0;
@@ -43,18 +57,22 @@ template <bool Vec4> __global__ void sum_squares_kernel(double* parts, const flo
     const float4* x4 = reinterpret_cast<const float4*>(x);
     const int64_t n4 = n / 4;
     auto add = [&acc](float4 v) { acc += double(v.x) * v.x + double(v.y) * v.y + double(v.z) * v.z + double(v.w) * v.w; };
+    auto load = [&](int64_t i) { return known.zero(4 * i) ? make_float4(0.0f, 0.0f, 0.0f, 0.0f) : x4[i]; };
     int64_t i = first;
     for (; i + 3 * stride < n4; i += 4 * stride) {
-      const float4 a = x4[i], b = x4[i + stride], c = x4[i + 2 * stride], d = x4[i + 3 * stride];
+      const float4 a = load(i), b = load(i + stride), c = load(i + 2 * stride), d = load(i + 3 * stride);
       add(a);
       add(b);
       add(c);
       add(d);
     }
-    for (; i < n4; i += stride) add(x4[i]);
+    for (; i < n4; i += stride) add(load(i));
     done = n4 * 4;
   }
-  for (int64_t i = done + first; i < n; i += stride) acc += double(x[i]) * x[i];
+  for (int64_t i = done + first; i < n; i += stride) {
+    const float v = known.zero(i) ? 0.0f : x[i];
+    acc += double(v) * v;
+  }
   store_block_sum(parts, acc);
 }
 
@@ -64,11 +82,14 @@ __global__ void sum_values_kernel(double* parts, const double* x, int64_t n) {
   store_block_sum(parts, acc);
 }
 
-void launch_sum_squares(Tensor parts, Tensor x, Stream stream) {
+void launch_sum_squares(Tensor parts, Tensor x, const KnownZeroRows* known, Stream stream) {
   auto s = static_cast<cudaStream_t>(stream.handle);
   const int64_t n = x.numel();
-  if (aligned16(x.data)) sum_squares_kernel<true><<<kBlocks, kThreads, 0, s>>>(parts.ptr<double>(), x.ptr<float>(), n);
-  else sum_squares_kernel<false><<<kBlocks, kThreads, 0, s>>>(parts.ptr<double>(), x.ptr<float>(), n);
+  ZeroRows rows;
+  if (known) rows = {known->flags.ptr<int32_t>(), known->begin, known->begin + known->flags.numel() * known->per_row, known->per_row};
+  const bool vec4 = aligned16(x.data) && (!known || (known->begin % 4 == 0 && known->per_row % 4 == 0));
+  if (vec4) sum_squares_kernel<true><<<kBlocks, kThreads, 0, s>>>(parts.ptr<double>(), x.ptr<float>(), n, rows);
+  else sum_squares_kernel<false><<<kBlocks, kThreads, 0, s>>>(parts.ptr<double>(), x.ptr<float>(), n, rows);
   MARROW_CUDA_CHECK_LAUNCH();
 }
 
@@ -91,13 +112,20 @@ template <typename F> void cpu_parts(Tensor parts, F&& sum) {
   p[0] = sum();
 }
 
-// sum_squares_parts under the name of the op that asked (errors name it).
-void squares_parts(const char* op, Tensor parts, Tensor x, Stream stream) {
+// sum_squares_parts under the name of the op that asked (errors name it); known may be null.
+void squares_parts(const char* op, Tensor parts, Tensor x, const KnownZeroRows* known, Stream stream) {
   check_parts(op, parts, x);
+  if (known) {
+    expect_dtype(op, "known.flags", known->flags, DType::i32);
+    expect_device(op, "known.flags", known->flags, x.device);
+    MARROW_CHECK(known->per_row > 0 && known->begin >= 0 && known->begin + known->flags.numel() * known->per_row <= x.numel(),
+                 "{}: {} known rows of {} from element {} pass the end of x ({} elements)", op, known->flags.numel(), known->per_row,
+                 known->begin, x.numel());
+  }
   if (x.device == Device::cuda) {
     expect_dtype(op, "x", x, DType::f32);
 #ifdef __CUDACC__
-    return launch_sum_squares(parts, x, stream);
+    return launch_sum_squares(parts, x, known, stream);
 #else
     no_cuda_kernel(op);
 #endif
@@ -107,8 +135,15 @@ void squares_parts(const char* op, Tensor parts, Tensor x, Stream stream) {
     using T = decltype(s);
     cpu_parts(parts, [&] {
       const T* p = x.ptr<T>();
+      auto zero = [&](int64_t i) {
+        return known && i >= known->begin && i < known->begin + known->flags.numel() * known->per_row &&
+               known->flags.ptr<int32_t>()[(i - known->begin) / known->per_row];
+      };
       double sum = 0;
-      for (int64_t i = 0; i < x.numel(); ++i) sum += double(p[i]) * p[i];
+      for (int64_t i = 0; i < x.numel(); ++i) {
+        const double v = zero(i) ? 0.0 : double(p[i]);
+        sum += v * v;
+      }
       return sum;
     });
   });
@@ -118,11 +153,15 @@ void squares_parts(const char* op, Tensor parts, Tensor x, Stream stream) {
 
 double l2_norm(Tensor x, Stream stream) {
   Buffer parts(DType::f64, x.device, {kSumParts}, stream);
-  squares_parts("l2_norm", parts, x, stream);
+  squares_parts("l2_norm", parts, x, nullptr, stream);
   return std::sqrt(sum_parts_on_host(parts, stream));
 }
 
-void sum_squares_parts(Tensor parts, Tensor x, Stream stream) { squares_parts("sum_squares_parts", parts, x, stream); }
+void sum_squares_parts(Tensor parts, Tensor x, Stream stream) { squares_parts("sum_squares_parts", parts, x, nullptr, stream); }
+
+void sum_squares_parts(Tensor parts, Tensor x, const KnownZeroRows& known, Stream stream) {
+  squares_parts("sum_squares_parts", parts, x, &known, stream);
+}
 
 void sum_values_parts(Tensor parts, Tensor x, Stream stream) {
   const char* op = "sum_values_parts";

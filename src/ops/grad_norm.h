@@ -22,6 +22,15 @@ constexpr int64_t kSumParts = 1024;
 // the GPU block b's sum of a fixed grid-stride partition, on the CPU the whole sum in parts[0] and
 // zeros after it. Does not wait.
 void sum_squares_parts(Tensor parts, Tensor x, Stream stream = {});
+// Rows of x known to be zeros (ops/known_zero.h): elements [begin, begin + flags.numel() * per_row)
+// of x are flags.numel() rows of per_row elements, row r all +0.0 where flags[r] (i32) is set.
+struct KnownZeroRows {
+  Tensor flags;
+  int64_t begin = 0, per_row = 0;
+};
+// sum_squares_parts that does not read the flagged rows: the same parts, bit for bit (a zero row
+// adds +0.0 to its partial sums wherever it falls in the partition).
+void sum_squares_parts(Tensor parts, Tensor x, const KnownZeroRows& known, Stream stream = {});
 // The same for the plain sum of values (x f64): sums of squares computed elsewhere.
 void sum_values_parts(Tensor parts, Tensor x, Stream stream = {});
 // The sum of all parts (f64, any multiple of kSumParts), added on the host in index order after

@@ -184,12 +184,12 @@ void backward_input_gpu(const char* op, Tensor dx, Tensor dy, Tensor w, Stream s
   lt_matmul(op, {CUBLAS_OP_N, CUBLAS_OP_N, in, n, out, w.data, in, dy.data, out, dx.data, in, CUDA_R_16BF, 0.0f}, stream);
 }
 
-void backward_weight_gpu(const char* op, Tensor dw, Tensor dy, Tensor x, Stream stream) {
+void backward_weight_gpu(const char* op, Tensor dw, Tensor dy, Tensor x, bool overwrite, Stream stream) {
   expect_dtype(op, "x", x, DType::bf16);
   expect_dtype(op, "dy", dy, DType::bf16);
   expect_dtype(op, "dweight", dw, DType::f32);
   const int64_t n = x.size(0), in = x.size(1), out = dy.size(1);
-  lt_matmul(op, {CUBLAS_OP_N, CUBLAS_OP_T, in, out, n, x.data, in, dy.data, out, dw.data, in, CUDA_R_32F, 1.0f}, stream);
+  lt_matmul(op, {CUBLAS_OP_N, CUBLAS_OP_T, in, out, n, x.data, in, dy.data, out, dw.data, in, CUDA_R_32F, overwrite ? 0.0f : 1.0f}, stream);
 }
 #endif
 
@@ -239,7 +239,7 @@ void linear_backward_input(Tensor dx, Tensor dy, Tensor weight, Stream stream) {
 #endif
 }
 
-void linear_backward_weight(Tensor dweight, Tensor dy, Tensor x, Stream stream) {
+void linear_backward_weight(Tensor dweight, Tensor dy, Tensor x, bool overwrite, Stream stream) {
   const char* op = "linear_backward_weight";
   expect_matrix(op, "x", x, "[rows, in]");
   expect_matrix(op, "dy", dy, "[rows, out]");
@@ -250,11 +250,12 @@ void linear_backward_weight(Tensor dweight, Tensor dy, Tensor x, Stream stream) 
     expect_same_dtype(op, {{"x", &x}, {"dy", &dy}, {"dweight", &dweight}});
     return with_cpu_scalar(op, x, [&](auto s) {
       using T = decltype(s);
+      if (overwrite) std::fill(dweight.ptr<T>(), dweight.ptr<T>() + out * in, T(0));
       backward_weight_cpu<T>(dweight.ptr<T>(), dy.ptr<T>(), x.ptr<T>(), n, in, out);
     });
   }
 #ifdef __CUDACC__
-  backward_weight_gpu(op, dweight, dy, x, stream);
+  backward_weight_gpu(op, dweight, dy, x, overwrite, stream);
 #else
   (void)stream;
   no_cuda_kernel(op);

@@ -3,7 +3,7 @@
 // Every projection of the models is one of these (QKV, attention output, LM head); the backward is
 // split in two so the schedule can defer the weight gradient to fill pipeline bubbles.
 // GPU (cuBLASLt, fp32 compute): x, weight, dy, dx bf16; y bf16, or f32 for the router's logits;
-// dweight f32, accumulated by the GEMM itself (beta = 1).
+// dweight f32, accumulated by the GEMM itself (beta = 1), or written (beta = 0).
 #pragma once
 #include "core/tensor.h"
 
@@ -15,7 +15,9 @@ void linear_forward(Tensor y, Tensor x, Tensor weight, Stream stream = {});
 // dx[N, I] = dy[N, O] W, overwritten. dx may not alias dy or weight.
 void linear_backward_input(Tensor dx, Tensor dy, Tensor weight, Stream stream = {});
 
-// dweight[O, I] += dy[N, O]^T x[N, I], accumulated as every weight gradient in Marrow is.
-void linear_backward_weight(Tensor dweight, Tensor dy, Tensor x, Stream stream = {});
+// dweight[O, I] += dy[N, O]^T x[N, I], accumulated as every weight gradient in Marrow is;
+// overwrite = true writes it instead (dweight's old values unread: the GEMM's beta = 0), the bits of
+// accumulating into zeros.
+void linear_backward_weight(Tensor dweight, Tensor dy, Tensor x, bool overwrite = false, Stream stream = {});
 
 }  // namespace marrow

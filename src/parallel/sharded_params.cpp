@@ -2,9 +2,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 
 #include "ops/cast.h"
 #include "ops/grad_norm.h"
+#include "ops/known_zero.h"
 
 #if MARROW_CUDA
 #include <cuda_runtime.h>
@@ -163,16 +165,19 @@ void ShardedParameters::place(const std::vector<TensorSpec>& specs) {
     for (size_t i = 0; i < specs.size(); ++i) {
       const TensorSpec& s = specs[i];
       if (s.offset < u.begin || s.offset >= u.begin + u.numel) continue;
+      const bool decoder = !u.norms && u.stage >= 0 && u.stage < num_layers_;
       if (!s.first_backward_writes) u.zeroed.push_back(grad.rows(s.offset - u.begin, s.offset - u.begin + s.numel));
-      else first_writes_slotted_ = first_writes_slotted_ || !u.grads_kept;
+      else if (decoder) first_writes_slotted_ = first_writes_slotted_ || !u.grads_kept;
+      else MARROW_CHECK(u.grads_kept, "internal: {} is marked first_backward_writes outside the decoder layers but not kept whole", s.name);
       const int64_t first = std::max(s.offset, own_first), end = std::min(s.offset + s.numel, own_end);
       if (first < end) pieces_.push_back({i, first - s.offset, end - first, u.offset + first - own_first});
     }
   }
   for (const Unit& u : units_)
     for (const TensorSpec& s : specs)
-      MARROW_CHECK(!s.first_backward_writes || s.offset < u.begin || s.offset >= u.begin + u.numel || u.grads_kept != first_writes_slotted_,
-                   "internal: gradients marked first_backward_writes are in kept and slotted units alike");
+      MARROW_CHECK(!s.first_backward_writes || u.norms || u.stage < 0 || u.stage >= num_layers_ || s.offset < u.begin ||
+                       s.offset >= u.begin + u.numel || u.grads_kept != first_writes_slotted_,
+                   "internal: decoder-layer gradients marked first_backward_writes are in kept and slotted units alike");
 }
 
 // Other pipeline ranks' tensors, each run of consecutive ones as one range (a model view may span
@@ -222,10 +227,20 @@ void ShardedParameters::gather_kept(Unit& u) {
   u.gathered_at = u.group->queued();
 }
 
-void ShardedParameters::start_step() {
-  for (const Unit& u : units_)
-    if (u.grads_kept)
-      for (const Tensor& t : u.zeroed) fill_zero(t);
+void ShardedParameters::start_step(std::span<const KnownZeroGrads> known) {
+  for (const Unit& u : units_) {
+    if (!u.grads_kept) continue;
+    for (const Tensor& t : u.zeroed) {
+      const auto k = std::find_if(known.begin(), known.end(), [&](const KnownZeroGrads& g) { return g.grad.data == t.data; });
+      if (k == known.end()) {
+        fill_zero(t);
+        continue;
+      }
+      MARROW_CHECK(k->grad.numel() == t.numel() && final_after_backward(u),
+                   "internal: known-zero gradient of {} elements at stage {} is not one whole final gradient", k->grad.numel(), u.stage);
+      restart_known_zero(t, k->flags);
+    }
+  }
 }
 
 void ShardedParameters::gather_slot(const Unit& u, int64_t layer) {
@@ -326,6 +341,16 @@ void ShardedParameters::finish_gradients(bool overlapped) {
   mesh_.replicas.join();
 }
 
+bool ShardedParameters::grads_final(int64_t stage) const {
+  bool any = false;
+  for (const Unit& u : units_) {
+    if (u.expert || u.stage != stage) continue;
+    if (!final_after_backward(u)) return false;
+    any = true;
+  }
+  return any;
+}
+
 bool ShardedParameters::expert_grads_final() const {
   if (mesh_.replicas.size() > 1) return false;
   for (const Unit& u : units_)
@@ -333,7 +358,7 @@ bool ShardedParameters::expert_grads_final() const {
   return true;
 }
 
-double ShardedParameters::local_squares(std::span<const Tensor> expert_squares) const {
+double ShardedParameters::local_squares(std::span<const Tensor> expert_squares, std::span<const KnownZeroGrads> known) const {
   auto fused = [&](const Unit& u) {
     return u.expert && u.stage >= 0 && size_t(u.stage) < expert_squares.size() && expert_squares[size_t(u.stage)].data != nullptr;
   };
@@ -343,9 +368,22 @@ double ShardedParameters::local_squares(std::span<const Tensor> expert_squares) 
   Buffer parts(DType::f64, device_, {pieces * kSumParts});
   int64_t piece = 0, run_begin = 0, run_end = 0;
   auto part = [&] { return parts.view().rows(piece * kSumParts, (piece + 1) * kSumParts); };
+  // The known gradient inside the run [run_begin, run_end) of the arena, if any.
+  auto known_rows = [&]() -> std::optional<KnownZeroRows> {
+    std::optional<KnownZeroRows> rows;
+    for (const KnownZeroGrads& k : known) {
+      const int64_t at = (static_cast<const char*>(k.grad.data) - static_cast<const char*>(grads_.all().data)) / 4;
+      if (at < run_begin || at >= run_end) continue;
+      MARROW_CHECK(!rows, "internal: two known-zero gradients in one run of the gradient norm (elements {}..{})", run_begin, run_end);
+      rows = KnownZeroRows{k.flags, at - run_begin, k.grad.numel() / k.flags.numel()};
+    }
+    return rows;
+  };
   auto end_run = [&] {
     if (run_end == run_begin) return;
-    sum_squares_parts(part(), grads_.slice(run_begin, {run_end - run_begin}));
+    const Tensor run = grads_.slice(run_begin, {run_end - run_begin});
+    if (const auto rows = known_rows()) sum_squares_parts(part(), run, *rows);
+    else sum_squares_parts(part(), run);
     ++piece;
   };
   for (const Unit& u : units_) {
@@ -364,8 +402,8 @@ double ShardedParameters::local_squares(std::span<const Tensor> expert_squares) 
   return sum_parts_on_host(parts.view().rows(0, piece * kSumParts));
 }
 
-double ShardedParameters::gradient_norm(std::span<const Tensor> expert_squares) const {
-  const double squares = expert_squares.empty() ? std::pow(l2_norm(grads_.all()), 2) : local_squares(expert_squares);
+double ShardedParameters::gradient_norm(std::span<const Tensor> expert_squares, std::span<const KnownZeroGrads> known) const {
+  const double squares = expert_squares.empty() ? std::pow(l2_norm(grads_.all()), 2) : local_squares(expert_squares, known);
   const double stage_squares = mesh_.shard.sum(squares, "gradient norm (sum of squares)");
   return std::sqrt(mesh_.pipeline.sum(stage_squares, "gradient norm over the pipeline (sum of squares)"));
 }

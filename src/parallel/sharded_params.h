@@ -76,15 +76,23 @@ class ShardedParameters {
   // compute copies follow.
   void master_changed();
 
+  // Gradients (views into gradients()) with row flags of ops/known_zero.h: flags[r] set means row r
+  // of grad is all zeros. Only where grads_final() holds for their unit.
+  struct KnownZeroGrads {
+    Tensor grad, flags;
+  };
+
   // One step, in this order: start_step; per micro-batch the forward and backward with the hooks
-  // below; finish_gradients; gradient_norm; optimizer_step.
-  void start_step();
+  // below; finish_gradients; gradient_norm; optimizer_step. start_step zeroes the gradients the
+  // backward adds to; those of `known` that it would zero it restarts by rows instead
+  // (restart_known_zero: only the rows written since).
+  void start_step(std::span<const KnownZeroGrads> known = {});
   void before_forward(int64_t stage);
   void before_backward(int64_t stage);
   // micro: the micro-batch's index in the step; last: it is the step's last one.
   void after_backward(int64_t stage, int64_t micro, bool last, bool overlap);
-  // Whether this micro-batch's backward writes (rather than adds to) the gradients the table marks
-  // first_backward_writes.
+  // Whether this micro-batch's backward writes (rather than adds to) the decoder layers' gradients
+  // the table marks first_backward_writes (the epilog's, kept whole in every layout: micro == 0).
   bool first_writes_fresh(int64_t micro) const { return micro == 0 || first_writes_slotted_; }
   // Whether those gradients add up over a step's micro-batches in one place (not slotted, each
   // micro-batch's reduced after its backward).
@@ -98,17 +106,17 @@ class ShardedParameters {
   // backwards wrote them: grouped_linear_backward_weight's squares); that unit is then not read.
   // Only where expert_grads_final(). The sums then run on the device, one piece per run of
   // units, and reach the host in one copy.
-  double gradient_norm(std::span<const Tensor> expert_squares = {}) const;
+  // known: gradients whose flagged rows are not read (each run of units between the fused ones
+  // holds at most one).
+  double gradient_norm(std::span<const Tensor> expert_squares = {}, std::span<const KnownZeroGrads> known = {}) const;
   // Whether every expert unit's gradient is complete once the step's last backward has written
   // it: no shard reduction and no replica sum follows (n = 1, no dp replicas).
   bool expert_grads_final() const;
+  // The same for the units of one stage that are not experts' (-1 the prolog, num_layers the epilog);
+  // false where this rank holds none of them.
+  bool grads_final(int64_t stage) const;
   // AdamW on the shards (norm units without weight decay); then the compute copies are re-gathered.
-  // known: gradients (views into gradients()) whose rows are flagged all zeros (grouped_linear.h's
-  // known_zero: flags[e] set means row e of grad is zero), where expert_grads_final(): AdamW takes
-  // those rows' gradient as zero without reading it.
-  struct KnownZeroGrads {
-    Tensor grad, flags;
-  };
+  // known: AdamW takes their flagged rows' gradient as zero without reading it.
   void optimizer_step(AdamWHyper hyper, std::span<const KnownZeroGrads> known = {});
 
  private:
@@ -156,7 +164,9 @@ class ShardedParameters {
   // AdamW on unit u's shard, the parts of `known` inside it by rows.
   void adamw_unit(const Unit& u, const AdamWHyper& hyper, std::span<const KnownZeroGrads> known);
   // This rank's sum of squares of its gradient shards (see gradient_norm).
-  double local_squares(std::span<const Tensor> expert_squares) const;
+  double local_squares(std::span<const Tensor> expert_squares, std::span<const KnownZeroGrads> known) const;
+  // Whether unit u's gradient is complete once the backward has written it (no reduction follows).
+  bool final_after_backward(const Unit& u) const { return u.n == 1 && u.grads_kept && mesh_.replicas.size() == 1; }
 
   const std::vector<TensorSpec>& specs_;
   int64_t num_layers_;
