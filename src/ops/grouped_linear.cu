@@ -213,25 +213,6 @@ void grouped_gemm_cublas(bool forward, Tensor out, Tensor in, Tensor weight, con
                                                  CUBLAS_COMPUTE_32F));
 }
 
-// The wgmma kernel and its tile schedule (offsets, each expert's first tile, a counter): built on the
-// host and sent in stream order, or, from offsets in GPU memory, built there by one block.
-void grouped_gemm_wgmma(bool forward, Tensor out, Tensor in, Tensor weight, Tensor expert_offsets, int64_t e, int64_t o, int64_t i,
-                        Stream stream) {
-  auto s = static_cast<cudaStream_t>(stream.handle);
-  Buffer schedule;
-  int tiles = -1;  // not known on the host for a schedule built on the GPU
-  if (expert_offsets.device == Device::cuda) {
-    schedule = Buffer(DType::i32, Device::cuda, {2 * e + 3}, stream);
-    wgmma::tile_schedule_kernel<<<1, wgmma::kScheduleThreads, 0, s>>>(schedule.ptr<int32_t>(), expert_offsets.ptr<int32_t>(), int(e), int(forward ? o : i));
-    MARROW_CUDA_CHECK_LAUNCH();
-  } else {
-    const std::vector<int32_t> host = wgmma::tile_schedule(expert_offsets.ptr<int32_t>(), e, forward ? o : i);
-    tiles = host[size_t(2 * e + 1)];
-    schedule = upload(host, stream);
-  }
-  wgmma::grouped_gemm(forward, static_cast<bf16*>(out.data), static_cast<const bf16*>(in.data), static_cast<const bf16*>(weight.data),
-                      schedule.ptr<int32_t>(), tiles, e, o, i, in.size(0), s);
-}
 
 // The offsets on the host (a copy, waiting for the GPU, when they are in its memory), for the paths
 // that need the group sizes there.
@@ -248,6 +229,17 @@ const int32_t* device_offsets(Tensor expert_offsets, Buffer& holder, Stream stre
   if (expert_offsets.device == Device::cuda) return expert_offsets.ptr<int32_t>();
   holder = upload(host_offsets(expert_offsets, stream), stream);
   return holder.ptr<int32_t>();
+}
+
+// The wgmma kernel, which finds each expert's tiles from the offsets in GPU memory itself; with host
+// offsets (uploaded) the host also knows the tile count and sizes the grid by it.
+void grouped_gemm_wgmma(bool forward, Tensor out, Tensor in, Tensor weight, Tensor expert_offsets, int64_t e, int64_t o, int64_t i,
+                        Stream stream) {
+  Buffer holder;
+  const int32_t* offsets = device_offsets(expert_offsets, holder, stream);
+  const int tiles = expert_offsets.device == Device::cpu ? wgmma::tile_count(expert_offsets.ptr<int32_t>(), e, forward ? o : i) : -1;
+  wgmma::grouped_gemm(forward, static_cast<bf16*>(out.data), static_cast<const bf16*>(in.data), static_cast<const bf16*>(weight.data),
+                      offsets, tiles, e, o, i, in.size(0), static_cast<cudaStream_t>(stream.handle));
 }
 
 // out[r, c] = sum_j in[r, j] W_e[c * wc + j * wj] for row r of expert e, one thread per output, fp32

@@ -4,7 +4,10 @@
 // (expert, column tile, row tile) so that the row tiles of one weight tile run side by side and each
 // weight tile comes from memory about once. A persistent grid: each block starts on tile blockIdx.x
 // and takes the next from a counter (tiles differ in cost, see below); which block computes a tile
-// does not change its bits, so results are deterministic. Per block one producer warpgroup (one
+// does not change its bits, so results are deterministic. Each block's producer warp finds every
+// expert's first tile itself (a warp scan over the experts' row counts into shared memory), and the
+// last block to finish leaves the counter at zero for the stream's next call: no schedule kernel
+// before a call (it and its launch gap cost ~3 us a call). Per block one producer warpgroup (one
 // thread issues the TMA copies into 128-byte-swizzled shared tiles, kStages deep, completing on
 // mbarriers) and two consumer warpgroups, each multiplying 64 rows with wgmma.m64n256k16 (fp32
 // accumulators in registers) and storing bf16 through shared memory. Rows past the expert's end are
@@ -24,6 +27,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <map>
+#include <mutex>
+#include <utility>
 #include <vector>
 
 #include "core/cuda_check.h"
@@ -44,8 +50,13 @@ constexpr int kTileBBytes = kBlockN * kBlockK * 2;  // 32 KiB
 constexpr int kStageBytes = kTileABytes + kTileBBytes;
 constexpr int kStagingBytes = 4 * kConsumers * 16 * 256;  // the epilogue's 16 rows x 128 columns per warp
 // 1024 bytes of slack to align the stages to the 128-byte swizzle's 1024-byte period, the stages,
-// the epilogue's staging, the full/empty mbarriers and the tile each stage starts (16 bytes).
+// the epilogue's staging, the full/empty mbarriers and the tile each stage starts (16 bytes); then
+// each expert's first tile (4 bytes an expert, and one for the total: smem_bytes below).
 constexpr int kSmemBytes = 1024 + kStages * kStageBytes + kStagingBytes + 2 * kStages * 8 + kStages * 16;
+constexpr int kSmemLimit = 227 * 1024;
+constexpr int kMaxExperts = (kSmemLimit - kSmemBytes) / 4 - 1;
+static_assert(kMaxExperts >= 256, "the grouped GEMM's stages leave too little shared memory for the experts' first tiles");
+inline int smem_bytes(int64_t experts) { return kSmemBytes + 4 * int(experts + 1); }
 
 // ---- PTX wrappers (smem_address: ops/cuda_common.cuh) ---------------------------------------------
 
@@ -151,17 +162,37 @@ __device__ __forceinline__ void mma_m64n256k16(float (&d)[128], uint64_t a_desc,
 }
 
 // ---- the kernel ---------------------------------------------------------------------------------
-// schedule: offsets[E + 1] (rows of each expert), tile_start[E + 1] (the first tile of each expert;
-// tile_start[E] = all tiles), then a counter that starts at zero. Tile t of expert e: column tile
-// (t - tile_start[e]) / row tiles, row tile (t - tile_start[e]) % row tiles.
+// offsets[E + 1]: the rows of each expert. tile_start[E + 1] (shared memory): the first tile of each
+// expert, tile_start[E] = all tiles. Tile t of expert e: column tile (t - tile_start[e]) / row tiles,
+// row tile (t - tile_start[e]) % row tiles.
 struct Tile {
   int expert, row0, row_end, col0;  // expert < 0: no tiles left
 };
 
+// tile_start from the offsets, by the whole producer warp: 32 experts a round, each round an
+// inclusive warp scan of their tile counts on the carry of the rounds before. Returns all tiles.
+__device__ __forceinline__ int scan_tile_starts(int* tile_start, const int32_t* offsets, int experts, int col_tiles) {
+  const int lane = threadIdx.x % 32;
+  int carry = 0;
+  for (int base = 0; base < experts; base += 32) {
+    const int e = base + lane;
+    const int tiles = e < experts ? (offsets[e + 1] - offsets[e] + kBlockM - 1) / kBlockM * col_tiles : 0;
+    int inclusive = tiles;
+    for (int d = 1; d < 32; d *= 2) {
+      const int below = __shfl_up_sync(~0u, inclusive, d);
+      if (lane >= d) inclusive += below;
+    }
+    if (e < experts) tile_start[e] = carry + inclusive - tiles;
+    carry += __shfl_sync(~0u, inclusive, 31);
+  }
+  if (lane == 0) tile_start[experts] = carry;
+  __syncwarp();
+  return carry;
+}
+
 // The producer warp's tile lookup: the expert is found by a warp-wide scan of tile_start that
 // resumes at the previous tile's expert (a block's tiles come in increasing order).
-__device__ __forceinline__ Tile find_tile(int t, const int32_t* schedule, int experts, int& expert) {
-  const int32_t *offsets = schedule, *tile_start = schedule + experts + 1;
+__device__ __forceinline__ Tile find_tile(int t, const int32_t* offsets, const int* tile_start, int experts, int& expert) {
   const int lane = threadIdx.x % 32;
   for (;;) {  // tile_start[expert] <= t < tile_start[experts]: some lane's test fails
     const int e = expert + lane;
@@ -211,10 +242,11 @@ __device__ __forceinline__ void store_rows(bf16* out, const float (&d)[128], uns
 
 // out[R, n] = in[R, k] B_e per expert. a_map: in as [R, k] (box 64 x 128 rows). b_map: W as [E, O, I]
 // (box 64 of I x 256 of O for the forward, 64 of I x 64 of O for the transposed B, four per stage).
+// counters: the next tile and the blocks done, zero at launch and again at exit.
 template <int kTransB>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map, bf16* out,
-                        int32_t* schedule, int experts, int n, int k) {
+                        const int32_t* offsets, int32_t* counters, int experts, int n, int k) {
   extern __shared__ unsigned char smem_raw[];
   const uint32_t raw = smem_address(smem_raw), base = (raw + 1023) & ~1023u;
   unsigned char* smem = smem_raw + (base - raw);
@@ -222,6 +254,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t full = base + kStages * kStageBytes + kStagingBytes;      // mbarriers, 8 bytes each
   const uint32_t empty = full + kStages * 8;
   Tile* stage_tile = reinterpret_cast<Tile*>(staging + kStagingBytes + 2 * kStages * 8);  // the tile a stage starts
+  int* tile_start = reinterpret_cast<int*>(stage_tile + kStages);
   auto tile_a = [&](int s) { return base + s * kStageBytes; };
   auto tile_b = [&](int s) { return base + s * kStageBytes + kTileABytes; };
   const int warpgroup = threadIdx.x / 128;
@@ -232,15 +265,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
     if (threadIdx.x >= 32) return;
     const bool leader = threadIdx.x == 0;
-    const int tiles = schedule[2 * experts + 1];
-    int* counter = schedule + 2 * experts + 2;
+    const int tiles = scan_tile_starts(tile_start, offsets, experts, (n + kBlockN - 1) / kBlockN);
     int it = 0, expert = 0;
     // Blocks start on tiles blockIdx.x and take the next free one from the counter when done: tiles
     // differ in cost (an expert's last row tile), so a fixed round robin leaves blocks idle at the end.
     for (int t = blockIdx.x; t < tiles;) {
       int next = 0;
-      if (leader) next = int(gridDim.x) + atomicAdd(counter, 1);
-      const Tile tile = find_tile(t, schedule, experts, expert);
+      if (leader) next = int(gridDim.x) + atomicAdd(counters, 1);
+      const Tile tile = find_tile(t, offsets, tile_start, experts, expert);
       if (leader) {
         for (int kb = 0; kb < k_blocks; ++kb, ++it) {
           const int s = it % kStages;
@@ -263,6 +295,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       barrier_wait(empty + 8 * s, ((it / kStages) & 1) ^ 1);
       stage_tile[s] = Tile{-1, 0, 0, 0};
       barrier_arrive(full + 8 * s);
+      // This block takes no more tiles; the last block to get here resets the counters (every
+      // block's last atomicAdd on the tile counter comes before its own on the done counter).
+      __threadfence();
+      if (atomicAdd(counters + 1, 1) == int(gridDim.x) - 1) {
+        counters[0] = 0;
+        counters[1] = 0;
+      }
     }
     return;
   }
@@ -333,52 +372,42 @@ inline CUtensorMap tensor_map(const void* data, int rank, const cuuint64_t* dims
   return map;
 }
 
-// The schedule the kernel reads (see Tile) for output columns `cols`, its counter zero.
-inline std::vector<int32_t> tile_schedule(const int32_t* offsets, int64_t experts, int64_t cols) {
-  std::vector<int32_t> schedule(offsets, offsets + experts + 1);
-  const int32_t col_tiles = int32_t((cols + kBlockN - 1) / kBlockN);
-  int32_t start = 0;
-  for (int64_t e = 0; e <= experts; ++e) {
-    schedule.push_back(start);
-    if (e < experts) start += (offsets[e + 1] - offsets[e] + kBlockM - 1) / kBlockM * col_tiles;
-  }
-  schedule.push_back(0);
-  return schedule;
+// The tiles of a call with output columns `cols` from host offsets (the launch sizes its grid by them).
+inline int tile_count(const int32_t* offsets, int64_t experts, int64_t cols) {
+  const int64_t col_tiles = (cols + kBlockN - 1) / kBlockN;
+  int64_t tiles = 0;
+  for (int64_t e = 0; e < experts; ++e) tiles += (offsets[e + 1] - offsets[e] + kBlockM - 1) / kBlockM * col_tiles;
+  return int(tiles);
 }
 
-// tile_schedule's array, built on the device from offsets in device memory so that the host needs no
-// expert sizes (no synchronisation after the dispatch plan). One block of kScheduleThreads: an
-// exclusive scan of the experts' tile counts, a block's width of experts at a time (one thread over
-// all experts took 11 us a call, dependent loads in a row).
+// One-block kernels that prepare per-expert work from device offsets (ops/wgmma_dw.cuh's work list).
 constexpr int kScheduleThreads = 256;
-__global__ void __launch_bounds__(kScheduleThreads) tile_schedule_kernel(int32_t* schedule, const int32_t* offsets, int experts, int cols) {
-  using Scan = cub::BlockScan<int, kScheduleThreads>;
-  __shared__ typename Scan::TempStorage scan_storage;
-  const int col_tiles = (cols + kBlockN - 1) / kBlockN;
-  int carry = 0;  // tiles of the experts before this round
-  for (int base = 0; base <= experts; base += kScheduleThreads) {
-    const int e = base + int(threadIdx.x);
-    const int tiles = e < experts ? (offsets[e + 1] - offsets[e] + kBlockM - 1) / kBlockM * col_tiles : 0;
-    int start = 0, total = 0;
-    Scan(scan_storage).ExclusiveSum(tiles, start, total);
-    if (e <= experts) {
-      schedule[e] = offsets[e];
-      schedule[experts + 1 + e] = carry + start;
-    }
-    carry += total;
-    __syncthreads();  // scan_storage is reused by the next round
+
+// The kernel's counters for calls on `stream` of the current device: two ints, zeroed once and left
+// zero by every call (stream order keeps a stream's calls apart).
+inline int32_t* stream_counters(cudaStream_t stream) {
+  static std::mutex mutex;
+  static std::map<std::pair<int, cudaStream_t>, int32_t*> counters;
+  int device = 0;
+  MARROW_CUDA_CHECK(cudaGetDevice(&device));
+  std::lock_guard<std::mutex> lock(mutex);
+  int32_t*& c = counters[{device, stream}];
+  if (c == nullptr) {
+    MARROW_CUDA_CHECK(cudaMalloc(&c, 2 * sizeof(int32_t)));
+    MARROW_CUDA_CHECK(cudaMemset(c, 0, 2 * sizeof(int32_t)));
   }
-  if (threadIdx.x == 0) schedule[2 * experts + 2] = 0;
+  return c;
 }
 
 // out[R, cols] from in[R, inner] and weight[E, O, I]: forward (cols = O, inner = I) or backward input
-// (cols = I, inner = O). schedule: tile_schedule's array in device memory, its counter zero (the
-// kernel advances it: each call takes a schedule of its own); tiles: its entry tile_start[E], or
-// -1 when the host does not know it (a schedule built on the device): one block per SM then, and
-// the blocks past the last tile end at once.
-inline void grouped_gemm(bool forward, bf16* out, const bf16* in, const bf16* weight, int32_t* schedule, int tiles, int64_t experts,
+// (cols = I, inner = O). offsets: the experts' rows in device memory; tiles: tile_count's, or -1 when
+// the host does not know it (offsets computed on the device): one block per SM then, and the blocks
+// past the last tile end at once.
+inline void grouped_gemm(bool forward, bf16* out, const bf16* in, const bf16* weight, const int32_t* offsets, int tiles, int64_t experts,
                          int64_t o, int64_t i, int64_t rows, cudaStream_t stream) {
   if (tiles == 0) return;
+  MARROW_CHECK(experts <= kMaxExperts, "the wgmma grouped GEMM holds at most {} experts' first tiles in shared memory, got {}", kMaxExperts,
+               experts);
   const int64_t cols = forward ? o : i, inner = forward ? i : o;
   const cuuint64_t a_dims[2] = {cuuint64_t(inner), cuuint64_t(rows)}, a_strides[1] = {cuuint64_t(inner) * 2};
   const cuuint32_t a_box[2] = {kBlockK, kBlockM};
@@ -391,8 +420,9 @@ inline void grouped_gemm(bool forward, bf16* out, const bf16* in, const bf16* we
   MARROW_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   const unsigned grid = unsigned(tiles < 0 ? sms : std::min(tiles, sms));
   auto launch = [&](auto kernel) {
-    MARROW_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
-    kernel<<<grid, kThreads, kSmemBytes, stream>>>(a_map, b_map, out, schedule, int(experts), int(cols), int(inner));
+    MARROW_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes(experts)));
+    kernel<<<grid, kThreads, smem_bytes(experts), stream>>>(a_map, b_map, out, offsets, stream_counters(stream), int(experts), int(cols),
+                                                            int(inner));
     MARROW_CUDA_CHECK_LAUNCH();
   };
   if (forward) launch(grouped_gemm_kernel<0>);

@@ -4,6 +4,7 @@
 // shapes (skewed and even routing), plus a timing study (uniform vs normal data, one call vs 20 back
 // to back, host time per launch). core/cuda_check.h here stands in for Marrow's. On a GPU machine,
 // from the repository root:
+//   ninja -C build-gpu wgmma_probe && build-gpu/wgmma_probe (built with the CUDA code), or by hand:
 //   cd tools/wgmma_probe && nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -I. -I../../src \
 //     -o probe probe.cu -lcublas && ./probe   (PROBE_SHORT=1: the timing study only; PROBE_DW=1: dW only)
 #include <cublas_v2.h>
@@ -131,7 +132,7 @@ void run(const char* label, bool forward, std::vector<int32_t> counts, int64_t o
   const int64_t rows = offsets[e], cols = forward ? o : i, inner = forward ? i : o;
   bf16 *in, *w, *out, *out2;
   float *ref, *err;
-  int32_t *sched, *doff;
+  int32_t* doff;
   void** ptrs;
   MARROW_CUDA_CHECK(cudaMalloc(&in, std::max<int64_t>(1, rows * inner) * 2));
   MARROW_CUDA_CHECK(cudaMalloc(&w, e * o * i * 2));
@@ -145,11 +146,8 @@ void run(const char* label, bool forward, std::vector<int32_t> counts, int64_t o
   fill_random<<<1024, 256>>>(w, e * o * i, 2);
   fill_nan<<<1024, 256>>>(out, rows * cols);
   cudaMemcpy(doff, offsets.data(), (e + 1) * 4, cudaMemcpyHostToDevice);
-  const std::vector<int32_t> schedule = marrow::wgmma::tile_schedule(offsets.data(), e, cols);
-  MARROW_CUDA_CHECK(cudaMalloc(&sched, schedule.size() * 4));
-  cudaMemcpy(sched, schedule.data(), schedule.size() * 4, cudaMemcpyHostToDevice);
-  const int tiles = schedule[2 * e + 1];
-  auto mine = [&](bf16* dst) { marrow::wgmma::grouped_gemm(forward, dst, in, w, sched, tiles, e, o, i, rows, 0); };
+  const int tiles = marrow::wgmma::tile_count(offsets.data(), e, cols);
+  auto mine = [&](bf16* dst) { marrow::wgmma::grouped_gemm(forward, dst, in, w, doff, tiles, e, o, i, rows, 0); };
   mine(out);
   MARROW_CUDA_CHECK(cudaDeviceSynchronize());
   float h[3] = {0, 0, 0};
@@ -178,7 +176,7 @@ void run(const char* label, bool forward, std::vector<int32_t> counts, int64_t o
   }
   printf("\n");
   fflush(stdout);
-  cudaFree(in); cudaFree(w); cudaFree(out); cudaFree(out2); cudaFree(ref); cudaFree(err); cudaFree(ptrs); cudaFree(doff); cudaFree(sched);
+  cudaFree(in); cudaFree(w); cudaFree(out); cudaFree(out2); cudaFree(ref); cudaFree(err); cudaFree(ptrs); cudaFree(doff);
 }
 
 #include <chrono>
@@ -190,18 +188,17 @@ void timing_study(const char* label, bool forward, const std::vector<int32_t>& c
   for (int64_t g = 0; g < e; ++g) offsets[g + 1] = offsets[g] + counts[g];
   const int64_t rows = offsets[e], cols = forward ? o : i, inner = forward ? i : o;
   bf16 *in, *w, *out;
-  int32_t* sched;
+  int32_t* doff;
   void** ptrs;
   MARROW_CUDA_CHECK(cudaMalloc(&in, rows * inner * 2));
   MARROW_CUDA_CHECK(cudaMalloc(&w, e * o * i * 2));
   MARROW_CUDA_CHECK(cudaMalloc(&out, rows * cols * 2));
   MARROW_CUDA_CHECK(cudaMalloc(&ptrs, 3 * e * sizeof(void*)));
-  const std::vector<int32_t> schedule = marrow::wgmma::tile_schedule(offsets.data(), e, cols);
-  MARROW_CUDA_CHECK(cudaMalloc(&sched, schedule.size() * 4));
-  cudaMemcpy(sched, schedule.data(), schedule.size() * 4, cudaMemcpyHostToDevice);
-  const int tiles = schedule[2 * e + 1];
+  MARROW_CUDA_CHECK(cudaMalloc(&doff, (e + 1) * 4));
+  cudaMemcpy(doff, offsets.data(), (e + 1) * 4, cudaMemcpyHostToDevice);
+  const int tiles = marrow::wgmma::tile_count(offsets.data(), e, cols);
   const double flops = 2.0 * rows * cols * inner;
-  auto mine = [&] { marrow::wgmma::grouped_gemm(forward, out, in, w, sched, tiles, e, o, i, rows, 0); };
+  auto mine = [&] { marrow::wgmma::grouped_gemm(forward, out, in, w, doff, tiles, e, o, i, rows, 0); };
   auto theirs = [&] { cublas_grouped(forward, out, in, w, offsets, o, i, ptrs); };
   cudaEvent_t a, b;
   cudaEventCreate(&a); cudaEventCreate(&b);
@@ -227,7 +224,7 @@ void timing_study(const char* label, bool forward, const std::vector<int32_t>& c
     printf("\n");
     fflush(stdout);
   }
-  cudaFree(in); cudaFree(w); cudaFree(out); cudaFree(ptrs); cudaFree(sched);
+  cudaFree(in); cudaFree(w); cudaFree(out); cudaFree(ptrs); cudaFree(doff);
 }
 
 // ---- dW: dweight[e] (+)= dy_e^T x_e ----
@@ -275,22 +272,23 @@ void dw_run(const char* label, const std::vector<int32_t>& counts, int64_t o, in
   MARROW_CUDA_CHECK(cudaMalloc(&want, n * 4));
   MARROW_CUDA_CHECK(cudaMalloc(&err, 16));
   MARROW_CUDA_CHECK(cudaMalloc(&doff, (e + 1) * 4));
-  MARROW_CUDA_CHECK(cudaMalloc(&work_acc, (3 * e + 2) * 4));
-  MARROW_CUDA_CHECK(cudaMalloc(&work_over, (3 * e + 2) * 4));
+  MARROW_CUDA_CHECK(cudaMalloc(&work_acc, (marrow::wgmma::dw::kWorkInts * e + 2) * 4));
+  MARROW_CUDA_CHECK(cudaMalloc(&work_over, (marrow::wgmma::dw::kWorkInts * e + 2) * 4));
   fill_random<<<1024, 256>>>(dy, rows * o, 3);
   fill_random<<<1024, 256>>>(x, rows * i, 4);
   fill_random<<<1024, 256>>>(old16, n, 5);
   bf16_to_f32<<<1024, 256>>>(old, old16, n);
   MARROW_CUDA_CHECK(cudaMemcpy(doff, offsets.data(), (e + 1) * 4, cudaMemcpyHostToDevice));
-  const std::vector<int32_t> acc_list = marrow::wgmma::dw::work_list(offsets.data(), e, false),
-                             over_list = marrow::wgmma::dw::work_list(offsets.data(), e, true);
+  const std::vector<int32_t> acc_list = marrow::wgmma::dw::work_list(offsets.data(), nullptr, e, false),
+                             over_list = marrow::wgmma::dw::work_list(offsets.data(), nullptr, e, true);
   MARROW_CUDA_CHECK(cudaMemcpy(work_acc, acc_list.data(), acc_list.size() * 4, cudaMemcpyHostToDevice));
   MARROW_CUDA_CHECK(cudaMemcpy(work_over, over_list.data(), over_list.size() * 4, cudaMemcpyHostToDevice));
   auto call = [&](float* out, bool accumulate) {  // the counter back to zero, then the kernel
     const int works = accumulate ? acc_list[0] : over_list[0];
     int32_t* work = accumulate ? work_acc : work_over;
     MARROW_CUDA_CHECK(cudaMemsetAsync(work + 1, 0, 4));
-    marrow::wgmma::dw::grouped_dw(out, dy, x, work, works, o, i, rows, accumulate, 0);
+    const marrow::wgmma::dw::Source sources[2] = {{dy, x, rows}, {nullptr, nullptr, 0}};
+    marrow::wgmma::dw::grouped_dw(out, sources, work, works, o, i, accumulate, nullptr, 0);
   };
   auto error = [&](const float* got, const char* what) {
     float h[3] = {0, 0, 0};
