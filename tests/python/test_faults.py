@@ -282,6 +282,8 @@ FAULTS = [
     # 11. One sentence that names the problem.
     Fault("train --help", ["train", "--help"], 0, "--checkpoint.allow_changes"),
     Fault("bench --help", ["bench", "--help"], 0, "--warmup=N"),
+    Fault("bench --kernels without a GPU", ["bench", "--kernels"], 1, "bench --kernels needs a GPU"),
+    Fault("bench --attention-plans without a GPU", ["bench", "--attention-plans"], 1, "bench --attention-plans needs a GPU"),
     Fault("bench on the CPU labels its speed", ["bench", *BASE, "--output.dir={tmp}/bench", "--steps=1", "--warmup=0"], 0,
           "GFLOP/s on the CPU (fp32; MFU needs a GPU)"),
     Fault("bench splits stages in a step after the measured ones", ["bench", *BASE, "--output.dir={tmp}/bench-split", "--steps=4",
