@@ -415,6 +415,13 @@ void check_gemm_ops(CheckReport& report) {
   std::vector<int32_t> late(40, 0);
   late[36] = 5, late[37] = 129, late[39] = 1;
   check_grouped_small(report, 264, 136, late, 250);
+  // As many experts as the wgmma kernel holds tile starts for in shared memory (the scan's 15 rounds,
+  // the dynamic shared memory at its 227 KiB limit), a few with rows; one more runs on cuBLAS.
+  for (const int64_t e : {kWgmmaMaxExperts, kWgmmaMaxExperts + 1}) {
+    std::vector<int32_t> most(size_t(e), 0);
+    most[0] = 3, most[200] = 130, most[size_t(e) - 1] = 64;
+    check_grouped_small(report, 264, 136, most, 255);
+  }
   // The cuBLAS grouped call, still selectable for comparisons.
   set_grouped_gemm_backend(GroupedGemmBackend::cublas);
   check_grouped_small(report, 136, 200, {17, 0, 1, 40, 33, 0}, 220, "cuBLAS");

@@ -231,6 +231,8 @@ const int32_t* device_offsets(Tensor expert_offsets, Buffer& holder, Stream stre
   return holder.ptr<int32_t>();
 }
 
+static_assert(wgmma::kMaxExperts == kWgmmaMaxExperts, "grouped_linear.h's kWgmmaMaxExperts is not the wgmma kernel's limit");
+
 // The wgmma kernel, which finds each expert's tiles from the offsets in GPU memory itself; with host
 // offsets (uploaded) the host also knows the tile count and sizes the grid by it.
 void grouped_gemm_wgmma(bool forward, Tensor out, Tensor in, Tensor weight, Tensor expert_offsets, int64_t e, int64_t o, int64_t i,
@@ -274,7 +276,7 @@ void grouped_gemm_gpu(bool forward, Tensor out, Tensor in, Tensor weight, Tensor
     return;
   }
   if (o % 8 == 0 && i % 8 == 0 && aligned(out.data, 16) && aligned(in.data, 16) && aligned(weight.data, 16)) {
-    if (grouped_gemm_backend == GroupedGemmBackend::cublas)
+    if (grouped_gemm_backend == GroupedGemmBackend::cublas || e > kWgmmaMaxExperts)
       return grouped_gemm_cublas(forward, out, in, weight, host_offsets(expert_offsets, stream).data(), e, o, i, stream);
     return grouped_gemm_wgmma(forward, out, in, weight, expert_offsets, e, o, i, stream);
   }

@@ -25,6 +25,9 @@ namespace marrow {
 // whole process; set it before a run, not while other threads call the ops.
 enum class GroupedGemmBackend { wgmma, cublas };
 void set_grouped_gemm_backend(GroupedGemmBackend backend);
+// The most experts the wgmma kernel serves (each block keeps their first tiles in shared memory,
+// beside its stages); more experts run on cuBLAS's grouped call.
+constexpr int64_t kWgmmaMaxExperts = 479;
 
 // y[R, O] from x[R, I] and weight[E, O, I].
 void grouped_linear_forward(Tensor y, Tensor x, Tensor weight, Tensor expert_offsets, Stream stream = {});
