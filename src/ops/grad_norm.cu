@@ -33,44 +33,76 @@ __device__ void store_block_sum(double* parts, double acc) {
   }
 }
 
-// Rows of x known zero (KnownZeroRows on the device): flags null for none.
+// How ZeroRows finds an element's row: no rows, a 32-bit division (rows spanning less than 2^31
+// elements; a 64-bit one, ~70 instructions, per float4 would cost more than the loads), a 64-bit one.
+enum class RowIndex { none, narrow, wide };
+
+// Rows of x known zero (KnownZeroRows on the device, at least one row). whole_float4s: the rows
+// start and end on float4 boundaries, so one flag covers a float4.
 struct ZeroRows {
   const int32_t* flags = nullptr;
   int64_t begin = 0, end = 0, per_row = 1;
-  // Whether element i lies in a flagged row. The row by a 32-bit division where the rows span less
-  // than 2^31 elements (a 64-bit one, ~70 instructions, per float4 would cost more than the loads).
-  __device__ bool zero(int64_t i) const {
-    if (!flags || i < begin || i >= end) return false;
-    const int64_t offset = i - begin;
-    return flags[end - begin < (int64_t(1) << 31) ? int64_t(uint32_t(offset) / uint32_t(per_row)) : offset / per_row];
+  bool whole_float4s = true;
+  // Whether element i lies in a flagged row. The flag is loaded whatever i (row 0 outside the rows),
+  // so that a thread's flag loads carry no branch and go out together.
+  template <RowIndex R> __device__ bool zero(int64_t i) const {
+    if constexpr (R == RowIndex::none) {
+      return false;
+    } else {
+      const bool inside = i >= begin && i < end;
+      const int64_t offset = inside ? i - begin : 0;
+      const int64_t row = R == RowIndex::narrow ? int64_t(uint32_t(offset) / uint32_t(per_row)) : offset / per_row;
+      return (flags[row] != 0) & inside;
+    }
+  }
+  // The elements of float4 i in flagged rows, as bits 0-3.
+  template <RowIndex R> __device__ unsigned zero_mask(int64_t i) const {
+    if (whole_float4s) return zero<R>(4 * i) ? 0xfu : 0u;
+    return unsigned(zero<R>(4 * i)) | unsigned(zero<R>(4 * i + 1)) << 1 | unsigned(zero<R>(4 * i + 2)) << 2 |
+           unsigned(zero<R>(4 * i + 3)) << 3;
   }
 };
 
+// float4 i of x with the elements in mask's bits as +0.0, not loaded when all four are.
+__device__ float4 load_masked(const float4* x4, int64_t i, unsigned mask) {
+  if (mask == 0xfu) return make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  float4 v = x4[i];
+  if (mask & 1u) v.x = 0.0f;
+  if (mask & 2u) v.y = 0.0f;
+  if (mask & 4u) v.z = 0.0f;
+  if (mask & 8u) v.w = 0.0f;
+  return v;
+}
+
 // Per-thread sums of squares in double, then store_block_sum. Elements of known-zero rows are
-// taken as +0.0 without a load (Vec4: the rows start and end on float4 boundaries).
-template <bool Vec4> __global__ void sum_squares_kernel(double* parts, const float* x, int64_t n, ZeroRows known) {
+// taken as +0.0. Vec4 depends on x's alignment alone, never on the rows, so that a call with known
+// rows partitions x as the same call without them and gives the same bits.
+template <bool Vec4, RowIndex R> __global__ void sum_squares_kernel(double* parts, const float* x, int64_t n, ZeroRows known) {
   const int64_t first = blockIdx.x * int64_t(kThreads) + threadIdx.x, stride = int64_t(kBlocks) * kThreads;
   double acc = 0;
   int64_t done = 0;
   if (Vec4) {
-    // Four loads in flight a thread (one left it ~4% short of the copy rate), added in the same order.
+    // Four loads in flight a thread (one left it ~4% short of the copy rate), added in the same
+    // order; with known rows, the four flags first, then the loads of the float4s not all zero.
     const float4* x4 = reinterpret_cast<const float4*>(x);
     const int64_t n4 = n / 4;
     auto add = [&acc](float4 v) { acc += double(v.x) * v.x + double(v.y) * v.y + double(v.z) * v.z + double(v.w) * v.w; };
-    auto load = [&](int64_t i) { return known.zero(4 * i) ? make_float4(0.0f, 0.0f, 0.0f, 0.0f) : x4[i]; };
     int64_t i = first;
     for (; i + 3 * stride < n4; i += 4 * stride) {
-      const float4 a = load(i), b = load(i + stride), c = load(i + 2 * stride), d = load(i + 3 * stride);
+      const unsigned ma = known.zero_mask<R>(i), mb = known.zero_mask<R>(i + stride), mc = known.zero_mask<R>(i + 2 * stride),
+                     md = known.zero_mask<R>(i + 3 * stride);
+      const float4 a = load_masked(x4, i, ma), b = load_masked(x4, i + stride, mb), c = load_masked(x4, i + 2 * stride, mc),
+                   d = load_masked(x4, i + 3 * stride, md);
       add(a);
       add(b);
       add(c);
       add(d);
     }
-    for (; i < n4; i += stride) add(load(i));
+    for (; i < n4; i += stride) add(load_masked(x4, i, known.zero_mask<R>(i)));
     done = n4 * 4;
   }
   for (int64_t i = done + first; i < n; i += stride) {
-    const float v = known.zero(i) ? 0.0f : x[i];
+    const float v = known.zero<R>(i) ? 0.0f : x[i];
     acc += double(v) * v;
   }
   store_block_sum(parts, acc);
@@ -82,14 +114,24 @@ __global__ void sum_values_kernel(double* parts, const double* x, int64_t n) {
   store_block_sum(parts, acc);
 }
 
+template <RowIndex R> void launch_squares(bool vec4, Tensor parts, Tensor x, const ZeroRows& rows, cudaStream_t s) {
+  if (vec4) sum_squares_kernel<true, R><<<kBlocks, kThreads, 0, s>>>(parts.ptr<double>(), x.ptr<float>(), x.numel(), rows);
+  else sum_squares_kernel<false, R><<<kBlocks, kThreads, 0, s>>>(parts.ptr<double>(), x.ptr<float>(), x.numel(), rows);
+}
+
 void launch_sum_squares(Tensor parts, Tensor x, const KnownZeroRows* known, Stream stream) {
   auto s = static_cast<cudaStream_t>(stream.handle);
-  const int64_t n = x.numel();
   ZeroRows rows;
-  if (known) rows = {known->flags.ptr<int32_t>(), known->begin, known->begin + known->flags.numel() * known->per_row, known->per_row};
-  const bool vec4 = aligned16(x.data) && (!known || (known->begin % 4 == 0 && known->per_row % 4 == 0));
-  if (vec4) sum_squares_kernel<true><<<kBlocks, kThreads, 0, s>>>(parts.ptr<double>(), x.ptr<float>(), n, rows);
-  else sum_squares_kernel<false><<<kBlocks, kThreads, 0, s>>>(parts.ptr<double>(), x.ptr<float>(), n, rows);
+  RowIndex index = RowIndex::none;
+  if (known && known->flags.numel() > 0) {
+    rows = {known->flags.ptr<int32_t>(), known->begin, known->begin + known->flags.numel() * known->per_row, known->per_row,
+            known->begin % 4 == 0 && known->per_row % 4 == 0};
+    index = rows.end - rows.begin < (int64_t(1) << 31) ? RowIndex::narrow : RowIndex::wide;
+  }
+  const bool vec4 = aligned16(x.data);
+  if (index == RowIndex::none) launch_squares<RowIndex::none>(vec4, parts, x, rows, s);
+  else if (index == RowIndex::narrow) launch_squares<RowIndex::narrow>(vec4, parts, x, rows, s);
+  else launch_squares<RowIndex::wide>(vec4, parts, x, rows, s);
   MARROW_CUDA_CHECK_LAUNCH();
 }
 
