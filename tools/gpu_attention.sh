@@ -2,7 +2,7 @@
 # Attention on one H200: cuDNN's fused SDPA (ops/attention_cudnn.h) against the own kernels. Run on
 # the GPU machine from the repository root after tools/gpu_prepare.sh here (device tool, carry
 # [".gpu-carry"]):
-#   tools/gpu_attention.sh <log-dir> [check|speed|long|all|final|memory|checks|quick|peaks|measure|kernels|pairs|plans]
+#   tools/gpu_attention.sh <log-dir> [check|speed|long|all|final|memory|checks|quick|only|peaks|measure|kernels|pairs|plans|hopper]
 # check: marrow check --only attention (both kernel sets against the CPU reference, bits twice)
 # speed: the attention rows of marrow bench --kernels; the bench config (3 + 17 steps) with each
 #        kernel set
@@ -18,6 +18,7 @@
 # quick: marrow check of elementwise ops and the model (or the groups in QUICK_CHECKS); the bench config
 #        (3 + 27 steps; its first 5 losses against REF_LOSSES when set); a kernel trace of 2 steps
 #        (trace-steps-3-4.json.gz)
+# only: the check groups of quick (QUICK_CHECKS) and nothing else
 # peaks: the bench config's first 5 losses at full precision (against REF_LOSSES when set), the bench
 #        config (3 + 27 steps), one sequence of 16,384 (with and without the weight copy) and of 32,768
 #        (3 + 5 steps each): tokens/s, peaks against the estimate
@@ -29,6 +30,10 @@
 #        cuDNN offers for the forward and the deterministic backward, timed and compared with the op's
 # pairs: the bench config (3 + 27 steps) with train.pair_expert_grads=false, then the default, on one
 #        machine: tokens/s and peaks side by side, losses bit for bit
+# hopper: Marrow's wgmma backward (train.attention_kernels=hopper): marrow check --only attention
+#         (every command under a timeout: a kernel that hangs ends the run), its and cuDNN's attention
+#         rows of marrow bench --kernels, then the bench config (3 + 27 steps) with hopper, then
+#         with cudnn, on one machine; the first 5 losses of each
 # Ends with PASS or FAIL; logs in <log-dir>.
 set -uo pipefail
 out=${1:-$OUT}
@@ -51,6 +56,27 @@ if [ "$what" = check ] || [ "$what" = all ]; then
   build-gpu/marrow check --only attention > "$out/check.log" 2>&1
   grep -E "FAIL|checks,|error" "$out/check.log" | head -40
   grep -q '^PASS$' "$out/check.log" || fail "marrow check --only attention"
+fi
+
+if [ "$what" = hopper ]; then
+  step "marrow check --only attention (with the hopper backward's rows)"
+  timeout 480 build-gpu/marrow check --only attention > "$out/check.log" 2>&1
+  grep -E "FAIL|checks,|error" "$out/check.log" | head -40
+  grep -E "hopper" "$out/check.log" | grep -E "dq|dk|dv" | head -60 >> "$out/summary.log"
+  if grep -q '^PASS$' "$out/check.log"; then
+    step "attention rows of marrow bench --kernels"
+    timeout 240 build-gpu/marrow bench --kernels > "$out/kernels.log" 2>&1 || fail "bench --kernels"
+    grep -E "^kernel|^attention" "$out/kernels.log" | tee -a "$out/summary.log"
+    for kernels in hopper cudnn; do
+      step "bench config, attention kernels $kernels: 3 warm-up + 27 measured steps"
+      timeout 240 "${bench[@]}" --warmup=3 --steps=27 --train.attention_kernels=$kernels --output.dir=runs/bench-$kernels \
+        > "$out/bench-$kernels.log" 2>&1 || fail "bench $kernels"
+      grep -E "^bench:" "$out/bench-$kernels.log" | tee -a "$out/summary.log"
+      first_losses runs/bench-$kernels/bench/metrics.jsonl
+    done
+  else
+    fail "marrow check --only attention"
+  fi
 fi
 
 if [ "$what" = speed ] || [ "$what" = all ]; then
@@ -164,13 +190,15 @@ print('same bits' if l[0] == l[1] else f'DIFFER: {l[0][:3]} {l[1][:3]}'); sys.ex
   [ "${PIPESTATUS[0]}" -eq 0 ] || fail "losses differ with and without pairs"
 fi
 
-if [ "$what" = quick ]; then
+if [ "$what" = quick ] || [ "$what" = only ]; then
   for group in ${QUICK_CHECKS:-elementwise model}; do
     step "marrow check --only $group"
     build-gpu/marrow check --only $group > "$out/check-$group.log" 2>&1
     grep -E "FAIL|checks,|error" "$out/check-$group.log" | head -20
     grep -q '^PASS$' "$out/check-$group.log" || fail "marrow check --only $group"
   done
+fi
+if [ "$what" = quick ]; then
   step "bench config: 3 warm-up + 27 measured steps"
   "${bench[@]}" --warmup=3 --steps=27 --output.dir=runs/quick > "$out/bench.log" 2>&1 || fail "bench"
   sed -n '/^bench:/,$p' "$out/bench.log" | head -10

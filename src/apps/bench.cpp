@@ -82,7 +82,7 @@ void bench_attention_kernels(int64_t S, int64_t Hq, int64_t Hkv, int64_t D) {
   // Causal: half of the 4 S^2 D multiply-adds per head forward; the backward does 2.5x the forward.
   const double fwd = 2.0 * double(S) * double(S) * double(D) * double(Hq);
   const AttentionKernels before = attention_kernels();
-  for (const AttentionKernels kernels : {AttentionKernels::own, AttentionKernels::cudnn, AttentionKernels::cudnn_nondeterministic}) {
+  for (const AttentionKernels kernels : kAttentionKernels) {
     set_attention_kernels(kernels);
     const std::string name = fmt::format("attention S{} Hq{} Hkv{} D{} causal, {}", S, Hq, Hkv, D, attention_kernels_name(kernels));
     kernel_row(name + " fwd", fwd, [&] { attention_forward(out, lse, q, k, v); });

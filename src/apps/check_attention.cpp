@@ -27,6 +27,7 @@
 #include "core/errors.h"
 #include "ops/attention.h"
 #include "ops/attention_cudnn.h"
+#include "ops/attention_hopper.h"
 
 namespace marrow {
 namespace {
@@ -326,7 +327,7 @@ void check_attention_op(CheckReport& report) {
   };
   uint64_t seed = 100;  // each problem draws from seeds seed .. seed + 3
   const AttentionKernels before = attention_kernels();
-  for (const AttentionKernels kernels : {AttentionKernels::own, AttentionKernels::cudnn, AttentionKernels::cudnn_nondeterministic}) {
+  for (const AttentionKernels kernels : kAttentionKernels) {
     set_attention_kernels(kernels);
     uint64_t shape_seed = seed;
     for (const Shape& n : shapes) check_shape(report, reference(n, shape_seed += 4));
@@ -359,6 +360,18 @@ void check_attention_op(CheckReport& report) {
   backward_variant = " chunk 1024";
   check_bench(report);
   set_cudnn_backward_chunk(0);
+  backward_variant.clear();
+  // Marrow's wgmma backward (ops/attention_hopper.h) where it serves the sizes: two batch rows,
+  // groups 1, 4 and 8, one key block, and the work order of long sequences (shortest walk first),
+  // forced by planning for one SM.
+  set_attention_kernels(AttentionKernels::hopper);
+  const Shape hopper_shapes[] = {{2, 256, 8, 2, 128}, {1, 384, 4, 1, 128}, {1, 128, 2, 2, 128}, {1, 640, 8, 1, 128}};
+  uint64_t hopper_seed = 1300;
+  for (const Shape& n : hopper_shapes) check_shape(report, reference(n, hopper_seed += 4));
+  set_hopper_backward_sms(1);
+  backward_variant = " shortest first";
+  check_shape(report, reference({2, 384, 4, 2, 128}, hopper_seed += 4));
+  set_hopper_backward_sms(0);
   backward_variant.clear();
   set_attention_kernels(before);
   seed += 4 * std::size(shapes);

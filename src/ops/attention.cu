@@ -8,6 +8,7 @@
 #include "core/cuda_check.h"
 #include "core/memory.h"
 #include "ops/attention_cudnn.h"
+#include "ops/attention_hopper.h"
 #include "ops/common.h"
 
 #ifdef __CUDACC__
@@ -909,15 +910,16 @@ void set_attention_kernels(AttentionKernels kernels) { kernels_setting() = kerne
 AttentionKernels attention_kernels() { return kernels_setting(); }
 
 AttentionKernels parse_attention_kernels(const std::string& name) {
-  for (AttentionKernels k : {AttentionKernels::own, AttentionKernels::cudnn, AttentionKernels::cudnn_nondeterministic})
+  for (AttentionKernels k : kAttentionKernels)
     if (name == attention_kernels_name(k)) return k;
-  fail("attention kernels must be own, cudnn or cudnn_nondeterministic, got '{}'", name);
+  fail("attention kernels must be own, cudnn, cudnn_nondeterministic or hopper, got '{}'", name);
 }
 
 const char* attention_kernels_name(AttentionKernels kernels) {
   switch (kernels) {
     case AttentionKernels::cudnn: return "cudnn";
     case AttentionKernels::cudnn_nondeterministic: return "cudnn_nondeterministic";
+    case AttentionKernels::hopper: return "hopper";
     default: return "own";
   }
 }
@@ -958,6 +960,9 @@ void attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, 
   const auto [n, gpu] = check_backward(op, dq, dk, dv, dout, q, k, v, out, lse);
   expect_shape(op, "k", k, {n.batch, n.q_seq, n.kv_heads, n.head_dim});
 #if MARROW_CUDA
+  if (attention_kernels() == AttentionKernels::hopper && q.device == Device::cuda &&
+      hopper_attention_backward_supports(n.q_seq, n.q_heads, n.kv_heads, n.head_dim))
+    return hopper_attention_backward(dq, dk, dv, dout, q, k, v, out, lse, stream);
   if (backward_on_cudnn(n, q))
     return cudnn_attention_backward(dq, dk, dv, dout, q, k, v, out, lse, stream,
                                     attention_kernels() == AttentionKernels::cudnn);

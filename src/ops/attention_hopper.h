@@ -1,0 +1,28 @@
+// The causal attention backward of attention.h on Hopper's wgmma (Marrow's own kernel, sm_90a):
+// same tensors, layouts and meaning, lse as cuDNN's and the own forward's (natural log, f32
+// [B, Hq, S]), so it pairs with either forward. Deterministic without a dP workspace: dQ is summed
+// in f32 in a fixed order of key blocks (semaphores, ops/attention_hopper.cu), dK and dV in a fixed
+// order of query heads. Serves head_dim 128 and lengths a multiple of 128 (the bench, Qwen3-30B);
+// other sizes stay on cuDNN's or the own kernels. Scratch from the stream-ordered pool: f32 dQ, dK,
+// dV accumulators (B x S x (Hq + 2 Hkv) x 128 x 4 bytes: 80 MiB at the bench shape) and the row sums
+// of dO * O.
+#pragma once
+#include <cstdint>
+
+#include "core/tensor.h"
+
+namespace marrow {
+
+// Test hook (0 restores the default): plan the work order for this many SMs instead of the GPU's;
+// below a head's key blocks (S / 128) it takes the shortest-walk-first order long sequences take.
+void set_hopper_backward_sms(int sms);
+
+// Whether the kernel serves these sizes (false without CUDA).
+bool hopper_attention_backward_supports(int64_t seq, int64_t q_heads, int64_t kv_heads, int64_t head_dim);
+
+// dq, dk, dv (bf16, overwritten) from dout, q, k, v, out (bf16) and lse (f32) on the GPU; the caller
+// (attention_backward) has checked the shapes.
+void hopper_attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out,
+                               Tensor lse, Stream stream = {});
+
+}  // namespace marrow
