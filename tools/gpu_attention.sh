@@ -65,7 +65,7 @@ if [ "$what" = hopper ]; then
   grep -E "hopper" "$out/check.log" | grep -E "dq|dk|dv" | head -60 >> "$out/summary.log"
   if grep -q '^PASS$' "$out/check.log"; then
     step "attention rows of marrow bench --kernels"
-    timeout 240 build-gpu/marrow bench --kernels > "$out/kernels.log" 2>&1 || fail "bench --kernels"
+    timeout 150 build-gpu/marrow bench --kernels > "$out/kernels.log" 2>&1 || fail "bench --kernels"
     grep -E "^kernel|^attention" "$out/kernels.log" | tee -a "$out/summary.log"
     for kernels in hopper cudnn; do
       step "bench config, attention kernels $kernels: 3 warm-up + 27 measured steps"
