@@ -362,14 +362,14 @@ void check_attention_op(CheckReport& report) {
   set_cudnn_backward_chunk(0);
   backward_variant.clear();
   // Marrow's wgmma backward (ops/attention_hopper.h) where it serves the sizes: two batch rows,
-  // groups 1, 4 and 8, one key block, and the work order of long sequences (shortest walk first),
+  // groups 1, 4 and 8, one key block, and the work order of long sequences (one head a chunk),
   // forced by planning for one SM.
   set_attention_kernels(AttentionKernels::hopper);
   const Shape hopper_shapes[] = {{2, 256, 8, 2, 128}, {1, 384, 4, 1, 128}, {1, 128, 2, 2, 128}, {1, 640, 8, 1, 128}};
   uint64_t hopper_seed = 1300;
   for (const Shape& n : hopper_shapes) check_shape(report, reference(n, hopper_seed += 4));
   set_hopper_backward_sms(1);
-  backward_variant = " shortest first";
+  backward_variant = " one head a chunk";
   check_shape(report, reference({2, 384, 4, 2, 128}, hopper_seed += 4));
   set_hopper_backward_sms(0);
   backward_variant.clear();

@@ -4,7 +4,7 @@
 // dK_j = scale sum_i dS_ij Q_i,  dQ_i = scale sum_j dS_ij K_j.
 //
 // Work: an item is (batch row and query head, key block of 128 keys). Its block loads K and V of
-// the block once and walks the 64-row query blocks that see them (from the diagonal to the end).
+// the block once and walks the 64-row query blocks that see them, from the last to the diagonal.
 // Per query block, each of two consumer warpgroups (64 keys each) computes S^T = K Q^T and
 // dP^T = V dO^T (keys as rows), P^T and dS^T in registers, which are the A operands of
 // dV += P^T dO and dK += dS^T Q (accumulated in registers over the whole walk); dS^T also goes to
@@ -13,14 +13,14 @@
 // the dQ shares into an f32 accumulator in global memory (bulk reduce-add from shared memory).
 //
 // Determinism: every f32 sum runs in a fixed order. A query block's dQ shares are added key block
-// by key block from the highest (the diagonal's, which stores instead of adding) down, each waiting
-// on a per-(head, query block) semaphore; the lower key blocks reach a query block later anyway,
-// so they seldom wait. dK and dV of a key/value head are summed over its query heads in head order
-// (a semaphore per key block; the first stores). No item waits on an item taken after it: items
-// are taken from a counter (never by blockIdx), in chunks of query heads whose items all fit on
-// the GPU at once, each chunk's key blocks longest walk first (key block 0 first); where one head's
-// key blocks outnumber the SMs, the shortest first instead. A post-pass rounds the accumulators to
-// bf16 (dQ times scale) in the tensors' layouts.
+// by key block from key block 0 (which stores instead of adding) up, each waiting on a per-(head,
+// query block) semaphore. dK and dV of a key/value head are summed over its query heads in head
+// order (a semaphore per key block; the first stores). Items are taken from a counter (never by
+// blockIdx) in chunks of query heads, each chunk's key blocks in increasing order: the longest walks
+// first, and every item waits only on items taken before it, so nothing deadlocks. As every walk
+// starts at the last query block, the items before an item reach each query block as many steps
+// after their own start as it does after its own, and it seldom waits. A post-pass rounds the
+// accumulators to bf16 (dQ times scale) in the tensors' layouts.
 #include "ops/attention_hopper.h"
 
 #include <algorithm>
@@ -94,7 +94,7 @@ struct Args {
   int32_t* dq_semaphores;  // [B * Hq, S / 64]
   int32_t* kv_semaphores;  // [B * Hkv, S / 128]
   int32_t* item_counter;
-  int seq, q_heads, kv_heads, heads, key_blocks, query_blocks, chunk_heads, descending;
+  int seq, q_heads, kv_heads, heads, key_blocks, query_blocks, chunk_heads;
   float scale, scale_log2;
 };
 
@@ -191,7 +191,6 @@ struct Item {
 };
 
 __device__ Item item_of(int t, const Args& a) {
-  if (a.descending) return {t / a.key_blocks, a.key_blocks - 1 - t % a.key_blocks};
   const int per_chunk = a.chunk_heads * a.key_blocks, chunk = t / per_chunk;
   const int heads_here = min(a.chunk_heads, a.heads - chunk * a.chunk_heads), r = t - chunk * per_chunk;
   return {chunk * a.chunk_heads + r % heads_here, r / heads_here};
@@ -211,7 +210,7 @@ __device__ void load_tiles(const CUtensorMap* q_map, const CUtensorMap* k_map, c
   }
   const float* lse = a.lse + int64_t(item.head) * a.seq;
   const float* delta = a.delta + int64_t(item.head) * a.seq;
-  for (int m = 2 * item.key_block, it = 0; m < a.query_blocks; ++m, ++it) {
+  for (int m = a.query_blocks - 1, it = 0; m >= 2 * item.key_block; --m, ++it) {
     const int s = it & 1;
     barrier_wait(empty + 8 * s, ((it >> 1) & 1) ^ 1);
     barrier_expect_bytes(full + 8 * s, 2 * kStageBytes + 2 * 256);
@@ -225,36 +224,27 @@ __device__ void load_tiles(const CUtensorMap* q_map, const CUtensorMap* k_map, c
 }
 
 // Writer warp: each consumer's staged dQ share of each query block into dq_accum in key block
-// order. A share's semaphore is raised once its write completed, one share later (bulk_wait<1>), so
-// the warp does not wait for a write before taking the next share.
+// order; the share's semaphore is raised once its write completed.
 __device__ void write_dq(const Args& a, Item item, uint32_t base) {
   const bool leader = threadIdx.x % 32 == 0;
-  int32_t* pending = nullptr;
   for (int w = 0; w < 2; ++w) named_arrive(kDqEmpty + w, 160);
-  for (int m = 2 * item.key_block; m < a.query_blocks; ++m) {
+  for (int m = a.query_blocks - 1; m >= 2 * item.key_block; --m) {
     for (int w = 0; w < 2; ++w) {
       named_sync(kDqFull + w, 160);
       int32_t* semaphore = a.dq_semaphores + int64_t(item.head) * a.query_blocks + m;
       if (leader) {
-        const int order = m / 2 - item.key_block;  // key blocks m / 2 .. key_block + 1 come first
-        wait_at_least(semaphore, 2 * order);
-        bulk_write(a.dq_accum + ((int64_t(item.head) * a.query_blocks + m) * 2 + w) * 4096, base + kTileDQ + w * 16384, 16384, order > 0);
+        wait_at_least(semaphore, 2 * item.key_block);  // key blocks 0 .. key_block - 1 come first
+        bulk_write(a.dq_accum + ((int64_t(item.head) * a.query_blocks + m) * 2 + w) * 4096, base + kTileDQ + w * 16384, 16384,
+                   item.key_block > 0);
         bulk_wait_read();
       }
       __syncwarp();
-      if (m + 1 < a.query_blocks) named_arrive(kDqEmpty + w, 160);
+      if (m > 2 * item.key_block) named_arrive(kDqEmpty + w, 160);
       if (leader) {
-        if (pending) {
-          bulk_wait<1>();
-          signal(pending);
-        }
-        pending = semaphore;
+        bulk_wait<0>();
+        signal(semaphore);
       }
     }
-  }
-  if (leader && pending) {
-    bulk_wait<0>();
-    signal(pending);
   }
 }
 
@@ -347,7 +337,7 @@ __device__ void consume(const Args& a, Item item, uint32_t base, unsigned char* 
 #pragma unroll
   for (int i = 0; i < 64; ++i) dk[i] = dv[i] = 0.0f;
   barrier_wait(kv_full, 0);
-  for (int m = 2 * item.key_block, it = 0; m < a.query_blocks; ++m, ++it) {
+  for (int m = a.query_blocks - 1, it = 0; m >= 2 * item.key_block; --m, ++it) {
     const int s = it & 1;
     const uint32_t q_tile = base + kTileQ + s * kStageBytes, do_tile = base + kTileDO + s * kStageBytes;
     barrier_wait(full + 8 * s, (it >> 1) & 1);
@@ -506,8 +496,8 @@ void hopper_attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Ten
   a.item_counter = a.kv_semaphores + batch * kv_heads * key_blocks;
   a.seq = int(seq), a.q_heads = int(q_heads), a.kv_heads = int(kv_heads), a.heads = heads;
   a.key_blocks = key_blocks, a.query_blocks = query_blocks;
-  a.chunk_heads = std::max(1, std::min(heads, sms / key_blocks));  // a chunk's items all resident at once
-  a.descending = sms / key_blocks < 1;
+  // Chunks of heads whose items all fit on the GPU at once: their Q and dO stay in L2.
+  a.chunk_heads = std::max(1, std::min(heads, sms / key_blocks));
   a.scale = float(1.0 / std::sqrt(double(kDim)));
   a.scale_log2 = a.scale * kLog2e;
   const CUtensorMap q_map = rows_map(q, q_heads, kQueries), do_map = rows_map(dout, q_heads, kQueries);

@@ -13,8 +13,8 @@
 
 namespace marrow {
 
-// Test hook (0 restores the default): plan the work order for this many SMs instead of the GPU's;
-// below a head's key blocks (S / 128) it takes the shortest-walk-first order long sequences take.
+// Test hook (0 restores the default): plan the work order for this many SMs instead of the GPU's
+// (fewer than a head's key blocks, S / 128: one head a chunk, as long sequences run).
 void set_hopper_backward_sms(int sms);
 
 // Whether the kernel serves these sizes (false without CUDA).
