@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <map>
 
 #include "apps/check.h"
 #include "apps/commands.h"
@@ -28,6 +29,7 @@
 #include "apps/model_switch.h"
 #include "ops/attention.h"
 #include "ops/attention_cudnn.h"
+#include "ops/attention_hopper.h"
 #include "ops/grouped_linear.h"
 #include "ops/linear.h"
 #include "parallel/process.h"
@@ -71,6 +73,39 @@ void kernel_row(const std::string& name, double flops, const std::function<void(
   std::fflush(stdout);
 }
 
+// Where the hopper backward's time goes at one length (hopper_backward_timeline): the items' walk
+// time fitted as fixed + per query block, their waits, the epilogue, and the SMs' idle time.
+void print_hopper_timeline(const std::vector<HopperItemTimes>& items, int64_t S) {
+  int64_t first = items.front().start, last = 0, busy = 0, dq_wait = 0, kv_wait = 0, epilog = 0;
+  double sx = 0, sy = 0, sxx = 0, sxy = 0;
+  std::map<int, std::vector<std::pair<int64_t, int64_t>>> by_sm;
+  for (const HopperItemTimes& t : items) {
+    const int64_t end = std::max(t.end, t.dq_end);
+    const double x = double(S / 64 - 2 * t.key_block), y = double(t.walk_end - t.start) * 1e-3;
+    first = std::min(first, t.start);
+    last = std::max(last, end);
+    busy += end - t.start;
+    dq_wait += t.dq_wait;
+    kv_wait += t.kv_wait;
+    epilog += t.end - t.walk_end;
+    sx += x, sy += y, sxx += x * x, sxy += x * y;
+    by_sm[t.sm].emplace_back(t.start, end);
+  }
+  const double n = double(items.size()), slope = (n * sxy - sx * sy) / (n * sxx - sx * sx), fixed = (sy - slope * sx) / n;
+  int64_t gaps = 0, gap_count = 0;
+  for (auto& [sm, spans] : by_sm) {
+    std::sort(spans.begin(), spans.end());
+    for (size_t i = 1; i < spans.size(); ++i, ++gap_count) gaps += spans[i].first - spans[i - 1].second;
+  }
+  const double span_us = double(last - first) * 1e-3;
+  std::printf("hopper bwd S%ld timeline: %zu items on %zu SMs over %.1f us, SMs busy %.1f%%; walk = %.2f us + %.3f us a query block;"
+              " per item: dQ waits %.2f us, dK/dV wait %.2f us, epilogue %.2f us, gap before the next item %.2f us\n",
+              long(S), items.size(), by_sm.size(), span_us, 100.0 * double(busy) * 1e-3 / (span_us * double(by_sm.size())), fixed, slope,
+              double(dq_wait) * 1e-3 / n, double(kv_wait) * 1e-3 / n, double(epilog) * 1e-3 / n,
+              gap_count ? double(gaps) * 1e-3 / double(gap_count) : 0.0);
+  std::fflush(stdout);
+}
+
 // Attention at one sequence length: the own kernels, cuDNN's (deterministic backward, the default)
 // and cuDNN's with its default backward (float atomics in dQ): what determinism costs.
 void bench_attention_kernels(int64_t S, int64_t Hq, int64_t Hkv, int64_t D) {
@@ -88,6 +123,7 @@ void bench_attention_kernels(int64_t S, int64_t Hq, int64_t Hkv, int64_t D) {
     kernel_row(name + " fwd", fwd, [&] { attention_forward(out, lse, q, k, v); });
     kernel_row(name + " bwd", 2.5 * fwd, [&] { attention_backward(dq, dk, dv, dout, q, k, v, out, lse); });
   }
+  if (hopper_attention_backward_supports(S, Hq, Hkv, D)) print_hopper_timeline(hopper_backward_timeline(dq, dk, dv, dout, q, k, v, out, lse), S);
   // Long sequences: cuDNN's deterministic backward under smaller workspace caps (more calls, less
   // memory), and in query chunks over all heads at the cap (the plan's choice at 32,768; at 16,384
   // it runs 4 whole head groups instead).

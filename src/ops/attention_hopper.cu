@@ -94,9 +94,19 @@ struct Args {
   int32_t* dq_semaphores;  // [B * Hq, S / 64]
   int32_t* kv_semaphores;  // [B * Hkv, S / 128]
   int32_t* item_counter;
+  int64_t* timeline;  // bench hook (hopper_backward_timeline): kTimelineFields per item, or null
   int seq, q_heads, kv_heads, heads, key_blocks, query_blocks, chunk_heads;
   float scale, scale_log2;
 };
+
+// The timeline's fields per item (globaltimer ns but head, key block and SM).
+enum TimelineField { kStart, kWalkEnd, kKvWait, kEnd, kDqWait, kDqEnd, kHead, kKeyBlock, kSm, kTimelineFields };
+
+__device__ __forceinline__ int64_t now_ns() {
+  int64_t t = 0;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
 
 // The staged f32 shares' layouts: pair p (columns 2p, 2p + 1) of row r sits at pair p ^ 4 (r % 8),
 // so that a warp's stores of its accumulator rows spread over the banks.
@@ -225,15 +235,18 @@ __device__ void load_tiles(const CUtensorMap* q_map, const CUtensorMap* k_map, c
 
 // Writer warp: each consumer's staged dQ share of each query block into dq_accum in key block
 // order; the share's semaphore is raised once its write completed.
-__device__ void write_dq(const Args& a, Item item, uint32_t base) {
+__device__ void write_dq(const Args& a, Item item, int t, uint32_t base) {
   const bool leader = threadIdx.x % 32 == 0;
+  int64_t waited = 0;
   for (int w = 0; w < 2; ++w) named_arrive(kDqEmpty + w, 160);
   for (int m = a.query_blocks - 1; m >= 2 * item.key_block; --m) {
     for (int w = 0; w < 2; ++w) {
       named_sync(kDqFull + w, 160);
       int32_t* semaphore = a.dq_semaphores + int64_t(item.head) * a.query_blocks + m;
       if (leader) {
+        const int64_t before = a.timeline ? now_ns() : 0;
         wait_at_least(semaphore, 2 * item.key_block);  // key blocks 0 .. key_block - 1 come first
+        if (a.timeline) waited += now_ns() - before;
         bulk_write(a.dq_accum + ((int64_t(item.head) * a.query_blocks + m) * 2 + w) * 4096, base + kTileDQ + w * 16384, 16384,
                    item.key_block > 0);
         bulk_wait_read();
@@ -245,6 +258,10 @@ __device__ void write_dq(const Args& a, Item item, uint32_t base) {
         signal(semaphore);
       }
     }
+  }
+  if (a.timeline && leader) {
+    a.timeline[int64_t(t) * kTimelineFields + kDqWait] = waited;
+    a.timeline[int64_t(t) * kTimelineFields + kDqEnd] = now_ns();
   }
 }
 
@@ -265,7 +282,7 @@ __device__ __forceinline__ void stage_rows(float* stage, const float (&d)[kN], f
 
 // Consumer w's dK (times scale) and dV rows into the accumulators in query head order: staged in the
 // Q (w = 0) or dO (w = 1) stages, which no one reads any more.
-__device__ void write_dkdv(const Args& a, Item item, uint32_t base, unsigned char* smem, int w, const float (&dk)[64], const float (&dv)[64]) {
+__device__ void write_dkdv(const Args& a, Item item, int t, uint32_t base, unsigned char* smem, int w, const float (&dk)[64], const float (&dv)[64]) {
   const int b = item.head / a.q_heads, h = item.head % a.q_heads, group = a.q_heads / a.kv_heads;
   const int64_t kv_head = int64_t(b) * a.kv_heads + h / group;
   int32_t* semaphore = a.kv_semaphores + kv_head * a.key_blocks + item.key_block;
@@ -276,8 +293,11 @@ __device__ void write_dkdv(const Args& a, Item item, uint32_t base, unsigned cha
   stage_rows(stage, dv, 1.0f);
   fence_async_shared();
   named_sync(kOneDone + w, 128);
+  int64_t* times = a.timeline && w == 0 && leader ? a.timeline + int64_t(t) * kTimelineFields : nullptr;
+  if (times) times[kWalkEnd] = now_ns();
   if (leader) {
     wait_at_least(semaphore, 2 * (h % group));
+    if (times) times[kKvWait] = now_ns() - times[kWalkEnd];
     bulk_write(a.dv_accum + row * kDim, smem_address(stage), 32768, !first);
     bulk_wait_read();
   }
@@ -289,6 +309,7 @@ __device__ void write_dkdv(const Args& a, Item item, uint32_t base, unsigned cha
     bulk_write(a.dk_accum + row * kDim, smem_address(stage), 32768, !first);
     bulk_wait<0>();
     signal(semaphore);
+    if (times) times[kEnd] = now_ns();
   }
 }
 
@@ -329,7 +350,7 @@ __device__ __forceinline__ void store_ds(unsigned char* tile, const uint32_t (&d
 }
 
 // Consumer warpgroup w: keys key_block * 128 + 64 w .. + 63.
-__device__ void consume(const Args& a, Item item, uint32_t base, unsigned char* smem, int w) {
+__device__ void consume(const Args& a, Item item, int t, uint32_t base, unsigned char* smem, int w) {
   const uint32_t kv_full = base + kBarriers, full = kv_full + 8, empty = full + 16;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32 % 4;
   const int key = kKeys * item.key_block + 64 * w + 16 * warp + lane / 4;
@@ -384,7 +405,7 @@ __device__ void consume(const Args& a, Item item, uint32_t base, unsigned char* 
     fence_async_shared();
     named_arrive(kDqFull + w, 160);
   }
-  write_dkdv(a, item, base, smem, w, dk, dv);
+  write_dkdv(a, item, t, base, smem, w, dk, dv);
 }
 
 __global__ void __launch_bounds__(kThreads, 1)
@@ -399,16 +420,26 @@ __global__ void __launch_bounds__(kThreads, 1)
     barrier_init(base + kBarriers, 1);
   }
   init_stage_barriers(base + kBarriers + 8, base + kBarriers + 24, 2, 2);  // ends in __syncthreads
-  const Item item = item_of(*item_slot, a);
+  const int t = *item_slot;
+  const Item item = item_of(t, a);
+  if (a.timeline && threadIdx.x == 0) {
+    int sm = 0;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    int64_t* times = a.timeline + int64_t(t) * kTimelineFields;
+    times[kStart] = now_ns();
+    times[kHead] = item.head;
+    times[kKeyBlock] = item.key_block;
+    times[kSm] = sm;
+  }
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
     if (threadIdx.x == 0) load_tiles(&q_map, &k_map, &v_map, &do_map, a, item, base);
-    else if (threadIdx.x / 32 == 1) write_dq(a, item, base);
+    else if (threadIdx.x / 32 == 1) write_dq(a, item, t, base);
     return;
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
-  consume(a, item, base, smem, warpgroup - 1);
+  consume(a, item, t, base, smem, warpgroup - 1);
 }
 
 // delta[head, s] = dO . O over the row's 128 dimensions, one warp a row (fixed shuffle tree).
@@ -458,8 +489,10 @@ CUtensorMap rows_map(const Tensor& t, int64_t heads, int box_rows) {
 
 }  // namespace
 
-void hopper_attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse,
-                               Stream stream) {
+namespace {
+
+void run_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, int64_t* timeline,
+                  Stream stream) {
   const char* op = "hopper_attention_backward";
   const int64_t batch = q.size(0), seq = q.size(1), q_heads = q.size(2), kv_heads = k.size(2);
   MARROW_CHECK(hopper_attention_backward_supports(seq, q_heads, kv_heads, q.size(3)), "{}: sizes S {} H {}/{} D {} not served", op, seq,
@@ -494,6 +527,7 @@ void hopper_attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Ten
   a.dq_semaphores = sync.ptr<int32_t>();
   a.kv_semaphores = a.dq_semaphores + int64_t(heads) * query_blocks;
   a.item_counter = a.kv_semaphores + batch * kv_heads * key_blocks;
+  a.timeline = timeline;
   a.seq = int(seq), a.q_heads = int(q_heads), a.kv_heads = int(kv_heads), a.heads = heads;
   a.key_blocks = key_blocks, a.query_blocks = query_blocks;
   // Chunks of heads whose items all fit on the GPU at once: their Q and dO stay in L2.
@@ -516,10 +550,35 @@ void hopper_attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Ten
   MARROW_CUDA_CHECK_LAUNCH();
 }
 
+}  // namespace
+
+void hopper_attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse,
+                               Stream stream) {
+  run_backward(dq, dk, dv, dout, q, k, v, out, lse, nullptr, stream);
+}
+
+std::vector<HopperItemTimes> hopper_backward_timeline(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out,
+                                                      Tensor lse) {
+  const int64_t items = q.size(0) * q.size(2) * (q.size(1) / kKeys);
+  Buffer timeline(DType::i64, Device::cuda, {items * kTimelineFields});
+  run_backward(dq, dk, dv, dout, q, k, v, out, lse, timeline.ptr<int64_t>(), {});
+  const Buffer host = to_host(timeline);
+  std::vector<HopperItemTimes> result(static_cast<size_t>(items));
+  for (int64_t i = 0; i < items; ++i) {
+    const int64_t* f = host.ptr<int64_t>() + i * kTimelineFields;
+    result[size_t(i)] = {int(f[kHead]), int(f[kKeyBlock]), int(f[kSm]), f[kStart], f[kWalkEnd], f[kKvWait], f[kEnd], f[kDqWait], f[kDqEnd]};
+  }
+  return result;
+}
+
 #else
 
 void hopper_attention_backward(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Stream) {
   no_cuda_kernel("hopper_attention_backward");
+}
+
+std::vector<HopperItemTimes> hopper_backward_timeline(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor) {
+  no_cuda_kernel("hopper_backward_timeline");
 }
 
 #endif

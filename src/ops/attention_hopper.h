@@ -8,6 +8,7 @@
 // of dO * O.
 #pragma once
 #include <cstdint>
+#include <vector>
 
 #include "core/tensor.h"
 
@@ -24,5 +25,14 @@ bool hopper_attention_backward_supports(int64_t seq, int64_t q_heads, int64_t kv
 // (attention_backward) has checked the shapes.
 void hopper_attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out,
                                Tensor lse, Stream stream = {});
+
+// Bench hook: one call of the backward with each work item's timeline (globaltimer ns; the item's
+// dQ semaphore waits summed, its dK/dV wait), in the order items were taken.
+struct HopperItemTimes {
+  int head, key_block, sm;
+  int64_t start, walk_end, kv_wait, end, dq_wait, dq_end;
+};
+std::vector<HopperItemTimes> hopper_backward_timeline(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out,
+                                                      Tensor lse);
 
 }  // namespace marrow
