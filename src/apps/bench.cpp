@@ -7,9 +7,10 @@
 //     and prints the ten heaviest kernels; the traced steps' times include CUPTI's overhead.
 //     --grouped-gemm=cublas runs the expert forward and backward input on cuBLAS's grouped call
 //     instead of the own wgmma kernel (an A/B of the two in one binary).
-//   marrow bench --kernels
+//   marrow bench --kernels [attention]
 //     times the heaviest kernels at the bench shapes (GPU.md) with CUDA events: attention forward
-//     and backward, the dense q_proj GEMM, the grouped expert GEMMs.
+//     and backward, the dense q_proj GEMM, the grouped expert GEMMs; `attention`: the attention
+//     rows alone, at 4,096 and 16,384.
 //   marrow bench --attention-plans [seq]
 //     every execution plan cuDNN offers for the bench's attention forward and deterministic
 //     backward (32 / 4 heads of 128, sequence 4096 by default): time, repeatability, and how its
@@ -205,13 +206,15 @@ void bench_attention_plans(int64_t S, int64_t Hq, int64_t Hkv, int64_t D) {
 }
 #endif
 
-void bench_kernels() {
+void bench_kernels(bool attention_only) {
   // As in training: without it the pool hands freed memory back at every event sync, and each timed
   // call that allocates (the grouped GEMMs' small schedules, cuDNN's 1 GiB dP workspace) pays for mapping it again (~80 us).
   keep_pool_memory();
   std::printf("%-64s %12s %16s\n", "kernel (bench shapes, bf16)", "median", "achieved");
   const int64_t S = 4096, Hq = 32, Hkv = 4, D = 128, H = 2048, E = 128, K = 8, I = 768;
-  for (const int64_t seq : {S, 4 * S, 8 * S}) bench_attention_kernels(seq, Hq, Hkv, D);
+  for (const int64_t seq : {S, 4 * S, 8 * S})
+    if (!attention_only || seq < 8 * S) bench_attention_kernels(seq, Hq, Hkv, D);
+  if (attention_only) return;
   {
     Buffer x = random_device({S, H}, 3, "x"), w = random_device({Hq * D, H}, 3, "w"), dy = random_device({S, Hq * D}, 3, "dy");
     Buffer y(DType::bf16, Device::cuda, {S, Hq * D}), dx(DType::bf16, Device::cuda, {S, H});
@@ -337,7 +340,9 @@ void bench_training(RunConfig rc, const typename M::Config& config, int64_t warm
 int bench_command(int argc, char** argv) {
   if (argc >= 2 && std::string(argv[1]) == "--kernels") {
     MARROW_CHECK(cuda_available(), "bench --kernels needs a GPU");
-    bench_kernels();
+    const std::string only = argc >= 3 ? argv[2] : "";
+    MARROW_CHECK(only.empty() || only == "attention", "bench --kernels takes nothing or `attention`, got '{}'", only);
+    bench_kernels(only == "attention");
     return 0;
   }
   if (argc >= 2 && std::string(argv[1]) == "--attention-plans") {

@@ -362,16 +362,17 @@ void check_attention_op(CheckReport& report) {
   set_cudnn_backward_chunk(0);
   backward_variant.clear();
   // Marrow's wgmma backward (ops/attention_hopper.h) where it serves the sizes: two batch rows,
-  // groups 1, 4 and 8, one key block, and the work order of long sequences (one head a chunk),
-  // forced by planning for one SM.
+  // groups 1, 4 and 8, one key block, and chunks of one head and of three (the last one short).
   set_attention_kernels(AttentionKernels::hopper);
   const Shape hopper_shapes[] = {{2, 256, 8, 2, 128}, {1, 384, 4, 1, 128}, {1, 128, 2, 2, 128}, {1, 640, 8, 1, 128}};
   uint64_t hopper_seed = 1300;
   for (const Shape& n : hopper_shapes) check_shape(report, reference(n, hopper_seed += 4));
-  set_hopper_backward_sms(1);
-  backward_variant = " one head a chunk";
-  check_shape(report, reference({2, 384, 4, 2, 128}, hopper_seed += 4));
-  set_hopper_backward_sms(0);
+  for (const int heads : {1, 3}) {
+    set_hopper_backward_chunk_heads(heads);
+    backward_variant = fmt::format(" chunks of {} heads", heads);
+    check_shape(report, reference({2, 384, 4, 2, 128}, hopper_seed += 4));
+  }
+  set_hopper_backward_chunk_heads(0);
   backward_variant.clear();
   set_attention_kernels(before);
   seed += 4 * std::size(shapes);

@@ -19,7 +19,8 @@
 // blockIdx) in chunks of query heads, each chunk's key blocks in increasing order: the longest walks
 // first, and every item waits only on items taken before it, so nothing deadlocks. As every walk
 // starts at the last query block, the items before an item reach each query block as many steps
-// after their own start as it does after its own, and it seldom waits. A post-pass rounds the
+// after their own start as it does after its own, and it waits only when they started less than
+// a dQ write earlier (kChunkHeads). A post-pass rounds the
 // accumulators to bf16 (dQ times scale) in the tensors' layouts.
 #include "ops/attention_hopper.h"
 
@@ -37,13 +38,13 @@
 namespace marrow {
 
 namespace {
-int& planned_sms() {
-  static int sms = 0;
-  return sms;
+int& chunk_heads() {
+  static int heads = 0;
+  return heads;
 }
 }  // namespace
 
-void set_hopper_backward_sms(int sms) { planned_sms() = sms; }
+void set_hopper_backward_chunk_heads(int heads) { chunk_heads() = heads; }
 
 bool hopper_attention_backward_supports(int64_t seq, int64_t q_heads, int64_t kv_heads, int64_t head_dim) {
 #ifdef __CUDACC__
@@ -74,6 +75,10 @@ using wgmma::tma_load_2d;
 constexpr int kDim = 128, kKeys = 128, kQueries = 64;
 constexpr int kThreads = 384;  // a producer warpgroup (loads, dQ writer) and two consumer warpgroups
 constexpr float kLog2e = 1.4426950408889634f;
+// Query heads a chunk of items: the key blocks of one head start this many items apart, i.e. a few
+// microseconds, more than a dQ write takes, so a key block seldom waits for the one before it; and
+// the chunk's Q and dO (2 MiB a head at S = 4096) stay in L2.
+constexpr int kChunkHeads = 8;
 
 // Shared memory, from a 1024-byte aligned base (the 128-byte swizzle's period). K and V: two
 // [128 keys][64 dims] swizzled boxes each; Q and dO stages: two [64 queries][64 dims] boxes each;
@@ -88,7 +93,7 @@ constexpr int kDsFull = 1, kDsFree = 2, kDqFull = 3, kDqEmpty = 5, kBothDone = 7
 struct Args {
   const float* lse;    // [B, Hq, S], natural log
   const float* delta;  // [B, Hq, S]: dO . O
-  float* dq_accum;     // [B * Hq, S / 64, 2 halves, 64, 64], pairs of columns permuted (dq_slot)
+  float* dq_accum;     // [B * Hq, S / 64, 2 halves, 64, 64], pairs of columns permuted (pair_slot)
   float* dk_accum;     // [B * Hkv, S, 128], pairs permuted (kv_slot)
   float* dv_accum;
   int32_t* dq_semaphores;  // [B * Hq, S / 64]
@@ -200,10 +205,15 @@ struct Item {
   int head, key_block;  // head: batch row * Hq + query head
 };
 
+// Item t: chunk t / (chunk_heads x key blocks), then key block, then head. Heads are taken in the
+// order (batch row, place in the key/value group, key/value head), so that heads which sum into the
+// same dK, dV come key/value heads apart and rarely wait on one another.
 __device__ Item item_of(int t, const Args& a) {
   const int per_chunk = a.chunk_heads * a.key_blocks, chunk = t / per_chunk;
   const int heads_here = min(a.chunk_heads, a.heads - chunk * a.chunk_heads), r = t - chunk * per_chunk;
-  return {chunk * a.chunk_heads + r % heads_here, r / heads_here};
+  const int p = chunk * a.chunk_heads + r % heads_here, in_row = p % a.q_heads;
+  const int h = in_row % a.kv_heads * (a.q_heads / a.kv_heads) + in_row / a.kv_heads;
+  return {p - in_row + h, r / heads_here};
 }
 
 // ---- the roles ------------------------------------------------------------------------------------
@@ -233,30 +243,29 @@ __device__ void load_tiles(const CUtensorMap* q_map, const CUtensorMap* k_map, c
   }
 }
 
-// Writer warp: each consumer's staged dQ share of each query block into dq_accum in key block
-// order; the share's semaphore is raised once its write completed.
+// Writer warp: both consumers' staged dQ shares of each query block (contiguous in shared memory and
+// in dq_accum) into dq_accum as one write, in key block order; the semaphore is raised once the
+// write completed.
 __device__ void write_dq(const Args& a, Item item, int t, uint32_t base) {
   const bool leader = threadIdx.x % 32 == 0;
   int64_t waited = 0;
   for (int w = 0; w < 2; ++w) named_arrive(kDqEmpty + w, 160);
   for (int m = a.query_blocks - 1; m >= 2 * item.key_block; --m) {
-    for (int w = 0; w < 2; ++w) {
-      named_sync(kDqFull + w, 160);
-      int32_t* semaphore = a.dq_semaphores + int64_t(item.head) * a.query_blocks + m;
-      if (leader) {
-        const int64_t before = a.timeline ? now_ns() : 0;
-        wait_at_least(semaphore, 2 * item.key_block);  // key blocks 0 .. key_block - 1 come first
-        if (a.timeline) waited += now_ns() - before;
-        bulk_write(a.dq_accum + ((int64_t(item.head) * a.query_blocks + m) * 2 + w) * 4096, base + kTileDQ + w * 16384, 16384,
-                   item.key_block > 0);
-        bulk_wait_read();
-      }
-      __syncwarp();
-      if (m > 2 * item.key_block) named_arrive(kDqEmpty + w, 160);
-      if (leader) {
-        bulk_wait<0>();
-        signal(semaphore);
-      }
+    for (int w = 0; w < 2; ++w) named_sync(kDqFull + w, 160);
+    int32_t* semaphore = a.dq_semaphores + int64_t(item.head) * a.query_blocks + m;
+    if (leader) {
+      const int64_t before = a.timeline ? now_ns() : 0;
+      wait_at_least(semaphore, item.key_block);  // key blocks 0 .. key_block - 1 come first
+      if (a.timeline) waited += now_ns() - before;
+      bulk_write(a.dq_accum + (int64_t(item.head) * a.query_blocks + m) * 8192, base + kTileDQ, 32768, item.key_block > 0);
+      bulk_wait_read();
+    }
+    __syncwarp();
+    if (m > 2 * item.key_block)
+      for (int w = 0; w < 2; ++w) named_arrive(kDqEmpty + w, 160);
+    if (leader) {
+      bulk_wait<0>();
+      signal(semaphore);
     }
   }
   if (a.timeline && leader) {
@@ -514,10 +523,6 @@ void run_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor
                                                                   static_cast<const bf16*>(out.data), rows, int(seq), int(q_heads));
   MARROW_CUDA_CHECK_LAUNCH();
 
-  int device = 0, sms = 0;
-  MARROW_CUDA_CHECK(cudaGetDevice(&device));
-  MARROW_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  if (planned_sms() > 0) sms = std::min(sms, planned_sms());
   Args a{};
   a.lse = lse.ptr<float>();
   a.delta = delta.ptr<float>();
@@ -530,8 +535,7 @@ void run_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor
   a.timeline = timeline;
   a.seq = int(seq), a.q_heads = int(q_heads), a.kv_heads = int(kv_heads), a.heads = heads;
   a.key_blocks = key_blocks, a.query_blocks = query_blocks;
-  // Chunks of heads whose items all fit on the GPU at once: their Q and dO stay in L2.
-  a.chunk_heads = std::max(1, std::min(heads, sms / key_blocks));
+  a.chunk_heads = std::min(heads, chunk_heads() > 0 ? chunk_heads() : kChunkHeads);
   a.scale = float(1.0 / std::sqrt(double(kDim)));
   a.scale_log2 = a.scale * kLog2e;
   const CUtensorMap q_map = rows_map(q, q_heads, kQueries), do_map = rows_map(dout, q_heads, kQueries);

@@ -14,9 +14,8 @@
 
 namespace marrow {
 
-// Test hook (0 restores the default): plan the work order for this many SMs instead of the GPU's
-// (fewer than a head's key blocks, S / 128: one head a chunk, as long sequences run).
-void set_hopper_backward_sms(int sms);
+// Test hook (0 restores the default, 8): the query heads of a chunk of work items.
+void set_hopper_backward_chunk_heads(int heads);
 
 // Whether the kernel serves these sizes (false without CUDA).
 bool hopper_attention_backward_supports(int64_t seq, int64_t q_heads, int64_t kv_heads, int64_t head_dim);
