@@ -124,7 +124,17 @@ void bench_attention_kernels(int64_t S, int64_t Hq, int64_t Hkv, int64_t D) {
     kernel_row(name + " fwd", fwd, [&] { attention_forward(out, lse, q, k, v); });
     kernel_row(name + " bwd", 2.5 * fwd, [&] { attention_backward(dq, dk, dv, dout, q, k, v, out, lse); });
   }
-  if (hopper_attention_backward_supports(S, Hq, Hkv, D)) print_hopper_timeline(hopper_backward_timeline(dq, dk, dv, dout, q, k, v, out, lse), S);
+  // The hopper backward's work order: chunks of query heads (ops/attention_hopper.cu), each with its timeline.
+  if (hopper_attention_backward_supports(S, Hq, Hkv, D)) {
+    set_attention_kernels(AttentionKernels::hopper);
+    for (const int heads : {4, 8, 16, 32}) {
+      set_hopper_backward_chunk_heads(heads);
+      kernel_row(fmt::format("attention S{} Hq{} Hkv{} D{} causal, hopper bwd, chunks of {} heads", S, Hq, Hkv, D, heads), 2.5 * fwd,
+                 [&] { attention_backward(dq, dk, dv, dout, q, k, v, out, lse); });
+      print_hopper_timeline(hopper_backward_timeline(dq, dk, dv, dout, q, k, v, out, lse), S);
+    }
+    set_hopper_backward_chunk_heads(0);
+  }
   // Long sequences: cuDNN's deterministic backward under smaller workspace caps (more calls, less
   // memory), and in query chunks over all heads at the cap (the plan's choice at 32,768; at 16,384
   // it runs 4 whole head groups instead).

@@ -82,13 +82,15 @@ constexpr int kChunkHeads = 8;
 
 // Shared memory, from a 1024-byte aligned base (the 128-byte swizzle's period). K and V: two
 // [128 keys][64 dims] swizzled boxes each; Q and dO stages: two [64 queries][64 dims] boxes each;
-// dS^T: [128 keys][64 queries] in the same swizzle; the dQ shares: [64][64] f32 per consumer.
+// dS^T: [128 keys][64 queries] in the same swizzle; the dQ shares, two buffers of [64][64] f32 per
+// consumer (the consumers may run a query block ahead of the writer while it waits its turn).
 constexpr int kTileK = 0, kTileV = 32768, kTileQ = 65536, kTileDO = 98304, kStageBytes = 16384;
-constexpr int kTileDS = 131072, kTileDQ = 147456, kRowStats = 180224, kBarriers = 181248;
+constexpr int kTileDS = 131072, kTileDQ = 147456, kDqBufferBytes = 32768, kRowStats = 212992, kBarriers = 214016;
 constexpr int kSmemBytes = kBarriers + 64 + 1024;
 // Named barriers (0 is __syncthreads): dS^T written by both consumers / read by both; a consumer's
-// dQ share staged / taken by the writer; the two consumers at the end; one consumer at the end.
-constexpr int kDsFull = 1, kDsFree = 2, kDqFull = 3, kDqEmpty = 5, kBothDone = 7, kOneDone = 8;
+// dQ share staged in buffer b / taken by the writer (2 b + consumer); the two consumers at the end;
+// one consumer at the end.
+constexpr int kDsFull = 1, kDsFree = 2, kDqFull = 3, kDqEmpty = 7, kBothDone = 11, kOneDone = 12;
 
 struct Args {
   const float* lse;    // [B, Hq, S], natural log
@@ -245,24 +247,28 @@ __device__ void load_tiles(const CUtensorMap* q_map, const CUtensorMap* k_map, c
 
 // Writer warp: both consumers' staged dQ shares of each query block (contiguous in shared memory and
 // in dq_accum) into dq_accum as one write, in key block order; the semaphore is raised once the
-// write completed.
+// write completed. Query block i of the walk is staged in buffer i % 2.
 __device__ void write_dq(const Args& a, Item item, int t, uint32_t base) {
   const bool leader = threadIdx.x % 32 == 0;
+  const int count = a.query_blocks - 2 * item.key_block;
   int64_t waited = 0;
-  for (int w = 0; w < 2; ++w) named_arrive(kDqEmpty + w, 160);
-  for (int m = a.query_blocks - 1; m >= 2 * item.key_block; --m) {
-    for (int w = 0; w < 2; ++w) named_sync(kDqFull + w, 160);
+  for (int b = 0; b < 2 && b < count; ++b)
+    for (int w = 0; w < 2; ++w) named_arrive(kDqEmpty + 2 * b + w, 160);
+  for (int it = 0; it < count; ++it) {
+    const int m = a.query_blocks - 1 - it, b = it & 1;
+    for (int w = 0; w < 2; ++w) named_sync(kDqFull + 2 * b + w, 160);
     int32_t* semaphore = a.dq_semaphores + int64_t(item.head) * a.query_blocks + m;
     if (leader) {
       const int64_t before = a.timeline ? now_ns() : 0;
       wait_at_least(semaphore, item.key_block);  // key blocks 0 .. key_block - 1 come first
       if (a.timeline) waited += now_ns() - before;
-      bulk_write(a.dq_accum + (int64_t(item.head) * a.query_blocks + m) * 8192, base + kTileDQ, 32768, item.key_block > 0);
+      bulk_write(a.dq_accum + (int64_t(item.head) * a.query_blocks + m) * 8192, base + kTileDQ + b * kDqBufferBytes, kDqBufferBytes,
+                 item.key_block > 0);
       bulk_wait_read();
     }
     __syncwarp();
-    if (m > 2 * item.key_block)
-      for (int w = 0; w < 2; ++w) named_arrive(kDqEmpty + w, 160);
+    if (it + 2 < count)
+      for (int w = 0; w < 2; ++w) named_arrive(kDqEmpty + 2 * b + w, 160);
     if (leader) {
       bulk_wait<0>();
       signal(semaphore);
@@ -289,17 +295,20 @@ __device__ __forceinline__ void stage_rows(float* stage, const float (&d)[kN], f
     }
 }
 
-// Consumer w's dK (times scale) and dV rows into the accumulators in query head order: staged in the
-// Q (w = 0) or dO (w = 1) stages, which no one reads any more.
-__device__ void write_dkdv(const Args& a, Item item, int t, uint32_t base, unsigned char* smem, int w, const float (&dk)[64], const float (&dv)[64]) {
+// Consumer w's dK (times scale) and dV rows into the accumulators in query head order, both staged
+// at once where no one reads any more: dV in the Q (w = 0) or dO (w = 1) stages, dK in K or V.
+__device__ void write_dkdv(const Args& a, Item item, int t, uint32_t base, unsigned char* smem, int w, const float (&dk)[64],
+                           const float (&dv)[64]) {
   const int b = item.head / a.q_heads, h = item.head % a.q_heads, group = a.q_heads / a.kv_heads;
   const int64_t kv_head = int64_t(b) * a.kv_heads + h / group;
   int32_t* semaphore = a.kv_semaphores + kv_head * a.key_blocks + item.key_block;
   const int64_t row = kv_head * a.seq + kKeys * item.key_block + 64 * w;
   const bool leader = threadIdx.x % 128 == 0, first = h % group == 0;
-  float* stage = reinterpret_cast<float*>(smem + kTileQ + w * 2 * kStageBytes);
-  named_sync(kBothDone, 256);
-  stage_rows(stage, dv, 1.0f);
+  float* dv_stage = reinterpret_cast<float*>(smem + kTileQ + w * 2 * kStageBytes);
+  float* dk_stage = reinterpret_cast<float*>(smem + kTileK + w * 32768);
+  named_sync(kBothDone, 256);  // both consumers' multiplies are done with K, V, Q and dO
+  stage_rows(dv_stage, dv, 1.0f);
+  stage_rows(dk_stage, dk, a.scale);
   fence_async_shared();
   named_sync(kOneDone + w, 128);
   int64_t* times = a.timeline && w == 0 && leader ? a.timeline + int64_t(t) * kTimelineFields : nullptr;
@@ -307,15 +316,8 @@ __device__ void write_dkdv(const Args& a, Item item, int t, uint32_t base, unsig
   if (leader) {
     wait_at_least(semaphore, 2 * (h % group));
     if (times) times[kKvWait] = now_ns() - times[kWalkEnd];
-    bulk_write(a.dv_accum + row * kDim, smem_address(stage), 32768, !first);
-    bulk_wait_read();
-  }
-  named_sync(kOneDone + w, 128);
-  stage_rows(stage, dk, a.scale);
-  fence_async_shared();
-  named_sync(kOneDone + w, 128);
-  if (leader) {
-    bulk_write(a.dk_accum + row * kDim, smem_address(stage), 32768, !first);
+    bulk_write(a.dv_accum + row * kDim, smem_address(dv_stage), 32768, !first);
+    bulk_write(a.dk_accum + row * kDim, smem_address(dk_stage), 32768, !first);
     bulk_wait<0>();
     signal(semaphore);
     if (times) times[kEnd] = now_ns();
@@ -409,10 +411,11 @@ __device__ void consume(const Args& a, Item item, int t, uint32_t base, unsigned
     fence_registers(dv);
     if (lane == 0) barrier_arrive(empty + 8 * s);  // this stage's Q and dO are read
     named_sync(kDsFree, 256);                      // both consumers' dQ multiplies have read dS^T
-    named_sync(kDqEmpty + w, 160);
-    stage_rows(reinterpret_cast<float*>(smem + kTileDQ + w * 16384), dq, 1.0f);
+    const int b = it & 1;
+    named_sync(kDqEmpty + 2 * b + w, 160);
+    stage_rows(reinterpret_cast<float*>(smem + kTileDQ + b * kDqBufferBytes + w * 16384), dq, 1.0f);
     fence_async_shared();
-    named_arrive(kDqFull + w, 160);
+    named_arrive(kDqFull + 2 * b + w, 160);
   }
   write_dkdv(a, item, t, base, smem, w, dk, dv);
 }
