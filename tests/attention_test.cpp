@@ -176,14 +176,14 @@ TEST(Attention, RejectsBadShapes) {
 }
 
 // Every kernel set's name parses back to it (run configs, bench labels); others are an error. The
-// CPU ignores the setting: hopper's backward gives the CPU reference's bits.
+// CPU ignores the setting: hopper's forward and backward give the CPU reference's bits.
 TEST(Attention, KernelSetNamesRoundTrip) {
   for (const AttentionKernels k : kAttentionKernels) EXPECT_EQ(parse_attention_kernels(attention_kernels_name(k)), k);
   try {
     parse_attention_kernels("flash");
     FAIL() << "expected an error";
   } catch (const Error& e) {
-    EXPECT_STREQ(e.what(), "attention kernels must be own, cudnn, cudnn_nondeterministic or hopper, got 'flash'");
+    EXPECT_STREQ(e.what(), "attention kernels must be own, cudnn, cudnn_nondeterministic, hopper or hopper_backward, got 'flash'");
   }
   Attn plain(DType::f32, {1, 5, 4, 2, 8}), hopper(DType::f32, {1, 5, 4, 2, 8});
   plain.forward();
@@ -193,7 +193,8 @@ TEST(Attention, KernelSetNamesRoundTrip) {
   hopper.forward();
   hopper.backward();
   set_attention_kernels(before);
-  for (const auto& [a, b] : {std::pair{&plain.dq, &hopper.dq}, std::pair{&plain.dk, &hopper.dk}, std::pair{&plain.dv, &hopper.dv}})
+  for (const auto& [a, b] : {std::pair{&plain.out, &hopper.out}, std::pair{&plain.lse, &hopper.lse}, std::pair{&plain.dq, &hopper.dq},
+                             std::pair{&plain.dk, &hopper.dk}, std::pair{&plain.dv, &hopper.dv}})
     for (int64_t i = 0; i < a->numel(); ++i) ASSERT_EQ(a->ptr<float>()[i], b->ptr<float>()[i]);
 }
 

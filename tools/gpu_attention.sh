@@ -30,11 +30,11 @@
 #        cuDNN offers for the forward and the deterministic backward, timed and compared with the op's
 # pairs: the bench config (3 + 27 steps) with train.pair_expert_grads=false, then the default, on one
 #        machine: tokens/s and peaks side by side, losses bit for bit
-# hopper: Marrow's wgmma backward (train.attention_kernels=hopper): marrow check --only attention
-#         (every command under a timeout: a kernel that hangs ends the run), marrow bench --kernels
-#         attention (every kernel set's rows, the hopper backward's item timeline), then (unless
-#         HOPPER_BENCH=0) the bench config (3 + 27 steps) with hopper, then with cudnn, on one
-#         machine; the first 5 losses of each
+# hopper: Marrow's wgmma attention (train.attention_kernels=hopper, hopper_backward): marrow check
+#         --only attention (every command under a timeout: a kernel that hangs ends the run), marrow
+#         bench --kernels attention (every kernel set's rows, the hopper backward's chunk sweep with
+#         item timelines), then (unless HOPPER_BENCH=0) the bench config (3 + 27 steps) with each of
+#         HOPPER_SETS (default: hopper_backward hopper cudnn), on one machine; the first 5 losses of each
 # Ends with PASS or FAIL; logs in <log-dir>.
 set -uo pipefail
 out=${1:-$OUT}
@@ -60,7 +60,7 @@ if [ "$what" = check ] || [ "$what" = all ]; then
 fi
 
 if [ "$what" = hopper ]; then
-  step "marrow check --only attention (with the hopper backward's rows)"
+  step "marrow check --only attention (with the hopper kernels' rows)"
   timeout 480 build-gpu/marrow check --only attention > "$out/check.log" 2>&1
   grep -E "FAIL|checks,|error" "$out/check.log" | head -40
   grep -E "hopper" "$out/check.log" | grep -E "dq|dk|dv" | head -60 >> "$out/summary.log"
@@ -68,7 +68,7 @@ if [ "$what" = hopper ]; then
     step "marrow bench --kernels attention"
     timeout 150 build-gpu/marrow bench --kernels attention > "$out/kernels.log" 2>&1 || fail "bench --kernels attention"
     grep -E "^kernel|^attention|^hopper" "$out/kernels.log" | tee -a "$out/summary.log"
-    for kernels in $([ "${HOPPER_BENCH:-1}" = 0 ] || echo hopper cudnn); do
+    for kernels in $([ "${HOPPER_BENCH:-1}" = 0 ] || echo ${HOPPER_SETS:-hopper_backward hopper cudnn}); do
       step "bench config, attention kernels $kernels: 3 warm-up + 27 measured steps"
       timeout 240 "${bench[@]}" --warmup=3 --steps=27 --train.attention_kernels=$kernels --output.dir=runs/bench-$kernels \
         > "$out/bench-$kernels.log" 2>&1 || fail "bench $kernels"

@@ -125,7 +125,7 @@ void bench_attention_kernels(int64_t S, int64_t Hq, int64_t Hkv, int64_t D) {
     kernel_row(name + " bwd", 2.5 * fwd, [&] { attention_backward(dq, dk, dv, dout, q, k, v, out, lse); });
   }
   // The hopper backward's work order: chunks of query heads (ops/attention_hopper.cu), each with its timeline.
-  if (hopper_attention_backward_supports(S, Hq, Hkv, D)) {
+  if (hopper_attention_supports(S, Hq, Hkv, D)) {
     set_attention_kernels(AttentionKernels::hopper);
     for (const int heads : {4, 8, 16, 32}) {
       set_hopper_backward_chunk_heads(heads);

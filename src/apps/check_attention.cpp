@@ -361,8 +361,9 @@ void check_attention_op(CheckReport& report) {
   check_bench(report);
   set_cudnn_backward_chunk(0);
   backward_variant.clear();
-  // Marrow's wgmma backward (ops/attention_hopper.h) where it serves the sizes: two batch rows,
-  // groups 1, 4 and 8, one key block, and chunks of one head and of three (the last one short).
+  // Marrow's wgmma forward and backward (ops/attention_hopper.h) where they serve the sizes: two
+  // batch rows, groups 1, 4 and 8, one key block, and the backward's chunks of one head and of three
+  // (the last one short).
   set_attention_kernels(AttentionKernels::hopper);
   const Shape hopper_shapes[] = {{2, 256, 8, 2, 128}, {1, 384, 4, 1, 128}, {1, 128, 2, 2, 128}, {1, 640, 8, 1, 128}};
   uint64_t hopper_seed = 1300;
@@ -373,6 +374,9 @@ void check_attention_op(CheckReport& report) {
     check_shape(report, reference({2, 384, 4, 2, 128}, hopper_seed += 4));
   }
   set_hopper_backward_chunk_heads(0);
+  set_attention_kernels(AttentionKernels::hopper_backward);  // cuDNN's forward with it (the bench shape: above)
+  backward_variant.clear();
+  for (const Shape& n : hopper_shapes) check_shape(report, reference(n, hopper_seed += 4));
   backward_variant.clear();
   set_attention_kernels(before);
   seed += 4 * std::size(shapes);

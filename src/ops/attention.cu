@@ -912,7 +912,7 @@ AttentionKernels attention_kernels() { return kernels_setting(); }
 AttentionKernels parse_attention_kernels(const std::string& name) {
   for (AttentionKernels k : kAttentionKernels)
     if (name == attention_kernels_name(k)) return k;
-  fail("attention kernels must be own, cudnn, cudnn_nondeterministic or hopper, got '{}'", name);
+  fail("attention kernels must be own, cudnn, cudnn_nondeterministic, hopper or hopper_backward, got '{}'", name);
 }
 
 const char* attention_kernels_name(AttentionKernels kernels) {
@@ -920,6 +920,7 @@ const char* attention_kernels_name(AttentionKernels kernels) {
     case AttentionKernels::cudnn: return "cudnn";
     case AttentionKernels::cudnn_nondeterministic: return "cudnn_nondeterministic";
     case AttentionKernels::hopper: return "hopper";
+    case AttentionKernels::hopper_backward: return "hopper_backward";
     default: return "own";
   }
 }
@@ -941,6 +942,9 @@ void attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v, Str
   expect_shape(op, "out", out, {n.batch, n.q_seq, n.q_heads, n.head_dim});
   expect_shape(op, "lse", lse, {n.batch, n.q_heads, n.q_seq});
 #if MARROW_CUDA
+  if (attention_kernels() == AttentionKernels::hopper && q.device == Device::cuda &&
+      hopper_attention_supports(n.q_seq, n.q_heads, n.kv_heads, n.head_dim))
+    return hopper_attention_forward(out, lse, q, k, v, stream);
   if (forward_on_cudnn(n, q)) return cudnn_attention_forward(out, lse, q, k, v, stream);
 #endif
   forward(op, out, lse, q, k, v, n, {AttentionMask::causal, 0, n.q_seq, 0, n.q_seq}, stream);
@@ -960,8 +964,8 @@ void attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, 
   const auto [n, gpu] = check_backward(op, dq, dk, dv, dout, q, k, v, out, lse);
   expect_shape(op, "k", k, {n.batch, n.q_seq, n.kv_heads, n.head_dim});
 #if MARROW_CUDA
-  if (attention_kernels() == AttentionKernels::hopper && q.device == Device::cuda &&
-      hopper_attention_backward_supports(n.q_seq, n.q_heads, n.kv_heads, n.head_dim))
+  const bool hopper = attention_kernels() == AttentionKernels::hopper || attention_kernels() == AttentionKernels::hopper_backward;
+  if (hopper && q.device == Device::cuda && hopper_attention_supports(n.q_seq, n.q_heads, n.kv_heads, n.head_dim))
     return hopper_attention_backward(dq, dk, dv, dout, q, k, v, out, lse, stream);
   if (backward_on_cudnn(n, q))
     return cudnn_attention_backward(dq, dk, dv, dout, q, k, v, out, lse, stream,

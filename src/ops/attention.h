@@ -37,14 +37,16 @@ namespace marrow {
 // cudnn_nondeterministic: cuDNN's default backward, which adds dQ with float atomics (no dP
 // workspace, any length, faster), so two runs differ in their last bits: the one exception to
 // DESIGN.md's determinism, never a default.
-// hopper: cuDNN's forward and Marrow's own deterministic wgmma backward (ops/attention_hopper.h)
-// where that serves the sizes (head_dim 128, lengths a multiple of 128), else as cudnn.
-enum class AttentionKernels : uint8_t { own, cudnn, cudnn_nondeterministic, hopper };
+// hopper: Marrow's own wgmma forward and deterministic backward (ops/attention_hopper.h) where they
+// serve the sizes (head_dim 128, lengths a multiple of 128), else as cudnn; hopper_backward: cuDNN's
+// forward with the own wgmma backward.
+enum class AttentionKernels : uint8_t { own, cudnn, cudnn_nondeterministic, hopper, hopper_backward };
 inline constexpr AttentionKernels kAttentionKernels[] = {AttentionKernels::own, AttentionKernels::cudnn,
-                                                         AttentionKernels::cudnn_nondeterministic, AttentionKernels::hopper};
+                                                         AttentionKernels::cudnn_nondeterministic, AttentionKernels::hopper,
+                                                         AttentionKernels::hopper_backward};
 void set_attention_kernels(AttentionKernels kernels);
 AttentionKernels attention_kernels();
-// "own", "cudnn", "cudnn_nondeterministic" or "hopper" (run configs, bench labels).
+// "own", "cudnn", "cudnn_nondeterministic", "hopper" or "hopper_backward" (run configs, bench labels).
 AttentionKernels parse_attention_kernels(const std::string& name);
 const char* attention_kernels_name(AttentionKernels kernels);
 

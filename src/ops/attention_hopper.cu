@@ -26,6 +26,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <initializer_list>
 
 #include "core/cuda_check.h"
 #include "core/memory.h"
@@ -46,7 +47,8 @@ int& chunk_heads() {
 
 void set_hopper_backward_chunk_heads(int heads) { chunk_heads() = heads; }
 
-bool hopper_attention_backward_supports(int64_t seq, int64_t q_heads, int64_t kv_heads, int64_t head_dim) {
+
+bool hopper_attention_supports(int64_t seq, int64_t q_heads, int64_t kv_heads, int64_t head_dim) {
 #ifdef __CUDACC__
   return head_dim == 128 && seq > 0 && seq % 128 == 0 && kv_heads > 0 && q_heads % kv_heads == 0;
 #else
@@ -68,6 +70,9 @@ using wgmma::fence_registers;
 using wgmma::init_stage_barriers;
 using wgmma::mma_commit;
 using wgmma::mma_fence;
+using wgmma::mma_m64n128k16_rs;
+using wgmma::mma_m64n128k16_ss;
+using wgmma::mma_m64n64k16;
 using wgmma::mma_wait;
 using wgmma::tensor_map;
 using wgmma::tma_load_2d;
@@ -157,43 +162,6 @@ __device__ __forceinline__ void wait_at_least(const int32_t* semaphore, int targ
 __device__ __forceinline__ void signal(int32_t* semaphore) {
   asm volatile("fence.proxy.async.global;" ::: "memory");
   asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(semaphore) : "memory");
-}
-
-// d (+)= A B, 64 x 64 x 16, both from shared memory (kTransA, kTransB: M- or N-major, else K-major).
-template <int kTransA, int kTransB>
-__device__ __forceinline__ void mma_m64n64k16(float (&d)[32], uint64_t a_desc, uint64_t b_desc, int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31},"
-      " %32, %33, p, 1, 1, %35, %36;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "l"(a_desc), "l"(b_desc), "r"(accumulate), "n"(kTransA), "n"(kTransB));
-}
-
-// d += A B, 64 x 128 x 16, A from registers (the m16n8k16 A fragment per warp, 4 words), B from
-// shared memory, N-major.
-__device__ __forceinline__ void mma_m64n128k16_rs(float (&d)[64], const uint32_t* a, uint64_t b_desc) {
-  asm volatile(
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63},"
-      " {%64, %65, %66, %67}, %68, 1, 1, 1, 1;\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc));
 }
 
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
@@ -411,11 +379,10 @@ __device__ void consume(const Args& a, Item item, int t, uint32_t base, unsigned
     fence_registers(dv);
     if (lane == 0) barrier_arrive(empty + 8 * s);  // this stage's Q and dO are read
     named_sync(kDsFree, 256);                      // both consumers' dQ multiplies have read dS^T
-    const int b = it & 1;
-    named_sync(kDqEmpty + 2 * b + w, 160);
-    stage_rows(reinterpret_cast<float*>(smem + kTileDQ + b * kDqBufferBytes + w * 16384), dq, 1.0f);
+    named_sync(kDqEmpty + 2 * s + w, 160);  // dQ buffer s: the stage's parity
+    stage_rows(reinterpret_cast<float*>(smem + kTileDQ + s * kDqBufferBytes + w * 16384), dq, 1.0f);
     fence_async_shared();
-    named_arrive(kDqFull + 2 * b + w, 160);
+    named_arrive(kDqFull + 2 * s + w, 160);
   }
   write_dkdv(a, item, t, base, smem, w, dk, dv);
 }
@@ -452,6 +419,175 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
   consume(a, item, t, base, smem, warpgroup - 1);
+}
+
+// ---- the forward --------------------------------------------------------------------------------
+// An item is (query block of 128 rows, head): blockIdx order, the longest walks (last query blocks)
+// first; no item depends on another. The block keeps Q in shared memory and walks the key blocks
+// from the diagonal (masked) down to 0, K and V two stages ahead (producer thread, TMA). Each
+// consumer warpgroup (64 rows) computes S = Q K^T (wgmma, 64 x 128), the online softmax in the log2
+// domain in registers, and O += P V (P as the A operand from registers). The two consumers take the
+// tensor cores in turns (named barriers kTurn + w), so that one's softmax runs under the other's
+// multiplies. At the end O / l goes back through the consumer's rows of the Q tile to a TMA store;
+// lse = (m + log2 l) ln 2.
+constexpr int kFwdTileQ = 0, kFwdStages = 32768, kFwdStageBytes = 65536, kFwdBarriers = kFwdStages + 2 * kFwdStageBytes;
+constexpr int kFwdSmemBytes = kFwdBarriers + 64 + 1024;
+constexpr int kTurn = 1, kFwdRowsDone = 3;  // named barriers: consumer w's turn; consumer w's O staged
+constexpr float kLn2 = 0.6931471805599453f;
+
+struct ForwardArgs {
+  float* lse;  // [B, Hq, S]
+  int seq, q_heads, kv_heads, heads, blocks;
+  float scale_log2;
+};
+
+__device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, uint32_t src, int c0, int c1) {
+  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];" ::"l"(map), "r"(src), "r"(c0), "r"(c1)
+               : "memory");
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+
+// The online softmax of one key block for one consumer's rows (row0 and row0 + 8 of each warp):
+// masks keys past the query on the diagonal, rescales o and the partial row sums l, and leaves P
+// as bf16 A fragments (four words per 16 keys).
+__device__ __forceinline__ void online_softmax(uint32_t (&p_frag)[32], float (&s)[64], float (&o)[64], float (&m)[2], float (&l)[2],
+                                               bool diagonal, int key0, int row0, float scale_log2) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float top = m[h];
+#pragma unroll
+    for (int j = 0; j < 16; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float& x = s[4 * j + 2 * h + e];
+        x = diagonal && key0 + 8 * j + 2 * (lane % 4) + e > row0 + 8 * h ? -INFINITY : x * scale_log2;
+        top = fmaxf(top, x);
+      }
+    top = fmaxf(top, __shfl_xor_sync(~0u, top, 1));
+    top = fmaxf(top, __shfl_xor_sync(~0u, top, 2));
+    const float correction = exp2f(m[h] - top);  // 0 on the first block (m = -inf; top is finite: a row sees itself)
+    m[h] = top;
+    l[h] *= correction;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      o[4 * j + 2 * h] *= correction;
+      o[4 * j + 2 * h + 1] *= correction;
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float& x = s[4 * j + 2 * h + e];
+        x = exp2f(x - top);
+        l[h] += x;
+      }
+    }
+  }
+#pragma unroll
+  for (int ks = 0; ks < 8; ++ks)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) p_frag[4 * ks + r] = pack_bf16(s[8 * ks + 2 * r], s[8 * ks + 2 * r + 1]);
+}
+
+// Consumer w's O / l as bf16 into its 64 rows of the Q tile (the TMA boxes' swizzled layout), then
+// one thread stores both boxes; lse of its rows.
+__device__ void store_forward(const CUtensorMap* out_map, const ForwardArgs& a, uint32_t base, unsigned char* smem, int w, int head,
+                              int query_block, float (&o)[64], float (&m)[2], float (&l)[2]) {
+  const int lane = threadIdx.x % 32, local = 16 * (threadIdx.x / 32 % 4) + lane / 4;
+  const int b = head / a.q_heads, h = head % a.q_heads, row0 = kKeys * query_block + 64 * w + local;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    l[i] += __shfl_xor_sync(~0u, l[i], 1);
+    l[i] += __shfl_xor_sync(~0u, l[i], 2);
+    const int row = 64 * w + local + 8 * i;
+    const float inverse = 1.0f / l[i];
+#pragma unroll
+    for (int j = 0; j < 16; ++j)
+      *reinterpret_cast<uint32_t*>(smem + kFwdTileQ + (j / 8) * 16384 + row * 128 + (((j % 8) ^ (row & 7)) << 4) + 4 * (lane % 4)) =
+          pack_bf16(o[4 * j + 2 * i] * inverse, o[4 * j + 2 * i + 1] * inverse);
+    if (lane % 4 == 0) a.lse[int64_t(head) * a.seq + row0 + 8 * i] = (m[i] + log2f(l[i])) * kLn2;
+  }
+  fence_async_shared();
+  named_sync(kFwdRowsDone + w, 128);
+  if (threadIdx.x % 128 == 0) {
+    for (int j = 0; j < 2; ++j)
+      tma_store_2d(out_map, base + kFwdTileQ + j * 16384 + w * 8192, h * kDim + 64 * j, b * a.seq + kKeys * query_block + 64 * w);
+    bulk_wait_read();
+  }
+}
+
+// Consumer warpgroup w: rows query_block * 128 + 64 w .. + 63.
+__device__ void consume_forward(const CUtensorMap* out_map, const ForwardArgs& a, uint32_t base, unsigned char* smem, int w, int head,
+                                int query_block) {
+  const uint32_t q_full = base + kFwdBarriers, full = q_full + 8, empty = full + 16;
+  const int lane = threadIdx.x % 32, row0 = kKeys * query_block + 64 * w + 16 * (threadIdx.x / 32 % 4) + lane / 4;
+  float o[64], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+#pragma unroll
+  for (int i = 0; i < 64; ++i) o[i] = 0.0f;
+  barrier_wait(q_full, 0);
+  if (w == 1) named_arrive(kTurn, 256);  // consumer 0 takes the first turn
+  const int iterations = query_block + 1;
+  for (int it = 0; it < iterations; ++it) {
+    const int s = it & 1;
+    const uint32_t k_tile = base + kFwdStages + s * kFwdStageBytes, v_tile = k_tile + 32768;
+    barrier_wait(full + 8 * s, (it >> 1) & 1);
+    float sc[64];
+    named_sync(kTurn + w, 256);
+    mma_fence();
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk)
+      mma_m64n128k16_ss(sc, descriptor(base + kFwdTileQ + (kk / 4) * 16384 + w * 8192 + (kk % 4) * 32, 16, 1024),
+                        descriptor(k_tile + (kk / 4) * 16384 + (kk % 4) * 32, 16, 1024), kk > 0);
+    mma_commit();
+    named_arrive(kTurn + 1 - w, 256);
+    mma_wait<0>();  // S, and the previous block's O += P V
+    fence_registers(sc);
+    fence_registers(o);
+    if (it > 0 && lane == 0) barrier_arrive(empty + 8 * (s ^ 1));  // the previous stage's V is read
+    uint32_t p_frag[32];
+    online_softmax(p_frag, sc, o, m, l, it == 0, kKeys * (query_block - it), row0, a.scale_log2);
+    named_sync(kTurn + w, 256);
+    mma_fence();
+#pragma unroll
+    for (int ks = 0; ks < 8; ++ks)  // B = V, N-major: 16 keys = 2048 bytes, the two 64-dim boxes 16 KiB apart
+      mma_m64n128k16_rs(o, p_frag + 4 * ks, descriptor(v_tile + ks * 2048, 16384, 1024));
+    mma_commit();
+    if (w == 0 || it + 1 < iterations) named_arrive(kTurn + 1 - w, 256);
+  }
+  mma_wait<0>();
+  fence_registers(o);
+  store_forward(out_map, a, base, smem, w, head, query_block, o, m, l);
+}
+
+__global__ void __launch_bounds__(kThreads, 1)
+    forward_kernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
+                   const __grid_constant__ CUtensorMap v_map, const __grid_constant__ CUtensorMap out_map, const ForwardArgs a) {
+  extern __shared__ unsigned char smem_raw[];
+  const uint32_t raw = smem_address(smem_raw), base = (raw + 1023) & ~1023u;
+  unsigned char* smem = smem_raw + (base - raw);
+  const int query_block = a.blocks - 1 - int(blockIdx.x) / a.heads, head = int(blockIdx.x) % a.heads;
+  if (threadIdx.x == 0) barrier_init(base + kFwdBarriers, 1);
+  init_stage_barriers(base + kFwdBarriers + 8, base + kFwdBarriers + 24, 2, 2);  // ends in __syncthreads
+  const int warpgroup = threadIdx.x / 128;
+  if (warpgroup == 0) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+    if (threadIdx.x != 0) return;
+    const int b = head / a.q_heads, h = head % a.q_heads, kvh = h / (a.q_heads / a.kv_heads);
+    const uint32_t q_full = base + kFwdBarriers, full = q_full + 8, empty = full + 16;
+    barrier_expect_bytes(q_full, 32768);
+    for (int j = 0; j < 2; ++j) tma_load_2d(base + kFwdTileQ + j * 16384, &q_map, q_full, h * kDim + 64 * j, b * a.seq + kKeys * query_block);
+    for (int it = 0; it <= query_block; ++it) {
+      const int s = it & 1, key_block = query_block - it;
+      const uint32_t k_tile = base + kFwdStages + s * kFwdStageBytes;
+      barrier_wait(empty + 8 * s, ((it >> 1) & 1) ^ 1);
+      barrier_expect_bytes(full + 8 * s, kFwdStageBytes);
+      for (int j = 0; j < 2; ++j) {
+        tma_load_2d(k_tile + j * 16384, &k_map, full + 8 * s, kvh * kDim + 64 * j, b * a.seq + kKeys * key_block);
+        tma_load_2d(k_tile + 32768 + j * 16384, &v_map, full + 8 * s, kvh * kDim + 64 * j, b * a.seq + kKeys * key_block);
+      }
+    }
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+  consume_forward(&out_map, a, base, smem, warpgroup - 1, head, query_block);
 }
 
 // delta[head, s] = dO . O over the row's 128 dimensions, one warp a row (fixed shuffle tree).
@@ -503,14 +639,27 @@ CUtensorMap rows_map(const Tensor& t, int64_t heads, int box_rows) {
 
 namespace {
 
+// The sizes the kernels serve and TMA's 16-byte alignment, else a one-sentence error.
+void check_served(const char* op, const Tensor& q, const Tensor& k, std::initializer_list<const Tensor*> tensors) {
+  MARROW_CHECK(hopper_attention_supports(q.size(1), q.size(2), k.size(2), q.size(3)), "{}: sizes S {} H {}/{} D {} not served", op,
+               q.size(1), q.size(2), k.size(2), q.size(3));
+  for (const Tensor* t : tensors)
+    MARROW_CHECK(reinterpret_cast<uintptr_t>(t->data) % 16 == 0, "{}: tensors must be 16-byte aligned (TMA)", op);
+}
+
+// A kernel's dynamic shared memory past the default 48 KiB, set once.
+template <typename Kernel> void allow_shared_memory(Kernel kernel, int bytes) {
+  static const bool done = [&] {
+    MARROW_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+    return true;
+  }();
+  (void)done;
+}
+
 void run_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, int64_t* timeline,
                   Stream stream) {
-  const char* op = "hopper_attention_backward";
+  check_served("hopper_attention_backward", q, k, {&dq, &dk, &dv, &dout, &q, &k, &v, &out, &lse});
   const int64_t batch = q.size(0), seq = q.size(1), q_heads = q.size(2), kv_heads = k.size(2);
-  MARROW_CHECK(hopper_attention_backward_supports(seq, q_heads, kv_heads, q.size(3)), "{}: sizes S {} H {}/{} D {} not served", op, seq,
-               q_heads, kv_heads, q.size(3));
-  for (const Tensor* t : {&dq, &dk, &dv, &dout, &q, &k, &v, &out, &lse})
-    MARROW_CHECK(reinterpret_cast<uintptr_t>(t->data) % 16 == 0, "{}: tensors must be 16-byte aligned (TMA)", op);
   auto s = static_cast<cudaStream_t>(stream.handle);
   const int key_blocks = int(seq / kKeys), query_blocks = int(seq / kQueries), heads = int(batch * q_heads);
   Buffer delta(DType::f32, Device::cuda, {batch * q_heads * seq}, stream);
@@ -543,11 +692,7 @@ void run_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor
   a.scale_log2 = a.scale * kLog2e;
   const CUtensorMap q_map = rows_map(q, q_heads, kQueries), do_map = rows_map(dout, q_heads, kQueries);
   const CUtensorMap k_map = rows_map(k, kv_heads, kKeys), v_map = rows_map(v, kv_heads, kKeys);
-  static const bool configured = [] {
-    MARROW_CUDA_CHECK(cudaFuncSetAttribute(backward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
-    return true;
-  }();
-  (void)configured;
+  allow_shared_memory(backward_kernel, kSmemBytes);
   backward_kernel<<<unsigned(int64_t(heads) * key_blocks), kThreads, kSmemBytes, s>>>(q_map, k_map, v_map, do_map, a);
   MARROW_CUDA_CHECK_LAUNCH();
 
@@ -562,6 +707,22 @@ void run_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor
 void hopper_attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse,
                                Stream stream) {
   run_backward(dq, dk, dv, dout, q, k, v, out, lse, nullptr, stream);
+}
+
+void hopper_attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v, Stream stream) {
+  check_served("hopper_attention_forward", q, k, {&out, &lse, &q, &k, &v});
+  const int64_t batch = q.size(0), seq = q.size(1), q_heads = q.size(2), kv_heads = k.size(2);
+  ForwardArgs a{};
+  a.lse = lse.ptr<float>();
+  a.seq = int(seq), a.q_heads = int(q_heads), a.kv_heads = int(kv_heads), a.heads = int(batch * q_heads), a.blocks = int(seq / kKeys);
+  a.scale_log2 = float(1.0 / std::sqrt(double(kDim))) * kLog2e;
+  // Q in one 128-row tile (two boxes); out leaves in each consumer's 64 rows.
+  const CUtensorMap q_map = rows_map(q, q_heads, kKeys), out_map = rows_map(out, q_heads, kQueries);
+  const CUtensorMap k_map = rows_map(k, kv_heads, kKeys), v_map = rows_map(v, kv_heads, kKeys);
+  allow_shared_memory(forward_kernel, kFwdSmemBytes);
+  forward_kernel<<<unsigned(a.heads * a.blocks), kThreads, kFwdSmemBytes, static_cast<cudaStream_t>(stream.handle)>>>(q_map, k_map, v_map,
+                                                                                                                   out_map, a);
+  MARROW_CUDA_CHECK_LAUNCH();
 }
 
 std::vector<HopperItemTimes> hopper_backward_timeline(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out,
@@ -587,6 +748,8 @@ void hopper_attention_backward(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, T
 std::vector<HopperItemTimes> hopper_backward_timeline(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor) {
   no_cuda_kernel("hopper_backward_timeline");
 }
+
+void hopper_attention_forward(Tensor, Tensor, Tensor, Tensor, Tensor, Stream) { no_cuda_kernel("hopper_attention_forward"); }
 
 #endif
 

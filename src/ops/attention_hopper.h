@@ -1,11 +1,11 @@
-// The causal attention backward of attention.h on Hopper's wgmma (Marrow's own kernel, sm_90a):
-// same tensors, layouts and meaning, lse as cuDNN's and the own forward's (natural log, f32
-// [B, Hq, S]), so it pairs with either forward. Deterministic without a dP workspace: dQ is summed
-// in f32 in a fixed order of key blocks (semaphores, ops/attention_hopper.cu), dK and dV in a fixed
-// order of query heads. Serves head_dim 128 and lengths a multiple of 128 (the bench, Qwen3-30B);
-// other sizes stay on cuDNN's or the own kernels. Scratch from the stream-ordered pool: f32 dQ, dK,
-// dV accumulators (B x S x (Hq + 2 Hkv) x 128 x 4 bytes: 80 MiB at the bench shape) and the row sums
-// of dO * O.
+// The causal attention op of attention.h on Hopper's wgmma (Marrow's own kernels, sm_90a): same
+// tensors, layouts and meaning, lse as cuDNN's and the own kernels' (natural log, f32 [B, Hq, S]),
+// so each pairs with any other forward or backward. The backward is deterministic without a dP
+// workspace: dQ is summed in f32 in a fixed order of key blocks (semaphores, attention_hopper.cu),
+// dK and dV in a fixed order of query heads. Serves head_dim 128 and lengths a multiple of 128 (the
+// bench, Qwen3-30B); other sizes stay on cuDNN's or the own kernels. The backward's scratch comes
+// from the stream-ordered pool: f32 dQ, dK, dV accumulators (B x S x (Hq + 2 Hkv) x 128 x 4 bytes:
+// 80 MiB at the bench shape) and the row sums of dO * O.
 #pragma once
 #include <cstdint>
 #include <vector>
@@ -17,8 +17,12 @@ namespace marrow {
 // Test hook (0 restores the default, 8): the query heads of a chunk of work items.
 void set_hopper_backward_chunk_heads(int heads);
 
-// Whether the kernel serves these sizes (false without CUDA).
-bool hopper_attention_backward_supports(int64_t seq, int64_t q_heads, int64_t kv_heads, int64_t head_dim);
+// Whether the kernels serve these sizes (false without CUDA).
+bool hopper_attention_supports(int64_t seq, int64_t q_heads, int64_t kv_heads, int64_t head_dim);
+
+// out (bf16) and lse (f32) from q, k, v (bf16) on the GPU; the caller (attention_forward) has
+// checked the shapes.
+void hopper_attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v, Stream stream = {});
 
 // dq, dk, dv (bf16, overwritten) from dout, q, k, v, out (bf16) and lse (f32) on the GPU; the caller
 // (attention_backward) has checked the shapes.
