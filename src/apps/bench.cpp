@@ -75,7 +75,9 @@ void kernel_row(const std::string& name, double flops, const std::function<void(
 }
 
 // Where the hopper backward's time goes at one length (hopper_backward_timeline): the items' walk
-// time fitted as fixed + per query block, their waits, the epilogue, and the SMs' idle time.
+// time fitted as fixed + per query block, their waits (those of the first wave, the items started
+// before any ended, apart: they start together, so their dQ writes queue), the epilogue, and the
+// SMs' idle time.
 void print_hopper_timeline(const std::vector<HopperItemTimes>& items, int64_t S) {
   int64_t first = items.front().start, last = 0, busy = 0, dq_wait = 0, kv_wait = 0, epilog = 0;
   double sx = 0, sy = 0, sxx = 0, sxy = 0;
@@ -93,6 +95,10 @@ void print_hopper_timeline(const std::vector<HopperItemTimes>& items, int64_t S)
     by_sm[t.sm].emplace_back(t.start, end);
   }
   const double n = double(items.size()), slope = (n * sxy - sx * sy) / (n * sxx - sx * sx), fixed = (sy - slope * sx) / n;
+  int64_t first_end = last, wave = 0, wave_wait = 0;
+  for (const HopperItemTimes& t : items) first_end = std::min(first_end, std::max(t.end, t.dq_end));
+  for (const HopperItemTimes& t : items)
+    if (t.start < first_end) ++wave, wave_wait += t.dq_wait;
   int64_t gaps = 0, gap_count = 0;
   for (auto& [sm, spans] : by_sm) {
     std::sort(spans.begin(), spans.end());
@@ -100,9 +106,11 @@ void print_hopper_timeline(const std::vector<HopperItemTimes>& items, int64_t S)
   }
   const double span_us = double(last - first) * 1e-3;
   std::printf("hopper bwd S%ld timeline: %zu items on %zu SMs over %.1f us, SMs busy %.1f%%; walk = %.2f us + %.3f us a query block;"
-              " per item: dQ waits %.2f us, dK/dV wait %.2f us, epilogue %.2f us, gap before the next item %.2f us\n",
+              " per item: dQ waits %.2f us (first wave of %ld: %.2f us, the rest: %.2f us), dK/dV wait %.2f us, epilogue %.2f us,"
+              " gap before the next item %.2f us\n",
               long(S), items.size(), by_sm.size(), span_us, 100.0 * double(busy) * 1e-3 / (span_us * double(by_sm.size())), fixed, slope,
-              double(dq_wait) * 1e-3 / n, double(kv_wait) * 1e-3 / n, double(epilog) * 1e-3 / n,
+              double(dq_wait) * 1e-3 / n, long(wave), wave ? double(wave_wait) * 1e-3 / double(wave) : 0.0,
+              n > double(wave) ? double(dq_wait - wave_wait) * 1e-3 / (n - double(wave)) : 0.0, double(kv_wait) * 1e-3 / n, double(epilog) * 1e-3 / n,
               gap_count ? double(gaps) * 1e-3 / double(gap_count) : 0.0);
   std::fflush(stdout);
 }
