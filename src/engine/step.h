@@ -324,7 +324,7 @@ template <MoeModel M> class BackwardPass {
       m_.experts_backward_input(dx_perm_, dy_perm_, s.experts, offsets(), lw);
       Buffer& kept_offsets = groups_.experts ? s.route.expert_offsets : s.expert_offsets;
       // One process: dout and copy_row join the entry when attention() is done with them.
-      mb_.deferred.push_back({stage_, std::move(s.experts), groups_.experts ? std::move(dy_perm_) : Buffer{}, std::move(kept_offsets)});
+      mb_.deferred.push_back({stage_, std::move(s.experts), groups_.experts ? std::move(dy_perm_) : Buffer{}, std::move(kept_offsets), Buffer{}, Buffer{}});
     } else if (earlier != nullptr) {
       m_.experts_backward_input(dx_perm_, dy_perm_, s.experts, offsets(), lw);
       const Buffer earlier_dy_perm = earlier->take_dy_perm(m_);

@@ -262,7 +262,9 @@ template <MoeModel M> struct TrainSetup {
   }
   // The groups and hooks of one micro-batch (the micro-th of `count` in a step; evaluation: -1).
   StepGroups groups(int64_t micro = -1, int64_t count = 0, bool overlap = true) {
-    StepGroups gr{experts ? &*experts : nullptr, mesh.data.size() > 1 ? &mesh.data : nullptr};
+    StepGroups gr;
+    gr.experts = experts ? &*experts : nullptr;
+    gr.routing = mesh.data.size() > 1 ? &mesh.data : nullptr;
     ShardedParameters& st = state;
     gr.before_stage = [&st](int64_t stage, bool forward) { forward ? st.before_forward(stage) : st.before_backward(stage); };
     if (micro >= 0) gr.layer_done = [&st, micro, count, overlap](int64_t stage) { st.after_backward(stage, micro, micro + 1 == count, overlap); };
