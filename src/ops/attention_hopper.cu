@@ -164,6 +164,14 @@ __device__ __forceinline__ void signal(int32_t* semaphore) {
   asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(semaphore) : "memory");
 }
 
+// 2^x by the special-function unit alone (flushes subnormal results to 0; exp2f adds a range test
+// and two multiplies around the same instruction, a third of the softmax's arithmetic).
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&v);
@@ -306,7 +314,7 @@ __device__ __forceinline__ void probabilities(uint32_t (&p_frag)[16], uint32_t (
     for (int i = 0; i < 4; ++i) {  // i = 2 h + e: key + 8 h, query + c + e
       const int e = i & 1, h = i >> 1;
       const bool seen = query + c + e >= key + 8 * h;
-      p[i] = seen ? exp2f(fmaf(s[4 * j + i], scale_log2, -(e ? l.y : l.x) * kLog2e)) : 0.0f;
+      p[i] = seen ? fast_exp2(fmaf(s[4 * j + i], scale_log2, -(e ? l.y : l.x) * kLog2e)) : 0.0f;
       ds[i] = p[i] * (dp[4 * j + i] - (e ? dl.y : dl.x));
     }
     // k-step j / 2 of 16 queries: words 0, 1 its first 8 columns (rows g, g + 8), 2, 3 the next 8.
@@ -428,7 +436,9 @@ __global__ void __launch_bounds__(kThreads, 1)
 // consumer warpgroup (64 rows) computes S = Q K^T (wgmma, 64 x 128), the online softmax in the log2
 // domain in registers, and O += P V (P as the A operand from registers). The two consumers take the
 // tensor cores in turns (named barriers kTurn + w), so that one's softmax runs under the other's
-// multiplies. At the end O / l goes back through the consumer's rows of the Q tile to a TMA store;
+// multiplies (consume_forward). Every wgmma's registers stay fenced until its wait: ptxas serialises
+// all of a kernel's wgmmas (warning C7515) if any register they use may change while one is in
+// flight, which made the first version 0.46 ms against cuDNN's 0.27 at the bench shape. At the end O / l goes back through the consumer's rows of the Q tile to a TMA store;
 // lse = (m + log2 l) ln 2.
 constexpr int kFwdTileQ = 0, kFwdStages = 32768, kFwdStageBytes = 65536, kFwdBarriers = kFwdStages + 2 * kFwdStageBytes;
 constexpr int kFwdSmemBytes = kFwdBarriers + 64 + 1024;
@@ -449,24 +459,26 @@ __device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, uint32_t sr
 
 // The online softmax of one key block for one consumer's rows (row0 and row0 + 8 of each warp):
 // masks keys past the query on the diagonal, rescales o and the partial row sums l, and leaves P
-// as bf16 A fragments (four words per 16 keys).
+// as bf16 A fragments (four words per 16 keys). m is the running maximum of the scaled scores (log2
+// domain); the scale enters the exponent's multiply-add, never the scores themselves.
 __device__ __forceinline__ void online_softmax(uint32_t (&p_frag)[32], float (&s)[64], float (&o)[64], float (&m)[2], float (&l)[2],
                                                bool diagonal, int key0, int row0, float scale_log2) {
   const int lane = threadIdx.x % 32;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    float top = m[h];
+    float top = -INFINITY;
 #pragma unroll
     for (int j = 0; j < 16; ++j)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         float& x = s[4 * j + 2 * h + e];
-        x = diagonal && key0 + 8 * j + 2 * (lane % 4) + e > row0 + 8 * h ? -INFINITY : x * scale_log2;
+        if (diagonal && key0 + 8 * j + 2 * (lane % 4) + e > row0 + 8 * h) x = -INFINITY;
         top = fmaxf(top, x);
       }
     top = fmaxf(top, __shfl_xor_sync(~0u, top, 1));
     top = fmaxf(top, __shfl_xor_sync(~0u, top, 2));
-    const float correction = exp2f(m[h] - top);  // 0 on the first block (m = -inf; top is finite: a row sees itself)
+    top = fmaxf(m[h], top * scale_log2);
+    const float correction = fast_exp2(m[h] - top);  // 0 on the first block (m = -inf; top is finite: a row sees itself)
     m[h] = top;
     l[h] *= correction;
 #pragma unroll
@@ -476,7 +488,7 @@ __device__ __forceinline__ void online_softmax(uint32_t (&p_frag)[32], float (&s
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         float& x = s[4 * j + 2 * h + e];
-        x = exp2f(x - top);
+        x = fast_exp2(fmaf(x, scale_log2, -top));
         l[h] += x;
       }
     }
@@ -514,7 +526,24 @@ __device__ void store_forward(const CUtensorMap* out_map, const ForwardArgs& a, 
   }
 }
 
-// Consumer warpgroup w: rows query_block * 128 + 64 w .. + 63.
+// S = Q K^T of consumer w's 64 rows against the 128 keys of k_tile.
+__device__ __forceinline__ void issue_scores(float (&sc)[64], uint32_t base, uint32_t k_tile, int w) {
+#pragma unroll
+  for (int kk = 0; kk < 8; ++kk)
+    mma_m64n128k16_ss(sc, descriptor(base + kFwdTileQ + (kk / 4) * 16384 + w * 8192 + (kk % 4) * 32, 16, 1024),
+                      descriptor(k_tile + (kk / 4) * 16384 + (kk % 4) * 32, 16, 1024), kk > 0);
+}
+// O += P V, P from registers; B = V, N-major: 16 keys = 2048 bytes, the two 64-dim boxes 16 KiB apart.
+__device__ __forceinline__ void issue_values(float (&o)[64], const uint32_t (&p_frag)[32], uint32_t v_tile) {
+#pragma unroll
+  for (int ks = 0; ks < 8; ++ks) mma_m64n128k16_rs(o, p_frag + 4 * ks, descriptor(v_tile + ks * 2048, 16384, 1024));
+}
+
+// Consumer warpgroup w: rows query_block * 128 + 64 w .. + 63. Walk step it (key block
+// query_block - it) takes one turn on the tensor cores that issues O += P V of the step before and
+// S of this one, back to back; its softmax then runs while the other consumer has its turn. The
+// turns alternate through the named barriers kTurn + w (consumer 1's arrive opens the first); each
+// consumer takes iterations + 1 turns, and consumer 1 does not open a turn after its last.
 __device__ void consume_forward(const CUtensorMap* out_map, const ForwardArgs& a, uint32_t base, unsigned char* smem, int w, int head,
                                 int query_block) {
   const uint32_t q_full = base + kFwdBarriers, full = q_full + 8, empty = full + 16;
@@ -522,38 +551,50 @@ __device__ void consume_forward(const CUtensorMap* out_map, const ForwardArgs& a
   float o[64], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
 #pragma unroll
   for (int i = 0; i < 64; ++i) o[i] = 0.0f;
+  uint32_t p_frag[32];
   barrier_wait(q_full, 0);
-  if (w == 1) named_arrive(kTurn, 256);  // consumer 0 takes the first turn
+  if (w == 1) named_arrive(kTurn, 256);
   const int iterations = query_block + 1;
-  for (int it = 0; it < iterations; ++it) {
-    const int s = it & 1;
-    const uint32_t k_tile = base + kFwdStages + s * kFwdStageBytes, v_tile = k_tile + 32768;
-    barrier_wait(full + 8 * s, (it >> 1) & 1);
+  auto stage = [&](int it) { return base + kFwdStages + (it & 1) * kFwdStageBytes; };
+  {
     float sc[64];
+    barrier_wait(full, 0);
     named_sync(kTurn + w, 256);
     mma_fence();
-#pragma unroll
-    for (int kk = 0; kk < 8; ++kk)
-      mma_m64n128k16_ss(sc, descriptor(base + kFwdTileQ + (kk / 4) * 16384 + w * 8192 + (kk % 4) * 32, 16, 1024),
-                        descriptor(k_tile + (kk / 4) * 16384 + (kk % 4) * 32, 16, 1024), kk > 0);
+    issue_scores(sc, base, stage(0), w);
     mma_commit();
     named_arrive(kTurn + 1 - w, 256);
-    mma_wait<0>();  // S, and the previous block's O += P V
+    mma_wait<0>();
     fence_registers(sc);
-    fence_registers(o);
-    if (it > 0 && lane == 0) barrier_arrive(empty + 8 * (s ^ 1));  // the previous stage's V is read
-    uint32_t p_frag[32];
-    online_softmax(p_frag, sc, o, m, l, it == 0, kKeys * (query_block - it), row0, a.scale_log2);
+    online_softmax(p_frag, sc, o, m, l, true, kKeys * query_block, row0, a.scale_log2);
+  }
+  for (int it = 1; it < iterations; ++it) {
+    const int s = it & 1;
+    barrier_wait(full + 8 * s, (it >> 1) & 1);
+    float sc[64];
+    fence_registers(p_frag);
     named_sync(kTurn + w, 256);
     mma_fence();
-#pragma unroll
-    for (int ks = 0; ks < 8; ++ks)  // B = V, N-major: 16 keys = 2048 bytes, the two 64-dim boxes 16 KiB apart
-      mma_m64n128k16_rs(o, p_frag + 4 * ks, descriptor(v_tile + ks * 2048, 16384, 1024));
+    issue_values(o, p_frag, stage(it - 1) + 32768);
+    issue_scores(sc, base, stage(it), w);
     mma_commit();
-    if (w == 0 || it + 1 < iterations) named_arrive(kTurn + 1 - w, 256);
+    named_arrive(kTurn + 1 - w, 256);
+    mma_wait<0>();
+    fence_registers(sc);
+    fence_registers(o);
+    fence_registers(p_frag);
+    if (lane == 0) barrier_arrive(empty + 8 * (s ^ 1));  // the previous stage's K and V are read
+    online_softmax(p_frag, sc, o, m, l, false, kKeys * (query_block - it), row0, a.scale_log2);
   }
+  fence_registers(p_frag);
+  named_sync(kTurn + w, 256);
+  mma_fence();
+  issue_values(o, p_frag, stage(iterations - 1) + 32768);
+  mma_commit();
+  if (w == 0) named_arrive(kTurn + 1 - w, 256);
   mma_wait<0>();
   fence_registers(o);
+  fence_registers(p_frag);
   store_forward(out_map, a, base, smem, w, head, query_block, o, m, l);
 }
 

@@ -125,6 +125,13 @@ __device__ __forceinline__ void fence_registers(float (&d)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
+// The same for A fragments in registers: also keeps them allocated (and unchanged) until this point,
+// which an asynchronous wgmma reading them needs until its wait.
+template <int N>
+__device__ __forceinline__ void fence_registers(uint32_t (&a)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+r"(a[i])::"memory");
+}
 
 // The accumulator lists of the wgmma wrappers below: eight in-out operands d[i .. i + 7], and the
 // register lists "%0, ..., %31" and "%0, ..., %63".
