@@ -9,7 +9,7 @@
 // dP^T = V dO^T (keys as rows), P^T and dS^T in registers, which are the A operands of
 // dV += P^T dO and dK += dS^T Q (accumulated in registers over the whole walk); dS^T also goes to
 // shared memory, from which both warpgroups compute the query block's dQ share dS K (each 64 of the
-// 128 columns). A producer warp loads Q, dO, lse and D two stages ahead (TMA); a writer warp adds
+// 128 columns). A producer warp loads Q, dO, lse and D two stages ahead (TMA); two writer warps add
 // the dQ shares into an f32 accumulator in global memory (bulk reduce-add from shared memory).
 //
 // Determinism: every f32 sum runs in a fixed order. A query block's dQ shares are added key block
@@ -221,17 +221,18 @@ __device__ void load_tiles(const CUtensorMap* q_map, const CUtensorMap* k_map, c
   }
 }
 
-// Writer warp: both consumers' staged dQ shares of each query block (contiguous in shared memory and
-// in dq_accum) into dq_accum as one write, in key block order; the semaphore is raised once the
-// write completed. Query block i of the walk is staged in buffer i % 2.
-__device__ void write_dq(const Args& a, Item item, int t, uint32_t base) {
+// Writer warp b of two: both consumers' staged dQ shares of each query block (contiguous in shared
+// memory and in dq_accum) into dq_accum as one write, in key block order; the semaphore is raised
+// once the write completed. Query block i of the walk is staged in buffer i % 2 and written by warp
+// i % 2, so that one write's completion (microseconds under load) overlaps the next one's.
+__device__ void write_dq(const Args& a, Item item, int t, uint32_t base, int b) {
   const bool leader = threadIdx.x % 32 == 0;
   const int count = a.query_blocks - 2 * item.key_block;
   int64_t waited = 0;
-  for (int b = 0; b < 2 && b < count; ++b)
+  if (b < count)
     for (int w = 0; w < 2; ++w) named_arrive(kDqEmpty + 2 * b + w, 160);
-  for (int it = 0; it < count; ++it) {
-    const int m = a.query_blocks - 1 - it, b = it & 1;
+  for (int it = b; it < count; it += 2) {
+    const int m = a.query_blocks - 1 - it;
     for (int w = 0; w < 2; ++w) named_sync(kDqFull + 2 * b + w, 160);
     int32_t* semaphore = a.dq_semaphores + int64_t(item.head) * a.query_blocks + m;
     if (leader) {
@@ -250,9 +251,9 @@ __device__ void write_dq(const Args& a, Item item, int t, uint32_t base) {
       signal(semaphore);
     }
   }
-  if (a.timeline && leader) {
-    a.timeline[int64_t(t) * kTimelineFields + kDqWait] = waited;
-    a.timeline[int64_t(t) * kTimelineFields + kDqEnd] = now_ns();
+  if (a.timeline && leader) {  // the two writers' waits summed, the later end (the timeline starts zeroed)
+    atomicAdd(reinterpret_cast<unsigned long long*>(a.timeline + int64_t(t) * kTimelineFields + kDqWait), (unsigned long long)waited);
+    atomicMax(reinterpret_cast<long long*>(a.timeline + int64_t(t) * kTimelineFields + kDqEnd), (long long)now_ns());
   }
 }
 
@@ -422,7 +423,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (warpgroup == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
     if (threadIdx.x == 0) load_tiles(&q_map, &k_map, &v_map, &do_map, a, item, base);
-    else if (threadIdx.x / 32 == 1) write_dq(a, item, t, base);
+    else if (threadIdx.x / 32 == 1 || threadIdx.x / 32 == 2) write_dq(a, item, t, base, threadIdx.x / 32 - 1);
     return;
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
@@ -438,10 +439,14 @@ __global__ void __launch_bounds__(kThreads, 1)
 // tensor cores in turns (named barriers kTurn + w), so that one's softmax runs under the other's
 // multiplies (consume_forward). Every wgmma's registers stay fenced until its wait: ptxas serialises
 // all of a kernel's wgmmas (warning C7515) if any register they use may change while one is in
-// flight, which made the first version 0.46 ms against cuDNN's 0.27 at the bench shape. At the end O / l goes back through the consumer's rows of the Q tile to a TMA store;
-// lse = (m + log2 l) ln 2.
-constexpr int kFwdTileQ = 0, kFwdStages = 32768, kFwdStageBytes = 65536, kFwdBarriers = kFwdStages + 2 * kFwdStageBytes;
+// flight, which made the first version 0.46 ms against cuDNN's 0.27 at the bench shape. At the end
+// O / l goes back through the consumer's rows of the Q tile to a TMA store; lse = (m + log2 l) ln 2.
+// Three K/V stages: a stage is free only after the turn that reads its V, one turn after its K, so
+// with two the next load had only a softmax's time to land.
+constexpr int kFwdTileQ = 0, kFwdStages = 32768, kFwdStageCount = 3, kFwdStageBytes = 65536;
+constexpr int kFwdBarriers = kFwdStages + kFwdStageCount * kFwdStageBytes;
 constexpr int kFwdSmemBytes = kFwdBarriers + 64 + 1024;
+static_assert(kFwdSmemBytes <= 232448, "the forward's shared memory exceeds the 227 KiB a block may have");
 constexpr int kTurn = 1, kFwdRowsDone = 3;  // named barriers: consumer w's turn; consumer w's O staged
 constexpr float kLn2 = 0.6931471805599453f;
 
@@ -546,7 +551,7 @@ __device__ __forceinline__ void issue_values(float (&o)[64], const uint32_t (&p_
 // consumer takes iterations + 1 turns, and consumer 1 does not open a turn after its last.
 __device__ void consume_forward(const CUtensorMap* out_map, const ForwardArgs& a, uint32_t base, unsigned char* smem, int w, int head,
                                 int query_block) {
-  const uint32_t q_full = base + kFwdBarriers, full = q_full + 8, empty = full + 16;
+  const uint32_t q_full = base + kFwdBarriers, full = q_full + 8, empty = full + 8 * kFwdStageCount;
   const int lane = threadIdx.x % 32, row0 = kKeys * query_block + 64 * w + 16 * (threadIdx.x / 32 % 4) + lane / 4;
   float o[64], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
 #pragma unroll
@@ -555,7 +560,7 @@ __device__ void consume_forward(const CUtensorMap* out_map, const ForwardArgs& a
   barrier_wait(q_full, 0);
   if (w == 1) named_arrive(kTurn, 256);
   const int iterations = query_block + 1;
-  auto stage = [&](int it) { return base + kFwdStages + (it & 1) * kFwdStageBytes; };
+  auto stage = [&](int it) { return base + kFwdStages + (it % kFwdStageCount) * kFwdStageBytes; };
   {
     float sc[64];
     barrier_wait(full, 0);
@@ -569,8 +574,7 @@ __device__ void consume_forward(const CUtensorMap* out_map, const ForwardArgs& a
     online_softmax(p_frag, sc, o, m, l, true, kKeys * query_block, row0, a.scale_log2);
   }
   for (int it = 1; it < iterations; ++it) {
-    const int s = it & 1;
-    barrier_wait(full + 8 * s, (it >> 1) & 1);
+    barrier_wait(full + 8 * (it % kFwdStageCount), (it / kFwdStageCount) & 1);
     float sc[64];
     fence_registers(p_frag);
     named_sync(kTurn + w, 256);
@@ -583,7 +587,7 @@ __device__ void consume_forward(const CUtensorMap* out_map, const ForwardArgs& a
     fence_registers(sc);
     fence_registers(o);
     fence_registers(p_frag);
-    if (lane == 0) barrier_arrive(empty + 8 * (s ^ 1));  // the previous stage's K and V are read
+    if (lane == 0) barrier_arrive(empty + 8 * ((it - 1) % kFwdStageCount));  // the previous block's K and V are read
     online_softmax(p_frag, sc, o, m, l, false, kKeys * (query_block - it), row0, a.scale_log2);
   }
   fence_registers(p_frag);
@@ -606,19 +610,19 @@ __global__ void __launch_bounds__(kThreads, 1)
   unsigned char* smem = smem_raw + (base - raw);
   const int query_block = a.blocks - 1 - int(blockIdx.x) / a.heads, head = int(blockIdx.x) % a.heads;
   if (threadIdx.x == 0) barrier_init(base + kFwdBarriers, 1);
-  init_stage_barriers(base + kFwdBarriers + 8, base + kFwdBarriers + 24, 2, 2);  // ends in __syncthreads
+  init_stage_barriers(base + kFwdBarriers + 8, base + kFwdBarriers + 8 + 8 * kFwdStageCount, kFwdStageCount, 2);  // ends in __syncthreads
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
     if (threadIdx.x != 0) return;
     const int b = head / a.q_heads, h = head % a.q_heads, kvh = h / (a.q_heads / a.kv_heads);
-    const uint32_t q_full = base + kFwdBarriers, full = q_full + 8, empty = full + 16;
+    const uint32_t q_full = base + kFwdBarriers, full = q_full + 8, empty = full + 8 * kFwdStageCount;
     barrier_expect_bytes(q_full, 32768);
     for (int j = 0; j < 2; ++j) tma_load_2d(base + kFwdTileQ + j * 16384, &q_map, q_full, h * kDim + 64 * j, b * a.seq + kKeys * query_block);
     for (int it = 0; it <= query_block; ++it) {
-      const int s = it & 1, key_block = query_block - it;
+      const int s = it % kFwdStageCount, key_block = query_block - it;
       const uint32_t k_tile = base + kFwdStages + s * kFwdStageBytes;
-      barrier_wait(empty + 8 * s, ((it >> 1) & 1) ^ 1);
+      barrier_wait(empty + 8 * s, ((it / kFwdStageCount) & 1) ^ 1);
       barrier_expect_bytes(full + 8 * s, kFwdStageBytes);
       for (int j = 0; j < 2; ++j) {
         tma_load_2d(k_tile + j * 16384, &k_map, full + 8 * s, kvh * kDim + 64 * j, b * a.seq + kKeys * key_block);
@@ -769,7 +773,7 @@ void hopper_attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor
 std::vector<HopperItemTimes> hopper_backward_timeline(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out,
                                                       Tensor lse) {
   const int64_t items = q.size(0) * q.size(2) * (q.size(1) / kKeys);
-  Buffer timeline(DType::i64, Device::cuda, {items * kTimelineFields});
+  const Buffer timeline = Buffer::zeros(DType::i64, Device::cuda, {items * kTimelineFields});
   run_backward(dq, dk, dv, dout, q, k, v, out, lse, timeline.ptr<int64_t>(), {});
   const Buffer host = to_host(timeline);
   std::vector<HopperItemTimes> result(static_cast<size_t>(items));
