@@ -6,6 +6,7 @@
 #include "ops/add.h"
 #include "ops/attention.h"
 #include "ops/attention_cudnn.h"
+#include "ops/attention_hopper.h"
 #include "ops/combine.h"
 #include "ops/cross_entropy.h"
 #include "ops/dispatch.h"
@@ -483,8 +484,12 @@ namespace {
 // The GPU attention backward's scratch. Own kernels (ops/attention.cu): the f32 row statistic delta
 // and, with grouped-query heads, f32 dK/dV per query head that are summed into the KV heads
 // afterwards. cuDNN's (ops/attention_cudnn.h): its workspace (dP and more) and, when the deterministic
-// backward runs in query chunks, the f32 dK, dV sums.
+// backward runs in query chunks, the f32 dK, dV sums. The wgmma backward's (ops/attention_hopper.h):
+// f32 dQ, dK, dV accumulators.
 int64_t attention_backward_op_scratch(int64_t batch, int64_t seq, int64_t q_heads, int64_t kv_heads, int64_t head_dim) {
+  const bool hopper = attention_kernels() == AttentionKernels::hopper || attention_kernels() == AttentionKernels::hopper_backward;
+  if (hopper && hopper_attention_supports(seq, q_heads, kv_heads, head_dim))
+    return hopper_attention_backward_scratch(batch, seq, q_heads, kv_heads, head_dim);
   const bool deterministic = attention_kernels() == AttentionKernels::cudnn;
   if (attention_kernels() != AttentionKernels::own &&
       cudnn_attention_backward_supports(batch, seq, q_heads, kv_heads, head_dim, deterministic))

@@ -39,7 +39,8 @@ namespace marrow {
 // DESIGN.md's determinism, never a default.
 // hopper: Marrow's own wgmma forward and deterministic backward (ops/attention_hopper.h) where they
 // serve the sizes (head_dim 128, lengths a multiple of 128), else as cudnn; hopper_backward: cuDNN's
-// forward with the own wgmma backward.
+// forward with the own wgmma backward, the run config's default (the fastest bench step; both
+// deterministic, docs/performance.md).
 enum class AttentionKernels : uint8_t { own, cudnn, cudnn_nondeterministic, hopper, hopper_backward };
 inline constexpr AttentionKernels kAttentionKernels[] = {AttentionKernels::own, AttentionKernels::cudnn,
                                                          AttentionKernels::cudnn_nondeterministic, AttentionKernels::hopper,

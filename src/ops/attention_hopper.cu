@@ -9,7 +9,7 @@
 // dP^T = V dO^T (keys as rows), P^T and dS^T in registers, which are the A operands of
 // dV += P^T dO and dK += dS^T Q (accumulated in registers over the whole walk); dS^T also goes to
 // shared memory, from which both warpgroups compute the query block's dQ share dS K (each 64 of the
-// 128 columns). A producer warp loads Q, dO, lse and D two stages ahead (TMA); two writer warps add
+// 128 columns). A producer warp loads Q, dO, lse and D two stages ahead (TMA); a writer warp adds
 // the dQ shares into an f32 accumulator in global memory (bulk reduce-add from shared memory).
 //
 // Determinism: every f32 sum runs in a fixed order. A query block's dQ shares are added key block
@@ -55,6 +55,12 @@ bool hopper_attention_supports(int64_t seq, int64_t q_heads, int64_t kv_heads, i
   (void)seq, (void)q_heads, (void)kv_heads, (void)head_dim;
   return false;
 #endif
+}
+
+// delta, the f32 dQ, dK and dV accumulators, and the semaphores (run_backward's buffers).
+int64_t hopper_attention_backward_scratch(int64_t batch, int64_t seq, int64_t q_heads, int64_t kv_heads, int64_t head_dim) {
+  const int64_t semaphores = batch * q_heads * (seq / 64) + batch * kv_heads * (seq / 128) + 1;
+  return 4 * (batch * q_heads * seq + batch * q_heads * seq * head_dim + 2 * batch * kv_heads * seq * head_dim + semaphores);
 }
 
 #ifdef __CUDACC__
@@ -221,18 +227,17 @@ __device__ void load_tiles(const CUtensorMap* q_map, const CUtensorMap* k_map, c
   }
 }
 
-// Writer warp b of two: both consumers' staged dQ shares of each query block (contiguous in shared
-// memory and in dq_accum) into dq_accum as one write, in key block order; the semaphore is raised
-// once the write completed. Query block i of the walk is staged in buffer i % 2 and written by warp
-// i % 2, so that one write's completion (microseconds under load) overlaps the next one's.
-__device__ void write_dq(const Args& a, Item item, int t, uint32_t base, int b) {
+// Writer warp: both consumers' staged dQ shares of each query block (contiguous in shared memory and
+// in dq_accum) into dq_accum as one write, in key block order; the semaphore is raised once the
+// write completed. Query block i of the walk is staged in buffer i % 2.
+__device__ void write_dq(const Args& a, Item item, int t, uint32_t base) {
   const bool leader = threadIdx.x % 32 == 0;
   const int count = a.query_blocks - 2 * item.key_block;
   int64_t waited = 0;
-  if (b < count)
+  for (int b = 0; b < 2 && b < count; ++b)
     for (int w = 0; w < 2; ++w) named_arrive(kDqEmpty + 2 * b + w, 160);
-  for (int it = b; it < count; it += 2) {
-    const int m = a.query_blocks - 1 - it;
+  for (int it = 0; it < count; ++it) {
+    const int m = a.query_blocks - 1 - it, b = it & 1;
     for (int w = 0; w < 2; ++w) named_sync(kDqFull + 2 * b + w, 160);
     int32_t* semaphore = a.dq_semaphores + int64_t(item.head) * a.query_blocks + m;
     if (leader) {
@@ -251,9 +256,9 @@ __device__ void write_dq(const Args& a, Item item, int t, uint32_t base, int b) 
       signal(semaphore);
     }
   }
-  if (a.timeline && leader) {  // the two writers' waits summed, the later end (the timeline starts zeroed)
-    atomicAdd(reinterpret_cast<unsigned long long*>(a.timeline + int64_t(t) * kTimelineFields + kDqWait), (unsigned long long)waited);
-    atomicMax(reinterpret_cast<long long*>(a.timeline + int64_t(t) * kTimelineFields + kDqEnd), (long long)now_ns());
+  if (a.timeline && leader) {
+    a.timeline[int64_t(t) * kTimelineFields + kDqWait] = waited;
+    a.timeline[int64_t(t) * kTimelineFields + kDqEnd] = now_ns();
   }
 }
 
@@ -423,7 +428,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (warpgroup == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
     if (threadIdx.x == 0) load_tiles(&q_map, &k_map, &v_map, &do_map, a, item, base);
-    else if (threadIdx.x / 32 == 1 || threadIdx.x / 32 == 2) write_dq(a, item, t, base, threadIdx.x / 32 - 1);
+    else if (threadIdx.x / 32 == 1) write_dq(a, item, t, base);
     return;
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
@@ -773,7 +778,7 @@ void hopper_attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor
 std::vector<HopperItemTimes> hopper_backward_timeline(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out,
                                                       Tensor lse) {
   const int64_t items = q.size(0) * q.size(2) * (q.size(1) / kKeys);
-  const Buffer timeline = Buffer::zeros(DType::i64, Device::cuda, {items * kTimelineFields});
+  Buffer timeline(DType::i64, Device::cuda, {items * kTimelineFields});
   run_backward(dq, dk, dv, dout, q, k, v, out, lse, timeline.ptr<int64_t>(), {});
   const Buffer host = to_host(timeline);
   std::vector<HopperItemTimes> result(static_cast<size_t>(items));

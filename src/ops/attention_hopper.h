@@ -25,7 +25,9 @@ bool hopper_attention_supports(int64_t seq, int64_t q_heads, int64_t kv_heads, i
 void hopper_attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v, Stream stream = {});
 
 // dq, dk, dv (bf16, overwritten) from dout, q, k, v, out (bf16) and lse (f32) on the GPU; the caller
-// (attention_backward) has checked the shapes.
+// (attention_backward) has checked the shapes. Takes hopper_attention_backward_scratch bytes from
+// the stream-ordered pool.
+int64_t hopper_attention_backward_scratch(int64_t batch, int64_t seq, int64_t q_heads, int64_t kv_heads, int64_t head_dim);
 void hopper_attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out,
                                Tensor lse, Stream stream = {});
 
