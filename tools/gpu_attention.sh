@@ -25,7 +25,8 @@
 # measure: the bench config (3 + 27 steps); one sequence per step at 16,384 and
 #          32,768 tokens with and without the bf16 weight copy, and the bench config without it (3 + 5
 #          steps): tokens/s and peaks; then the kernel table
-# kernels: marrow bench --kernels, the rows matching the regex KERNEL_ROWS (default: every row)
+# kernels: marrow bench --kernels [KERNEL_GROUP, e.g. attention], the rows matching the regex KERNEL_ROWS
+#          (default: every row)
 # plans: marrow bench --attention-plans at the bench's 4,096 (and the lengths in PLAN_SEQS): every plan
 #        cuDNN offers for the forward and the deterministic backward, timed and compared with the op's
 # pairs: the bench config (3 + 27 steps) with train.pair_expert_grads=false, then the default, on one
@@ -165,8 +166,8 @@ print('losses', l[0]); print('same bits' if l[0] == l[1] else f'DIFFER: {l[1]}')
 fi
 
 if [ "$what" = kernels ]; then
-  step "marrow bench --kernels"
-  build-gpu/marrow bench --kernels > "$out/kernels.log" 2>&1 || fail "bench --kernels"
+  step "marrow bench --kernels ${KERNEL_GROUP:-}"
+  timeout 300 build-gpu/marrow bench --kernels ${KERNEL_GROUP:-} > "$out/kernels.log" 2>&1 || fail "bench --kernels"
   grep -E "${KERNEL_ROWS:-.}" "$out/kernels.log"
 fi
 

@@ -142,6 +142,11 @@ void bench_attention_kernels(int64_t S, int64_t Hq, int64_t Hkv, int64_t D) {
       print_hopper_timeline(hopper_backward_timeline(dq, dk, dv, dout, q, k, v, out, lse), S);
     }
     set_hopper_backward_chunk_heads(0);
+    set_hopper_backward_unordered(true);
+    kernel_row(fmt::format("attention S{} Hq{} Hkv{} D{} causal, hopper bwd, dQ unordered (not deterministic)", S, Hq, Hkv, D), 2.5 * fwd,
+               [&] { attention_backward(dq, dk, dv, dout, q, k, v, out, lse); });
+    print_hopper_timeline(hopper_backward_timeline(dq, dk, dv, dout, q, k, v, out, lse), S);
+    set_hopper_backward_unordered(false);
   }
   // Long sequences: cuDNN's deterministic backward under smaller workspace caps (more calls, less
   // memory), and in query chunks over all heads at the cap (the plan's choice at 32,768; at 16,384

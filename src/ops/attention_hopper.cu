@@ -47,6 +47,15 @@ int& chunk_heads() {
 
 void set_hopper_backward_chunk_heads(int heads) { chunk_heads() = heads; }
 
+namespace {
+bool& unordered_setting() {
+  static bool unordered = false;
+  return unordered;
+}
+}  // namespace
+
+void set_hopper_backward_unordered(bool unordered) { unordered_setting() = unordered; }
+
 
 bool hopper_attention_supports(int64_t seq, int64_t q_heads, int64_t kv_heads, int64_t head_dim) {
 #ifdef __CUDACC__
@@ -115,6 +124,7 @@ struct Args {
   int64_t* timeline;  // bench hook (hopper_backward_timeline): kTimelineFields per item, or null
   int seq, q_heads, kv_heads, heads, key_blocks, query_blocks, chunk_heads;
   float scale, scale_log2;
+  bool unordered;  // set_hopper_backward_unordered: dq_accum starts zeroed, every share is added at once
 };
 
 // The timeline's fields per item (globaltimer ns but head, key block and SM).
@@ -242,10 +252,10 @@ __device__ void write_dq(const Args& a, Item item, int t, uint32_t base) {
     int32_t* semaphore = a.dq_semaphores + int64_t(item.head) * a.query_blocks + m;
     if (leader) {
       const int64_t before = a.timeline ? now_ns() : 0;
-      wait_at_least(semaphore, item.key_block);  // key blocks 0 .. key_block - 1 come first
+      if (!a.unordered) wait_at_least(semaphore, item.key_block);  // key blocks 0 .. key_block - 1 come first
       if (a.timeline) waited += now_ns() - before;
       bulk_write(a.dq_accum + (int64_t(item.head) * a.query_blocks + m) * 8192, base + kTileDQ + b * kDqBufferBytes, kDqBufferBytes,
-                 item.key_block > 0);
+                 item.key_block > 0 || a.unordered);
       bulk_wait_read();
     }
     __syncwarp();
@@ -738,6 +748,8 @@ void run_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor
   a.seq = int(seq), a.q_heads = int(q_heads), a.kv_heads = int(kv_heads), a.heads = heads;
   a.key_blocks = key_blocks, a.query_blocks = query_blocks;
   a.chunk_heads = std::min(heads, chunk_heads() > 0 ? chunk_heads() : kChunkHeads);
+  a.unordered = unordered_setting();
+  if (a.unordered) MARROW_CUDA_CHECK(cudaMemsetAsync(a.dq_accum, 0, size_t(dq_accum.numel()) * 4, s));
   a.scale = float(1.0 / std::sqrt(double(kDim)));
   a.scale_log2 = a.scale * kLog2e;
   const CUtensorMap q_map = rows_map(q, q_heads, kQueries), do_map = rows_map(dout, q_heads, kQueries);

@@ -16,6 +16,9 @@ namespace marrow {
 
 // Test hook (0 restores the default, 8): the query heads of a chunk of work items.
 void set_hopper_backward_chunk_heads(int heads);
+// Bench hook (false restores the default): dQ shares added in whichever order they arrive, without
+// the semaphores, which is not deterministic; measures what the fixed order costs. Never in training.
+void set_hopper_backward_unordered(bool unordered);
 
 // Whether the kernels serve these sizes (false without CUDA).
 bool hopper_attention_supports(int64_t seq, int64_t q_heads, int64_t kv_heads, int64_t head_dim);
