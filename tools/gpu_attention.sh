@@ -62,7 +62,7 @@ fi
 
 if [ "$what" = hopper ]; then
   step "marrow check --only attention (with the hopper kernels' rows)"
-  timeout 480 build-gpu/marrow check --only attention > "$out/check.log" 2>&1
+  timeout ${CHECK_TIMEOUT:-480} build-gpu/marrow check --only attention > "$out/check.log" 2>&1
   grep -E "FAIL|checks,|error" "$out/check.log" | head -40
   grep -E "hopper" "$out/check.log" | grep -E "dq|dk|dv" | head -60 >> "$out/summary.log"
   if grep -q '^PASS$' "$out/check.log"; then
