@@ -362,8 +362,7 @@ void check_attention_op(CheckReport& report) {
   set_cudnn_backward_chunk(0);
   backward_variant.clear();
   // Marrow's wgmma forward and backward (ops/attention_hopper.h) where they serve the sizes: two
-  // batch rows, groups 1, 4 and 8, one key block and odd numbers of them (the backward's clusters
-  // take key blocks in pairs: a last pair of one), and the backward's chunks of one head and of three
+  // batch rows, groups 1, 4 and 8, one key block, and the backward's chunks of one head and of three
   // (the last one short).
   set_attention_kernels(AttentionKernels::hopper);
   const Shape hopper_shapes[] = {{2, 256, 8, 2, 128}, {1, 384, 4, 1, 128}, {1, 128, 2, 2, 128}, {1, 640, 8, 1, 128}};

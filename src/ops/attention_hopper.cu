@@ -3,26 +3,20 @@
 // D_i = dO_i . O_i:  dV_j = sum_i P_ij dO_i,  dS_ij = P_ij (dO_i . V_j - D_i),
 // dK_j = scale sum_i dS_ij Q_i,  dQ_i = scale sum_j dS_ij K_j.
 //
-// Work: an item is (batch row and query head, pair of key blocks of 128 keys), run by a cluster of
-// two blocks, block r taking key block 2 pair + r. Each block loads K and V of its key block once and
-// walks the 64-row query blocks that see them, from the last to the diagonal (block 1 stops two
-// query blocks earlier).
+// Work: an item is (batch row and query head, key block of 128 keys). Its block loads K and V of
+// the block once and walks the 64-row query blocks that see them, from the last to the diagonal.
 // Per query block, each of two consumer warpgroups (64 keys each) computes S^T = K Q^T and
 // dP^T = V dO^T (keys as rows), P^T and dS^T in registers, which are the A operands of
 // dV += P^T dO and dK += dS^T Q (accumulated in registers over the whole walk); dS^T also goes to
 // shared memory, from which both warpgroups compute the query block's dQ share dS K (each 64 of the
-// 128 columns). A producer warp loads Q, dO, lse and D two stages ahead (TMA). Block 1's consumers
-// store their dQ share into block 0's shared memory (distributed shared memory), block 0's add theirs
-// to it, and block 0's writer warp adds the pair's sum into an f32 accumulator in global memory (bulk
-// reduce-add from shared memory): half the reduce traffic of one write per key block, which bound
-// the kernel (with the writes unordered it ran no faster; docs/performance.md).
+// 128 columns). A producer warp loads Q, dO, lse and D two stages ahead (TMA); a writer warp adds
+// the dQ shares into an f32 accumulator in global memory (bulk reduce-add from shared memory).
 //
-// Determinism: every f32 sum runs in a fixed order. A query block's dQ shares are summed in pairs
-// (key block 2p + 1's, then 2p's added) and the pairs added from pair 0 (which stores instead of
-// adding) up, each waiting on a per-(head, query block) semaphore. dK and dV of a key/value head are summed over its query heads in head
+// Determinism: every f32 sum runs in a fixed order. A query block's dQ shares are added key block
+// by key block from key block 0 (which stores instead of adding) up, each waiting on a per-(head,
+// query block) semaphore. dK and dV of a key/value head are summed over its query heads in head
 // order (a semaphore per key block; the first stores). Items are taken from a counter (never by
-// blockIdx; block 0 takes, block 1 reads it) in chunks of query heads, each chunk's pairs in
-// increasing order: the longest walks
+// blockIdx) in chunks of query heads, each chunk's key blocks in increasing order: the longest walks
 // first, and every item waits only on items taken before it, so nothing deadlocks. As every walk
 // starts at the last query block, the items before an item reach each query block as many steps
 // after their own start as it does after its own, and it waits only when they started less than
@@ -112,10 +106,7 @@ constexpr int kChunkHeads = 8;
 // consumer (the consumers may run a query block ahead of the writer while it waits its turn).
 constexpr int kTileK = 0, kTileV = 32768, kTileQ = 65536, kTileDO = 98304, kStageBytes = 16384;
 constexpr int kTileDS = 131072, kTileDQ = 147456, kDqBufferBytes = 32768, kRowStats = 212992, kBarriers = 214016;
-// Past kBarriers: K/V full, Q/dO full and empty (two each), the item, then block 0's "block 1's dQ
-// share is in buffer b" (256 arrivals) and block 1's "block 0's buffer b is free" (one arrival).
-constexpr int kItemSlot = 40, kPeerFull = 48, kPeerEmpty = 64;
-constexpr int kSmemBytes = kBarriers + 128 + 1024;
+constexpr int kSmemBytes = kBarriers + 64 + 1024;
 // Named barriers (0 is __syncthreads): dS^T written by both consumers / read by both; a consumer's
 // dQ share staged in buffer b / taken by the writer (2 b + consumer); the two consumers at the end;
 // one consumer at the end.
@@ -131,7 +122,7 @@ struct Args {
   int32_t* kv_semaphores;  // [B * Hkv, S / 128]
   int32_t* item_counter;
   int64_t* timeline;  // bench hook (hopper_backward_timeline): kTimelineFields per item, or null
-  int seq, q_heads, kv_heads, heads, key_blocks, query_blocks, pairs, chunk_heads;
+  int seq, q_heads, kv_heads, heads, key_blocks, query_blocks, chunk_heads;
   float scale, scale_log2;
   bool unordered;  // set_hopper_backward_unordered: dq_accum starts zeroed, every share is added at once
 };
@@ -197,47 +188,6 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
-// ---- the cluster of two blocks ---------------------------------------------------------------------
-
-__device__ __forceinline__ int cluster_rank() {
-  uint32_t rank = 0;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
-  return int(rank);
-}
-// Every thread of both blocks; orders the barrier inits and the item slot before the other block's use.
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-// The same shared-memory offset in the cluster's block `rank`.
-__device__ __forceinline__ uint32_t peer_address(uint32_t address, int rank) {
-  uint32_t mapped = 0;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(mapped) : "r"(address), "r"(rank));
-  return mapped;
-}
-__device__ __forceinline__ void peer_store(uint32_t address, float x, float y) {
-  asm volatile("st.shared::cluster.v2.f32 [%0], {%1, %2};" ::"r"(address), "f"(x), "f"(y) : "memory");
-}
-__device__ __forceinline__ int peer_load(uint32_t address) {
-  int value = 0;
-  asm volatile("ld.shared::cluster.u32 %0, [%1];" : "=r"(value) : "r"(address) : "memory");
-  return value;
-}
-// Arrives on a barrier of the other block, releasing this thread's writes before it.
-__device__ __forceinline__ void peer_arrive(uint32_t address) {
-  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(address) : "memory");
-}
-// barrier_wait that also acquires what the other block's threads released with their arrives.
-__device__ __forceinline__ void barrier_wait_cluster(uint32_t bar, uint32_t parity) {
-  uint32_t done = 0;
-  do {
-    asm volatile(
-        "{\n.reg .pred p;\nmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  } while (!done);
-}
-
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&v);
@@ -247,21 +197,17 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
 
 struct Item {
   int head, key_block;  // head: batch row * Hq + query head
-  int rank, pair;       // the block in the cluster (key_block = 2 pair + rank)
-  int peer_count;       // block 0: the query blocks block 1 walks (its dQ shares to add), else 0
-  int slot;             // the timeline's entry: 2 t + rank
 };
 
-// Item t: chunk t / (chunk_heads x pairs), then pair, then head. Heads are taken in the order (batch
-// row, place in the key/value group, key/value head), so that heads which sum into the same dK, dV
-// come key/value heads apart and rarely wait on one another.
-__device__ Item item_of(int t, int rank, const Args& a) {
-  const int per_chunk = a.chunk_heads * a.pairs, chunk = t / per_chunk;
+// Item t: chunk t / (chunk_heads x key blocks), then key block, then head. Heads are taken in the
+// order (batch row, place in the key/value group, key/value head), so that heads which sum into the
+// same dK, dV come key/value heads apart and rarely wait on one another.
+__device__ Item item_of(int t, const Args& a) {
+  const int per_chunk = a.chunk_heads * a.key_blocks, chunk = t / per_chunk;
   const int heads_here = min(a.chunk_heads, a.heads - chunk * a.chunk_heads), r = t - chunk * per_chunk;
   const int p = chunk * a.chunk_heads + r % heads_here, in_row = p % a.q_heads;
-  const int h = in_row % a.kv_heads * (a.q_heads / a.kv_heads) + in_row / a.kv_heads, pair = r / heads_here;
-  const int peer_count = rank == 0 && 2 * pair + 1 < a.key_blocks ? a.query_blocks - 2 * (2 * pair + 1) : 0;
-  return {p - in_row + h, 2 * pair + rank, rank, pair, peer_count, 2 * t + rank};
+  const int h = in_row % a.kv_heads * (a.q_heads / a.kv_heads) + in_row / a.kv_heads;
+  return {p - in_row + h, r / heads_here};
 }
 
 // ---- the roles ------------------------------------------------------------------------------------
@@ -291,11 +237,10 @@ __device__ void load_tiles(const CUtensorMap* q_map, const CUtensorMap* k_map, c
   }
 }
 
-// Block 0's writer warp: both consumers' staged dQ shares of each query block (with block 1's added;
-// contiguous in shared memory and in dq_accum) into dq_accum as one write, in pair order; the
-// semaphore is raised once the write completed. Query block i of the walk is staged in buffer i % 2,
-// which block 1 may fill again once the write has read it.
-__device__ void write_dq(const Args& a, Item item, uint32_t base) {
+// Writer warp: both consumers' staged dQ shares of each query block (contiguous in shared memory and
+// in dq_accum) into dq_accum as one write, in key block order; the semaphore is raised once the
+// write completed. Query block i of the walk is staged in buffer i % 2.
+__device__ void write_dq(const Args& a, Item item, int t, uint32_t base) {
   const bool leader = threadIdx.x % 32 == 0;
   const int count = a.query_blocks - 2 * item.key_block;
   int64_t waited = 0;
@@ -307,12 +252,11 @@ __device__ void write_dq(const Args& a, Item item, uint32_t base) {
     int32_t* semaphore = a.dq_semaphores + int64_t(item.head) * a.query_blocks + m;
     if (leader) {
       const int64_t before = a.timeline ? now_ns() : 0;
-      if (!a.unordered) wait_at_least(semaphore, item.pair);  // pairs 0 .. pair - 1 come first
+      if (!a.unordered) wait_at_least(semaphore, item.key_block);  // key blocks 0 .. key_block - 1 come first
       if (a.timeline) waited += now_ns() - before;
       bulk_write(a.dq_accum + (int64_t(item.head) * a.query_blocks + m) * 8192, base + kTileDQ + b * kDqBufferBytes, kDqBufferBytes,
-                 item.pair > 0 || a.unordered);
+                 item.key_block > 0 || a.unordered);
       bulk_wait_read();
-      if (it + 2 < item.peer_count) peer_arrive(peer_address(base + kBarriers + kPeerEmpty + 8 * b, 1));
     }
     __syncwarp();
     if (it + 2 < count)
@@ -323,41 +267,29 @@ __device__ void write_dq(const Args& a, Item item, uint32_t base) {
     }
   }
   if (a.timeline && leader) {
-    a.timeline[int64_t(item.slot) * kTimelineFields + kDqWait] = waited;
-    a.timeline[int64_t(item.slot) * kTimelineFields + kDqEnd] = now_ns();
+    a.timeline[int64_t(t) * kTimelineFields + kDqWait] = waited;
+    a.timeline[int64_t(t) * kTimelineFields + kDqEnd] = now_ns();
   }
 }
 
 // One consumer's 64 rows of an f32 accumulator (m64n(2 kN): kN registers) into shared memory as
-// [64][2 kN], pairs permuted (pair_slot), times factor; with add, onto what is there (block 1's dQ share).
+// [64][2 kN], pairs permuted (pair_slot), times factor.
 template <int kN>
-__device__ __forceinline__ int staged_index(int j, int h) {
-  const int lane = threadIdx.x % 32, row = 16 * (threadIdx.x / 32 % 4) + lane / 4 + 8 * h;
-  return row * (2 * kN) + 2 * pair_slot(4 * j + lane % 4, row);
-}
-template <int kN>
-__device__ __forceinline__ void stage_rows(float* stage, const float (&d)[kN], float factor, bool add = false) {
+__device__ __forceinline__ void stage_rows(float* stage, const float (&d)[kN], float factor) {
+  const int lane = threadIdx.x % 32, row0 = 16 * (threadIdx.x / 32 % 4) + lane / 4;
 #pragma unroll
   for (int j = 0; j < kN / 4; ++j)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      float2* at = reinterpret_cast<float2*>(stage + staged_index<kN>(j, h));
-      const float2 before = add ? *at : make_float2(0.0f, 0.0f);
-      *at = add ? make_float2(before.x + factor * d[4 * j + 2 * h], before.y + factor * d[4 * j + 2 * h + 1])
-                : make_float2(factor * d[4 * j + 2 * h], factor * d[4 * j + 2 * h + 1]);
+      const int row = row0 + 8 * h;
+      *reinterpret_cast<float2*>(stage + row * (2 * kN) + 2 * pair_slot(4 * j + lane % 4, row)) =
+          make_float2(factor * d[4 * j + 2 * h], factor * d[4 * j + 2 * h + 1]);
     }
-}
-// Block 1's dQ share into block 0's staging buffer (peer_stage: its cluster address), same layout.
-__device__ __forceinline__ void stage_rows_in_peer(uint32_t peer_stage, const float (&d)[32]) {
-#pragma unroll
-  for (int j = 0; j < 8; ++j)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) peer_store(peer_stage + 4 * staged_index<32>(j, h), d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
 }
 
 // Consumer w's dK (times scale) and dV rows into the accumulators in query head order, both staged
 // at once where no one reads any more: dV in the Q (w = 0) or dO (w = 1) stages, dK in K or V.
-__device__ void write_dkdv(const Args& a, Item item, uint32_t base, unsigned char* smem, int w, const float (&dk)[64],
+__device__ void write_dkdv(const Args& a, Item item, int t, uint32_t base, unsigned char* smem, int w, const float (&dk)[64],
                            const float (&dv)[64]) {
   const int b = item.head / a.q_heads, h = item.head % a.q_heads, group = a.q_heads / a.kv_heads;
   const int64_t kv_head = int64_t(b) * a.kv_heads + h / group;
@@ -371,7 +303,7 @@ __device__ void write_dkdv(const Args& a, Item item, uint32_t base, unsigned cha
   stage_rows(dk_stage, dk, a.scale);
   fence_async_shared();
   named_sync(kOneDone + w, 128);
-  int64_t* times = a.timeline && w == 0 && leader ? a.timeline + int64_t(item.slot) * kTimelineFields : nullptr;
+  int64_t* times = a.timeline && w == 0 && leader ? a.timeline + int64_t(t) * kTimelineFields : nullptr;
   if (times) times[kWalkEnd] = now_ns();
   if (leader) {
     wait_at_least(semaphore, 2 * (h % group));
@@ -421,7 +353,7 @@ __device__ __forceinline__ void store_ds(unsigned char* tile, const uint32_t (&d
 }
 
 // Consumer warpgroup w: keys key_block * 128 + 64 w .. + 63.
-__device__ void consume(const Args& a, Item item, uint32_t base, unsigned char* smem, int w) {
+__device__ void consume(const Args& a, Item item, int t, uint32_t base, unsigned char* smem, int w) {
   const uint32_t kv_full = base + kBarriers, full = kv_full + 8, empty = full + 16;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32 % 4;
   const int key = kKeys * item.key_block + 64 * w + 16 * warp + lane / 4;
@@ -471,21 +403,12 @@ __device__ void consume(const Args& a, Item item, uint32_t base, unsigned char* 
     fence_registers(dv);
     if (lane == 0) barrier_arrive(empty + 8 * s);  // this stage's Q and dO are read
     named_sync(kDsFree, 256);                      // both consumers' dQ multiplies have read dS^T
-    const uint32_t buffer = base + kTileDQ + s * kDqBufferBytes + w * 16384;  // dQ buffer s: the stage's parity
-    if (item.rank == 0) {
-      named_sync(kDqEmpty + 2 * s + w, 160);
-      const bool paired = it < item.peer_count;
-      if (paired) barrier_wait_cluster(base + kBarriers + kPeerFull + 8 * s, (it >> 1) & 1);
-      stage_rows(reinterpret_cast<float*>(smem + (buffer - base)), dq, 1.0f, paired);
-      fence_async_shared();
-      named_arrive(kDqFull + 2 * s + w, 160);
-    } else {
-      barrier_wait(base + kBarriers + kPeerEmpty + 8 * s, ((it >> 1) & 1) ^ 1);
-      stage_rows_in_peer(peer_address(buffer, 0), dq);
-      peer_arrive(peer_address(base + kBarriers + kPeerFull + 8 * s, 0));
-    }
+    named_sync(kDqEmpty + 2 * s + w, 160);  // dQ buffer s: the stage's parity
+    stage_rows(reinterpret_cast<float*>(smem + kTileDQ + s * kDqBufferBytes + w * 16384), dq, 1.0f);
+    fence_async_shared();
+    named_arrive(kDqFull + 2 * s + w, 160);
   }
-  write_dkdv(a, item, base, smem, w, dk, dv);
+  write_dkdv(a, item, t, base, smem, w, dk, dv);
 }
 
 __global__ void __launch_bounds__(kThreads, 1)
@@ -494,25 +417,18 @@ __global__ void __launch_bounds__(kThreads, 1)
   extern __shared__ unsigned char smem_raw[];
   const uint32_t raw = smem_address(smem_raw), base = (raw + 1023) & ~1023u;
   unsigned char* smem = smem_raw + (base - raw);
-  int* item_slot = reinterpret_cast<int*>(smem + kBarriers + kItemSlot);
-  const int rank = cluster_rank();
+  int* item_slot = reinterpret_cast<int*>(smem + kBarriers + 40);
   if (threadIdx.x == 0) {
-    if (rank == 0) *item_slot = atomicAdd(a.item_counter, 1);
+    *item_slot = atomicAdd(a.item_counter, 1);
     barrier_init(base + kBarriers, 1);
-    for (int b = 0; b < 2; ++b) {
-      barrier_init(base + kBarriers + kPeerFull + 8 * b, 256);
-      barrier_init(base + kBarriers + kPeerEmpty + 8 * b, 1);
-    }
   }
-  init_stage_barriers(base + kBarriers + 8, base + kBarriers + 24, 2, 2);  // fences the inits; ends in __syncthreads
-  cluster_sync();
-  const int t = rank == 0 ? *item_slot : peer_load(peer_address(smem_address(item_slot), 0));
-  const Item item = item_of(t, rank, a);
-  if (item.key_block >= a.key_blocks) return;  // block 1 of an odd number of key blocks' last pair
+  init_stage_barriers(base + kBarriers + 8, base + kBarriers + 24, 2, 2);  // ends in __syncthreads
+  const int t = *item_slot;
+  const Item item = item_of(t, a);
   if (a.timeline && threadIdx.x == 0) {
     int sm = 0;
     asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-    int64_t* times = a.timeline + int64_t(item.slot) * kTimelineFields;
+    int64_t* times = a.timeline + int64_t(t) * kTimelineFields;
     times[kStart] = now_ns();
     times[kHead] = item.head;
     times[kKeyBlock] = item.key_block;
@@ -522,11 +438,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (warpgroup == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
     if (threadIdx.x == 0) load_tiles(&q_map, &k_map, &v_map, &do_map, a, item, base);
-    else if (threadIdx.x / 32 == 1 && rank == 0) write_dq(a, item, base);
+    else if (threadIdx.x / 32 == 1) write_dq(a, item, t, base);
     return;
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
-  consume(a, item, base, smem, warpgroup - 1);
+  consume(a, item, t, base, smem, warpgroup - 1);
 }
 
 // ---- the forward --------------------------------------------------------------------------------
@@ -830,7 +746,7 @@ void run_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor
   a.item_counter = a.kv_semaphores + batch * kv_heads * key_blocks;
   a.timeline = timeline;
   a.seq = int(seq), a.q_heads = int(q_heads), a.kv_heads = int(kv_heads), a.heads = heads;
-  a.key_blocks = key_blocks, a.query_blocks = query_blocks, a.pairs = (key_blocks + 1) / 2;
+  a.key_blocks = key_blocks, a.query_blocks = query_blocks;
   a.chunk_heads = std::min(heads, chunk_heads() > 0 ? chunk_heads() : kChunkHeads);
   a.unordered = unordered_setting();
   if (a.unordered) MARROW_CUDA_CHECK(cudaMemsetAsync(a.dq_accum, 0, size_t(dq_accum.numel()) * 4, s));
@@ -839,13 +755,8 @@ void run_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor
   const CUtensorMap q_map = rows_map(q, q_heads, kQueries), do_map = rows_map(dout, q_heads, kQueries);
   const CUtensorMap k_map = rows_map(k, kv_heads, kKeys), v_map = rows_map(v, kv_heads, kKeys);
   allow_shared_memory(backward_kernel, kSmemBytes);
-  cudaLaunchAttribute cluster{};
-  cluster.id = cudaLaunchAttributeClusterDimension;
-  cluster.val.clusterDim.x = 2, cluster.val.clusterDim.y = 1, cluster.val.clusterDim.z = 1;
-  cudaLaunchConfig_t launch{};
-  launch.gridDim = dim3(unsigned(2 * int64_t(heads) * a.pairs)), launch.blockDim = dim3(kThreads);
-  launch.dynamicSmemBytes = kSmemBytes, launch.stream = s, launch.attrs = &cluster, launch.numAttrs = 1;
-  MARROW_CUDA_CHECK(cudaLaunchKernelEx(&launch, backward_kernel, q_map, k_map, v_map, do_map, a));
+  backward_kernel<<<unsigned(int64_t(heads) * key_blocks), kThreads, kSmemBytes, s>>>(q_map, k_map, v_map, do_map, a);
+  MARROW_CUDA_CHECK_LAUNCH();
 
   const int64_t dq_pairs = rows * 64, kv_pairs = batch * seq * kv_heads * 64;
   finish_kernel<<<unsigned((dq_pairs + 2 * kv_pairs + 255) / 256), 256, 0, s>>>(static_cast<bf16*>(dq.data), static_cast<bf16*>(dk.data),
@@ -878,15 +789,14 @@ void hopper_attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor
 
 std::vector<HopperItemTimes> hopper_backward_timeline(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out,
                                                       Tensor lse) {
-  const int64_t slots = q.size(0) * q.size(2) * (q.size(1) / kKeys + 1) / 2 * 2;  // two a pair of key blocks
-  Buffer timeline = Buffer::zeros(DType::i64, Device::cuda, {slots * kTimelineFields});
+  const int64_t items = q.size(0) * q.size(2) * (q.size(1) / kKeys);
+  Buffer timeline(DType::i64, Device::cuda, {items * kTimelineFields});
   run_backward(dq, dk, dv, dout, q, k, v, out, lse, timeline.ptr<int64_t>(), {});
   const Buffer host = to_host(timeline);
-  std::vector<HopperItemTimes> result;
-  for (int64_t i = 0; i < slots; ++i) {
+  std::vector<HopperItemTimes> result(static_cast<size_t>(items));
+  for (int64_t i = 0; i < items; ++i) {
     const int64_t* f = host.ptr<int64_t>() + i * kTimelineFields;
-    if (f[kStart] != 0)  // not block 1 of an odd number of key blocks' last pair
-      result.push_back({int(f[kHead]), int(f[kKeyBlock]), int(f[kSm]), f[kStart], f[kWalkEnd], f[kKvWait], f[kEnd], f[kDqWait], f[kDqEnd]});
+    result[size_t(i)] = {int(f[kHead]), int(f[kKeyBlock]), int(f[kSm]), f[kStart], f[kWalkEnd], f[kKvWait], f[kEnd], f[kDqWait], f[kDqEnd]};
   }
   return result;
 }

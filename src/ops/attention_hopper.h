@@ -35,7 +35,7 @@ void hopper_attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Ten
                                Tensor lse, Stream stream = {});
 
 // Bench hook: one call of the backward with each work item's timeline (globaltimer ns; the item's
-// dQ semaphore waits summed (block 0 of a pair only), its dK/dV wait), by pair in the order taken.
+// dQ semaphore waits summed, its dK/dV wait), in the order items were taken.
 struct HopperItemTimes {
   int head, key_block, sm;
   int64_t start, walk_end, kv_wait, end, dq_wait, dq_end;
