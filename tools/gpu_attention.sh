@@ -31,6 +31,8 @@
 #        cuDNN offers for the forward and the deterministic backward, timed and compared with the op's
 # pairs: the bench config (3 + 27 steps) with train.pair_expert_grads=false, then the default, on one
 #        machine: tokens/s and peaks side by side, losses bit for bit
+# traces: kernel traces of the bench config (2 steps) and of one sequence of 16,384 without the weight
+#         copy (1 step), for the stage attribution of docs/performance.md
 # hopper: Marrow's wgmma attention (train.attention_kernels=hopper, hopper_backward): marrow check
 #         --only attention (every command under a timeout: a kernel that hangs ends the run), marrow
 #         bench --kernels attention (every kernel set's rows, the hopper backward's chunk sweep with
@@ -208,6 +210,17 @@ if [ "$what" = quick ]; then
   step "kernel trace: 2 bench steps after 2 warm-up"
   "${bench[@]}" --warmup=2 --steps=2 --profile-steps=3:4 --output.dir=runs/quick-trace > "$out/profile.log" 2>&1 || fail "trace"
   gzip -c runs/quick-trace/bench/trace-steps-3-4.json > "$out/trace-steps-3-4.json.gz" 2>/dev/null
+fi
+
+if [ "$what" = traces ]; then
+  step "kernel trace: the bench config, 2 steps after 2 warm-up"
+  "${bench[@]}" --warmup=2 --steps=2 --profile-steps=3:4 --output.dir=runs/trace-bench > "$out/trace-bench.log" 2>&1 || fail "trace bench"
+  gzip -c runs/trace-bench/bench/trace-steps-3-4.json > "$out/trace-bench-steps-3-4.json.gz" 2>/dev/null
+  step "kernel trace: one sequence of 16,384 without the weight copy, 1 step after 2 warm-up"
+  "${bench[@]}" --warmup=2 --steps=1 --profile-steps=3:3 --train.seq_len=16384 --train.global_batch=1 --train.micro_batch=1 \
+    --train.bf16_weight_copy=false --output.dir=runs/trace-16384 > "$out/trace-16384.log" 2>&1 || fail "trace 16384"
+  gzip -c runs/trace-16384/bench/trace-steps-3-3.json > "$out/trace-16384-steps-3-3.json.gz" 2>/dev/null
+  ls -la "$out"/*.json.gz
 fi
 
 if [ "$what" = peaks ]; then
