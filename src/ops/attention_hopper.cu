@@ -448,19 +448,23 @@ __global__ void __launch_bounds__(kThreads, 1)
 // ---- the forward --------------------------------------------------------------------------------
 // An item is (query block of 128 rows, head): blockIdx order, the longest walks (last query blocks)
 // first; no item depends on another. The block keeps Q in shared memory and walks the key blocks
-// from the diagonal (masked) down to 0, K and V two stages ahead (producer thread, TMA). Each
-// consumer warpgroup (64 rows) computes S = Q K^T (wgmma, 64 x 128), the online softmax in the log2
-// domain in registers, and O += P V (P as the A operand from registers). The two consumers take the
-// tensor cores in turns (named barriers kTurn + w), so that one's softmax runs under the other's
-// multiplies (consume_forward). Every wgmma's registers stay fenced until its wait: ptxas serialises
-// all of a kernel's wgmmas (warning C7515) if any register they use may change while one is in
-// flight, which made the first version 0.46 ms against cuDNN's 0.27 at the bench shape. At the end
-// O / l goes back through the consumer's rows of the Q tile to a TMA store; lse = (m + log2 l) ln 2.
-// Three K/V stages: a stage is free only after the turn that reads its V, one turn after its K, so
-// with two the next load had only a softmax's time to land.
-constexpr int kFwdTileQ = 0, kFwdStages = 32768, kFwdStageCount = 3, kFwdStageBytes = 65536;
-constexpr int kFwdBarriers = kFwdStages + kFwdStageCount * kFwdStageBytes;
-constexpr int kFwdSmemBytes = kFwdBarriers + 64 + 1024;
+// from the diagonal (masked) down to 0, K and V in rings of three tiles each (producer thread, TMA).
+// Each consumer warpgroup (64 rows) computes S = Q K^T (wgmma, 64 x 128), the online softmax in the
+// log2 domain in registers, and O += P V (P as the A operand from registers). The two consumers take
+// the tensor cores in turns (named barriers kTurn + w), so that one's softmax runs under the other's
+// multiplies, and within a consumer O += P V of one block runs under the softmax of the next
+// (forward_step). Every wgmma's registers stay fenced until its wait: ptxas serialises all of a
+// kernel's wgmmas (warning C7515, which fails the build) if any register they use may change while
+// one is in flight. At the end O / l goes back through the consumer's rows of the Q tile to a TMA
+// store; lse = (m + log2 l) ln 2.
+// K and V in separate rings: K of a block is free once its S is done, V a turn later, after its
+// O += P V; three of each, so that a load has a whole step to land.
+constexpr int kFwdTileQ = 0, kFwdTilesK = 32768, kFwdRing = 3, kFwdTileBytes = 32768;
+constexpr int kFwdTilesV = kFwdTilesK + kFwdRing * kFwdTileBytes, kFwdBarriers = kFwdTilesV + kFwdRing * kFwdTileBytes;
+// Past kFwdBarriers: Q full, then K full, K empty, V full, V empty (kFwdRing each).
+constexpr int kFwdFullK = 8, kFwdEmptyK = kFwdFullK + 8 * kFwdRing, kFwdFullV = kFwdEmptyK + 8 * kFwdRing,
+              kFwdEmptyV = kFwdFullV + 8 * kFwdRing;
+constexpr int kFwdSmemBytes = kFwdBarriers + 128 + 1024;
 static_assert(kFwdSmemBytes <= 232448, "the forward's shared memory exceeds the 227 KiB a block may have");
 constexpr int kTurn = 1, kFwdRowsDone = 3;  // named barriers: consumer w's turn; consumer w's O staged
 constexpr float kLn2 = 0.6931471805599453f;
@@ -469,6 +473,10 @@ struct ForwardArgs {
   float* lse;  // [B, Hq, S]
   int seq, q_heads, kv_heads, heads, blocks;
   float scale_log2;
+  // Always 0, but unknown to the compiler: a step's copy of P's fragments (forward_step) keeps the old
+  // ones under it, which keeps their registers allocated until then. Without a later use ptxas would
+  // reuse them while O += P V still reads them, and wait for that multiply first.
+  uint32_t zero;
 };
 
 __device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, uint32_t src, int c0, int c1) {
@@ -477,12 +485,13 @@ __device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, uint32_t sr
   asm volatile("cp.async.bulk.commit_group;" ::: "memory");
 }
 
-// The online softmax of one key block for one consumer's rows (row0 and row0 + 8 of each warp):
-// masks keys past the query on the diagonal, rescales o and the partial row sums l, and leaves P
-// as bf16 A fragments (four words per 16 keys). m is the running maximum of the scaled scores (log2
-// domain); the scale enters the exponent's multiply-add, never the scores themselves.
-__device__ __forceinline__ void online_softmax(uint32_t (&p_frag)[32], float (&s)[64], float (&o)[64], float (&m)[2], float (&l)[2],
-                                               bool diagonal, int key0, int row0, float scale_log2) {
+// The online softmax of one key block for one consumer's rows (row0 and row0 + 8 of each warp),
+// without touching O (O += P V of the block before may still be running): masks keys past the query
+// on the diagonal, turns s into exp2(s scale - m) in place with the new running maximum m (scaled
+// scores, log2 domain; the scale enters the exponent's multiply-add, never the scores) and adds them
+// to the rescaled row sums l; returns each row's correction exp2(m_old - m) for O.
+__device__ __forceinline__ void softmax_scores(float (&s)[64], float (&m)[2], float (&l)[2], float (&correction)[2], bool diagonal,
+                                               int key0, int row0, float scale_log2) {
   const int lane = threadIdx.x % 32;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -498,21 +507,32 @@ __device__ __forceinline__ void online_softmax(uint32_t (&p_frag)[32], float (&s
     top = fmaxf(top, __shfl_xor_sync(~0u, top, 1));
     top = fmaxf(top, __shfl_xor_sync(~0u, top, 2));
     top = fmaxf(m[h], top * scale_log2);
-    const float correction = fast_exp2(m[h] - top);  // 0 on the first block (m = -inf; top is finite: a row sees itself)
+    correction[h] = fast_exp2(m[h] - top);  // 0 on the first block (m = -inf; top is finite: a row sees itself)
     m[h] = top;
-    l[h] *= correction;
+    float sum = 0.0f;
 #pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      o[4 * j + 2 * h] *= correction;
-      o[4 * j + 2 * h + 1] *= correction;
+    for (int j = 0; j < 16; ++j)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         float& x = s[4 * j + 2 * h + e];
         x = fast_exp2(fmaf(x, scale_log2, -top));
-        l[h] += x;
+        sum += x;
       }
-    }
+    l[h] = l[h] * correction[h] + sum;
   }
+}
+// O rescaled to the running maximum of the last softmax (once the O += P V before it is done).
+__device__ __forceinline__ void rescale(float (&o)[64], const float (&correction)[2]) {
+#pragma unroll
+  for (int j = 0; j < 16; ++j)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      o[4 * j + 2 * h] *= correction[h];
+      o[4 * j + 2 * h + 1] *= correction[h];
+    }
+}
+// P as bf16 A fragments (four words per 16 keys).
+__device__ __forceinline__ void pack(uint32_t (&p_frag)[32], const float (&s)[64]) {
 #pragma unroll
   for (int ks = 0; ks < 8; ++ks)
 #pragma unroll
@@ -559,62 +579,104 @@ __device__ __forceinline__ void issue_values(float (&o)[64], const uint32_t (&p_
   for (int ks = 0; ks < 8; ++ks) mma_m64n128k16_rs(o, p_frag + 4 * ks, descriptor(v_tile + ks * 2048, 16384, 1024));
 }
 
-// Consumer warpgroup w: rows query_block * 128 + 64 w .. + 63. Walk step it (key block
-// query_block - it) takes one turn on the tensor cores that issues O += P V of the step before and
-// S of this one, back to back; its softmax then runs while the other consumer has its turn. The
-// turns alternate through the named barriers kTurn + w (consumer 1's arrive opens the first); each
-// consumer takes iterations + 1 turns, and consumer 1 does not open a turn after its last.
-__device__ void consume_forward(const CUtensorMap* out_map, const ForwardArgs& a, uint32_t base, unsigned char* smem, int w, int head,
-                                int query_block) {
-  const uint32_t q_full = base + kFwdBarriers, full = q_full + 8, empty = full + 8 * kFwdStageCount;
-  const int lane = threadIdx.x % 32, row0 = kKeys * query_block + 64 * w + 16 * (threadIdx.x / 32 % 4) + lane / 4;
-  float o[64], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+// One consumer's state over its walk: O, the softmax's running maximum m, row sums l and the
+// correction O still owes (the last softmax's exp2(m_old - m)); P of the last softmax (next) and the
+// P that O += P V reads (prev: next copied at each step, while next takes the step's new P).
+struct ForwardRows {
+  float o[64], m[2], l[2], correction[2];
+  uint32_t prev[32], next[32];
+  int row0;  // the thread's first row (and row0 + 8)
+};
+
+// O += P V of the last softmax is done: O rescaled to its maximum, its P copied to prev. The copy
+// keeps prev's old values under a zero (ForwardArgs::zero), so that ptxas keeps them allocated while
+// the O += P V before still reads them.
+__device__ __forceinline__ void take_last_softmax(ForwardRows& r, uint32_t zero) {
+  rescale(r.o, r.correction);
 #pragma unroll
-  for (int i = 0; i < 64; ++i) o[i] = 0.0f;
-  uint32_t p_frag[32];
-  barrier_wait(q_full, 0);
-  if (w == 1) named_arrive(kTurn, 256);
-  const int iterations = query_block + 1;
-  auto stage = [&](int it) { return base + kFwdStages + (it % kFwdStageCount) * kFwdStageBytes; };
-  {
-    float sc[64];
-    barrier_wait(full, 0);
-    named_sync(kTurn + w, 256);
-    mma_fence();
-    issue_scores(sc, base, stage(0), w);
-    mma_commit();
-    named_arrive(kTurn + 1 - w, 256);
-    mma_wait<0>();
-    fence_registers(sc);
-    online_softmax(p_frag, sc, o, m, l, true, kKeys * query_block, row0, a.scale_log2);
-  }
-  for (int it = 1; it < iterations; ++it) {
-    barrier_wait(full + 8 * (it % kFwdStageCount), (it / kFwdStageCount) & 1);
-    float sc[64];
-    fence_registers(p_frag);
-    named_sync(kTurn + w, 256);
-    mma_fence();
-    issue_values(o, p_frag, stage(it - 1) + 32768);
-    issue_scores(sc, base, stage(it), w);
-    mma_commit();
-    named_arrive(kTurn + 1 - w, 256);
-    mma_wait<0>();
-    fence_registers(sc);
-    fence_registers(o);
-    fence_registers(p_frag);
-    if (lane == 0) barrier_arrive(empty + 8 * ((it - 1) % kFwdStageCount));  // the previous block's K and V are read
-    online_softmax(p_frag, sc, o, m, l, false, kKeys * (query_block - it), row0, a.scale_log2);
-  }
-  fence_registers(p_frag);
+  for (int i = 0; i < 32; ++i) r.prev[i] = r.next[i] | (r.prev[i] & zero);
+}
+
+// Walk step it >= 1 of consumer w: S of key block query_block - it, and O += P V of the block before,
+// then the softmax of S. Its turn on the tensor cores issues S and then O += P V as two commit
+// groups; the softmax starts once S is done while O += P V still runs, and the wait for it at the
+// next step finds it long done. The mbarrier waits' loops start each step: ptxas does not move the
+// wait above them into the softmax before, as it does within one block of code.
+__device__ __forceinline__ void forward_step(ForwardRows& r, const ForwardArgs& a, uint32_t base, int w, int it, int query_block) {
+  const uint32_t bars = base + kFwdBarriers;
+  const int k_slot = it % kFwdRing, v_slot = (it - 1) % kFwdRing, lane = threadIdx.x % 32;
+  barrier_wait(bars + kFwdFullK + 8 * k_slot, (it / kFwdRing) & 1);
+  barrier_wait(bars + kFwdFullV + 8 * v_slot, ((it - 1) / kFwdRing) & 1);
+  mma_wait<0>();  // O += P V of step it - 2
+  fence_registers(r.o);
+  fence_registers(r.prev);
+  if (it >= 2 && lane == 0) barrier_arrive(bars + kFwdEmptyV + 8 * ((it - 2) % kFwdRing));
+  take_last_softmax(r, a.zero);
+  fence_registers(r.o);
+  fence_registers(r.prev);
+  float sc[64];
   named_sync(kTurn + w, 256);
   mma_fence();
-  issue_values(o, p_frag, stage(iterations - 1) + 32768);
+  issue_scores(sc, base, base + kFwdTilesK + k_slot * kFwdTileBytes, w);
+  mma_commit();
+  issue_values(r.o, r.prev, base + kFwdTilesV + v_slot * kFwdTileBytes);
+  mma_commit();
+  named_arrive(kTurn + 1 - w, 256);
+  mma_wait<1>();  // S
+  fence_registers(sc);
+  if (lane == 0) barrier_arrive(bars + kFwdEmptyK + 8 * k_slot);
+  softmax_scores(sc, r.m, r.l, r.correction, false, kKeys * (query_block - it), r.row0, a.scale_log2);
+  pack(r.next, sc);
+}
+
+// Consumer warpgroup w: rows query_block * 128 + 64 w .. + 63: the diagonal block's S and softmax,
+// the steps, the last O += P V. The turns alternate through the named barriers kTurn + w (consumer
+// 1's arrive opens the first); each consumer takes iterations + 1 turns, and consumer 1 does not open
+// a turn after its last.
+__device__ void consume_forward(const CUtensorMap* out_map, const ForwardArgs& a, uint32_t base, unsigned char* smem, int w, int head,
+                                int query_block) {
+  const uint32_t bars = base + kFwdBarriers;
+  ForwardRows r;
+  r.row0 = kKeys * query_block + 64 * w + 16 * (threadIdx.x / 32 % 4) + threadIdx.x % 32 / 4;
+#pragma unroll
+  for (int i = 0; i < 64; ++i) r.o[i] = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 32; ++i) r.prev[i] = 0u;
+  r.m[0] = r.m[1] = -INFINITY, r.l[0] = r.l[1] = 0.0f;
+  barrier_wait(bars, 0);  // Q
+  if (w == 1) named_arrive(kTurn, 256);
+  {
+    float sc[64];
+    barrier_wait(bars + kFwdFullK, 0);
+    named_sync(kTurn + w, 256);
+    mma_fence();
+    issue_scores(sc, base, base + kFwdTilesK, w);
+    mma_commit();
+    named_arrive(kTurn + 1 - w, 256);
+    mma_wait<0>();
+    fence_registers(sc);
+    if (threadIdx.x % 32 == 0) barrier_arrive(bars + kFwdEmptyK);
+    softmax_scores(sc, r.m, r.l, r.correction, true, kKeys * query_block, r.row0, a.scale_log2);
+    pack(r.next, sc);
+  }
+  const int iterations = query_block + 1;
+  for (int it = 1; it < iterations; ++it) forward_step(r, a, base, w, it, query_block);
+  barrier_wait(bars + kFwdFullV + 8 * ((iterations - 1) % kFwdRing), ((iterations - 1) / kFwdRing) & 1);
+  mma_wait<0>();
+  fence_registers(r.o);
+  fence_registers(r.prev);
+  take_last_softmax(r, a.zero);
+  fence_registers(r.o);
+  fence_registers(r.prev);
+  named_sync(kTurn + w, 256);
+  mma_fence();
+  issue_values(r.o, r.prev, base + kFwdTilesV + ((iterations - 1) % kFwdRing) * kFwdTileBytes);
   mma_commit();
   if (w == 0) named_arrive(kTurn + 1 - w, 256);
   mma_wait<0>();
-  fence_registers(o);
-  fence_registers(p_frag);
-  store_forward(out_map, a, base, smem, w, head, query_block, o, m, l);
+  fence_registers(r.o);
+  fence_registers(r.prev);
+  store_forward(out_map, a, base, smem, w, head, query_block, r.o, r.m, r.l);
 }
 
 __global__ void __launch_bounds__(kThreads, 1)
@@ -625,23 +687,25 @@ __global__ void __launch_bounds__(kThreads, 1)
   unsigned char* smem = smem_raw + (base - raw);
   const int query_block = a.blocks - 1 - int(blockIdx.x) / a.heads, head = int(blockIdx.x) % a.heads;
   if (threadIdx.x == 0) barrier_init(base + kFwdBarriers, 1);
-  init_stage_barriers(base + kFwdBarriers + 8, base + kFwdBarriers + 8 + 8 * kFwdStageCount, kFwdStageCount, 2);  // ends in __syncthreads
+  init_stage_barriers(base + kFwdBarriers + kFwdFullK, base + kFwdBarriers + kFwdEmptyK, kFwdRing, 2);
+  init_stage_barriers(base + kFwdBarriers + kFwdFullV, base + kFwdBarriers + kFwdEmptyV, kFwdRing, 2);  // ends in __syncthreads
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
     if (threadIdx.x != 0) return;
     const int b = head / a.q_heads, h = head % a.q_heads, kvh = h / (a.q_heads / a.kv_heads);
-    const uint32_t q_full = base + kFwdBarriers, full = q_full + 8, empty = full + 8 * kFwdStageCount;
-    barrier_expect_bytes(q_full, 32768);
-    for (int j = 0; j < 2; ++j) tma_load_2d(base + kFwdTileQ + j * 16384, &q_map, q_full, h * kDim + 64 * j, b * a.seq + kKeys * query_block);
+    const uint32_t bars = base + kFwdBarriers;
+    barrier_expect_bytes(bars, 32768);
+    for (int j = 0; j < 2; ++j) tma_load_2d(base + kFwdTileQ + j * 16384, &q_map, bars, h * kDim + 64 * j, b * a.seq + kKeys * query_block);
     for (int it = 0; it <= query_block; ++it) {
-      const int s = it % kFwdStageCount, key_block = query_block - it;
-      const uint32_t k_tile = base + kFwdStages + s * kFwdStageBytes;
-      barrier_wait(empty + 8 * s, ((it / kFwdStageCount) & 1) ^ 1);
-      barrier_expect_bytes(full + 8 * s, kFwdStageBytes);
-      for (int j = 0; j < 2; ++j) {
-        tma_load_2d(k_tile + j * 16384, &k_map, full + 8 * s, kvh * kDim + 64 * j, b * a.seq + kKeys * key_block);
-        tma_load_2d(k_tile + 32768 + j * 16384, &v_map, full + 8 * s, kvh * kDim + 64 * j, b * a.seq + kKeys * key_block);
+      const int s = it % kFwdRing, parity = ((it / kFwdRing) & 1) ^ 1, row = b * a.seq + kKeys * (query_block - it);
+      const CUtensorMap* maps[2] = {&k_map, &v_map};
+      const int full[2] = {kFwdFullK, kFwdFullV}, empty[2] = {kFwdEmptyK, kFwdEmptyV}, tiles[2] = {kFwdTilesK, kFwdTilesV};
+      for (int t = 0; t < 2; ++t) {  // K, then V
+        barrier_wait(bars + empty[t] + 8 * s, parity);
+        barrier_expect_bytes(bars + full[t] + 8 * s, kFwdTileBytes);
+        for (int j = 0; j < 2; ++j)
+          tma_load_2d(base + tiles[t] + s * kFwdTileBytes + j * 16384, maps[t], bars + full[t] + 8 * s, kvh * kDim + 64 * j, row);
       }
     }
     return;
@@ -778,6 +842,7 @@ void hopper_attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor
   a.lse = lse.ptr<float>();
   a.seq = int(seq), a.q_heads = int(q_heads), a.kv_heads = int(kv_heads), a.heads = int(batch * q_heads), a.blocks = int(seq / kKeys);
   a.scale_log2 = float(1.0 / std::sqrt(double(kDim))) * kLog2e;
+  a.zero = 0;
   // Q in one 128-row tile (two boxes); out leaves in each consumer's 64 rows.
   const CUtensorMap q_map = rows_map(q, q_heads, kKeys), out_map = rows_map(out, q_heads, kQueries);
   const CUtensorMap k_map = rows_map(k, kv_heads, kKeys), v_map = rows_map(v, kv_heads, kKeys);
