@@ -352,62 +352,104 @@ __device__ __forceinline__ void store_ds(unsigned char* tile, const uint32_t (&d
   }
 }
 
-// Consumer warpgroup w: keys key_block * 128 + 64 w .. + 63.
+// S^T = K Q^T and dP^T = V dO^T of consumer w's 64 keys against a query block (K-major: 64-dim
+// boxes, 16 dims = 32 bytes).
+__device__ __forceinline__ void issue_st(float (&st)[32], uint32_t base, uint32_t q_tile, int w) {
+#pragma unroll
+  for (int kk = 0; kk < 8; ++kk)
+    mma_m64n64k16<0, 0>(st, descriptor(base + kTileK + (kk / 4) * 16384 + w * 8192 + (kk % 4) * 32, 16, 1024),
+                        descriptor(q_tile + (kk / 4) * 8192 + (kk % 4) * 32, 16, 1024), kk > 0);
+}
+__device__ __forceinline__ void issue_dpt(float (&dpt)[32], uint32_t base, uint32_t do_tile, int w) {
+#pragma unroll
+  for (int kk = 0; kk < 8; ++kk)
+    mma_m64n64k16<0, 0>(dpt, descriptor(base + kTileV + (kk / 4) * 16384 + w * 8192 + (kk % 4) * 32, 16, 1024),
+                        descriptor(do_tile + (kk / 4) * 8192 + (kk % 4) * 32, 16, 1024), kk > 0);
+}
+
+// Walk step it (query block m) of consumer w, whose S^T is already issued into st. dP^T, then P^T
+// and dS^T, dV += P^T dO and dK += dS^T Q, dS^T to shared memory, dQ's share dS K staged for the
+// writer. With kNext, S^T of the next query block is issued into st once dV and dK are done (their
+// fragments free, this stage released), so that it runs under this block's dQ staging and the
+// waits around it; the last step has none (no wgmma on a conditional path: ptxas would serialise).
+template <bool kNext>
+__device__ __forceinline__ void backward_step(const Args& a, uint32_t base, unsigned char* smem, int w, int it, int m, int key,
+                                              float (&st)[32], float (&dk)[64], float (&dv)[64]) {
+  const uint32_t full = base + kBarriers + 8, empty = full + 16;
+  const int s = it & 1, lane = threadIdx.x % 32;
+  const uint32_t q_tile = base + kTileQ + s * kStageBytes, do_tile = base + kTileDO + s * kStageBytes;
+  float dpt[32];
+  mma_fence();
+  issue_dpt(dpt, base, do_tile, w);
+  mma_commit();
+  mma_wait<0>();  // S^T and dP^T
+  fence_registers(st);
+  fence_registers(dpt);
+  uint32_t p_frag[16], ds_frag[16];
+  const float* stats = reinterpret_cast<const float*>(smem + kRowStats);
+  probabilities(p_frag, ds_frag, st, dpt, stats + 64 * s, stats + 128 + 64 * s, key, kQueries * m, a.scale_log2);
+  mma_fence();
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks) {  // N-major B: 16 queries = 16 rows of 128 bytes; boxes 8 KiB apart
+    mma_m64n128k16_rs(dv, p_frag + 4 * ks, descriptor(do_tile + ks * 2048, 8192, 1024));
+    mma_m64n128k16_rs(dk, ds_frag + 4 * ks, descriptor(q_tile + ks * 2048, 8192, 1024));
+  }
+  mma_commit();
+  store_ds(smem + kTileDS, ds_frag, w);
+  fence_async_shared();
+  named_sync(kDsFull, 256);
+  float dq[32];
+  mma_fence();
+#pragma unroll
+  for (int ks = 0; ks < 8; ++ks)  // A = dS, M-major (dS^T's rows); B = K's box w, N-major: 16 keys = 2048 bytes
+    mma_m64n64k16<1, 1>(dq, descriptor(base + kTileDS + ks * 2048, 8192, 1024),
+                        descriptor(base + kTileK + w * 16384 + ks * 2048, 16384, 1024), ks > 0);
+  mma_commit();
+  if constexpr (kNext) {
+    mma_wait<1>();  // dV and dK
+    fence_registers(dk);
+    fence_registers(dv);
+    fence_registers(p_frag);
+    fence_registers(ds_frag);
+    if (lane == 0) barrier_arrive(empty + 8 * s);  // this stage's Q and dO are read
+    const int next = (it + 1) & 1;
+    barrier_wait(full + 8 * next, ((it + 1) >> 1) & 1);
+    mma_fence();
+    issue_st(st, base, base + kTileQ + next * kStageBytes, w);
+    mma_commit();
+    mma_wait<1>();  // dQ
+  } else {
+    mma_wait<0>();
+    fence_registers(dk);
+    fence_registers(dv);
+    fence_registers(p_frag);
+    fence_registers(ds_frag);
+    if (lane == 0) barrier_arrive(empty + 8 * s);
+  }
+  fence_registers(dq);
+  named_sync(kDsFree, 256);  // both consumers' dQ multiplies have read dS^T
+  named_sync(kDqEmpty + 2 * s + w, 160);  // dQ buffer s: the stage's parity
+  stage_rows(reinterpret_cast<float*>(smem + kTileDQ + s * kDqBufferBytes + w * 16384), dq, 1.0f);
+  fence_async_shared();
+  named_arrive(kDqFull + 2 * s + w, 160);
+}
+
+// Consumer warpgroup w: keys key_block * 128 + 64 w .. + 63, over the query blocks from the last
+// down to the diagonal (at least two: key blocks are 128, query blocks 64).
 __device__ void consume(const Args& a, Item item, int t, uint32_t base, unsigned char* smem, int w) {
-  const uint32_t kv_full = base + kBarriers, full = kv_full + 8, empty = full + 16;
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32 % 4;
-  const int key = kKeys * item.key_block + 64 * w + 16 * warp + lane / 4;
-  float dk[64], dv[64];
+  const uint32_t kv_full = base + kBarriers, full = kv_full + 8;
+  const int key = kKeys * item.key_block + 64 * w + 16 * (threadIdx.x / 32 % 4) + threadIdx.x % 32 / 4;
+  const int count = a.query_blocks - 2 * item.key_block;
+  float dk[64], dv[64], st[32];
 #pragma unroll
   for (int i = 0; i < 64; ++i) dk[i] = dv[i] = 0.0f;
   barrier_wait(kv_full, 0);
-  for (int m = a.query_blocks - 1, it = 0; m >= 2 * item.key_block; --m, ++it) {
-    const int s = it & 1;
-    const uint32_t q_tile = base + kTileQ + s * kStageBytes, do_tile = base + kTileDO + s * kStageBytes;
-    barrier_wait(full + 8 * s, (it >> 1) & 1);
-    float st[32], dpt[32];
-    mma_fence();
-#pragma unroll
-    for (int kk = 0; kk < 8; ++kk) {  // K-major: 64-dim boxes, 16 dims = 32 bytes
-      const uint32_t a_at = (kk / 4) * 16384 + w * 8192 + (kk % 4) * 32, b_at = (kk / 4) * 8192 + (kk % 4) * 32;
-      mma_m64n64k16<0, 0>(st, descriptor(base + kTileK + a_at, 16, 1024), descriptor(q_tile + b_at, 16, 1024), kk > 0);
-      mma_m64n64k16<0, 0>(dpt, descriptor(base + kTileV + a_at, 16, 1024), descriptor(do_tile + b_at, 16, 1024), kk > 0);
-    }
-    mma_commit();
-    mma_wait<0>();
-    fence_registers(st);
-    fence_registers(dpt);
-    uint32_t p_frag[16], ds_frag[16];
-    const float* stats = reinterpret_cast<const float*>(smem + kRowStats);
-    probabilities(p_frag, ds_frag, st, dpt, stats + 64 * s, stats + 128 + 64 * s, key, kQueries * m, a.scale_log2);
-    mma_fence();
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks) {  // N-major B: 16 queries = 16 rows of 128 bytes; boxes 8 KiB apart
-      mma_m64n128k16_rs(dv, p_frag + 4 * ks, descriptor(do_tile + ks * 2048, 8192, 1024));
-      mma_m64n128k16_rs(dk, ds_frag + 4 * ks, descriptor(q_tile + ks * 2048, 8192, 1024));
-    }
-    mma_commit();
-    store_ds(smem + kTileDS, ds_frag, w);
-    fence_async_shared();
-    named_sync(kDsFull, 256);
-    float dq[32];
-    mma_fence();
-#pragma unroll
-    for (int ks = 0; ks < 8; ++ks)  // A = dS, M-major (dS^T's rows); B = K's box w, N-major: 16 keys = 2048 bytes
-      mma_m64n64k16<1, 1>(dq, descriptor(base + kTileDS + ks * 2048, 8192, 1024),
-                          descriptor(base + kTileK + w * 16384 + ks * 2048, 16384, 1024), ks > 0);
-    mma_commit();
-    mma_wait<0>();
-    fence_registers(dq);
-    fence_registers(dk);
-    fence_registers(dv);
-    if (lane == 0) barrier_arrive(empty + 8 * s);  // this stage's Q and dO are read
-    named_sync(kDsFree, 256);                      // both consumers' dQ multiplies have read dS^T
-    named_sync(kDqEmpty + 2 * s + w, 160);  // dQ buffer s: the stage's parity
-    stage_rows(reinterpret_cast<float*>(smem + kTileDQ + s * kDqBufferBytes + w * 16384), dq, 1.0f);
-    fence_async_shared();
-    named_arrive(kDqFull + 2 * s + w, 160);
-  }
+  barrier_wait(full, 0);
+  mma_fence();
+  issue_st(st, base, base + kTileQ, w);
+  mma_commit();
+  for (int it = 0; it + 1 < count; ++it) backward_step<true>(a, base, smem, w, it, a.query_blocks - 1 - it, key, st, dk, dv);
+  backward_step<false>(a, base, smem, w, count - 1, 2 * item.key_block, key, st, dk, dv);
   write_dkdv(a, item, t, base, smem, w, dk, dv);
 }
 
