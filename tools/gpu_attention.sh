@@ -37,7 +37,8 @@
 #         --only attention (every command under a timeout: a kernel that hangs ends the run), marrow
 #         bench --kernels attention (every kernel set's rows, the hopper backward's chunk sweep with
 #         item timelines), then (unless HOPPER_BENCH=0) the bench config (3 + 27 steps) with each of
-#         HOPPER_SETS (default: hopper_backward hopper cudnn), on one machine; the first 5 losses of each
+#         HOPPER_SETS (default: hopper_backward hopper cudnn), on one machine; the first 5 losses of each;
+#         with HOPPER_LONG=1 also one sequence of 16,384 without the weight copy (3 + 5 steps) with each set
 # Ends with PASS or FAIL; logs in <log-dir>.
 set -uo pipefail
 out=${1:-$OUT}
@@ -77,6 +78,13 @@ if [ "$what" = hopper ]; then
         > "$out/bench-$kernels.log" 2>&1 || fail "bench $kernels"
       grep -E "^bench:" "$out/bench-$kernels.log" | tee -a "$out/summary.log"
       first_losses runs/bench-$kernels/bench/metrics.jsonl
+    done
+    for kernels in $([ "${HOPPER_LONG:-0}" = 0 ] || echo ${HOPPER_SETS:-hopper_backward hopper cudnn}); do
+      step "one sequence of 16384 tokens, bf16_weight_copy=false, attention kernels $kernels: 3 warm-up + 5 measured steps"
+      timeout 240 "${bench[@]}" --warmup=3 --steps=5 --train.seq_len=16384 --train.global_batch=1 --train.micro_batch=1 \
+        --train.bf16_weight_copy=false --train.attention_kernels=$kernels --output.dir=runs/long-$kernels \
+        > "$out/long-16384-$kernels.log" 2>&1 || fail "bench 16384 $kernels"
+      grep -E "^bench:" "$out/long-16384-$kernels.log" | tee -a "$out/summary.log"
     done
   else
     fail "marrow check --only attention"
