@@ -118,6 +118,15 @@ class ShardedParameters {
   // AdamW on the shards (norm units without weight decay); then the compute copies are re-gathered.
   // known: AdamW takes their flagged rows' gradient as zero without reading it.
   void optimizer_step(AdamWHyper hyper, std::span<const KnownZeroGrads> known = {});
+  // From now on optimizer_step runs on a GPU stream of its own, unit by unit in the next forward's
+  // order, each unit's gradients zeroed for the next step right after its AdamW (start_step then
+  // zeroes none), and the next step's forward waits for a unit only where it first uses it: the
+  // memory-bound optimizer runs under the next forward's multiplies. Only where every unit is whole
+  // on this rank (one process, weights and gradients kept, no casts); the same bits as without.
+  void overlap_optimizer();
+  // The compute stream waits for the last optimizer_step (before anything reads the parameters
+  // outside a step's forward and backward: checkpoints, traces, the end of training).
+  void wait_for_optimizer();
 
  private:
   struct Unit {
@@ -162,7 +171,9 @@ class ShardedParameters {
   Slot& slot(const Unit& u, int64_t layer) { return slots_[u.expert ? 1 : 0][size_t(layer % 2)]; }
   void reduce_kept(const Unit& u);
   // AdamW on unit u's shard, the parts of `known` inside it by rows.
-  void adamw_unit(const Unit& u, const AdamWHyper& hyper, std::span<const KnownZeroGrads> known);
+  void adamw_unit(const Unit& u, const AdamWHyper& hyper, std::span<const KnownZeroGrads> known, Stream stream);
+  // Zeroes the gradients unit u's backward adds to (those of `known` by their flagged rows only).
+  void zero_grads(const Unit& u, std::span<const KnownZeroGrads> known, Stream stream);
   // This rank's sum of squares of its gradient shards (see gradient_norm).
   double local_squares(std::span<const Tensor> expert_squares, std::span<const KnownZeroGrads> known) const;
   // Whether unit u's gradient is complete once the backward has written it (no reduction follows).
@@ -184,6 +195,11 @@ class ShardedParameters {
   // A GPU stream of its own for cast_on_use's casts, so the next layer's cast overlaps this layer's
   // compute as a gather on a communication stream would (null on the CPU and without casts).
   std::shared_ptr<void> cast_stream_;
+  // overlap_optimizer: on; the GPU stream (null on the CPU); whether the last optimizer_step zeroed
+  // the gradients for the next step; the point after its last unit.
+  bool overlap_ = false, grads_zeroed_ = false;
+  std::shared_ptr<void> optimizer_stream_;
+  Comm::Point optimizer_done_;
 };
 
 }  // namespace marrow
