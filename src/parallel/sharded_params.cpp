@@ -277,7 +277,7 @@ void ShardedParameters::gather_slot(const Unit& u, int64_t layer) {
   if (s.holds == layer) return;
   s.holds = layer;
   if (u.cast) {
-    s.gathered_at = cast_into_slot(s.weights.rows(0, u.numel), u.shard(params_));
+    s.gathered_at = cast_into_slot(s.weights.rows(0, u.numel), u.shard(params_), u.updated_at);
     return;
   }
   u.group->all_gather(s.weights.rows(0, u.n * u.chunk), u.working, "weights all_gather (layer)", false);
@@ -286,16 +286,16 @@ void ShardedParameters::gather_slot(const Unit& u, int64_t layer) {
 
 // The cast starts after everything the compute stream has queued so far, which includes the last
 // use of the slot's previous layer.
-Comm::Point ShardedParameters::cast_into_slot(Tensor weights, Tensor master) {
-#if MARROW_CUDA
+Comm::Point ShardedParameters::cast_into_slot(Tensor weights, Tensor master, const Comm::Point& updated) {
   if (cast_stream_) {
     const Stream stream{cast_stream_.get()};
     wait_in_stream(stream, record_point(device_, {}));
+    wait_in_stream(stream, updated);
     cast(weights, master, stream);
     return record_point(device_, stream);
   }
-#endif
-  cast(weights, master);  // on the compute stream, which uses it next: nothing to wait for
+  mesh_.world.wait_for(updated);
+  cast(weights, master);  // on the compute stream, which uses it next
   return {};
 }
 
@@ -470,7 +470,8 @@ void ShardedParameters::optimizer_step(AdamWHyper hyper, std::span<const KnownZe
     adamw_unit(u, hyper, known, stream);
     if (overlap_) {
       zero_grads(u, known, stream);
-      u.gathered_at = record_point(device_, stream);  // where the next forward waits for this unit
+      u.updated_at = record_point(device_, stream);
+      if (u.weights_kept) u.gathered_at = u.updated_at;  // where the next forward waits for this unit
     }
     gather_kept(u);
   }
@@ -480,8 +481,8 @@ void ShardedParameters::optimizer_step(AdamWHyper hyper, std::span<const KnownZe
 
 void ShardedParameters::overlap_optimizer() {
   for (const Unit& u : units_)
-    MARROW_CHECK(u.weights_kept && u.grads_kept && u.n == 1 && !u.cast && mesh_.replicas.size() == 1 && mesh_.world.size() == 1,
-                 "train.overlap_optimizer needs one process with the bf16 weight copy (train.bf16_weight_copy = true)");
+    MARROW_CHECK((u.weights_kept || u.cast) && u.grads_kept && u.n == 1 && mesh_.replicas.size() == 1 && mesh_.world.size() == 1,
+                 "train.overlap_optimizer needs one process (its optimizer updates every whole unit on one GPU)");
   overlap_ = true;
 #if MARROW_CUDA
   if (device_ == Device::cuda) {

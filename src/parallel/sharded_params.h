@@ -121,8 +121,9 @@ class ShardedParameters {
   // From now on optimizer_step runs on a GPU stream of its own, unit by unit in the next forward's
   // order, each unit's gradients zeroed for the next step right after its AdamW (start_step then
   // zeroes none), and the next step's forward waits for a unit only where it first uses it: the
-  // memory-bound optimizer runs under the next forward's multiplies. Only where every unit is whole
-  // on this rank (one process, weights and gradients kept, no casts); the same bits as without.
+  // memory-bound optimizer runs under the next forward's multiplies (a layer cast on use waits for
+  // its update before the cast). Only where every unit is whole on this rank (one process); the same
+  // bits as without.
   void overlap_optimizer();
   // The compute stream waits for the last optimizer_step (before anything reads the parameters
   // outside a step's forward and backward: checkpoints, traces, the end of training).
@@ -143,6 +144,7 @@ class ShardedParameters {
     Tensor whole_grad;                     // grads_kept: the whole fp32 gradient (n == 1: the shard)
     std::vector<Tensor> zeroed;            // gradient views a step (grads_kept) or a use (slots) starts at zero
     Comm::Point gathered_at;
+    Comm::Point updated_at;  // overlap_optimizer: the end of the unit's last update on the optimizer stream
     Tensor shard(const Arena& a) const { return a.slice(offset, {chunk}); }
   };
   struct Slot {
@@ -162,9 +164,9 @@ class ShardedParameters {
   // The slots' weights are stale (the master shards changed).
   void forget_slots();
   void gather_slot(const Unit& u, int64_t layer);
-  // cast_on_use: the slot's weights from the master shard, on cast_stream_ (GPU); returns the point
-  // the compute stream waits for.
-  Comm::Point cast_into_slot(Tensor weights, Tensor master);
+  // cast_on_use: the slot's weights from the master shard, on cast_stream_ (GPU), after `updated`
+  // (the master's last update); returns the point the compute stream waits for.
+  Comm::Point cast_into_slot(Tensor weights, Tensor master, const Comm::Point& updated);
   // The compute stream waits for the stage's weights (and, in the backward, for its gradient slots).
   void wait_for_weights(int64_t stage, bool backward);
   void prefetch(int64_t layer);
