@@ -31,9 +31,6 @@
 #        cuDNN offers for the forward and the deterministic backward, timed and compared with the op's
 # pairs: the bench config (3 + 27 steps) with train.pair_expert_grads=false, then the default, on one
 #        machine: tokens/s and peaks side by side, losses bit for bit
-# overlap: the bench config (3 + 27 steps, first 5 losses against REF_LOSSES) and one sequence of 16,384 without
-#          the weight copy (3 + 5)
-#          with train.overlap_optimizer=false and true on one machine; a trace of 2 overlapped steps
 # traces: kernel traces of the bench config (2 steps) and of one sequence of 16,384 without the weight
 #         copy (1 step), for the stage attribution of docs/performance.md
 # hopper: Marrow's wgmma attention (train.attention_kernels=hopper, hopper_backward): marrow check
@@ -223,24 +220,6 @@ if [ "$what" = quick ]; then
   step "kernel trace: 2 bench steps after 2 warm-up"
   "${bench[@]}" --warmup=2 --steps=2 --profile-steps=3:4 --output.dir=runs/quick-trace > "$out/profile.log" 2>&1 || fail "trace"
   gzip -c runs/quick-trace/bench/trace-steps-3-4.json > "$out/trace-steps-3-4.json.gz" 2>/dev/null
-fi
-
-if [ "$what" = overlap ]; then
-  for ov in false true; do
-    step "bench config, train.overlap_optimizer=$ov: 3 warm-up + 27 measured steps"
-    timeout 240 "${bench[@]}" --warmup=3 --steps=27 --train.overlap_optimizer=$ov --output.dir=runs/overlap-$ov \
-      > "$out/bench-overlap-$ov.log" 2>&1 || fail "bench overlap_optimizer=$ov"
-    grep -E "^bench:" "$out/bench-overlap-$ov.log" | tee -a "$out/summary.log"
-    first_losses runs/overlap-$ov/bench/metrics.jsonl
-    step "one sequence of 16384 tokens without the weight copy, train.overlap_optimizer=$ov: 3 warm-up + 5 measured steps"
-    timeout 240 "${bench[@]}" --warmup=3 --steps=5 --train.seq_len=16384 --train.global_batch=1 --train.micro_batch=1 \
-      --train.bf16_weight_copy=false --train.overlap_optimizer=$ov --output.dir=runs/overlap-long-$ov > "$out/long-overlap-$ov.log" 2>&1 || fail "16384 overlap=$ov"
-    grep -E "^bench:" "$out/long-overlap-$ov.log" | tee -a "$out/summary.log"
-  done
-  step "kernel trace with train.overlap_optimizer=true: 2 bench steps after 2 warm-up"
-  "${bench[@]}" --warmup=2 --steps=2 --profile-steps=3:4 --train.overlap_optimizer=true --output.dir=runs/overlap-trace \
-    > "$out/overlap-trace.log" 2>&1 || fail "trace overlap"
-  gzip -c runs/overlap-trace/bench/trace-steps-3-4.json > "$out/trace-overlap-steps-3-4.json.gz" 2>/dev/null
 fi
 
 if [ "$what" = traces ]; then

@@ -35,9 +35,6 @@ struct RunConfig {
   // Micro-batches 2i and 2i + 1 compute their expert weight gradients in one pass over the fp32
   // gradients (engine/model.h: pairs_expert_weight_gradients); false saves the memory the pair holds.
   bool pair_expert_grads = true;
-  // AdamW on a GPU stream of its own, layer by layer in the next forward's order, under the next
-  // step's forward (parallel/sharded_params.h: overlap_optimizer); one process.
-  bool overlap_optimizer = false;
   // [optimizer]
   double lr = 3e-3, min_lr = 3e-4, beta1 = 0.9, beta2 = 0.95, eps = 1e-8, weight_decay = 0.1, grad_clip = 1.0;
   // [schedule]

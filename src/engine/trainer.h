@@ -475,7 +475,6 @@ std::vector<StepMetrics> train(const RunConfig& rc, const typename M::Config& mo
   checkpoints.require_disk_space();
   int64_t updates = checkpoints.resumed_updates();
   state.master_changed();
-  if (rc.overlap_optimizer) state.overlap_optimizer();
   const std::string metrics_path = rc.out_dir + "/metrics.jsonl";
   if (first_step > rc.steps) {
     std::printf("the run is complete: its checkpoint is at step %lld of train.steps = %lld\n", (long long)first_step - 1,
@@ -535,7 +534,6 @@ std::vector<StepMetrics> train(const RunConfig& rc, const typename M::Config& mo
       optimizer_step(s, rc, m, ++updates);
     }
     optimizer_scope.reset();
-    if (step == rc.steps) state.wait_for_optimizer();  // the last step's time includes its optimizer
     if (device == Device::cuda) synchronize();
     watchdog::arm(false);
     step_range.reset();
@@ -563,11 +561,9 @@ std::vector<StepMetrics> train(const RunConfig& rc, const typename M::Config& mo
     }
     history.push_back(m);
     const int stop_signal = agreed_stop_signal(s.mesh.world);
-    const bool trace_ends = trace && trace->running() && (step == rc.profile_last || stop_signal != 0);
-    const bool save = checkpoints.due(step, stop_signal != 0);
-    if (trace_ends || save) state.wait_for_optimizer();  // train.overlap_optimizer: the step's update is complete
-    if (trace_ends) report_trace(trace->stop(), fmt::format("{}/trace-steps-{}-{}.json", rc.out_dir, std::max(rc.profile_first, first_step), step));
-    const std::string saved = save ? checkpoints.save(step, updates) : "";
+    if (trace && trace->running() && (step == rc.profile_last || stop_signal != 0))
+      report_trace(trace->stop(), fmt::format("{}/trace-steps-{}-{}.json", rc.out_dir, std::max(rc.profile_first, first_step), step));
+    const std::string saved = checkpoints.due(step, stop_signal != 0) ? checkpoints.save(step, updates) : "";
     if (stop_signal != 0 && step < rc.steps) {
       std::printf("stopped by %s after step %lld: %s\n", stop_signal == SIGTERM ? "SIGTERM" : "SIGINT", (long long)step,
                   saved.empty() ? "no checkpoint (checkpoint.every = 0)"

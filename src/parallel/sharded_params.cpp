@@ -31,32 +31,6 @@ UnitKey unit_key(const TensorSpec& s, const std::vector<int64_t>& stage_chunk) {
   return s.is_norm ? UnitKey{true, -1 - stage_chunk[size_t(s.layer + 1)], false} : UnitKey{false, s.layer, s.is_expert};
 }
 
-// The point in `stream`'s queue (the compute stream's when null) that other streams can wait for;
-// none on the CPU, where everything runs in order.
-Comm::Point record_point(Device device, Stream stream) {
-#if MARROW_CUDA
-  if (device == Device::cuda) {
-    cudaEvent_t event = nullptr;
-    MARROW_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
-    Comm::Point point{std::shared_ptr<void>(event, [](void* e) { cudaEventDestroy(static_cast<cudaEvent_t>(e)); })};
-    MARROW_CUDA_CHECK(cudaEventRecord(event, static_cast<cudaStream_t>(stream.handle)));
-    return point;
-  }
-#endif
-  (void)device, (void)stream;
-  return {};
-}
-
-// `stream` waits for `point` (a GPU stream of this process).
-void wait_in_stream(Stream stream, const Comm::Point& point) {
-#if MARROW_CUDA
-  if (point.event)
-    MARROW_CUDA_CHECK(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream.handle), static_cast<cudaEvent_t>(point.event.get()), 0));
-#else
-  (void)stream, (void)point;
-#endif
-}
-
 }  // namespace
 
 std::vector<ShardedParameters::Unit> ShardedParameters::cut_units(const std::vector<TensorSpec>& specs, int64_t num_layers,
@@ -254,21 +228,18 @@ void ShardedParameters::gather_kept(Unit& u) {
 }
 
 void ShardedParameters::start_step(std::span<const KnownZeroGrads> known) {
-  if (std::exchange(grads_zeroed_, false)) return;
-  for (const Unit& u : units_)
-    if (u.grads_kept) zero_grads(u, known, {});
-}
-
-void ShardedParameters::zero_grads(const Unit& u, std::span<const KnownZeroGrads> known, Stream stream) {
-  for (const Tensor& t : u.zeroed) {
-    const auto k = std::find_if(known.begin(), known.end(), [&](const KnownZeroGrads& g) { return g.grad.data == t.data; });
-    if (k == known.end()) {
-      fill_zero(t, stream);
-      continue;
+  for (const Unit& u : units_) {
+    if (!u.grads_kept) continue;
+    for (const Tensor& t : u.zeroed) {
+      const auto k = std::find_if(known.begin(), known.end(), [&](const KnownZeroGrads& g) { return g.grad.data == t.data; });
+      if (k == known.end()) {
+        fill_zero(t);
+        continue;
+      }
+      MARROW_CHECK(k->grad.numel() == t.numel() && final_after_backward(u),
+                   "internal: known-zero gradient of {} elements at stage {} is not one whole final gradient", k->grad.numel(), u.stage);
+      restart_known_zero(t, k->flags);
     }
-    MARROW_CHECK(k->grad.numel() == t.numel() && final_after_backward(u),
-                 "internal: known-zero gradient of {} elements at stage {} is not one whole final gradient", k->grad.numel(), u.stage);
-    restart_known_zero(t, k->flags, stream);
   }
 }
 
@@ -277,7 +248,7 @@ void ShardedParameters::gather_slot(const Unit& u, int64_t layer) {
   if (s.holds == layer) return;
   s.holds = layer;
   if (u.cast) {
-    s.gathered_at = cast_into_slot(s.weights.rows(0, u.numel), u.shard(params_), u.updated_at);
+    s.gathered_at = cast_into_slot(s.weights.rows(0, u.numel), u.shard(params_));
     return;
   }
   u.group->all_gather(s.weights.rows(0, u.n * u.chunk), u.working, "weights all_gather (layer)", false);
@@ -286,16 +257,24 @@ void ShardedParameters::gather_slot(const Unit& u, int64_t layer) {
 
 // The cast starts after everything the compute stream has queued so far, which includes the last
 // use of the slot's previous layer.
-Comm::Point ShardedParameters::cast_into_slot(Tensor weights, Tensor master, const Comm::Point& updated) {
+Comm::Point ShardedParameters::cast_into_slot(Tensor weights, Tensor master) {
+#if MARROW_CUDA
   if (cast_stream_) {
-    const Stream stream{cast_stream_.get()};
-    wait_in_stream(stream, record_point(device_, {}));
-    wait_in_stream(stream, updated);
-    cast(weights, master, stream);
-    return record_point(device_, stream);
+    auto stream = static_cast<cudaStream_t>(cast_stream_.get());
+    auto event = [] {
+      cudaEvent_t e = nullptr;
+      MARROW_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+      return std::shared_ptr<void>(e, [](void* p) { cudaEventDestroy(static_cast<cudaEvent_t>(p)); });
+    };
+    const std::shared_ptr<void> queued = event(), done = event();
+    MARROW_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(queued.get()), nullptr));
+    MARROW_CUDA_CHECK(cudaStreamWaitEvent(stream, static_cast<cudaEvent_t>(queued.get()), 0));
+    cast(weights, master, Stream{stream});
+    MARROW_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(done.get()), stream));
+    return {done};
   }
-  mesh_.world.wait_for(updated);
-  cast(weights, master);  // on the compute stream, which uses it next
+#endif
+  cast(weights, master);  // on the compute stream, which uses it next: nothing to wait for
   return {};
 }
 
@@ -429,16 +408,16 @@ double ShardedParameters::gradient_norm(std::span<const Tensor> expert_squares, 
   return std::sqrt(mesh_.pipeline.sum(stage_squares, "gradient norm over the pipeline (sum of squares)"));
 }
 
-void ShardedParameters::adamw_unit(const Unit& u, const AdamWHyper& hyper, std::span<const KnownZeroGrads> known, Stream stream) {
+void ShardedParameters::adamw_unit(const Unit& u, const AdamWHyper& hyper, std::span<const KnownZeroGrads> known) {
   const bool separate = u.working.data != nullptr && u.working.data != u.shard(params_).data;
   auto part = [&](const Arena& a, int64_t begin, int64_t count) { return a.slice(u.offset + begin, {count}); };
   auto update = [&](int64_t begin, int64_t count, const KnownZeroGrads* k) {
     if (count == 0) return;
     const Tensor working = separate ? u.working.reshape({u.chunk}).rows(begin, begin + count) : Tensor{};
     if (k) adamw_step_known_zero(part(params_, begin, count), working, part(exp_avg_, begin, count), part(exp_avg_sq_, begin, count),
-                                 part(grads_, begin, count), k->flags, hyper, stream);
+                                 part(grads_, begin, count), k->flags, hyper);
     else adamw_step(part(params_, begin, count), working, part(exp_avg_, begin, count), part(exp_avg_sq_, begin, count),
-                    part(grads_, begin, count), hyper, stream);
+                    part(grads_, begin, count), hyper);
   };
   const Tensor grad = u.shard(grads_);
   const auto* base = static_cast<const char*>(grad.data);
@@ -461,38 +440,13 @@ void ShardedParameters::adamw_unit(const Unit& u, const AdamWHyper& hyper, std::
 void ShardedParameters::optimizer_step(AdamWHyper hyper, std::span<const KnownZeroGrads> known) {
   const double weight_decay = hyper.weight_decay;
   forget_slots();
-  const Stream stream{optimizer_stream_.get()};
-  if (stream.handle) wait_in_stream(stream, record_point(device_, {}));  // the step's gradients
   // In the order the next forward needs them, each unit's gather starting as soon as it is updated.
   for (size_t i : update_order_) {
     Unit& u = units_[i];
     hyper.weight_decay = u.norms ? 0 : weight_decay;
-    adamw_unit(u, hyper, known, stream);
-    if (overlap_) {
-      zero_grads(u, known, stream);
-      u.updated_at = record_point(device_, stream);
-      if (u.weights_kept) u.gathered_at = u.updated_at;  // where the next forward waits for this unit
-    }
+    adamw_unit(u, hyper, known);
     gather_kept(u);
   }
-  grads_zeroed_ = overlap_;
-  if (overlap_) optimizer_done_ = record_point(device_, stream);
 }
-
-void ShardedParameters::overlap_optimizer() {
-  for (const Unit& u : units_)
-    MARROW_CHECK((u.weights_kept || u.cast) && u.grads_kept && u.n == 1 && mesh_.replicas.size() == 1 && mesh_.world.size() == 1,
-                 "train.overlap_optimizer needs one process (its optimizer updates every whole unit on one GPU)");
-  overlap_ = true;
-#if MARROW_CUDA
-  if (device_ == Device::cuda) {
-    cudaStream_t stream = nullptr;
-    MARROW_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-    optimizer_stream_ = std::shared_ptr<void>(stream, [](void* p) { cudaStreamDestroy(static_cast<cudaStream_t>(p)); });
-  }
-#endif
-}
-
-void ShardedParameters::wait_for_optimizer() { mesh_.world.wait_for(optimizer_done_); }
 
 }  // namespace marrow

@@ -118,16 +118,6 @@ class ShardedParameters {
   // AdamW on the shards (norm units without weight decay); then the compute copies are re-gathered.
   // known: AdamW takes their flagged rows' gradient as zero without reading it.
   void optimizer_step(AdamWHyper hyper, std::span<const KnownZeroGrads> known = {});
-  // From now on optimizer_step runs on a GPU stream of its own, unit by unit in the next forward's
-  // order, each unit's gradients zeroed for the next step right after its AdamW (start_step then
-  // zeroes none), and the next step's forward waits for a unit only where it first uses it: the
-  // memory-bound optimizer runs under the next forward's multiplies (a layer cast on use waits for
-  // its update before the cast). Only where every unit is whole on this rank (one process); the same
-  // bits as without.
-  void overlap_optimizer();
-  // The compute stream waits for the last optimizer_step (before anything reads the parameters
-  // outside a step's forward and backward: checkpoints, traces, the end of training).
-  void wait_for_optimizer();
 
  private:
   struct Unit {
@@ -144,7 +134,6 @@ class ShardedParameters {
     Tensor whole_grad;                     // grads_kept: the whole fp32 gradient (n == 1: the shard)
     std::vector<Tensor> zeroed;            // gradient views a step (grads_kept) or a use (slots) starts at zero
     Comm::Point gathered_at;
-    Comm::Point updated_at;  // overlap_optimizer: the end of the unit's last update on the optimizer stream
     Tensor shard(const Arena& a) const { return a.slice(offset, {chunk}); }
   };
   struct Slot {
@@ -164,18 +153,16 @@ class ShardedParameters {
   // The slots' weights are stale (the master shards changed).
   void forget_slots();
   void gather_slot(const Unit& u, int64_t layer);
-  // cast_on_use: the slot's weights from the master shard, on cast_stream_ (GPU), after `updated`
-  // (the master's last update); returns the point the compute stream waits for.
-  Comm::Point cast_into_slot(Tensor weights, Tensor master, const Comm::Point& updated);
+  // cast_on_use: the slot's weights from the master shard, on cast_stream_ (GPU); returns the point
+  // the compute stream waits for.
+  Comm::Point cast_into_slot(Tensor weights, Tensor master);
   // The compute stream waits for the stage's weights (and, in the backward, for its gradient slots).
   void wait_for_weights(int64_t stage, bool backward);
   void prefetch(int64_t layer);
   Slot& slot(const Unit& u, int64_t layer) { return slots_[u.expert ? 1 : 0][size_t(layer % 2)]; }
   void reduce_kept(const Unit& u);
   // AdamW on unit u's shard, the parts of `known` inside it by rows.
-  void adamw_unit(const Unit& u, const AdamWHyper& hyper, std::span<const KnownZeroGrads> known, Stream stream);
-  // Zeroes the gradients unit u's backward adds to (those of `known` by their flagged rows only).
-  void zero_grads(const Unit& u, std::span<const KnownZeroGrads> known, Stream stream);
+  void adamw_unit(const Unit& u, const AdamWHyper& hyper, std::span<const KnownZeroGrads> known);
   // This rank's sum of squares of its gradient shards (see gradient_norm).
   double local_squares(std::span<const Tensor> expert_squares, std::span<const KnownZeroGrads> known) const;
   // Whether unit u's gradient is complete once the backward has written it (no reduction follows).
@@ -197,11 +184,6 @@ class ShardedParameters {
   // A GPU stream of its own for cast_on_use's casts, so the next layer's cast overlaps this layer's
   // compute as a gather on a communication stream would (null on the CPU and without casts).
   std::shared_ptr<void> cast_stream_;
-  // overlap_optimizer: on; the GPU stream (null on the CPU); whether the last optimizer_step zeroed
-  // the gradients for the next step; the point after its last unit.
-  bool overlap_ = false, grads_zeroed_ = false;
-  std::shared_ptr<void> optimizer_stream_;
-  Comm::Point optimizer_done_;
 };
 
 }  // namespace marrow

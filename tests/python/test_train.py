@@ -84,29 +84,6 @@ def main():
         check(said == [True, False], f"the start-up line says whether micro-batches pair (default, false: {said})")
         check(paired[0] is not None and paired[0] == paired[1], "train.pair_expert_grads=false gives the default's losses bit for bit")
 
-        # train.overlap_optimizer (AdamW on a stream of its own, each unit's gradients zeroed right after
-        # its update) gives the default's losses, validation losses and gradient norms bit for bit, with a
-        # skipped non-finite step (4) among them, and a run stopped at step 7 resumes to the same losses.
-        common = base + ["--train.steps=10", "--schedule.warmup_steps=5", "--train.global_batch=12", "--train.micro_batch=4",
-                         "--eval.every=5", "--eval.samples=6"]
-        overlapped = []
-        for overlap in ("false", "true"):
-            out = os.path.join(tmp, f"overlap-{overlap}")
-            p = subprocess.run([args.marrow, "train"] + common + [f"--train.overlap_optimizer={overlap}", f"--output.dir={out}"], cwd=repo,
-                               capture_output=True, text=True, env=dict(os.environ, MARROW_TEST_FAULT="0:4:nan"))
-            overlapped.append([(m.get("loss"), m.get("val_loss"), m.get("grad_norm")) for m in metrics(out)] if p.returncode == 0 else None)
-        check(overlapped[0] is not None and str(overlapped[0]) == str(overlapped[1]),
-              "train.overlap_optimizer=true gives the default's losses, validation losses and gradient norms bit for bit")
-        straight = os.path.join(tmp, "overlap-straight")
-        code_straight, _, _ = run(args.marrow, common + ["--train.overlap_optimizer=true", f"--output.dir={straight}"], repo)
-        out = os.path.join(tmp, "overlap-resume")
-        resumed = common + ["--train.overlap_optimizer=true", "--checkpoint.every=5", f"--output.dir={out}"]
-        first = subprocess.run([args.marrow, "train"] + resumed, cwd=repo, capture_output=True, text=True,
-                               env=dict(os.environ, MARROW_TEST_FAULT="0:7:exit"))
-        code, _, _ = run(args.marrow, resumed, repo)
-        check(first.returncode == 3 and code == 0 and code_straight == 0 and losses(out) == losses(straight),
-              "train.overlap_optimizer: a run stopped at step 7 resumes from step 5 to the straight run's losses")
-
         # Validation loss: at steps 10, 20 and the last (25), deterministic, falling, and training untouched.
         evals = []
         for name in ("eval1", "eval2"):
