@@ -756,43 +756,65 @@ __global__ void __launch_bounds__(kThreads, 1)
   consume_forward(&out_map, a, base, smem, warpgroup - 1, head, query_block);
 }
 
-// delta[head, s] = dO . O over the row's 128 dimensions, one warp a row (fixed shuffle tree).
+// delta[head, s] = dO . O over the row's 128 dimensions, one warp a row (fixed shuffle tree), each
+// warp kDeltaRows rows with all their loads issued first: with one row a warp, too few bytes were in
+// flight to reach the memory's rate (1.9 TB/s).
+constexpr int kDeltaRows = 4;
 __global__ void delta_kernel(float* delta, const bf16* dout, const bf16* out, int64_t rows, int seq, int q_heads) {
-  const int64_t r = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;  // [B, S, Hq] order
-  if (r >= rows) return;
+  const int64_t first = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32 * kDeltaRows;  // [B, S, Hq] order
   const int lane = threadIdx.x % 32;
-  const uint2 x = *reinterpret_cast<const uint2*>(dout + r * kDim + 4 * lane), y = *reinterpret_cast<const uint2*>(out + r * kDim + 4 * lane);
-  const float2 x0 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&x.x)), x1 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&x.y));
-  const float2 y0 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&y.x)), y1 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&y.y));
-  const float sum = warp_sum(x0.x * y0.x + x0.y * y0.y + x1.x * y1.x + x1.y * y1.y);
-  const int64_t b = r / (int64_t(seq) * q_heads), s = r / q_heads % seq, h = r % q_heads;
-  if (lane == 0) delta[(b * q_heads + h) * seq + s] = sum;
+  uint2 x[kDeltaRows], y[kDeltaRows];
+#pragma unroll
+  for (int i = 0; i < kDeltaRows; ++i) {
+    const int64_t r = first + i < rows ? first + i : rows - 1;  // past the end: the last row again, not stored
+    x[i] = *reinterpret_cast<const uint2*>(dout + r * kDim + 4 * lane);
+    y[i] = *reinterpret_cast<const uint2*>(out + r * kDim + 4 * lane);
+  }
+#pragma unroll
+  for (int i = 0; i < kDeltaRows; ++i) {
+    const int64_t r = first + i;
+    const float2 x0 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&x[i].x)),
+                 x1 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&x[i].y));
+    const float2 y0 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&y[i].x)),
+                 y1 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&y[i].y));
+    const float sum = warp_sum(x0.x * y0.x + x0.y * y0.y + x1.x * y1.x + x1.y * y1.y);
+    const int64_t b = r / (int64_t(seq) * q_heads), s = r / q_heads % seq, h = r % q_heads;
+    if (lane == 0 && r < rows) delta[(b * q_heads + h) * seq + s] = sum;
+  }
 }
 
-// The accumulators to bf16 in the tensors' layouts: one thread a pair of columns; dq's pairs first,
-// then dk's and dv's.
-__global__ void finish_kernel(bf16* dq, bf16* dk, bf16* dv, Args a, int64_t dq_pairs, int64_t kv_pairs) {
+// Eight f32 (32 bytes) to bf16 (16 bytes), times factor.
+__device__ __forceinline__ uint4 eight_to_bf16(const float* from, float factor) {
+  const float4 lo = reinterpret_cast<const float4*>(from)[0], hi = reinterpret_cast<const float4*>(from)[1];
+  const auto word = [factor](float x, float y) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(factor * x, factor * y);
+    return *reinterpret_cast<const uint32_t*>(&h);
+  };
+  return make_uint4(word(lo.x, lo.y), word(lo.z, lo.w), word(hi.x, hi.y), word(hi.z, hi.w));
+}
+
+// The accumulators to bf16 in the tensors' layouts: one thread four pairs of columns (pair_slot keeps
+// each aligned group of four pairs together: 32 bytes read, 16 written); dq's first, then dk's and dv's.
+__global__ void finish_kernel(bf16* dq, bf16* dk, bf16* dv, Args a, int64_t dq_quads, int64_t kv_quads) {
   const int64_t p = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (p < dq_pairs) {  // p indexes [B, S, Hq, 64 pairs]
-    const int pair = int(p % 64), h = int(p / 64 % a.q_heads);
-    const int64_t bs = p / 64 / a.q_heads, b = bs / a.seq;
+  if (p < dq_quads) {  // p indexes [B, S, Hq, 16 quads]
+    const int pair = int(p % 16) * 4, h = int(p / 16 % a.q_heads);
+    const int64_t bs = p / 16 / a.q_heads, b = bs / a.seq;
     const int s = int(bs % a.seq), row = s % kQueries, half = pair / 32;
     const int64_t head = b * a.q_heads + h;
-    const float2 v = *reinterpret_cast<const float2*>(a.dq_accum + ((head * a.query_blocks + s / kQueries) * 2 + half) * 4096 + row * 64 +
-                                                      2 * pair_slot(pair % 32, row));
-    reinterpret_cast<__nv_bfloat162*>(dq)[p] = __floats2bfloat162_rn(a.scale * v.x, a.scale * v.y);
+    const float* from = a.dq_accum + ((head * a.query_blocks + s / kQueries) * 2 + half) * 4096 + row * 64 + 2 * pair_slot(pair % 32, row);
+    reinterpret_cast<uint4*>(dq)[p] = eight_to_bf16(from, a.scale);
     return;
   }
-  const int64_t k = p - dq_pairs;
-  if (k >= 2 * kv_pairs) return;
-  const bool is_v = k >= kv_pairs;
-  const int64_t q = is_v ? k - kv_pairs : k;  // [B, S, Hkv, 64 pairs]
-  const int pair = int(q % 64), kvh = int(q / 64 % a.kv_heads);
-  const int64_t bs = q / 64 / a.kv_heads, b = bs / a.seq;
+  const int64_t k = p - dq_quads;
+  if (k >= 2 * kv_quads) return;
+  const bool is_v = k >= kv_quads;
+  const int64_t q = is_v ? k - kv_quads : k;  // [B, S, Hkv, 16 quads]
+  const int pair = int(q % 16) * 4, kvh = int(q / 16 % a.kv_heads);
+  const int64_t bs = q / 16 / a.kv_heads, b = bs / a.seq;
   const int s = int(bs % a.seq);
   const float* accum = is_v ? a.dv_accum : a.dk_accum;
-  const float2 v = *reinterpret_cast<const float2*>(accum + ((b * a.kv_heads + kvh) * a.seq + s) * kDim + 2 * pair_slot(pair, s % 64));
-  reinterpret_cast<__nv_bfloat162*>(is_v ? dv : dk)[q] = __floats2bfloat162_rn(v.x, v.y);
+  reinterpret_cast<uint4*>(is_v ? dv : dk)[q] = eight_to_bf16(accum + ((b * a.kv_heads + kvh) * a.seq + s) * kDim + 2 * pair_slot(pair, s % 64), 1.0f);
 }
 
 CUtensorMap rows_map(const Tensor& t, int64_t heads, int box_rows) {
@@ -837,7 +859,7 @@ void run_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor
   MARROW_CUDA_CHECK(cudaMemsetAsync(sync.ptr<int32_t>(), 0, size_t(semaphores) * 4, s));
 
   const int64_t rows = batch * seq * q_heads;
-  delta_kernel<<<unsigned((rows * 32 + 255) / 256), 256, 0, s>>>(delta.ptr<float>(), static_cast<const bf16*>(dout.data),
+  delta_kernel<<<unsigned((rows + 8 * kDeltaRows - 1) / (8 * kDeltaRows)), 256, 0, s>>>(delta.ptr<float>(), static_cast<const bf16*>(dout.data),
                                                                   static_cast<const bf16*>(out.data), rows, int(seq), int(q_heads));
   MARROW_CUDA_CHECK_LAUNCH();
 
@@ -864,9 +886,9 @@ void run_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor
   backward_kernel<<<unsigned(int64_t(heads) * key_blocks), kThreads, kSmemBytes, s>>>(q_map, k_map, v_map, do_map, a);
   MARROW_CUDA_CHECK_LAUNCH();
 
-  const int64_t dq_pairs = rows * 64, kv_pairs = batch * seq * kv_heads * 64;
-  finish_kernel<<<unsigned((dq_pairs + 2 * kv_pairs + 255) / 256), 256, 0, s>>>(static_cast<bf16*>(dq.data), static_cast<bf16*>(dk.data),
-                                                                                static_cast<bf16*>(dv.data), a, dq_pairs, kv_pairs);
+  const int64_t dq_quads = rows * 16, kv_quads = batch * seq * kv_heads * 16;
+  finish_kernel<<<unsigned((dq_quads + 2 * kv_quads + 255) / 256), 256, 0, s>>>(static_cast<bf16*>(dq.data), static_cast<bf16*>(dk.data),
+                                                                                static_cast<bf16*>(dv.data), a, dq_quads, kv_quads);
   MARROW_CUDA_CHECK_LAUNCH();
 }
 
