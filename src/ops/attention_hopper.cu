@@ -757,29 +757,29 @@ __global__ void __launch_bounds__(kThreads, 1)
 }
 
 // delta[head, s] = dO . O over the row's 128 dimensions, one warp a row (fixed shuffle tree), each
-// warp kDeltaRows rows with all their loads issued first: with one row a warp, too few bytes were in
-// flight to reach the memory's rate (1.9 TB/s).
+// warp kDeltaRows rows with all their loads issued first. Row indices are 32-bit (run_backward checks
+// rows < 2^31): three 64-bit divisions a row cost more issue slots than the loads.
 constexpr int kDeltaRows = 4;
-__global__ void delta_kernel(float* delta, const bf16* dout, const bf16* out, int64_t rows, int seq, int q_heads) {
-  const int64_t first = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32 * kDeltaRows;  // [B, S, Hq] order
+__global__ void delta_kernel(float* delta, const bf16* dout, const bf16* out, int rows, int seq, int q_heads) {
+  const int first = int((int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32) * kDeltaRows;  // [B, S, Hq] order
   const int lane = threadIdx.x % 32;
   uint2 x[kDeltaRows], y[kDeltaRows];
 #pragma unroll
   for (int i = 0; i < kDeltaRows; ++i) {
-    const int64_t r = first + i < rows ? first + i : rows - 1;  // past the end: the last row again, not stored
-    x[i] = *reinterpret_cast<const uint2*>(dout + r * kDim + 4 * lane);
-    y[i] = *reinterpret_cast<const uint2*>(out + r * kDim + 4 * lane);
+    const int r = first + i < rows ? first + i : rows - 1;  // past the end: the last row again, not stored
+    x[i] = *reinterpret_cast<const uint2*>(dout + int64_t(r) * kDim + 4 * lane);
+    y[i] = *reinterpret_cast<const uint2*>(out + int64_t(r) * kDim + 4 * lane);
   }
 #pragma unroll
   for (int i = 0; i < kDeltaRows; ++i) {
-    const int64_t r = first + i;
+    const int r = first + i;
     const float2 x0 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&x[i].x)),
                  x1 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&x[i].y));
     const float2 y0 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&y[i].x)),
                  y1 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&y[i].y));
     const float sum = warp_sum(x0.x * y0.x + x0.y * y0.y + x1.x * y1.x + x1.y * y1.y);
-    const int64_t b = r / (int64_t(seq) * q_heads), s = r / q_heads % seq, h = r % q_heads;
-    if (lane == 0 && r < rows) delta[(b * q_heads + h) * seq + s] = sum;
+    const int bs = r / q_heads, h = r - bs * q_heads, b = bs / seq, s = bs - b * seq;
+    if (lane == 0 && r < rows) delta[(int64_t(b) * q_heads + h) * seq + s] = sum;
   }
 }
 
@@ -859,8 +859,9 @@ void run_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor
   MARROW_CUDA_CHECK(cudaMemsetAsync(sync.ptr<int32_t>(), 0, size_t(semaphores) * 4, s));
 
   const int64_t rows = batch * seq * q_heads;
+  MARROW_CHECK(rows < (int64_t(1) << 31), "hopper_attention_backward: {} rows of B x S x Hq exceed the kernels' 32-bit row index", rows);
   delta_kernel<<<unsigned((rows + 8 * kDeltaRows - 1) / (8 * kDeltaRows)), 256, 0, s>>>(delta.ptr<float>(), static_cast<const bf16*>(dout.data),
-                                                                  static_cast<const bf16*>(out.data), rows, int(seq), int(q_heads));
+                                                                  static_cast<const bf16*>(out.data), int(rows), int(seq), int(q_heads));
   MARROW_CUDA_CHECK_LAUNCH();
 
   Args a{};
