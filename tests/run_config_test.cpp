@@ -65,6 +65,17 @@ TEST(RunConfig, ReadsTomlAsTomlIs) {
   EXPECT_EQ(rc.out_dir, "runs/single quoted");
 }
 
+// train.dependent_launch (ops/launch.h) is on unless the file says otherwise, and a value that is not
+// a boolean is refused rather than read as off.
+TEST(RunConfig, DependentLaunchIsOnByDefaultAndABoolean) {
+  RunConfig rc;
+  EXPECT_EQ(file_error("launch-default", kModel, &rc), "no error");
+  EXPECT_TRUE(rc.dependent_launch);
+  EXPECT_EQ(file_error("launch-off", kModel + "[train]\ndependent_launch = false\n", &rc), "no error");
+  EXPECT_FALSE(rc.dependent_launch);
+  EXPECT_NE(file_error("launch-bad", kModel + "[train]\ndependent_launch = \"sometimes\"\n"), "no error");
+}
+
 TEST(RunConfig, BadTomlIsOneSentenceWithLineAndColumn) {
   const std::string at = ::testing::TempDir();
   const std::string duplicate = file_error("duplicate", kModel + "[train]\nsteps = 5\nsteps = 6\n");

@@ -2,7 +2,7 @@
 # Attention on one H200: cuDNN's fused SDPA (ops/attention_cudnn.h) against the own kernels. Run on
 # the GPU machine from the repository root after tools/gpu_prepare.sh here (device tool, carry
 # [".gpu-carry"]):
-#   tools/gpu_attention.sh <log-dir> [check|speed|long|all|final|memory|checks|quick|only|peaks|measure|kernels|pairs|plans|hopper]
+#   tools/gpu_attention.sh <log-dir> [check|speed|long|all|final|memory|checks|quick|only|peaks|measure|kernels|pairs|plans|hopper|launch|traces]
 # check: marrow check --only attention (both kernel sets against the CPU reference, bits twice)
 # speed: the attention rows of marrow bench --kernels; the bench config (3 + 17 steps) with each
 #        kernel set
@@ -31,6 +31,9 @@
 #        cuDNN offers for the forward and the deterministic backward, timed and compared with the op's
 # pairs: the bench config (3 + 27 steps) with train.pair_expert_grads=false, then the default, on one
 #        machine: tokens/s and peaks side by side, losses bit for bit
+# launch: the bench config (3 + 27 steps, first 5 losses against REF_LOSSES) and one sequence of 16,384 without
+#         the weight copy (3 + 5) with train.dependent_launch=false and true on one machine; a trace of 2 steps with
+#         it on
 # traces: kernel traces of the bench config (2 steps) and of one sequence of 16,384 without the weight
 #         copy (1 step), for the stage attribution of docs/performance.md
 # hopper: Marrow's wgmma attention (train.attention_kernels=hopper, hopper_backward): marrow check
@@ -220,6 +223,24 @@ if [ "$what" = quick ]; then
   step "kernel trace: 2 bench steps after 2 warm-up"
   "${bench[@]}" --warmup=2 --steps=2 --profile-steps=3:4 --output.dir=runs/quick-trace > "$out/profile.log" 2>&1 || fail "trace"
   gzip -c runs/quick-trace/bench/trace-steps-3-4.json > "$out/trace-steps-3-4.json.gz" 2>/dev/null
+fi
+
+if [ "$what" = launch ]; then
+  for dl in false true; do
+    step "bench config, train.dependent_launch=$dl: 3 warm-up + 27 measured steps"
+    timeout 240 "${bench[@]}" --warmup=3 --steps=27 --train.dependent_launch=$dl --output.dir=runs/launch-$dl \
+      > "$out/bench-launch-$dl.log" 2>&1 || fail "bench dependent_launch=$dl"
+    grep -E "^bench:" "$out/bench-launch-$dl.log" | tee -a "$out/summary.log"
+    first_losses runs/launch-$dl/bench/metrics.jsonl
+    step "one sequence of 16384 tokens without the weight copy, train.dependent_launch=$dl: 3 warm-up + 5 measured steps"
+    timeout 240 "${bench[@]}" --warmup=3 --steps=5 --train.seq_len=16384 --train.global_batch=1 --train.micro_batch=1 \
+      --train.bf16_weight_copy=false --train.dependent_launch=$dl --output.dir=runs/launch-long-$dl > "$out/long-launch-$dl.log" 2>&1 \
+      || fail "16384 dependent_launch=$dl"
+    grep -E "^bench:" "$out/long-launch-$dl.log" | tee -a "$out/summary.log"
+  done
+  step "kernel trace with train.dependent_launch=true: 2 bench steps after 2 warm-up"
+  "${bench[@]}" --warmup=2 --steps=2 --profile-steps=3:4 --output.dir=runs/launch-trace > "$out/launch-trace.log" 2>&1 || fail "trace"
+  gzip -c runs/launch-trace/bench/trace-steps-3-4.json > "$out/trace-launch-steps-3-4.json.gz" 2>/dev/null
 fi
 
 if [ "$what" = traces ]; then

@@ -170,6 +170,7 @@ void add_run_config_options(CLI::App& app, RunConfig& rc, std::string& profile_s
   app.add_option("--train.device", rc.device)->check(CLI::IsMember({"auto", "cpu", "cuda"}));
   app.add_option("--train.aux_loss_coef", rc.aux_loss_coef)->check(kFinite);
   app.add_option("--train.max_bad_steps", rc.max_bad_steps)->check(kCount);
+  app.add_option("--train.dependent_launch", rc.dependent_launch);
   app.add_option("--train.attention_kernels", rc.attention_kernels)->check(CLI::IsMember({"cudnn", "own", "cudnn_nondeterministic", "hopper", "hopper_backward"}));
   app.add_option("--train.bf16_weight_copy", rc.bf16_weight_copy);
   app.add_option("--train.pair_expert_grads", rc.pair_expert_grads);

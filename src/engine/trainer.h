@@ -38,6 +38,7 @@
 #include "engine/tensorboard.h"
 #include "ops/adamw.h"
 #include "ops/attention.h"
+#include "ops/launch.h"
 #include "ops/cast.h"
 #include "ops/cross_entropy.h"
 #include "ops/grad_norm.h"
@@ -436,6 +437,7 @@ std::vector<StepMetrics> train(const RunConfig& rc, const typename M::Config& mo
   const Device device = choose_device(rc.device);
   const RunLock lock(rc.out_dir, process::rank() == 0);  // one run per output.dir (engine/run_lock.h)
   set_attention_kernels(parse_attention_kernels(rc.attention_kernels));
+  set_dependent_launch(rc.dependent_launch);
   // --profile-steps: the trace exists before any NVTX range (see KernelTrace); the stages are NVTX
   // ranges through a StageTimer, so a traced run without one gets one that times no step (timing
   // would slow the traced steps, engine/stage_timer.h).

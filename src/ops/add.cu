@@ -9,6 +9,8 @@
 
 #ifdef __CUDACC__
 #include <cuda_bf16.h>
+
+#include "ops/cuda_common.cuh"
 #endif
 
 namespace marrow {
@@ -29,6 +31,7 @@ template <typename T, int N> struct alignas(sizeof(T) * N) Pack {
 // element) in a grid-stride loop, then the n % N tail. Elementwise: nothing to order, and each
 // element is read before the same thread writes it, so out may alias a or b.
 template <typename T, int N> __global__ void add_kernel(T* out, const T* a, const T* b, int64_t n) {
+  wait_for_previous_grid();
   using P = Pack<T, N>;
   const int64_t first = blockIdx.x * int64_t(blockDim.x) + threadIdx.x, stride = int64_t(gridDim.x) * blockDim.x;
   for (int64_t i = first; i < n / N; i += stride) {
@@ -52,13 +55,14 @@ template <typename T> void launch_add(Tensor out, Tensor a, Tensor b, Stream str
   auto s = static_cast<cudaStream_t>(stream.handle);
   auto* o = static_cast<T*>(out.data);
   auto *pa = static_cast<const T*>(a.data), *pb = static_cast<const T*>(b.data);
-  if (aligned) add_kernel<T, kPack><<<blocks, threads, 0, s>>>(o, pa, pb, n);
-  else add_kernel<T, 1><<<blocks, threads, 0, s>>>(o, pa, pb, n);
+  if (aligned) launch_dependent(add_kernel<T, kPack>, blocks, threads, 0, s, o, pa, pb, n);
+  else launch_dependent(add_kernel<T, 1>, blocks, threads, 0, s, o, pa, pb, n);
   MARROW_CUDA_CHECK_LAUNCH();
 }
 
 // acc (f32) += x: one thread per pack of 4 (acc 16-byte, x 4-element aligned) or per element.
 template <typename T, int N> __global__ void add_into_kernel(float* acc, const T* x, int64_t n) {
+  wait_for_previous_grid();
   using PA = Pack<float, N>;
   using PX = Pack<T, N>;
   const int64_t first = blockIdx.x * int64_t(blockDim.x) + threadIdx.x, stride = int64_t(gridDim.x) * blockDim.x;
@@ -83,8 +87,8 @@ template <typename T> void launch_add_into(Tensor acc, Tensor x, Stream stream) 
   auto s = static_cast<cudaStream_t>(stream.handle);
   auto* a = static_cast<float*>(acc.data);
   const auto* px = static_cast<const T*>(x.data);
-  if (aligned) add_into_kernel<T, kPack><<<blocks, threads, 0, s>>>(a, px, n);
-  else add_into_kernel<T, 1><<<blocks, threads, 0, s>>>(a, px, n);
+  if (aligned) launch_dependent(add_into_kernel<T, kPack>, blocks, threads, 0, s, a, px, n);
+  else launch_dependent(add_into_kernel<T, 1>, blocks, threads, 0, s, a, px, n);
   MARROW_CUDA_CHECK_LAUNCH();
 }
 #endif

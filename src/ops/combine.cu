@@ -84,6 +84,7 @@ template <int N> __device__ void store(bf16* row, int64_t pack, const Pack<N>& v
 template <int N>
 __global__ void combine_forward_kernel(bf16* out, const bf16* residual, const bf16* y_perm, const float* topk_weight,
                                const int32_t* copy_row, int64_t rows, int k, int64_t h) {
+  wait_for_previous_grid();
   const int64_t t = blockIdx.x;
   for (int64_t c = threadIdx.x; c < h / N; c += blockDim.x) {
     float acc[N] = {};
@@ -115,6 +116,7 @@ __global__ void combine_forward_kernel(bf16* out, const bf16* residual, const bf
 template <int N>
 __global__ void combine_backward_kernel(bf16* dy_perm, float* dtopk_weight, const bf16* dout, const bf16* y_perm,
                                 const float* topk_weight, const int32_t* copy_row, int64_t n, int k, int64_t rows, int64_t h) {
+  wait_for_previous_grid();
   const int64_t copy = blockIdx.x * int64_t(kWarps) + threadIdx.x / 32, t = copy / k;
   const int lane = threadIdx.x % 32;
   if (copy >= n * k) return;
@@ -152,8 +154,8 @@ void launch_forward(Tensor out, Tensor residual, Tensor y_perm, Tensor topk_weig
   const int32_t* slots = copy_row.ptr<int32_t>();
   // A null residual (none) passes packable's alignment test.
   if (packable(h, {out.data, residual.data, y_perm.data}))
-    combine_forward_kernel<8><<<unsigned(n), 128, 0, s>>>(o, res, y, w, slots, rows, int(k), h);
-  else combine_forward_kernel<1><<<unsigned(n), 128, 0, s>>>(o, res, y, w, slots, rows, int(k), h);
+    launch_dependent(combine_forward_kernel<8>, unsigned(n), 128, 0, s, o, res, y, w, slots, rows, int(k), h);
+  else launch_dependent(combine_forward_kernel<1>, unsigned(n), 128, 0, s, o, res, y, w, slots, rows, int(k), h);
   MARROW_CUDA_CHECK_LAUNCH();
 }
 
@@ -169,8 +171,8 @@ void launch_backward(Tensor dy_perm, Tensor dtopk_weight, Tensor dout, Tensor y_
   const float* w = topk_weight.ptr<float>();
   const int32_t* slots = copy_row.ptr<int32_t>();
   if (packable(h, {dy_perm.data, dout.data, y_perm.data}))
-    combine_backward_kernel<8><<<blocks, 32 * kWarps, 0, s>>>(dy, dw, g, y, w, slots, n, int(k), rows, h);
-  else combine_backward_kernel<1><<<blocks, 32 * kWarps, 0, s>>>(dy, dw, g, y, w, slots, n, int(k), rows, h);
+    launch_dependent(combine_backward_kernel<8>, blocks, 32 * kWarps, 0, s, dy, dw, g, y, w, slots, n, int(k), rows, h);
+  else launch_dependent(combine_backward_kernel<1>, blocks, 32 * kWarps, 0, s, dy, dw, g, y, w, slots, n, int(k), rows, h);
   MARROW_CUDA_CHECK_LAUNCH();
 }
 #endif

@@ -2,8 +2,40 @@
 #pragma once
 #include <cstdint>
 #include <initializer_list>
+#include <utility>
+
+#include "core/cuda_check.h"
+#include "ops/launch.h"
 
 namespace marrow {
+
+// Programmatic dependent launch (Hopper): a kernel launched with launch_dependent is scheduled onto
+// the SMs while the kernel before it in the stream is still ending, which hides most of the ~2 us a
+// kernel boundary otherwise costs (1,400 boundaries a bench step before the memory-bound kernels).
+// Such a kernel must call wait_for_previous_grid() before its first memory access: the wait returns
+// once the previous grid has completed and its writes are visible, so the order is what a plain
+// launch gives. In a kernel launched plainly (ops/launch.h: train.dependent_launch=false) the wait
+// returns at once.
+__device__ __forceinline__ void wait_for_previous_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+template <typename... Params, typename... Args>
+void launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t stream, Args&&... args) {
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = shared_bytes;
+  config.stream = stream;
+  config.attrs = &attribute;
+  config.numAttrs = dependent_launch() ? 1 : 0;
+  MARROW_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+}
 
 // Rows of `row_elements` bf16 values move in 16-byte packs of 8 when the row length allows it and
 // every pointer is 16-byte aligned; otherwise kernels take their one-element path.

@@ -83,6 +83,7 @@ template <typename T, int N> struct alignas(sizeof(T) * N < 16 ? sizeof(T) * N :
 // plan's check then finds offsets[E] < copies); so the sort needs only the bits of E (one pass of
 // cub's onesweep for E < 256, where all 32 bits took four). Its values: the copy's own index.
 __global__ void dispatch_keys_kernel(int32_t* keys, int32_t* copies_ids, const int32_t* topk_index, int64_t copies, int e) {
+  wait_for_previous_grid();
   const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   if (i >= copies) return;
   const int32_t expert = topk_index[i];
@@ -95,6 +96,7 @@ __global__ void dispatch_keys_kernel(int32_t* keys, int32_t* copies_ids, const i
 // binary search.
 __global__ void dispatch_rows_offsets_kernel(int32_t* copy_row, int32_t* offsets, const int32_t* sorted_copies,
                                              const int32_t* sorted_experts, int64_t copies, int e) {
+  wait_for_previous_grid();
   const int64_t x = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   if (x < copies) copy_row[sorted_copies[x]] = int32_t(x);
   if (x > e) return;
@@ -112,6 +114,7 @@ __global__ void dispatch_rows_offsets_kernel(int32_t* copy_row, int32_t* offsets
 // (copy not here) is skipped, and so is a row outside [0, R) (the GPU path does not check copy_row).
 template <typename T, int N>
 __global__ void dispatch_forward_kernel(T* x_perm, const T* x, const int32_t* copy_row, int64_t rows, int k, int64_t h) {
+  wait_for_previous_grid();
   const int64_t t = blockIdx.x;
   for (int64_t c = threadIdx.x; c < h / N; c += blockDim.x) {
     const Pack<T, N> v = reinterpret_cast<const Pack<T, N>*>(x + t * h)[c];
@@ -127,6 +130,7 @@ __global__ void dispatch_forward_kernel(T* x_perm, const T* x, const int32_t* co
 // none. Any other row outside [0, R) makes the element NaN.
 template <typename T, int N>
 __global__ void dispatch_backward_kernel(T* dx, const T* dx_perm, const int32_t* copy_row, int64_t rows, int k, int64_t h) {
+  wait_for_previous_grid();
   const int64_t t = blockIdx.x;
   for (int64_t c = threadIdx.x; c < h / N; c += blockDim.x) {
     float acc[N] = {};
@@ -158,7 +162,7 @@ bool launch_plan(Tensor expert_offsets, Tensor copy_row, Tensor topk_index, Stre
   if (copies > 0) {
     Buffer keys(DType::i32, Device::cuda, {copies}, stream), ids(DType::i32, Device::cuda, {copies}, stream),
         sorted_experts(DType::i32, Device::cuda, {copies}, stream), sorted_copies(DType::i32, Device::cuda, {copies}, stream);
-    dispatch_keys_kernel<<<unsigned((copies + 255) / 256), 256, 0, s>>>(keys.ptr<int32_t>(), ids.ptr<int32_t>(),
+    launch_dependent(dispatch_keys_kernel, unsigned((copies + 255) / 256), 256, 0, s, keys.ptr<int32_t>(), ids.ptr<int32_t>(),
                                                                       topk_index.ptr<int32_t>(), copies, int(e));
     MARROW_CUDA_CHECK_LAUNCH();
     int key_bits = 1;  // enough bits for the keys 0..E
@@ -170,7 +174,7 @@ bool launch_plan(Tensor expert_offsets, Tensor copy_row, Tensor topk_index, Stre
     MARROW_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp.view().data, temp_bytes, keys.ptr<int32_t>(), sorted_experts.ptr<int32_t>(),
                                                       ids.ptr<int32_t>(), sorted_copies.ptr<int32_t>(), int(copies), 0, key_bits, s));
     const int64_t threads = std::max(copies, e + 1);
-    dispatch_rows_offsets_kernel<<<unsigned((threads + 255) / 256), 256, 0, s>>>(
+    launch_dependent(dispatch_rows_offsets_kernel, unsigned((threads + 255) / 256), 256, 0, s, 
         copy_row.ptr<int32_t>(), offsets.ptr<int32_t>(), sorted_copies.ptr<int32_t>(), sorted_experts.ptr<int32_t>(), copies, int(e));
     MARROW_CUDA_CHECK_LAUNCH();
   } else {
@@ -191,8 +195,8 @@ void launch_permute(Kernel8 kernel8, Kernel1 kernel1, Tensor out, Tensor in, Ten
   auto s = static_cast<cudaStream_t>(stream.handle);
   auto* o = static_cast<T*>(out.data);
   auto* i = static_cast<const T*>(in.data);
-  if (packable(h, {out.data, in.data})) kernel8<<<unsigned(n), 128, 0, s>>>(o, i, copy_row.ptr<int32_t>(), rows, int(k), h);
-  else kernel1<<<unsigned(n), 128, 0, s>>>(o, i, copy_row.ptr<int32_t>(), rows, int(k), h);
+  if (packable(h, {out.data, in.data})) launch_dependent(kernel8, unsigned(n), 128, 0, s, o, i, copy_row.ptr<int32_t>(), rows, int(k), h);
+  else launch_dependent(kernel1, unsigned(n), 128, 0, s, o, i, copy_row.ptr<int32_t>(), rows, int(k), h);
   MARROW_CUDA_CHECK_LAUNCH();
 }
 #endif

@@ -95,6 +95,7 @@ template <int N> __device__ void normalise_row(bf16* yr, const bf16* xr, const b
 
 template <int N>
 __global__ void rmsnorm_forward_kernel(bf16* y, float* rstd, const bf16* x, const bf16* weight, int64_t rows, int64_t d, float eps) {
+  wait_for_previous_grid();
   const int64_t row = blockIdx.x * int64_t(kWarpsPerBlock) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (row >= rows) return;
@@ -110,6 +111,7 @@ __global__ void rmsnorm_forward_kernel(bf16* y, float* rstd, const bf16* x, cons
 template <int N>
 __global__ void rmsnorm_add_forward_kernel(bf16* y, bf16* sum, float* rstd, const bf16* x, const bf16* residual, const bf16* weight,
                                            int64_t rows, int64_t d, float eps) {
+  wait_for_previous_grid();
   const int64_t row = blockIdx.x * int64_t(kWarpsPerBlock) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (row >= rows) return;
@@ -164,6 +166,7 @@ __device__ void dx_row(bf16* dxr, const bf16* dyr, const bf16* dresr, const bf16
 template <int N, bool Staged>
 __global__ void rmsnorm_backward_dx_kernel(bf16* dx, const bf16* dy, const bf16* dresidual, const bf16* x, const bf16* weight,
                                            const float* rstd, int64_t rows, int64_t d) {
+  wait_for_previous_grid();
   const int64_t row = blockIdx.x * int64_t(blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (row >= rows) return;
@@ -191,6 +194,7 @@ __global__ void rmsnorm_backward_dx_kernel(bf16* dx, const bf16* dy, const bf16*
 // times made it ~10% slower on the H200; the RoPE variant below gained a few percent from it.)
 __global__ void rmsnorm_dweight_partial_kernel(float* partial, const bf16* dy, const bf16* x, const float* rstd, int64_t rows,
                                        int64_t d) {
+  wait_for_previous_grid();
   const int64_t c = blockIdx.y * int64_t(blockDim.x) + threadIdx.x, chunk = blockIdx.x;
   if (c >= d) return;
   float acc = 0;
@@ -336,6 +340,7 @@ unsigned rope_blocks(int64_t tokens, int64_t heads, int64_t warps_per_block = kW
 template <int G>
 __global__ void rmsnorm_rope_forward_kernel(bf16* y, float* rstd, const bf16* x, const bf16* weight, Rope rope, int64_t tokens,
                                             float eps) {
+  wait_for_previous_grid();
   constexpr int64_t d = 8 * G;
   RopeLane<G, true> lane(rope, tokens);
   if (!lane.valid) return;
@@ -364,6 +369,7 @@ __global__ void rmsnorm_rope_forward_kernel(bf16* y, float* rstd, const bf16* x,
 template <int G, bool WithPartial>
 __global__ void __launch_bounds__(512) rmsnorm_rope_backward_dx_kernel(bf16* dx, float* partial, const bf16* dy, const bf16* x, const bf16* weight,
                                                 const float* rstd, Rope rope, int64_t tokens) {
+  wait_for_previous_grid();
   constexpr int64_t d = 8 * G;
   constexpr int kChunk = int(kChunkRows);
   __shared__ Pack<8> u_rows[WithPartial ? kChunk : 1][WithPartial ? G : 1], x_rows[WithPartial ? kChunk : 1][WithPartial ? G : 1];
@@ -420,6 +426,7 @@ __global__ void __launch_bounds__(512) rmsnorm_rope_backward_dx_kernel(bf16* dx,
 // (unrolled as it is).
 __global__ void rmsnorm_rope_dweight_partial_kernel(float* partial, const bf16* dy, const bf16* x, const float* rstd, Rope rope,
                                                     int64_t rows, int64_t d) {
+  wait_for_previous_grid();
   const int64_t j = blockIdx.y * int64_t(blockDim.x) + threadIdx.x, chunk = blockIdx.x, half = d / 2;
   if (j >= half) return;
   float acc_a = 0, acc_b = 0;
@@ -446,6 +453,7 @@ __global__ void rmsnorm_rope_dweight_partial_kernel(float* partial, const bf16* 
 // column over all chunks was a 2048-long serial chain for QK-norm's 131072 rows: ~120 us a call.)
 constexpr int kReduceLanes = 32;
 __global__ void rmsnorm_dweight_reduce_kernel(float* dweight, const float* partial, int64_t chunks, int64_t d) {
+  wait_for_previous_grid();
   __shared__ float sums[kReduceLanes][33];  // padded: the final pass reads a column
   const int j = threadIdx.x % 32, k = threadIdx.x / 32;
   const int64_t c = blockIdx.x * 32 + j;
@@ -478,7 +486,7 @@ void launch_forward(Tensor y, Tensor rstd, Tensor x, Tensor weight, double eps, 
   if (n == 0) return;
   auto s = static_cast<cudaStream_t>(stream.handle);
   const auto kernel = packable(d, {y.data, x.data, weight.data}) ? rmsnorm_forward_kernel<8> : rmsnorm_forward_kernel<1>;
-  kernel<<<row_blocks(n), kRowThreads, 0, s>>>(bf16_out(y), rstd.ptr<float>(), bf16_data(x), bf16_data(weight), n, d, float(eps));
+  launch_dependent(kernel, row_blocks(n), kRowThreads, 0, s, bf16_out(y), rstd.ptr<float>(), bf16_data(x), bf16_data(weight), n, d, float(eps));
   MARROW_CUDA_CHECK_LAUNCH();
 }
 
@@ -488,7 +496,7 @@ void launch_add_forward(Tensor y, Tensor sum, Tensor rstd, Tensor x, Tensor resi
   auto s = static_cast<cudaStream_t>(stream.handle);
   const auto kernel = packable(d, {y.data, sum.data, x.data, residual.data, weight.data}) ? rmsnorm_add_forward_kernel<8>
                                                                                           : rmsnorm_add_forward_kernel<1>;
-  kernel<<<row_blocks(n), kRowThreads, 0, s>>>(bf16_out(y), bf16_out(sum), rstd.ptr<float>(), bf16_data(x), bf16_data(residual),
+  launch_dependent(kernel, row_blocks(n), kRowThreads, 0, s, bf16_out(y), bf16_out(sum), rstd.ptr<float>(), bf16_data(x), bf16_data(residual),
                                                bf16_data(weight), n, d, float(eps));
   MARROW_CUDA_CHECK_LAUNCH();
 }
@@ -506,7 +514,7 @@ void launch_rope_forward(Tensor y, Tensor rstd, Tensor x, Tensor weight, Tensor 
   auto s = static_cast<cudaStream_t>(stream.handle);
   const Rope rope = rope_args(positions, cos_sin, heads, d, theta, 1.0f);
   auto launch = [&](auto kernel) {
-    kernel<<<rope_blocks(tokens, heads), kRowThreads, 0, s>>>(bf16_out(y), rstd.ptr<float>(), bf16_data(x), bf16_data(weight), rope,
+    launch_dependent(kernel, rope_blocks(tokens, heads), kRowThreads, 0, s, bf16_out(y), rstd.ptr<float>(), bf16_data(x), bf16_data(weight), rope,
                                                               tokens, float(eps));
   };
   if (group == 8) launch(rmsnorm_rope_forward_kernel<8>);
@@ -523,7 +531,7 @@ template <class Partial> void accumulate_dweight(Tensor dweight, int64_t n, int6
   Buffer partial(DType::f32, Device::cuda, {chunks, d}, stream);
   launch_partial(partial.ptr<float>(), unsigned(chunks), s);
   MARROW_CUDA_CHECK_LAUNCH();
-  rmsnorm_dweight_reduce_kernel<<<unsigned((d + 31) / 32), 32 * kReduceLanes, 0, s>>>(dweight.ptr<float>(), partial.ptr<float>(),
+  launch_dependent(rmsnorm_dweight_reduce_kernel, unsigned((d + 31) / 32), 32 * kReduceLanes, 0, s, dweight.ptr<float>(), partial.ptr<float>(),
                                                                                       chunks, d);
   MARROW_CUDA_CHECK_LAUNCH();
 }
@@ -537,7 +545,7 @@ void launch_backward(Tensor dx, Tensor dweight, Tensor dy, Tensor x, Tensor weig
   const bool packed = packable(d, {dx.data, dy.data, dresidual.data, x.data, weight.data});
   const int64_t staged_bytes = kStagedWarps * 3 * d * 2;
   auto args = [&](auto kernel, unsigned blocks, unsigned threads, size_t smem) {
-    kernel<<<blocks, threads, smem, s>>>(bf16_out(dx), bf16_data(dy), bf16_data(dresidual), bf16_data(x), bf16_data(weight),
+    launch_dependent(kernel, blocks, threads, smem, s, bf16_out(dx), bf16_data(dy), bf16_data(dresidual), bf16_data(x), bf16_data(weight),
                                          rstd.ptr<float>(), n, d);
     MARROW_CUDA_CHECK_LAUNCH();
   };
@@ -550,7 +558,7 @@ void launch_backward(Tensor dx, Tensor dweight, Tensor dy, Tensor x, Tensor weig
     args(rmsnorm_backward_dx_kernel<1, false>, row_blocks(n), kRowThreads, 0);
   }
   accumulate_dweight(dweight, n, d, stream, [&](float* partial, unsigned chunks, cudaStream_t st) {
-    rmsnorm_dweight_partial_kernel<<<dim3(chunks, unsigned((d + 255) / 256)), 256, 0, st>>>(partial, bf16_data(dy), bf16_data(x),
+    launch_dependent(rmsnorm_dweight_partial_kernel, dim3(chunks, unsigned((d + 255) / 256)), 256, 0, st, partial, bf16_data(dy), bf16_data(x),
                                                                                           rstd.ptr<float>(), n, d);
   });
 }
@@ -562,7 +570,7 @@ void launch_rope_backward(Tensor dx, Tensor dweight, Tensor dy, Tensor x, Tensor
   auto s = static_cast<cudaStream_t>(stream.handle);
   const Rope rope = rope_args(positions, cos_sin, heads, d, theta, -1.0f);
   auto launch = [&](auto kernel, float* partial, int64_t warps_per_block) {
-    kernel<<<rope_blocks(tokens, heads, warps_per_block), unsigned(32 * warps_per_block), 0, s>>>(
+    launch_dependent(kernel, rope_blocks(tokens, heads, warps_per_block), unsigned(32 * warps_per_block), 0, s, 
         bf16_out(dx), partial, bf16_data(dy), bf16_data(x), bf16_data(weight), rstd.ptr<float>(), rope, tokens);
     MARROW_CUDA_CHECK_LAUNCH();
   };
@@ -583,7 +591,7 @@ void launch_rope_backward(Tensor dx, Tensor dweight, Tensor dy, Tensor x, Tensor
   // A thread per column pair: blocks of at most 256, no more warps than D/2 needs (64 threads at D = 128).
   const int64_t threads = std::min<int64_t>(256, (d / 2 + 31) / 32 * 32);
   accumulate_dweight(dweight, n, d, stream, [&](float* partial, unsigned chunks, cudaStream_t st) {
-    rmsnorm_rope_dweight_partial_kernel<<<dim3(chunks, unsigned((d / 2 + threads - 1) / threads)), unsigned(threads), 0, st>>>(
+    launch_dependent(rmsnorm_rope_dweight_partial_kernel, dim3(chunks, unsigned((d / 2 + threads - 1) / threads)), unsigned(threads), 0, st, 
         partial, bf16_data(dy), bf16_data(x), rstd.ptr<float>(), rope, n, d);
   });
 }

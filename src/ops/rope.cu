@@ -66,6 +66,7 @@ template <int N> struct alignas(2 * N) Pack {
 template <int N>
 __global__ void rope_rotate_kernel(bf16* y, const bf16* x, const int32_t* positions, InvFreq inv_freq, int64_t tokens, int64_t heads,
                               int64_t half, float sign) {
+  wait_for_previous_grid();
   const int64_t per_head = half / N;
   for (int64_t p = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; p < tokens * heads * per_head;
        p += int64_t(gridDim.x) * blockDim.x) {
@@ -86,6 +87,7 @@ __global__ void rope_rotate_kernel(bf16* y, const bf16* x, const int32_t* positi
 
 // One thread per (token, j): table[t, j] = (cos, sin) of positions[t] * inv_freq[j], rope_cos_sin's bits.
 __global__ void rope_cos_sin_table_kernel(float2* table, const int32_t* positions, InvFreq inv_freq, int64_t tokens, int64_t half) {
+  wait_for_previous_grid();
   const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   if (i >= tokens * half) return;
   table[i] = rope_cos_sin(float(positions[i / half]), inv_freq.v[i % half], 1.0f);
@@ -104,8 +106,8 @@ void launch_rotate(Tensor y, Tensor x, Tensor positions, double theta, int sign,
   auto* out = static_cast<bf16*>(y.data);
   auto* in = static_cast<const bf16*>(x.data);
   auto* pos = positions.ptr<int32_t>();
-  if (packed) rope_rotate_kernel<8><<<blocks, threads, 0, s>>>(out, in, pos, inv_freq, tokens, heads, half, float(sign));
-  else rope_rotate_kernel<1><<<blocks, threads, 0, s>>>(out, in, pos, inv_freq, tokens, heads, half, float(sign));
+  if (packed) launch_dependent(rope_rotate_kernel<8>, blocks, threads, 0, s, out, in, pos, inv_freq, tokens, heads, half, float(sign));
+  else launch_dependent(rope_rotate_kernel<1>, blocks, threads, 0, s, out, in, pos, inv_freq, tokens, heads, half, float(sign));
   MARROW_CUDA_CHECK_LAUNCH();
 }
 #endif
@@ -158,7 +160,7 @@ void rope_cos_sin_table(Tensor table, Tensor positions, int64_t head_dim, double
     InvFreq inv_freq{};
     for (int64_t j = 0; j < half; ++j) inv_freq.v[j] = rope_inverse_frequency(j, head_dim, theta);
     const int64_t n = tokens * half;
-    rope_cos_sin_table_kernel<<<unsigned((n + 255) / 256), 256, 0, static_cast<cudaStream_t>(stream.handle)>>>(
+    launch_dependent(rope_cos_sin_table_kernel, unsigned((n + 255) / 256), 256, 0, static_cast<cudaStream_t>(stream.handle), 
         static_cast<float2*>(table.data), positions.ptr<int32_t>(), inv_freq, tokens, half);
     MARROW_CUDA_CHECK_LAUNCH();
     return;

@@ -143,6 +143,7 @@ __device__ bool better(Candidate a, Candidate b) { return b.i < 0 || (a.i >= 0 &
 // the experts; the top-k sum is added in slot order, again as on the CPU.
 __global__ void router_forward_kernel(float* probs, int32_t* topk_index, float* topk_weight, const float* logits, int64_t n, int e,
                                int k, bool normalize) {
+  wait_for_previous_grid();
   extern __shared__ double shared[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t t = blockIdx.x * int64_t(kWarps) + warp;
@@ -189,6 +190,7 @@ __global__ void router_forward_kernel(float* probs, int32_t* topk_index, float* 
 // reduces them in a fixed tree, and count the copies routed to e (integers: the order does not
 // matter; an index outside [0, E) counts for no expert). Block 0 also writes the token count.
 __global__ void router_statistics_kernel(float* stats, const float* probs, const int32_t* topk_index, int64_t n, int64_t copies, int e) {
+  wait_for_previous_grid();
   __shared__ double warp_sums[32];
   __shared__ int warp_counts[32];
   double acc = 0;
@@ -234,6 +236,7 @@ __global__ void router_statistics_kernel(float* stats, const float* probs, const
 __global__ void router_backward_kernel(__nv_bfloat16* dlogits, const float* dtopk_weight, const float* probs, const int32_t* topk_index,
                                 const float* topk_weight, const float* stats, int64_t n, int e, int k, bool normalize,
                                 double aux_grad) {
+  wait_for_previous_grid();
   extern __shared__ float dp_shared[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t t = blockIdx.x * int64_t(kWarps) + warp;
@@ -266,7 +269,7 @@ void launch_forward(Tensor probs, Tensor topk_index, Tensor topk_weight, Tensor 
   const int64_t n = logits.size(0), e = logits.size(1), k = topk_index.size(1);
   if (n == 0) return;
   const size_t smem = size_t(kWarps) * e * (sizeof(double) + sizeof(float) + 1);
-  router_forward_kernel<<<unsigned((n + kWarps - 1) / kWarps), 32 * kWarps, smem, static_cast<cudaStream_t>(stream.handle)>>>(
+  launch_dependent(router_forward_kernel, unsigned((n + kWarps - 1) / kWarps), 32 * kWarps, smem, static_cast<cudaStream_t>(stream.handle), 
       probs.ptr<float>(), topk_index.ptr<int32_t>(), topk_weight.ptr<float>(), logits.ptr<float>(), n, int(e), int(k), normalize);
   MARROW_CUDA_CHECK_LAUNCH();
 }
@@ -276,6 +279,7 @@ void launch_forward(Tensor probs, Tensor topk_index, Tensor topk_weight, Tensor 
 // took ~40 us), then thread 0 adds them in expert order, so the device's sum is the host's to the
 // bit. A count of zero tokens gives NaN (the host version refuses it).
 __global__ void router_aux_loss_add_kernel(double* total, const float* stats, int e) {
+  wait_for_previous_grid();
   extern __shared__ double terms[];
   const double n = stats[2 * e];
   for (int i = threadIdx.x; i < e; i += blockDim.x)
@@ -290,7 +294,7 @@ __global__ void router_aux_loss_add_kernel(double* total, const float* stats, in
 void launch_statistics(Tensor stats, Tensor probs, Tensor topk_index, Stream stream) {
   const int64_t n = probs.size(0), e = probs.size(1);
   auto s = static_cast<cudaStream_t>(stream.handle);
-  router_statistics_kernel<<<unsigned(e), 256, 0, s>>>(stats.ptr<float>(), probs.ptr<float>(), topk_index.ptr<int32_t>(), n,
+  launch_dependent(router_statistics_kernel, unsigned(e), 256, 0, s, stats.ptr<float>(), probs.ptr<float>(), topk_index.ptr<int32_t>(), n,
                                                        topk_index.numel(), int(e));
   MARROW_CUDA_CHECK_LAUNCH();
 }
@@ -300,7 +304,7 @@ void launch_backward(Tensor dlogits, Tensor dtopk_weight, Tensor probs, Tensor t
   const int64_t n = probs.size(0), e = probs.size(1), k = topk_index.size(1);
   if (n == 0) return;
   auto s = static_cast<cudaStream_t>(stream.handle);
-  router_backward_kernel<<<unsigned((n + kWarps - 1) / kWarps), 32 * kWarps, size_t(kWarps) * e * sizeof(float), s>>>(
+  launch_dependent(router_backward_kernel, unsigned((n + kWarps - 1) / kWarps), 32 * kWarps, size_t(kWarps) * e * sizeof(float), s, 
       static_cast<__nv_bfloat16*>(dlogits.data), dtopk_weight.ptr<float>(), probs.ptr<float>(), topk_index.ptr<int32_t>(),
       topk_weight.ptr<float>(), stats.ptr<float>(), n, int(e), int(k), normalize, aux_grad);
   MARROW_CUDA_CHECK_LAUNCH();
@@ -377,8 +381,8 @@ void router_aux_loss_add(Tensor total, Tensor stats, Stream stream) {
     expect_dtype(op, "stats", stats, DType::f32);
 #ifdef __CUDACC__
     MARROW_CHECK(e <= 4096, "{}: {} experts exceed the GPU kernel's shared memory (4096 at most)", op, e);
-    router_aux_loss_add_kernel<<<1, unsigned(std::min<int64_t>(e, 256)), size_t(e) * sizeof(double),
-                                 static_cast<cudaStream_t>(stream.handle)>>>(total.ptr<double>(), stats.ptr<float>(), int(e));
+    launch_dependent(router_aux_loss_add_kernel, 1, unsigned(std::min<int64_t>(e, 256)), size_t(e) * sizeof(double),
+                                 static_cast<cudaStream_t>(stream.handle), total.ptr<double>(), stats.ptr<float>(), int(e));
     MARROW_CUDA_CHECK_LAUNCH();
     return;
 #else

@@ -12,6 +12,8 @@
 
 #ifdef __CUDACC__
 #include <cuda_bf16.h>
+
+#include "ops/cuda_common.cuh"
 #endif
 
 namespace marrow {
@@ -87,6 +89,7 @@ __device__ float sigmoidf(float g) { return 1.0f / (1.0f + expf(-g)); }
 // One thread per N adjacent columns c of one row (N = 8 when I % 8 == 0 and rows are 16-byte
 // aligned, else 1), grid-stride over R * I / N. Elementwise, so nothing to order.
 template <int N> __global__ void swiglu_forward_kernel(bf16* out, const bf16* gate_up, int64_t rows, int64_t inter) {
+  wait_for_previous_grid();
   const int64_t per_row = inter / N;
   for (int64_t p = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; p < rows * per_row; p += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = p / per_row, c = p % per_row * N;
@@ -103,6 +106,7 @@ template <int N> __global__ void swiglu_forward_kernel(bf16* out, const bf16* ga
 
 template <int N>
 __global__ void swiglu_backward_kernel(bf16* dgate_up, const bf16* dout, const bf16* gate_up, int64_t rows, int64_t inter) {
+  wait_for_previous_grid();
   const int64_t per_row = inter / N;
   for (int64_t p = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; p < rows * per_row; p += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = p / per_row, c = p % per_row * N;
@@ -133,6 +137,7 @@ template <int N>
 __global__ void swiglu_weighted_backward_kernel(bf16* dgate_up, bf16* act, float* dtopk_weight, const bf16* dact, const bf16* gate_up,
                                                 const float* topk_weight, const int32_t* copy_row, int64_t copies, int64_t rows,
                                                 int64_t inter) {
+  wait_for_previous_grid();
   const int64_t c = blockIdx.x * int64_t(kWarps) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (c >= copies) return;
@@ -175,7 +180,7 @@ void launch_weighted_backward(Tensor dgate_up, Tensor act, Tensor dtopk_weight, 
                               Tensor copy_row, Stream stream) {
   const int64_t copies = copy_row.numel(), rows = gate_up.size(0), inter = gate_up.size(1) / 2;
   const unsigned blocks = unsigned((copies + kWarps - 1) / kWarps);
-  swiglu_weighted_backward_kernel<N><<<blocks, 32 * kWarps, 0, static_cast<cudaStream_t>(stream.handle)>>>(
+  launch_dependent(swiglu_weighted_backward_kernel<N>, blocks, 32 * kWarps, 0, static_cast<cudaStream_t>(stream.handle), 
       static_cast<bf16*>(dgate_up.data), static_cast<bf16*>(act.data), dtopk_weight.ptr<float>(), static_cast<const bf16*>(dact.data),
       static_cast<const bf16*>(gate_up.data), topk_weight.ptr<float>(), copy_row.ptr<int32_t>(), copies, rows, inter);
   MARROW_CUDA_CHECK_LAUNCH();
@@ -194,8 +199,8 @@ void launch(K8 kernel8, K1 kernel1, bool packed, int64_t rows, int64_t inter, St
   if (work == 0) return;
   const int threads = 256, blocks = int(std::min<int64_t>((work + threads - 1) / threads, 8192));
   auto s = static_cast<cudaStream_t>(stream.handle);
-  if (packed) kernel8<<<blocks, threads, 0, s>>>(args..., rows, inter);
-  else kernel1<<<blocks, threads, 0, s>>>(args..., rows, inter);
+  if (packed) launch_dependent(kernel8, blocks, threads, 0, s, args..., rows, inter);
+  else launch_dependent(kernel1, blocks, threads, 0, s, args..., rows, inter);
   MARROW_CUDA_CHECK_LAUNCH();
 }
 #endif
