@@ -31,7 +31,7 @@ template <typename T, int N> struct alignas(sizeof(T) * N) Pack {
 // element) in a grid-stride loop, then the n % N tail. Elementwise: nothing to order, and each
 // element is read before the same thread writes it, so out may alias a or b.
 template <typename T, int N> __global__ void add_kernel(T* out, const T* a, const T* b, int64_t n) {
-  wait_for_previous_grid();
+  begin_after_previous_grid();
   using P = Pack<T, N>;
   const int64_t first = blockIdx.x * int64_t(blockDim.x) + threadIdx.x, stride = int64_t(gridDim.x) * blockDim.x;
   for (int64_t i = first; i < n / N; i += stride) {
@@ -62,7 +62,7 @@ template <typename T> void launch_add(Tensor out, Tensor a, Tensor b, Stream str
 
 // acc (f32) += x: one thread per pack of 4 (acc 16-byte, x 4-element aligned) or per element.
 template <typename T, int N> __global__ void add_into_kernel(float* acc, const T* x, int64_t n) {
-  wait_for_previous_grid();
+  begin_after_previous_grid();
   using PA = Pack<float, N>;
   using PX = Pack<T, N>;
   const int64_t first = blockIdx.x * int64_t(blockDim.x) + threadIdx.x, stride = int64_t(gridDim.x) * blockDim.x;

@@ -84,7 +84,7 @@ template <int N> __device__ void store(bf16* row, int64_t pack, const Pack<N>& v
 template <int N>
 __global__ void combine_forward_kernel(bf16* out, const bf16* residual, const bf16* y_perm, const float* topk_weight,
                                const int32_t* copy_row, int64_t rows, int k, int64_t h) {
-  wait_for_previous_grid();
+  begin_after_previous_grid();
   const int64_t t = blockIdx.x;
   for (int64_t c = threadIdx.x; c < h / N; c += blockDim.x) {
     float acc[N] = {};
@@ -116,7 +116,7 @@ __global__ void combine_forward_kernel(bf16* out, const bf16* residual, const bf
 template <int N>
 __global__ void combine_backward_kernel(bf16* dy_perm, float* dtopk_weight, const bf16* dout, const bf16* y_perm,
                                 const float* topk_weight, const int32_t* copy_row, int64_t n, int k, int64_t rows, int64_t h) {
-  wait_for_previous_grid();
+  begin_after_previous_grid();
   const int64_t copy = blockIdx.x * int64_t(kWarps) + threadIdx.x / 32, t = copy / k;
   const int lane = threadIdx.x % 32;
   if (copy >= n * k) return;

@@ -9,16 +9,19 @@
 
 namespace marrow {
 
-// Programmatic dependent launch (Hopper): a kernel launched with launch_dependent is scheduled onto
-// the SMs while the kernel before it in the stream is still ending, which hides most of the ~2 us a
-// kernel boundary otherwise costs (1,400 boundaries a bench step before the memory-bound kernels).
-// Such a kernel must call wait_for_previous_grid() before its first memory access: the wait returns
-// once the previous grid has completed and its writes are visible, so the order is what a plain
-// launch gives. In a kernel launched plainly (ops/launch.h: train.dependent_launch=false) the wait
-// returns at once.
-__device__ __forceinline__ void wait_for_previous_grid() {
+// Programmatic dependent launch (Hopper): a kernel launched with launch_dependent may be scheduled
+// onto the SMs while the kernel before it in the stream runs its last wave, which hides part of each
+// kernel boundary (~2 us, 1,400 of them a bench step before the memory-bound kernels; the launch
+// probe of docs/performance.md measured -0.3 us on small kernels, -2 us on large ones). Such a kernel
+// must call begin_after_previous_grid() before its first memory access, reads and writes alike: it
+// waits until the previous grid has completed and its writes are visible (so the order is what a
+// plain launch gives), then lets the next dependent grid be scheduled once all of this grid's blocks
+// have started. In a kernel launched plainly (ops/launch.h: train.dependent_launch=false) both are
+// no-ops.
+__device__ __forceinline__ void begin_after_previous_grid() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
 

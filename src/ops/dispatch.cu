@@ -83,7 +83,7 @@ template <typename T, int N> struct alignas(sizeof(T) * N < 16 ? sizeof(T) * N :
 // plan's check then finds offsets[E] < copies); so the sort needs only the bits of E (one pass of
 // cub's onesweep for E < 256, where all 32 bits took four). Its values: the copy's own index.
 __global__ void dispatch_keys_kernel(int32_t* keys, int32_t* copies_ids, const int32_t* topk_index, int64_t copies, int e) {
-  wait_for_previous_grid();
+  begin_after_previous_grid();
   const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   if (i >= copies) return;
   const int32_t expert = topk_index[i];
@@ -96,7 +96,7 @@ __global__ void dispatch_keys_kernel(int32_t* keys, int32_t* copies_ids, const i
 // binary search.
 __global__ void dispatch_rows_offsets_kernel(int32_t* copy_row, int32_t* offsets, const int32_t* sorted_copies,
                                              const int32_t* sorted_experts, int64_t copies, int e) {
-  wait_for_previous_grid();
+  begin_after_previous_grid();
   const int64_t x = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   if (x < copies) copy_row[sorted_copies[x]] = int32_t(x);
   if (x > e) return;
@@ -114,7 +114,7 @@ __global__ void dispatch_rows_offsets_kernel(int32_t* copy_row, int32_t* offsets
 // (copy not here) is skipped, and so is a row outside [0, R) (the GPU path does not check copy_row).
 template <typename T, int N>
 __global__ void dispatch_forward_kernel(T* x_perm, const T* x, const int32_t* copy_row, int64_t rows, int k, int64_t h) {
-  wait_for_previous_grid();
+  begin_after_previous_grid();
   const int64_t t = blockIdx.x;
   for (int64_t c = threadIdx.x; c < h / N; c += blockDim.x) {
     const Pack<T, N> v = reinterpret_cast<const Pack<T, N>*>(x + t * h)[c];
@@ -130,7 +130,7 @@ __global__ void dispatch_forward_kernel(T* x_perm, const T* x, const int32_t* co
 // none. Any other row outside [0, R) makes the element NaN.
 template <typename T, int N>
 __global__ void dispatch_backward_kernel(T* dx, const T* dx_perm, const int32_t* copy_row, int64_t rows, int k, int64_t h) {
-  wait_for_previous_grid();
+  begin_after_previous_grid();
   const int64_t t = blockIdx.x;
   for (int64_t c = threadIdx.x; c < h / N; c += blockDim.x) {
     float acc[N] = {};

@@ -95,7 +95,7 @@ template <int N> __device__ void normalise_row(bf16* yr, const bf16* xr, const b
 
 template <int N>
 __global__ void rmsnorm_forward_kernel(bf16* y, float* rstd, const bf16* x, const bf16* weight, int64_t rows, int64_t d, float eps) {
-  wait_for_previous_grid();
+  begin_after_previous_grid();
   const int64_t row = blockIdx.x * int64_t(kWarpsPerBlock) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (row >= rows) return;
@@ -111,7 +111,7 @@ __global__ void rmsnorm_forward_kernel(bf16* y, float* rstd, const bf16* x, cons
 template <int N>
 __global__ void rmsnorm_add_forward_kernel(bf16* y, bf16* sum, float* rstd, const bf16* x, const bf16* residual, const bf16* weight,
                                            int64_t rows, int64_t d, float eps) {
-  wait_for_previous_grid();
+  begin_after_previous_grid();
   const int64_t row = blockIdx.x * int64_t(kWarpsPerBlock) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (row >= rows) return;
@@ -166,7 +166,7 @@ __device__ void dx_row(bf16* dxr, const bf16* dyr, const bf16* dresr, const bf16
 template <int N, bool Staged>
 __global__ void rmsnorm_backward_dx_kernel(bf16* dx, const bf16* dy, const bf16* dresidual, const bf16* x, const bf16* weight,
                                            const float* rstd, int64_t rows, int64_t d) {
-  wait_for_previous_grid();
+  begin_after_previous_grid();
   const int64_t row = blockIdx.x * int64_t(blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (row >= rows) return;
@@ -194,7 +194,7 @@ __global__ void rmsnorm_backward_dx_kernel(bf16* dx, const bf16* dy, const bf16*
 // times made it ~10% slower on the H200; the RoPE variant below gained a few percent from it.)
 __global__ void rmsnorm_dweight_partial_kernel(float* partial, const bf16* dy, const bf16* x, const float* rstd, int64_t rows,
                                        int64_t d) {
-  wait_for_previous_grid();
+  begin_after_previous_grid();
   const int64_t c = blockIdx.y * int64_t(blockDim.x) + threadIdx.x, chunk = blockIdx.x;
   if (c >= d) return;
   float acc = 0;
@@ -340,7 +340,7 @@ unsigned rope_blocks(int64_t tokens, int64_t heads, int64_t warps_per_block = kW
 template <int G>
 __global__ void rmsnorm_rope_forward_kernel(bf16* y, float* rstd, const bf16* x, const bf16* weight, Rope rope, int64_t tokens,
                                             float eps) {
-  wait_for_previous_grid();
+  begin_after_previous_grid();
   constexpr int64_t d = 8 * G;
   RopeLane<G, true> lane(rope, tokens);
   if (!lane.valid) return;
@@ -369,7 +369,7 @@ __global__ void rmsnorm_rope_forward_kernel(bf16* y, float* rstd, const bf16* x,
 template <int G, bool WithPartial>
 __global__ void __launch_bounds__(512) rmsnorm_rope_backward_dx_kernel(bf16* dx, float* partial, const bf16* dy, const bf16* x, const bf16* weight,
                                                 const float* rstd, Rope rope, int64_t tokens) {
-  wait_for_previous_grid();
+  begin_after_previous_grid();
   constexpr int64_t d = 8 * G;
   constexpr int kChunk = int(kChunkRows);
   __shared__ Pack<8> u_rows[WithPartial ? kChunk : 1][WithPartial ? G : 1], x_rows[WithPartial ? kChunk : 1][WithPartial ? G : 1];
@@ -426,7 +426,7 @@ __global__ void __launch_bounds__(512) rmsnorm_rope_backward_dx_kernel(bf16* dx,
 // (unrolled as it is).
 __global__ void rmsnorm_rope_dweight_partial_kernel(float* partial, const bf16* dy, const bf16* x, const float* rstd, Rope rope,
                                                     int64_t rows, int64_t d) {
-  wait_for_previous_grid();
+  begin_after_previous_grid();
   const int64_t j = blockIdx.y * int64_t(blockDim.x) + threadIdx.x, chunk = blockIdx.x, half = d / 2;
   if (j >= half) return;
   float acc_a = 0, acc_b = 0;
@@ -453,7 +453,7 @@ __global__ void rmsnorm_rope_dweight_partial_kernel(float* partial, const bf16* 
 // column over all chunks was a 2048-long serial chain for QK-norm's 131072 rows: ~120 us a call.)
 constexpr int kReduceLanes = 32;
 __global__ void rmsnorm_dweight_reduce_kernel(float* dweight, const float* partial, int64_t chunks, int64_t d) {
-  wait_for_previous_grid();
+  begin_after_previous_grid();
   __shared__ float sums[kReduceLanes][33];  // padded: the final pass reads a column
   const int j = threadIdx.x % 32, k = threadIdx.x / 32;
   const int64_t c = blockIdx.x * 32 + j;

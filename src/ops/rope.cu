@@ -66,7 +66,7 @@ template <int N> struct alignas(2 * N) Pack {
 template <int N>
 __global__ void rope_rotate_kernel(bf16* y, const bf16* x, const int32_t* positions, InvFreq inv_freq, int64_t tokens, int64_t heads,
                               int64_t half, float sign) {
-  wait_for_previous_grid();
+  begin_after_previous_grid();
   const int64_t per_head = half / N;
   for (int64_t p = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; p < tokens * heads * per_head;
        p += int64_t(gridDim.x) * blockDim.x) {
@@ -87,7 +87,7 @@ __global__ void rope_rotate_kernel(bf16* y, const bf16* x, const int32_t* positi
 
 // One thread per (token, j): table[t, j] = (cos, sin) of positions[t] * inv_freq[j], rope_cos_sin's bits.
 __global__ void rope_cos_sin_table_kernel(float2* table, const int32_t* positions, InvFreq inv_freq, int64_t tokens, int64_t half) {
-  wait_for_previous_grid();
+  begin_after_previous_grid();
   const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   if (i >= tokens * half) return;
   table[i] = rope_cos_sin(float(positions[i / half]), inv_freq.v[i % half], 1.0f);

@@ -143,7 +143,7 @@ __device__ bool better(Candidate a, Candidate b) { return b.i < 0 || (a.i >= 0 &
 // the experts; the top-k sum is added in slot order, again as on the CPU.
 __global__ void router_forward_kernel(float* probs, int32_t* topk_index, float* topk_weight, const float* logits, int64_t n, int e,
                                int k, bool normalize) {
-  wait_for_previous_grid();
+  begin_after_previous_grid();
   extern __shared__ double shared[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t t = blockIdx.x * int64_t(kWarps) + warp;
@@ -190,7 +190,7 @@ __global__ void router_forward_kernel(float* probs, int32_t* topk_index, float* 
 // reduces them in a fixed tree, and count the copies routed to e (integers: the order does not
 // matter; an index outside [0, E) counts for no expert). Block 0 also writes the token count.
 __global__ void router_statistics_kernel(float* stats, const float* probs, const int32_t* topk_index, int64_t n, int64_t copies, int e) {
-  wait_for_previous_grid();
+  begin_after_previous_grid();
   __shared__ double warp_sums[32];
   __shared__ int warp_counts[32];
   double acc = 0;
@@ -236,7 +236,7 @@ __global__ void router_statistics_kernel(float* stats, const float* probs, const
 __global__ void router_backward_kernel(__nv_bfloat16* dlogits, const float* dtopk_weight, const float* probs, const int32_t* topk_index,
                                 const float* topk_weight, const float* stats, int64_t n, int e, int k, bool normalize,
                                 double aux_grad) {
-  wait_for_previous_grid();
+  begin_after_previous_grid();
   extern __shared__ float dp_shared[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t t = blockIdx.x * int64_t(kWarps) + warp;
@@ -279,7 +279,7 @@ void launch_forward(Tensor probs, Tensor topk_index, Tensor topk_weight, Tensor 
 // took ~40 us), then thread 0 adds them in expert order, so the device's sum is the host's to the
 // bit. A count of zero tokens gives NaN (the host version refuses it).
 __global__ void router_aux_loss_add_kernel(double* total, const float* stats, int e) {
-  wait_for_previous_grid();
+  begin_after_previous_grid();
   extern __shared__ double terms[];
   const double n = stats[2 * e];
   for (int i = threadIdx.x; i < e; i += blockDim.x)

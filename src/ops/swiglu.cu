@@ -89,7 +89,7 @@ __device__ float sigmoidf(float g) { return 1.0f / (1.0f + expf(-g)); }
 // One thread per N adjacent columns c of one row (N = 8 when I % 8 == 0 and rows are 16-byte
 // aligned, else 1), grid-stride over R * I / N. Elementwise, so nothing to order.
 template <int N> __global__ void swiglu_forward_kernel(bf16* out, const bf16* gate_up, int64_t rows, int64_t inter) {
-  wait_for_previous_grid();
+  begin_after_previous_grid();
   const int64_t per_row = inter / N;
   for (int64_t p = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; p < rows * per_row; p += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = p / per_row, c = p % per_row * N;
@@ -106,7 +106,7 @@ template <int N> __global__ void swiglu_forward_kernel(bf16* out, const bf16* ga
 
 template <int N>
 __global__ void swiglu_backward_kernel(bf16* dgate_up, const bf16* dout, const bf16* gate_up, int64_t rows, int64_t inter) {
-  wait_for_previous_grid();
+  begin_after_previous_grid();
   const int64_t per_row = inter / N;
   for (int64_t p = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; p < rows * per_row; p += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = p / per_row, c = p % per_row * N;
@@ -137,7 +137,7 @@ template <int N>
 __global__ void swiglu_weighted_backward_kernel(bf16* dgate_up, bf16* act, float* dtopk_weight, const bf16* dact, const bf16* gate_up,
                                                 const float* topk_weight, const int32_t* copy_row, int64_t copies, int64_t rows,
                                                 int64_t inter) {
-  wait_for_previous_grid();
+  begin_after_previous_grid();
   const int64_t c = blockIdx.x * int64_t(kWarps) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (c >= copies) return;
