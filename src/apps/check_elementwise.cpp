@@ -394,12 +394,19 @@ void check_routing_outside(CheckReport& report, int64_t n, int64_t e, int64_t k)
     rejected = true;
   }
   report.add({"dispatch_plan rejects indices outside [0, E) " + size, rejected ? 0.0 : 1.0, 0, rejected});
-  Buffer offsets_d = poisoned(DType::i32, {e + 1});
-  dispatch_plan(offsets_d, copy_row, index_d);
+  Buffer offsets_d = poisoned(DType::i32, {e + 1}), copy_row_d = poisoned(DType::i32, {n, k});
+  dispatch_plan(offsets_d, copy_row_d, index_d);
   const Buffer last = to_host(offsets_d);
   const int64_t valid = n * k - 2;
   report.add({"dispatch_plan offsets on the GPU: expert_offsets[E] = valid copies, indices outside [0, E) " + size,
               double(std::abs(last.ptr<int32_t>()[e] - valid)), 0, last.ptr<int32_t>()[e] == valid});
+  // The stable order with every index outside [0, E) counted as expert E: those copies take the
+  // last rows, in copy order.
+  Buffer bucketed(DType::i32, Device::cpu, {n, k}), expected(DType::i32, Device::cpu, {n, k});
+  Buffer expected_offsets(DType::i32, Device::cpu, {e + 2});
+  for (int64_t i = 0; i < n * k; ++i) bucketed.ptr<int32_t>()[i] = 0 <= idx[i] && idx[i] < e ? idx[i] : int32_t(e);
+  dispatch_plan(expected_offsets, expected, bucketed);
+  report.expect_equal("dispatch_plan copy_row on the GPU, indices outside [0, E) " + size, copy_row_d, expected);
 }
 
 // Expert parallelism: rank `rank` of `ranks` holds experts [rank * E / ranks, (rank + 1) * E / ranks)
@@ -648,8 +655,10 @@ void check_elementwise_ops(CheckReport& report) {
   check_moe(report, 37, 8, 2, 75, false, -1);
   check_moe(report, 37, 8, 8, 72, true, -1);  // K = E
   check_moe(report, 37, 128, 8, 75, true, 5);
+  check_moe(report, 3001, 300, 6, 72, true, 7);
   check_routing_outside(report, 37, 8, 2);
   check_routing_outside(report, 37, 128, 8);
+  check_routing_outside(report, 3001, 300, 6);  // the GPU plan's warps each take a run of copies
   check_dispatch_rank(report, 37, 8, 2, 72, 4, 1, DType::bf16);
   check_dispatch_rank(report, 37, 8, 2, 75, 4, 1, DType::bf16);
   check_dispatch_rank(report, 37, 8, 8, 8, 2, 0, DType::f32);  // routing weights: H = K

@@ -10,6 +10,8 @@
 
 #ifdef __CUDACC__
 #include <cuda_bf16.h>
+
+#include "ops/cuda_common.cuh"
 #endif
 
 namespace marrow {
@@ -86,6 +88,7 @@ __device__ __forceinline__ void step_float4(float* param, __nv_bfloat16* param_b
 template <bool Vec4>
 __global__ void adamw_step_kernel(float* param, __nv_bfloat16* param_bf16, float* m, float* v, const float* grad, int64_t n,
                             Constants k) {
+  begin_after_previous_grid();
   const int64_t first = blockIdx.x * int64_t(blockDim.x) + threadIdx.x, stride = int64_t(gridDim.x) * blockDim.x;
   int64_t done = 0;
   if (Vec4) {
@@ -104,6 +107,7 @@ __global__ void adamw_step_kernel(float* param, __nv_bfloat16* param_bf16, float
 template <bool Vec4>
 __global__ void adamw_step_rows_kernel(float* param, __nv_bfloat16* param_bf16, float* m, float* v, const float* grad,
                                        const int32_t* known_zero, int64_t rows, int64_t per_row, Constants k) {
+  begin_after_previous_grid();
   const int64_t first = blockIdx.x * int64_t(blockDim.x) + threadIdx.x, stride = int64_t(gridDim.x) * blockDim.x;
   for (int64_t row = blockIdx.y; row < rows; row += gridDim.y) {
     const int64_t offset = row * per_row;
@@ -156,8 +160,8 @@ void launch_step_rows(Tensor param, Tensor param_bf16, Tensor exp_avg, Tensor ex
   float *p = param.ptr<float>(), *m = exp_avg.ptr<float>(), *v = exp_avg_sq.ptr<float>();
   auto* p16 = static_cast<__nv_bfloat16*>(param_bf16.data);
   const int32_t* flags = known_zero.ptr<int32_t>();
-  if (vec4) adamw_step_rows_kernel<true><<<grid, threads, 0, s>>>(p, p16, m, v, grad.ptr<float>(), flags, rows, per_row, k);
-  else adamw_step_rows_kernel<false><<<grid, threads, 0, s>>>(p, p16, m, v, grad.ptr<float>(), flags, rows, per_row, k);
+  if (vec4) launch_dependent(adamw_step_rows_kernel<true>, grid, threads, 0, s, p, p16, m, v, grad.ptr<float>(), flags, rows, per_row, k);
+  else launch_dependent(adamw_step_rows_kernel<false>, grid, threads, 0, s, p, p16, m, v, grad.ptr<float>(), flags, rows, per_row, k);
   MARROW_CUDA_CHECK_LAUNCH();
 }
 
@@ -171,8 +175,8 @@ void launch_step(Tensor param, Tensor param_bf16, Tensor exp_avg, Tensor exp_avg
   auto s = static_cast<cudaStream_t>(stream.handle);
   float *p = param.ptr<float>(), *m = exp_avg.ptr<float>(), *v = exp_avg_sq.ptr<float>();
   auto* p16 = static_cast<__nv_bfloat16*>(param_bf16.data);
-  if (vec4) adamw_step_kernel<true><<<blocks, threads, 0, s>>>(p, p16, m, v, grad.ptr<float>(), n, k);
-  else adamw_step_kernel<false><<<blocks, threads, 0, s>>>(p, p16, m, v, grad.ptr<float>(), n, k);
+  if (vec4) launch_dependent(adamw_step_kernel<true>, blocks, threads, 0, s, p, p16, m, v, grad.ptr<float>(), n, k);
+  else launch_dependent(adamw_step_kernel<false>, blocks, threads, 0, s, p, p16, m, v, grad.ptr<float>(), n, k);
   MARROW_CUDA_CHECK_LAUNCH();
 }
 #endif

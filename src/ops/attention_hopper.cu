@@ -460,6 +460,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t raw = smem_address(smem_raw), base = (raw + 1023) & ~1023u;
   unsigned char* smem = smem_raw + (base - raw);
   int* item_slot = reinterpret_cast<int*>(smem + kBarriers + 40);
+  begin_after_previous_grid();  // the item counter, semaphores, delta and the inputs come from earlier work
   if (threadIdx.x == 0) {
     *item_slot = atomicAdd(a.item_counter, 1);
     barrier_init(base + kBarriers, 1);
@@ -731,6 +732,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (threadIdx.x == 0) barrier_init(base + kFwdBarriers, 1);
   init_stage_barriers(base + kFwdBarriers + kFwdFullK, base + kFwdBarriers + kFwdEmptyK, kFwdRing, 2);
   init_stage_barriers(base + kFwdBarriers + kFwdFullV, base + kFwdBarriers + kFwdEmptyV, kFwdRing, 2);  // ends in __syncthreads
+  begin_after_previous_grid();
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
@@ -759,9 +761,15 @@ __global__ void __launch_bounds__(kThreads, 1)
 // delta[head, s] = dO . O over the row's 128 dimensions, one warp a row (fixed shuffle tree), each
 // warp kDeltaRows rows with all their loads issued first. Row indices are 32-bit (run_backward checks
 // rows < 2^31): three 64-bit divisions a row cost more issue slots than the loads.
+// The kernel also zeroes the backward's `sync` ints (semaphores and item counter), which saves the
+// memset and its two kernel boundaries.
 constexpr int kDeltaRows = 4;
-__global__ void delta_kernel(float* delta, const bf16* dout, const bf16* out, int rows, int seq, int q_heads) {
-  const int first = int((int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32) * kDeltaRows;  // [B, S, Hq] order
+__global__ void delta_kernel(float* delta, int32_t* sync, int sync_count, const bf16* dout, const bf16* out, int rows, int seq,
+                             int q_heads) {
+  begin_after_previous_grid();
+  const int thread = int(int64_t(blockIdx.x) * blockDim.x + threadIdx.x);
+  if (thread < sync_count) sync[thread] = 0;
+  const int first = thread / 32 * kDeltaRows;  // [B, S, Hq] order
   const int lane = threadIdx.x % 32;
   uint2 x[kDeltaRows], y[kDeltaRows];
 #pragma unroll
@@ -796,6 +804,7 @@ __device__ __forceinline__ uint4 eight_to_bf16(const float* from, float factor) 
 // The accumulators to bf16 in the tensors' layouts: one thread four pairs of columns (pair_slot keeps
 // each aligned group of four pairs together: 32 bytes read, 16 written); dq's first, then dk's and dv's.
 __global__ void finish_kernel(bf16* dq, bf16* dk, bf16* dv, Args a, int64_t dq_quads, int64_t kv_quads) {
+  begin_after_previous_grid();
   const int64_t p = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (p < dq_quads) {  // p indexes [B, S, Hq, 16 quads]
     const int pair = int(p % 16) * 4, h = int(p / 16 % a.q_heads);
@@ -856,12 +865,13 @@ void run_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor
   Buffer dv_accum(DType::f32, Device::cuda, {batch * kv_heads * seq * kDim}, stream);
   const int64_t semaphores = int64_t(heads) * query_blocks + batch * kv_heads * key_blocks + 1;
   Buffer sync(DType::i32, Device::cuda, {semaphores}, stream);
-  MARROW_CUDA_CHECK(cudaMemsetAsync(sync.ptr<int32_t>(), 0, size_t(semaphores) * 4, s));
 
   const int64_t rows = batch * seq * q_heads;
   MARROW_CHECK(rows < (int64_t(1) << 31), "hopper_attention_backward: {} rows of B x S x Hq exceed the kernels' 32-bit row index", rows);
-  delta_kernel<<<unsigned((rows + 8 * kDeltaRows - 1) / (8 * kDeltaRows)), 256, 0, s>>>(delta.ptr<float>(), static_cast<const bf16*>(dout.data),
-                                                                  static_cast<const bf16*>(out.data), int(rows), int(seq), int(q_heads));
+  // Enough threads for the rows (a warp per kDeltaRows) and for zeroing `sync`.
+  const int64_t delta_threads = std::max((rows + kDeltaRows - 1) / kDeltaRows * 32, semaphores);
+  launch_dependent(delta_kernel, unsigned((delta_threads + 255) / 256), 256, 0, s, delta.ptr<float>(), sync.ptr<int32_t>(), int(semaphores),
+                   static_cast<const bf16*>(dout.data), static_cast<const bf16*>(out.data), int(rows), int(seq), int(q_heads));
   MARROW_CUDA_CHECK_LAUNCH();
 
   Args a{};
@@ -884,12 +894,12 @@ void run_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor
   const CUtensorMap q_map = rows_map(q, q_heads, kQueries), do_map = rows_map(dout, q_heads, kQueries);
   const CUtensorMap k_map = rows_map(k, kv_heads, kKeys), v_map = rows_map(v, kv_heads, kKeys);
   allow_shared_memory(backward_kernel, kSmemBytes);
-  backward_kernel<<<unsigned(int64_t(heads) * key_blocks), kThreads, kSmemBytes, s>>>(q_map, k_map, v_map, do_map, a);
+  launch_dependent(backward_kernel, unsigned(int64_t(heads) * key_blocks), kThreads, kSmemBytes, s, q_map, k_map, v_map, do_map, a);
   MARROW_CUDA_CHECK_LAUNCH();
 
   const int64_t dq_quads = rows * 16, kv_quads = batch * seq * kv_heads * 16;
-  finish_kernel<<<unsigned((dq_quads + 2 * kv_quads + 255) / 256), 256, 0, s>>>(static_cast<bf16*>(dq.data), static_cast<bf16*>(dk.data),
-                                                                                static_cast<bf16*>(dv.data), a, dq_quads, kv_quads);
+  launch_dependent(finish_kernel, unsigned((dq_quads + 2 * kv_quads + 255) / 256), 256, 0, s, static_cast<bf16*>(dq.data),
+                   static_cast<bf16*>(dk.data), static_cast<bf16*>(dv.data), a, dq_quads, kv_quads);
   MARROW_CUDA_CHECK_LAUNCH();
 }
 
@@ -912,8 +922,8 @@ void hopper_attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor
   const CUtensorMap q_map = rows_map(q, q_heads, kKeys), out_map = rows_map(out, q_heads, kQueries);
   const CUtensorMap k_map = rows_map(k, kv_heads, kKeys), v_map = rows_map(v, kv_heads, kKeys);
   allow_shared_memory(forward_kernel, kFwdSmemBytes);
-  forward_kernel<<<unsigned(a.heads * a.blocks), kThreads, kFwdSmemBytes, static_cast<cudaStream_t>(stream.handle)>>>(q_map, k_map, v_map,
-                                                                                                                   out_map, a);
+  launch_dependent(forward_kernel, unsigned(a.heads * a.blocks), kThreads, kFwdSmemBytes, static_cast<cudaStream_t>(stream.handle), q_map,
+                   k_map, v_map, out_map, a);
   MARROW_CUDA_CHECK_LAUNCH();
 }
 

@@ -4,7 +4,7 @@
 //   then token, then slot; expert e owns rows [expert_offsets[e], expert_offsets[e + 1]), so
 //   expert_offsets[0] = 0, expert_offsets[E] = T * K, and copy_row is a permutation of [0, T * K).
 // The plan is a counting sort: deterministic, and a pure function of topk_index. On the GPU the
-// plan is a stable radix sort with the same result. expert_offsets may be a host tensor (the plan
+// plan is the same stable counting sort in one block (at most 1,023 experts). expert_offsets may be a host tensor (the plan
 // then waits for the stream to copy them back, and checks the indices) or, on the GPU, a device
 // tensor: no wait, and the grouped GEMMs build their schedules from it on the device; the indices
 // are then not checked (they come from the router's top-k).

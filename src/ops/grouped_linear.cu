@@ -341,8 +341,8 @@ void backward_weight_wgmma(float* dweight, const wgmma::dw::Source (&sources)[2]
     const int32_t* second = two ? device_offsets(second_offsets, holders[1], stream) : nullptr;
     work = Buffer(DType::i32, Device::cuda, {wgmma::dw::kWorkInts * e + 2}, stream);
     const int band_count = int(grouped_weight_squares_count(1, o, i));
-    wgmma::dw::work_list_kernel<<<1, wgmma::kScheduleThreads, 0, s>>>(work.ptr<int32_t>(), first, second, int(e), overwrite, known_zero,
-                                                                      squares, band_count);
+    launch_dependent(wgmma::dw::work_list_kernel, 1, wgmma::kScheduleThreads, 0, s, work.ptr<int32_t>(), first, second, int(e), overwrite,
+                     known_zero, squares, band_count);
     MARROW_CUDA_CHECK_LAUNCH();
   } else {
     const std::vector<int32_t> host =

@@ -291,6 +291,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto tile_b = [&](int s) { return base + s * kStageBytes + kTileABytes; };
   const int warpgroup = threadIdx.x / 128;
   init_stage_barriers(full, empty, kStages, kConsumers);
+  begin_after_previous_grid();  // offsets, counters and the inputs come from earlier kernels
   const int k_blocks = (k + kBlockK - 1) / kBlockK;
 
   if (warpgroup == 0) {  // producer: warp 0 finds the tiles, its lane 0 issues the copies
@@ -453,8 +454,8 @@ inline void grouped_gemm(bool forward, bf16* out, const bf16* in, const bf16* we
   const unsigned grid = unsigned(tiles < 0 ? sms : std::min(tiles, sms));
   auto launch = [&](auto kernel) {
     MARROW_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes(experts)));
-    kernel<<<grid, kThreads, smem_bytes(experts), stream>>>(a_map, b_map, out, offsets, stream_counters(stream), int(experts), int(cols),
-                                                            int(inner));
+    launch_dependent(kernel, grid, kThreads, smem_bytes(experts), stream, a_map, b_map, out, offsets, stream_counters(stream), int(experts),
+                     int(cols), int(inner));
     MARROW_CUDA_CHECK_LAUNCH();
   };
   if (forward) launch(grouped_gemm_kernel<0>);

@@ -106,6 +106,7 @@ __global__ void __launch_bounds__(kScheduleThreads)
   using Scan = cub::BlockScan<int, kScheduleThreads>;
   __shared__ typename Scan::TempStorage scan_storage;
   __shared__ int skipped[kScheduleThreads];  // this round's experts whose bands are zeroed
+  begin_after_previous_grid();
   int works = 0;  // items of the experts before this round
   for (int base = 0; base < experts; base += kScheduleThreads) {
     const int e = base + int(threadIdx.x);
@@ -227,6 +228,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto stage = [&](int s) { return base + s * kStageBytes; };
   const int warpgroup = threadIdx.x / 128;
   init_stage_barriers(full, empty, kStages, kConsumers);
+  begin_after_previous_grid();  // the work list, dW and the inputs come from earlier kernels
   const int tiles = work[0] * ((o_size + kBlockM - 1) / kBlockM) * ((i_size + kBlockN - 1) / kBlockN);
 
   if (warpgroup == 0) {  // producer: one thread finds the tiles and issues the copies
@@ -342,7 +344,7 @@ inline void grouped_dw(float* dweight, const Source (&sources)[2], int32_t* work
   MARROW_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   MARROW_CUDA_CHECK(cudaFuncSetAttribute(grouped_dw_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
   const unsigned grid = unsigned(works < 0 ? sms : std::min<int64_t>(tiles, sms));
-  grouped_dw_kernel<<<grid, kThreads, kSmemBytes, stream>>>(maps, dweight, work, int(o), int(i), accumulate, squares);
+  launch_dependent(grouped_dw_kernel, grid, kThreads, kSmemBytes, stream, maps, dweight, work, int(o), int(i), accumulate, squares);
   MARROW_CUDA_CHECK_LAUNCH();
 }
 

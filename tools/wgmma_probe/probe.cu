@@ -19,6 +19,10 @@
 
 using marrow::wgmma::bf16;
 
+// ops/launch.h's switch, which marrow_lib defines: the probe launches the kernels plainly, one at a
+// time, as it times them.
+bool marrow::dependent_launch() { return false; }
+
 __global__ void fill_random(bf16* p, int64_t n, uint32_t seed) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     uint32_t h = uint32_t(i) * 2654435761u ^ seed * 40503u ^ uint32_t(i >> 32) * 97u;
