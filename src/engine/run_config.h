@@ -28,7 +28,7 @@ struct RunConfig {
   std::string device = "auto";  // auto, cpu or cuda
   double aux_loss_coef = -1;    // load-balance coefficient; negative takes router_aux_loss_coef from config.json
   int64_t max_bad_steps = 5;    // non-finite steps in a row that stop the run
-  bool dependent_launch = true;  // GPU: memory-bound kernels launched as programmatic dependents (ops/launch.h)
+  bool dependent_launch = true;  // GPU: own kernels launched as programmatic dependents (ops/launch.h)
   std::string attention_kernels = "hopper_backward";  // GPU attention: hopper_backward, hopper, cudnn, own or cudnn_nondeterministic (ops/attention.h)
   // A bf16 copy of every weight kept for the step (GPU). false: each decoder layer's weights are cast from
   // the fp32 master into a slot before each use (2 bytes per parameter less, a cast per layer per use).

@@ -11,8 +11,8 @@ namespace marrow {
 
 // Programmatic dependent launch (Hopper): a kernel launched with launch_dependent may be scheduled
 // onto the SMs while the kernel before it in the stream runs its last wave, which hides part of each
-// kernel boundary (~2 us, 1,400 of them a bench step before the memory-bound kernels; the launch
-// probe of docs/performance.md measured -0.3 us on small kernels, -2 us on large ones). Such a kernel
+// kernel boundary (~2 us before a small kernel; -1.0 ms a bench step for the memory-bound ones, little
+// more for the large kernels, which wait for whole SMs either way: docs/performance.md). Such a kernel
 // must call begin_after_previous_grid() before its first memory access, reads and writes alike: it
 // waits until the previous grid has completed and its writes are visible (so the order is what a
 // plain launch gives), then lets the next dependent grid be scheduled once all of this grid's blocks

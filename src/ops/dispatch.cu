@@ -94,7 +94,8 @@ __device__ __forceinline__ int plan_bucket(int32_t expert, int e) { return 0 <= 
 // counts: kPlanWarps x (E + 1) ints of dynamic shared memory, warp w's row first counting its copies
 // of each bucket, then holding where they start.
 __global__ void __launch_bounds__(kPlanThreads)
-    dispatch_plan_kernel(int32_t* copy_row, int32_t* offsets, const int32_t* topk_index, int copies, int e) {
+    dispatch_plan_kernel(int32_t* __restrict__ copy_row, int32_t* __restrict__ offsets, const int32_t* __restrict__ topk_index, int copies,
+                         int e) {
   extern __shared__ int32_t counts[];
   using Scan = cub::BlockScan<int, kPlanThreads>;
   __shared__ typename Scan::TempStorage scan_storage;
@@ -139,7 +140,20 @@ __global__ void __launch_bounds__(kPlanThreads)
     for (int w = 0; w < kPlanWarps; ++w) counts[w * buckets + threadIdx.x] += start;
   }
   __syncthreads();
-  for (int i = begin + lane; i < end; i += 32) copy_row[i] += mine[plan_bucket(topk_index[i], e)];
+  for (int base = begin; base < end; base += 32 * kPlanAhead) {  // both loads of kPlanAhead rounds in flight first
+    int bucket[kPlanAhead], rank[kPlanAhead];
+#pragma unroll
+    for (int r = 0; r < kPlanAhead; ++r) {
+      const int i = base + 32 * r + lane;
+      bucket[r] = i < end ? plan_bucket(topk_index[i], e) : 0;
+      rank[r] = i < end ? copy_row[i] : 0;
+    }
+#pragma unroll
+    for (int r = 0; r < kPlanAhead; ++r) {
+      const int i = base + 32 * r + lane;
+      if (i < end) copy_row[i] = mine[bucket[r]] + rank[r];
+    }
+  }
 }
 
 // One block per token; its threads stride the row in packs of N (8 elements when H % 8 == 0), each
