@@ -394,6 +394,30 @@ TEST(Qwen3Moe, ExpertSquaresOfTheLastBackwardGiveTheGradientNorm) {
   EXPECT_NEAR(state.gradient_norm(first_layer_only), whole, 1e-13 * whole);
 }
 
+// start_step zeroes every gradient the backward accumulates into (adjacent ones in one fill) and
+// leaves those the first backward overwrites.
+TEST(Qwen3Moe, StartStepZeroesTheAccumulatedGradientsOnly) {
+  TinyRun run(DType::f32, 1, 2, tiny_config_json());
+  const Mesh mesh = Mesh::create(MeshShape{}, Device::cpu);
+  const int64_t L = run.model.num_layers();
+  ShardedParameters state(run.model.specs(), L, std::vector<int64_t>(size_t(L + 2), 0), mesh, false, false, false, Device::cpu,
+                          DType::f32);
+  const Tensor all = state.grads().all();
+  std::fill(all.ptr<float>(), all.ptr<float>() + all.numel(), 7.0f);
+  state.start_step();
+  int64_t zeroed = 0, kept = 0;
+  for (const TensorSpec& s : run.model.specs()) {
+    const Tensor g = state.gradients().slice(s.offset, {s.numel});
+    const float want = s.first_backward_writes ? 7.0f : 0.0f;
+    int64_t wrong = 0;
+    for (int64_t i = 0; i < s.numel; ++i) wrong += g.ptr<float>()[i] != want;
+    EXPECT_EQ(wrong, 0) << s.name;
+    (s.first_backward_writes ? kept : zeroed) += 1;
+  }
+  EXPECT_GT(zeroed, 1);
+  EXPECT_GT(kept, 0);
+}
+
 // AdamW given the known-zero flags: a flagged expert's gradient is taken as zero without being read
 // (garbage planted there changes nothing), and the unit's other parts update as without flags.
 TEST(Qwen3Moe, KnownZeroGradientsGiveTheOptimizerTheSameBits) {

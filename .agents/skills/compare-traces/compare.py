@@ -2,7 +2,8 @@
 
 usage: compare.py <before-trace> <after-trace> [--steps N] [--top K] [--match REGEX] [--gaps]
 Prints, per kernel name (first 80 characters), ms per step before and after, the difference, calls per step and the mean
-duration of a call after; then the totals. Machines differ by a few percent in kernel speed: compare the kernels a change
+duration of a call after; then the totals, the span of each trace and its busy time (the figures to compare when
+kernels launch as programmatic dependents, whose durations include their wait for the kernel before them). Machines differ by a few percent in kernel speed: compare the kernels a change
 touched, and read the untouched GEMMs' difference as the machine's.
 --gaps adds where the GPU waited in each trace: the time between consecutive kernels, copies and memsets, split into
 launch gaps (at most 3 us: back-to-back kernels) and longer ones (a wait for the host), the longer ones by the pair of
@@ -31,13 +32,34 @@ def kernel_times(path):
 SHORT_GAP_US = 3.0
 
 
-def gpu_waits(path, steps, top):
-    """Prints the idle time per step between the GPU's operations (kernels, copies, memsets) of one trace."""
+def gpu_operations(path):
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as f:
         events = json.load(f)["traceEvents"]
-    ops = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "memcpy", "memset")),
-                 key=lambda e: e["ts"])
+    return sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "memcpy", "memset")),
+                  key=lambda e: e["ts"])
+
+
+def span_and_busy(path):
+    """Microseconds from the first GPU operation's start to the last one's end, and how much of it some operation ran.
+    With dependent launches a kernel starts before the one it waits for has ended, so the per-kernel sums overstate
+    the step: these two are the figures to compare then."""
+    ops = gpu_operations(path)
+    busy, end = 0.0, None
+    for e in ops:
+        start, stop = e["ts"], e["ts"] + e["dur"]
+        if end is None or start >= end:
+            busy += stop - start
+            end = stop
+        elif stop > end:
+            busy += stop - end
+            end = stop
+    return (end - ops[0]["ts"] if ops else 0.0), busy
+
+
+def gpu_waits(path, steps, top):
+    """Prints the idle time per step between the GPU's operations (kernels, copies, memsets) of one trace."""
+    ops = gpu_operations(path)
     short = long_ = 0.0
     short_count = 0
     pairs = collections.Counter()
@@ -84,6 +106,9 @@ def main():
               f"{calls[n] // args.steps:6d} {per_call:9.1f}  {n}")
     b, a = sum(before.values()) / scale, sum(after.values()) / scale
     print(f"{b:9.2f} {a:9.2f} {a - b:+8.2f}  all kernels")
+    (span_b, busy_b), (span_a, busy_a) = span_and_busy(args.before), span_and_busy(args.after)
+    print(f"{span_b / scale:9.2f} {span_a / scale:9.2f} {(span_a - span_b) / scale:+8.2f}  span: first GPU operation to last")
+    print(f"{busy_b / scale:9.2f} {busy_a / scale:9.2f} {(busy_a - busy_b) / scale:+8.2f}  busy: some operation running")
     if args.gaps:
         for path in (args.before, args.after):
             gpu_waits(path, args.steps, 8)
