@@ -91,21 +91,11 @@ constexpr int kMaxPlanBuckets = kPlanThreads;  // one scanning thread per bucket
 
 __device__ __forceinline__ int plan_bucket(int32_t expert, int e) { return 0 <= expert && expert < e ? expert : e; }
 
-// counts: kPlanWarps x (E + 1) ints of dynamic shared memory, warp w's row first counting its copies
-// of each bucket, then holding where they start.
-__global__ void __launch_bounds__(kPlanThreads)
-    dispatch_plan_kernel(int32_t* __restrict__ copy_row, int32_t* __restrict__ offsets, const int32_t* __restrict__ topk_index, int copies,
-                         int e) {
-  extern __shared__ int32_t counts[];
-  using Scan = cub::BlockScan<int, kPlanThreads>;
-  __shared__ typename Scan::TempStorage scan_storage;
-  begin_after_previous_grid();
-  const int buckets = e + 1, warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
-  for (int i = int(threadIdx.x); i < kPlanWarps * buckets; i += kPlanThreads) counts[i] = 0;
-  __syncthreads();
-  const int64_t run = (int64_t(copies) + kPlanWarps * 32 - 1) / (kPlanWarps * 32) * 32;
-  const int begin = int(std::min<int64_t>(copies, warp * run)), end = int(std::min<int64_t>(copies, warp * run + run));
-  int32_t* mine = counts + warp * buckets;
+// Pass 1 over warp w's run [begin, end) of copies: copy_row = the copy's rank among the run's copies
+// of its bucket; mine (the warp's row of counts) ends as the run's count of each bucket.
+__device__ void rank_in_run(int32_t* __restrict__ copy_row, int32_t* mine, const int32_t* __restrict__ topk_index, int begin, int end,
+                            int e) {
+  const int lane = int(threadIdx.x) % 32;
   for (int base = begin; base < end; base += 32 * kPlanAhead) {
     int bucket[kPlanAhead];  // loads of kPlanAhead rounds in flight before the first is used
 #pragma unroll
@@ -125,8 +115,14 @@ __global__ void __launch_bounds__(kPlanThreads)
       if (i < end) copy_row[i] = before + rank;
     }
   }
-  __syncthreads();
-  int total = 0;  // thread b: bucket b's copies; its column becomes the warps' exclusive prefix
+}
+
+// counts[w][b] (kPlanWarps rows of `buckets`) from warp w's copies of bucket b to the first row of
+// them: the copies of buckets below b plus those of bucket b in warps below w. offsets[b] = the
+// first row of bucket b. Thread b takes bucket b's column; a block scan orders the buckets.
+template <typename Scan>
+__device__ void bucket_starts(int32_t* counts, int32_t* __restrict__ offsets, int buckets, typename Scan::TempStorage& scan_storage) {
+  int total = 0;
   if (int(threadIdx.x) < buckets)
     for (int w = 0; w < kPlanWarps; ++w) {
       const int c = counts[w * buckets + threadIdx.x];
@@ -139,8 +135,14 @@ __global__ void __launch_bounds__(kPlanThreads)
     offsets[threadIdx.x] = start;
     for (int w = 0; w < kPlanWarps; ++w) counts[w * buckets + threadIdx.x] += start;
   }
-  __syncthreads();
-  for (int base = begin; base < end; base += 32 * kPlanAhead) {  // both loads of kPlanAhead rounds in flight first
+}
+
+// Pass 2 over the same run: copy_row += the first row of the copy's (warp, bucket), both loads of
+// kPlanAhead rounds in flight first.
+__device__ void add_starts(int32_t* __restrict__ copy_row, const int32_t* mine, const int32_t* __restrict__ topk_index, int begin, int end,
+                           int e) {
+  const int lane = int(threadIdx.x) % 32;
+  for (int base = begin; base < end; base += 32 * kPlanAhead) {
     int bucket[kPlanAhead], rank[kPlanAhead];
 #pragma unroll
     for (int r = 0; r < kPlanAhead; ++r) {
@@ -154,6 +156,28 @@ __global__ void __launch_bounds__(kPlanThreads)
       if (i < end) copy_row[i] = mine[bucket[r]] + rank[r];
     }
   }
+}
+
+// counts: kPlanWarps x (E + 1) ints of dynamic shared memory, warp w's row first counting its copies
+// of each bucket, then holding where they start.
+__global__ void __launch_bounds__(kPlanThreads)
+    dispatch_plan_kernel(int32_t* __restrict__ copy_row, int32_t* __restrict__ offsets, const int32_t* __restrict__ topk_index, int copies,
+                         int e) {
+  extern __shared__ int32_t counts[];
+  using Scan = cub::BlockScan<int, kPlanThreads>;
+  __shared__ typename Scan::TempStorage scan_storage;
+  begin_after_previous_grid();
+  const int buckets = e + 1, warp = int(threadIdx.x) / 32;
+  for (int i = int(threadIdx.x); i < kPlanWarps * buckets; i += kPlanThreads) counts[i] = 0;
+  __syncthreads();
+  const int64_t run = (int64_t(copies) + kPlanWarps * 32 - 1) / (kPlanWarps * 32) * 32;
+  const int begin = int(std::min<int64_t>(copies, warp * run)), end = int(std::min<int64_t>(copies, warp * run + run));
+  int32_t* mine = counts + warp * buckets;
+  rank_in_run(copy_row, mine, topk_index, begin, end, e);
+  __syncthreads();
+  bucket_starts<Scan>(counts, offsets, buckets, scan_storage);
+  __syncthreads();
+  add_starts(copy_row, mine, topk_index, begin, end, e);
 }
 
 // One block per token; its threads stride the row in packs of N (8 elements when H % 8 == 0), each
