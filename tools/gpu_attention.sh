@@ -37,9 +37,10 @@
 # traces: kernel traces of the bench config (2 steps) and of one sequence of 16,384 without the weight
 #         copy (1 step), for the stage attribution of docs/performance.md
 # hopper: Marrow's wgmma attention (train.attention_kernels=hopper, hopper_backward): marrow check
-#         --only attention (every command under a timeout: a kernel that hangs ends the run), marrow
-#         bench --kernels attention (every kernel set's rows, the hopper backward's chunk sweep with
-#         item timelines), then (unless HOPPER_BENCH=0) the bench config (3 + 27 steps) with each of
+#         --only attention (every command under a timeout: a kernel that hangs ends the run; ring
+#         attention's blocks on the wgmma kernels among its rows), marrow bench --kernels attention
+#         (every kernel set's rows, the hopper backward's chunk sweep with item timelines, the ring's
+#         full blocks on the own and the wgmma kernels), then (unless HOPPER_BENCH=0) the bench config (3 + 27 steps) with each of
 #         HOPPER_SETS (default: hopper_backward hopper cudnn), on one machine; the first 5 losses of each;
 #         with HOPPER_LONG=1 also one sequence of 16,384 without the weight copy (3 + 5 steps) with each set
 # Ends with PASS or FAIL; logs in <log-dir>.
@@ -70,11 +71,11 @@ if [ "$what" = hopper ]; then
   step "marrow check --only attention (with the hopper kernels' rows)"
   timeout ${CHECK_TIMEOUT:-480} build-gpu/marrow check --only attention > "$out/check.log" 2>&1
   grep -E "FAIL|checks,|error" "$out/check.log" | head -40
-  grep -E "hopper" "$out/check.log" | grep -E "dq|dk|dv" | head -60 >> "$out/summary.log"
+  grep -E "hopper|wgmma" "$out/check.log" | grep -E "dq|dk|dv|wgmma kernels" | head -80 >> "$out/summary.log"
   if grep -q '^PASS$' "$out/check.log"; then
     step "marrow bench --kernels attention"
-    timeout 150 build-gpu/marrow bench --kernels attention > "$out/kernels.log" 2>&1 || fail "bench --kernels attention"
-    grep -E "^kernel|^attention|^hopper" "$out/kernels.log" | tee -a "$out/summary.log"
+    timeout 240 build-gpu/marrow bench --kernels attention > "$out/kernels.log" 2>&1 || fail "bench --kernels attention"
+    grep -E "^kernel|^attention|^hopper|^ring" "$out/kernels.log" | tee -a "$out/summary.log"
     for kernels in $([ "${HOPPER_BENCH:-1}" = 0 ] || echo ${HOPPER_SETS:-hopper_backward hopper cudnn}); do
       step "bench config, attention kernels $kernels: 3 warm-up + 27 measured steps"
       timeout 240 "${bench[@]}" --warmup=3 --steps=27 --train.attention_kernels=$kernels --output.dir=runs/bench-$kernels \

@@ -9,8 +9,8 @@
 //     instead of the own wgmma kernel (an A/B of the two in one binary).
 //   marrow bench --kernels [attention]
 //     times the heaviest kernels at the bench shapes (GPU.md) with CUDA events: attention forward
-//     and backward, the dense q_proj GEMM, the grouped expert GEMMs; `attention`: the attention
-//     rows alone, at 4,096 and 16,384.
+//     and backward, ring attention's full blocks, the dense q_proj GEMM, the grouped expert GEMMs;
+//     `attention`: the attention rows alone, at 4,096 and 16,384, and the ring's blocks.
 //   marrow bench --attention-plans [seq]
 //     every execution plan cuDNN offers for the bench's attention forward and deterministic
 //     backward (32 / 4 heads of 128, sequence 4096 by default): time, repeatability, and how its
@@ -229,6 +229,28 @@ void bench_attention_plans(int64_t S, int64_t Hq, int64_t Hkv, int64_t D) {
 }
 #endif
 
+// Ring attention's full blocks (parallel/ring_attention.h) at a member's local length L, two zigzag
+// chunks of L / 2: its queries [0, L) against an earlier member's keys [0, L / 2), on the own
+// mma.sync kernels and on the wgmma kernels; the backward adds into f32 sums as the ring's does.
+void bench_ring_blocks(int64_t L, int64_t Hq, int64_t Hkv, int64_t D) {
+  Buffer q = random_device({1, L, Hq, D}, 1, "q"), k = random_device({1, L, Hkv, D}, 1, "k"), v = random_device({1, L, Hkv, D}, 1, "v");
+  Buffer out(DType::bf16, Device::cuda, {1, L, Hq, D}), lse(DType::f32, Device::cuda, {1, Hq, L});
+  Buffer dout = random_device({1, L, Hq, D}, 2, "dout");
+  Buffer dq = Buffer::zeros(DType::f32, Device::cuda, {1, L, Hq, D}), dk = Buffer::zeros(DType::f32, Device::cuda, {1, L, Hkv, D}),
+         dv = Buffer::zeros(DType::f32, Device::cuda, {1, L, Hkv, D});
+  const AttentionBlock block{AttentionMask::full, 0, L, 0, L / 2};
+  const double fwd = 4.0 * double(L) * double(L / 2) * double(D) * double(Hq);  // no mask: all 4 Sq Sk D per head
+  const AttentionKernels before = attention_kernels();
+  for (const AttentionKernels kernels : {AttentionKernels::own, AttentionKernels::hopper_backward}) {
+    set_attention_kernels(kernels);
+    const std::string name = fmt::format("ring block q[0, {}) k[0, {}) Hq{} Hkv{} D{} full, {}", L, L / 2, Hq, Hkv, D,
+                                         attention_block_backward_fused(q, k, block) ? "wgmma" : "own");
+    kernel_row(name + " fwd", fwd, [&] { attention_block_forward(out, lse, q, k, v, block); });
+    kernel_row(name + " bwd", 2.5 * fwd, [&] { attention_block_backward(dq, dk, dv, dout, q, k, v, out, lse, block); });
+  }
+  set_attention_kernels(before);
+}
+
 void bench_kernels(bool attention_only) {
   // As in training: without it the pool hands freed memory back at every event sync, and each timed
   // call that allocates (the grouped GEMMs' small schedules, cuDNN's 1 GiB dP workspace) pays for mapping it again (~80 us).
@@ -237,6 +259,7 @@ void bench_kernels(bool attention_only) {
   const int64_t S = 4096, Hq = 32, Hkv = 4, D = 128, H = 2048, E = 128, K = 8, I = 768;
   for (const int64_t seq : {S, 4 * S, 8 * S})
     if (!attention_only || seq < 8 * S) bench_attention_kernels(seq, Hq, Hkv, D);
+  for (const int64_t local : {4 * S, 8 * S}) bench_ring_blocks(local, Hq, Hkv, D);  // sequences of 32,768 and 65,536 with CP = 2
   if (attention_only) return;
   {
     Buffer x = random_device({S, H}, 3, "x"), w = random_device({Hq * D, H}, 3, "w"), dy = random_device({S, Hq * D}, 3, "dy");

@@ -217,6 +217,7 @@ struct BlockCase {
   Shape n;  // n.s is Sq
   int64_t kv_seq;
   AttentionBlock block;
+  bool wgmma = false;  // must run on the wgmma kernels (a row says whether it does)
 };
 
 std::string block_label(const char* what, const BlockCase& c) {
@@ -247,6 +248,10 @@ void check_block(CheckReport& report, const BlockCase& c, uint64_t seed) {
   Buffer q = to_device(p.q, DType::bf16), k = to_device(p.k, DType::bf16), v = to_device(p.v, DType::bf16);
   Buffer dout = to_device(p.dout, DType::bf16);
   auto rows4 = [&](const Buffer& b, int64_t seq, int64_t heads) { return b.view().reshape({n.b, seq, heads, n.d}); };
+  if (c.wgmma) {
+    const bool on = attention_block_backward_fused(rows4(q, n.s, n.hq), rows4(k, c.kv_seq, n.hkv), c.block);
+    report.add({block_label("on the wgmma kernels", c), on ? 0.0 : 1.0, 0, on});
+  }
   Buffer out = Buffer::zeros(DType::bf16, Device::cuda, {n.b, n.s, n.hq, n.d});
   Buffer lse = Buffer::zeros(DType::f32, Device::cuda, {n.b, n.hq, n.s});
   attention_block_forward(out, lse, rows4(q, n.s, n.hq), rows4(k, c.kv_seq, n.hkv), rows4(v, c.kv_seq, n.hkv), c.block);
@@ -389,6 +394,18 @@ void check_attention_op(CheckReport& report) {
       {{1, 1, 8, 1, 128}, 1, {AttentionMask::full, 0, 1, 0, 1}},            // one query, one key
   };
   for (const BlockCase& c : blocks) check_block(report, c, seed += 8);
+  // Blocks on the wgmma kernels (ops/attention_hopper.h; any setting but own): the zigzag split's two
+  // full blocks at chunks of 128 and (two batch rows, group 8) 256, offsets with Sq != Sk (group 1),
+  // and a causal block at different offsets in q and k.
+  set_attention_kernels(AttentionKernels::hopper_backward);
+  const BlockCase wgmma_blocks[] = {
+      {{1, 256, 8, 2, 128}, 256, {AttentionMask::full, 0, 256, 0, 128}, true},
+      {{2, 512, 8, 1, 128}, 512, {AttentionMask::full, 256, 512, 0, 512}, true},
+      {{1, 388, 4, 4, 128}, 300, {AttentionMask::full, 4, 388, 44, 300}, true},
+      {{1, 300, 8, 2, 128}, 260, {AttentionMask::causal, 16, 144, 132, 260}, true},
+  };
+  for (const BlockCase& c : wgmma_blocks) check_block(report, c, seed += 8);
+  set_attention_kernels(before);
   check_merge(report);
   check_rejects_head_dim(report);
 }

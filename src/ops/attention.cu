@@ -925,6 +925,31 @@ const char* attention_kernels_name(AttentionKernels kernels) {
   }
 }
 
+namespace {
+
+bool& cpu_blocks_fused() {
+  static bool fused = false;
+  return fused;
+}
+
+// Blocks go to the wgmma kernels unless the setting is own, where those serve the block.
+bool block_on_hopper(const Tensor& q, const Tensor& k, const AttentionBlock& block) {
+#if MARROW_CUDA
+  return attention_kernels() != AttentionKernels::own && q.device == Device::cuda && hopper_attention_serves_block(q, k, block);
+#else
+  (void)q, (void)k, (void)block;
+  return false;
+#endif
+}
+
+}  // namespace
+
+void set_cpu_blocks_fused(bool fused) { cpu_blocks_fused() = fused; }
+
+bool attention_block_backward_fused(const Tensor& q, const Tensor& k, const AttentionBlock& block) {
+  return q.device == Device::cpu ? cpu_blocks_fused() : block_on_hopper(q, k, block);
+}
+
 void attention_block_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v, const AttentionBlock& block,
                              Stream stream) {
   const char* op = "attention_block_forward";
@@ -932,6 +957,9 @@ void attention_block_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor 
   expect_shape(op, "out", out, {n.batch, n.q_seq, n.q_heads, n.head_dim});
   expect_shape(op, "lse", lse, {n.batch, n.q_heads, n.q_seq});
   check_block(op, n, block);
+  if (block_on_hopper(q, k, block) &&
+      common_device(op, {{"q", &q}, {"k", &k}, {"v", &v}, {"out", &out}, {"lse", &lse}}) == Device::cuda)
+    return hopper_attention_block_forward(out, lse, q, k, v, block, stream);
   forward(op, out, lse, q, k, v, n, block, stream);
 }
 
@@ -955,6 +983,8 @@ void attention_block_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tens
   const char* op = "attention_block_backward";
   const auto [n, gpu] = check_backward(op, dq, dk, dv, dout, q, k, v, out, lse);
   check_block(op, n, block);
+  if (gpu && block_on_hopper(q, k, block))
+    return hopper_attention_block_backward(dq, dk, dv, dout, q, k, v, out, lse, block, grads, stream);
   backward(op, dq, dk, dv, dout, q, k, v, out, lse, n, block, true, grads, gpu, stream);
 }
 

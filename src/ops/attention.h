@@ -32,8 +32,9 @@ namespace marrow {
 // Which kernels run the causal op (attention_forward/backward) on the GPU: Marrow's own
 // (FlashAttention-2 style on mma.sync, below) or cuDNN's fused SDPA (ops/attention_cudnn.h: Hopper
 // wgmma kernels, deterministic backward), falling back to the own ones for sizes cuDNN does not
-// serve. Blocks always run the own kernels (ring attention runs a member's own block as the causal
-// op, so that one follows the setting). One setting per process; the CPU ignores it.
+// serve. Blocks run Marrow's wgmma kernels (ops/attention_hopper.h) where they serve the block's
+// sizes unless the setting is own, else the own mma.sync kernels (ring attention runs a member's own
+// block as the causal op, so that one follows the setting). One setting per process; the CPU ignores it.
 // cudnn_nondeterministic: cuDNN's default backward, which adds dQ with float atomics (no dP
 // workspace, any length, faster), so two runs differ in their last bits: the one exception to
 // DESIGN.md's determinism, never a default.
@@ -84,6 +85,14 @@ enum class AttentionGrads : uint8_t { all, kv, q };
 void attention_block_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out,
                               Tensor lse, const AttentionBlock& block, AttentionGrads grads = AttentionGrads::all,
                               Stream stream = {});
+
+// Whether attention_block_backward runs this block as one kernel for all three gradients (the
+// Hopper kernels of ops/attention_hopper.h), so that a kv half and a q half would each cost the
+// whole: ring attention then asks for all three at once. Test hook: set_cpu_blocks_fused(true)
+// makes blocks on the CPU answer yes, so that ring attention's order for such blocks runs under
+// mpirun without a GPU (the CPU computes the same sums either way).
+bool attention_block_backward_fused(const Tensor& q, const Tensor& k, const AttentionBlock& block);
+void set_cpu_blocks_fused(bool fused);
 
 // Rows [begin, end) of out[B, S, Hq, D], lse[B, Hq, S] become the merge with a partial result of
 // the same shapes: out = (e^lse out + e^part_lse part_out) / (e^lse + e^part_lse), lse = log(e^lse +

@@ -22,6 +22,11 @@
 // after their own start as it does after its own, and it waits only when they started less than
 // a dQ write earlier (kChunkHeads). A post-pass rounds the
 // accumulators to bf16 (dQ times scale) in the tensors' layouts.
+//
+// Blocks (ring attention): the same kernels on a query row range of q against a key row range of k,
+// v. A full block has no diagonal: every key block walks every query block (the first key block
+// still stores each dQ first, the others add in order), and the post-pass adds the accumulators into
+// f32 gradients at the ranges' rows instead of rounding them.
 #include "ops/attention_hopper.h"
 
 #include <algorithm>
@@ -112,20 +117,28 @@ constexpr int kSmemBytes = kBarriers + 64 + 1024;
 // one consumer at the end.
 constexpr int kDsFull = 1, kDsFree = 2, kDqFull = 3, kDqEmpty = 7, kBothDone = 11, kOneDone = 12;
 
+// Sizes below are the block's (the causal op: all rows). Rq = 64 query_blocks, Rk = 128 key_blocks.
 struct Args {
-  const float* lse;    // [B, Hq, S], natural log
-  const float* delta;  // [B, Hq, S]: dO . O
-  float* dq_accum;     // [B * Hq, S / 64, 2 halves, 64, 64], pairs of columns permuted (pair_slot)
-  float* dk_accum;     // [B * Hkv, S, 128], pairs permuted (kv_slot)
+  const float* lse;    // [B, Hq, q_seq], natural log; the block's rows start at q_first
+  const float* delta;  // [B, Hq, Rq]: dO . O of the block's rows
+  float* dq_accum;     // [B * Hq, query_blocks, 2 halves, 64, 64], pairs of columns permuted (pair_slot)
+  float* dk_accum;     // [B * Hkv, Rk, 128], pairs permuted (kv_slot)
   float* dv_accum;
-  int32_t* dq_semaphores;  // [B * Hq, S / 64]
-  int32_t* kv_semaphores;  // [B * Hkv, S / 128]
+  int32_t* dq_semaphores;  // [B * Hq, query_blocks]
+  int32_t* kv_semaphores;  // [B * Hkv, key_blocks]
   int32_t* item_counter;
   int64_t* timeline;  // bench hook (hopper_backward_timeline): kTimelineFields per item, or null
-  int seq, q_heads, kv_heads, heads, key_blocks, query_blocks, chunk_heads;
+  int q_seq, k_seq, q_first, k_first;  // rows per batch row of q (dout, out, lse) and of k, v; the block's first rows
+  int q_heads, kv_heads, heads, key_blocks, query_blocks, chunk_heads;
   float scale, scale_log2;
+  bool full;       // no diagonal: every key block sees every query block
   bool unordered;  // set_hopper_backward_unordered: dq_accum starts zeroed, every share is added at once
 };
+
+// The query blocks key block kb walks, from the last: all of them in a full block, else down to the diagonal.
+__host__ __device__ inline int walk_length(const Args& a, int key_block) {
+  return a.full ? a.query_blocks : a.query_blocks - 2 * key_block;
+}
 
 // The timeline's fields per item (globaltimer ns but head, key block and SM).
 enum TimelineField { kStart, kWalkEnd, kKvWait, kEnd, kDqWait, kDqEnd, kHead, kKeyBlock, kSm, kTimelineFields };
@@ -219,18 +232,19 @@ __device__ void load_tiles(const CUtensorMap* q_map, const CUtensorMap* k_map, c
   const uint32_t kv_full = base + kBarriers, full = kv_full + 8, empty = full + 16;
   barrier_expect_bytes(kv_full, 4 * 16384);
   for (int j = 0; j < 2; ++j) {
-    tma_load_2d(base + kTileK + j * 16384, k_map, kv_full, kvh * kDim + 64 * j, b * a.seq + kKeys * item.key_block);
-    tma_load_2d(base + kTileV + j * 16384, v_map, kv_full, kvh * kDim + 64 * j, b * a.seq + kKeys * item.key_block);
+    tma_load_2d(base + kTileK + j * 16384, k_map, kv_full, kvh * kDim + 64 * j, b * a.k_seq + a.k_first + kKeys * item.key_block);
+    tma_load_2d(base + kTileV + j * 16384, v_map, kv_full, kvh * kDim + 64 * j, b * a.k_seq + a.k_first + kKeys * item.key_block);
   }
-  const float* lse = a.lse + int64_t(item.head) * a.seq;
-  const float* delta = a.delta + int64_t(item.head) * a.seq;
-  for (int m = a.query_blocks - 1, it = 0; m >= 2 * item.key_block; --m, ++it) {
+  const float* lse = a.lse + int64_t(item.head) * a.q_seq + a.q_first;
+  const float* delta = a.delta + int64_t(item.head) * (kQueries * a.query_blocks);
+  const int count = walk_length(a, item.key_block), q_row = b * a.q_seq + a.q_first;
+  for (int m = a.query_blocks - 1, it = 0; it < count; --m, ++it) {
     const int s = it & 1;
     barrier_wait(empty + 8 * s, ((it >> 1) & 1) ^ 1);
     barrier_expect_bytes(full + 8 * s, 2 * kStageBytes + 2 * 256);
     for (int j = 0; j < 2; ++j) {
-      tma_load_2d(base + kTileQ + s * kStageBytes + j * 8192, q_map, full + 8 * s, h * kDim + 64 * j, b * a.seq + kQueries * m);
-      tma_load_2d(base + kTileDO + s * kStageBytes + j * 8192, do_map, full + 8 * s, h * kDim + 64 * j, b * a.seq + kQueries * m);
+      tma_load_2d(base + kTileQ + s * kStageBytes + j * 8192, q_map, full + 8 * s, h * kDim + 64 * j, q_row + kQueries * m);
+      tma_load_2d(base + kTileDO + s * kStageBytes + j * 8192, do_map, full + 8 * s, h * kDim + 64 * j, q_row + kQueries * m);
     }
     bulk_load(base + kRowStats + s * 256, lse + kQueries * m, 256, full + 8 * s);
     bulk_load(base + kRowStats + 512 + s * 256, delta + kQueries * m, 256, full + 8 * s);
@@ -242,7 +256,7 @@ __device__ void load_tiles(const CUtensorMap* q_map, const CUtensorMap* k_map, c
 // write completed. Query block i of the walk is staged in buffer i % 2.
 __device__ void write_dq(const Args& a, Item item, int t, uint32_t base) {
   const bool leader = threadIdx.x % 32 == 0;
-  const int count = a.query_blocks - 2 * item.key_block;
+  const int count = walk_length(a, item.key_block);
   int64_t waited = 0;
   for (int b = 0; b < 2 && b < count; ++b)
     for (int w = 0; w < 2; ++w) named_arrive(kDqEmpty + 2 * b + w, 160);
@@ -294,7 +308,7 @@ __device__ void write_dkdv(const Args& a, Item item, int t, uint32_t base, unsig
   const int b = item.head / a.q_heads, h = item.head % a.q_heads, group = a.q_heads / a.kv_heads;
   const int64_t kv_head = int64_t(b) * a.kv_heads + h / group;
   int32_t* semaphore = a.kv_semaphores + kv_head * a.key_blocks + item.key_block;
-  const int64_t row = kv_head * a.seq + kKeys * item.key_block + 64 * w;
+  const int64_t row = (kv_head * a.key_blocks + item.key_block) * kKeys + 64 * w;
   const bool leader = threadIdx.x % 128 == 0, first = h % group == 0;
   float* dv_stage = reinterpret_cast<float*>(smem + kTileQ + w * 2 * kStageBytes);
   float* dk_stage = reinterpret_cast<float*>(smem + kTileK + w * 32768);
@@ -317,7 +331,8 @@ __device__ void write_dkdv(const Args& a, Item item, int t, uint32_t base, unsig
 }
 
 // P^T and dS^T of one consumer's 64 keys x 64 queries from S^T (in s) and dP^T (in dp), as bf16 A
-// fragments (p_frag, ds_frag: four words per 16 queries).
+// fragments (p_frag, ds_frag: four words per 16 queries); kFull: no key is masked.
+template <bool kFull>
 __device__ __forceinline__ void probabilities(uint32_t (&p_frag)[16], uint32_t (&ds_frag)[16], const float (&s)[32], const float (&dp)[32],
                                               const float* lse, const float* delta, int key, int query, float scale_log2) {
   const int lane = threadIdx.x % 32;
@@ -329,7 +344,7 @@ __device__ __forceinline__ void probabilities(uint32_t (&p_frag)[16], uint32_t (
 #pragma unroll
     for (int i = 0; i < 4; ++i) {  // i = 2 h + e: key + 8 h, query + c + e
       const int e = i & 1, h = i >> 1;
-      const bool seen = query + c + e >= key + 8 * h;
+      const bool seen = kFull || query + c + e >= key + 8 * h;
       p[i] = seen ? fast_exp2(fmaf(s[4 * j + i], scale_log2, -(e ? l.y : l.x) * kLog2e)) : 0.0f;
       ds[i] = p[i] * (dp[4 * j + i] - (e ? dl.y : dl.x));
     }
@@ -372,7 +387,7 @@ __device__ __forceinline__ void issue_dpt(float (&dpt)[32], uint32_t base, uint3
 // writer. With kNext, S^T of the next query block is issued into st once dV and dK are done (their
 // fragments free, this stage released), so that it runs under this block's dQ staging and the
 // waits around it; the last step has none (no wgmma on a conditional path: ptxas would serialise).
-template <bool kNext>
+template <bool kNext, bool kFull>
 __device__ __forceinline__ void backward_step(const Args& a, uint32_t base, unsigned char* smem, int w, int it, int m, int key,
                                               float (&st)[32], float (&dk)[64], float (&dv)[64]) {
   const uint32_t full = base + kBarriers + 8, empty = full + 16;
@@ -387,7 +402,7 @@ __device__ __forceinline__ void backward_step(const Args& a, uint32_t base, unsi
   fence_registers(dpt);
   uint32_t p_frag[16], ds_frag[16];
   const float* stats = reinterpret_cast<const float*>(smem + kRowStats);
-  probabilities(p_frag, ds_frag, st, dpt, stats + 64 * s, stats + 128 + 64 * s, key, kQueries * m, a.scale_log2);
+  probabilities<kFull>(p_frag, ds_frag, st, dpt, stats + 64 * s, stats + 128 + 64 * s, key, kQueries * m, a.scale_log2);
   mma_fence();
 #pragma unroll
   for (int ks = 0; ks < 4; ++ks) {  // N-major B: 16 queries = 16 rows of 128 bytes; boxes 8 KiB apart
@@ -435,11 +450,12 @@ __device__ __forceinline__ void backward_step(const Args& a, uint32_t base, unsi
 }
 
 // Consumer warpgroup w: keys key_block * 128 + 64 w .. + 63, over the query blocks from the last
-// down to the diagonal (at least two: key blocks are 128, query blocks 64).
+// down to the diagonal or to 0 (at least two: key blocks are 128, query blocks 64).
+template <bool kFull>
 __device__ void consume(const Args& a, Item item, int t, uint32_t base, unsigned char* smem, int w) {
   const uint32_t kv_full = base + kBarriers, full = kv_full + 8;
   const int key = kKeys * item.key_block + 64 * w + 16 * (threadIdx.x / 32 % 4) + threadIdx.x % 32 / 4;
-  const int count = a.query_blocks - 2 * item.key_block;
+  const int count = walk_length(a, item.key_block);
   float dk[64], dv[64], st[32];
 #pragma unroll
   for (int i = 0; i < 64; ++i) dk[i] = dv[i] = 0.0f;
@@ -448,11 +464,12 @@ __device__ void consume(const Args& a, Item item, int t, uint32_t base, unsigned
   mma_fence();
   issue_st(st, base, base + kTileQ, w);
   mma_commit();
-  for (int it = 0; it + 1 < count; ++it) backward_step<true>(a, base, smem, w, it, a.query_blocks - 1 - it, key, st, dk, dv);
-  backward_step<false>(a, base, smem, w, count - 1, 2 * item.key_block, key, st, dk, dv);
+  for (int it = 0; it + 1 < count; ++it) backward_step<true, kFull>(a, base, smem, w, it, a.query_blocks - 1 - it, key, st, dk, dv);
+  backward_step<false, kFull>(a, base, smem, w, count - 1, a.query_blocks - count, key, st, dk, dv);
   write_dkdv(a, item, t, base, smem, w, dk, dv);
 }
 
+template <bool kFull>
 __global__ void __launch_bounds__(kThreads, 1)
     backward_kernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
                     const __grid_constant__ CUtensorMap v_map, const __grid_constant__ CUtensorMap do_map, const Args a) {
@@ -485,13 +502,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     return;
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
-  consume(a, item, t, base, smem, warpgroup - 1);
+  consume<kFull>(a, item, t, base, smem, warpgroup - 1);
 }
 
 // ---- the forward --------------------------------------------------------------------------------
 // An item is (query block of 128 rows, head): blockIdx order, the longest walks (last query blocks)
 // first; no item depends on another. The block keeps Q in shared memory and walks the key blocks
-// from the diagonal (masked) down to 0, K and V in rings of three tiles each (producer thread, TMA).
+// from the diagonal (masked) down to 0 (a full block: from its last key block, none masked), K and V in rings of three tiles each (producer thread, TMA).
 // Each consumer warpgroup (64 rows) computes S = Q K^T (wgmma, 64 x 128), the online softmax in the
 // log2 domain in registers, and O += P V (P as the A operand from registers). The two consumers take
 // the tensor cores in turns (named barriers kTurn + w), so that one's softmax runs under the other's
@@ -513,8 +530,10 @@ constexpr int kTurn = 1, kFwdRowsDone = 3;  // named barriers: consumer w's turn
 constexpr float kLn2 = 0.6931471805599453f;
 
 struct ForwardArgs {
-  float* lse;  // [B, Hq, S]
-  int seq, q_heads, kv_heads, heads, blocks;
+  float* lse;                          // [B, Hq, q_seq]
+  int q_seq, k_seq, q_first, k_first;  // as Args'
+  int q_heads, kv_heads, heads, blocks, key_blocks;  // blocks: of 128 query rows
+  bool full;
   float scale_log2;
   // Always 0, but unknown to the compiler: a step's copy of P's fragments (forward_step) keeps the old
   // ones under it, which keeps their registers allocated until then. Without a later use ptxas would
@@ -587,7 +606,7 @@ __device__ __forceinline__ void pack(uint32_t (&p_frag)[32], const float (&s)[64
 __device__ void store_forward(const CUtensorMap* out_map, const ForwardArgs& a, uint32_t base, unsigned char* smem, int w, int head,
                               int query_block, float (&o)[64], float (&m)[2], float (&l)[2]) {
   const int lane = threadIdx.x % 32, local = 16 * (threadIdx.x / 32 % 4) + lane / 4;
-  const int b = head / a.q_heads, h = head % a.q_heads, row0 = kKeys * query_block + 64 * w + local;
+  const int b = head / a.q_heads, h = head % a.q_heads, row0 = a.q_first + kKeys * query_block + 64 * w + local;
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     l[i] += __shfl_xor_sync(~0u, l[i], 1);
@@ -598,13 +617,13 @@ __device__ void store_forward(const CUtensorMap* out_map, const ForwardArgs& a, 
     for (int j = 0; j < 16; ++j)
       *reinterpret_cast<uint32_t*>(smem + kFwdTileQ + (j / 8) * 16384 + row * 128 + (((j % 8) ^ (row & 7)) << 4) + 4 * (lane % 4)) =
           pack_bf16(o[4 * j + 2 * i] * inverse, o[4 * j + 2 * i + 1] * inverse);
-    if (lane % 4 == 0) a.lse[int64_t(head) * a.seq + row0 + 8 * i] = (m[i] + log2f(l[i])) * kLn2;
+    if (lane % 4 == 0) a.lse[int64_t(head) * a.q_seq + row0 + 8 * i] = (m[i] + log2f(l[i])) * kLn2;
   }
   fence_async_shared();
   named_sync(kFwdRowsDone + w, 128);
   if (threadIdx.x % 128 == 0) {
     for (int j = 0; j < 2; ++j)
-      tma_store_2d(out_map, base + kFwdTileQ + j * 16384 + w * 8192, h * kDim + 64 * j, b * a.seq + kKeys * query_block + 64 * w);
+      tma_store_2d(out_map, base + kFwdTileQ + j * 16384 + w * 8192, h * kDim + 64 * j, b * a.q_seq + row0 - local);
     bulk_wait_read();
   }
 }
@@ -640,12 +659,12 @@ __device__ __forceinline__ void take_last_softmax(ForwardRows& r, uint32_t zero)
   for (int i = 0; i < 32; ++i) r.prev[i] = r.next[i] | (r.prev[i] & zero);
 }
 
-// Walk step it >= 1 of consumer w: S of key block query_block - it, and O += P V of the block before,
+// Walk step it >= 1 of consumer w: S of the walk's key block it, and O += P V of the block before,
 // then the softmax of S. Its turn on the tensor cores issues S and then O += P V as two commit
 // groups; the softmax starts once S is done while O += P V still runs, and the wait for it at the
 // next step finds it long done. The mbarrier waits' loops start each step: ptxas does not move the
 // wait above them into the softmax before, as it does within one block of code.
-__device__ __forceinline__ void forward_step(ForwardRows& r, const ForwardArgs& a, uint32_t base, int w, int it, int query_block) {
+__device__ __forceinline__ void forward_step(ForwardRows& r, const ForwardArgs& a, uint32_t base, int w, int it) {
   const uint32_t bars = base + kFwdBarriers;
   const int k_slot = it % kFwdRing, v_slot = (it - 1) % kFwdRing, lane = threadIdx.x % 32;
   barrier_wait(bars + kFwdFullK + 8 * k_slot, (it / kFwdRing) & 1);
@@ -668,12 +687,12 @@ __device__ __forceinline__ void forward_step(ForwardRows& r, const ForwardArgs& 
   mma_wait<1>();  // S
   fence_registers(sc);
   if (lane == 0) barrier_arrive(bars + kFwdEmptyK + 8 * k_slot);
-  softmax_scores(sc, r.m, r.l, r.correction, false, kKeys * (query_block - it), r.row0, a.scale_log2);
+  softmax_scores(sc, r.m, r.l, r.correction, false, 0, r.row0, a.scale_log2);
   pack(r.next, sc);
 }
 
-// Consumer warpgroup w: rows query_block * 128 + 64 w .. + 63: the diagonal block's S and softmax,
-// the steps, the last O += P V. The turns alternate through the named barriers kTurn + w (consumer
+// Consumer warpgroup w: rows query_block * 128 + 64 w .. + 63: the first key block's S and softmax
+// (the diagonal, masked, unless the block is full), the steps, the last O += P V. The turns alternate through the named barriers kTurn + w (consumer
 // 1's arrive opens the first); each consumer takes iterations + 1 turns, and consumer 1 does not open
 // a turn after its last.
 __device__ void consume_forward(const CUtensorMap* out_map, const ForwardArgs& a, uint32_t base, unsigned char* smem, int w, int head,
@@ -699,11 +718,11 @@ __device__ void consume_forward(const CUtensorMap* out_map, const ForwardArgs& a
     mma_wait<0>();
     fence_registers(sc);
     if (threadIdx.x % 32 == 0) barrier_arrive(bars + kFwdEmptyK);
-    softmax_scores(sc, r.m, r.l, r.correction, true, kKeys * query_block, r.row0, a.scale_log2);
+    softmax_scores(sc, r.m, r.l, r.correction, !a.full, kKeys * query_block, r.row0, a.scale_log2);
     pack(r.next, sc);
   }
-  const int iterations = query_block + 1;
-  for (int it = 1; it < iterations; ++it) forward_step(r, a, base, w, it, query_block);
+  const int iterations = a.full ? a.key_blocks : query_block + 1;
+  for (int it = 1; it < iterations; ++it) forward_step(r, a, base, w, it);
   barrier_wait(bars + kFwdFullV + 8 * ((iterations - 1) % kFwdRing), ((iterations - 1) / kFwdRing) & 1);
   mma_wait<0>();
   fence_registers(r.o);
@@ -740,9 +759,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int b = head / a.q_heads, h = head % a.q_heads, kvh = h / (a.q_heads / a.kv_heads);
     const uint32_t bars = base + kFwdBarriers;
     barrier_expect_bytes(bars, 32768);
-    for (int j = 0; j < 2; ++j) tma_load_2d(base + kFwdTileQ + j * 16384, &q_map, bars, h * kDim + 64 * j, b * a.seq + kKeys * query_block);
-    for (int it = 0; it <= query_block; ++it) {
-      const int s = it % kFwdRing, parity = ((it / kFwdRing) & 1) ^ 1, row = b * a.seq + kKeys * (query_block - it);
+    for (int j = 0; j < 2; ++j)
+      tma_load_2d(base + kFwdTileQ + j * 16384, &q_map, bars, h * kDim + 64 * j, b * a.q_seq + a.q_first + kKeys * query_block);
+    const int first_key_block = a.full ? a.key_blocks - 1 : query_block;
+    for (int it = 0; it <= first_key_block; ++it) {
+      const int s = it % kFwdRing, parity = ((it / kFwdRing) & 1) ^ 1,
+                row = b * a.k_seq + a.k_first + kKeys * (first_key_block - it);
       const CUtensorMap* maps[2] = {&k_map, &v_map};
       const int full[2] = {kFwdFullK, kFwdFullV}, empty[2] = {kFwdEmptyK, kFwdEmptyV}, tiles[2] = {kFwdTilesK, kFwdTilesV};
       for (int t = 0; t < 2; ++t) {  // K, then V
@@ -760,12 +782,17 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 // delta[head, s] = dO . O over the row's 128 dimensions, one warp a row (fixed shuffle tree), each
 // warp kDeltaRows rows with all their loads issued first. Row indices are 32-bit (run_backward checks
-// rows < 2^31): three 64-bit divisions a row cost more issue slots than the loads.
+// rows < 2^31): three 64-bit divisions a row cost more issue slots than the loads. kBlock: the rows
+// are a block's (rows of [B, block_seq, Hq] at q_first of dout's and out's q_seq), which costs the
+// index divisions before the loads; the causal op's rows are the tensors' own.
 // The kernel also zeroes the backward's `sync` ints (semaphores and item counter), which saves the
 // memset and its two kernel boundaries.
 constexpr int kDeltaRows = 4;
-__global__ void delta_kernel(float* delta, int32_t* sync, int sync_count, const bf16* dout, const bf16* out, int rows, int seq,
-                             int q_heads) {
+struct DeltaRows {
+  int rows, block_seq, q_heads, q_seq, q_first;
+};
+template <bool kBlock>
+__global__ void delta_kernel(float* delta, int32_t* sync, int sync_count, const bf16* dout, const bf16* out, DeltaRows n) {
   begin_after_previous_grid();
   const int thread = int(int64_t(blockIdx.x) * blockDim.x + threadIdx.x);
   if (thread < sync_count) sync[thread] = 0;
@@ -774,7 +801,11 @@ __global__ void delta_kernel(float* delta, int32_t* sync, int sync_count, const 
   uint2 x[kDeltaRows], y[kDeltaRows];
 #pragma unroll
   for (int i = 0; i < kDeltaRows; ++i) {
-    const int r = first + i < rows ? first + i : rows - 1;  // past the end: the last row again, not stored
+    int r = first + i < n.rows ? first + i : n.rows - 1;  // past the end: the last row again, not stored
+    if constexpr (kBlock) {
+      const int bs = r / n.q_heads, h = r - bs * n.q_heads, b = bs / n.block_seq, s = bs - b * n.block_seq;
+      r = (b * n.q_seq + n.q_first + s) * n.q_heads + h;
+    }
     x[i] = *reinterpret_cast<const uint2*>(dout + int64_t(r) * kDim + 4 * lane);
     y[i] = *reinterpret_cast<const uint2*>(out + int64_t(r) * kDim + 4 * lane);
   }
@@ -786,44 +817,59 @@ __global__ void delta_kernel(float* delta, int32_t* sync, int sync_count, const 
     const float2 y0 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&y[i].x)),
                  y1 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&y[i].y));
     const float sum = warp_sum(x0.x * y0.x + x0.y * y0.y + x1.x * y1.x + x1.y * y1.y);
-    const int bs = r / q_heads, h = r - bs * q_heads, b = bs / seq, s = bs - b * seq;
-    if (lane == 0 && r < rows) delta[(int64_t(b) * q_heads + h) * seq + s] = sum;
+    const int bs = r / n.q_heads, h = r - bs * n.q_heads, b = bs / n.block_seq, s = bs - b * n.block_seq;
+    if (lane == 0 && r < n.rows) delta[(int64_t(b) * n.q_heads + h) * n.block_seq + s] = sum;
   }
 }
 
-// Eight f32 (32 bytes) to bf16 (16 bytes), times factor.
-__device__ __forceinline__ uint4 eight_to_bf16(const float* from, float factor) {
+// Eight f32 (32 bytes) to bf16 (16 bytes), times factor, as quad `quad` of dst (kAdd false); or
+// added, times factor, into eight f32 of dst (kAdd).
+template <bool kAdd>
+__device__ __forceinline__ void put_eight(void* dst, int64_t quad, const float* from, float factor) {
   const float4 lo = reinterpret_cast<const float4*>(from)[0], hi = reinterpret_cast<const float4*>(from)[1];
-  const auto word = [factor](float x, float y) {
-    const __nv_bfloat162 h = __floats2bfloat162_rn(factor * x, factor * y);
-    return *reinterpret_cast<const uint32_t*>(&h);
-  };
-  return make_uint4(word(lo.x, lo.y), word(lo.z, lo.w), word(hi.x, hi.y), word(hi.z, hi.w));
+  if constexpr (kAdd) {
+    float4* to = reinterpret_cast<float4*>(dst) + 2 * quad;
+    float4 a = to[0], b = to[1];
+    a.x += factor * lo.x, a.y += factor * lo.y, a.z += factor * lo.z, a.w += factor * lo.w;
+    b.x += factor * hi.x, b.y += factor * hi.y, b.z += factor * hi.z, b.w += factor * hi.w;
+    to[0] = a, to[1] = b;
+  } else {
+    const auto word = [factor](float x, float y) {
+      const __nv_bfloat162 h = __floats2bfloat162_rn(factor * x, factor * y);
+      return *reinterpret_cast<const uint32_t*>(&h);
+    };
+    reinterpret_cast<uint4*>(dst)[quad] = make_uint4(word(lo.x, lo.y), word(lo.z, lo.w), word(hi.x, hi.y), word(hi.z, hi.w));
+  }
 }
 
-// The accumulators to bf16 in the tensors' layouts: one thread four pairs of columns (pair_slot keeps
-// each aligned group of four pairs together: 32 bytes read, 16 written); dq's first, then dk's and dv's.
-__global__ void finish_kernel(bf16* dq, bf16* dk, bf16* dv, Args a, int64_t dq_quads, int64_t kv_quads) {
+// The accumulators into the gradients in the tensors' layouts: rounded to bf16 (the causal op) or
+// added into f32 at the block's rows (kAdd). One thread four pairs of columns (pair_slot keeps each
+// aligned group of four pairs together: 32 bytes read, 16 written); dq's first (dq_quads of them,
+// 0 when dq is not asked for), then dk's and dv's (kv_quads each).
+template <bool kAdd>
+__global__ void finish_kernel(void* dq, void* dk, void* dv, Args a, int64_t dq_quads, int64_t kv_quads) {
   begin_after_previous_grid();
   const int64_t p = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (p < dq_quads) {  // p indexes [B, S, Hq, 16 quads]
+  if (p < dq_quads) {  // p indexes [B, Rq, Hq, 16 quads]
+    const int64_t rows = int64_t(kQueries) * a.query_blocks;
     const int pair = int(p % 16) * 4, h = int(p / 16 % a.q_heads);
-    const int64_t bs = p / 16 / a.q_heads, b = bs / a.seq;
-    const int s = int(bs % a.seq), row = s % kQueries, half = pair / 32;
+    const int64_t bs = p / 16 / a.q_heads, b = bs / rows;
+    const int s = int(bs % rows), row = s % kQueries, half = pair / 32;
     const int64_t head = b * a.q_heads + h;
     const float* from = a.dq_accum + ((head * a.query_blocks + s / kQueries) * 2 + half) * 4096 + row * 64 + 2 * pair_slot(pair % 32, row);
-    reinterpret_cast<uint4*>(dq)[p] = eight_to_bf16(from, a.scale);
+    put_eight<kAdd>(dq, ((b * a.q_seq + a.q_first + s) * a.q_heads + h) * 16 + p % 16, from, a.scale);
     return;
   }
   const int64_t k = p - dq_quads;
   if (k >= 2 * kv_quads) return;
   const bool is_v = k >= kv_quads;
-  const int64_t q = is_v ? k - kv_quads : k;  // [B, S, Hkv, 16 quads]
+  const int64_t q = is_v ? k - kv_quads : k;  // [B, Rk, Hkv, 16 quads]
+  const int64_t rows = int64_t(kKeys) * a.key_blocks;
   const int pair = int(q % 16) * 4, kvh = int(q / 16 % a.kv_heads);
-  const int64_t bs = q / 16 / a.kv_heads, b = bs / a.seq;
-  const int s = int(bs % a.seq);
-  const float* accum = is_v ? a.dv_accum : a.dk_accum;
-  reinterpret_cast<uint4*>(is_v ? dv : dk)[q] = eight_to_bf16(accum + ((b * a.kv_heads + kvh) * a.seq + s) * kDim + 2 * pair_slot(pair, s % 64), 1.0f);
+  const int64_t bs = q / 16 / a.kv_heads, b = bs / rows;
+  const int s = int(bs % rows);
+  const float* from = (is_v ? a.dv_accum : a.dk_accum) + ((b * a.kv_heads + kvh) * rows + s) * kDim + 2 * pair_slot(pair, s % 64);
+  put_eight<kAdd>(is_v ? dv : dk, ((b * a.k_seq + a.k_first + s) * a.kv_heads + kvh) * 16 + q % 16, from, 1.0f);
 }
 
 CUtensorMap rows_map(const Tensor& t, int64_t heads, int box_rows) {
@@ -836,16 +882,37 @@ CUtensorMap rows_map(const Tensor& t, int64_t heads, int box_rows) {
 
 namespace {
 
-// The sizes the kernels serve and TMA's 16-byte alignment, else a one-sentence error.
-void check_served(const char* op, const Tensor& q, const Tensor& k, std::initializer_list<const Tensor*> tensors) {
-  MARROW_CHECK(hopper_attention_supports(q.size(1), q.size(2), k.size(2), q.size(3)), "{}: sizes S {} H {}/{} D {} not served", op,
-               q.size(1), q.size(2), k.size(2), q.size(3));
+// The rows a call covers: q's and k's rows per batch row, and the ranges of them that meet. The
+// causal op is the causal block over all rows.
+struct Geometry {
+  int64_t batch, q_seq, k_seq, q_heads, kv_heads;
+  int64_t q_first, q_rows, k_first, k_rows;
+  bool full;
+};
+
+Geometry op_geometry(const Tensor& q, const Tensor& k) {
+  return {q.size(0), q.size(1), k.size(1), q.size(2), k.size(2), 0, q.size(1), 0, k.size(1), false};
+}
+
+Geometry block_geometry(const Tensor& q, const Tensor& k, const AttentionBlock& block) {
+  return {q.size(0),     q.size(1),     k.size(1),    q.size(2), k.size(2), block.q_begin, block.q_end - block.q_begin,
+          block.k_begin, block.k_end - block.k_begin, block.mask == AttentionMask::full};
+}
+
+// The sizes the kernels serve (the caller's test), 32-bit row indices and TMA's 16-byte alignment,
+// else a one-sentence error.
+void check_served(const char* op, bool served, const Geometry& g, std::initializer_list<const Tensor*> tensors) {
+  MARROW_CHECK(served, "{}: sizes Sq {} Sk {} rows [{}, +{}) / [{}, +{}) H {}/{} not served", op, g.q_seq, g.k_seq, g.q_first,
+               g.q_rows, g.k_first, g.k_rows, g.q_heads, g.kv_heads);
+  const int64_t rows = g.batch * std::max(g.q_seq, g.k_seq) * g.q_heads;
+  MARROW_CHECK(rows < (int64_t(1) << 31), "{}: {} rows of B x S x Hq exceed the kernels' 32-bit row index", op, rows);
   for (const Tensor* t : tensors)
     MARROW_CHECK(reinterpret_cast<uintptr_t>(t->data) % 16 == 0, "{}: tensors must be 16-byte aligned (TMA)", op);
 }
 
-// A kernel's dynamic shared memory past the default 48 KiB, set once.
-template <typename Kernel> void allow_shared_memory(Kernel kernel, int bytes) {
+// A kernel's dynamic shared memory past the default 48 KiB, set once (a template per kernel: two
+// instances of one kernel template share a type, so the kernel itself is the parameter).
+template <auto kernel> void allow_shared_memory(int bytes) {
   static const bool done = [&] {
     MARROW_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
     return true;
@@ -853,85 +920,144 @@ template <typename Kernel> void allow_shared_memory(Kernel kernel, int bytes) {
   (void)done;
 }
 
-void run_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, int64_t* timeline,
-                  Stream stream) {
-  check_served("hopper_attention_backward", q, k, {&dq, &dk, &dv, &dout, &q, &k, &v, &out, &lse});
-  const int64_t batch = q.size(0), seq = q.size(1), q_heads = q.size(2), kv_heads = k.size(2);
-  auto s = static_cast<cudaStream_t>(stream.handle);
-  const int key_blocks = int(seq / kKeys), query_blocks = int(seq / kQueries), heads = int(batch * q_heads);
-  Buffer delta(DType::f32, Device::cuda, {batch * q_heads * seq}, stream);
-  Buffer dq_accum(DType::f32, Device::cuda, {batch * q_heads * seq * kDim}, stream);
-  Buffer dk_accum(DType::f32, Device::cuda, {batch * kv_heads * seq * kDim}, stream);
-  Buffer dv_accum(DType::f32, Device::cuda, {batch * kv_heads * seq * kDim}, stream);
-  const int64_t semaphores = int64_t(heads) * query_blocks + batch * kv_heads * key_blocks + 1;
-  Buffer sync(DType::i32, Device::cuda, {semaphores}, stream);
+// How the backward hands over its gradients: rounded to bf16 over all rows (the causal op), or
+// added into f32 at a block's rows, only those `grads` names.
+struct BackwardOutput {
+  bool add = false;
+  AttentionGrads grads = AttentionGrads::all;
+};
 
-  const int64_t rows = batch * seq * q_heads;
-  MARROW_CHECK(rows < (int64_t(1) << 31), "hopper_attention_backward: {} rows of B x S x Hq exceed the kernels' 32-bit row index", rows);
-  // Enough threads for the rows (a warp per kDeltaRows) and for zeroing `sync`.
-  const int64_t delta_threads = std::max((rows + kDeltaRows - 1) / kDeltaRows * 32, semaphores);
-  launch_dependent(delta_kernel, unsigned((delta_threads + 255) / 256), 256, 0, s, delta.ptr<float>(), sync.ptr<int32_t>(), int(semaphores),
-                   static_cast<const bf16*>(dout.data), static_cast<const bf16*>(out.data), int(rows), int(seq), int(q_heads));
-  MARROW_CUDA_CHECK_LAUNCH();
-
+// Items, delta, the f32 accumulators and the semaphores of one backward; the Args they fill.
+Args backward_args(const Geometry& g, Buffer& delta, Buffer& dq_accum, Buffer& dk_accum, Buffer& dv_accum, Buffer& sync, int64_t* timeline,
+                   Stream stream) {
+  const int key_blocks = int(g.k_rows / kKeys), query_blocks = int(g.q_rows / kQueries), heads = int(g.batch * g.q_heads);
+  delta = Buffer(DType::f32, Device::cuda, {g.batch * g.q_heads * g.q_rows}, stream);
+  dq_accum = Buffer(DType::f32, Device::cuda, {g.batch * g.q_heads * g.q_rows * kDim}, stream);
+  dk_accum = Buffer(DType::f32, Device::cuda, {g.batch * g.kv_heads * g.k_rows * kDim}, stream);
+  dv_accum = Buffer(DType::f32, Device::cuda, {g.batch * g.kv_heads * g.k_rows * kDim}, stream);
+  sync = Buffer(DType::i32, Device::cuda, {int64_t(heads) * query_blocks + g.batch * g.kv_heads * key_blocks + 1}, stream);
   Args a{};
-  a.lse = lse.ptr<float>();
+  a.lse = nullptr;
   a.delta = delta.ptr<float>();
   a.dq_accum = dq_accum.ptr<float>();
   a.dk_accum = dk_accum.ptr<float>();
   a.dv_accum = dv_accum.ptr<float>();
   a.dq_semaphores = sync.ptr<int32_t>();
   a.kv_semaphores = a.dq_semaphores + int64_t(heads) * query_blocks;
-  a.item_counter = a.kv_semaphores + batch * kv_heads * key_blocks;
+  a.item_counter = a.kv_semaphores + g.batch * g.kv_heads * key_blocks;
   a.timeline = timeline;
-  a.seq = int(seq), a.q_heads = int(q_heads), a.kv_heads = int(kv_heads), a.heads = heads;
+  a.q_seq = int(g.q_seq), a.k_seq = int(g.k_seq), a.q_first = int(g.q_first), a.k_first = int(g.k_first);
+  a.q_heads = int(g.q_heads), a.kv_heads = int(g.kv_heads), a.heads = heads;
   a.key_blocks = key_blocks, a.query_blocks = query_blocks;
   a.chunk_heads = std::min(heads, chunk_heads() > 0 ? chunk_heads() : kChunkHeads);
+  a.full = g.full;
   a.unordered = unordered_setting();
-  if (a.unordered) MARROW_CUDA_CHECK(cudaMemsetAsync(a.dq_accum, 0, size_t(dq_accum.numel()) * 4, s));
   a.scale = float(1.0 / std::sqrt(double(kDim)));
   a.scale_log2 = a.scale * kLog2e;
-  const CUtensorMap q_map = rows_map(q, q_heads, kQueries), do_map = rows_map(dout, q_heads, kQueries);
-  const CUtensorMap k_map = rows_map(k, kv_heads, kKeys), v_map = rows_map(v, kv_heads, kKeys);
-  allow_shared_memory(backward_kernel, kSmemBytes);
-  launch_dependent(backward_kernel, unsigned(int64_t(heads) * key_blocks), kThreads, kSmemBytes, s, q_map, k_map, v_map, do_map, a);
+  return a;
+}
+
+void run_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, const Geometry& g,
+                  BackwardOutput output, int64_t* timeline, Stream stream) {
+  auto s = static_cast<cudaStream_t>(stream.handle);
+  Buffer delta, dq_accum, dk_accum, dv_accum, sync;
+  Args a = backward_args(g, delta, dq_accum, dk_accum, dv_accum, sync, timeline, stream);
+  a.lse = lse.ptr<float>();
+
+  const int64_t rows = g.batch * g.q_rows * g.q_heads, semaphores = sync.numel();
+  // Enough threads for the rows (a warp per kDeltaRows) and for zeroing `sync`.
+  const int64_t delta_threads = std::max((rows + kDeltaRows - 1) / kDeltaRows * 32, semaphores);
+  const DeltaRows delta_rows{int(rows), int(g.q_rows), int(g.q_heads), int(g.q_seq), int(g.q_first)};
+  const bool whole_rows = g.q_rows == g.q_seq;
+  launch_dependent(whole_rows ? delta_kernel<false> : delta_kernel<true>, unsigned((delta_threads + 255) / 256), 256, 0, s,
+                   delta.ptr<float>(), sync.ptr<int32_t>(), int(semaphores), static_cast<const bf16*>(dout.data),
+                   static_cast<const bf16*>(out.data), delta_rows);
   MARROW_CUDA_CHECK_LAUNCH();
 
-  const int64_t dq_quads = rows * 16, kv_quads = batch * seq * kv_heads * 16;
-  launch_dependent(finish_kernel, unsigned((dq_quads + 2 * kv_quads + 255) / 256), 256, 0, s, static_cast<bf16*>(dq.data),
-                   static_cast<bf16*>(dk.data), static_cast<bf16*>(dv.data), a, dq_quads, kv_quads);
+  if (a.unordered) MARROW_CUDA_CHECK(cudaMemsetAsync(a.dq_accum, 0, size_t(dq_accum.numel()) * 4, s));
+  const CUtensorMap q_map = rows_map(q, g.q_heads, kQueries), do_map = rows_map(dout, g.q_heads, kQueries);
+  const CUtensorMap k_map = rows_map(k, g.kv_heads, kKeys), v_map = rows_map(v, g.kv_heads, kKeys);
+  const auto kernel = g.full ? backward_kernel<true> : backward_kernel<false>;
+  allow_shared_memory<backward_kernel<true>>(kSmemBytes);
+  allow_shared_memory<backward_kernel<false>>(kSmemBytes);
+  launch_dependent(kernel, unsigned(int64_t(a.heads) * a.key_blocks), kThreads, kSmemBytes, s, q_map, k_map, v_map, do_map, a);
+  MARROW_CUDA_CHECK_LAUNCH();
+
+  const int64_t dq_quads = output.grads == AttentionGrads::kv ? 0 : rows * 16;
+  const int64_t kv_quads = output.grads == AttentionGrads::q ? 0 : g.batch * g.k_rows * g.kv_heads * 16;
+  launch_dependent(output.add ? finish_kernel<true> : finish_kernel<false>, unsigned((dq_quads + 2 * kv_quads + 255) / 256), 256, 0, s,
+                   dq.data, dk.data, dv.data, a, dq_quads, kv_quads);
+  MARROW_CUDA_CHECK_LAUNCH();
+}
+
+void run_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v, const Geometry& g, Stream stream) {
+  ForwardArgs a{};
+  a.lse = lse.ptr<float>();
+  a.q_seq = int(g.q_seq), a.k_seq = int(g.k_seq), a.q_first = int(g.q_first), a.k_first = int(g.k_first);
+  a.q_heads = int(g.q_heads), a.kv_heads = int(g.kv_heads), a.heads = int(g.batch * g.q_heads);
+  a.blocks = int(g.q_rows / kKeys), a.key_blocks = int(g.k_rows / kKeys);
+  a.full = g.full;
+  a.scale_log2 = float(1.0 / std::sqrt(double(kDim))) * kLog2e;
+  a.zero = 0;
+  // Q in one 128-row tile (two boxes); out leaves in each consumer's 64 rows.
+  const CUtensorMap q_map = rows_map(q, g.q_heads, kKeys), out_map = rows_map(out, g.q_heads, kQueries);
+  const CUtensorMap k_map = rows_map(k, g.kv_heads, kKeys), v_map = rows_map(v, g.kv_heads, kKeys);
+  allow_shared_memory<forward_kernel>(kFwdSmemBytes);
+  launch_dependent(forward_kernel, unsigned(a.heads * a.blocks), kThreads, kFwdSmemBytes, static_cast<cudaStream_t>(stream.handle), q_map,
+                   k_map, v_map, out_map, a);
   MARROW_CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace
 
+bool hopper_attention_serves_block(const Tensor& q, const Tensor& k, const AttentionBlock& block) {
+  const int64_t q_rows = block.q_end - block.q_begin, k_rows = block.k_end - block.k_begin;
+  return hopper_attention_supports(128, q.size(2), k.size(2), q.size(3)) && q_rows > 0 && q_rows % 128 == 0 && k_rows > 0 &&
+         k_rows % 128 == 0 && q.size(1) % 4 == 0 && block.q_begin % 4 == 0 && (block.mask == AttentionMask::full || q_rows == k_rows);
+}
+
 void hopper_attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse,
                                Stream stream) {
-  run_backward(dq, dk, dv, dout, q, k, v, out, lse, nullptr, stream);
+  const Geometry g = op_geometry(q, k);
+  check_served("hopper_attention_backward", hopper_attention_supports(q.size(1), q.size(2), k.size(2), q.size(3)), g,
+               {&dq, &dk, &dv, &dout, &q, &k, &v, &out, &lse});
+  run_backward(dq, dk, dv, dout, q, k, v, out, lse, g, {}, nullptr, stream);
+}
+
+void hopper_attention_block_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out,
+                                     Tensor lse, const AttentionBlock& block, AttentionGrads grads, Stream stream) {
+  const char* op = "hopper_attention_block_backward";
+  const Geometry g = block_geometry(q, k, block);
+  check_served(op, hopper_attention_serves_block(q, k, block), g, {&dq, &dk, &dv, &dout, &q, &k, &v, &out, &lse});
+  for (auto [name, t] : {std::pair{"dq", &dq}, std::pair{"dk", &dk}, std::pair{"dv", &dv}, std::pair{"lse", &lse}})
+    expect_dtype(op, name, *t, DType::f32);
+  for (auto [name, t] : {std::pair{"q", &q}, std::pair{"k", &k}, std::pair{"v", &v}, std::pair{"out", &out}, std::pair{"dout", &dout}})
+    expect_dtype(op, name, *t, DType::bf16);
+  run_backward(dq, dk, dv, dout, q, k, v, out, lse, g, {true, grads}, nullptr, stream);
 }
 
 void hopper_attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v, Stream stream) {
-  check_served("hopper_attention_forward", q, k, {&out, &lse, &q, &k, &v});
-  const int64_t batch = q.size(0), seq = q.size(1), q_heads = q.size(2), kv_heads = k.size(2);
-  ForwardArgs a{};
-  a.lse = lse.ptr<float>();
-  a.seq = int(seq), a.q_heads = int(q_heads), a.kv_heads = int(kv_heads), a.heads = int(batch * q_heads), a.blocks = int(seq / kKeys);
-  a.scale_log2 = float(1.0 / std::sqrt(double(kDim))) * kLog2e;
-  a.zero = 0;
-  // Q in one 128-row tile (two boxes); out leaves in each consumer's 64 rows.
-  const CUtensorMap q_map = rows_map(q, q_heads, kKeys), out_map = rows_map(out, q_heads, kQueries);
-  const CUtensorMap k_map = rows_map(k, kv_heads, kKeys), v_map = rows_map(v, kv_heads, kKeys);
-  allow_shared_memory(forward_kernel, kFwdSmemBytes);
-  launch_dependent(forward_kernel, unsigned(a.heads * a.blocks), kThreads, kFwdSmemBytes, static_cast<cudaStream_t>(stream.handle), q_map,
-                   k_map, v_map, out_map, a);
-  MARROW_CUDA_CHECK_LAUNCH();
+  const Geometry g = op_geometry(q, k);
+  check_served("hopper_attention_forward", hopper_attention_supports(q.size(1), q.size(2), k.size(2), q.size(3)), g,
+               {&out, &lse, &q, &k, &v});
+  run_forward(out, lse, q, k, v, g, stream);
+}
+
+void hopper_attention_block_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v, const AttentionBlock& block, Stream stream) {
+  const char* op = "hopper_attention_block_forward";
+  const Geometry g = block_geometry(q, k, block);
+  check_served(op, hopper_attention_serves_block(q, k, block), g, {&out, &lse, &q, &k, &v});
+  expect_dtype(op, "lse", lse, DType::f32);
+  for (auto [name, t] : {std::pair{"q", &q}, std::pair{"k", &k}, std::pair{"v", &v}, std::pair{"out", &out}})
+    expect_dtype(op, name, *t, DType::bf16);
+  run_forward(out, lse, q, k, v, g, stream);
 }
 
 std::vector<HopperItemTimes> hopper_backward_timeline(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out,
                                                       Tensor lse) {
   const int64_t items = q.size(0) * q.size(2) * (q.size(1) / kKeys);
   Buffer timeline(DType::i64, Device::cuda, {items * kTimelineFields});
-  run_backward(dq, dk, dv, dout, q, k, v, out, lse, timeline.ptr<int64_t>(), {});
+  run_backward(dq, dk, dv, dout, q, k, v, out, lse, op_geometry(q, k), {}, timeline.ptr<int64_t>(), {});
   const Buffer host = to_host(timeline);
   std::vector<HopperItemTimes> result(static_cast<size_t>(items));
   for (int64_t i = 0; i < items; ++i) {
@@ -943,8 +1069,15 @@ std::vector<HopperItemTimes> hopper_backward_timeline(Tensor dq, Tensor dk, Tens
 
 #else
 
+bool hopper_attention_serves_block(const Tensor&, const Tensor&, const AttentionBlock&) { return false; }
+
 void hopper_attention_backward(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Stream) {
   no_cuda_kernel("hopper_attention_backward");
+}
+
+void hopper_attention_block_backward(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, const AttentionBlock&,
+                                     AttentionGrads, Stream) {
+  no_cuda_kernel("hopper_attention_block_backward");
 }
 
 std::vector<HopperItemTimes> hopper_backward_timeline(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor) {
@@ -952,6 +1085,10 @@ std::vector<HopperItemTimes> hopper_backward_timeline(Tensor, Tensor, Tensor, Te
 }
 
 void hopper_attention_forward(Tensor, Tensor, Tensor, Tensor, Tensor, Stream) { no_cuda_kernel("hopper_attention_forward"); }
+
+void hopper_attention_block_forward(Tensor, Tensor, Tensor, Tensor, Tensor, const AttentionBlock&, Stream) {
+  no_cuda_kernel("hopper_attention_block_forward");
+}
 
 #endif
 

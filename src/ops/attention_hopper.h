@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "core/tensor.h"
+#include "ops/attention.h"
 
 namespace marrow {
 
@@ -33,6 +34,19 @@ void hopper_attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor
 int64_t hopper_attention_backward_scratch(int64_t batch, int64_t seq, int64_t q_heads, int64_t kv_heads, int64_t head_dim);
 void hopper_attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out,
                                Tensor lse, Stream stream = {});
+
+// Blocks of ops/attention.h (ring attention's blocks), causal or full, on the same kernels: the
+// block's query and key lengths multiples of 128, head_dim 128, its first query row and q's row
+// count multiples of 4 (lse is read 16 bytes at a time); row offsets otherwise free. Whether the
+// kernels serve the block (false without CUDA):
+bool hopper_attention_serves_block(const Tensor& q, const Tensor& k, const AttentionBlock& block);
+// The block's out (bf16) and lse (f32) rows; the caller (attention_block_forward) has checked shapes.
+void hopper_attention_block_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v, const AttentionBlock& block,
+                                    Stream stream = {});
+// The block's share added into f32 dq, dk, dv (those `grads` names) from the final out and lse. One
+// kernel computes all three, so a kv or q half costs the whole (attention_block_backward_fused).
+void hopper_attention_block_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out,
+                                     Tensor lse, const AttentionBlock& block, AttentionGrads grads, Stream stream = {});
 
 // Bench hook: one call of the backward with each work item's timeline (globaltimer ns; the item's
 // dQ semaphore waits summed, its dK/dV wait), in the order items were taken.

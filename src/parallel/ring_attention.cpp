@@ -157,26 +157,29 @@ void ring_attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tenso
     }
     const KvPair& mine = share[t % 2];
     const AttentionBlock block = zigzag_block(n.seq, cp.rank(), source_at(cp, t));
+    // A fused block (one kernel for all three gradients) adds its dq here too; the others' dq runs
+    // after the hop is posted.
+    const bool fused = t > 0 && attention_block_backward_fused(q, here.k(n), block);
     if (t == 0) {
       own_block_backward(dq_sum, mine, dout, q, here, out, lse, n);
     } else {
       fill_zero(mine.both);
       attention_block_backward(dq_sum, mine.k(n), mine.v(n), dout, q, here.k(n), here.v(n), out, lse, block,
-                               AttentionGrads::kv);
+                               fused ? AttentionGrads::all : AttentionGrads::kv);
     }
     if (t > 0) {
       cp.wait_for(grads_arrived);
       add(mine.both, mine.both, incoming.both);
     }
     // After the last step this hop brings each member the gradients of its own K/V. It is posted
-    // before the block's dq so that it travels under dq's kernel; the last hop has nothing else to
-    // hide under.
+    // before the block's dq so that it travels under dq's kernel (a fused block's under the next
+    // step's work only); the last hop has nothing else to hide under.
     if (cp.size() > 1) {
       cp.send_recv(mine.both, next_member(cp), incoming.both, previous_member(cp),
                    "ring attention: dK/dV to the next member", false);
       grads_arrived = cp.queued();
     }
-    if (t > 0)
+    if (t > 0 && !fused)
       attention_block_backward(dq_sum, mine.k(n), mine.v(n), dout, q, here.k(n), here.v(n), out, lse, block,
                                AttentionGrads::q);
     if (t + 1 < cp.size()) cp.wait_for(kv_arrived);

@@ -19,7 +19,9 @@
 // Each block's partial (out, lse) is merged into the running one by its log-sum-exp. The backward
 // runs the K/V ring again beside a ring of dK/dV accumulators: each block's share of dk, dv is added
 // to the accumulator that travels with its K/V block, which one last hop brings home, so every
-// member ends with the whole gradient of its own K/V.
+// member ends with the whole gradient of its own K/V. A block's backward runs as two halves, dK/dV
+// first so that they travel while dq's kernel runs, except where one kernel computes all three
+// (ops/attention.h: attention_block_backward_fused, the wgmma kernels on the GPU).
 //
 // Numbers: the CPU runs in the tensors' dtype (f32, f64); on the GPU q, k, v, out, dout, dq, dk, dv
 // are bf16 and lse f32, while the running out and the dq, dk, dv accumulators are f32 (each rounded

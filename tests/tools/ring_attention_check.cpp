@@ -4,7 +4,8 @@
 // backward on them, and compares its out, lse, dq, dk, dv with the reference's slices. Both sides
 // are exact f64 arithmetic in a different order (blocks merged one by one, gradients summed block
 // by block), so they agree to ~1e-15 relative; 1e-12 leaves room for that and none for a wrong
-// mask, block or hop (O(1) errors). Run as `mpirun -np P ring_attention_check`; prints PASS or FAIL.
+// mask, block or hop (O(1) errors). Both orders of a block's backward run (halves, and fused as
+// on the GPU's wgmma kernels). Run as `mpirun -np P ring_attention_check`; prints PASS or FAIL.
 #include <cmath>
 #include <cstdio>
 #include <random>
@@ -80,9 +81,14 @@ void run_case(const Comm& cp, const Shape& n) {
 int main(int argc, char** argv) {
   return marrow::run_mpi_check(argc, argv, [](const marrow::Comm& cp) {
     const int64_t chunks = 2 * cp.size();
-    // GQA groups of 2 and 4, chunks of 7 and 5 tokens (no tile size divides them), head_dim 8 and 64.
-    run_case(cp, {2, chunks * 7, 4, 2, 8});
-    run_case(cp, {1, chunks * 5, 4, 1, 64});
+    // GQA groups of 2 and 4, chunks of 7 and 5 tokens (no tile size divides them), head_dim 8 and 64;
+    // each with the blocks' backward in two halves and fused (the GPU's wgmma kernels' order).
+    for (const bool fused : {false, true}) {
+      marrow::set_cpu_blocks_fused(fused);
+      run_case(cp, {2, chunks * 7, 4, 2, 8});
+      run_case(cp, {1, chunks * 5, 4, 1, 64});
+    }
+    marrow::set_cpu_blocks_fused(false);
     const double all_worst = cp.sum(worst, "worst error (sum)");
     if (cp.rank() == 0)
       std::printf("ring attention on %d processes: worst relative error %.2e against one process\nPASS\n", cp.size(),
