@@ -90,17 +90,82 @@ void pass_on(const Comm& cp, const KvPair& kv, const KvPair& next) {
                false);
 }
 
-// The own block's gradients start the sums dq_sum and grads (the first block of the backward): the
-// causal op over the local rows with the final out and lse, on cuDNN's kernels where they are
-// chosen. Those write gradients in the tensors' dtype, so on the GPU they land in bf16 first.
-void own_block_backward(Tensor dq_sum, const KvPair& grads, Tensor dout, Tensor q, const KvPair& kv, Tensor out, Tensor lse,
-                        const RingShape& n) {
-  if (dq_sum.dtype == q.dtype) return attention_backward(dq_sum, grads.k(n), grads.v(n), dout, q, kv.k(n), kv.v(n), out, lse);
+// With one member its block is the causal op over all rows (on cuDNN's or the wgmma kernels where
+// chosen): its gradients are the result. Those kernels write the tensors' dtype, so on the GPU they
+// land in bf16 first and are cast into the f32 sums.
+void single_member_backward(Tensor dq_sum, const KvPair& grads, Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse,
+                            const RingShape& n) {
+  if (dq_sum.dtype == q.dtype) return attention_backward(dq_sum, grads.k(n), grads.v(n), dout, q, k, v, out, lse);
   Buffer dq(q.dtype, q.device, {n.batch, n.seq, n.q_heads, n.head_dim});
   const KvPair dkv{q.dtype, q.device, n};
-  attention_backward(dq, dkv.k(n), dkv.v(n), dout, q, kv.k(n), kv.v(n), out, lse);
+  attention_backward(dq, dkv.k(n), dkv.v(n), dout, q, k, v, out, lse);
   cast(dq_sum, dq);
   cast(grads.both, dkv.both);
+}
+
+// With several members a member's own block (its queries against its own K/V, causal over the two
+// local chunks A = [0, c) and B = [c, 2c)) runs as three blocks: A causal and B against A in full
+// first, under the K/V hop, and B causal last, under the dK/dV hop that brings the last K/V block's
+// gradients home (ring_attention_backward). Their dK/dV stay home in `own`.
+AttentionBlock own_part(int64_t local_seq, int part) {
+  const int64_t c = local_seq / 2;
+  if (part == 0) return {AttentionMask::causal, 0, c, 0, c};
+  if (part == 1) return {AttentionMask::full, c, local_seq, 0, c};
+  return {AttentionMask::causal, c, local_seq, c, local_seq};
+}
+
+void own_block_backward(Tensor dq_sum, const KvPair& own, Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse,
+                        const RingShape& n, std::initializer_list<int> parts) {
+  for (const int part : parts)
+    attention_block_backward(dq_sum, own.k(n), own.v(n), dout, q, k, v, out, lse, own_part(n.seq, part));
+}
+
+// Steps 1 .. CP - 1 of the backward with the own block around them (own_block_backward): step t
+// holds the K/V block of member r - t; its share of dK/dV starts a sum at t = 1 (the member after
+// the block's owner), each later step adds the sum that arrives from the member before, and the sum
+// goes on to the next member, so that after step CP - 1 it reaches the block's owner. `own` ends as
+// this member's dK/dV: its own blocks' share plus the sum the others sent.
+void ring_steps_backward(Tensor dq_sum, const KvPair& own, Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse,
+                         const RingShape& n, const Comm& cp) {
+  const DType acc = own.both.view().dtype;
+  KvPair kv[2] = {{k.dtype, k.device, n}, {k.dtype, k.device, n}};
+  copy(kv[0].k(n), k);
+  copy(kv[0].v(n), v);
+  // Two share buffers: step t + 1 fills one while step t's is in flight.
+  KvPair share[2] = {{acc, k.device, n}, {acc, k.device, n}}, incoming{acc, k.device, n};
+  fill_zero(own.both);
+  pass_on(cp, kv[0], kv[1]);
+  Comm::Point kv_arrived = cp.queued(), grads_arrived;
+  own_block_backward(dq_sum, own, dout, q, k, v, out, lse, n, {0, 1});
+  for (int t = 1; t < cp.size(); ++t) {
+    cp.wait_for(kv_arrived);  // step t's K/V block, not the dK/dV hop still in flight
+    const KvPair& here = kv[t % 2];
+    if (t + 1 < cp.size()) {
+      pass_on(cp, here, kv[(t + 1) % 2]);
+      kv_arrived = cp.queued();
+    }
+    const KvPair& mine = share[t % 2];
+    const AttentionBlock block = zigzag_block(n.seq, cp.rank(), source_at(cp, t));
+    // A fused block (one kernel for all three gradients) adds its dq here too; the others' dq runs
+    // after the hop is posted, so the hop travels under it.
+    const bool fused = attention_block_backward_fused(q, here.k(n), block);
+    fill_zero(mine.both);
+    attention_block_backward(dq_sum, mine.k(n), mine.v(n), dout, q, here.k(n), here.v(n), out, lse, block,
+                             fused ? AttentionGrads::all : AttentionGrads::kv);
+    if (t > 1) {
+      cp.wait_for(grads_arrived);
+      add(mine.both, mine.both, incoming.both);
+    }
+    cp.send_recv(mine.both, next_member(cp), incoming.both, previous_member(cp), "ring attention: dK/dV to the next member",
+                 false);
+    grads_arrived = cp.queued();
+    if (!fused)
+      attention_block_backward(dq_sum, mine.k(n), mine.v(n), dout, q, here.k(n), here.v(n), out, lse, block,
+                               AttentionGrads::q);
+  }
+  own_block_backward(dq_sum, own, dout, q, k, v, out, lse, n, {2});
+  cp.wait_for(grads_arrived);
+  add(own.both, own.both, incoming.both);
 }
 
 }  // namespace
@@ -141,54 +206,16 @@ void ring_attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tenso
   expect_shape(op, "dv", dv, {n.batch, n.seq, n.kv_heads, n.head_dim});
   expect_shape(op, "lse", lse, {n.batch, n.q_heads, n.seq});
   const DType acc = accumulator_dtype(dq);
-  KvPair kv[2] = {{k.dtype, k.device, n}, {k.dtype, k.device, n}};
-  copy(kv[0].k(n), k);
-  copy(kv[0].v(n), v);
-  // dK/dV ring: step t adds its share into share[t % 2], then the sum so far (incoming + share)
-  // goes on to the next member. Two share buffers: step t + 1 fills one while step t's is in flight.
-  KvPair share[2] = {{acc, k.device, n}, {acc, k.device, n}}, incoming{acc, k.device, n};
   Buffer dq_sum = Buffer::zeros(acc, dq.device, {n.batch, n.seq, n.q_heads, n.head_dim});
-  Comm::Point kv_arrived, grads_arrived;
-  for (int t = 0; t < cp.size(); ++t) {
-    const KvPair& here = kv[t % 2];
-    if (t + 1 < cp.size()) {
-      pass_on(cp, here, kv[(t + 1) % 2]);
-      kv_arrived = cp.queued();
-    }
-    const KvPair& mine = share[t % 2];
-    const AttentionBlock block = zigzag_block(n.seq, cp.rank(), source_at(cp, t));
-    // A fused block (one kernel for all three gradients) adds its dq here too; the others' dq runs
-    // after the hop is posted.
-    const bool fused = t > 0 && attention_block_backward_fused(q, here.k(n), block);
-    if (t == 0) {
-      own_block_backward(dq_sum, mine, dout, q, here, out, lse, n);
-    } else {
-      fill_zero(mine.both);
-      attention_block_backward(dq_sum, mine.k(n), mine.v(n), dout, q, here.k(n), here.v(n), out, lse, block,
-                               fused ? AttentionGrads::all : AttentionGrads::kv);
-    }
-    if (t > 0) {
-      cp.wait_for(grads_arrived);
-      add(mine.both, mine.both, incoming.both);
-    }
-    // After the last step this hop brings each member the gradients of its own K/V. It is posted
-    // before the block's dq so that it travels under dq's kernel (a fused block's under the next
-    // step's work only); the last hop has nothing else to hide under.
-    if (cp.size() > 1) {
-      cp.send_recv(mine.both, next_member(cp), incoming.both, previous_member(cp),
-                   "ring attention: dK/dV to the next member", false);
-      grads_arrived = cp.queued();
-    }
-    if (t > 0 && !fused)
-      attention_block_backward(dq_sum, mine.k(n), mine.v(n), dout, q, here.k(n), here.v(n), out, lse, block,
-                               AttentionGrads::q);
-    if (t + 1 < cp.size()) cp.wait_for(kv_arrived);
+  const KvPair own{acc, k.device, n};
+  if (cp.size() == 1) {
+    single_member_backward(dq_sum, own, dout, q, k, v, out, lse, n);
+  } else {
+    ring_steps_backward(dq_sum, own, dout, q, k, v, out, lse, n, cp);
   }
-  cp.wait_for(grads_arrived);
-  const KvPair& home = cp.size() > 1 ? incoming : share[0];
   cast(dq, dq_sum);
-  cast(dk, home.k(n));
-  cast(dv, home.v(n));
+  cast(dk, own.k(n));
+  cast(dv, own.v(n));
 }
 
 AttentionRunner ring_attention_runner(const Comm& cp) {
@@ -202,9 +229,9 @@ RingAttentionBytes ring_attention_bytes(int64_t tokens, int64_t q_heads, int64_t
   const bool gpu = device == Device::cuda;
   const int64_t a = gpu ? 2 : 4, acc = 4;  // bf16 or f32 activations; f32 running results and lse
   const int64_t q = tokens * q_heads * head_dim, kv = 2 * tokens * kv_heads * head_dim;  // a KvPair holds K and V
-  // Forward: kv[2], part_out, part_lse, running. Backward: kv[2], share[2] and incoming, dq_sum, and on
-  // the GPU the own block's bf16 dq, dk, dv before they join the sums.
-  return {2 * kv * a + q * a + tokens * q_heads * acc + q * acc, 2 * kv * a + 3 * kv * acc + q * acc + (gpu ? (q + kv) * a : 0)};
+  // Forward: kv[2], part_out, part_lse, running. Backward (several members): kv[2], share[2], incoming
+  // and own, dq_sum.
+  return {2 * kv * a + q * a + tokens * q_heads * acc + q * acc, 2 * kv * a + 4 * kv * acc + q * acc};
 }
 
 }  // namespace marrow

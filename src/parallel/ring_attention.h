@@ -17,11 +17,12 @@
 //          2·CP−1−s follows both);
 //   s > r: queries [c, 2c) against keys [0, 2c) in full (both of s's chunks lie between r's two).
 // Each block's partial (out, lse) is merged into the running one by its log-sum-exp. The backward
-// runs the K/V ring again beside a ring of dK/dV accumulators: each block's share of dk, dv is added
-// to the accumulator that travels with its K/V block, which one last hop brings home, so every
-// member ends with the whole gradient of its own K/V. A block's backward runs as two halves, dK/dV
-// first so that they travel while dq's kernel runs, except where one kernel computes all three
-// (ops/attention.h: attention_block_backward_fused, the wgmma kernels on the GPU).
+// runs the K/V ring again beside a ring of dK/dV sums: the sum for a K/V block starts at the member
+// after its owner and travels with it, each member adding its share, until one last hop brings it
+// home, where the owner adds it to its own block's share. The own block runs in three parts: two
+// under the first K/V hop, the third under that last dK/dV hop. A block's backward runs as two
+// halves, dK/dV first so that they travel while dq's kernel runs, except where one kernel computes
+// all three (ops/attention.h: attention_block_backward_fused, the wgmma kernels on the GPU).
 //
 // Numbers: the CPU runs in the tensors' dtype (f32, f64); on the GPU q, k, v, out, dout, dq, dk, dv
 // are bf16 and lse f32, while the running out and the dq, dk, dv accumulators are f32 (each rounded
@@ -70,10 +71,10 @@ void ring_attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tenso
 // over cp: ring_attention_forward/backward over the group, which must outlive the runner.
 AttentionRunner ring_attention_runner(const Comm& cp);
 
-// Device bytes ring attention allocates beyond its inputs and outputs, for `tokens` local tokens
-// (batch x local sequence) of q_heads and kv_heads heads of head_dim: the two K/V blocks of the ring,
-// the partial and running results (forward), the dK/dV accumulators, the f32 dq sum and on the GPU
-// the own block's bf16 gradients (backward).
+// Device bytes ring attention over several members allocates beyond its inputs and outputs, for
+// `tokens` local tokens (batch x local sequence) of q_heads and kv_heads heads of head_dim: the two
+// K/V blocks of the ring, the partial and running results (forward), the dK/dV sums (three that
+// travel, the member's own) and the dq sum (backward).
 // Activations of `bytes` bytes (2 on the GPU), the running results f32 on the GPU.
 struct RingAttentionBytes {
   int64_t forward = 0, backward = 0;
