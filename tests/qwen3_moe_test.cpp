@@ -205,29 +205,36 @@ TEST(Qwen3Moe, SameInputsGiveBitwiseSameLossAndGradients) {
 
 // Two micro-batches where the first writes the expert and LM-head gradients (the trainer's way: it
 // zeroes only the other gradients) give bitwise what zeroing everything and accumulating both gives;
-// also with the logits in chunks, whose first alone writes the head's gradient.
+// also with the logits in chunks, whose first alone writes the head's gradient, and with those
+// chunks' backward run in the forward as training runs it.
 TEST(Qwen3Moe, FirstMicroBatchWritingExpertGradientsEqualsZeroingThem) {
   for (const int64_t chunk : {0, 5}) {
     TinyRun run(DType::f32, 2, 8, tiny_config_json());
     run.model.set_logits_chunk(chunk);
     const auto w = run.model.bind(run.params);
     const auto g = run.model.bind(run.grads);
-    auto two_micro_batches = [&](bool first_writes) {
+    // epilog_in_forward: as training runs it, the epilog's backward in the forward where the logits
+    // come in chunks (the LM head's gradient and dh without computing a chunk twice).
+    auto two_micro_batches = [&](bool first_writes, bool epilog_in_forward) {
       for (int micro = 0; micro < 2; ++micro) {
         MicroBatch<Qwen3Moe> mb;
+        if (epilog_in_forward) mb.epilog_gradients = {&g, run.loss_scale, first_writes && micro == 0};
         forward(mb, run.model, w, run.batch);
         backward(mb, run.model, w, g, run.batch, run.loss_scale, run.aux_grad, first_writes && micro == 0);
       }
     };
     run.grads.fill_zero();
-    two_micro_batches(false);
+    two_micro_batches(false, false);
     Buffer expected = to_host(run.grads.all());
-    for (const TensorSpec& s : run.model.specs()) {
-      Tensor t = run.grads.slice(s.offset, {s.numel});
-      for (int64_t i = 0; i < s.numel; ++i) testing::set_element(t, i, s.first_backward_writes ? 1e30 : 0.0);
+    for (const bool epilog_in_forward : {false, true}) {
+      for (const TensorSpec& s : run.model.specs()) {
+        Tensor t = run.grads.slice(s.offset, {s.numel});
+        for (int64_t i = 0; i < s.numel; ++i) testing::set_element(t, i, s.first_backward_writes ? 1e30 : 0.0);
+      }
+      two_micro_batches(true, epilog_in_forward);
+      EXPECT_EQ(std::memcmp(expected.view().data, run.grads.all().data, run.grads.bytes()), 0)
+          << "logits chunk " << chunk << (epilog_in_forward ? ", the epilog's backward in the forward" : "");
     }
-    two_micro_batches(true);
-    EXPECT_EQ(std::memcmp(expected.view().data, run.grads.all().data, run.grads.bytes()), 0) << "logits chunk " << chunk;
     int64_t written = 0;
     for (const TensorSpec& s : run.model.specs()) written += s.first_backward_writes ? s.numel : 0;
     EXPECT_GT(written, run.model.num_parameters() / 2);  // the experts are most of the model

@@ -49,6 +49,9 @@ concept MoeModel = requires(const M& m, typename M::AttentionActivations& a, typ
   m.aggregate_backward(t, t, t, a, t, e);
   m.aggregate_backward_rows(t, t, t);
   { m.epilog_forward(p, std::move(buffer), batch, w) } -> std::same_as<HostSum>;
+  // With the gradients (and epilog_backward's scale and flag) a model may run the epilog's backward
+  // in its forward where that saves work; epilog_backward then finishes it.
+  { m.epilog_forward(p, std::move(buffer), batch, w, &w, scale, flag) } -> std::same_as<HostSum>;
   m.epilog_backward(t, w, scale, p, batch, w, flag);  // flag: write the first_backward_writes gradients
 };
 

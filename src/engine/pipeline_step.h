@@ -118,7 +118,9 @@ template <MoeModel M> class PipelineStep {
     return t;
   }
 
-  ForwardPass<M> forward_pass(int phase, int64_t micro) {
+  // training: the epilog may run its backward in the forward (MicroBatch::epilog_gradients).
+  ForwardPass<M> forward_pass(int phase, int64_t micro, bool training) {
+    if (training) mb(phase, micro).epilog_gradients = {&s_.g, backward_.loss_scale, micro == 0};
     return ForwardPass<M>(mb(phase, micro), s_.model, s_.w, batch(micro), chunk(phase), forward_input(phase, micro), groups_(micro),
                           s_.timer);
   }
@@ -137,7 +139,7 @@ template <MoeModel M> class PipelineStep {
     if (forward_only) mb(phase, micro) = MicroBatch<M>{};
   }
   void forward(int phase, int64_t micro, bool forward_only) {
-    ForwardPass<M> f = forward_pass(phase, micro);
+    ForwardPass<M> f = forward_pass(phase, micro, !forward_only);
     run_pass(f);
     forward_done(phase, micro, f, forward_only);
   }
@@ -147,7 +149,7 @@ template <MoeModel M> class PipelineStep {
     backward_output(phase, micro, b.output());
   }
   void forward_backward(const PipelineOp& op) {
-    ForwardPass<M> f = forward_pass(op.phase, op.micro);
+    ForwardPass<M> f = forward_pass(op.phase, op.micro, true);
     BackwardPass<M> b = backward_pass(1 - op.phase, op.back_micro, false);
     marrow::forward_backward(f, b);
     forward_done(op.phase, op.micro, f, false);

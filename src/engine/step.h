@@ -42,6 +42,13 @@ template <MoeModel M> struct MicroBatch {
   };
   std::vector<Layer> layers;
   typename M::EpilogActivations epilog;  // epilog.logits holds the logits until backward
+  // Set by training before the forward (never by evaluation): what the epilog's forward needs to
+  // run the epilog's backward at once where the model does so (M::epilog_forward).
+  struct EpilogGradients {
+    const typename M::Weights* grads = nullptr;
+    double loss_scale = 1;
+    bool overwrite = false;  // the step's first micro-batch: BackwardPass::Options::first_of_step
+  } epilog_gradients;
   // Expert weight gradients a deferring backward left for weights_backward(), layers top down.
   // With one expert-parallel rank the layer keeps its output gradient dout [T, H] and copy_row
   // instead of dy_perm [T x K, H], and gathers dy_perm again when the weights run (dy_perm()).
@@ -195,7 +202,8 @@ template <MoeModel M> class ForwardPass {
       m_.prolog_forward(x_, batch_, w_);
     } else {
       StageScope scope(timer_, Stage::epilog);
-      mb_.token_loss = m_.epilog_forward(mb_.epilog, std::move(x_), batch_, w_);
+      const auto& g = mb_.epilog_gradients;
+      mb_.token_loss = m_.epilog_forward(mb_.epilog, std::move(x_), batch_, w_, g.grads, g.loss_scale, g.overwrite);
     }
     ++stage_;
   }

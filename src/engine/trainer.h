@@ -343,6 +343,7 @@ std::pair<double, double> run_micro_batches(TrainSetup<M>& s, const RunConfig& r
     data.train_batch(step - 1, micro, B, tokens.data(), int(s.mesh.data_rank()), int(W), s.share.spans);
     const typename M::Batch batch = make_batch<M>(tokens, B, s.share, s.device);
     MicroBatch<M> mb;
+    mb.epilog_gradients = {&s.g, loss_scale, micro == 0};
     const StepGroups groups = s.groups(micro, micro_batches, rc.overlap_grad_reduce);
     forward(mb, s.model, s.w, batch, groups, timer);
     token_loss.add(std::move(mb.token_loss));

@@ -436,7 +436,21 @@ int64_t Qwen3Moe::logits_chunk(int64_t tokens) const {
   return std::min(tokens, std::max<int64_t>(64, (int64_t(512) << 20) / row_bytes / 64 * 64));
 }
 
-HostSum Qwen3Moe::epilog_forward(Qwen3MoeEpilogActivations& p, Buffer x, const Qwen3MoeBatch& batch, const Qwen3MoeWeights& w) const {
+namespace {
+
+// One chunk of the LM head's backward: the logits' gradient in place of the logits, the head's
+// gradient (written at the step's first chunk when overwrite), and dh's rows.
+void lm_head_chunk_backward(Tensor logits, Tensor h, Tensor lse, Tensor targets, Tensor dh, Tensor lm_head, Tensor lm_head_grad,
+                            double loss_scale, bool overwrite) {
+  cross_entropy_backward(logits, logits, lse, targets, loss_scale);
+  linear_backward_weight(lm_head_grad, logits, h, overwrite);
+  linear_backward_input(dh, logits, lm_head);
+}
+
+}  // namespace
+
+HostSum Qwen3Moe::epilog_forward(Qwen3MoeEpilogActivations& p, Buffer x, const Qwen3MoeBatch& batch, const Qwen3MoeWeights& w,
+                                 const Qwen3MoeWeights* grads, double loss_scale, bool overwrite_grads) const {
   const int64_t T = batch.batch * batch.seq, H = config_.hidden_size, V = config_.vocab_size;
   expect_shape("Qwen3Moe::epilog_forward", "x", x, {T, H});
   p.x = std::move(x);
@@ -446,13 +460,18 @@ HostSum Qwen3Moe::epilog_forward(Qwen3MoeEpilogActivations& p, Buffer x, const Q
   p.lse = stats({T});
   p.token_loss = stats({T});
   const int64_t chunk = logits_chunk(T);
+  const bool backward_now = grads != nullptr && chunk < T;
+  if (backward_now) p.dh = buffer({T, H});
   Buffer logits = buffer({chunk, V});
   for (int64_t begin = 0; begin < T; begin += chunk) {
     const int64_t end = std::min(T, begin + chunk);
-    const Tensor part = logits.view().rows(0, end - begin);
-    linear_forward(part, p.h.view().rows(begin, end), w.lm_head);
-    cross_entropy_forward(p.token_loss.view().rows(begin, end), p.lse.view().rows(begin, end), part,
-                          batch.targets.view().rows(begin, end));
+    const Tensor part = logits.view().rows(0, end - begin), h = p.h.view().rows(begin, end);
+    const Tensor lse = p.lse.view().rows(begin, end), targets = batch.targets.view().rows(begin, end);
+    linear_forward(part, h, w.lm_head);
+    cross_entropy_forward(p.token_loss.view().rows(begin, end), lse, part, targets);
+    if (backward_now)
+      lm_head_chunk_backward(part, h, lse, targets, p.dh.view().rows(begin, end), w.lm_head, grads->lm_head, loss_scale,
+                             overwrite_grads && begin == 0);
   }
   if (chunk == T) p.logits = std::move(logits);
   HostSum loss;
@@ -463,19 +482,20 @@ HostSum Qwen3Moe::epilog_forward(Qwen3MoeEpilogActivations& p, Buffer x, const Q
 void Qwen3Moe::epilog_backward(Tensor dx, const Qwen3MoeWeights& grads, double loss_scale, Qwen3MoeEpilogActivations& p,
                                const Qwen3MoeBatch& batch, const Qwen3MoeWeights& w, bool overwrite_grads) const {
   const int64_t T = batch.batch * batch.seq, H = config_.hidden_size, V = config_.vocab_size;
-  const bool kept = p.logits.view().data != nullptr;
-  const int64_t chunk = kept ? T : logits_chunk(T);
-  Buffer logits = kept ? std::move(p.logits) : buffer({chunk, V});
-  Buffer dh = buffer({T, H});
-  for (int64_t begin = 0; begin < T; begin += chunk) {
-    const int64_t end = std::min(T, begin + chunk);
-    const Tensor part = logits.view().rows(0, end - begin), h = p.h.view().rows(begin, end);
-    if (!kept) linear_forward(part, h, w.lm_head);
-    cross_entropy_backward(part, part, p.lse.view().rows(begin, end), batch.targets.view().rows(begin, end), loss_scale);
-    linear_backward_weight(grads.lm_head, part, h, overwrite_grads && begin == 0);
-    linear_backward_input(dh.view().rows(begin, end), part, w.lm_head);
+  if (p.dh.view().data == nullptr) {
+    const bool kept = p.logits.view().data != nullptr;
+    const int64_t chunk = kept ? T : logits_chunk(T);
+    Buffer logits = kept ? std::move(p.logits) : buffer({chunk, V});
+    p.dh = buffer({T, H});
+    for (int64_t begin = 0; begin < T; begin += chunk) {
+      const int64_t end = std::min(T, begin + chunk);
+      const Tensor part = logits.view().rows(0, end - begin), h = p.h.view().rows(begin, end);
+      if (!kept) linear_forward(part, h, w.lm_head);
+      lm_head_chunk_backward(part, h, p.lse.view().rows(begin, end), batch.targets.view().rows(begin, end),
+                             p.dh.view().rows(begin, end), w.lm_head, grads.lm_head, loss_scale, overwrite_grads && begin == 0);
+    }
   }
-  rmsnorm_backward(dx, grads.final_norm, dh, p.x, w.final_norm, p.rstd);
+  rmsnorm_backward(dx, grads.final_norm, p.dh, p.x, w.final_norm, p.rstd);
   p = Qwen3MoeEpilogActivations{};
 }
 
@@ -529,12 +549,13 @@ ModelActivationBytes Qwen3Moe::activation_bytes(int64_t batch, int64_t seq, int6
   m.experts.backward_scratch = R * 4 * I * a;  // act (again), dact, dgate_up
   m.experts.held_for_weights = R * 3 * I * a;  // act, dgate_up (gate_up is freed)
 
-  // x, h, the logits when kept whole; rstd, lse, token losses. Chunked logits: one chunk's buffer
-  // in the forward and again in the backward, beside dh (the loss gradient overwrites the logits).
+  // x, h, the logits when kept whole; rstd, lse, token losses. Whole logits: dh in the backward
+  // (the loss gradient overwrites the logits). Chunked logits (training runs their backward in the
+  // forward): one chunk's buffer in the forward, dh from the forward to the backward.
   const int64_t chunk = logits_chunk(T);
-  m.epilog.kept = T * 2 * H * a + (chunk == T ? T * V * a : 0) + 3 * T * s;
+  m.epilog.kept = T * 2 * H * a + (chunk == T ? T * V * a : T * H * a) + 3 * T * s;
   m.epilog.forward_scratch = chunk == T ? 0 : chunk * V * a;
-  m.epilog.backward_scratch = T * H * a + (chunk == T ? 0 : chunk * V * a);
+  m.epilog.backward_scratch = chunk == T ? T * H * a : 0;
   return m;
 }
 

@@ -91,6 +91,7 @@ struct Qwen3MoeExpertActivations {
 
 struct Qwen3MoeEpilogActivations {
   Buffer x, h, rstd, logits, lse, token_loss;  // logits: empty when computed in chunks
+  Buffer dh;  // the final norm's output gradient, when the forward ran the LM head's backward
 };
 
 class Qwen3Moe {
@@ -210,14 +211,19 @@ class Qwen3Moe {
   // Epilog: returns the sum of token losses over non-ignored targets (read when needed, core/host_sum.h). The LM head's logits of a
   // micro-batch stay whole in p.logits for the backward up to kWholeLogitsBytes; past that (long
   // sequences: 9.3 GiB at 32,768 tokens of Qwen3's vocabulary) they exist only one chunk of tokens
-  // at a time, and the backward computes each chunk again (one more LM-head GEMM: +22 ms a step at
-  // 16,384 tokens, where keeping them whole costs 0.3 GiB of peak, so 16,384 keeps them).
+  // at a time. A training forward (grads given: the gradients, loss_scale and overwrite_grads of
+  // epilog_backward) then runs each chunk's backward at once, the LM head's gradient and the rows
+  // of p.dh, so no chunk is computed twice; without grads (evaluation, or a caller that runs the
+  // backward later) the backward computes each chunk again (one more LM-head GEMM: +22 ms a step
+  // at 16,384 tokens, where keeping them whole costs 0.3 GiB of peak, so 16,384 keeps them). Either
+  // way the same bits.
   static constexpr int64_t kWholeLogitsBytes = int64_t(8) << 30;
   // Tokens per logits chunk for a micro-batch of `tokens` (all of them when kept whole);
   // set_logits_chunk(n > 0) forces n (tests), 0 restores the rule above.
   int64_t logits_chunk(int64_t tokens) const;
   void set_logits_chunk(int64_t tokens) { forced_logits_chunk_ = tokens; }
-  HostSum epilog_forward(Qwen3MoeEpilogActivations& p, Buffer x, const Qwen3MoeBatch& batch, const Qwen3MoeWeights& w) const;
+  HostSum epilog_forward(Qwen3MoeEpilogActivations& p, Buffer x, const Qwen3MoeBatch& batch, const Qwen3MoeWeights& w,
+                         const Qwen3MoeWeights* grads = nullptr, double loss_scale = 1, bool overwrite_grads = false) const;
   // dx (overwritten); loss_scale = d(total loss)/d(sum of token losses), e.g. 1 / counted tokens.
   // overwrite_grads: write the LM head's gradient instead of adding (TensorSpec::first_backward_writes:
   // the step's first micro-batch).
