@@ -438,11 +438,13 @@ int64_t Qwen3Moe::logits_chunk(int64_t tokens) const {
 
 namespace {
 
-// The LM head's backward from the logits' gradient: the head's gradient (written instead of added
-// when overwrite) and dh.
-void lm_head_backward(Tensor dlogits, Tensor h, Tensor dh, Tensor lm_head, Tensor lm_head_grad, bool overwrite) {
-  linear_backward_weight(lm_head_grad, dlogits, h, overwrite);
-  linear_backward_input(dh, dlogits, lm_head);
+// One chunk of the LM head's backward: the logits' gradient in place of the logits, the head's
+// gradient (written at the step's first chunk when overwrite), and dh's rows.
+void lm_head_chunk_backward(Tensor logits, Tensor h, Tensor lse, Tensor targets, Tensor dh, Tensor lm_head, Tensor lm_head_grad,
+                            double loss_scale, bool overwrite) {
+  cross_entropy_backward(logits, logits, lse, targets, loss_scale);
+  linear_backward_weight(lm_head_grad, logits, h, overwrite);
+  linear_backward_input(dh, logits, lm_head);
 }
 
 }  // namespace
@@ -458,25 +460,20 @@ HostSum Qwen3Moe::epilog_forward(Qwen3MoeEpilogActivations& p, Buffer x, const Q
   p.lse = stats({T});
   p.token_loss = stats({T});
   const int64_t chunk = logits_chunk(T);
-  if (grads != nullptr && chunk < T) p.dh = buffer({T, H});
+  const bool backward_now = grads != nullptr && chunk < T;
+  if (backward_now) p.dh = buffer({T, H});
   Buffer logits = buffer({chunk, V});
   for (int64_t begin = 0; begin < T; begin += chunk) {
     const int64_t end = std::min(T, begin + chunk);
     const Tensor part = logits.view().rows(0, end - begin), h = p.h.view().rows(begin, end);
-    const Tensor loss = p.token_loss.view().rows(begin, end), lse = p.lse.view().rows(begin, end);
-    const Tensor targets = batch.targets.view().rows(begin, end);
+    const Tensor lse = p.lse.view().rows(begin, end), targets = batch.targets.view().rows(begin, end);
     linear_forward(part, h, w.lm_head);
-    if (grads == nullptr) {
-      cross_entropy_forward(loss, lse, part, targets);
-      continue;
-    }
-    cross_entropy_forward_backward(loss, lse, part, targets, loss_scale);  // part now holds the logits' gradient
-    if (chunk < T) lm_head_backward(part, h, p.dh.view().rows(begin, end), w.lm_head, grads->lm_head, overwrite_grads && begin == 0);
+    cross_entropy_forward(p.token_loss.view().rows(begin, end), lse, part, targets);
+    if (backward_now)
+      lm_head_chunk_backward(part, h, lse, targets, p.dh.view().rows(begin, end), w.lm_head, grads->lm_head, loss_scale,
+                             overwrite_grads && begin == 0);
   }
-  if (chunk == T) {
-    p.logits = std::move(logits);
-    p.logits_are_gradients = grads != nullptr;
-  }
+  if (chunk == T) p.logits = std::move(logits);
   HostSum loss;
   loss.add(p.token_loss);
   return loss;
@@ -494,9 +491,8 @@ void Qwen3Moe::epilog_backward(Tensor dx, const Qwen3MoeWeights& grads, double l
       const int64_t end = std::min(T, begin + chunk);
       const Tensor part = logits.view().rows(0, end - begin), h = p.h.view().rows(begin, end);
       if (!kept) linear_forward(part, h, w.lm_head);
-      if (!p.logits_are_gradients)
-        cross_entropy_backward(part, part, p.lse.view().rows(begin, end), batch.targets.view().rows(begin, end), loss_scale);
-      lm_head_backward(part, h, p.dh.view().rows(begin, end), w.lm_head, grads.lm_head, overwrite_grads && begin == 0);
+      lm_head_chunk_backward(part, h, p.lse.view().rows(begin, end), batch.targets.view().rows(begin, end),
+                             p.dh.view().rows(begin, end), w.lm_head, grads.lm_head, loss_scale, overwrite_grads && begin == 0);
     }
   }
   rmsnorm_backward(dx, grads.final_norm, p.dh, p.x, w.final_norm, p.rstd);

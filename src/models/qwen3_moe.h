@@ -92,7 +92,6 @@ struct Qwen3MoeExpertActivations {
 struct Qwen3MoeEpilogActivations {
   Buffer x, h, rstd, logits, lse, token_loss;  // logits: empty when computed in chunks
   Buffer dh;  // the final norm's output gradient, when the forward ran the LM head's backward
-  bool logits_are_gradients = false;  // the kept logits hold their gradient (a training forward)
 };
 
 class Qwen3Moe {
@@ -213,12 +212,11 @@ class Qwen3Moe {
   // micro-batch stay whole in p.logits for the backward up to kWholeLogitsBytes; past that (long
   // sequences: 9.3 GiB at 32,768 tokens of Qwen3's vocabulary) they exist only one chunk of tokens
   // at a time. A training forward (grads given: the gradients, loss_scale and overwrite_grads of
-  // epilog_backward) turns the logits into their gradient in the cross-entropy's pass over them
-  // (cross_entropy_forward_backward) and, for chunks, runs each chunk's LM-head backward at once,
-  // the head's gradient and the rows of p.dh, so no chunk is computed twice; without grads
-  // (evaluation, or a caller that runs the backward later) the backward computes each chunk again
-  // (one more LM-head GEMM: +22 ms a step at 16,384 tokens, where keeping them whole costs 0.3 GiB
-  // of peak, so 16,384 keeps them). Either way the same bits.
+  // epilog_backward) then runs each chunk's backward at once, the LM head's gradient and the rows
+  // of p.dh, so no chunk is computed twice; without grads (evaluation, or a caller that runs the
+  // backward later) the backward computes each chunk again (one more LM-head GEMM: +22 ms a step
+  // at 16,384 tokens, where keeping them whole costs 0.3 GiB of peak, so 16,384 keeps them). Either
+  // way the same bits.
   static constexpr int64_t kWholeLogitsBytes = int64_t(8) << 30;
   // Tokens per logits chunk for a micro-batch of `tokens` (all of them when kept whole);
   // set_logits_chunk(n > 0) forces n (tests), 0 restores the rule above.

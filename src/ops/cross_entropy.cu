@@ -97,11 +97,12 @@ template <int N> __device__ __forceinline__ float pack_max(const Pack<N>& p) {
 // 16 bytes when V % 8 == 0), rescaling when the max grows, so the logits are read once and never
 // copied to f32. The states are merged in a fixed tree (butterfly within warps, then warp 0 over
 // the warps), so lse is deterministic. A target outside [0, V) other than the ignore index gives
-// a NaN loss (the GPU path does not check targets on the host). Row t's lse and loss; returns lse
-// to every thread of the block (the fused kernel's second pass needs it).
+// a NaN loss (the GPU path does not check targets on the host).
 template <int N>
-__device__ float row_forward(float* token_loss, float* lse, const bf16* row, const int32_t* targets, int64_t vocab, int64_t t) {
-  __shared__ float warp_m[kThreads / 32], warp_s[kThreads / 32], row_lse;
+__global__ void cross_entropy_forward_kernel(float* token_loss, float* lse, const bf16* logits, const int32_t* targets, int64_t vocab) {
+  __shared__ float warp_m[kThreads / 32], warp_s[kThreads / 32];
+  const int64_t t = blockIdx.x;
+  const bf16* row = logits + t * vocab;
   float m = -INFINITY, s = 0;
   // Unrolled so that a thread has several loads in flight (the sums keep their order).
 #pragma unroll 4
@@ -122,62 +123,37 @@ __device__ float row_forward(float* token_loss, float* lse, const bf16* row, con
     warp_s[warp] = s;
   }
   __syncthreads();
-  if (warp == 0) {
-    m = lane < kThreads / 32 ? warp_m[lane] : -INFINITY;
-    s = lane < kThreads / 32 ? warp_s[lane] : 0.0f;
-    for (int d = 16; d > 0; d /= 2) merge(m, s, __shfl_xor_sync(0xffffffffu, m, d), __shfl_xor_sync(0xffffffffu, s, d));
-    if (lane == 0) {
-      const float l = m + logf(s);
-      const int32_t target = targets[t];
-      lse[t] = l;
-      row_lse = l;
-      if (target == kIgnoreIndex) token_loss[t] = 0;
-      else token_loss[t] = 0 <= target && target < vocab ? l - float(row[target]) : NAN;
-    }
+  if (warp != 0) return;
+  m = lane < kThreads / 32 ? warp_m[lane] : -INFINITY;
+  s = lane < kThreads / 32 ? warp_s[lane] : 0.0f;
+  for (int d = 16; d > 0; d /= 2) merge(m, s, __shfl_xor_sync(0xffffffffu, m, d), __shfl_xor_sync(0xffffffffu, s, d));
+  if (lane == 0) {
+    const float l = m + logf(s);
+    const int32_t target = targets[t];
+    lse[t] = l;
+    if (target == kIgnoreIndex) token_loss[t] = 0;
+    else token_loss[t] = 0 <= target && target < vocab ? l - float(row[target]) : NAN;
   }
-  __syncthreads();
-  return row_lse;
 }
 
-template <int N>
-__global__ void cross_entropy_forward_kernel(float* token_loss, float* lse, const bf16* logits, const int32_t* targets, int64_t vocab) {
-  const int64_t t = blockIdx.x;
-  row_forward<N>(token_loss, lse, logits + t * vocab, targets, vocab, t);
-}
-
-// Row t's gradient, threads over its packs: dlogits = scale * exp(x - lse) - scale at the target,
+// One block per row, threads over its packs: dlogits = scale * exp(x - lse) - scale at the target,
 // elementwise. Each element is read and written by one thread, so dlogits may alias logits.
 template <int N>
-__device__ void row_backward(bf16* drow, const bf16* row, float l, int32_t target, int64_t vocab, float scale) {
+__global__ void cross_entropy_backward_kernel(bf16* dlogits, const bf16* logits, const float* lse, const int32_t* targets, int64_t vocab,
+                                float scale) {
+  const int64_t t = blockIdx.x;
+  const int32_t target = targets[t];
   const bool ignore = target == kIgnoreIndex, bad = !ignore && (target < 0 || target >= vocab);
+  const float l = lse[t];
   for (int64_t c = threadIdx.x; c < vocab / N; c += kThreads) {
-    const Pack<N> p = reinterpret_cast<const Pack<N>*>(row)[c];
+    const Pack<N> p = reinterpret_cast<const Pack<N>*>(logits + t * vocab)[c];
     Pack<N> o;
     for (int i = 0; i < N; ++i) {
       const float g = scale * expf(float(p.v[i]) - l) - (c * N + i == target ? scale : 0.0f);
       o.v[i] = bf16(ignore ? 0.0f : bad ? NAN : g);
     }
-    reinterpret_cast<Pack<N>*>(drow)[c] = o;
+    reinterpret_cast<Pack<N>*>(dlogits + t * vocab)[c] = o;
   }
-}
-
-template <int N>
-__global__ void cross_entropy_backward_kernel(bf16* dlogits, const bf16* logits, const float* lse, const int32_t* targets, int64_t vocab,
-                                float scale) {
-  const int64_t t = blockIdx.x;
-  row_backward<N>(dlogits + t * vocab, logits + t * vocab, lse[t], targets[t], vocab, scale);
-}
-
-// Both passes over row t, the gradient written over the logits. The launch gives each block more
-// shared memory than half an SM's, so one row per SM is in flight (132 rows of Qwen3's vocabulary:
-// ~40 MB, inside the H200's 50 MB L2) and the second pass reads the row from L2.
-constexpr int kFusedSharedBytes = 120 * 1024;
-template <int N>
-__global__ void cross_entropy_fused_kernel(float* token_loss, float* lse, bf16* logits, const int32_t* targets, int64_t vocab, float scale) {
-  const int64_t t = blockIdx.x;
-  bf16* row = logits + t * vocab;
-  const float l = row_forward<N>(token_loss, lse, row, targets, vocab, t);
-  row_backward<N>(row, row, l, targets[t], vocab, scale);
 }
 
 void launch_forward(Tensor token_loss, Tensor lse, Tensor logits, Tensor targets, Stream stream) {
@@ -191,22 +167,6 @@ void launch_forward(Tensor token_loss, Tensor lse, Tensor logits, Tensor targets
   else
     cross_entropy_forward_kernel<1>
         <<<unsigned(n), kThreads, 0, s>>>(token_loss.ptr<float>(), lse.ptr<float>(), x, targets.ptr<int32_t>(), vocab);
-  MARROW_CUDA_CHECK_LAUNCH();
-}
-
-void launch_fused(Tensor token_loss, Tensor lse, Tensor logits, Tensor targets, double scale, Stream stream) {
-  const int64_t n = logits.size(0), vocab = logits.size(1);
-  if (n == 0) return;
-  auto s = static_cast<cudaStream_t>(stream.handle);
-  const auto kernel = packable(vocab, {logits.data}) ? cross_entropy_fused_kernel<8> : cross_entropy_fused_kernel<1>;
-  static const bool sized = [] {
-    for (const auto k : {cross_entropy_fused_kernel<8>, cross_entropy_fused_kernel<1>})
-      MARROW_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kFusedSharedBytes));
-    return true;
-  }();
-  (void)sized;
-  kernel<<<unsigned(n), kThreads, kFusedSharedBytes, s>>>(token_loss.ptr<float>(), lse.ptr<float>(), static_cast<bf16*>(logits.data),
-                                                         targets.ptr<int32_t>(), vocab, float(scale));
   MARROW_CUDA_CHECK_LAUNCH();
 }
 
@@ -251,29 +211,6 @@ void cross_entropy_forward(Tensor token_loss, Tensor lse, Tensor logits, Tensor 
     using T = decltype(s);
     forward_cpu<T>(token_loss.ptr<T>(), lse.ptr<T>(), logits.ptr<T>(), targets.ptr<int32_t>(), n, vocab);
   });
-}
-
-void cross_entropy_forward_backward(Tensor token_loss, Tensor lse, Tensor logits, Tensor targets, double scale, Stream stream) {
-  const char* op = "cross_entropy_forward_backward";
-  MARROW_CHECK(logits.ndim == 2, "{}: logits must be [tokens, vocab], got {}", op, logits.shape_string());
-  if (common_device(op, {{"logits", &logits}, {"token_loss", &token_loss}, {"lse", &lse}, {"targets", &targets}}) ==
-      Device::cuda) {
-    const int64_t n = logits.size(0);
-    expect_shape(op, "targets", targets, {n});
-    expect_shape(op, "token_loss", token_loss, {n});
-    expect_shape(op, "lse", lse, {n});
-    expect_dtype(op, "targets", targets, DType::i32);
-    expect_dtype(op, "logits", logits, DType::bf16);
-    expect_dtype(op, "token_loss", token_loss, DType::f32);
-    expect_dtype(op, "lse", lse, DType::f32);
-#ifdef __CUDACC__
-    return launch_fused(token_loss, lse, logits, targets, scale, stream);
-#else
-    no_cuda_kernel(op);
-#endif
-  }
-  cross_entropy_forward(token_loss, lse, logits, targets, stream);
-  cross_entropy_backward(logits, logits, lse, targets, scale, stream);
 }
 
 void cross_entropy_backward(Tensor dlogits, Tensor logits, Tensor lse, Tensor targets, double scale, Stream stream) {

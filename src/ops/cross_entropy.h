@@ -23,11 +23,4 @@ void cross_entropy_forward(Tensor token_loss, Tensor lse, Tensor logits, Tensor 
 void cross_entropy_backward(Tensor dlogits, Tensor logits, Tensor lse, Tensor targets, double scale,
                             Stream stream = {});
 
-// Both in one pass over each row, for training: token_loss and lse as the forward's, then the
-// logits overwritten by their gradient as the backward's (the same bits as the two calls). On the
-// GPU each row's second read comes from L2 (one row per SM at a time), so the logits cross memory
-// once each way instead of reading them twice.
-void cross_entropy_forward_backward(Tensor token_loss, Tensor lse, Tensor logits, Tensor targets, double scale,
-                                    Stream stream = {});
-
 }  // namespace marrow
