@@ -33,6 +33,74 @@ TEST(DualPipeV, ChunksPutTheRemainderOnInteriorChunks) {
   EXPECT_THROW(pipeline_chunks(3, 2), Error);
 }
 
+TEST(DualPipeV, ChunksFromLayerCountsAndTheirCosts) {
+  const std::vector<PipelineChunk> c = pipeline_chunks(std::vector<int64_t>{2, 1, 1, 3});
+  ASSERT_EQ(c.size(), 4u);
+  EXPECT_EQ(c[0].first, -1);
+  EXPECT_EQ(c[0].last, 1);
+  EXPECT_EQ(c[1].first, 2);
+  EXPECT_EQ(c[2].first, 3);
+  EXPECT_EQ(c[3].first, 4);
+  EXPECT_EQ(c[3].last, 7);  // the epilog of 7 layers
+  EXPECT_EQ(chunk_layer_counts(c, 7), (std::vector<int64_t>{2, 1, 1, 3}));
+  // Stage costs -1 .. 7: the prolog 0.5, layer l costs l + 1 forward, the epilog 10.
+  std::vector<ChunkCost> stage{{0.5, 0.5, 0}};
+  for (int64_t l = 0; l < 7; ++l) stage.push_back({double(l + 1), 2.0 * double(l + 1), 1});
+  stage.push_back({10, 20, 0});
+  const std::vector<ChunkCost> cost = chunk_costs(c, stage);
+  EXPECT_DOUBLE_EQ(cost[0].forward, 0.5 + 1 + 2);
+  EXPECT_DOUBLE_EQ(cost[1].backward, 6);
+  EXPECT_DOUBLE_EQ(cost[3].forward, 5 + 6 + 7 + 10);
+  EXPECT_DOUBLE_EQ(cost[3].weights, 3);
+}
+
+// Stage costs of `layers` equal decoder layers (forward 1, backward 1, weights 1) between a free
+// prolog and an epilog of `head` layers' work.
+std::vector<ChunkCost> uniform_stages(int64_t layers, double head) {
+  std::vector<ChunkCost> stage{{0, 0, 0}};
+  for (int64_t l = 0; l < layers; ++l) stage.push_back({1, 1, 1});
+  stage.push_back({head, 2 * head, 0});
+  return stage;
+}
+
+TEST(DualPipeV, BalancedLayersMoveWorkOffTheLmHeadsRank) {
+  for (int64_t n : {4, 8, 16}) {
+    // Nothing at the ends: the even split is already the best the moves find.
+    EXPECT_EQ(balanced_chunk_layers(2, n, uniform_stages(16, 0)), (std::vector<int64_t>{4, 4, 4, 4})) << n;
+    // A head of 2.5 layers (the bench model's, docs/performance.md): rank 0 (chunks 0 and 3) gives
+    // up layers and the simulated step is shorter than the even split's.
+    const std::vector<ChunkCost> stage = uniform_stages(16, 2.5);
+    const std::vector<int64_t> layers = balanced_chunk_layers(2, n, stage);
+    EXPECT_LT(layers[0] + layers[3], 8) << n;
+    EXPECT_EQ(layers[0] + layers[1] + layers[2] + layers[3], 16);
+    const double even = simulate_dualpipev(2, n, chunk_costs(pipeline_chunks(16, 2), stage)).makespan;
+    const double balanced = simulate_dualpipev(2, n, chunk_costs(pipeline_chunks(layers), stage)).makespan;
+    EXPECT_LT(balanced, even * 0.97) << n;
+  }
+  // Each chunk keeps at least one layer however heavy the head.
+  for (int64_t count : balanced_chunk_layers(2, 4, uniform_stages(4, 100))) EXPECT_GE(count, 1);
+}
+
+TEST(DualPipeV, PipelineLayersSettingChoosesTheChunks) {
+  const std::vector<ChunkCost> stage = uniform_stages(16, 2.5);
+  EXPECT_EQ(chunk_layer_counts(chosen_pipeline_chunks("even", 16, 2, 8, stage), 16), (std::vector<int64_t>{4, 4, 4, 4}));
+  EXPECT_EQ(chunk_layer_counts(chosen_pipeline_chunks("auto", 16, 2, 8, stage), 16), balanced_chunk_layers(2, 8, stage));
+  EXPECT_EQ(chunk_layer_counts(chosen_pipeline_chunks("3,5,5,3", 16, 2, 8, stage), 16), (std::vector<int64_t>{3, 5, 5, 3}));
+  auto error = [&](const std::string& setting, int64_t pp) {
+    try {
+      chosen_pipeline_chunks(setting, 16, pp, 8, stage);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_EQ(error("3,5,5", 2),
+            "parallel.pp_layers = '3,5,5' gives 3 chunks of 13 layers in all; parallel.pp = 2 needs 4 chunks and the model has 16 decoder layers");
+  EXPECT_NE(error("3,5,5,4", 2).find("gives 4 chunks of 17 layers in all"), std::string::npos);
+  EXPECT_NE(error("3,0,8,5", 2).find("must be auto, even or a comma-separated list"), std::string::npos);
+  EXPECT_NE(error("auto", 9).find("cuts the model into 18 pipeline chunks but it has only 16 decoder layers"), std::string::npos);
+}
+
 TEST(DualPipeV, OnePipelineRankPairsTheTwoChunks) {
   EXPECT_EQ(describe_order(dualpipev_order(1, 0, 2)), "F0.0 F1.0 F0.1 B1.0 FB1.1/0.0 B1.1 B0.1w W0.1");
   EXPECT_EQ(describe_order(dualpipev_order(1, 0, 4)),

@@ -49,7 +49,7 @@ struct SmallTable {
     specs.push_back({name, {numel}, offset, numel, norm, expert, expert, layer});
   }
   EstimatedModel model() const {
-    return {"small", specs, 2, 4, 2, 2, [](int64_t, int64_t, int64_t) { return ModelActivationBytes{}; }};
+    return {"small", specs, 2, 4, 2, 2, 4, [](int64_t, int64_t, int64_t) { return ModelActivationBytes{}; }};
   }
 };
 
@@ -113,6 +113,26 @@ TEST(MemoryEstimate, ExpertUnitsShardOverFewerProcesses) {
   const MemoryBill bill = small_bill(rc, t, 4, Device::cuda);
   EXPECT_EQ(item(bill, "fp32 master weights"), 4 * 21);
   EXPECT_EQ(item(bill, "bf16 gathered layer slots"), 2 * 2 * (8 + 10));
+}
+
+// DualPipeV's stage costs: work per token over the rates of the H200 (memory_estimate.cpp); the
+// small table's numbers by hand. Layer l: dense 7, experts 2 x 5 with top-2 of 2 (all active),
+// attention 2 x seq_len x width = 2 x 8 x 4; the head 10 at the head's rate; the prolog free.
+TEST(MemoryEstimate, PipelineStageCostsFollowTheMeasuredRates) {
+  const SmallTable t;
+  RunConfig rc = small_run();
+  rc.seq_len = 8;
+  const std::vector<ChunkCost> cost = pipeline_stage_costs(rc, t.model(), mesh_shape(1, 1, 1, 1, 0));
+  ASSERT_EQ(cost.size(), 4u);
+  EXPECT_DOUBLE_EQ(cost[0].forward + cost[0].backward + cost[0].weights, 0.0);
+  const double d = 2.0 * 7 / 414, x = 2.0 * 10 / 414, a = 2.0 * 8 * 4 / 420;
+  for (size_t l : {1, 2}) {
+    EXPECT_DOUBLE_EQ(cost[l].forward, d + x + a);
+    EXPECT_DOUBLE_EQ(cost[l].backward, 2 * d + x + 2 * a);
+    EXPECT_DOUBLE_EQ(cost[l].weights, x);
+  }
+  EXPECT_DOUBLE_EQ(cost[3].forward, 2.0 * 10 / 686);
+  EXPECT_DOUBLE_EQ(cost[3].backward, 4.0 * 10 / 686);
 }
 
 Qwen3MoeConfig bench_config() { return Qwen3MoeConfig::load(MARROW_SOURCE_DIR "/configs/bench-moe.json"); }

@@ -127,5 +127,13 @@ TEST(RunConfig, ParallelSizesMustBePositive) {
   EXPECT_EQ(parse_error({"--parallel.ep=2", "--parallel.overlap_grad_reduce=false"}), "no error");
 }
 
+TEST(RunConfig, PipelineLayersAreAutoEvenOrAListOfCounts) {
+  for (const char* good : {"--parallel.pp_layers=auto", "--parallel.pp_layers=even", "--parallel.pp_layers=3,5,5,3", "--parallel.pp_layers=12"})
+    EXPECT_EQ(parse_error({good}), "no error") << good;
+  for (const char* bad : {"--parallel.pp_layers=3;5", "--parallel.pp_layers=3,0,5", "--parallel.pp_layers=3,,5", "--parallel.pp_layers=balanced",
+                          "--parallel.pp_layers=-1,5"})
+    EXPECT_NE(parse_error({bad}).find("must be auto, even or a comma-separated list of layer counts"), std::string::npos) << bad;
+}
+
 }  // namespace
 }  // namespace marrow

@@ -14,7 +14,8 @@
 #     orders' losses bit for bit.
 # pp: PP = 2 on the 16-layer bench model (does not fit one H200), 8 micro-batches: tokens/s per GPU,
 #     peak against marrow estimate, the GPU's idle share from the trace against the simulated bubble,
-#     losses falling.
+#     losses falling; then the even split of layers (parallel.pp_layers = even) against the default
+#     balanced one, tokens/s of each against the estimate's simulated ratio.
 # Ends with PASS or FAIL.
 set -uo pipefail
 out=${1:-$OUT}
@@ -83,7 +84,7 @@ if [ "$what" = pp ] || [ "$what" = all ]; then
   build-gpu/marrow estimate "${pp[@]:0:2}" --model.config=configs/bench-moe-16.json --parallel.pp=2 --train.global_batch=8 \
     --train.micro_batch=1 --world=2 \
     > "$out/pp2-estimate.log" 2>&1 || fail "estimate"
-  grep -E "trainer's peak|bubble|layers per chunk|peak live" "$out/pp2-estimate.log"
+  grep -E "trainer's peak|bubble|layers per chunk|peak live|against the even split" "$out/pp2-estimate.log"
   # Rank 0 traces: its idle share is the one to hold against the simulated rank 0's.
   run "PP = 2, 16 layers (DualPipeV), 8 micro-batches" "$out/pp2-16layers.log" "${pp[@]}" --profile-steps=6:6 --output.dir=runs/pipe-pp2
   python3 - runs/pipe-pp2/bench/metrics.jsonl <<'PY' | tee -a "$out/summary.log" || fail "PP = 2: losses do not fall"
@@ -92,6 +93,8 @@ losses = [json.loads(l)["loss"] for l in open(sys.argv[1])]
 print(f"PP = 2, 16 layers: {len(losses)} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}")
 sys.exit(0 if len(losses) >= 10 and losses[-1] < losses[0] else 1)
 PY
+  run "PP = 2, 16 layers, the even split (parallel.pp_layers = even)" "$out/pp2-16layers-even.log" "${pp[@]}" --parallel.pp_layers=even \
+    --output.dir=runs/pipe-pp2-even
 fi
 
 if [ $status -eq 0 ]; then echo PASS | tee -a "$out/summary.log"; else echo FAIL | tee -a "$out/summary.log"; fi

@@ -407,7 +407,7 @@ namespace {
 MemoryBill rank_bill(const RunConfig& rc, const EstimatedModel& m, const MeshShape& mesh, ShardGroups groups, Device device, int64_t rank) {
   const bool pipelined = rc.uses_dualpipev();
   const int64_t micro_batches = std::max<int64_t>(1, rc.global_batch / (rc.micro_batch * mesh.data_parallel()));
-  const std::vector<PipelineChunk> chunks = pipelined ? pipeline_chunks(m.num_layers, mesh.pp) : std::vector<PipelineChunk>{};
+  const std::vector<PipelineChunk> chunks = pipelined ? pipeline_layout(rc, m, mesh) : std::vector<PipelineChunk>{};
   const std::vector<int64_t> held = pipelined ? held_stage_chunks(chunks, m.num_layers, rank) : std::vector<int64_t>(size_t(m.num_layers + 2), 0);
   const bool keep_gathered = rc.keep_gathered || pipelined, keep_whole_grads = rc.keep_whole_grads || pipelined;
   MemoryBill bill;
@@ -449,32 +449,57 @@ MemoryBill estimate_memory(const RunConfig& rc, const EstimatedModel& m, const M
   return largest;
 }
 
-std::string pipeline_report(const RunConfig& rc, const EstimatedModel& m, const MeshShape& mesh) {
-  const int64_t micro_batches = rc.global_batch / (rc.micro_batch * mesh.data_parallel());
-  const std::vector<PipelineChunk> chunks = pipeline_chunks(m.num_layers, mesh.pp);
-  // Matmul work per token of each stage, in active parameters (dense, and the top-k experts' share).
+std::vector<ChunkCost> pipeline_stage_costs(const RunConfig& rc, const EstimatedModel& m, const MeshShape& mesh) {
+  // Rates of the bench model's step on one H200 (docs/performance.md, "DualPipeV's layer partition"):
+  // a decoder layer's matmuls with all that runs around them (norms, router, dispatch, combine),
+  // causal attention, and the LM head with the loss. The head's GEMMs are large and run near
+  // cuBLAS's best, so by work alone it would look twice as heavy as it is.
+  constexpr double kLayerTflops = 414, kAttentionTflops = 420, kHeadTflops = 686;
   std::vector<double> dense(size_t(m.num_layers + 2), 0), experts(size_t(m.num_layers + 2), 0);
   for (const TensorSpec& s : m.specs)
     if (!s.is_norm && s.layer >= 0) (s.is_expert ? experts : dense)[size_t(s.layer + 1)] += double(s.numel);
+  // The specs hold this process's experts: a token's top-k fall on them with this share.
   const double active_share = double(m.top_k * mesh.ep) / double(m.num_experts);
-  std::vector<ChunkCost> cost;
-  for (const PipelineChunk& c : chunks) {
-    ChunkCost k{0, 0, 0};
-    for (int64_t stage = std::max<int64_t>(c.first, 0); stage <= c.last; ++stage) {
-      const double d = dense[size_t(stage + 1)], x = experts[size_t(stage + 1)] * active_share;
-      k.forward += d + x;
-      k.backward += d + x + d;  // input gradients, and the dense weight gradients computed inline
-      k.weights += x;           // the expert weight gradients a W may take later
-    }
-    cost.push_back(k);
+  // Causal attention per token: 2 S x width multiply-adds forward, twice that backward.
+  const double attention = 2.0 * double(rc.seq_len) * double(m.attention_width);
+  std::vector<ChunkCost> cost(size_t(m.num_layers + 2), ChunkCost{0, 0, 0});  // the prolog's embedding gather: ~0
+  for (int64_t layer = 0; layer < m.num_layers; ++layer) {
+    const double d = 2 * dense[size_t(layer + 1)] / kLayerTflops, x = 2 * experts[size_t(layer + 1)] * active_share / kLayerTflops;
+    // backward: input gradients, and the dense weight gradients computed inline; weights: the
+    // expert weight gradients a W may take later.
+    cost[size_t(layer + 1)] = {d + x + attention / kAttentionTflops, d + x + d + 2 * attention / kAttentionTflops, x};
   }
-  double smallest = cost.front().forward;
-  for (const ChunkCost& k : cost) smallest = std::min(smallest, k.forward);
-  for (ChunkCost& k : cost) k = {k.forward / smallest, k.backward / smallest, k.weights / smallest};  // the lightest forward is 1
+  const double head = 2 * dense.back() / kHeadTflops;
+  cost.back() = {head, 2 * head, 0};
+  return cost;
+}
+
+std::vector<PipelineChunk> pipeline_layout(const RunConfig& rc, const EstimatedModel& m, const MeshShape& mesh) {
+  const int64_t micro_batches = rc.global_batch / (rc.micro_batch * mesh.data_parallel());
+  return chosen_pipeline_chunks(rc.pp_layers, m.num_layers, mesh.pp, micro_batches, pipeline_stage_costs(rc, m, mesh));
+}
+
+namespace {
+
+std::string layer_list(const std::vector<PipelineChunk>& chunks, int64_t num_layers) {
+  return fmt::format("{}", fmt::join(chunk_layer_counts(chunks, num_layers), " "));
+}
+
+}  // namespace
+
+std::string pipeline_report(const RunConfig& rc, const EstimatedModel& m, const MeshShape& mesh) {
+  const int64_t micro_batches = rc.global_batch / (rc.micro_batch * mesh.data_parallel());
+  const std::vector<PipelineChunk> chunks = pipeline_layout(rc, m, mesh), even = pipeline_chunks(m.num_layers, mesh.pp);
+  const std::vector<ChunkCost> stage_cost = pipeline_stage_costs(rc, m, mesh);
+  const std::vector<ChunkCost> cost = chunk_costs(chunks, stage_cost);
   const PipelineSimulation sim = simulate_dualpipev(mesh.pp, micro_batches, cost);
-  std::string out = fmt::format("DualPipeV: {} pipeline ranks, {} micro-batches per step; layers per chunk:", mesh.pp, micro_batches);
-  for (const PipelineChunk& c : chunks) out += fmt::format(" {}", c.layers(m.num_layers));
-  out += fmt::format("\nsimulated bubble: {:.1f}% of the step idle (costs: matmul work per chunk; no transfer time); per rank:", 100 * sim.bubble());
+  const PipelineSimulation even_sim = simulate_dualpipev(mesh.pp, micro_batches, chunk_costs(even, stage_cost));
+  std::string out = fmt::format("DualPipeV: {} pipeline ranks, {} micro-batches per step; layers per chunk: {} (parallel.pp_layers = {})",
+                                mesh.pp, micro_batches, layer_list(chunks, m.num_layers), rc.pp_layers);
+  out += fmt::format("\nsimulated step against the even split ({}): {:.3f}x its time", layer_list(even, m.num_layers),
+                     sim.makespan / even_sim.makespan);
+  out += fmt::format("\nsimulated bubble: {:.1f}% of the step idle (costs: work per stage at the H200's measured rates; no transfer time); per rank:",
+                     100 * sim.bubble());
   for (double busy : sim.busy) out += fmt::format(" {:.1f}%", 100 * (1 - busy / sim.makespan));
   out += "\npeak live micro-batch chunks per rank:";
   for (int64_t live : sim.peak_live) out += fmt::format(" {}", live);
@@ -490,7 +515,9 @@ std::string pipeline_report(const RunConfig& rc, const EstimatedModel& m, const 
   }
   out += "\n";
   for (int64_t r = 0; r < mesh.pp; ++r) out += fmt::format("schedule: pipeline rank {}: {}\n", r, describe_order(dualpipev_order(mesh.pp, r, micro_batches)));
-  return out + "timeline (6 columns = the lightest chunk's forward; blank: idle):\n" + draw_timeline(mesh.pp, micro_batches, sim, 6);
+  double lightest = cost.front().forward;
+  for (const ChunkCost& k : cost) lightest = std::min(lightest, k.forward);
+  return out + "timeline (6 columns = the lightest chunk's forward; blank: idle):\n" + draw_timeline(mesh.pp, micro_batches, sim, 6 / lightest);
 }
 
 LargestFit largest_fit(const RunConfig& rc, const EstimatedModel& m, const MeshShape& mesh, Device device, double gpu_bytes) {

@@ -28,6 +28,7 @@
 #include "core/tensor_spec.h"
 #include "engine/model.h"
 #include "engine/run_config.h"
+#include "parallel/dualpipev.h"
 #include "parallel/mesh.h"
 
 namespace marrow {
@@ -57,7 +58,7 @@ struct MemoryBill {
 struct EstimatedModel {
   std::string description;
   const std::vector<TensorSpec>& specs;
-  int64_t num_layers = 0, hidden_size = 0, top_k = 0, num_experts = 0;
+  int64_t num_layers = 0, hidden_size = 0, top_k = 0, num_experts = 0, attention_width = 0;
   std::function<ModelActivationBytes(int64_t, int64_t, int64_t)> activation_bytes;
 };
 
@@ -83,6 +84,11 @@ ShardGroups shard_groups(const MeshShape& mesh);
 // groups {1, 1} is the trainer before FSDP: every process holds whole copies of its tensors.
 MemoryBill estimate_memory(const RunConfig& rc, const EstimatedModel& model, const MeshShape& mesh, ShardGroups groups, Device device);
 LargestFit largest_fit(const RunConfig& rc, const EstimatedModel& model, const MeshShape& mesh, Device device, double gpu_bytes);
+// DualPipeV's cost of each stage (index stage + 1) per token, in time at rates measured on the
+// H200, and the chunks parallel.pp_layers asks for under those costs (the trainer's and the
+// estimate's partition: parallel/dualpipev.h's chosen_pipeline_chunks).
+std::vector<ChunkCost> pipeline_stage_costs(const RunConfig& rc, const EstimatedModel& model, const MeshShape& mesh);
+std::vector<PipelineChunk> pipeline_layout(const RunConfig& rc, const EstimatedModel& model, const MeshShape& mesh);
 // With DualPipeV: the chunks, each pipeline rank's order of work (as the trainer prints it with
 // parallel.print_schedule), and the simulated bubble and live activations (parallel/dualpipev.h).
 std::string pipeline_report(const RunConfig& rc, const EstimatedModel& model, const MeshShape& mesh);
@@ -101,7 +107,7 @@ auto with_estimated_model(const RunConfig& rc, const typename M::Config& config,
                   model.num_layers(), model.num_experts(), model.top_k(), M(config, DType::f32, Device::cpu).num_parameters() / 1e6,
                   model.num_parameters() / 1e6, local_experts);
   const EstimatedModel estimated{description, model.specs(), model.num_layers(), model.hidden_size(), model.top_k(), model.num_experts(),
-                                 [&](int64_t b, int64_t s, int64_t rows) { return model.activation_bytes(b, s, rows); }};
+                                 model.attention_width(), [&](int64_t b, int64_t s, int64_t rows) { return model.activation_bytes(b, s, rows); }};
   return f(estimated, mesh);
 }
 
@@ -110,6 +116,13 @@ template <MoeModel M>
 MemoryBill estimate_memory(const RunConfig& rc, const typename M::Config& config, int64_t world, Device device) {
   return with_estimated_model<M>(rc, config, world, device,
                                  [&](const EstimatedModel& m, const MeshShape& mesh) { return estimate_memory(rc, m, mesh, shard_groups(mesh), device); });
+}
+
+// The trainer's DualPipeV chunks for M under rc on `world` processes.
+template <MoeModel M>
+std::vector<PipelineChunk> pipeline_layout(const RunConfig& rc, const typename M::Config& config, int64_t world, Device device) {
+  return with_estimated_model<M>(rc, config, world, device,
+                                 [&](const EstimatedModel& m, const MeshShape& mesh) { return pipeline_layout(rc, m, mesh); });
 }
 
 template <MoeModel M>

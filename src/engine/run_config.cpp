@@ -113,6 +113,17 @@ const CLI::Validator kChangeList(
     },
     "");
 
+// parallel.pp_layers: auto, even, or a comma-separated list of positive layer counts (whether it
+// fits the model and parallel.pp is checked where both are known: parallel/dualpipev.h).
+const CLI::Validator kLayerCounts(
+    [](std::string& value) -> std::string {
+      static const std::regex counts("[1-9][0-9]{0,5}(,[1-9][0-9]{0,5})*");
+      return value == "auto" || value == "even" || std::regex_match(value, counts)
+                 ? ""
+                 : fmt::format("must be auto, even or a comma-separated list of layer counts such as 3,5,5,3, got '{}'", value);
+    },
+    "");
+
 [[noreturn]] void bad_profile_steps(int64_t steps, const std::string& got) {
   fail("--profile-steps must be A:B with 1 <= A <= B <= train.steps ({}), got '{}'", steps, got);
 }
@@ -203,6 +214,7 @@ void add_run_config_options(CLI::App& app, RunConfig& rc, std::string& profile_s
   app.add_option("--parallel.keep_whole_grads", rc.keep_whole_grads);
   app.add_option("--parallel.schedule", rc.pipeline_schedule)->check(CLI::IsMember({"auto", "sequential", "dualpipev"}));
   app.add_option("--parallel.print_schedule", rc.print_schedule);
+  app.add_option("--parallel.pp_layers", rc.pp_layers)->check(kLayerCounts);
   // Not a file key: a run's command line asks for a trace (both --profile-steps=A:B and --profile-steps A:B).
   app.add_option("--profile-steps", profile_steps, "a kernel trace of steps A:B (GPU)");
   app.add_flag("--quiet", rc.quiet, "no progress lines");

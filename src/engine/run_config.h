@@ -77,6 +77,9 @@ struct RunConfig {
   // reduces gradients once per step (keep_gathered and keep_whole_grads are implied).
   std::string pipeline_schedule = "auto";  // parallel.schedule
   bool print_schedule = false;  // print each pipeline rank's order of work in the first step
+  // DualPipeV's decoder layers per chunk: "auto" (the split whose simulated step is shortest,
+  // parallel/dualpipev.h), "even", or 2 x pp comma-separated counts.
+  std::string pp_layers = "auto";  // parallel.pp_layers
   bool uses_dualpipev() const { return pipeline_schedule == "dualpipev" || (pipeline_schedule == "auto" && pp > 1); }
   // --profile-steps A:B (engine/kernel_trace.h): a kernel trace of optimizer steps A..B (1-based,
   // inclusive) in output.dir; 0:0 traces nothing.

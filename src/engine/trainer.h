@@ -233,7 +233,7 @@ template <MoeModel M> struct TrainSetup {
         share(sequence_share(rc.seq_len, mesh.cp)),
         model(config, dtype, device, expert_shard(mesh, config.num_experts)),
         model_tensors(M(config, dtype, device).specs().size()),
-        chunks(rc.uses_dualpipev() ? pipeline_chunks(config.num_layers, mesh.shape.pp) : std::vector<PipelineChunk>{}),
+        chunks(rc.uses_dualpipev() ? pipeline_layout<M>(rc, config, mesh.world.size(), device) : std::vector<PipelineChunk>{}),
         state(model.specs(), model.num_layers(), held_stages(chunks, config.num_layers, mesh), mesh, rc.keep_gathered || rc.uses_dualpipev(),
               rc.keep_whole_grads || rc.uses_dualpipev(), !rc.bf16_weight_copy, device, dtype) {
     if (mesh.shape.ep > 1) experts.emplace(mesh.ep, config.num_experts);
@@ -299,6 +299,9 @@ template <MoeModel M> void print_setup(const TrainSetup<M>& s, const RunConfig& 
   std::printf("estimated peak%s: %.2f GiB (arenas %.2f GiB + activations at %s %.2f GiB)\n", s.mesh.world.size() > 1 ? " per process" : "",
               bill.trainer_peak() / 1073741824.0, (bill.bytes(BillGroup::state) + bill.bytes(BillGroup::weights)) / 1073741824.0,
               bill.activation_peak_at.c_str(), bill.bytes(BillGroup::activations) / 1073741824.0);
+  if (!s.chunks.empty())
+    std::printf("DualPipeV: %lld pipeline ranks, decoder layers per chunk %s (parallel.pp_layers = %s)\n", (long long)s.mesh.shape.pp,
+                fmt::format("{}", fmt::join(chunk_layer_counts(s.chunks, m.num_layers()), " ")).c_str(), rc.pp_layers.c_str());
   std::printf("data: %s, %lld training samples of %lld tokens; %lld steps x %lld sequences (micro-batch %lld%s%s)\n", rc.data_path.c_str(),
               (long long)data.train_samples(), (long long)rc.seq_len + 1, (long long)rc.steps, (long long)rc.global_batch,
               (long long)rc.micro_batch, s.mesh.shape.data_parallel() > 1 ? " per process" : "",

@@ -123,6 +123,8 @@ class Qwen3Moe {
   int64_t num_decayed_parameters() const { return num_decayed_; }
   // Active parameters per token (top-k experts of each layer, everything else), for FLOP counts.
   int64_t num_active_parameters() const;
+  // Query heads x head dim: causal attention's work per token is ~2 x sequence x this multiply-adds.
+  int64_t attention_width() const { return config_.num_heads * config_.head_dim; }
 
   // Views of the parameter table's tensors wherever the placement puts them (an arena, or the
   // buffers of fully sharded data parallelism).

@@ -28,16 +28,92 @@ std::vector<PipelineChunk> pipeline_chunks(int64_t num_layers, int64_t pp) {
   }
   order.push_back(0);
   for (size_t i = 0; extra > 0; ++i, --extra) ++layers[size_t(order[i])];
+  return pipeline_chunks(layers);
+}
+
+std::vector<PipelineChunk> pipeline_chunks(const std::vector<int64_t>& layers) {
   std::vector<PipelineChunk> out;
   int64_t next = 0;
-  for (int64_t c = 0; c < chunks; ++c) {
-    PipelineChunk chunk{next, next + layers[size_t(c)] - 1};
+  for (size_t c = 0; c < layers.size(); ++c) {
+    MARROW_CHECK(layers[c] >= 1, "internal: pipeline chunk {} would hold {} decoder layers", c, layers[c]);
+    PipelineChunk chunk{next, next + layers[c] - 1};
     next = chunk.last + 1;
     if (c == 0) chunk.first = -1;
-    if (c == chunks - 1) chunk.last = num_layers;
+    if (c + 1 == layers.size()) chunk.last = next;
     out.push_back(chunk);
   }
   return out;
+}
+
+std::vector<int64_t> chunk_layer_counts(const std::vector<PipelineChunk>& chunks, int64_t num_layers) {
+  std::vector<int64_t> out;
+  for (const PipelineChunk& c : chunks) out.push_back(c.layers(num_layers));
+  return out;
+}
+
+std::vector<ChunkCost> chunk_costs(const std::vector<PipelineChunk>& chunks, const std::vector<ChunkCost>& stage_cost) {
+  std::vector<ChunkCost> out;
+  for (const PipelineChunk& c : chunks) {
+    ChunkCost sum{0, 0, 0};
+    for (int64_t stage = c.first; stage <= c.last; ++stage) {
+      const ChunkCost& k = stage_cost.at(size_t(stage + 1));
+      sum = {sum.forward + k.forward, sum.backward + k.backward, sum.weights + k.weights};
+    }
+    out.push_back(sum);
+  }
+  return out;
+}
+
+std::vector<int64_t> balanced_chunk_layers(int64_t pp, int64_t micro_batches, const std::vector<ChunkCost>& stage_cost) {
+  const int64_t num_layers = int64_t(stage_cost.size()) - 2;
+  auto step_time = [&](const std::vector<int64_t>& layers) {
+    return simulate_dualpipev(pp, micro_batches, chunk_costs(pipeline_chunks(layers), stage_cost)).makespan;
+  };
+  std::vector<int64_t> best = chunk_layer_counts(pipeline_chunks(num_layers, pp), num_layers);
+  double best_time = step_time(best);
+  for (bool moved = true; moved;) {
+    moved = false;
+    std::vector<int64_t> round_best = best;
+    for (size_t from = 0; from < best.size(); ++from)
+      for (size_t to = 0; to < best.size(); ++to) {
+        if (from == to || best[from] == 1) continue;
+        std::vector<int64_t> trial = best;
+        --trial[from];
+        ++trial[to];
+        // A relative margin, so that rounding in the sums never makes two equal steps differ.
+        if (const double t = step_time(trial); t < best_time * (1 - 1e-9)) {
+          best_time = t;
+          round_best = trial;
+          moved = true;
+        }
+      }
+    best = round_best;
+  }
+  return best;
+}
+
+std::vector<PipelineChunk> chosen_pipeline_chunks(const std::string& pp_layers, int64_t num_layers, int64_t pp, int64_t micro_batches,
+                                                  const std::vector<ChunkCost>& stage_cost) {
+  if (pp_layers == "even") return pipeline_chunks(num_layers, pp);
+  if (pp_layers == "auto") {
+    pipeline_chunks(num_layers, pp);  // the one-sentence refusal of too few layers
+    return pipeline_chunks(balanced_chunk_layers(pp, micro_batches, stage_cost));
+  }
+  std::vector<int64_t> layers;
+  for (size_t start = 0; start <= pp_layers.size();) {
+    const size_t comma = std::min(pp_layers.find(',', start), pp_layers.size());
+    const std::string item = pp_layers.substr(start, comma - start);
+    MARROW_CHECK(!item.empty() && item.find_first_not_of("0123456789") == std::string::npos && item.size() <= 9 && std::stoll(item) >= 1,
+                 "parallel.pp_layers must be auto, even or a comma-separated list of layer counts of at least 1, got '{}'", pp_layers);
+    layers.push_back(std::stoll(item));
+    start = comma + 1;
+  }
+  int64_t sum = 0;
+  for (int64_t n : layers) sum += n;
+  MARROW_CHECK(int64_t(layers.size()) == 2 * pp && sum == num_layers,
+               "parallel.pp_layers = '{}' gives {} chunks of {} layers in all; parallel.pp = {} needs {} chunks and the model has {} decoder layers",
+               pp_layers, layers.size(), sum, pp, 2 * pp, num_layers);
+  return pipeline_chunks(layers);
 }
 
 std::vector<int64_t> held_stage_chunks(const std::vector<PipelineChunk>& chunks, int64_t num_layers, int64_t rank) {

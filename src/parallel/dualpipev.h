@@ -34,6 +34,10 @@ struct PipelineChunk {
 // the remainder going to the interior chunks first so the ends (embedding, LM head) are lighter.
 // One sentence when num_layers < 2 x pp.
 std::vector<PipelineChunk> pipeline_chunks(int64_t num_layers, int64_t pp);
+// The chunks holding layers[c] decoder layers each, in order (the prolog in the first, the epilog
+// in the last); every count at least 1.
+std::vector<PipelineChunk> pipeline_chunks(const std::vector<int64_t>& layers);
+std::vector<int64_t> chunk_layer_counts(const std::vector<PipelineChunk>& chunks, int64_t num_layers);
 
 // The chunk holding each stage (index stage + 1) that pipeline rank `rank` holds, -1 for the
 // stages of the other ranks.
@@ -69,6 +73,24 @@ struct PipelineSimulation {
   double bubble() const;                  // 1 - sum(busy) / (ranks x makespan)
   std::vector<std::vector<double>> start, end;  // per rank, per op of its order
 };
+
+// Each chunk's cost: the sum of its stages' (stage_cost[stage + 1], stages -1 .. num_layers).
+std::vector<ChunkCost> chunk_costs(const std::vector<PipelineChunk>& chunks, const std::vector<ChunkCost>& stage_cost);
+
+// Layers per chunk (2 x pp counts) for which the simulated step of `micro_batches` is shortest, for
+// stage costs as chunk_costs takes them. A local search from the even split: each round moves one
+// layer from one chunk to another (every pair tried, counts staying >= 1) where that shortens the
+// simulated step most, until no move does. A pure function of its arguments, so every rank and
+// `marrow estimate` find the same partition. Why not the even split: the LM head's chunk and the
+// embedding's are on pipeline rank 0, and the head alone costs about 2.5 decoder layers of the
+// bench model (docs/performance.md), so rank 1 idles a fifth of the step with equal layers.
+std::vector<int64_t> balanced_chunk_layers(int64_t pp, int64_t micro_batches, const std::vector<ChunkCost>& stage_cost);
+
+// The partition parallel.pp_layers asks for: "auto" (balanced_chunk_layers), "even"
+// (pipeline_chunks(num_layers, pp)) or a comma-separated list of 2 x pp layer counts that sum to
+// num_layers. One sentence for a list that does not fit the model or the pipeline.
+std::vector<PipelineChunk> chosen_pipeline_chunks(const std::string& pp_layers, int64_t num_layers, int64_t pp, int64_t micro_batches,
+                                                  const std::vector<ChunkCost>& stage_cost);
 
 // Runs every rank's dualpipev_order on an ideal machine: an op starts when its rank is free and the
 // activations or gradients it consumes exist (plus `hop` for one crossing a rank boundary); a

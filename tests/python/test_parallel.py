@@ -301,7 +301,7 @@ def test_pipeline(tmp):
     runs = {
         "one process": (0, ["--train.micro_batch=4"]),
         "one process, sequential": (0, ["--train.micro_batch=2", "--parallel.schedule=sequential"]),
-        "PP=1 (DualPipeV)": (0, ["--train.micro_batch=2", "--parallel.schedule=dualpipev"]),
+        "PP=1 (DualPipeV)": (0, ["--train.micro_batch=2", "--parallel.schedule=dualpipev", "--parallel.pp_layers=1,3"]),
         "PP=2": (2, ["--parallel.pp=2", "--train.micro_batch=2", "--parallel.print_schedule=true"]),
         "PP=2 x EP=2": (4, ["--parallel.pp=2", "--parallel.ep=2", "--train.micro_batch=1"]),
         "PP=2 x CP=2": (4, ["--parallel.pp=2", "--parallel.cp=2", "--train.micro_batch=2"]),
@@ -312,6 +312,13 @@ def test_pipeline(tmp):
     dirs, outs = train_runs(runs, strict, "pipe-", tmp, "4 layers")
     for name in ("PP=2", "PP=2 x EP=2", "PP=2 x CP=2"):
         compare_runs(f"{name} vs one process", dirs["one process"], dirs[name], 5)
+    # Uneven chunks across two pipeline ranks (4 layers allow only 1,1,1,1): a 6-layer model cut 2,1,2,1.
+    six_layers = [f"--model.config={all_experts_config(tmp, 6)}", *SMOOTH_OPTIMIZER, "--checkpoint.every=5"]
+    uneven = {"one process": (0, ["--train.micro_batch=4"]),
+              "PP=2, layers 2,1,2,1": (2, ["--parallel.pp=2", "--train.micro_batch=2", "--parallel.pp_layers=2,1,2,1"])}
+    six_dirs, six_outs = train_runs(uneven, six_layers, "pipe6-", tmp, "6 layers")
+    compare_runs("PP=2 with layers 2,1,2,1 vs one process", six_dirs["one process"], six_dirs["PP=2, layers 2,1,2,1"], 5)
+    check("decoder layers per chunk 2 1 2 1" in six_outs["PP=2, layers 2,1,2,1"], "the trainer prints the chunks it was given")
     same_bits("PP=1", dirs["one process, sequential"], dirs["PP=1 (DualPipeV)"])
     # With EP = 2 the overlapped pairs also move each dispatch plan behind the other micro-batch's stage. The weights
     # and moments stay bit for bit; the reported gradient norm differs in its last bits (~1e-15): the norms form one
@@ -325,6 +332,9 @@ def test_pipeline(tmp):
     check(len(printed) == 2 and printed == simulated,
           f"PP=2: the trainer's order of step 1 equals marrow estimate's simulated order ({len(printed)} and {len(simulated)} ranks)")
     check("bubble" in estimate.stdout, "marrow estimate prints the simulated bubble of PP=2")
+    check("layers per chunk: 1 1 1 1 (parallel.pp_layers = auto)" in estimate.stdout and
+          "decoder layers per chunk 1 1 1 1 (parallel.pp_layers = auto)" in outs["PP=2"],
+          "marrow estimate and the trainer print the same chunks")
     six = ["--train.micro_batch=4", "--train.steps=6", "--checkpoint.every=0"]
     code, _, _ = train(strict + six, 0, dirs["one process"])
     resumed = os.path.join(tmp, "pipe-resumed")
@@ -453,6 +463,8 @@ def test_bad_layouts(tmp):
         (3, ["--parallel.ep=3", "--train.micro_batch=1", "--train.global_batch=6"], "is not a multiple of parallel.ep"),
         (4, ["--parallel.ep=2", "--train.micro_batch=1", "--train.global_batch=6"], "is not a multiple of the 4 data-parallel processes"),
         (2, ["--parallel.cp=2", "--train.seq_len=30"], "train.seq_len (30) is not a multiple of 2 x parallel.cp = 4"),
+        (0, ["--parallel.schedule=dualpipev", "--train.micro_batch=2", "--parallel.pp_layers=1,2"],
+         "parallel.pp_layers = '1,2' gives 2 chunks of 3 layers in all; parallel.pp = 1 needs 2 chunks and the model has 2 decoder layers"),
     ]
     for np, args, sentence in cases:
         start = time.time()
