@@ -2,6 +2,7 @@
 
 #include <vector>
 
+#include "core/errors.h"
 #include "gradcheck.h"
 
 namespace marrow {
@@ -25,6 +26,18 @@ TEST(Dispatch, PlanOfHandMadeIndex) {
   dispatch_plan(offsets, rows, topk);
   EXPECT_EQ(contents(offsets), (std::vector<int32_t>{0, 3, 3, 5, 6}));
   EXPECT_EQ(contents(rows), (std::vector<int32_t>{3, 0, 1, 5, 4, 2}));
+}
+
+// Expert parallelism's receiver: -1 entries are copies another rank holds; they get no row.
+TEST(Dispatch, PlanSkipsAbsentCopies) {
+  Buffer topk = i32_buffer({3, 2}, {2, -1, -1, -1, 0, 2});
+  Buffer offsets(DType::i32, Device::cpu, {4}), rows(DType::i32, Device::cpu, {3, 2});
+  dispatch_plan(offsets, rows, topk);
+  EXPECT_EQ(contents(offsets), (std::vector<int32_t>{0, 1, 1, 3}));
+  EXPECT_EQ(contents(rows), (std::vector<int32_t>{1, -1, -1, -1, 0, 2}));
+  Buffer bad = i32_buffer({1, 2}, {0, -2});
+  Buffer rows1(DType::i32, Device::cpu, {1, 2});
+  EXPECT_THROW(dispatch_plan(offsets, rows1, bad), Error);
 }
 
 TEST(Dispatch, PlanOfSingleTokenWithTopKOfAllExperts) {
@@ -104,7 +117,7 @@ TEST(Dispatch, RejectsExpertOutsideRange) {
     dispatch_plan(offsets, rows, topk);
     FAIL() << "expected an error";
   } catch (const Error& e) {
-    EXPECT_STREQ(e.what(), "dispatch_plan: topk_index[1, 1] = 4 is outside [0, 4)");
+    EXPECT_STREQ(e.what(), "dispatch_plan: topk_index[1, 1] = 4 is neither -1 nor inside [0, 4)");
   }
 }
 

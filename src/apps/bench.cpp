@@ -302,22 +302,21 @@ void bench_kernels(bool attention_only) {
 // (dispatch and combine, forward and backward), against one row per routed expert; and the host
 // time of the dispatch plans.
 void print_expert_traffic(const std::vector<StepMetrics>& history, int64_t warmup, int64_t row_bytes, double step_ms) {
-  double rows = 0, copies = 0, plan_ms = 0, exchange_ms = 0, upload_ms = 0, dispatches = 0;
+  double rows = 0, copies = 0, plan_ms = 0, exchange_ms = 0, dispatches = 0;
   for (size_t i = size_t(warmup); i < history.size(); ++i) {
     rows += double(history[i].expert_traffic.remote_rows);
     copies += double(history[i].expert_traffic.remote_copies);
     plan_ms += history[i].expert_traffic.plan_ms;
     exchange_ms += history[i].expert_traffic.exchange_ms;
-    upload_ms += history[i].expert_traffic.upload_ms;
     dispatches += double(history[i].expert_traffic.dispatches);
   }
   const double steps = double(history.size() - size_t(warmup)), bytes = 4 * rows * double(row_bytes) / steps;
   std::printf("expert all-to-all per step (rank 0, 4 exchanges of rows): %.1f MB sent to other ranks, %.1f MB at one row per "
               "routed expert (deduplication saves %.1f%%); %.1f GB/s over the whole step\n",
               bytes / 1e6, 4 * copies * double(row_bytes) / steps / 1e6, 100 * (1 - rows / std::max(copies, 1.0)), bytes / (step_ms * 1e-3) / 1e9);
-  std::printf("expert-parallel plans per step (rank 0): %.0f, %.2f ms of host time from routing on the host to plan uploaded "
-              "(the GPU waits): %.2f ms in the MPI count and slot exchanges, %.2f ms uploading the plan\n",
-              dispatches / steps, plan_ms / steps, exchange_ms / steps, upload_ms / steps);
+  std::printf("expert-parallel plans per step (rank 0): %.0f, %.2f ms of host time from the counts on the host to the all-to-alls "
+              "queued (the GPU waits): %.2f ms in the MPI count exchange\n",
+              dispatches / steps, plan_ms / steps, exchange_ms / steps);
 }
 
 // The stages' own time in the `timed` steps after the measured ones (timing slows a step); what is

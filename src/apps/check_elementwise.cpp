@@ -16,6 +16,7 @@
 #include "ops/cross_entropy.h"
 #include "ops/dispatch.h"
 #include "ops/embedding.h"
+#include "ops/expert_sends.h"
 #include "ops/grad_norm.h"
 #include "ops/known_zero.h"
 #include "ops/rmsnorm.h"
@@ -368,8 +369,8 @@ void check_moe(CheckReport& report, int64_t n, int64_t e, int64_t k, int64_t h, 
 }
 
 // Expert indices outside [0, E) (-1 and E here): the GPU statistics count them for no expert, the
-// GPU plan with offsets on the host refuses them, and with offsets on the GPU leaves
-// expert_offsets[E] below the copy count.
+// GPU plan with offsets on the host refuses E, and with offsets on the GPU takes both as -1 (not
+// here): copy_row -1, expert_offsets[E] the other copies.
 void check_routing_outside(CheckReport& report, int64_t n, int64_t e, int64_t k) {
   const std::string size = fmt::format("T={} E={} K={}", n, e, k);
   Buffer topk_index(DType::i32, Device::cpu, {n, k});
@@ -400,13 +401,39 @@ void check_routing_outside(CheckReport& report, int64_t n, int64_t e, int64_t k)
   const int64_t valid = n * k - 2;
   report.add({"dispatch_plan offsets on the GPU: expert_offsets[E] = valid copies, indices outside [0, E) " + size,
               double(std::abs(last.ptr<int32_t>()[e] - valid)), 0, last.ptr<int32_t>()[e] == valid});
-  // The stable order with every index outside [0, E) counted as expert E: those copies take the
-  // last rows, in copy order.
-  Buffer bucketed(DType::i32, Device::cpu, {n, k}), expected(DType::i32, Device::cpu, {n, k});
-  Buffer expected_offsets(DType::i32, Device::cpu, {e + 2});
-  for (int64_t i = 0; i < n * k; ++i) bucketed.ptr<int32_t>()[i] = 0 <= idx[i] && idx[i] < e ? idx[i] : int32_t(e);
-  dispatch_plan(expected_offsets, expected, bucketed);
+  // The CPU plan with every index outside [0, E) as -1.
+  Buffer absent(DType::i32, Device::cpu, {n, k}), expected(DType::i32, Device::cpu, {n, k});
+  Buffer expected_offsets(DType::i32, Device::cpu, {e + 1});
+  for (int64_t i = 0; i < n * k; ++i) absent.ptr<int32_t>()[i] = 0 <= idx[i] && idx[i] < e ? idx[i] : -1;
+  dispatch_plan(expected_offsets, expected, absent);
   report.expect_equal("dispatch_plan copy_row on the GPU, indices outside [0, E) " + size, copy_row_d, expected);
+}
+
+// The sender's expert-parallel plan (ops/expert_sends.h) on the GPU against the CPU, bit for bit:
+// members and copies per member, each token's row per member (dispatch_plan over the members, -1
+// entries skipped), then the sent rows' slots; T tokens of top-K over E experts on P members.
+void check_expert_sends(CheckReport& report, int64_t n, int64_t e, int64_t k, int64_t members) {
+  const std::string size = fmt::format("T={} E={} K={} P={}", n, e, k, members);
+  const int64_t local = e / members;
+  Buffer topk_index = random_ids({n, k}, e, 91), owner(DType::i32, Device::cpu, {e});
+  for (int64_t x = 0; x < e; ++x) owner.ptr<int32_t>()[x] = int32_t(x / local);
+  OnDevice index_d(topk_index, DType::i32), owner_d(owner, DType::i32);
+  Buffer member_index(DType::i32, Device::cpu, {n, members}), copies(DType::i32, Device::cpu, {members});
+  Buffer member_index_d = poisoned(DType::i32, {n, members}), copies_d = poisoned(DType::i32, {members});
+  expert_send_members(member_index, copies, topk_index, owner);
+  expert_send_members(member_index_d, copies_d, index_d, owner_d);
+  report.expect_equal("expert_send_members member_index " + size, member_index_d, member_index);
+  report.expect_equal("expert_send_members copies " + size, copies_d, copies);
+  Buffer offsets(DType::i32, Device::cpu, {members + 1}), send_row(DType::i32, Device::cpu, {n, members});
+  Buffer offsets_d = poisoned(DType::i32, {members + 1}), send_row_d = poisoned(DType::i32, {n, members});
+  dispatch_plan(offsets, send_row, member_index);
+  dispatch_plan(offsets_d, send_row_d, member_index_d);
+  report.expect_equal("dispatch_plan of the members, offsets " + size, offsets_d, offsets);
+  report.expect_equal("dispatch_plan of the members, send_row " + size, send_row_d, send_row);
+  Buffer slots(DType::i32, Device::cpu, {n * members, k}), slots_d = poisoned(DType::i32, {n * members, k});
+  expert_send_slots(slots, topk_index, owner, send_row, local);
+  expert_send_slots(slots_d, index_d, owner_d, send_row_d, local);
+  report.expect_equal("expert_send_slots " + size, slots_d, slots);
 }
 
 // Expert parallelism: rank `rank` of `ranks` holds experts [rank * E / ranks, (rank + 1) * E / ranks)
@@ -659,6 +686,10 @@ void check_elementwise_ops(CheckReport& report) {
   check_routing_outside(report, 37, 8, 2);
   check_routing_outside(report, 37, 128, 8);
   check_routing_outside(report, 3001, 300, 6);  // the GPU plan's warps each take a run of copies
+  check_expert_sends(report, 37, 8, 2, 4);
+  check_expert_sends(report, 4096, 128, 8, 2);  // the bench routing with EP = 2 and 8
+  check_expert_sends(report, 4096, 128, 8, 8);
+  check_expert_sends(report, 1000, 64, 8, 64);  // the most members a token mask holds
   check_dispatch_rank(report, 37, 8, 2, 72, 4, 1, DType::bf16);
   check_dispatch_rank(report, 37, 8, 2, 75, 4, 1, DType::bf16);
   check_dispatch_rank(report, 37, 8, 8, 8, 2, 0, DType::f32);  // routing weights: H = K

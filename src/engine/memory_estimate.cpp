@@ -390,6 +390,10 @@ void check_global_batch(const RunConfig& rc, const MeshShape& mesh) {
                rc.source, rc.global_batch, mesh.data_parallel(), mesh.describe(), rc.micro_batch);
   MARROW_CHECK(rc.pipeline_schedule != "sequential" || mesh.pp == 1, "{}: parallel.schedule = sequential runs no pipeline; parallel.pp = {} needs dualpipev",
                rc.source, mesh.pp);
+  MARROW_CHECK(rc.pp_layers == "auto" || rc.uses_dualpipev(),
+               "{}: parallel.pp_layers = {} splits DualPipeV's chunks, but this run has none (it needs parallel.pp > 1 or parallel.schedule = "
+               "dualpipev)",
+               rc.source, rc.pp_layers);
   const int64_t micro_batches = rc.global_batch / round;
   MARROW_CHECK(!rc.uses_dualpipev() || micro_batches >= 2 * mesh.pp,
                "{}: DualPipeV needs at least 2 x parallel.pp = {} micro-batches per step, but train.global_batch / (train.micro_batch x {} "

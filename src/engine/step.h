@@ -138,7 +138,7 @@ template <MoeModel M> class ForwardPass {
         m_.attention_forward(s.attention, std::move(x_), batch_, lw);
         if (groups_.routing) groups_.routing->all_reduce_sum(s.attention.routing_stats, "load-balance statistics (all_reduce)");
         m_.add_aux_loss(mb_.aux_loss_total, s.attention);
-        if (groups_.experts) groups_.experts->read_routing(s.attention.topk_index);
+        if (groups_.experts) groups_.experts->plan_sends(s.route, s.attention.topk_index);
         break;
       }
       case 1: {
@@ -421,9 +421,9 @@ void weights_backward(MicroBatch<M>& mb, const M& m, const typename M::Weights& 
 
 // A forward and another micro-batch's backward, stage by stage: whichever of the two comes to an
 // exchange issues it first, so the exchange runs while the other's compute that follows it does.
-// A dispatch waits on the host for its routing and plans before it can issue its exchange: the
-// backward queues its stage first then, so the GPU computes it while the host plans, and the
-// exchange runs under the backward's next stage.
+// A dispatch waits on the host for its plan's counts (the all-to-alls' sizes) before it can issue
+// its exchange: the backward queues its stage first then, so the GPU computes it while the counts
+// come and the host trades them, and the exchange runs under the backward's next stage.
 template <MoeModel M> void forward_backward(ForwardPass<M>& f, BackwardPass<M>& b) {
   while (!f.done() || !b.done()) {
     const bool forward_first = b.done() || (!f.done() && f.next_communicates() && !f.next_plans());

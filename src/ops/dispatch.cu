@@ -24,11 +24,20 @@ namespace {
 
 void plan_cpu(int32_t* expert_offsets, int32_t* copy_row, const int32_t* topk_index, int64_t copies, int64_t experts) {
   std::vector<int32_t> next(experts + 1, 0);
-  for (int64_t i = 0; i < copies; ++i) ++next[topk_index[i] + 1];
+  for (int64_t i = 0; i < copies; ++i)
+    if (topk_index[i] >= 0) ++next[topk_index[i] + 1];
   for (int64_t e = 0; e < experts; ++e) next[e + 1] += next[e];
   for (int64_t e = 0; e <= experts; ++e) expert_offsets[e] = next[e];
   // Copies are visited in (token, slot) order, which is the order within each expert's block.
-  for (int64_t i = 0; i < copies; ++i) copy_row[i] = next[topk_index[i]]++;
+  for (int64_t i = 0; i < copies; ++i) copy_row[i] = topk_index[i] >= 0 ? next[topk_index[i]]++ : -1;
+}
+
+// Every entry of topk_index (read as rows of k) -1 (not here) or an expert in [0, experts).
+void expect_plan_indices(const char* op, const Tensor& topk_index, int64_t k, int64_t experts) {
+  const int32_t* idx = topk_index.ptr<int32_t>();
+  for (int64_t i = 0; i < topk_index.numel(); ++i)
+    MARROW_CHECK(-1 <= idx[i] && idx[i] < experts, "{}: topk_index[{}, {}] = {} is neither -1 nor inside [0, {})", op, i / k, i % k, idx[i],
+                 experts);
 }
 
 template <typename T>
@@ -79,8 +88,8 @@ template <typename T, int N> struct alignas(sizeof(T) * N < 16 ? sizeof(T) * N :
 };
 
 // The plan on the GPU: a stable counting sort of the copies (t * K + j) by bucket in one block, the
-// bucket of a copy its expert, or E for an index outside [0, E) (so those sort after every expert
-// and the plan's check finds offsets[E] < copies). Warp w takes the w-th of kPlanWarps contiguous
+// bucket of a copy its expert, or E for an index outside [0, E) (-1: not here), which gets
+// copy_row -1 and no row, so offsets[E] counts the copies that are here. Warp w takes the w-th of kPlanWarps contiguous
 // runs of copies, 32 at a time in copy order: lanes of equal bucket find each other
 // (__match_any_sync), so a copy's rank among its warp's copies of its bucket is the count before
 // the round plus its lower peers. Then the start of (warp w, bucket b) is the copies of buckets
@@ -153,7 +162,7 @@ __device__ void add_starts(int32_t* __restrict__ copy_row, const int32_t* mine, 
 #pragma unroll
     for (int r = 0; r < kPlanAhead; ++r) {
       const int i = base + 32 * r + lane;
-      if (i < end) copy_row[i] = mine[bucket[r]] + rank[r];
+      if (i < end) copy_row[i] = bucket[r] == e ? -1 : mine[bucket[r]] + rank[r];
     }
   }
 }
@@ -221,9 +230,9 @@ __global__ void dispatch_backward_kernel(T* dx, const T* dx_perm, const int32_t*
   }
 }
 
-// Returns whether every expert index was inside [0, E): those outside sort after E - 1.
-// Offsets in GPU memory are written there and not read back (no wait for the GPU): true then.
-bool launch_plan(Tensor expert_offsets, Tensor copy_row, Tensor topk_index, Stream stream) {
+// Offsets in GPU memory are written there and not read back (no wait for the GPU); offsets on the
+// host wait for the stream, and the indices are checked there.
+void launch_plan(Tensor expert_offsets, Tensor copy_row, Tensor topk_index, Stream stream) {
   const int64_t copies = topk_index.numel(), e = expert_offsets.size(0) - 1;
   auto s = static_cast<cudaStream_t>(stream.handle);
   const bool on_device = expert_offsets.device == Device::cuda;
@@ -245,10 +254,9 @@ bool launch_plan(Tensor expert_offsets, Tensor copy_row, Tensor topk_index, Stre
   } else {
     MARROW_CUDA_CHECK(cudaMemsetAsync(offsets.data, 0, offsets.bytes(), s));
   }
-  if (on_device) return true;
+  if (on_device) return;
   copy(expert_offsets, offsets, stream);  // waits for the stream: the offsets are wanted on the host
-  const int32_t* host = expert_offsets.ptr<int32_t>();
-  return host[0] == 0 && host[e] == copies;
+  expect_plan_indices("dispatch_plan", to_host(topk_index, stream), topk_index.size(1), e);
 }
 
 // kernel<T, 8> when rows are whole packs and every pointer is 16-byte aligned, else kernel<T, 1>.
@@ -281,15 +289,14 @@ void dispatch_plan(Tensor expert_offsets, Tensor copy_row, Tensor topk_index, St
   MARROW_CHECK(n * k <= std::numeric_limits<int32_t>::max(), "{}: {} token copies do not fit the i32 row indices", op, n * k);
   if (common_device(op, {{"topk_index", &topk_index}, {"copy_row", &copy_row}}) == Device::cuda) {
 #ifdef __CUDACC__
-    MARROW_CHECK(launch_plan(expert_offsets, copy_row, topk_index, stream), "{}: topk_index has entries outside [0, {})", op, e);
-    return;
+    return launch_plan(expert_offsets, copy_row, topk_index, stream);
 #else
     no_cuda_kernel(op);
 #endif
   }
   expect_device(op, "expert_offsets", expert_offsets, Device::cpu);
   (void)stream;
-  expect_indices_below(op, "topk_index", topk_index, e);
+  expect_plan_indices(op, topk_index, k, e);
   plan_cpu(expert_offsets.ptr<int32_t>(), copy_row.ptr<int32_t>(), topk_index.ptr<int32_t>(), n * k, e);
 }
 

@@ -21,8 +21,10 @@
 
 namespace marrow {
 
-// expert_offsets[E + 1] and copy_row[T, K] (both i32) from topk_index[T, K] (i32). An expert
-// index outside [0, E) is an error (not detected when expert_offsets is in GPU memory).
+// expert_offsets[E + 1] and copy_row[T, K] (both i32) from topk_index[T, K] (i32). An entry of -1
+// is a copy that is not here (expert parallelism's receiver, parallel/expert_parallel.h): it gets
+// copy_row -1 and no row, so expert_offsets[E] counts the other entries. Any other index outside
+// [0, E) is an error (not detected when expert_offsets is in GPU memory: it is taken as -1 there).
 void dispatch_plan(Tensor expert_offsets, Tensor copy_row, Tensor topk_index, Stream stream = {});
 
 // x_perm[copy_row[t, j]] = x[t] for every entry other than -1: x_perm[R, H] from x[T, H]. GPU: bf16

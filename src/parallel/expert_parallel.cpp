@@ -5,64 +5,14 @@
 
 #include "ops/combine.h"
 #include "ops/dispatch.h"
+#include "ops/expert_sends.h"
 #include "ops/init.h"
-
-#if MARROW_CUDA
-#include <cuda_runtime.h>
-
-#include "core/cuda_check.h"
-#endif
 
 namespace marrow {
 
 namespace {
 
 Buffer like(const Tensor& t, std::initializer_list<int64_t> dims) { return Buffer(t.dtype, t.device, dims); }
-
-// On the host: send_row [T, P] and the expert slots of each sent row, [sent, K], local to the
-// member it goes to (-1 where that slot's expert lives elsewhere); returns rows per member. owner[e]
-// is the member holding expert e (a table: integer division per copy was most of the plan's time).
-std::vector<int64_t> plan_sends(int32_t* send_row, std::vector<int32_t>& send_slots, const int32_t* topk_index, int64_t tokens,
-                                int64_t k, int64_t members, int64_t local_experts, const int32_t* owner) {
-  std::vector<int64_t> rows(size_t(members), 0);
-  for (int64_t t = 0; t < tokens; ++t) {
-    int32_t* row = send_row + t * members;
-    for (int64_t d = 0; d < members; ++d) row[d] = -1;
-    for (int64_t j = 0; j < k; ++j) row[owner[topk_index[t * k + j]]] = 0;
-    for (int64_t d = 0; d < members; ++d) rows[size_t(d)] += row[d] == 0;
-  }
-  std::vector<int64_t> next(size_t(members), 0);
-  for (int64_t d = 1; d < members; ++d) next[size_t(d)] = next[size_t(d - 1)] + rows[size_t(d - 1)];
-  send_slots.assign(size_t(next.back() + rows.back()) * size_t(k), -1);
-  for (int64_t t = 0; t < tokens; ++t) {
-    int32_t* row = send_row + t * members;
-    for (int64_t d = 0; d < members; ++d)
-      if (row[d] == 0) row[d] = int32_t(next[size_t(d)]++);
-    for (int64_t j = 0; j < k; ++j) {
-      const int32_t e = topk_index[t * k + j], d = owner[e];
-      send_slots[size_t(row[d] * k + j)] = int32_t(e - d * local_experts);
-    }
-  }
-  return rows;
-}
-
-// On the host: the received rows' copies grouped by local expert, in (row, slot) order within an
-// expert (a counting sort, as dispatch_plan does for one process); returns the number of copies.
-int64_t plan_copies(int32_t* expert_offsets, int32_t* copy_row, const int32_t* slots, int64_t rows, int64_t k, int64_t local_experts) {
-  std::vector<int32_t> next(size_t(local_experts) + 1, 0);
-  for (int64_t i = 0; i < rows * k; ++i)
-    if (slots[i] >= 0) ++next[size_t(slots[i]) + 1];
-  for (int64_t e = 0; e < local_experts; ++e) next[size_t(e) + 1] += next[size_t(e)];
-  std::copy(next.begin(), next.end(), expert_offsets);
-  for (int64_t i = 0; i < rows * k; ++i) copy_row[i] = slots[i] >= 0 ? next[size_t(slots[i])]++ : -1;
-  return expert_offsets[local_experts];
-}
-
-std::vector<int64_t> prefix_sums(const std::vector<int64_t>& counts) {
-  std::vector<int64_t> offsets(counts.size() + 1, 0);
-  std::partial_sum(counts.begin(), counts.end(), offsets.begin() + 1);
-  return offsets;
-}
 
 }  // namespace
 
@@ -73,56 +23,30 @@ ExpertParallel::ExpertParallel(const Comm& group, int64_t num_experts)
   for (int64_t e = 0; e < num_experts; ++e) owner_.push_back(int32_t(e / local_experts_));
 }
 
-void ExpertParallel::read_routing(Tensor topk_index) const {
-  MARROW_CHECK(topk_index.ndim == 2 && topk_index.dtype == DType::i32, "ExpertParallel::read_routing: topk_index must be [tokens, k] i32, got {} {}",
-               topk_index.shape_string(), dtype_name(topk_index.dtype));
-  const Tensor staged = host_.topk_index.tensor(DType::i32, {topk_index.size(0), topk_index.size(1)}, topk_index.device);
-  host_.routing_arrived = copy_to_host_async(staged, topk_index);
-  host_.routing = topk_index.data;
+Tensor ExpertParallel::owner_on(Device device) const {
+  if (owner_device_.view().data == nullptr || owner_device_.view().device != device) {
+    owner_device_ = Buffer(DType::i32, device, {num_experts_});
+    copy(owner_device_, Tensor(const_cast<int32_t*>(owner_.data()), DType::i32, Device::cpu, {num_experts_}));  // only read
+  }
+  return owner_device_.view();
 }
 
-void ExpertParallel::plan(ExpertRoute& route, Tensor topk_index, Device device) const {
+void ExpertParallel::plan_sends(ExpertRoute& route, Tensor topk_index) const {
+  MARROW_CHECK(topk_index.ndim == 2 && topk_index.dtype == DType::i32, "ExpertParallel::plan_sends: topk_index must be [tokens, k] i32, got {} {}",
+               topk_index.shape_string(), dtype_name(topk_index.dtype));
   const int64_t T = topk_index.size(0), K = topk_index.size(1), P = group_.size();
-  // Host arrays are reused from plan to plan: fresh ones of this size would be new pages, and page
-  // faults made the plan ~1 ms per layer on the GPU machine.
-  HostPlan& h = host_;
-  if (h.routing != topk_index.data) read_routing(topk_index);
-  h.routing = nullptr;
-  h.routing_arrived.wait();  // the GPU's queue after the router may still run
-  const auto start = std::chrono::steady_clock::now();
-  const int32_t* experts = h.topk_index.tensor(DType::i32, {T, K}, device).ptr<int32_t>();
-  for (int64_t i = 0; i < T * K; ++i) {
-    MARROW_CHECK(experts[i] >= 0 && experts[i] < num_experts_, "expert-parallel dispatch: topk_index holds expert {} outside [0, {})",
-                 experts[i], num_experts_);
-    route.remote_copies += owner_[size_t(experts[i])] != group_.rank();
-  }
-  const Tensor send_row = h.send_row.tensor(DType::i32, {T, P}, device);
-  route.send_rows = plan_sends(send_row.ptr<int32_t>(), h.send_slots, experts, T, K, P, local_experts_, owner_.data());
-  const auto exchange_start = std::chrono::steady_clock::now();
-  route.recv_rows = group_.exchange_counts(route.send_rows, "expert-parallel row counts (exchange_counts)");
-  route.sent = prefix_sums(route.send_rows).back();
-  route.remote_rows = route.sent - route.send_rows[size_t(group_.rank())];
-  traffic_.remote_rows += route.remote_rows;
-  traffic_.remote_copies += route.remote_copies;
-  ++traffic_.dispatches;
-  route.received = prefix_sums(route.recv_rows).back();
-  // The slots travel on the host: the receiver plans its grouped GEMM rows without waiting for its GPU.
-  h.recv_slots.resize(size_t(route.received * K));
-  group_.all_to_all_v(Tensor(h.recv_slots.data(), DType::i32, Device::cpu, {route.received, K}), route.recv_rows,
-                      Tensor(h.send_slots.data(), DType::i32, Device::cpu, {route.sent, K}), route.send_rows,
-                      "expert-parallel expert slots (all_to_all_v)");
-  traffic_.exchange_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - exchange_start).count();
-  route.expert_offsets = Buffer(DType::i32, Device::cpu, {local_experts_ + 1});
-  const Tensor copy_row = h.copy_row.tensor(DType::i32, {route.received, K}, device);
-  route.copies = plan_copies(route.expert_offsets.ptr<int32_t>(), copy_row.ptr<int32_t>(), h.recv_slots.data(), route.received, K, local_experts_);
-  const auto upload_start = std::chrono::steady_clock::now();
+  const Device device = topk_index.device;
+  const Tensor owner = owner_on(device);
+  route.counts = Buffer(DType::i32, device, {2 * P + 1});
+  const Tensor counts = route.counts.view();
+  Buffer member_index(DType::i32, device, {T, P});
+  expert_send_members(member_index, counts.rows(P + 1, 2 * P + 1), topk_index, owner);
   route.send_row = Buffer(DType::i32, device, {T, P});
-  route.copy_row = Buffer(DType::i32, device, {route.received, K});
-  copy(route.send_row, send_row);
-  copy(route.copy_row, copy_row);
-  const auto end = std::chrono::steady_clock::now();
-  traffic_.upload_ms += std::chrono::duration<double, std::milli>(end - upload_start).count();
-  traffic_.plan_ms += std::chrono::duration<double, std::milli>(end - start).count();
+  dispatch_plan(counts.rows(0, P + 1), route.send_row, member_index);
+  route.send_slots = Buffer(DType::i32, device, {T * P, K});
+  expert_send_slots(route.send_slots, topk_index, owner, route.send_row, local_experts_);
+  host_.arrived = copy_to_host_async(host_.counts.tensor(DType::i32, {2 * P + 1}, device), counts);
+  host_.planned = &route;
 }
 
 ExpertParallel::Exchange ExpertParallel::start_dispatch(ExpertRoute& route, Tensor x, Tensor topk_index, Tensor topk_weight) const {
@@ -132,21 +56,68 @@ ExpertParallel::Exchange ExpertParallel::start_dispatch(ExpertRoute& route, Tens
   const int64_t T = x.size(0), H = x.size(1), K = topk_index.size(1), P = group_.size();
   expect_shape(op, "topk_index", topk_index, {T, K});
   expect_shape(op, "topk_weight", topk_weight, {T, K});
-  plan(route, topk_index, x.device);
+  if (host_.planned != &route) plan_sends(route, topk_index);
+  host_.planned = nullptr;
+  host_.arrived.wait();  // the GPU's queue after the plan may still run
+  trade_counts(route);
   route.unit_weight = like(topk_weight, {T, P});
   fill_constant(route.unit_weight, 1.0);
   Exchange e{like(x, {route.sent, H}), like(topk_weight, {route.sent, K}), like(x, {route.received, H}), like(topk_weight, {route.received, K}), {}};
+  route.recv_slots = Buffer(DType::i32, x.device, {route.received, K});
   marrow::dispatch_forward(e.sent, x, route.send_row);
   marrow::dispatch_forward(e.sent_weights, topk_weight, route.send_row);
   group_.all_to_all_v(e.received, route.recv_rows, e.sent, route.send_rows, "expert-parallel dispatch of hidden states (all_to_all_v)", false);
   group_.all_to_all_v(e.received_weights, route.recv_rows, e.sent_weights, route.send_rows,
                       "expert-parallel dispatch of routing weights (all_to_all_v)", false);
+  group_.all_to_all_v(route.recv_slots, route.recv_rows, route.send_slots.view().rows(0, route.sent), route.send_rows,
+                      "expert-parallel expert slots (all_to_all_v)", false);
   e.done = group_.queued();
+  traffic_.plan_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - host_.counts_read).count();
   return e;
+}
+
+void ExpertParallel::trade_counts(ExpertRoute& route) const {
+  const int64_t P = group_.size();
+  host_.counts_read = std::chrono::steady_clock::now();
+  const int32_t* counts = host_.counts.tensor(DType::i32, {2 * P + 1}, route.counts.view().device).ptr<int32_t>();
+  // Rows and token copies to each member, as one integer each way: rows << 32 | copies.
+  std::vector<int64_t> packed(static_cast<size_t>(P));
+  route.send_rows.assign(size_t(P), 0);
+  route.remote_copies = 0;
+  for (int64_t d = 0; d < P; ++d) {
+    route.send_rows[size_t(d)] = counts[d + 1] - counts[d];
+    packed[size_t(d)] = route.send_rows[size_t(d)] << 32 | int64_t(counts[P + 1 + d]);
+    if (d != group_.rank()) route.remote_copies += counts[P + 1 + d];
+  }
+  const auto exchange_start = std::chrono::steady_clock::now();
+  const std::vector<int64_t> received = group_.exchange_counts(packed, "expert-parallel row and copy counts (exchange_counts)");
+  traffic_.exchange_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - exchange_start).count();
+  route.recv_rows.assign(size_t(P), 0);
+  route.copies = 0;
+  for (int64_t d = 0; d < P; ++d) {
+    route.recv_rows[size_t(d)] = received[size_t(d)] >> 32;
+    route.copies += received[size_t(d)] & 0xffffffff;
+  }
+  route.sent = std::accumulate(route.send_rows.begin(), route.send_rows.end(), int64_t(0));
+  route.received = std::accumulate(route.recv_rows.begin(), route.recv_rows.end(), int64_t(0));
+  route.remote_rows = route.sent - route.send_rows[size_t(group_.rank())];
+  traffic_.remote_rows += route.remote_rows;
+  traffic_.remote_copies += route.remote_copies;
+  ++traffic_.dispatches;
 }
 
 Buffer ExpertParallel::finish_dispatch(Exchange& e, ExpertRoute& route) const {
   group_.wait_for(e.done);
+  const Device device = e.received.view().device;
+  route.send_slots = Buffer{};
+  route.expert_offsets = Buffer(DType::i32, device, {local_experts_ + 1});
+  route.copy_row = Buffer(DType::i32, device, {route.received, route.recv_slots.view().size(1)});
+  dispatch_plan(route.expert_offsets, route.copy_row, route.recv_slots);
+  route.recv_slots = Buffer{};
+  if (device == Device::cpu)
+    MARROW_CHECK(route.expert_offsets.ptr<int32_t>()[local_experts_] == route.copies,
+                 "expert-parallel dispatch: {} expert copies arrived, the senders counted {}", route.expert_offsets.ptr<int32_t>()[local_experts_],
+                 route.copies);
   Buffer x_perm = like(e.received, {route.copies, e.received.view().size(1)});
   marrow::dispatch_forward(x_perm, e.received, route.copy_row);
   route.recv_weight = std::move(e.received_weights);

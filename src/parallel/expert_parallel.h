@@ -14,11 +14,14 @@
 // All of it is the dispatch and combine ops (ops/dispatch.h, ops/combine.h) twice: once with the P
 // members as the "slots" of a token (sender side), once with the local experts (receiver side),
 // with -1 marking a slot that is not there; plus four all-to-alls per direction. The plan (who
-// sends what where) is computed on the host from the routing, as the grouped GEMM needs the
-// per-expert row counts there anyway: one wait per layer for the routing (its copy queued early by
-// read_routing, so the GPU can run other work while the host waits and plans); the counts and the received
-// rows' expert slots travel over MPI, the rows themselves over NCCL.
+// sends what where) is computed where the routing is (ops/expert_sends.h, then dispatch_plan on
+// each side), queued by plan_sends as soon as the router is: only the 2P + 1 counts travel to the
+// host, which needs them to size the buffers and the all-to-alls (one wait per layer for those
+// counts, the GPU free to run other work meanwhile); the counts go to the other members over MPI;
+// the sent rows' expert slots travel with the rows over NCCL, and the receiver groups its copies
+// by local expert on the GPU, so the grouped GEMMs read their row blocks there.
 #pragma once
+#include <chrono>
 #include <cstdint>
 #include <utility>
 #include <vector>
@@ -28,17 +31,20 @@
 
 namespace marrow {
 
-// One layer's routing over the group for one micro-batch: made by dispatch_forward, read by the
-// other three, dropped with the micro-batch.
+// One layer's routing over the group for one micro-batch: made by plan_sends and dispatch_forward,
+// read by the other three, dropped with the micro-batch.
 struct ExpertRoute {
   // Sender side, T tokens.
   Buffer send_row;     // [T, P] i32: the token's row in the block sent to member d, or -1
+  Buffer send_slots;   // [T x P, K] i32: the sent rows' slots as local experts of their member (ops/expert_sends.h)
+  Buffer counts;       // [2P + 1] i32: the blocks' first rows (P + 1), then the token copies sent to each member (P)
   Buffer unit_weight;  // [T, P] ones: the sender adds the members' rows unweighted
   std::vector<int64_t> send_rows, recv_rows;  // rows to and from each member
   // Receiver side, R rows received in member order.
+  Buffer recv_slots;      // [R, K] i32: their slots as this member's local experts, or -1 (until finish_dispatch)
   Buffer recv_weight;     // [R, K] the routing weights of the received rows
   Buffer copy_row;        // [R, K] i32: row of slot j among this member's expert copies, or -1
-  Buffer expert_offsets;  // [local experts + 1] i32 on the host: the grouped GEMMs' row blocks
+  Buffer expert_offsets;  // [local experts + 1] i32, where the data is: the grouped GEMMs' row blocks
   int64_t sent = 0, received = 0, copies = 0;
   // Sent to other members: rows (deduplicated), and the token copies they stand for (what sending
   // one row per routed expert would move).
@@ -49,12 +55,11 @@ struct ExpertRoute {
 // combine each move them twice: forward and backward), for the bench's traffic figures.
 struct ExpertTraffic {
   int64_t remote_rows = 0, remote_copies = 0, dispatches = 0;
-  // Host time of the plans from the moment the routing reached the host to the upload of the
-  // plan, waiting for the peers' counts too: the GPU idles for it unless another micro-batch's
-  // compute was queued before the plan (engine/step.h's forward_backward).
+  // Host time of the plans from the moment the counts reached the host to the all-to-alls queued,
+  // waiting for the peers' counts too: the GPU idles for it unless another micro-batch's compute
+  // was queued before (engine/step.h's forward_backward).
   double plan_ms = 0;
-  double exchange_ms = 0;  // of which in the MPI exchanges (the peers' plans arriving)
-  double upload_ms = 0;    // and in copying the plan to the GPU
+  double exchange_ms = 0;  // of which in the MPI exchange (the peers' counts arriving)
 };
 
 class ExpertParallel {
@@ -75,15 +80,15 @@ class ExpertParallel {
     Comm::Point done;
   };
 
-  // Queues the copy of a layer's routing (topk_index [T, K] i32) to the host, which the plan of
-  // start_dispatch needs, and returns at once: called as soon as the router has been queued, it
-  // lets a schedule queue another micro-batch's compute before start_dispatch waits for the
-  // routing, so the GPU runs that compute while the host plans (engine/step.h).
-  void read_routing(Tensor topk_index) const;
+  // Queues the sender's plan of a layer's routing (topk_index [T, K] i32) into route and the copy
+  // of its counts to the host, which start_dispatch waits for, and returns at once: called as soon
+  // as the router has been queued, it lets a schedule queue another micro-batch's compute before
+  // start_dispatch waits, so the GPU runs that compute while the counts travel (engine/step.h).
+  void plan_sends(ExpertRoute& route, Tensor topk_index) const;
   // Stage 2 forward: from this member's x[T, H] and routing (topk_index [T, K] i32, topk_weight
-  // [T, K]), plans the route (from read_routing's copy of topk_index, or reading it now);
-  // finish_dispatch returns x_perm [copies, H], this member's expert inputs grouped by local
-  // expert (route.expert_offsets).
+  // [T, K]), trades the counts with the other members (after plan_sends, or planning now) and
+  // queues the all-to-alls; finish_dispatch returns x_perm [copies, H], this member's expert inputs
+  // grouped by local expert (route.expert_offsets).
   Exchange start_dispatch(ExpertRoute& route, Tensor x, Tensor topk_index, Tensor topk_weight) const;
   Buffer finish_dispatch(Exchange& exchange, ExpertRoute& route) const;
   // Stage 4 forward: out[T, H] = residual + sum over members of the weighted expert outputs they
@@ -100,22 +105,25 @@ class ExpertParallel {
   void finish_dispatch_backward(Tensor dx, Tensor dtopk_weight, Exchange& exchange, const ExpertRoute& route) const;
 
  private:
-  void plan(ExpertRoute& route, Tensor topk_index, Device device) const;
-  // The plan's host arrays, kept from one plan to the next (see plan()). The three that travel
-  // between host and GPU are page-locked, so neither copy waits for the GPU's queue; each is
-  // rewritten only after the copy that used it has run (the next plan waits for a routing that
-  // the GPU computes after the previous plan's uploads).
-  struct HostPlan {
-    PinnedHost topk_index, send_row, copy_row;
-    std::vector<int32_t> send_slots, recv_slots;
-    const void* routing = nullptr;  // the topk_index read_routing copied last, and when it arrives
-    StreamMark routing_arrived;
+  // The counts' page-locked host copy, one for all routes: one plan at a time is between
+  // plan_sends and start_dispatch (one forward's dispatch), and a later plan_sends overwrites it
+  // only after the start_dispatch that read it.
+  struct HostCounts {
+    PinnedHost counts;
+    const ExpertRoute* planned = nullptr;  // the route whose counts are on their way
+    StreamMark arrived;
+    std::chrono::steady_clock::time_point counts_read;  // when start_dispatch found them (ExpertTraffic::plan_ms)
   };
+  // From the counts on the host: route's rows and copies each way, over the group's MPI exchange.
+  void trade_counts(ExpertRoute& route) const;
+  // owner_ where the routing is (the first plan's device), for the plan's kernels.
+  Tensor owner_on(Device device) const;
   Comm group_;
   int64_t num_experts_, local_experts_;
   std::vector<int32_t> owner_;  // the member holding each expert
+  mutable Buffer owner_device_;
   mutable ExpertTraffic traffic_;
-  mutable HostPlan host_;
+  mutable HostCounts host_;
 };
 
 }  // namespace marrow

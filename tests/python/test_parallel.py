@@ -463,6 +463,7 @@ def test_bad_layouts(tmp):
         (3, ["--parallel.ep=3", "--train.micro_batch=1", "--train.global_batch=6"], "is not a multiple of parallel.ep"),
         (4, ["--parallel.ep=2", "--train.micro_batch=1", "--train.global_batch=6"], "is not a multiple of the 4 data-parallel processes"),
         (2, ["--parallel.cp=2", "--train.seq_len=30"], "train.seq_len (30) is not a multiple of 2 x parallel.cp = 4"),
+        (0, ["--parallel.pp_layers=even"], "parallel.pp_layers = even splits DualPipeV's chunks, but this run has none"),
         (0, ["--parallel.schedule=dualpipev", "--train.micro_batch=2", "--parallel.pp_layers=1,2"],
          "parallel.pp_layers = '1,2' gives 2 chunks of 3 layers in all; parallel.pp = 1 needs 2 chunks and the model has 2 decoder layers"),
     ]
