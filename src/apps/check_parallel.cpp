@@ -39,7 +39,8 @@ void check_exchange_counts(CheckReport& report, const Comm& group, const std::ve
 Buffer run_experts(Tensor rows, const ExpertRoute& route, int64_t first_expert) {
   Buffer host = to_host_f32(rows);
   const int64_t h = rows.ndim == 2 ? rows.size(1) : 0;
-  const int32_t* offsets = route.expert_offsets.ptr<int32_t>();
+  const Buffer offsets_on_host = to_host(route.expert_offsets);  // the plan keeps them where the routing is
+  const int32_t* offsets = offsets_on_host.ptr<int32_t>();
   for (int64_t e = 0; e + 1 < route.expert_offsets.numel(); ++e)
     for (int64_t r = offsets[e]; r < offsets[e + 1]; ++r)
       for (int64_t c = 0; c < h; ++c) host.ptr<float>()[r * h + c] *= float(scale_of(first_expert + e));
