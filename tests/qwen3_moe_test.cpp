@@ -161,6 +161,26 @@ TEST(Qwen3Moe, WholeModelGradientsMatchFiniteDifferences) {
   }
 }
 
+// The bench model's logits (Qwen3's vocabulary, bf16): up to 8 GiB (28,268 tokens) they stay whole;
+// longer sequences take the fewest even chunks of at most 2 GiB in whole multiples of 64 rows (each
+// chunk costs the LM head's f32 gradient one more read and write).
+TEST(Qwen3Moe, LogitsComeInTheFewestEvenChunksOfAtMostTwoGiB) {
+  const Qwen3Moe bench(Qwen3MoeConfig::load(MARROW_SOURCE_DIR "/configs/bench-moe.json"), DType::bf16, Device::cuda);
+  const int64_t row_bytes = 151936 * 2;
+  EXPECT_EQ(bench.logits_chunk(4096), 4096);
+  EXPECT_EQ(bench.logits_chunk(16384), 16384);
+  EXPECT_EQ(bench.logits_chunk(28268), 28268);
+  EXPECT_EQ(bench.logits_chunk(32768), 6592);  // 9.3 GiB: five chunks of 6,553.6 rows, rounded up
+  const int64_t most = 7040;                   // 2 GiB of rows, a multiple of 64
+  for (int64_t tokens : {28269, 32768, 45000, 131072}) {
+    const int64_t chunk = bench.logits_chunk(tokens), chunks = (tokens + chunk - 1) / chunk;
+    EXPECT_LE(chunk * row_bytes, Qwen3Moe::kLogitsChunkBytes) << tokens;
+    EXPECT_EQ(chunk % 64, 0) << tokens;
+    EXPECT_EQ(chunks, (tokens + most - 1) / most) << tokens;
+    EXPECT_LT(chunk * chunks - tokens, 64 * chunks) << tokens;  // even: no chunk more than 64 rows short
+  }
+}
+
 // Logits computed in chunks of tokens (long sequences), the backward computing each chunk again,
 // give the loss and gradients of whole logits: the same sums, the LM head's gradient added up over
 // the chunks in another order.

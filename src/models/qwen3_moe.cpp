@@ -432,8 +432,10 @@ int64_t Qwen3Moe::logits_chunk(int64_t tokens) const {
   if (forced_logits_chunk_ > 0) return std::min(tokens, forced_logits_chunk_);
   const int64_t row_bytes = config_.vocab_size * int64_t(dtype_size(dtype_));
   if (tokens * row_bytes <= kWholeLogitsBytes) return tokens;
-  // 512 MiB chunks, whole multiples of 64 rows (1,728 tokens of Qwen3's vocabulary in bf16).
-  return std::min(tokens, std::max<int64_t>(64, (int64_t(512) << 20) / row_bytes / 64 * 64));
+  // Whole multiples of 64 rows, so every chunk but the last keeps the GEMMs' tiles full.
+  const int64_t most = std::max<int64_t>(64, kLogitsChunkBytes / row_bytes / 64 * 64);
+  const int64_t chunks = (tokens + most - 1) / most;
+  return std::min(most, ((tokens + chunks - 1) / chunks + 63) / 64 * 64);
 }
 
 namespace {

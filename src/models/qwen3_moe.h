@@ -213,13 +213,17 @@ class Qwen3Moe {
   // Epilog: returns the sum of token losses over non-ignored targets (read when needed, core/host_sum.h). The LM head's logits of a
   // micro-batch stay whole in p.logits for the backward up to kWholeLogitsBytes; past that (long
   // sequences: 9.3 GiB at 32,768 tokens of Qwen3's vocabulary) they exist only one chunk of tokens
-  // at a time. A training forward (grads given: the gradients, loss_scale and overwrite_grads of
-  // epilog_backward) then runs each chunk's backward at once, the LM head's gradient and the rows
-  // of p.dh, so no chunk is computed twice; without grads (evaluation, or a caller that runs the
-  // backward later) the backward computes each chunk again (one more LM-head GEMM: +22 ms a step
-  // at 16,384 tokens, where keeping them whole costs 0.3 GiB of peak, so 16,384 keeps them). Either
-  // way the same bits.
+  // at a time, the fewest even chunks of at most kLogitsChunkBytes. A training forward (grads given:
+  // the gradients, loss_scale and overwrite_grads of epilog_backward) then runs each chunk's backward
+  // at once, the LM head's gradient and the rows of p.dh, so no chunk is computed twice; without
+  // grads (evaluation, or a caller that runs the backward later) the backward computes each chunk
+  // again. Either way the same logits; the head's gradient sums the chunks in order. Each chunk
+  // after the first reads and writes the head's f32 gradient once more (2.3 GiB of Qwen3's), so
+  // chunks are large, and 16,384 tokens (4.6 GiB) stay whole: on the H200 three chunks there saved
+  // 2.57 GiB of peak for +0.8% a step, and 2 GiB chunks at 32,768 ran 0.6% faster than 512 MiB ones
+  // (docs/performance.md, eighteenth session).
   static constexpr int64_t kWholeLogitsBytes = int64_t(8) << 30;
+  static constexpr int64_t kLogitsChunkBytes = int64_t(2) << 30;
   // Tokens per logits chunk for a micro-batch of `tokens` (all of them when kept whole);
   // set_logits_chunk(n > 0) forces n (tests), 0 restores the rule above.
   int64_t logits_chunk(int64_t tokens) const;
