@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <optional>
 #include <queue>
 #include <set>
 #include <unordered_map>
@@ -45,6 +46,97 @@ uint64_t pair_key(int32_t left, int32_t right) { return uint64_t(uint32_t(left))
 struct Word {
   std::vector<int32_t> symbols;
   int64_t count;
+};
+
+bool holds_pair(const std::vector<int32_t>& s, int32_t left, int32_t right) {
+  for (size_t i = 0; i + 1 < s.size(); ++i)
+    if (s[i] == left && s[i + 1] == right) return true;
+  return false;
+}
+
+// Replaces every (left, right) in the word by merged, left to right.
+void merge_pairs(std::vector<int32_t>& s, int32_t left, int32_t right, int32_t merged) {
+  size_t kept = 0;
+  for (size_t i = 0; i < s.size(); ++i) {
+    if (i + 1 < s.size() && s[i] == left && s[i + 1] == right) {
+      s[kept++] = merged;
+      ++i;
+    } else {
+      s[kept++] = s[i];
+    }
+  }
+  s.resize(kept);
+}
+
+// The pairs of adjacent symbols over all words: their counts (each word weighted by its count), the
+// words that hold each, and a heap of candidates, most frequent first and among equals the smaller
+// (left, right) ids, so the order is total. Heap entries go stale as counts change; a stale one is
+// pushed again with its current count when it comes up.
+class PairIndex {
+ public:
+  explicit PairIndex(const std::vector<Word>& words) {
+    for (uint32_t w = 0; w < words.size(); ++w) {
+      const auto& s = words[w].symbols;
+      for (size_t i = 0; i + 1 < s.size(); ++i) add(pair_key(s[i], s[i + 1]), w, words[w].count);
+    }
+    for (const auto& [key, count] : counts_) heap_.push({count, key});
+  }
+
+  // The most frequent pair, if it occurs at least min_frequency times.
+  std::optional<uint64_t> most_frequent(int64_t min_frequency) {
+    while (!heap_.empty()) {
+      const Candidate top = heap_.top();
+      heap_.pop();
+      const int64_t current = counts_[top.key];
+      if (current == top.count) return top.count >= min_frequency ? std::optional(top.key) : std::nullopt;
+      if (current > 0) heap_.push({current, top.key});
+    }
+    return std::nullopt;
+  }
+
+  // Merges pair `key` into the symbol `merged` in every word that holds it; the pairs that now
+  // contain `merged` become candidates.
+  void merge(std::vector<Word>& words, uint64_t key, int32_t merged) {
+    const auto left = int32_t(key >> 32), right = int32_t(uint32_t(key));
+    std::unordered_set<uint64_t> grown;
+    const std::vector<uint32_t> affected = std::move(words_with_[key]);
+    words_with_.erase(key);
+    for (uint32_t w : affected) {
+      auto& s = words[w].symbols;
+      const int64_t count = words[w].count;
+      if (!holds_pair(s, left, right)) continue;  // a stale entry of the list
+      for (size_t i = 0; i + 1 < s.size(); ++i) counts_[pair_key(s[i], s[i + 1])] -= count;
+      merge_pairs(s, left, right, merged);
+      for (size_t i = 0; i + 1 < s.size(); ++i) {
+        const uint64_t pair = pair_key(s[i], s[i + 1]);
+        counts_[pair] += count;
+        if (s[i] == merged || s[i + 1] == merged) {
+          grown.insert(pair);
+          add(pair, w, 0);
+        }
+      }
+    }
+    counts_.erase(key);
+    std::vector<uint64_t> grown_keys(grown.begin(), grown.end());
+    std::sort(grown_keys.begin(), grown_keys.end());
+    for (uint64_t pair : grown_keys) heap_.push({counts_[pair], pair});
+  }
+
+ private:
+  struct Candidate {
+    int64_t count;
+    uint64_t key;
+    bool operator<(const Candidate& other) const { return count != other.count ? count < other.count : key > other.key; }
+  };
+  void add(uint64_t key, uint32_t word, int64_t count) {
+    counts_[key] += count;
+    auto& list = words_with_[key];
+    if (list.empty() || list.back() != word) list.push_back(word);
+  }
+
+  std::unordered_map<uint64_t, int64_t> counts_;
+  std::unordered_map<uint64_t, std::vector<uint32_t>> words_with_;
+  std::priority_queue<Candidate> heap_;
 };
 
 }  // namespace
@@ -134,80 +226,20 @@ Tokenizer train_bpe(const PieceCounts& counts, const BpeTrainOptions& options) {
     words.push_back(std::move(word));
   }
 
-  std::unordered_map<uint64_t, int64_t> pair_counts;
-  std::unordered_map<uint64_t, std::vector<uint32_t>> words_with_pair;
-  for (uint32_t w = 0; w < words.size(); ++w) {
-    const auto& s = words[w].symbols;
-    for (size_t i = 0; i + 1 < s.size(); ++i) {
-      uint64_t key = pair_key(s[i], s[i + 1]);
-      pair_counts[key] += words[w].count;
-      auto& list = words_with_pair[key];
-      if (list.empty() || list.back() != w) list.push_back(w);
-    }
-  }
-  // Most frequent first; among equals the smaller (left, right) ids, so the order is total.
-  struct Candidate {
-    int64_t count;
-    uint64_t key;
-    bool operator<(const Candidate& other) const { return count != other.count ? count < other.count : key > other.key; }
-  };
-  std::priority_queue<Candidate> heap;
-  for (const auto& [key, count] : pair_counts) heap.push({count, key});
-
+  PairIndex pairs(words);
   std::vector<std::pair<int32_t, int32_t>> merges;
   auto start = std::chrono::steady_clock::now(), last_progress = start;
   bool tty = ::isatty(STDERR_FILENO);
   const int64_t min_frequency = std::max<int64_t>(options.min_frequency, 1);
-  while (int64_t(tokens.size()) < options.vocab_size && !heap.empty()) {
-    Candidate top = heap.top();
-    heap.pop();
-    int64_t current = pair_counts[top.key];
-    if (current != top.count) {
-      if (current > 0) heap.push({current, top.key});
-      continue;
-    }
-    if (top.count < min_frequency) break;
-    auto left = int32_t(top.key >> 32), right = int32_t(uint32_t(top.key));
-    std::string joined = tokens[size_t(left)] + tokens[size_t(right)];
+  while (int64_t(tokens.size()) < options.vocab_size) {
+    const std::optional<uint64_t> key = pairs.most_frequent(min_frequency);
+    if (!key) break;
+    const auto left = int32_t(*key >> 32), right = int32_t(uint32_t(*key));
+    const std::string joined = tokens[size_t(left)] + tokens[size_t(right)];
     auto [existing, fresh] = id_of_token.emplace(joined, int32_t(tokens.size()));
     if (fresh) tokens.push_back(joined);
-    int32_t merged = existing->second;
     merges.emplace_back(left, right);
-
-    std::unordered_set<uint64_t> grown;
-    std::vector<uint32_t> affected = std::move(words_with_pair[top.key]);
-    words_with_pair.erase(top.key);
-    for (uint32_t w : affected) {
-      Word& word = words[w];
-      auto& s = word.symbols;
-      bool found = false;
-      for (size_t i = 0; i + 1 < s.size(); ++i) found = found || (s[i] == left && s[i + 1] == right);
-      if (!found) continue;
-      for (size_t i = 0; i + 1 < s.size(); ++i) pair_counts[pair_key(s[i], s[i + 1])] -= word.count;
-      size_t kept = 0;
-      for (size_t i = 0; i < s.size(); ++i) {
-        if (i + 1 < s.size() && s[i] == left && s[i + 1] == right) {
-          s[kept++] = merged;
-          ++i;
-        } else {
-          s[kept++] = s[i];
-        }
-      }
-      s.resize(kept);
-      for (size_t i = 0; i + 1 < s.size(); ++i) {
-        uint64_t key = pair_key(s[i], s[i + 1]);
-        pair_counts[key] += word.count;
-        if (s[i] == merged || s[i + 1] == merged) {
-          grown.insert(key);
-          auto& list = words_with_pair[key];
-          if (list.empty() || list.back() != w) list.push_back(w);
-        }
-      }
-    }
-    pair_counts.erase(top.key);
-    std::vector<uint64_t> grown_keys(grown.begin(), grown.end());
-    std::sort(grown_keys.begin(), grown_keys.end());
-    for (uint64_t key : grown_keys) heap.push({pair_counts[key], key});
+    pairs.merge(words, *key, existing->second);
 
     auto now = std::chrono::steady_clock::now();
     if (options.progress && now - last_progress > std::chrono::seconds(tty ? 1 : 10)) {

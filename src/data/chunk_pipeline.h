@@ -24,97 +24,122 @@ inline void check_pipeline_threads(int threads) {
   MARROW_CHECK(threads >= 1 && threads <= kMaxPipelineThreads, "--threads must be between 1 and {}, got {}", kMaxPipelineThreads, threads);
 }
 
-template <typename Result>
-void run_chunk_pipeline(ChunkReader& reader, int threads, const std::function<Result(const TextChunk&, int worker)>& work,
-                        const std::function<void(Result&)>& consume) {
+// One reader thread fills `queued` (at most max_in_flight chunks ahead of the consumer), the
+// workers move chunks from `queued` to `finished`, and the calling thread consumes `finished` in
+// chunk order; every wait is on one condition variable, notified at each change.
+template <typename Result> class ChunkPipeline {
+ public:
+  using Work = std::function<Result(const TextChunk&, int worker)>;
+  using Consume = std::function<void(Result&)>;
+  ChunkPipeline(ChunkReader& reader, int threads, const Work& work, const Consume& consume)
+      : reader_(reader), threads_(threads), work_(work), consume_(consume), max_in_flight_(size_t(threads) * 2 + 2) {}
+
+  void run() {
+    struct JoinOnExit {
+      ChunkPipeline& pipeline;
+      ~JoinOnExit() {
+        pipeline.stop_all();
+        for (auto& t : pipeline.pool_) t.join();
+      }
+    } join_on_exit{*this};
+    pool_.emplace_back([this] { read_chunks(); });
+    for (int w = 0; w < threads_; ++w) pool_.emplace_back([this, w] { work_on_chunks(w); });
+    consume_in_order();
+  }
+
+ private:
   struct Slot {
     std::optional<Result> result;
     std::exception_ptr error;
   };
-  std::mutex mutex;
-  std::condition_variable changed;
-  std::map<uint64_t, TextChunk> queued;
-  std::map<uint64_t, Slot> finished;
-  uint64_t chunks_read = 0, consumed = 0;
-  bool reading_done = false, stopping = false;
-  std::exception_ptr reader_error;
-  const size_t max_in_flight = size_t(threads) * 2 + 2;
 
-  auto stop_all = [&] {
-    std::lock_guard lock(mutex);
-    stopping = true;
-    changed.notify_all();
-  };
-  std::vector<std::jthread> pool;
-  struct JoinOnExit {
-    std::function<void()> stop;
-    std::vector<std::jthread>& pool;
-    ~JoinOnExit() {
-      stop();
-      for (auto& t : pool) t.join();
-    }
-  } join_on_exit{stop_all, pool};
+  void stop_all() {
+    std::lock_guard lock(mutex_);
+    stopping_ = true;
+    changed_.notify_all();
+  }
 
-  pool.emplace_back([&] {
+  void read_chunks() {
     for (;;) {
       TextChunk chunk;
       std::exception_ptr error;
       bool more = false;
       try {
-        more = reader.next(chunk);
+        more = reader_.next(chunk);
       } catch (...) {
         error = std::current_exception();
       }
-      std::unique_lock lock(mutex);
+      std::unique_lock lock(mutex_);
       if (error || !more) {
-        reader_error = error;
-        reading_done = true;
-        changed.notify_all();
+        reader_error_ = error;
+        reading_done_ = true;
+        changed_.notify_all();
         return;
       }
-      queued.emplace(chunks_read++, std::move(chunk));
-      changed.notify_all();
-      changed.wait(lock, [&] { return stopping || chunks_read - consumed < max_in_flight; });
-      if (stopping) return;
+      queued_.emplace(chunks_read_++, std::move(chunk));
+      changed_.notify_all();
+      changed_.wait(lock, [&] { return stopping_ || chunks_read_ - consumed_ < max_in_flight_; });
+      if (stopping_) return;
     }
-  });
-  for (int w = 0; w < threads; ++w) {
-    pool.emplace_back([&, w] {
-      for (;;) {
-        std::unique_lock lock(mutex);
-        changed.wait(lock, [&] { return stopping || !queued.empty() || reading_done; });
-        if (stopping || queued.empty()) return;
-        auto node = queued.extract(queued.begin());
-        lock.unlock();
-        Slot slot;
-        try {
-          slot.result.emplace(work(node.mapped(), w));
-        } catch (...) {
-          slot.error = std::current_exception();
-        }
-        lock.lock();
-        finished.emplace(node.key(), std::move(slot));
-        changed.notify_all();
-      }
-    });
   }
 
-  for (uint64_t next = 0;; ++next) {
-    Slot slot;
-    {
-      std::unique_lock lock(mutex);
-      changed.wait(lock, [&] { return finished.count(next) || (reading_done && next >= chunks_read); });
-      if (!finished.count(next)) {
-        if (reader_error) std::rethrow_exception(reader_error);
-        return;
+  void work_on_chunks(int worker) {
+    for (;;) {
+      std::unique_lock lock(mutex_);
+      changed_.wait(lock, [&] { return stopping_ || !queued_.empty() || reading_done_; });
+      if (stopping_ || queued_.empty()) return;
+      auto node = queued_.extract(queued_.begin());
+      lock.unlock();
+      Slot slot;
+      try {
+        slot.result.emplace(work_(node.mapped(), worker));
+      } catch (...) {
+        slot.error = std::current_exception();
       }
-      slot = std::move(finished.extract(next).mapped());
-      ++consumed;
-      changed.notify_all();
+      lock.lock();
+      finished_.emplace(node.key(), std::move(slot));
+      changed_.notify_all();
     }
-    if (slot.error) std::rethrow_exception(slot.error);
-    consume(*slot.result);
   }
+
+  void consume_in_order() {
+    for (uint64_t next = 0;; ++next) {
+      Slot slot;
+      {
+        std::unique_lock lock(mutex_);
+        changed_.wait(lock, [&] { return finished_.count(next) || (reading_done_ && next >= chunks_read_); });
+        if (!finished_.count(next)) {
+          if (reader_error_) std::rethrow_exception(reader_error_);
+          return;
+        }
+        slot = std::move(finished_.extract(next).mapped());
+        ++consumed_;
+        changed_.notify_all();
+      }
+      if (slot.error) std::rethrow_exception(slot.error);
+      consume_(*slot.result);
+    }
+  }
+
+  ChunkReader& reader_;
+  const int threads_;
+  const Work& work_;
+  const Consume& consume_;
+  const size_t max_in_flight_;
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  std::map<uint64_t, TextChunk> queued_;
+  std::map<uint64_t, Slot> finished_;
+  uint64_t chunks_read_ = 0, consumed_ = 0;
+  bool reading_done_ = false, stopping_ = false;
+  std::exception_ptr reader_error_;
+  std::vector<std::jthread> pool_;
+};
+
+template <typename Result>
+void run_chunk_pipeline(ChunkReader& reader, int threads, const std::function<Result(const TextChunk&, int worker)>& work,
+                        const std::function<void(Result&)>& consume) {
+  ChunkPipeline<Result>(reader, threads, work, consume).run();
 }
 
 }  // namespace marrow

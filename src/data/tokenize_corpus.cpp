@@ -46,11 +46,9 @@ std::string format_count(double value) {
   return fmt::format("{:.0f}", value);
 }
 
-}  // namespace
-
-TokenizeReport tokenize_corpus(const TokenizeOptions& options) {
-  auto start = std::chrono::steady_clock::now();
-  check_pipeline_threads(options.threads);
+// --out, normalised; an existing directory is replaced only with --overwrite, and only when it holds
+// nothing but what `marrow tokenize` writes.
+std::string checked_output_dir(const TokenizeOptions& options) {
   MARROW_CHECK(!options.out_dir.empty(), "an output directory is needed (--out)");
   std::string out_dir = fs::path(options.out_dir).lexically_normal().string();
   if (out_dir.size() > 1 && out_dir.ends_with('/')) out_dir.pop_back();
@@ -59,54 +57,153 @@ TokenizeReport tokenize_corpus(const TokenizeOptions& options) {
     MARROW_CHECK(fs::is_directory(out_dir), "output {} exists and is not a directory", out_dir);
     remove_corpus_directory(out_dir, true);
   }
-  std::vector<InputFile> files = find_input_files(options.inputs);
+  return out_dir;
+}
+
+// <out>.incomplete, where the corpus is written: removed on failure, renamed to <out> when complete,
+// so a crash never leaves a directory that looks like a corpus.
+class WorkDirectory {
+ public:
+  explicit WorkDirectory(std::string dir) : dir_(std::move(dir)) {
+    if (fs::exists(dir_)) remove_corpus_directory(dir_);
+    std::error_code error;
+    fs::create_directories(dir_, error);
+    MARROW_CHECK(!error, "cannot create {}: {}", dir_, error.message());
+  }
+  WorkDirectory(const WorkDirectory&) = delete;
+  WorkDirectory& operator=(const WorkDirectory&) = delete;
+  ~WorkDirectory() {
+    std::error_code ignored;
+    if (!kept_) fs::remove_all(dir_, ignored);
+  }
+  const std::string& dir() const { return dir_; }
+  // Replaces out_dir (what `marrow tokenize` wrote there) with this directory.
+  void rename_to(const std::string& out_dir) {
+    if (fs::exists(out_dir)) remove_corpus_directory(out_dir);
+    std::error_code error;
+    fs::rename(dir_, out_dir, error);
+    MARROW_CHECK(!error, "cannot rename {} to {}: {}", dir_, out_dir, error.message());
+    kept_ = true;
+  }
+
+ private:
+  std::string dir_;
+  bool kept_ = false;
+};
+
+// The manifest's header (tokenizer, its sha256, end-of-document token, inputs), with tokenizer.json
+// copied into the corpus.
+CorpusManifest start_manifest(const TokenizeOptions& options, const Tokenizer& tokenizer, int32_t eos, const std::vector<InputFile>& files,
+                              const std::string& dir) {
+  CorpusManifest manifest;
+  manifest.tokenizer_sha256 = sha256_file(options.tokenizer_path);
+  std::error_code error;
+  fs::copy_file(options.tokenizer_path, fs::path(dir) / kCorpusTokenizerFile, error);
+  MARROW_CHECK(!error, "cannot copy {} into {}: {}", options.tokenizer_path, dir, error.message());
+  manifest.vocab_size = tokenizer.vocab_size();
+  manifest.eos_id = eos;
+  manifest.eos_token = options.eos_token;
+  for (const InputFile& file : files) manifest.inputs.push_back(file.path);
+  return manifest;
+}
+
+// Takes the chunks' tokens in input order into the shards: each document's tokens, then the
+// end-of-document token (empty documents are dropped); counts documents, tokens and bad lines (the
+// first 20 printed, --strict stops at one) and prints a progress line.
+class CorpusSink {
+ public:
+  CorpusSink(const TokenizeOptions& options, const std::vector<InputFile>& files, const std::string& dir, CorpusManifest& manifest,
+             uint32_t eos, std::chrono::steady_clock::time_point start)
+      : options_(options), files_(files), writer_(dir, options.shard_tokens), manifest_(manifest), eos_(eos), start_(start),
+        last_progress_(start), tty_(::isatty(STDERR_FILENO)) {}
+
+  void consume(const ChunkTokens& result) {
+    skip_bad_lines(result.bad_lines);
+    size_t begin = 0;
+    for (size_t end : result.document_ends) {
+      append(result.tokens, begin, end);
+      begin = end;
+      if (open_document_tokens_ > 0) end_document();
+    }
+    append(result.tokens, begin, result.tokens.size());
+    text_bytes_ += result.bytes;
+    const auto now = std::chrono::steady_clock::now();
+    if (options_.progress && now - last_progress_ > std::chrono::seconds(tty_ ? 1 : 10)) {
+      progress(false);
+      last_progress_ = now;
+    }
+  }
+  // After the last chunk: the shards' list into the manifest.
+  void finish() {
+    if (reported_bad_lines_ > 20)
+      std::fprintf(stderr, "warning: %lld more bad lines were skipped\n", static_cast<long long>(reported_bad_lines_ - 20));
+    MARROW_CHECK(manifest_.documents > 0, "the inputs ({} file{}) hold no documents{}", files_.size(), files_.size() == 1 ? "" : "s",
+                 manifest_.bad_lines ? fmt::format(" ({} bad lines were skipped)", manifest_.bad_lines) : "");
+    manifest_.shards = writer_.finish();
+    if (options_.progress) progress(true);
+  }
+  uint64_t text_bytes() const { return text_bytes_; }
+
+ private:
+  void skip_bad_lines(const std::vector<BadLine>& bad_lines) {
+    for (const BadLine& bad : bad_lines) {
+      const std::string where = fmt::format("{}:{}", files_[bad.file_index].path, bad.line);
+      MARROW_CHECK(!options_.strict, "{}: {} (--strict stops at the first bad line)", where, bad.reason);
+      ++manifest_.bad_lines;
+      if (++reported_bad_lines_ <= 20)
+        std::fprintf(stderr, "%swarning: %s: %s, line skipped\n", tty_ && options_.progress ? "\n" : "", where.c_str(), bad.reason.c_str());
+    }
+  }
+  void append(const std::vector<uint32_t>& tokens, size_t begin, size_t end) {
+    writer_.append(std::span<const uint32_t>(tokens).subspan(begin, end - begin));
+    open_document_tokens_ += int64_t(end - begin);
+    manifest_.tokens += int64_t(end - begin);
+  }
+  void end_document() {
+    writer_.append(std::span<const uint32_t>(&eos_, 1));
+    writer_.end_document();
+    ++manifest_.tokens;
+    ++manifest_.documents;
+    open_document_tokens_ = 0;
+  }
+  void progress(bool final) const {
+    const double seconds = std::max(std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count(), 1e-9);
+    std::fprintf(stderr, "%stokenize: %s documents (%s/s), %.1f MB (%.1f MB/s), %s tokens, %lld bad lines%s", tty_ ? "\r" : "",
+                 format_count(double(manifest_.documents)).c_str(), format_count(manifest_.documents / seconds).c_str(),
+                 text_bytes_ / 1e6, text_bytes_ / 1e6 / seconds, format_count(double(manifest_.tokens)).c_str(),
+                 static_cast<long long>(manifest_.bad_lines), final || !tty_ ? "\n" : "");
+  }
+
+  const TokenizeOptions& options_;
+  const std::vector<InputFile>& files_;
+  ShardWriter writer_;
+  CorpusManifest& manifest_;
+  const uint32_t eos_;
+  const std::chrono::steady_clock::time_point start_;
+  std::chrono::steady_clock::time_point last_progress_;
+  const bool tty_;
+  int64_t open_document_tokens_ = 0, reported_bad_lines_ = 0;
+  uint64_t text_bytes_ = 0;
+};
+
+}  // namespace
+
+TokenizeReport tokenize_corpus(const TokenizeOptions& options) {
+  const auto start = std::chrono::steady_clock::now();
+  check_pipeline_threads(options.threads);
+  const std::string out_dir = checked_output_dir(options);
+  const std::vector<InputFile> files = find_input_files(options.inputs);
   MARROW_CHECK(!files.empty(), "no input files were given");
-  Tokenizer tokenizer = Tokenizer::load(options.tokenizer_path);
-  std::optional<int32_t> eos = tokenizer.token_id(options.eos_token);
+  const Tokenizer tokenizer = Tokenizer::load(options.tokenizer_path);
+  const std::optional<int32_t> eos = tokenizer.token_id(options.eos_token);
   MARROW_CHECK(eos.has_value(), "tokenizer {} has no token '{}' to end documents with; name one with --eos-token",
                options.tokenizer_path, options.eos_token);
 
-  std::string work_dir = out_dir + ".incomplete";
-  if (fs::exists(work_dir)) remove_corpus_directory(work_dir);
-  std::error_code error;
-  fs::create_directories(work_dir, error);
-  MARROW_CHECK(!error, "cannot create {}: {}", work_dir, error.message());
-  struct RemoveOnFailure {
-    std::string dir;
-    bool keep = false;
-    ~RemoveOnFailure() {
-      std::error_code ignored;
-      if (!keep) fs::remove_all(dir, ignored);
-    }
-  } cleanup{work_dir};
-
-  CorpusManifest manifest;
-  manifest.tokenizer_sha256 = sha256_file(options.tokenizer_path);
-  fs::copy_file(options.tokenizer_path, fs::path(work_dir) / kCorpusTokenizerFile, error);
-  MARROW_CHECK(!error, "cannot copy {} into {}: {}", options.tokenizer_path, work_dir, error.message());
-  manifest.vocab_size = tokenizer.vocab_size();
-  manifest.eos_id = *eos;
-  manifest.eos_token = options.eos_token;
-  for (const InputFile& file : files) manifest.inputs.push_back(file.path);
-
-  ChunkReader reader(files, options.chunk_bytes);
-  ShardWriter writer(work_dir, options.shard_tokens);
+  WorkDirectory work(out_dir + ".incomplete");
+  CorpusManifest manifest = start_manifest(options, tokenizer, *eos, files, work.dir());
+  CorpusSink sink(options, files, work.dir(), manifest, uint32_t(*eos), start);
   std::vector<EncodeState> states(size_t(options.threads));
-  const auto eos_token = uint32_t(*eos);
-  int64_t open_document_tokens = 0, reported_bad_lines = 0;
-  uint64_t text_bytes = 0;
-  auto last_progress = start;
-  bool tty = ::isatty(STDERR_FILENO);
-  auto progress = [&](bool final) {
-    double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    std::fprintf(stderr, "%stokenize: %s documents (%s/s), %.1f MB (%.1f MB/s), %s tokens, %lld bad lines%s",
-                 tty ? "\r" : "", format_count(double(manifest.documents)).c_str(),
-                 format_count(manifest.documents / std::max(seconds, 1e-9)).c_str(), text_bytes / 1e6,
-                 text_bytes / 1e6 / std::max(seconds, 1e-9), format_count(double(manifest.tokens)).c_str(),
-                 static_cast<long long>(manifest.bad_lines), final || !tty ? "\n" : "");
-  };
-
-  auto work = [&](const TextChunk& chunk, int worker) {
+  auto encode = [&](const TextChunk& chunk, int worker) {
     ChunkTokens out;
     out.bytes = chunk.bytes.size();
     std::vector<int32_t> ids;
@@ -118,53 +215,15 @@ TokenizeReport tokenize_corpus(const TokenizeOptions& options) {
     }, out.bad_lines);
     return out;
   };
-  auto consume = [&](ChunkTokens& result) {
-    for (const BadLine& bad : result.bad_lines) {
-      std::string where = fmt::format("{}:{}", files[bad.file_index].path, bad.line);
-      MARROW_CHECK(!options.strict, "{}: {} (--strict stops at the first bad line)", where, bad.reason);
-      ++manifest.bad_lines;
-      if (++reported_bad_lines <= 20) std::fprintf(stderr, "%swarning: %s: %s, line skipped\n", tty && options.progress ? "\n" : "", where.c_str(), bad.reason.c_str());
-    }
-    size_t begin = 0;
-    auto append = [&](size_t end) {
-      writer.append(std::span<const uint32_t>(result.tokens).subspan(begin, end - begin));
-      open_document_tokens += int64_t(end - begin);
-      manifest.tokens += int64_t(end - begin);
-      begin = end;
-    };
-    for (size_t end : result.document_ends) {
-      append(end);
-      if (open_document_tokens == 0) continue;
-      writer.append(std::span<const uint32_t>(&eos_token, 1));
-      writer.end_document();
-      ++manifest.tokens;
-      ++manifest.documents;
-      open_document_tokens = 0;
-    }
-    append(result.tokens.size());
-    text_bytes += result.bytes;
-    auto now = std::chrono::steady_clock::now();
-    if (options.progress && now - last_progress > std::chrono::seconds(tty ? 1 : 10)) {
-      progress(false);
-      last_progress = now;
-    }
-  };
-  run_chunk_pipeline<ChunkTokens>(reader, options.threads, work, consume);
+  ChunkReader reader(files, options.chunk_bytes);
+  run_chunk_pipeline<ChunkTokens>(reader, options.threads, encode, [&](ChunkTokens& result) { sink.consume(result); });
+  sink.finish();
+  write_manifest(work.dir(), manifest);
+  work.rename_to(out_dir);
 
-  if (reported_bad_lines > 20)
-    std::fprintf(stderr, "warning: %lld more bad lines were skipped\n", static_cast<long long>(reported_bad_lines - 20));
-  MARROW_CHECK(manifest.documents > 0, "the inputs ({} file{}) hold no documents{}", files.size(), files.size() == 1 ? "" : "s",
-               manifest.bad_lines ? fmt::format(" ({} bad lines were skipped)", manifest.bad_lines) : "");
-  manifest.shards = writer.finish();
-  write_manifest(work_dir, manifest);
-  if (options.progress) progress(true);
-  if (fs::exists(out_dir)) remove_corpus_directory(out_dir);
-  fs::rename(work_dir, out_dir, error);
-  MARROW_CHECK(!error, "cannot rename {} to {}: {}", work_dir, out_dir, error.message());
-  cleanup.keep = true;
   TokenizeReport report;
   report.manifest = std::move(manifest);
-  report.text_bytes = text_bytes;
+  report.text_bytes = sink.text_bytes();
   report.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return report;
 }

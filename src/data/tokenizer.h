@@ -95,6 +95,12 @@ class Tokenizer {
 
  private:
   Tokenizer();
+  // from_json's parts, tokenizer.json's sections in order.
+  void read_vocab(const Json& model, const std::string& source);
+  std::vector<std::pair<int32_t, int32_t>> read_merges(const Json& model, const std::string& source) const;
+  void read_added_tokens(const Json& json, const std::string& source);
+  void read_normalizer(const Json& json, const std::string& source);
+  void read_pre_tokenizer(const Json& json, const std::string& source);
   void build_tables(const std::vector<std::pair<int32_t, int32_t>>& merges, const std::string& source);
   void split_added(std::string_view text, bool normalized_set,
                    const std::function<void(std::string_view, const AddedToken*)>& visit) const;

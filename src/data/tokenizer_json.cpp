@@ -78,11 +78,8 @@ std::string quote_regex(const std::string& literal) {
   return quoted;
 }
 
-}  // namespace
-
-Tokenizer Tokenizer::load(const std::string& path) { return from_json(read_json_file(path), path); }
-
-Tokenizer Tokenizer::from_json(const Json& json, const std::string& source) {
+// Only byte-level BPE: one sentence for each other kind of model.
+void check_byte_level_bpe(const Json& json, const std::string& source) {
   MARROW_CHECK(json.is_object() && json.contains("model") && json["model"].is_object(),
                "{} is not a Hugging Face tokenizer.json (it has no \"model\" object)", source);
   const Json& model = json["model"];
@@ -97,34 +94,38 @@ Tokenizer Tokenizer::from_json(const Json& json, const std::string& source) {
                "{}: BPE with byte_fallback (SentencePiece style) is not supported; Marrow reads byte-level BPE tokenizers", source);
   MARROW_CHECK(!model.contains("dropout") || model["dropout"].is_null() || model["dropout"] == 0,
                "{}: BPE dropout is not supported when encoding a corpus; set \"dropout\" to null", source);
+}
 
-  Tokenizer t;
-  t.ignore_merges_ = flag(model, "ignore_merges", false);
-  t.fuse_unknown_ = flag(model, "fuse_unk", false);
+}  // namespace
 
+Tokenizer Tokenizer::load(const std::string& path) { return from_json(read_json_file(path), path); }
+
+void Tokenizer::read_vocab(const Json& model, const std::string& source) {
   MARROW_CHECK(model.contains("vocab") && model["vocab"].is_object(), "{}: model.vocab must be an object of token: id", source);
-  t.id_by_text_.reserve(model["vocab"].size());
-  t.id_by_bytes_.reserve(model["vocab"].size());
+  id_by_text_.reserve(model["vocab"].size());
+  id_by_bytes_.reserve(model["vocab"].size());
   for (const auto& [text, id_node] : model["vocab"].items()) {
     MARROW_CHECK(id_node.is_number_integer() && id_node.get<int64_t>() >= 0 && id_node.get<int64_t>() < (int64_t(1) << 31),
                  "{}: model.vocab['{}'] must be a non-negative integer id", source, text);
     auto id = size_t(id_node.get<int64_t>());
-    if (id >= t.token_text_.size()) {
-      t.token_text_.resize(id + 1);
-      t.token_bytes_.resize(id + 1);
+    if (id >= token_text_.size()) {
+      token_text_.resize(id + 1);
+      token_bytes_.resize(id + 1);
     }
-    MARROW_CHECK(t.token_text_[id].empty(), "{}: model.vocab gives id {} to both '{}' and '{}'", source, id, t.token_text_[id], text);
-    t.token_text_[id] = text;
+    MARROW_CHECK(token_text_[id].empty(), "{}: model.vocab gives id {} to both '{}' and '{}'", source, id, token_text_[id], text);
+    token_text_[id] = text;
     // A token outside the ByteLevel alphabet cannot come out of BPE; it keeps its text for decoding.
-    t.token_bytes_[id] = byte_level_bytes(text).value_or(text);
-    t.id_by_text_.emplace(text, int32_t(id));
+    token_bytes_[id] = byte_level_bytes(text).value_or(text);
+    id_by_text_.emplace(text, int32_t(id));
   }
   if (model.contains("unk_token") && model["unk_token"].is_string()) {
-    auto unknown = t.id_by_text_.find(model["unk_token"].get<std::string>());
-    MARROW_CHECK(unknown != t.id_by_text_.end(), "{}: model.unk_token is not in the vocabulary", source);
-    t.unknown_id_ = unknown->second;
+    auto unknown = id_by_text_.find(model["unk_token"].get<std::string>());
+    MARROW_CHECK(unknown != id_by_text_.end(), "{}: model.unk_token is not in the vocabulary", source);
+    unknown_id_ = unknown->second;
   }
+}
 
+std::vector<std::pair<int32_t, int32_t>> Tokenizer::read_merges(const Json& model, const std::string& source) const {
   std::vector<std::pair<int32_t, int32_t>> merges;
   MARROW_CHECK(model.contains("merges") && model["merges"].is_array(), "{}: model.merges must be an array", source);
   for (const Json& merge : model["merges"]) {
@@ -142,45 +143,51 @@ Tokenizer Tokenizer::from_json(const Json& json, const std::string& source) {
       left = merge[0].get<std::string>();
       right = merge[1].get<std::string>();
     }
-    auto a = t.id_by_text_.find(left), b = t.id_by_text_.find(right);
-    MARROW_CHECK(a != t.id_by_text_.end() && b != t.id_by_text_.end(), "{}: merge '{} {}' uses a token missing from the vocabulary",
+    auto a = id_by_text_.find(left), b = id_by_text_.find(right);
+    MARROW_CHECK(a != id_by_text_.end() && b != id_by_text_.end(), "{}: merge '{} {}' uses a token missing from the vocabulary",
                  source, left, right);
     merges.emplace_back(a->second, b->second);
   }
+  return merges;
+}
 
-  if (json.contains("added_tokens") && !json["added_tokens"].is_null()) {
-    MARROW_CHECK(json["added_tokens"].is_array(), "{}: added_tokens must be an array", source);
-    for (const Json& node : json["added_tokens"]) {
-      MARROW_CHECK(node.is_object() && node.contains("id") && node["id"].is_number_integer() && node["id"].get<int64_t>() >= 0 &&
-                       node.contains("content") && node["content"].is_string(),
-                   "{}: each added token needs an integer id and a string content, got {}", source, node.dump());
-      AddedToken token;
-      token.id = int32_t(node["id"].get<int64_t>());
-      token.content = node["content"].get<std::string>();
-      token.special = flag(node, "special", false);
-      token.normalized = flag(node, "normalized", !token.special);
-      token.lstrip = flag(node, "lstrip", false);
-      token.rstrip = flag(node, "rstrip", false);
-      MARROW_CHECK(!flag(node, "single_word", false), "{}: added token '{}' has single_word set, which Marrow does not support",
-                   source, token.content);
-      MARROW_CHECK(!token.content.empty(), "{}: added token {} is empty", source, token.id);
-      // `tokenizers` matches a normalized added token in normalised text, so in its normalised form.
-      if (token.normalized && json.contains("normalizer") && !json["normalizer"].is_null()) token.content = to_nfc(token.content);
-      t.added_.push_back(std::move(token));
-    }
+void Tokenizer::read_added_tokens(const Json& json, const std::string& source) {
+  if (!json.contains("added_tokens") || json["added_tokens"].is_null()) return;
+  MARROW_CHECK(json["added_tokens"].is_array(), "{}: added_tokens must be an array", source);
+  for (const Json& node : json["added_tokens"]) {
+    MARROW_CHECK(node.is_object() && node.contains("id") && node["id"].is_number_integer() && node["id"].get<int64_t>() >= 0 &&
+                     node.contains("content") && node["content"].is_string(),
+                 "{}: each added token needs an integer id and a string content, got {}", source, node.dump());
+    AddedToken token;
+    token.id = int32_t(node["id"].get<int64_t>());
+    token.content = node["content"].get<std::string>();
+    token.special = flag(node, "special", false);
+    token.normalized = flag(node, "normalized", !token.special);
+    token.lstrip = flag(node, "lstrip", false);
+    token.rstrip = flag(node, "rstrip", false);
+    MARROW_CHECK(!flag(node, "single_word", false), "{}: added token '{}' has single_word set, which Marrow does not support",
+                 source, token.content);
+    MARROW_CHECK(!token.content.empty(), "{}: added token {} is empty", source, token.id);
+    // `tokenizers` matches a normalized added token in normalised text, so in its normalised form.
+    if (token.normalized && json.contains("normalizer") && !json["normalizer"].is_null()) token.content = to_nfc(token.content);
+    added_.push_back(std::move(token));
   }
+}
 
+void Tokenizer::read_normalizer(const Json& json, const std::string& source) {
   const Json normalizer = json.contains("normalizer") ? json["normalizer"] : Json();
-  if (!normalizer.is_null()) {
-    std::vector<Json> steps = type_of(normalizer) == "Sequence" && normalizer.contains("normalizers")
-                                  ? normalizer["normalizers"].get<std::vector<Json>>()
-                                  : std::vector<Json>{normalizer};
-    for (const Json& step : steps)
-      MARROW_CHECK(type_of(step) == "NFC", "{}: normalizer '{}' is not supported (Marrow applies NFC or nothing)", source,
-                   type_of(step).empty() ? step.dump() : type_of(step));
-    t.nfc_ = !steps.empty();
-  }
+  if (normalizer.is_null()) return;
+  std::vector<Json> steps = type_of(normalizer) == "Sequence" && normalizer.contains("normalizers")
+                                ? normalizer["normalizers"].get<std::vector<Json>>()
+                                : std::vector<Json>{normalizer};
+  for (const Json& step : steps)
+    MARROW_CHECK(type_of(step) == "NFC", "{}: normalizer '{}' is not supported (Marrow applies NFC or nothing)", source,
+                 type_of(step).empty() ? step.dump() : type_of(step));
+  nfc_ = !steps.empty();
+}
 
+// Split steps, then ByteLevel (with use_regex, GPT-2's split rule after them); the ByteLevel decoder.
+void Tokenizer::read_pre_tokenizer(const Json& json, const std::string& source) {
   const Json pre = json.contains("pre_tokenizer") ? json["pre_tokenizer"] : Json();
   std::vector<Json> steps;
   if (type_of(pre) == "Sequence" && pre.contains("pretokenizers")) {
@@ -194,9 +201,9 @@ Tokenizer Tokenizer::from_json(const Json& json, const std::string& source) {
     MARROW_CHECK(!byte_level, "{}: pre-tokenizer '{}' after ByteLevel is not supported", source, type);
     if (type == "ByteLevel") {
       byte_level = true;
-      t.byte_level_rule_ = t.splits_.size();
-      t.prefix_space_ = flag(step, "add_prefix_space", false);
-      if (flag(step, "use_regex", true)) t.splits_.push_back({kGpt2SplitPattern, false});
+      byte_level_rule_ = splits_.size();
+      prefix_space_ = flag(step, "add_prefix_space", false);
+      if (flag(step, "use_regex", true)) splits_.push_back({kGpt2SplitPattern, false});
       continue;
     }
     MARROW_CHECK(type == "Split", "{}: pre-tokenizer '{}' is not supported (Marrow reads Split and ByteLevel)", source,
@@ -214,13 +221,25 @@ Tokenizer Tokenizer::from_json(const Json& json, const std::string& source) {
                  "{}: Split behavior '{}' is not supported (Marrow reads Isolated and Removed)", source, behavior);
     bool invert = flag(step, "invert", false);
     MARROW_CHECK(!(invert && behavior == "Removed"), "{}: an inverted Split with behavior Removed is not supported", source);
-    t.splits_.push_back({regex, behavior == "Removed"});
+    splits_.push_back({regex, behavior == "Removed"});
   }
   MARROW_CHECK(byte_level, "{}: the pre-tokenizer has no ByteLevel step, so this is not a byte-level BPE tokenizer", source);
   const Json decoder = json.contains("decoder") ? json["decoder"] : Json();
   MARROW_CHECK(decoder.is_null() || type_of(decoder) == "ByteLevel",
                "{}: decoder '{}' is not supported; a byte-level BPE tokenizer decodes with ByteLevel", source, type_of(decoder));
+}
 
+Tokenizer Tokenizer::from_json(const Json& json, const std::string& source) {
+  check_byte_level_bpe(json, source);
+  const Json& model = json["model"];
+  Tokenizer t;
+  t.ignore_merges_ = flag(model, "ignore_merges", false);
+  t.fuse_unknown_ = flag(model, "fuse_unk", false);
+  t.read_vocab(model, source);
+  const std::vector<std::pair<int32_t, int32_t>> merges = t.read_merges(model, source);
+  t.read_added_tokens(json, source);
+  t.read_normalizer(json, source);
+  t.read_pre_tokenizer(json, source);
   t.build_tables(merges, source);
   return t;
 }

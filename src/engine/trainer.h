@@ -435,31 +435,10 @@ inline int agreed_stop_signal(const Comm& world) {
   return anyone > 0 ? (local != 0 ? local : SIGTERM) : 0;
 }
 
-// timer, when given, splits each step's time by stage into StepMetrics::stage_ms (marrow bench).
-template <MoeModel M>
-std::vector<StepMetrics> train(const RunConfig& rc, const typename M::Config& model_config, StageTimer* timer = nullptr) {
-  const Device device = choose_device(rc.device);
-  const RunLock lock(rc.out_dir, process::rank() == 0);  // one run per output.dir (engine/run_lock.h)
-  set_attention_kernels(parse_attention_kernels(rc.attention_kernels));
-  set_dependent_launch(rc.dependent_launch);
-  // --profile-steps: the trace exists before any NVTX range (see KernelTrace); the stages are NVTX
-  // ranges through a StageTimer, so a traced run without one gets one that times no step (timing
-  // would slow the traced steps, engine/stage_timer.h).
-  // With several processes, world rank 0 traces.
-  std::optional<KernelTrace> trace;
-  std::optional<StageTimer> traced_stages;
-  if (rc.profile_first > 0 && process::rank() == 0) {
-    check_profile_steps(rc);
-    trace.emplace(device);
-    if (!timer) {
-      timer = &traced_stages.emplace(device);
-      timer->time_from_step(std::numeric_limits<int64_t>::max());  // NVTX ranges only
-    }
-  }
-  TrainSetup<M> s(rc, model_config, device);
-  const bool leader = s.mesh.world.rank() == 0;
-  TokenDataset data(rc.data_path, rc.seq_len, rc.seed, rc.validation_fraction, !rc.quiet);
-  data.require_vocab_fits(model_config.vocab_size);
+// The run's corpus checked against it: the vocabulary, enough samples for train.steps (a note
+// when the run makes more than one pass) and for eval.samples.
+inline void check_training_data(TokenDataset& data, const RunConfig& rc, int64_t vocab_size) {
+  data.require_vocab_fits(vocab_size);
   data.require_train_samples(rc.steps * rc.global_batch, rc.max_epochs);
   if (rc.steps * rc.global_batch > data.train_samples() && process::rank() == 0)
     std::printf("note: the run reads %lld training samples of a corpus of %lld: %.2f passes over it (data.max_epochs = %lld)\n",
@@ -469,115 +448,228 @@ std::vector<StepMetrics> train(const RunConfig& rc, const typename M::Config& mo
   MARROW_CHECK(rc.eval_every == 0 || rc.eval_samples <= data.validation_samples(),
                "corpus {} holds {} validation samples of {} tokens but eval.samples is {} (lower it or raise data.validation_fraction)",
                rc.data_path, data.validation_samples(), rc.seq_len + 1, rc.eval_samples);
-  size_t arena_bytes = 0;
-  for (const Arena* a : s.arenas()) arena_bytes += a->bytes();
+}
+
+// --profile-steps: a kernel trace of steps [profile_first, profile_last] by world rank 0. The trace
+// exists before any NVTX range (see KernelTrace); the stages are NVTX ranges through a StageTimer,
+// so a traced run without one gets one that times no step (timing would slow the traced steps,
+// engine/stage_timer.h).
+class StepTrace {
+ public:
+  // Returns the stage timer the steps use: `timer`, or that NVTX-only one.
+  StageTimer* prepare(const RunConfig& rc, Device device, StageTimer* timer) {
+    if (rc.profile_first <= 0 || process::rank() != 0) return timer;
+    check_profile_steps(rc);
+    trace_.emplace(device);
+    if (timer) return timer;
+    stages_.emplace(device);
+    stages_->time_from_step(std::numeric_limits<int64_t>::max());
+    return &*stages_;
+  }
+  void before_step(const RunConfig& rc, int64_t step) {
+    if (trace_ && !trace_->running() && step >= rc.profile_first && step <= rc.profile_last) trace_->start();
+  }
+  // Writes the trace at its last step, or at the step a stop signal ends the run.
+  void after_step(const RunConfig& rc, int64_t first_step, int64_t step, bool stopping) {
+    if (trace_ && trace_->running() && (step == rc.profile_last || stopping))
+      report_trace(trace_->stop(), fmt::format("{}/trace-steps-{}-{}.json", rc.out_dir, std::max(rc.profile_first, first_step), step));
+  }
+
+ private:
+  std::optional<KernelTrace> trace_;
+  std::optional<StageTimer> stages_;
+};
+
+// World rank 0's record of the steps: <output.dir>/metrics.jsonl and TensorBoard's <output.dir>/tb/
+// (engine/tensorboard.h), both cut back to the checkpoint's step on a resume; every append checked
+// (engine/metrics_log.h).
+class RunRecord {
+ public:
+  RunRecord(const RunConfig& rc, int64_t first_step, bool leader) {
+    if (!leader) return;
+    const std::string path = rc.out_dir + "/metrics.jsonl";
+    if (first_step > 1) keep_metrics_through(path, first_step - 1);
+    metrics_ = MetricsLog(path, first_step == 1);
+    tensorboard_.emplace(rc, first_step);
+  }
+  void append(const StepMetrics& m) {
+    if (!tensorboard_) return;
+    metrics_.append(step_json(m));
+    tensorboard_->add_step(Json::parse(step_json(m)));
+  }
+
+ private:
+  MetricsLog metrics_;
+  std::optional<TensorBoardLog> tensorboard_;
+};
+
+// The steps of a run, each composed of named parts: forward and backward of the step's
+// micro-batches, the update (gradients reduced, their norm, AdamW or a skipped non-finite step), its
+// timing, the report (evaluation, the step's line and record), and its end (trace, checkpoint, stop
+// signals).
+template <MoeModel M> class TrainLoop {
+ public:
+  TrainLoop(const RunConfig& rc, TrainSetup<M>& s, const TokenDataset& data, TrainCheckpoints& checkpoints, StepTrace& trace,
+            StageTimer* timer, double aux_coef)
+      : rc_(rc), s_(s), data_(data), checkpoints_(checkpoints), trace_(trace), timer_(timer),
+        schedule_{rc.schedule, rc.lr, rc.min_lr, rc.warmup_steps, rc.steps, rc.decay_fraction},
+        aux_coef_(aux_coef),
+        micro_batches_(rc.global_batch / (rc.micro_batch * s.mesh.shape.data_parallel())), updates_(checkpoints.resumed_updates()) {
+    for (const Arena* a : s.arenas()) arena_bytes_ += a->bytes();
+  }
+
+  // Steps first_step..train.steps, or to the end of the step in which a stop signal (SIGTERM,
+  // SIGINT) reached any process; returns their metrics.
+  std::vector<StepMetrics> run(int64_t first_step, RunRecord& record) {
+    std::vector<StepMetrics> history;
+    StopSignals stop;
+    for (int64_t step = first_step; step <= rc_.steps; ++step) {
+      trace_.before_step(rc_, step);
+      StepMetrics m = train_step(step);
+      report(m, record);
+      history.push_back(m);
+      if (end_step(step, first_step)) break;
+    }
+    return history;
+  }
+
+ private:
+  StepMetrics train_step(int64_t step) {
+    const bool poisoned = inject_test_fault(step, s_.mesh.world.rank());
+    watchdog::arm(true);
+    std::optional<NvtxRange> step_range(std::in_place, fmt::format("step {}", step));
+    const auto start = std::chrono::steady_clock::now();
+    StepMetrics m = forward_backward(step);
+    {
+      StageScope optimizer_scope(timer_, Stage::optimizer);
+      update(m, poisoned);
+    }
+    if (s_.device == Device::cuda) synchronize();
+    watchdog::arm(false);
+    step_range.reset();
+    time_step(m, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    return m;
+  }
+
+  // The step's gradients over its micro-batches, its loss (every target of a sample is a real next
+  // token, so the step's counted tokens are known upfront) and load balance.
+  StepMetrics forward_backward(int64_t step) {
+    s_.state.start_step(s_.known_zero_grads);
+    const double loss_scale = 1.0 / double(rc_.global_batch * rc_.seq_len);
+    const double aux_grad = aux_coef_ / double(s_.model.num_layers() * micro_batches_);
+    if (timer_) timer_->start_step(step);
+    const auto [token_loss_sum, aux_loss_sum] = run_step(s_, rc_, data_, step, loss_scale, aux_grad, timer_);
+    StepMetrics m;
+    m.step = step;
+    m.tokens_seen = step * rc_.global_batch * rc_.seq_len;
+    if (s_.experts) m.expert_traffic = s_.experts->take_traffic();
+    m.loss = s_.mesh.world.sum(token_loss_sum, "loss (sum)") * loss_scale;  // pipeline: only the LM head's rank has it
+    // Reported normalised so that perfectly balanced routing reads 1.0.
+    m.load_balance = aux_loss_sum / double(s_.model.num_layers() * micro_batches_ * s_.model.top_k());
+    m.lr = schedule_.at(step);
+    return m;
+  }
+
+  // Gradients reduced, their norm; AdamW, or the update skipped for a non-finite loss or norm (the
+  // run stops after optimizer.max_bad_steps of those in a row).
+  void update(StepMetrics& m, bool poisoned) {
+    s_.state.finish_gradients(rc_.overlap_grad_reduce && !rc_.uses_dualpipev());
+    m.grad_norm = s_.state.gradient_norm(s_.expert_squares_views, s_.known_zero_grads);
+    if (poisoned) m.loss = std::numeric_limits<double>::quiet_NaN();
+    if (std::isfinite(m.loss) && std::isfinite(m.grad_norm)) {
+      bad_in_a_row_ = 0;
+      optimizer_step(s_, rc_, m, ++updates_);
+      return;
+    }
+    m.skipped = true;
+    ++bad_in_a_row_;
+    std::fprintf(stderr, "warning: step %lld has a non-finite loss (%g) or gradient norm (%g); the update is skipped\n",
+                 (long long)m.step, m.loss, m.grad_norm);
+    MARROW_CHECK(bad_in_a_row_ < rc_.max_bad_steps, "stopping at step {}: {} steps in a row had a non-finite loss or gradient norm",
+                 m.step, bad_in_a_row_);
+  }
+
+  void time_step(StepMetrics& m, double seconds) {
+    if (timer_ && timer_->times(m.step)) {
+      const std::array<double, kStageCount> before = timer_->total_ms();
+      timer_->collect();
+      for (int i = 0; i < kStageCount; ++i) m.stage_ms[size_t(i)] = timer_->total_ms()[size_t(i)] - before[size_t(i)];
+    }
+    m.step_ms = seconds * 1e3;
+    m.tokens_per_s = double(rc_.global_batch * rc_.seq_len) / seconds;
+    m.peak_bytes = s_.device == Device::cuda ? arena_bytes_ + peak_memory_bytes(s_.device) : peak_memory_bytes(s_.device);
+  }
+
+  // After the step's timing: evaluation is not training speed, nor its exchanges training traffic.
+  void report(StepMetrics& m, RunRecord& record) {
+    const bool evaluate = rc_.eval_every > 0 && (m.step % rc_.eval_every == 0 || m.step == rc_.steps);
+    if (evaluate) m.val_loss = evaluation_loss(s_, rc_, data_);
+    if (s_.experts) s_.experts->take_traffic();
+    if (m.step % rc_.log_every == 0 || m.step == 1 || m.step == rc_.steps || m.skipped || evaluate) {
+      std::printf("%s\n", step_line(m, rc_.steps).c_str());
+      std::fflush(stdout);
+    }
+    record.append(m);
+  }
+
+  // The trace and a checkpoint where due; returns whether a stop signal ends the run here.
+  bool end_step(int64_t step, int64_t first_step) {
+    const int stop_signal = agreed_stop_signal(s_.mesh.world);
+    trace_.after_step(rc_, first_step, step, stop_signal != 0);
+    const std::string saved = checkpoints_.due(step, stop_signal != 0) ? checkpoints_.save(step, updates_) : "";
+    if (stop_signal == 0 || step == rc_.steps) return false;
+    std::printf("stopped by %s after step %lld: %s\n", stop_signal == SIGTERM ? "SIGTERM" : "SIGINT", (long long)step,
+                saved.empty() ? "no checkpoint (checkpoint.every = 0)"
+                              : ("checkpoint in " + saved + "; run the same command again to resume").c_str());
+    std::fflush(stdout);
+    return true;
+  }
+
+  const RunConfig& rc_;
+  TrainSetup<M>& s_;
+  const TokenDataset& data_;
+  TrainCheckpoints& checkpoints_;
+  StepTrace& trace_;
+  StageTimer* timer_;
+  const LrSchedule schedule_;
+  const double aux_coef_;
+  const int64_t micro_batches_;
+  int64_t updates_;  // applied updates (AdamW's bias correction counts them, not steps)
+  int64_t bad_in_a_row_ = 0;
+  size_t arena_bytes_ = 0;
+};
+
+// Sets up a run (the corpus, the model's sharded state, a checkpoint to resume) and trains it.
+// timer, when given, splits each step's time by stage into StepMetrics::stage_ms (marrow bench).
+template <MoeModel M>
+std::vector<StepMetrics> train(const RunConfig& rc, const typename M::Config& model_config, StageTimer* timer = nullptr) {
+  const Device device = choose_device(rc.device);
+  const RunLock lock(rc.out_dir, process::rank() == 0);  // one run per output.dir (engine/run_lock.h)
+  set_attention_kernels(parse_attention_kernels(rc.attention_kernels));
+  set_dependent_launch(rc.dependent_launch);
+  StepTrace trace;
+  timer = trace.prepare(rc, device, timer);
+  TrainSetup<M> s(rc, model_config, device);
+  TokenDataset data(rc.data_path, rc.seq_len, rc.seed, rc.validation_fraction, !rc.quiet);
+  check_training_data(data, rc, model_config.vocab_size);
   print_setup(s, rc, data);
 
   // Checkpoints (engine/checkpoint.h): resume from the newest in output.dir or checkpoint.resume.
-  ShardedParameters& state = s.state;
-  TrainCheckpoints checkpoints(rc, model_config.json, s.model.specs(), {&state.params(), &state.exp_avg(), &state.exp_avg_sq()},
-                               checkpoint_sharing(s.mesh, state, s.model_tensors));
+  TrainCheckpoints checkpoints(rc, model_config.json, s.model.specs(), {&s.state.params(), &s.state.exp_avg(), &s.state.exp_avg_sq()},
+                               checkpoint_sharing(s.mesh, s.state, s.model_tensors));
   const int64_t first_step = checkpoints.resume() + 1;
   checkpoints.require_disk_space();
-  int64_t updates = checkpoints.resumed_updates();
-  state.master_changed();
-  const std::string metrics_path = rc.out_dir + "/metrics.jsonl";
+  s.state.master_changed();
   if (first_step > rc.steps) {
     std::printf("the run is complete: its checkpoint is at step %lld of train.steps = %lld\n", (long long)first_step - 1,
                 (long long)rc.steps);
     return {};
   }
-  MetricsLog metrics;  // every append checked (engine/metrics_log.h)
-  if (leader) {
-    if (first_step > 1) keep_metrics_through(metrics_path, first_step - 1);
-    metrics = MetricsLog(metrics_path, first_step == 1);
-  }
-  std::optional<TensorBoardLog> tensorboard;  // <output.dir>/tb/ (engine/tensorboard.h), cut back on a resume as metrics.jsonl is
-  if (leader) tensorboard.emplace(rc, first_step);
+  RunRecord record(rc, first_step, s.mesh.world.rank() == 0);
   if (s.mesh.world.size() > 1) watchdog::start(rc.timeout_s, s.mesh.who(), nccl_async_error);
-
-  const LrSchedule schedule{rc.schedule, rc.lr, rc.min_lr, rc.warmup_steps, rc.steps, rc.decay_fraction};
   const double aux_coef = rc.aux_loss_coef >= 0 ? rc.aux_loss_coef : model_config.router_aux_loss_coef;
-  const int64_t micro_batches = rc.global_batch / (rc.micro_batch * s.mesh.shape.data_parallel()), S = rc.seq_len;
-  std::vector<StepMetrics> history;
-  int64_t bad_in_a_row = 0;
-  StopSignals stop;  // SIGTERM/SIGINT: finish the step, save, return
-
-  for (int64_t step = first_step; step <= rc.steps; ++step) {
-    if (trace && !trace->running() && step >= rc.profile_first && step <= rc.profile_last) trace->start();
-    const bool poisoned = inject_test_fault(step, s.mesh.world.rank());
-    watchdog::arm(true);
-    std::optional<NvtxRange> step_range(std::in_place, fmt::format("step {}", step));
-    const auto start = std::chrono::steady_clock::now();
-    state.start_step(s.known_zero_grads);
-    // Every target of a sample is a real next token, so the step's counted tokens are known upfront.
-    const double loss_scale = 1.0 / double(rc.global_batch * S);
-    const double aux_grad = aux_coef / double(s.model.num_layers() * micro_batches);
-    if (timer) timer->start_step(step);
-    const auto [token_loss_sum, aux_loss_sum] = run_step(s, rc, data, step, loss_scale, aux_grad, timer);
-
-    StepMetrics m;
-    m.step = step;
-    m.tokens_seen = step * rc.global_batch * S;
-    if (s.experts) m.expert_traffic = s.experts->take_traffic();
-    m.loss = s.mesh.world.sum(token_loss_sum, "loss (sum)") * loss_scale;  // pipeline: only the LM head's rank has it
-    // Reported normalised so that perfectly balanced routing reads 1.0.
-    m.load_balance = aux_loss_sum / double(s.model.num_layers() * micro_batches * s.model.top_k());
-    m.lr = schedule.at(step);
-    std::optional<StageScope> optimizer_scope(std::in_place, timer, Stage::optimizer);
-    state.finish_gradients(rc.overlap_grad_reduce && !rc.uses_dualpipev());
-    m.grad_norm = state.gradient_norm(s.expert_squares_views, s.known_zero_grads);
-    if (poisoned) m.loss = std::numeric_limits<double>::quiet_NaN();
-    if (!std::isfinite(m.loss) || !std::isfinite(m.grad_norm)) {
-      m.skipped = true;
-      ++bad_in_a_row;
-      std::fprintf(stderr, "warning: step %lld has a non-finite loss (%g) or gradient norm (%g); the update is skipped\n",
-                   (long long)step, m.loss, m.grad_norm);
-      MARROW_CHECK(bad_in_a_row < rc.max_bad_steps, "stopping at step {}: {} steps in a row had a non-finite loss or gradient norm",
-                   step, bad_in_a_row);
-    } else {
-      bad_in_a_row = 0;
-      optimizer_step(s, rc, m, ++updates);
-    }
-    optimizer_scope.reset();
-    if (device == Device::cuda) synchronize();
-    watchdog::arm(false);
-    step_range.reset();
-    if (timer && timer->times(step)) {
-      const std::array<double, kStageCount> before = timer->total_ms();
-      timer->collect();
-      for (int i = 0; i < kStageCount; ++i) m.stage_ms[size_t(i)] = timer->total_ms()[size_t(i)] - before[size_t(i)];
-    }
-    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    m.step_ms = seconds * 1e3;
-    m.tokens_per_s = double(rc.global_batch * S) / seconds;
-    m.peak_bytes = device == Device::cuda ? arena_bytes + peak_memory_bytes(device) : peak_memory_bytes(device);
-    // After the step's timing: evaluation is not training speed.
-    const bool evaluate = rc.eval_every > 0 && (step % rc.eval_every == 0 || step == rc.steps);
-    if (evaluate)
-      m.val_loss = evaluation_loss(s, rc, data);
-    if (s.experts) s.experts->take_traffic();  // evaluation is not training traffic
-    if (step % rc.log_every == 0 || step == 1 || step == rc.steps || m.skipped || evaluate) {
-      std::printf("%s\n", step_line(m, rc.steps).c_str());
-      std::fflush(stdout);
-    }
-    if (leader) {
-      metrics.append(step_json(m));
-      tensorboard->add_step(Json::parse(step_json(m)));
-    }
-    history.push_back(m);
-    const int stop_signal = agreed_stop_signal(s.mesh.world);
-    if (trace && trace->running() && (step == rc.profile_last || stop_signal != 0))
-      report_trace(trace->stop(), fmt::format("{}/trace-steps-{}-{}.json", rc.out_dir, std::max(rc.profile_first, first_step), step));
-    const std::string saved = checkpoints.due(step, stop_signal != 0) ? checkpoints.save(step, updates) : "";
-    if (stop_signal != 0 && step < rc.steps) {
-      std::printf("stopped by %s after step %lld: %s\n", stop_signal == SIGTERM ? "SIGTERM" : "SIGINT", (long long)step,
-                  saved.empty() ? "no checkpoint (checkpoint.every = 0)"
-                                : ("checkpoint in " + saved + "; run the same command again to resume").c_str());
-      std::fflush(stdout);
-      break;
-    }
-  }
+  TrainLoop<M> loop(rc, s, data, checkpoints, trace, timer, aux_coef);
+  std::vector<StepMetrics> history = loop.run(first_step, record);
   watchdog::stop();
   return history;
 }
