@@ -118,89 +118,117 @@ bool is_hf_model_dir(const std::string& dir) {
          (fs::exists(dir + "/model.safetensors.index.json") || fs::exists(dir + "/model.safetensors"));
 }
 
-void read_hf_weights(const std::string& dir, const std::vector<TensorSpec>& specs, const Arena& params, bool show_progress) {
-  std::vector<std::string> paths;
+namespace {
+
+// The safetensors files of a Hugging Face directory: those its index names, or model.safetensors.
+std::vector<std::string> safetensors_paths(const std::string& dir) {
   const std::string index_path = dir + "/model.safetensors.index.json";
-  if (fs::exists(index_path)) {
-    const Json index = read_json_file(index_path);
-    MARROW_CHECK(index.contains("weight_map") && index["weight_map"].is_object(), "{}: key 'weight_map' is missing or not an object",
-                 index_path);
-    std::set<std::string> seen;
-    for (auto& [name, file] : index["weight_map"].items()) {
-      MARROW_CHECK(file.is_string(), "{}: weight_map['{}'] must be a file name", index_path, name);
-      const std::string path = dir + "/" + file.get<std::string>();
-      if (!seen.insert(path).second) continue;
-      MARROW_CHECK(fs::exists(path), "{} lists {} but that file is missing", index_path, path);
-      paths.push_back(path);
-    }
-  } else {
+  if (!fs::exists(index_path)) {
     MARROW_CHECK(fs::exists(dir + "/model.safetensors"), "{} has neither model.safetensors.index.json nor model.safetensors", dir);
-    paths.push_back(dir + "/model.safetensors");
+    return {dir + "/model.safetensors"};
   }
-  std::vector<std::unique_ptr<SafetensorsFile>> files;
-  std::map<std::string, const SafetensorsFile*> where;
-  for (const std::string& path : paths) {
-    files.push_back(std::make_unique<SafetensorsFile>(path));
-    for (const std::string& name : files.back()->names()) where[name] = files.back().get();
+  const Json index = read_json_file(index_path);
+  MARROW_CHECK(index.contains("weight_map") && index["weight_map"].is_object(), "{}: key 'weight_map' is missing or not an object",
+               index_path);
+  std::vector<std::string> paths;
+  std::set<std::string> seen;
+  for (auto& [name, file] : index["weight_map"].items()) {
+    MARROW_CHECK(file.is_string(), "{}: weight_map['{}'] must be a file name", index_path, name);
+    const std::string path = dir + "/" + file.get<std::string>();
+    if (!seen.insert(path).second) continue;
+    MARROW_CHECK(fs::exists(path), "{} lists {} but that file is missing", index_path, path);
+    paths.push_back(path);
   }
-  std::set<std::string> used;
+  return paths;
+}
+
+// The safetensors tensors of a directory by name.
+class HfTensors {
+ public:
+  explicit HfTensors(const std::string& dir) : dir_(dir), paths_(safetensors_paths(dir)) {
+    for (const std::string& path : paths_) {
+      files_.push_back(std::make_unique<SafetensorsFile>(path));
+      for (const std::string& name : files_.back()->names()) where_[name] = files_.back().get();
+    }
+  }
+
+  // The model's tensor `s` (a view into its file) and the file: stored under its name, or as expert
+  // e's rows of transformers 5's fused experts (gate_up_proj [E, 2I, H], gate rows then up rows;
+  // down_proj [E, H, I]).
+  std::pair<Tensor, const SafetensorsFile*> find(const TensorSpec& s) {
+    if (auto it = where_.find(s.name); it != where_.end()) {
+      const Tensor t = it->second->get(s.name);
+      used_.insert(s.name);
+      const std::vector<int64_t> shape(t.shape.begin(), t.shape.begin() + t.ndim);
+      MARROW_CHECK(shape == s.shape, "{}: tensor '{}' has shape {} but the model's config.json gives {}", it->second->path(), s.name,
+                   t.shape_string(), host_view(nullptr, t.dtype, s.shape).shape_string());
+      return {t, it->second};
+    }
+    std::string layer, part;
+    int64_t expert = 0;
+    if (!parse_expert_name(s.name, layer, expert, part) || s.shape.size() != 2)
+      fail("{}: tensor '{}' is missing", paths_.size() == 1 ? paths_[0] : dir_ + "/model.safetensors.index.json", s.name);
+    const std::string fused = layer + (part == "down_proj" ? "down_proj" : "gate_up_proj");
+    auto it = where_.find(fused);
+    MARROW_CHECK(it != where_.end(), "{}: tensor '{}' is missing (nor is there a fused '{}')", dir_, s.name, fused);
+    const Tensor f = it->second->get(fused);
+    const int64_t rows = s.shape[0] * (part == "down_proj" ? 1 : 2);
+    MARROW_CHECK(f.ndim == 3 && f.shape[0] > expert && f.shape[1] == rows && f.shape[2] == s.shape[1],
+                 "{}: tensor '{}' has shape {}, which does not hold expert {}'s {} of shape {}", it->second->path(), fused,
+                 f.shape_string(), expert, part, host_view(nullptr, f.dtype, s.shape).shape_string());
+    const size_t offset = size_t(expert * rows + (part == "up_proj" ? s.shape[0] : 0)) * size_t(s.shape[1]);
+    used_.insert(fused);
+    return {host_view(static_cast<char*>(f.data) + offset * dtype_size(f.dtype), f.dtype, s.shape), it->second};
+  }
+
+  // A note naming one of the tensors no find() asked for.
+  void note_unused() const {
+    if (used_.size() >= where_.size()) return;
+    for (auto& [name, f] : where_)
+      if (!used_.count(name)) {
+        std::fprintf(stderr, "note: %s: %zu tensors that the model does not use were ignored, e.g. '%s'\n", dir_.c_str(),
+                     where_.size() - used_.size(), name.c_str());
+        return;
+      }
+  }
+
+ private:
+  std::string dir_;
+  std::vector<std::string> paths_;
+  std::vector<std::unique_ptr<SafetensorsFile>> files_;
+  std::map<std::string, const SafetensorsFile*> where_;
+  std::set<std::string> used_;
+};
+
+// dst (f32) = t, an f32 or bf16 tensor of `file`.
+void copy_as_f32(Tensor dst, Tensor t, const SafetensorsFile& file, const std::string& name) {
+  const int64_t n = dst.numel();
+  if (t.dtype == DType::f32) {
+    copy(dst, t.reshape({n}));
+  } else if (t.dtype == DType::bf16) {
+    Buffer f32(DType::f32, Device::cpu, {n});
+    const auto* src = static_cast<const uint16_t*>(t.data);
+    for (int64_t i = 0; i < n; ++i) f32.ptr<float>()[i] = bf16_to_float(src[i]);
+    copy(dst, f32);
+  } else {
+    fail("{}: tensor '{}' is {}; Marrow reads f32 and bf16 weights", file.path(), name, dtype_name(t.dtype));
+  }
+}
+
+}  // namespace
+
+void read_hf_weights(const std::string& dir, const std::vector<TensorSpec>& specs, const Arena& params, bool show_progress) {
+  HfTensors tensors(dir);
   uint64_t weight_bytes = 0;  // counted as the fp32 parameters they become
   for (const TensorSpec& s : specs) weight_bytes += uint64_t(s.numel) * sizeof(float);
   Progress progress("reading " + dir, weight_bytes, show_progress);
-
   for (const TensorSpec& s : specs) {
-    Tensor t;
-    const SafetensorsFile* file = nullptr;
-    std::string layer, part;
-    int64_t expert = 0;
-    if (auto it = where.find(s.name); it != where.end()) {
-      file = it->second;
-      t = file->get(s.name);
-      used.insert(s.name);
-      const std::vector<int64_t> shape(t.shape.begin(), t.shape.begin() + t.ndim);
-      MARROW_CHECK(shape == s.shape, "{}: tensor '{}' has shape {} but the model's config.json gives {}", file->path(), s.name,
-                   t.shape_string(), host_view(nullptr, t.dtype, s.shape).shape_string());
-    } else if (parse_expert_name(s.name, layer, expert, part) && s.shape.size() == 2) {
-      // transformers 5's fused experts: gate_up_proj [E, 2I, H] (gate rows, then up rows), down_proj [E, H, I].
-      const std::string fused = layer + (part == "down_proj" ? "down_proj" : "gate_up_proj");
-      auto it = where.find(fused);
-      MARROW_CHECK(it != where.end(), "{}: tensor '{}' is missing (nor is there a fused '{}')", dir, s.name, fused);
-      file = it->second;
-      const Tensor f = file->get(fused);
-      const int64_t rows = s.shape[0] * (part == "down_proj" ? 1 : 2);
-      MARROW_CHECK(f.ndim == 3 && f.shape[0] > expert && f.shape[1] == rows && f.shape[2] == s.shape[1],
-                   "{}: tensor '{}' has shape {}, which does not hold expert {}'s {} of shape {}", file->path(), fused, f.shape_string(),
-                   expert, part, host_view(nullptr, f.dtype, s.shape).shape_string());
-      const size_t offset = size_t(expert * rows + (part == "up_proj" ? s.shape[0] : 0)) * size_t(s.shape[1]);
-      t = host_view(static_cast<char*>(f.data) + offset * dtype_size(f.dtype), f.dtype, s.shape);
-      used.insert(fused);
-    } else {
-      fail("{}: tensor '{}' is missing", paths.size() == 1 ? paths[0] : index_path, s.name);
-    }
-    Tensor dst = params.slice(s.offset, {s.numel});
-    if (t.dtype == DType::f32) {
-      copy(dst, t.reshape({s.numel}));
-    } else if (t.dtype == DType::bf16) {
-      Buffer f32(DType::f32, Device::cpu, {s.numel});
-      const auto* src = static_cast<const uint16_t*>(t.data);
-      for (int64_t i = 0; i < s.numel; ++i) f32.ptr<float>()[i] = bf16_to_float(src[i]);
-      copy(dst, f32);
-    } else {
-      fail("{}: tensor '{}' is {}; Marrow reads f32 and bf16 weights", file->path(), s.name, dtype_name(t.dtype));
-    }
+    const auto [t, file] = tensors.find(s);
+    copy_as_f32(params.slice(s.offset, {s.numel}), t, *file, s.name);
     progress.add(uint64_t(s.numel) * sizeof(float));
   }
   progress.finish();
-  if (used.size() < where.size()) {
-    std::string example;
-    for (auto& [name, f] : where)
-      if (!used.count(name)) {
-        example = name;
-        break;
-      }
-    std::fprintf(stderr, "note: %s: %zu tensors that the model does not use were ignored, e.g. '%s'\n", dir.c_str(),
-                 where.size() - used.size(), example.c_str());
-  }
+  tensors.note_unused();
 }
 
 }  // namespace marrow
