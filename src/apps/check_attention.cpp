@@ -321,28 +321,12 @@ void check_merge(CheckReport& report) {
   report.add({"attention merge lse B2 S37 rows [3, 30) (abs; -inf outside)", error, 1e-5, error <= 1e-5});
 }
 
-}  // namespace
-
-void check_attention_op(CheckReport& report) {
-  const Shape shapes[] = {
-      {2, 37, 8, 2, 64},    // odd S inside one tile, group 4, two batch rows
-      {1, 257, 4, 4, 128},  // one row past four tiles, group 1 (dk, dv written directly)
-      {1, 1, 8, 1, 128},    // a single position, group 8
-      {1, 129, 8, 1, 64},   // group 8 at D 64, S one past two tiles
-  };
-  uint64_t seed = 100;  // each problem draws from seeds seed .. seed + 3
-  const AttentionKernels before = attention_kernels();
-  for (const AttentionKernels kernels : kAttentionKernels) {
-    set_attention_kernels(kernels);
-    uint64_t shape_seed = seed;
-    for (const Shape& n : shapes) check_shape(report, reference(n, shape_seed += 4));
-    check_bench(report);
-  }
-  // cuDNN's deterministic backward in query chunks, which its plan takes only past the workspace
-  // cap (S > 16384 at the bench's heads), forced here: chunks that do not divide odd lengths (the
-  // first chunk is the short one, a single row joins the next), both head dims, two batch rows;
-  // chunks within two key/value head groups (a cap that one call over all heads passes); the bench
-  // shape in chunks of 1024 (its first 1024 rows against the reference, the same bits twice).
+// cuDNN's deterministic backward in query chunks, which its plan takes only past the workspace cap
+// (S > 16384 at the bench's heads), forced here: chunks that do not divide odd lengths (the first
+// chunk is the short one, a single row joins the next), both head dims, two batch rows; chunks within
+// two key/value head groups (a cap that one call over all heads passes); the bench shape in chunks of
+// 1024 (its first 1024 rows against the reference, the same bits twice).
+void check_cudnn_chunks(CheckReport& report) {
   set_attention_kernels(AttentionKernels::cudnn);
   const std::pair<Shape, int64_t> chunked[] = {
       {{2, 37, 8, 2, 64}, 16},     // chunks 5 + 16 + 16
@@ -366,9 +350,12 @@ void check_attention_op(CheckReport& report) {
   check_bench(report);
   set_cudnn_backward_chunk(0);
   backward_variant.clear();
-  // Marrow's wgmma forward and backward (ops/attention_hopper.h) where they serve the sizes: two
-  // batch rows, groups 1, 4 and 8, one key block, and the backward's chunks of one head and of three
-  // (the last one short).
+}
+
+// Marrow's wgmma forward and backward (ops/attention_hopper.h) where they serve the sizes: two batch
+// rows, groups 1, 4 and 8, one key block, and the backward's chunks of one head and of three (the
+// last one short); then the backward alone behind cuDNN's forward.
+void check_hopper(CheckReport& report) {
   set_attention_kernels(AttentionKernels::hopper);
   const Shape hopper_shapes[] = {{2, 256, 8, 2, 128}, {1, 384, 4, 1, 128}, {1, 128, 2, 2, 128}, {1, 640, 8, 1, 128}};
   uint64_t hopper_seed = 1300;
@@ -382,10 +369,13 @@ void check_attention_op(CheckReport& report) {
   set_attention_kernels(AttentionKernels::hopper_backward);  // cuDNN's forward with it (the bench shape: above)
   backward_variant.clear();
   for (const Shape& n : hopper_shapes) check_shape(report, reference(n, hopper_seed += 4));
-  backward_variant.clear();
-  set_attention_kernels(before);
-  seed += 4 * std::size(shapes);
-  // The zigzag split's blocks at chunks of 65 (two chunks: 130 local tokens) and odd sub-ranges.
+}
+
+// Ring attention's blocks: the zigzag split's at chunks of 65 (two chunks: 130 local tokens) and odd
+// sub-ranges; then on the wgmma kernels (any setting but own) the zigzag split's two full blocks at
+// chunks of 128 and (two batch rows, group 8) 256, offsets with Sq != Sk (group 1), and a causal block
+// at different offsets in q and k.
+void check_blocks(CheckReport& report, uint64_t seed) {
   const BlockCase blocks[] = {
       {{1, 130, 8, 2, 128}, 130, {AttentionMask::full, 0, 130, 0, 65}},   // an earlier member's K/V
       {{1, 130, 8, 2, 128}, 130, {AttentionMask::full, 65, 130, 0, 130}},  // a later member's K/V
@@ -394,9 +384,6 @@ void check_attention_op(CheckReport& report) {
       {{1, 1, 8, 1, 128}, 1, {AttentionMask::full, 0, 1, 0, 1}},            // one query, one key
   };
   for (const BlockCase& c : blocks) check_block(report, c, seed += 8);
-  // Blocks on the wgmma kernels (ops/attention_hopper.h; any setting but own): the zigzag split's two
-  // full blocks at chunks of 128 and (two batch rows, group 8) 256, offsets with Sq != Sk (group 1),
-  // and a causal block at different offsets in q and k.
   set_attention_kernels(AttentionKernels::hopper_backward);
   const BlockCase wgmma_blocks[] = {
       {{1, 256, 8, 2, 128}, 256, {AttentionMask::full, 0, 256, 0, 128}, true},
@@ -405,6 +392,29 @@ void check_attention_op(CheckReport& report) {
       {{1, 300, 8, 2, 128}, 260, {AttentionMask::causal, 16, 144, 132, 260}, true},
   };
   for (const BlockCase& c : wgmma_blocks) check_block(report, c, seed += 8);
+}
+
+}  // namespace
+
+void check_attention_op(CheckReport& report) {
+  const Shape shapes[] = {
+      {2, 37, 8, 2, 64},    // odd S inside one tile, group 4, two batch rows
+      {1, 257, 4, 4, 128},  // one row past four tiles, group 1 (dk, dv written directly)
+      {1, 1, 8, 1, 128},    // a single position, group 8
+      {1, 129, 8, 1, 64},   // group 8 at D 64, S one past two tiles
+  };
+  const uint64_t seed = 100;  // each problem draws from seeds seed .. seed + 3
+  const AttentionKernels before = attention_kernels();
+  for (const AttentionKernels kernels : kAttentionKernels) {
+    set_attention_kernels(kernels);
+    uint64_t shape_seed = seed;
+    for (const Shape& n : shapes) check_shape(report, reference(n, shape_seed += 4));
+    check_bench(report);
+  }
+  check_cudnn_chunks(report);
+  check_hopper(report);
+  set_attention_kernels(before);
+  check_blocks(report, seed + 4 * std::size(shapes));
   set_attention_kernels(before);
   check_merge(report);
   check_rejects_head_dim(report);

@@ -285,10 +285,17 @@ void check_swiglu(CheckReport& report, int64_t rows, int64_t inter) {
   report.compare("swiglu_backward " + size, dgate_up_d, dgate_up, kBf16);
 }
 
-// Router, dispatch and combine on one routing: T tokens, E experts, top-K. Expert `starved` (if
-// >= 0) gets a logit of -30 for every token, so it receives zero tokens. Each GPU op gets the CPU's
-// inputs (probs, topk_index, copy_row), so a failure points at one op.
-void check_moe(CheckReport& report, int64_t n, int64_t e, int64_t k, int64_t h, bool normalize, int64_t starved) {
+// The CPU's routing of T tokens over E experts, top-K, which the ops after the router take.
+struct Routing {
+  int64_t n, e, k;
+  Buffer topk_weight, topk_index;
+  std::string size;
+};
+
+// The router's forward, statistics, aux loss and backward; each GPU op gets the CPU's inputs, so a
+// failure points at one op. Expert `starved` (if >= 0) gets a logit of -30 for every token, so it
+// receives zero tokens.
+Routing check_router(CheckReport& report, int64_t n, int64_t e, int64_t k, bool normalize, int64_t starved) {
   const std::string size = fmt::format("T={} E={} K={}", n, e, k);
   Buffer logits = random_host({n, e}, 50, 2.0);
   if (starved >= 0)
@@ -327,7 +334,17 @@ void check_moe(CheckReport& report, int64_t n, int64_t e, int64_t k, int64_t h, 
   router_backward(dlogits, dtopk, probs, topk_index, topk_weight, normalize, 0.5 * double(n), stats);
   router_backward(dlogits_d, dtopk_d, probs_same, index_same, weight_same, normalize, 0.5 * double(n), stats_same);
   report.compare("router_backward dlogits " + size, dlogits_d, dlogits, kBf16);
+  return {n, e, k, std::move(topk_weight), std::move(topk_index), size};
+}
 
+// The dispatch plan, dispatch and combine on one routing at hidden size H, from the CPU's inputs
+// (topk_index, copy_row) as above.
+void check_dispatch_combine(CheckReport& report, const Routing& routing, int64_t h) {
+  const int64_t n = routing.n, e = routing.e, k = routing.k;
+  const std::string& size = routing.size;
+  const Buffer& topk_weight = routing.topk_weight;
+  const Buffer& topk_index = routing.topk_index;
+  OnDevice index_same(topk_index, DType::i32), weight_same(topk_weight, DType::f32);
   Buffer offsets(DType::i32, Device::cpu, {e + 1}), offsets_gpu(DType::i32, Device::cpu, {e + 1});
   Buffer copy_row(DType::i32, Device::cpu, {n, k}), copy_row_d = poisoned(DType::i32, {n, k});
   std::fill(offsets_gpu.ptr<int32_t>(), offsets_gpu.ptr<int32_t>() + e + 1, -1);
@@ -366,6 +383,12 @@ void check_moe(CheckReport& report, int64_t n, int64_t e, int64_t k, int64_t h, 
   combine_backward(dy_perm_d, dweight_d, dout_d, y_perm_d, weight_same, rows_same);
   report.compare("combine_backward dy_perm " + hsize, dy_perm_d, dy_perm, kBf16);
   report.compare("combine_backward dtopk_weight " + hsize, dweight_d, dweight, kF32);
+}
+
+
+// Router, dispatch and combine on one routing: T tokens, E experts, top-K, hidden size H.
+void check_moe(CheckReport& report, int64_t n, int64_t e, int64_t k, int64_t h, bool normalize, int64_t starved) {
+  check_dispatch_combine(report, check_router(report, n, e, k, normalize, starved), h);
 }
 
 // Expert indices outside [0, E) (-1 and E here): the GPU statistics count them for no expert, the

@@ -148,57 +148,74 @@ Tokenizer untrained_tokenizer(const std::vector<std::string>& special_tokens) {
   return Tokenizer(initial_tokens(special_tokens), {}, special_added_tokens(special_tokens), {{kQwenSplitPattern, false}}, true);
 }
 
+namespace {
+
+struct TransparentHash {
+  using is_transparent = void;
+  size_t operator()(std::string_view s) const { return std::hash<std::string_view>{}(s); }
+};
+// One worker's counts, looked up by string_view without building a string.
+using WorkerCounts = std::unordered_map<std::string, int64_t, TransparentHash, std::equal_to<>>;
+
+void count_piece(WorkerCounts& counts, std::string_view piece) {
+  auto it = counts.find(piece);
+  if (it == counts.end()) {
+    counts.emplace(piece, 1);
+  } else {
+    ++it->second;
+  }
+}
+
+// "train-tokenizer: counted N MB of text", every second on a terminal (overwriting), else every 10.
+class CountProgress {
+ public:
+  CountProgress(const ChunkReader& reader, bool enabled) : reader_(reader), enabled_(enabled) {}
+  bool overwrites() const { return enabled_ && tty_; }
+  void update() {
+    const auto now = std::chrono::steady_clock::now();
+    if (!enabled_ || now - last_ <= std::chrono::seconds(tty_ ? 1 : 10)) return;
+    const double seconds = std::chrono::duration<double>(now - start_).count();
+    std::fprintf(stderr, "%strain-tokenizer: counted %.1f MB of text (%.1f MB/s)%s", tty_ ? "\r" : "", reader_.bytes_read() / 1e6,
+                 reader_.bytes_read() / 1e6 / seconds, tty_ ? "" : "\n");
+    last_ = now;
+  }
+  void finish() const {
+    if (overwrites()) std::fprintf(stderr, "\n");
+  }
+
+ private:
+  const ChunkReader& reader_;
+  const bool enabled_, tty_ = ::isatty(STDERR_FILENO);
+  const std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
+  std::chrono::steady_clock::time_point last_ = start_;
+};
+
+}  // namespace
+
 PieceCounts count_pieces(const BpeTrainOptions& options) {
   check_pipeline_threads(options.threads);
   std::vector<InputFile> files = find_input_files(options.inputs);
   MARROW_CHECK(!files.empty(), "no input files were given");
   Tokenizer splitter = untrained_tokenizer(options.special_tokens);
   std::vector<EncodeState> states(size_t(options.threads));
-  struct TransparentHash {
-    using is_transparent = void;
-    size_t operator()(std::string_view s) const { return std::hash<std::string_view>{}(s); }
-  };
-  using Counts = std::unordered_map<std::string, int64_t, TransparentHash, std::equal_to<>>;
-  std::vector<Counts> worker_counts(size_t(options.threads));
+  std::vector<WorkerCounts> worker_counts(size_t(options.threads));
   ChunkReader reader(files);
-  struct ChunkResult {
-    std::vector<BadLine> bad_lines;
-  };
-  int64_t bad_lines = 0;
-  auto start = std::chrono::steady_clock::now(), last_progress = start;
-  bool tty = ::isatty(STDERR_FILENO);
+  CountProgress progress(reader, options.progress);
+  BadLineReport bad_lines(files, options.strict, progress.overwrites());
   auto work = [&](const TextChunk& chunk, int worker) {
-    ChunkResult result;
-    auto& counts = worker_counts[size_t(worker)];
-    chunk_documents(files[chunk.file_index], chunk, options.field, [&](std::string_view text, bool) {
-      splitter.pre_tokenize(text, states[size_t(worker)], [&](std::string_view piece) {
-        auto it = counts.find(piece);
-        if (it == counts.end()) {
-          counts.emplace(piece, 1);
-        } else {
-          ++it->second;
-        }
-      });
-    }, result.bad_lines);
-    return result;
+    std::vector<BadLine> bad;
+    auto count = [&](std::string_view piece) { count_piece(worker_counts[size_t(worker)], piece); };
+    chunk_documents(files[chunk.file_index], chunk, options.field,
+                    [&](std::string_view text, bool) { splitter.pre_tokenize(text, states[size_t(worker)], count); }, bad);
+    return bad;
   };
-  auto consume = [&](ChunkResult& result) {
-    for (const BadLine& bad : result.bad_lines) {
-      std::string where = fmt::format("{}:{}", files[bad.file_index].path, bad.line);
-      MARROW_CHECK(!options.strict, "{}: {} (--strict stops at the first bad line)", where, bad.reason);
-      if (++bad_lines <= 20) std::fprintf(stderr, "warning: %s: %s, line skipped\n", where.c_str(), bad.reason.c_str());
-    }
-    auto now = std::chrono::steady_clock::now();
-    if (options.progress && now - last_progress > std::chrono::seconds(tty ? 1 : 10)) {
-      double seconds = std::chrono::duration<double>(now - start).count();
-      std::fprintf(stderr, "%strain-tokenizer: counted %.1f MB of text (%.1f MB/s)%s", tty ? "\r" : "", reader.bytes_read() / 1e6,
-                   reader.bytes_read() / 1e6 / seconds, tty ? "" : "\n");
-      last_progress = now;
-    }
+  auto consume = [&](std::vector<BadLine>& bad) {
+    bad_lines.skip(bad);
+    progress.update();
   };
-  run_chunk_pipeline<ChunkResult>(reader, options.threads, work, consume);
-  if (options.progress && tty) std::fprintf(stderr, "\n");
-  if (bad_lines > 20) std::fprintf(stderr, "warning: %lld more bad lines were skipped\n", static_cast<long long>(bad_lines - 20));
+  run_chunk_pipeline<std::vector<BadLine>>(reader, options.threads, work, consume);
+  progress.finish();
+  bad_lines.finish();
   PieceCounts total;
   for (auto& counts : worker_counts) {
     for (auto& [piece, count] : counts) total[piece] += count;

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <set>
@@ -213,66 +214,91 @@ bool ChunkReader::next(TextChunk& chunk) {
   }
 }
 
-void chunk_documents(const InputFile& file, const TextChunk& chunk, const std::string& field,
-                     const std::function<void(std::string_view text, bool ends_document)>& visit,
-                     std::vector<BadLine>& bad_lines) {
+namespace {
+
+using DocumentVisitor = std::function<void(std::string_view text, bool ends_document)>;
+
+std::string invalid_utf8_reason(size_t invalid) { return fmt::format("invalid UTF-8 at byte {} of the line", invalid + 1); }
+
+// Plain text: the chunk is a piece of its file's one document; lines that are not UTF-8 are left out.
+void chunk_text(const TextChunk& chunk, const DocumentVisitor& visit, std::vector<BadLine>& bad_lines) {
   std::string_view bytes = chunk.bytes;
-  if (!file.jsonl) {
-    if (find_invalid_utf8(bytes) == std::string_view::npos) {
-      visit(bytes, chunk.ends_file);
-      return;
-    }
-    std::string valid;
-    int64_t line = chunk.first_line;
-    for (size_t start = 0; start < bytes.size(); ++line) {
-      size_t end = bytes.find('\n', start);
-      end = end == std::string_view::npos ? bytes.size() : end + 1;
-      std::string_view text = bytes.substr(start, end - start);
-      size_t invalid = find_invalid_utf8(text);
-      if (invalid == std::string_view::npos) {
-        valid += text;
-      } else {
-        bad_lines.push_back({chunk.file_index, line, fmt::format("invalid UTF-8 at byte {} of the line", invalid + 1)});
-      }
-      start = end;
-    }
-    visit(valid, chunk.ends_file);
+  if (find_invalid_utf8(bytes) == std::string_view::npos) {
+    visit(bytes, chunk.ends_file);
     return;
   }
+  std::string valid;
+  int64_t line = chunk.first_line;
+  for (size_t start = 0; start < bytes.size(); ++line) {
+    size_t end = bytes.find('\n', start);
+    end = end == std::string_view::npos ? bytes.size() : end + 1;
+    std::string_view text = bytes.substr(start, end - start);
+    size_t invalid = find_invalid_utf8(text);
+    if (invalid == std::string_view::npos) {
+      valid += text;
+    } else {
+      bad_lines.push_back({chunk.file_index, line, invalid_utf8_reason(invalid)});
+    }
+    start = end;
+  }
+  visit(valid, chunk.ends_file);
+}
+
+// One JSONL line (no newline): visits the string of `field` as a whole document, or returns why the
+// line is bad; a blank line is neither.
+std::string visit_jsonl_line(std::string_view text, const std::string& field, const DocumentVisitor& visit) {
+  if (text.ends_with('\r')) text.remove_suffix(1);
+  if (text.find_first_not_of(" \t") == std::string_view::npos) return "";
+  size_t invalid = find_invalid_utf8(text);
+  if (invalid != std::string_view::npos) return invalid_utf8_reason(invalid);
+  Json object;
+  try {
+    object = Json::parse(text);
+  } catch (const Json::parse_error& e) {
+    std::string what = e.what();
+    size_t at = what.find("column");
+    return "invalid JSON: " + (at == std::string::npos ? what : what.substr(at));
+  }
+  auto value = object.is_object() ? object.find(field) : object.end();
+  if (!object.is_object() || value == object.end() || value->is_null()) return fmt::format("missing field '{}'", field);
+  if (!value->is_string()) return fmt::format("field '{}' is not a string", field);
+  const std::string& document = value->get_ref<const std::string&>();
+  if (!document.empty()) visit(document, true);
+  return "";
+}
+
+}  // namespace
+
+void chunk_documents(const InputFile& file, const TextChunk& chunk, const std::string& field, const DocumentVisitor& visit,
+                     std::vector<BadLine>& bad_lines) {
+  if (!file.jsonl) return chunk_text(chunk, visit, bad_lines);
+  std::string_view bytes = chunk.bytes;
   int64_t line = chunk.first_line;
   for (size_t start = 0; start < bytes.size(); ++line) {
     size_t end = bytes.find('\n', start);
     if (end == std::string_view::npos) end = bytes.size();
-    std::string_view text = bytes.substr(start, end - start);
+    std::string error = visit_jsonl_line(bytes.substr(start, end - start), field, visit);
+    if (!error.empty()) bad_lines.push_back({chunk.file_index, line, std::move(error)});
     start = end + 1;
-    if (text.ends_with('\r')) text.remove_suffix(1);
-    if (text.find_first_not_of(" \t") == std::string_view::npos) continue;
-    size_t invalid = find_invalid_utf8(text);
-    if (invalid != std::string_view::npos) {
-      bad_lines.push_back({chunk.file_index, line, fmt::format("invalid UTF-8 at byte {} of the line", invalid + 1)});
-      continue;
-    }
-    Json object;
-    try {
-      object = Json::parse(text);
-    } catch (const Json::parse_error& e) {
-      std::string what = e.what();
-      size_t at = what.find("column");
-      bad_lines.push_back({chunk.file_index, line, "invalid JSON: " + (at == std::string::npos ? what : what.substr(at))});
-      continue;
-    }
-    auto value = object.is_object() ? object.find(field) : object.end();
-    if (!object.is_object() || value == object.end() || value->is_null()) {
-      bad_lines.push_back({chunk.file_index, line, fmt::format("missing field '{}'", field)});
-      continue;
-    }
-    if (!value->is_string()) {
-      bad_lines.push_back({chunk.file_index, line, fmt::format("field '{}' is not a string", field)});
-      continue;
-    }
-    const std::string& document = value->get_ref<const std::string&>();
-    if (!document.empty()) visit(document, true);
   }
+}
+
+namespace {
+constexpr int64_t kBadLinesShown = 20;
+}  // namespace
+
+void BadLineReport::skip(const std::vector<BadLine>& bad_lines) {
+  for (const BadLine& bad : bad_lines) {
+    const std::string where = fmt::format("{}:{}", files_[bad.file_index].path, bad.line);
+    MARROW_CHECK(!strict_, "{}: {} (--strict stops at the first bad line)", where, bad.reason);
+    if (++count_ <= kBadLinesShown)
+      std::fprintf(stderr, "%swarning: %s: %s, line skipped\n", newline_first_ ? "\n" : "", where.c_str(), bad.reason.c_str());
+  }
+}
+
+void BadLineReport::finish() const {
+  if (count_ > kBadLinesShown)
+    std::fprintf(stderr, "warning: %lld more bad lines were skipped\n", static_cast<long long>(count_ - kBadLinesShown));
 }
 
 }  // namespace marrow

@@ -74,4 +74,21 @@ void chunk_documents(const InputFile& file, const TextChunk& chunk, const std::s
                      const std::function<void(std::string_view text, bool ends_document)>& visit,
                      std::vector<BadLine>& bad_lines);
 
+// Bad lines as the commands report them: a warning on stderr for each of the first 20 (or, with
+// strict, an error at the first), then how many more were skipped.
+class BadLineReport {
+ public:
+  // newline_first: start each warning on a new line (a progress line ending in '\r' is on screen).
+  BadLineReport(const std::vector<InputFile>& files, bool strict, bool newline_first)
+      : files_(files), strict_(strict), newline_first_(newline_first) {}
+  void skip(const std::vector<BadLine>& bad_lines);
+  void finish() const;  // after the last chunk
+  int64_t count() const { return count_; }
+
+ private:
+  const std::vector<InputFile>& files_;
+  const bool strict_, newline_first_;
+  int64_t count_ = 0;
+};
+
 }  // namespace marrow

@@ -70,6 +70,11 @@ TokenDataset::~TokenDataset() {
 }
 
 void TokenDataset::verify_and_map(bool show_progress) {
+  map_shards();
+  check_shards(hash_shards(show_progress));
+}
+
+void TokenDataset::map_shards() {
   int64_t offset = 0;
   for (const ShardInfo& info : manifest_.shards) {
     std::string path = (fs::path(dir_) / info.file).string();
@@ -91,15 +96,15 @@ void TokenDataset::verify_and_map(bool show_progress) {
     shards_.push_back({static_cast<const uint32_t*>(data), expected, offset});
     offset += info.tokens;
   }
+}
 
-  // Hash the shards on all cores; a corpus large enough to take a while gets a progress line.
+std::vector<TokenDataset::ShardDigest> TokenDataset::hash_shards(bool show_progress) const {
   std::atomic<size_t> next_shard{0};
   std::atomic<uint64_t> hashed_bytes{0};
-  std::vector<std::string> digests(shards_.size());
-  std::vector<uint32_t> largest_id(shards_.size(), 0);  // checked against the manifest's vocab_size below
+  std::vector<ShardDigest> digests(shards_.size());
   uint64_t total_bytes = 0;
   for (const Shard& shard : shards_) total_bytes += shard.bytes;
-  auto hash_shards = [&] {
+  auto hash_some = [&] {
     for (size_t i; (i = next_shard++) < shards_.size();) {
       Sha256 hash;
       const auto* bytes = reinterpret_cast<const char*>(shards_[i].tokens);
@@ -107,35 +112,38 @@ void TokenDataset::verify_and_map(bool show_progress) {
         size_t take = std::min<size_t>(shards_[i].bytes - at, size_t(64) << 20);
         hash.update(bytes + at, take);
         const uint32_t* ids = shards_[i].tokens + at / sizeof(uint32_t);
-        largest_id[i] = std::max(largest_id[i], *std::max_element(ids, ids + take / sizeof(uint32_t)));
+        digests[i].largest_id = std::max(digests[i].largest_id, *std::max_element(ids, ids + take / sizeof(uint32_t)));
         hashed_bytes += take;
         at += take;
       }
-      digests[i] = hash.hex_digest();
+      digests[i].sha256 = hash.hex_digest();
     }
   };
-  {
-    std::vector<std::jthread> pool;
-    unsigned threads = std::clamp<unsigned>(std::thread::hardware_concurrency(), 1, unsigned(shards_.size()));
-    for (unsigned t = 0; t < threads; ++t) pool.emplace_back(hash_shards);
-    Progress progress(fmt::format("dataset: checking sha256 of {}", dir_), total_bytes, show_progress);
-    while (hashed_bytes < total_bytes) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
-      progress.set(hashed_bytes);
-    }
-    progress.set(total_bytes);
-    progress.finish();
+  std::vector<std::jthread> pool;
+  unsigned threads = std::clamp<unsigned>(std::thread::hardware_concurrency(), 1, unsigned(shards_.size()));
+  for (unsigned t = 0; t < threads; ++t) pool.emplace_back(hash_some);
+  Progress progress(fmt::format("dataset: checking sha256 of {}", dir_), total_bytes, show_progress);
+  while (hashed_bytes < total_bytes) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    progress.set(hashed_bytes);
   }
+  progress.set(total_bytes);
+  progress.finish();
+  pool.clear();  // joins: every digest is written
+  return digests;
+}
+
+void TokenDataset::check_shards(const std::vector<ShardDigest>& digests) const {
   for (size_t i = 0; i < shards_.size(); ++i)
-    MARROW_CHECK(digests[i] == manifest_.shards[i].sha256,
+    MARROW_CHECK(digests[i].sha256 == manifest_.shards[i].sha256,
                  "corpus {}: shard {} is corrupt: its sha256 is {} but the manifest says {}", dir_, manifest_.shards[i].file,
-                 digests[i], manifest_.shards[i].sha256);
+                 digests[i].sha256, manifest_.shards[i].sha256);
   // An id outside the vocabulary would index past the embeddings, or (0xFFFFFF9C) read as the
   // ignore index -100 and silently train on nothing.
   for (size_t i = 0; i < shards_.size(); ++i)
-    MARROW_CHECK(int64_t(largest_id[i]) < manifest_.vocab_size,
+    MARROW_CHECK(int64_t(digests[i].largest_id) < manifest_.vocab_size,
                  "corpus {}: shard {} holds token id {} but the manifest's vocab_size is {}: the shard or manifest.json was changed",
-                 dir_, manifest_.shards[i].file, largest_id[i], manifest_.vocab_size);
+                 dir_, manifest_.shards[i].file, digests[i].largest_id, manifest_.vocab_size);
   std::string tokenizer = (fs::path(dir_) / kCorpusTokenizerFile).string();
   if (fs::exists(tokenizer))
     MARROW_CHECK(sha256_file(tokenizer) == manifest_.tokenizer_sha256,

@@ -70,7 +70,15 @@ class TokenDataset {
     size_t bytes = 0;
     int64_t first_token = 0;  // offset of the shard in the whole stream
   };
+  // What hashing a shard finds: its sha256 and its largest token id (checked against the manifest).
+  struct ShardDigest {
+    std::string sha256;
+    uint32_t largest_id = 0;
+  };
   void verify_and_map(bool show_progress);
+  void map_shards();
+  std::vector<ShardDigest> hash_shards(bool show_progress) const;  // on all cores, with a progress line
+  void check_shards(const std::vector<ShardDigest>& digests) const;
   int64_t validation_before(int64_t window) const;  // validation windows with a smaller index
   int64_t train_window(int64_t train_index) const;  // the train_index-th window that is not held out
   // Copies the spans of the window (all of it when none) to out, one after another.

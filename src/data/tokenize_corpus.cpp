@@ -115,10 +115,11 @@ class CorpusSink {
   CorpusSink(const TokenizeOptions& options, const std::vector<InputFile>& files, const std::string& dir, CorpusManifest& manifest,
              uint32_t eos, std::chrono::steady_clock::time_point start)
       : options_(options), files_(files), writer_(dir, options.shard_tokens), manifest_(manifest), eos_(eos), start_(start),
-        last_progress_(start), tty_(::isatty(STDERR_FILENO)) {}
+        last_progress_(start), tty_(::isatty(STDERR_FILENO)), bad_lines_(files, options.strict, tty_ && options.progress) {}
 
   void consume(const ChunkTokens& result) {
-    skip_bad_lines(result.bad_lines);
+    bad_lines_.skip(result.bad_lines);
+    manifest_.bad_lines = bad_lines_.count();
     size_t begin = 0;
     for (size_t end : result.document_ends) {
       append(result.tokens, begin, end);
@@ -135,8 +136,7 @@ class CorpusSink {
   }
   // After the last chunk: the shards' list into the manifest.
   void finish() {
-    if (reported_bad_lines_ > 20)
-      std::fprintf(stderr, "warning: %lld more bad lines were skipped\n", static_cast<long long>(reported_bad_lines_ - 20));
+    bad_lines_.finish();
     MARROW_CHECK(manifest_.documents > 0, "the inputs ({} file{}) hold no documents{}", files_.size(), files_.size() == 1 ? "" : "s",
                  manifest_.bad_lines ? fmt::format(" ({} bad lines were skipped)", manifest_.bad_lines) : "");
     manifest_.shards = writer_.finish();
@@ -145,15 +145,6 @@ class CorpusSink {
   uint64_t text_bytes() const { return text_bytes_; }
 
  private:
-  void skip_bad_lines(const std::vector<BadLine>& bad_lines) {
-    for (const BadLine& bad : bad_lines) {
-      const std::string where = fmt::format("{}:{}", files_[bad.file_index].path, bad.line);
-      MARROW_CHECK(!options_.strict, "{}: {} (--strict stops at the first bad line)", where, bad.reason);
-      ++manifest_.bad_lines;
-      if (++reported_bad_lines_ <= 20)
-        std::fprintf(stderr, "%swarning: %s: %s, line skipped\n", tty_ && options_.progress ? "\n" : "", where.c_str(), bad.reason.c_str());
-    }
-  }
   void append(const std::vector<uint32_t>& tokens, size_t begin, size_t end) {
     writer_.append(std::span<const uint32_t>(tokens).subspan(begin, end - begin));
     open_document_tokens_ += int64_t(end - begin);
@@ -182,7 +173,8 @@ class CorpusSink {
   const std::chrono::steady_clock::time_point start_;
   std::chrono::steady_clock::time_point last_progress_;
   const bool tty_;
-  int64_t open_document_tokens_ = 0, reported_bad_lines_ = 0;
+  BadLineReport bad_lines_;
+  int64_t open_document_tokens_ = 0;
   uint64_t text_bytes_ = 0;
 };
 

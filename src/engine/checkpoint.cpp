@@ -526,55 +526,13 @@ std::string TrainCheckpoints::save(int64_t step, int64_t updates) {
   const Comm& world = sharing_.world;
   const bool leader = world.rank() == 0;
   const std::string dir = rc_.out_dir + "/" + checkpoint_name(step);
-  if (leader) {
-    std::error_code ec;
-    fs::create_directories(rc_.out_dir, ec);
-    MARROW_CHECK(!ec, "cannot create {}: {}", rc_.out_dir, ec.message());
-    // Leftovers of saves that were killed midway.
-    std::vector<std::string> leftovers;
-    for (const auto& entry : fs::directory_iterator(rc_.out_dir, ec)) {
-      const std::string name = entry.path().filename().string();
-      if (name.ends_with(".tmp") && name.starts_with("step-")) leftovers.push_back(entry.path().string());
-    }
-    for (const std::string& path : leftovers) remove_tree(path);
-    start_checkpoint(dir);
-  }
+  if (leader) prepare_directory(dir);
   world.barrier("checkpoint directory (barrier)");
-  CheckpointArenas arenas = arenas_;
-  if (!rc_.checkpoint_optimizer_state) arenas.exp_avg = arenas.exp_avg_sq = nullptr;
-  const std::string part = world.size() > 1 ? fmt::format("rank{:05d}", world.rank()) : "";
-  const Json files =
-      sharing_.saves ? write_checkpoint_part(dir + ".tmp", specs_, pieces_, arenas, part, kCheckpointShardBytes, !rc_.quiet && leader)
-                     : Json::array();
-  const std::vector<std::string> parts = world.all_gather_text(files.dump(), "checkpoint file lists (all_gather)");
+  Json files = write_parts(dir);
   if (leader) {
-    Json all_files = Json::array();
-    for (const std::string& text : parts)
-      for (const Json& file : Json::parse(text)) all_files.push_back(file);
-    const CorpusManifest manifest = read_manifest(rc_.data_path);
     const std::string tokenizer = rc_.data_path + "/" + kCorpusTokenizerFile;
-    Json meta = {{"step", step},
-                 {"samples_seen", step * rc_.global_batch},
-                 {"tokens_seen", step * rc_.global_batch * rc_.seq_len},
-                 {"seed", rc_.seed},
-                 // The parallel layout that wrote it; the tensors themselves do not depend on it.
-                 {"mesh", sharing_.mesh},
-                 // updates: AdamW steps applied (skipped non-finite steps are not), what bias correction counts.
-                 {"optimizer", {{"name", "adamw"}, {"step", step}, {"updates", updates}, {"state_saved", rc_.checkpoint_optimizer_state}}},
-                 {"model_config", model_config_},
-                 {"run_config", run_config_json(rc_)},
-                 {"config_changes", config_changes_},
-                 {"data",
-                  {{"path", rc_.data_path}, {"tokenizer_sha256", manifest.tokenizer_sha256}, {"corpus_sha256", corpus_fingerprint(manifest)},
-                   {"eos_id", manifest.eos_id}, {"eos_token", manifest.eos_token}}}};
-    finish_checkpoint(dir, std::move(all_files), meta, model_config_, fs::exists(tokenizer) ? tokenizer : "");
-    auto all = complete_checkpoints(rc_.out_dir);
-    const size_t keep = size_t(std::max<int64_t>(1, rc_.checkpoint_keep));
-    for (size_t i = 0; i + keep < all.size(); ++i) {
-      // Renamed first so that a crash midway never leaves a half-deleted checkpoint that looks complete.
-      rename_path(all[i].second, all[i].second + ".tmp");
-      remove_tree(all[i].second + ".tmp");
-    }
+    finish_checkpoint(dir, std::move(files), meta_json(step, updates), model_config_, fs::exists(tokenizer) ? tokenizer : "");
+    delete_old_checkpoints();
     size_t bytes = 0;
     for (const auto& entry : fs::directory_iterator(dir)) bytes += entry.file_size();
     std::printf("checkpoint: saved %s (%s in %.1f s)\n", dir.c_str(), human_bytes(double(bytes)).c_str(),
@@ -583,6 +541,62 @@ std::string TrainCheckpoints::save(int64_t step, int64_t updates) {
   }
   world.barrier("checkpoint complete (barrier)");
   return dir;
+}
+
+void TrainCheckpoints::prepare_directory(const std::string& dir) const {
+  std::error_code ec;
+  fs::create_directories(rc_.out_dir, ec);
+  MARROW_CHECK(!ec, "cannot create {}: {}", rc_.out_dir, ec.message());
+  std::vector<std::string> leftovers;
+  for (const auto& entry : fs::directory_iterator(rc_.out_dir, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (name.ends_with(".tmp") && name.starts_with("step-")) leftovers.push_back(entry.path().string());
+  }
+  for (const std::string& path : leftovers) remove_tree(path);
+  start_checkpoint(dir);
+}
+
+Json TrainCheckpoints::write_parts(const std::string& dir) const {
+  const Comm& world = sharing_.world;
+  CheckpointArenas arenas = arenas_;
+  if (!rc_.checkpoint_optimizer_state) arenas.exp_avg = arenas.exp_avg_sq = nullptr;
+  const std::string part = world.size() > 1 ? fmt::format("rank{:05d}", world.rank()) : "";
+  const Json files =
+      sharing_.saves ? write_checkpoint_part(dir + ".tmp", specs_, pieces_, arenas, part, kCheckpointShardBytes, !rc_.quiet && world.rank() == 0)
+                     : Json::array();
+  const std::vector<std::string> parts = world.all_gather_text(files.dump(), "checkpoint file lists (all_gather)");
+  Json all_files = Json::array();
+  for (const std::string& text : parts)
+    for (const Json& file : Json::parse(text)) all_files.push_back(file);
+  return all_files;
+}
+
+Json TrainCheckpoints::meta_json(int64_t step, int64_t updates) const {
+  const CorpusManifest manifest = read_manifest(rc_.data_path);
+  return {{"step", step},
+          {"samples_seen", step * rc_.global_batch},
+          {"tokens_seen", step * rc_.global_batch * rc_.seq_len},
+          {"seed", rc_.seed},
+          // The parallel layout that wrote it; the tensors themselves do not depend on it.
+          {"mesh", sharing_.mesh},
+          // updates: AdamW steps applied (skipped non-finite steps are not), what bias correction counts.
+          {"optimizer", {{"name", "adamw"}, {"step", step}, {"updates", updates}, {"state_saved", rc_.checkpoint_optimizer_state}}},
+          {"model_config", model_config_},
+          {"run_config", run_config_json(rc_)},
+          {"config_changes", config_changes_},
+          {"data",
+           {{"path", rc_.data_path}, {"tokenizer_sha256", manifest.tokenizer_sha256}, {"corpus_sha256", corpus_fingerprint(manifest)},
+            {"eos_id", manifest.eos_id}, {"eos_token", manifest.eos_token}}}};
+}
+
+void TrainCheckpoints::delete_old_checkpoints() const {
+  auto all = complete_checkpoints(rc_.out_dir);
+  const size_t keep = size_t(std::max<int64_t>(1, rc_.checkpoint_keep));
+  for (size_t i = 0; i + keep < all.size(); ++i) {
+    // Renamed first so that a crash midway never leaves a half-deleted checkpoint that looks complete.
+    rename_path(all[i].second, all[i].second + ".tmp");
+    remove_tree(all[i].second + ".tmp");
+  }
 }
 
 void keep_metrics_through(const std::string& path, int64_t step) {

@@ -154,6 +154,10 @@ class TrainCheckpoints {
   std::string save(int64_t step, int64_t updates);
 
  private:
+  void prepare_directory(const std::string& dir) const;  // leader: output.dir, no leftovers of killed saves, dir.tmp
+  Json write_parts(const std::string& dir) const;        // every process: its tensors; the leader gets every file's entry
+  Json meta_json(int64_t step, int64_t updates) const;
+  void delete_old_checkpoints() const;  // all but the newest checkpoint.keep
   const RunConfig& rc_;
   const Json& model_config_;
   const std::vector<TensorSpec>& specs_;

@@ -47,36 +47,31 @@ bool parse_expert_name(const std::string& name, std::string& layer_prefix, int64
   return true;
 }
 
-}  // namespace
+// The fp32 parameters [first, first + n) on the host in `dtype` (f32 or bf16).
+Buffer host_in_dtype(const Arena& params, int64_t first, int64_t n, DType dtype) {
+  Buffer host = to_host(params.slice(first, {n}));
+  if (dtype == DType::f32) return host;
+  Buffer out(DType::bf16, Device::cpu, {n});
+  auto* dst = static_cast<uint16_t*>(out.view().data);
+  const float* src = host.ptr<float>();
+  for (int64_t i = 0; i < n; ++i) dst[i] = float_to_bf16(src[i]);
+  return out;
+}
 
-void write_hf_model(const std::string& out_dir, const std::vector<TensorSpec>& specs, const Arena& params, const Json& config,
-                    const HfExportOptions& options) {
-  MARROW_CHECK(options.dtype == DType::f32 || options.dtype == DType::bf16, "export writes f32 or bf16, not {}",
-               dtype_name(options.dtype));
-  std::error_code ec;
-  fs::create_directories(out_dir, ec);
-  MARROW_CHECK(!ec, "cannot create {}: {}", out_dir, ec.message());
-  const auto shards = shard_specs(specs, dtype_size(options.dtype), options.shard_bytes);
+// The weights in safetensors files of at most options.shard_bytes, and their index.
+void write_hf_weights(const std::string& out_dir, const std::vector<TensorSpec>& specs, const Arena& params,
+                      const HfExportOptions& options) {
+  const size_t element = dtype_size(options.dtype);
+  const auto shards = shard_specs(specs, element, options.shard_bytes);
   Json weight_map = Json::object();
   size_t total = 0;
   uint64_t weight_bytes = 0;
-  for (const TensorSpec& s : specs) weight_bytes += uint64_t(s.numel) * dtype_size(options.dtype);
+  for (const TensorSpec& s : specs) weight_bytes += uint64_t(s.numel) * element;
   Progress progress("writing " + out_dir, weight_bytes, options.progress);
   for (size_t k = 0; k < shards.size(); ++k) {
     const TensorSpec& first = specs[shards[k].first];
     const TensorSpec& last = specs[shards[k].second - 1];
-    const int64_t n = last.offset + last.numel - first.offset;
-    Buffer host = to_host(params.slice(first.offset, {n}));
-    Buffer out;
-    if (options.dtype == DType::bf16) {
-      out = Buffer(DType::bf16, Device::cpu, {n});
-      auto* dst = static_cast<uint16_t*>(out.view().data);
-      const float* src = host.ptr<float>();
-      for (int64_t i = 0; i < n; ++i) dst[i] = float_to_bf16(src[i]);
-    } else {
-      out = std::move(host);
-    }
-    const size_t element = dtype_size(options.dtype);
+    Buffer out = host_in_dtype(params, first.offset, last.offset + last.numel - first.offset, options.dtype);
     const std::string file = fmt::format("model-{:05d}-of-{:05d}.safetensors", k + 1, shards.size());
     std::vector<SafetensorsEntry> entries;
     for (size_t i = shards[k].first; i < shards[k].second; ++i) {
@@ -90,7 +85,10 @@ void write_hf_model(const std::string& out_dir, const std::vector<TensorSpec>& s
   }
   progress.finish();
   write_json_file(out_dir + "/model.safetensors.index.json", {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}});
+}
 
+// config.json, generation_config.json and, with a tokenizer, tokenizer.json and tokenizer_config.json.
+void write_hf_configs(const std::string& out_dir, const Json& config, const HfExportOptions& options) {
   Json hf_config = config;
   const char* dtype_text = options.dtype == DType::bf16 ? "bfloat16" : "float32";
   hf_config["torch_dtype"] = dtype_text;
@@ -101,16 +99,29 @@ void write_hf_model(const std::string& out_dir, const std::vector<TensorSpec>& s
   Json generation = {{"_from_model_config", true}};
   if (eos >= 0) generation["eos_token_id"] = eos;
   write_json_file(out_dir + "/generation_config.json", generation);
+  if (options.tokenizer.empty()) return;
 
-  if (!options.tokenizer.empty()) {
-    fs::copy_file(options.tokenizer, out_dir + "/tokenizer.json", fs::copy_options::overwrite_existing, ec);
-    MARROW_CHECK(!ec, "cannot copy {} to {}: {}", options.tokenizer, out_dir, ec.message());
-    // A generic fast tokenizer: AutoTokenizer loads tokenizer.json as it is.
-    Json tokenizer_config = {{"tokenizer_class", "PreTrainedTokenizerFast"}, {"clean_up_tokenization_spaces", false}};
-    if (eos >= 0) tokenizer_config["eos_token"] = tokenizer_config["pad_token"] = options.eos_token;
-    if (config.contains("max_position_embeddings")) tokenizer_config["model_max_length"] = config["max_position_embeddings"];
-    write_json_file(out_dir + "/tokenizer_config.json", tokenizer_config);
-  }
+  std::error_code ec;
+  fs::copy_file(options.tokenizer, out_dir + "/tokenizer.json", fs::copy_options::overwrite_existing, ec);
+  MARROW_CHECK(!ec, "cannot copy {} to {}: {}", options.tokenizer, out_dir, ec.message());
+  // A generic fast tokenizer: AutoTokenizer loads tokenizer.json as it is.
+  Json tokenizer_config = {{"tokenizer_class", "PreTrainedTokenizerFast"}, {"clean_up_tokenization_spaces", false}};
+  if (eos >= 0) tokenizer_config["eos_token"] = tokenizer_config["pad_token"] = options.eos_token;
+  if (config.contains("max_position_embeddings")) tokenizer_config["model_max_length"] = config["max_position_embeddings"];
+  write_json_file(out_dir + "/tokenizer_config.json", tokenizer_config);
+}
+
+}  // namespace
+
+void write_hf_model(const std::string& out_dir, const std::vector<TensorSpec>& specs, const Arena& params, const Json& config,
+                    const HfExportOptions& options) {
+  MARROW_CHECK(options.dtype == DType::f32 || options.dtype == DType::bf16, "export writes f32 or bf16, not {}",
+               dtype_name(options.dtype));
+  std::error_code ec;
+  fs::create_directories(out_dir, ec);
+  MARROW_CHECK(!ec, "cannot create {}: {}", out_dir, ec.message());
+  write_hf_weights(out_dir, specs, params, options);
+  write_hf_configs(out_dir, config, options);
 }
 
 bool is_hf_model_dir(const std::string& dir) {

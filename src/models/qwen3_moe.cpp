@@ -20,6 +20,46 @@
 
 namespace marrow {
 
+namespace {
+
+// transformers 5 nests RoPE settings in rope_parameters; older files have rope_theta/rope_scaling.
+double read_rope_theta(const JsonFields& f, const std::string& source) {
+  if (f.has("rope_parameters")) {
+    JsonFields rope(f.raw("rope_parameters"), source + ": rope_parameters");
+    MARROW_CHECK(rope.string("rope_type", "default") == "default", "{}: rope_parameters.rope_type '{}' is not supported (only default)",
+                 source, rope.string("rope_type"));
+    return rope.number("rope_theta");
+  }
+  MARROW_CHECK(!f.has("rope_scaling"), "{}: rope_scaling is not supported", source);
+  return f.number("rope_theta", 10000.0);
+}
+
+void check_values(const Qwen3MoeConfig& c, const std::string& source) {
+  MARROW_CHECK(c.rms_norm_eps > 0, "{}: rms_norm_eps must be positive, got {}", source, c.rms_norm_eps);
+  MARROW_CHECK(c.rope_theta > 0, "{}: rope_theta must be positive, got {}", source, c.rope_theta);
+  MARROW_CHECK(c.initializer_range > 0, "{}: initializer_range must be positive, got {}", source, c.initializer_range);
+  MARROW_CHECK(c.router_aux_loss_coef >= 0, "{}: router_aux_loss_coef must not be negative, got {}", source, c.router_aux_loss_coef);
+  MARROW_CHECK(c.num_heads % c.num_kv_heads == 0, "{}: num_attention_heads ({}) must be a multiple of num_key_value_heads ({})", source,
+               c.num_heads, c.num_kv_heads);
+  MARROW_CHECK(c.head_dim % 2 == 0, "{}: head_dim must be even for rotary embeddings, got {}", source, c.head_dim);
+  MARROW_CHECK(c.top_k <= c.num_experts, "{}: num_experts_per_tok ({}) exceeds num_experts ({})", source, c.top_k, c.num_experts);
+}
+
+// Features of the family that Marrow does not implement: refuse rather than train something else.
+void refuse_unsupported(const JsonFields& f, const std::string& source) {
+  MARROW_CHECK(!f.boolean("tie_word_embeddings", false), "{}: tie_word_embeddings = true is not supported", source);
+  MARROW_CHECK(!f.boolean("attention_bias", false), "{}: attention_bias = true is not supported", source);
+  MARROW_CHECK(!f.boolean("use_sliding_window", false), "{}: use_sliding_window = true is not supported", source);
+  MARROW_CHECK(f.string("hidden_act", "silu") == "silu", "{}: hidden_act '{}' is not supported (only silu)", source,
+               f.string("hidden_act"));
+  MARROW_CHECK(f.integer("decoder_sparse_step", 1) == 1, "{}: decoder_sparse_step must be 1 (every layer is MoE)", source);
+  MARROW_CHECK(!f.has("mlp_only_layers") || f.raw("mlp_only_layers").empty(),
+               "{}: mlp_only_layers is not supported (every layer is MoE)", source);
+  MARROW_CHECK(f.number("attention_dropout", 0.0) == 0.0, "{}: attention_dropout must be 0", source);
+}
+
+}  // namespace
+
 Qwen3MoeConfig Qwen3MoeConfig::from_json(const Json& json, const std::string& source) {
   JsonFields f(json, source);
   Qwen3MoeConfig c;
@@ -45,36 +85,9 @@ Qwen3MoeConfig Qwen3MoeConfig::from_json(const Json& json, const std::string& so
   c.initializer_range = f.number("initializer_range", 0.02);
   c.router_aux_loss_coef = f.number("router_aux_loss_coef", 0.001);
   c.norm_topk_prob = f.boolean("norm_topk_prob", false);
-  // transformers 5 nests RoPE settings in rope_parameters; older files have rope_theta/rope_scaling.
-  if (f.has("rope_parameters")) {
-    JsonFields rope(f.raw("rope_parameters"), source + ": rope_parameters");
-    c.rope_theta = rope.number("rope_theta");
-    MARROW_CHECK(rope.string("rope_type", "default") == "default", "{}: rope_parameters.rope_type '{}' is not supported (only default)",
-                 source, rope.string("rope_type"));
-  } else {
-    c.rope_theta = f.number("rope_theta", 10000.0);
-    MARROW_CHECK(!f.has("rope_scaling"), "{}: rope_scaling is not supported", source);
-  }
-
-  MARROW_CHECK(c.rms_norm_eps > 0, "{}: rms_norm_eps must be positive, got {}", source, c.rms_norm_eps);
-  MARROW_CHECK(c.rope_theta > 0, "{}: rope_theta must be positive, got {}", source, c.rope_theta);
-  MARROW_CHECK(c.initializer_range > 0, "{}: initializer_range must be positive, got {}", source, c.initializer_range);
-  MARROW_CHECK(c.router_aux_loss_coef >= 0, "{}: router_aux_loss_coef must not be negative, got {}", source, c.router_aux_loss_coef);
-  MARROW_CHECK(c.num_heads % c.num_kv_heads == 0, "{}: num_attention_heads ({}) must be a multiple of num_key_value_heads ({})", source,
-               c.num_heads, c.num_kv_heads);
-  MARROW_CHECK(c.head_dim % 2 == 0, "{}: head_dim must be even for rotary embeddings, got {}", source, c.head_dim);
-  MARROW_CHECK(c.top_k <= c.num_experts, "{}: num_experts_per_tok ({}) exceeds num_experts ({})", source, c.top_k, c.num_experts);
-
-  // Features of the family that Marrow does not implement: refuse rather than train something else.
-  MARROW_CHECK(!f.boolean("tie_word_embeddings", false), "{}: tie_word_embeddings = true is not supported", source);
-  MARROW_CHECK(!f.boolean("attention_bias", false), "{}: attention_bias = true is not supported", source);
-  MARROW_CHECK(!f.boolean("use_sliding_window", false), "{}: use_sliding_window = true is not supported", source);
-  MARROW_CHECK(f.string("hidden_act", "silu") == "silu", "{}: hidden_act '{}' is not supported (only silu)", source,
-               f.string("hidden_act"));
-  MARROW_CHECK(f.integer("decoder_sparse_step", 1) == 1, "{}: decoder_sparse_step must be 1 (every layer is MoE)", source);
-  MARROW_CHECK(!f.has("mlp_only_layers") || f.raw("mlp_only_layers").empty(),
-               "{}: mlp_only_layers is not supported (every layer is MoE)", source);
-  MARROW_CHECK(f.number("attention_dropout", 0.0) == 0.0, "{}: attention_dropout must be 0", source);
+  c.rope_theta = read_rope_theta(f, source);
+  check_values(c, source);
+  refuse_unsupported(f, source);
   return c;
 }
 
