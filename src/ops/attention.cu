@@ -307,6 +307,26 @@ __device__ __forceinline__ void add_float2(float* p, float x, float y) {
   *reinterpret_cast<float2*>(p) = make_float2(o.x + x, o.y + y);
 }
 
+// The forward's end for one lane's two rows (row, row + 8): out = o / sum in bf16, and the row's
+// log-sum-exp (natural log) from its running max and sum (log2 domain).
+template <int D>
+__device__ __forceinline__ void store_output(const GpuArgs& a, const float (&o)[D / 8][4], const float (&row_max)[2],
+                                             const float (&row_sum)[2], int b, int h, int row) {
+  const int t = threadIdx.x % 4;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int i = row + r * 8;
+    const float sum = quad_sum(row_sum[r]);
+    if (i >= a.q_len) continue;
+    const float inv = 1.f / sum;
+    bf16* dst = a.o + a.q_row(b, i, h) * D + 2 * t;
+#pragma unroll
+    for (int d = 0; d < D / 8; ++d)
+      *reinterpret_cast<__nv_bfloat162*>(dst + d * 8) = __floats2bfloat162_rn(o[d][2 * r] * inv, o[d][2 * r + 1] * inv);
+    if (t == 0) a.lse[a.lse_at(b, h, i)] = (row_max[r] + log2f(sum)) * kLn2;
+  }
+}
+
 // Forward. Grid (query blocks of 64, Hq, B); block = 4 warps, 16 query rows each. Shared: the
 // Q tile [64][D+8] and two stages of K and V tiles [64][D+8]: 87 KB at D = 128 (2 blocks per SM),
 // 46 KB at D = 64. Per key tile each warp computes S = Q K^T (16 x 64, 32 f32 registers), masks the
@@ -392,18 +412,7 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(GpuArgs a) 
     __syncthreads();  // everyone is done with this stage before it is refilled
   }
 
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int i = row + r * 8;
-    const float sum = quad_sum(row_sum[r]);
-    if (i >= a.q_len) continue;
-    const float inv = 1.f / sum;
-    bf16* dst = a.o + a.q_row(b, i, h) * D + 2 * t;
-#pragma unroll
-    for (int d = 0; d < D / 8; ++d)
-      *reinterpret_cast<__nv_bfloat162*>(dst + d * 8) = __floats2bfloat162_rn(o[d][2 * r] * inv, o[d][2 * r + 1] * inv);
-    if (t == 0) a.lse[a.lse_at(b, h, i)] = (row_max[r] + log2f(sum)) * kLn2;
-  }
+  store_output<D>(a, o, row_max, row_sum, b, h, row);
 }
 
 // Backward, step 1: delta[b, h, i] = dout_i . out_i in f32 for the block's queries, one warp per
@@ -426,6 +435,44 @@ __global__ void attention_delta_kernel(GpuArgs a, float* delta, int64_t rows) {
 #pragma unroll
   for (int m = 16; m > 0; m /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, m);
   if (lane == 0) delta[(b * a.q_heads + h) * a.q_len + i] = acc;
+}
+
+// The dK/dV pass's end for one lane's two keys (key, key + 8): dK (times scale) and dV as f32
+// partials per query head (GQA, summed by attention_group_sum_kernel), added into f32 sums (a ring
+// block), or written as bf16.
+template <int D>
+__device__ __forceinline__ void store_dkdv(const GpuArgs& a, const float (&dk)[D / 8][4], const float (&dv)[D / 8][4], int b, int h,
+                                           int hk, int key) {
+  const int t = threadIdx.x % 4;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int j = key + r * 8;
+    if (j >= a.k_len) continue;
+    if (a.dk_part) {
+      const int64_t at = ((int64_t(b) * a.k_len + j) * a.q_heads + h) * D + 2 * t;
+#pragma unroll
+      for (int d = 0; d < D / 8; ++d) {
+        *reinterpret_cast<float2*>(a.dk_part + at + d * 8) =
+            make_float2(dk[d][2 * r] * a.scale, dk[d][2 * r + 1] * a.scale);
+        *reinterpret_cast<float2*>(a.dv_part + at + d * 8) = make_float2(dv[d][2 * r], dv[d][2 * r + 1]);
+      }
+    } else if (a.dk_acc) {
+      const int64_t at = a.kv_row(b, j, hk) * D + 2 * t;
+#pragma unroll
+      for (int d = 0; d < D / 8; ++d) {
+        add_float2(a.dk_acc + at + d * 8, dk[d][2 * r] * a.scale, dk[d][2 * r + 1] * a.scale);
+        add_float2(a.dv_acc + at + d * 8, dv[d][2 * r], dv[d][2 * r + 1]);
+      }
+    } else {
+      const int64_t at = a.kv_row(b, j, hk) * D + 2 * t;
+#pragma unroll
+      for (int d = 0; d < D / 8; ++d) {
+        *reinterpret_cast<__nv_bfloat162*>(a.dk + at + d * 8) =
+            __floats2bfloat162_rn(dk[d][2 * r] * a.scale, dk[d][2 * r + 1] * a.scale);
+        *reinterpret_cast<__nv_bfloat162*>(a.dv + at + d * 8) = __floats2bfloat162_rn(dv[d][2 * r], dv[d][2 * r + 1]);
+      }
+    }
+  }
 }
 
 // Backward, step 2: dk and dv. Grid (key blocks of 64, Hq, B); block = 4 warps, 16 key rows each,
@@ -513,34 +560,30 @@ __global__ void __launch_bounds__(kThreads) attention_dkdv_kernel(GpuArgs a) {
     __syncthreads();
   }
 
+  store_dkdv<D>(a, dk, dv, b, h, hk, key);
+}
+
+// The dQ pass's end for one lane's two rows (row, row + 8): dQ times scale, added into f32 sums (a
+// ring block) or written as bf16.
+template <int D>
+__device__ __forceinline__ void store_dq(const GpuArgs& a, const float (&dq)[D / 8][4], int b, int h, int row) {
+  const int t = threadIdx.x % 4;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const int j = key + r * 8;
-    if (j >= a.k_len) continue;
-    if (a.dk_part) {
-      const int64_t at = ((int64_t(b) * a.k_len + j) * a.q_heads + h) * D + 2 * t;
+    const int i = row + r * 8;
+    if (i >= a.q_len) continue;
+    const int64_t at = a.q_row(b, i, h) * D + 2 * t;
+    if (a.dq_acc) {
 #pragma unroll
-      for (int d = 0; d < D / 8; ++d) {
-        *reinterpret_cast<float2*>(a.dk_part + at + d * 8) =
-            make_float2(dk[d][2 * r] * a.scale, dk[d][2 * r + 1] * a.scale);
-        *reinterpret_cast<float2*>(a.dv_part + at + d * 8) = make_float2(dv[d][2 * r], dv[d][2 * r + 1]);
-      }
-    } else if (a.dk_acc) {
-      const int64_t at = a.kv_row(b, j, hk) * D + 2 * t;
-#pragma unroll
-      for (int d = 0; d < D / 8; ++d) {
-        add_float2(a.dk_acc + at + d * 8, dk[d][2 * r] * a.scale, dk[d][2 * r + 1] * a.scale);
-        add_float2(a.dv_acc + at + d * 8, dv[d][2 * r], dv[d][2 * r + 1]);
-      }
-    } else {
-      const int64_t at = a.kv_row(b, j, hk) * D + 2 * t;
-#pragma unroll
-      for (int d = 0; d < D / 8; ++d) {
-        *reinterpret_cast<__nv_bfloat162*>(a.dk + at + d * 8) =
-            __floats2bfloat162_rn(dk[d][2 * r] * a.scale, dk[d][2 * r + 1] * a.scale);
-        *reinterpret_cast<__nv_bfloat162*>(a.dv + at + d * 8) = __floats2bfloat162_rn(dv[d][2 * r], dv[d][2 * r + 1]);
-      }
+      for (int d = 0; d < D / 8; ++d)
+        add_float2(a.dq_acc + at + d * 8, dq[d][2 * r] * a.scale, dq[d][2 * r + 1] * a.scale);
+      continue;
     }
+    bf16* dst = a.dq + at;
+#pragma unroll
+    for (int d = 0; d < D / 8; ++d)
+      *reinterpret_cast<__nv_bfloat162*>(dst + d * 8) =
+          __floats2bfloat162_rn(dq[d][2 * r] * a.scale, dq[d][2 * r + 1] * a.scale);
   }
 }
 
@@ -614,23 +657,7 @@ __global__ void __launch_bounds__(kThreads) attention_dq_kernel(GpuArgs a) {
     __syncthreads();
   }
 
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int i = row + r * 8;
-    if (i >= a.q_len) continue;
-    const int64_t at = a.q_row(b, i, h) * D + 2 * t;
-    if (a.dq_acc) {
-#pragma unroll
-      for (int d = 0; d < D / 8; ++d)
-        add_float2(a.dq_acc + at + d * 8, dq[d][2 * r] * a.scale, dq[d][2 * r + 1] * a.scale);
-      continue;
-    }
-    bf16* dst = a.dq + at;
-#pragma unroll
-    for (int d = 0; d < D / 8; ++d)
-      *reinterpret_cast<__nv_bfloat162*>(dst + d * 8) =
-          __floats2bfloat162_rn(dq[d][2 * r] * a.scale, dq[d][2 * r + 1] * a.scale);
-  }
+  store_dq<D>(a, dq, b, h, row);
 }
 
 // Backward, step 4 (GQA only): dk[b, j, hk, :] = sum over the group's query heads, in head order,

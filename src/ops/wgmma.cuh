@@ -197,7 +197,7 @@ __device__ __forceinline__ void mma_m64n128k16_rs(float (&d)[64], const uint32_t
 // offsets[E + 1]: the rows of each expert. tile_start[E + 1] (shared memory): the first tile of each
 // expert, tile_start[E] = all tiles. Tile t of expert e: column tile (t - tile_start[e]) / row tiles,
 // row tile (t - tile_start[e]) % row tiles.
-struct Tile {
+struct alignas(16) Tile {
   int expert, row0, row_end, col0;  // expert < 0: no tiles left
 };
 
@@ -272,88 +272,91 @@ __device__ __forceinline__ void store_rows(bf16* out, const float (&d)[128], uns
   }
 }
 
-// out[R, n] = in[R, k] B_e per expert. a_map: in as [R, k] (box 64 x 128 rows). b_map: W as [E, O, I]
-// (box 64 of I x 256 of O for the forward, 64 of I x 64 of O for the transposed B, four per stage).
-// counters: the next tile and the blocks done, zero at launch and again at exit.
-template <int kTransB>
-__global__ void __launch_bounds__(kThreads, 1)
-    grouped_gemm_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map, bf16* out,
-                        const int32_t* offsets, int32_t* counters, int experts, int n, int k) {
-  extern __shared__ unsigned char smem_raw[];
-  const uint32_t raw = smem_address(smem_raw), base = (raw + 1023) & ~1023u;
-  unsigned char* smem = smem_raw + (base - raw);
-  unsigned char* staging = smem + kStages * kStageBytes;                   // 4 KiB per consumer warp
-  const uint32_t full = base + kStages * kStageBytes + kStagingBytes;      // mbarriers, 8 bytes each
-  const uint32_t empty = full + kStages * 8;
-  Tile* stage_tile = reinterpret_cast<Tile*>(staging + kStagingBytes + 2 * kStages * 8);  // the tile a stage starts
-  int* tile_start = reinterpret_cast<int*>(stage_tile + kStages);
-  auto tile_a = [&](int s) { return base + s * kStageBytes; };
-  auto tile_b = [&](int s) { return base + s * kStageBytes + kTileABytes; };
-  const int warpgroup = threadIdx.x / 128;
-  init_stage_barriers(full, empty, kStages, kConsumers);
-  begin_after_previous_grid();  // offsets, counters and the inputs come from earlier kernels
-  const int k_blocks = (k + kBlockK - 1) / kBlockK;
+// The grouped GEMM's shared memory from a 1024-byte aligned base (the 128-byte swizzle's period):
+// kStages stages of an A tile and a B tile, the consumer warps' staging for the stores (4 KiB a
+// warp), the stages' full and empty mbarriers (8 bytes each), the tile each stage starts, and
+// tile_start. base is its shared address, smem the same bytes as a pointer.
+struct GroupedSmem {
+  uint32_t base;
+  unsigned char* smem;
+  __device__ __forceinline__ uint32_t tile_a(int s) const { return base + s * kStageBytes; }
+  __device__ __forceinline__ uint32_t tile_b(int s) const { return base + s * kStageBytes + kTileABytes; }
+  __device__ __forceinline__ uint32_t full() const { return base + kStages * kStageBytes + kStagingBytes; }
+  __device__ __forceinline__ uint32_t empty() const { return full() + kStages * 8; }
+  __device__ __forceinline__ unsigned char* staging() const { return smem + kStages * kStageBytes; }
+  __device__ __forceinline__ Tile* stage_tile() const { return reinterpret_cast<Tile*>(staging() + kStagingBytes + 2 * kStages * 8); }
+  __device__ __forceinline__ int* tile_start() const { return reinterpret_cast<int*>(stage_tile() + kStages); }
+};
 
-  if (warpgroup == 0) {  // producer: warp 0 finds the tiles, its lane 0 issues the copies
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
-    if (threadIdx.x >= 32) return;
-    const bool leader = threadIdx.x == 0;
-    const int tiles = scan_tile_starts(tile_start, offsets, experts, (n + kBlockN - 1) / kBlockN);
-    int it = 0, expert = 0;
-    // Blocks start on tiles blockIdx.x and take the next free one from the counter when done: tiles
-    // differ in cost (an expert's last row tile), so a fixed round robin leaves blocks idle at the end.
-    for (int t = blockIdx.x; t < tiles;) {
-      int next = 0;
-      if (leader) next = int(gridDim.x) + atomicAdd(counters, 1);
-      const Tile tile = find_tile(t, offsets, tile_start, experts, expert);
-      if (leader) {
-        for (int kb = 0; kb < k_blocks; ++kb, ++it) {
-          const int s = it % kStages;
-          barrier_wait(empty + 8 * s, ((it / kStages) & 1) ^ 1);
-          if (kb == 0) stage_tile[s] = tile;  // published by the arrive below
-          barrier_expect_bytes(full + 8 * s, kStageBytes);
-          tma_load_2d(tile_a(s), &a_map, full + 8 * s, kb * kBlockK, tile.row0);
-          if constexpr (kTransB) {
-            for (int j = 0; j < kBlockN / 64; ++j)
-              tma_load_3d(tile_b(s) + j * (kTileBBytes / 4), &b_map, full + 8 * s, tile.col0 + 64 * j, kb * kBlockK, tile.expert);
-          } else {
-            tma_load_3d(tile_b(s), &b_map, full + 8 * s, kb * kBlockK, tile.col0, tile.expert);
-          }
+__device__ __forceinline__ GroupedSmem grouped_smem(unsigned char* smem_raw) {
+  const uint32_t raw = smem_address(smem_raw), base = (raw + 1023) & ~1023u;
+  return {base, smem_raw + (base - raw)};
+}
+
+// The producer warp: finds the block's tiles (lane 0 issues their copies, stage by stage), then
+// publishes a stage that carries no tile. Blocks start on tiles blockIdx.x and take the next free
+// one from counters[0] when done: tiles differ in cost (an expert's last row tile), so a fixed round
+// robin leaves blocks idle at the end.
+template <int kTransB>
+__device__ __forceinline__ void produce_tiles(const GroupedSmem& m, const CUtensorMap* a_map, const CUtensorMap* b_map,
+                                              const int32_t* offsets, int32_t* counters, int experts, int n, int k_blocks) {
+  const bool leader = threadIdx.x == 0;
+  const int tiles = scan_tile_starts(m.tile_start(), offsets, experts, (n + kBlockN - 1) / kBlockN);
+  int it = 0, expert = 0;
+  for (int t = blockIdx.x; t < tiles;) {
+    int next = 0;
+    if (leader) next = int(gridDim.x) + atomicAdd(counters, 1);
+    const Tile tile = find_tile(t, offsets, m.tile_start(), experts, expert);
+    if (leader) {
+      for (int kb = 0; kb < k_blocks; ++kb, ++it) {
+        const int s = it % kStages;
+        barrier_wait(m.empty() + 8 * s, ((it / kStages) & 1) ^ 1);
+        if (kb == 0) m.stage_tile()[s] = tile;  // published by the arrive below
+        barrier_expect_bytes(m.full() + 8 * s, kStageBytes);
+        tma_load_2d(m.tile_a(s), a_map, m.full() + 8 * s, kb * kBlockK, tile.row0);
+        if constexpr (kTransB) {
+          for (int j = 0; j < kBlockN / 64; ++j)
+            tma_load_3d(m.tile_b(s) + j * (kTileBBytes / 4), b_map, m.full() + 8 * s, tile.col0 + 64 * j, kb * kBlockK, tile.expert);
+        } else {
+          tma_load_3d(m.tile_b(s), b_map, m.full() + 8 * s, kb * kBlockK, tile.col0, tile.expert);
         }
       }
-      t = __shfl_sync(~0u, next, 0);
     }
-    if (leader) {  // the end: a stage that carries no tile
-      const int s = it % kStages;
-      barrier_wait(empty + 8 * s, ((it / kStages) & 1) ^ 1);
-      stage_tile[s] = Tile{-1, 0, 0, 0};
-      barrier_arrive(full + 8 * s);
-      // This block takes no more tiles; the last block to get here resets the counters (every
-      // block's last atomicAdd on the tile counter comes before its own on the done counter).
-      __threadfence();
-      if (atomicAdd(counters + 1, 1) == int(gridDim.x) - 1) {
-        counters[0] = 0;
-        counters[1] = 0;
-      }
-    }
-    return;
+    t = __shfl_sync(~0u, next, 0);
   }
+  if (leader) {
+    const int s = it % kStages;
+    barrier_wait(m.empty() + 8 * s, ((it / kStages) & 1) ^ 1);
+    m.stage_tile()[s] = Tile{-1, 0, 0, 0};
+    barrier_arrive(m.full() + 8 * s);
+    // This block takes no more tiles; the last block to get here resets the counters (every
+    // block's last atomicAdd on the tile counter comes before its own on the done counter).
+    __threadfence();
+    if (atomicAdd(counters + 1, 1) == int(gridDim.x) - 1) {
+      counters[0] = 0;
+      counters[1] = 0;
+    }
+  }
+}
 
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
-  const int consumer = warpgroup - 1;
+// A consumer warpgroup: 64 rows of each tile the stages bring, k_blocks stages a tile, accumulated
+// in registers and stored as bf16, until the stage that carries no tile.
+template <int kTransB>
+__device__ __forceinline__ void consume_tiles(const GroupedSmem& m, bf16* out, int n, int k_blocks) {
+  const int consumer = threadIdx.x / 128 - 1;
   const bool lane0 = threadIdx.x % 32 == 0;
-  unsigned char* warp_staging = staging + (threadIdx.x / 32 - 4) * (kStagingBytes / (4 * kConsumers));
+  unsigned char* warp_staging = m.staging() + (threadIdx.x / 32 - 4) * (kStagingBytes / (4 * kConsumers));
   float d[128];
   for (int it = 0;;) {
-    barrier_wait(full + 8 * (it % kStages), (it / kStages) & 1);
-    const Tile tile = stage_tile[it % kStages];
+    barrier_wait(m.full() + 8 * (it % kStages), (it / kStages) & 1);
+    const Tile tile = m.stage_tile()[it % kStages];
     if (tile.expert < 0) break;
     const int row = tile.row0 + 64 * consumer;
     const bool active = row < tile.row_end;  // else all 64 rows lie past the expert's end
     int previous = 0;
     for (int kb = 0; kb < k_blocks; ++kb, ++it) {
       const int s = it % kStages;
-      if (kb > 0) barrier_wait(full + 8 * s, (it / kStages) & 1);
+      if (kb > 0) barrier_wait(m.full() + 8 * s, (it / kStages) & 1);
       if (active) {
         fence_registers(d);
         mma_fence();
@@ -362,23 +365,46 @@ __global__ void __launch_bounds__(kThreads, 1)
           // K-major tiles: rows of 128 bytes, 8-row swizzle atoms 1024 bytes apart, 16 of K = 32
           // bytes. The N-major B: 64-column blocks of 64 K rows (8 KiB apart), 8-row atoms 1024
           // bytes apart, 16 of K = 2048 bytes.
-          const uint64_t a = descriptor(tile_a(s) + consumer * 64 * 128 + kk * 32, 16, 1024);
-          const uint64_t b = kTransB ? descriptor(tile_b(s) + kk * 16 * 128, kTileBBytes / 4, 1024)
-                                     : descriptor(tile_b(s) + kk * 32, 16, 1024);
+          const uint64_t a = descriptor(m.tile_a(s) + consumer * 64 * 128 + kk * 32, 16, 1024);
+          const uint64_t b = kTransB ? descriptor(m.tile_b(s) + kk * 16 * 128, kTileBBytes / 4, 1024)
+                                     : descriptor(m.tile_b(s) + kk * 32, 16, 1024);
           mma_m64n256k16<0, kTransB>(d, a, b, kb > 0 || kk > 0);
         }
         mma_commit();
         mma_wait<1>();  // the previous stage's multiplies are done: it may be refilled
         fence_registers(d);
       }
-      if (kb > 0 && lane0) barrier_arrive(empty + 8 * previous);
+      if (kb > 0 && lane0) barrier_arrive(m.empty() + 8 * previous);
       previous = s;
     }
     mma_wait<0>();
     fence_registers(d);
-    if (lane0) barrier_arrive(empty + 8 * previous);
+    if (lane0) barrier_arrive(m.empty() + 8 * previous);
     if (active) store_rows(out, d, warp_staging, row + (threadIdx.x / 32 % 4) * 16, tile.row_end, tile.col0, n);
   }
+}
+
+// out[R, n] = in[R, k] B_e per expert. a_map: in as [R, k] (box 64 x 128 rows). b_map: W as [E, O, I]
+// (box 64 of I x 256 of O for the forward, 64 of I x 64 of O for the transposed B, four per stage).
+// counters: the next tile and the blocks done, zero at launch and again at exit. Warpgroup 0 is the
+// producer (one warp of it works), the others consume.
+template <int kTransB>
+__global__ void __launch_bounds__(kThreads, 1)
+    grouped_gemm_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map, bf16* out,
+                        const int32_t* offsets, int32_t* counters, int experts, int n, int k) {
+  extern __shared__ unsigned char smem_raw[];
+  const GroupedSmem m = grouped_smem(smem_raw);
+  init_stage_barriers(m.full(), m.empty(), kStages, kConsumers);
+  begin_after_previous_grid();  // offsets, counters and the inputs come from earlier kernels
+  const int k_blocks = (k + kBlockK - 1) / kBlockK;
+  if (threadIdx.x / 128 == 0) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+    if (threadIdx.x >= 32) return;
+    produce_tiles<kTransB>(m, &a_map, &b_map, offsets, counters, experts, n, k_blocks);
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+  consume_tiles<kTransB>(m, out, n, k_blocks);
 }
 
 // ---- host ---------------------------------------------------------------------------------------

@@ -218,62 +218,66 @@ __device__ __forceinline__ void store_band_squares(double* squares, const float 
 struct SourceMaps {
   CUtensorMap dy[2], x[2];
 };
-__global__ void __launch_bounds__(kThreads, 1)
-    grouped_dw_kernel(const __grid_constant__ SourceMaps maps, float* dweight, int32_t* work, int o_size, int i_size, bool accumulate,
-                      double* squares) {
-  extern __shared__ unsigned char smem_raw[];
-  const uint32_t raw = smem_address(smem_raw), base = (raw + 1023) & ~1023u;
-  const uint32_t full = base + kStages * kStageBytes, empty = full + kStages * 8;  // mbarriers, 8 bytes each
-  Tile* stage_tile = reinterpret_cast<Tile*>(smem_raw + (base - raw) + kStages * kStageBytes + 2 * kStages * 8);
-  auto stage = [&](int s) { return base + s * kStageBytes; };
-  const int warpgroup = threadIdx.x / 128;
-  init_stage_barriers(full, empty, kStages, kConsumers);
-  begin_after_previous_grid();  // the work list, dW and the inputs come from earlier kernels
-  const int tiles = work[0] * ((o_size + kBlockM - 1) / kBlockM) * ((i_size + kBlockN - 1) / kBlockN);
+// The dW kernel's shared memory from a 1024-byte aligned base: kStages stages of a dy tile and an x
+// tile, the stages' full and empty mbarriers (8 bytes each), the tile each stage starts. base is its
+// shared address, smem the same bytes as a pointer.
+struct DwSmem {
+  uint32_t base;
+  unsigned char* smem;
+  __device__ __forceinline__ uint32_t stage(int s) const { return base + s * kStageBytes; }
+  __device__ __forceinline__ uint32_t full() const { return base + kStages * kStageBytes; }
+  __device__ __forceinline__ uint32_t empty() const { return full() + kStages * 8; }
+  __device__ __forceinline__ Tile* stage_tile() const { return reinterpret_cast<Tile*>(smem + kStages * kStageBytes + 2 * kStages * 8); }
+};
 
-  if (warpgroup == 0) {  // producer: one thread finds the tiles and issues the copies
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
-    if (threadIdx.x != 0) return;
-    int it = 0;
-    for (int t = blockIdx.x; t < tiles;) {
-      const int next = int(gridDim.x) + atomicAdd(work + 1, 1);
-      const Tile tile = find_tile(t, work, o_size, i_size);
-      for (int kb = 0; kb < k_steps(tile); ++kb, ++it) {
-        const int s = it % kStages;
-        barrier_wait(empty + 8 * s, ((it / kStages) & 1) ^ 1);
-        if (kb == 0) stage_tile[s] = tile;  // published by the arrive below
-        if (no_rows(tile)) {                // the tile alone
-          barrier_arrive(full + 8 * s);
-          continue;
-        }
-        const KStep step = k_step(tile, kb);
-        const CUtensorMap *dy_map = step.source == 0 ? &maps.dy[0] : &maps.dy[1], *x_map = step.source == 0 ? &maps.x[0] : &maps.x[1];
-        barrier_expect_bytes(full + 8 * s, kStageBytes);
-        for (int j = 0; j < kBlockM / 64; ++j) tma_load_2d(stage(s) + j * kBoxBytes, dy_map, full + 8 * s, tile.o0 + 64 * j, step.row);
-        for (int j = 0; j < kBlockN / 64; ++j)
-          tma_load_2d(stage(s) + kTileABytes + j * kBoxBytes, x_map, full + 8 * s, tile.i0 + 64 * j, step.row);
+// The producer thread: the block's tiles from the work list (blocks start on tiles blockIdx.x and
+// take the next free one from work[1]), each tile's k steps stage by stage (a tile with no rows as
+// one stage that carries it alone), then a stage that carries no tile.
+__device__ __forceinline__ void produce_dw_tiles(const DwSmem& m, const SourceMaps& maps, int32_t* work, int tiles, int o_size,
+                                                 int i_size) {
+  int it = 0;
+  for (int t = blockIdx.x; t < tiles;) {
+    const int next = int(gridDim.x) + atomicAdd(work + 1, 1);
+    const Tile tile = find_tile(t, work, o_size, i_size);
+    for (int kb = 0; kb < k_steps(tile); ++kb, ++it) {
+      const int s = it % kStages;
+      barrier_wait(m.empty() + 8 * s, ((it / kStages) & 1) ^ 1);
+      if (kb == 0) m.stage_tile()[s] = tile;  // published by the arrive below
+      if (no_rows(tile)) {                    // the tile alone
+        barrier_arrive(m.full() + 8 * s);
+        continue;
       }
-      t = next;
+      const KStep step = k_step(tile, kb);
+      const CUtensorMap *dy_map = step.source == 0 ? &maps.dy[0] : &maps.dy[1], *x_map = step.source == 0 ? &maps.x[0] : &maps.x[1];
+      barrier_expect_bytes(m.full() + 8 * s, kStageBytes);
+      for (int j = 0; j < kBlockM / 64; ++j) tma_load_2d(m.stage(s) + j * kBoxBytes, dy_map, m.full() + 8 * s, tile.o0 + 64 * j, step.row);
+      for (int j = 0; j < kBlockN / 64; ++j)
+        tma_load_2d(m.stage(s) + kTileABytes + j * kBoxBytes, x_map, m.full() + 8 * s, tile.i0 + 64 * j, step.row);
     }
-    const int s = it % kStages;  // the end: a stage that carries no tile
-    barrier_wait(empty + 8 * s, ((it / kStages) & 1) ^ 1);
-    stage_tile[s] = Tile{-1, 0, 0, 0, 0, 0, 0};
-    barrier_arrive(full + 8 * s);
-    return;
+    t = next;
   }
+  const int s = it % kStages;
+  barrier_wait(m.empty() + 8 * s, ((it / kStages) & 1) ^ 1);
+  m.stage_tile()[s] = Tile{-1, 0, 0, 0, 0, 0, 0};
+  barrier_arrive(m.full() + 8 * s);
+}
 
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
-  const int consumer = warpgroup - 1;
+// A consumer warpgroup: 64 dW rows of each tile the stages bring, loaded (accumulating) or zero,
+// the tile's k steps added in registers, stored back with the rows' squares when asked; until the
+// stage that carries no tile.
+__device__ __forceinline__ void consume_dw_tiles(const DwSmem& m, float* dweight, int o_size, int i_size, bool accumulate,
+                                                 double* squares) {
+  const int consumer = threadIdx.x / 128 - 1;
   const bool lane0 = threadIdx.x % 32 == 0;
   const int row_in_tile = 64 * consumer + 16 * (threadIdx.x / 32 % 4) + threadIdx.x % 32 / 4;  // this thread's first dW row
   float d[128];
   for (int it = 0;;) {
-    barrier_wait(full + 8 * (it % kStages), (it / kStages) & 1);
-    const Tile tile = stage_tile[it % kStages];
+    barrier_wait(m.full() + 8 * (it % kStages), (it / kStages) & 1);
+    const Tile tile = m.stage_tile()[it % kStages];
     if (tile.expert < 0) break;
     float* dw = dweight + int64_t(tile.expert) * o_size * i_size;
     if (no_rows(tile)) {  // overwriting (accumulating lists only experts with rows)
-      if (lane0) barrier_arrive(empty + 8 * (it % kStages));
+      if (lane0) barrier_arrive(m.empty() + 8 * (it % kStages));
       ++it;
       load_accumulators(d, dw, tile.o0 + row_in_tile, tile.i0, o_size, i_size, false);
       store_accumulators(dw, d, tile.o0 + row_in_tile, tile.i0, o_size, i_size);
@@ -285,30 +289,49 @@ __global__ void __launch_bounds__(kThreads, 1)
     int previous = 0;
     for (int kb = 0; kb < k_steps(tile); ++kb, ++it) {
       const int s = it % kStages, valid = k_step(tile, kb).valid;
-      if (kb > 0) barrier_wait(full + 8 * s, (it / kStages) & 1);
-      if (valid < kBlockK) zero_rows_past_end(stage(s), valid);
+      if (kb > 0) barrier_wait(m.full() + 8 * s, (it / kStages) & 1);
+      if (valid < kBlockK) zero_rows_past_end(m.stage(s), valid);
       fence_registers(d);
       mma_fence();
 #pragma unroll
       for (int kk = 0; kk < kBlockK / 16; ++kk) {
         // Both operands MN-major: 64-column boxes of 64 token rows (8 KiB apart: the leading byte
         // offset, used by B's four boxes), 8-row swizzle atoms 1024 bytes apart, 16 of K = 2048 bytes.
-        const uint64_t a = descriptor(stage(s) + consumer * kBoxBytes + kk * 16 * 128, kBoxBytes, 1024);
-        const uint64_t b = descriptor(stage(s) + kTileABytes + kk * 16 * 128, kBoxBytes, 1024);
+        const uint64_t a = descriptor(m.stage(s) + consumer * kBoxBytes + kk * 16 * 128, kBoxBytes, 1024);
+        const uint64_t b = descriptor(m.stage(s) + kTileABytes + kk * 16 * 128, kBoxBytes, 1024);
         mma_m64n256k16<1, 1>(d, a, b, 1);
       }
       mma_commit();
       mma_wait<1>();  // the previous stage's multiplies are done: it may be refilled
       fence_registers(d);
-      if (kb > 0 && lane0) barrier_arrive(empty + 8 * previous);
+      if (kb > 0 && lane0) barrier_arrive(m.empty() + 8 * previous);
       previous = s;
     }
     mma_wait<0>();
     fence_registers(d);
-    if (lane0) barrier_arrive(empty + 8 * previous);
+    if (lane0) barrier_arrive(m.empty() + 8 * previous);
     store_accumulators(dw, d, tile.o0 + row_in_tile, tile.i0, o_size, i_size);
     if (squares) store_band_squares(squares, d, tile.expert, tile.o0 + row_in_tile, tile.i0, o_size, i_size);
   }
+}
+
+// Warpgroup 0 is the producer (one thread of it works), the others consume.
+__global__ void __launch_bounds__(kThreads, 1)
+    grouped_dw_kernel(const __grid_constant__ SourceMaps maps, float* dweight, int32_t* work, int o_size, int i_size, bool accumulate,
+                      double* squares) {
+  extern __shared__ unsigned char smem_raw[];
+  const uint32_t raw = smem_address(smem_raw), base = (raw + 1023) & ~1023u;
+  const DwSmem m{base, smem_raw + (base - raw)};
+  init_stage_barriers(m.full(), m.empty(), kStages, kConsumers);
+  begin_after_previous_grid();  // the work list, dW and the inputs come from earlier kernels
+  const int tiles = work[0] * ((o_size + kBlockM - 1) / kBlockM) * ((i_size + kBlockN - 1) / kBlockN);
+  if (threadIdx.x / 128 == 0) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+    if (threadIdx.x == 0) produce_dw_tiles(m, maps, work, tiles, o_size, i_size);
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+  consume_dw_tiles(m, dweight, o_size, i_size, accumulate, squares);
 }
 
 // One source's rows: dy [rows, O] and x [rows, I].
