@@ -307,6 +307,48 @@ __device__ __forceinline__ void add_float2(float* p, float x, float y) {
   *reinterpret_cast<float2*>(p) = make_float2(o.x + x, o.y + y);
 }
 
+// The forward's online softmax over one key tile for a lane's two rows (row, row + 8 of the warp's from row0):
+// s (scores) becomes P = exp2(scale s - max), the running max and sum move to the tile's, and o is
+// rescaled to the new max. Keys past a row's last key are -inf: after the query (causal; keys past
+// the end are after every stored query) or past the block's end (full). Every row sees key 0, in
+// the first tile, so the running max is finite from then on.
+template <int D, int BN>
+__device__ __forceinline__ void online_softmax(float (&s)[BN / 8][4], float (&o)[D / 8][4], float (&row_max)[2], float (&row_sum)[2],
+                                               const GpuArgs& a, int n0, int row0, int row, int t) {
+  const bool edge = n0 + BN - 1 > a.last_key(row0);
+  float tile_max[2] = {row_max[0], row_max[1]};
+#pragma unroll
+  for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float x = s[j][e] * a.scale_log2;
+      if (edge && n0 + j * 8 + 2 * t + e % 2 > a.last_key(row + e / 2 * 8)) x = -INFINITY;
+      s[j][e] = x;
+      tile_max[e / 2] = fmaxf(tile_max[e / 2], x);
+    }
+  float base[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    tile_max[r] = quad_max(tile_max[r]);
+    base[r] = tile_max[r] == -INFINITY ? 0.f : tile_max[r];
+    const float rescale = exp2f(row_max[r] - base[r]);  // 0 on the first tile
+    row_max[r] = tile_max[r];
+    row_sum[r] *= rescale;
+#pragma unroll
+    for (int d = 0; d < D / 8; ++d) {
+      o[d][2 * r] *= rescale;
+      o[d][2 * r + 1] *= rescale;
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      s[j][e] = exp2f(s[j][e] - base[e / 2]);
+      row_sum[e / 2] += s[j][e];
+    }
+}
+
 // The forward's end for one lane's two rows (row, row + 8): out = o / sum in bf16, and the row's
 // log-sum-exp (natural log) from its running max and sum (log2 domain).
 template <int D>
@@ -373,41 +415,7 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(GpuArgs a) 
     float s[BN / 8][4] = {};
     warp_mma_nt<D, BN>(s, sq, warp * kWarpRows, kt, lane);
 
-    // Keys past a row's last key are -inf: after the query (causal; keys past the end are after
-    // every stored query) or past the block's end (full). Every row sees key 0, in the first tile,
-    // so the running max is finite from then on.
-    const bool edge = n0 + BN - 1 > a.last_key(row0);
-    float tile_max[2] = {row_max[0], row_max[1]};
-#pragma unroll
-    for (int j = 0; j < BN / 8; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float x = s[j][e] * a.scale_log2;
-        if (edge && n0 + j * 8 + 2 * t + e % 2 > a.last_key(row + e / 2 * 8)) x = -INFINITY;
-        s[j][e] = x;
-        tile_max[e / 2] = fmaxf(tile_max[e / 2], x);
-      }
-    float base[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      tile_max[r] = quad_max(tile_max[r]);
-      base[r] = tile_max[r] == -INFINITY ? 0.f : tile_max[r];
-      const float rescale = exp2f(row_max[r] - base[r]);  // 0 on the first tile
-      row_max[r] = tile_max[r];
-      row_sum[r] *= rescale;
-#pragma unroll
-      for (int d = 0; d < D / 8; ++d) {
-        o[d][2 * r] *= rescale;
-        o[d][2 * r + 1] *= rescale;
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < BN / 8; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        s[j][e] = exp2f(s[j][e] - base[e / 2]);
-        row_sum[e / 2] += s[j][e];
-      }
+    online_softmax<D, BN>(s, o, row_max, row_sum, a, n0, row0, row, t);
     warp_mma_pn<BN, D>(o, s, vt, lane);
     __syncthreads();  // everyone is done with this stage before it is refilled
   }

@@ -9,12 +9,13 @@ import sys
 def functions(path):
     parts = re.split(r"\n\s*Function : (\S+)\n", open(path).read())
     # An anonymous namespace's mangled name holds a hash of the file's path, which differs between trees.
-    return {re.sub(r"_GLOBAL__N__[0-9a-f]+_", "_GLOBAL__N__", parts[i]): [re.sub(r"/\*[0-9a-f]+\*/", "", line).strip() for line in parts[i + 1].split("\n")
+    return {re.sub(r"_GLOBAL__N__[0-9a-f]+_", "_GLOBAL__N__", parts[i]): [re.sub(r"/\*.*?\*/", "", line).strip() for line in parts[i + 1].split("\n")
                        if re.match(r"\s*/\*[0-9a-f]{4}\*/", line)] for i in range(1, len(parts), 2)}
 
 
 def opcodes(code):
-    return collections.Counter(line.split()[1] if line.startswith("@") else line.split()[0] for line in code if line)
+    words = [line.rstrip(" ;").split() for line in code if line.rstrip(" ;")]
+    return collections.Counter(w[1] if w[0].startswith("@") else w[0] for w in words)
 
 
 base, tree = functions(sys.argv[1]), functions(sys.argv[2])

@@ -23,7 +23,7 @@ object=CMakeFiles/marrow_lib.dir/$source.o
 command=$(ninja -C build -t commands "$object" | tail -1)
 [ -n "$command" ] || { echo "no compile command for $object in build/ (configure the CUDA build first)"; echo FAIL; exit 1; }
 work=$(mktemp -d)
-trap 'git worktree remove --force "$work/base" >/dev/null 2>&1 || true; rm -rf "$work"' EXIT
+trap 'git worktree remove --force "$work/base" >/dev/null 2>&1 || true; [ -n "${SASS_KEEP:-}" ] && cp "$work"/*.sass "$SASS_KEEP"/ ; rm -rf "$work"' EXIT
 # The build's command with its object and dependency outputs replaced by a cubin of sm_90a.
 compile() {  # <repo-root> <out.cubin>
   local cmd=${command//\/work\/main/$1}
