@@ -39,14 +39,9 @@ def one_error(marrow, args, expected, what):
           f"{what}: one sentence ({stderr.strip()!r})")
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--marrow", required=True)
-    parser.add_argument("--build-dir", required=True)
-    args = parser.parse_args()
-    bench = "configs/bench.toml"
-
-    code, stdout, stderr = estimate(args.marrow, [bench])
+def bench_bill(marrow, bench):
+    """The bench config's bill on one GPU against the measured peak, and one checkpoint's size."""
+    code, stdout, stderr = estimate(marrow, [bench])
     print(stdout, stderr)
     check(code == 0, "bench config: exits 0 without a GPU")
     for label in ["fp32 master weights", "AdamW exp_avg_sq (fp32)", "bf16 weights of units kept whole", "experts (stage 3)",
@@ -60,32 +55,36 @@ def main():
     # One checkpoint: 5.61e9 parameters x (weights + two AdamW moments) x 4 bytes; a third without the moments.
     m = re.search(r"one checkpoint: ([\d.]+) GiB in output.dir", stdout)
     check(m is not None and abs(float(m.group(1)) - 5.61e9 * 12 / 2**30) < 0.3, f"one checkpoint of the bench model: {m and m.group(1)} GiB")
-    code, stdout, stderr = estimate(args.marrow, [bench, "--checkpoint.optimizer_state=false"])
+    code, stdout, stderr = estimate(marrow, [bench, "--checkpoint.optimizer_state=false"])
     m2 = re.search(r"one checkpoint: ([\d.]+) GiB in output.dir \(fp32 weights,", stdout)
     check(m is not None and m2 is not None and abs(float(m2.group(1)) * 3 - float(m.group(1))) < 0.02,
           f"without the optimizer state a checkpoint is a third: {m2 and m2.group(1)} GiB")
 
+
+def long_sequences(marrow, bench):
     # Long sequences, one per step, against the peaks measured on an H200 (docs/performance.md, 346c008:
     # h1, q_rope and k_rope computed again in the backward); without the bf16 weight copy the decoder
     # layers' 10.4 GiB of bf16 weights become 2.3 GiB of slots.
     one_sequence = ["--train.global_batch=1", "--train.micro_batch=1"]
     for seq, copy, measured in [(16384, "true", 105.75), (16384, "false", 98.78), (32768, "true", 113.07)]:
-        code, stdout, stderr = estimate(args.marrow, [bench, f"--train.seq_len={seq}", f"--train.bf16_weight_copy={copy}"] + one_sequence)
+        code, stdout, stderr = estimate(marrow, [bench, f"--train.seq_len={seq}", f"--train.bf16_weight_copy={copy}"] + one_sequence)
         peak = gib(stdout, "trainer's peak figure (arenas + activations)")
         check(code == 0 and peak is not None and abs(peak - measured) / measured < 0.05,
               f"one sequence of {seq}, bf16_weight_copy={copy}: {peak} GiB against the measured {measured}")
         kept = gib(stdout, "  bf16 weights of units kept whole")
         check(kept is not None and (kept > 10 if copy == "true" else kept < 2), f"bf16 weights kept whole with copy={copy}: {kept} GiB")
 
+
+def full_node_layouts(marrow, bench):
     # Issue #15's layout: the whole Qwen3-30B-A3B on 8 GPUs fits (not yet measured: no 8-GPU machine).
-    code, stdout, stderr = estimate(args.marrow, ["configs/qwen3-30b-a3b.toml", "--world=8"])
+    code, stdout, stderr = estimate(marrow, ["configs/qwen3-30b-a3b.toml", "--world=8"])
     full = gib(stdout, "trainer's peak figure (arenas + activations)")
     check(code == 0 and "fits in 139.80 GiB" in stdout and full is not None and 80 < full < 120,
           f"Qwen3-30B-A3B, EP = 8 on 8 GPUs: {full} GiB per GPU")
     total = gib(stdout, "total")
     # --layouts: every layout of the 8 processes with its total per GPU, the one above among them with the same figure,
     # the ones that fit listed first; layouts the trainer refuses (ep = 3: 128 experts do not split) are left out.
-    code, stdout, stderr = estimate(args.marrow, ["configs/qwen3-30b-a3b.toml", "--world=8", "--layouts"])
+    code, stdout, stderr = estimate(marrow, ["configs/qwen3-30b-a3b.toml", "--world=8", "--layouts"])
     print(stdout, stderr)
     rows = re.findall(r"^  (pp \d+ x dp \d+ x cp \d+ x ep \d+[^\d]*?(?:\(.*?\))?)\s+([\d.]+) GiB  (fits|does NOT fit)$", stdout, re.M)
     table = {layout.strip(): (float(g), fits == "fits") for layout, g, fits in rows}
@@ -96,7 +95,10 @@ def main():
     fits = [f == "fits" for _, _, f in rows]
     check(fits == sorted(fits, reverse=True) and any(fits) and not all(fits), "--layouts: the layouts that fit come first, some do not")
 
-    code, stdout, stderr = estimate(args.marrow, [bench, "--world", "2", "--parallel.ep=2"])
+
+def parallel_layouts(marrow, bench):
+    """EP = 2, FSDP over 4 and CP = 2 on the bench model."""
+    code, stdout, stderr = estimate(marrow, [bench, "--world", "2", "--parallel.ep=2"])
     print(stdout, stderr)
     ep2 = gib(stdout, "trainer's peak figure (arenas + activations)")
     check(code == 0 and "64 experts per layer" in stdout and "2 processes" in stdout, "EP = 2: each process holds 64 experts")
@@ -104,47 +106,63 @@ def main():
     # Below today's measured 59.53 GiB: FSDP also halves the dense weights over the two ranks.
     check(ep2 is not None and 45 < ep2 < 59.53, f"EP = 2: {ep2} GiB per process")
 
-    code, stdout, stderr = estimate(args.marrow, [bench, "--world=4", "--train.global_batch=8"])
+    code, stdout, stderr = estimate(marrow, [bench, "--world=4", "--train.global_batch=8"])
     fsdp = gib(stdout, "parameters and optimizer state")
     check(code == 0 and fsdp is not None and abs(fsdp - 83.56 / 4) < 0.1, f"FSDP over 4: a quarter of the state ({fsdp} GiB)")
 
-    code, stdout, stderr = estimate(args.marrow, [bench, "--world=2", "--parallel.cp=2", "--train.seq_len=65536"])
+    code, stdout, stderr = estimate(marrow, [bench, "--world=2", "--parallel.cp=2", "--train.seq_len=65536"])
     print(stdout, stderr)
     cp2 = gib(stdout, "activations of one micro-batch")
     check(code == 0 and "32768 of each sequence on this process" in stdout and "ring attention buffers at the peak" in stdout,
           "CP = 2: each process holds half of every sequence, and the ring's buffers are billed")
-    code, stdout, stderr = estimate(args.marrow, [bench, "--world=2", "--train.seq_len=32768"])
+    code, stdout, stderr = estimate(marrow, [bench, "--world=2", "--train.seq_len=32768"])
     half = gib(stdout, "activations of one micro-batch")
     # The ring's buffers of the bench model at 32768 local tokens: 0.9 GiB forward, 1.31 GiB backward (the own
     # block's bf16 gradients included).
     check(cp2 is not None and half is not None and half <= cp2 <= half + 1.32,
           f"CP = 2 at 65536: activations {cp2} GiB, those of 32768 tokens ({half} GiB) plus at most the ring's buffers")
-    code, stdout, stderr = estimate(args.marrow, [bench, "--world=2", "--parallel.cp=2", "--train.seq_len=65536", "--gpu-memory=120"])
+    code, stdout, stderr = estimate(marrow, [bench, "--world=2", "--parallel.cp=2", "--train.seq_len=65536", "--gpu-memory=120"])
     m = re.search(r"largest train.seq_len that fits at micro_batch 1: (\d+)", stdout)
     check(m is not None and int(m.group(1)) % 4 == 0 and int(m.group(1)) > 65536,
           f"CP = 2: the largest sequence that fits is a multiple of 4 beyond 65536 ({m.group(1) if m else None})")
 
-    code, stdout, stderr = estimate(args.marrow, [bench, "--train.seq_len=65536", "--gpu-memory", "120"])
+
+def too_large(marrow, bench):
+    """What does not fit: the largest sequence and micro-batch that do, or none."""
+    code, stdout, stderr = estimate(marrow, [bench, "--train.seq_len=65536", "--gpu-memory", "120"])
     print(stdout, stderr)
     check(code == 0 and "does NOT fit in 120.00 GiB of GPU memory" in stdout, "a long sequence does not fit")
     m = re.search(r"largest train.seq_len that fits at micro_batch 1: (\d+)", stdout)
     check(m is not None and 4096 < int(m.group(1)) < 65536, "it names the largest sequence that fits")
     check("no train.micro_batch fits at seq_len 65536" in stdout, "and says no micro-batch fits at that length")
-    code, stdout, stderr = estimate(args.marrow, [bench, "--gpu-memory=40"])
+    code, stdout, stderr = estimate(marrow, [bench, "--gpu-memory=40"])
     check(code == 0 and "nothing fits" in stdout, "state larger than the GPU: nothing fits")
 
-    one_error(args.marrow, [bench, "--train.bogus=1"], "unknown run-config key --train.bogus", "unknown key")
-    one_error(args.marrow, [bench, "--world", "two"], "--world must be a whole number of processes, at least 1, got 'two'", "bad --world")
-    one_error(args.marrow, [bench, "--world"], "--world needs a value", "--world without a value")
-    one_error(args.marrow, [bench, "--gpu-memory=-3"], "--gpu-memory must be a positive number of GiB, got '-3'", "bad --gpu-memory")
-    one_error(args.marrow, [bench, "--parallel.ep=2"], "does not divide", "ep larger than the world")
-    one_error(args.marrow, [bench, "--world=3", "--parallel.ep=3"], "num_experts (128) is not a multiple of parallel.ep (3)",
+
+def bad_inputs(marrow, bench):
+    """One sentence for each bad input."""
+    one_error(marrow, [bench, "--train.bogus=1"], "unknown run-config key --train.bogus", "unknown key")
+    one_error(marrow, [bench, "--world", "two"], "--world must be a whole number of processes, at least 1, got 'two'", "bad --world")
+    one_error(marrow, [bench, "--world"], "--world needs a value", "--world without a value")
+    one_error(marrow, [bench, "--gpu-memory=-3"], "--gpu-memory must be a positive number of GiB, got '-3'", "bad --gpu-memory")
+    one_error(marrow, [bench, "--parallel.ep=2"], "does not divide", "ep larger than the world")
+    one_error(marrow, [bench, "--world=3", "--parallel.ep=3"], "num_experts (128) is not a multiple of parallel.ep (3)",
               "experts that do not split")
-    one_error(args.marrow, [bench, "--world=8", "--parallel.dp_shard=3"], "parallel.dp_shard (3) does not divide", "bad dp_shard")
-    one_error(args.marrow, [bench, "--world=8"], "train.global_batch (4) is not a multiple", "a batch that does not split")
-    one_error(args.marrow, [bench, "--world=2", "--parallel.cp=2", "--train.seq_len=4098"],
+    one_error(marrow, [bench, "--world=8", "--parallel.dp_shard=3"], "parallel.dp_shard (3) does not divide", "bad dp_shard")
+    one_error(marrow, [bench, "--world=8"], "train.global_batch (4) is not a multiple", "a batch that does not split")
+    one_error(marrow, [bench, "--world=2", "--parallel.cp=2", "--train.seq_len=4098"],
               "train.seq_len (4098) is not a multiple of 2 x parallel.cp = 4", "a sequence that does not split")
-    one_error(args.marrow, ["configs/none.toml"], "cannot open run config configs/none.toml", "missing run config")
+    one_error(marrow, ["configs/none.toml"], "cannot open run config configs/none.toml", "missing run config")
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--marrow", required=True)
+    parser.add_argument("--build-dir", required=True)
+    args = parser.parse_args()
+    bench = "configs/bench.toml"
+
+    for part in (bench_bill, long_sequences, full_node_layouts, parallel_layouts, too_large, bad_inputs):
+        part(args.marrow, bench)
 
     if FAILURES:
         print(f"{len(FAILURES)} check(s) FAILED")
