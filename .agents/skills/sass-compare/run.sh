@@ -13,7 +13,9 @@ base=${2:-HEAD}
 tools=.cache/cuda-sass
 if [ ! -x $tools/bin/cuobjdump ] || [ ! -x $tools/bin/nvdisasm ]; then
   mkdir -p $tools/wheels $tools/bin
-  python3 -m pip download --no-deps -q -d $tools/wheels nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm
+  python=.venv/bin/python  # tools/setup.sh's, which has pip; Debian's python3 may not
+  [ -x $python ] || python=python3
+  $python -m pip download --no-deps -q -d $tools/wheels nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm
   for wheel in $tools/wheels/*.whl; do python3 -m zipfile -e "$wheel" $tools/unpacked; done
   cp $tools/unpacked/nvidia/*/bin/cuobjdump $tools/unpacked/nvidia/*/bin/nvdisasm $tools/bin/
   chmod +x $tools/bin/*
