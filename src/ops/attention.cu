@@ -445,6 +445,21 @@ __global__ void attention_delta_kernel(GpuArgs a, float* delta, int64_t rows) {
   if (lane == 0) delta[(b * a.q_heads + h) * a.q_len + i] = acc;
 }
 
+// The dQ pass's P = exp(scale q . k - lse) from the scores in p, for a lane's two rows (row, row + 8 of
+// the warp's from row0; lse2 in the log2 domain) and the key tile at n0: zero past a row's last key.
+template <int BN>
+__device__ __forceinline__ void probabilities(float (&p)[BN / 8][4], const GpuArgs& a, const float (&lse2)[2], int n0, int row0, int row,
+                                              int t) {
+  const bool edge = n0 + BN - 1 > a.last_key(row0);
+#pragma unroll
+  for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float x = exp2f(p[j][e] * a.scale_log2 - lse2[e / 2]);
+      p[j][e] = edge && n0 + j * 8 + 2 * t + e % 2 > a.last_key(row + e / 2 * 8) ? 0.f : x;
+    }
+}
+
 // The dK/dV pass's end for one lane's two keys (key, key + 8): dK (times scale) and dV as f32
 // partials per query head (GQA, summed by attention_group_sum_kernel), added into f32 sums (a ring
 // block), or written as bf16.
@@ -647,14 +662,7 @@ __global__ void __launch_bounds__(kThreads) attention_dq_kernel(GpuArgs a) {
 
     float p[BN / 8][4] = {};
     warp_mma_nt<D, BN>(p, sq, warp * kWarpRows, kt, lane);
-    const bool edge = n0 + BN - 1 > a.last_key(row0);
-#pragma unroll
-    for (int j = 0; j < BN / 8; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float x = exp2f(p[j][e] * a.scale_log2 - lse2[e / 2]);
-        p[j][e] = edge && n0 + j * 8 + 2 * t + e % 2 > a.last_key(row + e / 2 * 8) ? 0.f : x;
-      }
+    probabilities<BN>(p, a, lse2, n0, row0, row, t);
     float ds[BN / 8][4] = {};
     warp_mma_nt<D, BN>(ds, sdo, warp * kWarpRows, vt, lane);  // dP = dO V^T
 #pragma unroll
