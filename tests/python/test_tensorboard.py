@@ -74,6 +74,95 @@ def progress_lines(stderr, marker):
     return [line for line in stderr.replace("\r", "\n").splitlines() if marker in line]
 
 
+def crash_resume_extend(marrow, base, corpus, tmp):
+    """A run dies after its checkpoint at 4 (steps 5 and 6 logged), resumes, then goes on to 10."""
+    run = os.path.join(tmp, "resumed")
+    code, out, err = marrow("train", *base, f"--output.dir={run}", "--train.steps=8", "--checkpoint.every=4",
+                            env_extra={"MARROW_TEST_FAULT": "0:7:exit"})
+    steps = [m["step"] for m in metrics(run)] if os.path.exists(os.path.join(run, "metrics.jsonl")) else []
+    check(code == 3 and steps == list(range(1, 7)), f"the first run dies at step 7 after logging steps 1..6 ({code}, {steps})")
+    acc = read_tensorboard(run)
+    check([e.step for e in acc.Scalars("train/loss")] == list(range(1, 7)), "its event file holds steps 1..6 as it dies")
+    code, out, err = marrow("train", *base, f"--output.dir={run}", "--train.steps=8", "--checkpoint.every=4")
+    check(code == 0 and "at step 4" in out, f"the same command resumes from step 4 {err[-300:]}")
+    code, out, err = marrow("train", *base, f"--output.dir={run}", "--train.steps=10", "--checkpoint.every=4")
+    check(code == 0 and "at step 8" in out, f"--train.steps=10 goes on from step 8 {err[-300:]}")
+    check([m["step"] for m in metrics(run)] == list(range(1, 11)), "metrics.jsonl holds steps 1..10 once each")
+    files = sorted(glob.glob(os.path.join(run, "tb", "events.out.tfevents.*")))
+    check(len(files) == 3, f"one event file per start of the run: {[os.path.basename(f) for f in files]}")
+    acc = compare_with_metrics(run, "after a crash, a resume and an extension")
+    texts = run_config_texts(acc)
+    check([step for step, _ in texts] == [0, 4, 8] and texts[0][1].startswith("    configs/tiny-moe.toml --data.path=")
+          and "--train.steps=10" in texts[-1][1] and "[optimizer]" in texts[-1][1],
+          f"the run config is text at each start's step (0, 4, 8), with its command line and file: {[s for s, _ in texts]}")
+
+
+def fresh_run_over_an_old_one(marrow, base, corpus, tmp):
+    """A fresh run in the same directory starts the event files anew."""
+    fresh = os.path.join(tmp, "fresh")
+    for _ in range(2):
+        code, out, err = marrow("train", *base, f"--output.dir={fresh}", "--train.steps=3", "--checkpoint.every=0")
+    check(code == 0 and len(glob.glob(os.path.join(fresh, "tb", "events.out.tfevents.*"))) == 1,
+          "a fresh run in a used output.dir (no checkpoint) leaves one event file")
+    compare_with_metrics(fresh, "a fresh run over an earlier one")
+
+
+def demo_and_plot(marrow, base, corpus, tmp):
+    """The demo's command, and marrow plot."""
+    run = os.path.join(tmp, "resumed")
+    demo = os.path.join(tmp, "tiny-moe")
+    code, out, err = marrow("train", "configs/tiny-moe.toml", f"--data.path={corpus}", "--train.steps=20",
+                            f"--output.dir={demo}")
+    check(code == 0 and os.path.isdir(os.path.join(demo, "tb")), f"the demo's command writes tb/ {err[-300:]}")
+    compare_with_metrics(demo, "the demo's run")
+    svg_path = os.path.join(tmp, "plot.svg")
+    code, out, err = marrow("plot", demo, run, "--out", svg_path)
+    check(code == 0 and f"-> {svg_path}" in out, f"marrow plot of two runs exits 0 {out} {err}")
+    root = ET.parse(svg_path).getroot() if os.path.exists(svg_path) else ET.Element("none")
+    check(root.tag == SVG + "svg", "the picture parses as XML with an svg root")
+    lines = {(p.get("class"), p.get("data-run")): p.get("points", "").split() for p in root.iter(SVG + "polyline")}
+    for name, out_dir in (("tiny-moe", demo), ("resumed", run)):
+        m = metrics(out_dir)
+        check(len(lines.get(("train", name), [])) == len(m), f"{name}: a training curve with a point per step")
+        check(len(lines.get(("validation", name), [])) == sum("val_loss" in x for x in m),
+              f"{name}: a validation curve with a point per evaluation")
+    labels = sorted(t.text for t in root.iter(SVG + "text") if t.get("class") == "axis-label")
+    check(labels == ["loss", "tokens seen"], f"axis labels: {labels}")
+    legend = [g for g in root.iter(SVG + "g") if g.get("class") == "legend"]
+    legend_text = [t.text for t in legend[0].iter(SVG + "text")] if legend else []
+    check(legend_text == ["tiny-moe training", "tiny-moe validation", "resumed training", "resumed validation"],
+          f"the legend names each run's curves: {legend_text}")
+    ticks = [t for t in root.iter(SVG + "text") if t.get("class") == "tick"]
+    check(len(ticks) >= 6, f"the axes have ticks ({len(ticks)})")
+    code, out, err = marrow("plot", tmp, "--out", os.path.join(tmp, "x.svg"))
+    check(code == 1 and err.strip().count("\n") == 0 and "has no metrics.jsonl" in err, f"a directory that is no run: {err.strip()}")
+
+
+def progress_and_quiet(marrow, base, corpus, tmp):
+    """Progress lines."""
+    run, demo = os.path.join(tmp, "resumed"), os.path.join(tmp, "tiny-moe")
+    slow = {"MARROW_TEST_PROGRESS_DELAY_S": "0"}
+    hf = os.path.join(tmp, "hf")
+    for quiet in ([], ["--quiet"]):
+        code, out, err = marrow("export", demo, hf, "--overwrite", *quiet, env_extra=slow)
+        lines = progress_lines(err, f"writing {hf}:")
+        check(code == 0 and (len(lines) >= 2 if not quiet else not lines),
+              f"export {' '.join(quiet)}: {'no progress' if quiet else 'progress and a closing line'}: {lines}")
+        code, out, err = marrow("import", hf, os.path.join(tmp, "imported"), "--overwrite", *quiet, env_extra=slow)
+        lines = progress_lines(err, f"reading {hf}:")
+        check(code == 0 and (len(lines) >= 2 if not quiet else not lines),
+              f"import {' '.join(quiet)}: {'no progress' if quiet else 'progress and a closing line'}: {lines}")
+        code, out, err = marrow("train", *base, f"--output.dir={run}", "--train.steps=10", *quiet, env_extra=slow)
+        lines = progress_lines(err, "dataset: checking sha256 of")
+        check(code == 0 and (len(lines) >= 2 if not quiet else not lines),
+              f"train {' '.join(quiet)}: the corpus check {'is silent' if quiet else 'shows progress'}: {lines}")
+        for what in ("checkpoint: verifying the sha256 of", "checkpoint: reading weights of"):
+            lines = progress_lines(err, what)
+            check(code == 0 and (len(lines) >= 2 if not quiet else not lines),
+                  f"train {' '.join(quiet)}: resuming, '{what}' {'is silent' if quiet else 'shows progress'}: {lines}")
+    code, out, err = marrow("export", demo, hf, "--overwrite")
+    check(code == 0 and not progress_lines(err, "writing"), "quick work prints no progress line")
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--marrow", required=True)
@@ -91,85 +180,8 @@ def main():
         return p.returncode, p.stdout, p.stderr
 
     with tempfile.TemporaryDirectory() as tmp:
-        run = os.path.join(tmp, "resumed")
-        # --- A run dies after its checkpoint at 4 (steps 5 and 6 logged), resumes, then goes on to 10 ---------
-        code, out, err = marrow("train", *base, f"--output.dir={run}", "--train.steps=8", "--checkpoint.every=4",
-                                env_extra={"MARROW_TEST_FAULT": "0:7:exit"})
-        steps = [m["step"] for m in metrics(run)] if os.path.exists(os.path.join(run, "metrics.jsonl")) else []
-        check(code == 3 and steps == list(range(1, 7)), f"the first run dies at step 7 after logging steps 1..6 ({code}, {steps})")
-        acc = read_tensorboard(run)
-        check([e.step for e in acc.Scalars("train/loss")] == list(range(1, 7)), "its event file holds steps 1..6 as it dies")
-        code, out, err = marrow("train", *base, f"--output.dir={run}", "--train.steps=8", "--checkpoint.every=4")
-        check(code == 0 and "at step 4" in out, f"the same command resumes from step 4 {err[-300:]}")
-        code, out, err = marrow("train", *base, f"--output.dir={run}", "--train.steps=10", "--checkpoint.every=4")
-        check(code == 0 and "at step 8" in out, f"--train.steps=10 goes on from step 8 {err[-300:]}")
-        check([m["step"] for m in metrics(run)] == list(range(1, 11)), "metrics.jsonl holds steps 1..10 once each")
-        files = sorted(glob.glob(os.path.join(run, "tb", "events.out.tfevents.*")))
-        check(len(files) == 3, f"one event file per start of the run: {[os.path.basename(f) for f in files]}")
-        acc = compare_with_metrics(run, "after a crash, a resume and an extension")
-        texts = run_config_texts(acc)
-        check([step for step, _ in texts] == [0, 4, 8] and texts[0][1].startswith("    configs/tiny-moe.toml --data.path=")
-              and "--train.steps=10" in texts[-1][1] and "[optimizer]" in texts[-1][1],
-              f"the run config is text at each start's step (0, 4, 8), with its command line and file: {[s for s, _ in texts]}")
-
-        # --- A fresh run in the same directory starts the event files anew ------------------------------------
-        fresh = os.path.join(tmp, "fresh")
-        for _ in range(2):
-            code, out, err = marrow("train", *base, f"--output.dir={fresh}", "--train.steps=3", "--checkpoint.every=0")
-        check(code == 0 and len(glob.glob(os.path.join(fresh, "tb", "events.out.tfevents.*"))) == 1,
-              "a fresh run in a used output.dir (no checkpoint) leaves one event file")
-        compare_with_metrics(fresh, "a fresh run over an earlier one")
-
-        # --- The demo's command, and marrow plot -------------------------------------------------------------
-        demo = os.path.join(tmp, "tiny-moe")
-        code, out, err = marrow("train", "configs/tiny-moe.toml", f"--data.path={corpus}", "--train.steps=20",
-                                f"--output.dir={demo}")
-        check(code == 0 and os.path.isdir(os.path.join(demo, "tb")), f"the demo's command writes tb/ {err[-300:]}")
-        compare_with_metrics(demo, "the demo's run")
-        svg_path = os.path.join(tmp, "plot.svg")
-        code, out, err = marrow("plot", demo, run, "--out", svg_path)
-        check(code == 0 and f"-> {svg_path}" in out, f"marrow plot of two runs exits 0 {out} {err}")
-        root = ET.parse(svg_path).getroot() if os.path.exists(svg_path) else ET.Element("none")
-        check(root.tag == SVG + "svg", "the picture parses as XML with an svg root")
-        lines = {(p.get("class"), p.get("data-run")): p.get("points", "").split() for p in root.iter(SVG + "polyline")}
-        for name, out_dir in (("tiny-moe", demo), ("resumed", run)):
-            m = metrics(out_dir)
-            check(len(lines.get(("train", name), [])) == len(m), f"{name}: a training curve with a point per step")
-            check(len(lines.get(("validation", name), [])) == sum("val_loss" in x for x in m),
-                  f"{name}: a validation curve with a point per evaluation")
-        labels = sorted(t.text for t in root.iter(SVG + "text") if t.get("class") == "axis-label")
-        check(labels == ["loss", "tokens seen"], f"axis labels: {labels}")
-        legend = [g for g in root.iter(SVG + "g") if g.get("class") == "legend"]
-        legend_text = [t.text for t in legend[0].iter(SVG + "text")] if legend else []
-        check(legend_text == ["tiny-moe training", "tiny-moe validation", "resumed training", "resumed validation"],
-              f"the legend names each run's curves: {legend_text}")
-        ticks = [t for t in root.iter(SVG + "text") if t.get("class") == "tick"]
-        check(len(ticks) >= 6, f"the axes have ticks ({len(ticks)})")
-        code, out, err = marrow("plot", tmp, "--out", os.path.join(tmp, "x.svg"))
-        check(code == 1 and err.strip().count("\n") == 0 and "has no metrics.jsonl" in err, f"a directory that is no run: {err.strip()}")
-
-        # --- Progress lines ------------------------------------------------------------------------------------
-        slow = {"MARROW_TEST_PROGRESS_DELAY_S": "0"}
-        hf = os.path.join(tmp, "hf")
-        for quiet in ([], ["--quiet"]):
-            code, out, err = marrow("export", demo, hf, "--overwrite", *quiet, env_extra=slow)
-            lines = progress_lines(err, f"writing {hf}:")
-            check(code == 0 and (len(lines) >= 2 if not quiet else not lines),
-                  f"export {' '.join(quiet)}: {'no progress' if quiet else 'progress and a closing line'}: {lines}")
-            code, out, err = marrow("import", hf, os.path.join(tmp, "imported"), "--overwrite", *quiet, env_extra=slow)
-            lines = progress_lines(err, f"reading {hf}:")
-            check(code == 0 and (len(lines) >= 2 if not quiet else not lines),
-                  f"import {' '.join(quiet)}: {'no progress' if quiet else 'progress and a closing line'}: {lines}")
-            code, out, err = marrow("train", *base, f"--output.dir={run}", "--train.steps=10", *quiet, env_extra=slow)
-            lines = progress_lines(err, "dataset: checking sha256 of")
-            check(code == 0 and (len(lines) >= 2 if not quiet else not lines),
-                  f"train {' '.join(quiet)}: the corpus check {'is silent' if quiet else 'shows progress'}: {lines}")
-            for what in ("checkpoint: verifying the sha256 of", "checkpoint: reading weights of"):
-                lines = progress_lines(err, what)
-                check(code == 0 and (len(lines) >= 2 if not quiet else not lines),
-                      f"train {' '.join(quiet)}: resuming, '{what}' {'is silent' if quiet else 'shows progress'}: {lines}")
-        code, out, err = marrow("export", demo, hf, "--overwrite")
-        check(code == 0 and not progress_lines(err, "writing"), "quick work prints no progress line")
+        for part in (crash_resume_extend, fresh_run_over_an_old_one, demo_and_plot, progress_and_quiet):
+            part(marrow, base, corpus, tmp)
 
     print("PASS" if not FAILURES else "FAIL")
     sys.exit(1 if FAILURES else 0)
