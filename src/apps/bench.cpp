@@ -31,7 +31,9 @@
 #include "ops/attention.h"
 #include "ops/attention_cudnn.h"
 #include "ops/attention_hopper.h"
+#include "ops/fp8.h"
 #include "ops/grouped_linear.h"
+#include "ops/grouped_linear_fp8.h"
 #include "ops/linear.h"
 #include "parallel/process.h"
 
@@ -71,6 +73,13 @@ double median_ms(const std::function<void()>& run, int reps = 10) {
 void kernel_row(const std::string& name, double flops, const std::function<void()>& run) {
   const double ms = median_ms(run);
   std::printf("%-64s %9.3f ms %8.1f TFLOP/s\n", name.c_str(), ms, flops / (ms * 1e-3) / 1e12);
+  std::fflush(stdout);
+}
+
+// A memory-bound kernel's row: its rate in bytes read and written.
+void memory_row(const std::string& name, double bytes, const std::function<void()>& run) {
+  const double ms = median_ms(run);
+  std::printf("%-64s %9.3f ms %8.1f GB/s\n", name.c_str(), ms, bytes / (ms * 1e-3) / 1e9);
   std::fflush(stdout);
 }
 
@@ -251,6 +260,24 @@ void bench_ring_blocks(int64_t L, int64_t Hq, int64_t Hkv, int64_t D) {
   set_attention_kernels(before);
 }
 
+// The FP8 grouped GEMMs (ops/grouped_linear_fp8.h) on the same operands, each quantization timed
+// on its own: activations and gradients by rows, the weight with its transposed copy.
+void bench_fp8_grouped(const std::string& name, Tensor offsets, Tensor x, Tensor w, Tensor dy, double flops) {
+  const int64_t R = x.size(0), in = x.size(1), E = w.size(0), out = w.size(1);
+  auto blocks = [](int64_t n) { return (n + kFp8Block - 1) / kFp8Block; };
+  Buffer xq(DType::fp8_e4m3, Device::cuda, {R, in}), xs(DType::f32, Device::cuda, {blocks(in), R});
+  Buffer dyq(DType::fp8_e4m3, Device::cuda, {R, out}), dys(DType::f32, Device::cuda, {blocks(out), R});
+  Buffer wq(DType::fp8_e4m3, Device::cuda, {E, out, in}), ws(DType::f32, Device::cuda, {E, blocks(out), blocks(in)});
+  Buffer wtq(DType::fp8_e4m3, Device::cuda, {E, in, out}), wts(DType::f32, Device::cuda, {E, blocks(in), blocks(out)});
+  Buffer y(DType::bf16, Device::cuda, {R, out}), dx(DType::bf16, Device::cuda, {R, in});
+  // bf16 in, one byte out per element (two for the weight: it and its transpose).
+  memory_row(name + " fp8 quantize x rows", 3.0 * double(R * in), [&] { quantize_rows({xq, xs}, x); });
+  memory_row(name + " fp8 quantize dy rows", 3.0 * double(R * out), [&] { quantize_rows({dyq, dys}, dy); });
+  memory_row(name + " fp8 quantize weight + transposed", 4.0 * double(E * in * out), [&] { quantize_blocks({wq, ws}, {wtq, wts}, w); });
+  kernel_row(name + " fp8 fwd", flops, [&] { grouped_linear_fp8(y, {xq, xs}, {wq, ws}, offsets); });
+  kernel_row(name + " fp8 bwd input", flops, [&] { grouped_linear_fp8(dx, {dyq, dys}, {wtq, wts}, offsets); });
+}
+
 void bench_kernels(bool attention_only) {
   // As in training: without it the pool hands freed memory back at every event sync, and each timed
   // call that allocates (the grouped GEMMs' small schedules, cuDNN's 1 GiB dP workspace) pays for mapping it again (~80 us).
@@ -287,6 +314,7 @@ void bench_kernels(bool attention_only) {
       kernel_row(name + " fwd (cuBLAS grouped)", flops, [&] { grouped_linear_forward(y, x, w, offsets); });
       kernel_row(name + " bwd input (cuBLAS grouped)", flops, [&] { grouped_linear_backward_input(dx, dy, w, offsets); });
       set_grouped_gemm_backend(GroupedGemmBackend::wgmma);
+      bench_fp8_grouped(name, offsets, x, w, dy, flops);
       kernel_row(name + " bwd weight", flops, [&] { grouped_linear_backward_weight(dw, dy, x, offsets); });
       kernel_row(name + " bwd weight (overwrite)", flops, [&] { grouped_linear_backward_weight(dw, dy, x, offsets, true); });
       Buffer squares(DType::f64, Device::cuda, {grouped_weight_squares_count(E, out, in)});

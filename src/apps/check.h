@@ -55,6 +55,7 @@ Buffer offsets_host(const std::vector<int32_t>& counts);
 
 void check_elementwise_ops(CheckReport& report);
 void check_gemm_ops(CheckReport& report);
+void check_fp8_ops(CheckReport& report);
 void check_attention_op(CheckReport& report);
 void check_model(CheckReport& report);
 // Under mpirun -np P (any P, also 1): the expert-parallel all-to-alls and the collectives over NCCL

@@ -550,4 +550,19 @@ void grouped_linear_backward_weight_pair(Tensor dweight, const ExpertRows& first
 #endif
 }
 
+void check_expert_offsets(const char* op, const Tensor& expert_offsets, int64_t experts, int64_t rows) {
+  check_offsets(op, expert_offsets, experts, rows);
+}
+
+const int32_t* expert_offsets_on_device(Tensor expert_offsets, Buffer& holder, Stream stream) {
+#ifdef __CUDACC__
+  return device_offsets(expert_offsets, holder, stream);
+#else
+  (void)expert_offsets;
+  (void)holder;
+  (void)stream;
+  no_cuda_kernel("expert_offsets_on_device");
+#endif
+}
+
 }  // namespace marrow

@@ -20,6 +20,8 @@
 
 namespace marrow {
 
+class Buffer;
+
 // The kernel behind the GPU forward and backward_input where O and I are multiples of 8: the own
 // wgmma kernel (the default) or cuBLAS's grouped call (`marrow bench --kernels` times both). For the
 // whole process; set it before a run, not while other threads call the ops.
@@ -75,5 +77,11 @@ struct ExpertRows {
 };
 void grouped_linear_backward_weight_pair(Tensor dweight, const ExpertRows& first, const ExpertRows& second, bool overwrite = false,
                                          Tensor squares = {}, Tensor known_zero = {}, Stream stream = {});
+
+// For the other grouped ops (ops/grouped_linear_fp8.h): the checks of expert_offsets above (on the
+// host: from 0 to rows, not decreasing), and the offsets in GPU memory, uploaded in stream order into
+// holder when they are on the host (GPU builds only).
+void check_expert_offsets(const char* op, const Tensor& expert_offsets, int64_t experts, int64_t rows);
+const int32_t* expert_offsets_on_device(Tensor expert_offsets, Buffer& holder, Stream stream);
 
 }  // namespace marrow

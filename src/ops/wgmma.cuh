@@ -223,7 +223,9 @@ __device__ __forceinline__ int scan_tile_starts(int* tile_start, const int32_t* 
 }
 
 // The producer warp's tile lookup: the expert is found by a warp-wide scan of tile_start that
-// resumes at the previous tile's expert (a block's tiles come in increasing order).
+// resumes at the previous tile's expert (a block's tiles come in increasing order). kTileN: the
+// tiles' columns (the FP8 kernel's are narrower).
+template <int kTileN = kBlockN>
 __device__ __forceinline__ Tile find_tile(int t, const int32_t* offsets, const int* tile_start, int experts, int& expert) {
   const int lane = threadIdx.x % 32;
   for (;;) {  // tile_start[expert] <= t < tile_start[experts]: some lane's test fails
@@ -237,20 +239,21 @@ __device__ __forceinline__ Tile find_tile(int t, const int32_t* offsets, const i
   }
   const int row_begin = offsets[expert], row_end = offsets[expert + 1];
   const int row_tiles = (row_end - row_begin + kBlockM - 1) / kBlockM, local = t - tile_start[expert];
-  return {expert, row_begin + (local % row_tiles) * kBlockM, row_end, (local / row_tiles) * kBlockN};
+  return {expert, row_begin + (local % row_tiles) * kBlockM, row_end, (local / row_tiles) * kTileN};
 }
 
-// One consumer warp's 16 rows x 256 columns to out[rows, n] as bf16, rows at or past row_end left
-// out. Accumulator layout of m64nNk16: warp w of the warpgroup holds rows 16w + lane / 4 (+ 8); d[4j],
+// One consumer warp's 16 rows x 128 kHalves columns to out[rows, n] as bf16, rows at or past row_end
+// left out. Accumulator layout of m64nNk16: warp w of the warpgroup holds rows 16w + lane / 4 (+ 8); d[4j],
 // d[4j + 1] are columns 8j + 2 (lane % 4) (+ 1) of the first row, d[4j + 2], d[4j + 3] of the second.
 // Stored straight from there, each warp store would touch 8 rows with 16 bytes each; so each half
 // of the columns goes through the warp's 4 KiB of shared memory (16-byte chunks XORed with row % 8:
 // no bank conflicts either way) and leaves as 16-byte stores that cover whole 256-byte row pieces.
-__device__ __forceinline__ void store_rows(bf16* out, const float (&d)[128], unsigned char* staging, int row, int row_end, int col0,
-                                           int n) {
+template <int kHalves = 2>
+__device__ __forceinline__ void store_rows(bf16* out, const float (&d)[64 * kHalves], unsigned char* staging, int row, int row_end,
+                                           int col0, int n) {
   const int lane = threadIdx.x % 32, quad_row = lane / 4;
 #pragma unroll
-  for (int half = 0; half < 2; ++half) {
+  for (int half = 0; half < kHalves; ++half) {
     __syncwarp();
 #pragma unroll
     for (int jj = 0; jj < 16; ++jj) {
@@ -419,11 +422,13 @@ inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   return encode;
 }
 
-// A bf16 tensor map with 128-byte swizzle; dims innermost first, strides in bytes (rank - 1 of them).
-inline CUtensorMap tensor_map(const void* data, int rank, const cuuint64_t* dims, const cuuint64_t* strides, const cuuint32_t* box) {
+// A tensor map with 128-byte swizzle (bf16 unless told); dims innermost first, strides in bytes (rank
+// - 1 of them).
+inline CUtensorMap tensor_map(const void* data, int rank, const cuuint64_t* dims, const cuuint64_t* strides, const cuuint32_t* box,
+                              CUtensorMapDataType dtype = CU_TENSOR_MAP_DATA_TYPE_BFLOAT16) {
   CUtensorMap map;
   const cuuint32_t element_strides[3] = {1, 1, 1};
-  const CUresult result = tensor_map_encoder()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, cuuint32_t(rank), const_cast<void*>(data), dims,
+  const CUresult result = tensor_map_encoder()(&map, dtype, cuuint32_t(rank), const_cast<void*>(data), dims,
                                                strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
                                                CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                                                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);

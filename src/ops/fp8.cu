@@ -1,0 +1,320 @@
+#include "ops/fp8.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "core/bf16.h"
+#include "core/cuda_check.h"
+#include "ops/common.h"
+
+#ifdef __CUDACC__
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
+#include "ops/cuda_common.cuh"
+#endif
+
+namespace marrow {
+
+// ---- the format, shared by the CPU reference and the kernels -------------------------------------
+
+// With amax = m 2^e (m in [0.5, 1)) and 448 = 0.875 2^9, amax / 2^k <= 448 first holds at k = e - 9
+// when m <= 0.875, else at e - 8. Scales stay normal floats (k >= -126): a block of tiny values
+// then rounds to E4M3's subnormals or zero, as it must.
+#ifdef __CUDACC__
+__host__ __device__
+#endif
+    static inline float block_scale(float amax) {
+  if (!(amax <= std::numeric_limits<float>::max())) return std::numeric_limits<float>::quiet_NaN();
+  if (amax == 0) return 1;
+  int e = 0;
+  const float m = frexpf(amax, &e);
+  const int k = m <= 0.875f ? e - 9 : e - 8;
+  return ldexpf(1.0f, k < -126 ? -126 : k);
+}
+
+float fp8_block_scale(float amax) { return block_scale(amax); }
+
+uint8_t fp8_e4m3_from_float(float v) {
+  if (std::isnan(v)) return 0x7F;
+  const uint8_t sign = std::signbit(v) ? 0x80 : 0;
+  const float a = std::fabs(v);
+  if (a >= kFp8Max) return sign | 0x7E;  // saturating: 448 is the largest finite E4M3
+  int e = 0;
+  std::frexp(a, &e);
+  const int exponent = std::max(e - 1, -6);                 // subnormals share 2^-6's spacing
+  const float quantum = std::ldexp(1.0f, exponent - 3);     // three mantissa bits
+  const float q = std::nearbyint(a / quantum) * quantum;    // ties to even (the default rounding)
+  if (q == 0) return sign;
+  std::frexp(q, &e);  // q may have rounded up into the next binade
+  const int biased = e - 1 + 7;
+  if (biased <= 0) return sign | uint8_t(q / std::ldexp(1.0f, -9));  // subnormal: q / 2^-9 eighths of 2^-6
+  return sign | uint8_t(biased << 3) | uint8_t(q / std::ldexp(1.0f, e - 1 - 3) - 8);
+}
+
+float fp8_e4m3_to_float(uint8_t byte) {
+  const float sign = (byte & 0x80) ? -1.0f : 1.0f;
+  const int biased = (byte >> 3) & 0xF, mantissa = byte & 7;
+  if (biased == 0xF && mantissa == 7) return std::numeric_limits<float>::quiet_NaN();
+  if (biased == 0) return sign * std::ldexp(float(mantissa), -9);
+  return sign * std::ldexp(float(8 + mantissa), biased - 7 - 3);
+}
+
+namespace {
+
+const char* kQuantizeRows = "quantize_rows";
+const char* kQuantizeBlocks = "quantize_blocks";
+
+float load_value(const Tensor& t, int64_t i) {
+  return t.dtype == DType::f32 ? t.ptr<float>()[i] : bf16_to_float(static_cast<const uint16_t*>(t.data)[i]);
+}
+
+int64_t blocks_of(int64_t n) { return (n + kFp8Block - 1) / kFp8Block; }
+
+// |v|'s contribution to a block's amax: a NaN must win, which max and fmaxf would drop.
+#ifdef __CUDACC__
+__host__ __device__
+#endif
+    inline float magnitude(float v) {
+  return v != v ? std::numeric_limits<float>::infinity() : std::fabs(v);
+}
+
+// ---- CPU reference -------------------------------------------------------------------------------
+
+void quantize_rows_cpu(Fp8Tensor out, Tensor x) {
+  const int64_t R = x.size(0), C = x.size(1), CB = blocks_of(C);
+  uint8_t* q = static_cast<uint8_t*>(out.values.data);
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t cb = 0; cb < CB; ++cb) {
+      const int64_t c0 = cb * kFp8Block, c1 = std::min(C, c0 + kFp8Block);
+      float amax = 0;
+      for (int64_t c = c0; c < c1; ++c) amax = std::max(amax, magnitude(load_value(x, r * C + c)));
+      const float scale = block_scale(amax), inverse = 1.0f / scale;
+      for (int64_t c = c0; c < c1; ++c) q[r * C + c] = fp8_e4m3_from_float(load_value(x, r * C + c) * inverse);
+      out.scales.ptr<float>()[cb * R + r] = scale;
+    }
+}
+
+void quantize_blocks_cpu(Fp8Tensor out, Fp8Tensor transposed, Tensor w) {
+  const int64_t E = w.size(0), O = w.size(1), I = w.size(2), OB = blocks_of(O), IB = blocks_of(I);
+  uint8_t* q = static_cast<uint8_t*>(out.values.data);
+  uint8_t* qt = static_cast<uint8_t*>(transposed.values.data);
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t ob = 0; ob < OB; ++ob)
+      for (int64_t ib = 0; ib < IB; ++ib) {
+        const int64_t o1 = std::min(O, (ob + 1) * kFp8Block), i1 = std::min(I, (ib + 1) * kFp8Block);
+        float amax = 0;
+        for (int64_t o = ob * kFp8Block; o < o1; ++o)
+          for (int64_t i = ib * kFp8Block; i < i1; ++i) amax = std::max(amax, magnitude(load_value(w, (e * O + o) * I + i)));
+        const float scale = block_scale(amax), inverse = 1.0f / scale;
+        for (int64_t o = ob * kFp8Block; o < o1; ++o)
+          for (int64_t i = ib * kFp8Block; i < i1; ++i) {
+            const uint8_t byte = fp8_e4m3_from_float(load_value(w, (e * O + o) * I + i) * inverse);
+            q[(e * O + o) * I + i] = byte;
+            if (qt) qt[(e * I + i) * O + o] = byte;
+          }
+        out.scales.ptr<float>()[(e * OB + ob) * IB + ib] = scale;
+        if (qt) transposed.scales.ptr<float>()[(e * IB + ib) * OB + ob] = scale;
+      }
+}
+
+// ---- CUDA kernels --------------------------------------------------------------------------------
+#ifdef __CUDACC__
+template <typename T> __device__ __forceinline__ float to_float(T v) { return float(v); }
+template <> __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+// NaN (of either sign) as 0x7F, as the CPU reference writes it.
+__device__ __forceinline__ uint8_t to_e4m3(float v) { return isnan(v) ? 0x7F : __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3); }
+
+__device__ __forceinline__ float warp_max(float v) {
+  for (int m = 16; m > 0; m /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, m));
+  return v;
+}
+
+// One warp per (row, block of 128 columns); lane l holds columns 4l .. 4l + 3 of the block.
+template <typename T>
+__global__ void quantize_rows_kernel(uint8_t* q, float* scales, const T* x, int64_t rows, int64_t cols, int64_t col_blocks) {
+  begin_after_previous_grid();
+  const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  if (warp >= rows * col_blocks) return;
+  const int lane = threadIdx.x % 32;
+  const int64_t r = warp / col_blocks, cb = warp % col_blocks, c0 = cb * kFp8Block + 4 * lane;
+  float v[4];
+  float amax = 0;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    v[j] = c0 + j < cols ? to_float(x[r * cols + c0 + j]) : 0.0f;
+    amax = fmaxf(amax, magnitude(v[j]));
+  }
+  const float scale = block_scale(warp_max(amax)), inverse = 1.0f / scale;
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+    if (c0 + j < cols) q[r * cols + c0 + j] = to_e4m3(v[j] * inverse);
+  if (lane == 0) scales[cb * rows + r] = scale;
+}
+
+// One block of 256 threads per 128 x 128 block of one expert's weight: thread t holds columns
+// 4 (t % 32) .. + 3 of rows t / 32 + 8 j. The transposed bytes go out through a shared tile whose
+// rows are 129 bytes apart, so that reading a column of it touches 32 different banks.
+constexpr int kBlockThreads = 256, kTileStride = kFp8Block + 1;
+template <typename T>
+__global__ void __launch_bounds__(kBlockThreads)
+    quantize_blocks_kernel(uint8_t* q, float* scales, uint8_t* qt, float* scales_t, const T* w, int64_t O, int64_t I) {
+  __shared__ uint8_t tile[kFp8Block * kTileStride];
+  __shared__ float warp_amax[kBlockThreads / 32];
+  begin_after_previous_grid();
+  const int64_t e = blockIdx.z, ob = blockIdx.y, ib = blockIdx.x, OB = gridDim.y, IB = gridDim.x;
+  const int t = threadIdx.x, col = 4 * (t % 32);
+  const T* src = w + e * O * I;
+  float v[16][4];
+  float amax = 0;
+#pragma unroll
+  for (int j = 0; j < 16; ++j)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int64_t o = ob * kFp8Block + t / 32 + 8 * j, i = ib * kFp8Block + col + c;
+      v[j][c] = o < O && i < I ? to_float(src[o * I + i]) : 0.0f;
+      amax = fmaxf(amax, magnitude(v[j][c]));
+    }
+  amax = warp_max(amax);
+  if (t % 32 == 0) warp_amax[t / 32] = amax;
+  __syncthreads();
+  amax = 0;
+  for (int k = 0; k < kBlockThreads / 32; ++k) amax = fmaxf(amax, warp_amax[k]);
+  const float scale = block_scale(amax), inverse = 1.0f / scale;
+#pragma unroll
+  for (int j = 0; j < 16; ++j)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int row = t / 32 + 8 * j;
+      const int64_t o = ob * kFp8Block + row, i = ib * kFp8Block + col + c;
+      const uint8_t byte = to_e4m3(v[j][c] * inverse);
+      if (o < O && i < I) q[(e * O + o) * I + i] = byte;
+      tile[row * kTileStride + col + c] = byte;
+    }
+  if (t == 0) scales[(e * OB + ob) * IB + ib] = scale;
+  if (qt == nullptr) return;
+  if (t == 0) scales_t[(e * IB + ib) * OB + ob] = scale;
+  __syncthreads();
+#pragma unroll
+  for (int j = 0; j < 16; ++j)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int out_row = t / 32 + 8 * j, out_col = col + c;  // out_row: a column of the tile
+      const int64_t i = ib * kFp8Block + out_row, o = ob * kFp8Block + out_col;
+      if (o < O && i < I) qt[(e * I + i) * O + o] = tile[out_col * kTileStride + out_row];
+    }
+}
+
+template <typename T> void launch_quantize_rows(Fp8Tensor out, Tensor x, cudaStream_t stream) {
+  const int64_t R = x.size(0), C = x.size(1), CB = blocks_of(C), warps = R * CB;
+  if (warps == 0) return;
+  const int threads = 256;
+  launch_dependent(quantize_rows_kernel<T>, dim3(unsigned((warps * 32 + threads - 1) / threads)), dim3(threads), 0, stream,
+                   static_cast<uint8_t*>(out.values.data), out.scales.ptr<float>(), static_cast<const T*>(x.data), R, C, CB);
+  MARROW_CUDA_CHECK_LAUNCH();
+}
+
+template <typename T> void launch_quantize_blocks(Fp8Tensor out, Fp8Tensor transposed, Tensor w, cudaStream_t stream) {
+  const int64_t E = w.size(0), O = w.size(1), I = w.size(2);
+  if (w.numel() == 0) return;
+  MARROW_CHECK(blocks_of(O) <= 65535 && E <= 65535, "{}: weight {} has too many 128-row blocks for one launch", kQuantizeBlocks,
+               w.shape_string());
+  launch_dependent(quantize_blocks_kernel<T>, dim3(unsigned(blocks_of(I)), unsigned(blocks_of(O)), unsigned(E)), dim3(kBlockThreads), 0,
+                   stream, static_cast<uint8_t*>(out.values.data), out.scales.ptr<float>(), static_cast<uint8_t*>(transposed.values.data),
+                   transposed.values.data ? transposed.scales.ptr<float>() : nullptr, static_cast<const T*>(w.data), O, I);
+  MARROW_CUDA_CHECK_LAUNCH();
+}
+#endif
+
+void expect_input(const char* op, const Tensor& x, int64_t ndim) {
+  MARROW_CHECK(x.dtype == DType::f32 || x.dtype == DType::bf16, "{}: the input has dtype {} but must be f32 or bf16", op,
+               dtype_name(x.dtype));
+  MARROW_CHECK(x.ndim == ndim, "{}: the input has shape {} but must have {} dimensions", op, x.shape_string(), ndim);
+}
+
+}  // namespace
+
+void quantize_rows(Fp8Tensor out, Tensor x, Stream stream) {
+  const char* op = kQuantizeRows;
+  expect_input(op, x, 2);
+  const int64_t R = x.size(0), C = x.size(1);
+  expect_dtype(op, "values", out.values, DType::fp8_e4m3);
+  expect_dtype(op, "scales", out.scales, DType::f32);
+  expect_shape(op, "values", out.values, {R, C});
+  expect_shape(op, "scales", out.scales, {blocks_of(C), R});
+  if (common_device(op, {{"x", &x}, {"values", &out.values}, {"scales", &out.scales}}) == Device::cpu) return quantize_rows_cpu(out, x);
+#ifdef __CUDACC__
+  const cudaStream_t s = static_cast<cudaStream_t>(stream.handle);
+  if (x.dtype == DType::bf16) return launch_quantize_rows<__nv_bfloat16>(out, x, s);
+  return launch_quantize_rows<float>(out, x, s);
+#else
+  (void)stream;
+  no_cuda_kernel(op);
+#endif
+}
+
+void quantize_blocks(Fp8Tensor out, Fp8Tensor transposed, Tensor weight, Stream stream) {
+  const char* op = kQuantizeBlocks;
+  expect_input(op, weight, 3);
+  const int64_t E = weight.size(0), O = weight.size(1), I = weight.size(2);
+  expect_dtype(op, "values", out.values, DType::fp8_e4m3);
+  expect_dtype(op, "scales", out.scales, DType::f32);
+  expect_shape(op, "values", out.values, {E, O, I});
+  expect_shape(op, "scales", out.scales, {E, blocks_of(O), blocks_of(I)});
+  const bool with_transposed = transposed.values.data != nullptr;
+  if (with_transposed) {
+    expect_dtype(op, "transposed values", transposed.values, DType::fp8_e4m3);
+    expect_dtype(op, "transposed scales", transposed.scales, DType::f32);
+    expect_shape(op, "transposed values", transposed.values, {E, I, O});
+    expect_shape(op, "transposed scales", transposed.scales, {E, blocks_of(I), blocks_of(O)});
+  }
+  Tensor tv = with_transposed ? transposed.values : out.values, ts = with_transposed ? transposed.scales : out.scales;
+  const Device device = common_device(op, {{"weight", &weight}, {"values", &out.values}, {"scales", &out.scales},
+                                           {"transposed values", &tv}, {"transposed scales", &ts}});
+  if (device == Device::cpu) return quantize_blocks_cpu(out, transposed, weight);
+#ifdef __CUDACC__
+  const cudaStream_t s = static_cast<cudaStream_t>(stream.handle);
+  if (weight.dtype == DType::bf16) return launch_quantize_blocks<__nv_bfloat16>(out, transposed, weight, s);
+  return launch_quantize_blocks<float>(out, transposed, weight, s);
+#else
+  (void)stream;
+  no_cuda_kernel(op);
+#endif
+}
+
+void dequantize_rows(Tensor out, Fp8Tensor in) {
+  const char* op = "dequantize_rows";
+  MARROW_CHECK(out.device == Device::cpu && in.values.device == Device::cpu && in.scales.device == Device::cpu,
+               "{}: the tensors must be on the CPU", op);
+  expect_dtype(op, "out", out, DType::f32);
+  MARROW_CHECK(in.values.ndim == 2, "{}: values has shape {} but must be [R, C]", op, in.values.shape_string());
+  const int64_t R = in.values.size(0), C = in.values.size(1);
+  expect_shape(op, "out", out, {R, C});
+  expect_shape(op, "scales", in.scales, {blocks_of(C), R});
+  const uint8_t* q = static_cast<const uint8_t*>(in.values.data);
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t c = 0; c < C; ++c)
+      out.ptr<float>()[r * C + c] = fp8_e4m3_to_float(q[r * C + c]) * in.scales.ptr<float>()[(c / kFp8Block) * R + r];
+}
+
+void dequantize_blocks(Tensor out, Fp8Tensor in) {
+  const char* op = "dequantize_blocks";
+  MARROW_CHECK(out.device == Device::cpu && in.values.device == Device::cpu && in.scales.device == Device::cpu,
+               "{}: the tensors must be on the CPU", op);
+  expect_dtype(op, "out", out, DType::f32);
+  MARROW_CHECK(in.values.ndim == 3, "{}: values has shape {} but must be [E, O, I]", op, in.values.shape_string());
+  const int64_t E = in.values.size(0), O = in.values.size(1), I = in.values.size(2), OB = blocks_of(O), IB = blocks_of(I);
+  expect_shape(op, "out", out, {E, O, I});
+  expect_shape(op, "scales", in.scales, {E, OB, IB});
+  const uint8_t* q = static_cast<const uint8_t*>(in.values.data);
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t o = 0; o < O; ++o)
+      for (int64_t i = 0; i < I; ++i) {
+        const float scale = in.scales.ptr<float>()[(e * OB + o / kFp8Block) * IB + i / kFp8Block];
+        out.ptr<float>()[(e * O + o) * I + i] = fp8_e4m3_to_float(q[(e * O + o) * I + i]) * scale;
+      }
+}
+
+}  // namespace marrow

@@ -1,0 +1,188 @@
+// Hopper (sm_90a) grouped GEMM from FP8 operands with block scales (ops/fp8.h): out_e = in_e B_e^T
+// for the row groups of grouped_linear, in [R, K] quantized by rows (1 x 128 blocks), B_e [N, K] by
+// 128 x 128 blocks, both K-major (FP8 wgmma reads no other layout, so the backward input passes the
+// weight's transposed quantization). The tile walk, the producer warp and the persistent grid are
+// ops/wgmma.cuh's (that file says why); what differs: tiles of 128 rows x 128 columns, so that a
+// tile's columns share one weight scale per K block, and each K block of 128 (one 128-byte swizzle
+// row, one scale block) is multiplied by four wgmma.m64n128k32.e4m3 into a partial accumulator that
+// is then added into the f32 result times (row scale x weight scale): DeepSeek-V3's promotion, which
+// also keeps the tensor cores' limited FP8 accumulation precision to 128 products at a time.
+#pragma once
+#include "ops/wgmma.cuh"
+
+namespace marrow::wgmma::fp8 {
+
+constexpr int kBlockN = 128;  // columns per tile: one m64n128k32 per consumer, one weight scale block
+constexpr int kBlockK = 128;  // 128 e4m3 = one 128-byte swizzle row = one scale block
+constexpr int kStages = 5;
+constexpr int kTileABytes = kBlockM * kBlockK;  // 16 KiB
+constexpr int kTileBBytes = kBlockN * kBlockK;  // 16 KiB
+constexpr int kStageBytes = kTileABytes + kTileBBytes;
+constexpr int kWarpStagingBytes = 16 * 256;  // store_rows: 16 rows x 128 bf16 columns
+constexpr int kStagingBytes = 4 * kConsumers * kWarpStagingBytes;
+constexpr int kSmemBytes = 1024 + kStages * kStageBytes + kStagingBytes + 2 * kStages * 8 + kStages * 16;
+constexpr int kMaxExperts = (kSmemLimit - kSmemBytes) / 4 - 1;
+inline int smem_bytes(int64_t experts) { return kSmemBytes + 4 * int(experts + 1); }
+
+// d (+)= A B^T, 64 x 128 x 32 of e4m3, both from shared memory, K-major.
+__device__ __forceinline__ void mma_m64n128k32(float (&d)[64], uint64_t a_desc, uint64_t b_desc, int accumulate) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\nwgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {" MARROW_ACC64
+               "}, %64, %65, p, 1, 1;\n}\n"
+               : MARROW_D8(0), MARROW_D8(8), MARROW_D8(16), MARROW_D8(24),
+                 MARROW_D8(32), MARROW_D8(40), MARROW_D8(48), MARROW_D8(56)
+               : "l"(a_desc), "l"(b_desc), "r"(accumulate));
+}
+
+// The kernel's shared memory, laid out as ops/wgmma.cuh's GroupedSmem with this kernel's stages.
+struct Smem {
+  uint32_t base;
+  unsigned char* smem;
+  __device__ __forceinline__ uint32_t tile_a(int s) const { return base + s * kStageBytes; }
+  __device__ __forceinline__ uint32_t tile_b(int s) const { return base + s * kStageBytes + kTileABytes; }
+  __device__ __forceinline__ uint32_t full() const { return base + kStages * kStageBytes + kStagingBytes; }
+  __device__ __forceinline__ uint32_t empty() const { return full() + kStages * 8; }
+  __device__ __forceinline__ unsigned char* staging() const { return smem + kStages * kStageBytes; }
+  __device__ __forceinline__ Tile* stage_tile() const { return reinterpret_cast<Tile*>(staging() + kStagingBytes + 2 * kStages * 8); }
+  __device__ __forceinline__ int* tile_start() const { return reinterpret_cast<int*>(stage_tile() + kStages); }
+};
+
+// The producer warp, as ops/wgmma.cuh's produce_tiles: lane 0 loads each tile's K blocks of A and B.
+__device__ __forceinline__ void produce_tiles(const Smem& m, const CUtensorMap* a_map, const CUtensorMap* b_map, const int32_t* offsets,
+                                              int32_t* counters, int experts, int n, int k_blocks) {
+  const bool leader = threadIdx.x == 0;
+  const int tiles = scan_tile_starts(m.tile_start(), offsets, experts, (n + kBlockN - 1) / kBlockN);
+  int it = 0, expert = 0;
+  for (int t = blockIdx.x; t < tiles;) {
+    int next = 0;
+    if (leader) next = int(gridDim.x) + atomicAdd(counters, 1);
+    const Tile tile = find_tile<kBlockN>(t, offsets, m.tile_start(), experts, expert);
+    for (int kb = 0; leader && kb < k_blocks; ++kb, ++it) {
+      const int s = it % kStages;
+      barrier_wait(m.empty() + 8 * s, ((it / kStages) & 1) ^ 1);
+      if (kb == 0) m.stage_tile()[s] = tile;  // published by the arrive below
+      barrier_expect_bytes(m.full() + 8 * s, kStageBytes);
+      tma_load_2d(m.tile_a(s), a_map, m.full() + 8 * s, kb * kBlockK, tile.row0);
+      tma_load_3d(m.tile_b(s), b_map, m.full() + 8 * s, kb * kBlockK, tile.col0, tile.expert);
+    }
+    t = __shfl_sync(~0u, next, 0);
+  }
+  if (!leader) return;
+  const int s = it % kStages;
+  barrier_wait(m.empty() + 8 * s, ((it / kStages) & 1) ^ 1);
+  m.stage_tile()[s] = Tile{-1, 0, 0, 0};
+  barrier_arrive(m.full() + 8 * s);
+  __threadfence();  // as in ops/wgmma.cuh: the last block done resets the counters
+  if (atomicAdd(counters + 1, 1) == int(gridDim.x) - 1) {
+    counters[0] = 0;
+    counters[1] = 0;
+  }
+}
+
+// part's K block into d: rows lane / 4 of each 8 take the first row's factor, the others the second's
+// (m64nNk32's accumulator layout, ops/wgmma.cuh's store_rows).
+__device__ __forceinline__ void promote(float (&d)[64], const float (&part)[64], float first, float second) {
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+    d[4 * j] += part[4 * j] * first;
+    d[4 * j + 1] += part[4 * j + 1] * first;
+    d[4 * j + 2] += part[4 * j + 2] * second;
+    d[4 * j + 3] += part[4 * j + 3] * second;
+  }
+}
+
+// A consumer warpgroup: 64 rows of each tile. a_scales [k_blocks, rows], b_scales [E, ceil(n / 128),
+// k_blocks] (ops/fp8.h's layouts).
+__device__ __forceinline__ void consume_tiles(const Smem& m, bf16* out, const float* a_scales, const float* b_scales, int rows, int n,
+                                              int k_blocks) {
+  const int consumer = threadIdx.x / 128 - 1, warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
+  unsigned char* warp_staging = m.staging() + (threadIdx.x / 32 - 4) * kWarpStagingBytes;
+  const int n_blocks = (n + kBlockN - 1) / kBlockN;
+  float d[64], part[64];
+  for (int it = 0;;) {
+    barrier_wait(m.full() + 8 * (it % kStages), (it / kStages) & 1);
+    const Tile tile = m.stage_tile()[it % kStages];
+    if (tile.expert < 0) break;
+    const int row = tile.row0 + 64 * consumer, r0 = row + 16 * warp + lane / 4, r1 = r0 + 8;
+    const bool active = row < tile.row_end;  // else all 64 rows lie past the expert's end
+    const float* b_scale = b_scales + (int64_t(tile.expert) * n_blocks + tile.col0 / kBlockN) * k_blocks;
+#pragma unroll
+    for (int i = 0; i < 64; ++i) d[i] = 0;
+    for (int kb = 0; kb < k_blocks; ++kb, ++it) {
+      const int s = it % kStages;
+      if (kb > 0) barrier_wait(m.full() + 8 * s, (it / kStages) & 1);
+      // The scales are loaded before the multiplies start and used after they end.
+      const float sb = b_scale[kb];
+      const float sa0 = r0 < rows ? a_scales[int64_t(kb) * rows + r0] : 0.0f;
+      const float sa1 = r1 < rows ? a_scales[int64_t(kb) * rows + r1] : 0.0f;
+      if (active) {
+        fence_registers(part);
+        mma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kBlockK / 32; ++kk)  // 32 of K = 32 bytes along the swizzled rows
+          mma_m64n128k32(part, descriptor(m.tile_a(s) + consumer * 64 * 128 + kk * 32, 16, 1024),
+                         descriptor(m.tile_b(s) + kk * 32, 16, 1024), kk > 0);
+        mma_commit();
+        mma_wait<0>();
+        fence_registers(part);
+      }
+      if (lane == 0) barrier_arrive(m.empty() + 8 * s);
+      if (active) promote(d, part, sa0 * sb, sa1 * sb);
+    }
+    if (active) store_rows<1>(out, d, warp_staging, row + warp * 16, tile.row_end, tile.col0, n);
+  }
+}
+
+// out[R, n] = in[R, k] W_e^T per expert. a_map: in as [R, k] bytes (box 128 x 128 rows); b_map: W as
+// [E, n, k] bytes (box 128 of k x 128 of n). counters: as in ops/wgmma.cuh.
+__global__ void __launch_bounds__(kThreads, 1)
+    grouped_gemm_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map, bf16* out,
+                        const float* a_scales, const float* b_scales, const int32_t* offsets, int32_t* counters, int experts, int rows,
+                        int n, int k) {
+  extern __shared__ unsigned char smem_raw[];
+  const uint32_t raw = smem_address(smem_raw), base = (raw + 1023) & ~1023u;
+  const Smem m{base, smem_raw + (base - raw)};
+  init_stage_barriers(m.full(), m.empty(), kStages, kConsumers);
+  begin_after_previous_grid();
+  const int k_blocks = (k + kBlockK - 1) / kBlockK;
+  if (threadIdx.x / 128 == 0) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+    if (threadIdx.x >= 32) return;
+    produce_tiles(m, &a_map, &b_map, offsets, counters, experts, n, k_blocks);
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+  consume_tiles(m, out, a_scales, b_scales, rows, n, k_blocks);
+}
+
+// The tiles of a call from host offsets (the launch sizes its grid by them).
+inline int tile_count(const int32_t* offsets, int64_t experts, int64_t n) {
+  const int64_t col_tiles = (n + kBlockN - 1) / kBlockN;
+  int64_t tiles = 0;
+  for (int64_t e = 0; e < experts; ++e) tiles += (offsets[e + 1] - offsets[e] + kBlockM - 1) / kBlockM * col_tiles;
+  return int(tiles);
+}
+
+// out[rows, n] from in[rows, k] and weight[E, n, k] (e4m3 bytes) with their scales; offsets in device
+// memory; tiles: tile_count's, or -1 when the host does not know it (one block per SM then).
+inline void grouped_gemm(bf16* out, const uint8_t* in, const float* in_scales, const uint8_t* weight, const float* weight_scales,
+                         const int32_t* offsets, int tiles, int64_t experts, int64_t n, int64_t k, int64_t rows, cudaStream_t stream) {
+  if (tiles == 0) return;
+  MARROW_CHECK(experts <= kMaxExperts, "the FP8 grouped GEMM holds at most {} experts' first tiles in shared memory, got {}", kMaxExperts,
+               experts);
+  const cuuint64_t a_dims[2] = {cuuint64_t(k), cuuint64_t(rows)}, a_strides[1] = {cuuint64_t(k)};
+  const cuuint32_t a_box[2] = {kBlockK, kBlockM};
+  const cuuint64_t w_dims[3] = {cuuint64_t(k), cuuint64_t(n), cuuint64_t(experts)}, w_strides[2] = {cuuint64_t(k), cuuint64_t(n * k)};
+  const cuuint32_t w_box[3] = {kBlockK, kBlockN, 1};
+  const CUtensorMap a_map = tensor_map(in, 2, a_dims, a_strides, a_box, CU_TENSOR_MAP_DATA_TYPE_UINT8);
+  const CUtensorMap b_map = tensor_map(weight, 3, w_dims, w_strides, w_box, CU_TENSOR_MAP_DATA_TYPE_UINT8);
+  int device = 0, sms = 0;
+  MARROW_CUDA_CHECK(cudaGetDevice(&device));
+  MARROW_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const unsigned grid = unsigned(tiles < 0 ? sms : std::min(tiles, sms));
+  MARROW_CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes(experts)));
+  launch_dependent(grouped_gemm_kernel, grid, kThreads, smem_bytes(experts), stream, a_map, b_map, out, in_scales, weight_scales, offsets,
+                   stream_counters(stream), int(experts), int(rows), int(n), int(k));
+  MARROW_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace marrow::wgmma::fp8
