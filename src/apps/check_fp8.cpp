@@ -39,6 +39,19 @@ Fp8Buffers blocks_buffers(Device device, int64_t e, int64_t o, int64_t i) {
   return {Buffer(DType::fp8_e4m3, device, {e, o, i}), Buffer(DType::f32, device, {e, blocks_of(o), blocks_of(i)})};
 }
 
+// A device copy of a host tensor cast to dtype, seen with the host tensor's shape (to_device's is flat).
+struct DeviceCopy {
+  Buffer buffer;
+  Tensor view;
+};
+DeviceCopy device_copy(Tensor host, DType dtype) {
+  Buffer b = to_device(host, dtype);
+  Tensor v = b.view();
+  v.ndim = host.ndim;
+  v.shape = host.shape;
+  return {std::move(b), v};
+}
+
 // Host f32 values, rounded through bf16, rows scaled by powers of two from 2^-3 to 2^3 (so that the
 // blocks' scales differ), element 5 of row 1 NaN when asked.
 Buffer host_input(std::initializer_list<int64_t> dims, uint64_t seed, bool with_nan) {
@@ -57,7 +70,7 @@ void check_quantize_rows(CheckReport& report, int64_t r, int64_t c, DType input,
   Fp8Buffers ref = rows_buffers(Device::cpu, r, c), got = rows_buffers(Device::cuda, r, c);
   quantize_rows(ref.view(), x);
   poison(got.scales);
-  quantize_rows(got.view(), to_device(x, input));
+  quantize_rows(got.view(), device_copy(x, input).view);
   report.expect_equal("quantize_rows values " + shape, got.values, ref.values);
   report.expect_equal("quantize_rows scales (a NaN block) " + shape, got.scales, ref.scales);
 }
@@ -69,9 +82,9 @@ void check_quantize_blocks(CheckReport& report, int64_t e, int64_t o, int64_t i,
   Fp8Buffers got = blocks_buffers(Device::cuda, e, o, i), got_t = blocks_buffers(Device::cuda, e, i, o);
   Fp8Buffers alone = blocks_buffers(Device::cuda, e, o, i);
   quantize_blocks(ref.view(), ref_t.view(), w);
-  const Buffer wd = to_device(w, input);
-  quantize_blocks(got.view(), got_t.view(), wd);
-  quantize_blocks(alone.view(), {}, wd);
+  const DeviceCopy wd = device_copy(w, input);
+  quantize_blocks(got.view(), got_t.view(), wd.view);
+  quantize_blocks(alone.view(), {}, wd.view);
   report.expect_equal("quantize_blocks values " + shape, got.values, ref.values);
   report.expect_equal("quantize_blocks scales " + shape, got.scales, ref.scales);
   report.expect_equal("quantize_blocks transposed values " + shape, got_t.values, ref_t.values);
@@ -111,12 +124,12 @@ void check_gemm_small(CheckReport& report, int64_t n, int64_t k, const std::vect
   const int64_t r = offsets.ptr<int32_t>()[e];
   const std::string shape = fmt::format("{}x{}->{} E{}{}", r, k, n, e, transposed ? " (transposed weight)" : "");
   Fp8Buffers x = rows_buffers(Device::cuda, r, k), w = blocks_buffers(Device::cuda, e, n, k);
-  quantize_rows(x.view(), to_device(host_input({r, k}, seed, false), DType::bf16));
+  quantize_rows(x.view(), device_copy(host_input({r, k}, seed, false), DType::bf16).view);
   if (transposed) {
     Fp8Buffers drawn = blocks_buffers(Device::cuda, e, k, n);
-    quantize_blocks(drawn.view(), w.view(), to_device(host_input({e, k, n}, seed + 1, false), DType::bf16));
+    quantize_blocks(drawn.view(), w.view(), device_copy(host_input({e, k, n}, seed + 1, false), DType::bf16).view);
   } else {
-    quantize_blocks(w.view(), {}, to_device(host_input({e, n, k}, seed + 1, false), DType::bf16));
+    quantize_blocks(w.view(), {}, device_copy(host_input({e, n, k}, seed + 1, false), DType::bf16).view);
   }
   Buffer y = poisoned(DType::bf16, {r, n}), again = poisoned(DType::bf16, {r, n}), device_offsets = poisoned(DType::bf16, {r, n});
   grouped_linear_fp8(y, x.view(), w.view(), offsets);
@@ -173,8 +186,8 @@ void check_fp8_ops(CheckReport& report) {
   check_quantize_blocks(report, 3, 130, 200, DType::bf16, 530);
   check_quantize_blocks(report, 2, 72, 264, DType::f32, 540);
   check_quantize_blocks(report, 8, 1536, 2048, DType::bf16, 550);
-  // The wgmma kernel: experts with 0, 1, 64, 65 and 129 rows; N with a partial 128-column tile; K
-  // with a partial 128 block (K = 144) and one whole block.
+  // The wgmma kernel: experts with 0, 1, 64, 65 and 129 rows; N with a partial tile (264: its second
+  // half past n; 136: its second half partial); K with a partial 128 block (K = 144) and one whole.
   check_gemm_small(report, 264, 144, {0, 1, 300, 65, 64, 129, 0}, false, 600);
   check_gemm_small(report, 136, 128, {17, 0, 1, 40, 33, 0}, true, 610);
   // The plain kernel (K not a multiple of 16, N not of 8).

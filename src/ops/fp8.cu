@@ -132,51 +132,96 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
-// One warp per (row, block of 128 columns); lane l holds columns 4l .. 4l + 3 of the block.
+// Eight consecutive values from row `row` at columns col .. col + 7 of a [rows, cols] matrix as f32,
+// zeros past its end: one 16-byte load (two for f32) when all eight lie inside and `vector` (cols a
+// multiple of 8, the base 16-byte aligned), else one load each.
+template <typename T> __device__ __forceinline__ void load8(float (&v)[8], const T* x, int64_t row, int64_t col, int64_t cols, bool vector) {
+  const T* p = x + row * cols + col;
+  if (vector && col + 8 <= cols) {
+    if constexpr (sizeof(T) == 2) {
+      const uint4 raw = *reinterpret_cast<const uint4*>(p);
+      const auto* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float2 f = __bfloat1622float2(h[j]);
+        v[2 * j] = f.x, v[2 * j + 1] = f.y;
+      }
+    } else {
+      const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
+      v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+    }
+    return;
+  }
+#pragma unroll
+  for (int j = 0; j < 8; ++j) v[j] = col + j < cols ? to_float(p[j]) : 0.0f;
+}
+
+// Eight bytes to q[row, col .. col + 7] of a [rows, cols] byte matrix, those past its end left out:
+// one 8-byte store when all lie inside and `vector`, else one each.
+__device__ __forceinline__ void store8(uint8_t* q, const uint8_t (&b)[8], int64_t row, int64_t col, int64_t cols, bool vector) {
+  uint8_t* p = q + row * cols + col;
+  if (vector && col + 8 <= cols) {
+    *reinterpret_cast<uint2*>(p) = make_uint2(uint32_t(b[0]) | uint32_t(b[1]) << 8 | uint32_t(b[2]) << 16 | uint32_t(b[3]) << 24,
+                                              uint32_t(b[4]) | uint32_t(b[5]) << 8 | uint32_t(b[6]) << 16 | uint32_t(b[7]) << 24);
+    return;
+  }
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+    if (col + j < cols) p[j] = b[j];
+}
+
+// Both halves of a warp: the same reduction over the 16 lanes of each.
+__device__ __forceinline__ float half_warp_max(float v) {
+  for (int m = 8; m > 0; m /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, m));
+  return v;
+}
+
+// Half a warp per (row, block of 128 columns); lane l of the half holds columns 8l .. 8l + 7.
 template <typename T>
-__global__ void quantize_rows_kernel(uint8_t* q, float* scales, const T* x, int64_t rows, int64_t cols, int64_t col_blocks) {
+__global__ void quantize_rows_kernel(uint8_t* q, float* scales, const T* x, int64_t rows, int64_t cols, int64_t col_blocks, bool vector) {
   begin_after_previous_grid();
-  const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-  if (warp >= rows * col_blocks) return;
-  const int lane = threadIdx.x % 32;
-  const int64_t r = warp / col_blocks, cb = warp % col_blocks, c0 = cb * kFp8Block + 4 * lane;
-  float v[4];
+  const int64_t item = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 16;
+  const bool inside = item < rows * col_blocks;  // both halves of a warp take part in the shuffles
+  const int lane = threadIdx.x % 16;
+  const int64_t r = inside ? item / col_blocks : 0, cb = inside ? item % col_blocks : 0, c0 = cb * kFp8Block + 8 * lane;
+  float v[8] = {};
+  if (inside) load8(v, x, r, c0, cols, vector);
   float amax = 0;
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    v[j] = c0 + j < cols ? to_float(x[r * cols + c0 + j]) : 0.0f;
-    amax = fmaxf(amax, magnitude(v[j]));
-  }
-  const float scale = block_scale(warp_max(amax)), inverse = 1.0f / scale;
+  for (int j = 0; j < 8; ++j) amax = fmaxf(amax, magnitude(v[j]));
+  const float scale = block_scale(half_warp_max(amax)), inverse = 1.0f / scale;
+  if (!inside) return;
+  uint8_t b[8];
 #pragma unroll
-  for (int j = 0; j < 4; ++j)
-    if (c0 + j < cols) q[r * cols + c0 + j] = to_e4m3(v[j] * inverse);
+  for (int j = 0; j < 8; ++j) b[j] = to_e4m3(v[j] * inverse);
+  if (c0 < cols) store8(q, b, r, c0, cols, vector);
   if (lane == 0) scales[cb * rows + r] = scale;
 }
 
 // One block of 256 threads per 128 x 128 block of one expert's weight: thread t holds columns
-// 4 (t % 32) .. + 3 of rows t / 32 + 8 j. The transposed bytes go out through a shared tile whose
-// rows are 129 bytes apart, so that reading a column of it touches 32 different banks.
+// 8 (t % 16) .. + 7 of rows t / 16 + 16 j. The transposed bytes go out through a shared tile whose
+// rows are 129 bytes apart, so that reading down a column of it touches 16 different banks.
 constexpr int kBlockThreads = 256, kTileStride = kFp8Block + 1;
 template <typename T>
 __global__ void __launch_bounds__(kBlockThreads)
-    quantize_blocks_kernel(uint8_t* q, float* scales, uint8_t* qt, float* scales_t, const T* w, int64_t O, int64_t I) {
+    quantize_blocks_kernel(uint8_t* q, float* scales, uint8_t* qt, float* scales_t, const T* w, int64_t O, int64_t I, bool vector) {
   __shared__ uint8_t tile[kFp8Block * kTileStride];
   __shared__ float warp_amax[kBlockThreads / 32];
   begin_after_previous_grid();
   const int64_t e = blockIdx.z, ob = blockIdx.y, ib = blockIdx.x, OB = gridDim.y, IB = gridDim.x;
-  const int t = threadIdx.x, col = 4 * (t % 32);
+  const int t = threadIdx.x, col = 8 * (t % 16);
   const T* src = w + e * O * I;
-  float v[16][4];
+  float v[8][8];
   float amax = 0;
 #pragma unroll
-  for (int j = 0; j < 16; ++j)
+  for (int j = 0; j < 8; ++j) {
+    const int64_t o = ob * kFp8Block + t / 16 + 16 * j, i = ib * kFp8Block + col;
 #pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const int64_t o = ob * kFp8Block + t / 32 + 8 * j, i = ib * kFp8Block + col + c;
-      v[j][c] = o < O && i < I ? to_float(src[o * I + i]) : 0.0f;
-      amax = fmaxf(amax, magnitude(v[j][c]));
-    }
+    for (int c = 0; c < 8; ++c) v[j][c] = 0;
+    if (o < O) load8(v[j], src, o, i, I, vector);
+#pragma unroll
+    for (int c = 0; c < 8; ++c) amax = fmaxf(amax, magnitude(v[j][c]));
+  }
   amax = warp_max(amax);
   if (t % 32 == 0) warp_amax[t / 32] = amax;
   __syncthreads();
@@ -184,35 +229,39 @@ __global__ void __launch_bounds__(kBlockThreads)
   for (int k = 0; k < kBlockThreads / 32; ++k) amax = fmaxf(amax, warp_amax[k]);
   const float scale = block_scale(amax), inverse = 1.0f / scale;
 #pragma unroll
-  for (int j = 0; j < 16; ++j)
+  for (int j = 0; j < 8; ++j) {
+    const int row = t / 16 + 16 * j;
+    const int64_t o = ob * kFp8Block + row, i = ib * kFp8Block + col;
+    uint8_t b[8];
 #pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const int row = t / 32 + 8 * j;
-      const int64_t o = ob * kFp8Block + row, i = ib * kFp8Block + col + c;
-      const uint8_t byte = to_e4m3(v[j][c] * inverse);
-      if (o < O && i < I) q[(e * O + o) * I + i] = byte;
-      tile[row * kTileStride + col + c] = byte;
+    for (int c = 0; c < 8; ++c) {
+      b[c] = to_e4m3(v[j][c] * inverse);
+      tile[row * kTileStride + col + c] = b[c];
     }
+    if (o < O && i < I) store8(q + e * O * I, b, o, i, I, vector);
+  }
   if (t == 0) scales[(e * OB + ob) * IB + ib] = scale;
   if (qt == nullptr) return;
   if (t == 0) scales_t[(e * IB + ib) * OB + ob] = scale;
   __syncthreads();
 #pragma unroll
-  for (int j = 0; j < 16; ++j)
+  for (int j = 0; j < 8; ++j) {
+    const int out_row = t / 16 + 16 * j;  // a column of the tile
+    const int64_t i = ib * kFp8Block + out_row, o = ob * kFp8Block + col;
+    uint8_t b[8];
 #pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const int out_row = t / 32 + 8 * j, out_col = col + c;  // out_row: a column of the tile
-      const int64_t i = ib * kFp8Block + out_row, o = ob * kFp8Block + out_col;
-      if (o < O && i < I) qt[(e * I + i) * O + o] = tile[out_col * kTileStride + out_row];
-    }
+    for (int c = 0; c < 8; ++c) b[c] = tile[(col + c) * kTileStride + out_row];
+    if (i < I && o < O) store8(qt + e * I * O, b, i, o, O, vector);
+  }
 }
 
 template <typename T> void launch_quantize_rows(Fp8Tensor out, Tensor x, cudaStream_t stream) {
-  const int64_t R = x.size(0), C = x.size(1), CB = blocks_of(C), warps = R * CB;
-  if (warps == 0) return;
+  const int64_t R = x.size(0), C = x.size(1), CB = blocks_of(C), items = R * CB;
+  if (items == 0) return;
   const int threads = 256;
-  launch_dependent(quantize_rows_kernel<T>, dim3(unsigned((warps * 32 + threads - 1) / threads)), dim3(threads), 0, stream,
-                   static_cast<uint8_t*>(out.values.data), out.scales.ptr<float>(), static_cast<const T*>(x.data), R, C, CB);
+  const bool vector = packable(C, {x.data, out.values.data});
+  launch_dependent(quantize_rows_kernel<T>, dim3(unsigned((items * 16 + threads - 1) / threads)), dim3(threads), 0, stream,
+                   static_cast<uint8_t*>(out.values.data), out.scales.ptr<float>(), static_cast<const T*>(x.data), R, C, CB, vector);
   MARROW_CUDA_CHECK_LAUNCH();
 }
 
@@ -221,9 +270,10 @@ template <typename T> void launch_quantize_blocks(Fp8Tensor out, Fp8Tensor trans
   if (w.numel() == 0) return;
   MARROW_CHECK(blocks_of(O) <= 65535 && E <= 65535, "{}: weight {} has too many 128-row blocks for one launch", kQuantizeBlocks,
                w.shape_string());
+  const bool vector = packable(I, {w.data, out.values.data}) && packable(O, {transposed.values.data});
   launch_dependent(quantize_blocks_kernel<T>, dim3(unsigned(blocks_of(I)), unsigned(blocks_of(O)), unsigned(E)), dim3(kBlockThreads), 0,
                    stream, static_cast<uint8_t*>(out.values.data), out.scales.ptr<float>(), static_cast<uint8_t*>(transposed.values.data),
-                   transposed.values.data ? transposed.scales.ptr<float>() : nullptr, static_cast<const T*>(w.data), O, I);
+                   transposed.values.data ? transposed.scales.ptr<float>() : nullptr, static_cast<const T*>(w.data), O, I, vector);
   MARROW_CUDA_CHECK_LAUNCH();
 }
 #endif

@@ -6,7 +6,7 @@
 // the backward input passes dy and W's transposed quantization [E, I, O] (N = I, K = O), since
 // dx = dy W. The weight gradient stays in bf16 (grouped_linear_backward_weight): it is bound by its
 // f32 read-modify-write, not by its multiplies (docs/performance.md).
-// GPU: y bf16; an own Hopper kernel (ops/wgmma_fp8.cuh: TMA + wgmma e4m3, 128 x 128 tiles, each K
+// GPU: y bf16; an own Hopper kernel (ops/wgmma_fp8.cuh: TMA + wgmma e4m3, 128 x 256 tiles, each K
 // block promoted into f32 with its scales) when K is a multiple of 16 and N of 8 and the tensors are
 // 16-byte aligned (TMA's rule), else a plain one-thread-per-output kernel; deterministic either way.
 // CPU: y f32, the dequantized operands through grouped_linear_forward's reference.
