@@ -52,6 +52,14 @@ DeviceCopy device_copy(Tensor host, DType dtype) {
   return {std::move(b), v};
 }
 
+// A host copy of a 2- or 3-dimensional device tensor with its shape (to_host's is flat).
+Buffer host_copy(Tensor device) {
+  Buffer b = device.ndim == 3 ? Buffer(device.dtype, Device::cpu, {device.size(0), device.size(1), device.size(2)})
+                              : Buffer(device.dtype, Device::cpu, {device.size(0), device.size(1)});
+  copy(b, device);
+  return b;
+}
+
 // Host f32 values, rounded through bf16, rows scaled by powers of two from 2^-3 to 2^3 (so that the
 // blocks' scales differ), element 5 of row 1 NaN when asked.
 Buffer host_input(std::initializer_list<int64_t> dims, uint64_t seed, bool with_nan) {
@@ -95,7 +103,7 @@ void check_quantize_blocks(CheckReport& report, int64_t e, int64_t o, int64_t i,
 // The host copy of rows [begin, end) of a device tensor quantized by rows.
 Fp8Buffers host_rows(Fp8Tensor device, int64_t begin, int64_t end) {
   const int64_t r = device.values.size(0), c = device.values.size(1), cb = blocks_of(c);
-  Fp8Buffers out{to_host(device.values.rows(begin, end)), Buffer(DType::f32, Device::cpu, {cb, end - begin})};
+  Fp8Buffers out{host_copy(device.values.rows(begin, end)), Buffer(DType::f32, Device::cpu, {cb, end - begin})};
   const Buffer scales = to_host(device.scales);
   for (int64_t b = 0; b < cb; ++b)
     std::copy_n(scales.ptr<float>() + b * r + begin, end - begin, out.scales.ptr<float>() + b * (end - begin));
@@ -104,7 +112,7 @@ Fp8Buffers host_rows(Fp8Tensor device, int64_t begin, int64_t end) {
 
 // The host copy of expert g of a device weight quantized by blocks, as a one-expert weight.
 Fp8Buffers host_expert(Fp8Tensor device, int64_t g) {
-  return {to_host(device.values.rows(g, g + 1)), to_host(device.scales.rows(g, g + 1))};
+  return {host_copy(device.values.rows(g, g + 1)), host_copy(device.scales.rows(g, g + 1))};
 }
 
 // The CPU reference of rows [begin, end) of expert g's output.
@@ -136,7 +144,7 @@ void check_gemm_small(CheckReport& report, int64_t n, int64_t k, const std::vect
   grouped_linear_fp8(again, x.view(), w.view(), offsets);
   grouped_linear_fp8(device_offsets, x.view(), w.view(), to_device(offsets, DType::i32));
   Buffer ref(DType::f32, Device::cpu, {r, n});
-  const Fp8Buffers xh{to_host(x.values), to_host(x.scales)}, wh{to_host(w.values), to_host(w.scales)};
+  const Fp8Buffers xh{host_copy(x.values), host_copy(x.scales)}, wh{host_copy(w.values), host_copy(w.scales)};
   grouped_linear_fp8(ref, xh.view(), wh.view(), offsets);
   report.compare("grouped fp8 " + shape, y, ref, kBf16Bound);
   report.expect_equal("grouped fp8 twice, same bits " + shape, again, to_host(y));
