@@ -2,7 +2,7 @@
 # Attention on one H200: cuDNN's fused SDPA (ops/attention_cudnn.h) against the own kernels. Run on
 # the GPU machine from the repository root after tools/gpu_prepare.sh here (device tool, carry
 # [".gpu-carry"]):
-#   tools/gpu_attention.sh <log-dir> [check|speed|long|all|final|memory|checks|quick|only|peaks|measure|kernels|pairs|plans|hopper|launch|traces]
+#   tools/gpu_attention.sh <log-dir> [check|speed|long|all|final|memory|checks|quick|only|peaks|measure|kernels|pairs|fp8|plans|hopper|launch|traces]
 # check: marrow check --only attention (both kernel sets against the CPU reference, bits twice)
 # speed: the attention rows of marrow bench --kernels; the bench config (3 + 17 steps) with each
 #        kernel set
@@ -27,6 +27,8 @@
 #          steps): tokens/s and peaks; then the kernel table
 # kernels: marrow bench --kernels [KERNEL_GROUP, e.g. attention], the rows matching the regex KERNEL_ROWS
 #          (default: every row)
+# fp8: marrow check --only fp8, then the bench config (3 + 27 steps) with train.fp8=false and true on one
+#      machine: tokens/s, peaks (against the estimate), and the first losses of each side by side
 # plans: marrow bench --attention-plans at the bench's 4,096 (and the lengths in PLAN_SEQS): every plan
 #        cuDNN offers for the forward and the deterministic backward, timed and compared with the op's
 # pairs: the bench config (3 + 27 steps) with train.pair_expert_grads=false, then the default, on one
@@ -206,6 +208,21 @@ if [ "$what" = pairs ]; then
   python3 -c "import json, sys; l = [[json.loads(x)['loss'] for x in open(f'runs/pairs-{p}/bench/metrics.jsonl')] for p in ('false', 'true')]; \
 print('same bits' if l[0] == l[1] else f'DIFFER: {l[0][:3]} {l[1][:3]}'); sys.exit(l[0] != l[1])" | tee -a "$out/summary.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || fail "losses differ with and without pairs"
+fi
+
+if [ "$what" = fp8 ]; then
+  step "marrow check --only fp8"
+  timeout "${CHECK_TIMEOUT:-300}" build-gpu/marrow check --only fp8 > "$out/check-fp8.log" 2>&1
+  grep -E "FAIL|checks,|error" "$out/check-fp8.log" | head -20
+  grep -q '^PASS$' "$out/check-fp8.log" || fail "marrow check --only fp8"
+  for fp8 in false true; do
+    step "bench config, train.fp8=$fp8: 3 warm-up + 27 measured steps"
+    "${bench[@]}" --warmup=3 --steps=27 --train.fp8=$fp8 --output.dir=runs/fp8-$fp8 > "$out/bench-fp8-$fp8.log" 2>&1 || fail "bench with train.fp8=$fp8"
+    grep -E "^estimated peak|^data:|error" "$out/bench-fp8-$fp8.log" | head -3
+    sed -n '/^bench:/,$p' "$out/bench-fp8-$fp8.log" | head -11
+  done
+  python3 -c "import json; l = [[json.loads(x)['loss'] for x in open(f'runs/fp8-{p}/bench/metrics.jsonl')] for p in ('false', 'true')]; \
+print('first losses, bf16 then fp8:'); [print(f'  {a:.5f} {b:.5f}') for a, b in zip(l[0][:8], l[1][:8])]" | tee -a "$out/summary.log"
 fi
 
 if [ "$what" = quick ] || [ "$what" = only ]; then

@@ -264,18 +264,15 @@ void bench_ring_blocks(int64_t L, int64_t Hq, int64_t Hkv, int64_t D) {
 // on its own: activations and gradients by rows, the weight with its transposed copy.
 void bench_fp8_grouped(const std::string& name, Tensor offsets, Tensor x, Tensor w, Tensor dy, double flops) {
   const int64_t R = x.size(0), in = x.size(1), E = w.size(0), out = w.size(1);
-  auto blocks = [](int64_t n) { return (n + kFp8Block - 1) / kFp8Block; };
-  Buffer xq(DType::fp8_e4m3, Device::cuda, {R, in}), xs(DType::f32, Device::cuda, {blocks(in), R});
-  Buffer dyq(DType::fp8_e4m3, Device::cuda, {R, out}), dys(DType::f32, Device::cuda, {blocks(out), R});
-  Buffer wq(DType::fp8_e4m3, Device::cuda, {E, out, in}), ws(DType::f32, Device::cuda, {E, blocks(out), blocks(in)});
-  Buffer wtq(DType::fp8_e4m3, Device::cuda, {E, in, out}), wts(DType::f32, Device::cuda, {E, blocks(in), blocks(out)});
+  const Fp8Buffer xq = Fp8Buffer::rows(Device::cuda, R, in), dyq = Fp8Buffer::rows(Device::cuda, R, out);
+  const Fp8Buffer wq = Fp8Buffer::blocks(Device::cuda, E, out, in), wtq = Fp8Buffer::blocks(Device::cuda, E, in, out);
   Buffer y(DType::bf16, Device::cuda, {R, out}), dx(DType::bf16, Device::cuda, {R, in});
   // bf16 in, one byte out per element (two for the weight: it and its transpose).
-  memory_row(name + " fp8 quantize x rows", 3.0 * double(R * in), [&] { quantize_rows({xq, xs}, x); });
-  memory_row(name + " fp8 quantize dy rows", 3.0 * double(R * out), [&] { quantize_rows({dyq, dys}, dy); });
-  memory_row(name + " fp8 quantize weight + transposed", 4.0 * double(E * in * out), [&] { quantize_blocks({wq, ws}, {wtq, wts}, w); });
-  kernel_row(name + " fp8 fwd", flops, [&] { grouped_linear_fp8(y, {xq, xs}, {wq, ws}, offsets); });
-  kernel_row(name + " fp8 bwd input", flops, [&] { grouped_linear_fp8(dx, {dyq, dys}, {wtq, wts}, offsets); });
+  memory_row(name + " fp8 quantize x rows", 3.0 * double(R * in), [&] { quantize_rows(xq.view(), x); });
+  memory_row(name + " fp8 quantize dy rows", 3.0 * double(R * out), [&] { quantize_rows(dyq.view(), dy); });
+  memory_row(name + " fp8 quantize weight + transposed", 4.0 * double(E * in * out), [&] { quantize_blocks(wq.view(), wtq.view(), w); });
+  kernel_row(name + " fp8 fwd", flops, [&] { grouped_linear_fp8(y, xq.view(), wq.view(), offsets); });
+  kernel_row(name + " fp8 bwd input", flops, [&] { grouped_linear_fp8(dx, dyq.view(), wtq.view(), offsets); });
 }
 
 void bench_kernels(bool attention_only) {

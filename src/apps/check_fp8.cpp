@@ -25,20 +25,6 @@ constexpr double kQuantizedBound = 0.15;  // FP8 against bf16 operands: E4M3 kee
 
 int64_t blocks_of(int64_t n) { return (n + kFp8Block - 1) / kFp8Block; }
 
-// An FP8 tensor with its memory.
-struct Fp8Buffers {
-  Buffer values, scales;
-  Fp8Tensor view() const { return {values.view(), scales.view()}; }
-};
-
-Fp8Buffers rows_buffers(Device device, int64_t r, int64_t c) {
-  return {Buffer(DType::fp8_e4m3, device, {r, c}), Buffer(DType::f32, device, {blocks_of(c), r})};
-}
-
-Fp8Buffers blocks_buffers(Device device, int64_t e, int64_t o, int64_t i) {
-  return {Buffer(DType::fp8_e4m3, device, {e, o, i}), Buffer(DType::f32, device, {e, blocks_of(o), blocks_of(i)})};
-}
-
 // A device copy of a host tensor cast to dtype, seen with the host tensor's shape (to_device's is flat).
 struct DeviceCopy {
   Buffer buffer;
@@ -75,7 +61,7 @@ Buffer host_input(std::initializer_list<int64_t> dims, uint64_t seed, bool with_
 void check_quantize_rows(CheckReport& report, int64_t r, int64_t c, DType input, uint64_t seed) {
   const std::string shape = fmt::format("{}x{} {}", r, c, dtype_name(input));
   const Buffer x = host_input({r, c}, seed, true);
-  Fp8Buffers ref = rows_buffers(Device::cpu, r, c), got = rows_buffers(Device::cuda, r, c);
+  Fp8Buffer ref = Fp8Buffer::rows(Device::cpu, r, c), got = Fp8Buffer::rows(Device::cuda, r, c);
   quantize_rows(ref.view(), x);
   poison(got.scales);
   quantize_rows(got.view(), device_copy(x, input).view);
@@ -86,9 +72,9 @@ void check_quantize_rows(CheckReport& report, int64_t r, int64_t c, DType input,
 void check_quantize_blocks(CheckReport& report, int64_t e, int64_t o, int64_t i, DType input, uint64_t seed) {
   const std::string shape = fmt::format("{}x{}x{} {}", e, o, i, dtype_name(input));
   const Buffer w = host_input({e, o, i}, seed, true);
-  Fp8Buffers ref = blocks_buffers(Device::cpu, e, o, i), ref_t = blocks_buffers(Device::cpu, e, i, o);
-  Fp8Buffers got = blocks_buffers(Device::cuda, e, o, i), got_t = blocks_buffers(Device::cuda, e, i, o);
-  Fp8Buffers alone = blocks_buffers(Device::cuda, e, o, i);
+  Fp8Buffer ref = Fp8Buffer::blocks(Device::cpu, e, o, i), ref_t = Fp8Buffer::blocks(Device::cpu, e, i, o);
+  Fp8Buffer got = Fp8Buffer::blocks(Device::cuda, e, o, i), got_t = Fp8Buffer::blocks(Device::cuda, e, i, o);
+  Fp8Buffer alone = Fp8Buffer::blocks(Device::cuda, e, o, i);
   quantize_blocks(ref.view(), ref_t.view(), w);
   const DeviceCopy wd = device_copy(w, input);
   quantize_blocks(got.view(), got_t.view(), wd.view);
@@ -101,9 +87,9 @@ void check_quantize_blocks(CheckReport& report, int64_t e, int64_t o, int64_t i,
 }
 
 // The host copy of rows [begin, end) of a device tensor quantized by rows.
-Fp8Buffers host_rows(Fp8Tensor device, int64_t begin, int64_t end) {
+Fp8Buffer host_rows(Fp8Tensor device, int64_t begin, int64_t end) {
   const int64_t r = device.values.size(0), c = device.values.size(1), cb = blocks_of(c);
-  Fp8Buffers out{host_copy(device.values.rows(begin, end)), Buffer(DType::f32, Device::cpu, {cb, end - begin})};
+  Fp8Buffer out{host_copy(device.values.rows(begin, end)), Buffer(DType::f32, Device::cpu, {cb, end - begin})};
   const Buffer scales = to_host(device.scales);
   for (int64_t b = 0; b < cb; ++b)
     std::copy_n(scales.ptr<float>() + b * r + begin, end - begin, out.scales.ptr<float>() + b * (end - begin));
@@ -111,13 +97,13 @@ Fp8Buffers host_rows(Fp8Tensor device, int64_t begin, int64_t end) {
 }
 
 // The host copy of expert g of a device weight quantized by blocks, as a one-expert weight.
-Fp8Buffers host_expert(Fp8Tensor device, int64_t g) {
+Fp8Buffer host_expert(Fp8Tensor device, int64_t g) {
   return {host_copy(device.values.rows(g, g + 1)), host_copy(device.scales.rows(g, g + 1))};
 }
 
 // The CPU reference of rows [begin, end) of expert g's output.
 Buffer reference_rows(Fp8Tensor x, Fp8Tensor w, int64_t g, int64_t begin, int64_t end) {
-  const Fp8Buffers xh = host_rows(x, begin, end), wh = host_expert(w, g);
+  const Fp8Buffer xh = host_rows(x, begin, end), wh = host_expert(w, g);
   Buffer y(DType::f32, Device::cpu, {end - begin, w.values.size(1)});
   const Buffer offsets = offsets_host({int32_t(end - begin)});
   grouped_linear_fp8(y, xh.view(), wh.view(), offsets);
@@ -131,10 +117,10 @@ void check_gemm_small(CheckReport& report, int64_t n, int64_t k, const std::vect
   const Buffer offsets = offsets_host(counts);
   const int64_t r = offsets.ptr<int32_t>()[e];
   const std::string shape = fmt::format("{}x{}->{} E{}{}", r, k, n, e, transposed ? " (transposed weight)" : "");
-  Fp8Buffers x = rows_buffers(Device::cuda, r, k), w = blocks_buffers(Device::cuda, e, n, k);
+  Fp8Buffer x = Fp8Buffer::rows(Device::cuda, r, k), w = Fp8Buffer::blocks(Device::cuda, e, n, k);
   quantize_rows(x.view(), device_copy(host_input({r, k}, seed, false), DType::bf16).view);
   if (transposed) {
-    Fp8Buffers drawn = blocks_buffers(Device::cuda, e, k, n);
+    Fp8Buffer drawn = Fp8Buffer::blocks(Device::cuda, e, k, n);
     quantize_blocks(drawn.view(), w.view(), device_copy(host_input({e, k, n}, seed + 1, false), DType::bf16).view);
   } else {
     quantize_blocks(w.view(), {}, device_copy(host_input({e, n, k}, seed + 1, false), DType::bf16).view);
@@ -144,7 +130,7 @@ void check_gemm_small(CheckReport& report, int64_t n, int64_t k, const std::vect
   grouped_linear_fp8(again, x.view(), w.view(), offsets);
   grouped_linear_fp8(device_offsets, x.view(), w.view(), to_device(offsets, DType::i32));
   Buffer ref(DType::f32, Device::cpu, {r, n});
-  const Fp8Buffers xh{host_copy(x.values), host_copy(x.scales)}, wh{host_copy(w.values), host_copy(w.scales)};
+  const Fp8Buffer xh{host_copy(x.values), host_copy(x.scales)}, wh{host_copy(w.values), host_copy(w.scales)};
   grouped_linear_fp8(ref, xh.view(), wh.view(), offsets);
   report.compare("grouped fp8 " + shape, y, ref, kBf16Bound);
   report.expect_equal("grouped fp8 twice, same bits " + shape, again, to_host(y));
@@ -159,9 +145,9 @@ void check_gemm_bench(CheckReport& report, const char* label, int64_t e, int64_t
   const std::string shape = fmt::format("{} E{} {}x{}->{}", label, e, r, k, n);
   const Buffer x = random_device({r, k}, seed, "x");
   const Buffer w = transposed ? random_device({e, k, n}, seed, "w") : random_device({e, n, k}, seed, "w");
-  Fp8Buffers xq = rows_buffers(Device::cuda, r, k), wq = blocks_buffers(Device::cuda, e, n, k);
+  Fp8Buffer xq = Fp8Buffer::rows(Device::cuda, r, k), wq = Fp8Buffer::blocks(Device::cuda, e, n, k);
   quantize_rows(xq.view(), x);
-  Fp8Buffers drawn = blocks_buffers(Device::cuda, e, k, n);
+  Fp8Buffer drawn = Fp8Buffer::blocks(Device::cuda, e, k, n);
   if (transposed) quantize_blocks(drawn.view(), wq.view(), w);
   else quantize_blocks(wq.view(), {}, w);
   Buffer y = poisoned(DType::bf16, {r, n}), y_bf16 = poisoned(DType::bf16, {r, n});

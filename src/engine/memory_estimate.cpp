@@ -72,11 +72,11 @@ void add_state(MemoryBill& bill, const std::vector<Unit>& units) {
 
 // Compute copies of the weights and whole fp32 gradients. On the CPU the model computes on the fp32
 // master shard itself: only units with n > 1 need a gathered copy there.
-void add_weights(MemoryBill& bill, const std::vector<Unit>& units, Device device) {
+void add_weights(MemoryBill& bill, const std::vector<Unit>& units, Device device, bool fp8) {
   const bool gpu = device == Device::cuda;
   const int64_t w = gpu ? 2 : 4;
   const std::string dtype = gpu ? "bf16" : "fp32";
-  int64_t kept_whole = 0, kept_grads = 0, layer_shards = 0;
+  int64_t kept_whole = 0, kept_grads = 0, layer_shards = 0, experts = 0;
   std::array<int64_t, 2> slot{0, 0}, grad_slot{0, 0};  // the largest slotted unit, dense and expert: n*c elements
   for (const Unit& u : units) {
     if (u.weights_kept) {
@@ -87,6 +87,7 @@ void add_weights(MemoryBill& bill, const std::vector<Unit>& units, Device device
     }
     if (!u.grads_kept) grad_slot[u.expert] = std::max(grad_slot[u.expert], u.n * u.chunk);
     else if (u.n > 1) kept_grads += u.n * u.chunk;
+    if (u.expert) experts += u.n * u.chunk;
   }
   const int64_t slots = 2 * (slot[0] + slot[1]), grad_slots = 2 * (grad_slot[0] + grad_slot[1]);
   bill.items.push_back({BillGroup::weights, dtype + " weights of units kept whole", w * kept_whole,
@@ -95,6 +96,8 @@ void add_weights(MemoryBill& bill, const std::vector<Unit>& units, Device device
   bill.items.push_back({BillGroup::weights, dtype + " gathered layer slots", w * slots, "2 dense + 2 expert"});
   bill.items.push_back({BillGroup::weights, "fp32 whole gradients of units kept whole", 4 * kept_grads, ""});
   bill.items.push_back({BillGroup::weights, "fp32 gradient slots of the layers", 4 * grad_slots, "2 dense + 2 expert"});
+  // Two bytes an element and two f32 scales a 128 x 128 block (models/qwen3_moe.h: Fp8ExpertWeights).
+  if (fp8) bill.items.push_back({BillGroup::weights, "fp8 expert weights and their transposes", 2 * experts + experts / 2048, "train.fp8"});
 }
 
 // What one micro-batch holds from the forward for the backward, by kind; and what the previous
@@ -429,7 +432,7 @@ MemoryBill rank_bill(const RunConfig& rc, const EstimatedModel& m, const MeshSha
   const bool cast_on_use = !rc.bf16_weight_copy && device == Device::cuda;
   const std::vector<Unit> units = cut_units(m.specs, m.num_layers, held, groups.dense, groups.expert, keep_gathered, keep_whole_grads, cast_on_use);
   add_state(bill, units);
-  add_weights(bill, units, device);
+  add_weights(bill, units, device, rc.fp8);
   if (pipelined) add_pipeline_activations(bill, rc, m, mesh, device, {chunks, mesh.pp, rank, micro_batches});
   else
     add_activations(bill, rc, m, mesh, device,

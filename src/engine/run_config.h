@@ -36,6 +36,9 @@ struct RunConfig {
   // Micro-batches 2i and 2i + 1 compute their expert weight gradients in one pass over the fp32
   // gradients (engine/model.h: pairs_expert_weight_gradients); false saves the memory the pair holds.
   bool pair_expert_grads = true;
+  // The expert layers' forward and backward-input GEMMs in FP8 (E4M3 with DeepSeek-V3's block scales,
+  // ops/grouped_linear_fp8.h); their weight gradients and every other GEMM stay bf16.
+  bool fp8 = false;
   // [optimizer]
   double lr = 3e-3, min_lr = 3e-4, beta1 = 0.9, beta2 = 0.95, eps = 1e-8, weight_decay = 0.1, grad_clip = 1.0;
   // [schedule]

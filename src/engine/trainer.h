@@ -38,6 +38,7 @@
 #include "engine/tensorboard.h"
 #include "ops/adamw.h"
 #include "ops/attention.h"
+#include "ops/grouped_linear_fp8.h"
 #include "ops/launch.h"
 #include "ops/cast.h"
 #include "ops/cross_entropy.h"
@@ -302,10 +303,11 @@ template <MoeModel M> void print_setup(const TrainSetup<M>& s, const RunConfig& 
   if (!s.chunks.empty())
     std::printf("DualPipeV: %lld pipeline ranks, decoder layers per chunk %s (parallel.pp_layers = %s)\n", (long long)s.mesh.shape.pp,
                 fmt::format("{}", fmt::join(chunk_layer_counts(s.chunks, m.num_layers()), " ")).c_str(), rc.pp_layers.c_str());
-  std::printf("data: %s, %lld training samples of %lld tokens; %lld steps x %lld sequences (micro-batch %lld%s%s)\n", rc.data_path.c_str(),
+  std::printf("data: %s, %lld training samples of %lld tokens; %lld steps x %lld sequences (micro-batch %lld%s%s%s)\n", rc.data_path.c_str(),
               (long long)data.train_samples(), (long long)rc.seq_len + 1, (long long)rc.steps, (long long)rc.global_batch,
               (long long)rc.micro_batch, s.mesh.shape.data_parallel() > 1 ? " per process" : "",
-              pairs_micro_batches(s, rc) ? "; expert weight gradients of micro-batches in pairs" : "");
+              pairs_micro_batches(s, rc) ? "; expert weight gradients of micro-batches in pairs" : "",
+              rc.fp8 ? "; expert forward and backward-input GEMMs in FP8 (train.fp8)" : "");
   std::fflush(stdout);
 }
 
@@ -646,6 +648,7 @@ std::vector<StepMetrics> train(const RunConfig& rc, const typename M::Config& mo
   const Device device = choose_device(rc.device);
   const RunLock lock(rc.out_dir, process::rank() == 0);  // one run per output.dir (engine/run_lock.h)
   set_attention_kernels(parse_attention_kernels(rc.attention_kernels));
+  set_expert_fp8(rc.fp8);
   set_dependent_launch(rc.dependent_launch);
   StepTrace trace;
   timer = trace.prepare(rc, device, timer);

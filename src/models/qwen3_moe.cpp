@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "core/weights_generation.h"
 #include "ops/init.h"
 #include "ops/add.h"
 #include "ops/attention.h"
@@ -12,6 +13,7 @@
 #include "ops/dispatch.h"
 #include "ops/embedding.h"
 #include "ops/grouped_linear.h"
+#include "ops/grouped_linear_fp8.h"
 #include "ops/linear.h"
 #include "ops/rmsnorm.h"
 #include "ops/rope.h"
@@ -159,6 +161,7 @@ Qwen3MoeWeights Qwen3Moe::bind(const Placement& placement) const {
   w.embed = take({c.vocab_size, H});
   w.layers.resize(size_t(c.num_layers));
   for (auto& L : w.layers) {
+    L.layer = &L - w.layers.data();
     L.q_proj = take({c.num_heads * D, H});
     L.k_proj = take({c.num_kv_heads * D, H});
     L.v_proj = take({c.num_kv_heads * D, H});
@@ -344,12 +347,42 @@ void Qwen3Moe::experts_forward(Tensor y_perm, Qwen3MoeExpertActivations& e, Buff
   const int64_t R = x_perm.view().size(0), I = config_.expert_intermediate_size;
   e.x_perm = std::move(x_perm);
   e.gate_up = buffer({R, 2 * I});
-  grouped_linear_forward(e.gate_up, e.x_perm, w.experts_gate_up, expert_offsets);
+  const Fp8ExpertWeights* fp8 = expert_fp8() ? &fp8_expert_weights(w) : nullptr;
+  if (fp8) fp8_grouped(e.gate_up, e.x_perm, fp8->gate_up, expert_offsets);
+  else grouped_linear_forward(e.gate_up, e.x_perm, w.experts_gate_up, expert_offsets);
   // The SwiGLU output is not kept: the backward computes it again from gate_up (a cheap
   // elementwise pass), R x I activations less per layer until then.
   const Buffer act = buffer({R, I});
   swiglu_forward(act, e.gate_up);
-  grouped_linear_forward(y_perm, act, w.experts_down, expert_offsets);
+  if (fp8) fp8_grouped(y_perm, act, fp8->down, expert_offsets);
+  else grouped_linear_forward(y_perm, act, w.experts_down, expert_offsets);
+}
+
+const Qwen3Moe::Fp8ExpertWeights& Qwen3Moe::fp8_expert_weights(const Qwen3MoeLayerWeights& w) const {
+  MARROW_CHECK(w.layer >= 0 && w.layer < config_.num_layers, "fp8_expert_weights: the layer weights carry no layer index ({}); bind sets it",
+               w.layer);
+  std::vector<Fp8ExpertWeights>& all = *fp8_weights_;
+  if (all.empty()) all.resize(size_t(config_.num_layers));
+  Fp8ExpertWeights& q = all[size_t(w.layer)];
+  if (q.generation == weights_generation() && q.source == w.experts_gate_up.data && q.gate_up.values.view().data) return q;
+  const int64_t E = w.experts_gate_up.size(0), I2 = w.experts_gate_up.size(1), H = w.experts_gate_up.size(2), I = w.experts_down.size(2);
+  if (!q.gate_up.values.view().data) {
+    q.gate_up = Fp8Buffer::blocks(device_, E, I2, H);
+    q.gate_up_t = Fp8Buffer::blocks(device_, E, H, I2);
+    q.down = Fp8Buffer::blocks(device_, E, H, I);
+    q.down_t = Fp8Buffer::blocks(device_, E, I, H);
+  }
+  quantize_blocks(q.gate_up.view(), q.gate_up_t.view(), w.experts_gate_up);
+  quantize_blocks(q.down.view(), q.down_t.view(), w.experts_down);
+  q.generation = weights_generation();
+  q.source = w.experts_gate_up.data;
+  return q;
+}
+
+void Qwen3Moe::fp8_grouped(Tensor y, Tensor x, const Fp8Buffer& w, Tensor expert_offsets) const {
+  const Fp8Buffer xq = Fp8Buffer::rows(device_, x.size(0), x.size(1));
+  quantize_rows(xq.view(), x);
+  grouped_linear_fp8(y, xq.view(), w.view(), expert_offsets);
 }
 
 void Qwen3Moe::experts_backward(Tensor dx_perm, const Qwen3MoeLayerWeights& grads, Tensor dy_perm, Qwen3MoeExpertActivations& e,
@@ -380,7 +413,9 @@ void Qwen3Moe::experts_backward_input(Tensor dx_perm, Tensor dy_perm, Qwen3MoeEx
                                       const Qwen3MoeLayerWeights& w) const {
   const int64_t R = e.gate_up.view().size(0), I = config_.expert_intermediate_size;
   Buffer dact = buffer({R, I});
-  grouped_linear_backward_input(dact, dy_perm, w.experts_down, expert_offsets);
+  const Fp8ExpertWeights* fp8 = expert_fp8() ? &fp8_expert_weights(w) : nullptr;
+  if (fp8) fp8_grouped(dact, dy_perm, fp8->down_t, expert_offsets);
+  else grouped_linear_backward_input(dact, dy_perm, w.experts_down, expert_offsets);
   e.act = buffer({R, I});  // computed again, for the down projection's weight gradient
   e.dgate_up = buffer({R, 2 * I});
   if (e.copy_row.data != nullptr) {
@@ -391,7 +426,8 @@ void Qwen3Moe::experts_backward_input(Tensor dx_perm, Tensor dy_perm, Qwen3MoeEx
     swiglu_backward(e.dgate_up, dact, e.gate_up);
   }
   e.gate_up = Buffer{};
-  grouped_linear_backward_input(dx_perm, e.dgate_up, w.experts_gate_up, expert_offsets);
+  if (fp8) fp8_grouped(dx_perm, e.dgate_up, fp8->gate_up_t, expert_offsets);
+  else grouped_linear_backward_input(dx_perm, e.dgate_up, w.experts_gate_up, expert_offsets);
 }
 
 namespace {

@@ -20,6 +20,7 @@
 // parallelism a process holds E_local of the E experts of each layer (ExpertShard): the table has
 // only those, under their global names, so any layout starts from the same weights.
 #pragma once
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -29,6 +30,7 @@
 #include "core/memory.h"
 #include "core/stage_bytes.h"
 #include "core/tensor_spec.h"
+#include "ops/fp8.h"
 
 namespace marrow {
 
@@ -48,6 +50,7 @@ struct Qwen3MoeLayerWeights {
   Tensor input_norm, q_proj, k_proj, v_proj, o_proj, q_norm, k_norm, post_norm, router;
   Tensor experts_gate_up;  // [E_local, 2I, H]: per local expert, gate_proj rows then up_proj rows
   Tensor experts_down;     // [E_local, H, I]
+  int64_t layer = -1;      // its place in Qwen3MoeWeights::layers (bind sets it): the FP8 copies' key
 };
 
 // Views of one arena (parameters or gradients) in the model's shapes.
@@ -228,6 +231,17 @@ class Qwen3Moe {
   // set_logits_chunk(n > 0) forces n (tests), 0 restores the rule above.
   int64_t logits_chunk(int64_t tokens) const;
   void set_logits_chunk(int64_t tokens) { forced_logits_chunk_ = tokens; }
+
+  // With expert_fp8() (train.fp8): a layer's expert weights quantized for ops/grouped_linear_fp8.h,
+  // each with its transposed quantization for the backward input. Made at a layer's first use after
+  // the weights changed (core/weights_generation.h) and kept until they change again: 2 bytes a
+  // local expert parameter, besides the bf16 weights (marrow estimate counts them).
+  struct Fp8ExpertWeights {
+    Fp8Buffer gate_up, gate_up_t, down, down_t;
+    uint64_t generation = 0;
+    const void* source = nullptr;  // the bf16 weights they were made from
+  };
+  const Fp8ExpertWeights& fp8_expert_weights(const Qwen3MoeLayerWeights& w) const;
   HostSum epilog_forward(Qwen3MoeEpilogActivations& p, Buffer x, const Qwen3MoeBatch& batch, const Qwen3MoeWeights& w,
                          const Qwen3MoeWeights* grads = nullptr, double loss_scale = 1, bool overwrite_grads = false) const;
   // dx (overwritten); loss_scale = d(total loss)/d(sum of token losses), e.g. 1 / counted tokens.
@@ -251,6 +265,8 @@ class Qwen3Moe {
  private:
   Buffer input_norm(Qwen3MoeAttentionActivations& a, const Qwen3MoeLayerWeights& w) const;
   Tensor rope_cos_sin(const Qwen3MoeBatch& batch) const;
+  // y = x W_e^T per expert through FP8: x quantized by rows for the call, w from fp8_expert_weights.
+  void fp8_grouped(Tensor y, Tensor x, const Fp8Buffer& w, Tensor expert_offsets) const;
   std::pair<Buffer, Buffer> attention_inputs(Qwen3MoeAttentionActivations& a, const Qwen3MoeBatch& batch,
                                              const Qwen3MoeLayerWeights& w) const;
 
@@ -261,6 +277,8 @@ class Qwen3Moe {
   ExpertShard experts_;
   std::vector<TensorSpec> specs_;
   int64_t num_parameters_ = 0, num_decayed_ = 0;
+  // By layer; shared by copies of the model (they see the same weights).
+  std::shared_ptr<std::vector<Fp8ExpertWeights>> fp8_weights_ = std::make_shared<std::vector<Fp8ExpertWeights>>();
 };
 
 }  // namespace marrow

@@ -36,6 +36,16 @@ __host__ __device__
 
 float fp8_block_scale(float amax) { return block_scale(amax); }
 
+Fp8Buffer Fp8Buffer::rows(Device device, int64_t r, int64_t c, Stream stream) {
+  const int64_t blocks = (c + kFp8Block - 1) / kFp8Block;
+  return {Buffer(DType::fp8_e4m3, device, {r, c}, stream), Buffer(DType::f32, device, {blocks, r}, stream)};
+}
+
+Fp8Buffer Fp8Buffer::blocks(Device device, int64_t e, int64_t o, int64_t i, Stream stream) {
+  const int64_t ob = (o + kFp8Block - 1) / kFp8Block, ib = (i + kFp8Block - 1) / kFp8Block;
+  return {Buffer(DType::fp8_e4m3, device, {e, o, i}, stream), Buffer(DType::f32, device, {e, ob, ib}, stream)};
+}
+
 uint8_t fp8_e4m3_from_float(float v) {
   if (std::isnan(v)) return 0x7F;
   const uint8_t sign = std::signbit(v) ? 0x80 : 0;

@@ -17,6 +17,7 @@
 #pragma once
 #include <cstdint>
 
+#include "core/memory.h"
 #include "core/tensor.h"
 
 namespace marrow {
@@ -34,6 +35,14 @@ float fp8_block_scale(float amax);
 // An FP8 tensor and its block scales.
 struct Fp8Tensor {
   Tensor values, scales;
+};
+
+// The same with its memory, shaped for quantize_rows of [r, c] or quantize_blocks of [e, o, i].
+struct Fp8Buffer {
+  Buffer values, scales;
+  Fp8Tensor view() const { return {values.view(), scales.view()}; }
+  static Fp8Buffer rows(Device device, int64_t r, int64_t c, Stream stream = {});
+  static Fp8Buffer blocks(Device device, int64_t e, int64_t o, int64_t i, Stream stream = {});
 };
 
 // values[R, C], scales[ceil(C / 128), R] from x[R, C].

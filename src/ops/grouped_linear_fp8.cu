@@ -103,6 +103,13 @@ void check_operands(Tensor y, Fp8Tensor x, Fp8Tensor weight) {
 
 }  // namespace
 
+namespace {
+bool expert_fp8_on = false;
+}  // namespace
+
+void set_expert_fp8(bool on) { expert_fp8_on = on; }
+bool expert_fp8() { return expert_fp8_on; }
+
 void grouped_linear_fp8(Tensor y, Fp8Tensor x, Fp8Tensor weight, Tensor expert_offsets, Stream stream) {
   check_operands(y, x, weight);
   check_expert_offsets(kOp, expert_offsets, weight.values.size(0), x.values.size(0));

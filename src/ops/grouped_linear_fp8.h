@@ -17,6 +17,11 @@
 
 namespace marrow {
 
+// Whether the models run their expert layers' forward and backward input through this op
+// (train.fp8; off by default). For the whole process, as ops/attention.h's kernel choice.
+void set_expert_fp8(bool on);
+bool expert_fp8();
+
 // y[R, N] from x (values [R, K]) and weight (values [E, N, K]).
 void grouped_linear_fp8(Tensor y, Fp8Tensor x, Fp8Tensor weight, Tensor expert_offsets, Stream stream = {});
 

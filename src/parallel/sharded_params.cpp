@@ -1,3 +1,4 @@
+#include "core/weights_generation.h"
 #include "parallel/sharded_params.h"
 
 #include <algorithm>
@@ -208,6 +209,7 @@ void ShardedParameters::initialize(const std::function<void(Tensor, const Tensor
 }
 
 void ShardedParameters::master_changed() {
+  ++weights_generation();
   forget_slots();
   for (size_t i : update_order_) {
     Unit& u = units_[i];
@@ -459,6 +461,7 @@ void ShardedParameters::adamw_unit(const Unit& u, const AdamWHyper& hyper, std::
 
 void ShardedParameters::optimizer_step(AdamWHyper hyper, std::span<const KnownZeroGrads> known) {
   const double weight_decay = hyper.weight_decay;
+  ++weights_generation();
   forget_slots();
   // In the order the next forward needs them, each unit's gather starting as soon as it is updated.
   for (size_t i : update_order_) {

@@ -2,6 +2,7 @@
 
 - The tiny MoE's loss falls steadily over 200 steps of real text, with gradient accumulation.
 - Two runs with the same seed print identical losses.
+- train.fp8 (the expert GEMMs in FP8) trains, deterministically, close to full precision.
 - Each bad input stops the run with one clear sentence and a non-zero exit code.
 - Non-finite steps are skipped with a warning, and several in a row stop the run naming the step.
 - Validation loss (eval.every) is reported at the right steps, is the same in two runs, falls with
@@ -78,6 +79,27 @@ def paired_expert_gradients(marrow, base, repo, tmp):
         said.append("expert weight gradients of micro-batches in pairs" in stdout)
     check(said == [True, False], f"the start-up line says whether micro-batches pair (default, false: {said})")
     check(paired[0] is not None and paired[0] == paired[1], "train.pair_expert_grads=false gives the default's losses bit for bit")
+
+
+def fp8_experts(marrow, base, repo, tmp):
+    # train.fp8: the start-up line says so, two runs give the same losses bit for bit, and the loss
+    # follows the full-precision run's within 2% (E4M3's rounding of the expert GEMMs' operands).
+    runs, said = [], []
+    for name, fp8 in (("fp8-1", "true"), ("fp8-2", "true"), ("fp8-off", "false")):
+        out = os.path.join(tmp, name)
+        code, stdout, _ = run(marrow, base + ["--train.steps=30", "--schedule.warmup_steps=5", f"--train.fp8={fp8}", f"--output.dir={out}"],
+                              repo)
+        runs.append(losses(out) if code == 0 else None)
+        said.append("GEMMs in FP8 (train.fp8)" in stdout)
+    check(said == [True, True, False], f"the start-up line says when the expert GEMMs run in FP8 ({said})")
+    if None in runs:
+        check(False, "the train.fp8 runs exit 0")
+        return
+    check(runs[0] == runs[1], "two train.fp8 runs give identical losses")
+    check(runs[0] != runs[2], "train.fp8 changes the losses")
+    first, last, plain = sum(runs[0][:5]) / 5, sum(runs[0][-5:]) / 5, sum(runs[2][-5:]) / 5
+    check(last < first - 0.5, f"with train.fp8 the loss falls ({first:.3f} -> {last:.3f})")
+    check(abs(last - plain) < 0.02 * plain, f"with train.fp8 the last 5 steps' mean loss is within 2% of full precision's ({last:.4f}, {plain:.4f})")
 
 
 def validation_loss(marrow, base, repo, tmp):
@@ -164,7 +186,7 @@ def main():
     base = ["configs/tiny-moe.toml", f"--data.path={corpus}", "--output.log_every=50", "--eval.every=0"]
 
     with tempfile.TemporaryDirectory() as tmp:
-        for part in (loss_falls, same_seed_same_losses, paired_expert_gradients, validation_loss, non_finite_steps, bad_inputs,
+        for part in (loss_falls, same_seed_same_losses, paired_expert_gradients, fp8_experts, validation_loss, non_finite_steps, bad_inputs,
                      output_dir_below_a_file):
             part(args.marrow, base, repo, tmp)
 
