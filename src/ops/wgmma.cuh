@@ -275,23 +275,33 @@ __device__ __forceinline__ void store_rows(bf16* out, const float (&d)[64 * kHal
   }
 }
 
-// The grouped GEMM's shared memory from a 1024-byte aligned base (the 128-byte swizzle's period):
+// A grouped GEMM's tiles: 128 rows x kBlockN columns, kBlockK elements of K (128 bytes) a stage,
+// kStages stages (the FP8 kernel, ops/wgmma_fp8.cuh, has its own).
+template <int kN, int kK, int kS, int kTileB>
+struct Tiling {
+  static constexpr int kBlockN = kN, kBlockK = kK, kStages = kS, kTileBBytes = kTileB, kStageBytes = kTileABytes + kTileB;
+};
+using Bf16Tiling = Tiling<kBlockN, kBlockK, kStages, kTileBBytes>;
+
+// A grouped GEMM's shared memory from a 1024-byte aligned base (the 128-byte swizzle's period):
 // kStages stages of an A tile and a B tile, the consumer warps' staging for the stores (4 KiB a
 // warp), the stages' full and empty mbarriers (8 bytes each), the tile each stage starts, and
 // tile_start. base is its shared address, smem the same bytes as a pointer.
+template <class T>
 struct GroupedSmem {
   uint32_t base;
   unsigned char* smem;
-  __device__ __forceinline__ uint32_t tile_a(int s) const { return base + s * kStageBytes; }
-  __device__ __forceinline__ uint32_t tile_b(int s) const { return base + s * kStageBytes + kTileABytes; }
-  __device__ __forceinline__ uint32_t full() const { return base + kStages * kStageBytes + kStagingBytes; }
-  __device__ __forceinline__ uint32_t empty() const { return full() + kStages * 8; }
-  __device__ __forceinline__ unsigned char* staging() const { return smem + kStages * kStageBytes; }
-  __device__ __forceinline__ Tile* stage_tile() const { return reinterpret_cast<Tile*>(staging() + kStagingBytes + 2 * kStages * 8); }
-  __device__ __forceinline__ int* tile_start() const { return reinterpret_cast<int*>(stage_tile() + kStages); }
+  __device__ __forceinline__ uint32_t tile_a(int s) const { return base + s * T::kStageBytes; }
+  __device__ __forceinline__ uint32_t tile_b(int s) const { return base + s * T::kStageBytes + kTileABytes; }
+  __device__ __forceinline__ uint32_t full() const { return base + T::kStages * T::kStageBytes + kStagingBytes; }
+  __device__ __forceinline__ uint32_t empty() const { return full() + T::kStages * 8; }
+  __device__ __forceinline__ unsigned char* staging() const { return smem + T::kStages * T::kStageBytes; }
+  __device__ __forceinline__ Tile* stage_tile() const { return reinterpret_cast<Tile*>(staging() + kStagingBytes + 2 * T::kStages * 8); }
+  __device__ __forceinline__ int* tile_start() const { return reinterpret_cast<int*>(stage_tile() + T::kStages); }
 };
 
-__device__ __forceinline__ GroupedSmem grouped_smem(unsigned char* smem_raw) {
+template <class T>
+__device__ __forceinline__ GroupedSmem<T> grouped_smem(unsigned char* smem_raw) {
   const uint32_t raw = smem_address(smem_raw), base = (raw + 1023) & ~1023u;
   return {base, smem_raw + (base - raw)};
 }
@@ -300,36 +310,36 @@ __device__ __forceinline__ GroupedSmem grouped_smem(unsigned char* smem_raw) {
 // publishes a stage that carries no tile. Blocks start on tiles blockIdx.x and take the next free
 // one from counters[0] when done: tiles differ in cost (an expert's last row tile), so a fixed round
 // robin leaves blocks idle at the end.
-template <int kTransB>
-__device__ __forceinline__ void produce_tiles(const GroupedSmem& m, const CUtensorMap* a_map, const CUtensorMap* b_map,
+template <class T, int kTransB>
+__device__ __forceinline__ void produce_tiles(const GroupedSmem<T>& m, const CUtensorMap* a_map, const CUtensorMap* b_map,
                                               const int32_t* offsets, int32_t* counters, int experts, int n, int k_blocks) {
   const bool leader = threadIdx.x == 0;
-  const int tiles = scan_tile_starts(m.tile_start(), offsets, experts, (n + kBlockN - 1) / kBlockN);
+  const int tiles = scan_tile_starts(m.tile_start(), offsets, experts, (n + T::kBlockN - 1) / T::kBlockN);
   int it = 0, expert = 0;
   for (int t = blockIdx.x; t < tiles;) {
     int next = 0;
     if (leader) next = int(gridDim.x) + atomicAdd(counters, 1);
-    const Tile tile = find_tile(t, offsets, m.tile_start(), experts, expert);
+    const Tile tile = find_tile<T::kBlockN>(t, offsets, m.tile_start(), experts, expert);
     if (leader) {
       for (int kb = 0; kb < k_blocks; ++kb, ++it) {
-        const int s = it % kStages;
-        barrier_wait(m.empty() + 8 * s, ((it / kStages) & 1) ^ 1);
+        const int s = it % T::kStages;
+        barrier_wait(m.empty() + 8 * s, ((it / T::kStages) & 1) ^ 1);
         if (kb == 0) m.stage_tile()[s] = tile;  // published by the arrive below
-        barrier_expect_bytes(m.full() + 8 * s, kStageBytes);
-        tma_load_2d(m.tile_a(s), a_map, m.full() + 8 * s, kb * kBlockK, tile.row0);
+        barrier_expect_bytes(m.full() + 8 * s, T::kStageBytes);
+        tma_load_2d(m.tile_a(s), a_map, m.full() + 8 * s, kb * T::kBlockK, tile.row0);
         if constexpr (kTransB) {
-          for (int j = 0; j < kBlockN / 64; ++j)
-            tma_load_3d(m.tile_b(s) + j * (kTileBBytes / 4), b_map, m.full() + 8 * s, tile.col0 + 64 * j, kb * kBlockK, tile.expert);
+          for (int j = 0; j < T::kBlockN / 64; ++j)
+            tma_load_3d(m.tile_b(s) + j * (T::kTileBBytes / 4), b_map, m.full() + 8 * s, tile.col0 + 64 * j, kb * T::kBlockK, tile.expert);
         } else {
-          tma_load_3d(m.tile_b(s), b_map, m.full() + 8 * s, kb * kBlockK, tile.col0, tile.expert);
+          tma_load_3d(m.tile_b(s), b_map, m.full() + 8 * s, kb * T::kBlockK, tile.col0, tile.expert);
         }
       }
     }
     t = __shfl_sync(~0u, next, 0);
   }
   if (leader) {
-    const int s = it % kStages;
-    barrier_wait(m.empty() + 8 * s, ((it / kStages) & 1) ^ 1);
+    const int s = it % T::kStages;
+    barrier_wait(m.empty() + 8 * s, ((it / T::kStages) & 1) ^ 1);
     m.stage_tile()[s] = Tile{-1, 0, 0, 0};
     barrier_arrive(m.full() + 8 * s);
     // This block takes no more tiles; the last block to get here resets the counters (every
@@ -345,7 +355,7 @@ __device__ __forceinline__ void produce_tiles(const GroupedSmem& m, const CUtens
 // A consumer warpgroup: 64 rows of each tile the stages bring, k_blocks stages a tile, accumulated
 // in registers and stored as bf16, until the stage that carries no tile.
 template <int kTransB>
-__device__ __forceinline__ void consume_tiles(const GroupedSmem& m, bf16* out, int n, int k_blocks) {
+__device__ __forceinline__ void consume_tiles(const GroupedSmem<Bf16Tiling>& m, bf16* out, int n, int k_blocks) {
   const int consumer = threadIdx.x / 128 - 1;
   const bool lane0 = threadIdx.x % 32 == 0;
   unsigned char* warp_staging = m.staging() + (threadIdx.x / 32 - 4) * (kStagingBytes / (4 * kConsumers));
@@ -396,14 +406,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map, bf16* out,
                         const int32_t* offsets, int32_t* counters, int experts, int n, int k) {
   extern __shared__ unsigned char smem_raw[];
-  const GroupedSmem m = grouped_smem(smem_raw);
+  const GroupedSmem<Bf16Tiling> m = grouped_smem<Bf16Tiling>(smem_raw);
   init_stage_barriers(m.full(), m.empty(), kStages, kConsumers);
   begin_after_previous_grid();  // offsets, counters and the inputs come from earlier kernels
   const int k_blocks = (k + kBlockK - 1) / kBlockK;
   if (threadIdx.x / 128 == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
     if (threadIdx.x >= 32) return;
-    produce_tiles<kTransB>(m, &a_map, &b_map, offsets, counters, experts, n, k_blocks);
+    produce_tiles<Bf16Tiling, kTransB>(m, &a_map, &b_map, offsets, counters, experts, n, k_blocks);
     return;
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");

@@ -22,8 +22,7 @@ constexpr int kStages = 4;
 constexpr int kTileABytes = kBlockM * kBlockK;  // 16 KiB
 constexpr int kTileBBytes = kBlockN * kBlockK;  // 32 KiB
 constexpr int kStageBytes = kTileABytes + kTileBBytes;
-constexpr int kWarpStagingBytes = 16 * 256;  // store_rows: 16 rows x 128 bf16 columns at a time
-constexpr int kStagingBytes = 4 * kConsumers * kWarpStagingBytes;
+constexpr int kWarpStagingBytes = kStagingBytes / (4 * kConsumers);  // store_rows: 16 rows x 128 bf16 columns at a time
 constexpr int kSmemBytes = 1024 + kStages * kStageBytes + kStagingBytes + 2 * kStages * 8 + kStages * 16;
 constexpr int kMaxExperts = (kSmemLimit - kSmemBytes) / 4 - 1;
 inline int smem_bytes(int64_t experts) { return kSmemBytes + 4 * int(experts + 1); }
@@ -37,50 +36,8 @@ __device__ __forceinline__ void mma_m64n128k32(float (&d)[64], uint64_t a_desc, 
                : "l"(a_desc), "l"(b_desc), "r"(accumulate));
 }
 
-// The kernel's shared memory, laid out as ops/wgmma.cuh's GroupedSmem with this kernel's stages.
-struct Smem {
-  uint32_t base;
-  unsigned char* smem;
-  __device__ __forceinline__ uint32_t tile_a(int s) const { return base + s * kStageBytes; }
-  __device__ __forceinline__ uint32_t tile_b(int s) const { return base + s * kStageBytes + kTileABytes; }
-  __device__ __forceinline__ uint32_t full() const { return base + kStages * kStageBytes + kStagingBytes; }
-  __device__ __forceinline__ uint32_t empty() const { return full() + kStages * 8; }
-  __device__ __forceinline__ unsigned char* staging() const { return smem + kStages * kStageBytes; }
-  __device__ __forceinline__ Tile* stage_tile() const { return reinterpret_cast<Tile*>(staging() + kStagingBytes + 2 * kStages * 8); }
-  __device__ __forceinline__ int* tile_start() const { return reinterpret_cast<int*>(stage_tile() + kStages); }
-};
-
-// The producer warp, as ops/wgmma.cuh's produce_tiles: lane 0 loads each tile's K blocks of A and B.
-__device__ __forceinline__ void produce_tiles(const Smem& m, const CUtensorMap* a_map, const CUtensorMap* b_map, const int32_t* offsets,
-                                              int32_t* counters, int experts, int n, int k_blocks) {
-  const bool leader = threadIdx.x == 0;
-  const int tiles = scan_tile_starts(m.tile_start(), offsets, experts, (n + kBlockN - 1) / kBlockN);
-  int it = 0, expert = 0;
-  for (int t = blockIdx.x; t < tiles;) {
-    int next = 0;
-    if (leader) next = int(gridDim.x) + atomicAdd(counters, 1);
-    const Tile tile = find_tile<kBlockN>(t, offsets, m.tile_start(), experts, expert);
-    for (int kb = 0; leader && kb < k_blocks; ++kb, ++it) {
-      const int s = it % kStages;
-      barrier_wait(m.empty() + 8 * s, ((it / kStages) & 1) ^ 1);
-      if (kb == 0) m.stage_tile()[s] = tile;  // published by the arrive below
-      barrier_expect_bytes(m.full() + 8 * s, kStageBytes);
-      tma_load_2d(m.tile_a(s), a_map, m.full() + 8 * s, kb * kBlockK, tile.row0);
-      tma_load_3d(m.tile_b(s), b_map, m.full() + 8 * s, kb * kBlockK, tile.col0, tile.expert);
-    }
-    t = __shfl_sync(~0u, next, 0);
-  }
-  if (!leader) return;
-  const int s = it % kStages;
-  barrier_wait(m.empty() + 8 * s, ((it / kStages) & 1) ^ 1);
-  m.stage_tile()[s] = Tile{-1, 0, 0, 0};
-  barrier_arrive(m.full() + 8 * s);
-  __threadfence();  // as in ops/wgmma.cuh: the last block done resets the counters
-  if (atomicAdd(counters + 1, 1) == int(gridDim.x) - 1) {
-    counters[0] = 0;
-    counters[1] = 0;
-  }
-}
+using Fp8Tiling = Tiling<kBlockN, kBlockK, kStages, kTileBBytes>;
+using Smem = GroupedSmem<Fp8Tiling>;
 
 // part (the 64 x 128 of half h) into d's columns 128 h ..: rows lane / 4 of each 8 take the first
 // row's factor, the others the second's (the accumulator layout of ops/wgmma.cuh's store_rows, whose
@@ -155,15 +112,14 @@ __global__ void __launch_bounds__(kThreads, 1)
                         const float* a_scales, const float* b_scales, const int32_t* offsets, int32_t* counters, int experts, int rows,
                         int n, int k) {
   extern __shared__ unsigned char smem_raw[];
-  const uint32_t raw = smem_address(smem_raw), base = (raw + 1023) & ~1023u;
-  const Smem m{base, smem_raw + (base - raw)};
+  const Smem m = grouped_smem<Fp8Tiling>(smem_raw);
   init_stage_barriers(m.full(), m.empty(), kStages, kConsumers);
   begin_after_previous_grid();
   const int k_blocks = (k + kBlockK - 1) / kBlockK;
   if (threadIdx.x / 128 == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
     if (threadIdx.x >= 32) return;
-    produce_tiles(m, &a_map, &b_map, offsets, counters, experts, n, k_blocks);
+    produce_tiles<Fp8Tiling, 0>(m, &a_map, &b_map, offsets, counters, experts, n, k_blocks);
     return;
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
