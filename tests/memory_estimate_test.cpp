@@ -158,6 +158,21 @@ TEST(MemoryEstimate, OneProcessIsTodaysArenas) {
   EXPECT_NEAR((bill.bytes(BillGroup::state) + bill.bytes(BillGroup::weights)) / 1048576.0, 96255.6, 0.1);
 }
 
+// train.fp8 adds the FP8 expert weights and their transposes: two bytes an expert parameter and two
+// f32 scales a 128 x 128 block.
+TEST(MemoryEstimate, Fp8CountsTheExpertWeightsTwiceInOneByte) {
+  const Qwen3MoeConfig config = bench_config();
+  const Qwen3Moe model(config, DType::bf16, Device::cuda);
+  int64_t experts = 0;
+  for (const TensorSpec& s : model.specs()) experts += s.is_expert ? s.numel : 0;
+  RunConfig rc = bench_run();
+  const MemoryBill plain = estimate_memory<Qwen3Moe>(rc, config, 1, Device::cuda);
+  rc.fp8 = true;
+  const MemoryBill fp8 = estimate_memory<Qwen3Moe>(rc, config, 1, Device::cuda);
+  EXPECT_NEAR(double(item(fp8, "fp8 expert weights and their transposes")), 2.0 * double(experts) * (1 + 1 / 4096.0), 2.0 * config.num_layers);
+  EXPECT_EQ(fp8.total() - plain.total(), item(fp8, "fp8 expert weights and their transposes"));
+}
+
 // The bill of today's trainer (before FSDP: every process holds whole copies of its tensors).
 MemoryBill replicated_bill(const RunConfig& rc, int64_t world) {
   return with_estimated_model<Qwen3Moe>(rc, bench_config(), world, Device::cuda, [&](const EstimatedModel& m, const MeshShape& mesh) {
