@@ -82,13 +82,14 @@ def paired_expert_gradients(marrow, base, repo, tmp):
 
 
 def fp8_experts(marrow, base, repo, tmp):
-    # train.fp8: the start-up line says so, two runs give the same losses bit for bit, and the loss
-    # follows the full-precision run's within 2% (E4M3's rounding of the expert GEMMs' operands).
+    # train.fp8: the start-up line says so, two runs give the same losses bit for bit, so does a resumed
+    # one (its FP8 weights made again from the loaded weights), and the loss follows the full-precision
+    # run's within 2% (E4M3's rounding of the expert GEMMs' operands).
     runs, said = [], []
     for name, fp8 in (("fp8-1", "true"), ("fp8-2", "true"), ("fp8-off", "false")):
         out = os.path.join(tmp, name)
-        code, stdout, _ = run(marrow, base + ["--train.steps=30", "--schedule.warmup_steps=5", f"--train.fp8={fp8}", f"--output.dir={out}"],
-                              repo)
+        code, stdout, _ = run(marrow, base + ["--train.steps=30", "--schedule.warmup_steps=5", f"--train.fp8={fp8}", "--checkpoint.every=15",
+                                              f"--output.dir={out}"], repo)
         runs.append(losses(out) if code == 0 else None)
         said.append("GEMMs in FP8 (train.fp8)" in stdout)
     check(said == [True, True, False], f"the start-up line says when the expert GEMMs run in FP8 ({said})")
@@ -96,6 +97,10 @@ def fp8_experts(marrow, base, repo, tmp):
         check(False, "the train.fp8 runs exit 0")
         return
     check(runs[0] == runs[1], "two train.fp8 runs give identical losses")
+    out = os.path.join(tmp, "fp8-resumed")
+    code, _, _ = run(marrow, base + ["--train.steps=30", "--schedule.warmup_steps=5", "--train.fp8=true", "--checkpoint.every=15",
+                                     "--resume", os.path.join(tmp, "fp8-1", "step-00000015"), f"--output.dir={out}"], repo)
+    check(code == 0 and losses(out) == runs[0][15:], "a train.fp8 run resumed at step 15 gives the straight run's losses bit for bit")
     check(runs[0] != runs[2], "train.fp8 changes the losses")
     first, last, plain = sum(runs[0][:5]) / 5, sum(runs[0][-5:]) / 5, sum(runs[2][-5:]) / 5
     check(last < first - 0.5, f"with train.fp8 the loss falls ({first:.3f} -> {last:.3f})")
