@@ -294,6 +294,14 @@ void expect_input(const char* op, const Tensor& x, int64_t ndim) {
   MARROW_CHECK(x.ndim == ndim, "{}: the input has shape {} but must have {} dimensions", op, x.shape_string(), ndim);
 }
 
+// dequantize_*'s checks: tensors on the CPU, out f32, values of ndim dimensions (`layout`).
+void expect_dequantize(const char* op, const Tensor& out, const Fp8Tensor& in, int ndim, const char* layout) {
+  MARROW_CHECK(out.device == Device::cpu && in.values.device == Device::cpu && in.scales.device == Device::cpu,
+               "{}: the tensors must be on the CPU", op);
+  expect_dtype(op, "out", out, DType::f32);
+  MARROW_CHECK(in.values.ndim == ndim, "{}: values has shape {} but must be {}", op, in.values.shape_string(), layout);
+}
+
 }  // namespace
 
 void quantize_rows(Fp8Tensor out, Tensor x, Stream stream) {
@@ -346,10 +354,7 @@ void quantize_blocks(Fp8Tensor out, Fp8Tensor transposed, Tensor weight, Stream 
 
 void dequantize_rows(Tensor out, Fp8Tensor in) {
   const char* op = "dequantize_rows";
-  MARROW_CHECK(out.device == Device::cpu && in.values.device == Device::cpu && in.scales.device == Device::cpu,
-               "{}: the tensors must be on the CPU", op);
-  expect_dtype(op, "out", out, DType::f32);
-  MARROW_CHECK(in.values.ndim == 2, "{}: values has shape {} but must be [R, C]", op, in.values.shape_string());
+  expect_dequantize(op, out, in, 2, "[R, C]");
   const int64_t R = in.values.size(0), C = in.values.size(1);
   expect_shape(op, "out", out, {R, C});
   expect_shape(op, "scales", in.scales, {blocks_of(C), R});
@@ -361,10 +366,7 @@ void dequantize_rows(Tensor out, Fp8Tensor in) {
 
 void dequantize_blocks(Tensor out, Fp8Tensor in) {
   const char* op = "dequantize_blocks";
-  MARROW_CHECK(out.device == Device::cpu && in.values.device == Device::cpu && in.scales.device == Device::cpu,
-               "{}: the tensors must be on the CPU", op);
-  expect_dtype(op, "out", out, DType::f32);
-  MARROW_CHECK(in.values.ndim == 3, "{}: values has shape {} but must be [E, O, I]", op, in.values.shape_string());
+  expect_dequantize(op, out, in, 3, "[E, O, I]");
   const int64_t E = in.values.size(0), O = in.values.size(1), I = in.values.size(2), OB = blocks_of(O), IB = blocks_of(I);
   expect_shape(op, "out", out, {E, O, I});
   expect_shape(op, "scales", in.scales, {E, OB, IB});
