@@ -7,10 +7,11 @@
 //     and prints the ten heaviest kernels; the traced steps' times include CUPTI's overhead.
 //     --grouped-gemm=cublas runs the expert forward and backward input on cuBLAS's grouped call
 //     instead of the own wgmma kernel (an A/B of the two in one binary).
-//   marrow bench --kernels [attention]
+//   marrow bench --kernels [attention|experts]
 //     times the heaviest kernels at the bench shapes (GPU.md) with CUDA events: attention forward
 //     and backward, ring attention's full blocks, the dense q_proj GEMM, the grouped expert GEMMs;
-//     `attention`: the attention rows alone, at 4,096 and 16,384, and the ring's blocks.
+//     `attention`: the attention rows alone, at 4,096 and 16,384, and the ring's blocks; `experts`:
+//     the grouped expert GEMMs alone, bf16 and FP8, with the expert weights' AdamW step.
 //   marrow bench --attention-plans [seq]
 //     every execution plan cuDNN offers for the bench's attention forward and deterministic
 //     backward (32 / 4 heads of 128, sequence 4096 by default): time, repeatability, and how its
@@ -290,17 +291,21 @@ void bench_fp8_grouped(const std::string& name, Tensor offsets, Tensor x, Tensor
   memory_row(name + " adamw + fp8 blocks", 30 * n, [&] { adamw_step_fp8_blocks(param, {}, m, v, grad, known, wq.view(), wtq.view(), hyper); });
 }
 
-void bench_kernels(bool attention_only) {
+// group: "" all, "attention" the attention rows only, "experts" the expert GEMM rows only.
+void bench_kernels(const std::string& group) {
+  const bool attention_only = group == "attention", experts_only = group == "experts";
   // As in training: without it the pool hands freed memory back at every event sync, and each timed
   // call that allocates (the grouped GEMMs' small schedules, cuDNN's 1 GiB dP workspace) pays for mapping it again (~80 us).
   keep_pool_memory();
   std::printf("%-64s %12s %16s\n", "kernel (bench shapes, bf16)", "median", "achieved");
   const int64_t S = 4096, Hq = 32, Hkv = 4, D = 128, H = 2048, E = 128, K = 8, I = 768;
-  for (const int64_t seq : {S, 4 * S, 8 * S})
-    if (!attention_only || seq < 8 * S) bench_attention_kernels(seq, Hq, Hkv, D);
-  for (const int64_t local : {4 * S, 8 * S}) bench_ring_blocks(local, Hq, Hkv, D);  // sequences of 32,768 and 65,536 with CP = 2
+  if (!experts_only) {
+    for (const int64_t seq : {S, 4 * S, 8 * S})
+      if (!attention_only || seq < 8 * S) bench_attention_kernels(seq, Hq, Hkv, D);
+    for (const int64_t local : {4 * S, 8 * S}) bench_ring_blocks(local, Hq, Hkv, D);  // sequences of 32,768 and 65,536 with CP = 2
+  }
   if (attention_only) return;
-  {
+  if (!experts_only) {
     Buffer x = random_device({S, H}, 3, "x"), w = random_device({Hq * D, H}, 3, "w"), dy = random_device({S, Hq * D}, 3, "dy");
     Buffer y(DType::bf16, Device::cuda, {S, Hq * D}), dx(DType::bf16, Device::cuda, {S, H});
     Buffer dw = Buffer::zeros(DType::f32, Device::cuda, {Hq * D, H});
@@ -426,8 +431,9 @@ int bench_command(int argc, char** argv) {
   if (argc >= 2 && std::string(argv[1]) == "--kernels") {
     MARROW_CHECK(cuda_available(), "bench --kernels needs a GPU");
     const std::string only = argc >= 3 ? argv[2] : "";
-    MARROW_CHECK(only.empty() || only == "attention", "bench --kernels takes nothing or `attention`, got '{}'", only);
-    bench_kernels(only == "attention");
+    MARROW_CHECK(only.empty() || only == "attention" || only == "experts", "bench --kernels takes nothing, `attention` or `experts`, got '{}'",
+                 only);
+    bench_kernels(only);
     return 0;
   }
   if (argc >= 2 && std::string(argv[1]) == "--attention-plans") {
@@ -441,7 +447,7 @@ int bench_command(int argc, char** argv) {
   }
   if (print_run_config_help(argc, argv)) {
     std::printf("\nbench's own: --warmup=N (3) --steps=M (10) measured steps; --grouped-gemm=wgmma|cublas (the expert GEMMs' kernel);\n"
-                "marrow bench --kernels times the heaviest kernels (GPU); marrow bench --attention-plans [seq] times every plan\n"
+                "marrow bench --kernels [attention|experts] times the heaviest kernels (GPU); marrow bench --attention-plans [seq] times every plan\n"
                 "cuDNN offers for the bench's attention (GPU)\n");
     return 0;
   }
