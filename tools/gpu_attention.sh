@@ -27,8 +27,9 @@
 #          steps): tokens/s and peaks; then the kernel table
 # kernels: marrow bench --kernels [KERNEL_GROUP, e.g. attention], the rows matching the regex KERNEL_ROWS
 #          (default: every row)
-# fp8: marrow check --only fp8, then the bench config (3 + 27 steps) with train.fp8=false and true on one
-#      machine: tokens/s, peaks (against the estimate), and the first losses of each side by side
+# fp8: marrow check --only fp8, the FP8 and AdamW rows of marrow bench --kernels experts, then the bench
+#      config (3 + 27 steps) with train.fp8=false and true on one machine: tokens/s, peaks (against the
+#      estimate), and the first losses of each side by side
 # plans: marrow bench --attention-plans at the bench's 4,096 (and the lengths in PLAN_SEQS): every plan
 #        cuDNN offers for the forward and the deterministic backward, timed and compared with the op's
 # pairs: the bench config (3 + 27 steps) with train.pair_expert_grads=false, then the default, on one
@@ -215,6 +216,9 @@ if [ "$what" = fp8 ]; then
   timeout "${CHECK_TIMEOUT:-300}" build-gpu/marrow check --only fp8 > "$out/check-fp8.log" 2>&1
   grep -E "FAIL|checks,|error" "$out/check-fp8.log" | head -20
   grep -q '^PASS$' "$out/check-fp8.log" || fail "marrow check --only fp8"
+  step "marrow bench --kernels experts: the FP8 and AdamW rows"
+  timeout 300 build-gpu/marrow bench --kernels experts > "$out/kernels-experts.log" 2>&1 || fail "bench --kernels experts"
+  grep -E "fp8|adamw|fwd  " "$out/kernels-experts.log"
   for fp8 in false true; do
     step "bench config, train.fp8=$fp8: 3 warm-up + 27 measured steps"
     "${bench[@]}" --warmup=3 --steps=27 --train.fp8=$fp8 --output.dir=runs/fp8-$fp8 > "$out/bench-fp8-$fp8.log" 2>&1 || fail "bench with train.fp8=$fp8"
