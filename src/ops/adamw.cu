@@ -129,11 +129,15 @@ __global__ void adamw_step_rows_kernel(float* param, __nv_bfloat16* param_bf16, 
   }
 }
 
-// One block of kBlockThreads threads per 128 x 128 block of one matrix of [E, O, I], in
-// store_quantized_block's layout: step_element on the block's elements (8 at a time: two float4 of
-// each tensor when `vector`), their bf16 values kept packed (32 registers, not 64), then
-// store_quantized_block of those.
-__global__ void __launch_bounds__(fp8_format::kBlockThreads)
+// One block of kBlockThreads threads per 128 x 128 block of one matrix of [E, O, I], in two passes.
+// First step_element on the block's elements as adamw_step_rows_kernel walks them, a float4 of each
+// tensor per thread at a time (thread t: columns 4 (t % 32) .. + 3 of rows t / 32 + 8 s, s < 16),
+// which needs few registers and so keeps the loads and FP64 latencies of 32 warps an SM in flight:
+// the first version held the block's 64 values a thread through its update (122 registers, 16
+// warps an SM) and ran at 1.3 TB/s against the plain kernel's 4.0. Then, after a barrier,
+// store_quantized_block of the updated weights read back (from L2: 64 KiB a block, just written),
+// rounded to bf16.
+__global__ void __launch_bounds__(fp8_format::kBlockThreads, 4)
     adamw_fp8_blocks_kernel(float* param, __nv_bfloat16* param_bf16, float* m, float* v, const float* grad, const int32_t* known_zero,
                             uint8_t* q, float* scales, uint8_t* qt, float* scales_t, int64_t O, int64_t I, bool vector, Constants k) {
   using namespace fp8_format;
@@ -141,28 +145,27 @@ __global__ void __launch_bounds__(fp8_format::kBlockThreads)
   const BlockPlace at{blockIdx.z, blockIdx.y, blockIdx.x, gridDim.y, gridDim.x, O, I};
   const int t = threadIdx.x;
   const bool zero = known_zero != nullptr && known_zero[at.e] != 0;
-  const int64_t i = at.ib * kFp8Block + block_col(t);
+  for (int s = 0; s < kFp8Block * kFp8Block / 4 / kBlockThreads; ++s) {
+    const int64_t o = at.ob * kFp8Block + t / 32 + 8 * s, i = at.ib * kFp8Block + 4 * (t % 32), first = (at.e * O + o) * I + i;
+    if (o >= O || i >= I) continue;
+    if (vector && i + 4 <= I) {
+      step_float4(param, param_bf16, m, v, zero ? make_float4(0.0f, 0.0f, 0.0f, 0.0f) : reinterpret_cast<const float4*>(grad)[first / 4],
+                  first / 4, k);
+      continue;
+    }
+    for (int64_t c = first; c < first + 4 && c - first + i < I; ++c) {
+      step_element(param[c], zero ? 0.0f : grad[c], m[c], v[c], k);
+      if (param_bf16) param_bf16[c] = __float2bfloat16(param[c]);
+    }
+  }
+  __syncthreads();
   __nv_bfloat162 w[8][4];
+  const float* updated = param + at.e * O * I;
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
-    const int64_t o = at.ob * kFp8Block + block_row(t, j), at_row = (at.e * O + o) * I + i;
+    const int64_t o = at.ob * kFp8Block + block_row(t, j);
     float p[8] = {};
-    if (o < O && vector && i + 8 <= I) {
-      const int64_t f4 = at_row / 4;
-      const float4 zeros = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      step_float4(param, param_bf16, m, v, zero ? zeros : reinterpret_cast<const float4*>(grad)[f4], f4, k);
-      step_float4(param, param_bf16, m, v, zero ? zeros : reinterpret_cast<const float4*>(grad)[f4 + 1], f4 + 1, k);
-      const float4 a = reinterpret_cast<const float4*>(param)[f4], b = reinterpret_cast<const float4*>(param)[f4 + 1];
-      p[0] = a.x, p[1] = a.y, p[2] = a.z, p[3] = a.w, p[4] = b.x, p[5] = b.y, p[6] = b.z, p[7] = b.w;
-    } else if (o < O) {
-#pragma unroll
-      for (int c = 0; c < 8; ++c) {
-        if (i + c >= I) break;
-        step_element(param[at_row + c], zero ? 0.0f : grad[at_row + c], m[at_row + c], v[at_row + c], k);
-        p[c] = param[at_row + c];
-        if (param_bf16) param_bf16[at_row + c] = __float2bfloat16(p[c]);
-      }
-    }
+    if (o < O) load8(p, updated, o, at.ib * kFp8Block + block_col(t), I, vector);
 #pragma unroll
     for (int c = 0; c < 4; ++c) w[j][c] = __floats2bfloat162_rn(p[2 * c], p[2 * c + 1]);
   }
