@@ -4,7 +4,6 @@
 #include <cstring>
 
 #include "core/bf16.h"
-#include "ops/fp8.h"
 #include "gradcheck.h"
 
 namespace marrow {
@@ -143,36 +142,6 @@ TEST(AdamW, KnownZeroRowsAreTheBitsOfZeroGradients) {
     FAIL() << "expected an error";
   } catch (const Error& e) {
     EXPECT_STREQ(e.what(), "adamw_step_known_zero: known_zero has shape [3] but must be [E] with E dividing param's 20 elements");
-  }
-}
-
-// AdamW writing FP8 blocks: on the CPU the bits of adamw_step_known_zero and quantize_blocks of the
-// updated f32 weights (the GPU's against its bf16 copy: marrow check --only fp8); blocks of the
-// wrong shape are an error naming them.
-TEST(AdamW, Fp8BlocksAreTheQuantizedUpdate) {
-  const int64_t E = 2, O = 130, I = 72, n = E * O * I;
-  AdamWHyper hp{.lr = 1e-2, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.1, .step = 2};
-  Buffer param = random_buffer(DType::f32, {E, O, I}, 1), m = random_buffer(DType::f32, {E, O, I}, 2),
-         v = random_buffer(DType::f32, {E, O, I}, 3), grad = random_buffer(DType::f32, {E, O, I}, 4);
-  for (int64_t i = 0; i < n; ++i) v.ptr<float>()[i] = std::abs(v.ptr<float>()[i]);
-  Buffer known = Buffer::zeros(DType::i32, Device::cpu, {E});
-  known.ptr<int32_t>()[1] = 1;
-  Buffer p1 = to_host(param), m1 = to_host(m), v1 = to_host(v);
-  adamw_step_known_zero(p1, {}, m1, v1, grad, known, hp);
-  Fp8Buffer ref = Fp8Buffer::blocks(Device::cpu, E, O, I), ref_t = Fp8Buffer::blocks(Device::cpu, E, I, O);
-  quantize_blocks(ref.view(), ref_t.view(), Tensor(p1.view().data, DType::f32, Device::cpu, {E, O, I}));
-  Fp8Buffer got = Fp8Buffer::blocks(Device::cpu, E, O, I), got_t = Fp8Buffer::blocks(Device::cpu, E, I, O);
-  adamw_step_fp8_blocks(param, {}, m, v, grad, known, got.view(), got_t.view(), hp);
-  for (const auto& [a, b] : {std::pair{&p1, &param}, std::pair{&m1, &m}, std::pair{&v1, &v}, std::pair{&ref.values, &got.values},
-                             std::pair{&ref.scales, &got.scales}, std::pair{&ref_t.values, &got_t.values},
-                             std::pair{&ref_t.scales, &got_t.scales}})
-    EXPECT_EQ(std::memcmp(a->view().data, b->view().data, a->view().bytes()), 0);
-  Fp8Buffer wrong = Fp8Buffer::blocks(Device::cpu, E, I, O);
-  try {
-    adamw_step_fp8_blocks(param, {}, m, v, grad, known, wrong.view(), {}, hp);
-    FAIL() << "expected an error";
-  } catch (const Error& e) {
-    EXPECT_STREQ(e.what(), "adamw_step_fp8_blocks: values has shape [2, 72, 130] but expected [2, 130, 72]");
   }
 }
 

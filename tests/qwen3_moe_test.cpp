@@ -524,59 +524,6 @@ TEST(Qwen3Moe, KnownZeroGradientsGiveTheOptimizerTheSameBits) {
   EXPECT_EQ(std::memcmp(params[0].view().data, params[1].view().data, params[0].view().bytes()), 0);
 }
 
-// train.fp8 through ShardedParameters as the trainer runs it: AdamW writes each layer's FP8 expert
-// blocks (fp8_blocks_for_optimizer), the bits the model's own quantization of the new weights gives;
-// once marked written the model uses them without quantizing again (weights changed in place behind
-// its back leave them as they are), until it is told of the next change of the weights.
-TEST(Qwen3Moe, Fp8BlocksTheOptimizerWritesAreTheModelsOwn) {
-  TinyRun run(DType::f32, 1, 8, tiny_config_json());
-  const Mesh mesh = Mesh::create(MeshShape{}, Device::cpu);
-  const int64_t L = run.model.num_layers();
-  ShardedParameters state(run.model.specs(), L, std::vector<int64_t>(size_t(L + 2), 0), mesh, false, false, false, Device::cpu,
-                          DType::f32);
-  copy(state.params().all(), run.params.all());
-  state.master_changed();
-  const auto w = run.model.bind(state.weights());
-  const auto g = run.model.bind(state.gradients());
-  set_expert_fp8(true);
-  std::vector<Buffer> known;
-  std::vector<ShardedParameters::KnownZeroGrads> parts;
-  for (size_t l = 0; l < size_t(L); ++l) {
-    known.push_back(Buffer::zeros(DType::i32, Device::cpu, {run.model.expert_known_zero_count(g.layers[l])}));
-    const auto blocks = run.model.fp8_blocks_for_optimizer(g.layers[l], w.layers[l]);
-    ASSERT_EQ(blocks.size(), 2u);
-    for (const auto& [grad, flags] : run.model.expert_known_zero_parts(g.layers[l], known.back())) {
-      parts.push_back({grad, flags});
-      for (const auto& b : blocks)
-        if (b.grad.data == grad.data) parts.back().fp8 = b.values, parts.back().fp8_transposed = b.transposed;
-      EXPECT_NE(parts.back().fp8.values.data, nullptr);
-    }
-  }
-  state.start_step();
-  MicroBatch<Qwen3Moe> mb;
-  forward(mb, run.model, w, run.batch);
-  backward(mb, run.model, w, g, run.batch, run.loss_scale, run.aux_grad, true);
-  state.optimizer_step(AdamWHyper{1e-2, 0.9, 0.95, 1e-8, 0.1, 1}, parts);
-  run.model.fp8_blocks_written();
-  const Tensor gate_up = w.layers[1].experts_gate_up;
-  Fp8Buffer fresh = Fp8Buffer::blocks(Device::cpu, gate_up.size(0), gate_up.size(1), gate_up.size(2)),
-            fresh_t = Fp8Buffer::blocks(Device::cpu, gate_up.size(0), gate_up.size(2), gate_up.size(1));
-  quantize_blocks(fresh.view(), fresh_t.view(), gate_up);
-  for (int64_t i = 0; i < gate_up.numel(); ++i) gate_up.ptr<float>()[i] *= -0.5f;
-  auto same_as_fresh = [&] {
-    const auto& q = run.model.fp8_expert_weights(w.layers[1]);
-    bool same = true;
-    for (const auto& [a, b] : {std::pair{&fresh.values, &q.gate_up.values}, std::pair{&fresh.scales, &q.gate_up.scales},
-                               std::pair{&fresh_t.values, &q.gate_up_t.values}})
-      same = same && std::memcmp(a->view().data, b->view().data, a->view().bytes()) == 0;
-    return same;
-  };
-  EXPECT_TRUE(same_as_fresh());
-  ++weights_generation();
-  EXPECT_FALSE(same_as_fresh());
-  set_expert_fp8(false);
-}
-
 // The embedding gradient's row flags through ShardedParameters, as the trainer runs them: each step
 // restarts the gradient by rows (start_step), the backward clears the flags of its tokens' rows, the
 // norm and AdamW skip the flagged ones. Three steps over shifting tokens give the gradients, norms

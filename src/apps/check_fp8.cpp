@@ -3,8 +3,7 @@
 // (ops/grouped_linear_fp8.h) against the CPU reference of the same quantized operands, with offsets on
 // the host and on the GPU (the same bits) and twice (the same bits), and at the bench shapes on the
 // last rows of a few experts, where it is also held against the bf16 grouped GEMM of the unquantized
-// operands (the quantization's own error, ~5% of a typical output); AdamW that writes the FP8 blocks
-// in its pass (ops/adamw.h) bit for bit against the CPU's AdamW and quantize_blocks of its bf16 copy.
+// operands (the quantization's own error, ~5% of a typical output).
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -13,7 +12,6 @@
 
 #include "apps/check.h"
 #include "core/cuda_check.h"
-#include "ops/adamw.h"
 #include "ops/fp8.h"
 #include "ops/grouped_linear.h"
 #include "ops/grouped_linear_fp8.h"
@@ -172,40 +170,6 @@ void check_gemm_bench(CheckReport& report, const char* label, int64_t e, int64_t
   }
 }
 
-// adamw_step_fp8_blocks on [e, o, i] with expert 1 flagged known-zero (garbage in its gradient), the
-// bf16 copy and the transposed blocks written or not.
-void check_adamw_fp8_blocks(CheckReport& report, int64_t e, int64_t o, int64_t i, bool with_copy, bool with_transposed, uint64_t seed) {
-  const std::string shape = fmt::format("{}x{}x{}{}{}", e, o, i, with_copy ? " with the bf16 copy" : "", with_transposed ? " and transposed" : "");
-  const AdamWHyper hp{.lr = 3e-4, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.1, .step = 7, .grad_scale = 0.5};
-  Buffer p = random_host({e, o, i}, seed), m = random_host({e, o, i}, seed + 1, 1e-3), v = random_host({e, o, i}, seed + 2, 1e-6);
-  const Buffer g = random_host({e, o, i}, seed + 3, 1e-2);
-  for (int64_t k = 0; k < v.numel(); ++k) v.ptr<float>()[k] = std::fabs(v.ptr<float>()[k]);
-  Buffer flags = Buffer::zeros(DType::i32, Device::cpu, {e});
-  if (e > 1) flags.ptr<int32_t>()[1] = 1;
-  const DeviceCopy pd = device_copy(p, DType::f32), md = device_copy(m, DType::f32), vd = device_copy(v, DType::f32),
-                   gd = device_copy(g, DType::f32);
-  Buffer flags_d(DType::i32, Device::cuda, {e}), copy_d = poisoned(DType::bf16, {e, o, i});
-  copy(flags_d, flags);
-  Buffer copy_h(DType::bf16, Device::cpu, {e, o, i});
-  Fp8Buffer ref = Fp8Buffer::blocks(Device::cpu, e, o, i), ref_t = Fp8Buffer::blocks(Device::cpu, e, i, o);
-  Fp8Buffer got = Fp8Buffer::blocks(Device::cuda, e, o, i), got_t = Fp8Buffer::blocks(Device::cuda, e, i, o);
-  poison(got.scales);
-  adamw_step_known_zero(p, copy_h, m, v, g, flags, hp);
-  quantize_blocks(ref.view(), ref_t.view(), copy_h);
-  adamw_step_fp8_blocks(pd.view, with_copy ? copy_d.view() : Tensor{}, md.view, vd.view, gd.view, flags_d, got.view(),
-                        with_transposed ? got_t.view() : Fp8Tensor{}, hp);
-  report.expect_equal("adamw fp8 blocks param " + shape, pd.view, p);
-  report.expect_equal("adamw fp8 blocks exp_avg " + shape, md.view, m);
-  report.expect_equal("adamw fp8 blocks exp_avg_sq " + shape, vd.view, v);
-  if (with_copy) report.expect_equal("adamw fp8 blocks bf16 copy " + shape, copy_d, copy_h);
-  report.expect_equal("adamw fp8 blocks values " + shape, got.values, ref.values);
-  report.expect_equal("adamw fp8 blocks scales " + shape, got.scales, ref.scales);
-  if (with_transposed) {
-    report.expect_equal("adamw fp8 blocks transposed values " + shape, got_t.values, ref_t.values);
-    report.expect_equal("adamw fp8 blocks transposed scales " + shape, got_t.scales, ref_t.scales);
-  }
-}
-
 }  // namespace
 
 void check_fp8_ops(CheckReport& report) {
@@ -229,12 +193,6 @@ void check_fp8_ops(CheckReport& report) {
   check_gemm_bench(report, "down fwd", 128, 32768, 768, 2048, false, 710);
   check_gemm_bench(report, "down bwd_input", 128, 32768, 2048, 768, true, 720);
   check_gemm_bench(report, "gate_up bwd_input", 128, 32768, 1536, 2048, true, 730);
-  // AdamW writing the blocks: the vector path (rows of 264), partial blocks on the one-element path
-  // (130 rows, 100 columns), a bench expert weight.
-  check_adamw_fp8_blocks(report, 3, 136, 264, true, true, 800);
-  check_adamw_fp8_blocks(report, 2, 130, 100, false, true, 810);
-  check_adamw_fp8_blocks(report, 3, 72, 200, true, false, 820);
-  check_adamw_fp8_blocks(report, 4, 1536, 2048, false, true, 830);
 }
 
 }  // namespace marrow

@@ -44,8 +44,6 @@ concept MoeModel = requires(const M& m, typename M::AttentionActivations& a, typ
   { m.expert_squares_count(w.layers[0]) } -> std::convertible_to<int64_t>;
   { m.expert_known_zero_count(w.layers[0]) } -> std::convertible_to<int64_t>;
   { m.expert_known_zero_parts(w.layers[0], t) } -> std::same_as<std::vector<std::pair<Tensor, Tensor>>>;
-  { m.fp8_blocks_for_optimizer(w.layers[0], w.layers[0]) } -> std::same_as<std::vector<typename M::Fp8WeightBlocks>>;  // grads, weights
-  m.fp8_blocks_written();
   m.experts_drop_input(e);
   m.experts_restore_input(e, std::move(buffer));
   m.aggregate_forward(t, a, t, t);

@@ -251,25 +251,15 @@ template <MoeModel M> struct TrainSetup {
         const int64_t flags = count > 0 ? model.expert_known_zero_count(g.layers[l]) : 0;
         expert_known_zero.push_back(Buffer::zeros(DType::i32, device, {flags}));
         expert_known_zero_views.push_back(flags > 0 ? expert_known_zero.back().view() : Tensor{});
-        if (flags > 0) add_expert_parts(rc, l);
+        if (flags > 0)
+          for (const auto& [grad, part] : model.expert_known_zero_parts(g.layers[l], expert_known_zero.back()))
+            known_zero_grads.push_back({grad, part});
       }
     }
     if (state.grads_final(-1)) {
       prolog_known_zero = Buffer::zeros(DType::i32, device, {model.prolog_known_zero_count()});
       prolog_known_zero_view = prolog_known_zero.view();
       for (const auto& [grad, part] : model.prolog_known_zero_parts(g, prolog_known_zero_view)) known_zero_grads.push_back({grad, part});
-    }
-  }
-  // Layer l's expert gradients with their known-zero flags and, with train.fp8, the FP8 blocks AdamW
-  // writes of their weights.
-  void add_expert_parts(const RunConfig& rc, size_t l) {
-    std::vector<typename M::Fp8WeightBlocks> blocks;
-    if (rc.fp8) blocks = model.fp8_blocks_for_optimizer(g.layers[l], w.layers[l]);
-    for (const auto& [grad, part] : model.expert_known_zero_parts(g.layers[l], expert_known_zero.back())) {
-      ShardedParameters::KnownZeroGrads k{grad, part};
-      for (const auto& b : blocks)
-        if (b.grad.data == grad.data) k.fp8 = b.values, k.fp8_transposed = b.transposed;
-      known_zero_grads.push_back(k);
     }
   }
   // The groups and hooks of one micro-batch (the micro-th of `count` in a step; evaluation: -1).
@@ -338,7 +328,6 @@ template <MoeModel M> void optimizer_step(TrainSetup<M>& s, const RunConfig& rc,
   AdamWHyper hyper{m.lr, rc.beta1, rc.beta2, rc.eps, rc.weight_decay, update};
   if (rc.grad_clip > 0 && m.grad_norm > rc.grad_clip) hyper.grad_scale = rc.grad_clip / m.grad_norm;
   s.state.optimizer_step(hyper, s.known_zero_grads);
-  if (rc.fp8) s.model.fp8_blocks_written();
 }
 
 // Forward and backward of this process's micro-batches of one step; returns its summed token

@@ -358,47 +358,25 @@ void Qwen3Moe::experts_forward(Tensor y_perm, Qwen3MoeExpertActivations& e, Buff
   else grouped_linear_forward(y_perm, act, w.experts_down, expert_offsets);
 }
 
-namespace {
-void allocate_fp8(Qwen3Moe::Fp8ExpertWeights& q, const Qwen3MoeLayerWeights& w, Device device) {
-  if (q.gate_up.values.view().data) return;
-  const int64_t E = w.experts_gate_up.size(0), I2 = w.experts_gate_up.size(1), H = w.experts_gate_up.size(2), I = w.experts_down.size(2);
-  q.gate_up = Fp8Buffer::blocks(device, E, I2, H);
-  q.gate_up_t = Fp8Buffer::blocks(device, E, H, I2);
-  q.down = Fp8Buffer::blocks(device, E, H, I);
-  q.down_t = Fp8Buffer::blocks(device, E, I, H);
-}
-}  // namespace
-
-Qwen3Moe::Fp8ExpertWeights& Qwen3Moe::fp8_slot(const Qwen3MoeLayerWeights& w) const {
+const Qwen3Moe::Fp8ExpertWeights& Qwen3Moe::fp8_expert_weights(const Qwen3MoeLayerWeights& w) const {
   MARROW_CHECK(w.layer >= 0 && w.layer < config_.num_layers, "fp8_expert_weights: the layer weights carry no layer index ({}); bind sets it",
                w.layer);
   std::vector<Fp8ExpertWeights>& all = *fp8_weights_;
   if (all.empty()) all.resize(size_t(config_.num_layers));
   Fp8ExpertWeights& q = all[size_t(w.layer)];
-  allocate_fp8(q, w, device_);
-  return q;
-}
-
-const Qwen3Moe::Fp8ExpertWeights& Qwen3Moe::fp8_expert_weights(const Qwen3MoeLayerWeights& w) const {
-  Fp8ExpertWeights& q = fp8_slot(w);
-  if (q.generation == weights_generation() && q.source == w.experts_gate_up.data) return q;
+  if (q.generation == weights_generation() && q.source == w.experts_gate_up.data && q.gate_up.values.view().data) return q;
+  const int64_t E = w.experts_gate_up.size(0), I2 = w.experts_gate_up.size(1), H = w.experts_gate_up.size(2), I = w.experts_down.size(2);
+  if (!q.gate_up.values.view().data) {
+    q.gate_up = Fp8Buffer::blocks(device_, E, I2, H);
+    q.gate_up_t = Fp8Buffer::blocks(device_, E, H, I2);
+    q.down = Fp8Buffer::blocks(device_, E, H, I);
+    q.down_t = Fp8Buffer::blocks(device_, E, I, H);
+  }
   quantize_blocks(q.gate_up.view(), q.gate_up_t.view(), w.experts_gate_up);
   quantize_blocks(q.down.view(), q.down_t.view(), w.experts_down);
   q.generation = weights_generation();
   q.source = w.experts_gate_up.data;
   return q;
-}
-
-std::vector<Qwen3Moe::Fp8WeightBlocks> Qwen3Moe::fp8_blocks_for_optimizer(const Qwen3MoeLayerWeights& grads,
-                                                                           const Qwen3MoeLayerWeights& w) const {
-  Fp8ExpertWeights& q = fp8_slot(w);
-  q.optimizer_writes = true;
-  return {{grads.experts_gate_up, q.gate_up.view(), q.gate_up_t.view()}, {grads.experts_down, q.down.view(), q.down_t.view()}};
-}
-
-void Qwen3Moe::fp8_blocks_written() const {
-  for (Fp8ExpertWeights& q : *fp8_weights_)
-    if (q.optimizer_writes && q.source != nullptr) q.generation = weights_generation();
 }
 
 void Qwen3Moe::fp8_grouped(Tensor y, Tensor x, const Fp8Buffer& w, Tensor expert_offsets) const {

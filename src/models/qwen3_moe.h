@@ -240,22 +240,8 @@ class Qwen3Moe {
     Fp8Buffer gate_up, gate_up_t, down, down_t;
     uint64_t generation = 0;
     const void* source = nullptr;  // the bf16 weights they were made from
-    bool optimizer_writes = false;  // fp8_blocks_for_optimizer handed them out
   };
   const Fp8ExpertWeights& fp8_expert_weights(const Qwen3MoeLayerWeights& w) const;
-
-  // Where the optimizer updates a layer's whole expert weights in this process, it writes their FP8
-  // blocks in its AdamW pass (ops/adamw.h: adamw_step_fp8_blocks) instead of the model quantizing
-  // them again at the next use: for each expert weight of the layer, its gradient in `grads` (how
-  // the optimizer finds its place) and the blocks. After each optimizer step that wrote them,
-  // fp8_blocks_written() marks them current; after any other change of the weights (a checkpoint
-  // loaded) the model quantizes them itself, to the same bits.
-  struct Fp8WeightBlocks {
-    Tensor grad;
-    Fp8Tensor values, transposed;
-  };
-  std::vector<Fp8WeightBlocks> fp8_blocks_for_optimizer(const Qwen3MoeLayerWeights& grads, const Qwen3MoeLayerWeights& w) const;
-  void fp8_blocks_written() const;
   HostSum epilog_forward(Qwen3MoeEpilogActivations& p, Buffer x, const Qwen3MoeBatch& batch, const Qwen3MoeWeights& w,
                          const Qwen3MoeWeights* grads = nullptr, double loss_scale = 1, bool overwrite_grads = false) const;
   // dx (overwritten); loss_scale = d(total loss)/d(sum of token losses), e.g. 1 / counted tokens.
@@ -279,8 +265,6 @@ class Qwen3Moe {
  private:
   Buffer input_norm(Qwen3MoeAttentionActivations& a, const Qwen3MoeLayerWeights& w) const;
   Tensor rope_cos_sin(const Qwen3MoeBatch& batch) const;
-  // Layer w.layer's FP8 weights, their memory allocated (stale until filled).
-  Fp8ExpertWeights& fp8_slot(const Qwen3MoeLayerWeights& w) const;
   // y = x W_e^T per expert through FP8: x quantized by rows for the call, w from fp8_expert_weights.
   void fp8_grouped(Tensor y, Tensor x, const Fp8Buffer& w, Tensor expert_offsets) const;
   std::pair<Buffer, Buffer> attention_inputs(Qwen3MoeAttentionActivations& a, const Qwen3MoeBatch& batch,

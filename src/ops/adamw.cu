@@ -7,7 +7,6 @@
 #include "core/bf16.h"
 #include "core/cuda_check.h"
 #include "ops/common.h"
-#include "ops/fp8_format.h"
 
 #ifdef __CUDACC__
 #include <cuda_bf16.h>
@@ -129,50 +128,6 @@ __global__ void adamw_step_rows_kernel(float* param, __nv_bfloat16* param_bf16, 
   }
 }
 
-// One block of kBlockThreads threads per 128 x 128 block of one matrix of [E, O, I], in two passes.
-// First step_element on the block's elements as adamw_step_rows_kernel walks them, a float4 of each
-// tensor per thread at a time (thread t: columns 4 (t % 32) .. + 3 of rows t / 32 + 8 s, s < 16),
-// which needs few registers and so keeps the loads and FP64 latencies of 32 warps an SM in flight:
-// the first version held the block's 64 values a thread through its update (122 registers, 16
-// warps an SM) and ran at 1.3 TB/s against the plain kernel's 4.0. Then, after a barrier,
-// store_quantized_block of the updated weights read back (from L2: 64 KiB a block, just written),
-// rounded to bf16.
-__global__ void __launch_bounds__(fp8_format::kBlockThreads, 4)
-    adamw_fp8_blocks_kernel(float* param, __nv_bfloat16* param_bf16, float* m, float* v, const float* grad, const int32_t* known_zero,
-                            uint8_t* q, float* scales, uint8_t* qt, float* scales_t, int64_t O, int64_t I, bool vector, Constants k) {
-  using namespace fp8_format;
-  begin_after_previous_grid();
-  const BlockPlace at{blockIdx.z, blockIdx.y, blockIdx.x, gridDim.y, gridDim.x, O, I};
-  const int t = threadIdx.x;
-  const bool zero = known_zero != nullptr && known_zero[at.e] != 0;
-  for (int s = 0; s < kFp8Block * kFp8Block / 4 / kBlockThreads; ++s) {
-    const int64_t o = at.ob * kFp8Block + t / 32 + 8 * s, i = at.ib * kFp8Block + 4 * (t % 32), first = (at.e * O + o) * I + i;
-    if (o >= O || i >= I) continue;
-    if (vector && i + 4 <= I) {
-      step_float4(param, param_bf16, m, v, zero ? make_float4(0.0f, 0.0f, 0.0f, 0.0f) : reinterpret_cast<const float4*>(grad)[first / 4],
-                  first / 4, k);
-      continue;
-    }
-    for (int64_t c = first; c < first + 4 && c - first + i < I; ++c) {
-      step_element(param[c], zero ? 0.0f : grad[c], m[c], v[c], k);
-      if (param_bf16) param_bf16[c] = __float2bfloat16(param[c]);
-    }
-  }
-  __syncthreads();
-  __nv_bfloat162 w[8][4];
-  const float* updated = param + at.e * O * I;
-#pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    const int64_t o = at.ob * kFp8Block + block_row(t, j);
-    float p[8] = {};
-    if (o < O) load8(p, updated, o, at.ib * kFp8Block + block_col(t), I, vector);
-#pragma unroll
-    for (int c = 0; c < 4; ++c) w[j][c] = __floats2bfloat162_rn(p[2 * c], p[2 * c + 1]);
-  }
-  store_quantized_block([&](int j, int c) { return c % 2 ? __high2float(w[j][c / 2]) : __low2float(w[j][c / 2]); }, at, q, scales, qt,
-                        scales_t, vector);
-}
-
 Constants constants(const AdamWHyper& hp) {
   return {hp.grad_scale,
           hp.beta1,
@@ -222,23 +177,6 @@ void launch_step(Tensor param, Tensor param_bf16, Tensor exp_avg, Tensor exp_avg
   auto* p16 = static_cast<__nv_bfloat16*>(param_bf16.data);
   if (vec4) launch_dependent(adamw_step_kernel<true>, blocks, threads, 0, s, p, p16, m, v, grad.ptr<float>(), n, k);
   else launch_dependent(adamw_step_kernel<false>, blocks, threads, 0, s, p, p16, m, v, grad.ptr<float>(), n, k);
-  MARROW_CUDA_CHECK_LAUNCH();
-}
-
-void launch_step_fp8_blocks(Tensor param, Tensor param_bf16, Tensor exp_avg, Tensor exp_avg_sq, Tensor grad, Tensor known_zero,
-                            Fp8Tensor out, Fp8Tensor transposed, const AdamWHyper& hp, Stream stream) {
-  const int64_t E = param.size(0), O = param.size(1), I = param.size(2), OB = (O + kFp8Block - 1) / kFp8Block,
-                IB = (I + kFp8Block - 1) / kFp8Block;
-  if (param.numel() == 0) return;
-  MARROW_CHECK(OB <= 65535 && E <= 65535, "adamw_step_fp8_blocks: weight {} has too many 128-row blocks for one launch", param.shape_string());
-  float *p = param.ptr<float>(), *m = exp_avg.ptr<float>(), *v = exp_avg_sq.ptr<float>();
-  auto* p16 = static_cast<__nv_bfloat16*>(param_bf16.data);
-  auto* q = static_cast<uint8_t*>(out.values.data);
-  auto* qt = static_cast<uint8_t*>(transposed.values.data);
-  const bool vector = packable(I, {p, m, v, grad.data, p16, q}) && packable(O, {qt});
-  launch_dependent(adamw_fp8_blocks_kernel, dim3(unsigned(IB), unsigned(OB), unsigned(E)), dim3(fp8_format::kBlockThreads), 0,
-                   static_cast<cudaStream_t>(stream.handle), p, p16, m, v, grad.ptr<float>(), known_zero.data ? known_zero.ptr<int32_t>() : nullptr,
-                   q, out.scales.ptr<float>(), qt, qt ? transposed.scales.ptr<float>() : nullptr, O, I, vector, constants(hp));
   MARROW_CUDA_CHECK_LAUNCH();
 }
 #endif
@@ -312,33 +250,6 @@ void adamw_step_known_zero(Tensor param, Tensor param_bf16, Tensor exp_avg, Tens
   }
   (void)stream;
   step_on_cpu(op, param, param_bf16, exp_avg, exp_avg_sq, grad, hyper, known_zero.ptr<int32_t>(), param.numel() / known_zero.numel());
-}
-
-void adamw_step_fp8_blocks(Tensor param, Tensor param_bf16, Tensor exp_avg, Tensor exp_avg_sq, Tensor grad, Tensor known_zero, Fp8Tensor out,
-                           Fp8Tensor transposed, const AdamWHyper& hyper, Stream stream) {
-  const char* op = "adamw_step_fp8_blocks";
-  const bool gpu = check_step(op, param, param_bf16, exp_avg, exp_avg_sq, grad, hyper);
-  expect_dtype(op, "param", param, DType::f32);
-  MARROW_CHECK(param.ndim == 3 && grad.ndim == 3 && exp_avg.ndim == 3 && exp_avg_sq.ndim == 3,
-               "{}: param, grad and the moments must be [E, O, I], got param {}", op, param.shape_string());
-  const int64_t E = param.size(0);
-  if (known_zero.data != nullptr) {
-    expect_dtype(op, "known_zero", known_zero, DType::i32);
-    expect_device(op, "known_zero", known_zero, param.device);
-    expect_shape(op, "known_zero", known_zero, {E});
-  }
-  expect_quantize_blocks(op, out, transposed, param);
-  if (gpu) {
-#ifdef __CUDACC__
-    return launch_step_fp8_blocks(param, param_bf16, exp_avg, exp_avg_sq, grad, known_zero, out, transposed, hyper, stream);
-#else
-    no_cuda_kernel(op);
-#endif
-  }
-  (void)stream;
-  step_on_cpu(op, param, param_bf16, exp_avg, exp_avg_sq, grad, hyper, known_zero.data ? known_zero.ptr<int32_t>() : nullptr,
-              E > 0 ? param.numel() / E : 1);
-  quantize_blocks(out, transposed, param);
 }
 
 }  // namespace marrow

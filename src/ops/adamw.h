@@ -12,7 +12,6 @@
 #include <cstdint>
 
 #include "core/tensor.h"
-#include "ops/fp8.h"
 
 namespace marrow {
 
@@ -32,16 +31,5 @@ void adamw_step(Tensor param, Tensor param_bf16, Tensor exp_avg, Tensor exp_avg_
 // of adamw_step over the same values.
 void adamw_step_known_zero(Tensor param, Tensor param_bf16, Tensor exp_avg, Tensor exp_avg_sq, Tensor grad, Tensor known_zero,
                            const AdamWHyper& hyper, Stream stream = {});
-
-// adamw_step_known_zero on a weight that is also computed with as E4M3 128 x 128 blocks
-// (ops/fp8.h, train.fp8): param, exp_avg, exp_avg_sq and grad are f32 [E, O, I]; known_zero is
-// i32 [E] or empty (no flags); out receives the updated weights as quantize_blocks writes them
-// (values [E, O, I]) and so does transposed when its values are given ([E, I, O]). The weights
-// quantized are those the model computes with: rounded to bf16 on the GPU, the f32 master itself on
-// the CPU. The same bits as adamw_step_known_zero followed by quantize_blocks of param_bf16 (GPU) or
-// param (CPU), in one pass: the separate quantization reads every weight again (~1.2 ms a bench
-// layer).
-void adamw_step_fp8_blocks(Tensor param, Tensor param_bf16, Tensor exp_avg, Tensor exp_avg_sq, Tensor grad, Tensor known_zero, Fp8Tensor out,
-                           Fp8Tensor transposed, const AdamWHyper& hyper, Stream stream = {});
 
 }  // namespace marrow

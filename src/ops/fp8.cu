@@ -8,15 +8,31 @@
 #include "core/cuda_check.h"
 #include "ops/common.h"
 
-#include "ops/fp8_format.h"
-
 #ifdef __CUDACC__
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
 #include "ops/cuda_common.cuh"
 #endif
 
 namespace marrow {
 
-using namespace fp8_format;
+// ---- the format, shared by the CPU reference and the kernels -------------------------------------
+
+// With amax = m 2^e (m in [0.5, 1)) and 448 = 0.875 2^9, amax / 2^k <= 448 first holds at k = e - 9
+// when m <= 0.875, else at e - 8. Scales stay normal floats (k >= -126): a block of tiny values
+// then rounds to E4M3's subnormals or zero, as it must.
+#ifdef __CUDACC__
+__host__ __device__
+#endif
+    static inline float block_scale(float amax) {
+  if (!(amax <= std::numeric_limits<float>::max())) return std::numeric_limits<float>::quiet_NaN();
+  if (amax == 0) return 1;
+  int e = 0;
+  const float m = frexpf(amax, &e);
+  const int k = m <= 0.875f ? e - 9 : e - 8;
+  return ldexpf(1.0f, k < -126 ? -126 : k);
+}
 
 float fp8_block_scale(float amax) { return block_scale(amax); }
 
@@ -66,6 +82,14 @@ float load_value(const Tensor& t, int64_t i) {
 
 int64_t blocks_of(int64_t n) { return (n + kFp8Block - 1) / kFp8Block; }
 
+// |v|'s contribution to a block's amax: a NaN must win, which max and fmaxf would drop.
+#ifdef __CUDACC__
+__host__ __device__
+#endif
+    inline float magnitude(float v) {
+  return v != v ? std::numeric_limits<float>::infinity() : std::fabs(v);
+}
+
 // ---- CPU reference -------------------------------------------------------------------------------
 
 void quantize_rows_cpu(Fp8Tensor out, Tensor x) {
@@ -107,6 +131,55 @@ void quantize_blocks_cpu(Fp8Tensor out, Fp8Tensor transposed, Tensor w) {
 
 // ---- CUDA kernels --------------------------------------------------------------------------------
 #ifdef __CUDACC__
+template <typename T> __device__ __forceinline__ float to_float(T v) { return float(v); }
+template <> __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+// NaN (of either sign) as 0x7F, as the CPU reference writes it.
+__device__ __forceinline__ uint8_t to_e4m3(float v) { return isnan(v) ? 0x7F : __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3); }
+
+__device__ __forceinline__ float warp_max(float v) {
+  for (int m = 16; m > 0; m /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, m));
+  return v;
+}
+
+// Eight consecutive values from row `row` at columns col .. col + 7 of a [rows, cols] matrix as f32,
+// zeros past its end: one 16-byte load (two for f32) when all eight lie inside and `vector` (cols a
+// multiple of 8, the base 16-byte aligned), else one load each.
+template <typename T> __device__ __forceinline__ void load8(float (&v)[8], const T* x, int64_t row, int64_t col, int64_t cols, bool vector) {
+  const T* p = x + row * cols + col;
+  if (vector && col + 8 <= cols) {
+    if constexpr (sizeof(T) == 2) {
+      const uint4 raw = *reinterpret_cast<const uint4*>(p);
+      const auto* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float2 f = __bfloat1622float2(h[j]);
+        v[2 * j] = f.x, v[2 * j + 1] = f.y;
+      }
+    } else {
+      const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
+      v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+    }
+    return;
+  }
+#pragma unroll
+  for (int j = 0; j < 8; ++j) v[j] = col + j < cols ? to_float(p[j]) : 0.0f;
+}
+
+// Eight bytes to q[row, col .. col + 7] of a [rows, cols] byte matrix, those past its end left out:
+// one 8-byte store when all lie inside and `vector`, else one each.
+__device__ __forceinline__ void store8(uint8_t* q, const uint8_t (&b)[8], int64_t row, int64_t col, int64_t cols, bool vector) {
+  uint8_t* p = q + row * cols + col;
+  if (vector && col + 8 <= cols) {
+    *reinterpret_cast<uint2*>(p) = make_uint2(uint32_t(b[0]) | uint32_t(b[1]) << 8 | uint32_t(b[2]) << 16 | uint32_t(b[3]) << 24,
+                                              uint32_t(b[4]) | uint32_t(b[5]) << 8 | uint32_t(b[6]) << 16 | uint32_t(b[7]) << 24);
+    return;
+  }
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+    if (col + j < cols) p[j] = b[j];
+}
+
 // Both halves of a warp: the same reduction over the 16 lanes of each.
 __device__ __forceinline__ float half_warp_max(float v) {
   for (int m = 8; m > 0; m /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, m));
@@ -135,24 +208,61 @@ __global__ void quantize_rows_kernel(uint8_t* q, float* scales, const T* x, int6
   if (lane == 0) scales[cb * rows + r] = scale;
 }
 
-// One block of kBlockThreads threads per 128 x 128 block of one expert's weight, in
-// store_quantized_block's layout.
+// One block of 256 threads per 128 x 128 block of one expert's weight: thread t holds columns
+// 8 (t % 16) .. + 7 of rows t / 16 + 16 j. The transposed bytes go out through a shared tile whose
+// rows are 129 bytes apart, so that reading down a column of it touches 16 different banks.
+constexpr int kBlockThreads = 256, kTileStride = kFp8Block + 1;
 template <typename T>
 __global__ void __launch_bounds__(kBlockThreads)
     quantize_blocks_kernel(uint8_t* q, float* scales, uint8_t* qt, float* scales_t, const T* w, int64_t O, int64_t I, bool vector) {
+  __shared__ uint8_t tile[kFp8Block * kTileStride];
+  __shared__ float warp_amax[kBlockThreads / 32];
   begin_after_previous_grid();
-  const BlockPlace at{blockIdx.z, blockIdx.y, blockIdx.x, gridDim.y, gridDim.x, O, I};
-  const int t = threadIdx.x;
-  const T* src = w + at.e * O * I;
+  const int64_t e = blockIdx.z, ob = blockIdx.y, ib = blockIdx.x, OB = gridDim.y, IB = gridDim.x;
+  const int t = threadIdx.x, col = 8 * (t % 16);
+  const T* src = w + e * O * I;
   float v[8][8];
+  float amax = 0;
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
+    const int64_t o = ob * kFp8Block + t / 16 + 16 * j, i = ib * kFp8Block + col;
 #pragma unroll
     for (int c = 0; c < 8; ++c) v[j][c] = 0;
-    const int64_t o = at.ob * kFp8Block + block_row(t, j);
-    if (o < O) load8(v[j], src, o, at.ib * kFp8Block + block_col(t), I, vector);
+    if (o < O) load8(v[j], src, o, i, I, vector);
+#pragma unroll
+    for (int c = 0; c < 8; ++c) amax = fmaxf(amax, magnitude(v[j][c]));
   }
-  store_quantized_block([&](int j, int c) { return v[j][c]; }, at, q, scales, qt, scales_t, vector);
+  amax = warp_max(amax);
+  if (t % 32 == 0) warp_amax[t / 32] = amax;
+  __syncthreads();
+  amax = 0;
+  for (int k = 0; k < kBlockThreads / 32; ++k) amax = fmaxf(amax, warp_amax[k]);
+  const float scale = block_scale(amax), inverse = 1.0f / scale;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const int row = t / 16 + 16 * j;
+    const int64_t o = ob * kFp8Block + row, i = ib * kFp8Block + col;
+    uint8_t b[8];
+#pragma unroll
+    for (int c = 0; c < 8; ++c) {
+      b[c] = to_e4m3(v[j][c] * inverse);
+      tile[row * kTileStride + col + c] = b[c];
+    }
+    if (o < O && i < I) store8(q + e * O * I, b, o, i, I, vector);
+  }
+  if (t == 0) scales[(e * OB + ob) * IB + ib] = scale;
+  if (qt == nullptr) return;
+  if (t == 0) scales_t[(e * IB + ib) * OB + ob] = scale;
+  __syncthreads();
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const int out_row = t / 16 + 16 * j;  // a column of the tile
+    const int64_t i = ib * kFp8Block + out_row, o = ob * kFp8Block + col;
+    uint8_t b[8];
+#pragma unroll
+    for (int c = 0; c < 8; ++c) b[c] = tile[(col + c) * kTileStride + out_row];
+    if (i < I && o < O) store8(qt + e * I * O, b, i, o, O, vector);
+  }
 }
 
 template <typename T> void launch_quantize_rows(Fp8Tensor out, Tensor x, cudaStream_t stream) {
@@ -213,7 +323,8 @@ void quantize_rows(Fp8Tensor out, Tensor x, Stream stream) {
 #endif
 }
 
-Device expect_quantize_blocks(const char* op, const Fp8Tensor& out, const Fp8Tensor& transposed, const Tensor& weight) {
+void quantize_blocks(Fp8Tensor out, Fp8Tensor transposed, Tensor weight, Stream stream) {
+  const char* op = kQuantizeBlocks;
   expect_input(op, weight, 3);
   const int64_t E = weight.size(0), O = weight.size(1), I = weight.size(2);
   expect_dtype(op, "values", out.values, DType::fp8_e4m3);
@@ -228,13 +339,8 @@ Device expect_quantize_blocks(const char* op, const Fp8Tensor& out, const Fp8Ten
     expect_shape(op, "transposed scales", transposed.scales, {E, blocks_of(I), blocks_of(O)});
   }
   Tensor tv = with_transposed ? transposed.values : out.values, ts = with_transposed ? transposed.scales : out.scales;
-  return common_device(op, {{"weight", &weight}, {"values", &out.values}, {"scales", &out.scales}, {"transposed values", &tv},
-                            {"transposed scales", &ts}});
-}
-
-void quantize_blocks(Fp8Tensor out, Fp8Tensor transposed, Tensor weight, Stream stream) {
-  const char* op = kQuantizeBlocks;
-  const Device device = expect_quantize_blocks(op, out, transposed, weight);
+  const Device device = common_device(op, {{"weight", &weight}, {"values", &out.values}, {"scales", &out.scales},
+                                           {"transposed values", &tv}, {"transposed scales", &ts}});
   if (device == Device::cpu) return quantize_blocks_cpu(out, transposed, weight);
 #ifdef __CUDACC__
   const cudaStream_t s = static_cast<cudaStream_t>(stream.handle);

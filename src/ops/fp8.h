@@ -51,8 +51,6 @@ void quantize_rows(Fp8Tensor out, Tensor x, Stream stream = {});
 // values[E, O, I], scales[E, ceil(O / 128), ceil(I / 128)] from weight[E, O, I]; transposed, when
 // its values are given: values[E, I, O], scales[E, ceil(I / 128), ceil(O / 128)].
 void quantize_blocks(Fp8Tensor out, Fp8Tensor transposed, Tensor weight, Stream stream = {});
-// quantize_blocks's checks of its arguments, naming `op` in their messages; returns their device.
-Device expect_quantize_blocks(const char* op, const Fp8Tensor& out, const Fp8Tensor& transposed, const Tensor& weight);
 
 // The f32 values the quantized tensors stand for (CPU only: references and the CPU path).
 void dequantize_rows(Tensor out, Fp8Tensor in);

@@ -436,12 +436,7 @@ void ShardedParameters::adamw_unit(const Unit& u, const AdamWHyper& hyper, std::
   auto update = [&](int64_t begin, int64_t count, const KnownZeroGrads* k) {
     if (count == 0) return;
     const Tensor working = separate ? u.working.reshape({u.chunk}).rows(begin, begin + count) : Tensor{};
-    if (k && k->fp8.values.data) {
-      MARROW_CHECK(k->grad.ndim == 3, "internal: FP8 weight blocks for a gradient of shape {}", k->grad.shape_string());
-      auto as_weight = [&](const Arena& a) { return part(a, begin, count).reshape({k->grad.size(0), k->grad.size(1), k->grad.size(2)}); };
-      adamw_step_fp8_blocks(as_weight(params_), working, as_weight(exp_avg_), as_weight(exp_avg_sq_), as_weight(grads_), k->flags, k->fp8,
-                            k->fp8_transposed, hyper);
-    } else if (k) adamw_step_known_zero(part(params_, begin, count), working, part(exp_avg_, begin, count), part(exp_avg_sq_, begin, count),
+    if (k) adamw_step_known_zero(part(params_, begin, count), working, part(exp_avg_, begin, count), part(exp_avg_sq_, begin, count),
                                  part(grads_, begin, count), k->flags, hyper);
     else adamw_step(part(params_, begin, count), working, part(exp_avg_, begin, count), part(exp_avg_sq_, begin, count),
                     part(grads_, begin, count), hyper);

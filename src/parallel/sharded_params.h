@@ -78,12 +78,8 @@ class ShardedParameters {
 
   // Gradients (views into gradients()) with row flags of ops/known_zero.h: flags[r] set means row r
   // of grad is all zeros. Only where grads_final() holds for their unit.
-  // fp8, where its values are given (train.fp8): the weights of grad's place, [E, O, I] as grad is
-  // shaped, are computed with as E4M3 blocks (and fp8_transposed), which AdamW writes in its pass
-  // (ops/adamw.h: adamw_step_fp8_blocks).
   struct KnownZeroGrads {
     Tensor grad, flags;
-    Fp8Tensor fp8 = {}, fp8_transposed = {};
   };
 
   // One step, in this order: start_step; per micro-batch the forward and backward with the hooks
