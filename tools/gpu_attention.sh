@@ -30,7 +30,8 @@
 # fp8: marrow check --only fp8, the FP8 and AdamW rows of marrow bench --kernels experts, then the bench
 #      config (3 + 27 steps) with train.fp8=false and true on one machine: tokens/s, peaks (against the
 #      estimate), and the first losses of each side by side; FP8_LONG="16384 32768" adds one sequence of each
-#      length a step (3 + 7 steps) with train.fp8 off and on
+#      length a step (3 + 7 steps) with train.fp8 off and on, FP8_GLOBAL="8" the bench config with that many
+#      micro-batches a step
 # plans: marrow bench --attention-plans at the bench's 4,096 (and the lengths in PLAN_SEQS): every plan
 #        cuDNN offers for the forward and the deterministic backward, timed and compared with the op's
 # pairs: the bench config (3 + 27 steps) with train.pair_expert_grads=false, then the default, on one
@@ -228,6 +229,15 @@ if [ "$what" = fp8 ]; then
   done
   python3 -c "import json; l = [[json.loads(x)['loss'] for x in open(f'runs/fp8-{p}/bench/metrics.jsonl')] for p in ('false', 'true')]; \
 print('first losses, bf16 then fp8:'); [print(f'  {a:.5f} {b:.5f}') for a, b in zip(l[0][:8], l[1][:8])]" | tee -a "$out/summary.log"
+  for batch in ${FP8_GLOBAL:-}; do
+    for fp8 in false true; do
+      step "bench config with $batch micro-batches a step, train.fp8=$fp8: 3 warm-up + 7 measured steps"
+      "${bench[@]}" --warmup=3 --steps=7 --train.global_batch=$batch --train.fp8=$fp8 --output.dir=runs/fp8-batch-$batch-$fp8 \
+        > "$out/batch-$batch-fp8-$fp8.log" 2>&1 || fail "bench with global_batch=$batch, train.fp8=$fp8"
+      grep -E "^estimated peak|error" "$out/batch-$batch-fp8-$fp8.log" | head -3
+      sed -n '/^bench:/,$p' "$out/batch-$batch-fp8-$fp8.log" | head -11
+    done
+  done
   for seq in ${FP8_LONG:-}; do
     for fp8 in false true; do
       step "one sequence of $seq tokens per step, train.fp8=$fp8: 3 warm-up + 7 measured steps"
