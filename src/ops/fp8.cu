@@ -186,38 +186,26 @@ __device__ __forceinline__ float half_warp_max(float v) {
   return v;
 }
 
-// Half a warp per (row, block of 128 columns), an item; lane l of the half holds columns 8l .. 8l + 7.
-// Each half warp takes kRowItems items, grid-strided, and loads them all before reducing any: one
-// item a thread (16 bytes in flight) ran at ~2.2 TB/s.
-constexpr int kRowItems = 4;
+// Half a warp per (row, block of 128 columns); lane l of the half holds columns 8l .. 8l + 7.
 template <typename T>
 __global__ void quantize_rows_kernel(uint8_t* q, float* scales, const T* x, int64_t rows, int64_t cols, int64_t col_blocks, bool vector) {
   begin_after_previous_grid();
-  const int64_t half = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 16, halves = int64_t(gridDim.x) * blockDim.x / 16;
-  const int64_t items = rows * col_blocks;
+  const int64_t item = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 16;
+  const bool inside = item < rows * col_blocks;  // both halves of a warp take part in the shuffles
   const int lane = threadIdx.x % 16;
-  float v[kRowItems][8];
+  const int64_t r = inside ? item / col_blocks : 0, cb = inside ? item % col_blocks : 0, c0 = cb * kFp8Block + 8 * lane;
+  float v[8] = {};
+  if (inside) load8(v, x, r, c0, cols, vector);
+  float amax = 0;
 #pragma unroll
-  for (int k = 0; k < kRowItems; ++k) {
-    const int64_t item = half + k * halves, r = item / col_blocks, c0 = item % col_blocks * kFp8Block + 8 * lane;
+  for (int j = 0; j < 8; ++j) amax = fmaxf(amax, magnitude(v[j]));
+  const float scale = block_scale(half_warp_max(amax)), inverse = 1.0f / scale;
+  if (!inside) return;
+  uint8_t b[8];
 #pragma unroll
-    for (int j = 0; j < 8; ++j) v[k][j] = 0;
-    if (item < items) load8(v[k], x, r, c0, cols, vector);
-  }
-#pragma unroll
-  for (int k = 0; k < kRowItems; ++k) {
-    const int64_t item = half + k * halves, r = item / col_blocks, cb = item % col_blocks, c0 = cb * kFp8Block + 8 * lane;
-    float amax = 0;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) amax = fmaxf(amax, magnitude(v[k][j]));
-    const float scale = block_scale(half_warp_max(amax)), inverse = 1.0f / scale;  // both halves of a warp take part
-    if (item >= items) continue;
-    uint8_t b[8];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) b[j] = to_e4m3(v[k][j] * inverse);
-    if (c0 < cols) store8(q, b, r, c0, cols, vector);
-    if (lane == 0) scales[cb * rows + r] = scale;
-  }
+  for (int j = 0; j < 8; ++j) b[j] = to_e4m3(v[j] * inverse);
+  if (c0 < cols) store8(q, b, r, c0, cols, vector);
+  if (lane == 0) scales[cb * rows + r] = scale;
 }
 
 // One block of 256 threads per 128 x 128 block of one expert's weight: thread t holds columns
@@ -310,8 +298,7 @@ template <typename T> void launch_quantize_rows(Fp8Tensor out, Tensor x, cudaStr
   if (items == 0) return;
   const int threads = 256;
   const bool vector = packable(C, {x.data, out.values.data});
-  const int64_t halves = (items + kRowItems - 1) / kRowItems;
-  launch_dependent(quantize_rows_kernel<T>, dim3(unsigned((halves * 16 + threads - 1) / threads)), dim3(threads), 0, stream,
+  launch_dependent(quantize_rows_kernel<T>, dim3(unsigned((items * 16 + threads - 1) / threads)), dim3(threads), 0, stream,
                    static_cast<uint8_t*>(out.values.data), out.scales.ptr<float>(), static_cast<const T*>(x.data), R, C, CB, vector);
   MARROW_CUDA_CHECK_LAUNCH();
 }
