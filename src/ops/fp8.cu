@@ -303,7 +303,7 @@ template <typename T> void launch_quantize_rows(Fp8Tensor out, Tensor x, cudaStr
   if (items == 0) return;
   const int threads = 256;
   const bool vector = packable(C, {x.data, out.values.data});
-  MARROW_CHECK(items * 8 < (int64_t(1) << 32), "{}: x {} has too many 128-column blocks for one launch", kQuantizeRows, x.shape_string());
+  MARROW_CHECK(items * 8 <= (int64_t(1) << 31), "{}: x {} has too many 128-column blocks for one launch", kQuantizeRows, x.shape_string());
   launch_dependent(quantize_rows_kernel<T>, dim3(unsigned((items * 8 + threads - 1) / threads)), dim3(threads), 0, stream,
                    static_cast<uint8_t*>(out.values.data), out.scales.ptr<float>(), static_cast<const T*>(x.data), R, C, uint32_t(CB),
                    uint32_t(items), vector);
