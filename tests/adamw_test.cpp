@@ -145,5 +145,70 @@ TEST(AdamW, KnownZeroRowsAreTheBitsOfZeroGradients) {
   }
 }
 
+const uint16_t* bf16_bits(const Buffer& b) { return static_cast<const uint16_t*>(b.view().data); }
+
+// bf16 moments (optimizer.moments = "bf16") from zero: each is the f32 moment rounded to bf16, and
+// the update that reads them back moves param within 1% of one step of the f32 path's.
+TEST(AdamW, Bf16MomentsAreTheF32MomentsRounded) {
+  const int64_t n = 257;
+  const double lr = 1e-2;
+  Buffer p32 = random_buffer(DType::f32, {n}, 5), p16 = random_buffer(DType::f32, {n}, 5), g = random_buffer(DType::f32, {n}, 6);
+  Buffer m32 = Buffer::zeros(DType::f32, Device::cpu, {n}), v32 = Buffer::zeros(DType::f32, Device::cpu, {n});
+  Buffer m16 = Buffer::zeros(DType::bf16, Device::cpu, {n}), v16 = Buffer::zeros(DType::bf16, Device::cpu, {n});
+  const AdamWHyper hp{lr, 0.9, 0.95, 1e-8, 0.1, 1};
+  adamw_step(p32, {}, m32, v32, g, hp);
+  adamw_step(p16, {}, m16, v16, g, hp);
+  int rounded = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    EXPECT_EQ(bf16_bits(m16)[i], float_to_bf16(m32.ptr<float>()[i])) << i;
+    EXPECT_EQ(bf16_bits(v16)[i], float_to_bf16(v32.ptr<float>()[i])) << i;
+    EXPECT_LE(std::abs(p16.ptr<float>()[i] - p32.ptr<float>()[i]), 0.01 * lr) << i;
+    rounded += bf16_to_float(bf16_bits(m16)[i]) != m32.ptr<float>()[i];
+  }
+  EXPECT_GT(rounded, n / 2);  // the rounding happened: few f32 values are bf16 already
+}
+
+// Over 300 steps of noisy gradients (beta2 = 0.95, the largest the config allows is 0.99), v in bf16
+// keeps following v in f32: rounding to nearest leaves no drift that builds up.
+TEST(AdamW, Bf16MomentsFollowF32MomentsOverManySteps) {
+  const int64_t n = 512;
+  Buffer p32 = Buffer::zeros(DType::f32, Device::cpu, {n}), p16 = Buffer::zeros(DType::f32, Device::cpu, {n});
+  Buffer m32 = Buffer::zeros(DType::f32, Device::cpu, {n}), v32 = Buffer::zeros(DType::f32, Device::cpu, {n});
+  Buffer m16 = Buffer::zeros(DType::bf16, Device::cpu, {n}), v16 = Buffer::zeros(DType::bf16, Device::cpu, {n});
+  for (int64_t step = 1; step <= 300; ++step) {
+    Buffer g = random_buffer(DType::f32, {n}, 100 + uint64_t(step), 1e-3);
+    const AdamWHyper hp{1e-3, 0.9, 0.95, 1e-8, 0.1, step};
+    adamw_step(p32, {}, m32, v32, g, hp);
+    adamw_step(p16, {}, m16, v16, g, hp);
+  }
+  double v_error = 0, p_error = 0, p_scale = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    v_error = std::max(v_error, std::abs(double(bf16_to_float(bf16_bits(v16)[i])) / v32.ptr<float>()[i] - 1));
+    p_error = std::max(p_error, double(std::abs(p16.ptr<float>()[i] - p32.ptr<float>()[i])));
+    p_scale = std::max(p_scale, double(std::abs(p32.ptr<float>()[i])));
+  }
+  EXPECT_LT(v_error, 0.05);
+  EXPECT_LT(p_error, 0.02 * p_scale);
+}
+
+TEST(AdamW, RejectsBf16MomentsWithF64ParamAndMixedMoments) {
+  Buffer p(DType::f64, Device::cpu, {4}), g(DType::f64, Device::cpu, {4}), m(DType::bf16, Device::cpu, {4}),
+      v(DType::bf16, Device::cpu, {4}), m32(DType::f32, Device::cpu, {4}), p32(DType::f32, Device::cpu, {4}),
+      g32(DType::f32, Device::cpu, {4});
+  const AdamWHyper hp{1e-3, 0.9, 0.95, 1e-8, 0, 1};
+  try {
+    adamw_step(p, {}, m, v, g, hp);
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(), "adamw_step: the moments are bf16 but param is f64: they take param's dtype, or bf16 with f32 param");
+  }
+  try {
+    adamw_step(p32, {}, m32, v, g32, hp);
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(), "adamw_step: exp_avg_sq has dtype bf16 but exp_avg has f32");
+  }
+}
+
 }  // namespace
 }  // namespace marrow

@@ -78,6 +78,16 @@ TEST(MemoryEstimate, ChunksArePaddedPerUnit) {
   EXPECT_EQ(one.bytes(BillGroup::weights), 0);
 }
 
+TEST(MemoryEstimate, Bf16MomentsHalveTheMomentsItems) {
+  const SmallTable t;
+  RunConfig rc = small_run();
+  rc.moments = "bf16";
+  const MemoryBill bill = small_bill(rc, t, 4, Device::cpu);
+  EXPECT_EQ(item(bill, "AdamW exp_avg (bf16)"), 2 * 17);
+  EXPECT_EQ(item(bill, "AdamW exp_avg_sq (bf16)"), 2 * 17);
+  EXPECT_EQ(bill.bytes(BillGroup::state), (4 + 4 + 2 + 2) * 17);
+}
+
 TEST(MemoryEstimate, KeptUnitsAgainstLayerSlots) {
   const SmallTable t;
   // Slots: embedding, LM head, norms whole (12 + 12 + 4); layers as bf16 shards (2 x (2 + 3)) and

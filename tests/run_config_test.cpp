@@ -121,6 +121,17 @@ TEST(RunConfig, RefusesNonFiniteAndOutOfRangeNumbersAtParseTime) {
   EXPECT_EQ(parse_error({"--checkpoint.allow_changes=data,tokenizer", "--optimizer.beta2=0"}), "no error");
 }
 
+TEST(RunConfig, Bf16MomentsNeedABeta2TheyCanHold) {
+  EXPECT_EQ(parse_error({"--optimizer.moments=bf16"}), "no error");
+  EXPECT_EQ(parse_error({"--optimizer.moments=bf16", "--optimizer.beta2=0.99"}), "no error");
+  EXPECT_EQ(parse_error({"--optimizer.moments=bf16", "--optimizer.beta2=0.999"}),
+            MARROW_SOURCE_DIR "/configs/tiny-moe.toml: optimizer.moments = \"bf16\" needs optimizer.beta2 <= 0.99, got 0.999: a bf16 "
+                              "moment holds 8 significant bits, and v's per-step change of 0.001 would round away (use fp32 moments)");
+  EXPECT_EQ(parse_error({"--optimizer.beta2=0.999"}), "no error");
+  EXPECT_NE(parse_error({"--optimizer.moments=fp16"}).find("--optimizer.moments: fp16 not in {fp32,bf16}"), std::string::npos)
+      << parse_error({"--optimizer.moments=fp16"});
+}
+
 TEST(RunConfig, ParallelSizesMustBePositive) {
   EXPECT_NE(parse_error({"--parallel.ep=0"}).find("--parallel.ep"), std::string::npos);
   EXPECT_NE(parse_error({"--parallel.timeout_s=-1"}).find("--parallel.timeout_s"), std::string::npos);

@@ -285,6 +285,10 @@ void bench_fp8_grouped(const std::string& name, Tensor offsets, Tensor x, Tensor
   Buffer copy(DType::bf16, Device::cuda, {E, out, in}), known = Buffer::zeros(DType::i32, Device::cuda, {E});
   const AdamWHyper hyper{1e-4, 0.9, 0.95, 1e-8, 0.1, 1};
   memory_row(name + " adamw + bf16 copy", 30 * double(E * out * in), [&] { adamw_step_known_zero(param, copy, m, v, grad, known, hyper); });
+  // The same with the moments in bf16 (optimizer.moments): 22 bytes an element.
+  Buffer m16 = Buffer::zeros(DType::bf16, Device::cuda, {E, out, in}), v16 = Buffer::zeros(DType::bf16, Device::cuda, {E, out, in});
+  memory_row(name + " adamw + bf16 copy, bf16 moments", 22 * double(E * out * in),
+             [&] { adamw_step_known_zero(param, copy, m16, v16, grad, known, hyper); });
 }
 
 // group: "" all, "attention" the attention rows only, "experts" the expert GEMM rows only.

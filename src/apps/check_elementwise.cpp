@@ -9,6 +9,7 @@
 #include <string>
 
 #include "apps/check.h"
+#include "core/bf16.h"
 #include "core/rng.h"
 #include "ops/adamw.h"
 #include "ops/add.h"
@@ -622,6 +623,43 @@ void check_adamw_known_zero(CheckReport& report, int64_t rows, int64_t per_row) 
   report.expect_equal("adamw_step_known_zero param_bf16 " + size, copy_d, copy);
 }
 
+// A host bf16 copy of a host f32 tensor (rounded to nearest).
+Buffer host_bf16(Tensor host_f32) {
+  Buffer out(DType::bf16, Device::cpu, {host_f32.numel()});
+  for (int64_t i = 0; i < host_f32.numel(); ++i) static_cast<uint16_t*>(out.view().data)[i] = float_to_bf16(host_f32.ptr<float>()[i]);
+  return out;
+}
+
+// optimizer.moments = "bf16": the moments stored in bf16, over n elements shifted by `offset` (1:
+// off alignment, the scalar path) or, with rows > 0, adamw_step_known_zero over rows of n / rows
+// (every third flagged). Bit for bit against the CPU, moments and weights.
+void check_adamw_bf16_moments(CheckReport& report, int64_t n, int64_t offset, int64_t rows) {
+  const std::string size = rows > 0 ? fmt::format("{} rows of {}", rows, n / rows) : fmt::format("n={}{}", n, offset ? " unaligned" : "");
+  AdamWHyper hyper{1e-3, 0.9, 0.95, 1e-8, 0.1, 3};
+  hyper.grad_scale = 0.37;
+  Buffer param = random_host({n + offset}, 90), grad = random_host({n + offset}, 91), m32 = random_host({n + offset}, 92, 0.1),
+         v32 = random_host({n + offset}, 93, 0.01);
+  for (int64_t i = 0; i < n + offset; ++i) v32.ptr<float>()[i] = std::abs(v32.ptr<float>()[i]);
+  Buffer m = host_bf16(m32), v = host_bf16(v32), known(DType::i32, Device::cpu, {std::max<int64_t>(rows, 1)});
+  for (int64_t r = 0; r < rows; ++r) known.ptr<int32_t>()[r] = r % 3 == 1;
+  OnDevice param_d(param, DType::f32), grad_d(grad, DType::f32);
+  const Buffer m_d = to_device(m32, DType::bf16), v_d = to_device(v32, DType::bf16), known_d = to_device(known, DType::i32);
+  Buffer copy(DType::bf16, Device::cpu, {n + offset}), copy_d = poisoned(DType::bf16, {n + offset});
+  auto tail = [&](Tensor t) { return t.rows(offset, n + offset); };
+  if (rows > 0) {
+    adamw_step_known_zero(tail(param), tail(copy), tail(m), tail(v), tail(grad), known, hyper);
+    adamw_step_known_zero(tail(param_d), tail(copy_d), tail(m_d), tail(v_d), tail(grad_d), known_d, hyper);
+  } else {
+    adamw_step(tail(param), tail(copy), tail(m), tail(v), tail(grad), hyper);
+    adamw_step(tail(param_d), tail(copy_d), tail(m_d), tail(v_d), tail(grad_d), hyper);
+  }
+  const std::string op = rows > 0 ? "adamw_step_known_zero bf16 moments " : "adamw_step bf16 moments ";
+  report.compare(op + "param " + size, param_d, param, kSameOrder);
+  report.expect_equal(op + "exp_avg " + size, tail(m_d), tail(m));
+  report.expect_equal(op + "exp_avg_sq " + size, tail(v_d), tail(v));
+  report.expect_equal(op + "param_bf16 " + size, tail(copy_d), tail(copy));
+}
+
 // Rows an embedding step did not see: zero gradient and moments (+0 and -0). AdamW skips the square
 // root and the divisions for them (ops/adamw.cu); the results are known exactly: the moments become
 // +0 and the weight only decays, float(double(param) * decay). lr and weight_decay make decay
@@ -732,6 +770,10 @@ void check_elementwise_ops(CheckReport& report) {
   check_sum_squares_known_zero(report, 4, 37, 72);
   check_sum_squares_known_zero(report, 5, 37, 75);
   check_adamw_zero_moments(report, 37 * 75);
+  check_adamw_bf16_moments(report, 37 * 75, 0, 0);
+  check_adamw_bf16_moments(report, 37 * 75, 1, 0);
+  check_adamw_bf16_moments(report, 7 * 36, 0, 7);
+  check_adamw_bf16_moments(report, 5 * 37, 0, 5);
   check_grad_norm(report, 37 * 75, 0);
   check_grad_norm(report, 37 * 75, 1);
 

@@ -18,6 +18,7 @@
 #include <set>
 #include <thread>
 
+#include "core/bf16.h"
 #include "core/progress.h"
 #include "core/safetensors.h"
 #include "core/sha256.h"
@@ -106,7 +107,7 @@ Json run_config_json(const RunConfig& rc) {
             {"seed", rc.seed}, {"device", rc.device}, {"aux_loss_coef", rc.aux_loss_coef}, {"max_bad_steps", rc.max_bad_steps}}},
           {"optimizer",
            {{"lr", rc.lr}, {"min_lr", rc.min_lr}, {"beta1", rc.beta1}, {"beta2", rc.beta2}, {"eps", rc.eps},
-            {"weight_decay", rc.weight_decay}, {"grad_clip", rc.grad_clip}}},
+            {"weight_decay", rc.weight_decay}, {"grad_clip", rc.grad_clip}, {"moments", rc.moments}}},
           {"schedule", {{"kind", rc.schedule}, {"warmup_steps", rc.warmup_steps}, {"decay_fraction", rc.decay_fraction}}},
           {"checkpoint",
            {{"every", rc.checkpoint_every}, {"keep", rc.checkpoint_keep}, {"resume", rc.checkpoint_resume},
@@ -136,6 +137,30 @@ std::vector<std::pair<size_t, size_t>> files_of(const std::vector<TensorPiece>& 
 }
 
 bool is_whole(const TensorPiece& p, const TensorSpec& s) { return p.first == 0 && p.count == s.numel; }
+
+// Checkpoints hold f32 whatever the arenas keep: bf16 moments (optimizer.moments) widen exactly on
+// save and round back to the same bits on load, so any run config reads any checkpoint.
+// Copies src (any device, f32 or bf16) into dst (host f32).
+void copy_to_f32(Tensor dst, Tensor src) {
+  if (src.dtype == DType::f32) return copy(dst, src);
+  Buffer staged(src.dtype, Device::cpu, {src.numel()});
+  copy(staged.view(), src);
+  MARROW_CHECK(src.dtype == DType::bf16, "internal: checkpoint arenas are f32 or bf16, got {}", dtype_name(src.dtype));
+  const auto* from = static_cast<const uint16_t*>(staged.view().data);
+  float* to = dst.ptr<float>();
+  for (int64_t i = 0; i < src.numel(); ++i) to[i] = bf16_to_float(from[i]);
+}
+
+// Copies src (host f32) into dst (any device, f32 or bf16: rounded to nearest).
+void copy_from_f32(Tensor dst, Tensor src) {
+  if (dst.dtype == DType::f32) return copy(dst, src);
+  MARROW_CHECK(dst.dtype == DType::bf16, "internal: checkpoint arenas are f32 or bf16, got {}", dtype_name(dst.dtype));
+  Buffer staged(DType::bf16, Device::cpu, {src.numel()});
+  auto* to = static_cast<uint16_t*>(staged.view().data);
+  const float* from = src.ptr<float>();
+  for (int64_t i = 0; i < src.numel(); ++i) to[i] = float_to_bf16(from[i]);
+  copy(dst, staged.view());
+}
 
 }  // namespace
 
@@ -172,7 +197,7 @@ Json write_checkpoint_part(const std::string& tmp, const std::vector<TensorSpec>
         const TensorPiece& p = pieces[i];
         const TensorSpec& spec = specs.at(p.spec);
         Tensor dst = host.view().rows(at, at + p.count);
-        copy(dst, arena->slice(p.offset, {p.count}));
+        copy_to_f32(dst, arena->slice(p.offset, {p.count}));
         entries.push_back({spec.name, host_view(dst.data, DType::f32, is_whole(p, spec) ? spec.shape : std::vector<int64_t>{p.count})});
         if (!is_whole(p, spec)) slices[spec.name] = {{"first", p.first}, {"count", p.count}, {"shape", spec.shape}};
         at += p.count;
@@ -381,7 +406,7 @@ void load_checkpoint_pieces(const Checkpoint& c, const std::string& group, const
       const int64_t first = std::max(at, s.first), end = std::min(p.first + p.count, s.first + s.count);
       if (first != at || first >= end) continue;
       const Tensor src = s.file->get(spec.name).reshape({s.count}).rows(first - s.first, end - s.first);
-      copy(arena.slice(p.offset + first - p.first, {end - first}), src);
+      copy_from_f32(arena.slice(p.offset + first - p.first, {end - first}), src);
       at = end;
     }
     MARROW_CHECK(at == p.first + p.count, "checkpoint {} lacks elements [{}, {}) of tensor '{}' in its {} files: a part is missing",

@@ -57,17 +57,22 @@ std::vector<Unit> cut_units(const std::vector<TensorSpec>& specs, int64_t num_la
 
 std::string mib(int64_t bytes) { return fmt::format("{:.1f} MiB", bytes / kMiB); }
 
-// fp32 master weights, gradients and AdamW moments: this process's chunks.
-void add_state(MemoryBill& bill, const std::vector<Unit>& units) {
+// fp32 master weights and gradients, the AdamW moments in their storage: this process's chunks.
+void add_state(MemoryBill& bill, const std::vector<Unit>& units, DType moments) {
   int64_t chunks = 0, whole = 0;
   for (const Unit& u : units) {
     chunks += u.chunk;
     whole += u.numel;
   }
-  const std::string note = chunks == whole ? fmt::format("{:.2f}M elements x 4 B, whole", whole / 1e6)
-                                           : fmt::format("{:.2f}M of {:.2f}M elements x 4 B (shards)", chunks / 1e6, whole / 1e6);
-  for (const char* name : {"fp32 master weights", "fp32 gradients", "AdamW exp_avg (fp32)", "AdamW exp_avg_sq (fp32)"})
-    bill.items.push_back({BillGroup::state, name, 4 * chunks, note});
+  auto note = [&](int64_t size) {
+    return chunks == whole ? fmt::format("{:.2f}M elements x {} B, whole", whole / 1e6, size)
+                           : fmt::format("{:.2f}M of {:.2f}M elements x {} B (shards)", chunks / 1e6, whole / 1e6, size);
+  };
+  for (const char* name : {"fp32 master weights", "fp32 gradients"}) bill.items.push_back({BillGroup::state, name, 4 * chunks, note(4)});
+  const int64_t size = int64_t(dtype_size(moments));
+  const std::string dtype = moments == DType::bf16 ? "bf16" : "fp32", key = moments == DType::bf16 ? "; optimizer.moments" : "";
+  for (const char* name : {"exp_avg", "exp_avg_sq"})
+    bill.items.push_back({BillGroup::state, fmt::format("AdamW {} ({})", name, dtype), size * chunks, note(size) + key});
 }
 
 // Compute copies of the weights and whole fp32 gradients. On the CPU the model computes on the fp32
@@ -431,7 +436,7 @@ MemoryBill rank_bill(const RunConfig& rc, const EstimatedModel& m, const MeshSha
                                        rank, 2 * mesh.pp - 1 - rank));
   const bool cast_on_use = !rc.bf16_weight_copy && device == Device::cuda;
   const std::vector<Unit> units = cut_units(m.specs, m.num_layers, held, groups.dense, groups.expert, keep_gathered, keep_whole_grads, cast_on_use);
-  add_state(bill, units);
+  add_state(bill, units, moments_dtype(rc));
   add_weights(bill, units, device, rc.fp8);
   if (pipelined) add_pipeline_activations(bill, rc, m, mesh, device, {chunks, mesh.pp, rank, micro_batches});
   else
@@ -566,5 +571,7 @@ std::string format_bill(const MemoryBill& bill, double gpu_bytes) {
                     : fmt::format("does NOT fit in {:.2f} GiB of GPU memory: {:.2f} GiB over\n", gpu_bytes / kGiB, -spare / kGiB);
   return out;
 }
+
+DType moments_dtype(const RunConfig& rc) { return rc.moments == "bf16" ? DType::bf16 : DType::f32; }
 
 }  // namespace marrow

@@ -62,6 +62,9 @@ struct EstimatedModel {
   std::function<ModelActivationBytes(int64_t, int64_t, int64_t)> activation_bytes;
 };
 
+// The AdamW moments' storage that optimizer.moments names.
+DType moments_dtype(const RunConfig& rc);
+
 // The layout of `world` processes under rc's [parallel] sizes, as the trainer builds it, with one
 // sentence for a layout it refuses.
 MeshShape estimate_mesh(const RunConfig& rc, int64_t num_experts, int64_t world);

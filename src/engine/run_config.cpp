@@ -193,6 +193,7 @@ void add_run_config_options(CLI::App& app, RunConfig& rc, std::string& profile_s
   app.add_option("--optimizer.eps", rc.eps)->check(kPositive);
   app.add_option("--optimizer.weight_decay", rc.weight_decay)->check(kNonNegative);
   app.add_option("--optimizer.grad_clip", rc.grad_clip)->check(kNonNegative);
+  app.add_option("--optimizer.moments", rc.moments)->check(CLI::IsMember({"fp32", "bf16"}));
   app.add_option("--schedule.kind", rc.schedule)->check(CLI::IsMember({"cosine", "wsd"}));
   app.add_option("--schedule.warmup_steps", rc.warmup_steps)->check(kCountOrZero);
   app.add_option("--schedule.decay_fraction", rc.decay_fraction)->check(kFraction);
@@ -265,6 +266,10 @@ RunConfig parse_run_config(int argc, char** argv) {
   MARROW_CHECK(rc.warmup_steps <= rc.steps, "{}: schedule.warmup_steps ({}) exceeds train.steps ({})", rc.source, rc.warmup_steps,
                rc.steps);
   MARROW_CHECK(rc.min_lr <= rc.lr, "{}: optimizer.min_lr ({}) exceeds optimizer.lr ({})", rc.source, rc.min_lr, rc.lr);
+  MARROW_CHECK(rc.moments != "bf16" || rc.beta2 <= 0.99,
+               "{}: optimizer.moments = \"bf16\" needs optimizer.beta2 <= 0.99, got {}: a bf16 moment holds 8 significant bits, and "
+               "v's per-step change of {:g} would round away (use fp32 moments)",
+               rc.source, rc.beta2, 1 - rc.beta2);
   if (app.count("--profile-steps") > 0) {
     std::smatch range;
     if (!std::regex_match(profile_steps, range, std::regex(R"((\d{1,18}):(\d{1,18}))"))) bad_profile_steps(rc.steps, profile_steps);

@@ -236,7 +236,7 @@ template <MoeModel M> struct TrainSetup {
         model_tensors(M(config, dtype, device).specs().size()),
         chunks(rc.uses_dualpipev() ? pipeline_layout<M>(rc, config, mesh.world.size(), device) : std::vector<PipelineChunk>{}),
         state(model.specs(), model.num_layers(), held_stages(chunks, config.num_layers, mesh), mesh, rc.keep_gathered || rc.uses_dualpipev(),
-              rc.keep_whole_grads || rc.uses_dualpipev(), !rc.bf16_weight_copy, device, dtype) {
+              rc.keep_whole_grads || rc.uses_dualpipev(), !rc.bf16_weight_copy, device, dtype, moments_dtype(rc)) {
     if (mesh.shape.ep > 1) experts.emplace(mesh.ep, config.num_experts);
     if (mesh.shape.pp > 1) links = PipelineLinks::create(mesh.pipeline);
     state.initialize([&](Tensor out, const TensorSpec& spec, int64_t first) { model.initialize(out, spec, first, rc.seed); });

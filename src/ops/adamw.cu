@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "core/bf16.h"
 #include "core/cuda_check.h"
@@ -18,27 +19,39 @@ namespace marrow {
 
 namespace {
 
-// In torch's order of operations (the moments are rounded to T before use; the denominator is
-// sqrt(v) / sqrt(1 - beta2^step) + eps), so results stay as close to torch's as the double
-// intermediates allow.
+// A moment as stored: T itself, or (moments in bf16) the value rounded to float, then to bf16.
+template <typename T> struct StoredMoment {
+  using Storage = T;
+  static double load(T x) { return double(x); }
+  static T store(double x) { return T(x); }
+};
+template <> struct StoredMoment<uint16_t> {
+  using Storage = uint16_t;
+  static double load(uint16_t x) { return double(bf16_to_float(x)); }
+  static uint16_t store(double x) { return float_to_bf16(float(x)); }
+};
+
+// In torch's order of operations (the moments are rounded to their storage before use; the
+// denominator is sqrt(v) / sqrt(1 - beta2^step) + eps), so results stay as close to torch's as the
+// double intermediates allow. M: the moments' storage, T or uint16_t (bf16).
 // param_bf16 may be null; known_zero (null: none): rows of `per_row` elements whose gradient is
 // taken as zero without reading it (a zero's sign never shows: m + (-0) = m, (-0)^2 = +0).
-template <typename T>
-void step_cpu(T* param, uint16_t* param_bf16, T* m, T* v, const T* grad, int64_t n, const AdamWHyper& hp,
+template <typename T, typename M>
+void step_cpu(T* param, uint16_t* param_bf16, M* m, M* v, const T* grad, int64_t n, const AdamWHyper& hp,
               const int32_t* known_zero = nullptr, int64_t per_row = 1) {
+  using Moment = StoredMoment<M>;
   const double decay = 1 - hp.lr * hp.weight_decay;
   const double step_size = hp.lr / (1 - std::pow(hp.beta1, double(hp.step)));
   const double bias2_sqrt = std::sqrt(1 - std::pow(hp.beta2, double(hp.step)));
   for (int64_t i = 0; i < n; ++i) {
     const double g = known_zero && known_zero[i / per_row] ? 0.0 : double(grad[i]) * hp.grad_scale;
-    m[i] = T(hp.beta1 * m[i] + (1 - hp.beta1) * g);
-    v[i] = T(hp.beta2 * v[i] + (1 - hp.beta2) * g * g);
-    const double denom = std::sqrt(double(v[i])) / bias2_sqrt + hp.eps;
-    param[i] = T(double(param[i]) * decay - step_size * double(m[i]) / denom);
+    m[i] = Moment::store(hp.beta1 * Moment::load(m[i]) + (1 - hp.beta1) * g);
+    v[i] = Moment::store(hp.beta2 * Moment::load(v[i]) + (1 - hp.beta2) * g * g);
+    const double denom = std::sqrt(Moment::load(v[i])) / bias2_sqrt + hp.eps;
+    param[i] = T(double(param[i]) * decay - step_size * Moment::load(m[i]) / denom);
     if (param_bf16) param_bf16[i] = float_to_bf16(float(param[i]));
   }
 }
-
 
 #ifdef __CUDACC__
 // The step's constants, computed on the host exactly as step_cpu computes them.
@@ -46,85 +59,111 @@ struct Constants {
   double grad_scale, beta1, one_minus_beta1, beta2, one_minus_beta2, decay, step_size, bias2_sqrt, eps;
 };
 
+// A moment as its storage holds it: the float itself, or (bf16 storage) the float rounded to bf16.
+__device__ __forceinline__ float stored(float x, float) { return x; }
+__device__ __forceinline__ float stored(float x, __nv_bfloat16) { return __bfloat162float(__float2bfloat16_rn(x)); }
+
 // step_cpu's formula in double, each operation rounded on its own (__d*_rn: no fused
 // multiply-adds, as the CPU computes it), so GPU and CPU results agree bit for bit. A zero moment
 // skips the square root and divisions whose results it knows exactly (0 / x = 0 of the
 // numerator's sign for x > 0): their zero operands take the slow paths of __dsqrt_rn and
 // __ddiv_rn, and the rows of an embedding that a step did not see are zero for many steps.
+// M: the moments' storage (float or __nv_bfloat16); m and v come back as it holds them.
+template <typename M>
 __device__ void step_element(float& param, float grad, float& m, float& v, const Constants& k) {
   const double g = __dmul_rn(double(grad), k.grad_scale);
-  m = float(__dadd_rn(__dmul_rn(k.beta1, m), __dmul_rn(k.one_minus_beta1, g)));
-  v = float(__dadd_rn(__dmul_rn(k.beta2, v), __dmul_rn(__dmul_rn(k.one_minus_beta2, g), g)));
+  m = stored(float(__dadd_rn(__dmul_rn(k.beta1, m), __dmul_rn(k.one_minus_beta1, g))), M{});
+  v = stored(float(__dadd_rn(__dmul_rn(k.beta2, v), __dmul_rn(__dmul_rn(k.one_minus_beta2, g), g))), M{});
   const double denom = v == 0.0f ? k.eps : __dadd_rn(__ddiv_rn(__dsqrt_rn(double(v)), k.bias2_sqrt), k.eps);
   const double scaled_m = __dmul_rn(k.step_size, double(m));
   const double update = m == 0.0f && denom > 0 ? scaled_m : __ddiv_rn(scaled_m, denom);
   param = float(__dsub_rn(__dmul_rn(double(param), k.decay), update));
 }
 
+// Four consecutive values (element 4i on) of a float or bf16 array; bf16 stores round to nearest.
+__device__ __forceinline__ float4 load4(const float* p, int64_t i) { return reinterpret_cast<const float4*>(p)[i]; }
+__device__ __forceinline__ float4 load4(const __nv_bfloat16* p, int64_t i) {
+  const uint2 packed = reinterpret_cast<const uint2*>(p)[i];
+  const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&packed.x));
+  const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&packed.y));
+  return make_float4(lo.x, lo.y, hi.x, hi.y);
+}
+__device__ __forceinline__ void store4(float* p, int64_t i, float4 x) { reinterpret_cast<float4*>(p)[i] = x; }
+__device__ __forceinline__ void store4(__nv_bfloat16* p, int64_t i, float4 x) {
+  const __nv_bfloat162 lo = __floats2bfloat162_rn(x.x, x.y), hi = __floats2bfloat162_rn(x.z, x.w);
+  uint2 packed;
+  packed.x = *reinterpret_cast<const uint32_t*>(&lo);
+  packed.y = *reinterpret_cast<const uint32_t*>(&hi);
+  reinterpret_cast<uint2*>(p)[i] = packed;
+}
+
 // Float4 i of the tensors with gradient g; param_bf16 may be null.
-__device__ __forceinline__ void step_float4(float* param, __nv_bfloat16* param_bf16, float* m, float* v, float4 g, int64_t i,
-                                            const Constants& k) {
-  float4 p = reinterpret_cast<float4*>(param)[i], mm = reinterpret_cast<float4*>(m)[i], vv = reinterpret_cast<float4*>(v)[i];
-  step_element(p.x, g.x, mm.x, vv.x, k);
-  step_element(p.y, g.y, mm.y, vv.y, k);
-  step_element(p.z, g.z, mm.z, vv.z, k);
-  step_element(p.w, g.w, mm.w, vv.w, k);
-  reinterpret_cast<float4*>(param)[i] = p;
-  reinterpret_cast<float4*>(m)[i] = mm;
-  reinterpret_cast<float4*>(v)[i] = vv;
-  if (param_bf16) {
-    const __nv_bfloat162 lo = __floats2bfloat162_rn(p.x, p.y), hi = __floats2bfloat162_rn(p.z, p.w);
-    uint2 packed;
-    packed.x = *reinterpret_cast<const uint32_t*>(&lo);
-    packed.y = *reinterpret_cast<const uint32_t*>(&hi);
-    reinterpret_cast<uint2*>(param_bf16)[i] = packed;
-  }
+template <typename M>
+__device__ __forceinline__ void step_float4(float* param, __nv_bfloat16* param_bf16, M* m, M* v, float4 g, int64_t i, const Constants& k) {
+  float4 p = load4(param, i), mm = load4(m, i), vv = load4(v, i);
+  step_element<M>(p.x, g.x, mm.x, vv.x, k);
+  step_element<M>(p.y, g.y, mm.y, vv.y, k);
+  step_element<M>(p.z, g.z, mm.z, vv.z, k);
+  step_element<M>(p.w, g.w, mm.w, vv.w, k);
+  store4(param, i, p);
+  store4(m, i, mm);
+  store4(v, i, vv);
+  if (param_bf16) store4(param_bf16, i, p);
+}
+
+__device__ __forceinline__ float load1(const float* p, int64_t i) { return p[i]; }
+__device__ __forceinline__ float load1(const __nv_bfloat16* p, int64_t i) { return __bfloat162float(p[i]); }
+__device__ __forceinline__ void store1(float* p, int64_t i, float x) { p[i] = x; }
+__device__ __forceinline__ void store1(__nv_bfloat16* p, int64_t i, float x) { p[i] = __float2bfloat16_rn(x); }
+
+// One element of the tail (the n % 4 left after the float4s).
+template <typename M>
+__device__ __forceinline__ void step_one(float* param, __nv_bfloat16* param_bf16, M* m, M* v, float g, int64_t i, const Constants& k) {
+  float mi = load1(m, i), vi = load1(v, i);
+  step_element<M>(param[i], g, mi, vi, k);
+  store1(m, i, mi);
+  store1(v, i, vi);
+  if (param_bf16) store1(param_bf16, i, param[i]);
 }
 
 // Elementwise, grid-stride: one thread per float4 of the four tensors when all are 16-byte
-// aligned (and param_bf16, if any, 8-byte aligned) (Vec4), then the n % 4 tail one element per
-// thread. param_bf16 may be null. (Loading the next float4s before computing the current ones
-// measured no faster: the large calls run at ~4.1 TB/s with the FP64 pipe busy.)
-template <bool Vec4>
-__global__ void adamw_step_kernel(float* param, __nv_bfloat16* param_bf16, float* m, float* v, const float* grad, int64_t n,
-                            Constants k) {
+// aligned (the bf16 ones 8-byte) (Vec4), then the n % 4 tail one element per thread. param_bf16
+// may be null. M: the moments' storage. (Loading the next float4s before computing the current
+// ones measured no faster: the large calls run at ~4.1 TB/s with the FP64 pipe busy.)
+template <bool Vec4, typename M>
+__global__ void adamw_step_kernel(float* param, __nv_bfloat16* param_bf16, M* m, M* v, const float* grad, int64_t n, Constants k) {
   begin_after_previous_grid();
   const int64_t first = blockIdx.x * int64_t(blockDim.x) + threadIdx.x, stride = int64_t(gridDim.x) * blockDim.x;
   int64_t done = 0;
   if (Vec4) {
-    for (int64_t i = first; i < n / 4; i += stride) step_float4(param, param_bf16, m, v, reinterpret_cast<const float4*>(grad)[i], i, k);
+    for (int64_t i = first; i < n / 4; i += stride) step_float4(param, param_bf16, m, v, load4(grad, i), i, k);
     done = n / 4 * 4;
   }
-  for (int64_t i = done + first; i < n; i += stride) {
-    step_element(param[i], grad[i], m[i], v[i], k);
-    if (param_bf16) param_bf16[i] = __float2bfloat16(param[i]);
-  }
+  for (int64_t i = done + first; i < n; i += stride) step_one(param, param_bf16, m, v, grad[i], i, k);
 }
 
 // adamw_step_kernel over rows blockIdx.y, + gridDim.y, ... of `per_row` elements of each tensor,
 // whose gradient is taken as zero without reading it where known_zero[row] is set (Vec4: per_row a
 // multiple of 4 too). Rows beyond the grid's 65,535 (an embedding's vocabulary) come round again.
-template <bool Vec4>
-__global__ void adamw_step_rows_kernel(float* param, __nv_bfloat16* param_bf16, float* m, float* v, const float* grad,
-                                       const int32_t* known_zero, int64_t rows, int64_t per_row, Constants k) {
+template <bool Vec4, typename M>
+__global__ void adamw_step_rows_kernel(float* param, __nv_bfloat16* param_bf16, M* m, M* v, const float* grad, const int32_t* known_zero,
+                                       int64_t rows, int64_t per_row, Constants k) {
   begin_after_previous_grid();
   const int64_t first = blockIdx.x * int64_t(blockDim.x) + threadIdx.x, stride = int64_t(gridDim.x) * blockDim.x;
   for (int64_t row = blockIdx.y; row < rows; row += gridDim.y) {
     const int64_t offset = row * per_row;
     const bool zero = known_zero[row] != 0;
-    float *p = param + offset, *mr = m + offset, *vr = v + offset;
+    float* p = param + offset;
+    M *mr = m + offset, *vr = v + offset;
     const float* g = grad + offset;
     __nv_bfloat16* p16 = param_bf16 ? param_bf16 + offset : nullptr;
     int64_t done = 0;
     if (Vec4) {
       for (int64_t i = first; i < per_row / 4; i += stride)
-        step_float4(p, p16, mr, vr, zero ? make_float4(0.0f, 0.0f, 0.0f, 0.0f) : reinterpret_cast<const float4*>(g)[i], i, k);
+        step_float4(p, p16, mr, vr, zero ? make_float4(0.0f, 0.0f, 0.0f, 0.0f) : load4(g, i), i, k);
       done = per_row / 4 * 4;
     }
-    for (int64_t i = done + first; i < per_row; i += stride) {
-      step_element(p[i], zero ? 0.0f : g[i], mr[i], vr[i], k);
-      if (p16) p16[i] = __float2bfloat16(p[i]);
-    }
+    for (int64_t i = done + first; i < per_row; i += stride) step_one(p, p16, mr, vr, zero ? 0.0f : g[i], i, k);
   }
 }
 
@@ -140,11 +179,16 @@ Constants constants(const AdamWHyper& hp) {
           hp.eps};
 }
 
-// Whether the float4 path takes the tensors (all 16-byte aligned, param_bf16 8).
+// Whether the float4 path takes the tensors (the fp32 ones 16-byte aligned, the bf16 ones 8).
 bool takes_vec4(const Tensor& param, const Tensor& param_bf16, const Tensor& exp_avg, const Tensor& exp_avg_sq, const Tensor& grad) {
-  return (reinterpret_cast<uintptr_t>(param.data) | reinterpret_cast<uintptr_t>(grad.data) | reinterpret_cast<uintptr_t>(exp_avg.data) |
-          reinterpret_cast<uintptr_t>(exp_avg_sq.data)) % 16 == 0 &&
-         reinterpret_cast<uintptr_t>(param_bf16.data) % 8 == 0;
+  auto aligned = [](const Tensor& t) { return reinterpret_cast<uintptr_t>(t.data) % (t.dtype == DType::bf16 ? 8 : 16) == 0; };
+  return aligned(param) && aligned(grad) && aligned(exp_avg) && aligned(exp_avg_sq) && reinterpret_cast<uintptr_t>(param_bf16.data) % 8 == 0;
+}
+
+// Calls f with the moments' device pointers, typed by their storage (f32 or bf16).
+template <typename F> void with_moments(const Tensor& exp_avg, const Tensor& exp_avg_sq, F&& f) {
+  if (exp_avg.dtype == DType::bf16) f(static_cast<__nv_bfloat16*>(exp_avg.data), static_cast<__nv_bfloat16*>(exp_avg_sq.data));
+  else f(exp_avg.ptr<float>(), exp_avg_sq.ptr<float>());
 }
 
 void launch_step_rows(Tensor param, Tensor param_bf16, Tensor exp_avg, Tensor exp_avg_sq, Tensor grad, Tensor known_zero,
@@ -157,11 +201,14 @@ void launch_step_rows(Tensor param, Tensor param_bf16, Tensor exp_avg, Tensor ex
   const dim3 grid(unsigned(std::max<int64_t>(1, std::min<int64_t>((per_row / (vec4 ? 4 : 1) + threads) / threads, 8192 / rows))),
                   unsigned(std::min<int64_t>(rows, 65535)));
   auto s = static_cast<cudaStream_t>(stream.handle);
-  float *p = param.ptr<float>(), *m = exp_avg.ptr<float>(), *v = exp_avg_sq.ptr<float>();
+  float* p = param.ptr<float>();
   auto* p16 = static_cast<__nv_bfloat16*>(param_bf16.data);
   const int32_t* flags = known_zero.ptr<int32_t>();
-  if (vec4) launch_dependent(adamw_step_rows_kernel<true>, grid, threads, 0, s, p, p16, m, v, grad.ptr<float>(), flags, rows, per_row, k);
-  else launch_dependent(adamw_step_rows_kernel<false>, grid, threads, 0, s, p, p16, m, v, grad.ptr<float>(), flags, rows, per_row, k);
+  with_moments(exp_avg, exp_avg_sq, [&](auto* m, auto* v) {
+    using M = std::remove_pointer_t<decltype(m)>;
+    if (vec4) launch_dependent(adamw_step_rows_kernel<true, M>, grid, threads, 0, s, p, p16, m, v, grad.ptr<float>(), flags, rows, per_row, k);
+    else launch_dependent(adamw_step_rows_kernel<false, M>, grid, threads, 0, s, p, p16, m, v, grad.ptr<float>(), flags, rows, per_row, k);
+  });
   MARROW_CUDA_CHECK_LAUNCH();
 }
 
@@ -173,10 +220,13 @@ void launch_step(Tensor param, Tensor param_bf16, Tensor exp_avg, Tensor exp_avg
   const bool vec4 = takes_vec4(param, param_bf16, exp_avg, exp_avg_sq, grad);
   const int threads = 256, blocks = int(std::min<int64_t>((n / (vec4 ? 4 : 1) + threads) / threads, 8192));
   auto s = static_cast<cudaStream_t>(stream.handle);
-  float *p = param.ptr<float>(), *m = exp_avg.ptr<float>(), *v = exp_avg_sq.ptr<float>();
+  float* p = param.ptr<float>();
   auto* p16 = static_cast<__nv_bfloat16*>(param_bf16.data);
-  if (vec4) launch_dependent(adamw_step_kernel<true>, blocks, threads, 0, s, p, p16, m, v, grad.ptr<float>(), n, k);
-  else launch_dependent(adamw_step_kernel<false>, blocks, threads, 0, s, p, p16, m, v, grad.ptr<float>(), n, k);
+  with_moments(exp_avg, exp_avg_sq, [&](auto* m, auto* v) {
+    using M = std::remove_pointer_t<decltype(m)>;
+    if (vec4) launch_dependent(adamw_step_kernel<true, M>, blocks, threads, 0, s, p, p16, m, v, grad.ptr<float>(), n, k);
+    else launch_dependent(adamw_step_kernel<false, M>, blocks, threads, 0, s, p, p16, m, v, grad.ptr<float>(), n, k);
+  });
   MARROW_CUDA_CHECK_LAUNCH();
 }
 #endif
@@ -190,7 +240,11 @@ bool check_step(const char* op, const Tensor& param, const Tensor& param_bf16, c
   const bool copy = param_bf16.data != nullptr;
   for (auto [name, t] : {std::pair{"grad", &grad}, std::pair{"exp_avg", &exp_avg}, std::pair{"exp_avg_sq", &exp_avg_sq}})
     MARROW_CHECK(t->numel() == param.numel(), "{}: {} has {} elements but param has {}", op, name, t->numel(), param.numel());
-  expect_same_dtype(op, {{"param", &param}, {"grad", &grad}, {"exp_avg", &exp_avg}, {"exp_avg_sq", &exp_avg_sq}});
+  expect_same_dtype(op, {{"param", &param}, {"grad", &grad}});
+  expect_same_dtype(op, {{"exp_avg", &exp_avg}, {"exp_avg_sq", &exp_avg_sq}});
+  MARROW_CHECK(exp_avg.dtype == param.dtype || (exp_avg.dtype == DType::bf16 && param.dtype == DType::f32),
+               "{}: the moments are {} but param is {}: they take param's dtype, or bf16 with f32 param", op, dtype_name(exp_avg.dtype),
+               dtype_name(param.dtype));
   MARROW_CHECK(hyper.step >= 1, "{}: step is 1-based, got {}", op, hyper.step);
   MARROW_CHECK(0 <= hyper.beta1 && hyper.beta1 < 1 && 0 <= hyper.beta2 && hyper.beta2 < 1,
                "{}: beta1 and beta2 must be in [0, 1), got {} and {}", op, hyper.beta1, hyper.beta2);
@@ -210,10 +264,13 @@ bool check_step(const char* op, const Tensor& param, const Tensor& param_bf16, c
 // step_cpu over the tensors' scalar type (known_zero: rows of per_row elements, may be null).
 void step_on_cpu(const char* op, Tensor param, Tensor param_bf16, Tensor exp_avg, Tensor exp_avg_sq, Tensor grad, const AdamWHyper& hyper,
                  const int32_t* known_zero, int64_t per_row) {
+  auto* copy = param_bf16.data ? static_cast<uint16_t*>(param_bf16.data) : nullptr;
   with_cpu_scalar(op, param, [&](auto s) {
     using T = decltype(s);
-    step_cpu<T>(param.ptr<T>(), param_bf16.data ? static_cast<uint16_t*>(param_bf16.data) : nullptr, exp_avg.ptr<T>(),
-                exp_avg_sq.ptr<T>(), grad.ptr<T>(), param.numel(), hyper, known_zero, per_row);
+    if (exp_avg.dtype == DType::bf16)
+      step_cpu(param.ptr<T>(), copy, static_cast<uint16_t*>(exp_avg.data), static_cast<uint16_t*>(exp_avg_sq.data), grad.ptr<T>(),
+               param.numel(), hyper, known_zero, per_row);
+    else step_cpu(param.ptr<T>(), copy, exp_avg.ptr<T>(), exp_avg_sq.ptr<T>(), grad.ptr<T>(), param.numel(), hyper, known_zero, per_row);
   });
 }
 }  // namespace

@@ -80,7 +80,7 @@ int64_t ShardedParameters::shard_elements(const std::vector<Unit>& units) {
 
 ShardedParameters::ShardedParameters(const std::vector<TensorSpec>& specs, int64_t num_layers, const std::vector<int64_t>& stage_chunk,
                                      const Mesh& mesh, bool keep_gathered, bool keep_whole_grads, bool cast_on_use, Device device,
-                                     DType compute)
+                                     DType compute, DType moments)
     : specs_(specs),
       num_layers_(num_layers),
       device_(device),
@@ -88,8 +88,8 @@ ShardedParameters::ShardedParameters(const std::vector<TensorSpec>& specs, int64
       units_(cut_units(specs, num_layers, stage_chunk, mesh, keep_gathered, keep_whole_grads, cast_on_use && compute != DType::f32)),
       params_("parameters", DType::f32, device, shard_elements(units_)),
       grads_("gradients", DType::f32, device, shard_elements(units_)),
-      exp_avg_("adam exp_avg", DType::f32, device, shard_elements(units_)),
-      exp_avg_sq_("adam exp_avg_sq", DType::f32, device, shard_elements(units_)) {
+      exp_avg_(moments == DType::f32 ? "adam exp_avg" : "adam exp_avg (bf16)", moments, device, shard_elements(units_)),
+      exp_avg_sq_(moments == DType::f32 ? "adam exp_avg_sq" : "adam exp_avg_sq (bf16)", moments, device, shard_elements(units_)) {
   by_stage_.resize(size_t(num_layers + 2));
   for (size_t i = 0; i < units_.size(); ++i) by_stage_[size_t(units_[i].stage + 1)].push_back(i);
   for (const std::vector<size_t>& stage : by_stage_)

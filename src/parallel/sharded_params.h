@@ -48,13 +48,14 @@ class ShardedParameters {
  public:
   // compute: the dtype the model computes in (bf16 on the GPU, f32 on the CPU). stage_chunk[stage
   // + 1]: the pipeline chunk holding each stage (-1 prolog .. num_layers epilog), -1 where another
-  // pipeline rank holds it.
+  // pipeline rank holds it. moments: the AdamW moments' storage, f32 or bf16 (ops/adamw.h).
   ShardedParameters(const std::vector<TensorSpec>& specs, int64_t num_layers, const std::vector<int64_t>& stage_chunk, const Mesh& mesh,
-                    bool keep_gathered, bool keep_whole_grads, bool cast_on_use, Device device, DType compute);
+                    bool keep_gathered, bool keep_whole_grads, bool cast_on_use, Device device, DType compute,
+                    DType moments = DType::f32);
   ShardedParameters(const ShardedParameters&) = delete;
   ShardedParameters& operator=(const ShardedParameters&) = delete;
 
-  // This rank's shards, fp32, units one after another in table order.
+  // This rank's shards, fp32 (the moments in their storage dtype), units one after another in table order.
   const Arena& params() const { return params_; }
   const Arena& grads() const { return grads_; }
   const Arena& exp_avg() const { return exp_avg_; }

@@ -3,6 +3,8 @@
 - Bit-exact resume: 2N straight steps == N steps, save, resume, N more (every loss, final weights and
   AdamW moments bitwise); a SIGTERM mid-run saves, exits 0 and the same command finishes the run,
   again bitwise equal to the straight run.
+- optimizer.moments = bf16: resume bit-exact; the moments saved as f32 holding bf16 values; an fp32
+  checkpoint resumed with bf16 moments.
 - Crash safety: a run SIGKILLed while saving resumes from the previous complete checkpoint; a truncated
   or corrupted shard, a missing file and a checkpoint of another model each stop with one sentence
   naming the file. Only the newest checkpoint.keep checkpoints are kept.
@@ -124,6 +126,30 @@ def resume(c):
     check(code == 0 and "the run is complete" in out and losses(path("straight")) == straight,
           "rerunning a finished run says it is complete and changes nothing")
     c.straight, c.last, c.files, c.meta = straight, last, files, meta
+
+
+def bf16_moments(c):
+    """optimizer.moments = bf16: resume bit-exact, moments saved as bf16 values, and an fp32 checkpoint read by a bf16 run."""
+    m, path, N = c.m, c.path, c.N
+    bf16 = "--optimizer.moments=bf16"
+    code, out, err = m.train(path("bf16-straight"), f"--checkpoint.every={N}", bf16)
+    check(code == 0 and "adam exp_avg (bf16)" in out, f"a run with bf16 moments trains, its moments' arenas bf16 {err[-300:]}")
+    straight = losses(path("bf16-straight"))
+    check(straight[0] == c.straight[0] and straight != c.straight and abs(straight[-1] - c.straight[-1]) < 0.02 * c.straight[-1],
+          f"bf16 moments: the first loss is fp32's, later ones differ by little ({straight[-1]:.4f} against {c.straight[-1]:.4f})")
+    last = path("bf16-straight", f"step-{2 * N:08d}")
+    moments = [t for f in checkpoint_files(last) if f.startswith("exp_avg") for t in load_file(os.path.join(last, f)).values()]
+    check(moments and all(t.dtype == torch.float32 and torch.equal(t, t.to(torch.bfloat16).to(torch.float32)) for t in moments),
+          f"bf16 moments are saved as f32 holding bf16 values ({len(moments)} tensors)")
+    code, out, err = m.train(path("bf16-resumed"), f"--checkpoint.every={N}", bf16, "--resume",
+                             path("bf16-straight", f"step-{N:08d}"))
+    check(code == 0 and losses(path("bf16-resumed")) == straight[N:] and
+          same_files(last, path("bf16-resumed", f"step-{2 * N:08d}"), checkpoint_files(last)),
+          f"bf16 moments: resumed losses, weights and moments bitwise equal to the straight run's {err[-300:]}")
+    code, out, err = m.train(path("bf16-from-fp32"), bf16, "--resume", path("straight", f"step-{N:08d}"))
+    resumed = losses(path("bf16-from-fp32")) if code == 0 else []
+    check(code == 0 and resumed[:1] == c.straight[N:N + 1] and resumed[1:] != c.straight[N + 1:],
+          f"a bf16-moments run resumes an fp32 checkpoint (its first loss is the checkpoint's) {err[-300:]}")
 
 
 def preemption(c):
@@ -328,7 +354,7 @@ def main():
 
     with tempfile.TemporaryDirectory() as tmp:
         c = types.SimpleNamespace(m=m, N=N, model_forward=model_forward, path=lambda *p: os.path.join(tmp, *p))
-        for section in (resume, preemption, kill_during_save, damaged_checkpoints, export, import_export, continued_pretraining, sample):
+        for section in (resume, bf16_moments, preemption, kill_during_save, damaged_checkpoints, export, import_export, continued_pretraining, sample):
             section(c)
 
     print("PASS" if not FAILURES else "FAIL")

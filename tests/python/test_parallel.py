@@ -488,6 +488,22 @@ def test_fp8_layouts(tmp):
     compare_runs("train.fp8, DP=2 x EP=2 vs EP=2", dirs["EP=2"], dirs["DP=2 x EP=2"], 5, bound=1e-5, moment_bound=1e-2)
 
 
+def test_bf16_moments_layouts(tmp):
+    # optimizer.moments = "bf16" under FSDP and EP: the shards of the moments are bf16 arenas, saved
+    # widened to f32. The layouts' ~1e-7 differences can move a moment across a bf16 rounding step
+    # (1/256 of it), so moments agree within a few bf16 steps of the tensor's largest and weights within 1e-5;
+    # a shard placed or saved at a wrong offset would miss by orders of magnitude.
+    runs = {name: LAYOUTS[name] for name in ("one process", "DP=2 (FSDP)", "DP=2 x EP=2")}
+    strict = [f"--model.config={all_experts_config(tmp)}", *SMOOTH_OPTIMIZER, "--checkpoint.every=5", "--optimizer.moments=bf16"]
+    dirs, outs = train_runs(runs, strict, "bf16-moments-", tmp, "optimizer.moments = bf16")
+    check(all("adam exp_avg (bf16)" in out for out in outs.values()), "every layout prints its moments' arenas as bf16")
+    for name in ("DP=2 (FSDP)", "DP=2 x EP=2"):
+        compare_runs(f"bf16 moments, {name} vs one process", dirs["one process"], dirs[name], 5, bound=1e-5, moment_bound=2e-2)
+    moments = [t for k, t in checkpoint_tensors(os.path.join(dirs["DP=2 (FSDP)"], "step-00000005")).items() if k[0] != "weights"]
+    check(all(torch.equal(t, t.to(torch.bfloat16).to(torch.float32)) for t in moments) and moments,
+          f"bf16 moments, DP=2 (FSDP): every saved moment is a bf16 value ({len(moments)} tensors)")
+
+
 def main():
     global ARGS, COMMON
     parser = argparse.ArgumentParser()
@@ -499,7 +515,7 @@ def main():
     COMMON = ["configs/tiny-moe.toml", f"--data.path={corpus}/corpus", "--train.steps=5", "--train.global_batch=8",
               "--train.seq_len=32", "--schedule.warmup_steps=1", "--eval.every=0", "--train.device=cpu"]
     torch.set_printoptions(precision=10)
-    tests = [test_pipeline, test_context_parallel, test_layouts, test_fp8_layouts, test_initial_weights, test_resume_on_other_layouts,
+    tests = [test_pipeline, test_context_parallel, test_layouts, test_fp8_layouts, test_bf16_moments_layouts, test_initial_weights, test_resume_on_other_layouts,
              test_full_node, test_fail_fast, test_bad_layouts]
     with tempfile.TemporaryDirectory() as tmp:
         for test in tests:

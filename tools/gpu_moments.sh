@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# The AdamW moments in bf16 (optimizer.moments) on one H200. Run on the GPU machine from the
+# repository root after tools/gpu_prepare.sh here (device tool, carry [".gpu-carry"]):
+#   tools/gpu_moments.sh <log-dir> [check|bench|long|all]
+# check: marrow check --only elementwise (AdamW with bf16 moments bit for bit against the CPU among
+#        its rows); the AdamW rows of marrow bench --kernels experts (fp32 and bf16 moments)
+# bench: the bench config (3 + 27 steps) with optimizer.moments = fp32, then bf16, on one machine:
+#        tokens/s, peaks against the estimate, and the 30 losses side by side
+# long:  one sequence per step (3 + 7 steps): 16,384 tokens with fp32 and bf16 moments, 32,768 with
+#        bf16 (MOMENTS_LONG="16384:fp32 16384:bf16 32768:bf16" by default)
+# Ends with PASS or FAIL; logs in <log-dir>.
+set -uo pipefail
+out=${1:-$OUT}
+what=${2:-all}
+source "$(dirname "$0")/gpu_common.sh"
+bench=(build-gpu/marrow bench configs/bench.toml --data.path=.gpu-carry/qwen3 --checkpoint.every=0)
+
+if [ "$what" = check ] || [ "$what" = all ]; then
+  step "marrow check --only elementwise"
+  timeout 300 build-gpu/marrow check --only elementwise > "$out/check-elementwise.log" 2>&1
+  grep -E "FAIL|checks,|error" "$out/check-elementwise.log" | head -20
+  grep -E "bf16 moments" "$out/check-elementwise.log" | head -20 >> "$out/summary.log"
+  grep -q '^PASS$' "$out/check-elementwise.log" || fail "marrow check --only elementwise"
+  step "AdamW rows of marrow bench --kernels experts"
+  timeout 240 build-gpu/marrow bench --kernels experts > "$out/kernels.log" 2>&1 || fail "bench --kernels experts"
+  grep -E "^kernel|adamw" "$out/kernels.log" | tee -a "$out/summary.log"
+fi
+
+if [ "$what" = bench ] || [ "$what" = all ]; then
+  for moments in fp32 bf16; do
+    step "bench config, optimizer.moments = $moments: 3 warm-up + 27 measured steps"
+    timeout 240 "${bench[@]}" --warmup=3 --steps=27 --optimizer.moments=$moments --output.dir=runs/moments-$moments \
+      > "$out/bench-$moments.log" 2>&1 || fail "bench with $moments moments"
+    grep -E "^estimated peak|error" "$out/bench-$moments.log" | head -3 | tee -a "$out/summary.log"
+    grep -E "^bench:" "$out/bench-$moments.log" | tee -a "$out/summary.log"
+  done
+  python3 - runs/moments-fp32/bench/metrics.jsonl runs/moments-bf16/bench/metrics.jsonl <<'PY' | tee -a "$out/summary.log"
+import json, sys
+a, b = ([json.loads(x)["loss"] for x in open(f)] for f in sys.argv[1:3])
+for i, (x, y) in enumerate(zip(a, b)):
+    print(f"step {i + 1:2d}  fp32 {x:.6f}  bf16 {y:.6f}  relative {(y - x) / x:+.2e}")
+print(f"largest relative difference {max(abs(y - x) / x for x, y in zip(a, b)):.2e}; mean of the last 10: fp32 "
+      f"{sum(a[-10:]) / 10:.5f}, bf16 {sum(b[-10:]) / 10:.5f}")
+PY
+fi
+
+if [ "$what" = long ] || [ "$what" = all ]; then
+  for run in ${MOMENTS_LONG:-16384:fp32 16384:bf16 32768:bf16}; do
+    seq=${run%:*} moments=${run#*:}
+    step "one sequence of $seq tokens a step, optimizer.moments = $moments: 3 warm-up + 7 measured steps"
+    timeout 240 "${bench[@]}" --warmup=3 --steps=7 --train.seq_len=$seq --train.global_batch=1 --train.micro_batch=1 \
+      --optimizer.moments=$moments --output.dir=runs/long-$seq-$moments > "$out/long-$seq-$moments.log" 2>&1 \
+      || fail "bench at $seq tokens with $moments moments"
+    grep -E "^estimated peak|error" "$out/long-$seq-$moments.log" | head -3 | tee -a "$out/summary.log"
+    sed -n '/^bench:/,$p' "$out/long-$seq-$moments.log" | head -12 | tee -a "$out/summary.log"
+  done
+fi
+
+if [ $status -eq 0 ]; then echo PASS | tee -a "$out/summary.log"; else echo FAIL | tee -a "$out/summary.log"; fi
+exit $status
