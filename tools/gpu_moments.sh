@@ -6,8 +6,9 @@
 #        its rows); the AdamW rows of marrow bench --kernels experts (fp32 and bf16 moments)
 # bench: the bench config (3 + 27 steps) with optimizer.moments = fp32, then bf16, on one machine:
 #        tokens/s, peaks against the estimate, and the 30 losses side by side
-# long:  one sequence per step (3 + 7 steps): 16,384 tokens with fp32 and bf16 moments, 32,768 with
-#        bf16 (MOMENTS_LONG="16384:fp32 16384:bf16 32768:bf16" by default)
+# long:  one sequence per step (3 + MOMENTS_STEPS steps, default 7): 16,384 tokens with fp32 and bf16
+#        moments, 32,768 with bf16 (MOMENTS_LONG="16384:fp32 16384:bf16 32768:bf16" by default; an entry
+#        may repeat, for rounds on one machine)
 # Ends with PASS or FAIL; logs in <log-dir>.
 set -uo pipefail
 out=${1:-$OUT}
@@ -45,14 +46,16 @@ PY
 fi
 
 if [ "$what" = long ] || [ "$what" = all ]; then
+  round=0
   for run in ${MOMENTS_LONG:-16384:fp32 16384:bf16 32768:bf16}; do
-    seq=${run%:*} moments=${run#*:}
-    step "one sequence of $seq tokens a step, optimizer.moments = $moments: 3 warm-up + 7 measured steps"
-    timeout 240 "${bench[@]}" --warmup=3 --steps=7 --train.seq_len=$seq --train.global_batch=1 --train.micro_batch=1 \
-      --optimizer.moments=$moments --output.dir=runs/long-$seq-$moments > "$out/long-$seq-$moments.log" 2>&1 \
+    seq=${run%:*} moments=${run#*:} round=$((round + 1)) steps=${MOMENTS_STEPS:-7}
+    log="$out/long-$seq-$moments-$round.log"
+    step "one sequence of $seq tokens a step, optimizer.moments = $moments: 3 warm-up + $steps measured steps"
+    timeout 240 "${bench[@]}" --warmup=3 --steps=$steps --train.seq_len=$seq --train.global_batch=1 --train.micro_batch=1 \
+      --optimizer.moments=$moments --output.dir=runs/long-$seq-$moments-$round > "$log" 2>&1 \
       || fail "bench at $seq tokens with $moments moments"
-    grep -E "^estimated peak|error" "$out/long-$seq-$moments.log" | head -3 | tee -a "$out/summary.log"
-    sed -n '/^bench:/,$p' "$out/long-$seq-$moments.log" | head -12 | tee -a "$out/summary.log"
+    grep -E "^estimated peak|error" "$log" | head -3 | tee -a "$out/summary.log"
+    sed -n '/^bench:/,$p' "$log" | head -12 | tee -a "$out/summary.log"
   done
 fi
 

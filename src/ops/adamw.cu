@@ -97,18 +97,42 @@ __device__ __forceinline__ void store4(__nv_bfloat16* p, int64_t i, float4 x) {
   reinterpret_cast<uint2*>(p)[i] = packed;
 }
 
-// Float4 i of the tensors with gradient g; param_bf16 may be null.
+// Float4 i of param, the moments and the gradient, loaded.
+struct Float4s {
+  float4 p, m, v, g;
+};
 template <typename M>
-__device__ __forceinline__ void step_float4(float* param, __nv_bfloat16* param_bf16, M* m, M* v, float4 g, int64_t i, const Constants& k) {
-  float4 p = load4(param, i), mm = load4(m, i), vv = load4(v, i);
-  step_element<M>(p.x, g.x, mm.x, vv.x, k);
-  step_element<M>(p.y, g.y, mm.y, vv.y, k);
-  step_element<M>(p.z, g.z, mm.z, vv.z, k);
-  step_element<M>(p.w, g.w, mm.w, vv.w, k);
-  store4(param, i, p);
-  store4(m, i, mm);
-  store4(v, i, vv);
-  if (param_bf16) store4(param_bf16, i, p);
+__device__ __forceinline__ Float4s load_float4s(const float* param, const M* m, const M* v, const float* grad, int64_t i) {
+  return {load4(param, i), load4(m, i), load4(v, i), grad ? load4(grad, i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f)};
+}
+
+// Steps float4 i (loaded in x) and stores it; param_bf16 may be null.
+template <typename M>
+__device__ __forceinline__ void step_float4(float* param, __nv_bfloat16* param_bf16, M* m, M* v, Float4s x, int64_t i, const Constants& k) {
+  step_element<M>(x.p.x, x.g.x, x.m.x, x.v.x, k);
+  step_element<M>(x.p.y, x.g.y, x.m.y, x.v.y, k);
+  step_element<M>(x.p.z, x.g.z, x.m.z, x.v.z, k);
+  step_element<M>(x.p.w, x.g.w, x.m.w, x.v.w, k);
+  store4(param, i, x.p);
+  store4(m, i, x.m);
+  store4(v, i, x.v);
+  if (param_bf16) store4(param_bf16, i, x.p);
+}
+
+// Float4s first, first + stride, ... below count4, grid-stride; grad null: a zero gradient, not
+// read. Two float4s a thread are loaded before either is stepped, so that ~2 x 48 bytes (bf16
+// moments) or 2 x 64 (fp32) are in flight per thread while the FP64 arithmetic runs.
+template <typename M>
+__device__ __forceinline__ void step_float4s(float* param, __nv_bfloat16* param_bf16, M* m, M* v, const float* grad, int64_t count4,
+                                             int64_t first, int64_t stride, const Constants& k) {
+  for (int64_t i = first; i < count4; i += 2 * stride) {
+    const int64_t j = i + stride;
+    const Float4s a = load_float4s(param, m, v, grad, i);
+    Float4s b{};
+    if (j < count4) b = load_float4s(param, m, v, grad, j);
+    step_float4(param, param_bf16, m, v, a, i, k);
+    if (j < count4) step_float4(param, param_bf16, m, v, b, j, k);
+  }
 }
 
 __device__ __forceinline__ float load1(const float* p, int64_t i) { return p[i]; }
@@ -128,15 +152,14 @@ __device__ __forceinline__ void step_one(float* param, __nv_bfloat16* param_bf16
 
 // Elementwise, grid-stride: one thread per float4 of the four tensors when all are 16-byte
 // aligned (the bf16 ones 8-byte) (Vec4), then the n % 4 tail one element per thread. param_bf16
-// may be null. M: the moments' storage. (Loading the next float4s before computing the current
-// ones measured no faster: the large calls run at ~4.1 TB/s with the FP64 pipe busy.)
+// may be null. M: the moments' storage.
 template <bool Vec4, typename M>
 __global__ void adamw_step_kernel(float* param, __nv_bfloat16* param_bf16, M* m, M* v, const float* grad, int64_t n, Constants k) {
   begin_after_previous_grid();
   const int64_t first = blockIdx.x * int64_t(blockDim.x) + threadIdx.x, stride = int64_t(gridDim.x) * blockDim.x;
   int64_t done = 0;
   if (Vec4) {
-    for (int64_t i = first; i < n / 4; i += stride) step_float4(param, param_bf16, m, v, load4(grad, i), i, k);
+    step_float4s(param, param_bf16, m, v, grad, n / 4, first, stride, k);
     done = n / 4 * 4;
   }
   for (int64_t i = done + first; i < n; i += stride) step_one(param, param_bf16, m, v, grad[i], i, k);
@@ -159,8 +182,7 @@ __global__ void adamw_step_rows_kernel(float* param, __nv_bfloat16* param_bf16, 
     __nv_bfloat16* p16 = param_bf16 ? param_bf16 + offset : nullptr;
     int64_t done = 0;
     if (Vec4) {
-      for (int64_t i = first; i < per_row / 4; i += stride)
-        step_float4(p, p16, mr, vr, zero ? make_float4(0.0f, 0.0f, 0.0f, 0.0f) : load4(g, i), i, k);
+      step_float4s(p, p16, mr, vr, zero ? nullptr : g, per_row / 4, first, stride, k);
       done = per_row / 4 * 4;
     }
     for (int64_t i = done + first; i < per_row; i += stride) step_one(p, p16, mr, vr, zero ? 0.0f : g[i], i, k);
