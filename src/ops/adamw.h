@@ -6,8 +6,9 @@
 // The caller passes weight_decay = 0 for tensors that are not decayed (norms, biases). param, grad,
 // exp_avg (m) and exp_avg_sq (v) are flat views of equal element count and one dtype: f32 (the
 // master weights and moments), or f64 for tests. The moments may instead be bf16 (f32 param;
-// optimizer.moments = "bf16", as DeepSeek-V3 keeps them): each is computed in double as before,
-// rounded to f32 and then to bf16 where it is stored, and read back as stored. param_bf16, when given (a non-empty tensor of the
+// optimizer.moments = "bf16", as DeepSeek-V3 keeps them): the step then computes in f32 (as torch's
+// fused AdamW does; with fp32 moments it computes in double), each moment rounded to bf16 where it
+// is stored and read back as stored. param_bf16, when given (a non-empty tensor of the
 // same element count), receives the updated param rounded to bf16: the GPU's working weights,
 // written in the same pass instead of a second read of param.
 #pragma once
