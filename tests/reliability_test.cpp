@@ -145,6 +145,10 @@ TEST(MemoryGuard, RefusesWhatCannotFitWithTheNumbers) {
   EXPECT_EQ(error.rfind("the model cannot fit: 2.47e+13 parameters need 3.681e+05 GiB of fp32 training state (16 bytes each), "
                         "9.203e+04 GiB per process over 4 plus 894.1 GiB for their table of 6e+09 tensors, more than the ", 0), 0u)
       << error;
+  const std::string bf16 = error_of([&] { check_state_fits(model_size(config), 4, Device::cpu, 0, 2); });
+  EXPECT_EQ(bf16.rfind("the model cannot fit: 2.47e+13 parameters need 2.761e+05 GiB of training state (bf16 moments) (12 bytes each), ", 0),
+            0u)
+      << bf16;
 }
 
 }  // namespace

@@ -9,6 +9,8 @@
 # long:  one sequence per step (3 + MOMENTS_STEPS steps, default 7): 16,384 tokens with fp32 and bf16
 #        moments, 32,768 with bf16 (MOMENTS_LONG="16384:fp32 16384:bf16 32768:bf16" by default; an entry
 #        may repeat, for rounds on one machine)
+# curve: the bench config for CURVE_STEPS steps (default 120, what the carried corpus holds at 4 x 4,096
+#        tokens a step) with fp32 and with bf16 moments: the loss curves side by side, by 10-step means
 # Ends with PASS or FAIL; logs in <log-dir>.
 set -uo pipefail
 out=${1:-$OUT}
@@ -57,6 +59,24 @@ if [ "$what" = long ] || [ "$what" = all ]; then
     grep -E "^estimated peak|error" "$log" | head -3 | tee -a "$out/summary.log"
     sed -n '/^bench:/,$p' "$log" | head -12 | tee -a "$out/summary.log"
   done
+fi
+
+if [ "$what" = curve ]; then
+  for moments in fp32 bf16; do
+    step "bench config, optimizer.moments = $moments: ${CURVE_STEPS:-120} steps"
+    timeout 300 "${bench[@]}" --warmup=0 --steps=${CURVE_STEPS:-120} --optimizer.moments=$moments --output.dir=runs/curve-$moments \
+      > "$out/curve-$moments.log" 2>&1 || fail "bench with $moments moments"
+    grep -E "^bench:|error" "$out/curve-$moments.log" | tee -a "$out/summary.log"
+  done
+  python3 - runs/curve-fp32/bench/metrics.jsonl runs/curve-bf16/bench/metrics.jsonl <<'PY' | tee -a "$out/summary.log"
+import json, sys
+a, b = ([json.loads(x)["loss"] for x in open(f)] for f in sys.argv[1:3])
+n = min(len(a), len(b))
+for i in range(0, n, 10):
+    x, y = sum(a[i:i + 10]) / len(a[i:i + 10]), sum(b[i:i + 10]) / len(b[i:i + 10])
+    print(f"steps {i + 1:3d}-{min(i + 10, n):3d}  fp32 {x:.5f}  bf16 {y:.5f}  relative {(y - x) / x:+.2e}")
+print(f"{n} steps; largest relative difference of one step {max(abs(y - x) / x for x, y in zip(a, b)):.2e}")
+PY
 fi
 
 if [ $status -eq 0 ]; then echo PASS | tee -a "$out/summary.log"; else echo FAIL | tee -a "$out/summary.log"; fi

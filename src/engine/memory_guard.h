@@ -24,9 +24,10 @@ template <class Config> ModelSize model_size(const Config& c) {
   return {L * layer + 2.0 * double(c.vocab_size) * H + H, L * (9.0 + 3.0 * E) + 3.0};
 }
 
-// Fails with the numbers when the parameter table (host memory) or 16 bytes per parameter (fp32
-// weights, gradients, two AdamW moments) over `processes` exceed the memory that holds them: the
-// machine's for the table and CPU runs, the GPU's for GPU runs (when it can be read).
-void check_state_fits(const ModelSize& size, int64_t processes, Device device, int gpu);
+// Fails with the numbers when the parameter table (host memory) or the training state (fp32 weights
+// and gradients, two AdamW moments of moment_bytes each: 16 bytes per parameter, 12 with bf16
+// moments) over `processes` exceed the memory that holds them: the machine's for the table and CPU
+// runs, the GPU's for GPU runs (when it can be read).
+void check_state_fits(const ModelSize& size, int64_t processes, Device device, int gpu, int moment_bytes = 4);
 
 }  // namespace marrow
