@@ -9,8 +9,9 @@
 # long:  one sequence per step (3 + MOMENTS_STEPS steps, default 7): 16,384 tokens with fp32 and bf16
 #        moments, 32,768 with bf16 (MOMENTS_LONG="16384:fp32 16384:bf16 32768:bf16" by default; an entry
 #        may repeat, for rounds on one machine)
-# curve: the bench config for CURVE_STEPS steps (default 120, what the carried corpus holds at 4 x 4,096
-#        tokens a step) with fp32 and with bf16 moments: the loss curves side by side, by 10-step means
+# curve: the bench config for CURVE_STEPS steps (default 100: with bench's steps/4 stage-timed ones, 125 x 4
+#        sequences of 4,096, what the carried corpus holds) with fp32 and with bf16 moments: the loss
+#        curves side by side, by 10-step means
 # Ends with PASS or FAIL; logs in <log-dir>.
 set -uo pipefail
 out=${1:-$OUT}
@@ -63,8 +64,8 @@ fi
 
 if [ "$what" = curve ]; then
   for moments in fp32 bf16; do
-    step "bench config, optimizer.moments = $moments: ${CURVE_STEPS:-120} steps"
-    timeout 300 "${bench[@]}" --warmup=0 --steps=${CURVE_STEPS:-120} --optimizer.moments=$moments --output.dir=runs/curve-$moments \
+    step "bench config, optimizer.moments = $moments: ${CURVE_STEPS:-100} steps"
+    timeout 300 "${bench[@]}" --warmup=0 --steps=${CURVE_STEPS:-100} --optimizer.moments=$moments --output.dir=runs/curve-$moments \
       > "$out/curve-$moments.log" 2>&1 || fail "bench with $moments moments"
     grep -E "^bench:|error" "$out/curve-$moments.log" | tee -a "$out/summary.log"
   done
