@@ -60,6 +60,39 @@ std::string save_tiny(const Tiny& t, const std::string& run_dir, int64_t step = 
   return dir;
 }
 
+// Arenas of bf16 moments (optimizer.moments = bf16) are saved as bf16 and read back bit for bit; a
+// run with fp32 moments reads the same files widened exactly.
+TEST(Checkpoint, Bf16MomentsAreSavedAsBf16AndReadIntoEitherDtype) {
+  ScratchDir tmp;
+  Tiny a;
+  const int64_t n = a.model.num_parameters();
+  Arena m16("exp_avg", DType::bf16, Device::cpu, n), v16("exp_avg_sq", DType::bf16, Device::cpu, n);
+  for (int64_t i = 0; i < n; ++i) {
+    static_cast<uint16_t*>(m16.all().data)[i] = float_to_bf16(a.exp_avg.all().ptr<float>()[i]);
+    static_cast<uint16_t*>(v16.all().data)[i] = float_to_bf16(a.exp_avg_sq.all().ptr<float>()[i]);
+  }
+  const std::string dir = tmp.path() + "/" + checkpoint_name(3);
+  write_checkpoint(dir, a.model.specs(), {&a.params, &m16, &v16}, Json{{"step", 3}, {"model_config", a.json}}, a.json, "", 4096);
+  const Checkpoint c = open_checkpoint(dir);
+  verify_checkpoint(c);
+  SafetensorsFile moments(dir + "/exp_avg-00001-of-" + fmt::format("{:05d}", [&] {
+                            int files = 0;
+                            for (const auto& e : fs::directory_iterator(dir)) files += e.path().filename().string().starts_with("exp_avg-");
+                            return files;
+                          }()) + ".safetensors");
+  EXPECT_EQ(moments.get(moments.names().front()).dtype, DType::bf16);
+
+  Tiny b(16, 99);
+  Arena m16_back("exp_avg", DType::bf16, Device::cpu, n);
+  load_checkpoint_tensors(c, "exp_avg", b.model.specs(), m16_back);
+  EXPECT_TRUE(same_bits(m16, m16_back));
+  load_checkpoint_tensors(c, "exp_avg_sq", b.model.specs(), b.exp_avg_sq);  // into fp32: widened
+  for (int64_t i = 0; i < n; ++i)
+    ASSERT_EQ(b.exp_avg_sq.all().ptr<float>()[i], bf16_to_float(static_cast<uint16_t*>(v16.all().data)[i])) << i;
+  load_checkpoint_tensors(c, "weights", b.model.specs(), b.params);
+  EXPECT_TRUE(same_bits(a.params, b.params));
+}
+
 TEST(Checkpoint, RoundTripIsBitwise) {
   ScratchDir tmp;
   Tiny a, b(16, 99);

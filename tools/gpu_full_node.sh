@@ -4,15 +4,18 @@
 # tool carrying .gpu-carry:
 #   tools/gpu_full_node.sh <log-dir> <part> [layout arguments, default the config's EP = 8]
 # Each part fits one device command (10 minutes); run them in order on one warm machine, since the
-# checkpoints live in /dev/shm (one with the AdamW moments is 341 GiB, more than the machine's disk),
-# which a released machine loses:
+# checkpoints live in /dev/shm, which a released machine loses. The run keeps the AdamW moments in
+# bf16 (MOMENTS=fp32 for fp32): one checkpoint is then 227 GiB, with fp32 moments 341 GiB, more than
+# the machine's disk and than tmpfs's default half of its 560 GiB; the train part holds two (steps 25
+# and 50) and refuses to start, naming both figures, where /dev/shm has less room:
 #   estimate  build; marrow estimate of the layout (no GPU): the peak per GPU to compare with the run's
 #   train     50 steps (checkpoints at 25 and 50, a kernel trace of steps 10-11 on rank 0): loss, tokens/s
 #             and TFLOP/s per GPU, MFU, peak per GPU, the all-to-all time hidden under compute
-#   resume    the step-25 checkpoint resumed on 8 processes to step 50: its losses and step 50's weight and
-#             moment files equal the straight run's bit for bit (meta.json's sha256 of each file)
 #   export    marrow export of step 50 (bf16); transformers loads it on the CPU and its loss on 256 tokens
-#             matches Marrow's forward (tools/gpu_export_check.py)
+#             matches Marrow's forward (tools/gpu_export_check.py); the export is deleted after the check
+#   resume    the step-25 checkpoint resumed on 8 processes to step 50: its losses and step 50's weight and
+#             moment files equal the straight run's bit for bit (the sha256 of each file in meta.json; the
+#             straight run's step-50 files are deleted first, so two checkpoints at most share /dev/shm)
 # DRY_RUN=1 runs the same parts on this machine's CPU under mpirun --oversubscribe with the tiny model
 # (8 experts, 4 steps, checkpoints at 2 and 4, no kernel trace): the script's own test, in CI through
 # tests/python/test_tools.py (`DRY_RUN=1 tools/gpu_full_node.sh /tmp/node all`; MARROW, MARROW_DEMO_CORPUS
@@ -35,6 +38,7 @@ if [ "${DRY_RUN:-0}" = 1 ]; then
   mpi=(mpirun --allow-run-as-root --oversubscribe --bind-to none -np 8)
   root=$out/runs
   config=(configs/tiny-moe.toml --data.path="${MARROW_DEMO_CORPUS:-build-cpu/demo-corpus}/corpus" --train.device=cpu
+          --optimizer.moments=${MOMENTS:-bf16}
           --train.global_batch=16 --train.micro_batch=1 --train.steps=4 --schedule.warmup_steps=1 --parallel.timeout_s=300)
   save=2 last=4 export_device=cpu seq=64 python=${PYTHON:-.venv/bin/python}
   profile=()  # CUPTI traces need the CUDA build
@@ -44,7 +48,7 @@ else
   marrow=build-gpu/marrow
   mpi=(mpirun --allow-run-as-root --bind-to none -np 8)
   root=/dev/shm/marrow-30b
-  config=(configs/qwen3-30b-a3b.toml --data.path=.gpu-carry/qwen3)
+  config=(configs/qwen3-30b-a3b.toml --data.path=.gpu-carry/qwen3 --optimizer.moments=${MOMENTS:-bf16})
   save=25 last=50 export_device=cpu seq=256 python=python3
   profile=(--profile-steps=10:11)
 fi
@@ -59,16 +63,40 @@ fi
 
 if [ "$part" = train ] || [ "$part" = all ]; then
   step "train $last steps on 8 processes, ${layout[*]}; checkpoints every $save steps in $straight"
-  rm -rf "$straight"
+  rm -rf "$straight" "$resumed" "$hf"
+  mkdir -p "$root"
+  one=$($marrow estimate "${config[@]}" "${layout[@]}" --world=8 2>/dev/null | sed -n 's/^one checkpoint: \([0-9.]*\) GiB.*/\1/p')
+  free=$(df --output=avail -B1 "$root" | tail -1)
+  echo "one checkpoint ${one:-?} GiB; $root has $((free >> 30)) GiB free" | tee -a "$out/summary.log"
+  python3 -c "import sys; sys.exit(0 if $free >= 2 * ${one:-1e9} * 2**30 else 1)" \
+    || { fail "two checkpoints of ${one:-?} GiB do not fit in the $((free >> 30)) GiB free in $root"; part=none; }
+fi
+
+if [ "$part" = train ] || [ "$part" = all ]; then
   timeout 590 "${mpi[@]}" $marrow train "${config[@]}" "${layout[@]}" --output.dir="$straight" --checkpoint.every=$save \
     --checkpoint.keep=2 "${profile[@]}" > "$out/train.log" 2>&1 || fail "train"
   grep -E "^mesh|^memory|^estimated|^step|communication|compute kernels|error" "$out/train.log" | tail -24 | tee -a "$out/summary.log"
   gzip -c "$straight"/trace-steps-*.json > "$out/trace.json.gz" 2>/dev/null
 fi
 
+if [ "$part" = export ] || [ "$part" = all ]; then
+  step "export step $last (bf16); transformers loads it on the CPU"
+  rm -rf "$hf"
+  $marrow export "$(ckpt "$straight" $last)" "$hf" --dtype=bfloat16 > "$out/export.log" 2>&1 || fail "export"
+  forward=$(dirname $marrow)/tests/model_forward
+  corpus=$(printf '%s\n' "${config[@]}" | sed -n 's/^--data.path=//p')
+  timeout 590 $python tools/gpu_export_check.py --model-forward "$forward" --checkpoint "$(ckpt "$straight" $last)" --hf "$hf" \
+    --corpus "$corpus" --out "$root/export-check" --seq $seq --device $export_device > "$out/export-check.log" 2>&1 \
+    || fail "export check"
+  grep -vi warning "$out/export-check.log" | tail -6 | tee -a "$out/summary.log"
+  rm -rf "$hf" "$root/export-check"  # room for the resumed run's checkpoint
+fi
+
 if [ "$part" = resume ] || [ "$part" = all ]; then
   step "resume step $save on 8 processes to step $last"
   rm -rf "$resumed"
+  # The straight run's step-$last files give way to the resumed run's; their sha256s stay in its meta.json.
+  rm -f "$(ckpt "$straight" $last)"/*.safetensors
   timeout 590 "${mpi[@]}" $marrow train "${config[@]}" "${layout[@]}" --output.dir="$resumed" --checkpoint.every=$save \
     --checkpoint.keep=1 --checkpoint.resume="$(ckpt "$straight" $save)" > "$out/resume.log" 2>&1 || fail "resume"
   grep -E "resuming|^step|error" "$out/resume.log" | tail -6
@@ -85,18 +113,6 @@ print(f"steps {save + 1}-{last}: losses equal bit for bit: {same_losses}; step {
       f"equal sha256: {fa == fb}")
 sys.exit(0 if same_losses and fa == fb and fa else 1)
 PY
-fi
-
-if [ "$part" = export ] || [ "$part" = all ]; then
-  step "export step $last (bf16); transformers loads it on the CPU"
-  rm -rf "$hf"
-  $marrow export "$(ckpt "$straight" $last)" "$hf" --dtype=bfloat16 > "$out/export.log" 2>&1 || fail "export"
-  forward=$(dirname $marrow)/tests/model_forward
-  corpus=$(printf '%s\n' "${config[@]}" | sed -n 's/^--data.path=//p')
-  timeout 590 $python tools/gpu_export_check.py --model-forward "$forward" --checkpoint "$(ckpt "$straight" $last)" --hf "$hf" \
-    --corpus "$corpus" --out "$root/export-check" --seq $seq --device $export_device > "$out/export-check.log" 2>&1 \
-    || fail "export check"
-  grep -vi warning "$out/export-check.log" | tail -6 | tee -a "$out/summary.log"
 fi
 
 if [ $status -eq 0 ]; then echo PASS | tee -a "$out/summary.log"; else echo FAIL | tee -a "$out/summary.log"; fi

@@ -9,6 +9,7 @@
 
 #include "apps/commands.h"
 #include "apps/model_switch.h"
+#include "engine/checkpoint.h"
 #include "engine/memory_estimate.h"
 #include "ops/attention.h"
 
@@ -137,9 +138,9 @@ int estimate_command(int argc, char** argv) {
                   }).c_str());
     if (device == Device::cuda) std::printf("%s", fit_lines(largest_fit<M>(rc, config, options.world, device, gpu_bytes), rc).c_str());
     // Every process writes its shards into one directory (TrainCheckpoints::require_disk_space).
-    const double checkpoint_bytes = double(M(config, DType::f32, Device::cpu).num_parameters()) * 4 * (rc.checkpoint_optimizer_state ? 3 : 1);
+    const double checkpoint_bytes = double(M(config, DType::f32, Device::cpu).num_parameters()) * double(checkpoint_bytes_per_parameter(rc));
     std::printf("one checkpoint: %.2f GiB in output.dir (%s, all processes together)\n", checkpoint_bytes / 1073741824.0,
-                rc.checkpoint_optimizer_state ? "fp32 weights and AdamW moments" : "fp32 weights");
+                checkpoint_contents(rc).c_str());
   });
   return 0;
 }

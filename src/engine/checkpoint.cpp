@@ -123,6 +123,15 @@ Json run_config_json(const RunConfig& rc) {
 
 std::string checkpoint_name(int64_t step) { return fmt::format("step-{:08d}", step); }
 
+int64_t checkpoint_bytes_per_parameter(const RunConfig& rc) {
+  return 4 + (rc.checkpoint_optimizer_state ? 2 * (rc.moments == "bf16" ? 2 : 4) : 0);
+}
+
+std::string checkpoint_contents(const RunConfig& rc) {
+  if (!rc.checkpoint_optimizer_state) return "fp32 weights";
+  return rc.moments == "bf16" ? "fp32 weights, bf16 AdamW moments" : "fp32 weights and AdamW moments";
+}
+
 std::string Checkpoint::tokenizer_path() const {
   const std::string path = dir + "/tokenizer.json";
   return fs::exists(path) ? path : "";
@@ -130,35 +139,27 @@ std::string Checkpoint::tokenizer_path() const {
 
 namespace {
 
-std::vector<std::pair<size_t, size_t>> files_of(const std::vector<TensorPiece>& pieces, size_t max_bytes) {
+std::vector<std::pair<size_t, size_t>> files_of(const std::vector<TensorPiece>& pieces, size_t element_bytes, size_t max_bytes) {
   std::vector<int64_t> counts;
   for (const TensorPiece& p : pieces) counts.push_back(p.count);
-  return cut_into_files(counts, sizeof(float), max_bytes);
+  return cut_into_files(counts, element_bytes, max_bytes);
 }
 
 bool is_whole(const TensorPiece& p, const TensorSpec& s) { return p.first == 0 && p.count == s.numel; }
 
-// Checkpoints hold f32 whatever the arenas keep: bf16 moments (optimizer.moments) widen exactly on
-// save and round back to the same bits on load, so any run config reads any checkpoint.
-// Copies src (any device, f32 or bf16) into dst (host f32).
-void copy_to_f32(Tensor dst, Tensor src) {
-  if (src.dtype == DType::f32) return copy(dst, src);
-  Buffer staged(src.dtype, Device::cpu, {src.numel()});
-  copy(staged.view(), src);
-  MARROW_CHECK(src.dtype == DType::bf16, "internal: checkpoint arenas are f32 or bf16, got {}", dtype_name(src.dtype));
-  const auto* from = static_cast<const uint16_t*>(staged.view().data);
-  float* to = dst.ptr<float>();
-  for (int64_t i = 0; i < src.numel(); ++i) to[i] = bf16_to_float(from[i]);
-}
-
-// Copies src (host f32) into dst (any device, f32 or bf16: rounded to nearest).
-void copy_from_f32(Tensor dst, Tensor src) {
-  if (dst.dtype == DType::f32) return copy(dst, src);
-  MARROW_CHECK(dst.dtype == DType::bf16, "internal: checkpoint arenas are f32 or bf16, got {}", dtype_name(dst.dtype));
-  Buffer staged(DType::bf16, Device::cpu, {src.numel()});
-  auto* to = static_cast<uint16_t*>(staged.view().data);
-  const float* from = src.ptr<float>();
-  for (int64_t i = 0; i < src.numel(); ++i) to[i] = float_to_bf16(from[i]);
+// A group's files hold its arena's dtype: f32, or bf16 for moments kept in bf16 (optimizer.moments).
+// A loading run may keep another: bf16 widens to f32 exactly, f32 rounds to the nearest bf16.
+// Copies src (a host tensor read from a file) into dst (an arena slice, any device).
+void copy_converting(Tensor dst, Tensor src) {
+  if (dst.dtype == src.dtype) return copy(dst, src);
+  Buffer staged(dst.dtype, Device::cpu, {src.numel()});
+  if (dst.dtype == DType::f32) {
+    const auto* from = static_cast<const uint16_t*>(src.data);
+    for (int64_t i = 0; i < src.numel(); ++i) staged.ptr<float>()[i] = bf16_to_float(from[i]);
+  } else {
+    auto* to = static_cast<uint16_t*>(staged.view().data);
+    for (int64_t i = 0; i < src.numel(); ++i) to[i] = float_to_bf16(src.ptr<float>()[i]);
+  }
   copy(dst, staged.view());
 }
 
@@ -175,7 +176,7 @@ Json write_checkpoint_part(const std::string& tmp, const std::vector<TensorSpec>
   const Arena* group_arena[] = {arenas.weights, arenas.exp_avg, arenas.exp_avg_sq};
   size_t total = 0;
   for (const Arena* a : group_arena)
-    for (const TensorPiece& p : pieces) total += a ? size_t(p.count) * sizeof(float) : 0;
+    for (const TensorPiece& p : pieces) total += a ? size_t(p.count) * dtype_size(a->all().dtype) : 0;
   Progress progress("checkpoint: writing " + tmp, total, show_progress);
   // Pauses after the first file of each save, so tests can kill a save midway (crash safety).
   const char* pause_ms = std::getenv("MARROW_TEST_SAVE_PAUSE_MS");
@@ -185,11 +186,12 @@ Json write_checkpoint_part(const std::string& tmp, const std::vector<TensorSpec>
   for (int g = 0; g < 3; ++g) {
     const Arena* arena = group_arena[g];
     if (!arena || pieces.empty()) continue;
-    const auto file_ranges = files_of(pieces, shard_bytes);
+    const DType dtype = arena->all().dtype;
+    const auto file_ranges = files_of(pieces, dtype_size(dtype), shard_bytes);
     for (size_t k = 0; k < file_ranges.size(); ++k) {
       int64_t elements = 0;
       for (size_t i = file_ranges[k].first; i < file_ranges[k].second; ++i) elements += pieces[i].count;
-      Buffer host(DType::f32, Device::cpu, {elements});
+      Buffer host(dtype, Device::cpu, {elements});
       std::vector<SafetensorsEntry> entries;
       Json slices = Json::object();
       int64_t at = 0;
@@ -197,8 +199,8 @@ Json write_checkpoint_part(const std::string& tmp, const std::vector<TensorSpec>
         const TensorPiece& p = pieces[i];
         const TensorSpec& spec = specs.at(p.spec);
         Tensor dst = host.view().rows(at, at + p.count);
-        copy_to_f32(dst, arena->slice(p.offset, {p.count}));
-        entries.push_back({spec.name, host_view(dst.data, DType::f32, is_whole(p, spec) ? spec.shape : std::vector<int64_t>{p.count})});
+        copy(dst, arena->slice(p.offset, {p.count}));
+        entries.push_back({spec.name, host_view(dst.data, dtype, is_whole(p, spec) ? spec.shape : std::vector<int64_t>{p.count})});
         if (!is_whole(p, spec)) slices[spec.name] = {{"first", p.first}, {"count", p.count}, {"shape", spec.shape}};
         at += p.count;
       }
@@ -360,7 +362,9 @@ std::map<std::string, std::vector<StoredSlice>> stored_slices(const Checkpoint& 
     const Json slices = file.value("slices", Json::object());
     for (const std::string& name : files.back()->names()) {
       const Tensor t = files.back()->get(name);
-      MARROW_CHECK(t.dtype == DType::f32, "{}: tensor '{}' is {} but checkpoints hold f32", files.back()->path(), name, dtype_name(t.dtype));
+      MARROW_CHECK(t.dtype == DType::f32 || (t.dtype == DType::bf16 && group != "weights"),
+                   "{}: tensor '{}' is {} but checkpoints hold f32 (weights) or f32 and bf16 (moments)", files.back()->path(), name,
+                   dtype_name(t.dtype));
       const Json slice = slices.value(name, Json::object());
       const int64_t first = slice.value("first", int64_t(0));
       MARROW_CHECK(!slices.contains(name) || slice.value("count", int64_t(-1)) == t.numel(),
@@ -390,7 +394,7 @@ void load_checkpoint_pieces(const Checkpoint& c, const std::string& group, const
                             const std::vector<TensorPiece>& pieces, const Arena& arena, size_t model_tensors, bool show_progress) {
   if (model_tensors == 0) model_tensors = specs.size();
   uint64_t total = 0;
-  for (const TensorPiece& p : pieces) total += uint64_t(p.count) * sizeof(float);
+  for (const TensorPiece& p : pieces) total += uint64_t(p.count) * dtype_size(arena.all().dtype);
   Progress progress(fmt::format("checkpoint: reading {} of {}", group, c.dir), total, show_progress);
   std::vector<std::unique_ptr<SafetensorsFile>> files;
   const auto where = stored_slices(c, group, files);
@@ -406,12 +410,12 @@ void load_checkpoint_pieces(const Checkpoint& c, const std::string& group, const
       const int64_t first = std::max(at, s.first), end = std::min(p.first + p.count, s.first + s.count);
       if (first != at || first >= end) continue;
       const Tensor src = s.file->get(spec.name).reshape({s.count}).rows(first - s.first, end - s.first);
-      copy_from_f32(arena.slice(p.offset + first - p.first, {end - first}), src);
+      copy_converting(arena.slice(p.offset + first - p.first, {end - first}), src);
       at = end;
     }
     MARROW_CHECK(at == p.first + p.count, "checkpoint {} lacks elements [{}, {}) of tensor '{}' in its {} files: a part is missing",
                  c.dir, at, p.first + p.count, spec.name, group);
-    progress.add(uint64_t(p.count) * sizeof(float));
+    progress.add(uint64_t(p.count) * dtype_size(arena.all().dtype));
   }
   progress.finish();
   MARROW_CHECK(where.size() == model_tensors, "checkpoint {} holds {} {} tensors but the model has {}: it was written for another model",
@@ -532,14 +536,14 @@ void TrainCheckpoints::require_disk_space() const {
   int64_t elements = 0;
   if (sharing_.saves)
     for (const TensorPiece& p : pieces_) elements += p.count;
-  const double bytes = sharing_.world.sum(double(elements) * 4 * (rc_.checkpoint_optimizer_state ? 3 : 1), "checkpoint size (sum)");
+  const double bytes = sharing_.world.sum(double(elements) * double(checkpoint_bytes_per_parameter(rc_)), "checkpoint size (sum)");
   if (sharing_.world.rank() != 0) return;
   const uint64_t free = available_bytes(rc_.out_dir);
   MARROW_CHECK(double(free) >= bytes,
                "output.dir {} has {:.2f} GiB free but one checkpoint of this run takes {:.2f} GiB ({}): free space, choose another "
                "output.dir, or set checkpoint.every = 0",
                rc_.out_dir, double(free) / 1073741824.0, bytes / 1073741824.0,
-               rc_.checkpoint_optimizer_state ? "weights and AdamW moments, fp32" : "fp32 weights; checkpoint.optimizer_state = false");
+               checkpoint_contents(rc_));
 }
 
 bool TrainCheckpoints::due(int64_t step, bool stopping) const {

@@ -6,9 +6,11 @@
 //   exp_avg-0000k-of-0000n.safetensors      AdamW first moments   } absent after `marrow import` or with
 //   exp_avg_sq-0000k-of-0000n.safetensors   AdamW second moments  } checkpoint.optimizer_state = false:
 //                                                                   a resume starts them at zero
+//   (the moments fp32, or bf16 when the run kept them in bf16: optimizer.moments; a run that keeps
+//   the other dtype converts them as it reads, bf16 -> fp32 exactly)
 //   tokenizer.json  the corpus's tokenizer, when it has one (export hands it on)
 // Every safetensors entry is a canonical tensor under its Hugging Face name (one entry per expert),
-// fp32, in the model's table order: whole, with its global shape, or (fully sharded runs, where each
+// in the model's table order: whole, with its global shape, or (fully sharded runs, where each
 // rank writes the shards it owns into files of its own) a flat slice whose offset meta.json
 // records. Files are cut at ~2 GiB. The three groups use the same names. Nothing depends on the
 // parallel layout: any mesh reads any checkpoint, assembling the slices it needs.
@@ -51,6 +53,10 @@ struct Checkpoint {
 
 // "step-00001000"
 std::string checkpoint_name(int64_t step);
+// Bytes a parameter takes in one checkpoint of rc's run (fp32 weights; with checkpoint.optimizer_state
+// the moments too, 4 or 2 bytes each by optimizer.moments), and those contents in words.
+int64_t checkpoint_bytes_per_parameter(const RunConfig& rc);
+std::string checkpoint_contents(const RunConfig& rc);
 
 // A checkpoint is written in three steps, so that several processes can each write their part:
 // start_checkpoint makes <dir>.tmp (one process), write_checkpoint_part writes the given pieces of
@@ -145,8 +151,7 @@ class TrainCheckpoints {
   // Whether step (just finished) is saved: every checkpoint.every steps, the last step, or a stop.
   bool due(int64_t step, bool stopping) const;
   // With checkpoints on, one sentence (an Error) when output.dir's file system has less room than
-  // one checkpoint of this run takes (its weights, and AdamW's moments with
-  // checkpoint.optimizer_state: 12 bytes a parameter): said before training, not hours later at
+  // one checkpoint of this run takes (checkpoint_bytes_per_parameter): said before training, not hours later at
   // the first save. Every process of the job calls it (the size is summed over them).
   void require_disk_space() const;
   // Saves step, with `updates` AdamW updates applied so far, into output.dir/step-XXXXXXXX, then

@@ -3,8 +3,8 @@
 - Bit-exact resume: 2N straight steps == N steps, save, resume, N more (every loss, final weights and
   AdamW moments bitwise); a SIGTERM mid-run saves, exits 0 and the same command finishes the run,
   again bitwise equal to the straight run.
-- optimizer.moments = bf16: resume bit-exact; the moments saved as f32 holding bf16 values; an fp32
-  checkpoint resumed with bf16 moments.
+- optimizer.moments = bf16: resume bit-exact; the moments saved as bf16; fp32 and bf16 checkpoints each
+  resumed by a run with the other kind of moments.
 - Crash safety: a run SIGKILLed while saving resumes from the previous complete checkpoint; a truncated
   or corrupted shard, a missing file and a checkpoint of another model each stop with one sentence
   naming the file. Only the newest checkpoint.keep checkpoints are kept.
@@ -129,7 +129,7 @@ def resume(c):
 
 
 def bf16_moments(c):
-    """optimizer.moments = bf16: resume bit-exact, moments saved as bf16 values, and an fp32 checkpoint read by a bf16 run."""
+    """optimizer.moments = bf16: resume bit-exact, moments saved as bf16, checkpoints read across the two kinds of moments."""
     m, path, N = c.m, c.path, c.N
     bf16 = "--optimizer.moments=bf16"
     code, out, err = m.train(path("bf16-straight"), f"--checkpoint.every={N}", bf16)
@@ -139,8 +139,12 @@ def bf16_moments(c):
           f"bf16 moments: the first loss is fp32's, later ones differ by little ({straight[-1]:.4f} against {c.straight[-1]:.4f})")
     last = path("bf16-straight", f"step-{2 * N:08d}")
     moments = [t for f in checkpoint_files(last) if f.startswith("exp_avg") for t in load_file(os.path.join(last, f)).values()]
-    check(moments and all(t.dtype == torch.float32 and torch.equal(t, t.to(torch.bfloat16).to(torch.float32)) for t in moments),
-          f"bf16 moments are saved as f32 holding bf16 values ({len(moments)} tensors)")
+    weights = [t for f in checkpoint_files(last) if f.startswith("weights") for t in load_file(os.path.join(last, f)).values()]
+    check(moments and all(t.dtype == torch.bfloat16 for t in moments) and all(t.dtype == torch.float32 for t in weights),
+          f"bf16 moments are saved as bf16, the weights as f32 ({len(moments)} moment tensors)")
+    code, out, err = m.train(path("fp32-from-bf16"), "--resume", path("bf16-straight", f"step-{N:08d}"))
+    resumed = losses(path("fp32-from-bf16")) if code == 0 else []
+    check(code == 0 and resumed[:1] == straight[N:N + 1], f"an fp32-moments run resumes a bf16-moments checkpoint {err[-300:]}")
     code, out, err = m.train(path("bf16-resumed"), f"--checkpoint.every={N}", bf16, "--resume",
                              path("bf16-straight", f"step-{N:08d}"))
     check(code == 0 and losses(path("bf16-resumed")) == straight[N:] and

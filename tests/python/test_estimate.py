@@ -59,6 +59,10 @@ def bench_bill(marrow, bench):
     m2 = re.search(r"one checkpoint: ([\d.]+) GiB in output.dir \(fp32 weights,", stdout)
     check(m is not None and m2 is not None and abs(float(m2.group(1)) * 3 - float(m.group(1))) < 0.02,
           f"without the optimizer state a checkpoint is a third: {m2 and m2.group(1)} GiB")
+    code, stdout, stderr = estimate(marrow, [bench, "--optimizer.moments=bf16"])
+    m3 = re.search(r"one checkpoint: ([\d.]+) GiB in output.dir \(fp32 weights, bf16 AdamW moments,", stdout)
+    check(m is not None and m3 is not None and abs(float(m3.group(1)) * 12 - float(m.group(1)) * 8) < 0.1,
+          f"with bf16 moments a checkpoint is two thirds: {m3 and m3.group(1)} GiB")
 
 
 def long_sequences(marrow, bench):
