@@ -12,6 +12,8 @@
 # curve: the bench config for CURVE_STEPS steps (default 100: with bench's steps/4 stage-timed ones, 125 x 4
 #        sequences of 4,096, what the carried corpus holds) with fp32 and with bf16 moments: the loss
 #        curves side by side, by 10-step means
+# resume: the tiny model on the GPU with bf16 moments: 20 steps saving at 10 and 20, then step 10 resumed
+#        to 20; losses and the step-20 files (sha256 in meta.json) bit for bit, the moment files bf16
 # Ends with PASS or FAIL; logs in <log-dir>.
 set -uo pipefail
 out=${1:-$OUT}
@@ -78,6 +80,39 @@ for i in range(0, n, 10):
     print(f"steps {i + 1:3d}-{min(i + 10, n):3d}  fp32 {x:.5f}  bf16 {y:.5f}  relative {(y - x) / x:+.2e}")
 print(f"{n} steps; largest relative difference of one step {max(abs(y - x) / x for x, y in zip(a, b)):.2e}")
 PY
+fi
+
+if [ "$what" = resume ]; then
+  tiny=(build-gpu/marrow train configs/tiny-moe.toml --data.path=.gpu-carry/demo/corpus --train.steps=20 --schedule.warmup_steps=5
+        --train.device=cuda --optimizer.moments=bf16 --checkpoint.every=10)
+  rm -rf runs/moments-straight runs/moments-resumed
+  step "tiny model on the GPU, bf16 moments: 20 steps, then step 10 resumed to 20"
+  "${tiny[@]}" --output.dir=runs/moments-straight > "$out/resume.log" 2>&1 || fail "straight run"
+  "${tiny[@]}" --output.dir=runs/moments-resumed --checkpoint.resume=runs/moments-straight/step-00000010 >> "$out/resume.log" 2>&1 \
+    || fail "resumed run"
+  grep -E "^memory|resuming|error" "$out/resume.log" | head -4 | tee -a "$out/summary.log"
+  python3 - runs/moments-straight runs/moments-resumed <<'PY' | tee -a "$out/summary.log"
+import json, struct, sys
+a, b = sys.argv[1:3]
+loss = lambda run: {m["step"]: m["loss"] for m in map(json.loads, open(f"{run}/metrics.jsonl"))}
+files = lambda run: {f["file"]: f["sha256"] for f in json.load(open(f"{run}/step-00000020/meta.json"))["files"] if f["group"] != "config"}
+def dtypes(run, group):
+    out = set()
+    for f in json.load(open(f"{run}/step-00000020/meta.json"))["files"]:
+        if f["group"] == group:
+            with open(f"{run}/step-00000020/{f['file']}", "rb") as h:
+                header = json.loads(h.read(struct.unpack("<Q", h.read(8))[0]))
+            out |= {v["dtype"] for k, v in header.items() if k != "__metadata__"}
+    return out
+la, lb = loss(a), loss(b)
+same_losses = all(la[s] == lb[s] for s in range(11, 21))
+same_files = files(a) == files(b) and len(files(a)) > 0
+kinds = (dtypes(a, "weights"), dtypes(a, "exp_avg"), dtypes(a, "exp_avg_sq"))
+print(f"steps 11-20: losses equal bit for bit: {same_losses}; step 20: {len(files(a))} files, equal sha256: {same_files}; "
+      f"dtypes weights {kinds[0]}, exp_avg {kinds[1]}, exp_avg_sq {kinds[2]}")
+sys.exit(0 if same_losses and same_files and kinds == ({"F32"}, {"BF16"}, {"BF16"}) else 1)
+PY
+  [ "${PIPESTATUS[0]}" -eq 0 ] || fail "the resumed run differs, or the files' dtypes"
 fi
 
 if [ $status -eq 0 ]; then echo PASS | tee -a "$out/summary.log"; else echo FAIL | tee -a "$out/summary.log"; fi
