@@ -69,7 +69,8 @@ if [ "$part" = train ] || [ "$part" = all ]; then
   free=$(df --output=avail -B1 "$root" | tail -1)
   echo "one checkpoint ${one:-?} GiB; $root has $((free >> 30)) GiB free" | tee -a "$out/summary.log"
   python3 -c "import sys; sys.exit(0 if $free >= 2 * ${one:-1e9} * 2**30 else 1)" \
-    || { fail "two checkpoints of ${one:-?} GiB do not fit in the $((free >> 30)) GiB free in $root"; part=none; }
+    || { fail "two checkpoints of ${one:-?} GiB do not fit in the $((free >> 30)) GiB free in $root (tmpfs: try mount -o remount,size=480G /dev/shm)"
+         part=none; }
 fi
 
 if [ "$part" = train ] || [ "$part" = all ]; then
