@@ -91,6 +91,13 @@ TEST(Checkpoint, Bf16MomentsAreSavedAsBf16AndReadIntoEitherDtype) {
     ASSERT_EQ(b.exp_avg_sq.all().ptr<float>()[i], bf16_to_float(static_cast<uint16_t*>(v16.all().data)[i])) << i;
   load_checkpoint_tensors(c, "weights", b.model.specs(), b.params);
   EXPECT_TRUE(same_bits(a.params, b.params));
+
+  // Weights are fp32 in every checkpoint: a bf16 weights file is refused, naming it.
+  const std::string bad = tmp.path() + "/" + checkpoint_name(4);
+  write_checkpoint(bad, a.model.specs(), {&m16, nullptr, nullptr}, Json{{"step", 4}, {"model_config", a.json}}, a.json, "", 4096);
+  const std::string e = error_of([&] { load_checkpoint_tensors(open_checkpoint(bad), "weights", b.model.specs(), b.params); });
+  EXPECT_NE(e.find("weights-00001-of-"), std::string::npos) << e;
+  EXPECT_NE(e.find("is bf16 but checkpoints hold f32 (weights) or f32 and bf16 (moments)"), std::string::npos) << e;
 }
 
 TEST(Checkpoint, RoundTripIsBitwise) {
