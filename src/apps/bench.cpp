@@ -147,7 +147,7 @@ void bench_attention_kernels(int64_t S, int64_t Hq, int64_t Hkv, int64_t D) {
   // The hopper backward's work order: chunks of query heads (ops/attention_hopper.cu), each with its timeline.
   if (hopper_attention_supports(S, Hq, Hkv, D)) {
     set_attention_kernels(AttentionKernels::hopper);
-    for (const int heads : {4, 8, 16, 32}) {
+    for (const int heads : {1, 2, 4, 8, 16}) {
       set_hopper_backward_chunk_heads(heads);
       kernel_row(fmt::format("attention S{} Hq{} Hkv{} D{} causal, hopper bwd, chunks of {} heads", S, Hq, Hkv, D, heads), 2.5 * fwd,
                  [&] { attention_backward(dq, dk, dv, dout, q, k, v, out, lse); });
@@ -301,7 +301,7 @@ void bench_kernels(const std::string& group) {
   const int64_t S = 4096, Hq = 32, Hkv = 4, D = 128, H = 2048, E = 128, K = 8, I = 768;
   if (!experts_only) {
     for (const int64_t seq : {S, 4 * S, 8 * S})
-      if (!attention_only || seq < 8 * S) bench_attention_kernels(seq, Hq, Hkv, D);
+      bench_attention_kernels(seq, Hq, Hkv, D);
     for (const int64_t local : {4 * S, 8 * S}) bench_ring_blocks(local, Hq, Hkv, D);  // sequences of 32,768 and 65,536 with CP = 2
   }
   if (attention_only) return;
