@@ -39,8 +39,9 @@
 # launch: the bench config (3 + 27 steps, first 5 losses against REF_LOSSES) and one sequence of 16,384 without
 #         the weight copy (3 + 5) with train.dependent_launch=false and true on one machine; a trace of 2 steps with
 #         it on
-# traces: kernel traces of the bench config (2 steps) and of one sequence of 16,384 without the weight
-#         copy (1 step), for the stage attribution of docs/performance.md
+# traces: kernel traces of the bench config (2 steps), of one sequence of 16,384 without the weight
+#         copy (1 step) and of one of 32,768 with bf16 moments (1 step, after a 3 + 5-step run for its
+#         stage split), for the stage attribution of docs/performance.md
 # hopper: Marrow's wgmma attention (train.attention_kernels=hopper, hopper_backward): marrow check
 #         --only attention (every command under a timeout: a kernel that hangs ends the run; ring
 #         attention's blocks on the wgmma kernels among its rows), marrow bench --kernels attention
@@ -293,6 +294,12 @@ if [ "$what" = traces ]; then
   "${bench[@]}" --warmup=2 --steps=1 --profile-steps=3:3 --train.seq_len=16384 --train.global_batch=1 --train.micro_batch=1 \
     --train.bf16_weight_copy=false --output.dir=runs/trace-16384 > "$out/trace-16384.log" 2>&1 || fail "trace 16384"
   gzip -c runs/trace-16384/bench/trace-steps-3-3.json > "$out/trace-16384-steps-3-3.json.gz" 2>/dev/null
+  step "one sequence of 32,768 with bf16 moments: 3 + 5 steps (stage split), then a trace of 1 step after 2 warm-up"
+  long32=("${bench[@]}" --train.seq_len=32768 --train.global_batch=1 --train.micro_batch=1 --optimizer.moments=bf16)
+  "${long32[@]}" --warmup=3 --steps=5 --output.dir=runs/split-32768 > "$out/split-32768.log" 2>&1 || fail "bench 32768"
+  sed -n '/^bench:/,$p' "$out/split-32768.log" | head -14
+  "${long32[@]}" --warmup=2 --steps=1 --profile-steps=3:3 --output.dir=runs/trace-32768 > "$out/trace-32768.log" 2>&1 || fail "trace 32768"
+  gzip -c runs/trace-32768/bench/trace-steps-3-3.json > "$out/trace-32768-steps-3-3.json.gz" 2>/dev/null
   ls -la "$out"/*.json.gz
 fi
 
