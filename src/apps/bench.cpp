@@ -159,6 +159,15 @@ void bench_attention_kernels(int64_t S, int64_t Hq, int64_t Hkv, int64_t D) {
                [&] { attention_backward(dq, dk, dv, dout, q, k, v, out, lse); });
     print_hopper_timeline(hopper_backward_timeline(dq, dk, dv, dout, q, k, v, out, lse), S);
     set_hopper_backward_unordered(false);
+    // What the walk's memory traffic costs (wrong results on purpose): hot Q/dO rows, no dQ writes, both.
+    for (const int probe : {1, 2, 3}) {
+      set_hopper_backward_probe(probe);
+      const char* what[] = {"", "Q/dO from 8 hot query blocks", "no dQ writes", "hot Q/dO, no dQ writes"};
+      kernel_row(fmt::format("attention S{} Hq{} Hkv{} D{} causal, hopper bwd probe: {}", S, Hq, Hkv, D, what[probe]), 2.5 * fwd,
+                 [&] { attention_backward(dq, dk, dv, dout, q, k, v, out, lse); });
+      print_hopper_timeline(hopper_backward_timeline(dq, dk, dv, dout, q, k, v, out, lse), S);
+    }
+    set_hopper_backward_probe(0);
   }
   // Long sequences: cuDNN's deterministic backward under smaller workspace caps (more calls, less
   // memory), and in query chunks over all heads at the cap (the plan's choice at 32,768; at 16,384

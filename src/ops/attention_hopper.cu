@@ -61,6 +61,15 @@ bool& unordered_setting() {
 
 void set_hopper_backward_unordered(bool unordered) { unordered_setting() = unordered; }
 
+namespace {
+int& probe_setting() {
+  static int probe = 0;
+  return probe;
+}
+}  // namespace
+
+void set_hopper_backward_probe(int probe) { probe_setting() = probe; }
+
 
 bool hopper_attention_supports(int64_t seq, int64_t q_heads, int64_t kv_heads, int64_t head_dim) {
 #ifdef __CUDACC__
@@ -133,6 +142,7 @@ struct Args {
   float scale, scale_log2;
   bool full;       // no diagonal: every key block sees every query block
   bool unordered;  // set_hopper_backward_unordered: dq_accum starts zeroed, every share is added at once
+  int probe;       // set_hopper_backward_probe: 1 loads hot rows, 2 writes no dQ (bench only)
 };
 
 // The query blocks key block kb walks, from the last: all of them in a full block, else down to the diagonal.
@@ -239,15 +249,15 @@ __device__ void load_tiles(const CUtensorMap* q_map, const CUtensorMap* k_map, c
   const float* delta = a.delta + int64_t(item.head) * (kQueries * a.query_blocks);
   const int count = walk_length(a, item.key_block), q_row = b * a.q_seq + a.q_first;
   for (int m = a.query_blocks - 1, it = 0; it < count; --m, ++it) {
-    const int s = it & 1;
+    const int s = it & 1, row = a.probe & 1 ? m % 8 : m;
     barrier_wait(empty + 8 * s, ((it >> 1) & 1) ^ 1);
     barrier_expect_bytes(full + 8 * s, 2 * kStageBytes + 2 * 256);
     for (int j = 0; j < 2; ++j) {
-      tma_load_2d(base + kTileQ + s * kStageBytes + j * 8192, q_map, full + 8 * s, h * kDim + 64 * j, q_row + kQueries * m);
-      tma_load_2d(base + kTileDO + s * kStageBytes + j * 8192, do_map, full + 8 * s, h * kDim + 64 * j, q_row + kQueries * m);
+      tma_load_2d(base + kTileQ + s * kStageBytes + j * 8192, q_map, full + 8 * s, h * kDim + 64 * j, q_row + kQueries * row);
+      tma_load_2d(base + kTileDO + s * kStageBytes + j * 8192, do_map, full + 8 * s, h * kDim + 64 * j, q_row + kQueries * row);
     }
-    bulk_load(base + kRowStats + s * 256, lse + kQueries * m, 256, full + 8 * s);
-    bulk_load(base + kRowStats + 512 + s * 256, delta + kQueries * m, 256, full + 8 * s);
+    bulk_load(base + kRowStats + s * 256, lse + kQueries * row, 256, full + 8 * s);
+    bulk_load(base + kRowStats + 512 + s * 256, delta + kQueries * row, 256, full + 8 * s);
   }
 }
 
@@ -264,7 +274,7 @@ __device__ void write_dq(const Args& a, Item item, int t, uint32_t base) {
     const int m = a.query_blocks - 1 - it, b = it & 1;
     for (int w = 0; w < 2; ++w) named_sync(kDqFull + 2 * b + w, 160);
     int32_t* semaphore = a.dq_semaphores + int64_t(item.head) * a.query_blocks + m;
-    if (leader) {
+    if (leader && !(a.probe & 2)) {
       const int64_t before = a.timeline ? now_ns() : 0;
       if (!a.unordered) wait_at_least(semaphore, item.key_block);  // key blocks 0 .. key_block - 1 come first
       if (a.timeline) waited += now_ns() - before;
@@ -952,6 +962,7 @@ Args backward_args(const Geometry& g, Buffer& delta, Buffer& dq_accum, Buffer& d
   a.chunk_heads = std::min(heads, chunk_heads() > 0 ? chunk_heads() : kChunkHeads);
   a.full = g.full;
   a.unordered = unordered_setting();
+  a.probe = probe_setting();
   a.scale = float(1.0 / std::sqrt(double(kDim)));
   a.scale_log2 = a.scale * kLog2e;
   return a;

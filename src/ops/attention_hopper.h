@@ -20,6 +20,10 @@ void set_hopper_backward_chunk_heads(int heads);
 // Bench hook (false restores the default): dQ shares added in whichever order they arrive, without
 // the semaphores, which is not deterministic; measures what the fixed order costs. Never in training.
 void set_hopper_backward_unordered(bool unordered);
+// Bench hook (0 restores the default), wrong results on purpose: what the memory traffic costs the
+// walk. Bit 1: Q, dO, lse and D loaded from query block m % 8 (a few rows per head, L2-resident);
+// bit 2: no dQ writes at all. Never in training.
+void set_hopper_backward_probe(int probe);
 
 // Whether the kernels serve these sizes (false without CUDA).
 bool hopper_attention_supports(int64_t seq, int64_t q_heads, int64_t kv_heads, int64_t head_dim);
