@@ -253,7 +253,7 @@ fi
 if [ "$what" = quick ] || [ "$what" = only ]; then
   for group in ${QUICK_CHECKS:-elementwise model}; do
     step "marrow check --only $group"
-    build-gpu/marrow check --only $group > "$out/check-$group.log" 2>&1
+    timeout 300 build-gpu/marrow check --only $group > "$out/check-$group.log" 2>&1
     grep -E "FAIL|checks,|error" "$out/check-$group.log" | head -20
     grep -q '^PASS$' "$out/check-$group.log" || fail "marrow check --only $group"
   done
