@@ -116,17 +116,15 @@ constexpr int kChunkHeads = 8;
 
 // Shared memory, from a 1024-byte aligned base (the 128-byte swizzle's period). K and V: two
 // [128 keys][64 dims] swizzled boxes each; Q and dO stages: two [64 queries][64 dims] boxes each;
-// dS^T: two buffers (query block it of the walk in buffer it % 2) of [128 keys][64 queries] in the same
-// swizzle; the dQ shares, two buffers of [64][64] f32 per consumer (the consumers may run a query
-// block ahead of the writer while it waits its turn).
+// dS^T: [128 keys][64 queries] in the same swizzle; the dQ shares, two buffers of [64][64] f32 per
+// consumer (the consumers may run a query block ahead of the writer while it waits its turn).
 constexpr int kTileK = 0, kTileV = 32768, kTileQ = 65536, kTileDO = 98304, kStageBytes = 16384;
-constexpr int kTileDS = 131072, kDsBytes = 16384, kTileDQ = 163840, kDqBufferBytes = 32768, kRowStats = 229376, kBarriers = 230400;
+constexpr int kTileDS = 131072, kTileDQ = 147456, kDqBufferBytes = 32768, kRowStats = 212992, kBarriers = 214016;
 constexpr int kSmemBytes = kBarriers + 64 + 1024;
-static_assert(kSmemBytes <= 232448, "the backward's shared memory exceeds the 227 KiB a block may have");
-// Named barriers (0 is __syncthreads): dS^T written by both consumers; a consumer's
+// Named barriers (0 is __syncthreads): dS^T written by both consumers / read by both; a consumer's
 // dQ share staged in buffer b / taken by the writer (2 b + consumer); the two consumers at the end;
 // one consumer at the end.
-constexpr int kDsFull = 1, kDqFull = 3, kDqEmpty = 7, kBothDone = 11, kOneDone = 12;
+constexpr int kDsFull = 1, kDsFree = 2, kDqFull = 3, kDqEmpty = 7, kBothDone = 11, kOneDone = 12;
 
 // Sizes below are the block's (the causal op: all rows). Rq = 64 query_blocks, Rk = 128 key_blocks.
 struct Args {
@@ -422,14 +420,14 @@ __device__ __forceinline__ void backward_step(const Args& a, uint32_t base, unsi
     mma_m64n128k16_rs(dk, ds_frag + 4 * ks, descriptor(q_tile + ks * 2048, 8192, 1024));
   }
   mma_commit();
-  store_ds(smem + kTileDS + s * kDsBytes, ds_frag, w);
+  store_ds(smem + kTileDS, ds_frag, w);
   fence_async_shared();
   named_sync(kDsFull, 256);
   float dq[32];
   mma_fence();
 #pragma unroll
   for (int ks = 0; ks < 8; ++ks)  // A = dS, M-major (dS^T's rows); B = K's box w, N-major: 16 keys = 2048 bytes
-    mma_m64n64k16<1, 1>(dq, descriptor(base + kTileDS + s * kDsBytes + ks * 2048, 8192, 1024),
+    mma_m64n64k16<1, 1>(dq, descriptor(base + kTileDS + ks * 2048, 8192, 1024),
                         descriptor(base + kTileK + w * 16384 + ks * 2048, 16384, 1024), ks > 0);
   mma_commit();
   if constexpr (kNext) {
@@ -454,9 +452,7 @@ __device__ __forceinline__ void backward_step(const Args& a, uint32_t base, unsi
     if (lane == 0) barrier_arrive(empty + 8 * s);
   }
   fence_registers(dq);
-  // dS^T's buffer s is written again at step it + 2, after kDsFull of step it + 1, which the other
-  // consumer reaches only after its dQ multiply of this step is done: no meeting here, so that the
-  // consumers may drift apart within a step and one's probabilities run under the other's multiplies.
+  named_sync(kDsFree, 256);  // both consumers' dQ multiplies have read dS^T
   named_sync(kDqEmpty + 2 * s + w, 160);  // dQ buffer s: the stage's parity
   stage_rows(reinterpret_cast<float*>(smem + kTileDQ + s * kDqBufferBytes + w * 16384), dq, 1.0f);
   fence_async_shared();
