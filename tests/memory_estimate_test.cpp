@@ -283,6 +283,55 @@ TEST(MemoryEstimate, LargestFitIsTheEdge) {
   EXPECT_EQ(none.seq_len, 0);
 }
 
+// The settings that save memory: only those the run has on the side that holds memory and that
+// shrink its bill, each alone, then all of them together; each total is the bill of the run config
+// it names (bf16 moments: 4 bytes a parameter less).
+std::vector<std::string> saving_settings(const RunConfig& rc) {
+  std::vector<std::string> settings;
+  for (const MemorySaving& s : memory_savings(rc)) settings.push_back(s.setting);
+  return settings;
+}
+
+TEST(MemoryEstimate, MemoryOptionsNameSettingsThatSave) {
+  const Qwen3MoeConfig config = bench_config();
+  const RunConfig rc = bench_run();
+  EXPECT_EQ(saving_settings(rc), (std::vector<std::string>{"--optimizer.moments=bf16", "--train.bf16_weight_copy=false",
+                                                           "--train.pair_expert_grads=false"}));
+  const int64_t n = Qwen3Moe(config, DType::bf16, Device::cuda).num_parameters();
+  const int64_t before = estimate_memory<Qwen3Moe>(rc, config, 1, Device::cuda).total();
+  const std::vector<MemoryOption> options = memory_options<Qwen3Moe>(rc, config, 1, Device::cuda);
+  ASSERT_EQ(options.size(), 4u);  // the bench's micro-batches pair their expert weight gradients, so all three save
+  EXPECT_EQ(before - options[0].total, 4 * n);
+  EXPECT_LT(options[1].total, before);
+  EXPECT_LT(options[2].total, before);
+  EXPECT_EQ(options[3].setting, "all of the above together");
+  RunConfig all = rc;
+  all.moments = "bf16";
+  all.bf16_weight_copy = all.pair_expert_grads = false;
+  EXPECT_EQ(options[3].total, estimate_memory<Qwen3Moe>(all, config, 1, Device::cuda).total());
+  const std::string text = format_memory_options(options, double(options[0].total));
+  EXPECT_NE(text.find("--optimizer.moments=bf16 "), std::string::npos) << text;
+  EXPECT_NE(text.find("fits"), std::string::npos) << text;
+  EXPECT_NE(text.find("GiB over"), std::string::npos) << text;
+
+  // One sequence a step: no pairs, so that setting saves nothing and is left out.
+  RunConfig one = rc;
+  one.global_batch = 1;
+  const std::vector<MemoryOption> unpaired = memory_options<Qwen3Moe>(one, config, 1, Device::cuda);
+  ASSERT_EQ(unpaired.size(), 3u);
+  EXPECT_EQ(unpaired[1].setting, "--train.bf16_weight_copy=false");
+
+  RunConfig saving = rc;  // everything already on the saving side, or bf16 moments refused by beta2
+  saving.bf16_weight_copy = saving.pair_expert_grads = false;
+  saving.beta2 = 0.999;
+  EXPECT_TRUE(memory_savings(saving).empty());
+  EXPECT_EQ(format_memory_options({}, 1.0), "");
+  saving.beta2 = 0.95;
+  saving.keep_gathered = saving.keep_whole_grads = true;
+  EXPECT_EQ(saving_settings(saving), (std::vector<std::string>{"--optimizer.moments=bf16", "--parallel.keep_gathered=false",
+                                                               "--parallel.keep_whole_grads=false"}));
+}
+
 // Context parallelism: a process holds seq_len / cp tokens of each sequence, so its activations are a
 // cp = 1 process's at seq_len / cp on as many processes (the same shard groups, so the same state)
 // plus ring attention's buffers where they are alive at the peak.

@@ -131,7 +131,10 @@ int estimate_command(int argc, char** argv) {
       return;
     }
     check_global_batch(rc, estimate_mesh(rc, config.num_experts, options.world));
-    std::printf("%s", format_bill(estimate_memory<M>(rc, config, options.world, device), gpu_bytes).c_str());
+    const MemoryBill bill = estimate_memory<M>(rc, config, options.world, device);
+    std::printf("%s", format_bill(bill, gpu_bytes).c_str());
+    if (device == Device::cuda && double(bill.total()) > gpu_bytes)
+      std::printf("%s", format_memory_options(memory_options<M>(rc, config, options.world, device), gpu_bytes).c_str());
     if (rc.uses_dualpipev())
       std::printf("\n%s", with_estimated_model<M>(rc, config, options.world, device, [&](const EstimatedModel& m, const MeshShape& mesh) {
                     return pipeline_report(rc, m, mesh);

@@ -574,4 +574,25 @@ std::string format_bill(const MemoryBill& bill, double gpu_bytes) {
 
 DType moments_dtype(const RunConfig& rc) { return rc.moments == "bf16" ? DType::bf16 : DType::f32; }
 
+std::vector<MemorySaving> memory_savings(const RunConfig& rc) {
+  std::vector<MemorySaving> out;
+  if (rc.moments == "fp32" && rc.beta2 <= 0.99) out.push_back({"--optimizer.moments=bf16", [](RunConfig& c) { c.moments = "bf16"; }});
+  if (rc.bf16_weight_copy) out.push_back({"--train.bf16_weight_copy=false", [](RunConfig& c) { c.bf16_weight_copy = false; }});
+  if (rc.pair_expert_grads) out.push_back({"--train.pair_expert_grads=false", [](RunConfig& c) { c.pair_expert_grads = false; }});
+  if (rc.keep_gathered) out.push_back({"--parallel.keep_gathered=false", [](RunConfig& c) { c.keep_gathered = false; }});
+  if (rc.keep_whole_grads) out.push_back({"--parallel.keep_whole_grads=false", [](RunConfig& c) { c.keep_whole_grads = false; }});
+  return out;
+}
+
+std::string format_memory_options(const std::vector<MemoryOption>& options, double gpu_bytes) {
+  if (options.empty()) return "";
+  std::string out = "settings that save memory, each alone (total against the GPU's memory):\n";
+  for (const MemoryOption& o : options) {
+    const double spare = gpu_bytes - double(o.total);
+    out += fmt::format("  {:<44} {:>8.2f} GiB  {}\n", o.setting, o.total / kGiB,
+                       spare >= 0 ? "fits" : fmt::format("{:.2f} GiB over", -spare / kGiB));
+  }
+  return out;
+}
+
 }  // namespace marrow

@@ -99,6 +99,24 @@ std::string pipeline_report(const RunConfig& rc, const EstimatedModel& model, co
 // The bill as a table, with the total against gpu_bytes of device memory (GPU bills only).
 std::string format_bill(const MemoryBill& bill, double gpu_bytes);
 
+// A setting that trades memory for speed, turned to the side that saves memory: its run-config
+// override and the change it makes.
+struct MemorySaving {
+  std::string setting;
+  std::function<void(RunConfig&)> apply;
+};
+// Those rc has on the side that holds memory: AdamW moments in bf16 (where beta2 allows it), no
+// persistent bf16 weight copy, no paired expert weight gradients, FSDP's gathered weights and whole
+// gradients freed after use.
+std::vector<MemorySaving> memory_savings(const RunConfig& rc);
+// An option: a saving's setting (or "all of the above together") and the bill's total with it.
+struct MemoryOption {
+  std::string setting;
+  int64_t total = 0;
+};
+// Each option's total against gpu_bytes, a line each under a heading (empty without options).
+std::string format_memory_options(const std::vector<MemoryOption>& options, double gpu_bytes);
+
 // Calls f(EstimatedModel, MeshShape) for the share of M that one process of `world` holds.
 template <MoeModel M, class F>
 auto with_estimated_model(const RunConfig& rc, const typename M::Config& config, int64_t world, Device device, F&& f) {
@@ -126,6 +144,25 @@ template <MoeModel M>
 std::vector<PipelineChunk> pipeline_layout(const RunConfig& rc, const typename M::Config& config, int64_t world, Device device) {
   return with_estimated_model<M>(rc, config, world, device,
                                  [&](const EstimatedModel& m, const MeshShape& mesh) { return pipeline_layout(rc, m, mesh); });
+}
+
+// The savings that shrink rc's bill, each alone (the others as rc has them), then all of those
+// together when there are several.
+template <MoeModel M>
+std::vector<MemoryOption> memory_options(const RunConfig& rc, const typename M::Config& config, int64_t world, Device device) {
+  const int64_t now = estimate_memory<M>(rc, config, world, device).total();
+  std::vector<MemoryOption> options;
+  RunConfig all = rc;
+  for (const MemorySaving& saving : memory_savings(rc)) {
+    RunConfig one = rc;
+    saving.apply(one);
+    const int64_t total = estimate_memory<M>(one, config, world, device).total();
+    if (total >= now) continue;
+    saving.apply(all);
+    options.push_back({saving.setting, total});
+  }
+  if (options.size() > 1) options.push_back({"all of the above together", estimate_memory<M>(all, config, world, device).total()});
+  return options;
 }
 
 template <MoeModel M>

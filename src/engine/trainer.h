@@ -283,6 +283,16 @@ template <MoeModel M> bool pairs_micro_batches(const TrainSetup<M>& s, const Run
                                        s.model.num_experts());
 }
 
+// A GPU run whose estimated bill exceeds the GPU's memory would end in an allocation failure partway
+// into its first step: say so at the start, with the settings that would fit.
+template <MoeModel M> void warn_if_over_memory(const TrainSetup<M>& s, const RunConfig& rc, const MemoryBill& bill) {
+  const double gpu_bytes = s.device == Device::cuda ? double(device_memory_bytes(Device::cuda, process::local_rank())) : 0;
+  if (gpu_bytes == 0 || double(bill.total()) <= gpu_bytes) return;
+  std::printf("warning: the estimated total %.2f GiB is more than this GPU's %.2f GiB, so the run will likely run out of memory\n%s",
+              bill.total() / 1073741824.0, gpu_bytes / 1073741824.0,
+              format_memory_options(memory_options<M>(rc, s.model.config(), s.mesh.world.size(), s.device), gpu_bytes).c_str());
+}
+
 template <MoeModel M> void print_setup(const TrainSetup<M>& s, const RunConfig& rc, const TokenDataset& data) {
   const M& m = s.model;
   std::printf("model %s on %s: %.2fM parameters (%.2fM active per token), %lld layers, %lld experts top-%lld\n", M::model_type,
@@ -300,6 +310,7 @@ template <MoeModel M> void print_setup(const TrainSetup<M>& s, const RunConfig& 
   std::printf("estimated peak%s: %.2f GiB (arenas %.2f GiB + activations at %s %.2f GiB)\n", s.mesh.world.size() > 1 ? " per process" : "",
               bill.trainer_peak() / 1073741824.0, (bill.bytes(BillGroup::state) + bill.bytes(BillGroup::weights)) / 1073741824.0,
               bill.activation_peak_at.c_str(), bill.bytes(BillGroup::activations) / 1073741824.0);
+  warn_if_over_memory<M>(s, rc, bill);
   if (!s.chunks.empty())
     std::printf("DualPipeV: %lld pipeline ranks, decoder layers per chunk %s (parallel.pp_layers = %s)\n", (long long)s.mesh.shape.pp,
                 fmt::format("{}", fmt::join(chunk_layer_counts(s.chunks, m.num_layers()), " ")).c_str(), rc.pp_layers.c_str());

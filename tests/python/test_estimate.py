@@ -5,7 +5,8 @@
 - FSDP's shards: more processes, smaller state.
 - Context parallelism: a process's activations are those of its seq_len / cp tokens plus the ring's buffers, and the
   largest sequence that fits is a multiple of 2 x cp.
-- A config that does not fit says so and names the largest micro-batch and sequence that do.
+- A config that does not fit says so, names the largest micro-batch and sequence that do, and the settings that
+  save memory, each with its total.
 - Bad inputs stop it with one sentence and exit 1.
 """
 import argparse
@@ -141,6 +142,19 @@ def too_large(marrow, bench):
     check("no train.micro_batch fits at seq_len 65536" in stdout, "and says no micro-batch fits at that length")
     code, stdout, stderr = estimate(marrow, [bench, "--gpu-memory=40"])
     check(code == 0 and "nothing fits" in stdout, "state larger than the GPU: nothing fits")
+    # The settings that would save memory, each with the total its own estimate gives.
+    long_one = [bench, "--train.seq_len=32768", "--train.global_batch=1"]
+    code, stdout, stderr = estimate(marrow, long_one + ["--gpu-memory=100"])
+    print(stdout, stderr)
+    m = re.search(r"^  --optimizer.moments=bf16\s+([\d.]+) GiB  fits$", stdout, re.M)
+    _, bf16_stdout, _ = estimate(marrow, long_one + ["--optimizer.moments=bf16"])
+    check(m is not None and float(m.group(1)) == gib(bf16_stdout, "total"),
+          f"over 100 GiB at 32768: bf16 moments would fit, at the total of their own estimate ({m.group(1) if m else None})")
+    check(re.search(r"^  --train.bf16_weight_copy=false\s+[\d.]+ GiB  [\d.]+ GiB over$", stdout, re.M) is not None
+          and "all of the above together" in stdout and "pair_expert_grads" not in stdout,
+          "the weight copy alone stays over; a setting that saves nothing (no pairs at one sequence a step) is left out")
+    code, stdout, stderr = estimate(marrow, [bench])
+    check("settings that save memory" not in stdout, "a bill that fits lists no settings")
 
 
 def bad_inputs(marrow, bench):
