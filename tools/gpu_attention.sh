@@ -2,7 +2,7 @@
 # Attention on one H200: cuDNN's fused SDPA (ops/attention_cudnn.h) against the own kernels. Run on
 # the GPU machine from the repository root after tools/gpu_prepare.sh here (device tool, carry
 # [".gpu-carry"]):
-#   tools/gpu_attention.sh <log-dir> [check|speed|long|all|final|memory|checks|quick|only|peaks|measure|kernels|pairs|fp8|plans|hopper|launch|traces]
+#   tools/gpu_attention.sh <log-dir> [check|speed|long|all|final|memory|checks|quick|only|peaks|measure|kernels|pairs|fp8|plans|hopper|launch|traces|oom]
 # check: marrow check --only attention (both kernel sets against the CPU reference, bits twice)
 # speed: the attention rows of marrow bench --kernels; the bench config (3 + 17 steps) with each
 #        kernel set
@@ -49,6 +49,9 @@
 #         full blocks on the own and the wgmma kernels), then (unless HOPPER_BENCH=0) the bench config (3 + 27 steps) with each of
 #         HOPPER_SETS (default: hopper_backward hopper cudnn), on one machine; the first 5 losses of each;
 #         with HOPPER_LONG=1 also one sequence of 16,384 without the weight copy (3 + 5 steps) with each set
+# oom: a run over the GPU's memory (one sequence of 98,304 tokens, estimate ~150 GiB): the start-up warning with the
+#      settings that save memory, then the out-of-memory sentence and exit status 1; then the first of those settings
+#      (bf16 moments) trains the same step without a warning
 # Ends with PASS or FAIL; logs in <log-dir>.
 set -uo pipefail
 out=${1:-$OUT}
@@ -301,6 +304,20 @@ if [ "$what" = traces ]; then
   "${long32[@]}" --warmup=2 --steps=1 --profile-steps=3:3 --output.dir=runs/trace-32768 > "$out/trace-32768.log" 2>&1 || fail "trace 32768"
   gzip -c runs/trace-32768/bench/trace-steps-3-3.json > "$out/trace-32768-steps-3-3.json.gz" 2>/dev/null
   ls -la "$out"/*.json.gz
+fi
+
+if [ "$what" = oom ]; then
+  over=("${bench[@]}" --warmup=0 --steps=1 --train.seq_len=98304 --train.global_batch=1 --train.micro_batch=1)
+  step "one sequence of 98,304 tokens: over the GPU's memory"
+  "${over[@]}" --output.dir=runs/oom > "$out/oom.log" 2>&1
+  code=$?
+  grep -E "^estimated peak|^warning|^  --|all of the above|error" "$out/oom.log" | head -8 | tee -a "$out/summary.log"
+  { [ $code -eq 1 ] && grep -q "^warning: the estimated total" "$out/oom.log" && grep -q "out of GPU memory allocating" "$out/oom.log"; } \
+    || fail "no warning, out-of-memory sentence and exit status 1 (exit status $code)"
+  step "the same with --optimizer.moments=bf16, the warning's first setting"
+  "${over[@]}" --optimizer.moments=bf16 --output.dir=runs/oom-bf16 > "$out/oom-bf16.log" 2>&1 || fail "bf16 moments at 98,304"
+  grep -E "^estimated peak|^warning|^bench:|error" "$out/oom-bf16.log" | head -4 | tee -a "$out/summary.log"
+  grep -q "^warning" "$out/oom-bf16.log" && fail "a warning with bf16 moments"
 fi
 
 if [ "$what" = peaks ]; then

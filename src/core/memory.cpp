@@ -24,7 +24,16 @@ void* allocate(size_t bytes, Device device, Stream stream) {
   }
 #if MARROW_CUDA
   void* p = nullptr;
-  MARROW_CUDA_CHECK(cudaMallocAsync(&p, bytes, static_cast<cudaStream_t>(stream.handle)));
+  const cudaError_t err = cudaMallocAsync(&p, bytes, static_cast<cudaStream_t>(stream.handle));
+  if (err == cudaErrorMemoryAllocation) {
+    cudaGetLastError();  // clears the error, so that the message below is the one the run ends with
+    size_t free = 0, total = 0;
+    cudaMemGetInfo(&free, &total);
+    fail("out of GPU memory allocating {:.1f} MiB ({:.2f} GiB free of {:.2f}); `marrow estimate` with the same config and "
+         "overrides gives the bill and the settings that save memory",
+         bytes / 1048576.0, free / 1073741824.0, total / 1073741824.0);
+  }
+  MARROW_CUDA_CHECK(err);
   return p;
 #else
   (void)stream;
