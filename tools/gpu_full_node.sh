@@ -27,29 +27,19 @@ shift 2 2>/dev/null || shift $#
 layout=("$@")
 [ ${#layout[@]} -gt 0 ] || layout=(--parallel.ep=8)
 
-if [ "${DRY_RUN:-0}" = 1 ]; then
-  mkdir -p "$out"
-  cd "$(dirname "$0")/.."
-  export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_btl_vader_single_copy_mechanism=none
-  status=0
-  step() { echo "== [$(date +%T)] $*" | tee -a "$out/summary.log"; }
-  fail() { echo "FAILED: $*" | tee -a "$out/summary.log"; status=1; }
-  marrow=${MARROW:-build-cpu/marrow}
-  mpi=(mpirun --allow-run-as-root --oversubscribe --bind-to none -np 8)
+ranks=8
+source "$(dirname "$0")/gpu_common.sh"
+if [ "$dry" = 1 ]; then
   root=$out/runs
-  config=(configs/tiny-moe.toml --data.path="${MARROW_DEMO_CORPUS:-build-cpu/demo-corpus}/corpus" --train.device=cpu
-          --optimizer.moments=${MOMENTS:-bf16}
+  config=(configs/tiny-moe.toml --data.path="$corpus" --train.device=cpu --optimizer.moments=${MOMENTS:-bf16}
           --train.global_batch=16 --train.micro_batch=1 --train.steps=4 --schedule.warmup_steps=1 --parallel.timeout_s=300)
-  save=2 last=4 export_device=cpu seq=64 python=${PYTHON:-.venv/bin/python}
+  save=2 last=4 seq=64
   profile=()  # CUPTI traces need the CUDA build
 else
-  source "$(dirname "$0")/gpu_common.sh"
   ninja -C build-gpu model_forward > "$out/build-tools.log" 2>&1 || fail "build model_forward"
-  marrow=build-gpu/marrow
-  mpi=(mpirun --allow-run-as-root --bind-to none -np 8)
   root=/dev/shm/marrow-30b
-  config=(configs/qwen3-30b-a3b.toml --data.path=.gpu-carry/qwen3 --optimizer.moments=${MOMENTS:-bf16})
-  save=25 last=50 export_device=cpu seq=256 python=python3
+  config=(configs/qwen3-30b-a3b.toml --data.path="$corpus" --optimizer.moments=${MOMENTS:-bf16})
+  save=25 last=50 seq=256
   profile=(--profile-steps=10:11)
 fi
 straight=$root/straight resumed=$root/resumed hf=$root/hf
@@ -68,7 +58,7 @@ if [ "$part" = train ] || [ "$part" = all ]; then
   one=$($marrow estimate "${config[@]}" "${layout[@]}" --world=8 2>/dev/null | sed -n 's/^one checkpoint: \([0-9.]*\) GiB.*/\1/p')
   free=$(df --output=avail -B1 "$root" | tail -1)
   echo "one checkpoint ${one:-?} GiB; $root has $((free >> 30)) GiB free" | tee -a "$out/summary.log"
-  python3 -c "import sys; sys.exit(0 if $free >= 2 * ${one:-1e9} * 2**30 else 1)" \
+  $python -c "import sys; sys.exit(0 if $free >= 2 * ${one:-1e9} * 2**30 else 1)" \
     || { fail "two checkpoints of ${one:-?} GiB do not fit in the $((free >> 30)) GiB free in $root (tmpfs: try mount -o remount,size=480G /dev/shm)"
          part=none; }
 fi
@@ -87,7 +77,7 @@ if [ "$part" = export ] || [ "$part" = all ]; then
   forward=$(dirname $marrow)/tests/model_forward
   corpus=$(printf '%s\n' "${config[@]}" | sed -n 's/^--data.path=//p')
   timeout 590 $python tools/gpu_export_check.py --model-forward "$forward" --checkpoint "$(ckpt "$straight" $last)" --hf "$hf" \
-    --corpus "$corpus" --out "$root/export-check" --seq $seq --device $export_device > "$out/export-check.log" 2>&1 \
+    --corpus "$corpus" --out "$root/export-check" --seq $seq --device cpu > "$out/export-check.log" 2>&1 \
     || fail "export check"
   grep -vi warning "$out/export-check.log" | tail -6 | tee -a "$out/summary.log"
   rm -rf "$hf" "$root/export-check"  # room for the resumed run's checkpoint

@@ -1,6 +1,7 @@
 """The GPU run scripts' CPU dry runs, so that a script waiting for a machine kind that is not lent
-(tools/gpu_full_node.sh: issue #15's 8-GPU node) does not rot unseen: the same parts, with the tiny
-model on 8 processes under mpirun --oversubscribe, must end with PASS. And tools/ncu_stalls.py, which
+does not rot unseen: tools/gpu_full_node.sh (issue #15's 8-GPU node) on 8 processes, and
+tools/gpu_pipeline.sh (#12) and tools/gpu_context.sh (#13) on 2, under mpirun --oversubscribe with the
+tiny model, must end with PASS and print the comparisons they exist for. And tools/ncu_stalls.py, which
 reads Nsight Compute's source page on the GPU machine, on a small page of known shares.
 """
 import argparse
@@ -18,11 +19,20 @@ def main():
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     with tempfile.TemporaryDirectory() as tmp:
         env = dict(os.environ, DRY_RUN="1", MARROW=os.path.abspath(args.marrow), PYTHON=sys.executable)
-        p = subprocess.run([os.path.join(repo, "tools", "gpu_full_node.sh"), os.path.join(tmp, "logs"), "all"], cwd=repo, env=env,
-                           capture_output=True, text=True, timeout=900)
-        print(p.stdout[-3000:], p.stderr[-2000:])
-        ok = p.returncode == 0 and p.stdout.strip().endswith("PASS") and "equal sha256: True" in p.stdout
-        print("ok      " if ok else "FAILED  ", "tools/gpu_full_node.sh's dry run: train, resume bit for bit, export")
+        # (script, part, lines its output must hold besides PASS, what the run shows)
+        runs = [("gpu_full_node.sh", "all", ["equal sha256: True"], "train, resume bit for bit, export"),
+                ("gpu_pipeline.sh", "one", ["equal: True"], "one process, the DualPipeV order's losses equal the sequential's"),
+                ("gpu_pipeline.sh", "all", ["equal: True", "simulated bubble", "PP = 2: "], "EP = 2 orders equal, PP = 2 trains"),
+                ("gpu_context.sh", "all", ["the bench config at sequence 512 with CP = 2", "sequence 1024 fits"],
+                 "CP = 2 against one process, the long run, the largest sequences")]
+        ok = True
+        for script, part, want, what in runs:
+            p = subprocess.run([os.path.join(repo, "tools", script), os.path.join(tmp, script + "-" + part), part], cwd=repo, env=env,
+                               capture_output=True, text=True, timeout=900)
+            print(p.stdout[-3000:], p.stderr[-2000:])
+            this_ok = p.returncode == 0 and p.stdout.strip().endswith("PASS") and all(w in p.stdout for w in want)
+            print("ok      " if this_ok else "FAILED  ", f"tools/{script} {part}'s dry run: {what}")
+            ok = ok and this_ok
         stalls_ok = check_ncu_stalls(repo, tmp)
         print("ok      " if stalls_ok else "FAILED  ", "tools/ncu_stalls.py: shares by reason, opcode and run")
         print("PASS" if ok and stalls_ok else "FAIL")
