@@ -202,7 +202,7 @@ TEST(AdamW, RejectsBf16MomentsWithF64ParamAndMixedMoments) {
     adamw_step(p, {}, m, v, g, hp);
     FAIL() << "expected an error";
   } catch (const Error& e) {
-    EXPECT_STREQ(e.what(), "adamw_step: the moments are bf16 but param is f64: they take param's dtype, or bf16 with f32 param");
+    EXPECT_STREQ(e.what(), "adamw_step: the moments are bf16 but grad is f64: they take grad's dtype, or bf16 with f32 grad");
   }
   try {
     adamw_step(p32, {}, m32, v, g32, hp);

@@ -78,6 +78,20 @@ TEST(MemoryEstimate, ChunksArePaddedPerUnit) {
   EXPECT_EQ(one.bytes(BillGroup::weights), 0);
 }
 
+// The split master (the default, GPU) keeps 2 bytes a parameter besides the bf16 weights, which its
+// high halves are; "fp32" keeps a 4-byte master beside the same bf16 weights. The CPU has no split.
+TEST(MemoryEstimate, SplitMasterWeightsTakeTwoBytesBesideTheBf16Weights) {
+  const SmallTable t;
+  RunConfig fp32 = small_run();
+  fp32.master_weights = "fp32";
+  const MemoryBill split = small_bill(small_run(), t, 4, Device::cuda), whole = small_bill(fp32, t, 4, Device::cuda);
+  EXPECT_EQ(item(split, "fp32 master weights' low halves"), 2 * 17);
+  EXPECT_EQ(item(whole, "fp32 master weights"), 4 * 17);
+  EXPECT_EQ(whole.bytes(BillGroup::state) - split.bytes(BillGroup::state), 2 * 17);
+  EXPECT_EQ(split.bytes(BillGroup::weights), whole.bytes(BillGroup::weights));
+  EXPECT_EQ(item(small_bill(small_run(), t, 4, Device::cpu), "fp32 master weights"), 4 * 17);
+}
+
 TEST(MemoryEstimate, Bf16MomentsHalveTheMomentsItems) {
   const SmallTable t;
   RunConfig rc = small_run();
@@ -109,7 +123,7 @@ TEST(MemoryEstimate, KeptUnitsAgainstLayerSlots) {
   RunConfig ddp = small_run(true);
   ddp.dp_shard = 1;
   const MemoryBill replicated = small_bill(ddp, t, 4, Device::cuda);
-  EXPECT_EQ(item(replicated, "fp32 master weights"), 4 * 58);
+  EXPECT_EQ(item(replicated, "fp32 master weights' low halves"), 2 * 58);
   EXPECT_EQ(item(replicated, "bf16 weights of units kept whole"), 2 * 58);
   EXPECT_EQ(item(replicated, "fp32 whole gradients of units kept whole"), 0);
 }
@@ -121,7 +135,7 @@ TEST(MemoryEstimate, ExpertUnitsShardOverFewerProcesses) {
   // 4 processes = dp 2 x ep 2: dense units over 4, expert units (this rank's experts) over dp 2.
   // Chunks: 3 + 2 x (2 + 5) + 3 + 1 = 21.
   const MemoryBill bill = small_bill(rc, t, 4, Device::cuda);
-  EXPECT_EQ(item(bill, "fp32 master weights"), 4 * 21);
+  EXPECT_EQ(item(bill, "fp32 master weights' low halves"), 2 * 21);
   EXPECT_EQ(item(bill, "bf16 gathered layer slots"), 2 * 2 * (8 + 10));
 }
 
@@ -154,6 +168,7 @@ RunConfig bench_run(int64_t ep = 1) {
   rc.seq_len = 4096;
   rc.ep = ep;
   rc.source = "bench.toml";
+  rc.master_weights = "fp32";  // the measured figures below are fp32 master weights'
   return rc;
 }
 
@@ -295,19 +310,20 @@ std::vector<std::string> saving_settings(const RunConfig& rc) {
 TEST(MemoryEstimate, MemoryOptionsNameSettingsThatSave) {
   const Qwen3MoeConfig config = bench_config();
   const RunConfig rc = bench_run();
-  EXPECT_EQ(saving_settings(rc), (std::vector<std::string>{"--optimizer.moments=bf16", "--train.bf16_weight_copy=false",
+  EXPECT_EQ(saving_settings(rc), (std::vector<std::string>{"--optimizer.moments=bf16", "--train.master_weights=split",
                                                            "--train.pair_expert_grads=false"}));
   const int64_t n = Qwen3Moe(config, DType::bf16, Device::cuda).num_parameters();
   const int64_t before = estimate_memory<Qwen3Moe>(rc, config, 1, Device::cuda).total();
   const std::vector<MemoryOption> options = memory_options<Qwen3Moe>(rc, config, 1, Device::cuda);
   ASSERT_EQ(options.size(), 4u);  // the bench's micro-batches pair their expert weight gradients, so all three save
   EXPECT_EQ(before - options[0].total, 4 * n);
-  EXPECT_LT(options[1].total, before);
+  EXPECT_EQ(before - options[1].total, 2 * n);
   EXPECT_LT(options[2].total, before);
   EXPECT_EQ(options[3].setting, "all of the above together");
   RunConfig all = rc;
   all.moments = "bf16";
-  all.bf16_weight_copy = all.pair_expert_grads = false;
+  all.master_weights = "split";
+  all.pair_expert_grads = false;
   EXPECT_EQ(options[3].total, estimate_memory<Qwen3Moe>(all, config, 1, Device::cuda).total());
   const std::string text = format_memory_options(options, double(options[0].total));
   EXPECT_NE(text.find("--optimizer.moments=bf16 "), std::string::npos) << text;
@@ -319,10 +335,11 @@ TEST(MemoryEstimate, MemoryOptionsNameSettingsThatSave) {
   one.global_batch = 1;
   const std::vector<MemoryOption> unpaired = memory_options<Qwen3Moe>(one, config, 1, Device::cuda);
   ASSERT_EQ(unpaired.size(), 3u);
-  EXPECT_EQ(unpaired[1].setting, "--train.bf16_weight_copy=false");
+  EXPECT_EQ(unpaired[1].setting, "--train.master_weights=split");
 
   RunConfig saving = rc;  // everything already on the saving side, or bf16 moments refused by beta2
-  saving.bf16_weight_copy = saving.pair_expert_grads = false;
+  saving.master_weights = "split";
+  saving.pair_expert_grads = false;
   saving.beta2 = 0.999;
   EXPECT_TRUE(memory_savings(saving).empty());
   EXPECT_EQ(format_memory_options({}, 1.0), "");

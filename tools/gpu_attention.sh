@@ -97,7 +97,7 @@ if [ "$what" = hopper ]; then
     for kernels in $([ "${HOPPER_LONG:-0}" = 0 ] || echo ${HOPPER_SETS:-hopper_backward hopper cudnn}); do
       step "one sequence of 16384 tokens, bf16_weight_copy=false, attention kernels $kernels: 3 warm-up + 5 measured steps"
       timeout 240 "${bench[@]}" --warmup=3 --steps=5 --train.seq_len=16384 --train.global_batch=1 --train.micro_batch=1 \
-        --train.bf16_weight_copy=false --train.attention_kernels=$kernels --output.dir=runs/long-$kernels \
+        --train.master_weights=fp32 --train.bf16_weight_copy=false --train.attention_kernels=$kernels --output.dir=runs/long-$kernels \
         > "$out/long-16384-$kernels.log" 2>&1 || fail "bench 16384 $kernels"
       grep -E "^bench:" "$out/long-16384-$kernels.log" | tee -a "$out/summary.log"
     done
@@ -122,7 +122,7 @@ fi
 if [ "$what" = long ] || [ "$what" = all ]; then
   step "train.bf16_weight_copy=false (layers cast from the fp32 master before each use) gives the losses of the default bit for bit"
   for copy in true false; do
-    "${bench[@]}" --warmup=2 --steps=3 --train.bf16_weight_copy=$copy --output.dir=runs/copy-$copy > "$out/copy-$copy.log" 2>&1 \
+    "${bench[@]}" --warmup=2 --steps=3 --train.master_weights=fp32 --train.bf16_weight_copy=$copy --output.dir=runs/copy-$copy > "$out/copy-$copy.log" 2>&1 \
       || fail "bench with bf16_weight_copy=$copy"
   done
   grep -E "^bench:" "$out"/copy-*.log
@@ -131,7 +131,7 @@ print('losses', l[0]); print('same bits' if l[0] == l[1] else f'DIFFER: {l[1]}')
   for run in "16384 true" "16384 false" "32768 true" "32768 false"; do
     set -- $run
     step "one sequence of $1 tokens per step, cuDNN attention, bf16_weight_copy=$2: 3 warm-up + 7 measured steps"
-    "${bench[@]}" --warmup=3 --steps=7 --train.seq_len=$1 --train.global_batch=1 --train.micro_batch=1 --train.bf16_weight_copy=$2 \
+    "${bench[@]}" --warmup=3 --steps=7 --train.seq_len=$1 --train.global_batch=1 --train.micro_batch=1 --train.master_weights=fp32 --train.bf16_weight_copy=$2 \
       --output.dir=runs/long-$1-$2 > "$out/long-$1-$2.log" 2>&1 || fail "bench at $1 tokens, bf16_weight_copy=$2"
     grep -E "^estimated peak|error" "$out/long-$1-$2.log" | head -3
     sed -n '/^bench:/,$p' "$out/long-$1-$2.log" | head -12
@@ -152,7 +152,7 @@ if [ "$what" = final ]; then
   for run in "16384 true cudnn" "16384 true cudnn_nondeterministic" "32768 false cudnn" "32768 false cudnn_nondeterministic"; do
     set -- $run
     step "one sequence of $1 tokens per step, bf16_weight_copy=$2, attention kernels $3: 3 warm-up + 7 measured steps"
-    "${bench[@]}" --warmup=3 --steps=7 --train.seq_len=$1 --train.global_batch=1 --train.micro_batch=1 --train.bf16_weight_copy=$2 \
+    "${bench[@]}" --warmup=3 --steps=7 --train.seq_len=$1 --train.global_batch=1 --train.micro_batch=1 --train.master_weights=fp32 --train.bf16_weight_copy=$2 \
       --train.attention_kernels=$3 --output.dir=runs/final-$1-$3 > "$out/long-$1-$3.log" 2>&1 || fail "bench at $1 tokens, $3"
     grep -E "^estimated peak|error" "$out/long-$1-$3.log" | head -3
     sed -n '/^bench:/,$p' "$out/long-$1-$3.log" | head -5
@@ -167,7 +167,7 @@ if [ "$what" = memory ]; then
   for run in "4096 true 4" "16384 true 1" "32768 true 1" "32768 false 1"; do
     set -- $run
     step "peak at $1 tokens x $3 per step, bf16_weight_copy=$2: 3 warm-up + 5 measured steps"
-    "${bench[@]}" --warmup=3 --steps=5 --train.seq_len=$1 --train.global_batch=$3 --train.micro_batch=1 --train.bf16_weight_copy=$2 \
+    "${bench[@]}" --warmup=3 --steps=5 --train.seq_len=$1 --train.global_batch=$3 --train.micro_batch=1 --train.master_weights=fp32 --train.bf16_weight_copy=$2 \
       --output.dir=runs/memory-$1-$2 > "$out/memory-$1-$2.log" 2>&1 || fail "bench at $1 tokens, bf16_weight_copy=$2"
     grep -E "^estimated peak|^bench:|error" "$out/memory-$1-$2.log" | head -3
   done
@@ -182,7 +182,7 @@ if [ "$what" = checks ]; then
   done
   step "train.bf16_weight_copy=false gives the losses of the default bit for bit"
   for copy in true false; do
-    "${bench[@]}" --warmup=2 --steps=3 --train.bf16_weight_copy=$copy --output.dir=runs/copy-$copy > "$out/copy-$copy.log" 2>&1 \
+    "${bench[@]}" --warmup=2 --steps=3 --train.master_weights=fp32 --train.bf16_weight_copy=$copy --output.dir=runs/copy-$copy > "$out/copy-$copy.log" 2>&1 \
       || fail "bench with bf16_weight_copy=$copy"
   done
   grep -E "^bench:" "$out"/copy-*.log
@@ -280,7 +280,7 @@ if [ "$what" = launch ]; then
     first_losses runs/launch-$dl/bench/metrics.jsonl
     step "one sequence of 16384 tokens without the weight copy, train.dependent_launch=$dl: 3 warm-up + 5 measured steps"
     timeout 240 "${bench[@]}" --warmup=3 --steps=5 --train.seq_len=16384 --train.global_batch=1 --train.micro_batch=1 \
-      --train.bf16_weight_copy=false --train.dependent_launch=$dl --output.dir=runs/launch-long-$dl > "$out/long-launch-$dl.log" 2>&1 \
+      --train.master_weights=fp32 --train.bf16_weight_copy=false --train.dependent_launch=$dl --output.dir=runs/launch-long-$dl > "$out/long-launch-$dl.log" 2>&1 \
       || fail "16384 dependent_launch=$dl"
     grep -E "^bench:" "$out/long-launch-$dl.log" | tee -a "$out/summary.log"
   done
@@ -295,7 +295,7 @@ if [ "$what" = traces ]; then
   gzip -c runs/trace-bench/bench/trace-steps-3-4.json > "$out/trace-bench-steps-3-4.json.gz" 2>/dev/null
   step "kernel trace: one sequence of 16,384 without the weight copy, 1 step after 2 warm-up"
   "${bench[@]}" --warmup=2 --steps=1 --profile-steps=3:3 --train.seq_len=16384 --train.global_batch=1 --train.micro_batch=1 \
-    --train.bf16_weight_copy=false --output.dir=runs/trace-16384 > "$out/trace-16384.log" 2>&1 || fail "trace 16384"
+    --train.master_weights=fp32 --train.bf16_weight_copy=false --output.dir=runs/trace-16384 > "$out/trace-16384.log" 2>&1 || fail "trace 16384"
   gzip -c runs/trace-16384/bench/trace-steps-3-3.json > "$out/trace-16384-steps-3-3.json.gz" 2>/dev/null
   step "one sequence of 32,768 with bf16 moments: 3 + 5 steps (stage split), then a trace of 1 step after 2 warm-up"
   long32=("${bench[@]}" --train.seq_len=32768 --train.global_batch=1 --train.micro_batch=1 --optimizer.moments=bf16)
@@ -331,7 +331,7 @@ if [ "$what" = peaks ]; then
   for run in "16384 false" "16384 true" "32768 true"; do
     set -- $run
     step "one sequence of $1 tokens per step, bf16_weight_copy=$2: 3 warm-up + 5 measured steps"
-    "${bench[@]}" --warmup=3 --steps=5 --train.seq_len=$1 --train.global_batch=1 --train.micro_batch=1 --train.bf16_weight_copy=$2 \
+    "${bench[@]}" --warmup=3 --steps=5 --train.seq_len=$1 --train.global_batch=1 --train.micro_batch=1 --train.master_weights=fp32 --train.bf16_weight_copy=$2 \
       --output.dir=runs/peaks-$1-$2 > "$out/long-$1-$2.log" 2>&1 || fail "bench at $1 tokens, bf16_weight_copy=$2"
     grep -E "^estimated peak|^bench:|error" "$out/long-$1-$2.log" | head -3
   done
@@ -345,7 +345,7 @@ if [ "$what" = measure ]; then
   for run in "16384 true 1" "16384 false 1" "32768 true 1" "32768 false 1" "4096 false 4"; do
     set -- $run
     step "$3 sequence(s) of $1 tokens per step, bf16_weight_copy=$2: 3 warm-up + 5 measured steps"
-    "${bench[@]}" --warmup=3 --steps=5 --train.seq_len=$1 --train.global_batch=$3 --train.micro_batch=1 --train.bf16_weight_copy=$2 \
+    "${bench[@]}" --warmup=3 --steps=5 --train.seq_len=$1 --train.global_batch=$3 --train.micro_batch=1 --train.master_weights=fp32 --train.bf16_weight_copy=$2 \
       --output.dir=runs/measure-$1-$2 > "$out/long-$1-$2.log" 2>&1 || fail "bench at $1 tokens, bf16_weight_copy=$2"
     grep -E "^estimated peak|error" "$out/long-$1-$2.log" | head -3
     sed -n '/^bench:/,$p' "$out/long-$1-$2.log" | head -8

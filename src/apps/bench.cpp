@@ -30,6 +30,7 @@
 #include "engine/trainer.h"
 #include "apps/model_switch.h"
 #include "ops/adamw.h"
+#include "ops/cast.h"
 #include "ops/attention.h"
 #include "ops/attention_cudnn.h"
 #include "ops/attention_hopper.h"
@@ -298,6 +299,13 @@ void bench_fp8_grouped(const std::string& name, Tensor offsets, Tensor x, Tensor
   Buffer m16 = Buffer::zeros(DType::bf16, Device::cuda, {E, out, in}), v16 = Buffer::zeros(DType::bf16, Device::cuda, {E, out, in});
   memory_row(name + " adamw + bf16 copy, bf16 moments", 22 * double(E * out * in),
              [&] { adamw_step_known_zero(param, copy, m16, v16, grad, known, hyper); });
+  // Split master weights (train.master_weights = "split"): the copy is the master's high half, the
+  // low half a u16: 28 bytes an element, 20 with bf16 moments.
+  Buffer low = Buffer::zeros(DType::u16, Device::cuda, {E, out, in});
+  split_f32(copy, low, param);
+  memory_row(name + " adamw split master", 28 * double(E * out * in), [&] { adamw_step_known_zero(low, copy, m, v, grad, known, hyper); });
+  memory_row(name + " adamw split master, bf16 moments", 20 * double(E * out * in),
+             [&] { adamw_step_known_zero(low, copy, m16, v16, grad, known, hyper); });
 }
 
 // group: "" all, "attention" the attention rows only, "experts" the expert GEMM rows only.

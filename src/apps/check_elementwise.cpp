@@ -6,13 +6,16 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <iterator>
 #include <string>
 
 #include "apps/check.h"
 #include "core/bf16.h"
 #include "core/rng.h"
+#include "core/split_f32.h"
 #include "ops/adamw.h"
 #include "ops/add.h"
+#include "ops/cast.h"
 #include "ops/combine.h"
 #include "ops/cross_entropy.h"
 #include "ops/dispatch.h"
@@ -660,6 +663,66 @@ void check_adamw_bf16_moments(CheckReport& report, int64_t n, int64_t offset, in
   report.expect_equal(op + "param_bf16 " + size, tail(copy_d), tail(copy));
 }
 
+// Split master weights (core/split_f32.h): split_f32 and join_f32 on the GPU against the CPU, bit
+// for bit, over random values and the midpoints between bf16 values (both parities of the lower
+// neighbour, both signs), zeros, subnormals and large values; and the GPU's join of its own split
+// gives every value back except the midpoints above an odd bf16, one unit higher.
+void check_split_f32(CheckReport& report, int64_t n) {
+  Buffer value = random_host({n}, 95);
+  auto* bits = static_cast<uint32_t*>(value.view().data);
+  const uint32_t planted[] = {0x3f808000u, 0x3f818000u, 0xbf808000u, 0xbf818000u, 0x00000000u, 0x80000000u,
+                              0x00018000u, 0x7f7effffu, 0x3f80ffffu, 0x3f7fffffu, 0x40000001u, 0xc0008001u};
+  for (size_t i = 0; i < std::size(planted); ++i) bits[i * 7] = planted[i];
+  Buffer high(DType::bf16, Device::cpu, {n}), low(DType::u16, Device::cpu, {n}), joined(DType::f32, Device::cpu, {n});
+  split_f32(high, low, value);
+  join_f32(joined, high, low);
+  Buffer value_d(DType::f32, Device::cuda, {n}), high_d = poisoned(DType::bf16, {n}), low_d = poisoned(DType::u16, {n}),
+         joined_d = poisoned(DType::f32, {n});
+  copy(value_d, value);
+  split_f32(high_d, low_d, value_d);
+  join_f32(joined_d, high_d, low_d);
+  const std::string size = fmt::format("n={}", n);
+  report.expect_equal("split_f32 high " + size, high_d, high);
+  report.expect_equal("split_f32 low " + size, low_d, low);
+  report.expect_equal("join_f32 " + size, joined_d, joined);
+  Buffer storable(DType::f32, Device::cpu, {n});
+  for (int64_t i = 0; i < n; ++i) static_cast<uint32_t*>(storable.view().data)[i] = split_storable(bits[i]);
+  report.expect_equal("join_f32 of split_f32: the values as stored " + size, joined_d, storable);
+}
+
+// adamw_step (rows > 0: adamw_step_known_zero, every third row flagged) on split master weights,
+// fp32 or bf16 moments, against the CPU, bit for bit: both halves of the weights and the moments.
+void check_adamw_split(CheckReport& report, int64_t n, int64_t offset, int64_t rows, DType moments) {
+  const std::string size = (rows > 0 ? fmt::format("{} rows of {}", rows, n / rows) : fmt::format("n={}{}", n, offset ? " unaligned" : "")) +
+                           (moments == DType::bf16 ? ", bf16 moments" : "");
+  AdamWHyper hyper{1e-3, 0.9, 0.95, 1e-8, 0.1, 3};
+  hyper.grad_scale = 0.37;
+  const int64_t all = n + offset;
+  Buffer value = random_host({all}, 96), grad = random_host({all}, 97), m32 = random_host({all}, 98, 0.1), v32 = random_host({all}, 99, 0.01);
+  for (int64_t i = 0; i < all; ++i) v32.ptr<float>()[i] = std::abs(v32.ptr<float>()[i]);
+  Buffer high(DType::bf16, Device::cpu, {all}), low(DType::u16, Device::cpu, {all}), known(DType::i32, Device::cpu, {std::max<int64_t>(rows, 1)});
+  split_f32(high, low, value);
+  for (int64_t r = 0; r < rows; ++r) known.ptr<int32_t>()[r] = r % 3 == 1;
+  Buffer m = moments == DType::bf16 ? host_bf16(m32) : std::move(m32), v = moments == DType::bf16 ? host_bf16(v32) : std::move(v32);
+  Buffer high_d(DType::bf16, Device::cuda, {all}), low_d(DType::u16, Device::cuda, {all}), m_d(moments, Device::cuda, {all}),
+      v_d(moments, Device::cuda, {all});
+  for (auto [d, h] : {std::pair{&high_d, &high}, std::pair{&low_d, &low}, std::pair{&m_d, &m}, std::pair{&v_d, &v}}) copy(*d, *h);
+  const Buffer grad_d = to_device(grad, DType::f32), known_d = to_device(known, DType::i32);
+  auto tail = [&](Tensor t) { return t.rows(offset, all); };
+  if (rows > 0) {
+    adamw_step_known_zero(tail(low), tail(high), tail(m), tail(v), tail(grad), known, hyper);
+    adamw_step_known_zero(tail(low_d), tail(high_d), tail(m_d), tail(v_d), tail(grad_d), known_d, hyper);
+  } else {
+    adamw_step(tail(low), tail(high), tail(m), tail(v), tail(grad), hyper);
+    adamw_step(tail(low_d), tail(high_d), tail(m_d), tail(v_d), tail(grad_d), hyper);
+  }
+  const std::string op = rows > 0 ? "adamw_step_known_zero split master " : "adamw_step split master ";
+  report.expect_equal(op + "high " + size, high_d, high);
+  report.expect_equal(op + "low " + size, low_d, low);
+  report.expect_equal(op + "exp_avg " + size, m_d, m);
+  report.expect_equal(op + "exp_avg_sq " + size, v_d, v);
+}
+
 // Rows an embedding step did not see: zero gradient and moments (+0 and -0). AdamW skips the square
 // root and the divisions for them (ops/adamw.cu); the results are known exactly: the moments become
 // +0 and the weight only decays, float(double(param) * decay). lr and weight_decay make decay
@@ -774,6 +837,13 @@ void check_elementwise_ops(CheckReport& report) {
   check_adamw_bf16_moments(report, 37 * 75, 1, 0);
   check_adamw_bf16_moments(report, 7 * 36, 0, 7);
   check_adamw_bf16_moments(report, 5 * 37, 0, 5);
+  check_split_f32(report, 37 * 75);
+  for (DType moments : {DType::f32, DType::bf16}) {
+    check_adamw_split(report, 37 * 75, 0, 0, moments);
+    check_adamw_split(report, 37 * 75, 1, 0, moments);
+    check_adamw_split(report, 7 * 36, 0, 7, moments);
+    check_adamw_split(report, 5 * 37, 0, 5, moments);
+  }
   check_grad_norm(report, 37 * 75, 0);
   check_grad_norm(report, 37 * 75, 1);
 
@@ -796,6 +866,7 @@ void check_elementwise_ops(CheckReport& report) {
   // logits on the CPU (~30 ns each) would dominate the whole check.
   check_cross_entropy(report, 1024, 151936);
   check_adamw(report, (1 << 20) + 3, 0);
+  check_adamw_split(report, (1 << 20) + 3, 0, 0, DType::f32);
   check_grad_norm(report, (1 << 24) + 3, 0);
 }
 

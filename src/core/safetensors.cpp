@@ -21,12 +21,13 @@ const char* safetensors_dtype(DType t) {
     case DType::i32: return "I32";
     case DType::i64: return "I64";
     case DType::fp8_e4m3: return "F8_E4M3";
+    case DType::u16: return "U16";
   }
   return "?";
 }
 
 bool parse_dtype(const std::string& s, DType& out) {
-  for (DType t : {DType::f32, DType::f64, DType::bf16, DType::i32, DType::i64, DType::fp8_e4m3})
+  for (DType t : {DType::f32, DType::f64, DType::bf16, DType::i32, DType::i64, DType::fp8_e4m3, DType::u16})
     if (s == safetensors_dtype(t)) {
       out = t;
       return true;

@@ -14,7 +14,8 @@
 namespace marrow {
 
 // f64 exists for the CPU reference only: gradient checks run the same code in double precision.
-enum class DType : uint8_t { f32, f64, bf16, i32, i64, fp8_e4m3 };
+// u16 holds the low halves of fp32 master weights kept split (core/split_f32.h).
+enum class DType : uint8_t { f32, f64, bf16, i32, i64, fp8_e4m3, u16 };
 enum class Device : uint8_t { cpu, cuda };
 
 inline size_t dtype_size(DType t) {
@@ -25,6 +26,7 @@ inline size_t dtype_size(DType t) {
     case DType::i32: return 4;
     case DType::i64: return 8;
     case DType::fp8_e4m3: return 1;
+    case DType::u16: return 2;
   }
   return 0;
 }
@@ -37,6 +39,7 @@ inline const char* dtype_name(DType t) {
     case DType::i32: return "i32";
     case DType::i64: return "i64";
     case DType::fp8_e4m3: return "fp8_e4m3";
+    case DType::u16: return "u16";
   }
   return "?";
 }

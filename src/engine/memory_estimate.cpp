@@ -58,7 +58,8 @@ std::vector<Unit> cut_units(const std::vector<TensorSpec>& specs, int64_t num_la
 std::string mib(int64_t bytes) { return fmt::format("{:.1f} MiB", bytes / kMiB); }
 
 // fp32 master weights and gradients, the AdamW moments in their storage: this process's chunks.
-void add_state(MemoryBill& bill, const std::vector<Unit>& units, DType moments) {
+// split: the master's low halves only (its high halves are the bf16 weights of add_weights).
+void add_state(MemoryBill& bill, const std::vector<Unit>& units, DType moments, bool split) {
   int64_t chunks = 0, whole = 0;
   for (const Unit& u : units) {
     chunks += u.chunk;
@@ -68,7 +69,9 @@ void add_state(MemoryBill& bill, const std::vector<Unit>& units, DType moments) 
     return chunks == whole ? fmt::format("{:.2f}M elements x {} B, whole", whole / 1e6, size)
                            : fmt::format("{:.2f}M of {:.2f}M elements x {} B (shards)", chunks / 1e6, whole / 1e6, size);
   };
-  for (const char* name : {"fp32 master weights", "fp32 gradients"}) bill.items.push_back({BillGroup::state, name, 4 * chunks, note(4)});
+  if (split) bill.items.push_back({BillGroup::state, "fp32 master weights' low halves", 2 * chunks, note(2) + "; high halves: the bf16 weights"});
+  else bill.items.push_back({BillGroup::state, "fp32 master weights", 4 * chunks, note(4)});
+  bill.items.push_back({BillGroup::state, "fp32 gradients", 4 * chunks, note(4)});
   const int64_t size = int64_t(dtype_size(moments));
   const std::string dtype = moments == DType::bf16 ? "bf16" : "fp32", key = moments == DType::bf16 ? "; optimizer.moments" : "";
   for (const char* name : {"exp_avg", "exp_avg_sq"})
@@ -436,7 +439,7 @@ MemoryBill rank_bill(const RunConfig& rc, const EstimatedModel& m, const MeshSha
                                        rank, 2 * mesh.pp - 1 - rank));
   const bool cast_on_use = !rc.bf16_weight_copy && device == Device::cuda;
   const std::vector<Unit> units = cut_units(m.specs, m.num_layers, held, groups.dense, groups.expert, keep_gathered, keep_whole_grads, cast_on_use);
-  add_state(bill, units, moments_dtype(rc));
+  add_state(bill, units, moments_dtype(rc), device == Device::cuda && rc.master_weights == "split");
   add_weights(bill, units, device, rc.fp8);
   if (pipelined) add_pipeline_activations(bill, rc, m, mesh, device, {chunks, mesh.pp, rank, micro_batches});
   else
@@ -577,7 +580,9 @@ DType moments_dtype(const RunConfig& rc) { return rc.moments == "bf16" ? DType::
 std::vector<MemorySaving> memory_savings(const RunConfig& rc) {
   std::vector<MemorySaving> out;
   if (rc.moments == "fp32" && rc.beta2 <= 0.99) out.push_back({"--optimizer.moments=bf16", [](RunConfig& c) { c.moments = "bf16"; }});
-  if (rc.bf16_weight_copy) out.push_back({"--train.bf16_weight_copy=false", [](RunConfig& c) { c.bf16_weight_copy = false; }});
+  // The split saves what dropping the weight copy would, and costs no casts: the one offered.
+  if (rc.master_weights == "fp32" && rc.bf16_weight_copy)
+    out.push_back({"--train.master_weights=split", [](RunConfig& c) { c.master_weights = "split"; }});
   if (rc.pair_expert_grads) out.push_back({"--train.pair_expert_grads=false", [](RunConfig& c) { c.pair_expert_grads = false; }});
   if (rc.keep_gathered) out.push_back({"--parallel.keep_gathered=false", [](RunConfig& c) { c.keep_gathered = false; }});
   if (rc.keep_whole_grads) out.push_back({"--parallel.keep_whole_grads=false", [](RunConfig& c) { c.keep_whole_grads = false; }});

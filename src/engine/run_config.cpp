@@ -183,6 +183,7 @@ void add_run_config_options(CLI::App& app, RunConfig& rc, std::string& profile_s
   app.add_option("--train.max_bad_steps", rc.max_bad_steps)->check(kCount);
   app.add_option("--train.dependent_launch", rc.dependent_launch);
   app.add_option("--train.attention_kernels", rc.attention_kernels)->check(CLI::IsMember({"cudnn", "own", "cudnn_nondeterministic", "hopper", "hopper_backward"}));
+  app.add_option("--train.master_weights", rc.master_weights)->check(CLI::IsMember({"split", "fp32"}));
   app.add_option("--train.bf16_weight_copy", rc.bf16_weight_copy);
   app.add_option("--train.pair_expert_grads", rc.pair_expert_grads);
   app.add_option("--train.fp8", rc.fp8);
@@ -266,6 +267,10 @@ RunConfig parse_run_config(int argc, char** argv) {
   MARROW_CHECK(rc.warmup_steps <= rc.steps, "{}: schedule.warmup_steps ({}) exceeds train.steps ({})", rc.source, rc.warmup_steps,
                rc.steps);
   MARROW_CHECK(rc.min_lr <= rc.lr, "{}: optimizer.min_lr ({}) exceeds optimizer.lr ({})", rc.source, rc.min_lr, rc.lr);
+  MARROW_CHECK(rc.bf16_weight_copy || rc.master_weights == "fp32",
+               "{}: train.bf16_weight_copy = false needs train.master_weights = \"fp32\": split master weights keep the bf16 copy as "
+               "their high halves, so there is no copy to drop",
+               rc.source);
   MARROW_CHECK(rc.moments != "bf16" || rc.beta2 <= 0.99,
                "{}: optimizer.moments = \"bf16\" needs optimizer.beta2 <= 0.99, got {}: a bf16 moment holds 8 significant bits, and "
                "v's per-step change of {:g} would round away (use fp32 moments)",

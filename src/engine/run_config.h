@@ -30,8 +30,13 @@ struct RunConfig {
   int64_t max_bad_steps = 5;    // non-finite steps in a row that stop the run
   bool dependent_launch = true;  // GPU: own kernels launched as programmatic dependents (ops/launch.h)
   std::string attention_kernels = "hopper_backward";  // GPU attention: hopper_backward, hopper, cudnn, own or cudnn_nondeterministic (ops/attention.h)
-  // A bf16 copy of every weight kept for the step (GPU). false: each decoder layer's weights are cast from
-  // the fp32 master into a slot before each use (2 bytes per parameter less, a cast per layer per use).
+  // How the GPU keeps the fp32 master weights: "split" (core/split_f32.h: the bf16 copy it computes
+  // with as their high halves plus 16 low bits, 4 bytes a parameter for both) or "fp32" (an fp32
+  // master and a separate bf16 copy, 6 bytes). The CPU computes on an fp32 master either way.
+  std::string master_weights = "split";
+  // With master_weights = "fp32": a bf16 copy of every weight kept for the step (GPU). false: each
+  // decoder layer's weights are cast from the fp32 master into a slot before each use (2 bytes per
+  // parameter less, a cast per layer per use).
   bool bf16_weight_copy = true;
   // Micro-batches 2i and 2i + 1 compute their expert weight gradients in one pass over the fp32
   // gradients (engine/model.h: pairs_expert_weight_gradients); false saves the memory the pair holds.

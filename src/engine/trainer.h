@@ -236,7 +236,8 @@ template <MoeModel M> struct TrainSetup {
         model_tensors(M(config, dtype, device).specs().size()),
         chunks(rc.uses_dualpipev() ? pipeline_layout<M>(rc, config, mesh.world.size(), device) : std::vector<PipelineChunk>{}),
         state(model.specs(), model.num_layers(), held_stages(chunks, config.num_layers, mesh), mesh, rc.keep_gathered || rc.uses_dualpipev(),
-              rc.keep_whole_grads || rc.uses_dualpipev(), !rc.bf16_weight_copy, device, dtype, moments_dtype(rc)) {
+              rc.keep_whole_grads || rc.uses_dualpipev(), !rc.bf16_weight_copy, device, dtype, moments_dtype(rc),
+              rc.master_weights == "split") {
     if (mesh.shape.ep > 1) experts.emplace(mesh.ep, config.num_experts);
     if (mesh.shape.pp > 1) links = PipelineLinks::create(mesh.pipeline);
     state.initialize([&](Tensor out, const TensorSpec& spec, int64_t first) { model.initialize(out, spec, first, rc.seed); });
@@ -625,11 +626,19 @@ template <MoeModel M> class TrainLoop {
     record.append(m);
   }
 
+  // The checkpoint of step (split master weights pass through their staging arena: sharded_params.h).
+  std::string save_checkpoint(int64_t step) {
+    s_.state.unpack_master();
+    const std::string dir = checkpoints_.save(step, updates_);
+    s_.state.release_master_staging();
+    return dir;
+  }
+
   // The trace and a checkpoint where due; returns whether a stop signal ends the run here.
   bool end_step(int64_t step, int64_t first_step) {
     const int stop_signal = agreed_stop_signal(s_.mesh.world);
     trace_.after_step(rc_, first_step, step, stop_signal != 0);
-    const std::string saved = checkpoints_.due(step, stop_signal != 0) ? checkpoints_.save(step, updates_) : "";
+    const std::string saved = checkpoints_.due(step, stop_signal != 0) ? save_checkpoint(step) : "";
     if (stop_signal == 0 || step == rc_.steps) return false;
     std::printf("stopped by %s after step %lld: %s\n", stop_signal == SIGTERM ? "SIGTERM" : "SIGINT", (long long)step,
                 saved.empty() ? "no checkpoint (checkpoint.every = 0)"
@@ -669,7 +678,7 @@ std::vector<StepMetrics> train(const RunConfig& rc, const typename M::Config& mo
   print_setup(s, rc, data);
 
   // Checkpoints (engine/checkpoint.h): resume from the newest in output.dir or checkpoint.resume.
-  TrainCheckpoints checkpoints(rc, model_config.json, s.model.specs(), {&s.state.params(), &s.state.exp_avg(), &s.state.exp_avg_sq()},
+  TrainCheckpoints checkpoints(rc, model_config.json, s.model.specs(), {&s.state.master_staging(), &s.state.exp_avg(), &s.state.exp_avg_sq()},
                                checkpoint_sharing(s.mesh, s.state, s.model_tensors));
   const int64_t first_step = checkpoints.resume() + 1;
   checkpoints.require_disk_space();

@@ -7,6 +7,9 @@
 
 #include "core/bf16.h"
 #include "core/cuda_check.h"
+#include "core/split_f32.h"
+#include "core/memory.h"
+#include "ops/cast.h"
 #include "ops/common.h"
 
 #ifdef __CUDACC__
@@ -124,18 +127,60 @@ __device__ __forceinline__ void store4(__nv_bfloat16* p, int64_t i, float4 x) {
   reinterpret_cast<uint2*>(p)[i] = packed;
 }
 
-// Float4 i of the tensors with gradient g; param_bf16 may be null.
-template <typename M>
-__device__ __forceinline__ void step_float4(float* param, __nv_bfloat16* param_bf16, M* m, M* v, float4 g, int64_t i, const Constants& k) {
-  float4 p = load4(param, i), mm = load4(m, i), vv = load4(v, i);
+// The master weights a step reads and writes: one fp32 array, with the bf16 copy written beside it
+// when `copy` is given, or split into bf16 high and u16 low halves (core/split_f32.h), whose high
+// half is the copy. get4 / put4: four consecutive values (element 4i on).
+struct F32Master {
+  float* value;
+  __nv_bfloat16* copy;
+  __device__ float4 get4(int64_t i) const { return load4(value, i); }
+  __device__ void put4(int64_t i, float4 x) const {
+    store4(value, i, x);
+    if (copy) store4(copy, i, x);
+  }
+  __device__ float get1(int64_t i) const { return value[i]; }
+  __device__ void put1(int64_t i, float x) const {
+    value[i] = x;
+    if (copy) copy[i] = __float2bfloat16_rn(x);
+  }
+  __device__ F32Master at(int64_t offset) const { return {value + offset, copy ? copy + offset : nullptr}; }
+};
+
+struct SplitMaster {
+  uint16_t* high;
+  uint16_t* low;
+  __device__ float get1(int64_t i) const { return __uint_as_float(split_join(high[i], low[i])); }
+  __device__ void put1(int64_t i, float x) const { split_bits(__float_as_uint(x), high[i], low[i]); }
+  __device__ float4 get4(int64_t i) const {
+    const uint2 h = reinterpret_cast<const uint2*>(high)[i], l = reinterpret_cast<const uint2*>(low)[i];
+    auto join = [](uint32_t hh, uint32_t ll, int half) {
+      return __uint_as_float(split_join(uint16_t(hh >> (16 * half)), uint16_t(ll >> (16 * half))));
+    };
+    return make_float4(join(h.x, l.x, 0), join(h.x, l.x, 1), join(h.y, l.y, 0), join(h.y, l.y, 1));
+  }
+  __device__ void put4(int64_t i, float4 x) const {
+    uint16_t h[4], l[4];
+    split_bits(__float_as_uint(x.x), h[0], l[0]);
+    split_bits(__float_as_uint(x.y), h[1], l[1]);
+    split_bits(__float_as_uint(x.z), h[2], l[2]);
+    split_bits(__float_as_uint(x.w), h[3], l[3]);
+    reinterpret_cast<uint2*>(high)[i] = make_uint2(h[0] | uint32_t(h[1]) << 16, h[2] | uint32_t(h[3]) << 16);
+    reinterpret_cast<uint2*>(low)[i] = make_uint2(l[0] | uint32_t(l[1]) << 16, l[2] | uint32_t(l[3]) << 16);
+  }
+  __device__ SplitMaster at(int64_t offset) const { return {high + offset, low + offset}; }
+};
+
+// Float4 i of the tensors with gradient g.
+template <typename P, typename M>
+__device__ __forceinline__ void step_float4(const P& param, M* m, M* v, float4 g, int64_t i, const Constants& k) {
+  float4 p = param.get4(i), mm = load4(m, i), vv = load4(v, i);
   step_element(p.x, g.x, mm.x, vv.x, k, M{});
   step_element(p.y, g.y, mm.y, vv.y, k, M{});
   step_element(p.z, g.z, mm.z, vv.z, k, M{});
   step_element(p.w, g.w, mm.w, vv.w, k, M{});
-  store4(param, i, p);
+  param.put4(i, p);
   store4(m, i, mm);
   store4(v, i, vv);
-  if (param_bf16) store4(param_bf16, i, p);
 }
 
 __device__ __forceinline__ float load1(const float* p, int64_t i) { return p[i]; }
@@ -144,54 +189,53 @@ __device__ __forceinline__ void store1(float* p, int64_t i, float x) { p[i] = x;
 __device__ __forceinline__ void store1(__nv_bfloat16* p, int64_t i, float x) { p[i] = __float2bfloat16_rn(x); }
 
 // One element of the tail (the n % 4 left after the float4s).
-template <typename M>
-__device__ __forceinline__ void step_one(float* param, __nv_bfloat16* param_bf16, M* m, M* v, float g, int64_t i, const Constants& k) {
-  float mi = load1(m, i), vi = load1(v, i);
-  step_element(param[i], g, mi, vi, k, M{});
+template <typename P, typename M>
+__device__ __forceinline__ void step_one(const P& param, M* m, M* v, float g, int64_t i, const Constants& k) {
+  float p = param.get1(i), mi = load1(m, i), vi = load1(v, i);
+  step_element(p, g, mi, vi, k, M{});
+  param.put1(i, p);
   store1(m, i, mi);
   store1(v, i, vi);
-  if (param_bf16) store1(param_bf16, i, param[i]);
 }
 
-// Elementwise, grid-stride: one thread per float4 of the four tensors when all are 16-byte
-// aligned (the bf16 ones 8-byte) (Vec4), then the n % 4 tail one element per thread. param_bf16
-// may be null. M: the moments' storage. (Loading the next float4s before computing the current
-// ones measured no faster with fp32 moments and 12% slower with bf16 ones: 80 registers, fewer
-// warps; both paths run at ~4.0 TB/s as they are.)
-template <bool Vec4, typename M>
-__global__ void adamw_step_kernel(float* param, __nv_bfloat16* param_bf16, M* m, M* v, const float* grad, int64_t n, Constants k) {
+// Elementwise, grid-stride: one thread per float4 of the tensors when all are 16-byte aligned (the
+// 16-bit ones 8-byte) (Vec4), then the n % 4 tail one element per thread. P: the master's storage,
+// M: the moments'. (Loading the next float4s before computing the current ones measured no faster
+// with fp32 moments and 12% slower with bf16 ones: 80 registers, fewer warps; both paths run at
+// ~4.0 TB/s as they are.)
+template <bool Vec4, typename P, typename M>
+__global__ void adamw_step_kernel(P param, M* m, M* v, const float* grad, int64_t n, Constants k) {
   begin_after_previous_grid();
   const int64_t first = blockIdx.x * int64_t(blockDim.x) + threadIdx.x, stride = int64_t(gridDim.x) * blockDim.x;
   int64_t done = 0;
   if (Vec4) {
-    for (int64_t i = first; i < n / 4; i += stride) step_float4(param, param_bf16, m, v, load4(grad, i), i, k);
+    for (int64_t i = first; i < n / 4; i += stride) step_float4(param, m, v, load4(grad, i), i, k);
     done = n / 4 * 4;
   }
-  for (int64_t i = done + first; i < n; i += stride) step_one(param, param_bf16, m, v, grad[i], i, k);
+  for (int64_t i = done + first; i < n; i += stride) step_one(param, m, v, grad[i], i, k);
 }
 
 // adamw_step_kernel over rows blockIdx.y, + gridDim.y, ... of `per_row` elements of each tensor,
 // whose gradient is taken as zero without reading it where known_zero[row] is set (Vec4: per_row a
 // multiple of 4 too). Rows beyond the grid's 65,535 (an embedding's vocabulary) come round again.
-template <bool Vec4, typename M>
-__global__ void adamw_step_rows_kernel(float* param, __nv_bfloat16* param_bf16, M* m, M* v, const float* grad, const int32_t* known_zero,
-                                       int64_t rows, int64_t per_row, Constants k) {
+template <bool Vec4, typename P, typename M>
+__global__ void adamw_step_rows_kernel(P param, M* m, M* v, const float* grad, const int32_t* known_zero, int64_t rows, int64_t per_row,
+                                       Constants k) {
   begin_after_previous_grid();
   const int64_t first = blockIdx.x * int64_t(blockDim.x) + threadIdx.x, stride = int64_t(gridDim.x) * blockDim.x;
   for (int64_t row = blockIdx.y; row < rows; row += gridDim.y) {
     const int64_t offset = row * per_row;
     const bool zero = known_zero[row] != 0;
-    float* p = param + offset;
+    const P p = param.at(offset);
     M *mr = m + offset, *vr = v + offset;
     const float* g = grad + offset;
-    __nv_bfloat16* p16 = param_bf16 ? param_bf16 + offset : nullptr;
     int64_t done = 0;
     if (Vec4) {
       for (int64_t i = first; i < per_row / 4; i += stride)
-        step_float4(p, p16, mr, vr, zero ? make_float4(0.0f, 0.0f, 0.0f, 0.0f) : load4(g, i), i, k);
+        step_float4(p, mr, vr, zero ? make_float4(0.0f, 0.0f, 0.0f, 0.0f) : load4(g, i), i, k);
       done = per_row / 4 * 4;
     }
-    for (int64_t i = done + first; i < per_row; i += stride) step_one(p, p16, mr, vr, zero ? 0.0f : g[i], i, k);
+    for (int64_t i = done + first; i < per_row; i += stride) step_one(p, mr, vr, zero ? 0.0f : g[i], i, k);
   }
 }
 
@@ -208,16 +252,21 @@ Constants constants(const AdamWHyper& hp) {
           float_constants(hp)};
 }
 
-// Whether the float4 path takes the tensors (the fp32 ones 16-byte aligned, the bf16 ones 8).
+// Whether the float4 path takes the tensors (the fp32 ones 16-byte aligned, the 16-bit ones 8).
 bool takes_vec4(const Tensor& param, const Tensor& param_bf16, const Tensor& exp_avg, const Tensor& exp_avg_sq, const Tensor& grad) {
-  auto aligned = [](const Tensor& t) { return reinterpret_cast<uintptr_t>(t.data) % (t.dtype == DType::bf16 ? 8 : 16) == 0; };
+  auto aligned = [](const Tensor& t) { return reinterpret_cast<uintptr_t>(t.data) % (dtype_size(t.dtype) == 2 ? 8 : 16) == 0; };
   return aligned(param) && aligned(grad) && aligned(exp_avg) && aligned(exp_avg_sq) && reinterpret_cast<uintptr_t>(param_bf16.data) % 8 == 0;
 }
 
-// Calls f with the moments' device pointers, typed by their storage (f32 or bf16).
-template <typename F> void with_moments(const Tensor& exp_avg, const Tensor& exp_avg_sq, F&& f) {
-  if (exp_avg.dtype == DType::bf16) f(static_cast<__nv_bfloat16*>(exp_avg.data), static_cast<__nv_bfloat16*>(exp_avg_sq.data));
-  else f(exp_avg.ptr<float>(), exp_avg_sq.ptr<float>());
+// Calls f with the master's storage (F32Master or SplitMaster) and the moments' device pointers,
+// typed by their storage (f32 or bf16).
+template <typename F> void with_storage(const Tensor& param, const Tensor& param_bf16, const Tensor& exp_avg, const Tensor& exp_avg_sq, F&& f) {
+  auto with_moments = [&](auto master) {
+    if (exp_avg.dtype == DType::bf16) f(master, static_cast<__nv_bfloat16*>(exp_avg.data), static_cast<__nv_bfloat16*>(exp_avg_sq.data));
+    else f(master, exp_avg.ptr<float>(), exp_avg_sq.ptr<float>());
+  };
+  if (param.dtype == DType::u16) with_moments(SplitMaster{static_cast<uint16_t*>(param_bf16.data), static_cast<uint16_t*>(param.data)});
+  else with_moments(F32Master{param.ptr<float>(), static_cast<__nv_bfloat16*>(param_bf16.data)});
 }
 
 void launch_step_rows(Tensor param, Tensor param_bf16, Tensor exp_avg, Tensor exp_avg_sq, Tensor grad, Tensor known_zero,
@@ -230,13 +279,12 @@ void launch_step_rows(Tensor param, Tensor param_bf16, Tensor exp_avg, Tensor ex
   const dim3 grid(unsigned(std::max<int64_t>(1, std::min<int64_t>((per_row / (vec4 ? 4 : 1) + threads) / threads, 8192 / rows))),
                   unsigned(std::min<int64_t>(rows, 65535)));
   auto s = static_cast<cudaStream_t>(stream.handle);
-  float* p = param.ptr<float>();
-  auto* p16 = static_cast<__nv_bfloat16*>(param_bf16.data);
   const int32_t* flags = known_zero.ptr<int32_t>();
-  with_moments(exp_avg, exp_avg_sq, [&](auto* m, auto* v) {
+  with_storage(param, param_bf16, exp_avg, exp_avg_sq, [&](auto p, auto* m, auto* v) {
+    using P = decltype(p);
     using M = std::remove_pointer_t<decltype(m)>;
-    if (vec4) launch_dependent(adamw_step_rows_kernel<true, M>, grid, threads, 0, s, p, p16, m, v, grad.ptr<float>(), flags, rows, per_row, k);
-    else launch_dependent(adamw_step_rows_kernel<false, M>, grid, threads, 0, s, p, p16, m, v, grad.ptr<float>(), flags, rows, per_row, k);
+    if (vec4) launch_dependent(adamw_step_rows_kernel<true, P, M>, grid, threads, 0, s, p, m, v, grad.ptr<float>(), flags, rows, per_row, k);
+    else launch_dependent(adamw_step_rows_kernel<false, P, M>, grid, threads, 0, s, p, m, v, grad.ptr<float>(), flags, rows, per_row, k);
   });
   MARROW_CUDA_CHECK_LAUNCH();
 }
@@ -249,12 +297,11 @@ void launch_step(Tensor param, Tensor param_bf16, Tensor exp_avg, Tensor exp_avg
   const bool vec4 = takes_vec4(param, param_bf16, exp_avg, exp_avg_sq, grad);
   const int threads = 256, blocks = int(std::min<int64_t>((n / (vec4 ? 4 : 1) + threads) / threads, 8192));
   auto s = static_cast<cudaStream_t>(stream.handle);
-  float* p = param.ptr<float>();
-  auto* p16 = static_cast<__nv_bfloat16*>(param_bf16.data);
-  with_moments(exp_avg, exp_avg_sq, [&](auto* m, auto* v) {
+  with_storage(param, param_bf16, exp_avg, exp_avg_sq, [&](auto p, auto* m, auto* v) {
+    using P = decltype(p);
     using M = std::remove_pointer_t<decltype(m)>;
-    if (vec4) launch_dependent(adamw_step_kernel<true, M>, blocks, threads, 0, s, p, p16, m, v, grad.ptr<float>(), n, k);
-    else launch_dependent(adamw_step_kernel<false, M>, blocks, threads, 0, s, p, p16, m, v, grad.ptr<float>(), n, k);
+    if (vec4) launch_dependent(adamw_step_kernel<true, P, M>, blocks, threads, 0, s, p, m, v, grad.ptr<float>(), n, k);
+    else launch_dependent(adamw_step_kernel<false, P, M>, blocks, threads, 0, s, p, m, v, grad.ptr<float>(), n, k);
   });
   MARROW_CUDA_CHECK_LAUNCH();
 }
@@ -266,14 +313,16 @@ namespace {
 // adamw_step's checks; returns whether the tensors are on the GPU.
 bool check_step(const char* op, const Tensor& param, const Tensor& param_bf16, const Tensor& exp_avg, const Tensor& exp_avg_sq,
                 const Tensor& grad, const AdamWHyper& hyper) {
-  const bool copy = param_bf16.data != nullptr;
+  const bool copy = param_bf16.data != nullptr, split = param.dtype == DType::u16;
   for (auto [name, t] : {std::pair{"grad", &grad}, std::pair{"exp_avg", &exp_avg}, std::pair{"exp_avg_sq", &exp_avg_sq}})
     MARROW_CHECK(t->numel() == param.numel(), "{}: {} has {} elements but param has {}", op, name, t->numel(), param.numel());
-  expect_same_dtype(op, {{"param", &param}, {"grad", &grad}});
+  MARROW_CHECK(!split || copy, "{}: param is u16 (the low halves of split master weights) but param_bf16, their high halves, is missing", op);
+  if (split) expect_dtype(op, "grad", grad, DType::f32);
+  else expect_same_dtype(op, {{"param", &param}, {"grad", &grad}});
   expect_same_dtype(op, {{"exp_avg", &exp_avg}, {"exp_avg_sq", &exp_avg_sq}});
-  MARROW_CHECK(exp_avg.dtype == param.dtype || (exp_avg.dtype == DType::bf16 && param.dtype == DType::f32),
-               "{}: the moments are {} but param is {}: they take param's dtype, or bf16 with f32 param", op, dtype_name(exp_avg.dtype),
-               dtype_name(param.dtype));
+  MARROW_CHECK(exp_avg.dtype == grad.dtype || (exp_avg.dtype == DType::bf16 && grad.dtype == DType::f32),
+               "{}: the moments are {} but grad is {}: they take grad's dtype, or bf16 with f32 grad", op, dtype_name(exp_avg.dtype),
+               dtype_name(grad.dtype));
   MARROW_CHECK(hyper.step >= 1, "{}: step is 1-based, got {}", op, hyper.step);
   MARROW_CHECK(0 <= hyper.beta1 && hyper.beta1 < 1 && 0 <= hyper.beta2 && hyper.beta2 < 1,
                "{}: beta1 and beta2 must be in [0, 1), got {} and {}", op, hyper.beta1, hyper.beta2);
@@ -286,13 +335,20 @@ bool check_step(const char* op, const Tensor& param, const Tensor& param_bf16, c
   }
   if (common_device(op, {{"param", &param}, {"grad", &grad}, {"exp_avg", &exp_avg}, {"exp_avg_sq", &exp_avg_sq}}) == Device::cpu)
     return false;
-  expect_dtype(op, "param", param, DType::f32);
+  expect_dtype(op, "grad", grad, DType::f32);
   return true;
 }
 
-// step_cpu over the tensors' scalar type (known_zero: rows of per_row elements, may be null).
+// step_cpu over the tensors' scalar type (known_zero: rows of per_row elements, may be null). Split
+// master weights are joined into fp32, stepped as fp32 ones and split again.
 void step_on_cpu(const char* op, Tensor param, Tensor param_bf16, Tensor exp_avg, Tensor exp_avg_sq, Tensor grad, const AdamWHyper& hyper,
                  const int32_t* known_zero, int64_t per_row) {
+  if (param.dtype == DType::u16) {
+    Buffer joined(DType::f32, Device::cpu, {param.numel()});
+    join_f32(joined.view(), param_bf16, param);
+    step_on_cpu(op, joined.view(), Tensor{}, exp_avg, exp_avg_sq, grad, hyper, known_zero, per_row);
+    return split_f32(param_bf16, param, joined.view());
+  }
   auto* copy = param_bf16.data ? static_cast<uint16_t*>(param_bf16.data) : nullptr;
   if (exp_avg.dtype == DType::bf16)
     return step_cpu_bf16_moments(param.ptr<float>(), copy, static_cast<uint16_t*>(exp_avg.data), static_cast<uint16_t*>(exp_avg_sq.data),

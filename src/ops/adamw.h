@@ -10,7 +10,10 @@
 // fused AdamW does; with fp32 moments it computes in double), each moment rounded to bf16 where it
 // is stored and read back as stored. param_bf16, when given (a non-empty tensor of the
 // same element count), receives the updated param rounded to bf16: the GPU's working weights,
-// written in the same pass instead of a second read of param.
+// written in the same pass instead of a second read of param. Split master weights
+// (core/split_f32.h; train.master_weights = "split") pass param as their u16 low halves and
+// param_bf16 as their high halves: the step reads both and writes both, the same arithmetic on the
+// fp32 value they hold.
 #pragma once
 #include <cstdint>
 

@@ -2,6 +2,7 @@
 
 #include "core/bf16.h"
 #include "core/cuda_check.h"
+#include "core/split_f32.h"
 #include "ops/common.h"
 
 #ifdef __CUDACC__
@@ -57,9 +58,70 @@ template <typename Out, typename In> void launch_cast(Tensor out, Tensor in, Str
                                                                                 static_cast<const In*>(in.data), n);
   MARROW_CUDA_CHECK_LAUNCH();
 }
+
+// Thread i splits (forward) or joins element i, grid-stride.
+__global__ void split_f32_kernel(uint16_t* high, uint16_t* low, const uint32_t* value, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    split_bits(value[i], high[i], low[i]);
+}
+
+__global__ void join_f32_kernel(uint32_t* value, const uint16_t* high, const uint16_t* low, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    value[i] = split_join(high[i], low[i]);
+}
+
+int grid_for(int64_t n, int threads) { return int(std::min<int64_t>((n + threads - 1) / threads, 65536)); }
 #endif
 
+// split_f32 and join_f32's checks; returns the device.
+Device check_split(const char* op, const Tensor& value, const Tensor& high, const Tensor& low) {
+  for (auto [name, t] : {std::pair{"high", &high}, std::pair{"low", &low}})
+    MARROW_CHECK(t->numel() == value.numel(), "{}: {} has {} elements but value has {}", op, name, t->numel(), value.numel());
+  expect_dtype(op, "value", value, DType::f32);
+  expect_dtype(op, "high", high, DType::bf16);
+  expect_dtype(op, "low", low, DType::u16);
+  return common_device(op, {{"value", &value}, {"high", &high}, {"low", &low}});
+}
+
 }  // namespace
+
+void split_f32(Tensor high, Tensor low, Tensor value, Stream stream) {
+  const char* op = "split_f32";
+  const int64_t n = value.numel();
+  if (check_split(op, value, high, low) == Device::cpu) {
+    for (int64_t i = 0; i < n; ++i)
+      split_bits(static_cast<const uint32_t*>(value.data)[i], static_cast<uint16_t*>(high.data)[i], static_cast<uint16_t*>(low.data)[i]);
+    return;
+  }
+#ifdef __CUDACC__
+  if (n == 0) return;
+  split_f32_kernel<<<grid_for(n, 256), 256, 0, static_cast<cudaStream_t>(stream.handle)>>>(
+      static_cast<uint16_t*>(high.data), static_cast<uint16_t*>(low.data), static_cast<const uint32_t*>(value.data), n);
+  MARROW_CUDA_CHECK_LAUNCH();
+#else
+  (void)stream;
+  no_cuda_kernel(op);
+#endif
+}
+
+void join_f32(Tensor value, Tensor high, Tensor low, Stream stream) {
+  const char* op = "join_f32";
+  const int64_t n = value.numel();
+  if (check_split(op, value, high, low) == Device::cpu) {
+    for (int64_t i = 0; i < n; ++i)
+      static_cast<uint32_t*>(value.data)[i] = split_join(static_cast<const uint16_t*>(high.data)[i], static_cast<const uint16_t*>(low.data)[i]);
+    return;
+  }
+#ifdef __CUDACC__
+  if (n == 0) return;
+  join_f32_kernel<<<grid_for(n, 256), 256, 0, static_cast<cudaStream_t>(stream.handle)>>>(
+      static_cast<uint32_t*>(value.data), static_cast<const uint16_t*>(high.data), static_cast<const uint16_t*>(low.data), n);
+  MARROW_CUDA_CHECK_LAUNCH();
+#else
+  (void)stream;
+  no_cuda_kernel(op);
+#endif
+}
 
 void cast(Tensor out, Tensor in, Stream stream) {
   const char* op = "cast";

@@ -80,13 +80,14 @@ int64_t ShardedParameters::shard_elements(const std::vector<Unit>& units) {
 
 ShardedParameters::ShardedParameters(const std::vector<TensorSpec>& specs, int64_t num_layers, const std::vector<int64_t>& stage_chunk,
                                      const Mesh& mesh, bool keep_gathered, bool keep_whole_grads, bool cast_on_use, Device device,
-                                     DType compute, DType moments)
+                                     DType compute, DType moments, bool split_master)
     : specs_(specs),
       num_layers_(num_layers),
       device_(device),
       mesh_(mesh),
       units_(cut_units(specs, num_layers, stage_chunk, mesh, keep_gathered, keep_whole_grads, cast_on_use && compute != DType::f32)),
-      params_("parameters", DType::f32, device, shard_elements(units_)),
+      params_(split_master && compute == DType::bf16 ? "parameters (fp32 low halves)" : "parameters",
+              split_master && compute == DType::bf16 ? DType::u16 : DType::f32, device, shard_elements(units_)),
       grads_("gradients", DType::f32, device, shard_elements(units_)),
       exp_avg_(moments == DType::f32 ? "adam exp_avg" : "adam exp_avg (bf16)", moments, device, shard_elements(units_)),
       exp_avg_sq_(moments == DType::f32 ? "adam exp_avg_sq" : "adam exp_avg_sq (bf16)", moments, device, shard_elements(units_)) {
@@ -97,6 +98,8 @@ ShardedParameters::ShardedParameters(const std::vector<TensorSpec>& specs, int64
       if (units_[i].norms) update_order_.insert(update_order_.begin(), i);
       else update_order_.push_back(i);
   saves_ = mesh.replica_rank == 0;
+  split_ = split_master && compute == DType::bf16;
+  MARROW_CHECK(!split_ || !cast_on_use, "internal: split master weights keep the compute copy, so cast_on_use cannot apply");
   allocate(compute);
   place(specs);
   place_absent(specs, stage_chunk, compute);
@@ -204,8 +207,9 @@ std::vector<const Arena*> ShardedParameters::arenas() const {
 }
 
 void ShardedParameters::initialize(const std::function<void(Tensor, const TensorSpec&, int64_t)>& init) const {
-  fill_zero(params_.all());  // the padding of each unit's last chunk
-  for (const TensorPiece& p : pieces_) init(params_.slice(p.offset, {p.count}), specs_[p.spec], p.first);
+  const Arena& master = master_staging();
+  fill_zero(master.all());  // the padding of each unit's last chunk
+  for (const TensorPiece& p : pieces_) init(master.slice(p.offset, {p.count}), specs_[p.spec], p.first);
 }
 
 void ShardedParameters::master_changed() {
@@ -213,9 +217,21 @@ void ShardedParameters::master_changed() {
   forget_slots();
   for (size_t i : update_order_) {
     Unit& u = units_[i];
-    if (u.working.data != nullptr && u.working.data != u.shard(params_).data) cast(u.working, u.shard(params_));
+    if (split_) split_f32(u.working, u.shard(params_), u.shard(grads_));
+    else if (u.working.data != nullptr && u.working.data != u.shard(params_).data) cast(u.working, u.shard(params_));
     gather_kept(u);
   }
+  release_master_staging();
+}
+
+void ShardedParameters::unpack_master() const {
+  if (!split_) return;
+  for (const Unit& u : units_) join_f32(u.shard(grads_), u.working, u.shard(params_));
+}
+
+// The gradients' zeros again, which the step's start and the known-zero flags count on.
+void ShardedParameters::release_master_staging() const {
+  if (split_) fill_zero(grads_.all());
 }
 
 void ShardedParameters::forget_slots() {

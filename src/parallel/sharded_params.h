@@ -29,6 +29,11 @@
 // this is plain replicated data parallelism (and the single process). With cast_on_use (GPU), such
 // a unit of a decoder layer keeps no compute copy: before each use its fp32 master is cast into the
 // layer's slot, as a sharded unit would be gathered there.
+// With split_master (GPU), the fp32 master shard is kept split (core/split_f32.h): its high halves
+// are the compute-dtype shard AdamW writes anyway, its low halves are the params() arena (u16), so
+// the master and its bf16 copy take 4 bytes a parameter instead of 6. Initial values and
+// checkpoints pass through master_staging(), the fp32 gradient arena, which holds nothing between
+// an optimizer step and the next backward.
 #pragma once
 #include <array>
 #include <functional>
@@ -49,13 +54,16 @@ class ShardedParameters {
   // compute: the dtype the model computes in (bf16 on the GPU, f32 on the CPU). stage_chunk[stage
   // + 1]: the pipeline chunk holding each stage (-1 prolog .. num_layers epilog), -1 where another
   // pipeline rank holds it. moments: the AdamW moments' storage, f32 or bf16 (ops/adamw.h).
+  // split_master: keep the master split (above); it takes effect with a bf16 compute dtype, and
+  // excludes cast_on_use (the split keeps the compute copy by design).
   ShardedParameters(const std::vector<TensorSpec>& specs, int64_t num_layers, const std::vector<int64_t>& stage_chunk, const Mesh& mesh,
                     bool keep_gathered, bool keep_whole_grads, bool cast_on_use, Device device, DType compute,
-                    DType moments = DType::f32);
+                    DType moments = DType::f32, bool split_master = false);
   ShardedParameters(const ShardedParameters&) = delete;
   ShardedParameters& operator=(const ShardedParameters&) = delete;
 
-  // This rank's shards, fp32 (the moments in their storage dtype), units one after another in table order.
+  // This rank's shards, fp32 (the moments in their storage dtype; with the split master, params()
+  // holds the master's u16 low halves), units one after another in table order.
   const Arena& params() const { return params_; }
   const Arena& grads() const { return grads_; }
   const Arena& exp_avg() const { return exp_avg_; }
@@ -71,11 +79,20 @@ class ShardedParameters {
   bool saves_checkpoint() const { return saves_; }
 
   // Fills the master shards: init(out, spec, first) writes elements [first, first + out.numel())
-  // of the whole tensor's initial values.
+  // of the whole tensor's initial values into master_staging(); master_changed() then takes them up.
   void initialize(const std::function<void(Tensor, const TensorSpec&, int64_t)>& init) const;
-  // After the master shards changed outside the optimizer (initialisation, a checkpoint): the
-  // compute copies follow.
+  // The fp32 master shards, laid out as params(): params() itself, or with the split master the
+  // gradient arena, which holds them between unpack_master() (or a write such as a checkpoint's
+  // load) and master_changed() / release_master_staging(). Only outside a step.
+  const Arena& master_staging() const { return split_ ? grads_ : params_; }
+  bool split_master() const { return split_; }
+  // After the master shards changed outside the optimizer (written into master_staging(): the
+  // initial values, a checkpoint): the compute copies (and the split halves) follow.
   void master_changed();
+  // The master shards into master_staging() (nothing to do without the split); then
+  // release_master_staging() once they have been read (a checkpoint's save).
+  void unpack_master() const;
+  void release_master_staging() const;
 
   // Gradients (views into gradients()) with row flags of ops/known_zero.h: flags[r] set means row r
   // of grad is all zeros. Only where grads_final() holds for their unit.
@@ -181,7 +198,7 @@ class ShardedParameters {
   std::array<std::array<Slot, 2>, 2> slots_;             // [dense, expert][layer % 2]
   Placement weights_, gradients_;
   std::vector<TensorPiece> pieces_;
-  bool saves_ = true, first_writes_slotted_ = false;
+  bool saves_ = true, first_writes_slotted_ = false, split_ = false;
   // A GPU stream of its own for cast_on_use's casts, so the next layer's cast overlaps this layer's
   // compute as a gather on a communication stream would (null on the CPU and without casts).
   std::shared_ptr<void> cast_stream_;

@@ -42,7 +42,7 @@ def one_error(marrow, args, expected, what):
 
 def bench_bill(marrow, bench):
     """The bench config's bill on one GPU against the measured peak, and one checkpoint's size."""
-    code, stdout, stderr = estimate(marrow, [bench])
+    code, stdout, stderr = estimate(marrow, [bench, "--train.master_weights=fp32"])
     print(stdout, stderr)
     check(code == 0, "bench config: exits 0 without a GPU")
     for label in ["fp32 master weights", "AdamW exp_avg_sq (fp32)", "bf16 weights of units kept whole", "experts (stage 3)",
@@ -51,6 +51,11 @@ def bench_bill(marrow, bench):
     one_gpu = gib(stdout, "trainer's peak figure (arenas + activations)")
     check(one_gpu is not None and abs(one_gpu - 97.94) / 97.94 < 0.05, f"one GPU: {one_gpu} GiB against the measured 97.94")
     check("fits in 139.80 GiB of GPU memory" in stdout, "bench config fits an H200")
+    # The split master (the default) keeps 2 bytes a parameter instead of 4 beside the same bf16 weights.
+    _, split_stdout, _ = estimate(marrow, [bench])
+    split = gib(split_stdout, "trainer's peak figure (arenas + activations)")
+    check("fp32 master weights' low halves" in split_stdout and split is not None and one_gpu is not None
+          and abs(one_gpu - split - 5.6073e9 * 2 / 2**30) < 0.01, f"split master weights: {split} GiB against fp32's {one_gpu}")
     check(re.search(r"largest train.micro_batch that fits at seq_len 4096: \d+", stdout) is not None, "names the largest micro-batch")
     check(re.search(r"largest train.seq_len that fits at micro_batch 1: \d+", stdout) is not None, "names the largest sequence")
     # One checkpoint: 5.61e9 parameters x (weights + two AdamW moments) x 4 bytes; a third without the moments.
@@ -72,7 +77,8 @@ def long_sequences(marrow, bench):
     # layers' 10.4 GiB of bf16 weights become 2.3 GiB of slots.
     one_sequence = ["--train.global_batch=1", "--train.micro_batch=1"]
     for seq, copy, measured in [(16384, "true", 105.75), (16384, "false", 98.78), (32768, "true", 113.07)]:
-        code, stdout, stderr = estimate(marrow, [bench, f"--train.seq_len={seq}", f"--train.bf16_weight_copy={copy}"] + one_sequence)
+        code, stdout, stderr = estimate(marrow, [bench, f"--train.seq_len={seq}", "--train.master_weights=fp32",
+                                                 f"--train.bf16_weight_copy={copy}"] + one_sequence)
         peak = gib(stdout, "trainer's peak figure (arenas + activations)")
         check(code == 0 and peak is not None and abs(peak - measured) / measured < 0.05,
               f"one sequence of {seq}, bf16_weight_copy={copy}: {peak} GiB against the measured {measured}")
@@ -113,7 +119,8 @@ def parallel_layouts(marrow, bench):
 
     code, stdout, stderr = estimate(marrow, [bench, "--world=4", "--train.global_batch=8"])
     fsdp = gib(stdout, "parameters and optimizer state")
-    check(code == 0 and fsdp is not None and abs(fsdp - 83.56 / 4) < 0.1, f"FSDP over 4: a quarter of the state ({fsdp} GiB)")
+    # 14 bytes a parameter with the split master (2 + 4 + 4 + 4; its high halves are bf16 weights).
+    check(code == 0 and fsdp is not None and abs(fsdp - 83.56 * 14 / 16 / 4) < 0.1, f"FSDP over 4: a quarter of the state ({fsdp} GiB)")
 
     code, stdout, stderr = estimate(marrow, [bench, "--world=2", "--parallel.cp=2", "--train.seq_len=65536"])
     print(stdout, stderr)
@@ -143,14 +150,15 @@ def too_large(marrow, bench):
     code, stdout, stderr = estimate(marrow, [bench, "--gpu-memory=40"])
     check(code == 0 and "nothing fits" in stdout, "state larger than the GPU: nothing fits")
     # The settings that would save memory, each with the total its own estimate gives.
-    long_one = [bench, "--train.seq_len=32768", "--train.global_batch=1"]
+    long_one = [bench, "--train.seq_len=32768", "--train.global_batch=1", "--train.master_weights=fp32"]
     code, stdout, stderr = estimate(marrow, long_one + ["--gpu-memory=100"])
     print(stdout, stderr)
     m = re.search(r"^  --optimizer.moments=bf16\s+([\d.]+) GiB  fits$", stdout, re.M)
     _, bf16_stdout, _ = estimate(marrow, long_one + ["--optimizer.moments=bf16"])
     check(m is not None and float(m.group(1)) == gib(bf16_stdout, "total"),
           f"over 100 GiB at 32768: bf16 moments would fit, at the total of their own estimate ({m.group(1) if m else None})")
-    check(re.search(r"^  --train.bf16_weight_copy=false\s+[\d.]+ GiB  [\d.]+ GiB over$", stdout, re.M) is not None
+    check(re.search(r"^  --train.master_weights=split\s+[\d.]+ GiB  [\d.]+ GiB over$", stdout, re.M) is not None
+          and "bf16_weight_copy" not in stdout
           and "all of the above together" in stdout and "pair_expert_grads" not in stdout,
           "the weight copy alone stays over; a setting that saves nothing (no pairs at one sequence a step) is left out")
     code, stdout, stderr = estimate(marrow, [bench])
@@ -160,6 +168,8 @@ def too_large(marrow, bench):
 def bad_inputs(marrow, bench):
     """One sentence for each bad input."""
     one_error(marrow, [bench, "--train.bogus=1"], "unknown run-config key --train.bogus", "unknown key")
+    one_error(marrow, [bench, "--train.bf16_weight_copy=false"], "train.bf16_weight_copy = false needs train.master_weights = \"fp32\"",
+              "no weight copy to drop with split master weights")
     one_error(marrow, [bench, "--world", "two"], "--world must be a whole number of processes, at least 1, got 'two'", "bad --world")
     one_error(marrow, [bench, "--world"], "--world needs a value", "--world without a value")
     one_error(marrow, [bench, "--gpu-memory=-3"], "--gpu-memory must be a positive number of GiB, got '-3'", "bad --gpu-memory")

@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# Split master weights (train.master_weights = "split", core/split_f32.h) against an fp32 master on
+# one H200. Run on the GPU machine from the repository root after tools/gpu_prepare.sh here (device
+# tool, carry [".gpu-carry"]):
+#   tools/gpu_master.sh <log-dir> [check|bench|long|resume|all]
+# check:  marrow check --only elementwise (split_f32, join_f32 and AdamW on split weights bit for bit
+#         against the CPU among its rows); the AdamW rows of marrow bench --kernels experts
+# bench:  the bench config (3 + 27 steps), master fp32 then split, MASTER_ROUNDS times (default 2) on
+#         one machine: tokens/s, peaks against the estimate, the losses side by side; REF_LOSSES
+#         (comma-separated, the first five) must be the split run's first five bit for bit too
+# long:   one sequence per step (3 + MASTER_STEPS, default 7): MASTER_LONG entries seq:moments:master,
+#         default "16384:fp32:fp32 16384:fp32:split 16384:fp32:fp32 16384:fp32:split 32768:fp32:split"
+# resume: the tiny model on the GPU with the split master: 20 steps saving at 10 and 20, then step 10
+#         resumed to 20; losses and the step-20 files (sha256 in meta.json) bit for bit, the weights F32
+# Ends with PASS or FAIL; logs in <log-dir>.
+set -uo pipefail
+out=${1:-$OUT}
+what=${2:-all}
+source "$(dirname "$0")/gpu_common.sh"
+bench=(build-gpu/marrow bench configs/bench.toml --data.path=.gpu-carry/qwen3 --checkpoint.every=0)
+
+if [ "$what" = check ] || [ "$what" = all ]; then
+  step "marrow check --only elementwise"
+  timeout 300 build-gpu/marrow check --only elementwise > "$out/check-elementwise.log" 2>&1
+  grep -E "FAIL|checks,|error" "$out/check-elementwise.log" | head -20
+  grep -E "split" "$out/check-elementwise.log" | head -40 >> "$out/summary.log"
+  grep -q '^PASS$' "$out/check-elementwise.log" || fail "marrow check --only elementwise"
+  step "AdamW rows of marrow bench --kernels experts"
+  timeout 240 build-gpu/marrow bench --kernels experts > "$out/kernels.log" 2>&1 || fail "bench --kernels experts"
+  grep -E "^kernel|adamw" "$out/kernels.log" | tee -a "$out/summary.log"
+fi
+
+if [ "$what" = bench ] || [ "$what" = all ]; then
+  for round in $(seq "${MASTER_ROUNDS:-2}"); do
+    for master in fp32 split; do
+      step "bench config, train.master_weights = $master (round $round): 3 warm-up + 27 measured steps"
+      timeout 240 "${bench[@]}" --warmup=3 --steps=27 --train.master_weights=$master --output.dir=runs/master-$master-$round \
+        > "$out/bench-$master-$round.log" 2>&1 || fail "bench with the $master master"
+      grep -E "^estimated peak|error" "$out/bench-$master-$round.log" | head -3 | tee -a "$out/summary.log"
+      sed -n '/^bench:/,$p' "$out/bench-$master-$round.log" | head -12 | tee -a "$out/summary.log"
+    done
+  done
+  python3 - runs/master-fp32-1/bench/metrics.jsonl runs/master-split-1/bench/metrics.jsonl "${REF_LOSSES:-}" <<'PY' | tee -a "$out/summary.log"
+import json, sys
+a, b = ([json.loads(x)["loss"] for x in open(f)] for f in sys.argv[1:3])
+same = sum(x == y for x, y in zip(a, b))
+print(f"{same} of {len(a)} losses the same bits; largest relative difference {max(abs(y - x) / x for x, y in zip(a, b)):.2e}")
+for i, (x, y) in enumerate(zip(a, b)):
+    print(f"step {i + 1:2d}  fp32 {x!r}  split {y!r}")
+ref = [float(v) for v in sys.argv[3].split(",") if v]
+if ref:
+    ok = b[:len(ref)] == ref and a[:len(ref)] == ref
+    print(f"first {len(ref)} losses the reference's bits: {ok}")
+    sys.exit(0 if ok else 1)
+PY
+  [ "${PIPESTATUS[0]}" -eq 0 ] || fail "the first losses are not the reference's"
+fi
+
+if [ "$what" = long ] || [ "$what" = all ]; then
+  round=0
+  for run in ${MASTER_LONG:-16384:fp32:fp32 16384:fp32:split 16384:fp32:fp32 16384:fp32:split 32768:fp32:split}; do
+    IFS=: read -r seq moments master <<< "$run"
+    round=$((round + 1)) steps=${MASTER_STEPS:-7}
+    log="$out/long-$seq-$moments-$master-$round.log"
+    step "one sequence of $seq tokens a step, $moments moments, $master master: 3 warm-up + $steps measured steps"
+    timeout 240 "${bench[@]}" --warmup=3 --steps=$steps --train.seq_len=$seq --train.global_batch=1 --train.micro_batch=1 \
+      --optimizer.moments=$moments --train.master_weights=$master --output.dir=runs/long-$round > "$log" 2>&1 \
+      || fail "bench at $seq tokens, $moments moments, $master master"
+    grep -E "^estimated peak|error" "$log" | head -3 | tee -a "$out/summary.log"
+    sed -n '/^bench:/,$p' "$log" | head -12 | tee -a "$out/summary.log"
+  done
+fi
+
+if [ "$what" = resume ] || [ "$what" = all ]; then
+  tiny=(build-gpu/marrow train configs/tiny-moe.toml --data.path=.gpu-carry/demo/corpus --train.steps=20 --schedule.warmup_steps=5
+        --train.device=cuda --train.master_weights=split --checkpoint.every=10)
+  rm -rf runs/master-straight runs/master-resumed
+  step "tiny model on the GPU, split master: 20 steps, then step 10 resumed to 20"
+  "${tiny[@]}" --output.dir=runs/master-straight > "$out/resume.log" 2>&1 || fail "straight run"
+  "${tiny[@]}" --output.dir=runs/master-resumed --checkpoint.resume=runs/master-straight/step-00000010 >> "$out/resume.log" 2>&1 \
+    || fail "resumed run"
+  grep -E "^memory|resuming|error" "$out/resume.log" | head -4 | tee -a "$out/summary.log"
+  python3 - runs/master-straight runs/master-resumed <<'PY' | tee -a "$out/summary.log"
+import json, struct, sys
+a, b = sys.argv[1:3]
+loss = lambda run: {m["step"]: m["loss"] for m in map(json.loads, open(f"{run}/metrics.jsonl"))}
+files = lambda run: {f["file"]: f["sha256"] for f in json.load(open(f"{run}/step-00000020/meta.json"))["files"] if f["group"] != "config"}
+def dtypes(run, group):
+    out = set()
+    for f in json.load(open(f"{run}/step-00000020/meta.json"))["files"]:
+        if f["group"] == group:
+            with open(f"{run}/step-00000020/{f['file']}", "rb") as h:
+                header = json.loads(h.read(struct.unpack("<Q", h.read(8))[0]))
+            out |= {v["dtype"] for k, v in header.items() if k != "__metadata__"}
+    return out
+la, lb = loss(a), loss(b)
+same_losses = all(la[s] == lb[s] for s in range(11, 21))
+same_files = files(a) == files(b) and len(files(a)) > 0
+print(f"steps 11-20: losses equal bit for bit: {same_losses}; step 20: {len(files(a))} files, equal sha256: {same_files}; "
+      f"weights {dtypes(a, 'weights')}")
+sys.exit(0 if same_losses and same_files and dtypes(a, "weights") == {"F32"} else 1)
+PY
+  [ "${PIPESTATUS[0]}" -eq 0 ] || fail "the resumed run differs, or the weights' dtype"
+fi
+
+if [ $status -eq 0 ]; then echo PASS | tee -a "$out/summary.log"; else echo FAIL | tee -a "$out/summary.log"; fi
+exit $status
