@@ -2,7 +2,7 @@
 # Split master weights (train.master_weights = "split", core/split_f32.h) against an fp32 master on
 # one H200. Run on the GPU machine from the repository root after tools/gpu_prepare.sh here (device
 # tool, carry [".gpu-carry"]):
-#   tools/gpu_master.sh <log-dir> [check|bench|long|resume|all]
+#   tools/gpu_master.sh <log-dir> [check|bench|long|resume|trace|all]
 # check:  marrow check --only elementwise (split_f32, join_f32 and AdamW on split weights bit for bit
 #         against the CPU among its rows); the AdamW rows of marrow bench --kernels experts
 # bench:  the bench config (3 + 27 steps), master fp32 then split, MASTER_ROUNDS times (default 2) on
@@ -12,6 +12,8 @@
 #         default "16384:fp32:fp32 16384:fp32:split 16384:fp32:fp32 16384:fp32:split 32768:fp32:split"
 # resume: the tiny model on the GPU with the split master: 20 steps saving at 10 and 20, then step 10
 #         resumed to 20; losses and the step-20 files (sha256 in meta.json) bit for bit, the weights F32
+# trace:  a kernel trace of one bench step (after 2 warm-up) with each master: the optimizer's kernels
+#         summed by name side by side (trace-<master>.json.gz)
 # Ends with PASS or FAIL; logs in <log-dir>.
 set -uo pipefail
 out=${1:-$OUT}
@@ -101,6 +103,39 @@ print(f"steps 11-20: losses equal bit for bit: {same_losses}; step 20: {len(file
 sys.exit(0 if same_losses and same_files and dtypes(a, "weights") == {"F32"} else 1)
 PY
   [ "${PIPESTATUS[0]}" -eq 0 ] || fail "the resumed run differs, or the weights' dtype"
+  step "the same 20 steps with the fp32 master: the losses side by side (a split master weight exactly halfway between two bf16 values above an odd one moves a unit, ~1 in 131,072 a step)"
+  rm -rf runs/master-fp32-tiny
+  "${tiny[@]}" --train.master_weights=fp32 --checkpoint.every=0 --output.dir=runs/master-fp32-tiny >> "$out/resume.log" 2>&1 || fail "fp32 run"
+  python3 - runs/master-straight runs/master-fp32-tiny <<'PY' | tee -a "$out/summary.log"
+import json, sys
+a, b = ([m["loss"] for m in map(json.loads, open(f"{run}/metrics.jsonl"))] for run in sys.argv[1:3])
+print(f"tiny model, 20 steps: {sum(x == y for x, y in zip(a, b))} of {len(a)} losses the same bits with the split and the fp32 master; "
+      f"largest relative difference {max(abs(x - y) / y for x, y in zip(a, b)):.1e}")
+PY
+fi
+
+if [ "$what" = trace ]; then
+  for master in fp32 split; do
+    step "kernel trace of one bench step after 2 warm-up, $master master"
+    "${bench[@]}" --warmup=2 --steps=1 --profile-steps=3:3 --train.master_weights=$master --output.dir=runs/trace-$master \
+      > "$out/trace-$master.log" 2>&1 || fail "trace with the $master master"
+    gzip -c runs/trace-$master/bench/trace-steps-3-3.json > "$out/trace-$master.json.gz" 2>/dev/null
+  done
+  python3 - "$out/trace-fp32.json.gz" "$out/trace-split.json.gz" <<'PY' | tee -a "$out/summary.log"
+import collections, gzip, json, sys
+def sums(path):
+    events = json.load(gzip.open(path))
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    out = collections.defaultdict(lambda: [0, 0.0])
+    for e in events:
+        if e.get("ph") == "X" and ("adamw" in e["name"] or e["name"] in ("optimizer", "step 3") or "sum_squares" in e["name"]):
+            out[e["name"][:60]][0] += 1
+            out[e["name"][:60]][1] += e["dur"] / 1e3
+    return out
+a, b = (sums(p) for p in sys.argv[1:3])
+for name in sorted(set(a) | set(b)):
+    print(f"{name:60s} fp32 {a[name][0]:3d} x {a[name][1]:8.3f} ms   split {b[name][0]:3d} x {b[name][1]:8.3f} ms")
+PY
 fi
 
 if [ $status -eq 0 ]; then echo PASS | tee -a "$out/summary.log"; else echo FAIL | tee -a "$out/summary.log"; fi
