@@ -6,8 +6,9 @@
 # check:  marrow check --only elementwise (split_f32, join_f32 and AdamW on split weights bit for bit
 #         against the CPU among its rows); the AdamW rows of marrow bench --kernels experts
 # bench:  the bench config (3 + 27 steps), master fp32 then split, MASTER_ROUNDS times (default 2) on
-#         one machine: tokens/s, peaks against the estimate, the losses side by side; REF_LOSSES
-#         (comma-separated, the first five) must be the split run's first five bit for bit too
+#         one machine: tokens/s, peaks against the estimate, the losses side by side; each master's
+#         rounds must give the same losses bit for bit, and REF_LOSSES / FP32_REF_LOSSES (comma-separated,
+#         the first five) must be the split / fp32 master's first five
 # long:   one sequence per step (3 + MASTER_STEPS, default 7): MASTER_LONG entries seq:moments:master,
 #         default "16384:fp32:fp32 16384:fp32:split 16384:fp32:fp32 16384:fp32:split 32768:fp32:split"
 # resume: the tiny model on the GPU with the split master: 20 steps saving at 10 and 20, then step 10
@@ -42,20 +43,25 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
       sed -n '/^bench:/,$p' "$out/bench-$master-$round.log" | head -12 | tee -a "$out/summary.log"
     done
   done
-  python3 - runs/master-fp32-1/bench/metrics.jsonl runs/master-split-1/bench/metrics.jsonl "${REF_LOSSES:-}" <<'PY' | tee -a "$out/summary.log"
+  python3 - "${MASTER_ROUNDS:-2}" "${REF_LOSSES:-}" "${FP32_REF_LOSSES:-}" <<'PY' | tee -a "$out/summary.log"
 import json, sys
-a, b = ([json.loads(x)["loss"] for x in open(f)] for f in sys.argv[1:3])
-same = sum(x == y for x, y in zip(a, b))
-print(f"{same} of {len(a)} losses the same bits; largest relative difference {max(abs(y - x) / x for x, y in zip(a, b)):.2e}")
+rounds, ref, fp32_ref = int(sys.argv[1]), *([float(v) for v in arg.split(",") if v] for arg in sys.argv[2:4])
+losses = {(m, r): [json.loads(x)["loss"] for x in open(f"runs/master-{m}-{r}/bench/metrics.jsonl")]
+          for m in ("fp32", "split") for r in range(1, rounds + 1)}
+a, b = losses["fp32", 1], losses["split", 1]
+ok = all(losses[m, r] == losses[m, 1] for m in ("fp32", "split") for r in range(1, rounds + 1))
+print(f"each master's {rounds} rounds give the same losses bit for bit: {ok}")
+print(f"{sum(x == y for x, y in zip(a, b))} of {len(a)} losses the same bits with the two masters; "
+      f"largest relative difference {max(abs(y - x) / x for x, y in zip(a, b)):.2e}")
 for i, (x, y) in enumerate(zip(a, b)):
     print(f"step {i + 1:2d}  fp32 {x!r}  split {y!r}")
-ref = [float(v) for v in sys.argv[3].split(",") if v]
-if ref:
-    ok = b[:len(ref)] == ref and a[:len(ref)] == ref
-    print(f"first {len(ref)} losses the reference's bits: {ok}")
-    sys.exit(0 if ok else 1)
+for name, want, got in (("split (the default)", ref, b), ("fp32", fp32_ref, a)):
+    if want:
+        print(f"first {len(want)} losses of the {name} master the reference's bits: {got[:len(want)] == want}")
+        ok = ok and got[:len(want)] == want
+sys.exit(0 if ok else 1)
 PY
-  [ "${PIPESTATUS[0]}" -eq 0 ] || fail "the first losses are not the reference's"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || fail "a round differs, or the first losses are not the reference's"
 fi
 
 if [ "$what" = long ] || [ "$what" = all ]; then
