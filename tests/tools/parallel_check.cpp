@@ -10,15 +10,23 @@
 //   dx[t]   = sum_j w_j s(e_j) dout[t],   dw[t, j] = s(e_j) dot(dout[t], x[t])
 // Routings: random (tokens that skip members, tokens whose experts all live on one member), and all
 // tokens of every rank on member 0's experts (the other members receive nothing).
+// Then fully sharded parameters (every unit over all P processes, shards padded) with the split master
+// weights (core/split_f32.h) against an fp32 master, bf16 compute on the CPU: the same gathered bf16
+// weights bit for bit after initialisation and after each of three optimizer steps on the same
+// reduced gradients, and the same master as stored.
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <random>
 
 #include "apps/check.h"
 #include "core/memory.h"
 #include "mpi_check.h"
 #include "parallel/comm.h"
+#include "core/split_f32.h"
 #include "parallel/expert_parallel.h"
+#include "parallel/mesh.h"
+#include "parallel/sharded_params.h"
 
 namespace {
 
@@ -129,6 +137,82 @@ void run_case(const Comm& group, int64_t experts, bool all_on_member0) {
 
 }  // namespace
 
+// Prolog, two decoder layers (dense and experts) and epilog, sizes that no process count divides.
+std::vector<TensorSpec> sharded_table() {
+  std::vector<TensorSpec> specs;
+  auto add = [&](const char* name, int64_t numel, int64_t layer, bool expert) {
+    const int64_t offset = specs.empty() ? 0 : specs.back().offset + specs.back().numel;
+    specs.push_back({name, {numel}, offset, numel, false, expert, expert, layer});
+  };
+  add("embed", 37, -1, false);
+  for (int64_t l = 0; l < 2; ++l) {
+    add("dense", 29, l, false);
+    add("experts", 41, l, true);
+  }
+  add("head", 37, 2, false);
+  return specs;
+}
+
+double pseudo_random(uint64_t i, uint64_t seed) {
+  std::mt19937_64 rng(seed * 1000003 + i);
+  return std::uniform_real_distribution<double>(-1, 1)(rng);
+}
+
+std::vector<uint16_t> gathered_weights(ShardedParameters& s, const std::vector<TensorSpec>& specs) {
+  std::vector<uint16_t> all;
+  for (int64_t stage = -1; stage <= 2; ++stage) s.before_forward(stage);
+  for (const TensorSpec& spec : specs) {
+    const Tensor t = s.weights().slice(spec.offset, {spec.numel});
+    const auto* bits = static_cast<const uint16_t*>(t.data);
+    all.insert(all.end(), bits, bits + spec.numel);
+  }
+  return all;
+}
+
+void check_split_master_sharded(const Comm& world) {
+  const std::vector<TensorSpec> specs = sharded_table();
+  const Mesh mesh = Mesh::create(mesh_shape(world.size(), 1, 1, 1), Device::cpu);
+  const std::vector<int64_t> stages(4, 0);
+  ShardedParameters whole(specs, 2, stages, mesh, true, true, false, Device::cpu, DType::bf16, DType::f32, false);
+  ShardedParameters split(specs, 2, stages, mesh, true, true, false, Device::cpu, DType::bf16, DType::f32, true);
+  MARROW_CHECK(split.split_master() && split.params().all().dtype == DType::u16, "the split master's low halves are not u16");
+  auto init = [](Tensor out, const TensorSpec& spec, int64_t first) {
+    for (int64_t i = 0; i < out.numel(); ++i) out.ptr<float>()[i] = float(0.1 * pseudo_random(uint64_t(spec.offset + first + i), 1));
+  };
+  for (ShardedParameters* s : {&whole, &split}) {
+    s->initialize(init);
+    s->master_changed();
+  }
+  MARROW_CHECK(gathered_weights(split, specs) == gathered_weights(whole, specs), "sharded split master: the initial bf16 weights differ from an fp32 master's");
+  for (int64_t step = 1; step <= 3; ++step) {
+    for (ShardedParameters* s : {&whole, &split}) {
+      s->start_step();
+      for (const TensorSpec& spec : specs) {  // each rank its own gradient: the reduction sums them
+        const Tensor g = s->gradients().slice(spec.offset, {spec.numel});
+        for (int64_t i = 0; i < spec.numel; ++i)
+          g.ptr<float>()[i] = float(pseudo_random(uint64_t(spec.offset + i), 10 * uint64_t(step) + uint64_t(world.rank())));
+      }
+      for (int64_t stage = 2; stage >= -1; --stage) s->after_backward(stage, 0, true, false);
+      s->finish_gradients(false);
+      s->optimizer_step(AdamWHyper{.lr = 1e-2, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.1, .step = step});
+    }
+    MARROW_CHECK(gathered_weights(split, specs) == gathered_weights(whole, specs),
+                 "sharded split master: the bf16 weights differ from an fp32 master's after step {}", step);
+    split.unpack_master();
+    const Tensor stored = split.master_staging().all(), master = whole.params().all();
+    for (int64_t i = 0; i < master.numel(); ++i) {
+      uint32_t want = 0, got = 0;
+      std::memcpy(&want, master.ptr<float>() + i, 4);
+      std::memcpy(&got, stored.ptr<float>() + i, 4);
+      MARROW_CHECK(got == split_storable(want), "sharded split master: element {} of the shard differs from an fp32 master's after step {}", i, step);
+    }
+    copy(master, stored);  // both as stored, so a midpoint moved in one cannot make them drift
+    whole.master_changed();
+    split.release_master_staging();
+  }
+  if (world.rank() == 0) std::printf("sharded split master over %d processes: bf16 weights and master as an fp32 master's\n", world.size());
+}
+
 int main(int argc, char** argv) {
   return marrow::run_mpi_check(argc, argv, [](const marrow::Comm& world) {
     marrow::CheckReport report;
@@ -138,6 +222,7 @@ int main(int argc, char** argv) {
       run_case(world, experts, false);
       if (experts >= 2 * world.size()) run_case(world, experts, true);  // two distinct experts on member 0
     }
+    check_split_master_sharded(world);
     const double all_worst = world.sum(worst, "worst error (sum)");
     if (world.rank() == 0) std::printf("collectives exact; expert-parallel dispatch/combine on %d processes: worst relative error %.2e\nPASS\n", world.size(), all_worst);
   });
