@@ -2,7 +2,7 @@
 # Split master weights (train.master_weights = "split", core/split_f32.h) against an fp32 master on
 # one H200. Run on the GPU machine from the repository root after tools/gpu_prepare.sh here (device
 # tool, carry [".gpu-carry"]):
-#   tools/gpu_master.sh <log-dir> [check|bench|long|resume|trace|all]
+#   tools/gpu_master.sh <log-dir> [check|bench|long|resume|trace|steps|power|all]
 # check:  marrow check --only elementwise (split_f32, join_f32 and AdamW on split weights bit for bit
 #         against the CPU among its rows); the AdamW rows of marrow bench --kernels experts
 # bench:  the bench config (3 + 27 steps), master fp32 then split, MASTER_ROUNDS times (default 2) on
@@ -15,6 +15,10 @@
 #         resumed to 20; losses and the step-20 files (sha256 in meta.json) bit for bit, the weights F32
 # trace:  a kernel trace of one bench step (after 2 warm-up) with each master: the optimizer's kernels
 #         summed by name side by side (trace-<master>.json.gz)
+# steps:  a kernel trace of steps 3-8 at one sequence of 16,384 (the default master): each step's GPU span and
+#         the kernels whose time differs most between steps (trace-16384-steps-3-8.json.gz)
+# power:  nvidia-smi every 50 ms during 3 + 12 steps of one sequence of 16,384: SM clock, power against the
+#         limit and the clock event reasons under load (0x4: the software power cap), per-step times
 # Ends with PASS or FAIL; logs in <log-dir>.
 set -uo pipefail
 out=${1:-$OUT}
@@ -141,6 +145,52 @@ def sums(path):
 a, b = (sums(p) for p in sys.argv[1:3])
 for name in sorted(set(a) | set(b)):
     print(f"{name:60s} fp32 {a[name][0]:3d} x {a[name][1]:8.3f} ms   split {b[name][0]:3d} x {b[name][1]:8.3f} ms")
+PY
+fi
+
+long16=(--train.seq_len=16384 --train.global_batch=1 --train.micro_batch=1)
+if [ "$what" = steps ]; then
+  step "kernel trace of steps 3-8, one sequence of 16,384"
+  "${bench[@]}" --warmup=2 --steps=6 --profile-steps=3:8 "${long16[@]}" --output.dir=runs/steps-16384 > "$out/steps-16384.log" 2>&1 \
+    || fail "trace of steps 3-8"
+  grep -E "^step|^bench" "$out/steps-16384.log" | tee -a "$out/summary.log"
+  gzip -c runs/steps-16384/bench/trace-steps-3-8.json > "$out/trace-16384-steps-3-8.json.gz"
+  python3 - "$out/trace-16384-steps-3-8.json.gz" <<'PY' | tee -a "$out/summary.log"
+import collections, gzip, json, sys
+events = json.load(gzip.open(sys.argv[1]))
+events = events["traceEvents"] if isinstance(events, dict) else events
+steps = sorted((e for e in events if e.get("ph") == "X" and e["name"].startswith("step ")), key=lambda e: e["ts"])
+kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "memset", "memcpy")]
+per = []
+for s in steps:
+    by = collections.defaultdict(float)
+    for e in kernels:
+        if s["ts"] <= e["ts"] < s["ts"] + s["dur"]:
+            by[e["name"][:55]] += e["dur"] / 1e3
+    per.append(by)
+print("steps: " + "  ".join(f"{s['name']} {s['dur'] / 1e3:.1f} ms" for s in steps))
+names = sorted(set().union(*per), key=lambda n: -(max(p.get(n, 0) for p in per) - min(p.get(n, 0) for p in per)))
+for n in names[:12]:
+    print(f"{n:55s} " + " ".join(f"{p.get(n, 0):7.2f}" for p in per))
+PY
+fi
+
+if [ "$what" = power ]; then
+  step "nvidia-smi every 50 ms during 3 + 12 steps of one sequence of 16,384"
+  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,power.limit,temperature.gpu,clocks_event_reasons.active \
+    --format=csv -lms 50 > "$out/smi.csv" 2>&1 &
+  smi=$!
+  "${bench[@]}" --warmup=3 --steps=12 "${long16[@]}" --output.dir=runs/power-16384 > "$out/power-16384.log" 2>&1 || fail "bench at 16,384"
+  kill $smi
+  grep -E "^step|^bench" "$out/power-16384.log" | tee -a "$out/summary.log"
+  python3 - "$out/smi.csv" <<'PY' | tee -a "$out/summary.log"
+import csv, statistics, sys
+rows = [r for r in list(csv.reader(open(sys.argv[1]), skipinitialspace=True))[1:] if len(r) > 6 and "MHz" in r[1]]
+load = [(int(r[1].split()[0]), float(r[3].split()[0]), float(r[4].split()[0]), r[6]) for r in rows if float(r[3].split()[0]) > 400]
+if load:
+    print(f"{len(load)} samples under load: SM clock mean {statistics.mean(v[0] for v in load):.0f} MHz "
+          f"(min {min(v[0] for v in load)}, max {max(v[0] for v in load)}), power mean {statistics.mean(v[1] for v in load):.0f} W "
+          f"against {load[0][2]:.0f} W, clock event reasons {sorted(set(v[3] for v in load))}")
 PY
 fi
 
