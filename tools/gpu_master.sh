@@ -17,8 +17,9 @@
 #         summed by name side by side (trace-<master>.json.gz)
 # steps:  a kernel trace of steps 3-8 at one sequence of 16,384 (the default master): each step's GPU span and
 #         the kernels whose time differs most between steps (trace-16384-steps-3-8.json.gz)
-# power:  nvidia-smi every 50 ms during 3 + 12 steps of one sequence of 16,384: SM clock, power against the
-#         limit and the clock event reasons under load (0x4: the software power cap), per-step times
+# power:  nvidia-smi every 50 ms during 3 + 12 steps of one sequence of 16,384 (POWER_ARGS: other bench
+#         arguments, e.g. "" for the bench config): SM clock, power against the limit and the clock event
+#         reasons under load (0x4: the software power cap), per-step times
 # Ends with PASS or FAIL; logs in <log-dir>.
 set -uo pipefail
 out=${1:-$OUT}
@@ -176,13 +177,14 @@ PY
 fi
 
 if [ "$what" = power ]; then
-  step "nvidia-smi every 50 ms during 3 + 12 steps of one sequence of 16,384"
+  power_args=(${POWER_ARGS-${long16[*]}})
+  step "nvidia-smi every 50 ms during 3 + 12 steps, bench arguments: ${power_args[*]:-(the bench config)}"
   nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,power.limit,temperature.gpu,clocks_event_reasons.active \
     --format=csv -lms 50 > "$out/smi.csv" 2>&1 &
   smi=$!
-  "${bench[@]}" --warmup=3 --steps=12 "${long16[@]}" --output.dir=runs/power-16384 > "$out/power-16384.log" 2>&1 || fail "bench at 16,384"
+  "${bench[@]}" --warmup=3 --steps=12 "${power_args[@]}" --output.dir=runs/power > "$out/power.log" 2>&1 || fail "bench under nvidia-smi"
   kill $smi
-  grep -E "^step|^bench" "$out/power-16384.log" | tee -a "$out/summary.log"
+  grep -E "^step|^bench" "$out/power.log" | tee -a "$out/summary.log"
   python3 - "$out/smi.csv" <<'PY' | tee -a "$out/summary.log"
 import csv, statistics, sys
 rows = [r for r in list(csv.reader(open(sys.argv[1]), skipinitialspace=True))[1:] if len(r) > 6 and "MHz" in r[1]]
