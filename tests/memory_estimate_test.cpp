@@ -238,6 +238,7 @@ TEST(MemoryEstimate, BenchPeaksMatchTheMeasuredOnes) {
   RunConfig short_seq = unpaired(bench_run()), long_seq = unpaired(bench_run());
   short_seq.seq_len = 1024;
   long_seq.seq_len = 16384;
+  long_seq.expert_inputs = "gather";  // measured when micro-batches of 8,192 tokens and more dropped x_perm
   EXPECT_NEAR(peak(short_seq, 1), 95.43, 0.03 * 95.43);
   EXPECT_NEAR(peak(long_seq, 1), 105.75, 0.03 * 105.75);
   EXPECT_NEAR(replicated_bill(unpaired(bench_run(2)), 2).trainer_peak() / kGiB, 59.53, 0.03 * 59.53);
@@ -286,7 +287,7 @@ TEST(MemoryEstimate, LargestFitIsTheEdge) {
     rc.micro_batch = micro_batch;
     rc.global_batch = 4 * micro_batch;  // as many micro-batches as largest_fit tries
     rc.seq_len = seq_len;
-    return double(estimate_memory<Qwen3Moe>(rc, config, 1, Device::cuda).total());
+    return double(estimate_memory<Qwen3Moe>(rc, config, 1, Device::cuda, gpu).total());
   };
   EXPECT_LE(total(fit.micro_batch, 4096), gpu);
   EXPECT_GT(total(fit.micro_batch + 1, 4096), gpu);
@@ -296,6 +297,38 @@ TEST(MemoryEstimate, LargestFitIsTheEdge) {
   const LargestFit none = largest_fit<Qwen3Moe>(bench_run(), config, 1, Device::cuda, 50 * kGiB);
   EXPECT_EQ(none.micro_batch, 0);
   EXPECT_EQ(none.seq_len, 0);
+}
+
+// train.expert_inputs: x_perm ([T x K, H] bf16 a layer) kept to the backward or gathered again;
+// "auto" keeps it while the total with it kept stays within 90% of the device's memory, and
+// keeps it when that memory is not known; with expert parallelism x_perm is what arrived, kept.
+TEST(MemoryEstimate, ExpertInputsKeptWhileTheyFit) {
+  const Qwen3MoeConfig config = bench_config();
+  RunConfig rc = bench_run();
+  rc.global_batch = 1;
+  rc.seq_len = 16384;
+  auto bill = [&](const std::string& inputs, double device_bytes, const RunConfig& base) {
+    RunConfig r = base;
+    r.expert_inputs = inputs;
+    return estimate_memory<Qwen3Moe>(r, config, 1, Device::cuda, device_bytes);
+  };
+  const MemoryBill keep = bill("keep", 0, rc), gather = bill("gather", 0, rc);
+  // The peak is the epilog's backward, with every layer's activations alive.
+  EXPECT_EQ(keep.total() - gather.total(), config.num_layers * 16384 * config.top_k * config.hidden_size * 2);
+  const double gpu = 139.8 * kGiB, edge = double(keep.total()) / kKeptExpertInputsShare;
+  EXPECT_EQ(bill("auto", gpu, rc).total(), keep.total());
+  EXPECT_EQ(bill("auto", 0, rc).total(), keep.total());
+  EXPECT_EQ(bill("auto", edge * 1.001, rc).total(), keep.total());
+  EXPECT_EQ(bill("auto", edge * 0.999, rc).total(), gather.total());
+  EXPECT_NE(format_bill(gather, gpu).find("x_perm gathered again"), std::string::npos);
+  EXPECT_EQ(format_bill(keep, gpu).find("x_perm gathered again"), std::string::npos);
+  RunConfig gather_rc = rc, ep2 = bench_run(2);
+  gather_rc.expert_inputs = "gather";
+  EXPECT_TRUE(gathers_expert_inputs_again<Qwen3Moe>(gather_rc, config, 1, Device::cuda, gpu));
+  const int64_t ep2_keep = estimate_memory<Qwen3Moe>(ep2, config, 2, Device::cuda).total();
+  ep2.expert_inputs = "gather";
+  EXPECT_EQ(estimate_memory<Qwen3Moe>(ep2, config, 2, Device::cuda).total(), ep2_keep);
+  EXPECT_FALSE(gathers_expert_inputs_again<Qwen3Moe>(ep2, config, 2, Device::cuda, gpu));
 }
 
 // The settings that save memory: only those the run has on the side that holds memory and that
@@ -311,20 +344,22 @@ TEST(MemoryEstimate, MemoryOptionsNameSettingsThatSave) {
   const Qwen3MoeConfig config = bench_config();
   const RunConfig rc = bench_run();
   EXPECT_EQ(saving_settings(rc), (std::vector<std::string>{"--optimizer.moments=bf16", "--train.master_weights=split",
-                                                           "--train.pair_expert_grads=false"}));
+                                                           "--train.pair_expert_grads=false", "--train.expert_inputs=gather"}));
   const int64_t n = Qwen3Moe(config, DType::bf16, Device::cuda).num_parameters();
   const int64_t before = estimate_memory<Qwen3Moe>(rc, config, 1, Device::cuda).total();
   const std::vector<MemoryOption> options = memory_options<Qwen3Moe>(rc, config, 1, Device::cuda);
-  ASSERT_EQ(options.size(), 4u);  // the bench's micro-batches pair their expert weight gradients, so all three save
+  ASSERT_EQ(options.size(), 5u);  // the bench's micro-batches pair their expert weight gradients, so all four save
   EXPECT_EQ(before - options[0].total, 4 * n);
   EXPECT_EQ(before - options[1].total, 2 * n);
   EXPECT_LT(options[2].total, before);
-  EXPECT_EQ(options[3].setting, "all of the above together");
+  EXPECT_LT(options[3].total, before);
+  EXPECT_EQ(options[4].setting, "all of the above together");
   RunConfig all = rc;
   all.moments = "bf16";
   all.master_weights = "split";
   all.pair_expert_grads = false;
-  EXPECT_EQ(options[3].total, estimate_memory<Qwen3Moe>(all, config, 1, Device::cuda).total());
+  all.expert_inputs = "gather";
+  EXPECT_EQ(options[4].total, estimate_memory<Qwen3Moe>(all, config, 1, Device::cuda).total());
   const std::string text = format_memory_options(options, double(options[0].total));
   EXPECT_NE(text.find("--optimizer.moments=bf16 "), std::string::npos) << text;
   EXPECT_NE(text.find("fits"), std::string::npos) << text;
@@ -334,12 +369,14 @@ TEST(MemoryEstimate, MemoryOptionsNameSettingsThatSave) {
   RunConfig one = rc;
   one.global_batch = 1;
   const std::vector<MemoryOption> unpaired = memory_options<Qwen3Moe>(one, config, 1, Device::cuda);
-  ASSERT_EQ(unpaired.size(), 3u);
+  ASSERT_EQ(unpaired.size(), 4u);
   EXPECT_EQ(unpaired[1].setting, "--train.master_weights=split");
+  EXPECT_EQ(unpaired[2].setting, "--train.expert_inputs=gather");
 
   RunConfig saving = rc;  // everything already on the saving side, or bf16 moments refused by beta2
   saving.master_weights = "split";
   saving.pair_expert_grads = false;
+  saving.expert_inputs = "gather";
   saving.beta2 = 0.999;
   EXPECT_TRUE(memory_savings(saving).empty());
   EXPECT_EQ(format_memory_options({}, 1.0), "");
@@ -382,7 +419,7 @@ TEST(MemoryEstimate, ContextParallelHoldsItsShareOfTheSequence) {
   auto total = [&](int64_t seq_len) {
     RunConfig rc = cp2;
     rc.seq_len = seq_len;
-    return double(estimate_memory<Qwen3Moe>(rc, config, 2, Device::cuda).total());
+    return double(estimate_memory<Qwen3Moe>(rc, config, 2, Device::cuda, gpu).total());
   };
   EXPECT_LE(total(fit.seq_len), gpu);
   EXPECT_GT(total(fit.seq_len + 4), gpu);

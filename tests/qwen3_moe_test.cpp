@@ -139,9 +139,10 @@ struct TinyRun {
     }
   }
 
-  double loss_and_gradients() {
+  double loss_and_gradients(bool gathers_expert_inputs = false) {
     grads.fill_zero();
     MicroBatch<Qwen3Moe> mb;
+    mb.gathers_expert_inputs = gathers_expert_inputs;
     const auto w = model.bind(params);
     forward(mb, model, w, batch);
     const double loss = loss_scale * mb.token_loss.value() + aux_grad * mb.aux_loss.value();
@@ -203,18 +204,18 @@ TEST(Qwen3Moe, ChunkedLogitsGiveTheLossAndGradientsOfWholeOnes) {
   EXPECT_LE(worst, 1e-12 * largest);
 }
 
-// x_perm dropped after the experts forward and gathered again from h2 for the backward (long
-// micro-batches) gives the same bits as keeping it: the same gather of the same rows.
+// x_perm dropped after the experts forward and gathered again from h2 for the backward
+// (train.expert_inputs = gather) gives the same bits as keeping it: the same gather of the same rows.
 TEST(Qwen3Moe, ExpertRowsGatheredAgainGiveTheSameBits) {
   TinyRun kept(DType::f32, 2, 8, tiny_config_json()), again(DType::f32, 2, 8, tiny_config_json());
-  const int64_t before = expert_rows_gathered_again_from();
-  EXPECT_FALSE(gathers_expert_rows_again(16, false));
-  const double kept_loss = kept.loss_and_gradients();
-  expert_rows_gathered_again_from() = 1;
-  EXPECT_TRUE(gathers_expert_rows_again(16, false));
-  EXPECT_FALSE(gathers_expert_rows_again(16, true));  // with expert parallelism x_perm is what arrived
-  const double again_loss = again.loss_and_gradients();
-  expert_rows_gathered_again_from() = before;
+  for (const bool gather : {false, true}) {  // the forward holds x_perm only when it is not gathered again
+    MicroBatch<Qwen3Moe> mb;
+    mb.gathers_expert_inputs = gather;
+    forward(mb, kept.model, kept.model.bind(kept.params), kept.batch);
+    for (const auto& layer : mb.layers) EXPECT_EQ(layer.experts.x_perm.view().data == nullptr, gather);
+  }
+  const double kept_loss = kept.loss_and_gradients(false);
+  const double again_loss = again.loss_and_gradients(true);
   EXPECT_EQ(kept_loss, again_loss);
   EXPECT_EQ(std::memcmp(kept.grads.all().data, again.grads.all().data, kept.grads.bytes()), 0);
 }

@@ -98,7 +98,7 @@ std::string layout_table(const RunConfig& rc, const typename M::Config& config, 
           const MeshShape mesh = estimate_mesh(candidate, config.num_experts, world);
           if (dp_shard == 1 && mesh.dp == 1) continue;  // the same layout as dp_shard = 0
           check_global_batch(candidate, mesh);
-          rows.push_back({mesh.describe(), double(estimate_memory<M>(candidate, config, world, device).total())});
+          rows.push_back({mesh.describe(), double(estimate_memory<M>(candidate, config, world, device, gpu_bytes).total())});
         } catch (const Error&) {
           // A layout the trainer refuses (sizes that do not divide, too few layers or micro-batches).
         }
@@ -131,10 +131,11 @@ int estimate_command(int argc, char** argv) {
       return;
     }
     check_global_batch(rc, estimate_mesh(rc, config.num_experts, options.world));
-    const MemoryBill bill = estimate_memory<M>(rc, config, options.world, device);
+    const double device_bytes = device == Device::cuda ? gpu_bytes : 0;
+    const MemoryBill bill = estimate_memory<M>(rc, config, options.world, device, device_bytes);
     std::printf("%s", format_bill(bill, gpu_bytes).c_str());
     if (device == Device::cuda && double(bill.total()) > gpu_bytes)
-      std::printf("%s", format_memory_options(memory_options<M>(rc, config, options.world, device), gpu_bytes).c_str());
+      std::printf("%s", format_memory_options(memory_options<M>(rc, config, options.world, device, device_bytes), gpu_bytes).c_str());
     if (rc.uses_dualpipev())
       std::printf("\n%s", with_estimated_model<M>(rc, config, options.world, device, [&](const EstimatedModel& m, const MeshShape& mesh) {
                     return pipeline_report(rc, m, mesh);

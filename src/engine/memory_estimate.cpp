@@ -129,7 +129,7 @@ struct EngineBytes {
   int64_t residual = 0;  // x, dx, dh2, dx_in: [T, H]
   int64_t rows = 0;      // x_perm, y_perm, dy_perm, dx_perm: [R, H]
   // x_perm kept from the forward to the backward, or gathered again from h2 at the layer's experts
-  // backward (engine/model.h: gathers_expert_rows_again).
+  // backward (train.expert_inputs, resolved: gathers_expert_inputs_again).
   int64_t x_perm_kept = 0, x_perm_again = 0;
   int64_t route = 0;     // kept until the layer's backward ends, besides y_perm
   // y_perm kept to the backward (ep > 1: the expert's process takes the routing weights' gradient
@@ -155,15 +155,16 @@ double member_hit(int64_t E, int64_t K, int64_t P) {
   return 1 - miss;
 }
 
+// gather_again: x_perm is dropped after the experts forward (rc.expert_inputs resolved to "gather").
 EngineBytes engine_bytes(const EstimatedModel& m, const AttentionHeads& heads, int64_t T, int64_t R, const MeshShape& mesh,
-                         Device device) {
+                         Device device, bool gather_again) {
   const int64_t a = device == Device::cuda ? 2 : 4, s = 4, i32 = 4, H = m.hidden_size, K = m.top_k, ep = mesh.ep;
   EngineBytes e;
   if (mesh.cp > 1) e.ring = ring_attention_bytes(T, heads.q_heads, heads.kv_heads, heads.head_dim, device);
   e.residual = T * H * a;
   e.rows = R * H * a;
   e.dtopk = T * K * s;
-  (gathers_expert_rows_again(T, ep > 1) ? e.x_perm_again : e.x_perm_kept) = e.rows;
+  (gather_again && ep == 1 ? e.x_perm_again : e.x_perm_kept) = e.rows;
   (ep > 1 ? e.y_perm_kept : e.y_perm_until_combine) = e.rows;
   e.waiting_dy = ep == 1 ? e.residual + T * K * i32 : e.rows;
   if (ep == 1) {
@@ -266,12 +267,19 @@ struct OneMicroBatch {
       : tokens(rc.micro_batch * rc.seq_len / mesh.cp),
         rows(mesh.ep == 1 ? tokens * m.top_k : int64_t(double(tokens * m.top_k) * kExpertRowSkew)),
         model(m.activation_bytes(rc.micro_batch, rc.seq_len / mesh.cp, rows)),
-        engine(engine_bytes(m, model.attention_heads, tokens, rows, mesh, device)),
+        engine(engine_bytes(m, model.attention_heads, tokens, rows, mesh, device, rc.expert_inputs == "gather")),
         walk(model, engine, m.num_layers, 3 * tokens * 4, paired) {
     walk.forward();
     walk.backward();
   }
 };
+
+// What the experts' line says of x_perm, with one expert-parallel rank (rc.expert_inputs resolved).
+std::string expert_inputs_note(const RunConfig& rc, const MeshShape& mesh) {
+  if (mesh.ep > 1) return "";
+  return rc.expert_inputs == "gather" ? "; x_perm gathered again for the backward (train.expert_inputs)"
+                                      : "; x_perm among them (train.expert_inputs)";
+}
 
 // paired: the step's micro-batches pair their expert weight gradients (engine/trainer.h).
 void add_activations(MemoryBill& bill, const RunConfig& rc, const EstimatedModel& m, const MeshShape& mesh, Device device, bool paired) {
@@ -288,7 +296,7 @@ void add_activations(MemoryBill& bill, const RunConfig& rc, const EstimatedModel
       {"token ids, targets, positions", ""},
       {"attention + router (stage 1)", per_layer(model.attention.kept)},
       {"dispatch/combine rows and routes", per_layer(engine.route + engine.y_perm_kept)},
-      {"experts (stage 3)", per_layer(model.experts.kept + engine.x_perm_kept)},
+      {"experts (stage 3)", per_layer(model.experts.kept + engine.x_perm_kept) + expert_inputs_note(rc, mesh)},
       {"epilog: final norm, logits, loss", fmt::format("kept: {}", mib(model.epilog.kept))},
       {"previous micro-batch's expert inputs", paired ? fmt::format("{} per layer until its weight gradients, paired with this one's (train.pair_expert_grads=false frees it)",
                                                                      mib(held_for_weights(model, engine))) : "none: no pairs"}};
@@ -452,16 +460,40 @@ MemoryBill rank_bill(const RunConfig& rc, const EstimatedModel& m, const MeshSha
 
 }  // namespace
 
-MemoryBill estimate_memory(const RunConfig& rc, const EstimatedModel& m, const MeshShape& mesh, ShardGroups groups, Device device) {
-  MARROW_CHECK(rc.micro_batch <= kMaxTokens / rc.seq_len,
-               "{}: train.micro_batch x train.seq_len ({} x {}) is beyond the 2^31 tokens per micro-batch that the estimate counts", rc.source,
-               rc.micro_batch, rc.seq_len);
+namespace {
+
+// The bill with train.expert_inputs already "keep" or "gather".
+MemoryBill resolved_bill(const RunConfig& rc, const EstimatedModel& m, const MeshShape& mesh, ShardGroups groups, Device device) {
   MemoryBill largest = rank_bill(rc, m, mesh, groups, device, 0);
   for (int64_t r = 1; rc.uses_dualpipev() && r < mesh.pp; ++r) {
     MemoryBill bill = rank_bill(rc, m, mesh, groups, device, r);
     if (bill.total() > largest.total()) largest = std::move(bill);
   }
   return largest;
+}
+
+RunConfig with_expert_inputs(const RunConfig& rc, bool gather_again) {
+  RunConfig out = rc;
+  out.expert_inputs = gather_again ? "gather" : "keep";
+  return out;
+}
+
+}  // namespace
+
+bool gathers_expert_inputs_again(const RunConfig& rc, const EstimatedModel& m, const MeshShape& mesh, ShardGroups groups, Device device,
+                                 double device_bytes) {
+  if (mesh.ep > 1 || rc.expert_inputs == "keep") return false;
+  if (rc.expert_inputs == "gather") return true;
+  if (device_bytes <= 0) return false;
+  return double(resolved_bill(with_expert_inputs(rc, false), m, mesh, groups, device).total()) > kKeptExpertInputsShare * device_bytes;
+}
+
+MemoryBill estimate_memory(const RunConfig& rc, const EstimatedModel& m, const MeshShape& mesh, ShardGroups groups, Device device,
+                           double device_bytes) {
+  MARROW_CHECK(rc.micro_batch <= kMaxTokens / rc.seq_len,
+               "{}: train.micro_batch x train.seq_len ({} x {}) is beyond the 2^31 tokens per micro-batch that the estimate counts", rc.source,
+               rc.micro_batch, rc.seq_len);
+  return resolved_bill(with_expert_inputs(rc, gathers_expert_inputs_again(rc, m, mesh, groups, device, device_bytes)), m, mesh, groups, device);
 }
 
 std::vector<ChunkCost> pipeline_stage_costs(const RunConfig& rc, const EstimatedModel& m, const MeshShape& mesh) {
@@ -542,7 +574,7 @@ LargestFit largest_fit(const RunConfig& rc, const EstimatedModel& m, const MeshS
     trial.seq_len = seq_len;
     // As many micro-batches per step as rc has (DualPipeV's order depends on their number).
     trial.global_batch = rc.global_batch / rc.micro_batch * micro_batch;
-    return double(estimate_memory(trial, m, mesh, shard_groups(mesh), device).total()) <= gpu_bytes;
+    return double(estimate_memory(trial, m, mesh, shard_groups(mesh), device, gpu_bytes).total()) <= gpu_bytes;
   };
   // Context parallelism cuts a sequence into 2 x cp chunks: the sequences tried are multiples of that.
   const int64_t unit = mesh.cp > 1 ? 2 * mesh.cp : 1;
@@ -584,6 +616,7 @@ std::vector<MemorySaving> memory_savings(const RunConfig& rc) {
   if (rc.master_weights == "fp32" && rc.bf16_weight_copy)
     out.push_back({"--train.master_weights=split", [](RunConfig& c) { c.master_weights = "split"; }});
   if (rc.pair_expert_grads) out.push_back({"--train.pair_expert_grads=false", [](RunConfig& c) { c.pair_expert_grads = false; }});
+  if (rc.expert_inputs != "gather") out.push_back({"--train.expert_inputs=gather", [](RunConfig& c) { c.expert_inputs = "gather"; }});
   if (rc.keep_gathered) out.push_back({"--parallel.keep_gathered=false", [](RunConfig& c) { c.keep_gathered = false; }});
   if (rc.keep_whole_grads) out.push_back({"--parallel.keep_whole_grads=false", [](RunConfig& c) { c.keep_whole_grads = false; }});
   return out;

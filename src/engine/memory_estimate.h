@@ -84,8 +84,20 @@ struct ShardGroups {
 };
 ShardGroups shard_groups(const MeshShape& mesh);
 
+// train.expert_inputs = "auto" keeps x_perm while the estimated total with it kept stays within this
+// share of the device's memory (the rest: the allocator's slack, other processes' contexts).
+constexpr double kKeptExpertInputsShare = 0.9;
+
+// Whether the trainer drops x_perm after each layer's experts forward and gathers it again for the
+// backward (train.expert_inputs: "gather"; "auto" when keeping it would pass kKeptExpertInputsShare of
+// device_bytes; never with expert parallelism, where x_perm is what arrived). device_bytes 0: the
+// device's memory is not known, and "auto" keeps.
+bool gathers_expert_inputs_again(const RunConfig& rc, const EstimatedModel& model, const MeshShape& mesh, ShardGroups groups, Device device,
+                                 double device_bytes);
 // groups {1, 1} is the trainer before FSDP: every process holds whole copies of its tensors.
-MemoryBill estimate_memory(const RunConfig& rc, const EstimatedModel& model, const MeshShape& mesh, ShardGroups groups, Device device);
+// device_bytes: the device's memory, which train.expert_inputs = "auto" decides against (0: keep).
+MemoryBill estimate_memory(const RunConfig& rc, const EstimatedModel& model, const MeshShape& mesh, ShardGroups groups, Device device,
+                           double device_bytes = 0);
 LargestFit largest_fit(const RunConfig& rc, const EstimatedModel& model, const MeshShape& mesh, Device device, double gpu_bytes);
 // DualPipeV's cost of each stage (index stage + 1) per token, in time at rates measured on the
 // H200, and the chunks parallel.pp_layers asks for under those costs (the trainer's and the
@@ -106,8 +118,8 @@ struct MemorySaving {
   std::function<void(RunConfig&)> apply;
 };
 // Those rc has on the side that holds memory: AdamW moments in bf16 (where beta2 allows it), no
-// persistent bf16 weight copy, no paired expert weight gradients, FSDP's gathered weights and whole
-// gradients freed after use.
+// persistent bf16 weight copy, no paired expert weight gradients, the experts' inputs gathered again
+// for the backward, FSDP's gathered weights and whole gradients freed after use.
 std::vector<MemorySaving> memory_savings(const RunConfig& rc);
 // An option: a saving's setting (or "all of the above together") and the bill's total with it.
 struct MemoryOption {
@@ -134,9 +146,18 @@ auto with_estimated_model(const RunConfig& rc, const typename M::Config& config,
 
 // The bill of one process of a job of `world` processes training M under rc.
 template <MoeModel M>
-MemoryBill estimate_memory(const RunConfig& rc, const typename M::Config& config, int64_t world, Device device) {
-  return with_estimated_model<M>(rc, config, world, device,
-                                 [&](const EstimatedModel& m, const MeshShape& mesh) { return estimate_memory(rc, m, mesh, shard_groups(mesh), device); });
+MemoryBill estimate_memory(const RunConfig& rc, const typename M::Config& config, int64_t world, Device device, double device_bytes = 0) {
+  return with_estimated_model<M>(rc, config, world, device, [&](const EstimatedModel& m, const MeshShape& mesh) {
+    return estimate_memory(rc, m, mesh, shard_groups(mesh), device, device_bytes);
+  });
+}
+
+// train.expert_inputs resolved for M under rc (gathers_expert_inputs_again).
+template <MoeModel M>
+bool gathers_expert_inputs_again(const RunConfig& rc, const typename M::Config& config, int64_t world, Device device, double device_bytes) {
+  return with_estimated_model<M>(rc, config, world, device, [&](const EstimatedModel& m, const MeshShape& mesh) {
+    return gathers_expert_inputs_again(rc, m, mesh, shard_groups(mesh), device, device_bytes);
+  });
 }
 
 // The trainer's DualPipeV chunks for M under rc on `world` processes.
@@ -149,19 +170,20 @@ std::vector<PipelineChunk> pipeline_layout(const RunConfig& rc, const typename M
 // The savings that shrink rc's bill, each alone (the others as rc has them), then all of those
 // together when there are several.
 template <MoeModel M>
-std::vector<MemoryOption> memory_options(const RunConfig& rc, const typename M::Config& config, int64_t world, Device device) {
-  const int64_t now = estimate_memory<M>(rc, config, world, device).total();
+std::vector<MemoryOption> memory_options(const RunConfig& rc, const typename M::Config& config, int64_t world, Device device,
+                                         double device_bytes = 0) {
+  const int64_t now = estimate_memory<M>(rc, config, world, device, device_bytes).total();
   std::vector<MemoryOption> options;
   RunConfig all = rc;
   for (const MemorySaving& saving : memory_savings(rc)) {
     RunConfig one = rc;
     saving.apply(one);
-    const int64_t total = estimate_memory<M>(one, config, world, device).total();
+    const int64_t total = estimate_memory<M>(one, config, world, device, device_bytes).total();
     if (total >= now) continue;
     saving.apply(all);
     options.push_back({saving.setting, total});
   }
-  if (options.size() > 1) options.push_back({"all of the above together", estimate_memory<M>(all, config, world, device).total()});
+  if (options.size() > 1) options.push_back({"all of the above together", estimate_memory<M>(all, config, world, device, device_bytes).total()});
   return options;
 }
 

@@ -56,19 +56,6 @@ concept MoeModel = requires(const M& m, typename M::AttentionActivations& a, typ
   m.epilog_backward(t, w, scale, p, batch, w, flag);  // flag: write the first_backward_writes gradients
 };
 
-// With one expert-parallel rank, a micro-batch of at least this many tokens drops x_perm after the
-// experts forward and gathers it again from h2 for the backward (MoeModel's experts_drop_input and
-// experts_restore_input): T x K x H activations less per layer (4.3 GiB over the bench model's 8
-// layers at 16,384 tokens) for one more gather; below it the saving is small (1 GiB at 4,096) and
-// the gathers cost about 1% of the step. Tests lower it to reach the path with tiny models.
-inline int64_t& expert_rows_gathered_again_from() {
-  static int64_t tokens = 8192;
-  return tokens;
-}
-inline bool gathers_expert_rows_again(int64_t tokens, bool expert_parallel) {
-  return !expert_parallel && tokens >= expert_rows_gathered_again_from();
-}
-
 // Whether the trainer pairs consecutive micro-batches' expert weight gradients (engine/step.h's
 // BackwardPass earlier, engine/trainer.h's run_micro_batches): the fp32 expert gradients, read and
 // written once per micro-batch otherwise, are the traffic that bounds their kernel; a pair reads

@@ -27,6 +27,7 @@ template <MoeModel M> class PipelineStep {
     std::vector<PipelineChunk> chunks;  // all 2 x pp
     const PipelineLinks* links = nullptr;
     StageTimer* timer = nullptr;
+    bool gathers_expert_inputs = false;  // MicroBatch::gathers_expert_inputs of every micro-batch
   };
   using Batches = std::function<typename M::Batch(int64_t micro)>;
   using Groups = std::function<StepGroups(int64_t micro)>;
@@ -121,6 +122,7 @@ template <MoeModel M> class PipelineStep {
   // training: the epilog may run its backward in the forward (MicroBatch::epilog_gradients).
   ForwardPass<M> forward_pass(int phase, int64_t micro, bool training) {
     if (training) mb(phase, micro).epilog_gradients = {&s_.g, backward_.loss_scale, micro == 0};
+    mb(phase, micro).gathers_expert_inputs = s_.gathers_expert_inputs;
     return ForwardPass<M>(mb(phase, micro), s_.model, s_.w, batch(micro), chunk(phase), forward_input(phase, micro), groups_(micro),
                           s_.timer);
   }

@@ -186,6 +186,7 @@ void add_run_config_options(CLI::App& app, RunConfig& rc, std::string& profile_s
   app.add_option("--train.master_weights", rc.master_weights)->check(CLI::IsMember({"split", "fp32"}));
   app.add_option("--train.bf16_weight_copy", rc.bf16_weight_copy);
   app.add_option("--train.pair_expert_grads", rc.pair_expert_grads);
+  app.add_option("--train.expert_inputs", rc.expert_inputs)->check(CLI::IsMember({"auto", "keep", "gather"}));
   app.add_option("--train.fp8", rc.fp8);
   app.add_option("--optimizer.lr", rc.lr)->check(kPositive);
   app.add_option("--optimizer.min_lr", rc.min_lr)->check(kNonNegative);

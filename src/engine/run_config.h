@@ -41,6 +41,12 @@ struct RunConfig {
   // Micro-batches 2i and 2i + 1 compute their expert weight gradients in one pass over the fp32
   // gradients (engine/model.h: pairs_expert_weight_gradients); false saves the memory the pair holds.
   bool pair_expert_grads = true;
+  // The experts' dispatched inputs x_perm ([tokens x top_k, hidden], one per layer) from the forward to
+  // the backward: "keep" them, "gather" them again from the normed hidden states for the backward
+  // (T x K x H activations less per layer for one more gather; with expert parallelism x_perm is what
+  // arrived and is always kept), or "auto": keep them unless the estimated total with them kept
+  // would pass 90% of the GPU's memory (engine/memory_estimate.h: gathers_expert_inputs_again).
+  std::string expert_inputs = "auto";
   // The expert layers' forward and backward-input GEMMs in FP8 (E4M3 with DeepSeek-V3's block scales,
   // ops/grouped_linear_fp8.h); their weight gradients and every other GEMM stay bf16.
   bool fp8 = false;

@@ -49,6 +49,9 @@ template <MoeModel M> struct MicroBatch {
     double loss_scale = 1;
     bool overwrite = false;  // the step's first micro-batch: BackwardPass::Options::first_of_step
   } epilog_gradients;
+  // With one expert-parallel rank: x_perm is dropped after each layer's experts forward and gathered
+  // again from h2 for its backward (the trainer's train.expert_inputs, resolved).
+  bool gathers_expert_inputs = false;
   // Expert weight gradients a deferring backward left for weights_backward(), layers top down.
   // With one expert-parallel rank the layer keeps its output gradient dout [T, H] and copy_row
   // instead of dy_perm [T x K, H], and gathers dy_perm again when the weights run (dy_perm()).
@@ -156,7 +159,7 @@ template <MoeModel M> class ForwardPass {
         s.y_perm = m_.buffer({x_perm_.view().size(0), H});
         StageScope scope(timer_, Stage::experts);
         m_.experts_forward(s.y_perm, s.experts, std::move(x_perm_), offsets, lw);
-        if (gathers_expert_rows_again(batch_.batch * batch_.seq, groups_.experts != nullptr)) m_.experts_drop_input(s.experts);
+        if (mb_.gathers_expert_inputs && !groups_.experts) m_.experts_drop_input(s.experts);
         break;
       }
       case 3: {
@@ -322,8 +325,7 @@ template <MoeModel M> class BackwardPass {
     }
     dx_perm_ = m_.buffer({dy_perm_.view().size(0), m_.hidden_size()});
     StageScope scope(timer_, Stage::experts);
-    if (gathers_expert_rows_again(batch_.batch * batch_.seq, groups_.experts != nullptr))
-      m_.experts_restore_input(s.experts, gather_expert_rows<M>(s, m_));
+    if (mb_.gathers_expert_inputs && !groups_.experts) m_.experts_restore_input(s.experts, gather_expert_rows<M>(s, m_));
     const auto& lw = w_.layers[size_t(stage_)];
     const auto& grads = g_.layers[size_t(stage_)];
     const Tensor squares = layer_record(options_.expert_squares, stage_), known_zero = layer_record(options_.expert_known_zero, stage_);

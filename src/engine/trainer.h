@@ -195,6 +195,11 @@ inline std::vector<int64_t> held_stages(const std::vector<PipelineChunk>& chunks
   return held_stage_chunks(chunks, num_layers, mesh.pp_rank);
 }
 
+// This process's GPU memory in bytes; 0 on the CPU (no limit the estimate decides against).
+inline double device_memory(Device device) {
+  return device == Device::cuda ? double(device_memory_bytes(Device::cuda, process::local_rank())) : 0;
+}
+
 // Everything a run holds: the mesh, the model's share on this process, its sharded state
 // (initialised) and the model's views of it.
 template <MoeModel M> struct TrainSetup {
@@ -206,6 +211,9 @@ template <MoeModel M> struct TrainSetup {
   M model;
   size_t model_tensors;  // canonical tensors of the whole model (every rank's together)
   std::vector<PipelineChunk> chunks;      // with DualPipeV: the 2 x pp chunks (parallel/dualpipev.h)
+  // train.expert_inputs resolved against this device's memory: each micro-batch drops x_perm after a
+  // layer's experts forward and gathers it again for the backward (MicroBatch::gathers_expert_inputs).
+  bool gathers_expert_inputs;
   std::optional<PipelineLinks> links;     // with parallel.pp > 1
   ShardedParameters state;
   typename M::Weights w, g;
@@ -235,6 +243,7 @@ template <MoeModel M> struct TrainSetup {
         model(config, dtype, device, expert_shard(mesh, config.num_experts)),
         model_tensors(M(config, dtype, device).specs().size()),
         chunks(rc.uses_dualpipev() ? pipeline_layout<M>(rc, config, mesh.world.size(), device) : std::vector<PipelineChunk>{}),
+        gathers_expert_inputs(gathers_expert_inputs_again<M>(rc, config, mesh.world.size(), device, device_memory(device))),
         state(model.specs(), model.num_layers(), held_stages(chunks, config.num_layers, mesh), mesh, rc.keep_gathered || rc.uses_dualpipev(),
               rc.keep_whole_grads || rc.uses_dualpipev(), !rc.bf16_weight_copy, device, dtype, moments_dtype(rc),
               rc.master_weights == "split") {
@@ -287,11 +296,11 @@ template <MoeModel M> bool pairs_micro_batches(const TrainSetup<M>& s, const Run
 // A GPU run whose estimated bill exceeds the GPU's memory would end in an allocation failure partway
 // into its first step: say so at the start, with the settings that would fit.
 template <MoeModel M> void warn_if_over_memory(const TrainSetup<M>& s, const RunConfig& rc, const MemoryBill& bill) {
-  const double gpu_bytes = s.device == Device::cuda ? double(device_memory_bytes(Device::cuda, process::local_rank())) : 0;
+  const double gpu_bytes = device_memory(s.device);
   if (gpu_bytes == 0 || double(bill.total()) <= gpu_bytes) return;
   std::printf("warning: the estimated total %.2f GiB is more than this GPU's %.2f GiB, so the run will likely run out of memory\n%s",
               bill.total() / 1073741824.0, gpu_bytes / 1073741824.0,
-              format_memory_options(memory_options<M>(rc, s.model.config(), s.mesh.world.size(), s.device), gpu_bytes).c_str());
+              format_memory_options(memory_options<M>(rc, s.model.config(), s.mesh.world.size(), s.device, gpu_bytes), gpu_bytes).c_str());
 }
 
 template <MoeModel M> void print_setup(const TrainSetup<M>& s, const RunConfig& rc, const TokenDataset& data) {
@@ -307,7 +316,7 @@ template <MoeModel M> void print_setup(const TrainSetup<M>& s, const RunConfig& 
                 s.state.params().all().numel() / 1e6);
   std::printf("memory%s: %s\n", s.mesh.world.size() > 1 ? " per process" : "", memory_bill(s.arenas()).c_str());
   // The estimate (marrow estimate) next to what the run measures, so the two can be compared.
-  const MemoryBill bill = estimate_memory<M>(rc, m.config(), s.mesh.world.size(), s.device);
+  const MemoryBill bill = estimate_memory<M>(rc, m.config(), s.mesh.world.size(), s.device, device_memory(s.device));
   std::printf("estimated peak%s: %.2f GiB (arenas %.2f GiB + activations at %s %.2f GiB)\n", s.mesh.world.size() > 1 ? " per process" : "",
               bill.trainer_peak() / 1073741824.0, (bill.bytes(BillGroup::state) + bill.bytes(BillGroup::weights)) / 1073741824.0,
               bill.activation_peak_at.c_str(), bill.bytes(BillGroup::activations) / 1073741824.0);
@@ -361,6 +370,7 @@ std::pair<double, double> run_micro_batches(TrainSetup<M>& s, const RunConfig& r
     const typename M::Batch batch = make_batch<M>(tokens, B, s.share, s.device);
     MicroBatch<M> mb;
     mb.epilog_gradients = {&s.g, loss_scale, micro == 0};
+    mb.gathers_expert_inputs = s.gathers_expert_inputs;
     const StepGroups groups = s.groups(micro, micro_batches, rc.overlap_grad_reduce);
     forward(mb, s.model, s.w, batch, groups, timer);
     token_loss.add(std::move(mb.token_loss));
@@ -392,7 +402,8 @@ std::pair<double, double> run_pipeline(TrainSetup<M>& s, const RunConfig& rc, co
     return make_batch<M>(tokens, B, s.share, s.device);
   };
   auto groups = [&](int64_t micro) { return s.groups(micro, n, false); };
-  PipelineStep<M> pipeline({s.model, s.w, s.g, s.mesh.shape.pp, s.mesh.pp_rank, s.chunks, s.links ? &*s.links : nullptr, timer}, n,
+  PipelineStep<M> pipeline({s.model, s.w, s.g, s.mesh.shape.pp, s.mesh.pp_rank, s.chunks, s.links ? &*s.links : nullptr, timer,
+                            s.gathers_expert_inputs}, n,
                            batches, groups,
                            {loss_scale, aux_grad, false, false, s.expert_squares_views, s.expert_known_zero_views, s.prolog_known_zero_view},
                            [&](int64_t micro) { return s.state.first_writes_fresh(micro); });
@@ -435,7 +446,8 @@ template <MoeModel M> double evaluation_loss(TrainSetup<M>& s, const RunConfig& 
     return make_batch<M>(tokens, B, s.share, s.device);
   };
   const int64_t n = (samples + micro - 1) / micro;
-  PipelineStep<M> pipeline({s.model, s.w, s.g, s.mesh.shape.pp, s.mesh.pp_rank, s.chunks, s.links ? &*s.links : nullptr, nullptr}, n,
+  PipelineStep<M> pipeline({s.model, s.w, s.g, s.mesh.shape.pp, s.mesh.pp_rank, s.chunks, s.links ? &*s.links : nullptr, nullptr,
+                            s.gathers_expert_inputs}, n,
                            batches, [&](int64_t) { return groups; }, {}, [](int64_t) { return false; });
   const double loss_sum = pipeline.run(forward_only_order(n), true).first;
   const double pipeline_sum = s.mesh.pipeline.sum(loss_sum, "validation loss over the pipeline (sum)");

@@ -73,17 +73,26 @@ def bench_bill(marrow, bench):
 
 def long_sequences(marrow, bench):
     # Long sequences, one per step, against the peaks measured on an H200 (docs/performance.md, 346c008:
-    # h1, q_rope and k_rope computed again in the backward); without the bf16 weight copy the decoder
-    # layers' 10.4 GiB of bf16 weights become 2.3 GiB of slots.
+    # h1, q_rope and k_rope computed again in the backward, x_perm gathered again); without the bf16 weight
+    # copy the decoder layers' 10.4 GiB of bf16 weights become 2.3 GiB of slots.
     one_sequence = ["--train.global_batch=1", "--train.micro_batch=1"]
     for seq, copy, measured in [(16384, "true", 105.75), (16384, "false", 98.78), (32768, "true", 113.07)]:
         code, stdout, stderr = estimate(marrow, [bench, f"--train.seq_len={seq}", "--train.master_weights=fp32",
-                                                 f"--train.bf16_weight_copy={copy}"] + one_sequence)
+                                                 f"--train.bf16_weight_copy={copy}", "--train.expert_inputs=gather"] + one_sequence)
         peak = gib(stdout, "trainer's peak figure (arenas + activations)")
         check(code == 0 and peak is not None and abs(peak - measured) / measured < 0.05,
               f"one sequence of {seq}, bf16_weight_copy={copy}: {peak} GiB against the measured {measured}")
         kept = gib(stdout, "  bf16 weights of units kept whole")
         check(kept is not None and (kept > 10 if copy == "true" else kept < 2), f"bf16 weights kept whole with copy={copy}: {kept} GiB")
+    # train.expert_inputs = auto keeps x_perm (4 GiB over the 8 layers at 16,384) while the total with it
+    # stays within 90% of the GPU's memory, and gathers it again for the backward beyond.
+    sixteen = [bench, "--train.seq_len=16384"] + one_sequence
+    _, roomy, _ = estimate(marrow, sixteen)
+    _, tight, _ = estimate(marrow, sixteen + ["--gpu-memory=105"])
+    kept_total, again_total = gib(roomy, "total"), gib(tight, "total")
+    check("x_perm among them" in roomy and "x_perm gathered again" in tight and kept_total is not None and again_total is not None
+          and abs(kept_total - again_total - 4.0) < 0.01 and kept_total > 0.9 * 105,
+          f"x_perm kept at 16,384 on 139.8 GiB ({kept_total} GiB), gathered again on 105 GiB ({again_total} GiB)")
 
 
 def full_node_layouts(marrow, bench):
@@ -154,7 +163,7 @@ def too_large(marrow, bench):
     code, stdout, stderr = estimate(marrow, long_one + ["--gpu-memory=100"])
     print(stdout, stderr)
     m = re.search(r"^  --optimizer.moments=bf16\s+([\d.]+) GiB  fits$", stdout, re.M)
-    _, bf16_stdout, _ = estimate(marrow, long_one + ["--optimizer.moments=bf16"])
+    _, bf16_stdout, _ = estimate(marrow, long_one + ["--optimizer.moments=bf16", "--gpu-memory=100"])
     check(m is not None and float(m.group(1)) == gib(bf16_stdout, "total"),
           f"over 100 GiB at 32768: bf16 moments would fit, at the total of their own estimate ({m.group(1) if m else None})")
     check(re.search(r"^  --train.master_weights=split\s+[\d.]+ GiB  [\d.]+ GiB over$", stdout, re.M) is not None
