@@ -61,6 +61,10 @@ TEST(Linear, BackwardWeightAccumulatesAndBackwardInputOverwrites) {
   linear_backward_input(dx1, dy, w);
   linear_backward_input(dx2, dy, w);
   for (int64_t i = 0; i < dx1.numel(); ++i) EXPECT_EQ(element(dx1, i), element(dx2, i)) << i;
+  // accumulate = true adds the product to what dx holds.
+  Buffer dx3 = random_buffer(DType::f64, {3, 4}, 6), start = random_buffer(DType::f64, {3, 4}, 6);
+  linear_backward_input(dx3, dy, w, true);
+  for (int64_t i = 0; i < dx3.numel(); ++i) EXPECT_NEAR(element(dx3, i), element(start, i) + element(dx1, i), 1e-12) << i;
 }
 
 // Sizes that span several cache blocks (in f64 a block of rows of 2000 elements is 8 rows) and an

@@ -86,6 +86,8 @@ void check_linear_small(CheckReport& report, int64_t n, int64_t in, int64_t out,
   Buffer dx = poisoned(DType::bf16, {n, in});
   linear_backward_input(dx, dyt, wt);
   report.compare("linear bwd_input " + shape, dx, dx_ref, kBf16Bound);
+  linear_backward_input(dx, dyt, wt, true);  // beta = 1: added to the first call's bf16 result
+  report.compare("linear bwd_input x2 (accumulates) " + shape, dx, scaled(dx_ref, 2), kBf16Bound);
   Buffer dw = Buffer::zeros(DType::f32, Device::cuda, {out, in});
   linear_backward_weight(dw, dyt, xt);
   report.compare("linear bwd_weight " + shape, dw, dw_ref, kF32Bound);

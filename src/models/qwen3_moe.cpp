@@ -4,7 +4,6 @@
 
 #include "core/weights_generation.h"
 #include "ops/init.h"
-#include "ops/add.h"
 #include "ops/attention.h"
 #include "ops/attention_cudnn.h"
 #include "ops/attention_hopper.h"
@@ -295,13 +294,11 @@ void Qwen3Moe::attention_backward(Tensor dx, const Qwen3MoeLayerWeights& grads, 
   expect_shape("Qwen3Moe::attention_backward", "dx_mid", dx_mid, {T, H});
   expect_shape("Qwen3Moe::attention_backward", "dh2", dh2, {T, H});
 
-  // Router: its input h2 also feeds the experts, so its gradient joins dh2.
+  // Router: its input h2 also feeds the experts, so its gradient joins dh2 (added by the GEMM).
   Buffer dlogits = buffer({T, E});
   router_backward(dlogits, dtopk_weight, a.probs, a.topk_index, a.topk_weight, c.norm_topk_prob, aux_grad, a.routing_stats);
   linear_backward_weight(grads.router, dlogits, a.h2);
-  Buffer dh2_router = buffer({T, H});
-  linear_backward_input(dh2_router, dlogits, w.router);
-  add(dh2, dh2, dh2_router);
+  linear_backward_input(dh2, dlogits, w.router, true);
 
   // Post-attention norm; the residual carries dx_mid straight through.
   Buffer dres = buffer({T, H});
@@ -332,12 +329,10 @@ void Qwen3Moe::attention_backward(Tensor dx, const Qwen3MoeLayerWeights& grads, 
     linear_backward_weight(grads.k_proj, dk, h1);
     linear_backward_weight(grads.v_proj, dv, h1);
   }
-  Buffer dh1 = buffer({T, H}), dh1_part = buffer({T, H});
+  Buffer dh1 = buffer({T, H});  // the three projections' input gradients summed by their GEMMs
   linear_backward_input(dh1, dq, w.q_proj);
-  linear_backward_input(dh1_part, dk, w.k_proj);
-  add(dh1, dh1, dh1_part);
-  linear_backward_input(dh1_part, dv, w.v_proj);
-  add(dh1, dh1, dh1_part);
+  linear_backward_input(dh1, dk, w.k_proj, true);
+  linear_backward_input(dh1, dv, w.v_proj, true);
   rmsnorm_backward(dx, grads.input_norm, dh1, a.x, w.input_norm, a.rstd1, dres);
   a = Qwen3MoeAttentionActivations{};
 }
@@ -589,11 +584,11 @@ ModelActivationBytes Qwen3Moe::activation_bytes(int64_t batch, int64_t seq, int6
                      T * K * i32;
   // h1, then q_rope and k_rope, then the router logits: one at a time.
   m.attention.forward_scratch = std::max({T * H * a, T * (q + kv) * a, T * E * s});
-  // Alive through the attention op: dlogits, dh2_router, dres, dattn, dq_rope, dk_rope, dv, and
-  // q_rope, k_rope computed again; after it, dq, dk, dh1, dh1_part and h1 computed again.
-  const int64_t before_op = T * (E + 2 * H + 2 * q + 2 * kv) * a;
+  // Alive through the attention op: dlogits, dres, dattn, dq_rope, dk_rope, dv, and q_rope, k_rope
+  // computed again; after it, dq, dk, dh1 and h1 computed again.
+  const int64_t before_op = T * (E + H + 2 * q + 2 * kv) * a;
   const int64_t op = gpu ? attention_backward_op_scratch(batch, seq, c.num_heads, c.num_kv_heads, D) : 0;
-  m.attention.backward_scratch = before_op + std::max(T * (q + kv) * a + op, T * (q + kv + 3 * H) * a);
+  m.attention.backward_scratch = before_op + std::max(T * (q + kv) * a + op, T * (q + kv + 2 * H) * a);
 
   m.experts.kept = R * 2 * I * a;              // gate_up (x_perm is the engine's: EngineBytes)
   m.experts.forward_scratch = R * I * a;       // act

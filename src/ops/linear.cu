@@ -39,8 +39,8 @@ void forward_cpu(T* y, const T* x, const T* w, int64_t n, int64_t in, int64_t ou
 
 // dx[r, :] = sum_o dy[r, o] W[o, :] as contiguous row updates, with a block of weight rows in cache.
 template <typename T>
-void backward_input_cpu(T* dx, const T* dy, const T* w, int64_t n, int64_t in, int64_t out) {
-  std::fill(dx, dx + n * in, T(0));
+void backward_input_cpu(T* dx, const T* dy, const T* w, int64_t n, int64_t in, int64_t out, bool accumulate) {
+  if (!accumulate) std::fill(dx, dx + n * in, T(0));
   const int64_t block = block_rows<T>(in);
   for (int64_t o0 = 0; o0 < out; o0 += block) {
     const int64_t o1 = std::min(out, o0 + block);
@@ -176,12 +176,13 @@ void forward_gpu(const char* op, Tensor y, Tensor x, Tensor w, Stream stream) {
             stream);
 }
 
-void backward_input_gpu(const char* op, Tensor dx, Tensor dy, Tensor w, Stream stream) {
+void backward_input_gpu(const char* op, Tensor dx, Tensor dy, Tensor w, bool accumulate, Stream stream) {
   expect_dtype(op, "dy", dy, DType::bf16);
   expect_dtype(op, "dx", dx, DType::bf16);
   expect_dtype(op, "weight", w, DType::bf16);
   const int64_t n = dy.size(0), out = w.size(0), in = w.size(1);
-  lt_matmul(op, {CUBLAS_OP_N, CUBLAS_OP_N, in, n, out, w.data, in, dy.data, out, dx.data, in, CUDA_R_16BF, 0.0f}, stream);
+  lt_matmul(op, {CUBLAS_OP_N, CUBLAS_OP_N, in, n, out, w.data, in, dy.data, out, dx.data, in, CUDA_R_16BF, accumulate ? 1.0f : 0.0f},
+            stream);
 }
 
 void backward_weight_gpu(const char* op, Tensor dw, Tensor dy, Tensor x, bool overwrite, Stream stream) {
@@ -217,7 +218,7 @@ void linear_forward(Tensor y, Tensor x, Tensor weight, Stream stream) {
 #endif
 }
 
-void linear_backward_input(Tensor dx, Tensor dy, Tensor weight, Stream stream) {
+void linear_backward_input(Tensor dx, Tensor dy, Tensor weight, bool accumulate, Stream stream) {
   const char* op = "linear_backward_input";
   expect_matrix(op, "dy", dy, "[rows, out]");
   expect_matrix(op, "weight", weight, "[out, in]");
@@ -228,11 +229,11 @@ void linear_backward_input(Tensor dx, Tensor dy, Tensor weight, Stream stream) {
     expect_same_dtype(op, {{"dy", &dy}, {"dx", &dx}, {"weight", &weight}});
     return with_cpu_scalar(op, dy, [&](auto s) {
       using T = decltype(s);
-      backward_input_cpu<T>(dx.ptr<T>(), dy.ptr<T>(), weight.ptr<T>(), n, in, out);
+      backward_input_cpu<T>(dx.ptr<T>(), dy.ptr<T>(), weight.ptr<T>(), n, in, out, accumulate);
     });
   }
 #ifdef __CUDACC__
-  backward_input_gpu(op, dx, dy, weight, stream);
+  backward_input_gpu(op, dx, dy, weight, accumulate, stream);
 #else
   (void)stream;
   no_cuda_kernel(op);

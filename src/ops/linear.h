@@ -12,8 +12,9 @@ namespace marrow {
 // y[N, O] from x[N, I] and weight[O, I]. y may not alias x or weight.
 void linear_forward(Tensor y, Tensor x, Tensor weight, Stream stream = {});
 
-// dx[N, I] = dy[N, O] W, overwritten. dx may not alias dy or weight.
-void linear_backward_input(Tensor dx, Tensor dy, Tensor weight, Stream stream = {});
+// dx[N, I] = dy[N, O] W, overwritten; accumulate = true adds it to dx (on the GPU the GEMM's beta = 1:
+// dx's old bf16 values join the f32 sum, rounded once). dx may not alias dy or weight.
+void linear_backward_input(Tensor dx, Tensor dy, Tensor weight, bool accumulate = false, Stream stream = {});
 
 // dweight[O, I] += dy[N, O]^T x[N, I], accumulated as every weight gradient in Marrow is;
 // overwrite = true writes it instead (dweight's old values unread: the GEMM's beta = 0), the bits of
