@@ -321,6 +321,11 @@ template <MoeModel M> void print_setup(const TrainSetup<M>& s, const RunConfig& 
               bill.trainer_peak() / 1073741824.0, (bill.bytes(BillGroup::state) + bill.bytes(BillGroup::weights)) / 1073741824.0,
               bill.activation_peak_at.c_str(), bill.bytes(BillGroup::activations) / 1073741824.0);
   warn_if_over_memory<M>(s, rc, bill);
+  if (s.gathers_expert_inputs)
+    std::printf("experts' inputs (x_perm): gathered again for each layer's backward (%s)\n",
+                rc.expert_inputs == "auto" ? fmt::format("train.expert_inputs = auto: keeping them would pass {:.0f}% of this GPU's memory",
+                                                         100 * kKeptExpertInputsShare).c_str()
+                                           : "train.expert_inputs = gather");
   if (!s.chunks.empty())
     std::printf("DualPipeV: %lld pipeline ranks, decoder layers per chunk %s (parallel.pp_layers = %s)\n", (long long)s.mesh.shape.pp,
                 fmt::format("{}", fmt::join(chunk_layer_counts(s.chunks, m.num_layers()), " ")).c_str(), rc.pp_layers.c_str());

@@ -2,6 +2,7 @@
 
 - The tiny MoE's loss falls steadily over 200 steps of real text, with gradient accumulation.
 - Two runs with the same seed print identical losses.
+- x_perm kept for the backward or gathered again (train.expert_inputs): the same losses bit for bit.
 - train.fp8 (the expert GEMMs in FP8) trains, deterministically, close to full precision.
 - Each bad input stops the run with one clear sentence and a non-zero exit code.
 - Non-finite steps are skipped with a warning, and several in a row stop the run naming the step.
@@ -138,6 +139,20 @@ def non_finite_steps(marrow, base, repo, tmp):
           "non-finite steps are skipped, then the run stops naming the step")
 
 
+def expert_inputs(marrow, base, repo, tmp):
+    # train.expert_inputs: x_perm gathered again for the backward gives the losses of keeping it, bit for
+    # bit, and the start-up line says it is gathered (the CPU knows no memory limit: auto keeps).
+    runs, said = [], []
+    for inputs in ("auto", "keep", "gather"):
+        out = os.path.join(tmp, f"inputs-{inputs}")
+        code, stdout, _ = run(marrow, base + ["--train.steps=6", "--schedule.warmup_steps=2", f"--train.expert_inputs={inputs}",
+                                                   f"--output.dir={out}"], repo)
+        runs.append(losses(out) if code == 0 else None)
+        said.append("experts' inputs (x_perm): gathered again for each layer's backward (train.expert_inputs = gather)" in stdout)
+    check(said == [False, False, True], f"the start-up line says when x_perm is gathered again (auto, keep, gather: {said})")
+    check(runs[0] is not None and runs[0] == runs[1] == runs[2], "train.expert_inputs=keep and =gather give the default's losses bit for bit")
+
+
 def bad_inputs(marrow, base, repo, tmp):
     # Bad inputs: one sentence each, non-zero exit.
     model = json.load(open("configs/tiny-moe.json"))
@@ -160,6 +175,7 @@ def bad_inputs(marrow, base, repo, tmp):
     cases.append((base + ["--train.global_batch=8", "--train.micro_batch=3"],
                   "train.micro_batch (3) does not divide train.global_batch (8)"))
     cases.append((base + ["--train.seq_len=-5"], "--train.seq_len: must be a positive integer, got -5"))
+    cases.append((base + ["--train.expert_inputs=drop"], "--train.expert_inputs"))
     cases.append((base + ["--data.path=/nonexistent/corpus"], "/nonexistent/corpus"))
     cases.append((base + ["--train.steps=100000000"], "but the run needs"))
     cases.append((base + ["--eval.every=5", "--eval.samples=100000"], "validation samples of 65 tokens but eval.samples is 100000"))
@@ -191,8 +207,8 @@ def main():
     base = ["configs/tiny-moe.toml", f"--data.path={corpus}", "--output.log_every=50", "--eval.every=0"]
 
     with tempfile.TemporaryDirectory() as tmp:
-        for part in (loss_falls, same_seed_same_losses, paired_expert_gradients, fp8_experts, validation_loss, non_finite_steps, bad_inputs,
-                     output_dir_below_a_file):
+        for part in (loss_falls, same_seed_same_losses, paired_expert_gradients, expert_inputs, fp8_experts, validation_loss, non_finite_steps,
+                     bad_inputs, output_dir_below_a_file):
             part(args.marrow, base, repo, tmp)
 
     print("PASS" if not FAILURES else "FAIL")
