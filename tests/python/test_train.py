@@ -151,6 +151,14 @@ def expert_inputs(marrow, base, repo, tmp):
         said.append("experts' inputs (x_perm): gathered again for each layer's backward (train.expert_inputs = gather)" in stdout)
     check(said == [False, False, True], f"the start-up line says when x_perm is gathered again (auto, keep, gather: {said})")
     check(runs[0] is not None and runs[0] == runs[1] == runs[2], "train.expert_inputs=keep and =gather give the default's losses bit for bit")
+    # The same through DualPipeV's order (parallel/dualpipev.h, one pipeline rank), whose micro-batches the pipeline sets up.
+    piped = []
+    for inputs in ("keep", "gather"):
+        out = os.path.join(tmp, f"inputs-dualpipev-{inputs}")
+        code, _, _ = run(marrow, base + ["--train.steps=4", "--schedule.warmup_steps=2", "--parallel.schedule=dualpipev",
+                                              f"--train.expert_inputs={inputs}", f"--output.dir={out}"], repo)
+        piped.append(losses(out) if code == 0 else None)
+    check(piped[0] is not None and piped[0] == piped[1], "under DualPipeV's order too, keep and gather give the same losses bit for bit")
 
 
 def bad_inputs(marrow, base, repo, tmp):
