@@ -1,7 +1,11 @@
 #include "ops/attention.h"
 #include "ops/attention_cudnn.h"
 
+#include <omp.h>
+
 #include <cmath>
+#include <memory>
+#include <string>
 
 #include "gradcheck.h"
 
@@ -30,6 +34,10 @@ struct Attn {
         dout(random_buffer(t, {n.b, n.s, n.hq, n.d}, 4)) {}
   void forward() { attention_forward(out, lse, q, k, v); }
   void backward() { attention_backward(dq, dk, dv, dout, q, k, v, out, lse); }
+  void forward(const AttentionVariant& variant) { attention_forward(out, lse, q, k, v, variant); }
+  void backward(const AttentionVariant& variant, Tensor dsinks) {
+    attention_backward(dq, dk, dv, dsinks, dout, q, k, v, out, lse, variant);
+  }
 };
 
 TEST(Attention, SingleTokenReturnsItsValue) {
@@ -378,6 +386,142 @@ TEST(AttentionBlock, RejectsBadBlocks) {
   EXPECT_EQ(message({AttentionMask::full, 0, 4, 2, 7}),
             "attention_block_forward: query rows [0, 4) and key rows [2, 7) do not fit 4 queries and 6 keys");
   EXPECT_EQ(message({AttentionMask::full, 1, 3, 2, 2}), "attention_block_forward: 2 queries see no key");
+}
+
+// GPT-OSS's variant: sinks [Hq] and a sliding window (ops/attention.h).
+
+Buffer constant(DType dtype, std::initializer_list<int64_t> dims, double value) {
+  Buffer b(dtype, Device::cpu, dims);
+  for (int64_t i = 0; i < b.numel(); ++i) testing::set_element(b, i, value);
+  return b;
+}
+
+// A window of at least S keys masks nothing: the plain op's bits. Sinks far below every score add
+// nothing to the denominators: the plain op's results, and no gradient for the sinks.
+TEST(AttentionVariant, NegligibleSinksAndAWholeWindowGiveThePlainOp) {
+  const Shape n{2, 9, 4, 2, 8};
+  for (const DType t : {DType::f32, DType::f64}) {
+    Attn plain(t, n);
+    plain.forward();
+    plain.backward();
+    auto expect_plain = [&](const Attn& r, double tolerance) {
+      for (auto [a, b] : {std::pair{&r.out, &plain.out}, std::pair{&r.lse, &plain.lse}, std::pair{&r.dq, &plain.dq},
+                          std::pair{&r.dk, &plain.dk}, std::pair{&r.dv, &plain.dv}})
+        for (int64_t i = 0; i < a->numel(); ++i) {
+          if (tolerance == 0) ASSERT_EQ(element(*a, i), element(*b, i)) << dtype_name(t) << " " << i;
+          else ASSERT_NEAR(element(*a, i), element(*b, i), tolerance * (1 + std::abs(element(*b, i)))) << i;
+        }
+    };
+    for (const int64_t window : {n.s, n.s + 5}) {
+      Attn windowed(t, n);
+      windowed.forward({Tensor{}, window});
+      windowed.backward({Tensor{}, window}, {});
+      expect_plain(windowed, 0);
+    }
+    Attn sunk(t, n);
+    const Buffer sinks = constant(t, {n.hq}, -1e30), dsinks = constant(t, {n.hq}, 0.25);
+    sunk.forward({sinks, 0});
+    sunk.backward({sinks, 0}, dsinks);
+    expect_plain(sunk, t == DType::f32 ? 1e-6 : 1e-14);
+    for (int64_t h = 0; h < n.hq; ++h) EXPECT_EQ(element(dsinks, h), 0.25) << h;
+  }
+}
+
+// S = 3, one head, D = 2, window 2 and a sink: each row's softmax written out over all three keys
+// plus the sink column, keys outside i - 2 < j <= i dropped (query 2 no longer sees key 0).
+TEST(AttentionVariant, SmallCaseMatchesTheDirectSoftmax) {
+  const Shape n{1, 3, 1, 1, 2};
+  const int64_t window = 2;
+  const double sink = 0.3;
+  Attn r(DType::f64, n);
+  const Buffer sinks = constant(DType::f64, {1}, sink);
+  r.forward({sinks, window});
+  for (int64_t i = 0; i < n.s; ++i) {
+    double denominator = std::exp(sink), numerator[2] = {0, 0};
+    for (int64_t j = 0; j < n.s; ++j) {
+      if (j > i || j <= i - window) continue;
+      const double score = element(r.q, i * 2) * element(r.k, j * 2) + element(r.q, i * 2 + 1) * element(r.k, j * 2 + 1);
+      const double w = std::exp(score / std::sqrt(2.0));
+      denominator += w;
+      for (int64_t e = 0; e < 2; ++e) numerator[e] += w * element(r.v, j * 2 + e);
+    }
+    EXPECT_NEAR(element(r.lse, i), std::log(denominator), 1e-14) << i;
+    for (int64_t e = 0; e < 2; ++e) EXPECT_NEAR(element(r.out, i * 2 + e), numerator[e] / denominator, 1e-14) << i;
+  }
+}
+
+// GQA groups of 2 and 4, several batch rows, S prime, windows of 3, 4 and 1 (each query sees only
+// itself and the sink); sinks of scale 2, so some outweigh every score of their rows.
+TEST(AttentionVariant, GradientsMatchFiniteDifferences) {
+  for (const auto& [n, window] : {std::pair{Shape{3, 7, 4, 2, 3}, int64_t(3)},
+                                  std::pair{Shape{2, 11, 8, 2, 5}, int64_t(4)},
+                                  std::pair{Shape{2, 5, 4, 2, 2}, int64_t(1)}}) {
+    Attn r(DType::f64, n);
+    const Buffer sinks = random_buffer(DType::f64, {n.hq}, 5, 2.0), dsinks = constant(DType::f64, {n.hq}, 0.5);
+    const AttentionVariant variant{sinks, window};
+    // Poison the input gradients: the backward must overwrite them (and add to dsinks).
+    for (Buffer* g : {&r.dq, &r.dk, &r.dv})
+      for (int64_t i = 0; i < g->numel(); ++i) g->ptr<double>()[i] = NAN;
+    auto loss = [&] {
+      r.forward(variant);
+      return testing::weighted_sum(r.out, r.dout);
+    };
+    loss();
+    r.backward(variant, dsinks);
+    for (int64_t h = 0; h < n.hq; ++h) dsinks.ptr<double>()[h] -= 0.5;
+    testing::expect_gradient("dq", r.q, r.dq, loss);
+    testing::expect_gradient("dk", r.k, r.dk, loss);
+    testing::expect_gradient("dv", r.v, r.dv, loss);
+    testing::expect_gradient("dsinks", sinks, dsinks, loss);
+  }
+}
+
+// Threads compute different batch rows of one sink's gradient; their shares add in batch order, so
+// the thread count changes no bit (sizes above kParallelWork, so the loops do split).
+TEST(AttentionVariant, ThreadCountDoesNotChangeTheBits) {
+  const Shape n{4, 64, 4, 2, 16};
+  const Buffer sinks = random_buffer(DType::f32, {n.hq}, 5);
+  auto run_with = [&](int threads) {
+    omp_set_num_threads(threads);
+    auto r = std::make_unique<Attn>(DType::f32, n);
+    Buffer dsinks = constant(DType::f32, {n.hq}, 0);
+    r->forward({sinks, 5});
+    r->backward({sinks, 5}, dsinks);
+    return std::pair{std::move(r), std::move(dsinks)};
+  };
+  const int saved = omp_get_max_threads();
+  auto [one, dsinks1] = run_with(1);
+  auto [three, dsinks3] = run_with(3);
+  omp_set_num_threads(saved);
+  for (auto [a, b] : {std::pair{&one->out, &three->out}, std::pair{&one->lse, &three->lse},
+                      std::pair{&one->dq, &three->dq}, std::pair{&one->dk, &three->dk},
+                      std::pair{&one->dv, &three->dv}, std::pair{&dsinks1, &dsinks3}})
+    for (int64_t i = 0; i < a->numel(); ++i) ASSERT_EQ(a->ptr<float>()[i], b->ptr<float>()[i]) << i;
+}
+
+TEST(AttentionVariant, RejectsBadVariants) {
+  Attn r(DType::f32, {1, 4, 4, 2, 8});
+  const Buffer sinks = constant(DType::f32, {4}, 0), short_sinks = constant(DType::f32, {2}, 0),
+               f64_sinks = constant(DType::f64, {4}, 0), dsinks = constant(DType::f32, {4}, 0);
+  auto message = [](auto call) {
+    try {
+      call();
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_EQ(message([&] { r.forward({short_sinks, 0}); }), "attention_forward: sinks has shape [2] but expected [4]");
+  EXPECT_EQ(message([&] { r.forward({f64_sinks, 0}); }), "attention_forward: sinks has dtype f64 but expected f32");
+  EXPECT_EQ(message([&] { r.forward({Tensor{}, -1}); }),
+            "attention_forward: the sliding window must be 0 (none) or positive, got -1");
+  EXPECT_EQ(message([&] { r.forward({sinks, 2}); }), "no error");
+  EXPECT_EQ(message([&] { r.backward({sinks, 2}, {}); }),
+            "attention_backward: variant.sinks is given but dsinks, its gradient, is empty");
+  EXPECT_EQ(message([&] { r.backward({Tensor{}, 2}, dsinks); }),
+            "attention_backward: dsinks is given but variant.sinks is empty");
+  EXPECT_EQ(message([&] { r.backward({sinks, 2}, short_sinks); }),
+            "attention_backward: dsinks has shape [2] but expected [4]");
 }
 
 // cuDNN's deterministic backward plan (no GPU needed): its scratch is cuDNN's workspace of the

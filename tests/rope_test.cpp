@@ -1,5 +1,6 @@
 #include "ops/rope.h"
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -161,6 +162,165 @@ TEST(RopeCosSinTable, RejectsAnOddHeadDimAndAWrongShape) {
     FAIL() << "expected an error";
   } catch (const Error& e) {
     EXPECT_STREQ(e.what(), "rope_cos_sin_table: table has shape [3, 4, 2] but expected [3, 8, 2]");
+  }
+}
+
+// GPT-OSS's rope_parameters (transformers' GptOssConfig).
+RopeParameters gpt_oss_rope() {
+  RopeParameters rope;
+  rope.theta = 150000.0;
+  rope.yarn = true;
+  rope.factor = 32.0;
+  rope.beta_fast = 32.0;
+  rope.beta_slow = 1.0;
+  rope.original_max_positions = 4096;
+  rope.truncate = false;
+  return rope;
+}
+
+// YaRN's frequencies written out plainly in double, as the paper states them: pair j keeps the
+// default frequency below the correction range, is interpolated (divided by the factor) above it,
+// and blends linearly inside it.
+std::vector<double> yarn_in_double(int64_t d, const RopeParameters& rope) {
+  const double pi = std::acos(-1.0);
+  auto pair_turning = [&](double rotations) {
+    return d * std::log(rope.original_max_positions / (2 * pi * rotations)) / (2 * std::log(rope.theta));
+  };
+  double low = pair_turning(rope.beta_fast), high = pair_turning(rope.beta_slow);
+  if (rope.truncate) {
+    low = std::floor(low);
+    high = std::ceil(high);
+  }
+  low = std::max(low, 0.0);
+  high = std::min(high, double(d - 1));
+  if (high == low) high += 0.001;
+  std::vector<double> inv_freq;
+  for (int64_t j = 0; j < d / 2; ++j) {
+    const double interpolated = std::clamp((j - low) / (high - low), 0.0, 1.0), base = std::pow(rope.theta, -2.0 * j / d);
+    inv_freq.push_back(base * (interpolated / rope.factor + (1 - interpolated)));
+  }
+  return inv_freq;
+}
+
+TEST(RopeYarn, InverseFrequenciesMatchTheFormulaInDouble) {
+  struct Case {
+    const char* what;
+    int64_t d;
+    RopeParameters rope;
+  };
+  RopeParameters truncated = gpt_oss_rope(), qwen_like = gpt_oss_rope(), equal_betas = gpt_oss_rope(), short_context = gpt_oss_rope();
+  truncated.truncate = true;
+  qwen_like.theta = 1e6, qwen_like.factor = 4, qwen_like.original_max_positions = 32768, qwen_like.truncate = true;
+  equal_betas.beta_fast = equal_betas.beta_slow = 2;  // low == high: transformers widens the range by 0.001
+  short_context.original_max_positions = 64;          // low below 0, clipped
+  for (const Case& c : {Case{"gpt-oss", 64, gpt_oss_rope()}, Case{"truncated", 64, truncated}, Case{"qwen-like", 128, qwen_like},
+                        Case{"equal betas", 64, equal_betas}, Case{"short context", 16, short_context}}) {
+    const std::vector<float> got = rope_inverse_frequencies(c.d, c.rope);
+    const std::vector<double> want = yarn_in_double(c.d, c.rope);
+    ASSERT_EQ(got.size(), want.size()) << c.what;
+    for (size_t j = 0; j < want.size(); ++j) EXPECT_NEAR(got[j], want[j], 1e-6 * want[j]) << c.what << " j " << j;
+  }
+}
+
+TEST(RopeYarn, AttentionScalingIsHuggingFacesDefaultUnlessGiven) {
+  EXPECT_DOUBLE_EQ(rope_attention_scaling(gpt_oss_rope()), 0.1 * std::log(32.0) + 1);
+  RopeParameters given = gpt_oss_rope(), unscaled = gpt_oss_rope();
+  given.attention_factor = 0.7;
+  unscaled.factor = 1;
+  EXPECT_EQ(rope_attention_scaling(given), 0.7);
+  EXPECT_EQ(rope_attention_scaling(unscaled), 1.0);
+  EXPECT_EQ(rope_attention_scaling(RopeParameters{}), 1.0);
+}
+
+// Without yarn the parameters are the theta overloads, bit for bit.
+TEST(RopeYarn, DefaultParametersGiveTheThetaOverloadsBits) {
+  std::vector<int32_t> pos = {0, 3, 4095, 131071};
+  RopeParameters rope;
+  rope.theta = 150000.0;
+  const std::vector<float> inv_freq = rope_inverse_frequencies(64, rope);
+  for (int64_t j = 0; j < 32; ++j) EXPECT_EQ(inv_freq[j], rope_inverse_frequency(j, 64, rope.theta)) << j;
+  Buffer x = random_buffer(DType::f32, {4, 2, 64}, 1), a(DType::f32, Device::cpu, {4, 2, 64}), b(DType::f32, Device::cpu, {4, 2, 64});
+  rope_forward(a, x, positions_tensor(pos), rope);
+  rope_forward(b, x, positions_tensor(pos), rope.theta);
+  for (int64_t i = 0; i < x.numel(); ++i) ASSERT_EQ(element(a, i), element(b, i)) << i;
+  rope_backward(a, x, positions_tensor(pos), rope);
+  rope_backward(b, x, positions_tensor(pos), rope.theta);
+  for (int64_t i = 0; i < x.numel(); ++i) ASSERT_EQ(element(a, i), element(b, i)) << i;
+}
+
+// With factor 1 the interpolated and default frequencies coincide, so only the float32 rounding of
+// the blend, an ulp, separates yarn from the default.
+TEST(RopeYarn, FactorOneAndNoScalingIsTheDefault) {
+  RopeParameters yarn = gpt_oss_rope();
+  yarn.factor = 1;
+  yarn.attention_factor = 1;
+  const std::vector<float> inv_freq = rope_inverse_frequencies(64, yarn);
+  for (int64_t j = 0; j < 32; ++j) {
+    const float want = rope_inverse_frequency(j, 64, yarn.theta);
+    EXPECT_NEAR(inv_freq[j], want, 2e-7 * want) << j;
+  }
+  std::vector<int32_t> pos = {0, 7, 100};
+  Buffer x = random_buffer(DType::f64, {3, 2, 64}, 1), a(DType::f64, Device::cpu, {3, 2, 64}), b(DType::f64, Device::cpu, {3, 2, 64});
+  rope_forward(a, x, positions_tensor(pos), yarn);
+  rope_forward(b, x, positions_tensor(pos), yarn.theta);
+  for (int64_t i = 0; i < x.numel(); ++i) EXPECT_NEAR(element(a, i), element(b, i), 1e-6) << i;
+}
+
+// x = [1, ..., 1, 0, ..., 0] comes out as the scaled cosines and sines, each cos(angle) * scale in
+// float32 as transformers' GptOssRotaryEmbedding computes them.
+TEST(RopeYarn, ScalesCosAndSinByTheAttentionFactor) {
+  const int64_t d = 64;
+  std::vector<int32_t> pos = {1, 4096, 131071};
+  Buffer x = Buffer::zeros(DType::f32, Device::cpu, {3, 1, d}), y(DType::f32, Device::cpu, {3, 1, d});
+  for (int64_t t = 0; t < 3; ++t)
+    for (int64_t j = 0; j < d / 2; ++j) x.ptr<float>()[t * d + j] = 1;
+  rope_forward(y, x, positions_tensor(pos), gpt_oss_rope());
+  const std::vector<float> inv_freq = rope_inverse_frequencies(d, gpt_oss_rope());
+  const float scale = float(rope_attention_scaling(gpt_oss_rope()));
+  for (int64_t t = 0; t < 3; ++t)
+    for (int64_t j = 0; j < d / 2; ++j) {
+      const float angle = float(pos[t]) * inv_freq[j];
+      EXPECT_EQ(element(y, t * d + j), std::cos(angle) * scale) << t << " " << j;
+      EXPECT_EQ(element(y, t * d + d / 2 + j), std::sin(angle) * scale) << t << " " << j;
+    }
+}
+
+// The backward is the forward's transpose: sum(r * forward(x)) = sum(backward(r) * x).
+TEST(RopeYarn, BackwardIsTheAdjointOfTheForward) {
+  std::vector<int32_t> pos = {0, 5, 4095, 20000, 131071};
+  Buffer x = random_buffer(DType::f64, {5, 3, 64}, 1), r = random_buffer(DType::f64, {5, 3, 64}, 2);
+  Buffer y(DType::f64, Device::cpu, {5, 3, 64}), dx(DType::f64, Device::cpu, {5, 3, 64});
+  rope_forward(y, x, positions_tensor(pos), gpt_oss_rope());
+  rope_backward(dx, r, positions_tensor(pos), gpt_oss_rope());
+  const double forward = testing::weighted_sum(y, r), adjoint = testing::weighted_sum(dx, x);
+  EXPECT_NEAR(forward, adjoint, 1e-12 * std::abs(forward));
+}
+
+TEST(RopeYarn, RejectsBadParametersAndTheGpu) {
+  std::vector<int32_t> pos = {0, 1};
+  Buffer x(DType::f32, Device::cpu, {2, 1, 8});
+  RopeParameters no_factor = gpt_oss_rope();
+  no_factor.factor = 0;
+  try {
+    rope_forward(x, x, positions_tensor(pos), no_factor);
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(), "rope_forward: the yarn factor must be positive, got 0");
+  }
+  try {
+    rope_inverse_frequencies(8, RopeParameters{gpt_oss_rope().theta, true});
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(), "rope_inverse_frequencies: yarn's original_max_positions must be positive, got 0");
+  }
+  // The check comes before anything reads the data, so a host pointer stands in for GPU memory.
+  Tensor on_gpu(x.ptr<float>(), DType::bf16, Device::cuda, {2, 1, 8});
+  int32_t gpu_positions[2] = {0, 1};
+  try {
+    rope_backward(on_gpu, on_gpu, Tensor(gpu_positions, DType::i32, Device::cuda, {2}), gpt_oss_rope());
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(), "rope_backward: the yarn rotary embedding runs on the CPU only so far, but dy is on the GPU");
   }
 }
 

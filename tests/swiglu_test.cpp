@@ -134,5 +134,103 @@ TEST(Swiglu, WeightedBackwardRejectsBadRowsAndShapes) {
   EXPECT_EQ(weighted_backward_error(0, 1, 2), "swiglu_weighted_backward: dact has shape [2, 2] but expected [3, 2]");
 }
 
+// GPT-OSS's swiglu_alpha and swiglu_limit.
+constexpr double kAlpha = 1.702, kLimit = 7.0;
+
+double sigmoid(double x) { return 1 / (1 + std::exp(-x)); }
+
+TEST(ClampedSwiglu, ForwardIsTheHuggingFaceFormula) {
+  // One row of four interleaved (gate, up) pairs: inside the limits, gate past the limit, up past both limits.
+  double gate_up[8] = {0.5, 1.5, 9, -3, -2, 8, -12, -7.5}, out[4];
+  clamped_swiglu_forward(Tensor(out, DType::f64, Device::cpu, {1, 4}), Tensor(gate_up, DType::f64, Device::cpu, {1, 8}), kAlpha,
+                         kLimit);
+  auto want = [](double g, double u) { return (u + 1) * (g * sigmoid(kAlpha * g)); };
+  EXPECT_DOUBLE_EQ(out[0], want(0.5, 1.5));
+  EXPECT_DOUBLE_EQ(out[1], want(7, -3));   // gate clamped from above
+  EXPECT_DOUBLE_EQ(out[2], want(-2, 7));   // up clamped from above
+  EXPECT_DOUBLE_EQ(out[3], want(-12, -7));  // gate has no lower clamp; up clamped from below
+}
+
+// Away from the clamp edges the op is smooth, so central differences apply, including where a
+// clamp holds (a zero gradient there).
+TEST(ClampedSwiglu, GradientsMatchFiniteDifferences) {
+  for (auto [n, d] : {std::pair<int64_t, int64_t>{1, 1}, {4, 7}}) {
+    Buffer gate_up = random_buffer(DType::f64, {n, 2 * d}, 1, 5.0), r = random_buffer(DType::f64, {n, d}, 2);
+    for (int64_t i = 0; i < gate_up.numel(); ++i)
+      if (std::abs(std::abs(gate_up.ptr<double>()[i]) - kLimit) < 1e-3) gate_up.ptr<double>()[i] += 0.01;
+    Buffer out(DType::f64, Device::cpu, {n, d}), dgate_up(DType::f64, Device::cpu, {n, 2 * d});
+    auto loss = [&] {
+      clamped_swiglu_forward(out, gate_up, kAlpha, kLimit);
+      return testing::weighted_sum(out, r);
+    };
+    clamped_swiglu_backward(dgate_up, r, gate_up, kAlpha, kLimit);
+    testing::expect_gradient("dgate_up", gate_up, dgate_up, loss);
+  }
+}
+
+// torch's clamp backward passes the gradient with the bounds included and stops it past them:
+// gate above the limit, up above or below it. Gate has no lower clamp.
+TEST(ClampedSwiglu, ValuesPastTheLimitsGetNoGradient) {
+  // Interleaved pairs: (gate 9, up 1), (gate 7, up 7), (gate -20, up -7), (gate 1, up 7.5), (gate 1, up -8).
+  float gate_up[10] = {9, 1, 7, 7, -20, -7, 1, 7.5, 1, -8}, dout[5] = {1, 1, 1, 1, 1}, dgate_up[10];
+  clamped_swiglu_backward(Tensor(dgate_up, DType::f32, Device::cpu, {1, 10}), Tensor(dout, DType::f32, Device::cpu, {1, 5}),
+                          Tensor(gate_up, DType::f32, Device::cpu, {1, 10}), kAlpha, kLimit);
+  auto dgate = [](double g, double u) {
+    const double s = sigmoid(kAlpha * g);
+    return float((u + 1) * s * (1 + kAlpha * g * (1 - s)));
+  };
+  auto dup = [](double g) { return float(g * sigmoid(kAlpha * g)); };
+  EXPECT_EQ(dgate_up[0], 0) << "gate 9 is past the limit";
+  EXPECT_EQ(dgate_up[1], dup(7)) << "up of a clamped gate sees the clamped gate";
+  EXPECT_EQ(dgate_up[2], dgate(7, 7)) << "gate at the limit passes";
+  EXPECT_EQ(dgate_up[3], dup(7)) << "up at the limit passes";
+  EXPECT_EQ(dgate_up[4], dgate(-20, -7)) << "gate has no lower clamp";
+  EXPECT_EQ(dgate_up[5], dup(-20)) << "up at minus the limit passes";
+  EXPECT_EQ(dgate_up[6], dgate(1, 7)) << "gate sees the clamped up";
+  EXPECT_EQ(dgate_up[7], 0) << "up 7.5 is past the limit";
+  EXPECT_EQ(dgate_up[9], 0) << "up -8 is past minus the limit";
+  EXPECT_EQ(dgate_up[8], dgate(1, -7));
+}
+
+// With an unreachable limit and alpha 1 it is (up + 1) times plain SwiGLU's silu(gate): plain
+// SwiGLU's gate_up is gate then up, so the pairs are taken apart and up moved by one.
+TEST(ClampedSwiglu, WithoutClampsIsSwigluOfUpPlusOne) {
+  const int64_t n = 3, d = 5;
+  Buffer gate_up = random_buffer(DType::f64, {n, 2 * d}, 3, 2.0), shifted(DType::f64, Device::cpu, {n, 2 * d});
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t c = 0; c < d; ++c) {
+      shifted.ptr<double>()[r * 2 * d + c] = gate_up.ptr<double>()[r * 2 * d + 2 * c];
+      shifted.ptr<double>()[r * 2 * d + d + c] = gate_up.ptr<double>()[r * 2 * d + 2 * c + 1] + 1;
+    }
+  Buffer out(DType::f64, Device::cpu, {n, d}), want(DType::f64, Device::cpu, {n, d});
+  clamped_swiglu_forward(out, gate_up, 1.0, 1e9);
+  swiglu_forward(want, shifted);
+  for (int64_t i = 0; i < n * d; ++i) EXPECT_NEAR(out.ptr<double>()[i], want.ptr<double>()[i], 1e-15) << i;
+}
+
+TEST(ClampedSwiglu, RejectsABadLimitAndTheGpu) {
+  Buffer gate_up(DType::f32, Device::cpu, {2, 4}), out(DType::f32, Device::cpu, {2, 2});
+  try {
+    clamped_swiglu_forward(out, gate_up, kAlpha, 0);
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(), "clamped_swiglu_forward: limit must be positive, got 0");
+  }
+  try {
+    clamped_swiglu_forward(Buffer(DType::f32, Device::cpu, {2, 3}), gate_up, kAlpha, kLimit);
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(), "clamped_swiglu_forward: out has shape [2, 3] but expected [2, 2]");
+  }
+  // The check comes before anything reads the data, so host memory stands in for the GPU's.
+  Tensor gpu_gate_up(gate_up.ptr<float>(), DType::bf16, Device::cuda, {2, 4}), gpu_out(out.ptr<float>(), DType::bf16, Device::cuda, {2, 2});
+  try {
+    clamped_swiglu_backward(Tensor(gate_up.ptr<float>(), DType::bf16, Device::cuda, {2, 4}), gpu_out, gpu_gate_up, kAlpha, kLimit);
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(), "clamped_swiglu_backward: the clamped SwiGLU runs on the CPU only so far, but gate_up is on the GPU");
+  }
+}
+
 }  // namespace
 }  // namespace marrow

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "core/json.h"
+#include "models/gpt_oss.h"
 #include "models/qwen3_moe.h"
 
 namespace marrow {
@@ -13,7 +14,8 @@ template <class F>
 decltype(auto) with_model(const Json& config_json, const std::string& source, F&& f) {
   const std::string model_type = JsonFields(config_json, source).string("model_type");
   if (model_type == Qwen3Moe::model_type) return f.template operator()<Qwen3Moe>(Qwen3MoeConfig::from_json(config_json, source));
-  fail("{}: unknown model_type '{}' (supported: qwen3_moe)", source, model_type);
+  if (model_type == GptOss::model_type) return f.template operator()<GptOss>(GptOssConfig::from_json(config_json, source));
+  fail("{}: unknown model_type '{}' (supported: qwen3_moe, gpt_oss)", source, model_type);
 }
 
 }  // namespace marrow

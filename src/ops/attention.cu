@@ -31,13 +31,22 @@ struct Dims {
   int64_t lse(int64_t b, int64_t i, int64_t h) const { return (b * q_heads + h) * q_seq + i; }
 };
 
-// The keys query row i of a block sees: [k_begin, k_begin + keys_seen(block, i)).
-int64_t keys_seen(const AttentionBlock& block, int64_t i) {
-  return block.mask == AttentionMask::causal ? i - block.q_begin + 1 : block.k_end - block.k_begin;
+// The keys query row i of a block sees, as offsets from k_begin: [first, end). A window > 0 keeps the
+// last `window` of a causal row's keys, its own included (only the causal op takes a window, never
+// a ring attention block).
+struct KeyRange {
+  int64_t first, end;
+};
+KeyRange keys_seen(const AttentionBlock& block, int64_t window, int64_t i) {
+  const int64_t end = block.mask == AttentionMask::causal ? i - block.q_begin + 1 : block.k_end - block.k_begin;
+  return {window > 0 ? std::max<int64_t>(0, end - window) : 0, end};
 }
 
+// sinks: [Hq] or null (none); window: AttentionVariant's. With the sink in the running max, a
+// sink far above the row's scores cannot overflow exp.
 template <typename T>
-void forward_cpu(T* out, T* lse, const T* q, const T* k, const T* v, const Dims& n, const AttentionBlock& blk) {
+void forward_cpu(T* out, T* lse, const T* q, const T* k, const T* v, const T* sinks, int64_t window, const Dims& n,
+                 const AttentionBlock& blk) {
   const T scale = T(1 / std::sqrt(double(n.head_dim)));
   const int64_t k_len = blk.k_end - blk.k_begin;
 #pragma omp parallel if (n.batch * n.q_heads * (blk.q_end - blk.q_begin) * k_len * n.head_dim > kParallelWork)
@@ -48,20 +57,22 @@ void forward_cpu(T* out, T* lse, const T* q, const T* k, const T* v, const Dims&
       for (int64_t h = 0; h < n.q_heads; ++h)
         for (int64_t i = blk.q_begin; i < blk.q_end; ++i) {
           const T* qi = q + n.q(b, i, h);
-          const int64_t seen = keys_seen(blk, i);
-          T m = -std::numeric_limits<T>::infinity();
-          for (int64_t j = 0; j < seen; ++j) {
+          const KeyRange seen = keys_seen(blk, window, i);
+          T m = sinks ? sinks[h] : -std::numeric_limits<T>::infinity();
+          for (int64_t j = seen.first; j < seen.end; ++j) {
             p[j] = scale * dot(qi, k + n.kv(b, blk.k_begin + j, h), n.head_dim);
             m = std::max(m, p[j]);
           }
           double sum = 0;
-          for (int64_t j = 0; j < seen; ++j) {
+          for (int64_t j = seen.first; j < seen.end; ++j) {
             p[j] = std::exp(p[j] - m);
             sum += p[j];
           }
+          if (sinks) sum += std::exp(sinks[h] - m);
           T* oi = out + n.q(b, i, h);
           std::fill(oi, oi + n.head_dim, T(0));
-          for (int64_t j = 0; j < seen; ++j) axpy(oi, T(p[j] / sum), v + n.kv(b, blk.k_begin + j, h), n.head_dim);
+          for (int64_t j = seen.first; j < seen.end; ++j)
+            axpy(oi, T(p[j] / sum), v + n.kv(b, blk.k_begin + j, h), n.head_dim);
           lse[n.lse(b, i, h)] = T(m + std::log(sum));
         }
   }
@@ -73,24 +84,32 @@ void forward_cpu(T* out, T* lse, const T* q, const T* k, const T* v, const Dims&
 // lse and out are the final ones (every key block merged), so P is the true probability and the
 // blocks' shares sum to the whole gradient. Query heads of one group add into the same dk, dv rows
 // in a fixed order: deterministic.
+// A sink (lse includes it) leaves all of that unchanged and adds dsinks[h] += -sum_i exp(sink - lse_i) D_i;
+// the window only drops keys.
 template <typename T>
-void backward_cpu(T* dq, T* dk, T* dv, const T* dout, const T* q, const T* k, const T* v, const T* out, const T* lse,
-                  const Dims& n, const AttentionBlock& blk, AttentionGrads grads) {
+void backward_cpu(T* dq, T* dk, T* dv, T* dsinks, const T* dout, const T* q, const T* k, const T* v, const T* out,
+                  const T* lse, const T* sinks, int64_t window, const Dims& n, const AttentionBlock& blk,
+                  AttentionGrads grads) {
   const bool want_q = grads != AttentionGrads::kv, want_kv = grads != AttentionGrads::q;
   const T scale = T(1 / std::sqrt(double(n.head_dim)));
-  // Threads own key/value heads: the query heads of a group add into dk, dv in head order.
+  // Threads own key/value heads: the query heads of a group add into dk, dv in head order. Batch rows
+  // of one sink run on different threads, so each (b, h) writes its own share, summed in batch order below.
   const int64_t group = n.q_heads / n.kv_heads;
+  std::vector<T> sink_share(sinks ? size_t(n.batch * n.q_heads) : 0);
 #pragma omp parallel for collapse(2) schedule(static) if (n.batch * n.q_heads * (blk.q_end - blk.q_begin) * \
                                                               (blk.k_end - blk.k_begin) * n.head_dim > kParallelWork)
   for (int64_t b = 0; b < n.batch; ++b)
     for (int64_t hk = 0; hk < n.kv_heads; ++hk)
-      for (int64_t h = hk * group; h < (hk + 1) * group; ++h)
+      for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
+        T dsink = 0;
         for (int64_t i = blk.q_begin; i < blk.q_end; ++i) {
           const int64_t qo = n.q(b, i, h);
           const T *qi = q + qo, *douti = dout + qo;
           const T di = dot(douti, out + qo, n.head_dim), lse_i = lse[n.lse(b, i, h)];
+          if (sinks) dsink -= std::exp(sinks[h] - lse_i) * di;
           T* dqi = dq + qo;
-          for (int64_t j = blk.k_begin; j < blk.k_begin + keys_seen(blk, i); ++j) {
+          const KeyRange seen = keys_seen(blk, window, i);
+          for (int64_t j = blk.k_begin + seen.first; j < blk.k_begin + seen.end; ++j) {
             const int64_t kvo = n.kv(b, j, h);
             const T p = std::exp(scale * dot(qi, k + kvo, n.head_dim) - lse_i);
             const T ds = p * (dot(douti, v + kvo, n.head_dim) - di);
@@ -99,6 +118,11 @@ void backward_cpu(T* dq, T* dk, T* dv, const T* dout, const T* q, const T* k, co
             if (want_kv) axpy(dk + kvo, scale * ds, qi, n.head_dim);
           }
         }
+        if (sinks) sink_share[size_t(b * n.q_heads + h)] = dsink;
+      }
+  if (sinks)
+    for (int64_t h = 0; h < n.q_heads; ++h)
+      for (int64_t b = 0; b < n.batch; ++b) dsinks[h] += sink_share[size_t(b * n.q_heads + h)];
 }
 
 // Rows [begin, end) of (out, lse) become the log-sum-exp merge with (part_out, part_lse). A row
@@ -861,9 +885,9 @@ void merge_gpu(Tensor out, Tensor lse, Tensor part_out, Tensor part_lse, const D
 }
 #endif  // __CUDACC__
 
-// Both forwards after their shape checks: the device's path.
+// Both forwards after their shape checks: the device's path (a variant only on the CPU).
 void forward(const char* op, Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v, const Dims& n,
-             const AttentionBlock& block, Stream stream) {
+             const AttentionBlock& block, const AttentionVariant& variant, Stream stream) {
   if (common_device(op, {{"q", &q}, {"k", &k}, {"v", &v}, {"out", &out}, {"lse", &lse}}) == Device::cuda) {
 #ifdef __CUDACC__
     return forward_gpu(op, out, lse, q, k, v, n, block, stream);
@@ -875,7 +899,8 @@ void forward(const char* op, Tensor out, Tensor lse, Tensor q, Tensor k, Tensor 
   (void)stream;
   with_cpu_scalar(op, q, [&](auto s) {
     using T = decltype(s);
-    forward_cpu<T>(out.ptr<T>(), lse.ptr<T>(), q.ptr<T>(), k.ptr<T>(), v.ptr<T>(), n, block);
+    forward_cpu<T>(out.ptr<T>(), lse.ptr<T>(), q.ptr<T>(), k.ptr<T>(), v.ptr<T>(),
+                   variant.sinks.data ? variant.sinks.ptr<T>() : nullptr, variant.window, n, block);
   });
 }
 
@@ -898,11 +923,24 @@ std::pair<Dims, bool> check_backward(const char* op, Tensor dq, Tensor dk, Tenso
   return {n, gpu};
 }
 
-// Both backwards after their shape checks: the device's path. accumulate: add the block's share
-// into dq, dk, dv (f32 on the GPU); else overwrite them (bf16 on the GPU).
-void backward(const char* op, Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out,
-              Tensor lse, const Dims& n, const AttentionBlock& block, bool accumulate, AttentionGrads grads, bool gpu,
-              Stream stream) {
+// sinks [Hq] with q's dtype and device, a window >= 0; the GPU kernels run neither yet.
+void check_variant(const char* op, const Dims& n, const Tensor& q, const AttentionVariant& variant) {
+  MARROW_CHECK(variant.window >= 0, "{}: the sliding window must be 0 (none) or positive, got {}", op, variant.window);
+  if (variant.sinks.data) {
+    expect_shape(op, "sinks", variant.sinks, {n.q_heads});
+    expect_dtype(op, "sinks", variant.sinks, q.dtype);
+    expect_device(op, "sinks", variant.sinks, q.device);
+  }
+  MARROW_CHECK(q.device == Device::cpu || (!variant.sinks.data && variant.window == 0),
+               "{}: attention sinks and sliding windows run on the CPU only so far, but q is on the GPU", op);
+}
+
+// Both backwards after their shape checks: the device's path (a variant only on the CPU).
+// accumulate: add the block's share into dq, dk, dv (f32 on the GPU); else overwrite them (bf16 on
+// the GPU). dsinks always accumulates.
+void backward(const char* op, Tensor dq, Tensor dk, Tensor dv, Tensor dsinks, Tensor dout, Tensor q, Tensor k, Tensor v,
+              Tensor out, Tensor lse, const Dims& n, const AttentionBlock& block, const AttentionVariant& variant,
+              bool accumulate, AttentionGrads grads, bool gpu, Stream stream) {
   if (gpu) {
 #ifdef __CUDACC__
     return backward_gpu(op, dq, dk, dv, dout, q, k, v, out, lse, n, block, accumulate, grads, stream);
@@ -915,8 +953,10 @@ void backward(const char* op, Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tens
     for (Tensor g : {dq, dk, dv}) fill_zero(g);
   with_cpu_scalar(op, q, [&](auto s) {
     using T = decltype(s);
-    backward_cpu<T>(dq.ptr<T>(), dk.ptr<T>(), dv.ptr<T>(), dout.ptr<T>(), q.ptr<T>(), k.ptr<T>(), v.ptr<T>(),
-                    out.ptr<T>(), lse.ptr<T>(), n, block, grads);
+    const bool sinks = variant.sinks.data != nullptr;
+    backward_cpu<T>(dq.ptr<T>(), dk.ptr<T>(), dv.ptr<T>(), sinks ? dsinks.ptr<T>() : nullptr, dout.ptr<T>(), q.ptr<T>(),
+                    k.ptr<T>(), v.ptr<T>(), out.ptr<T>(), lse.ptr<T>(), sinks ? variant.sinks.ptr<T>() : nullptr,
+                    variant.window, n, block, grads);
   });
 }
 
@@ -1003,22 +1043,28 @@ void attention_block_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor 
   if (block_on_hopper(q, k, block) &&
       common_device(op, {{"q", &q}, {"k", &k}, {"v", &v}, {"out", &out}, {"lse", &lse}}) == Device::cuda)
     return hopper_attention_block_forward(out, lse, q, k, v, block, stream);
-  forward(op, out, lse, q, k, v, n, block, stream);
+  forward(op, out, lse, q, k, v, n, block, {}, stream);
 }
 
 void attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v, Stream stream) {
+  attention_forward(out, lse, q, k, v, AttentionVariant{}, stream);
+}
+
+void attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v, const AttentionVariant& variant,
+                       Stream stream) {
   const char* op = "attention_forward";
   const Dims n = check_qkv(op, q, k, v);
   expect_shape(op, "k", k, {n.batch, n.q_seq, n.kv_heads, n.head_dim});
   expect_shape(op, "out", out, {n.batch, n.q_seq, n.q_heads, n.head_dim});
   expect_shape(op, "lse", lse, {n.batch, n.q_heads, n.q_seq});
+  check_variant(op, n, q, variant);
 #if MARROW_CUDA
   if (attention_kernels() == AttentionKernels::hopper && q.device == Device::cuda &&
       hopper_attention_supports(n.q_seq, n.q_heads, n.kv_heads, n.head_dim))
     return hopper_attention_forward(out, lse, q, k, v, stream);
   if (forward_on_cudnn(n, q)) return cudnn_attention_forward(out, lse, q, k, v, stream);
 #endif
-  forward(op, out, lse, q, k, v, n, {AttentionMask::causal, 0, n.q_seq, 0, n.q_seq}, stream);
+  forward(op, out, lse, q, k, v, n, {AttentionMask::causal, 0, n.q_seq, 0, n.q_seq}, variant, stream);
 }
 
 void attention_block_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out,
@@ -1028,14 +1074,28 @@ void attention_block_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tens
   check_block(op, n, block);
   if (gpu && block_on_hopper(q, k, block))
     return hopper_attention_block_backward(dq, dk, dv, dout, q, k, v, out, lse, block, grads, stream);
-  backward(op, dq, dk, dv, dout, q, k, v, out, lse, n, block, true, grads, gpu, stream);
+  backward(op, dq, dk, dv, {}, dout, q, k, v, out, lse, n, block, {}, true, grads, gpu, stream);
 }
 
 void attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out,
                         Tensor lse, Stream stream) {
+  attention_backward(dq, dk, dv, {}, dout, q, k, v, out, lse, AttentionVariant{}, stream);
+}
+
+void attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dsinks, Tensor dout, Tensor q, Tensor k, Tensor v,
+                        Tensor out, Tensor lse, const AttentionVariant& variant, Stream stream) {
   const char* op = "attention_backward";
   const auto [n, gpu] = check_backward(op, dq, dk, dv, dout, q, k, v, out, lse);
   expect_shape(op, "k", k, {n.batch, n.q_seq, n.kv_heads, n.head_dim});
+  check_variant(op, n, q, variant);
+  if (variant.sinks.data) {
+    MARROW_CHECK(dsinks.data, "{}: variant.sinks is given but dsinks, its gradient, is empty", op);
+    expect_shape(op, "dsinks", dsinks, {n.q_heads});
+    expect_dtype(op, "dsinks", dsinks, q.dtype);
+    expect_device(op, "dsinks", dsinks, q.device);
+  } else {
+    MARROW_CHECK(!dsinks.data, "{}: dsinks is given but variant.sinks is empty", op);
+  }
 #if MARROW_CUDA
   const bool hopper = attention_kernels() == AttentionKernels::hopper || attention_kernels() == AttentionKernels::hopper_backward;
   if (hopper && q.device == Device::cuda && hopper_attention_supports(n.q_seq, n.q_heads, n.kv_heads, n.head_dim))
@@ -1044,8 +1104,8 @@ void attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, 
     return cudnn_attention_backward(dq, dk, dv, dout, q, k, v, out, lse, stream,
                                     attention_kernels() == AttentionKernels::cudnn);
 #endif
-  backward(op, dq, dk, dv, dout, q, k, v, out, lse, n, {AttentionMask::causal, 0, n.q_seq, 0, n.q_seq}, false,
-           AttentionGrads::all, gpu, stream);
+  backward(op, dq, dk, dv, dsinks, dout, q, k, v, out, lse, n, {AttentionMask::causal, 0, n.q_seq, 0, n.q_seq}, variant,
+           false, AttentionGrads::all, gpu, stream);
 }
 
 void attention_merge(Tensor out, Tensor lse, Tensor part_out, Tensor part_lse, int64_t begin, int64_t end,

@@ -61,6 +61,24 @@ void attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v, Str
 void attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out,
                         Tensor lse, Stream stream = {});
 
+// GPT-OSS's additions to the causal op (Hugging Face GptOssAttention): sinks [Hq], q's dtype and
+// device, a learned logit per query head that joins every row's softmax denominator and carries no
+// value, p_ij = exp(s_ij) / (sum_j' exp(s_ij') + exp(sinks[h])), so the row's probabilities sum to
+// less than one and lse_i = log(sum_j exp(s_ij) + exp(sinks[h])) includes it; a sliding window of
+// W keys masks scores as transformers' create_sliding_window_causal_mask does (masking_utils.py:
+// kv_idx > q_idx - W on top of kv_idx <= q_idx). The op without a variant is no sinks and window 0,
+// with the same bits. CPU only so far: the GPU refuses sinks and windows.
+struct AttentionVariant {
+  Tensor sinks;        // [Hq]; empty (data == nullptr): none
+  int64_t window = 0;  // > 0: query i sees keys j with i - window < j <= i; 0: every earlier key
+};
+void attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v, const AttentionVariant& variant,
+                       Stream stream = {});
+// dsinks [Hq] is ADDED to (+=), as weight gradients accumulate: -sum over batch rows and queries i
+// of exp(sinks[h] - lse_i) (dout_i . out_i). It is given exactly when variant.sinks is (empty otherwise).
+void attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dsinks, Tensor dout, Tensor q, Tensor k, Tensor v,
+                        Tensor out, Tensor lse, const AttentionVariant& variant, Stream stream = {});
+
 enum class AttentionMask : uint8_t { causal, full };
 
 struct AttentionBlock {

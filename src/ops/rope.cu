@@ -19,21 +19,26 @@ namespace marrow {
 namespace {
 
 constexpr int64_t kMaxHalfHost = 256;  // the GPU kernels' inv_freq argument holds D/2 <= 256
+constexpr double kPi = 3.141592653589793;  // Python's math.pi
 
-// Rotates every head of every token by +angle (sign 1) or -angle (sign -1). Each pair is read into
-// locals before it is written, which is what lets the output alias the input.
+// theta^(2j / D) in transformers' float32 steps: arange(0, D, 2).float() / D, then theta ** that.
+float position_frequency(int64_t j, int64_t head_dim, double theta) {
+  return std::pow(float(theta), float(2 * j) / float(head_dim));
+}
+
+// Rotates every head of every token by +angle (sign 1) or -angle (sign -1), cos and sin times scale
+// in float32 (a scale of 1 leaves them as they are). Each pair is read into locals before it is
+// written, which is what lets the output alias the input.
 template <typename T>
-void rotate_cpu(T* y, const T* x, const int32_t* positions, int64_t tokens, int64_t heads, int64_t d, double theta,
-                int sign) {
+void rotate_cpu(T* y, const T* x, const int32_t* positions, int64_t tokens, int64_t heads, int64_t d,
+                const std::vector<float>& inv_freq, float scale, int sign) {
   const int64_t half = d / 2;
-  std::vector<float> inv_freq(half);
-  for (int64_t j = 0; j < half; ++j) inv_freq[j] = rope_inverse_frequency(j, d, theta);
   std::vector<T> cosines(half), sines(half);
   for (int64_t t = 0; t < tokens; ++t) {
     for (int64_t j = 0; j < half; ++j) {
       float angle = float(positions[t]) * inv_freq[j];
-      cosines[j] = T(std::cos(angle));
-      sines[j] = T(sign * std::sin(angle));
+      cosines[j] = T(std::cos(angle) * scale);
+      sines[j] = T(sign * (std::sin(angle) * scale));
     }
     for (int64_t h = 0; h < heads; ++h) {
       const int64_t base = (t * heads + h) * d;
@@ -112,36 +117,101 @@ void launch_rotate(Tensor y, Tensor x, Tensor positions, double theta, int sign,
 }
 #endif
 
-void rotate(const char* op, Tensor y, const char* y_name, Tensor x, const char* x_name, Tensor positions, double theta,
-            int sign, Stream stream) {
+// The YaRN fields are read only with yarn set; the logarithms of theta, the betas and the original
+// context length must be finite and ln theta nonzero.
+void check_rope(const char* op, const RopeParameters& rope) {
+  MARROW_CHECK(rope.theta > 0, "{}: theta must be positive, got {}", op, rope.theta);
+  if (!rope.yarn) return;
+  MARROW_CHECK(rope.theta != 1, "{}: yarn needs a theta other than 1 (its correction range divides by ln theta)", op);
+  MARROW_CHECK(rope.factor > 0, "{}: the yarn factor must be positive, got {}", op, rope.factor);
+  MARROW_CHECK(rope.beta_fast > 0 && rope.beta_slow > 0, "{}: yarn's beta_fast and beta_slow must be positive, got {} and {}", op,
+               rope.beta_fast, rope.beta_slow);
+  MARROW_CHECK(rope.original_max_positions > 0, "{}: yarn's original_max_positions must be positive, got {}", op,
+               rope.original_max_positions);
+  MARROW_CHECK(rope.attention_factor >= 0, "{}: yarn's attention_factor must be positive (or 0 for Hugging Face's default), got {}",
+               op, rope.attention_factor);
+}
+
+// rope_inverse_frequencies without the checks: rope_parameters' float and double steps as
+// transformers takes them. Python computes low, high and their span in double; torch rounds them to
+// float32 where they meet the float32 arange, and every step after is a float32 operation.
+std::vector<float> inverse_frequencies(int64_t d, const RopeParameters& rope) {
+  const int64_t half = d / 2;
+  std::vector<float> inv_freq(half);
+  if (!rope.yarn) {
+    for (int64_t j = 0; j < half; ++j) inv_freq[j] = rope_inverse_frequency(j, d, rope.theta);
+    return inv_freq;
+  }
+  // The pair index at which a frequency turns `rotations` times over the original context.
+  auto correction_dim = [&](double rotations) {
+    return double(d) * std::log(double(rope.original_max_positions) / (rotations * 2 * kPi)) / (2 * std::log(rope.theta));
+  };
+  double low = correction_dim(rope.beta_fast), high = correction_dim(rope.beta_slow);
+  if (rope.truncate) {
+    low = std::floor(low);
+    high = std::ceil(high);
+  }
+  low = std::max(low, 0.0);
+  high = std::min(high, double(d - 1));
+  if (low == high) high += 0.001;  // transformers' guard against a zero span
+  const float span = float(high - low), factor = float(rope.factor);
+  for (int64_t j = 0; j < half; ++j) {
+    const float p = position_frequency(j, d, rope.theta);
+    const float extrapolation = 1.0f - std::clamp((float(j) - float(low)) / span, 0.0f, 1.0f);
+    inv_freq[j] = 1.0f / (factor * p) * (1.0f - extrapolation) + 1.0f / p * extrapolation;
+  }
+  return inv_freq;
+}
+
+double attention_scaling(const RopeParameters& rope) {
+  if (!rope.yarn) return 1.0;
+  if (rope.attention_factor > 0) return rope.attention_factor;
+  return rope.factor <= 1 ? 1.0 : 0.1 * std::log(rope.factor) + 1.0;
+}
+
+void rotate(const char* op, Tensor y, const char* y_name, Tensor x, const char* x_name, Tensor positions,
+            const RopeParameters& rope, int sign, Stream stream) {
   MARROW_CHECK(x.ndim == 3, "{}: {} must be [tokens, heads, head_dim], got {}", op, x_name, x.shape_string());
   const int64_t tokens = x.size(0), heads = x.size(1), d = x.size(2);
   MARROW_CHECK(d % 2 == 0, "{}: head_dim of {} must be even, got {}", op, x_name, d);
-  MARROW_CHECK(theta > 0, "{}: theta must be positive, got {}", op, theta);
+  check_rope(op, rope);
   expect_shape(op, y_name, y, {tokens, heads, d});
   expect_shape(op, "positions", positions, {tokens});
   expect_dtype(op, "positions", positions, DType::i32);
   expect_same_dtype(op, {{x_name, &x}, {y_name, &y}});
   if (common_device(op, {{x_name, &x}, {y_name, &y}, {"positions", &positions}}) == Device::cuda) {
+    MARROW_CHECK(!rope.yarn, "{}: the yarn rotary embedding runs on the CPU only so far, but {} is on the GPU", op, x_name);
     expect_dtype(op, x_name, x, DType::bf16);
     MARROW_CHECK(d / 2 <= kMaxHalfHost, "{}: head_dim of {} is {}, but the GPU kernel takes at most {}", op, x_name, d, 2 * kMaxHalfHost);
 #ifdef __CUDACC__
-    return launch_rotate(y, x, positions, theta, sign, stream);
+    return launch_rotate(y, x, positions, rope.theta, sign, stream);
 #else
     (void)stream;
     no_cuda_kernel(op);
 #endif
   }
+  const std::vector<float> inv_freq = inverse_frequencies(d, rope);
+  const float scale = float(attention_scaling(rope));
   with_cpu_scalar(op, x, [&](auto s) {
     using T = decltype(s);
-    rotate_cpu<T>(y.ptr<T>(), x.ptr<T>(), positions.ptr<int32_t>(), tokens, heads, d, theta, sign);
+    rotate_cpu<T>(y.ptr<T>(), x.ptr<T>(), positions.ptr<int32_t>(), tokens, heads, d, inv_freq, scale, sign);
   });
 }
 
 }  // namespace
 
-float rope_inverse_frequency(int64_t j, int64_t head_dim, double theta) {
-  return 1.0f / std::pow(float(theta), float(2 * j) / float(head_dim));
+float rope_inverse_frequency(int64_t j, int64_t head_dim, double theta) { return 1.0f / position_frequency(j, head_dim, theta); }
+
+std::vector<float> rope_inverse_frequencies(int64_t head_dim, const RopeParameters& rope) {
+  const char* op = "rope_inverse_frequencies";
+  MARROW_CHECK(head_dim > 0 && head_dim % 2 == 0, "{}: head_dim must be even and positive, got {}", op, head_dim);
+  check_rope(op, rope);
+  return inverse_frequencies(head_dim, rope);
+}
+
+double rope_attention_scaling(const RopeParameters& rope) {
+  check_rope("rope_attention_scaling", rope);
+  return attention_scaling(rope);
 }
 
 void rope_cos_sin_table(Tensor table, Tensor positions, int64_t head_dim, double theta, Stream stream) {
@@ -179,11 +249,19 @@ void rope_cos_sin_table(Tensor table, Tensor positions, int64_t head_dim, double
 }
 
 void rope_forward(Tensor y, Tensor x, Tensor positions, double theta, Stream stream) {
-  rotate("rope_forward", y, "y", x, "x", positions, theta, 1, stream);
+  rotate("rope_forward", y, "y", x, "x", positions, RopeParameters{theta}, 1, stream);
 }
 
 void rope_backward(Tensor dx, Tensor dy, Tensor positions, double theta, Stream stream) {
-  rotate("rope_backward", dx, "dx", dy, "dy", positions, theta, -1, stream);
+  rotate("rope_backward", dx, "dx", dy, "dy", positions, RopeParameters{theta}, -1, stream);
+}
+
+void rope_forward(Tensor y, Tensor x, Tensor positions, const RopeParameters& rope, Stream stream) {
+  rotate("rope_forward", y, "y", x, "x", positions, rope, 1, stream);
+}
+
+void rope_backward(Tensor dx, Tensor dy, Tensor positions, const RopeParameters& rope, Stream stream) {
+  rotate("rope_backward", dx, "dx", dy, "dy", positions, rope, -1, stream);
 }
 
 }  // namespace marrow

@@ -8,6 +8,9 @@
 // one by ~1e-3 rad, enough to break parity with the reference model. The rotation is orthogonal,
 // so the backward is the rotation by the negative angle.
 #pragma once
+#include <cstdint>
+#include <vector>
+
 #include "core/tensor.h"
 
 namespace marrow {
@@ -17,6 +20,42 @@ void rope_forward(Tensor y, Tensor x, Tensor positions, double theta, Stream str
 
 // dx[T, H, D], overwritten, from dy[T, H, D]. dx may alias dy.
 void rope_backward(Tensor dx, Tensor dy, Tensor positions, double theta, Stream stream = {});
+
+// Rotary frequencies of Hugging Face's rope_parameters: "default" (theta^(-2j/D)) or "yarn".
+// YaRN (transformers' _compute_yarn_parameters; GPT-OSS: theta 150000, factor 32, beta_fast 32,
+// beta_slow 1, original_max_positions 4096, truncate false) blends, per pair j, the default
+// frequency p_j^-1 (p_j = theta^(2j/D)) with the interpolated one (factor * p_j)^-1:
+//   low/high = D ln(original_max_positions / (2 pi beta_fast/beta_slow)) / (2 ln theta),
+//              floored/ceiled when truncate, then clipped to [0, D - 1]
+//   ramp_j = clamp((j - low) / (high - low), 0, 1)   (high + 0.001 when low == high)
+//   e_j = 1 - ramp_j,  inv_freq_j = (factor p_j)^-1 (1 - e_j) + p_j^-1 e_j
+// and multiplies cos and sin by attention_factor, 0.1 ln(factor) + 1 when not given (1 for
+// factor <= 1). rope_parameters' mscale / mscale_all_dim (DeepSeek's attention factor) and
+// partial_rotary_factor have no field here: a config that sets them is not one of these.
+struct RopeParameters {
+  double theta = 10000.0;
+  bool yarn = false;
+  double factor = 1.0, beta_fast = 32.0, beta_slow = 1.0, attention_factor = 0.0;  // attention_factor 0: HF's default for yarn
+  int64_t original_max_positions = 0;
+  bool truncate = true;
+};
+
+// inv_freq[j], j < D/2, in float as Hugging Face computes them (match torch's float32 arithmetic where it matters), and the scale applied to cos and sin.
+// Python's steps (low, high, their span, the attention factor) run in double, torch's (j - low,
+// the ramp, the blend) in float32 with the doubles rounded to float where they meet the tensors.
+// theta^(2j/D) is rope_inverse_frequency's std::pow, correctly rounded; torch's vectorized float
+// pow (Sleef) is not always, so an entry can differ from transformers' by an ulp (GPT-OSS: j = 6
+// and 10, 1e-7 relative), which turns into ~1e-3 rad of angle at position 131071. With such a pow
+// in transformers' function, the results are its bits.
+std::vector<float> rope_inverse_frequencies(int64_t head_dim, const RopeParameters& rope);
+double rope_attention_scaling(const RopeParameters& rope);
+
+// rope_forward / rope_backward above with rope's frequencies, cos and sin each float32
+// cos(angle) * float(rope_attention_scaling(rope)) as transformers' GPT-OSS rotary embedding
+// computes them; the backward is the transpose (the rotation by -angle, scaled the same). Without
+// yarn: the theta overloads, bit for bit, on either device; yarn runs on the CPU only so far.
+void rope_forward(Tensor y, Tensor x, Tensor positions, const RopeParameters& rope, Stream stream = {});
+void rope_backward(Tensor dx, Tensor dy, Tensor positions, const RopeParameters& rope, Stream stream = {});
 
 // table[T, D/2, 2] (f32): the cosine and sine of each position's angles, position * inv_freq_j, as
 // the rotation computes them on that device (the GPU's from rope_cos_sin, the CPU's from std::cos

@@ -42,29 +42,34 @@ void backward_cpu(T* dgate_up, const T* dout, const T* gate_up, int64_t n, int64
     }
 }
 
-// One copy at a time: the unweighted SwiGLU output, its dot with dact, then the weighted act and
-// the gradient of the weighted dact, each rounded to T where the separate ops would store it.
+// GPT-OSS's clamped activation of one (gate, up) pair, in double; pass_gate and pass_up say where
+// torch's clamp backward lets the gradient through.
+struct ClampedPair {
+  double g, u, s;
+  bool pass_gate, pass_up;
+  ClampedPair(double gate, double up, double alpha, double limit)
+      : g(std::min(gate, limit)), u(std::clamp(up, -limit, limit)), s(sigmoid(alpha * g)), pass_gate(gate <= limit),
+        pass_up(-limit <= up && up <= limit) {}
+};
+
 template <typename T>
-void weighted_backward_cpu(T* dgate_up, T* act, T* dtopk_weight, const T* dact, const T* gate_up, const T* topk_weight,
-                           const int32_t* copy_row, int64_t copies, int64_t d) {
-  std::vector<T> a(static_cast<size_t>(d)), da(static_cast<size_t>(d));
-  for (int64_t c = 0; c < copies; ++c) {
-    const int64_t r = copy_row[c];
-    if (r == -1) {
-      dtopk_weight[c] = T(0);
-      continue;
+void clamped_forward_cpu(T* out, const T* gate_up, int64_t n, int64_t d, double alpha, double limit) {
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t c = 0; c < d; ++c) {
+      const ClampedPair p(gate_up[r * 2 * d + 2 * c], gate_up[r * 2 * d + 2 * c + 1], alpha, limit);
+      out[r * d + c] = T((p.u + 1) * (p.g * p.s));
     }
-    forward_cpu<T>(a.data(), gate_up + r * 2 * d, 1, d);
-    double dot = 0;
-    for (int64_t i = 0; i < d; ++i) dot += double(dact[r * d + i]) * a[size_t(i)];
-    dtopk_weight[c] = T(dot);
-    const T w = topk_weight[c];
-    for (int64_t i = 0; i < d; ++i) {
-      act[r * d + i] = T(w * a[size_t(i)]);
-      da[size_t(i)] = T(w * dact[r * d + i]);
+}
+
+template <typename T>
+void clamped_backward_cpu(T* dgate_up, const T* dout, const T* gate_up, int64_t n, int64_t d, double alpha, double limit) {
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t c = 0; c < d; ++c) {
+      const ClampedPair p(gate_up[r * 2 * d + 2 * c], gate_up[r * 2 * d + 2 * c + 1], alpha, limit);
+      const double dy = dout[r * d + c];
+      dgate_up[r * 2 * d + 2 * c] = p.pass_gate ? T(dy * (p.u + 1) * p.s * (1 + alpha * p.g * (1 - p.s))) : T(0);
+      dgate_up[r * 2 * d + 2 * c + 1] = p.pass_up ? T(dy * p.g * p.s) : T(0);
     }
-    backward_cpu<T>(dgate_up + r * 2 * d, da.data(), gate_up + r * 2 * d, 1, d);
-  }
 }
 
 // gate_up[R, 2I]: returns (R, I).
@@ -73,6 +78,58 @@ std::array<int64_t, 2> check_gate_up(const char* op, const Tensor& gate_up) {
                gate_up.shape_string());
   return {gate_up.size(0), gate_up.size(1) / 2};
 }
+
+// One copy at a time: the unweighted activation of row r (forward(a, gate_up row)), its dot with
+// dact, then the weighted act and the gradient of the weighted dact (backward(dgate_up row, da,
+// gate_up row)), each rounded to T where the separate ops would store it; row_weight, when given,
+// receives w.
+template <typename T, typename Forward, typename Backward>
+void weighted_backward_cpu(T* dgate_up, T* act, T* row_weight, T* dtopk_weight, const T* dact, const T* gate_up, const T* topk_weight,
+                           const int32_t* copy_row, int64_t copies, int64_t d, Forward forward, Backward backward) {
+  std::vector<T> a(static_cast<size_t>(d)), da(static_cast<size_t>(d));
+  for (int64_t c = 0; c < copies; ++c) {
+    const int64_t r = copy_row[c];
+    if (r == -1) {
+      dtopk_weight[c] = T(0);
+      continue;
+    }
+    forward(a.data(), gate_up + r * 2 * d);
+    double dot = 0;
+    for (int64_t i = 0; i < d; ++i) dot += double(dact[r * d + i]) * a[size_t(i)];
+    dtopk_weight[c] = T(dot);
+    const T w = topk_weight[c];
+    if (row_weight) row_weight[r] = w;
+    for (int64_t i = 0; i < d; ++i) {
+      act[r * d + i] = T(w * a[size_t(i)]);
+      da[size_t(i)] = T(w * dact[r * d + i]);
+    }
+    backward(dgate_up + r * 2 * d, da.data(), gate_up + r * 2 * d);
+  }
+}
+
+// The weighted backwards' shared checks: returns (R, I).
+std::array<int64_t, 2> check_weighted(const char* op, Tensor dgate_up, Tensor act, Tensor dtopk_weight, Tensor dact, Tensor gate_up,
+                                      Tensor topk_weight, Tensor copy_row) {
+  const std::array<int64_t, 2> size = check_gate_up(op, gate_up);
+  const int64_t n = size[0], d = size[1];
+  MARROW_CHECK(copy_row.ndim == 2, "{}: copy_row must be [tokens, k], got {}", op, copy_row.shape_string());
+  expect_dtype(op, "copy_row", copy_row, DType::i32);
+  expect_shape(op, "dgate_up", dgate_up, {n, 2 * d});
+  expect_shape(op, "act", act, {n, d});
+  expect_shape(op, "dact", dact, {n, d});
+  expect_shape(op, "topk_weight", topk_weight, {copy_row.size(0), copy_row.size(1)});
+  expect_shape(op, "dtopk_weight", dtopk_weight, {copy_row.size(0), copy_row.size(1)});
+  return size;
+}
+
+// The clamped SwiGLU's checks after the shapes: one dtype, a positive limit, and the CPU.
+void check_clamped(const char* op, double limit, std::initializer_list<std::pair<const char*, const Tensor*>> tensors) {
+  MARROW_CHECK(limit > 0, "{}: limit must be positive, got {}", op, limit);
+  expect_same_dtype(op, tensors);
+  MARROW_CHECK(common_device(op, tensors) == Device::cpu, "{}: the clamped SwiGLU runs on the CPU only so far, but {} is on the GPU", op,
+               tensors.begin()->first);
+}
+
 
 
 #ifdef __CUDACC__
@@ -257,16 +314,8 @@ void swiglu_backward(Tensor dgate_up, Tensor dout, Tensor gate_up, Stream stream
 void swiglu_weighted_backward(Tensor dgate_up, Tensor act, Tensor dtopk_weight, Tensor dact, Tensor gate_up, Tensor topk_weight,
                               Tensor copy_row, Stream stream) {
   const char* op = "swiglu_weighted_backward";
-  const std::array<int64_t, 2> size = check_gate_up(op, gate_up);
-  const int64_t n = size[0], d = size[1];
-  MARROW_CHECK(copy_row.ndim == 2, "{}: copy_row must be [tokens, k], got {}", op, copy_row.shape_string());
-  expect_dtype(op, "copy_row", copy_row, DType::i32);
-  const int64_t copies = copy_row.numel();
-  expect_shape(op, "dgate_up", dgate_up, {n, 2 * d});
-  expect_shape(op, "act", act, {n, d});
-  expect_shape(op, "dact", dact, {n, d});
-  expect_shape(op, "topk_weight", topk_weight, {copy_row.size(0), copy_row.size(1)});
-  expect_shape(op, "dtopk_weight", dtopk_weight, {copy_row.size(0), copy_row.size(1)});
+  const int64_t n = check_weighted(op, dgate_up, act, dtopk_weight, dact, gate_up, topk_weight, copy_row)[0];
+  const int64_t d = gate_up.size(1) / 2, copies = copy_row.numel();
   if (common_device(op, {{"gate_up", &gate_up},
                          {"dgate_up", &dgate_up},
                          {"act", &act},
@@ -292,8 +341,56 @@ void swiglu_weighted_backward(Tensor dgate_up, Tensor act, Tensor dtopk_weight, 
   expect_copy_rows(op, copy_row, n);
   with_cpu_scalar(op, gate_up, [&](auto s) {
     using T = decltype(s);
-    weighted_backward_cpu<T>(dgate_up.ptr<T>(), act.ptr<T>(), dtopk_weight.ptr<T>(), dact.ptr<T>(), gate_up.ptr<T>(),
-                             topk_weight.ptr<T>(), copy_row.ptr<int32_t>(), copies, d);
+    weighted_backward_cpu<T>(dgate_up.ptr<T>(), act.ptr<T>(), nullptr, dtopk_weight.ptr<T>(), dact.ptr<T>(), gate_up.ptr<T>(),
+                             topk_weight.ptr<T>(), copy_row.ptr<int32_t>(), copies, d,
+                             [&](T* out, const T* row) { forward_cpu<T>(out, row, 1, d); },
+                             [&](T* dg, const T* dout, const T* row) { backward_cpu<T>(dg, dout, row, 1, d); });
+  });
+}
+
+void clamped_swiglu_forward(Tensor out, Tensor gate_up, double alpha, double limit, Stream stream) {
+  const char* op = "clamped_swiglu_forward";
+  const std::array<int64_t, 2> size = check_gate_up(op, gate_up);
+  const int64_t n = size[0], d = size[1];
+  expect_shape(op, "out", out, {n, d});
+  check_clamped(op, limit, {{"gate_up", &gate_up}, {"out", &out}});
+  (void)stream;
+  with_cpu_scalar(op, gate_up, [&](auto s) {
+    using T = decltype(s);
+    clamped_forward_cpu<T>(out.ptr<T>(), gate_up.ptr<T>(), n, d, alpha, limit);
+  });
+}
+
+void clamped_swiglu_backward(Tensor dgate_up, Tensor dout, Tensor gate_up, double alpha, double limit, Stream stream) {
+  const char* op = "clamped_swiglu_backward";
+  const std::array<int64_t, 2> size = check_gate_up(op, gate_up);
+  const int64_t n = size[0], d = size[1];
+  expect_shape(op, "dgate_up", dgate_up, {n, 2 * d});
+  expect_shape(op, "dout", dout, {n, d});
+  check_clamped(op, limit, {{"gate_up", &gate_up}, {"dgate_up", &dgate_up}, {"dout", &dout}});
+  (void)stream;
+  with_cpu_scalar(op, gate_up, [&](auto s) {
+    using T = decltype(s);
+    clamped_backward_cpu<T>(dgate_up.ptr<T>(), dout.ptr<T>(), gate_up.ptr<T>(), n, d, alpha, limit);
+  });
+}
+
+void clamped_swiglu_weighted_backward(Tensor dgate_up, Tensor act, Tensor row_weight, Tensor dtopk_weight, Tensor dact, Tensor gate_up,
+                                      Tensor topk_weight, Tensor copy_row, double alpha, double limit, Stream stream) {
+  const char* op = "clamped_swiglu_weighted_backward";
+  const int64_t n = check_weighted(op, dgate_up, act, dtopk_weight, dact, gate_up, topk_weight, copy_row)[0];
+  const int64_t d = gate_up.size(1) / 2, copies = copy_row.numel();
+  expect_shape(op, "row_weight", row_weight, {n});
+  check_clamped(op, limit, {{"gate_up", &gate_up}, {"dgate_up", &dgate_up}, {"act", &act}, {"row_weight", &row_weight}, {"dact", &dact},
+                            {"topk_weight", &topk_weight}, {"dtopk_weight", &dtopk_weight}});
+  (void)stream;
+  expect_copy_rows(op, copy_row, n);
+  with_cpu_scalar(op, gate_up, [&](auto s) {
+    using T = decltype(s);
+    weighted_backward_cpu<T>(dgate_up.ptr<T>(), act.ptr<T>(), row_weight.ptr<T>(), dtopk_weight.ptr<T>(), dact.ptr<T>(), gate_up.ptr<T>(),
+                             topk_weight.ptr<T>(), copy_row.ptr<int32_t>(), copies, d,
+                             [&](T* out, const T* row) { clamped_forward_cpu<T>(out, row, 1, d, alpha, limit); },
+                             [&](T* dg, const T* dout, const T* row) { clamped_backward_cpu<T>(dg, dout, row, 1, d, alpha, limit); });
   });
 }
 

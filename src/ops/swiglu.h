@@ -30,4 +30,22 @@ void swiglu_backward(Tensor dgate_up, Tensor dout, Tensor gate_up, Stream stream
 void swiglu_weighted_backward(Tensor dgate_up, Tensor act, Tensor dtopk_weight, Tensor dact, Tensor gate_up, Tensor topk_weight,
                               Tensor copy_row, Stream stream = {});
 
+// GPT-OSS's clamped SwiGLU (transformers' GptOssExperts._apply_gate) on Hugging Face's interleaved
+// gate_up[R, 2I]: gate in the even columns 2i, up in the odd ones 2i + 1 (its gate_up_proj's layout,
+// which Marrow keeps, so that its tensors are the checkpoint's):
+//   g = min(gate, limit),  u = clamp(up, -limit, limit),  out = (u + 1) * g * sigmoid(alpha * g).
+// The backward passes the gradient through each clamp where torch's clamp backward does, inside
+// the bounds with the bounds included (gate <= limit, -limit <= up <= limit), and zero outside:
+//   dgate = dout * (u + 1) * s * (1 + alpha * g * (1 - s)) * [gate <= limit],  s = sigmoid(alpha * g)
+//   dup   = dout * g * s * [-limit <= up <= limit]
+// limit must be positive. CPU only so far.
+void clamped_swiglu_forward(Tensor out, Tensor gate_up, double alpha, double limit, Stream stream = {});
+// dgate_up[R, 2I] (overwritten) from dout[R, I].
+void clamped_swiglu_backward(Tensor dgate_up, Tensor dout, Tensor gate_up, double alpha, double limit, Stream stream = {});
+// swiglu_weighted_backward for the clamped SwiGLU: dtopk_weight[t, j] = dot(dact[r], act_r) (the
+// down projection's bias term is grouped_bias_dot_add's), act[r] = w act_r, row_weight[r] = w (for
+// the down bias's gradient), dgate_up[r] = clamped_swiglu_backward of w dact[r].
+void clamped_swiglu_weighted_backward(Tensor dgate_up, Tensor act, Tensor row_weight, Tensor dtopk_weight, Tensor dact, Tensor gate_up,
+                                      Tensor topk_weight, Tensor copy_row, double alpha, double limit, Stream stream = {});
+
 }  // namespace marrow

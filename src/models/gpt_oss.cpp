@@ -1,0 +1,497 @@
+#include "models/gpt_oss.h"
+
+#include <algorithm>
+
+#include "ops/attention.h"
+#include "ops/bias.h"
+#include "ops/combine.h"
+#include "ops/cross_entropy.h"
+#include "ops/dispatch.h"
+#include "ops/embedding.h"
+#include "ops/grouped_linear.h"
+#include "ops/grouped_linear_fp8.h"
+#include "ops/init.h"
+#include "ops/linear.h"
+#include "ops/rmsnorm.h"
+#include "ops/rope.h"
+#include "ops/router.h"
+#include "ops/swiglu.h"
+
+namespace marrow {
+
+namespace {
+
+// transformers 5 writes rope_parameters; files on the Hub have rope_theta and rope_scaling.
+RopeParameters read_rope(const JsonFields& f, const std::string& source) {
+  const bool nested = f.has("rope_parameters");
+  MARROW_CHECK(nested || f.has("rope_scaling"), "{}: rope_parameters (or rope_scaling) is missing", source);
+  JsonFields rope(f.raw(nested ? "rope_parameters" : "rope_scaling"), source + (nested ? ": rope_parameters" : ": rope_scaling"));
+  RopeParameters r;
+  r.theta = nested ? rope.number("rope_theta", 150000.0) : f.number("rope_theta", 150000.0);
+  const std::string type = rope.string("rope_type", "default");
+  MARROW_CHECK(type == "yarn" || type == "default", "{}: rope_type '{}' is not supported (yarn or default)", source, type);
+  if (type == "default") return r;
+  r.yarn = true;
+  r.factor = rope.number("factor");
+  r.beta_fast = rope.number("beta_fast", 32.0);
+  r.beta_slow = rope.number("beta_slow", 1.0);
+  r.attention_factor = rope.number("attention_factor", 0.0);
+  r.original_max_positions = rope.positive("original_max_position_embeddings");
+  r.truncate = rope.boolean("truncate", true);
+  return r;
+}
+
+// layer_types, or Hugging Face's default: sliding windows on even layers (0, 2, ...).
+std::vector<bool> read_layer_types(const JsonFields& f, int64_t layers, const std::string& source) {
+  std::vector<bool> sliding(static_cast<size_t>(layers), false);
+  for (int64_t i = 0; i < layers; ++i) sliding[size_t(i)] = (i + 1) % 2 == 1;
+  if (!f.has("layer_types")) return sliding;
+  const Json& types = f.raw("layer_types");
+  MARROW_CHECK(types.is_array() && int64_t(types.size()) == layers, "{}: layer_types must list {} layers, got {}", source, layers,
+               types.dump());
+  for (int64_t i = 0; i < layers; ++i) {
+    const Json& t = types[size_t(i)];
+    MARROW_CHECK(t == "sliding_attention" || t == "full_attention",
+                 "{}: layer_types[{}] is {}, not \"sliding_attention\" or \"full_attention\"", source, i, t.dump());
+    sliding[size_t(i)] = t == "sliding_attention";
+  }
+  return sliding;
+}
+
+void check_values(const GptOssConfig& c, const std::string& source) {
+  MARROW_CHECK(c.rms_norm_eps > 0, "{}: rms_norm_eps must be positive, got {}", source, c.rms_norm_eps);
+  MARROW_CHECK(c.rope.theta > 0, "{}: rope_theta must be positive, got {}", source, c.rope.theta);
+  MARROW_CHECK(!c.rope.yarn || c.rope.factor >= 1, "{}: the yarn factor must be at least 1, got {}", source, c.rope.factor);
+  MARROW_CHECK(c.initializer_range > 0, "{}: initializer_range must be positive, got {}", source, c.initializer_range);
+  MARROW_CHECK(c.router_aux_loss_coef >= 0, "{}: router_aux_loss_coef must not be negative, got {}", source, c.router_aux_loss_coef);
+  MARROW_CHECK(c.swiglu_limit > 0, "{}: swiglu_limit must be positive, got {}", source, c.swiglu_limit);
+  MARROW_CHECK(c.num_heads % c.num_kv_heads == 0, "{}: num_attention_heads ({}) must be a multiple of num_key_value_heads ({})", source,
+               c.num_heads, c.num_kv_heads);
+  MARROW_CHECK(c.head_dim % 2 == 0, "{}: head_dim must be even for rotary embeddings, got {}", source, c.head_dim);
+  MARROW_CHECK(c.top_k <= c.num_experts, "{}: num_experts_per_tok ({}) exceeds num_local_experts ({})", source, c.top_k, c.num_experts);
+}
+
+void refuse_unsupported(const JsonFields& f, const std::string& source) {
+  MARROW_CHECK(!f.boolean("tie_word_embeddings", false), "{}: tie_word_embeddings = true is not supported", source);
+  MARROW_CHECK(f.boolean("attention_bias", true), "{}: attention_bias = false is not supported", source);
+  MARROW_CHECK(f.number("attention_dropout", 0.0) == 0.0, "{}: attention_dropout must be 0", source);
+  MARROW_CHECK(!f.has("quantization_config"),
+               "{}: quantization_config is not supported: Marrow reads bf16 or fp32 weights (dequantize the MXFP4 experts first)", source);
+}
+
+}  // namespace
+
+GptOssConfig GptOssConfig::from_json(const Json& json, const std::string& source) {
+  JsonFields f(json, source);
+  GptOssConfig c;
+  c.json = json;
+  const std::string model_type = f.string("model_type");
+  MARROW_CHECK(model_type == "gpt_oss", "{}: model_type is '{}' but this model is gpt_oss", source, model_type);
+  if (f.has("architectures")) {
+    const Json& arch = f.raw("architectures");
+    MARROW_CHECK(arch.is_array() && arch.size() == 1 && arch[0] == "GptOssForCausalLM",
+                 "{}: architectures must be [\"GptOssForCausalLM\"], got {}", source, arch.dump());
+  }
+  c.vocab_size = f.positive("vocab_size");
+  c.hidden_size = f.positive("hidden_size");
+  c.num_layers = f.positive("num_hidden_layers");
+  c.num_heads = f.positive("num_attention_heads");
+  c.num_kv_heads = f.positive("num_key_value_heads");
+  c.head_dim = f.positive("head_dim", c.hidden_size / c.num_heads);
+  c.num_experts = f.has("num_local_experts") ? f.positive("num_local_experts") : f.positive("num_experts");
+  c.top_k = f.positive("num_experts_per_tok");
+  c.expert_intermediate_size = f.positive("intermediate_size");
+  c.sliding_window = f.positive("sliding_window", 128);
+  c.rms_norm_eps = f.number("rms_norm_eps", 1e-5);
+  c.initializer_range = f.number("initializer_range", 0.02);
+  c.router_aux_loss_coef = f.number("router_aux_loss_coef", 0.001);
+  c.swiglu_alpha = f.number("swiglu_alpha", 1.702);
+  c.swiglu_limit = f.number("swiglu_limit", 7.0);
+  c.rope = read_rope(f, source);
+  c.sliding = read_layer_types(f, c.num_layers, source);
+  check_values(c, source);
+  refuse_unsupported(f, source);
+  return c;
+}
+
+GptOss::GptOss(const Config& config, DType dtype, Device device, ExpertShard experts)
+    : config_(config), dtype_(dtype), device_(device) {
+  const Config& c = config_;
+  MARROW_CHECK(device == Device::cpu, "gpt_oss runs on the CPU only so far: its GPU kernels (attention sinks and windows, biases, the "
+                                      "clamped SwiGLU) are not built yet");
+  MARROW_CHECK(experts.count < 0 || (experts.first == 0 && experts.count == c.num_experts),
+               "gpt_oss does not support expert parallelism yet (parallel.ep must be 1): its fused expert tensors are not split by expert");
+  const int64_t H = c.hidden_size, D = c.head_dim, I = c.expert_intermediate_size, E = c.num_experts;
+  int64_t layer = -1;  // TensorSpec::layer of the tensors added next: -1 is the prolog (embedding)
+  auto add = [&](std::string name, std::vector<int64_t> shape, bool is_norm, bool is_expert = false) {
+    const bool first_writes = is_expert || (layer == c.num_layers && !is_norm);
+    TensorSpec s{std::move(name), std::move(shape), num_parameters_, 1, is_norm, first_writes, is_expert, layer};
+    for (int64_t d : s.shape) s.numel *= d;
+    num_parameters_ += s.numel;
+    specs_.push_back(std::move(s));
+  };
+  add("model.embed_tokens.weight", {c.vocab_size, H}, false);
+  for (layer = 0; layer < c.num_layers; ++layer) {
+    const std::string p = fmt::format("model.layers.{}.", layer);
+    for (const auto& [proj, rows] : {std::pair{"q_proj", c.num_heads * D}, {"k_proj", c.num_kv_heads * D}, {"v_proj", c.num_kv_heads * D}}) {
+      add(p + "self_attn." + proj + ".weight", {rows, H}, false);
+      add(p + "self_attn." + proj + ".bias", {rows}, false);
+    }
+    add(p + "self_attn.o_proj.weight", {H, c.num_heads * D}, false);
+    add(p + "self_attn.o_proj.bias", {H}, false);
+    add(p + "self_attn.sinks", {c.num_heads}, false);
+    add(p + "mlp.router.weight", {E, H}, false);
+    add(p + "mlp.router.bias", {E}, false);
+    add(p + "mlp.experts.gate_up_proj", {E, H, 2 * I}, false, true);
+    add(p + "mlp.experts.gate_up_proj_bias", {E, 2 * I}, false, true);
+    add(p + "mlp.experts.down_proj", {E, I, H}, false, true);
+    add(p + "mlp.experts.down_proj_bias", {E, H}, false, true);
+  }
+  layer = c.num_layers;
+  add("lm_head.weight", {c.vocab_size, H}, false);
+  for (layer = 0; layer < c.num_layers; ++layer) {
+    const std::string p = fmt::format("model.layers.{}.", layer);
+    add(p + "input_layernorm.weight", {H}, true);
+    add(p + "post_attention_layernorm.weight", {H}, true);
+  }
+  layer = c.num_layers;
+  add("model.norm.weight", {H}, true);
+}
+
+int64_t GptOss::num_active_parameters() const {
+  const Config& c = config_;
+  const int64_t H = c.hidden_size, D = c.head_dim, I = c.expert_intermediate_size;
+  const int64_t attention = H * D * (2 * c.num_heads + 2 * c.num_kv_heads);
+  const int64_t experts = c.top_k * 3 * H * I;
+  return c.num_layers * (attention + c.num_experts * H + experts) + c.vocab_size * H;
+}
+
+GptOssWeights GptOss::bind(const Placement& placement) const {
+  const Config& c = config_;
+  const int64_t H = c.hidden_size, D = c.head_dim, I = c.expert_intermediate_size, E = c.num_experts;
+  size_t next = 0;
+  auto take = [&](std::initializer_list<int64_t> dims) { return placement.slice(specs_.at(next++).offset, dims); };
+  GptOssWeights w;
+  w.embed = take({c.vocab_size, H});
+  w.layers.resize(size_t(c.num_layers));
+  for (auto& L : w.layers) {
+    L.layer = &L - w.layers.data();
+    L.q_proj = take({c.num_heads * D, H});
+    L.q_bias = take({c.num_heads * D});
+    L.k_proj = take({c.num_kv_heads * D, H});
+    L.k_bias = take({c.num_kv_heads * D});
+    L.v_proj = take({c.num_kv_heads * D, H});
+    L.v_bias = take({c.num_kv_heads * D});
+    L.o_proj = take({H, c.num_heads * D});
+    L.o_bias = take({H});
+    L.sinks = take({c.num_heads});
+    L.router = take({E, H});
+    L.router_bias = take({E});
+    L.experts_gate_up = take({E, H, 2 * I});
+    L.experts_gate_up_bias = take({E, 2 * I});
+    L.experts_down = take({E, I, H});
+    L.experts_down_bias = take({E, H});
+  }
+  w.lm_head = take({c.vocab_size, H});
+  for (auto& L : w.layers) {
+    L.input_norm = take({H});
+    L.post_norm = take({H});
+  }
+  w.final_norm = take({H});
+  MARROW_CHECK(next == specs_.size(), "internal: bound {} of {} parameter tensors", next, specs_.size());
+  return w;
+}
+
+void GptOss::initialize(const Arena& params, uint64_t seed) const {
+  MARROW_CHECK(params.all().numel() == num_parameters_, "parameter arena holds {} elements but the model has {}", params.all().numel(),
+               num_parameters_);
+  for (const TensorSpec& s : specs_) initialize(params.slice(s.offset, {s.numel}), s, 0, seed);
+}
+
+void GptOss::initialize(Tensor out, const TensorSpec& spec, int64_t first, uint64_t seed) const {
+  MARROW_CHECK(first >= 0 && first + out.numel() <= spec.numel, "internal: elements [{}, {}) of {} with {} elements", first,
+               first + out.numel(), spec.name, spec.numel);
+  const bool zero_bias = spec.name.ends_with("bias") && !spec.name.ends_with("router.bias");
+  if (spec.is_norm) fill_constant(out, 1.0);
+  else if (zero_bias) fill_constant(out, 0.0);
+  else fill_normal(out, seed, spec.name, config_.initializer_range, first);
+}
+
+void GptOss::prolog_forward(Tensor x, const GptOssBatch& batch, const GptOssWeights& w) const {
+  embedding_forward(x, batch.input_ids, w.embed);
+}
+
+void GptOss::prolog_backward(const GptOssWeights& grads, Tensor dx, const GptOssBatch& batch, Tensor known_zero) const {
+  embedding_backward(grads.embed, dx, batch.input_ids, known_zero);
+}
+
+Buffer GptOss::input_norm(GptOssAttentionActivations& a, const GptOssLayerWeights& w) const {
+  Buffer h1 = buffer({a.x.view().size(0), config_.hidden_size});
+  rmsnorm_forward(h1, a.rstd1, a.x, w.input_norm, config_.rms_norm_eps);
+  return h1;
+}
+
+int64_t GptOss::window(const GptOssLayerWeights& w) const { return config_.sliding[size_t(w.layer)] ? config_.sliding_window : 0; }
+
+void GptOss::attention_forward(GptOssAttentionActivations& a, Buffer x, const GptOssBatch& batch, const GptOssLayerWeights& w) const {
+  const Config& c = config_;
+  const int64_t B = batch.batch, S = batch.seq, T = B * S, H = c.hidden_size, D = c.head_dim;
+  const int64_t Hq = c.num_heads, Hkv = c.num_kv_heads, E = c.num_experts, K = c.top_k;
+  expect_shape("GptOss::attention_forward", "x", x, {T, H});
+  MARROW_CHECK(batch.attention == nullptr, "gpt_oss does not support context parallelism yet (parallel.cp must be 1)");
+  a.x = std::move(x);
+  a.rstd1 = stats({T});
+  Buffer q = buffer({T, Hq, D}), k = buffer({T, Hkv, D});
+  a.v = buffer({T, Hkv * D});
+  {
+    const Buffer h1 = input_norm(a, w);
+    linear_forward(q.view().reshape({T, Hq * D}), h1, w.q_proj);
+    bias_forward(q.view().reshape({T, Hq * D}), w.q_bias);
+    linear_forward(k.view().reshape({T, Hkv * D}), h1, w.k_proj);
+    bias_forward(k.view().reshape({T, Hkv * D}), w.k_bias);
+    linear_forward(a.v, h1, w.v_proj);
+    bias_forward(a.v, w.v_bias);
+  }
+  a.q_rope = buffer({T, Hq, D});
+  a.k_rope = buffer({T, Hkv, D});
+  rope_forward(a.q_rope, q, batch.positions, c.rope);
+  rope_forward(a.k_rope, k, batch.positions, c.rope);
+  a.attn = buffer({B, S, Hq, D});
+  a.lse = stats({B, Hq, S});
+  marrow::attention_forward(a.attn, a.lse, a.q_rope.view().reshape({B, S, Hq, D}), a.k_rope.view().reshape({B, S, Hkv, D}),
+                            a.v.view().reshape({B, S, Hkv, D}), AttentionVariant{w.sinks, window(w)});
+  a.x_mid = buffer({T, H});
+  linear_forward(a.x_mid, a.attn.view().reshape({T, Hq * D}), w.o_proj);
+  bias_forward(a.x_mid, w.o_bias);
+  a.h2 = buffer({T, H});
+  a.rstd2 = stats({T});
+  rmsnorm_add_forward(a.h2, a.x_mid, a.rstd2, a.x_mid, a.x, w.post_norm, c.rms_norm_eps);
+  // Hugging Face takes the top k of the logits and a softmax over those k: the top k of the
+  // softmax over all experts, renormalised over the k (router_forward's normalize), which the
+  // load-balance statistics also need.
+  Buffer logits = stats({T, E});
+  linear_forward(logits, a.h2, w.router);
+  bias_forward(logits, w.router_bias);
+  a.probs = stats({T, E});
+  a.topk_index = Buffer(DType::i32, device_, {T, K});
+  a.topk_weight = stats({T, K});
+  router_forward(a.probs, a.topk_index, a.topk_weight, logits, true);
+  a.routing_stats = stats({2 * E + 1});
+  router_statistics(a.routing_stats, a.probs, a.topk_index);
+}
+
+void GptOss::add_aux_loss(Tensor total, const GptOssAttentionActivations& a) const { router_aux_loss_add(total, a.routing_stats); }
+
+void GptOss::attention_backward(Tensor dx, const GptOssLayerWeights& grads, Tensor dx_mid, Tensor dh2, Tensor dtopk_weight, double aux_grad,
+                                GptOssAttentionActivations& a, const GptOssBatch& batch, const GptOssLayerWeights& w) const {
+  const Config& c = config_;
+  const int64_t B = batch.batch, S = batch.seq, T = B * S, H = c.hidden_size, D = c.head_dim;
+  const int64_t Hq = c.num_heads, Hkv = c.num_kv_heads, E = c.num_experts;
+  expect_shape("GptOss::attention_backward", "dx", dx, {T, H});
+  expect_shape("GptOss::attention_backward", "dx_mid", dx_mid, {T, H});
+  expect_shape("GptOss::attention_backward", "dh2", dh2, {T, H});
+
+  Buffer dlogits = buffer({T, E});
+  router_backward(dlogits, dtopk_weight, a.probs, a.topk_index, a.topk_weight, true, aux_grad, a.routing_stats);
+  linear_backward_weight(grads.router, dlogits, a.h2);
+  bias_backward(grads.router_bias, dlogits);
+  linear_backward_input(dh2, dlogits, w.router, true);
+
+  Buffer dres = buffer({T, H});
+  rmsnorm_backward(dres, grads.post_norm, dh2, a.x_mid, w.post_norm, a.rstd2, dx_mid);
+  linear_backward_weight(grads.o_proj, dres, a.attn.view().reshape({T, Hq * D}));
+  bias_backward(grads.o_bias, dres);
+  Buffer dattn = buffer({T, Hq * D});
+  linear_backward_input(dattn, dres, w.o_proj);
+
+  Buffer dq_rope = buffer({T, Hq, D}), dk_rope = buffer({T, Hkv, D}), dv = buffer({T, Hkv * D});
+  marrow::attention_backward(dq_rope.view().reshape({B, S, Hq, D}), dk_rope.view().reshape({B, S, Hkv, D}),
+                             dv.view().reshape({B, S, Hkv, D}), grads.sinks, dattn.view().reshape({B, S, Hq, D}),
+                             a.q_rope.view().reshape({B, S, Hq, D}), a.k_rope.view().reshape({B, S, Hkv, D}),
+                             a.v.view().reshape({B, S, Hkv, D}), a.attn, a.lse, AttentionVariant{w.sinks, window(w)});
+  Buffer dq = buffer({T, Hq, D}), dk = buffer({T, Hkv, D});
+  rope_backward(dq, dq_rope, batch.positions, c.rope);
+  rope_backward(dk, dk_rope, batch.positions, c.rope);
+  const Tensor dq_2d = dq.view().reshape({T, Hq * D}), dk_2d = dk.view().reshape({T, Hkv * D});
+  {
+    const Buffer h1 = input_norm(a, w);
+    linear_backward_weight(grads.q_proj, dq_2d, h1);
+    linear_backward_weight(grads.k_proj, dk_2d, h1);
+    linear_backward_weight(grads.v_proj, dv, h1);
+  }
+  bias_backward(grads.q_bias, dq_2d);
+  bias_backward(grads.k_bias, dk_2d);
+  bias_backward(grads.v_bias, dv);
+  Buffer dh1 = buffer({T, H});
+  linear_backward_input(dh1, dq_2d, w.q_proj);
+  linear_backward_input(dh1, dk_2d, w.k_proj, true);
+  linear_backward_input(dh1, dv, w.v_proj, true);
+  rmsnorm_backward(dx, grads.input_norm, dh1, a.x, w.input_norm, a.rstd1, dres);
+  a = GptOssAttentionActivations{};
+}
+
+// The fused expert weights are [E, in, out]: x [R, in] times W_e is grouped_linear_backward_input's
+// product (dy [R, O] W_e with W [E, O, I]), and dy times W_e^T grouped_linear_forward's.
+void GptOss::experts_forward(Tensor y_perm, GptOssExpertActivations& e, Buffer x_perm, Tensor expert_offsets,
+                             const GptOssLayerWeights& w) const {
+  const int64_t R = x_perm.view().size(0), I = config_.expert_intermediate_size;
+  MARROW_CHECK(!expert_fp8(), "train.fp8 is not supported for gpt_oss yet");
+  e.x_perm = std::move(x_perm);
+  e.gate_up = buffer({R, 2 * I});
+  grouped_linear_backward_input(e.gate_up, e.x_perm, w.experts_gate_up, expert_offsets);
+  grouped_bias_forward(e.gate_up, w.experts_gate_up_bias, expert_offsets);
+  const Buffer act = buffer({R, I});
+  clamped_swiglu_forward(act, e.gate_up, config_.swiglu_alpha, config_.swiglu_limit);
+  grouped_linear_backward_input(y_perm, act, w.experts_down, expert_offsets);
+  grouped_bias_forward(y_perm, w.experts_down_bias, expert_offsets);
+}
+
+void GptOss::experts_backward(Tensor dx_perm, const GptOssLayerWeights& grads, Tensor dy_perm, GptOssExpertActivations& e,
+                              Tensor expert_offsets, const GptOssLayerWeights& w, bool overwrite_grads, Tensor squares,
+                              Tensor known_zero) const {
+  experts_backward_input(dx_perm, dy_perm, e, expert_offsets, w);
+  experts_backward_weights(grads, dy_perm, e, expert_offsets, overwrite_grads, squares, known_zero);
+}
+
+namespace {
+int64_t squares_count(Tensor dweight) { return grouped_weight_squares_count(dweight.size(0), dweight.size(1), dweight.size(2)); }
+
+// A layer's record of its expert weight gradients (squares or known_zero: `down` entries for the
+// down projection, then gate_up's), cut in two (empty when not given).
+std::pair<Tensor, Tensor> split_record(const char* name, Tensor record, int64_t down, int64_t expected) {
+  if (record.data == nullptr) return {};
+  MARROW_CHECK(record.ndim == 1 && record.numel() == expected,
+               "experts_backward_weights: {} has shape {} but the layer's expert gradients need [{}]", name, record.shape_string(), expected);
+  return {record.rows(0, down), record.rows(down, record.numel())};
+}
+}  // namespace
+
+int64_t GptOss::expert_squares_count(const GptOssLayerWeights& grads) const {
+  return squares_count(grads.experts_down) + squares_count(grads.experts_gate_up);
+}
+
+int64_t GptOss::expert_known_zero_count(const GptOssLayerWeights& grads) const {
+  return grads.experts_down.size(0) + grads.experts_gate_up.size(0);
+}
+
+std::vector<std::pair<Tensor, Tensor>> GptOss::expert_known_zero_parts(const GptOssLayerWeights& grads, Tensor known_zero) const {
+  const int64_t down = grads.experts_down.size(0);
+  return {{grads.experts_down, known_zero.rows(0, down)}, {grads.experts_gate_up, known_zero.rows(down, known_zero.numel())}};
+}
+
+// dy_perm holds each copy's output gradient unweighted (aggregate_backward): the routing weights
+// are applied here, and the weights' gradient written, as for Qwen3-MoE (ops/swiglu.h's
+// swiglu_weighted_backward), plus the down projection's bias term dot(dy[r], down_bias[e]).
+void GptOss::experts_backward_input(Tensor dx_perm, Tensor dy_perm, GptOssExpertActivations& e, Tensor expert_offsets,
+                                    const GptOssLayerWeights& w) const {
+  const int64_t R = e.gate_up.view().size(0), I = config_.expert_intermediate_size;
+  MARROW_CHECK(e.copy_row.data != nullptr, "internal: gpt_oss's experts backward needs aggregate_backward's routing weights");
+  Buffer dact = buffer({R, I});
+  grouped_linear_forward(dact, dy_perm, w.experts_down, expert_offsets);
+  e.act = buffer({R, I});
+  e.dgate_up = buffer({R, 2 * I});
+  e.row_weight = stats({R});
+  clamped_swiglu_weighted_backward(e.dgate_up, e.act, e.row_weight, e.dtopk_weight, dact, e.gate_up, e.topk_weight, e.copy_row,
+                                   config_.swiglu_alpha, config_.swiglu_limit);
+  grouped_bias_dot_add(e.dtopk_weight, dy_perm, w.experts_down_bias, expert_offsets, e.copy_row);
+  e.topk_weight = e.copy_row = e.dtopk_weight = Tensor{};
+  e.gate_up = Buffer{};
+  grouped_linear_forward(dx_perm, e.dgate_up, w.experts_gate_up, expert_offsets);
+}
+
+void GptOss::experts_backward_weights(const GptOssLayerWeights& grads, Tensor dy_perm, GptOssExpertActivations& e, Tensor expert_offsets,
+                                      bool overwrite_grads, Tensor squares, Tensor known_zero) const {
+  const auto [down_squares, gate_up_squares] = split_record("squares", squares, squares_count(grads.experts_down), expert_squares_count(grads));
+  const auto [down_zero, gate_up_zero] = split_record("known_zero", known_zero, grads.experts_down.size(0), expert_known_zero_count(grads));
+  // dW_down [E, I, H] = act_w^T dy and dW_gate_up [E, H, 2I] = x^T dgate_up: grouped dW of [O, I] = dy^T x with the roles swapped.
+  grouped_linear_backward_weight(grads.experts_down, e.act, dy_perm, expert_offsets, overwrite_grads, down_squares, down_zero);
+  grouped_bias_backward(grads.experts_down_bias, dy_perm, expert_offsets, overwrite_grads, e.row_weight);
+  grouped_linear_backward_weight(grads.experts_gate_up, e.x_perm, e.dgate_up, expert_offsets, overwrite_grads, gate_up_squares, gate_up_zero);
+  grouped_bias_backward(grads.experts_gate_up_bias, e.dgate_up, expert_offsets, overwrite_grads);
+  e = GptOssExpertActivations{};
+}
+
+void GptOss::experts_backward_weights_pair(const GptOssLayerWeights& grads, Tensor earlier_dy_perm, GptOssExpertActivations& earlier,
+                                           Tensor earlier_offsets, Tensor dy_perm, GptOssExpertActivations& e, Tensor expert_offsets,
+                                           bool overwrite_grads, Tensor squares, Tensor known_zero) const {
+  // Both calls update the squares and the known-zero flags in place, so the second sees the first's.
+  experts_backward_weights(grads, earlier_dy_perm, earlier, earlier_offsets, overwrite_grads, squares, known_zero);
+  experts_backward_weights(grads, dy_perm, e, expert_offsets, false, squares, known_zero);
+}
+
+void GptOss::aggregate_forward(Tensor out, const GptOssAttentionActivations& a, Tensor y_perm, Tensor copy_row) const {
+  combine_forward(out, a.x_mid, y_perm, a.topk_weight, copy_row);
+}
+
+void GptOss::aggregate_backward_rows(Tensor dy_perm, Tensor dout, Tensor copy_row) const { dispatch_forward(dy_perm, dout, copy_row); }
+
+void GptOss::aggregate_backward(Tensor dy_perm, Tensor dtopk_weight, Tensor dout, const GptOssAttentionActivations& a, Tensor copy_row,
+                                GptOssExpertActivations& e) const {
+  aggregate_backward_rows(dy_perm, dout, copy_row);
+  e.topk_weight = a.topk_weight;
+  e.copy_row = copy_row;
+  e.dtopk_weight = dtopk_weight;
+}
+
+HostSum GptOss::epilog_forward(GptOssEpilogActivations& p, Buffer x, const GptOssBatch& batch, const GptOssWeights& w,
+                               const GptOssWeights* grads, double loss_scale, bool overwrite_grads) const {
+  const int64_t T = batch.batch * batch.seq, H = config_.hidden_size, V = config_.vocab_size;
+  expect_shape("GptOss::epilog_forward", "x", x, {T, H});
+  p.x = std::move(x);
+  p.h = buffer({T, H});
+  p.rstd = stats({T});
+  rmsnorm_forward(p.h, p.rstd, p.x, w.final_norm, config_.rms_norm_eps);
+  p.lse = stats({T});
+  p.token_loss = stats({T});
+  p.logits = buffer({T, V});
+  linear_forward(p.logits, p.h, w.lm_head);
+  cross_entropy_forward(p.token_loss, p.lse, p.logits, batch.targets);
+  if (grads != nullptr) {
+    p.dh = buffer({T, H});
+    cross_entropy_backward(p.logits, p.logits, p.lse, batch.targets, loss_scale);
+    linear_backward_weight(grads->lm_head, p.logits, p.h, overwrite_grads);
+    linear_backward_input(p.dh, p.logits, w.lm_head);
+    p.logits = Buffer{};
+  }
+  HostSum loss;
+  loss.add(p.token_loss);
+  return loss;
+}
+
+void GptOss::epilog_backward(Tensor dx, const GptOssWeights& grads, double loss_scale, GptOssEpilogActivations& p, const GptOssBatch& batch,
+                             const GptOssWeights& w, bool overwrite_grads) const {
+  const int64_t T = batch.batch * batch.seq, H = config_.hidden_size;
+  if (p.dh.view().data == nullptr) {
+    p.dh = buffer({T, H});
+    cross_entropy_backward(p.logits, p.logits, p.lse, batch.targets, loss_scale);
+    linear_backward_weight(grads.lm_head, p.logits, p.h, overwrite_grads);
+    linear_backward_input(p.dh, p.logits, w.lm_head);
+  }
+  rmsnorm_backward(dx, grads.final_norm, p.dh, p.x, w.final_norm, p.rstd);
+  p = GptOssEpilogActivations{};
+}
+
+// Mirrors the stage functions above buffer by buffer (the CPU path: every buffer in the model's dtype).
+ModelActivationBytes GptOss::activation_bytes(int64_t batch, int64_t seq, int64_t expert_rows) const {
+  const Config& c = config_;
+  const int64_t T = batch * seq, R = expert_rows, H = c.hidden_size, D = c.head_dim, I = c.expert_intermediate_size;
+  const int64_t q = c.num_heads * D, kv = c.num_kv_heads * D, E = c.num_experts, K = c.top_k, V = c.vocab_size;
+  const int64_t a = int64_t(dtype_size(dtype_)), i32 = 4;
+  ModelActivationBytes m;
+  m.attention_heads = {c.num_heads, c.num_kv_heads, D};
+  // x, q_rope, k_rope, v, attn, x_mid, h2; rstd1, lse, rstd2, probs, topk weights, statistics; top-k.
+  m.attention.kept = T * (3 * H + 2 * q + 2 * kv) * a + (T * (2 + c.num_heads + E + K) + 2 * E + 1) * a + T * K * i32;
+  // h1 with q and k before RoPE, then the router logits.
+  m.attention.forward_scratch = std::max(T * (H + q + kv) * a, T * E * a);
+  // dlogits, dres, dattn, dq_rope, dk_rope, dv; then dq, dk, h1 and dh1.
+  m.attention.backward_scratch = T * (E + H + 2 * q + 2 * kv) * a + T * (q + kv + 2 * H) * a;
+  m.experts.kept = R * 2 * I * a;
+  m.experts.forward_scratch = R * I * a;
+  m.experts.backward_scratch = R * (4 * I + 1) * a;
+  m.experts.held_for_weights = R * (3 * I + 1) * a;
+  m.epilog.kept = T * (2 * H + V) * a + 3 * T * a;
+  m.epilog.backward_scratch = T * H * a;
+  return m;
+}
+
+}  // namespace marrow

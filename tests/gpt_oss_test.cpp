@@ -1,0 +1,200 @@
+#include "models/gpt_oss.h"
+
+#include "engine/step.h"
+#include "gradcheck.h"
+#include "ops/cross_entropy.h"
+
+namespace marrow {
+namespace {
+
+// Two layers (the first in a sliding window of 3, the second full), YaRN RoPE, a SwiGLU clamp low
+// enough that some inputs pass it.
+Json tiny_config_json() {
+  return Json{{"model_type", "gpt_oss"},
+              {"architectures", {"GptOssForCausalLM"}},
+              {"vocab_size", 40},
+              {"hidden_size", 16},
+              {"num_hidden_layers", 2},
+              {"num_attention_heads", 4},
+              {"num_key_value_heads", 2},
+              {"head_dim", 8},
+              {"num_local_experts", 8},
+              {"num_experts_per_tok", 2},
+              {"intermediate_size", 12},
+              {"sliding_window", 3},
+              {"swiglu_limit", 1.5},
+              {"rope_parameters",
+               {{"rope_type", "yarn"},
+                {"rope_theta", 150000.0},
+                {"factor", 32.0},
+                {"beta_fast", 32.0},
+                {"beta_slow", 1.0},
+                {"truncate", false},
+                {"original_max_position_embeddings", 4096}}},
+              {"rms_norm_eps", 1e-5}};
+}
+
+std::string config_error(Json json) {
+  try {
+    GptOssConfig::from_json(json, "config.json");
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "no error";
+}
+
+TEST(GptOssConfig, ReadsHuggingFaceFields) {
+  GptOssConfig c = GptOssConfig::from_json(tiny_config_json(), "config.json");
+  EXPECT_EQ(c.num_experts, 8);
+  EXPECT_EQ(c.expert_intermediate_size, 12);
+  EXPECT_EQ(c.sliding_window, 3);
+  EXPECT_EQ(c.sliding, (std::vector<bool>{true, false}));  // Hugging Face's default: even layers slide
+  EXPECT_TRUE(c.rope.yarn);
+  EXPECT_EQ(c.rope.original_max_positions, 4096);
+  EXPECT_FALSE(c.rope.truncate);
+  EXPECT_EQ(c.swiglu_alpha, 1.702);
+  // The Hub's files: rope_theta and rope_scaling at the top level, layer_types given.
+  Json j = tiny_config_json();
+  j["rope_scaling"] = j["rope_parameters"];
+  j["rope_scaling"].erase("rope_theta");
+  j.erase("rope_parameters");
+  j["rope_theta"] = 5e5;
+  j["layer_types"] = {"full_attention", "sliding_attention"};
+  c = GptOssConfig::from_json(j, "config.json");
+  EXPECT_EQ(c.rope.theta, 5e5);
+  EXPECT_EQ(c.sliding, (std::vector<bool>{false, true}));
+}
+
+TEST(GptOssConfig, BadFieldsGiveOneSentence) {
+  Json j = tiny_config_json();
+  j.erase("intermediate_size");
+  EXPECT_EQ(config_error(j), "config.json: required key 'intermediate_size' is missing");
+  j = tiny_config_json();
+  j["model_type"] = "qwen3_moe";
+  EXPECT_EQ(config_error(j), "config.json: model_type is 'qwen3_moe' but this model is gpt_oss");
+  j = tiny_config_json();
+  j["layer_types"] = {"full_attention"};
+  EXPECT_EQ(config_error(j), "config.json: layer_types must list 2 layers, got [\"full_attention\"]");
+  j = tiny_config_json();
+  j["layer_types"] = {"full_attention", "local"};
+  EXPECT_EQ(config_error(j), "config.json: layer_types[1] is \"local\", not \"sliding_attention\" or \"full_attention\"");
+  j = tiny_config_json();
+  j["rope_parameters"]["rope_type"] = "longrope";
+  EXPECT_EQ(config_error(j), "config.json: rope_type 'longrope' is not supported (yarn or default)");
+  j = tiny_config_json();
+  j["quantization_config"] = {{"quant_method", "mxfp4"}};
+  EXPECT_EQ(config_error(j), "config.json: quantization_config is not supported: Marrow reads bf16 or fp32 weights (dequantize the "
+                             "MXFP4 experts first)");
+  j = tiny_config_json();
+  j["num_experts_per_tok"] = 9;
+  EXPECT_EQ(config_error(j), "config.json: num_experts_per_tok (9) exceeds num_local_experts (8)");
+}
+
+TEST(GptOss, RefusesWhatIsNotBuiltYetInOneSentence) {
+  const GptOssConfig c = GptOssConfig::from_json(tiny_config_json(), "config.json");
+  try {
+    GptOss m(c, DType::f32, Device::cpu, ExpertShard{0, 4});
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(), "gpt_oss does not support expert parallelism yet (parallel.ep must be 1): its fused expert tensors are not "
+                           "split by expert");
+  }
+}
+
+// Hugging Face's tensors, in its names and shapes; biases start at zero except the router's.
+TEST(GptOss, ParameterTableIsHuggingFacesAndInitialisesAsItDoes) {
+  GptOss m(GptOssConfig::from_json(tiny_config_json(), "config.json"), DType::f32, Device::cpu);
+  Arena a("parameters", DType::f32, Device::cpu, m.num_parameters());
+  m.initialize(a, 5);
+  int64_t total = 0;
+  for (const TensorSpec& s : m.specs()) {
+    total += s.numel;
+    const Tensor t = a.slice(s.offset, {s.numel});
+    double sum_abs = 0;
+    for (int64_t i = 0; i < s.numel; ++i) sum_abs += std::abs(testing::element(t, i));
+    const bool zero = s.name.ends_with("bias") && !s.name.ends_with("router.bias");
+    if (s.is_norm) EXPECT_EQ(sum_abs, double(s.numel)) << s.name;
+    else if (zero) EXPECT_EQ(sum_abs, 0.0) << s.name;
+    else EXPECT_GT(sum_abs, 0.0) << s.name;
+  }
+  EXPECT_EQ(total, m.num_parameters());
+  const auto find = [&](const std::string& name) {
+    for (const TensorSpec& s : m.specs())
+      if (s.name == name) return s.shape;
+    return std::vector<int64_t>{};
+  };
+  EXPECT_EQ(find("model.layers.1.mlp.experts.gate_up_proj"), (std::vector<int64_t>{8, 16, 24}));
+  EXPECT_EQ(find("model.layers.1.mlp.experts.down_proj"), (std::vector<int64_t>{8, 12, 16}));
+  EXPECT_EQ(find("model.layers.0.self_attn.sinks"), (std::vector<int64_t>{4}));
+  EXPECT_EQ(find("model.layers.0.mlp.router.bias"), (std::vector<int64_t>{8}));
+}
+
+struct TinyRun {
+  GptOss model;
+  Arena params, grads;
+  GptOssBatch batch;
+  double loss_scale, aux_grad = 0.05;
+
+  TinyRun(DType dtype, int64_t B, int64_t S)
+      : model(GptOssConfig::from_json(tiny_config_json(), "tiny"), dtype, Device::cpu),
+        params("parameters", dtype, Device::cpu, model.num_parameters()),
+        grads("gradients", dtype, Device::cpu, model.num_parameters()),
+        batch{B, S, Buffer(DType::i32, Device::cpu, {B * S}), Buffer(DType::i32, Device::cpu, {B * S}),
+              Buffer(DType::i32, Device::cpu, {B * S})} {
+    const int64_t V = model.config().vocab_size;
+    Philox rng = philox_for(3, "tokens");
+    int64_t counted = 0;
+    for (int64_t i = 0; i < B * S; ++i) {
+      batch.input_ids.ptr<int32_t>()[i] = int32_t(rng.uniform(uint64_t(i)) * V);
+      batch.targets.ptr<int32_t>()[i] = i % 5 == 4 ? kIgnoreIndex : int32_t(rng.uniform(uint64_t(i), 1) * V);
+      batch.positions.ptr<int32_t>()[i] = int32_t(i % S);
+      counted += i % 5 != 4;
+    }
+    loss_scale = 1.0 / double(counted);
+    // Larger than Hugging Face's 0.02, as in the Qwen3-MoE test: routing, attention and the clamp
+    // see non-trivial values. Biases get values too, so that their paths carry gradients.
+    model.initialize(params, 11);
+    Philox bias_rng = philox_for(4, "biases");
+    for (const TensorSpec& s : model.specs()) {
+      Tensor t = params.slice(s.offset, {s.numel});
+      for (int64_t i = 0; i < s.numel; ++i) {
+        const double v = s.name.ends_with("bias") ? bias_rng.uniform(uint64_t(s.offset + i)) - 0.5 : testing::element(t, i) * 15.0;
+        if (!s.is_norm) testing::set_element(t, i, v);
+      }
+    }
+  }
+
+  double loss_and_gradients() {
+    grads.fill_zero();
+    MicroBatch<GptOss> mb;
+    const auto w = model.bind(params);
+    forward(mb, model, w, batch);
+    const double loss = loss_scale * mb.token_loss.value() + aux_grad * mb.aux_loss.value();
+    backward(mb, model, w, model.bind(grads), batch, loss_scale, aux_grad);
+    return loss;
+  }
+};
+
+// Every parameter's gradient, through sinks, windows shorter than the sequence, YaRN, the clamp, the
+// biases and the routing weights, against central differences of the loss (f64).
+TEST(GptOss, WholeModelGradientsMatchFiniteDifferences) {
+  for (int64_t S : {1, 7}) {
+    TinyRun run(DType::f64, 2, S);
+    run.loss_and_gradients();
+    Arena analytic("analytic", DType::f64, Device::cpu, run.model.num_parameters());
+    std::memcpy(analytic.all().data, run.grads.all().data, analytic.bytes());
+    for (const TensorSpec& s : run.model.specs()) {
+      testing::expect_gradient(s.name + " (S=" + std::to_string(S) + ")", run.params.slice(s.offset, {s.numel}),
+                               analytic.slice(s.offset, {s.numel}), [&] { return run.loss_and_gradients(); }, 1e-5, 4);
+    }
+  }
+}
+
+TEST(GptOss, SameInputsGiveBitwiseSameLossAndGradients) {
+  TinyRun a(DType::f32, 2, 8), b(DType::f32, 2, 8);
+  EXPECT_EQ(a.loss_and_gradients(), b.loss_and_gradients());
+  EXPECT_EQ(std::memcmp(a.grads.all().data, b.grads.all().data, a.grads.bytes()), 0);
+}
+
+}  // namespace
+}  // namespace marrow
