@@ -117,6 +117,38 @@ TEST(GroupedBias, ThreadCountDoesNotChangeTheBits) {
   EXPECT_EQ(results[0], results[1]);
 }
 
+// Rows scaled by row_scale before the sums (GPT-OSS's routing weights): the same as scaling them first.
+TEST(GroupedBias, BackwardWithRowScaleSumsTheScaledRows) {
+  const int64_t o = 4;
+  Buffer offsets = offsets_buffer({0, 2, 2, 5});
+  Buffer dy = random_buffer(DType::f64, {5, o}, 3), scale = random_buffer(DType::f64, {5}, 4), scaled(DType::f64, Device::cpu, {5, o});
+  for (int64_t i = 0; i < 5 * o; ++i) scaled.ptr<double>()[i] = scale.ptr<double>()[i / o] * dy.ptr<double>()[i];
+  Buffer got = random_buffer(DType::f64, {3, o}, 5), want(DType::f64, Device::cpu, {3, o});
+  std::copy(got.ptr<double>(), got.ptr<double>() + 3 * o, want.ptr<double>());
+  grouped_bias_backward(got, dy, offsets, false, scale);
+  grouped_bias_backward(want, scaled, offsets, false);
+  for (int64_t i = 0; i < 3 * o; ++i) EXPECT_DOUBLE_EQ(got.ptr<double>()[i], want.ptr<double>()[i]) << i;
+}
+
+// dtopk_weight[t, j] += dot(dy[r], bias[expert of r]); an entry of -1 is left alone.
+TEST(GroupedBias, DotAddGivesEachCopyItsExpertsBias) {
+  const int64_t o = 3;
+  Buffer offsets = offsets_buffer({0, 1, 3});
+  Buffer dy = random_buffer(DType::f64, {3, o}, 6), bias = random_buffer(DType::f64, {2, o}, 7);
+  int32_t rows[4] = {2, 0, -1, 1};
+  Tensor copy_row(rows, DType::i32, Device::cpu, {2, 2});
+  Buffer dtopk = random_buffer(DType::f64, {2, 2}, 8), before(DType::f64, Device::cpu, {2, 2});
+  std::copy(dtopk.ptr<double>(), dtopk.ptr<double>() + 4, before.ptr<double>());
+  grouped_bias_dot_add(dtopk, dy, bias, offsets, copy_row);
+  const int64_t expert_of_row[3] = {0, 1, 1};
+  for (int64_t c = 0; c < 4; ++c) {
+    double want = before.ptr<double>()[c];
+    if (rows[c] >= 0)
+      for (int64_t i = 0; i < o; ++i) want += dy.ptr<double>()[rows[c] * o + i] * bias.ptr<double>()[expert_of_row[rows[c]] * o + i];
+    EXPECT_DOUBLE_EQ(dtopk.ptr<double>()[c], want) << c;
+  }
+}
+
 TEST(Bias, RejectsWrongShapesNamingTheTensor) {
   Buffer y(DType::f32, Device::cpu, {4, 3}), bias(DType::f32, Device::cpu, {4}), grouped(DType::f32, Device::cpu, {2, 3}),
       offsets = offsets_buffer({0, 1, 4}), short_offsets = offsets_buffer({0, 1, 3});

@@ -177,7 +177,7 @@ TEST(Qwen3Moe, LogitsComeInTheFewestEvenChunksOfAtMostTwoGiB) {
   const int64_t most = 7040;                   // 2 GiB of rows, a multiple of 64
   for (int64_t tokens : {28269, 32768, 45000, 131072}) {
     const int64_t chunk = bench.logits_chunk(tokens), chunks = (tokens + chunk - 1) / chunk;
-    EXPECT_LE(chunk * row_bytes, Qwen3Moe::kLogitsChunkBytes) << tokens;
+    EXPECT_LE(chunk * row_bytes, kLogitsChunkBytes) << tokens;
     EXPECT_EQ(chunk % 64, 0) << tokens;
     EXPECT_EQ(chunks, (tokens + most - 1) / most) << tokens;
     EXPECT_LT(chunk * chunks - tokens, 64 * chunks) << tokens;  // even: no chunk more than 64 rows short

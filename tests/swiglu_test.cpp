@@ -208,6 +208,42 @@ TEST(ClampedSwiglu, WithoutClampsIsSwigluOfUpPlusOne) {
   for (int64_t i = 0; i < n * d; ++i) EXPECT_NEAR(out.ptr<double>()[i], want.ptr<double>()[i], 1e-15) << i;
 }
 
+// The clamped form of WeightedBackwardIsTheThreeStepsInOne, with values past the limit and the
+// routing weight of each row written out.
+TEST(ClampedSwiglu, WeightedBackwardIsTheThreeStepsInOne) {
+  int32_t rows[4] = {2, 0, 1, -1};
+  const int64_t n = 3, d = 3;
+  Buffer gate_up = random_buffer(DType::f64, {n, 2 * d}, 5, 2.0 * kLimit), dact = random_buffer(DType::f64, {n, d}, 6);
+  double w[4] = {0.25, 0.75, 2, 9};
+  Tensor copy_row(rows, DType::i32, Device::cpu, {2, 2}), topk_weight(w, DType::f64, Device::cpu, {2, 2});
+  Buffer dgate_up(DType::f64, Device::cpu, {n, 2 * d}), act(DType::f64, Device::cpu, {n, d}), dtopk(DType::f64, Device::cpu, {2, 2});
+  Buffer row_weight(DType::f64, Device::cpu, {n});
+  clamped_swiglu_weighted_backward(dgate_up, act, row_weight, dtopk, dact, gate_up, topk_weight, copy_row, kAlpha, kLimit);
+
+  Buffer plain(DType::f64, Device::cpu, {n, d}), weighted_dact(DType::f64, Device::cpu, {n, d}), want(DType::f64, Device::cpu, {n, 2 * d});
+  clamped_swiglu_forward(plain, gate_up, kAlpha, kLimit);
+  const double weight_of_row[3] = {0.75, 2, 0.25};
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t i = 0; i < d; ++i) weighted_dact.ptr<double>()[r * d + i] = weight_of_row[r] * dact.ptr<double>()[r * d + i];
+  clamped_swiglu_backward(want, weighted_dact, gate_up, kAlpha, kLimit);
+  auto dot = [&](int64_t r) {
+    double sum = 0;
+    for (int64_t i = 0; i < d; ++i) sum += dact.ptr<double>()[r * d + i] * plain.ptr<double>()[r * d + i];
+    return sum;
+  };
+  EXPECT_DOUBLE_EQ(dtopk.ptr<double>()[0], dot(2));
+  EXPECT_DOUBLE_EQ(dtopk.ptr<double>()[1], dot(0));
+  EXPECT_DOUBLE_EQ(dtopk.ptr<double>()[2], dot(1));
+  EXPECT_EQ(dtopk.ptr<double>()[3], 0);
+  for (int64_t r = 0; r < n; ++r) {
+    EXPECT_EQ(row_weight.ptr<double>()[r], weight_of_row[r]);
+    for (int64_t i = 0; i < d; ++i)
+      EXPECT_DOUBLE_EQ(act.ptr<double>()[r * d + i], weight_of_row[r] * plain.ptr<double>()[r * d + i]) << "act row " << r;
+    for (int64_t i = 0; i < 2 * d; ++i)
+      EXPECT_DOUBLE_EQ(dgate_up.ptr<double>()[r * 2 * d + i], want.ptr<double>()[r * 2 * d + i]) << "dgate_up row " << r;
+  }
+}
+
 TEST(ClampedSwiglu, RejectsABadLimitAndTheGpu) {
   Buffer gate_up(DType::f32, Device::cpu, {2, 4}), out(DType::f32, Device::cpu, {2, 2});
   try {

@@ -5,12 +5,11 @@
 #include "ops/attention.h"
 #include "ops/bias.h"
 #include "ops/combine.h"
-#include "ops/cross_entropy.h"
 #include "ops/dispatch.h"
 #include "ops/embedding.h"
+#include "ops/grad_norm.h"
 #include "ops/grouped_linear.h"
 #include "ops/grouped_linear_fp8.h"
-#include "ops/init.h"
 #include "ops/linear.h"
 #include "ops/rmsnorm.h"
 #include "ops/rope.h"
@@ -59,22 +58,13 @@ std::vector<bool> read_layer_types(const JsonFields& f, int64_t layers, const st
 }
 
 void check_values(const GptOssConfig& c, const std::string& source) {
-  MARROW_CHECK(c.rms_norm_eps > 0, "{}: rms_norm_eps must be positive, got {}", source, c.rms_norm_eps);
-  MARROW_CHECK(c.rope.theta > 0, "{}: rope_theta must be positive, got {}", source, c.rope.theta);
+  check_shared_values(c, c.rope.theta, source, "num_local_experts");
   MARROW_CHECK(!c.rope.yarn || c.rope.factor >= 1, "{}: the yarn factor must be at least 1, got {}", source, c.rope.factor);
-  MARROW_CHECK(c.initializer_range > 0, "{}: initializer_range must be positive, got {}", source, c.initializer_range);
-  MARROW_CHECK(c.router_aux_loss_coef >= 0, "{}: router_aux_loss_coef must not be negative, got {}", source, c.router_aux_loss_coef);
   MARROW_CHECK(c.swiglu_limit > 0, "{}: swiglu_limit must be positive, got {}", source, c.swiglu_limit);
-  MARROW_CHECK(c.num_heads % c.num_kv_heads == 0, "{}: num_attention_heads ({}) must be a multiple of num_key_value_heads ({})", source,
-               c.num_heads, c.num_kv_heads);
-  MARROW_CHECK(c.head_dim % 2 == 0, "{}: head_dim must be even for rotary embeddings, got {}", source, c.head_dim);
-  MARROW_CHECK(c.top_k <= c.num_experts, "{}: num_experts_per_tok ({}) exceeds num_local_experts ({})", source, c.top_k, c.num_experts);
 }
 
 void refuse_unsupported(const JsonFields& f, const std::string& source) {
-  MARROW_CHECK(!f.boolean("tie_word_embeddings", false), "{}: tie_word_embeddings = true is not supported", source);
   MARROW_CHECK(f.boolean("attention_bias", true), "{}: attention_bias = false is not supported", source);
-  MARROW_CHECK(f.number("attention_dropout", 0.0) == 0.0, "{}: attention_dropout must be 0", source);
   MARROW_CHECK(!f.has("quantization_config"),
                "{}: quantization_config is not supported: Marrow reads bf16 or fp32 weights (dequantize the MXFP4 experts first)", source);
 }
@@ -85,26 +75,11 @@ GptOssConfig GptOssConfig::from_json(const Json& json, const std::string& source
   JsonFields f(json, source);
   GptOssConfig c;
   c.json = json;
-  const std::string model_type = f.string("model_type");
-  MARROW_CHECK(model_type == "gpt_oss", "{}: model_type is '{}' but this model is gpt_oss", source, model_type);
-  if (f.has("architectures")) {
-    const Json& arch = f.raw("architectures");
-    MARROW_CHECK(arch.is_array() && arch.size() == 1 && arch[0] == "GptOssForCausalLM",
-                 "{}: architectures must be [\"GptOssForCausalLM\"], got {}", source, arch.dump());
-  }
-  c.vocab_size = f.positive("vocab_size");
-  c.hidden_size = f.positive("hidden_size");
-  c.num_layers = f.positive("num_hidden_layers");
-  c.num_heads = f.positive("num_attention_heads");
-  c.num_kv_heads = f.positive("num_key_value_heads");
-  c.head_dim = f.positive("head_dim", c.hidden_size / c.num_heads);
+  expect_family(f, source, "gpt_oss", "GptOssForCausalLM");
+  read_shared_fields(c, f, 1e-5);
   c.num_experts = f.has("num_local_experts") ? f.positive("num_local_experts") : f.positive("num_experts");
-  c.top_k = f.positive("num_experts_per_tok");
   c.expert_intermediate_size = f.positive("intermediate_size");
   c.sliding_window = f.positive("sliding_window", 128);
-  c.rms_norm_eps = f.number("rms_norm_eps", 1e-5);
-  c.initializer_range = f.number("initializer_range", 0.02);
-  c.router_aux_loss_coef = f.number("router_aux_loss_coef", 0.001);
   c.swiglu_alpha = f.number("swiglu_alpha", 1.702);
   c.swiglu_limit = f.number("swiglu_limit", 7.0);
   c.rope = read_rope(f, source);
@@ -122,40 +97,35 @@ GptOss::GptOss(const Config& config, DType dtype, Device device, ExpertShard exp
   MARROW_CHECK(experts.count < 0 || (experts.first == 0 && experts.count == c.num_experts),
                "gpt_oss does not support expert parallelism yet (parallel.ep must be 1): its fused expert tensors are not split by expert");
   const int64_t H = c.hidden_size, D = c.head_dim, I = c.expert_intermediate_size, E = c.num_experts;
-  int64_t layer = -1;  // TensorSpec::layer of the tensors added next: -1 is the prolog (embedding)
-  auto add = [&](std::string name, std::vector<int64_t> shape, bool is_norm, bool is_expert = false) {
-    const bool first_writes = is_expert || (layer == c.num_layers && !is_norm);
-    TensorSpec s{std::move(name), std::move(shape), num_parameters_, 1, is_norm, first_writes, is_expert, layer};
-    for (int64_t d : s.shape) s.numel *= d;
-    num_parameters_ += s.numel;
-    specs_.push_back(std::move(s));
-  };
-  add("model.embed_tokens.weight", {c.vocab_size, H}, false);
-  for (layer = 0; layer < c.num_layers; ++layer) {
-    const std::string p = fmt::format("model.layers.{}.", layer);
+  ParameterTable t(c.num_layers);
+  t.add("model.embed_tokens.weight", {c.vocab_size, H}, false);
+  for (t.layer = 0; t.layer < c.num_layers; ++t.layer) {
+    const std::string p = fmt::format("model.layers.{}.", t.layer);
     for (const auto& [proj, rows] : {std::pair{"q_proj", c.num_heads * D}, {"k_proj", c.num_kv_heads * D}, {"v_proj", c.num_kv_heads * D}}) {
-      add(p + "self_attn." + proj + ".weight", {rows, H}, false);
-      add(p + "self_attn." + proj + ".bias", {rows}, false);
+      t.add(p + "self_attn." + proj + ".weight", {rows, H}, false);
+      t.add(p + "self_attn." + proj + ".bias", {rows}, false);
     }
-    add(p + "self_attn.o_proj.weight", {H, c.num_heads * D}, false);
-    add(p + "self_attn.o_proj.bias", {H}, false);
-    add(p + "self_attn.sinks", {c.num_heads}, false);
-    add(p + "mlp.router.weight", {E, H}, false);
-    add(p + "mlp.router.bias", {E}, false);
-    add(p + "mlp.experts.gate_up_proj", {E, H, 2 * I}, false, true);
-    add(p + "mlp.experts.gate_up_proj_bias", {E, 2 * I}, false, true);
-    add(p + "mlp.experts.down_proj", {E, I, H}, false, true);
-    add(p + "mlp.experts.down_proj_bias", {E, H}, false, true);
+    t.add(p + "self_attn.o_proj.weight", {H, c.num_heads * D}, false);
+    t.add(p + "self_attn.o_proj.bias", {H}, false);
+    t.add(p + "self_attn.sinks", {c.num_heads}, false);
+    t.add(p + "mlp.router.weight", {E, H}, false);
+    t.add(p + "mlp.router.bias", {E}, false);
+    t.add(p + "mlp.experts.gate_up_proj", {E, H, 2 * I}, false, true);
+    t.add(p + "mlp.experts.gate_up_proj_bias", {E, 2 * I}, false, true);
+    t.add(p + "mlp.experts.down_proj", {E, I, H}, false, true);
+    t.add(p + "mlp.experts.down_proj_bias", {E, H}, false, true);
   }
-  layer = c.num_layers;
-  add("lm_head.weight", {c.vocab_size, H}, false);
-  for (layer = 0; layer < c.num_layers; ++layer) {
-    const std::string p = fmt::format("model.layers.{}.", layer);
-    add(p + "input_layernorm.weight", {H}, true);
-    add(p + "post_attention_layernorm.weight", {H}, true);
+  t.layer = c.num_layers;
+  t.add("lm_head.weight", {c.vocab_size, H}, false);
+  for (t.layer = 0; t.layer < c.num_layers; ++t.layer) {
+    const std::string p = fmt::format("model.layers.{}.", t.layer);
+    t.add(p + "input_layernorm.weight", {H}, true);
+    t.add(p + "post_attention_layernorm.weight", {H}, true);
   }
-  layer = c.num_layers;
-  add("model.norm.weight", {H}, true);
+  t.layer = c.num_layers;
+  t.add("model.norm.weight", {H}, true);
+  specs_ = std::move(t.specs);
+  num_parameters_ = t.numel;
 }
 
 int64_t GptOss::num_active_parameters() const {
@@ -169,8 +139,8 @@ int64_t GptOss::num_active_parameters() const {
 GptOssWeights GptOss::bind(const Placement& placement) const {
   const Config& c = config_;
   const int64_t H = c.hidden_size, D = c.head_dim, I = c.expert_intermediate_size, E = c.num_experts;
-  size_t next = 0;
-  auto take = [&](std::initializer_list<int64_t> dims) { return placement.slice(specs_.at(next++).offset, dims); };
+  TableCursor cursor(specs_, placement);
+  auto take = [&](std::initializer_list<int64_t> dims) { return cursor.take(dims); };
   GptOssWeights w;
   w.embed = take({c.vocab_size, H});
   w.layers.resize(size_t(c.num_layers));
@@ -198,23 +168,15 @@ GptOssWeights GptOss::bind(const Placement& placement) const {
     L.post_norm = take({H});
   }
   w.final_norm = take({H});
-  MARROW_CHECK(next == specs_.size(), "internal: bound {} of {} parameter tensors", next, specs_.size());
+  cursor.expect_end();
   return w;
 }
 
-void GptOss::initialize(const Arena& params, uint64_t seed) const {
-  MARROW_CHECK(params.all().numel() == num_parameters_, "parameter arena holds {} elements but the model has {}", params.all().numel(),
-               num_parameters_);
-  for (const TensorSpec& s : specs_) initialize(params.slice(s.offset, {s.numel}), s, 0, seed);
-}
+void GptOss::initialize(const Arena& params, uint64_t seed) const { initialize_parameters(*this, params, seed); }
 
 void GptOss::initialize(Tensor out, const TensorSpec& spec, int64_t first, uint64_t seed) const {
-  MARROW_CHECK(first >= 0 && first + out.numel() <= spec.numel, "internal: elements [{}, {}) of {} with {} elements", first,
-               first + out.numel(), spec.name, spec.numel);
   const bool zero_bias = spec.name.ends_with("bias") && !spec.name.ends_with("router.bias");
-  if (spec.is_norm) fill_constant(out, 1.0);
-  else if (zero_bias) fill_constant(out, 0.0);
-  else fill_normal(out, seed, spec.name, config_.initializer_range, first);
+  initialize_tensor(out, spec, first, seed, config_.initializer_range, zero_bias);
 }
 
 void GptOss::prolog_forward(Tensor x, const GptOssBatch& batch, const GptOssWeights& w) const {
@@ -353,30 +315,17 @@ void GptOss::experts_backward(Tensor dx_perm, const GptOssLayerWeights& grads, T
   experts_backward_weights(grads, dy_perm, e, expert_offsets, overwrite_grads, squares, known_zero);
 }
 
-namespace {
-int64_t squares_count(Tensor dweight) { return grouped_weight_squares_count(dweight.size(0), dweight.size(1), dweight.size(2)); }
-
-// A layer's record of its expert weight gradients (squares or known_zero: `down` entries for the
-// down projection, then gate_up's), cut in two (empty when not given).
-std::pair<Tensor, Tensor> split_record(const char* name, Tensor record, int64_t down, int64_t expected) {
-  if (record.data == nullptr) return {};
-  MARROW_CHECK(record.ndim == 1 && record.numel() == expected,
-               "experts_backward_weights: {} has shape {} but the layer's expert gradients need [{}]", name, record.shape_string(), expected);
-  return {record.rows(0, down), record.rows(down, record.numel())};
-}
-}  // namespace
-
+// The weights' bands (grouped_linear_backward_weight's), then the two biases' sums of squares in
+// kSumParts parts each: the record covers every expert gradient of the layer, as the optimizer's
+// norm takes it in place of reading them (ShardedParameters::gradient_norm).
 int64_t GptOss::expert_squares_count(const GptOssLayerWeights& grads) const {
-  return squares_count(grads.experts_down) + squares_count(grads.experts_gate_up);
+  return grouped_squares_count(grads.experts_down) + grouped_squares_count(grads.experts_gate_up) + 2 * kSumParts;
 }
 
-int64_t GptOss::expert_known_zero_count(const GptOssLayerWeights& grads) const {
-  return grads.experts_down.size(0) + grads.experts_gate_up.size(0);
-}
+int64_t GptOss::expert_known_zero_count(const GptOssLayerWeights& grads) const { return grouped_known_zero_count(grads); }
 
 std::vector<std::pair<Tensor, Tensor>> GptOss::expert_known_zero_parts(const GptOssLayerWeights& grads, Tensor known_zero) const {
-  const int64_t down = grads.experts_down.size(0);
-  return {{grads.experts_down, known_zero.rows(0, down)}, {grads.experts_gate_up, known_zero.rows(down, known_zero.numel())}};
+  return grouped_known_zero_parts(grads, known_zero);
 }
 
 // dy_perm holds each copy's output gradient unweighted (aggregate_backward): the routing weights
@@ -401,13 +350,19 @@ void GptOss::experts_backward_input(Tensor dx_perm, Tensor dy_perm, GptOssExpert
 
 void GptOss::experts_backward_weights(const GptOssLayerWeights& grads, Tensor dy_perm, GptOssExpertActivations& e, Tensor expert_offsets,
                                       bool overwrite_grads, Tensor squares, Tensor known_zero) const {
-  const auto [down_squares, gate_up_squares] = split_record("squares", squares, squares_count(grads.experts_down), expert_squares_count(grads));
+  const int64_t weights = grouped_squares_count(grads.experts_down) + grouped_squares_count(grads.experts_gate_up);
+  const auto [weight_squares, bias_squares] = split_record("squares", squares, weights, expert_squares_count(grads));
+  const auto [down_squares, gate_up_squares] = split_record("squares", weight_squares, grouped_squares_count(grads.experts_down), weights);
   const auto [down_zero, gate_up_zero] = split_record("known_zero", known_zero, grads.experts_down.size(0), expert_known_zero_count(grads));
   // dW_down [E, I, H] = act_w^T dy and dW_gate_up [E, H, 2I] = x^T dgate_up: grouped dW of [O, I] = dy^T x with the roles swapped.
   grouped_linear_backward_weight(grads.experts_down, e.act, dy_perm, expert_offsets, overwrite_grads, down_squares, down_zero);
   grouped_bias_backward(grads.experts_down_bias, dy_perm, expert_offsets, overwrite_grads, e.row_weight);
   grouped_linear_backward_weight(grads.experts_gate_up, e.x_perm, e.dgate_up, expert_offsets, overwrite_grads, gate_up_squares, gate_up_zero);
   grouped_bias_backward(grads.experts_gate_up_bias, e.dgate_up, expert_offsets, overwrite_grads);
+  if (bias_squares.data != nullptr) {
+    sum_squares_parts(bias_squares.rows(0, kSumParts), grads.experts_down_bias);
+    sum_squares_parts(bias_squares.rows(kSumParts, 2 * kSumParts), grads.experts_gate_up_bias);
+  }
   e = GptOssExpertActivations{};
 }
 
@@ -427,48 +382,24 @@ void GptOss::aggregate_backward_rows(Tensor dy_perm, Tensor dout, Tensor copy_ro
 
 void GptOss::aggregate_backward(Tensor dy_perm, Tensor dtopk_weight, Tensor dout, const GptOssAttentionActivations& a, Tensor copy_row,
                                 GptOssExpertActivations& e) const {
-  aggregate_backward_rows(dy_perm, dout, copy_row);
-  e.topk_weight = a.topk_weight;
-  e.copy_row = copy_row;
-  e.dtopk_weight = dtopk_weight;
+  aggregate_backward_unweighted(dy_perm, dtopk_weight, dout, a, copy_row, e);
 }
 
-HostSum GptOss::epilog_forward(GptOssEpilogActivations& p, Buffer x, const GptOssBatch& batch, const GptOssWeights& w,
-                               const GptOssWeights* grads, double loss_scale, bool overwrite_grads) const {
-  const int64_t T = batch.batch * batch.seq, H = config_.hidden_size, V = config_.vocab_size;
-  expect_shape("GptOss::epilog_forward", "x", x, {T, H});
-  p.x = std::move(x);
-  p.h = buffer({T, H});
-  p.rstd = stats({T});
-  rmsnorm_forward(p.h, p.rstd, p.x, w.final_norm, config_.rms_norm_eps);
-  p.lse = stats({T});
-  p.token_loss = stats({T});
-  p.logits = buffer({T, V});
-  linear_forward(p.logits, p.h, w.lm_head);
-  cross_entropy_forward(p.token_loss, p.lse, p.logits, batch.targets);
-  if (grads != nullptr) {
-    p.dh = buffer({T, H});
-    cross_entropy_backward(p.logits, p.logits, p.lse, batch.targets, loss_scale);
-    linear_backward_weight(grads->lm_head, p.logits, p.h, overwrite_grads);
-    linear_backward_input(p.dh, p.logits, w.lm_head);
-    p.logits = Buffer{};
-  }
-  HostSum loss;
-  loss.add(p.token_loss);
-  return loss;
+LmHead GptOss::lm_head(const GptOssWeights& w, int64_t tokens) const {
+  return {w.final_norm, w.lm_head, config_.rms_norm_eps, logits_chunk(tokens, config_.vocab_size, dtype_), dtype_, dtype_, device_};
 }
 
-void GptOss::epilog_backward(Tensor dx, const GptOssWeights& grads, double loss_scale, GptOssEpilogActivations& p, const GptOssBatch& batch,
+HostSum GptOss::epilog_forward(EpilogActivations& p, Buffer x, const GptOssBatch& batch, const GptOssWeights& w, const GptOssWeights* grads,
+                               double loss_scale, bool overwrite_grads) const {
+  const int64_t T = batch.batch * batch.seq;
+  expect_shape("GptOss::epilog_forward", "x", x, {T, config_.hidden_size});
+  return marrow::epilog_forward(p, std::move(x), batch.targets, lm_head(w, T), grads ? grads->lm_head : Tensor{}, loss_scale, overwrite_grads);
+}
+
+void GptOss::epilog_backward(Tensor dx, const GptOssWeights& grads, double loss_scale, EpilogActivations& p, const GptOssBatch& batch,
                              const GptOssWeights& w, bool overwrite_grads) const {
-  const int64_t T = batch.batch * batch.seq, H = config_.hidden_size;
-  if (p.dh.view().data == nullptr) {
-    p.dh = buffer({T, H});
-    cross_entropy_backward(p.logits, p.logits, p.lse, batch.targets, loss_scale);
-    linear_backward_weight(grads.lm_head, p.logits, p.h, overwrite_grads);
-    linear_backward_input(p.dh, p.logits, w.lm_head);
-  }
-  rmsnorm_backward(dx, grads.final_norm, p.dh, p.x, w.final_norm, p.rstd);
-  p = GptOssEpilogActivations{};
+  marrow::epilog_backward(dx, grads.final_norm, grads.lm_head, loss_scale, p, batch.targets, lm_head(w, batch.batch * batch.seq),
+                          overwrite_grads);
 }
 
 // Mirrors the stage functions above buffer by buffer (the CPU path: every buffer in the model's dtype).
@@ -489,8 +420,10 @@ ModelActivationBytes GptOss::activation_bytes(int64_t batch, int64_t seq, int64_
   m.experts.forward_scratch = R * I * a;
   m.experts.backward_scratch = R * (4 * I + 1) * a;
   m.experts.held_for_weights = R * (3 * I + 1) * a;
-  m.epilog.kept = T * (2 * H + V) * a + 3 * T * a;
-  m.epilog.backward_scratch = T * H * a;
+  const EpilogBytes epilog = epilog_bytes(T, H, V, logits_chunk(T, V, dtype_), a, a);
+  m.epilog.kept = epilog.kept;
+  m.epilog.forward_scratch = epilog.forward_scratch;
+  m.epilog.backward_scratch = epilog.backward_scratch;
   return m;
 }
 

@@ -25,6 +25,7 @@
 #include "core/memory.h"
 #include "core/stage_bytes.h"
 #include "core/tensor_spec.h"
+#include "models/common.h"
 #include "ops/rope.h"
 
 namespace marrow {
@@ -78,11 +79,6 @@ struct GptOssExpertActivations {
   Tensor topk_weight, copy_row, dtopk_weight;
 };
 
-struct GptOssEpilogActivations {
-  Buffer x, h, rstd, logits, lse, token_loss;
-  Buffer dh;  // the final norm's output gradient, when the forward ran the LM head's backward
-};
-
 class GptOss {
  public:
   using Config = GptOssConfig;
@@ -91,7 +87,7 @@ class GptOss {
   using Batch = GptOssBatch;
   using AttentionActivations = GptOssAttentionActivations;
   using ExpertActivations = GptOssExpertActivations;
-  using EpilogActivations = GptOssEpilogActivations;
+  using EpilogActivations = marrow::EpilogActivations;
   static constexpr const char* model_type = "gpt_oss";
 
   GptOss(const Config& config, DType dtype, Device device, ExpertShard experts = {});
@@ -153,10 +149,10 @@ class GptOss {
                           GptOssExpertActivations& e) const;
   void aggregate_backward_rows(Tensor dy_perm, Tensor dout, Tensor copy_row) const;
 
-  // Epilog: see Qwen3Moe (the same final norm, LM head and cross-entropy).
-  HostSum epilog_forward(GptOssEpilogActivations& p, Buffer x, const GptOssBatch& batch, const GptOssWeights& w,
+  // Epilog: models/common.h's, as for Qwen3-MoE.
+  HostSum epilog_forward(EpilogActivations& p, Buffer x, const GptOssBatch& batch, const GptOssWeights& w,
                          const GptOssWeights* grads = nullptr, double loss_scale = 1, bool overwrite_grads = false) const;
-  void epilog_backward(Tensor dx, const GptOssWeights& grads, double loss_scale, GptOssEpilogActivations& p, const GptOssBatch& batch,
+  void epilog_backward(Tensor dx, const GptOssWeights& grads, double loss_scale, EpilogActivations& p, const GptOssBatch& batch,
                        const GptOssWeights& w, bool overwrite_grads = false) const;
 
   ModelActivationBytes activation_bytes(int64_t batch, int64_t seq, int64_t expert_rows) const;
@@ -167,6 +163,7 @@ class GptOss {
  private:
   Buffer input_norm(GptOssAttentionActivations& a, const GptOssLayerWeights& w) const;
   int64_t window(const GptOssLayerWeights& w) const;
+  LmHead lm_head(const GptOssWeights& w, int64_t tokens) const;
 
   Config config_;
   DType dtype_;

@@ -3,12 +3,10 @@
 #include <algorithm>
 
 #include "core/weights_generation.h"
-#include "ops/init.h"
 #include "ops/attention.h"
 #include "ops/attention_cudnn.h"
 #include "ops/attention_hopper.h"
 #include "ops/combine.h"
-#include "ops/cross_entropy.h"
 #include "ops/dispatch.h"
 #include "ops/embedding.h"
 #include "ops/grouped_linear.h"
@@ -35,20 +33,8 @@ double read_rope_theta(const JsonFields& f, const std::string& source) {
   return f.number("rope_theta", 10000.0);
 }
 
-void check_values(const Qwen3MoeConfig& c, const std::string& source) {
-  MARROW_CHECK(c.rms_norm_eps > 0, "{}: rms_norm_eps must be positive, got {}", source, c.rms_norm_eps);
-  MARROW_CHECK(c.rope_theta > 0, "{}: rope_theta must be positive, got {}", source, c.rope_theta);
-  MARROW_CHECK(c.initializer_range > 0, "{}: initializer_range must be positive, got {}", source, c.initializer_range);
-  MARROW_CHECK(c.router_aux_loss_coef >= 0, "{}: router_aux_loss_coef must not be negative, got {}", source, c.router_aux_loss_coef);
-  MARROW_CHECK(c.num_heads % c.num_kv_heads == 0, "{}: num_attention_heads ({}) must be a multiple of num_key_value_heads ({})", source,
-               c.num_heads, c.num_kv_heads);
-  MARROW_CHECK(c.head_dim % 2 == 0, "{}: head_dim must be even for rotary embeddings, got {}", source, c.head_dim);
-  MARROW_CHECK(c.top_k <= c.num_experts, "{}: num_experts_per_tok ({}) exceeds num_experts ({})", source, c.top_k, c.num_experts);
-}
-
 // Features of the family that Marrow does not implement: refuse rather than train something else.
 void refuse_unsupported(const JsonFields& f, const std::string& source) {
-  MARROW_CHECK(!f.boolean("tie_word_embeddings", false), "{}: tie_word_embeddings = true is not supported", source);
   MARROW_CHECK(!f.boolean("attention_bias", false), "{}: attention_bias = true is not supported", source);
   MARROW_CHECK(!f.boolean("use_sliding_window", false), "{}: use_sliding_window = true is not supported", source);
   MARROW_CHECK(f.string("hidden_act", "silu") == "silu", "{}: hidden_act '{}' is not supported (only silu)", source,
@@ -56,7 +42,6 @@ void refuse_unsupported(const JsonFields& f, const std::string& source) {
   MARROW_CHECK(f.integer("decoder_sparse_step", 1) == 1, "{}: decoder_sparse_step must be 1 (every layer is MoE)", source);
   MARROW_CHECK(!f.has("mlp_only_layers") || f.raw("mlp_only_layers").empty(),
                "{}: mlp_only_layers is not supported (every layer is MoE)", source);
-  MARROW_CHECK(f.number("attention_dropout", 0.0) == 0.0, "{}: attention_dropout must be 0", source);
 }
 
 }  // namespace
@@ -65,29 +50,14 @@ Qwen3MoeConfig Qwen3MoeConfig::from_json(const Json& json, const std::string& so
   JsonFields f(json, source);
   Qwen3MoeConfig c;
   c.json = json;
-  const std::string model_type = f.string("model_type");
-  MARROW_CHECK(model_type == "qwen3_moe", "{}: model_type is '{}' but this model is qwen3_moe", source, model_type);
-  if (f.has("architectures")) {
-    const Json& arch = f.raw("architectures");
-    MARROW_CHECK(arch.is_array() && arch.size() == 1 && arch[0] == "Qwen3MoeForCausalLM",
-                 "{}: architectures must be [\"Qwen3MoeForCausalLM\"], got {}", source, arch.dump());
-  }
-  c.vocab_size = f.positive("vocab_size");
-  c.hidden_size = f.positive("hidden_size");
-  c.num_layers = f.positive("num_hidden_layers");
-  c.num_heads = f.positive("num_attention_heads");
-  c.num_kv_heads = f.positive("num_key_value_heads");
-  c.head_dim = f.positive("head_dim", c.hidden_size / c.num_heads);
+  expect_family(f, source, "qwen3_moe", "Qwen3MoeForCausalLM");
+  read_shared_fields(c, f, 1e-6);
   // transformers 5 writes num_local_experts; checkpoints on the Hub write num_experts.
   c.num_experts = f.has("num_experts") ? f.positive("num_experts") : f.positive("num_local_experts");
-  c.top_k = f.positive("num_experts_per_tok");
   c.expert_intermediate_size = f.positive("moe_intermediate_size");
-  c.rms_norm_eps = f.number("rms_norm_eps", 1e-6);
-  c.initializer_range = f.number("initializer_range", 0.02);
-  c.router_aux_loss_coef = f.number("router_aux_loss_coef", 0.001);
   c.norm_topk_prob = f.boolean("norm_topk_prob", false);
   c.rope_theta = read_rope_theta(f, source);
-  check_values(c, source);
+  check_shared_values(c, c.rope_theta, source, "num_experts");
   refuse_unsupported(f, source);
   return c;
 }
@@ -100,42 +70,35 @@ Qwen3Moe::Qwen3Moe(const Config& config, DType dtype, Device device, ExpertShard
   MARROW_CHECK(experts_.first >= 0 && experts_.count >= 1 && experts_.first + experts_.count <= c.num_experts,
                "experts [{}, {}) are not a range of the model's {} experts", experts_.first, experts_.first + experts_.count, c.num_experts);
   const int64_t first = experts_.first, last = experts_.first + experts_.count;
-  int64_t layer = -1;  // TensorSpec::layer of the tensors added next: -1 is the prolog (embedding)
-  auto add = [&](std::string name, std::vector<int64_t> shape, bool is_norm, bool is_expert = false) {
-    // The expert weights' and the LM head's gradients are written by the first backward of a step
-    // (TensorSpec::first_backward_writes).
-    const bool first_writes = is_expert || (layer == c.num_layers && !is_norm);
-    TensorSpec s{std::move(name), std::move(shape), num_parameters_, 1, is_norm, first_writes, is_expert, layer};
-    for (int64_t d : s.shape) s.numel *= d;
-    num_parameters_ += s.numel;
-    specs_.push_back(std::move(s));
-  };
-  add("model.embed_tokens.weight", {c.vocab_size, H}, false);
-  for (layer = 0; layer < c.num_layers; ++layer) {
-    const std::string p = fmt::format("model.layers.{}.", layer);
-    add(p + "self_attn.q_proj.weight", {c.num_heads * D, H}, false);
-    add(p + "self_attn.k_proj.weight", {c.num_kv_heads * D, H}, false);
-    add(p + "self_attn.v_proj.weight", {c.num_kv_heads * D, H}, false);
-    add(p + "self_attn.o_proj.weight", {H, c.num_heads * D}, false);
-    add(p + "mlp.gate.weight", {c.num_experts, H}, false);
+  ParameterTable t(c.num_layers);
+  t.add("model.embed_tokens.weight", {c.vocab_size, H}, false);
+  for (t.layer = 0; t.layer < c.num_layers; ++t.layer) {
+    const std::string p = fmt::format("model.layers.{}.", t.layer);
+    t.add(p + "self_attn.q_proj.weight", {c.num_heads * D, H}, false);
+    t.add(p + "self_attn.k_proj.weight", {c.num_kv_heads * D, H}, false);
+    t.add(p + "self_attn.v_proj.weight", {c.num_kv_heads * D, H}, false);
+    t.add(p + "self_attn.o_proj.weight", {H, c.num_heads * D}, false);
+    t.add(p + "mlp.gate.weight", {c.num_experts, H}, false);
     for (int64_t e = first; e < last; ++e) {
-      add(fmt::format("{}mlp.experts.{}.gate_proj.weight", p, e), {I, H}, false, true);
-      add(fmt::format("{}mlp.experts.{}.up_proj.weight", p, e), {I, H}, false, true);
+      t.add(fmt::format("{}mlp.experts.{}.gate_proj.weight", p, e), {I, H}, false, true);
+      t.add(fmt::format("{}mlp.experts.{}.up_proj.weight", p, e), {I, H}, false, true);
     }
-    for (int64_t e = first; e < last; ++e) add(fmt::format("{}mlp.experts.{}.down_proj.weight", p, e), {H, I}, false, true);
+    for (int64_t e = first; e < last; ++e) t.add(fmt::format("{}mlp.experts.{}.down_proj.weight", p, e), {H, I}, false, true);
   }
-  layer = c.num_layers;  // the epilog
-  add("lm_head.weight", {c.vocab_size, H}, false);
-  num_decayed_ = num_parameters_;
-  for (layer = 0; layer < c.num_layers; ++layer) {
-    const std::string p = fmt::format("model.layers.{}.", layer);
-    add(p + "input_layernorm.weight", {H}, true);
-    add(p + "self_attn.q_norm.weight", {D}, true);
-    add(p + "self_attn.k_norm.weight", {D}, true);
-    add(p + "post_attention_layernorm.weight", {H}, true);
+  t.layer = c.num_layers;  // the epilog
+  t.add("lm_head.weight", {c.vocab_size, H}, false);
+  num_decayed_ = t.numel;
+  for (t.layer = 0; t.layer < c.num_layers; ++t.layer) {
+    const std::string p = fmt::format("model.layers.{}.", t.layer);
+    t.add(p + "input_layernorm.weight", {H}, true);
+    t.add(p + "self_attn.q_norm.weight", {D}, true);
+    t.add(p + "self_attn.k_norm.weight", {D}, true);
+    t.add(p + "post_attention_layernorm.weight", {H}, true);
   }
-  layer = c.num_layers;
-  add("model.norm.weight", {H}, true);
+  t.layer = c.num_layers;
+  t.add("model.norm.weight", {H}, true);
+  specs_ = std::move(t.specs);
+  num_parameters_ = t.numel;
 }
 
 int64_t Qwen3Moe::num_active_parameters() const {
@@ -149,13 +112,9 @@ int64_t Qwen3Moe::num_active_parameters() const {
 Qwen3MoeWeights Qwen3Moe::bind(const Placement& placement) const {
   const Config& c = config_;
   const int64_t H = c.hidden_size, D = c.head_dim, I = c.expert_intermediate_size, E = c.num_experts, El = experts_.count;
-  size_t next = 0;
   // Walks the spec table in the constructor's order, so each view lands on its canonical tensor.
-  auto take = [&](std::initializer_list<int64_t> dims, int64_t count = 1) {
-    const TensorSpec& s = specs_.at(next);
-    next += size_t(count);
-    return placement.slice(s.offset, dims);
-  };
+  TableCursor cursor(specs_, placement);
+  auto take = [&](std::initializer_list<int64_t> dims, int64_t count = 1) { return cursor.take(dims, count); };
   Qwen3MoeWeights w;
   w.embed = take({c.vocab_size, H});
   w.layers.resize(size_t(c.num_layers));
@@ -177,21 +136,14 @@ Qwen3MoeWeights Qwen3Moe::bind(const Placement& placement) const {
     L.post_norm = take({H});
   }
   w.final_norm = take({H});
-  MARROW_CHECK(next == specs_.size(), "internal: bound {} of {} parameter tensors", next, specs_.size());
+  cursor.expect_end();
   return w;
 }
 
-void Qwen3Moe::initialize(const Arena& params, uint64_t seed) const {
-  MARROW_CHECK(params.all().numel() == num_parameters_, "parameter arena holds {} elements but the model has {}", params.all().numel(),
-               num_parameters_);
-  for (const TensorSpec& s : specs_) initialize(params.slice(s.offset, {s.numel}), s, 0, seed);
-}
+void Qwen3Moe::initialize(const Arena& params, uint64_t seed) const { initialize_parameters(*this, params, seed); }
 
 void Qwen3Moe::initialize(Tensor out, const TensorSpec& spec, int64_t first, uint64_t seed) const {
-  MARROW_CHECK(first >= 0 && first + out.numel() <= spec.numel, "internal: elements [{}, {}) of {} with {} elements", first,
-               first + out.numel(), spec.name, spec.numel);
-  if (spec.is_norm) fill_constant(out, 1.0);
-  else fill_normal(out, seed, spec.name, config_.initializer_range, first);
+  initialize_tensor(out, spec, first, seed, config_.initializer_range);
 }
 
 void Qwen3Moe::prolog_forward(Tensor x, const Qwen3MoeBatch& batch, const Qwen3MoeWeights& w) const {
@@ -387,21 +339,14 @@ void Qwen3Moe::experts_backward(Tensor dx_perm, const Qwen3MoeLayerWeights& grad
   experts_backward_weights(grads, dy_perm, e, expert_offsets, overwrite_grads, squares, known_zero);
 }
 
-namespace {
-int64_t squares_count(Tensor dweight) { return grouped_weight_squares_count(dweight.size(0), dweight.size(1), dweight.size(2)); }
-}  // namespace
-
 int64_t Qwen3Moe::expert_squares_count(const Qwen3MoeLayerWeights& grads) const {
-  return squares_count(grads.experts_down) + squares_count(grads.experts_gate_up);
+  return grouped_squares_count(grads.experts_down) + grouped_squares_count(grads.experts_gate_up);
 }
 
-int64_t Qwen3Moe::expert_known_zero_count(const Qwen3MoeLayerWeights& grads) const {
-  return grads.experts_down.size(0) + grads.experts_gate_up.size(0);
-}
+int64_t Qwen3Moe::expert_known_zero_count(const Qwen3MoeLayerWeights& grads) const { return grouped_known_zero_count(grads); }
 
 std::vector<std::pair<Tensor, Tensor>> Qwen3Moe::expert_known_zero_parts(const Qwen3MoeLayerWeights& grads, Tensor known_zero) const {
-  const int64_t down = grads.experts_down.size(0);
-  return {{grads.experts_down, known_zero.rows(0, down)}, {grads.experts_gate_up, known_zero.rows(down, known_zero.numel())}};
+  return grouped_known_zero_parts(grads, known_zero);
 }
 
 void Qwen3Moe::experts_backward_input(Tensor dx_perm, Tensor dy_perm, Qwen3MoeExpertActivations& e, Tensor expert_offsets,
@@ -425,20 +370,9 @@ void Qwen3Moe::experts_backward_input(Tensor dx_perm, Tensor dy_perm, Qwen3MoeEx
   else grouped_linear_backward_input(dx_perm, e.dgate_up, w.experts_gate_up, expert_offsets);
 }
 
-namespace {
-// A layer's record of its expert gradients (squares or known_zero: `down` entries for the down
-// projection, then gate_up's), cut in two (empty when not given).
-std::pair<Tensor, Tensor> split_record(const char* name, Tensor record, int64_t down, int64_t expected) {
-  if (record.data == nullptr) return {};
-  MARROW_CHECK(record.ndim == 1 && record.numel() == expected, "experts_backward_weights: {} has shape {} but the layer's expert gradients need [{}]",
-               name, record.shape_string(), expected);
-  return {record.rows(0, down), record.rows(down, record.numel())};
-}
-}  // namespace
-
 void Qwen3Moe::experts_backward_weights(const Qwen3MoeLayerWeights& grads, Tensor dy_perm, Qwen3MoeExpertActivations& e,
                                         Tensor expert_offsets, bool overwrite_grads, Tensor squares, Tensor known_zero) const {
-  const auto [down_squares, gate_up_squares] = split_record("squares", squares, squares_count(grads.experts_down), expert_squares_count(grads));
+  const auto [down_squares, gate_up_squares] = split_record("squares", squares, grouped_squares_count(grads.experts_down), expert_squares_count(grads));
   const auto [down_zero, gate_up_zero] = split_record("known_zero", known_zero, grads.experts_down.size(0), expert_known_zero_count(grads));
   grouped_linear_backward_weight(grads.experts_down, dy_perm, e.act, expert_offsets, overwrite_grads, down_squares, down_zero);
   grouped_linear_backward_weight(grads.experts_gate_up, e.dgate_up, e.x_perm, expert_offsets, overwrite_grads, gate_up_squares, gate_up_zero);
@@ -448,7 +382,7 @@ void Qwen3Moe::experts_backward_weights(const Qwen3MoeLayerWeights& grads, Tenso
 void Qwen3Moe::experts_backward_weights_pair(const Qwen3MoeLayerWeights& grads, Tensor earlier_dy_perm, Qwen3MoeExpertActivations& earlier,
                                              Tensor earlier_offsets, Tensor dy_perm, Qwen3MoeExpertActivations& e, Tensor expert_offsets,
                                              bool overwrite_grads, Tensor squares, Tensor known_zero) const {
-  const auto [down_squares, gate_up_squares] = split_record("squares", squares, squares_count(grads.experts_down), expert_squares_count(grads));
+  const auto [down_squares, gate_up_squares] = split_record("squares", squares, grouped_squares_count(grads.experts_down), expert_squares_count(grads));
   const auto [down_zero, gate_up_zero] = split_record("known_zero", known_zero, grads.experts_down.size(0), expert_known_zero_count(grads));
   grouped_linear_backward_weight_pair(grads.experts_down, {earlier_dy_perm, earlier.act, earlier_offsets}, {dy_perm, e.act, expert_offsets},
                                       overwrite_grads, down_squares, down_zero);
@@ -466,83 +400,24 @@ void Qwen3Moe::aggregate_backward_rows(Tensor dy_perm, Tensor dout, Tensor copy_
 
 void Qwen3Moe::aggregate_backward(Tensor dy_perm, Tensor dtopk_weight, Tensor dout, const Qwen3MoeAttentionActivations& a,
                                   Tensor copy_row, Qwen3MoeExpertActivations& e) const {
-  aggregate_backward_rows(dy_perm, dout, copy_row);
-  e.topk_weight = a.topk_weight;
-  e.copy_row = copy_row;
-  e.dtopk_weight = dtopk_weight;
+  aggregate_backward_unweighted(dy_perm, dtopk_weight, dout, a, copy_row, e);
 }
 
-int64_t Qwen3Moe::logits_chunk(int64_t tokens) const {
-  if (forced_logits_chunk_ > 0) return std::min(tokens, forced_logits_chunk_);
-  const int64_t row_bytes = config_.vocab_size * int64_t(dtype_size(dtype_));
-  if (tokens * row_bytes <= kWholeLogitsBytes) return tokens;
-  // Whole multiples of 64 rows, so every chunk but the last keeps the GEMMs' tiles full.
-  const int64_t most = std::max<int64_t>(64, kLogitsChunkBytes / row_bytes / 64 * 64);
-  const int64_t chunks = (tokens + most - 1) / most;
-  return std::min(most, ((tokens + chunks - 1) / chunks + 63) / 64 * 64);
+LmHead Qwen3Moe::lm_head(const Qwen3MoeWeights& w, int64_t tokens) const {
+  return {w.final_norm, w.lm_head, config_.rms_norm_eps, logits_chunk(tokens), dtype_, device_ == Device::cuda ? DType::f32 : dtype_, device_};
 }
 
-namespace {
-
-// One chunk of the LM head's backward: the logits' gradient in place of the logits, the head's
-// gradient (written at the step's first chunk when overwrite), and dh's rows.
-void lm_head_chunk_backward(Tensor logits, Tensor h, Tensor lse, Tensor targets, Tensor dh, Tensor lm_head, Tensor lm_head_grad,
-                            double loss_scale, bool overwrite) {
-  cross_entropy_backward(logits, logits, lse, targets, loss_scale);
-  linear_backward_weight(lm_head_grad, logits, h, overwrite);
-  linear_backward_input(dh, logits, lm_head);
-}
-
-}  // namespace
-
-HostSum Qwen3Moe::epilog_forward(Qwen3MoeEpilogActivations& p, Buffer x, const Qwen3MoeBatch& batch, const Qwen3MoeWeights& w,
+HostSum Qwen3Moe::epilog_forward(EpilogActivations& p, Buffer x, const Qwen3MoeBatch& batch, const Qwen3MoeWeights& w,
                                  const Qwen3MoeWeights* grads, double loss_scale, bool overwrite_grads) const {
-  const int64_t T = batch.batch * batch.seq, H = config_.hidden_size, V = config_.vocab_size;
-  expect_shape("Qwen3Moe::epilog_forward", "x", x, {T, H});
-  p.x = std::move(x);
-  p.h = buffer({T, H});
-  p.rstd = stats({T});
-  rmsnorm_forward(p.h, p.rstd, p.x, w.final_norm, config_.rms_norm_eps);
-  p.lse = stats({T});
-  p.token_loss = stats({T});
-  const int64_t chunk = logits_chunk(T);
-  const bool backward_now = grads != nullptr && chunk < T;
-  if (backward_now) p.dh = buffer({T, H});
-  Buffer logits = buffer({chunk, V});
-  for (int64_t begin = 0; begin < T; begin += chunk) {
-    const int64_t end = std::min(T, begin + chunk);
-    const Tensor part = logits.view().rows(0, end - begin), h = p.h.view().rows(begin, end);
-    const Tensor lse = p.lse.view().rows(begin, end), targets = batch.targets.view().rows(begin, end);
-    linear_forward(part, h, w.lm_head);
-    cross_entropy_forward(p.token_loss.view().rows(begin, end), lse, part, targets);
-    if (backward_now)
-      lm_head_chunk_backward(part, h, lse, targets, p.dh.view().rows(begin, end), w.lm_head, grads->lm_head, loss_scale,
-                             overwrite_grads && begin == 0);
-  }
-  if (chunk == T) p.logits = std::move(logits);
-  HostSum loss;
-  loss.add(p.token_loss);
-  return loss;
+  const int64_t T = batch.batch * batch.seq;
+  expect_shape("Qwen3Moe::epilog_forward", "x", x, {T, config_.hidden_size});
+  return marrow::epilog_forward(p, std::move(x), batch.targets, lm_head(w, T), grads ? grads->lm_head : Tensor{}, loss_scale, overwrite_grads);
 }
 
-void Qwen3Moe::epilog_backward(Tensor dx, const Qwen3MoeWeights& grads, double loss_scale, Qwen3MoeEpilogActivations& p,
-                               const Qwen3MoeBatch& batch, const Qwen3MoeWeights& w, bool overwrite_grads) const {
-  const int64_t T = batch.batch * batch.seq, H = config_.hidden_size, V = config_.vocab_size;
-  if (p.dh.view().data == nullptr) {
-    const bool kept = p.logits.view().data != nullptr;
-    const int64_t chunk = kept ? T : logits_chunk(T);
-    Buffer logits = kept ? std::move(p.logits) : buffer({chunk, V});
-    p.dh = buffer({T, H});
-    for (int64_t begin = 0; begin < T; begin += chunk) {
-      const int64_t end = std::min(T, begin + chunk);
-      const Tensor part = logits.view().rows(0, end - begin), h = p.h.view().rows(begin, end);
-      if (!kept) linear_forward(part, h, w.lm_head);
-      lm_head_chunk_backward(part, h, p.lse.view().rows(begin, end), batch.targets.view().rows(begin, end),
-                             p.dh.view().rows(begin, end), w.lm_head, grads.lm_head, loss_scale, overwrite_grads && begin == 0);
-    }
-  }
-  rmsnorm_backward(dx, grads.final_norm, p.dh, p.x, w.final_norm, p.rstd);
-  p = Qwen3MoeEpilogActivations{};
+void Qwen3Moe::epilog_backward(Tensor dx, const Qwen3MoeWeights& grads, double loss_scale, EpilogActivations& p, const Qwen3MoeBatch& batch,
+                               const Qwen3MoeWeights& w, bool overwrite_grads) const {
+  marrow::epilog_backward(dx, grads.final_norm, grads.lm_head, loss_scale, p, batch.targets, lm_head(w, batch.batch * batch.seq),
+                          overwrite_grads);
 }
 
 namespace {
@@ -595,13 +470,10 @@ ModelActivationBytes Qwen3Moe::activation_bytes(int64_t batch, int64_t seq, int6
   m.experts.backward_scratch = R * 4 * I * a;  // act (again), dact, dgate_up
   m.experts.held_for_weights = R * 3 * I * a;  // act, dgate_up (gate_up is freed)
 
-  // x, h, the logits when kept whole; rstd, lse, token losses. Whole logits: dh in the backward
-  // (the loss gradient overwrites the logits). Chunked logits (training runs their backward in the
-  // forward): one chunk's buffer in the forward, dh from the forward to the backward.
-  const int64_t chunk = logits_chunk(T);
-  m.epilog.kept = T * 2 * H * a + (chunk == T ? T * V * a : T * H * a) + 3 * T * s;
-  m.epilog.forward_scratch = chunk == T ? 0 : chunk * V * a;
-  m.epilog.backward_scratch = chunk == T ? T * H * a : 0;
+  const EpilogBytes epilog = epilog_bytes(T, H, V, logits_chunk(T), a, s);
+  m.epilog.kept = epilog.kept;
+  m.epilog.forward_scratch = epilog.forward_scratch;
+  m.epilog.backward_scratch = epilog.backward_scratch;
   return m;
 }
 

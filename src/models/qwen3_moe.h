@@ -30,6 +30,7 @@
 #include "core/memory.h"
 #include "core/stage_bytes.h"
 #include "core/tensor_spec.h"
+#include "models/common.h"
 #include "ops/fp8.h"
 
 namespace marrow {
@@ -92,11 +93,6 @@ struct Qwen3MoeExpertActivations {
   Tensor topk_weight, copy_row, dtopk_weight;
 };
 
-struct Qwen3MoeEpilogActivations {
-  Buffer x, h, rstd, logits, lse, token_loss;  // logits: empty when computed in chunks
-  Buffer dh;  // the final norm's output gradient, when the forward ran the LM head's backward
-};
-
 class Qwen3Moe {
  public:
   using Config = Qwen3MoeConfig;
@@ -105,7 +101,7 @@ class Qwen3Moe {
   using Batch = Qwen3MoeBatch;
   using AttentionActivations = Qwen3MoeAttentionActivations;
   using ExpertActivations = Qwen3MoeExpertActivations;
-  using EpilogActivations = Qwen3MoeEpilogActivations;
+  using EpilogActivations = marrow::EpilogActivations;
   static constexpr const char* model_type = "qwen3_moe";
 
   // experts: the experts of each layer this process holds (expert parallelism); its parameter
@@ -213,23 +209,11 @@ class Qwen3Moe {
   // instead of dy_perm, [T x K, H]).
   void aggregate_backward_rows(Tensor dy_perm, Tensor dout, Tensor copy_row) const;
 
-  // Epilog: returns the sum of token losses over non-ignored targets (read when needed, core/host_sum.h). The LM head's logits of a
-  // micro-batch stay whole in p.logits for the backward up to kWholeLogitsBytes; past that (long
-  // sequences: 9.3 GiB at 32,768 tokens of Qwen3's vocabulary) they exist only one chunk of tokens
-  // at a time, the fewest even chunks of at most kLogitsChunkBytes. A training forward (grads given:
-  // the gradients, loss_scale and overwrite_grads of epilog_backward) then runs each chunk's backward
-  // at once, the LM head's gradient and the rows of p.dh, so no chunk is computed twice; without
-  // grads (evaluation, or a caller that runs the backward later) the backward computes each chunk
-  // again. Either way the same logits; the head's gradient sums the chunks in order. Each chunk
-  // after the first reads and writes the head's f32 gradient once more (2.3 GiB of Qwen3's), so
-  // chunks are large, and 16,384 tokens (4.6 GiB) stay whole: on the H200 three chunks there saved
-  // 2.57 GiB of peak for +0.8% a step, and 2 GiB chunks at 32,768 ran 0.6% faster than 512 MiB ones
-  // (docs/performance.md, eighteenth session).
-  static constexpr int64_t kWholeLogitsBytes = int64_t(8) << 30;
-  static constexpr int64_t kLogitsChunkBytes = int64_t(2) << 30;
-  // Tokens per logits chunk for a micro-batch of `tokens` (all of them when kept whole);
-  // set_logits_chunk(n > 0) forces n (tests), 0 restores the rule above.
-  int64_t logits_chunk(int64_t tokens) const;
+  // Epilog: final norm, LM head, cross-entropy (models/common.h's epilog_forward and
+  // epilog_backward, which say how the logits come in chunks past kWholeLogitsBytes). Tokens per
+  // logits chunk for a micro-batch of `tokens` (all of them when kept whole); set_logits_chunk(n > 0)
+  // forces n (tests), 0 restores the rule.
+  int64_t logits_chunk(int64_t tokens) const { return marrow::logits_chunk(tokens, config_.vocab_size, dtype_, forced_logits_chunk_); }
   void set_logits_chunk(int64_t tokens) { forced_logits_chunk_ = tokens; }
 
   // With expert_fp8() (train.fp8): a layer's expert weights quantized for ops/grouped_linear_fp8.h,
@@ -242,13 +226,10 @@ class Qwen3Moe {
     const void* source = nullptr;  // the bf16 weights they were made from
   };
   const Fp8ExpertWeights& fp8_expert_weights(const Qwen3MoeLayerWeights& w) const;
-  HostSum epilog_forward(Qwen3MoeEpilogActivations& p, Buffer x, const Qwen3MoeBatch& batch, const Qwen3MoeWeights& w,
+  HostSum epilog_forward(EpilogActivations& p, Buffer x, const Qwen3MoeBatch& batch, const Qwen3MoeWeights& w,
                          const Qwen3MoeWeights* grads = nullptr, double loss_scale = 1, bool overwrite_grads = false) const;
-  // dx (overwritten); loss_scale = d(total loss)/d(sum of token losses), e.g. 1 / counted tokens.
-  // overwrite_grads: write the LM head's gradient instead of adding (TensorSpec::first_backward_writes:
-  // the step's first micro-batch).
-  void epilog_backward(Tensor dx, const Qwen3MoeWeights& grads, double loss_scale, Qwen3MoeEpilogActivations& p,
-                       const Qwen3MoeBatch& batch, const Qwen3MoeWeights& w, bool overwrite_grads = false) const;
+  void epilog_backward(Tensor dx, const Qwen3MoeWeights& grads, double loss_scale, EpilogActivations& p, const Qwen3MoeBatch& batch,
+                       const Qwen3MoeWeights& w, bool overwrite_grads = false) const;
 
   // Device bytes of each stage for one micro-batch of batch x seq tokens whose layers each run
   // expert_rows token copies through this process's experts (core/stage_bytes.h): the buffers the
@@ -264,6 +245,7 @@ class Qwen3Moe {
 
  private:
   Buffer input_norm(Qwen3MoeAttentionActivations& a, const Qwen3MoeLayerWeights& w) const;
+  LmHead lm_head(const Qwen3MoeWeights& w, int64_t tokens) const;
   Tensor rope_cos_sin(const Qwen3MoeBatch& batch) const;
   // y = x W_e^T per expert through FP8: x quantized by rows for the call, w from fp8_expert_weights.
   void fp8_grouped(Tensor y, Tensor x, const Fp8Buffer& w, Tensor expert_offsets) const;

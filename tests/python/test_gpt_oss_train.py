@@ -1,6 +1,8 @@
 """GPT-OSS through the command line on the CPU: configs/tiny-gpt-oss.json trains on the demo corpus,
-resumes bit for bit, exports a directory that transformers' GptOssForCausalLM loads with every tensor
-and no other, and turns an unsupported layout (expert parallelism) into one sentence.
+resumes bit for bit, trains with two data-parallel processes and with DualPipeV over two pipeline
+ranks as with one process, exports a directory that
+transformers' GptOssForCausalLM loads with every tensor and no other, and turns an unsupported layout
+(expert parallelism) into one sentence.
 """
 import argparse
 import json
@@ -13,11 +15,16 @@ import torch
 from transformers import GptOssForCausalLM
 
 
-def train(marrow, corpus, out, steps, extra=()):
-    cmd = [marrow, "train", "configs/tiny-moe.toml", "--model.config=configs/tiny-gpt-oss.json", f"--data.path={corpus}/corpus",
+def train(marrow, corpus, out, steps, extra=(), model="configs/tiny-gpt-oss.json"):
+    cmd = [marrow, "train", "configs/tiny-moe.toml", f"--model.config={model}", f"--data.path={corpus}/corpus",
            f"--train.steps={steps}", "--schedule.warmup_steps=2", "--train.device=cpu", "--checkpoint.every=3", "--eval.every=0",
            f"--output.dir={out}", *extra]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+
+
+# mpirun as root, oversubscribed, on a machine without shared-memory single copy (tests/python/test_parallel.py).
+MPI_ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMPI_MCA_rmaps_base_oversubscribe="1",
+               OMPI_MCA_btl_vader_single_copy_mechanism="none")
 
 
 def losses(out):
@@ -56,9 +63,33 @@ def main():
         print(f"export loads in transformers: every tensor {complete}, finite logits {finite}")
         ok &= complete and finite
 
-        r = subprocess.run(["mpirun", "--oversubscribe", "-np", "2", args.marrow, "train", "configs/tiny-moe.toml",
+        # Two data-parallel processes (FSDP), and DualPipeV over two pipeline ranks (four layers: a
+        # chunk each way per rank), against one process on the same sequences. The sums meet in another
+        # order, so not bit for bit: within 1e-6, as tests/python/test_parallel.py holds Qwen3-MoE's
+        # layouts (a missing reduction, or a norm that leaves a tensor out, is off by far more; the
+        # norm's clipping decides every update).
+        four = os.path.join(work, "four-layers.json")
+        config = json.load(open("configs/tiny-gpt-oss.json"))
+        json.dump(dict(config, num_hidden_layers=4, layer_types=config["layer_types"] * 2), open(four, "w"))
+        layouts = [("DP = 2", "configs/tiny-gpt-oss.json", "--train.micro_batch=16", ["--train.micro_batch=8"]),
+                   ("PP = 2 (DualPipeV)", four, "--train.micro_batch=4", ["--train.micro_batch=4", "--parallel.pp=2"])]
+        for i, (name, model, one_micro_batch, layout) in enumerate(layouts):
+            one, many = os.path.join(work, f"one-{i}"), os.path.join(work, f"many-{i}")
+            r = train(args.marrow, corpus, one, 4, ["--checkpoint.every=0", one_micro_batch], model)
+            assert r.returncode == 0, r.stderr
+            r = subprocess.run(["timeout", "300", "mpirun", "--oversubscribe", "--bind-to", "none", "-np", "2", args.marrow, "train",
+                                "configs/tiny-moe.toml", f"--model.config={model}", f"--data.path={corpus}/corpus", "--train.steps=4",
+                                "--schedule.warmup_steps=2", "--train.device=cpu", "--checkpoint.every=0", "--eval.every=0",
+                                f"--output.dir={many}", *layout], capture_output=True, text=True, env=MPI_ENV)
+            assert r.returncode == 0, r.stderr
+            records = [[json.loads(x) for x in open(os.path.join(d, "metrics.jsonl"))] for d in (one, many)]
+            worst = max(abs(a[k] - b[k]) / abs(a[k]) for a, b in zip(*records) for k in ("loss", "grad_norm", "load_balance"))
+            print(f"{name} against one process: losses, gradient norms and load balance within 1e-6: worst {worst:.1e}")
+            ok &= len(records[0]) == len(records[1]) == 4 and worst <= 1e-6
+
+        r = subprocess.run(["timeout", "300", "mpirun", "--oversubscribe", "--bind-to", "none", "-np", "2", args.marrow, "train", "configs/tiny-moe.toml",
                             "--model.config=configs/tiny-gpt-oss.json", f"--data.path={corpus}/corpus", "--train.device=cpu",
-                            "--parallel.ep=2", f"--output.dir={os.path.join(work, 'ep')}"], capture_output=True, text=True, timeout=300)
+                            "--parallel.ep=2", f"--output.dir={os.path.join(work, 'ep')}"], capture_output=True, text=True, env=MPI_ENV)
         said = "gpt_oss does not support expert parallelism yet (parallel.ep must be 1)" in r.stderr
         print(f"parallel.ep = 2: exit {r.returncode}, one sentence: {said}")
         ok &= r.returncode != 0 and said

@@ -1,10 +1,17 @@
-"""Parity with Hugging Face transformers (DESIGN.md §7, layer 3).
+"""Parity with Hugging Face transformers (DESIGN.md §7, layer 3), for both model families.
 
-For two Qwen3-MoE configs that differ in every size, Marrow initialises a model, writes it under
-Hugging Face tensor names and runs its fp32 forward (tests/tools/hf_dump.cpp); transformers'
-Qwen3MoeForCausalLM loads the same files and runs the same tokens. Logits and loss must agree to a
-max relative error of 1e-4. Weights are drawn ten times larger than Hugging Face's default so that
-routing is decisive and logits are far from uniform: small errors cannot hide.
+For two configs of each family that differ in every size, Marrow initialises a model, writes it under
+Hugging Face tensor names and runs its fp32 forward (tests/tools/hf_dump.cpp); transformers loads the
+same files and runs the same tokens. Logits and loss must agree to a max relative error of 1e-4.
+Weights are drawn ten times larger than Hugging Face's default so that routing is decisive and logits
+are far from uniform: small errors cannot hide.
+
+Qwen3MoeForCausalLM: forward only (its backward is checked against finite differences in
+tests/qwen3_moe_test.cpp, and the tensor names differ: transformers fuses the experts).
+GptOssForCausalLM (eager attention): sliding and full layers, sinks, YaRN RoPE, the clamped SwiGLU
+with biases (hf_dump --random-biases draws every bias as the weights are), sequences longer than the
+window; also the backward: every parameter's gradient of the mean token loss within 1e-4 of
+transformers' (against the largest element of that gradient).
 """
 import argparse
 import json
@@ -15,46 +22,80 @@ import tempfile
 
 import torch
 from safetensors.torch import load_file
-from transformers import Qwen3MoeForCausalLM
+from transformers import GptOssForCausalLM, Qwen3MoeForCausalLM
 
+QWEN3 = dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], hidden_act="silu", tie_word_embeddings=False,
+             max_position_embeddings=512)
+GPT_OSS = dict(model_type="gpt_oss", architectures=["GptOssForCausalLM"], tie_word_embeddings=False, attention_bias=True,
+               max_position_embeddings=131072)
+YARN = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+        "truncate": False, "original_max_position_embeddings": 4096}
 CONFIGS = {
-    "a": dict(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-              head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
-              rope_parameters={"rope_theta": 10000.0, "rope_type": "default"}, rms_norm_eps=1e-6,
-              initializer_range=0.2),
-    "b": dict(vocab_size=257, hidden_size=48, num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=1,
-              head_dim=8, num_experts=6, num_experts_per_tok=3, moe_intermediate_size=24, norm_topk_prob=False,
-              rope_theta=1000000.0, rms_norm_eps=1e-5, initializer_range=0.3),
+    "qwen3 a": dict(QWEN3, vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                    head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=256,
+                    norm_topk_prob=True, rope_parameters={"rope_theta": 10000.0, "rope_type": "default"}, rms_norm_eps=1e-6,
+                    initializer_range=0.2),
+    "qwen3 b": dict(QWEN3, vocab_size=257, hidden_size=48, num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=1,
+                    head_dim=8, num_experts=6, num_experts_per_tok=3, moe_intermediate_size=24, intermediate_size=192,
+                    norm_topk_prob=False, rope_theta=1000000.0, rms_norm_eps=1e-5, initializer_range=0.3),
+    "gpt_oss a": dict(GPT_OSS, vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=16, num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, sliding_window=5,
+                      rope_parameters=YARN, rms_norm_eps=1e-5, initializer_range=0.2, swiglu_limit=7.0),
+    "gpt_oss b": dict(GPT_OSS, vocab_size=257, hidden_size=48, num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=1,
+                      head_dim=8, num_local_experts=6, num_experts_per_tok=3, intermediate_size=24, sliding_window=4,
+                      layer_types=["full_attention", "sliding_attention", "sliding_attention"],
+                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, rms_norm_eps=1e-6, initializer_range=0.3,
+                      swiglu_limit=1.5),
 }
 
 
-def check(name, fields, hf_dump, workdir):
-    config = dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], hidden_act="silu",
-                  tie_word_embeddings=False, intermediate_size=4 * fields["hidden_size"], max_position_embeddings=512,
-                  **fields)
-    out = os.path.join(workdir, name)
+def rel_err(a, b):
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def gradient_errors(out, model):
+    """Each parameter's gradient against transformers' (after its backward), by name; the worst."""
+    grads = load_file(os.path.join(out, "marrow_grads.safetensors"))
+    hf_grads = {n: p.grad for n, p in model.named_parameters()}
+    assert set(grads) == set(hf_grads), f"tensor names differ: {sorted(set(grads) ^ set(hf_grads))}"
+    errs = {n: rel_err(grads[n], hf_grads[n]) for n in grads}
+    return errs, max(errs, key=errs.get)
+
+
+def check(name, config, hf_dump, workdir):
+    gpt_oss = config["model_type"] == "gpt_oss"
+    out = os.path.join(workdir, name.replace(" ", "-"))
     os.makedirs(out)
     config_path = os.path.join(out, "input_config.json")
     with open(config_path, "w") as f:
         json.dump(config, f)
     batch, seq = 2, 13
     g = torch.Generator().manual_seed(7)
-    tokens = torch.randint(0, fields["vocab_size"], (batch, seq), generator=g)
-    subprocess.run([hf_dump, config_path, out, "1234", str(batch), str(seq)] + [str(t) for t in tokens.flatten().tolist()],
+    tokens = torch.randint(0, config["vocab_size"], (batch, seq), generator=g)
+    flags = ["--grads", "--random-biases"] if gpt_oss else []
+    subprocess.run([hf_dump, *flags, config_path, out, "1234", str(batch), str(seq)] + [str(t) for t in tokens.flatten().tolist()],
                    check=True)
 
-    model = Qwen3MoeForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    if gpt_oss:
+        model = GptOssForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager").train()
+    else:
+        model = Qwen3MoeForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     marrow = load_file(os.path.join(out, "marrow_outputs.safetensors"))
     assert torch.equal(marrow["input_ids"].long(), tokens)
-    with torch.no_grad():
+    with torch.set_grad_enabled(gpt_oss):
         result = model(input_ids=tokens, labels=tokens)
-    hf_logits = result.logits.float()
-    logits_err = ((marrow["logits"] - hf_logits).abs().max() / hf_logits.abs().max()).item()
+    logits_err = rel_err(marrow["logits"], result.logits.detach().float())
     marrow_loss = json.load(open(os.path.join(out, "marrow_loss.json")))["loss"]
     loss_err = abs(marrow_loss - result.loss.item()) / abs(result.loss.item())
     ok = logits_err <= 1e-4 and loss_err <= 1e-4
-    print(f"config {name}: logits max rel err {logits_err:.2e}, loss marrow {marrow_loss:.6f} hf {result.loss.item():.6f} "
-          f"rel err {loss_err:.2e} -> {'ok' if ok else 'MISMATCH'}")
+    line = (f"config {name}: logits max rel err {logits_err:.2e}, loss marrow {marrow_loss:.6f} hf {result.loss.item():.6f} "
+            f"rel err {loss_err:.2e}")
+    if gpt_oss:
+        result.loss.backward()
+        errs, worst = gradient_errors(out, model)
+        ok = ok and errs[worst] <= 1e-4
+        line += f", {len(errs)} gradients, worst {worst} {errs[worst]:.2e}"
+    print(f"{line} -> {'ok' if ok else 'MISMATCH'}")
     return ok
 
 
@@ -66,7 +107,7 @@ def main():
     hf_dump = os.path.join(args.build_dir, "tests", "hf_dump")
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as workdir:
-        results = [check(name, fields, hf_dump, workdir) for name, fields in CONFIGS.items()]
+        results = [check(name, config, hf_dump, workdir) for name, config in CONFIGS.items()]
     print("PASS" if all(results) else "FAIL")
     sys.exit(0 if all(results) else 1)
 

@@ -1,0 +1,139 @@
+#include "models/common.h"
+
+#include <algorithm>
+
+#include "ops/cross_entropy.h"
+#include "ops/grouped_linear.h"
+#include "ops/init.h"
+#include "ops/linear.h"
+#include "ops/rmsnorm.h"
+
+namespace marrow {
+
+void expect_family(const JsonFields& f, const std::string& source, const char* model_type, const char* architecture) {
+  const std::string type = f.string("model_type");
+  MARROW_CHECK(type == model_type, "{}: model_type is '{}' but this model is {}", source, type, model_type);
+  if (f.has("architectures")) {
+    const Json& arch = f.raw("architectures");
+    MARROW_CHECK(arch.is_array() && arch.size() == 1 && arch[0] == architecture, "{}: architectures must be [\"{}\"], got {}", source,
+                 architecture, arch.dump());
+  }
+  MARROW_CHECK(!f.boolean("tie_word_embeddings", false), "{}: tie_word_embeddings = true is not supported", source);
+  MARROW_CHECK(f.number("attention_dropout", 0.0) == 0.0, "{}: attention_dropout must be 0", source);
+}
+
+void ParameterTable::add(std::string name, std::vector<int64_t> shape, bool is_norm, bool is_expert) {
+  const bool first_writes = is_expert || (layer == num_layers && !is_norm);
+  TensorSpec s{std::move(name), std::move(shape), numel, 1, is_norm, first_writes, is_expert, layer};
+  for (int64_t d : s.shape) s.numel *= d;
+  numel += s.numel;
+  specs.push_back(std::move(s));
+}
+
+Tensor TableCursor::take(std::initializer_list<int64_t> dims, int64_t count) {
+  const TensorSpec& s = specs_.at(next_);
+  next_ += size_t(count);
+  return placement_.slice(s.offset, dims);
+}
+
+void TableCursor::expect_end() const {
+  MARROW_CHECK(next_ == specs_.size(), "internal: bound {} of {} parameter tensors", next_, specs_.size());
+}
+
+void initialize_tensor(Tensor out, const TensorSpec& spec, int64_t first, uint64_t seed, double std, bool zeros) {
+  MARROW_CHECK(first >= 0 && first + out.numel() <= spec.numel, "internal: elements [{}, {}) of {} with {} elements", first,
+               first + out.numel(), spec.name, spec.numel);
+  if (spec.is_norm) fill_constant(out, 1.0);
+  else if (zeros) fill_constant(out, 0.0);
+  else fill_normal(out, seed, spec.name, std, first);
+}
+
+int64_t logits_chunk(int64_t tokens, int64_t vocab, DType dtype, int64_t forced) {
+  if (forced > 0) return std::min(tokens, forced);
+  const int64_t row_bytes = vocab * int64_t(dtype_size(dtype));
+  if (tokens * row_bytes <= kWholeLogitsBytes) return tokens;
+  // Whole multiples of 64 rows, so every chunk but the last keeps the GEMMs' tiles full.
+  const int64_t most = std::max<int64_t>(64, kLogitsChunkBytes / row_bytes / 64 * 64);
+  const int64_t chunks = (tokens + most - 1) / most;
+  return std::min(most, ((tokens + chunks - 1) / chunks + 63) / 64 * 64);
+}
+
+namespace {
+
+// One chunk of the LM head's backward: the logits' gradient in place of the logits, the head's
+// gradient (written at the step's first chunk when overwrite), and dh's rows.
+void lm_head_chunk_backward(Tensor logits, Tensor h, Tensor lse, Tensor targets, Tensor dh, Tensor lm_head, Tensor lm_head_grad,
+                            double loss_scale, bool overwrite) {
+  cross_entropy_backward(logits, logits, lse, targets, loss_scale);
+  linear_backward_weight(lm_head_grad, logits, h, overwrite);
+  linear_backward_input(dh, logits, lm_head);
+}
+
+}  // namespace
+
+HostSum epilog_forward(EpilogActivations& p, Buffer x, Tensor targets, const LmHead& head, Tensor lm_head_grad, double loss_scale,
+                       bool overwrite) {
+  const int64_t T = x.view().size(0), H = x.view().size(1), V = head.lm_head.size(0);
+  p.x = std::move(x);
+  p.h = Buffer(head.dtype, head.device, {T, H});
+  p.rstd = Buffer(head.stats_dtype, head.device, {T});
+  rmsnorm_forward(p.h, p.rstd, p.x, head.final_norm, head.eps);
+  p.lse = Buffer(head.stats_dtype, head.device, {T});
+  p.token_loss = Buffer(head.stats_dtype, head.device, {T});
+  const int64_t chunk = head.chunk;
+  const bool backward_now = lm_head_grad.data != nullptr && chunk < T;
+  if (backward_now) p.dh = Buffer(head.dtype, head.device, {T, H});
+  Buffer logits(head.dtype, head.device, {chunk, V});
+  for (int64_t begin = 0; begin < T; begin += chunk) {
+    const int64_t end = std::min(T, begin + chunk);
+    const Tensor part = logits.view().rows(0, end - begin), h = p.h.view().rows(begin, end);
+    const Tensor lse = p.lse.view().rows(begin, end), part_targets = targets.rows(begin, end);
+    linear_forward(part, h, head.lm_head);
+    cross_entropy_forward(p.token_loss.view().rows(begin, end), lse, part, part_targets);
+    if (backward_now)
+      lm_head_chunk_backward(part, h, lse, part_targets, p.dh.view().rows(begin, end), head.lm_head, lm_head_grad, loss_scale,
+                             overwrite && begin == 0);
+  }
+  if (chunk == T) p.logits = std::move(logits);
+  HostSum loss;
+  loss.add(p.token_loss);
+  return loss;
+}
+
+void epilog_backward(Tensor dx, Tensor final_norm_grad, Tensor lm_head_grad, double loss_scale, EpilogActivations& p, Tensor targets,
+                     const LmHead& head, bool overwrite) {
+  const int64_t T = p.x.view().size(0), H = p.x.view().size(1), V = head.lm_head.size(0);
+  if (p.dh.view().data == nullptr) {
+    const bool kept = p.logits.view().data != nullptr;
+    const int64_t chunk = kept ? T : head.chunk;
+    Buffer logits = kept ? std::move(p.logits) : Buffer(head.dtype, head.device, {chunk, V});
+    p.dh = Buffer(head.dtype, head.device, {T, H});
+    for (int64_t begin = 0; begin < T; begin += chunk) {
+      const int64_t end = std::min(T, begin + chunk);
+      const Tensor part = logits.view().rows(0, end - begin), h = p.h.view().rows(begin, end);
+      if (!kept) linear_forward(part, h, head.lm_head);
+      lm_head_chunk_backward(part, h, p.lse.view().rows(begin, end), targets.rows(begin, end), p.dh.view().rows(begin, end), head.lm_head,
+                             lm_head_grad, loss_scale, overwrite && begin == 0);
+    }
+  }
+  rmsnorm_backward(dx, final_norm_grad, p.dh, p.x, head.final_norm, p.rstd);
+  p = EpilogActivations{};
+}
+
+// x, h, the logits when kept whole; rstd, lse, token losses. Whole logits: dh in the backward (the
+// loss gradient overwrites the logits). Chunked logits (training runs their backward in the
+// forward): one chunk's buffer in the forward, dh from the forward to the backward.
+EpilogBytes epilog_bytes(int64_t T, int64_t H, int64_t V, int64_t chunk, int64_t a, int64_t s) {
+  return {T * 2 * H * a + (chunk == T ? T * V * a : T * H * a) + 3 * T * s, chunk == T ? 0 : chunk * V * a, chunk == T ? T * H * a : 0};
+}
+
+int64_t grouped_squares_count(Tensor dweight) { return grouped_weight_squares_count(dweight.size(0), dweight.size(1), dweight.size(2)); }
+
+std::pair<Tensor, Tensor> split_record(const char* name, Tensor record, int64_t first, int64_t expected) {
+  if (record.data == nullptr) return {};
+  MARROW_CHECK(record.ndim == 1 && record.numel() == expected,
+               "experts_backward_weights: {} has shape {} but the layer's expert gradients need [{}]", name, record.shape_string(), expected);
+  return {record.rows(0, first), record.rows(first, record.numel())};
+}
+
+}  // namespace marrow

@@ -1,0 +1,157 @@
+// What the model families (qwen3_moe, gpt_oss) share: the bookkeeping of a canonical parameter
+// table, Hugging Face's initialisation of one tensor, the epilog (final norm -> LM head ->
+// cross-entropy, the logits whole or in chunks) and the records of a layer's grouped expert
+// gradients. Free functions and plain structs, so that each family's file still reads top to
+// bottom and says which of them it calls.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/host_sum.h"
+#include "core/json.h"
+#include "core/memory.h"
+#include "core/tensor_spec.h"
+#include "ops/dispatch.h"
+
+namespace marrow {
+
+// The start of a family's config.json: model_type and architectures (when given) name the family,
+// and the features no family implements are refused (tied embeddings, attention dropout).
+void expect_family(const JsonFields& f, const std::string& source, const char* model_type, const char* architecture);
+
+// The fields both families' config.json files name alike, read into c (sizes positive, head_dim
+// hidden_size / heads when absent; one sentence naming a bad key), then the checks of their values.
+template <class C> void read_shared_fields(C& c, const JsonFields& f, double default_eps) {
+  c.vocab_size = f.positive("vocab_size");
+  c.hidden_size = f.positive("hidden_size");
+  c.num_layers = f.positive("num_hidden_layers");
+  c.num_heads = f.positive("num_attention_heads");
+  c.num_kv_heads = f.positive("num_key_value_heads");
+  c.head_dim = f.positive("head_dim", c.hidden_size / c.num_heads);
+  c.top_k = f.positive("num_experts_per_tok");
+  c.rms_norm_eps = f.number("rms_norm_eps", default_eps);
+  c.initializer_range = f.number("initializer_range", 0.02);
+  c.router_aux_loss_coef = f.number("router_aux_loss_coef", 0.001);
+}
+// experts_key: the key the family's experts count is named by in messages.
+template <class C> void check_shared_values(const C& c, double rope_theta, const std::string& source, const char* experts_key) {
+  MARROW_CHECK(c.rms_norm_eps > 0, "{}: rms_norm_eps must be positive, got {}", source, c.rms_norm_eps);
+  MARROW_CHECK(rope_theta > 0, "{}: rope_theta must be positive, got {}", source, rope_theta);
+  MARROW_CHECK(c.initializer_range > 0, "{}: initializer_range must be positive, got {}", source, c.initializer_range);
+  MARROW_CHECK(c.router_aux_loss_coef >= 0, "{}: router_aux_loss_coef must not be negative, got {}", source, c.router_aux_loss_coef);
+  MARROW_CHECK(c.num_heads % c.num_kv_heads == 0, "{}: num_attention_heads ({}) must be a multiple of num_key_value_heads ({})", source,
+               c.num_heads, c.num_kv_heads);
+  MARROW_CHECK(c.head_dim % 2 == 0, "{}: head_dim must be even for rotary embeddings, got {}", source, c.head_dim);
+  MARROW_CHECK(c.top_k <= c.num_experts, "{}: num_experts_per_tok ({}) exceeds {} ({})", source, c.top_k, experts_key, c.num_experts);
+}
+
+// A family's canonical parameter table, built tensor by tensor in its order. The expert weights'
+// and the LM head's gradients are written by a step's first backward (TensorSpec::first_backward_writes).
+struct ParameterTable {
+  explicit ParameterTable(int64_t num_layers) : num_layers(num_layers) {}
+  int64_t num_layers;
+  int64_t layer = -1;  // TensorSpec::layer of the tensors added next: -1 the prolog, num_layers the epilog
+  std::vector<TensorSpec> specs;
+  int64_t numel = 0;
+  void add(std::string name, std::vector<int64_t> shape, bool is_norm, bool is_expert = false);
+};
+
+// Views of a placement's tensors in the table's order, each in the shape the family computes with
+// (count: how many table entries one view spans, e.g. a layer's per-expert tensors as one).
+class TableCursor {
+ public:
+  TableCursor(const std::vector<TensorSpec>& specs, const Placement& placement) : specs_(specs), placement_(placement) {}
+  Tensor take(std::initializer_list<int64_t> dims, int64_t count = 1);
+  void expect_end() const;
+
+ private:
+  const std::vector<TensorSpec>& specs_;
+  const Placement& placement_;
+  size_t next_ = 0;
+};
+
+// Hugging Face's initialisation of elements [first, first + out.numel()) of one tensor: ones for a
+// norm, zeros where `zeros`, else normal(0, std) with element i drawing Philox(seed, name) at i, so a
+// shard starts from the slice of the whole tensor's values.
+void initialize_tensor(Tensor out, const TensorSpec& spec, int64_t first, uint64_t seed, double std, bool zeros = false);
+
+// Every tensor of a model's table initialised (M::initialize of one tensor) into a parameter arena.
+template <class M> void initialize_parameters(const M& model, const Arena& params, uint64_t seed) {
+  MARROW_CHECK(params.all().numel() == model.num_parameters(), "parameter arena holds {} elements but the model has {}",
+               params.all().numel(), model.num_parameters());
+  for (const TensorSpec& s : model.specs()) model.initialize(params.slice(s.offset, {s.numel}), s, 0, seed);
+}
+
+// The epilog's activations: x, its norm h and rstd, the logits when kept whole, lse and token
+// losses; dh, the final norm's output gradient, when the forward ran the LM head's backward.
+struct EpilogActivations {
+  Buffer x, h, rstd, logits, lse, token_loss;
+  Buffer dh;
+};
+
+// The LM head as the epilog runs it: weights, the final norm's epsilon, the tokens per logits chunk
+// (logits_chunk) and the dtypes of activations and of statistics (lse, losses, rstd).
+struct LmHead {
+  Tensor final_norm, lm_head;
+  double eps;
+  int64_t chunk;
+  DType dtype, stats_dtype;
+  Device device;
+};
+
+// The logits of a micro-batch stay whole in p.logits for the backward up to kWholeLogitsBytes; past
+// that (long sequences: 9.3 GiB at 32,768 tokens of Qwen3's vocabulary) they exist only one chunk of
+// tokens at a time, the fewest even chunks of at most kLogitsChunkBytes. Each chunk after the first
+// reads and writes the head's f32 gradient once more (2.3 GiB of Qwen3's), so chunks are large, and
+// 16,384 tokens (4.6 GiB) stay whole: on the H200 three chunks there saved 2.57 GiB of peak for
+// +0.8% a step, and 2 GiB chunks at 32,768 ran 0.6% faster than 512 MiB ones (docs/performance.md,
+// eighteenth session). forced > 0 (tests) takes that many tokens a chunk instead.
+constexpr int64_t kWholeLogitsBytes = int64_t(8) << 30;
+constexpr int64_t kLogitsChunkBytes = int64_t(2) << 30;
+int64_t logits_chunk(int64_t tokens, int64_t vocab, DType dtype, int64_t forced = 0);
+
+// Epilog forward of x [T, H]; returns the sum of token losses over non-ignored targets. With
+// lm_head_grad (a training forward: the gradient, loss_scale and overwrite of epilog_backward) and
+// chunked logits it runs each chunk's backward at once (the head's gradient and the rows of p.dh),
+// so no chunk is computed twice; otherwise the backward computes each chunk again. Either way the
+// same logits, the head's gradient summed over the chunks in order.
+HostSum epilog_forward(EpilogActivations& p, Buffer x, Tensor targets, const LmHead& head, Tensor lm_head_grad = {}, double loss_scale = 1,
+                       bool overwrite = false);
+// dx (overwritten); loss_scale = d(total loss)/d(sum of token losses); overwrite: write the LM
+// head's gradient instead of adding (the step's first micro-batch). Releases p.
+void epilog_backward(Tensor dx, Tensor final_norm_grad, Tensor lm_head_grad, double loss_scale, EpilogActivations& p, Tensor targets,
+                     const LmHead& head, bool overwrite = false);
+// Device bytes the epilog keeps from its forward to its backward, and its scratch in each (T tokens,
+// hidden H, vocab V, a and s bytes per activation and statistic).
+struct EpilogBytes {
+  int64_t kept, forward_scratch, backward_scratch;
+};
+EpilogBytes epilog_bytes(int64_t T, int64_t H, int64_t V, int64_t chunk, int64_t a, int64_t s);
+
+// Stage 5's backward with one expert-parallel rank, for a family whose experts' backward applies the
+// routing weights (ops/swiglu.h's swiglu_weighted_backward): dy_perm (overwritten) = dout's copies
+// unweighted; e takes the weights, the copies' rows and where their gradient goes.
+template <class A, class E> void aggregate_backward_unweighted(Tensor dy_perm, Tensor dtopk_weight, Tensor dout, const A& a, Tensor copy_row, E& e) {
+  dispatch_forward(dy_perm, dout, copy_row);
+  e.topk_weight = a.topk_weight;
+  e.copy_row = copy_row;
+  e.dtopk_weight = dtopk_weight;
+}
+
+// A layer's known-zero flags of its grouped expert gradients: one an expert, down's then gate_up's
+// (L: a family's layer weights with experts_down and experts_gate_up [E, ., .]).
+template <class L> int64_t grouped_known_zero_count(const L& grads) { return grads.experts_down.size(0) + grads.experts_gate_up.size(0); }
+template <class L> std::vector<std::pair<Tensor, Tensor>> grouped_known_zero_parts(const L& grads, Tensor known_zero) {
+  const int64_t down = grads.experts_down.size(0);
+  return {{grads.experts_down, known_zero.rows(0, down)}, {grads.experts_gate_up, known_zero.rows(down, known_zero.numel())}};
+}
+
+// The number of sums of squares grouped_linear_backward_weight writes for dweight [E, O, I].
+int64_t grouped_squares_count(Tensor dweight);
+// A layer's record of its expert gradients (squares or known-zero flags) cut at `first` (empty
+// halves when the record is not given; a record of another length is an error naming it).
+std::pair<Tensor, Tensor> split_record(const char* name, Tensor record, int64_t first, int64_t expected);
+
+}  // namespace marrow
