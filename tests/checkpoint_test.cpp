@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -274,6 +275,44 @@ TEST(HfFormat, ReadsSingleFileAndFusedExperts) {
   write_safetensors(tmp / "fused/model.safetensors", entries);
   const std::string e = error_of([&] { read_hf_weights(tmp / "fused", b.model.specs(), b.params); });
   EXPECT_NE(e.find(tmp / "fused/model.safetensors: tensor 'model.embed_tokens.weight' is missing"), std::string::npos) << e;
+}
+
+// One [E, C, R] tensor stored as MXFP4 (the Hub's gpt-oss experts): blocks [E, R, C / 32, 16] u8,
+// two E2M1 codes a byte (low nibble first, then high), scales [E, R, C / 32] u8 (power of two + 127).
+// The reader dequantizes each value and stores it transposed; a wrong shape names both tensors.
+TEST(HfFormat, ReadsMxfp4TensorsDequantizedAndTransposed) {
+  ScratchDir tmp;
+  const int64_t E = 2, C = 64, R = 3, G = C / 32;
+  const TensorSpec spec{"model.layers.0.mlp.experts.down_proj", {E, C, R}, 0, E * C * R, false, true, true, 0};
+  std::vector<uint8_t> blocks(size_t(E * R * G * 16)), scales(size_t(E * R * G));
+  for (size_t i = 0; i < blocks.size(); ++i) blocks[i] = uint8_t(i * 37 + 11);
+  for (size_t i = 0; i < scales.size(); ++i) scales[i] = uint8_t(124 + i % 7);
+  fs::create_directories(tmp / "mxfp4");
+  write_json_file(tmp / "mxfp4/config.json", Json{{"model_type", "gpt_oss"}});
+  auto write = [&](int64_t rows) {
+    write_safetensors(tmp / "mxfp4/model.safetensors",
+                      {{spec.name + "_blocks", Tensor(blocks.data(), DType::u8, Device::cpu, {E, rows, G, 16})},
+                       {spec.name + "_scales", Tensor(scales.data(), DType::u8, Device::cpu, {E, rows, G})}});
+  };
+  write(R);
+  Arena params("parameters", DType::f32, Device::cpu, spec.numel);
+  read_hf_weights(tmp / "mxfp4", {spec}, params);
+  const float e2m1[16] = {0, 0.5f, 1, 1.5f, 2, 3, 4, 6, -0.0f, -0.5f, -1, -1.5f, -2, -3, -4, -6};
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t c = 0; c < C; ++c) {
+        const size_t group = size_t((e * R + r) * G + c / 32);
+        const uint8_t byte = blocks[group * 16 + size_t(c % 32 / 2)];
+        const float want = std::ldexp(e2m1[c % 2 == 0 ? byte & 15 : byte >> 4], int(scales[group]) - 127);
+        EXPECT_EQ(params.all().ptr<float>()[(e * C + c) * R + r], want) << e << " " << c << " " << r;
+      }
+  write(R - 1);
+  const std::string error = error_of([&] { read_hf_weights(tmp / "mxfp4", {spec}, params); });
+  EXPECT_NE(error.find("MXFP4 tensors 'model.layers.0.mlp.experts.down_proj_blocks' [2, 2, 2, 16] and "
+                       "'model.layers.0.mlp.experts.down_proj_scales' [2, 2, 2] do not dequantize to "
+                       "'model.layers.0.mlp.experts.down_proj' [2, 64, 3]"),
+            std::string::npos)
+      << error;
 }
 
 }  // namespace

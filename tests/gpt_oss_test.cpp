@@ -63,6 +63,10 @@ TEST(GptOssConfig, ReadsHuggingFaceFields) {
   c = GptOssConfig::from_json(j, "config.json");
   EXPECT_EQ(c.rope.theta, 5e5);
   EXPECT_EQ(c.sliding, (std::vector<bool>{false, true}));
+  // The Hub's MXFP4 experts are read dequantized: the config Marrow keeps and exports says nothing of MXFP4.
+  j["quantization_config"] = {{"quant_method", "mxfp4"}, {"modules_to_not_convert", {"model.layers.*.self_attn"}}};
+  c = GptOssConfig::from_json(j, "config.json");
+  EXPECT_FALSE(c.json.contains("quantization_config"));
 }
 
 TEST(GptOssConfig, BadFieldsGiveOneSentence) {
@@ -82,9 +86,8 @@ TEST(GptOssConfig, BadFieldsGiveOneSentence) {
   j["rope_parameters"]["rope_type"] = "longrope";
   EXPECT_EQ(config_error(j), "config.json: rope_type 'longrope' is not supported (yarn or default)");
   j = tiny_config_json();
-  j["quantization_config"] = {{"quant_method", "mxfp4"}};
-  EXPECT_EQ(config_error(j), "config.json: quantization_config is not supported: Marrow reads bf16 or fp32 weights (dequantize the "
-                             "MXFP4 experts first)");
+  j["quantization_config"] = {{"quant_method", "bitsandbytes"}};
+  EXPECT_EQ(config_error(j), "config.json: quantization_config.quant_method 'bitsandbytes' is not supported (mxfp4 is, read dequantized)");
   j = tiny_config_json();
   j["num_experts_per_tok"] = 9;
   EXPECT_EQ(config_error(j), "config.json: num_experts_per_tok (9) exceeds num_local_experts (8)");

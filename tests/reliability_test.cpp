@@ -12,6 +12,7 @@
 #include "engine/memory_guard.h"
 #include "engine/metrics_log.h"
 #include "engine/run_lock.h"
+#include "models/gpt_oss.h"
 #include "models/qwen3_moe.h"
 
 namespace marrow {
@@ -129,23 +130,27 @@ TEST(MemoryGuard, ModelSizeCountsWhatTheModelHolds) {
   for (const char* name : {"tiny-moe.json", "bench-moe.json", "bench-moe-16.json"}) {
     const Qwen3MoeConfig config = Qwen3MoeConfig::load(std::string(MARROW_SOURCE_DIR) + "/configs/" + name);
     const Qwen3Moe model(config, DType::f32, Device::cpu);
-    const ModelSize size = model_size(config);
+    const ModelSize size = config.model_size();
     EXPECT_EQ(size.parameters, double(model.num_parameters())) << name;
     EXPECT_EQ(size.tensors, double(model.specs().size())) << name;
   }
+  const GptOssConfig config = GptOssConfig::load(std::string(MARROW_SOURCE_DIR) + "/configs/tiny-gpt-oss.json");
+  const GptOss model(config, DType::f32, Device::cpu);
+  EXPECT_EQ(config.model_size().parameters, double(model.num_parameters()));
+  EXPECT_EQ(config.model_size().tensors, double(model.specs().size()));
 }
 
 TEST(MemoryGuard, RefusesWhatCannotFitWithTheNumbers) {
   Qwen3MoeConfig config = Qwen3MoeConfig::load(std::string(MARROW_SOURCE_DIR) + "/configs/tiny-moe.json");
-  EXPECT_EQ(error_of([&] { check_state_fits(model_size(config), 1, Device::cpu, 0); }), "no error");
+  EXPECT_EQ(error_of([&] { check_state_fits(config.model_size(), 1, Device::cpu, 0); }), "no error");
   config.num_experts = 1000000000;
   // 2 layers x (attention 64*64*12 + router 1e9*64 + experts 3*1e9*64*64 + norms 256) + 2*4096*64 + 64
   // parameters; 2 x (9 + 3e9) + 3 tensors of 160 bytes.
-  const std::string error = error_of([&] { check_state_fits(model_size(config), 4, Device::cpu, 0); });
+  const std::string error = error_of([&] { check_state_fits(config.model_size(), 4, Device::cpu, 0); });
   EXPECT_EQ(error.rfind("the model cannot fit: 2.47e+13 parameters need 3.681e+05 GiB of fp32 training state (16 bytes each), "
                         "9.203e+04 GiB per process over 4 plus 894.1 GiB for their table of 6e+09 tensors, more than the ", 0), 0u)
       << error;
-  const std::string bf16 = error_of([&] { check_state_fits(model_size(config), 4, Device::cpu, 0, 2); });
+  const std::string bf16 = error_of([&] { check_state_fits(config.model_size(), 4, Device::cpu, 0, 2); });
   EXPECT_EQ(bf16.rfind("the model cannot fit: 2.47e+13 parameters need 2.761e+05 GiB of training state (bf16 moments) (12 bytes each), ", 0),
             0u)
       << bf16;

@@ -396,7 +396,7 @@ void print_stage_split(const std::array<double, kStageCount>& stage_ms, int64_t 
 
 template <MoeModel M>
 void bench_training(RunConfig rc, const typename M::Config& config, int64_t warmup, int64_t steps) {
-  check_state_fits(model_size(config), process::size(), choose_device(rc.device), process::local_rank(),
+  check_state_fits(config.model_size(), process::size(), choose_device(rc.device), process::local_rank(),
                    int(dtype_size(moments_dtype(rc))));
   // The stage split comes from `timed` steps after the measured ones: timing the stages slows a
   // step (engine/stage_timer.h), so the tokens/s come from steps without it.

@@ -41,7 +41,7 @@ int train_command(int argc, char** argv) {
   const Json model_json = read_json_file(rc.model_config);
   warn_beyond_positions(rc, model_json);
   with_model(model_json, rc.model_config, [&]<class M>(const typename M::Config& config) {
-    check_state_fits(model_size(config), process::size(), choose_device(rc.device), process::local_rank(),
+    check_state_fits(config.model_size(), process::size(), choose_device(rc.device), process::local_rank(),
                    int(dtype_size(moments_dtype(rc))));
     train<M>(rc, config);
   });

@@ -22,12 +22,13 @@ const char* safetensors_dtype(DType t) {
     case DType::i64: return "I64";
     case DType::fp8_e4m3: return "F8_E4M3";
     case DType::u16: return "U16";
+    case DType::u8: return "U8";
   }
   return "?";
 }
 
 bool parse_dtype(const std::string& s, DType& out) {
-  for (DType t : {DType::f32, DType::f64, DType::bf16, DType::i32, DType::i64, DType::fp8_e4m3, DType::u16})
+  for (DType t : {DType::f32, DType::f64, DType::bf16, DType::i32, DType::i64, DType::fp8_e4m3, DType::u16, DType::u8})
     if (s == safetensors_dtype(t)) {
       out = t;
       return true;

@@ -22,6 +22,16 @@ struct StageBytes {
   int64_t held_for_weights = 0;
 };
 
+// The size of a model from its config alone (Config::model_size, before the parameter table exists:
+// the memory guard's first check, engine/memory_guard.h), in double so that an absurd config does not
+// overflow on the way to its refusal: parameters, and entries of the parameter table (which every
+// process holds whole). It repeats the family's table arithmetic; MemoryGuard.ModelSizeCountsWhatTheModelHolds
+// compares the two.
+struct ModelSize {
+  double parameters = 0;
+  double tensors = 0;
+};
+
 // The heads of a layer's causal attention op: with context parallelism the engine adds the bytes
 // of ring attention (parallel/ring_attention.h) that replaces the op.
 struct AttentionHeads {

@@ -15,7 +15,7 @@ namespace marrow {
 
 // f64 exists for the CPU reference only: gradient checks run the same code in double precision.
 // u16 holds the low halves of fp32 master weights kept split (core/split_f32.h).
-enum class DType : uint8_t { f32, f64, bf16, i32, i64, fp8_e4m3, u16 };
+enum class DType : uint8_t { f32, f64, bf16, i32, i64, fp8_e4m3, u16, u8 };
 enum class Device : uint8_t { cpu, cuda };
 
 inline size_t dtype_size(DType t) {
@@ -27,6 +27,7 @@ inline size_t dtype_size(DType t) {
     case DType::i64: return 8;
     case DType::fp8_e4m3: return 1;
     case DType::u16: return 2;
+    case DType::u8: return 1;
   }
   return 0;
 }
@@ -40,6 +41,7 @@ inline const char* dtype_name(DType t) {
     case DType::i64: return "i64";
     case DType::fp8_e4m3: return "fp8_e4m3";
     case DType::u16: return "u16";
+    case DType::u8: return "u8";
   }
   return "?";
 }

@@ -1,5 +1,6 @@
 #include "engine/hf_format.h"
 
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <map>
@@ -192,6 +193,51 @@ class HfTensors {
     return {host_view(static_cast<char*>(f.data) + offset * dtype_size(f.dtype), f.dtype, s.shape), it->second};
   }
 
+  // Whether `s` is stored in MXFP4 (openai/gpt-oss's expert weights on the Hub): s.name + "_blocks",
+  // [..., R, G, 16] u8, two E2M1 values a byte, low nibble first, and s.name + "_scales", [..., R, G]
+  // u8, each group of 32 values' power of two plus 127, in place of s itself. If so, dst (f32, s's
+  // shape [..., 32 G, R]) gets them dequantized and transposed, as transformers dequantizes them
+  // (integrations/mxfp4.py): exactly, since every such value is an f32.
+  bool read_mxfp4(const TensorSpec& s, Tensor dst) {
+    const std::string blocks_name = s.name + "_blocks", scales_name = s.name + "_scales";
+    auto blocks_at = where_.find(blocks_name), scales_at = where_.find(scales_name);
+    if (where_.count(s.name) || blocks_at == where_.end() || scales_at == where_.end()) return false;
+    const Tensor blocks = blocks_at->second->get(blocks_name), scales = scales_at->second->get(scales_name);
+    const std::string path = blocks_at->second->path();
+    MARROW_CHECK(blocks.dtype == DType::u8 && scales.dtype == DType::u8, "{}: MXFP4 tensors '{}' and '{}' must be U8, got {} and {}", path,
+                 blocks_name, scales_name, dtype_name(blocks.dtype), dtype_name(scales.dtype));
+    const int n = int(s.shape.size());
+    MARROW_CHECK(n >= 2 && blocks.ndim == n + 1 && scales.ndim == n && blocks.shape[n] == 16, "{}: MXFP4 tensor '{}' has shape {}, not [..., rows, groups, 16] for '{}' {}",
+                 path, blocks_name, blocks.shape_string(), s.name, host_view(nullptr, DType::f32, s.shape).shape_string());
+    const int64_t rows = blocks.shape[n - 2], groups = blocks.shape[n - 1], columns = 32 * groups;
+    bool fits = s.shape[size_t(n - 1)] == rows && s.shape[size_t(n - 2)] == columns;
+    for (int d = 0; d < n - 2; ++d) fits = fits && blocks.shape[d] == s.shape[size_t(d)];
+    for (int d = 0; d < n; ++d) fits = fits && scales.shape[d] == blocks.shape[d];
+    MARROW_CHECK(fits, "{}: MXFP4 tensors '{}' {} and '{}' {} do not dequantize to '{}' {}", path, blocks_name, blocks.shape_string(),
+                 scales_name, scales.shape_string(), s.name, host_view(nullptr, DType::f32, s.shape).shape_string());
+    static constexpr float kE2M1[16] = {0, 0.5f, 1, 1.5f, 2, 3, 4, 6, -0.0f, -0.5f, -1, -1.5f, -2, -3, -4, -6};
+    const auto* b = static_cast<const uint8_t*>(blocks.data);
+    const auto* e = static_cast<const uint8_t*>(scales.data);
+    Buffer out(DType::f32, Device::cpu, {s.numel});
+    float* o = out.ptr<float>();
+    const int64_t outer = s.numel / (rows * columns);
+    for (int64_t p = 0; p < outer; ++p)
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t g = 0; g < groups; ++g) {
+          const int exponent = int(e[(p * rows + r) * groups + g]) - 127;
+          const uint8_t* bytes = b + ((p * rows + r) * groups + g) * 16;
+          for (int64_t k = 0; k < 16; ++k)
+            for (int64_t half = 0; half < 2; ++half) {
+              const int64_t c = g * 32 + 2 * k + half;
+              o[(p * columns + c) * rows + r] = std::ldexp(kE2M1[half ? bytes[k] >> 4 : bytes[k] & 15], exponent);
+            }
+        }
+    copy(dst, out);
+    used_.insert(blocks_name);
+    used_.insert(scales_name);
+    return true;
+  }
+
   // A note naming one of the tensors no find() asked for.
   void note_unused() const {
     if (used_.size() >= where_.size()) return;
@@ -234,8 +280,10 @@ void read_hf_weights(const std::string& dir, const std::vector<TensorSpec>& spec
   for (const TensorSpec& s : specs) weight_bytes += uint64_t(s.numel) * sizeof(float);
   Progress progress("reading " + dir, weight_bytes, show_progress);
   for (const TensorSpec& s : specs) {
-    const auto [t, file] = tensors.find(s);
-    copy_as_f32(params.slice(s.offset, {s.numel}), t, *file, s.name);
+    if (!tensors.read_mxfp4(s, params.slice(s.offset, {s.numel}))) {
+      const auto [t, file] = tensors.find(s);
+      copy_as_f32(params.slice(s.offset, {s.numel}), t, *file, s.name);
+    }
     progress.add(uint64_t(s.numel) * sizeof(float));
   }
   progress.finish();

@@ -3,8 +3,10 @@
 //   config.json, generation_config.json
 //   model-0000k-of-0000n.safetensors + model.safetensors.index.json   the weights, fp32 or bf16
 //   tokenizer.json + tokenizer_config.json                            when the model has a tokenizer
-// Reading also takes a single model.safetensors, and the fused expert tensors of a layer
-// (mlp.experts.gate_up_proj [E, 2I, H], mlp.experts.down_proj [E, H, I]) in place of per-expert ones.
+// Reading also takes a single model.safetensors, the fused expert tensors of a layer
+// (mlp.experts.gate_up_proj [E, 2I, H], mlp.experts.down_proj [E, H, I]) in place of per-expert ones,
+// and a tensor stored in MXFP4 (<name>_blocks and <name>_scales, as openai/gpt-oss's experts are on the Hub),
+// dequantized exactly.
 #pragma once
 #include <string>
 #include <vector>

@@ -7,22 +7,9 @@
 #include <cstdint>
 
 #include "core/memory.h"
+#include "core/stage_bytes.h"
 
 namespace marrow {
-
-struct ModelSize {
-  double parameters = 0;  // in double: an absurd config must not overflow on the way to its refusal
-  double tensors = 0;     // entries of the parameter table, which every process holds whole
-};
-
-// The size of a decoder of MoE layers from its config (the fields of the families in src/models/):
-// embeddings and LM head, per layer attention, router, experts and norms.
-template <class Config> ModelSize model_size(const Config& c) {
-  const double H = double(c.hidden_size), D = double(c.head_dim), E = double(c.num_experts), L = double(c.num_layers);
-  const double attention = H * D * (2.0 * double(c.num_heads) + 2.0 * double(c.num_kv_heads));
-  const double layer = attention + E * H + 3.0 * E * H * double(c.expert_intermediate_size) + 2.0 * H + 2.0 * D;
-  return {L * layer + 2.0 * double(c.vocab_size) * H + H, L * (9.0 + 3.0 * E) + 3.0};
-}
 
 // Fails with the numbers when the parameter table (host memory) or the training state (fp32 weights
 // and gradients, two AdamW moments of moment_bytes each: 16 bytes per parameter, 12 with bf16

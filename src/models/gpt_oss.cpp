@@ -65,11 +65,22 @@ void check_values(const GptOssConfig& c, const std::string& source) {
 
 void refuse_unsupported(const JsonFields& f, const std::string& source) {
   MARROW_CHECK(f.boolean("attention_bias", true), "{}: attention_bias = false is not supported", source);
-  MARROW_CHECK(!f.has("quantization_config"),
-               "{}: quantization_config is not supported: Marrow reads bf16 or fp32 weights (dequantize the MXFP4 experts first)", source);
+  if (f.has("quantization_config")) {
+    JsonFields q(f.raw("quantization_config"), source + ": quantization_config");
+    MARROW_CHECK(q.string("quant_method") == "mxfp4", "{}: quantization_config.quant_method '{}' is not supported (mxfp4 is, read dequantized)",
+                 source, q.string("quant_method"));
+  }
 }
 
 }  // namespace
+
+ModelSize GptOssConfig::model_size() const {
+  const double H = double(hidden_size), D = double(head_dim), E = double(num_experts), I = double(expert_intermediate_size);
+  const double q = double(num_heads) * D, kv = double(num_kv_heads) * D;
+  const double attention = H * (2.0 * q + 2.0 * kv) + q + 2.0 * kv + H + double(num_heads);
+  const double layer = attention + E * H + E + E * (3.0 * H * I + 2.0 * I + H) + 2.0 * H;
+  return {double(num_layers) * layer + 2.0 * double(vocab_size) * H + H, double(num_layers) * 17.0 + 3.0};
+}
 
 GptOssConfig GptOssConfig::from_json(const Json& json, const std::string& source) {
   JsonFields f(json, source);
@@ -86,6 +97,9 @@ GptOssConfig GptOssConfig::from_json(const Json& json, const std::string& source
   c.sliding = read_layer_types(f, c.num_layers, source);
   check_values(c, source);
   refuse_unsupported(f, source);
+  // MXFP4 experts (the Hub's checkpoints) are read dequantized (engine/hf_format.h), so what Marrow
+  // holds and writes back is not quantized.
+  c.json.erase("quantization_config");
   return c;
 }
 

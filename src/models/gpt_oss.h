@@ -39,6 +39,9 @@ struct GptOssConfig {
   std::vector<bool> sliding;  // per layer: a "sliding_attention" layer (else "full_attention")
   Json json;                  // the config.json as read, written back unchanged on export
 
+  // Parameters and table entries (core/stage_bytes.h): embeddings and LM head, per layer attention
+  // with its biases and sinks, router, the fused experts with their biases, norms.
+  ModelSize model_size() const;
   // Reads and validates a Hugging Face config.json; every problem is one sentence naming the key.
   static GptOssConfig from_json(const Json& json, const std::string& source);
   static GptOssConfig load(const std::string& path) { return from_json(read_json_file(path), path); }

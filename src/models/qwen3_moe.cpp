@@ -46,6 +46,13 @@ void refuse_unsupported(const JsonFields& f, const std::string& source) {
 
 }  // namespace
 
+ModelSize Qwen3MoeConfig::model_size() const {
+  const double H = double(hidden_size), D = double(head_dim), E = double(num_experts), L = double(num_layers);
+  const double attention = H * D * (2.0 * double(num_heads) + 2.0 * double(num_kv_heads));
+  const double layer = attention + E * H + 3.0 * E * H * double(expert_intermediate_size) + 2.0 * H + 2.0 * D;
+  return {L * layer + 2.0 * double(vocab_size) * H + H, L * (9.0 + 3.0 * E) + 3.0};
+}
+
 Qwen3MoeConfig Qwen3MoeConfig::from_json(const Json& json, const std::string& source) {
   JsonFields f(json, source);
   Qwen3MoeConfig c;

@@ -42,6 +42,9 @@ struct Qwen3MoeConfig {
   bool norm_topk_prob = false;
   Json json;  // the config.json as read, written back unchanged on export
 
+  // Parameters and table entries (core/stage_bytes.h): embeddings and LM head, per layer attention,
+  // router, experts (one table entry each per expert) and norms.
+  ModelSize model_size() const;
   // Reads and validates a Hugging Face config.json; every problem is one sentence naming the key.
   static Qwen3MoeConfig from_json(const Json& json, const std::string& source);
   static Qwen3MoeConfig load(const std::string& path) { return from_json(read_json_file(path), path); }

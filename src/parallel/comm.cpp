@@ -71,6 +71,7 @@ ncclDataType_t nccl_type(DType dtype) {
     case DType::i64: return ncclInt64;
     case DType::fp8_e4m3: return ncclUint8;
     case DType::u16: break;  // NCCL has no 16-bit integer; the master's low halves never travel
+    case DType::u8: return ncclUint8;
   }
   fail("internal: NCCL has no type for {}", dtype_name(dtype));
   return ncclUint8;

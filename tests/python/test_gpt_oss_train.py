@@ -1,5 +1,6 @@
 """GPT-OSS through the command line on the CPU: configs/tiny-gpt-oss.json trains on the demo corpus,
-resumes bit for bit, trains with two data-parallel processes and with DualPipeV over two pipeline
+resumes bit for bit, imports the Hub's MXFP4 expert weights exactly as transformers dequantizes them,
+trains with two data-parallel processes and with DualPipeV over two pipeline
 ranks as with one process, exports a directory that
 transformers' GptOssForCausalLM loads with every tensor and no other, and turns an unsupported layout
 (expert parallelism) into one sentence.
@@ -12,7 +13,9 @@ import sys
 import tempfile
 
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import GptOssForCausalLM
+from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 
 def train(marrow, corpus, out, steps, extra=(), model="configs/tiny-gpt-oss.json"):
@@ -62,6 +65,34 @@ def main():
             finite = bool(torch.isfinite(model(input_ids=ids).logits).all())
         print(f"export loads in transformers: every tensor {complete}, finite logits {finite}")
         ok &= complete and finite
+
+        # The Hub's layout: each expert tensor [E, C, R] as random MXFP4 blocks [E, R, C / 32, 16] and
+        # scales [E, R, C / 32] (quantization_config mxfp4). Import, export: transformers' own
+        # dequantization, bit for bit, and every other tensor as it was.
+        mxfp4, imported, back = os.path.join(work, "mxfp4"), os.path.join(work, "imported"), os.path.join(work, "back")
+        os.makedirs(mxfp4)
+        weights = load_file(os.path.join(hf, "model-00001-of-00001.safetensors"))
+        g = torch.Generator().manual_seed(5)
+        stored, want = {}, {}
+        for name, t in weights.items():
+            if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                stored[name] = want[name] = t
+                continue
+            e, c, r = t.shape
+            stored[name + "_blocks"] = torch.randint(0, 256, (e, r, c // 32, 16), generator=g, dtype=torch.uint8)
+            stored[name + "_scales"] = torch.randint(120, 131, (e, r, c // 32), generator=g, dtype=torch.uint8)
+            want[name] = convert_moe_packed_tensors(stored[name + "_blocks"], stored[name + "_scales"], dtype=torch.float32)
+        save_file(stored, os.path.join(mxfp4, "model.safetensors"))
+        config = json.load(open(os.path.join(hf, "config.json")))
+        config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "lm_head"]}
+        json.dump(config, open(os.path.join(mxfp4, "config.json"), "w"))
+        subprocess.run([args.marrow, "import", "--quiet", mxfp4, imported], check=True, capture_output=True)
+        subprocess.run([args.marrow, "export", imported, back], check=True, capture_output=True)
+        got = load_file(os.path.join(back, "model-00001-of-00001.safetensors"))
+        exact = set(got) == set(want) and all(torch.equal(got[n], want[n]) for n in want)
+        clean = "quantization_config" not in json.load(open(os.path.join(back, "config.json")))
+        print(f"MXFP4 experts imported as transformers dequantizes them, bit for bit: {exact}; exported config unquantized: {clean}")
+        ok &= exact and clean
 
         # Two data-parallel processes (FSDP), and DualPipeV over two pipeline ranks (four layers: a
         # chunk each way per rank), against one process on the same sequences. The sums meet in another
