@@ -6,12 +6,13 @@ same files and runs the same tokens. Logits and loss must agree to a max relativ
 Weights are drawn ten times larger than Hugging Face's default so that routing is decisive and logits
 are far from uniform: small errors cannot hide.
 
-Qwen3MoeForCausalLM: forward only (its backward is checked against finite differences in
-tests/qwen3_moe_test.cpp, and the tensor names differ: transformers fuses the experts).
-GptOssForCausalLM (eager attention): sliding and full layers, sinks, YaRN RoPE, the clamped SwiGLU
-with biases (hf_dump --random-biases draws every bias as the weights are), sequences longer than the
-window; also the backward: every parameter's gradient of the mean token loss within 1e-4 of
-transformers' (against the largest element of that gradient).
+Both families also run the backward (hf_dump --grads): every parameter's gradient of the mean token
+loss must agree with transformers' to 1e-4 (against the largest element of that gradient). Marrow
+keeps Qwen3-MoE's experts one tensor each, as the Hub's files do; transformers 5 fuses them
+(mlp.experts.gate_up_proj [E, 2I, H], gate rows then up rows; down_proj [E, H, I]), so Marrow's are
+stacked the same way before the comparison. GptOssForCausalLM (eager attention): sliding and full
+layers, sinks, YaRN RoPE, the clamped SwiGLU with biases (hf_dump --random-biases draws every bias
+as the weights are), sequences longer than the window.
 """
 import argparse
 import json
@@ -53,9 +54,21 @@ def rel_err(a, b):
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
-def gradient_errors(out, model):
+def fused_experts(grads, layers, experts):
+    """Qwen3-MoE's per-expert gradients stacked as transformers 5 holds the weights."""
+    for layer in range(layers):
+        p = f"model.layers.{layer}.mlp.experts."
+        gate_up = [torch.cat([grads.pop(f"{p}{e}.gate_proj.weight"), grads.pop(f"{p}{e}.up_proj.weight")]) for e in range(experts)]
+        grads[p + "gate_up_proj"] = torch.stack(gate_up)
+        grads[p + "down_proj"] = torch.stack([grads.pop(f"{p}{e}.down_proj.weight") for e in range(experts)])
+    return grads
+
+
+def gradient_errors(out, model, config):
     """Each parameter's gradient against transformers' (after its backward), by name; the worst."""
     grads = load_file(os.path.join(out, "marrow_grads.safetensors"))
+    if config["model_type"] == "qwen3_moe":
+        grads = fused_experts(grads, config["num_hidden_layers"], config["num_experts"])
     hf_grads = {n: p.grad for n, p in model.named_parameters()}
     assert set(grads) == set(hf_grads), f"tensor names differ: {sorted(set(grads) ^ set(hf_grads))}"
     errs = {n: rel_err(grads[n], hf_grads[n]) for n in grads}
@@ -72,30 +85,25 @@ def check(name, config, hf_dump, workdir):
     batch, seq = 2, 13
     g = torch.Generator().manual_seed(7)
     tokens = torch.randint(0, config["vocab_size"], (batch, seq), generator=g)
-    flags = ["--grads", "--random-biases"] if gpt_oss else []
+    flags = ["--grads", "--random-biases"] if gpt_oss else ["--grads"]
     subprocess.run([hf_dump, *flags, config_path, out, "1234", str(batch), str(seq)] + [str(t) for t in tokens.flatten().tolist()],
                    check=True)
 
     if gpt_oss:
         model = GptOssForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager").train()
     else:
-        model = Qwen3MoeForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+        model = Qwen3MoeForCausalLM.from_pretrained(out, dtype=torch.float32).train()
     marrow = load_file(os.path.join(out, "marrow_outputs.safetensors"))
     assert torch.equal(marrow["input_ids"].long(), tokens)
-    with torch.set_grad_enabled(gpt_oss):
-        result = model(input_ids=tokens, labels=tokens)
+    result = model(input_ids=tokens, labels=tokens)
     logits_err = rel_err(marrow["logits"], result.logits.detach().float())
     marrow_loss = json.load(open(os.path.join(out, "marrow_loss.json")))["loss"]
     loss_err = abs(marrow_loss - result.loss.item()) / abs(result.loss.item())
-    ok = logits_err <= 1e-4 and loss_err <= 1e-4
-    line = (f"config {name}: logits max rel err {logits_err:.2e}, loss marrow {marrow_loss:.6f} hf {result.loss.item():.6f} "
-            f"rel err {loss_err:.2e}")
-    if gpt_oss:
-        result.loss.backward()
-        errs, worst = gradient_errors(out, model)
-        ok = ok and errs[worst] <= 1e-4
-        line += f", {len(errs)} gradients, worst {worst} {errs[worst]:.2e}"
-    print(f"{line} -> {'ok' if ok else 'MISMATCH'}")
+    result.loss.backward()
+    errs, worst = gradient_errors(out, model, config)
+    ok = logits_err <= 1e-4 and loss_err <= 1e-4 and errs[worst] <= 1e-4
+    print(f"config {name}: logits max rel err {logits_err:.2e}, loss marrow {marrow_loss:.6f} hf {result.loss.item():.6f} "
+          f"rel err {loss_err:.2e}, {len(errs)} gradients, worst {worst} {errs[worst]:.2e} -> {'ok' if ok else 'MISMATCH'}")
     return ok
 
 
