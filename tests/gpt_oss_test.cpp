@@ -83,6 +83,9 @@ TEST(GptOssConfig, BadFieldsGiveOneSentence) {
   j["layer_types"] = {"full_attention", "local"};
   EXPECT_EQ(config_error(j), "config.json: layer_types[1] is \"local\", not \"sliding_attention\" or \"full_attention\"");
   j = tiny_config_json();
+  j["rope_parameters"]["mscale"] = 0.7;
+  EXPECT_EQ(config_error(j), "config.json: mscale is not supported");
+  j = tiny_config_json();
   j["rope_parameters"]["rope_type"] = "longrope";
   EXPECT_EQ(config_error(j), "config.json: rope_type 'longrope' is not supported (yarn or default)");
   j = tiny_config_json();

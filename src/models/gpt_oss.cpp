@@ -29,6 +29,8 @@ RopeParameters read_rope(const JsonFields& f, const std::string& source) {
   r.theta = nested ? rope.number("rope_theta", 150000.0) : f.number("rope_theta", 150000.0);
   const std::string type = rope.string("rope_type", "default");
   MARROW_CHECK(type == "yarn" || type == "default", "{}: rope_type '{}' is not supported (yarn or default)", source, type);
+  for (const char* key : {"mscale", "mscale_all_dim", "partial_rotary_factor"})
+    MARROW_CHECK(!rope.has(key) && !f.has(key), "{}: {} is not supported", source, key);
   if (type == "default") return r;
   r.yarn = true;
   r.factor = rope.number("factor");
