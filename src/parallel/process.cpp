@@ -1,7 +1,9 @@
 #include "parallel/process.h"
 
 #include <mpi.h>
+#include <omp.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <initializer_list>
@@ -11,7 +13,7 @@ namespace marrow::process {
 namespace {
 
 bool g_launched = false;
-int g_rank = 0, g_size = 1, g_local_rank = 0;
+int g_rank = 0, g_size = 1, g_local_rank = 0, g_local_size = 1;
 
 // Variables that mpirun (Open MPI, MPICH/Hydra) or srun (PMI/PMIx) set in each process they start.
 bool started_by_launcher() {
@@ -19,6 +21,14 @@ bool started_by_launcher() {
     if (std::getenv(name)) return true;
   const char* tasks = std::getenv("SLURM_NTASKS");
   return std::getenv("SLURM_PROCID") && tasks && std::atoi(tasks) > 1;
+}
+
+// Each process on this machine gets its share of the cores for the CPU path's OpenMP loops, as
+// torchrun does: with every process at all cores, OpenMP's spinning barriers take the cores from the
+// ranks that compute (4 ranks on 2 cores ran 12x slower). OMP_NUM_THREADS, when set, wins.
+void share_cores(int local_size) {
+  if (local_size <= 1 || std::getenv("OMP_NUM_THREADS")) return;
+  omp_set_num_threads(std::max(1, omp_get_num_procs() / local_size));
 }
 
 }  // namespace
@@ -39,7 +49,9 @@ void start(int* argc, char*** argv) {
   MPI_Comm local;
   MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, g_rank, MPI_INFO_NULL, &local);
   MPI_Comm_rank(local, &g_local_rank);
+  MPI_Comm_size(local, &g_local_size);
   MPI_Comm_free(&local);
+  share_cores(g_local_size);
   // MPI errors come back as codes that comm.cpp turns into marrow::Error naming the call.
   MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
 }
@@ -53,6 +65,7 @@ bool launched() { return g_launched; }
 int rank() { return g_rank; }
 int size() { return g_size; }
 int local_rank() { return g_local_rank; }
+int local_size() { return g_local_size; }
 
 void abort_job(int code) {
   std::fflush(stdout);

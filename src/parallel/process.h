@@ -15,6 +15,7 @@ bool launched();
 int rank();        // in the job, 0 when alone
 int size();        // processes in the job, 1 when alone
 int local_rank();  // among the job's processes on this machine: the GPU this process uses
+int local_size();  // the job's processes on this machine; each runs its share of the cores' OpenMP threads
 // Ends every process of the job at once with this exit code (MPI_Abort), or this process alone.
 [[noreturn]] void abort_job(int code);
 

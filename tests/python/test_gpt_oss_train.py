@@ -25,9 +25,10 @@ def train(marrow, corpus, out, steps, extra=(), model="configs/tiny-gpt-oss.json
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
 
 
-# mpirun as root, oversubscribed, on a machine without shared-memory single copy (tests/python/test_parallel.py).
+# mpirun as root, oversubscribed, on a machine without shared-memory single copy, waiting ranks yielding their
+# cores (tests/python/test_parallel.py).
 MPI_ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMPI_MCA_rmaps_base_oversubscribe="1",
-               OMPI_MCA_btl_vader_single_copy_mechanism="none")
+               OMPI_MCA_btl_vader_single_copy_mechanism="none", OMPI_MCA_mpi_yield_when_idle="1")
 
 
 def losses(out):

@@ -60,9 +60,10 @@ def check(condition, what):
 def environment():
     env = dict(os.environ)
     # Open MPI refuses root unless told; CI containers run as root and often forbid the cross-process
-    # memory reads of its single-copy transport.
+    # memory reads of its single-copy transport. ctest runs tests side by side, so a waiting rank yields its core
+    # (Open MPI polls otherwise unless the job alone oversubscribes the machine).
     env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMPI_MCA_rmaps_base_oversubscribe="1",
-               OMPI_MCA_btl_vader_single_copy_mechanism="none")
+               OMPI_MCA_btl_vader_single_copy_mechanism="none", OMPI_MCA_mpi_yield_when_idle="1")
     env.pop("MARROW_TEST_FAULT", None)
     return env
 

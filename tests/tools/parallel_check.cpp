@@ -17,7 +17,10 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <cstdlib>
 #include <random>
+
+#include <omp.h>
 
 #include "apps/check.h"
 #include "core/memory.h"
@@ -213,8 +216,18 @@ void check_split_master_sharded(const Comm& world) {
   if (world.rank() == 0) std::printf("sharded split master over %d processes: bf16 weights and master as an fp32 master's\n", world.size());
 }
 
+// Each process on one machine runs its share of the cores (parallel/process.cpp); OMP_NUM_THREADS overrides.
+void check_core_share() {
+  if (std::getenv("OMP_NUM_THREADS")) return;
+  const int local = process::local_size();
+  const int want = local > 1 ? std::max(1, omp_get_num_procs() / local) : omp_get_num_procs();
+  MARROW_CHECK(omp_get_max_threads() == want, "rank {}: {} OpenMP threads, but {} cores shared by {} processes give {}",
+               process::rank(), omp_get_max_threads(), omp_get_num_procs(), local, want);
+}
+
 int main(int argc, char** argv) {
   return marrow::run_mpi_check(argc, argv, [](const marrow::Comm& world) {
+    check_core_share();
     marrow::CheckReport report;
     marrow::check_collectives(report, world, marrow::Device::cpu);
     MARROW_CHECK(report.passed(), "rank {}: a collective gave a wrong result (the FAIL rows above)", world.rank());
