@@ -101,6 +101,39 @@ TEST(Checkpoint, Bf16MomentsAreSavedAsBf16AndReadIntoEitherDtype) {
   EXPECT_NE(e.find("is bf16 but checkpoints hold f32 (weights) or f32 and bf16 (moments)"), std::string::npos) << e;
 }
 
+// A tensor held in part (TensorSpec::canonical_first: one expert-parallel rank's rows of GPT-OSS's
+// fused experts) is saved as a slice of the canonical tensor: a whole save reads into the part, the
+// part's save reads back into the part, and a whole tensor read from the part alone names what is missing.
+TEST(Checkpoint, PartsOfTensorsAddressTheCanonicalTensor) {
+  ScratchDir tmp;
+  const TensorSpec whole{"model.layers.0.mlp.experts.down_proj", {2, 3, 4}, 0, 24, false, true, true, 0, {}, 0};
+  TensorSpec part = whole;
+  part.shape = {1, 3, 4};
+  part.numel = 12;
+  part.canonical_shape = whole.shape;
+  part.canonical_first = 12;
+  const Json config = tiny_json();
+  auto save = [&](const std::string& name, const TensorSpec& spec, const Arena& a) {
+    const std::string dir = tmp.path() + "/" + name;
+    write_checkpoint(dir, {spec}, {&a, nullptr, nullptr}, Json{{"step", 1}, {"model_config", config}}, config, "", 4096);
+    return open_checkpoint(dir);
+  };
+  Arena all("parameters", DType::f32, Device::cpu, 24), rows("parameters", DType::f32, Device::cpu, 12);
+  for (int64_t i = 0; i < 24; ++i) all.all().ptr<float>()[i] = float(i);
+  load_checkpoint_tensors(save("whole", whole, all), "weights", {part}, rows);
+  for (int64_t i = 0; i < 12; ++i) EXPECT_EQ(rows.all().ptr<float>()[i], float(12 + i)) << i;
+
+  for (int64_t i = 0; i < 12; ++i) rows.all().ptr<float>()[i] = float(100 + i);
+  const Checkpoint c = save("part", part, rows);
+  const Json meta = read_json_file(c.dir + "/meta.json");
+  EXPECT_EQ(meta["files"][0]["slices"][part.name], (Json{{"first", 12}, {"count", 12}, {"shape", {2, 3, 4}}}));
+  Arena back("parameters", DType::f32, Device::cpu, 12);
+  load_checkpoint_tensors(c, "weights", {part}, back);
+  EXPECT_TRUE(same_bits(rows, back));
+  const std::string e = error_of([&] { load_checkpoint_tensors(c, "weights", {whole}, all); });
+  EXPECT_NE(e.find("lacks elements [0, 24) of tensor 'model.layers.0.mlp.experts.down_proj'"), std::string::npos) << e;
+}
+
 TEST(Checkpoint, RoundTripIsBitwise) {
   ScratchDir tmp;
   Tiny a, b(16, 99);
@@ -283,7 +316,7 @@ TEST(HfFormat, ReadsSingleFileAndFusedExperts) {
 TEST(HfFormat, ReadsMxfp4TensorsDequantizedAndTransposed) {
   ScratchDir tmp;
   const int64_t E = 2, C = 64, R = 3, G = C / 32;
-  const TensorSpec spec{"model.layers.0.mlp.experts.down_proj", {E, C, R}, 0, E * C * R, false, true, true, 0};
+  const TensorSpec spec{"model.layers.0.mlp.experts.down_proj", {E, C, R}, 0, E * C * R, false, true, true, 0, {}, 0};
   std::vector<uint8_t> blocks(size_t(E * R * G * 16)), scales(size_t(E * R * G));
   for (size_t i = 0; i < blocks.size(); ++i) blocks[i] = uint8_t(i * 37 + 11);
   for (size_t i = 0; i < scales.size(); ++i) scales[i] = uint8_t(124 + i % 7);
@@ -306,6 +339,23 @@ TEST(HfFormat, ReadsMxfp4TensorsDequantizedAndTransposed) {
         const float want = std::ldexp(e2m1[c % 2 == 0 ? byte & 15 : byte >> 4], int(scales[group]) - 127);
         EXPECT_EQ(params.all().ptr<float>()[(e * C + c) * R + r], want) << e << " " << c << " " << r;
       }
+  // One expert-parallel rank's part (expert 1's rows, TensorSpec::canonical_first) reads expert 1 of the
+  // whole, from MXFP4 and from a plain tensor alike.
+  TensorSpec part = spec;
+  part.shape[0] = 1;
+  part.numel = C * R;
+  part.canonical_shape = spec.shape;
+  part.canonical_first = C * R;
+  Arena part_params("parameters", DType::f32, Device::cpu, part.numel);
+  read_hf_weights(tmp / "mxfp4", {part}, part_params);
+  EXPECT_EQ(std::memcmp(part_params.all().data, params.all().ptr<float>() + C * R, size_t(C * R) * sizeof(float)), 0);
+  fs::create_directories(tmp / "plain");
+  write_json_file(tmp / "plain/config.json", Json{{"model_type", "gpt_oss"}});
+  write_safetensors(tmp / "plain/model.safetensors", {{spec.name, params.all().reshape({E, C, R})}});
+  fill_constant(part_params.all(), 0.0);
+  read_hf_weights(tmp / "plain", {part}, part_params);
+  EXPECT_EQ(std::memcmp(part_params.all().data, params.all().ptr<float>() + C * R, size_t(C * R) * sizeof(float)), 0);
+
   write(R - 1);
   const std::string error = error_of([&] { read_hf_weights(tmp / "mxfp4", {spec}, params); });
   EXPECT_NE(error.find("MXFP4 tensors 'model.layers.0.mlp.experts.down_proj_blocks' [2, 2, 2, 16] and "

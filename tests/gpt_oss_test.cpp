@@ -96,14 +96,49 @@ TEST(GptOssConfig, BadFieldsGiveOneSentence) {
   EXPECT_EQ(config_error(j), "config.json: num_experts_per_tok (9) exceeds num_local_experts (8)");
 }
 
-TEST(GptOss, RefusesWhatIsNotBuiltYetInOneSentence) {
+// An expert-parallel rank holds its experts' rows of the fused tensors, addressed in the canonical
+// tensor (TensorSpec::canonical_first), and initialises them with the whole model's numbers.
+TEST(GptOss, AnExpertShardHoldsItsRowsOfTheFusedTensors) {
   const GptOssConfig c = GptOssConfig::from_json(tiny_config_json(), "config.json");
+  const GptOss whole(c, DType::f32, Device::cpu), shard(c, DType::f32, Device::cpu, ExpertShard{4, 4});
+  EXPECT_EQ(shard.num_local_experts(), 4);
+  ASSERT_EQ(whole.specs().size(), shard.specs().size());
+  Arena a("parameters", DType::f32, Device::cpu, whole.num_parameters()), b("parameters", DType::f32, Device::cpu, shard.num_parameters());
+  whole.initialize(a, 5);
+  shard.initialize(b, 5);
+  int parts = 0;
+  for (size_t i = 0; i < whole.specs().size(); ++i) {
+    const TensorSpec &w = whole.specs()[i], &s = shard.specs()[i];
+    ASSERT_EQ(w.name, s.name);
+    EXPECT_TRUE(w.canonical_shape.empty()) << w.name;
+    const int64_t first = s.canonical_shape.empty() ? 0 : w.numel / 2;
+    if (!s.canonical_shape.empty()) {
+      ++parts;
+      EXPECT_TRUE(s.is_expert) << s.name;
+      EXPECT_EQ(s.canonical_shape, w.shape) << s.name;
+      EXPECT_EQ(s.shape[0], 4) << s.name;
+      EXPECT_EQ(s.canonical_first, first) << s.name;
+      EXPECT_EQ(s.numel, w.numel / 2) << s.name;
+    }
+    EXPECT_EQ(std::memcmp(a.all().ptr<float>() + w.offset + first, b.all().ptr<float>() + s.offset, size_t(s.numel) * sizeof(float)), 0)
+        << s.name;
+  }
+  EXPECT_EQ(parts, 4 * c.num_layers);  // gate_up_proj, its bias, down_proj, its bias
   try {
-    GptOss m(c, DType::f32, Device::cpu, ExpertShard{0, 4});
+    GptOss m(c, DType::f32, Device::cpu, ExpertShard{6, 4});
     FAIL();
   } catch (const Error& e) {
-    EXPECT_STREQ(e.what(), "gpt_oss does not support expert parallelism yet (parallel.ep must be 1): its fused expert tensors are not "
-                           "split by expert");
+    EXPECT_STREQ(e.what(), "experts [6, 10) are not a range of the model's 8 experts");
+  }
+}
+
+TEST(GptOss, RefusesWhatIsNotBuiltYetInOneSentence) {
+  try {
+    GptOss m(GptOssConfig::from_json(tiny_config_json(), "config.json"), DType::bf16, Device::cuda);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(), "gpt_oss runs on the CPU only so far: its GPU kernels (attention sinks and windows, biases, the clamped "
+                           "SwiGLU) are not built yet");
   }
 }
 

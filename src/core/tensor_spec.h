@@ -29,6 +29,19 @@ struct TensorSpec {
   // head, final norm), -1 for the prolog (embedding). Once the last micro-batch's backward has passed
   // that stage, the gradient's reduction over processes can start while the stages below compute.
   int64_t layer = -1;
+  // Where this tensor lies in the model's canonical tensor of its name, when it holds a part of it:
+  // GPT-OSS's fused experts [E, ...] under expert parallelism hold one rank's experts, the canonical
+  // tensor's elements [canonical_first, canonical_first + numel). Empty: the whole canonical tensor.
+  // Checkpoints, Hugging Face reads and initialisation address the canonical tensor.
+  std::vector<int64_t> canonical_shape;
+  int64_t canonical_first = 0;
+
+  const std::vector<int64_t>& stored_shape() const { return canonical_shape.empty() ? shape : canonical_shape; }
+  int64_t stored_numel() const {
+    int64_t n = 1;
+    for (int64_t d : stored_shape()) n *= d;
+    return n;
+  }
 };
 
 // A slice of one canonical tensor held in an arena: elements [first, first + count) of the flat

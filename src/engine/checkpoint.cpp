@@ -145,7 +145,8 @@ std::vector<std::pair<size_t, size_t>> files_of(const std::vector<TensorPiece>& 
   return cut_into_files(counts, element_bytes, max_bytes);
 }
 
-bool is_whole(const TensorPiece& p, const TensorSpec& s) { return p.first == 0 && p.count == s.numel; }
+// Pieces address the spec's tensor; files address the canonical one (TensorSpec::canonical_first).
+bool is_whole(const TensorPiece& p, const TensorSpec& s) { return s.canonical_first + p.first == 0 && p.count == s.stored_numel(); }
 
 // A group's files hold its arena's dtype: f32, or bf16 for moments kept in bf16 (optimizer.moments).
 // A loading run may keep another: bf16 widens to f32 exactly, f32 rounds to the nearest bf16.
@@ -200,8 +201,9 @@ Json write_checkpoint_part(const std::string& tmp, const std::vector<TensorSpec>
         const TensorSpec& spec = specs.at(p.spec);
         Tensor dst = host.view().rows(at, at + p.count);
         copy(dst, arena->slice(p.offset, {p.count}));
-        entries.push_back({spec.name, host_view(dst.data, dtype, is_whole(p, spec) ? spec.shape : std::vector<int64_t>{p.count})});
-        if (!is_whole(p, spec)) slices[spec.name] = {{"first", p.first}, {"count", p.count}, {"shape", spec.shape}};
+        entries.push_back({spec.name, host_view(dst.data, dtype, is_whole(p, spec) ? spec.stored_shape() : std::vector<int64_t>{p.count})});
+        if (!is_whole(p, spec))
+          slices[spec.name] = {{"first", spec.canonical_first + p.first}, {"count", p.count}, {"shape", spec.stored_shape()}};
         at += p.count;
       }
       const std::string name = fmt::format("{}-{}{:05d}-of-{:05d}.safetensors", kGroups[g], part.empty() ? "" : part + "-", k + 1,
@@ -381,11 +383,12 @@ std::map<std::string, std::vector<StoredSlice>> stored_slices(const Checkpoint& 
 void check_stored(const StoredSlice& s, const TensorSpec& spec) {
   const Tensor t = s.file->get(spec.name);
   const std::vector<int64_t> shape(t.shape.begin(), t.shape.begin() + t.ndim);
-  MARROW_CHECK(!s.whole || shape == spec.shape, "{}: tensor '{}' has shape {} but the model's is {}: the checkpoint was written for another model",
-               s.file->path(), spec.name, t.shape_string(), shape_string(spec.shape));
-  MARROW_CHECK(s.first >= 0 && s.first + s.count <= spec.numel,
+  MARROW_CHECK(!s.whole || shape == spec.stored_shape(),
+               "{}: tensor '{}' has shape {} but the model's is {}: the checkpoint was written for another model", s.file->path(), spec.name,
+               t.shape_string(), shape_string(spec.stored_shape()));
+  MARROW_CHECK(s.first >= 0 && s.first + s.count <= spec.stored_numel(),
                "{}: tensor '{}' holds elements [{}, {}) but the model's has {}: the checkpoint was written for another model",
-               s.file->path(), spec.name, s.first, s.first + s.count, spec.numel);
+               s.file->path(), spec.name, s.first, s.first + s.count, spec.stored_numel());
 }
 
 }  // namespace
@@ -404,17 +407,18 @@ void load_checkpoint_pieces(const Checkpoint& c, const std::string& group, const
     auto it = where.find(spec.name);
     MARROW_CHECK(it != where.end(), "checkpoint {} has no tensor '{}' in its {} files: it was written for another model", c.dir,
                  spec.name, group);
-    int64_t at = p.first;  // the next element of the piece to fill
+    const int64_t begin = spec.canonical_first + p.first;  // the piece in the canonical tensor
+    int64_t at = begin;                                     // the next element of the piece to fill
     for (const StoredSlice& s : it->second) {
       check_stored(s, spec);
-      const int64_t first = std::max(at, s.first), end = std::min(p.first + p.count, s.first + s.count);
+      const int64_t first = std::max(at, s.first), end = std::min(begin + p.count, s.first + s.count);
       if (first != at || first >= end) continue;
       const Tensor src = s.file->get(spec.name).reshape({s.count}).rows(first - s.first, end - s.first);
-      copy_converting(arena.slice(p.offset + first - p.first, {end - first}), src);
+      copy_converting(arena.slice(p.offset + first - begin, {end - first}), src);
       at = end;
     }
-    MARROW_CHECK(at == p.first + p.count, "checkpoint {} lacks elements [{}, {}) of tensor '{}' in its {} files: a part is missing",
-                 c.dir, at, p.first + p.count, spec.name, group);
+    MARROW_CHECK(at == begin + p.count, "checkpoint {} lacks elements [{}, {}) of tensor '{}' in its {} files: a part is missing",
+                 c.dir, at, begin + p.count, spec.name, group);
     progress.add(uint64_t(p.count) * dtype_size(arena.all().dtype));
   }
   progress.finish();

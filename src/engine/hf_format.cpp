@@ -118,6 +118,8 @@ void write_hf_model(const std::string& out_dir, const std::vector<TensorSpec>& s
                     const HfExportOptions& options) {
   MARROW_CHECK(options.dtype == DType::f32 || options.dtype == DType::bf16, "export writes f32 or bf16, not {}",
                dtype_name(options.dtype));
+  for (const TensorSpec& s : specs)
+    MARROW_CHECK(s.canonical_shape.empty(), "internal: export writes whole tensors, but '{}' is a part of one", s.name);
   std::error_code ec;
   fs::create_directories(out_dir, ec);
   MARROW_CHECK(!ec, "cannot create {}: {}", out_dir, ec.message());
@@ -172,13 +174,13 @@ class HfTensors {
       const Tensor t = it->second->get(s.name);
       used_.insert(s.name);
       const std::vector<int64_t> shape(t.shape.begin(), t.shape.begin() + t.ndim);
-      MARROW_CHECK(shape == s.shape, "{}: tensor '{}' has shape {} but the model's config.json gives {}", it->second->path(), s.name,
-                   t.shape_string(), host_view(nullptr, t.dtype, s.shape).shape_string());
-      return {t, it->second};
+      MARROW_CHECK(shape == s.stored_shape(), "{}: tensor '{}' has shape {} but the model's config.json gives {}", it->second->path(),
+                   s.name, t.shape_string(), host_view(nullptr, t.dtype, s.stored_shape()).shape_string());
+      return {host_view(static_cast<char*>(t.data) + size_t(s.canonical_first) * dtype_size(t.dtype), t.dtype, s.shape), it->second};
     }
     std::string layer, part;
     int64_t expert = 0;
-    if (!parse_expert_name(s.name, layer, expert, part) || s.shape.size() != 2)
+    if (!s.canonical_shape.empty() || !parse_expert_name(s.name, layer, expert, part) || s.shape.size() != 2)
       fail("{}: tensor '{}' is missing", paths_.size() == 1 ? paths_[0] : dir_ + "/model.safetensors.index.json", s.name);
     const std::string fused = layer + (part == "down_proj" ? "down_proj" : "gate_up_proj");
     auto it = where_.find(fused);
@@ -198,7 +200,10 @@ class HfTensors {
   // u8, each group of 32 values' power of two plus 127, in place of s itself. If so, dst (f32, s's
   // shape [..., 32 G, R]) gets them dequantized and transposed, as transformers dequantizes them
   // (integrations/mxfp4.py): exactly, since every such value is an f32.
-  bool read_mxfp4(const TensorSpec& s, Tensor dst) {
+  bool read_mxfp4(const TensorSpec& part, Tensor dst) {
+    TensorSpec s = part;  // the canonical tensor is dequantized, then part's elements copied
+    s.shape = part.stored_shape();
+    s.numel = part.stored_numel();
     const std::string blocks_name = s.name + "_blocks", scales_name = s.name + "_scales";
     auto blocks_at = where_.find(blocks_name), scales_at = where_.find(scales_name);
     if (where_.count(s.name) || blocks_at == where_.end() || scales_at == where_.end()) return false;
@@ -232,7 +237,7 @@ class HfTensors {
               o[(p * columns + c) * rows + r] = std::ldexp(kE2M1[half ? bytes[k] >> 4 : bytes[k] & 15], exponent);
             }
         }
-    copy(dst, out);
+    copy(dst, out.view().rows(part.canonical_first, part.canonical_first + part.numel));
     used_.insert(blocks_name);
     used_.insert(scales_name);
     return true;

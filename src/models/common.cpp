@@ -24,10 +24,23 @@ void expect_family(const JsonFields& f, const std::string& source, const char* m
 
 void ParameterTable::add(std::string name, std::vector<int64_t> shape, bool is_norm, bool is_expert) {
   const bool first_writes = is_expert || (layer == num_layers && !is_norm);
-  TensorSpec s{std::move(name), std::move(shape), numel, 1, is_norm, first_writes, is_expert, layer};
+  TensorSpec s{std::move(name), std::move(shape), numel, 1, is_norm, first_writes, is_expert, layer, {}, 0};
   for (int64_t d : s.shape) s.numel *= d;
   numel += s.numel;
   specs.push_back(std::move(s));
+}
+
+void ParameterTable::add_expert_rows(std::string name, std::vector<int64_t> canonical_shape, int64_t first, int64_t count) {
+  const int64_t experts = canonical_shape.at(0);
+  MARROW_CHECK(first >= 0 && count >= 1 && first + count <= experts, "internal: experts [{}, {}) of {}'s {}", first, first + count, name,
+               experts);
+  std::vector<int64_t> shape = canonical_shape;
+  shape[0] = count;
+  add(std::move(name), shape, false, true);
+  if (count == experts) return;
+  TensorSpec& s = specs.back();
+  s.canonical_first = first * (s.numel / count);
+  s.canonical_shape = std::move(canonical_shape);
 }
 
 Tensor TableCursor::take(std::initializer_list<int64_t> dims, int64_t count) {
@@ -45,7 +58,7 @@ void initialize_tensor(Tensor out, const TensorSpec& spec, int64_t first, uint64
                first + out.numel(), spec.name, spec.numel);
   if (spec.is_norm) fill_constant(out, 1.0);
   else if (zeros) fill_constant(out, 0.0);
-  else fill_normal(out, seed, spec.name, std, first);
+  else fill_normal(out, seed, spec.name, std, spec.canonical_first + first);  // a part draws the canonical tensor's numbers
 }
 
 int64_t logits_chunk(int64_t tokens, int64_t vocab, DType dtype, int64_t forced) {

@@ -56,6 +56,9 @@ struct ParameterTable {
   std::vector<TensorSpec> specs;
   int64_t numel = 0;
   void add(std::string name, std::vector<int64_t> shape, bool is_norm, bool is_expert = false);
+  // Rows [first, first + count) of a fused expert tensor of canonical shape [E, ...]: one expert-parallel
+  // rank's experts (TensorSpec::canonical_first); the whole tensor when they are all E.
+  void add_expert_rows(std::string name, std::vector<int64_t> canonical_shape, int64_t first, int64_t count);
 };
 
 // Views of a placement's tensors in the table's order, each in the shape the family computes with

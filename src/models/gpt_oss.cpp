@@ -106,13 +106,15 @@ GptOssConfig GptOssConfig::from_json(const Json& json, const std::string& source
 }
 
 GptOss::GptOss(const Config& config, DType dtype, Device device, ExpertShard experts)
-    : config_(config), dtype_(dtype), device_(device) {
+    : config_(config), dtype_(dtype), device_(device), experts_(experts) {
   const Config& c = config_;
   MARROW_CHECK(device == Device::cpu, "gpt_oss runs on the CPU only so far: its GPU kernels (attention sinks and windows, biases, the "
                                       "clamped SwiGLU) are not built yet");
-  MARROW_CHECK(experts.count < 0 || (experts.first == 0 && experts.count == c.num_experts),
-               "gpt_oss does not support expert parallelism yet (parallel.ep must be 1): its fused expert tensors are not split by expert");
+  if (experts_.count < 0) experts_ = {0, c.num_experts};
+  MARROW_CHECK(experts_.first >= 0 && experts_.count >= 1 && experts_.first + experts_.count <= c.num_experts,
+               "experts [{}, {}) are not a range of the model's {} experts", experts_.first, experts_.first + experts_.count, c.num_experts);
   const int64_t H = c.hidden_size, D = c.head_dim, I = c.expert_intermediate_size, E = c.num_experts;
+  const int64_t first = experts_.first, El = experts_.count;
   ParameterTable t(c.num_layers);
   t.add("model.embed_tokens.weight", {c.vocab_size, H}, false);
   for (t.layer = 0; t.layer < c.num_layers; ++t.layer) {
@@ -126,10 +128,10 @@ GptOss::GptOss(const Config& config, DType dtype, Device device, ExpertShard exp
     t.add(p + "self_attn.sinks", {c.num_heads}, false);
     t.add(p + "mlp.router.weight", {E, H}, false);
     t.add(p + "mlp.router.bias", {E}, false);
-    t.add(p + "mlp.experts.gate_up_proj", {E, H, 2 * I}, false, true);
-    t.add(p + "mlp.experts.gate_up_proj_bias", {E, 2 * I}, false, true);
-    t.add(p + "mlp.experts.down_proj", {E, I, H}, false, true);
-    t.add(p + "mlp.experts.down_proj_bias", {E, H}, false, true);
+    t.add_expert_rows(p + "mlp.experts.gate_up_proj", {E, H, 2 * I}, first, El);
+    t.add_expert_rows(p + "mlp.experts.gate_up_proj_bias", {E, 2 * I}, first, El);
+    t.add_expert_rows(p + "mlp.experts.down_proj", {E, I, H}, first, El);
+    t.add_expert_rows(p + "mlp.experts.down_proj_bias", {E, H}, first, El);
   }
   t.layer = c.num_layers;
   t.add("lm_head.weight", {c.vocab_size, H}, false);
@@ -154,7 +156,7 @@ int64_t GptOss::num_active_parameters() const {
 
 GptOssWeights GptOss::bind(const Placement& placement) const {
   const Config& c = config_;
-  const int64_t H = c.hidden_size, D = c.head_dim, I = c.expert_intermediate_size, E = c.num_experts;
+  const int64_t H = c.hidden_size, D = c.head_dim, I = c.expert_intermediate_size, E = c.num_experts, El = experts_.count;
   TableCursor cursor(specs_, placement);
   auto take = [&](std::initializer_list<int64_t> dims) { return cursor.take(dims); };
   GptOssWeights w;
@@ -173,10 +175,10 @@ GptOssWeights GptOss::bind(const Placement& placement) const {
     L.sinks = take({c.num_heads});
     L.router = take({E, H});
     L.router_bias = take({E});
-    L.experts_gate_up = take({E, H, 2 * I});
-    L.experts_gate_up_bias = take({E, 2 * I});
-    L.experts_down = take({E, I, H});
-    L.experts_down_bias = take({E, H});
+    L.experts_gate_up = take({El, H, 2 * I});
+    L.experts_gate_up_bias = take({El, 2 * I});
+    L.experts_down = take({El, I, H});
+    L.experts_down_bias = take({El, H});
   }
   w.lm_head = take({c.vocab_size, H});
   for (auto& L : w.layers) {
@@ -344,22 +346,28 @@ std::vector<std::pair<Tensor, Tensor>> GptOss::expert_known_zero_parts(const Gpt
   return grouped_known_zero_parts(grads, known_zero);
 }
 
-// dy_perm holds each copy's output gradient unweighted (aggregate_backward): the routing weights
-// are applied here, and the weights' gradient written, as for Qwen3-MoE (ops/swiglu.h's
-// swiglu_weighted_backward), plus the down projection's bias term dot(dy[r], down_bias[e]).
+// With one expert-parallel rank dy_perm holds each copy's output gradient unweighted
+// (aggregate_backward): the routing weights are applied here, and the weights' gradient written, as
+// for Qwen3-MoE (ops/swiglu.h's swiglu_weighted_backward), plus the down projection's bias term
+// dot(dy[r], down_bias[e]). With several, the combine's backward on the tokens' ranks weighted dy_perm
+// and took the weights' gradient from the outputs it kept, bias included.
 void GptOss::experts_backward_input(Tensor dx_perm, Tensor dy_perm, GptOssExpertActivations& e, Tensor expert_offsets,
                                     const GptOssLayerWeights& w) const {
   const int64_t R = e.gate_up.view().size(0), I = config_.expert_intermediate_size;
-  MARROW_CHECK(e.copy_row.data != nullptr, "internal: gpt_oss's experts backward needs aggregate_backward's routing weights");
   Buffer dact = buffer({R, I});
   grouped_linear_forward(dact, dy_perm, w.experts_down, expert_offsets);
   e.act = buffer({R, I});
   e.dgate_up = buffer({R, 2 * I});
-  e.row_weight = stats({R});
-  clamped_swiglu_weighted_backward(e.dgate_up, e.act, e.row_weight, e.dtopk_weight, dact, e.gate_up, e.topk_weight, e.copy_row,
-                                   config_.swiglu_alpha, config_.swiglu_limit);
-  grouped_bias_dot_add(e.dtopk_weight, dy_perm, w.experts_down_bias, expert_offsets, e.copy_row);
-  e.topk_weight = e.copy_row = e.dtopk_weight = Tensor{};
+  if (e.copy_row.data != nullptr) {
+    e.row_weight = stats({R});
+    clamped_swiglu_weighted_backward(e.dgate_up, e.act, e.row_weight, e.dtopk_weight, dact, e.gate_up, e.topk_weight, e.copy_row,
+                                     config_.swiglu_alpha, config_.swiglu_limit);
+    grouped_bias_dot_add(e.dtopk_weight, dy_perm, w.experts_down_bias, expert_offsets, e.copy_row);
+    e.topk_weight = e.copy_row = e.dtopk_weight = Tensor{};
+  } else {
+    clamped_swiglu_forward(e.act, e.gate_up, config_.swiglu_alpha, config_.swiglu_limit);
+    clamped_swiglu_backward(e.dgate_up, dact, e.gate_up, config_.swiglu_alpha, config_.swiglu_limit);
+  }
   e.gate_up = Buffer{};
   grouped_linear_forward(dx_perm, e.dgate_up, w.experts_gate_up, expert_offsets);
 }

@@ -12,9 +12,11 @@
 // fused weights are [E, in, out] where the grouped GEMMs' weights are [E, out, in]: the forward
 // runs them through grouped_linear_backward_input and the input gradient through
 // grouped_linear_forward, the same products.
-// So far the CPU path only, one expert-parallel rank and no context parallelism: the GPU kernels of
-// sinks, windows, biases and the clamped SwiGLU are not built yet, and the fused expert tensors are
-// not split by expert. Each is refused in one sentence.
+// Under expert parallelism a process holds its experts' rows of the fused tensors (TensorSpec's
+// canonical_first), so checkpoints and Hugging Face reads address the whole tensors.
+// So far the CPU path only and no context parallelism: the GPU kernels of sinks, windows, biases and
+// the clamped SwiGLU are not built yet, nor ring attention with sinks and windows. Each is refused in
+// one sentence.
 #pragma once
 #include <string>
 #include <vector>
@@ -100,7 +102,7 @@ class GptOss {
   Device device() const { return device_; }
   int64_t num_layers() const { return config_.num_layers; }
   int64_t num_experts() const { return config_.num_experts; }
-  int64_t num_local_experts() const { return config_.num_experts; }
+  int64_t num_local_experts() const { return experts_.count; }
   int64_t top_k() const { return config_.top_k; }
   int64_t hidden_size() const { return config_.hidden_size; }
   const std::vector<TensorSpec>& specs() const { return specs_; }
@@ -173,6 +175,7 @@ class GptOss {
   Device device_;
   std::vector<TensorSpec> specs_;
   int64_t num_parameters_ = 0;
+  ExpertShard experts_;  // the experts this process holds: rows [first, first + count) of the fused tensors
 };
 
 }  // namespace marrow
