@@ -289,15 +289,16 @@ TEST(AttentionBlock, HalvesGiveTheBitsOfTheWholeBackward) {
 // Causal attention as blocks of keys [k0, k1): the queries of the same tokens see them causally,
 // the later queries [k1, S) in full, the earlier ones not at all. Merging the partials gives the
 // whole op's out and lse; the blocks' backwards from the merged out, lse sum to its gradients.
+// With a window each block carries it, the full ones with their distance (query row k1 against key row k0).
 struct Blockwise {
   std::vector<AttentionBlock> blocks;
-  explicit Blockwise(int64_t seq, std::initializer_list<int64_t> cuts) {
+  explicit Blockwise(int64_t seq, std::initializer_list<int64_t> cuts, int64_t window = 0) {
     int64_t k0 = 0;
     std::vector<int64_t> ends(cuts);
     ends.push_back(seq);
     for (int64_t k1 : ends) {
-      blocks.push_back({AttentionMask::causal, k0, k1, k0, k1});
-      if (k1 < seq) blocks.push_back({AttentionMask::full, k1, seq, k0, k1});
+      blocks.push_back({AttentionMask::causal, k0, k1, k0, k1, window, 0});
+      if (k1 < seq) blocks.push_back({AttentionMask::full, k1, seq, k0, k1, window, k1 - k0});
       k0 = k1;
     }
   }
@@ -333,6 +334,30 @@ TEST(AttentionBlock, BlockwiseEqualsTheWholeCausalOp) {
                         std::pair{&split.dv, &whole.dv}})
       for (int64_t i = 0; i < a->numel(); ++i)
         ASSERT_NEAR(element(*a, i), element(*b, i), 1e-12 * (1 + std::abs(element(*b, i)))) << i;
+  }
+}
+
+// GPT-OSS's variant as blocks (ring attention's way, parallel/ring_attention.h): windowed blocks (rows
+// that see no key of a full block get lse -inf, which the merge skips), then the sinks merged once;
+// the blocks' backwards from the final out and lse plus attention_sinks_backward give the op's
+// gradients. Windows inside a block, across blocks, and longer than the sequence.
+TEST(AttentionBlock, WindowedBlocksAndSinksEqualTheVariantOp) {
+  const Shape n{2, 23, 4, 2, 8};
+  for (const int64_t window : {1, 4, 9, 30}) {
+    const Blockwise blocks(23, {5, 6, 17}, window);
+    Attn whole(DType::f64, n), split(DType::f64, n);
+    const Buffer sinks = random_buffer(DType::f64, {n.hq}, 9);
+    Buffer dsinks = Buffer::zeros(DType::f64, Device::cpu, {n.hq}), split_dsinks = Buffer::zeros(DType::f64, Device::cpu, {n.hq});
+    whole.forward({sinks, window});
+    whole.backward({sinks, window}, dsinks);
+    blocks.forward(split, n);
+    attention_sinks_merge(split.out, split.lse, sinks);
+    blocks.backward(split);
+    attention_sinks_backward(split_dsinks, split.dout, split.out, split.lse, sinks);
+    for (auto [a, b] : {std::pair{&split.out, &whole.out}, std::pair{&split.lse, &whole.lse}, std::pair{&split.dq, &whole.dq},
+                        std::pair{&split.dk, &whole.dk}, std::pair{&split.dv, &whole.dv}, std::pair{&split_dsinks, &dsinks}})
+      for (int64_t i = 0; i < a->numel(); ++i)
+        ASSERT_NEAR(element(*a, i), element(*b, i), 1e-12 * (1 + std::abs(element(*b, i)))) << "window " << window << ": " << i;
   }
 }
 
@@ -386,6 +411,9 @@ TEST(AttentionBlock, RejectsBadBlocks) {
   EXPECT_EQ(message({AttentionMask::full, 0, 4, 2, 7}),
             "attention_block_forward: query rows [0, 4) and key rows [2, 7) do not fit 4 queries and 6 keys");
   EXPECT_EQ(message({AttentionMask::full, 1, 3, 2, 2}), "attention_block_forward: 2 queries see no key");
+  EXPECT_EQ(message({AttentionMask::full, 0, 4, 0, 2, -1, 3}), "attention_block_forward: the sliding window must be 0 (none) or positive, got -1");
+  EXPECT_EQ(message({AttentionMask::causal, 0, 4, 0, 4, 2, 1}),
+            "attention_block_forward: a causal block's queries and keys are the same tokens, but its distance is 1");
 }
 
 // GPT-OSS's variant: sinks [Hq] and a sliding window (ops/attention.h).

@@ -218,7 +218,6 @@ void GptOss::attention_forward(GptOssAttentionActivations& a, Buffer x, const Gp
   const int64_t B = batch.batch, S = batch.seq, T = B * S, H = c.hidden_size, D = c.head_dim;
   const int64_t Hq = c.num_heads, Hkv = c.num_kv_heads, E = c.num_experts, K = c.top_k;
   expect_shape("GptOss::attention_forward", "x", x, {T, H});
-  MARROW_CHECK(batch.attention == nullptr, "gpt_oss does not support context parallelism yet (parallel.cp must be 1)");
   a.x = std::move(x);
   a.rstd1 = stats({T});
   Buffer q = buffer({T, Hq, D}), k = buffer({T, Hkv, D});
@@ -238,8 +237,11 @@ void GptOss::attention_forward(GptOssAttentionActivations& a, Buffer x, const Gp
   rope_forward(a.k_rope, k, batch.positions, c.rope);
   a.attn = buffer({B, S, Hq, D});
   a.lse = stats({B, Hq, S});
-  marrow::attention_forward(a.attn, a.lse, a.q_rope.view().reshape({B, S, Hq, D}), a.k_rope.view().reshape({B, S, Hkv, D}),
-                            a.v.view().reshape({B, S, Hkv, D}), AttentionVariant{w.sinks, window(w)});
+  const Tensor q4 = a.q_rope.view().reshape({B, S, Hq, D}), k4 = a.k_rope.view().reshape({B, S, Hkv, D});
+  const Tensor v4 = a.v.view().reshape({B, S, Hkv, D});
+  const AttentionVariant variant{w.sinks, window(w)};
+  if (batch.attention) batch.attention->forward(a.attn, a.lse, q4, k4, v4, variant);
+  else marrow::attention_forward(a.attn, a.lse, q4, k4, v4, variant);
   a.x_mid = buffer({T, H});
   linear_forward(a.x_mid, a.attn.view().reshape({T, Hq * D}), w.o_proj);
   bias_forward(a.x_mid, w.o_bias);
@@ -285,10 +287,15 @@ void GptOss::attention_backward(Tensor dx, const GptOssLayerWeights& grads, Tens
   linear_backward_input(dattn, dres, w.o_proj);
 
   Buffer dq_rope = buffer({T, Hq, D}), dk_rope = buffer({T, Hkv, D}), dv = buffer({T, Hkv * D});
-  marrow::attention_backward(dq_rope.view().reshape({B, S, Hq, D}), dk_rope.view().reshape({B, S, Hkv, D}),
-                             dv.view().reshape({B, S, Hkv, D}), grads.sinks, dattn.view().reshape({B, S, Hq, D}),
-                             a.q_rope.view().reshape({B, S, Hq, D}), a.k_rope.view().reshape({B, S, Hkv, D}),
-                             a.v.view().reshape({B, S, Hkv, D}), a.attn, a.lse, AttentionVariant{w.sinks, window(w)});
+  {
+    const Tensor dq4 = dq_rope.view().reshape({B, S, Hq, D}), dk4 = dk_rope.view().reshape({B, S, Hkv, D});
+    const Tensor dv4 = dv.view().reshape({B, S, Hkv, D}), dattn4 = dattn.view().reshape({B, S, Hq, D});
+    const Tensor q4 = a.q_rope.view().reshape({B, S, Hq, D}), k4 = a.k_rope.view().reshape({B, S, Hkv, D});
+    const Tensor v4 = a.v.view().reshape({B, S, Hkv, D});
+    const AttentionVariant variant{w.sinks, window(w)};
+    if (batch.attention) batch.attention->backward(dq4, dk4, dv4, grads.sinks, dattn4, q4, k4, v4, a.attn, a.lse, variant);
+    else marrow::attention_backward(dq4, dk4, dv4, grads.sinks, dattn4, q4, k4, v4, a.attn, a.lse, variant);
+  }
   Buffer dq = buffer({T, Hq, D}), dk = buffer({T, Hkv, D});
   rope_backward(dq, dq_rope, batch.positions, c.rope);
   rope_backward(dk, dk_rope, batch.positions, c.rope);

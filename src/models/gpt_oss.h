@@ -14,14 +14,14 @@
 // grouped_linear_forward, the same products.
 // Under expert parallelism a process holds its experts' rows of the fused tensors (TensorSpec's
 // canonical_first), so checkpoints and Hugging Face reads address the whole tensors.
-// So far the CPU path only and no context parallelism: the GPU kernels of sinks, windows, biases and
-// the clamped SwiGLU are not built yet, nor ring attention with sinks and windows. Each is refused in
-// one sentence.
+// So far the CPU path only: the GPU kernels of sinks, windows, biases and the clamped SwiGLU are not
+// built yet (refused in one sentence). Context parallelism runs ring attention with the sinks and
+// windows (parallel/ring_attention.h).
 #pragma once
 #include <string>
 #include <vector>
 
-#include "core/attention_runner.h"
+#include "ops/attention_runner.h"
 #include "core/host_sum.h"
 #include "core/json.h"
 #include "core/memory.h"
@@ -67,7 +67,7 @@ struct GptOssBatch {
   Buffer input_ids;  // [T] i32
   Buffer targets;    // [T] i32, kIgnoreIndex where no loss
   Buffer positions;  // [T] i32
-  const AttentionRunner* attention = nullptr;  // context parallelism: refused for GPT-OSS
+  const AttentionRunner* attention = nullptr;  // none: the sequences are whole (ops/attention_runner.h)
 };
 
 struct GptOssAttentionActivations {

@@ -220,7 +220,7 @@ void Qwen3Moe::attention_forward(Qwen3MoeAttentionActivations& a, Buffer x, cons
     const Tensor q = q_rope.view().reshape({B, S, Hq, D}), k = k_rope.view().reshape({B, S, Hkv, D}),
                  v = a.v.view().reshape({B, S, Hkv, D});
     // Qualified: the member of the same name is the whole stage.
-    if (batch.attention) batch.attention->forward(a.attn, a.lse, q, k, v);
+    if (batch.attention) batch.attention->forward(a.attn, a.lse, q, k, v, {});
     else marrow::attention_forward(a.attn, a.lse, q, k, v);
   }
   a.x_mid = buffer({T, H});
@@ -273,7 +273,7 @@ void Qwen3Moe::attention_backward(Tensor dx, const Qwen3MoeLayerWeights& grads, 
     const auto [q_rope, k_rope] = attention_inputs(a, batch, w);
     const Tensor q = q_rope.view().reshape({B, S, Hq, D}), k = k_rope.view().reshape({B, S, Hkv, D}),
                  v = a.v.view().reshape({B, S, Hkv, D});
-    if (batch.attention) batch.attention->backward(dq_4d, dk_4d, dv_4d, dattn_4d, q, k, v, a.attn, a.lse);
+    if (batch.attention) batch.attention->backward(dq_4d, dk_4d, dv_4d, {}, dattn_4d, q, k, v, a.attn, a.lse, {});
     else marrow::attention_backward(dq_4d, dk_4d, dv_4d, dattn_4d, q, k, v, a.attn, a.lse);
   }
   Buffer dq = buffer({T, Hq * D}), dk = buffer({T, Hkv * D});

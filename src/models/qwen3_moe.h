@@ -24,7 +24,7 @@
 #include <string>
 #include <vector>
 
-#include "core/attention_runner.h"
+#include "ops/attention_runner.h"
 #include "core/json.h"
 #include "core/host_sum.h"
 #include "core/memory.h"
@@ -71,7 +71,7 @@ struct Qwen3MoeBatch {
   Buffer input_ids;  // [T] i32
   Buffer targets;    // [T] i32, kIgnoreIndex where no loss
   Buffer positions;  // [T] i32
-  const AttentionRunner* attention = nullptr;  // none: the sequences are whole (core/attention_runner.h)
+  const AttentionRunner* attention = nullptr;  // none: the sequences are whole (ops/attention_runner.h)
   // rope_cos_sin_table of the positions on the GPU, built by the first layer that needs it and read by
   // every layer's QK-norm forward and backward (derived data: a cache, hence mutable). So positions
   // must not change once a forward has run on the batch: a new micro-batch is a new Batch.

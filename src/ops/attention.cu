@@ -31,22 +31,22 @@ struct Dims {
   int64_t lse(int64_t b, int64_t i, int64_t h) const { return (b * q_heads + h) * q_seq + i; }
 };
 
-// The keys query row i of a block sees, as offsets from k_begin: [first, end). A window > 0 keeps the
-// last `window` of a causal row's keys, its own included (only the causal op takes a window, never
-// a ring attention block).
+// The keys query row i of a block sees, as offsets from k_begin: [first, end). A window keeps the
+// keys less than `window` positions before the query (in a causal block the last `window` keys, its
+// own included).
 struct KeyRange {
   int64_t first, end;
 };
-KeyRange keys_seen(const AttentionBlock& block, int64_t window, int64_t i) {
+KeyRange keys_seen(const AttentionBlock& block, int64_t i) {
   const int64_t end = block.mask == AttentionMask::causal ? i - block.q_begin + 1 : block.k_end - block.k_begin;
-  return {window > 0 ? std::max<int64_t>(0, end - window) : 0, end};
+  if (block.window == 0) return {0, end};
+  return {std::clamp<int64_t>(block.distance + (i - block.q_begin) - block.window + 1, 0, end), end};
 }
 
-// sinks: [Hq] or null (none); window: AttentionVariant's. With the sink in the running max, a
-// sink far above the row's scores cannot overflow exp.
+// sinks: [Hq] or null (none). With the sink in the running max, a sink far above the row's scores
+// cannot overflow exp. A row that sees no key and no sink gets lse -inf and out 0.
 template <typename T>
-void forward_cpu(T* out, T* lse, const T* q, const T* k, const T* v, const T* sinks, int64_t window, const Dims& n,
-                 const AttentionBlock& blk) {
+void forward_cpu(T* out, T* lse, const T* q, const T* k, const T* v, const T* sinks, const Dims& n, const AttentionBlock& blk) {
   const T scale = T(1 / std::sqrt(double(n.head_dim)));
   const int64_t k_len = blk.k_end - blk.k_begin;
 #pragma omp parallel if (n.batch * n.q_heads * (blk.q_end - blk.q_begin) * k_len * n.head_dim > kParallelWork)
@@ -57,7 +57,7 @@ void forward_cpu(T* out, T* lse, const T* q, const T* k, const T* v, const T* si
       for (int64_t h = 0; h < n.q_heads; ++h)
         for (int64_t i = blk.q_begin; i < blk.q_end; ++i) {
           const T* qi = q + n.q(b, i, h);
-          const KeyRange seen = keys_seen(blk, window, i);
+          const KeyRange seen = keys_seen(blk, i);
           T m = sinks ? sinks[h] : -std::numeric_limits<T>::infinity();
           for (int64_t j = seen.first; j < seen.end; ++j) {
             p[j] = scale * dot(qi, k + n.kv(b, blk.k_begin + j, h), n.head_dim);
@@ -84,31 +84,26 @@ void forward_cpu(T* out, T* lse, const T* q, const T* k, const T* v, const T* si
 // lse and out are the final ones (every key block merged), so P is the true probability and the
 // blocks' shares sum to the whole gradient. Query heads of one group add into the same dk, dv rows
 // in a fixed order: deterministic.
-// A sink (lse includes it) leaves all of that unchanged and adds dsinks[h] += -sum_i exp(sink - lse_i) D_i;
-// the window only drops keys.
+// A sink (lse includes it) leaves all of that unchanged and adds dsinks[h] += -sum_i exp(sink - lse_i) D_i
+// (sinks_backward_cpu); the window only drops keys.
 template <typename T>
-void backward_cpu(T* dq, T* dk, T* dv, T* dsinks, const T* dout, const T* q, const T* k, const T* v, const T* out,
-                  const T* lse, const T* sinks, int64_t window, const Dims& n, const AttentionBlock& blk,
-                  AttentionGrads grads) {
+void backward_cpu(T* dq, T* dk, T* dv, const T* dout, const T* q, const T* k, const T* v, const T* out, const T* lse, const Dims& n,
+                  const AttentionBlock& blk, AttentionGrads grads) {
   const bool want_q = grads != AttentionGrads::kv, want_kv = grads != AttentionGrads::q;
   const T scale = T(1 / std::sqrt(double(n.head_dim)));
-  // Threads own key/value heads: the query heads of a group add into dk, dv in head order. Batch rows
-  // of one sink run on different threads, so each (b, h) writes its own share, summed in batch order below.
+  // Threads own key/value heads: the query heads of a group add into dk, dv in head order.
   const int64_t group = n.q_heads / n.kv_heads;
-  std::vector<T> sink_share(sinks ? size_t(n.batch * n.q_heads) : 0);
 #pragma omp parallel for collapse(2) schedule(static) if (n.batch * n.q_heads * (blk.q_end - blk.q_begin) * \
                                                               (blk.k_end - blk.k_begin) * n.head_dim > kParallelWork)
   for (int64_t b = 0; b < n.batch; ++b)
     for (int64_t hk = 0; hk < n.kv_heads; ++hk)
       for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
-        T dsink = 0;
         for (int64_t i = blk.q_begin; i < blk.q_end; ++i) {
           const int64_t qo = n.q(b, i, h);
           const T *qi = q + qo, *douti = dout + qo;
           const T di = dot(douti, out + qo, n.head_dim), lse_i = lse[n.lse(b, i, h)];
-          if (sinks) dsink -= std::exp(sinks[h] - lse_i) * di;
           T* dqi = dq + qo;
-          const KeyRange seen = keys_seen(blk, window, i);
+          const KeyRange seen = keys_seen(blk, i);
           for (int64_t j = blk.k_begin + seen.first; j < blk.k_begin + seen.end; ++j) {
             const int64_t kvo = n.kv(b, j, h);
             const T p = std::exp(scale * dot(qi, k + kvo, n.head_dim) - lse_i);
@@ -118,11 +113,26 @@ void backward_cpu(T* dq, T* dk, T* dv, T* dsinks, const T* dout, const T* q, con
             if (want_kv) axpy(dk + kvo, scale * ds, qi, n.head_dim);
           }
         }
-        if (sinks) sink_share[size_t(b * n.q_heads + h)] = dsink;
       }
-  if (sinks)
-    for (int64_t h = 0; h < n.q_heads; ++h)
-      for (int64_t b = 0; b < n.batch; ++b) dsinks[h] += sink_share[size_t(b * n.q_heads + h)];
+}
+
+// dsinks[h] += the sum over batch rows b (in order) of each row's share -sum_i exp(sinks[h] - lse_i) D_i,
+// D_i = dout_i . out_i, over query rows [0, q_seq).
+template <typename T>
+void sinks_backward_cpu(T* dsinks, const T* dout, const T* out, const T* lse, const T* sinks, const Dims& n) {
+  std::vector<T> share(size_t(n.batch * n.q_heads));
+#pragma omp parallel for collapse(2) schedule(static) if (n.batch * n.q_heads * n.q_seq * n.head_dim > kParallelWork)
+  for (int64_t b = 0; b < n.batch; ++b)
+    for (int64_t h = 0; h < n.q_heads; ++h) {
+      T dsink = 0;
+      for (int64_t i = 0; i < n.q_seq; ++i) {
+        const int64_t qo = n.q(b, i, h);
+        dsink -= std::exp(sinks[h] - lse[n.lse(b, i, h)]) * dot(dout + qo, out + qo, n.head_dim);
+      }
+      share[size_t(b * n.q_heads + h)] = dsink;
+    }
+  for (int64_t h = 0; h < n.q_heads; ++h)
+    for (int64_t b = 0; b < n.batch; ++b) dsinks[h] += share[size_t(b * n.q_heads + h)];
 }
 
 // Rows [begin, end) of (out, lse) become the log-sum-exp merge with (part_out, part_lse). A row
@@ -167,6 +177,14 @@ void check_block(const char* op, const Dims& n, const AttentionBlock& blk) {
                blk.k_end - blk.k_begin);
   MARROW_CHECK(blk.q_begin == blk.q_end || blk.k_begin < blk.k_end, "{}: {} queries see no key", op,
                blk.q_end - blk.q_begin);
+  MARROW_CHECK(blk.window >= 0, "{}: the sliding window must be 0 (none) or positive, got {}", op, blk.window);
+  MARROW_CHECK(blk.window == 0 || blk.mask == AttentionMask::full || blk.distance == 0,
+               "{}: a causal block's queries and keys are the same tokens, but its distance is {}", op, blk.distance);
+}
+
+// Windows run on the CPU only so far.
+void check_block_device(const char* op, const Tensor& q, const AttentionBlock& blk) {
+  MARROW_CHECK(q.device == Device::cpu || blk.window == 0, "{}: sliding windows run on the CPU only so far, but q is on the GPU", op);
 }
 
 #ifdef __CUDACC__
@@ -885,9 +903,9 @@ void merge_gpu(Tensor out, Tensor lse, Tensor part_out, Tensor part_lse, const D
 }
 #endif  // __CUDACC__
 
-// Both forwards after their shape checks: the device's path (a variant only on the CPU).
-void forward(const char* op, Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v, const Dims& n,
-             const AttentionBlock& block, const AttentionVariant& variant, Stream stream) {
+// Both forwards after their shape checks: the device's path (sinks and windows only on the CPU).
+void forward(const char* op, Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v, const Dims& n, const AttentionBlock& block,
+             Tensor sinks, Stream stream) {
   if (common_device(op, {{"q", &q}, {"k", &k}, {"v", &v}, {"out", &out}, {"lse", &lse}}) == Device::cuda) {
 #ifdef __CUDACC__
     return forward_gpu(op, out, lse, q, k, v, n, block, stream);
@@ -899,8 +917,7 @@ void forward(const char* op, Tensor out, Tensor lse, Tensor q, Tensor k, Tensor 
   (void)stream;
   with_cpu_scalar(op, q, [&](auto s) {
     using T = decltype(s);
-    forward_cpu<T>(out.ptr<T>(), lse.ptr<T>(), q.ptr<T>(), k.ptr<T>(), v.ptr<T>(),
-                   variant.sinks.data ? variant.sinks.ptr<T>() : nullptr, variant.window, n, block);
+    forward_cpu<T>(out.ptr<T>(), lse.ptr<T>(), q.ptr<T>(), k.ptr<T>(), v.ptr<T>(), sinks.data ? sinks.ptr<T>() : nullptr, n, block);
   });
 }
 
@@ -935,12 +952,11 @@ void check_variant(const char* op, const Dims& n, const Tensor& q, const Attenti
                "{}: attention sinks and sliding windows run on the CPU only so far, but q is on the GPU", op);
 }
 
-// Both backwards after their shape checks: the device's path (a variant only on the CPU).
+// Both backwards after their shape checks: the device's path (windows only on the CPU).
 // accumulate: add the block's share into dq, dk, dv (f32 on the GPU); else overwrite them (bf16 on
-// the GPU). dsinks always accumulates.
-void backward(const char* op, Tensor dq, Tensor dk, Tensor dv, Tensor dsinks, Tensor dout, Tensor q, Tensor k, Tensor v,
-              Tensor out, Tensor lse, const Dims& n, const AttentionBlock& block, const AttentionVariant& variant,
-              bool accumulate, AttentionGrads grads, bool gpu, Stream stream) {
+// the GPU).
+void backward(const char* op, Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse,
+              const Dims& n, const AttentionBlock& block, bool accumulate, AttentionGrads grads, bool gpu, Stream stream) {
   if (gpu) {
 #ifdef __CUDACC__
     return backward_gpu(op, dq, dk, dv, dout, q, k, v, out, lse, n, block, accumulate, grads, stream);
@@ -953,10 +969,8 @@ void backward(const char* op, Tensor dq, Tensor dk, Tensor dv, Tensor dsinks, Te
     for (Tensor g : {dq, dk, dv}) fill_zero(g);
   with_cpu_scalar(op, q, [&](auto s) {
     using T = decltype(s);
-    const bool sinks = variant.sinks.data != nullptr;
-    backward_cpu<T>(dq.ptr<T>(), dk.ptr<T>(), dv.ptr<T>(), sinks ? dsinks.ptr<T>() : nullptr, dout.ptr<T>(), q.ptr<T>(),
-                    k.ptr<T>(), v.ptr<T>(), out.ptr<T>(), lse.ptr<T>(), sinks ? variant.sinks.ptr<T>() : nullptr,
-                    variant.window, n, block, grads);
+    backward_cpu<T>(dq.ptr<T>(), dk.ptr<T>(), dv.ptr<T>(), dout.ptr<T>(), q.ptr<T>(), k.ptr<T>(), v.ptr<T>(), out.ptr<T>(),
+                    lse.ptr<T>(), n, block, grads);
   });
 }
 
@@ -1040,6 +1054,7 @@ void attention_block_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor 
   expect_shape(op, "out", out, {n.batch, n.q_seq, n.q_heads, n.head_dim});
   expect_shape(op, "lse", lse, {n.batch, n.q_heads, n.q_seq});
   check_block(op, n, block);
+  check_block_device(op, q, block);
   if (block_on_hopper(q, k, block) &&
       common_device(op, {{"q", &q}, {"k", &k}, {"v", &v}, {"out", &out}, {"lse", &lse}}) == Device::cuda)
     return hopper_attention_block_forward(out, lse, q, k, v, block, stream);
@@ -1064,7 +1079,7 @@ void attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v, con
     return hopper_attention_forward(out, lse, q, k, v, stream);
   if (forward_on_cudnn(n, q)) return cudnn_attention_forward(out, lse, q, k, v, stream);
 #endif
-  forward(op, out, lse, q, k, v, n, {AttentionMask::causal, 0, n.q_seq, 0, n.q_seq}, variant, stream);
+  forward(op, out, lse, q, k, v, n, {AttentionMask::causal, 0, n.q_seq, 0, n.q_seq, variant.window}, variant.sinks, stream);
 }
 
 void attention_block_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out,
@@ -1072,9 +1087,10 @@ void attention_block_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tens
   const char* op = "attention_block_backward";
   const auto [n, gpu] = check_backward(op, dq, dk, dv, dout, q, k, v, out, lse);
   check_block(op, n, block);
+  check_block_device(op, q, block);
   if (gpu && block_on_hopper(q, k, block))
     return hopper_attention_block_backward(dq, dk, dv, dout, q, k, v, out, lse, block, grads, stream);
-  backward(op, dq, dk, dv, {}, dout, q, k, v, out, lse, n, block, {}, true, grads, gpu, stream);
+  backward(op, dq, dk, dv, dout, q, k, v, out, lse, n, block, true, grads, gpu, stream);
 }
 
 void attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out,
@@ -1104,8 +1120,9 @@ void attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dsinks, Tensor d
     return cudnn_attention_backward(dq, dk, dv, dout, q, k, v, out, lse, stream,
                                     attention_kernels() == AttentionKernels::cudnn);
 #endif
-  backward(op, dq, dk, dv, dsinks, dout, q, k, v, out, lse, n, {AttentionMask::causal, 0, n.q_seq, 0, n.q_seq}, variant,
-           false, AttentionGrads::all, gpu, stream);
+  backward(op, dq, dk, dv, dout, q, k, v, out, lse, n, {AttentionMask::causal, 0, n.q_seq, 0, n.q_seq, variant.window}, false,
+           AttentionGrads::all, gpu, stream);
+  if (variant.sinks.data) attention_sinks_backward(dsinks, dout, out, lse, variant.sinks);
 }
 
 void attention_merge(Tensor out, Tensor lse, Tensor part_out, Tensor part_lse, int64_t begin, int64_t end,
@@ -1132,6 +1149,58 @@ void attention_merge(Tensor out, Tensor lse, Tensor part_out, Tensor part_lse, i
   with_cpu_scalar(op, out, [&](auto s) {
     using T = decltype(s);
     merge_cpu<T>(out.ptr<T>(), lse.ptr<T>(), part_out.ptr<T>(), part_lse.ptr<T>(), n, begin, end);
+  });
+}
+
+namespace {
+
+// out, lse, sinks of the sinks' ops: shapes, one dtype, the CPU; returns the sizes.
+Dims check_sinks(const char* op, const Tensor& out, const Tensor& lse, const Tensor& sinks) {
+  MARROW_CHECK(out.ndim == 4, "{}: out must be [batch, seq, heads, head_dim], got {}", op, out.shape_string());
+  const Dims n{out.size(0), out.size(1), out.size(1), out.size(2), out.size(2), out.size(3)};
+  expect_shape(op, "lse", lse, {n.batch, n.q_heads, n.q_seq});
+  expect_shape(op, "sinks", sinks, {n.q_heads});
+  const std::initializer_list<std::pair<const char*, const Tensor*>> tensors = {{"out", &out}, {"lse", &lse}, {"sinks", &sinks}};
+  MARROW_CHECK(common_device(op, tensors) == Device::cpu, "{}: attention sinks run on the CPU only so far, but out is on the GPU", op);
+  expect_same_dtype(op, tensors);
+  return n;
+}
+
+// attention_merge's arithmetic with a part of value 0 and lse sinks[h].
+template <typename T>
+void sinks_merge_cpu(T* out, T* lse, const T* sinks, const Dims& n) {
+  for (int64_t b = 0; b < n.batch; ++b)
+    for (int64_t h = 0; h < n.q_heads; ++h)
+      for (int64_t i = 0; i < n.q_seq; ++i) {
+        T& l = lse[n.lse(b, i, h)];
+        const T m = std::max(l, sinks[h]), w1 = std::exp(l - m), sum = w1 + std::exp(sinks[h] - m);
+        T* o = out + n.q(b, i, h);
+        for (int64_t d = 0; d < n.head_dim; ++d) o[d] = w1 * o[d] / sum;
+        l = m + std::log(sum);
+      }
+}
+
+}  // namespace
+
+void attention_sinks_merge(Tensor out, Tensor lse, Tensor sinks) {
+  const Dims n = check_sinks("attention_sinks_merge", out, lse, sinks);
+  with_cpu_scalar("attention_sinks_merge", out, [&](auto s) {
+    using T = decltype(s);
+    sinks_merge_cpu<T>(out.ptr<T>(), lse.ptr<T>(), sinks.ptr<T>(), n);
+  });
+}
+
+void attention_sinks_backward(Tensor dsinks, Tensor dout, Tensor out, Tensor lse, Tensor sinks) {
+  const char* op = "attention_sinks_backward";
+  const Dims n = check_sinks(op, out, lse, sinks);
+  expect_shape(op, "dout", dout, {n.batch, n.q_seq, n.q_heads, n.head_dim});
+  expect_shape(op, "dsinks", dsinks, {n.q_heads});
+  const std::initializer_list<std::pair<const char*, const Tensor*>> tensors = {{"dsinks", &dsinks}, {"dout", &dout}, {"out", &out}};
+  MARROW_CHECK(common_device(op, tensors) == Device::cpu, "{}: attention sinks run on the CPU only so far, but dout is on the GPU", op);
+  expect_same_dtype(op, tensors);
+  with_cpu_scalar(op, out, [&](auto s) {
+    using T = decltype(s);
+    sinks_backward_cpu<T>(dsinks.ptr<T>(), dout.ptr<T>(), out.ptr<T>(), lse.ptr<T>(), sinks.ptr<T>(), n);
   });
 }
 

@@ -15,6 +15,10 @@
 //   causal: the ranges are the same tokens (equal lengths): query q_begin + i sees keys
 //           k_begin .. k_begin + i;
 //   full:   every query of the range sees every key of the range (keys that all come earlier).
+// A block may carry a sliding window (CPU only): query row q_begin + i then sits `distance` positions
+// after key row k_begin + i (0 for a causal block; the ranges are chunks of a sequence that need not
+// be adjacent) and sees key k_begin + j only when j > distance + i - window, the causal op's window
+// over the true positions. Rows that see no key get lse -inf and out 0, which the merge skips.
 // The causal op above is the causal block over all rows. The block forward writes the block's own
 // softmax (out, lse) on its query rows; attention_merge folds it into a running (out, lse). The
 // block backward takes the FINAL out and lse (after every merge) with P = exp(s - lse_final), so its
@@ -85,6 +89,8 @@ struct AttentionBlock {
   AttentionMask mask = AttentionMask::causal;
   int64_t q_begin = 0, q_end = 0;  // query rows (dimension 1 of q)
   int64_t k_begin = 0, k_end = 0;  // key rows (dimension 1 of k and v)
+  int64_t window = 0;              // > 0: the sliding window (CPU only); 0: none
+  int64_t distance = 0;            // with a window: the position of query row q_begin minus that of key row k_begin
 };
 
 // Rows [q_begin, q_end) of out[B, Sq, Hq, D] and lse[B, Hq, Sq] (the others are left as they are)
@@ -117,5 +123,13 @@ void set_cpu_blocks_fused(bool fused);
 // e^part_lse). A running result starts as out = 0, lse = -inf (a row with both lse -inf is left as is).
 void attention_merge(Tensor out, Tensor lse, Tensor part_out, Tensor part_lse, int64_t begin, int64_t end,
                      Stream stream = {});
+
+// The sinks of a result merged from blocks (ring attention; CPU only): out[B, S, Hq, D] and lse[B, Hq, S]
+// become the merge with each row's sink, a partial result of value 0 and lse sinks[h], so that they equal
+// attention_forward's with the variant's sinks (up to the order of the sums).
+void attention_sinks_merge(Tensor out, Tensor lse, Tensor sinks);
+// dsinks[h] += -sum over batch rows and queries i of exp(sinks[h] - lse_i) (dout_i . out_i), with the
+// final out and lse: attention_backward's sinks term over these rows, in its order (CPU only).
+void attention_sinks_backward(Tensor dsinks, Tensor dout, Tensor out, Tensor lse, Tensor sinks);
 
 }  // namespace marrow

@@ -1,11 +1,14 @@
 #include "parallel/ring_attention.h"
 
 #include <algorithm>
+#include <limits>
 #include <utility>
+#include <vector>
 
 #include "core/memory.h"
 #include "ops/add.h"
 #include "ops/cast.h"
+#include "ops/init.h"
 #include "parallel/comm.h"
 
 namespace marrow {
@@ -45,6 +48,35 @@ AttentionBlock zigzag_block(int64_t local_seq, int rank, int source) {
 }
 
 namespace {
+
+// The blocks of member `rank`'s queries against member `source`'s keys and values, one per pair of
+// chunks (local rows [0, c) and [c, 2c)) whose keys come no later than the queries and, with a
+// window, reach into it; each carries the window and the distance between its chunks' positions.
+// Source = rank gives its own chunk first causally, the later chunk against it, the later causally.
+std::vector<AttentionBlock> chunk_blocks(int64_t local_seq, int rank, int source, int ranks, int64_t window) {
+  const int64_t c = local_seq / 2;
+  auto position = [&](int member, int64_t half) { return (half == 0 ? member : 2 * ranks - 1 - member) * c; };
+  std::vector<AttentionBlock> blocks;
+  for (int64_t qh = 0; qh < 2; ++qh)
+    for (int64_t kh = 0; kh < 2; ++kh) {
+      const int64_t qp = position(rank, qh), kp = position(source, kh);
+      if (kp > qp || (window > 0 && kp + c - 1 <= qp - window)) continue;
+      blocks.push_back({kp == qp ? AttentionMask::causal : AttentionMask::full, qh * c, qh * c + c, kh * c, kh * c + c, window, qp - kp});
+    }
+  return blocks;
+}
+
+// The blocks of a ring step: zigzag_block's one block without a window, chunk_blocks with one.
+std::vector<AttentionBlock> step_blocks(int64_t local_seq, int rank, int source, int ranks, int64_t window) {
+  if (window == 0) return {zigzag_block(local_seq, rank, source)};
+  return chunk_blocks(local_seq, rank, source, ranks, window);
+}
+
+// Sinks and windows run on the CPU only so far.
+void check_variant(const char* op, const Tensor& q, const AttentionVariant& variant) {
+  MARROW_CHECK(q.device == Device::cpu || (!variant.sinks.data && variant.window == 0),
+               "{}: attention sinks and sliding windows run on the CPU only so far, but q is on the GPU", op);
+}
 
 struct RingShape {
   int64_t batch, seq, q_heads, kv_heads, head_dim;
@@ -94,8 +126,8 @@ void pass_on(const Comm& cp, const KvPair& kv, const KvPair& next) {
 // chosen): its gradients are the result. Those kernels write the tensors' dtype, so on the GPU they
 // land in bf16 first and are cast into the f32 sums.
 void single_member_backward(Tensor dq_sum, const KvPair& grads, Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse,
-                            const RingShape& n) {
-  if (dq_sum.dtype == q.dtype) return attention_backward(dq_sum, grads.k(n), grads.v(n), dout, q, k, v, out, lse);
+                            const RingShape& n, const AttentionVariant& variant, Tensor dsinks) {
+  if (dq_sum.dtype == q.dtype) return attention_backward(dq_sum, grads.k(n), grads.v(n), dsinks, dout, q, k, v, out, lse, variant);
   Buffer dq(q.dtype, q.device, {n.batch, n.seq, n.q_heads, n.head_dim});
   const KvPair dkv{q.dtype, q.device, n};
   attention_backward(dq, dkv.k(n), dkv.v(n), dout, q, k, v, out, lse);
@@ -104,20 +136,13 @@ void single_member_backward(Tensor dq_sum, const KvPair& grads, Tensor dout, Ten
 }
 
 // With several members a member's own block (its queries against its own K/V, causal over the two
-// local chunks A = [0, c) and B = [c, 2c)) runs as three blocks: A causal and B against A in full
-// first, under the K/V hop, and B causal last, under the dK/dV hop that brings the last K/V block's
-// gradients home (ring_attention_backward). Their dK/dV stay home in `own`.
-AttentionBlock own_part(int64_t local_seq, int part) {
-  const int64_t c = local_seq / 2;
-  if (part == 0) return {AttentionMask::causal, 0, c, 0, c};
-  if (part == 1) return {AttentionMask::full, c, local_seq, 0, c};
-  return {AttentionMask::causal, c, local_seq, c, local_seq};
-}
-
+// local chunks A = [0, c) and B = [c, 2c)) runs as its chunk_blocks: A causal and B against A in full
+// (unless beyond the window) first, under the K/V hop, and B causal last, under the dK/dV hop that
+// brings the last K/V block's gradients home (ring_attention_backward). Their dK/dV stay home in `own`.
 void own_block_backward(Tensor dq_sum, const KvPair& own, Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse,
-                        const RingShape& n, std::initializer_list<int> parts) {
-  for (const int part : parts)
-    attention_block_backward(dq_sum, own.k(n), own.v(n), dout, q, k, v, out, lse, own_part(n.seq, part));
+                        const RingShape& n, const AttentionBlock* first, const AttentionBlock* last) {
+  for (const AttentionBlock* block = first; block != last; ++block)
+    attention_block_backward(dq_sum, own.k(n), own.v(n), dout, q, k, v, out, lse, *block);
 }
 
 // Steps 1 .. CP - 1 of the backward with the own block around them (own_block_backward): step t
@@ -126,7 +151,8 @@ void own_block_backward(Tensor dq_sum, const KvPair& own, Tensor dout, Tensor q,
 // goes on to the next member, so that after step CP - 1 it reaches the block's owner. `own` ends as
 // this member's dK/dV: its own blocks' share plus the sum the others sent.
 void ring_steps_backward(Tensor dq_sum, const KvPair& own, Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse,
-                         const RingShape& n, const Comm& cp) {
+                         const RingShape& n, const Comm& cp, int64_t window) {
+  const std::vector<AttentionBlock> own_blocks = chunk_blocks(n.seq, cp.rank(), cp.rank(), cp.size(), window);
   const DType acc = own.both.view().dtype;
   KvPair kv[2] = {{k.dtype, k.device, n}, {k.dtype, k.device, n}};
   copy(kv[0].k(n), k);
@@ -136,7 +162,7 @@ void ring_steps_backward(Tensor dq_sum, const KvPair& own, Tensor dout, Tensor q
   fill_zero(own.both);
   pass_on(cp, kv[0], kv[1]);
   Comm::Point kv_arrived = cp.queued(), grads_arrived;
-  own_block_backward(dq_sum, own, dout, q, k, v, out, lse, n, {0, 1});
+  own_block_backward(dq_sum, own, dout, q, k, v, out, lse, n, own_blocks.data(), own_blocks.data() + own_blocks.size() - 1);
   for (int t = 1; t < cp.size(); ++t) {
     cp.wait_for(kv_arrived);  // step t's K/V block, not the dK/dV hop still in flight
     const KvPair& here = kv[t % 2];
@@ -145,13 +171,13 @@ void ring_steps_backward(Tensor dq_sum, const KvPair& own, Tensor dout, Tensor q
       kv_arrived = cp.queued();
     }
     const KvPair& mine = share[t % 2];
-    const AttentionBlock block = zigzag_block(n.seq, cp.rank(), source_at(cp, t));
     // A fused block (one kernel for all three gradients) adds its dq here too; the others' dq runs
     // after the hop is posted, so the hop travels under it.
-    const bool fused = attention_block_backward_fused(q, here.k(n), block);
+    const std::vector<AttentionBlock> blocks = step_blocks(n.seq, cp.rank(), source_at(cp, t), cp.size(), window);
     fill_zero(mine.both);
-    attention_block_backward(dq_sum, mine.k(n), mine.v(n), dout, q, here.k(n), here.v(n), out, lse, block,
-                             fused ? AttentionGrads::all : AttentionGrads::kv);
+    for (const AttentionBlock& block : blocks)
+      attention_block_backward(dq_sum, mine.k(n), mine.v(n), dout, q, here.k(n), here.v(n), out, lse, block,
+                               attention_block_backward_fused(q, here.k(n), block) ? AttentionGrads::all : AttentionGrads::kv);
     if (t > 1) {
       cp.wait_for(grads_arrived);
       add(mine.both, mine.both, incoming.both);
@@ -159,20 +185,22 @@ void ring_steps_backward(Tensor dq_sum, const KvPair& own, Tensor dout, Tensor q
     cp.send_recv(mine.both, next_member(cp), incoming.both, previous_member(cp), "ring attention: dK/dV to the next member",
                  false);
     grads_arrived = cp.queued();
-    if (!fused)
-      attention_block_backward(dq_sum, mine.k(n), mine.v(n), dout, q, here.k(n), here.v(n), out, lse, block,
-                               AttentionGrads::q);
+    for (const AttentionBlock& block : blocks)
+      if (!attention_block_backward_fused(q, here.k(n), block))
+        attention_block_backward(dq_sum, mine.k(n), mine.v(n), dout, q, here.k(n), here.v(n), out, lse, block, AttentionGrads::q);
   }
-  own_block_backward(dq_sum, own, dout, q, k, v, out, lse, n, {2});
+  own_block_backward(dq_sum, own, dout, q, k, v, out, lse, n, own_blocks.data() + own_blocks.size() - 1,
+                     own_blocks.data() + own_blocks.size());
   cp.wait_for(grads_arrived);
   add(own.both, own.both, incoming.both);
 }
 
 }  // namespace
 
-void ring_attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v, const Comm& cp) {
+void ring_attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v, const Comm& cp, const AttentionVariant& variant) {
   const char* op = "ring_attention_forward";
   const RingShape n = check_ring(op, q, k, v, cp);
+  check_variant(op, q, variant);
   expect_shape(op, "out", out, {n.batch, n.seq, n.q_heads, n.head_dim});
   expect_shape(op, "lse", lse, {n.batch, n.q_heads, n.seq});
   KvPair kv[2] = {{k.dtype, k.device, n}, {k.dtype, k.device, n}};
@@ -181,25 +209,38 @@ void ring_attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v
   Buffer part_out(out.dtype, out.device, {n.batch, n.seq, n.q_heads, n.head_dim});
   Buffer part_lse(lse.dtype, lse.device, {n.batch, n.q_heads, n.seq});
   Buffer running(accumulator_dtype(out), out.device, {n.batch, n.seq, n.q_heads, n.head_dim});
+  // The own block comes first and covers every row: it starts the running result. Without a window it
+  // is the causal op over the local rows, so it runs on cuDNN's kernels where they are chosen
+  // (ops/attention.h); with one member it is the whole op, sinks included.
+  const bool causal_first = variant.window == 0 || cp.size() == 1;
+  if (!causal_first) {
+    fill_zero(running);
+    fill_constant(lse, -std::numeric_limits<double>::infinity());
+  }
   for (int t = 0; t < cp.size(); ++t) {
     const KvPair& here = kv[t % 2];
     if (t + 1 < cp.size()) pass_on(cp, here, kv[(t + 1) % 2]);
-    const AttentionBlock block = zigzag_block(n.seq, cp.rank(), source_at(cp, t));
-    // The own block comes first and covers every row: it starts the running result. It is the causal
-    // op over the local rows, so it runs on cuDNN's kernels where they are chosen (ops/attention.h).
-    if (t == 0) attention_forward(part_out, lse, q, here.k(n), here.v(n));
-    else attention_block_forward(part_out, part_lse, q, here.k(n), here.v(n), block);
-    if (t == 0) cast(running, part_out);
-    else attention_merge(running, lse, part_out, part_lse, block.q_begin, block.q_end);
+    if (t == 0 && causal_first) {
+      attention_forward(part_out, lse, q, here.k(n), here.v(n), cp.size() == 1 ? variant : AttentionVariant{});
+      cast(running, part_out);
+    } else {
+      for (const AttentionBlock& block : step_blocks(n.seq, cp.rank(), source_at(cp, t), cp.size(), variant.window)) {
+        attention_block_forward(part_out, part_lse, q, here.k(n), here.v(n), block);
+        attention_merge(running, lse, part_out, part_lse, block.q_begin, block.q_end);
+      }
+    }
     if (t + 1 < cp.size()) cp.join();
   }
+  if (cp.size() > 1 && variant.sinks.data) attention_sinks_merge(running, lse, variant.sinks);
   cast(out, running);
 }
 
 void ring_attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out,
-                             Tensor lse, const Comm& cp) {
+                             Tensor lse, const Comm& cp, const AttentionVariant& variant, Tensor dsinks) {
   const char* op = "ring_attention_backward";
   const RingShape n = check_ring(op, q, k, v, cp);
+  check_variant(op, q, variant);
+  MARROW_CHECK(!variant.sinks.data == !dsinks.data, "{}: dsinks must be given exactly when the variant has sinks", op);
   for (auto [name, t] : {std::pair{"dq", &dq}, std::pair{"dout", &dout}, std::pair{"out", &out}})
     expect_shape(op, name, *t, {n.batch, n.seq, n.q_heads, n.head_dim});
   expect_shape(op, "dk", dk, {n.batch, n.seq, n.kv_heads, n.head_dim});
@@ -209,9 +250,10 @@ void ring_attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tenso
   Buffer dq_sum = Buffer::zeros(acc, dq.device, {n.batch, n.seq, n.q_heads, n.head_dim});
   const KvPair own{acc, k.device, n};
   if (cp.size() == 1) {
-    single_member_backward(dq_sum, own, dout, q, k, v, out, lse, n);
+    single_member_backward(dq_sum, own, dout, q, k, v, out, lse, n, variant, dsinks);
   } else {
-    ring_steps_backward(dq_sum, own, dout, q, k, v, out, lse, n, cp);
+    ring_steps_backward(dq_sum, own, dout, q, k, v, out, lse, n, cp, variant.window);
+    if (variant.sinks.data) attention_sinks_backward(dsinks, dout, out, lse, variant.sinks);
   }
   cast(dq, dq_sum);
   cast(dk, own.k(n));
@@ -219,10 +261,11 @@ void ring_attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tenso
 }
 
 AttentionRunner ring_attention_runner(const Comm& cp) {
-  return {[&cp](Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v) { ring_attention_forward(out, lse, q, k, v, cp); },
-          [&cp](Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse) {
-            ring_attention_backward(dq, dk, dv, dout, q, k, v, out, lse, cp);
-          }};
+  return {[&cp](Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v, const AttentionVariant& variant) {
+            ring_attention_forward(out, lse, q, k, v, cp, variant);
+          },
+          [&cp](Tensor dq, Tensor dk, Tensor dv, Tensor dsinks, Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse,
+                const AttentionVariant& variant) { ring_attention_backward(dq, dk, dv, dout, q, k, v, out, lse, cp, variant, dsinks); }};
 }
 
 RingAttentionBytes ring_attention_bytes(int64_t tokens, int64_t q_heads, int64_t kv_heads, int64_t head_dim, Device device) {

@@ -24,6 +24,13 @@
 // halves, dK/dV first so that they travel while dq's kernel runs, except where one kernel computes
 // all three (ops/attention.h: attention_block_backward_fused, the wgmma kernels on the GPU).
 //
+// GPT-OSS's variant (ops/attention.h's AttentionVariant; CPU only so far): a sliding window masks by
+// the true positions, and a member's two chunks are not adjacent, so with a window every block is cut
+// into one block per pair of chunks (ops/attention.h's windowed blocks: the distance between the
+// chunks' positions), and pairs whose keys all lie beyond the window are skipped. Sinks join once,
+// after every block is merged (attention_sinks_merge); the blocks' backward then takes the final lse,
+// which includes them, and each member adds its rows' share of dsinks.
+//
 // Numbers: the CPU runs in the tensors' dtype (f32, f64); on the GPU q, k, v, out, dout, dq, dk, dv
 // are bf16 and lse f32, while the running out and the dq, dk, dv accumulators are f32 (each rounded
 // to bf16 once, at the end). Runs on the compute stream (the default stream, as Comm expects); the
@@ -32,7 +39,7 @@
 #pragma once
 #include <cstdint>
 
-#include "core/attention_runner.h"
+#include "ops/attention_runner.h"
 #include "core/tensor.h"
 #include "ops/attention.h"
 
@@ -60,14 +67,14 @@ AttentionBlock zigzag_block(int64_t local_seq, int rank, int source);
 
 // out[B, Sl, Hq, D] and lse[B, Hq, Sl] of this member's queries q[B, Sl, Hq, D] against the keys and
 // values k, v[B, Sl, Hkv, D] of every member (causal over the true positions); Sl = S / CP.
-void ring_attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v, const Comm& cp);
+void ring_attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v, const Comm& cp, const AttentionVariant& variant = {});
 
 // dq, dk, dv (overwritten, shaped like q, k, v) of this member's tensors, from dout and the
-// forward's out and lse.
+// forward's out and lse; with sinks, dsinks [Hq] is added to with this member's rows' share.
 void ring_attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out,
-                             Tensor lse, const Comm& cp);
+                             Tensor lse, const Comm& cp, const AttentionVariant& variant = {}, Tensor dsinks = {});
 
-// The model's attention hook (core/attention_runner.h) for micro-batches cut by the zigzag split
+// The model's attention hook (ops/attention_runner.h) for micro-batches cut by the zigzag split
 // over cp: ring_attention_forward/backward over the group, which must outlive the runner.
 AttentionRunner ring_attention_runner(const Comm& cp);
 

@@ -1,7 +1,8 @@
 """GPT-OSS through the command line on the CPU: configs/tiny-gpt-oss.json trains on the demo corpus,
 resumes bit for bit, imports the Hub's MXFP4 expert weights exactly as transformers dequantizes them,
-trains with two data-parallel processes, with DualPipeV over two pipeline ranks and with expert parallelism
-(EP = 2, DP = 2 x EP = 2) as with one process, resumes one layout's checkpoint on the other, and exports
+trains with two data-parallel processes, with DualPipeV over two pipeline ranks, with context parallelism
+(CP = 2 and 4: ring attention with the sinks and sliding windows) and with expert parallelism (EP = 2,
+DP = 2 x EP = 2, CP = 2 x EP = 2) as with one process, resumes one layout's checkpoint on the other, and exports
 directories that transformers' GptOssForCausalLM loads with every tensor and no other.
 """
 import argparse
@@ -175,13 +176,19 @@ def main():
         four = os.path.join(work, "four-layers.json")
         config = json.load(open("configs/tiny-gpt-oss.json"))
         json.dump(dict(config, num_hidden_layers=4, layer_types=config["layer_types"] * 2), open(four, "w"))
-        layouts = [("DP = 2", "configs/tiny-gpt-oss.json", "--train.micro_batch=16", ["--train.micro_batch=8"]),
-                   ("PP = 2 (DualPipeV)", four, "--train.micro_batch=4", ["--train.micro_batch=4", "--parallel.pp=2"])]
-        for i, (name, model, one_micro_batch, layout) in enumerate(layouts):
+        # Context parallelism cuts each 64-token sequence into 2 x CP chunks of 16 (CP = 2) or 8 (CP = 4), so the
+        # sliding layer's window of 16 spans chunks that lie on other ranks, and with CP = 4 skips whole chunks.
+        tiny = "configs/tiny-gpt-oss.json"
+        layouts = [("DP = 2", tiny, "--train.micro_batch=16", 2, ["--train.micro_batch=8"]),
+                   ("PP = 2 (DualPipeV)", four, "--train.micro_batch=4", 2, ["--train.micro_batch=4", "--parallel.pp=2"]),
+                   ("CP = 2", tiny, "--train.micro_batch=16", 2, ["--train.micro_batch=16", "--parallel.cp=2"]),
+                   ("CP = 4", tiny, "--train.micro_batch=16", 4, ["--train.micro_batch=16", "--parallel.cp=4"]),
+                   ("CP = 2 x EP = 2", tiny, "--train.micro_batch=16", 4, ["--train.micro_batch=8", "--parallel.cp=2", "--parallel.ep=2"])]
+        for i, (name, model, one_micro_batch, np, layout) in enumerate(layouts):
             one, many = os.path.join(work, f"one-{i}"), os.path.join(work, f"many-{i}")
             r = train(args.marrow, corpus, one, 4, ["--checkpoint.every=0", one_micro_batch], model)
             assert r.returncode == 0, r.stderr
-            r = mpi_train(args, corpus, many, 4, ["--checkpoint.every=0", *layout], 2, model)
+            r = mpi_train(args, corpus, many, 4, ["--checkpoint.every=0", *layout], np, model)
             assert r.returncode == 0, r.stderr
             worst = worst_metric_error(one, many, [1, 2, 3, 4])
             print(f"{name} against one process: losses, gradient norms and load balance within 1e-6: worst {worst:.1e}")

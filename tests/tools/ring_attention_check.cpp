@@ -5,7 +5,9 @@
 // are exact f64 arithmetic in a different order (blocks merged one by one, gradients summed block
 // by block), so they agree to ~1e-15 relative; 1e-12 leaves room for that and none for a wrong
 // mask, block or hop (O(1) errors). Both orders of a block's backward run (halves, and fused as
-// on the GPU's wgmma kernels). Run as `mpirun -np P ring_attention_check`; prints PASS or FAIL.
+// on the GPU's wgmma kernels). GPT-OSS's variant too: sinks (their gradient summed over the members)
+// and sliding windows shorter than a chunk, across chunks and longer than the sequence.
+// Run as `mpirun -np P ring_attention_check`; prints PASS or FAIL.
 #include <cmath>
 #include <cstdio>
 #include <random>
@@ -48,15 +50,19 @@ void expect_close(const char* what, const Tensor& got, const Tensor& want, int r
   }
 }
 
-void run_case(const Comm& cp, const Shape& n) {
+// window: the variant's sliding window (0: none); sinks: whether it has sinks.
+void run_case(const Comm& cp, const Shape& n, int64_t window = 0, bool sinks = false) {
   std::mt19937_64 rng(77);  // the same sequence on every rank
   Buffer q = random_f64(rng, {n.b, n.s, n.hq, n.d}), k = random_f64(rng, {n.b, n.s, n.hkv, n.d}),
          v = random_f64(rng, {n.b, n.s, n.hkv, n.d}), dout = random_f64(rng, {n.b, n.s, n.hq, n.d});
+  Buffer sink_logits = random_f64(rng, {n.hq});
+  const AttentionVariant variant{sinks ? sink_logits.view() : Tensor{}, window};
   Buffer out(DType::f64, Device::cpu, {n.b, n.s, n.hq, n.d}), lse(DType::f64, Device::cpu, {n.b, n.hq, n.s});
   Buffer dq(DType::f64, Device::cpu, {n.b, n.s, n.hq, n.d}), dk(DType::f64, Device::cpu, {n.b, n.s, n.hkv, n.d}),
       dv(DType::f64, Device::cpu, {n.b, n.s, n.hkv, n.d});
-  attention_forward(out, lse, q, k, v);
-  attention_backward(dq, dk, dv, dout, q, k, v, out, lse);
+  Buffer dsinks = Buffer::zeros(DType::f64, Device::cpu, {n.hq}), ldsinks = Buffer::zeros(DType::f64, Device::cpu, {n.hq});
+  attention_forward(out, lse, q, k, v, variant);
+  attention_backward(dq, dk, dv, sinks ? dsinks.view() : Tensor{}, dout, q, k, v, out, lse, variant);
 
   const ZigzagSplit z = zigzag_split(n.s, cp.rank(), cp.size());
   const int64_t sl = 2 * z.chunk;
@@ -65,8 +71,8 @@ void run_case(const Comm& cp, const Shape& n) {
   Buffer lout(DType::f64, Device::cpu, {n.b, sl, n.hq, n.d}), llse(DType::f64, Device::cpu, {n.b, n.hq, sl});
   Buffer ldq(DType::f64, Device::cpu, {n.b, sl, n.hq, n.d}), ldk(DType::f64, Device::cpu, {n.b, sl, n.hkv, n.d}),
       ldv(DType::f64, Device::cpu, {n.b, sl, n.hkv, n.d});
-  ring_attention_forward(lout, llse, lq, lk, lv, cp);
-  ring_attention_backward(ldq, ldk, ldv, ldout, lq, lk, lv, lout, llse, cp);
+  ring_attention_forward(lout, llse, lq, lk, lv, cp, variant);
+  ring_attention_backward(ldq, ldk, ldv, ldout, lq, lk, lv, lout, llse, cp, variant, sinks ? ldsinks.view() : Tensor{});
 
   expect_close("out", lout, slice(out, {n.b, sl, n.hq, n.d}, z), cp.rank());
   expect_close("lse", llse.view().reshape({n.b * n.hq, sl}),
@@ -74,6 +80,8 @@ void run_case(const Comm& cp, const Shape& n) {
   expect_close("dq", ldq, slice(dq, {n.b, sl, n.hq, n.d}, z), cp.rank());
   expect_close("dk", ldk, slice(dk, {n.b, sl, n.hkv, n.d}, z), cp.rank());
   expect_close("dv", ldv, slice(dv, {n.b, sl, n.hkv, n.d}, z), cp.rank());
+  for (int64_t h = 0; h < n.hq; ++h) ldsinks.ptr<double>()[h] = cp.sum(ldsinks.ptr<double>()[h], "dsinks (sum)");
+  expect_close("dsinks", ldsinks, dsinks, cp.rank());
 }
 
 }  // namespace
@@ -87,6 +95,15 @@ int main(int argc, char** argv) {
       marrow::set_cpu_blocks_fused(fused);
       run_case(cp, {2, chunks * 7, 4, 2, 8});
       run_case(cp, {1, chunks * 5, 4, 1, 64});
+    }
+    marrow::set_cpu_blocks_fused(false);
+    // GPT-OSS's variant on chunks of 7: windows of 1, 3 (inside a chunk), 9 and 2 chunks + 1 (across
+    // chunks), the whole sequence; with and without sinks; the blocks' backward in both orders.
+    for (const bool fused : {false, true}) {
+      marrow::set_cpu_blocks_fused(fused);
+      for (const int64_t window : {int64_t(1), int64_t(3), int64_t(9), int64_t(15), chunks * 7})
+        for (const bool sinks : {false, true}) run_case(cp, {2, chunks * 7, 4, 2, 8}, window, sinks);
+      run_case(cp, {1, chunks * 5, 4, 1, 16}, 0, true);
     }
     marrow::set_cpu_blocks_fused(false);
     const double all_worst = cp.sum(worst, "worst error (sum)");

@@ -5,18 +5,22 @@
 //   parallelism), and the runner computes their attention with the others' keys and values
 //   (parallel/ring_attention.h's ring_attention_runner).
 // Both take and give the shapes and dtypes of ops/attention.h's attention_forward/backward over the
-// local tokens: q, out, dq, dout [B, S_local, Hq, D], k, v, dk, dv [B, S_local, Hkv, D], lse
-// [B, Hq, S_local]; the gradients are overwritten.
+// local tokens, with a variant (sinks, sliding window): q, out, dq, dout [B, S_local, Hq, D], k, v,
+// dk, dv [B, S_local, Hkv, D], lse [B, Hq, S_local]; dq, dk, dv are overwritten, dsinks [Hq] (given
+// exactly when the variant has sinks) is added to with this process's share.
 #pragma once
 #include <functional>
 
 #include "core/tensor.h"
+#include "ops/attention.h"
 
 namespace marrow {
 
 struct AttentionRunner {
-  std::function<void(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v)> forward;
-  std::function<void(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse)> backward;
+  std::function<void(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v, const AttentionVariant& variant)> forward;
+  std::function<void(Tensor dq, Tensor dk, Tensor dv, Tensor dsinks, Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse,
+                     const AttentionVariant& variant)>
+      backward;
 };
 
 }  // namespace marrow
