@@ -162,11 +162,15 @@ TEST(Bias, RejectsWrongShapesNamingTheTensor) {
             "grouped_bias_forward: expert_offsets must run from 0 to the 4 rows, got 0 to 3");
   EXPECT_EQ(error_of([&] { grouped_bias_forward(y, Buffer(DType::f64, Device::cpu, {2, 3}), offsets); }),
             "grouped_bias_forward: bias has dtype f64 but y has f32");
-  // The check comes before anything reads the data, so host memory stands in for the GPU's.
+  // The GPU's dtypes are checked before anything reads the data, so host memory stands in for the GPU's.
   EXPECT_EQ(error_of([&] {
-              bias_forward(Tensor(y.ptr<float>(), DType::bf16, Device::cuda, {4, 3}), Tensor(bias.ptr<float>(), DType::bf16, Device::cuda, {3}));
+              bias_forward(Tensor(y.ptr<float>(), DType::f32, Device::cuda, {4, 3}), Tensor(bias.ptr<float>(), DType::f32, Device::cuda, {3}));
             }),
-            "bias_forward: biases run on the CPU only so far, but y is on the GPU");
+            "bias_forward: bias has dtype f32 but expected bf16");
+  EXPECT_EQ(error_of([&] {
+              bias_backward(Tensor(bias.ptr<float>(), DType::bf16, Device::cuda, {3}), Tensor(y.ptr<float>(), DType::bf16, Device::cuda, {4, 3}));
+            }),
+            "bias_backward: dbias has dtype bf16 but expected f32");
 }
 
 }  // namespace

@@ -137,8 +137,8 @@ TEST(GptOss, RefusesWhatIsNotBuiltYetInOneSentence) {
     GptOss m(GptOssConfig::from_json(tiny_config_json(), "config.json"), DType::bf16, Device::cuda);
     FAIL();
   } catch (const Error& e) {
-    EXPECT_STREQ(e.what(), "gpt_oss runs on the CPU only so far: its GPU kernels (attention sinks and windows, biases, the clamped "
-                           "SwiGLU) are not built yet");
+    EXPECT_STREQ(e.what(), "gpt_oss's GPU path is built but has not been checked on a GPU yet (marrow check --only model); train it on "
+                           "the CPU for now");
   }
 }
 

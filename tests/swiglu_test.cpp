@@ -244,7 +244,7 @@ TEST(ClampedSwiglu, WeightedBackwardIsTheThreeStepsInOne) {
   }
 }
 
-TEST(ClampedSwiglu, RejectsABadLimitAndTheGpu) {
+TEST(ClampedSwiglu, RejectsABadLimitAndGpuDtypes) {
   Buffer gate_up(DType::f32, Device::cpu, {2, 4}), out(DType::f32, Device::cpu, {2, 2});
   try {
     clamped_swiglu_forward(out, gate_up, kAlpha, 0);
@@ -258,13 +258,26 @@ TEST(ClampedSwiglu, RejectsABadLimitAndTheGpu) {
   } catch (const Error& e) {
     EXPECT_STREQ(e.what(), "clamped_swiglu_forward: out has shape [2, 3] but expected [2, 2]");
   }
-  // The check comes before anything reads the data, so host memory stands in for the GPU's.
-  Tensor gpu_gate_up(gate_up.ptr<float>(), DType::bf16, Device::cuda, {2, 4}), gpu_out(out.ptr<float>(), DType::bf16, Device::cuda, {2, 2});
+  // The GPU's dtypes are checked before anything reads the data, so host memory stands in for the GPU's.
+  Tensor gpu_gate_up(gate_up.ptr<float>(), DType::f32, Device::cuda, {2, 4}), gpu_out(out.ptr<float>(), DType::f32, Device::cuda, {2, 2});
   try {
-    clamped_swiglu_backward(Tensor(gate_up.ptr<float>(), DType::bf16, Device::cuda, {2, 4}), gpu_out, gpu_gate_up, kAlpha, kLimit);
+    clamped_swiglu_backward(Tensor(gate_up.ptr<float>(), DType::f32, Device::cuda, {2, 4}), gpu_out, gpu_gate_up, kAlpha, kLimit);
     FAIL() << "expected an error";
   } catch (const Error& e) {
-    EXPECT_STREQ(e.what(), "clamped_swiglu_backward: the clamped SwiGLU runs on the CPU only so far, but gate_up is on the GPU");
+    EXPECT_STREQ(e.what(), "clamped_swiglu_backward: gate_up has dtype f32 but expected bf16");
+  }
+  // row_weight is f32 on the GPU, as the routing weights.
+  int32_t rows[2] = {0, 1};
+  float weights[2] = {1, 1}, dweights[2];
+  auto gpu = [](void* p, DType dtype, std::initializer_list<int64_t> dims) { return Tensor(p, dtype, Device::cuda, dims); };
+  try {
+    clamped_swiglu_weighted_backward(gpu(gate_up.ptr<float>(), DType::bf16, {2, 4}), gpu(out.ptr<float>(), DType::bf16, {2, 2}),
+                                     gpu(out.ptr<float>(), DType::bf16, {2}), gpu(dweights, DType::f32, {1, 2}),
+                                     gpu(out.ptr<float>(), DType::bf16, {2, 2}), gpu(gate_up.ptr<float>(), DType::bf16, {2, 4}),
+                                     gpu(weights, DType::f32, {1, 2}), gpu(rows, DType::i32, {1, 2}), kAlpha, kLimit);
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(), "clamped_swiglu_weighted_backward: row_weight has dtype bf16 but expected f32");
   }
 }
 

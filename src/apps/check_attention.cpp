@@ -4,7 +4,8 @@
 // (full and causal on sub-ranges, the zigzag split's cases, the backward adding into f32) and the
 // log-sum-exp merge, with the same bounds. The causal op's rows run three times: on the own kernels,
 // on cuDNN's (ops/attention_cudnn.h; rows named "attention cudnn ...") and on cuDNN's with its
-// non-deterministic backward (no "same bits" rows there). Then cuDNN's deterministic backward in
+// non-deterministic backward (no "same bits" rows there). Then GPT-OSS's variant (sliding windows,
+// sinks) on the own kernels. Then cuDNN's deterministic backward in
 // forced query chunks (rows "attention cudnn chunk N ..."; set_cudnn_backward_chunk) at odd lengths,
 // within head groups, and at the bench shape, same bounds and the same bits twice.
 //
@@ -394,6 +395,61 @@ void check_blocks(CheckReport& report, uint64_t seed) {
   for (const BlockCase& c : wgmma_blocks) check_block(report, c, seed += 8);
 }
 
+// GPT-OSS's variant (ops/attention.h's AttentionVariant) on the own kernels' V instantiations, which
+// run it whatever train.attention_kernels says: the causal op with a sliding window (shorter than a
+// tile, across tiles, longer than the sequence) and sinks, against the CPU's variant op; the sinks'
+// gradient from attention_sinks_backward's kernel. The sinks are bf16 like the working weights.
+void check_variant(CheckReport& report, const Shape& n, int64_t window, bool with_sinks, uint64_t seed) {
+  Problem p = make_inputs(n, seed);
+  Buffer sinks = random_host({n.hq}, seed + 4);
+  round_to_bf16(sinks);
+  const AttentionVariant cpu{with_sinks ? sinks.view() : Tensor{}, window};
+  p.out = Buffer(DType::f32, Device::cpu, {n.b, n.s, n.hq, n.d});
+  p.lse = Buffer(DType::f32, Device::cpu, {n.b, n.hq, n.s});
+  attention_forward(p.out, p.lse, p.q, p.k, p.v, cpu);
+  p.out_bf16 = Buffer(DType::f32, Device::cpu, {n.b, n.s, n.hq, n.d});
+  copy(p.out_bf16, p.out);
+  round_to_bf16(p.out_bf16);
+  p.dq = Buffer(DType::f32, Device::cpu, {n.b, n.s, n.hq, n.d});
+  p.dk = Buffer(DType::f32, Device::cpu, {n.b, n.s, n.hkv, n.d});
+  p.dv = Buffer(DType::f32, Device::cpu, {n.b, n.s, n.hkv, n.d});
+  Buffer dsinks = Buffer::zeros(DType::f32, Device::cpu, {n.hq});
+  attention_backward(p.dq, p.dk, p.dv, with_sinks ? dsinks.view() : Tensor{}, p.dout, p.q, p.k, p.v, p.out_bf16, p.lse, cpu);
+
+  Gpu g(p);
+  Buffer gpu_sinks = to_device(sinks, DType::bf16), gpu_dsinks = Buffer::zeros(DType::f32, Device::cuda, {n.hq});
+  const AttentionVariant gpu{with_sinks ? gpu_sinks.view() : Tensor{}, window};
+  g.out = poisoned(DType::bf16, {n.b, n.s, n.hq, n.d});
+  g.lse = poisoned(DType::f32, {n.b, n.hq, n.s});
+  attention_forward(g.out, g.lse, g.rows4(g.q, n.hq), g.rows4(g.k, n.hkv), g.rows4(g.v, n.hkv), gpu);
+  const std::string what = fmt::format("variant window {}{}", window, with_sinks ? " sinks" : "");
+  auto name = [&](const char* tensor) { return fmt::format("attention {} {} B{} S{} H{}/{} D{}", what, tensor, n.b, n.s, n.hq, n.hkv, n.d); };
+  report.compare(name("out"), g.out, p.out, kOutBound);
+  report.compare(name("lse"), g.lse, p.lse, kLseBound);
+  // The backward reads the reference's out and lse, so its rows measure the backward alone.
+  Buffer out_in = to_device(p.out_bf16, DType::bf16), lse_in = to_device(p.lse, DType::f32);
+  g.dq = poisoned(DType::bf16, {n.b, n.s, n.hq, n.d});
+  g.dk = poisoned(DType::bf16, {n.b, n.s, n.hkv, n.d});
+  g.dv = poisoned(DType::bf16, {n.b, n.s, n.hkv, n.d});
+  attention_backward(g.dq, g.dk, g.dv, with_sinks ? gpu_dsinks.view() : Tensor{}, g.rows4(g.dout, n.hq), g.rows4(g.q, n.hq),
+                     g.rows4(g.k, n.hkv), g.rows4(g.v, n.hkv), out_in.view().reshape({n.b, n.s, n.hq, n.d}),
+                     lse_in.view().reshape({n.b, n.hq, n.s}), gpu);
+  report.compare(name("dq"), g.dq, p.dq, kGradBound);
+  report.compare(name("dk"), g.dk, p.dk, kGradBound);
+  report.compare(name("dv"), g.dv, p.dv, kGradBound);
+  if (with_sinks) report.compare(name("dsinks"), gpu_dsinks, dsinks, kGradBound);
+}
+
+void check_variants(CheckReport& report, uint64_t seed) {
+  // GPT-OSS's shapes: head_dim 64, groups of 8, window 128 (across tiles of 64); windows of 1 and 37
+  // (inside a tile), one longer than the sequence; odd lengths; D 128 too.
+  const std::pair<Shape, int64_t> cases[] = {{{2, 300, 16, 2, 64}, 128}, {{1, 257, 4, 4, 128}, 37}, {{1, 129, 8, 1, 64}, 1},
+                                             {{1, 37, 8, 2, 64}, 100}, {{1, 200, 8, 1, 64}, 0}};
+  for (const auto& [n, window] : cases)
+    for (const bool with_sinks : {false, true})
+      if (window > 0 || with_sinks) check_variant(report, n, window, with_sinks, seed += 8);
+}
+
 }  // namespace
 
 void check_attention_op(CheckReport& report) {
@@ -417,6 +473,7 @@ void check_attention_op(CheckReport& report) {
   check_blocks(report, seed + 4 * std::size(shapes));
   set_attention_kernels(before);
   check_merge(report);
+  check_variants(report, seed + 1000);
   check_rejects_head_dim(report);
 }
 

@@ -1,5 +1,5 @@
 // marrow check, elementwise group: the memory-bound ops (embedding, rmsnorm and its fusions with add
-// and rope, rope, add, router, dispatch, combine, swiglu, cross-entropy, AdamW, gradient norm), forward and backward, each
+// and rope, rope (YaRN too), biases, add, router, dispatch, combine, swiglu, cross-entropy, AdamW, gradient norm), forward and backward, each
 // against its f32 CPU reference on random inputs rounded to the GPU's dtypes (docs/gpu-path.md),
 // at odd sizes and at the bench sizes where the CPU reference is cheap. GPU outputs start
 // poisoned; accumulated outputs start from the same random values on both sides.
@@ -15,6 +15,7 @@
 #include "core/split_f32.h"
 #include "ops/adamw.h"
 #include "ops/add.h"
+#include "ops/bias.h"
 #include "ops/cast.h"
 #include "ops/combine.h"
 #include "ops/cross_entropy.h"
@@ -253,6 +254,118 @@ void check_rope(CheckReport& report, int64_t n, int64_t heads, int64_t d, bool s
   }
 }
 
+// YaRN RoPE with GPT-OSS's rope_parameters (attention_factor 0: Hugging Face's default, 1.35 for
+// factor 32; 1: the unscaled kernel with YaRN's frequencies) at random positions in [0, 131072)
+// with 0, the original context's edge (4095, 4096) and the longest (131071) among them.
+void check_rope_yarn(CheckReport& report, int64_t n, int64_t heads, int64_t d, bool in_place, double attention_factor) {
+  const std::string size =
+      fmt::format("yarn attention_factor {} T={} H={} D={}{}", attention_factor, n, heads, d, in_place ? " in place" : "");
+  RopeParameters rope;
+  rope.theta = 150000.0;
+  rope.yarn = true;
+  rope.factor = 32.0;
+  rope.beta_fast = 32.0;
+  rope.beta_slow = 1.0;
+  rope.original_max_positions = 4096;
+  rope.truncate = false;
+  rope.attention_factor = attention_factor;
+  Buffer positions = random_ids({n}, 131072, 28);
+  const int32_t planted[] = {0, 4095, 4096, 131071};
+  std::copy(std::begin(planted), std::end(planted), positions.ptr<int32_t>());
+  OnDevice positions_d(positions, DType::i32);
+  for (int backward = 0; backward < 2; ++backward) {
+    Buffer x = random_bf16({n, heads, d}, 23 + backward), y = host_f32({n, heads, d});
+    OnDevice x_d(x, DType::bf16);
+    Buffer y_d = poisoned(DType::bf16, {n, heads, d});
+    Tensor out_d = in_place ? x_d.tensor : y_d.view();
+    if (backward) {
+      rope_backward(y, x, positions, rope);
+      rope_backward(out_d, x_d, positions_d, rope);
+    } else {
+      rope_forward(y, x, positions, rope);
+      rope_forward(out_d, x_d, positions_d, rope);
+    }
+    report.compare((backward ? "rope_backward " : "rope_forward ") + size, out_d, y, kBf16);
+  }
+}
+
+// bias_forward in place, then bias_backward accumulating into random values and overwriting poison,
+// each twice from the same start (the same bits: the GPU's column sums run in a fixed order, not
+// the CPU's: kF32).
+void check_bias(CheckReport& report, int64_t n, int64_t o) {
+  const std::string size = fmt::format("N={} O={}", n, o);
+  Buffer y = random_bf16({n, o}, 100), bias = random_bf16({o}, 101);
+  OnDevice y_d(y, DType::bf16), bias_d(bias, DType::bf16);
+  bias_forward(y, bias);
+  bias_forward(y_d, bias_d);
+  report.compare("bias_forward in place " + size, y_d, y, kBf16);
+  // f32 rows (the router's logits) with a bf16 bias.
+  Buffer logits = random_host({n, o}, 104);
+  OnDevice logits_d(logits, DType::f32);
+  bias_forward(logits, bias);
+  bias_forward(logits_d, bias_d);
+  report.compare("bias_forward f32 rows in place " + size, logits_d, logits, kF32);
+
+  Buffer dy = random_bf16({n, o}, 102);
+  OnDevice dy_d(dy, DType::bf16);
+  for (bool overwrite : {false, true}) {
+    const std::string what = overwrite ? "bias_backward overwrite " : "bias_backward accumulate ";
+    Buffer dbias = random_host({o}, 103);
+    Buffer dbias_d = overwrite ? poisoned(DType::f32, {o}) : to_device(dbias, DType::f32);
+    Buffer again_d = overwrite ? poisoned(DType::f32, {o}) : to_device(dbias, DType::f32);
+    bias_backward(dbias, dy, overwrite);
+    bias_backward(dbias_d, dy_d, overwrite);
+    bias_backward(again_d, dy_d, overwrite);
+    report.compare(what + size, dbias_d, dbias, kF32);
+    report.expect_equal(what + "two runs " + size, again_d, to_host(dbias_d));
+  }
+}
+
+// The grouped biases on the rows of experts with `counts` rows each (empty ones and one of a single
+// row among them), expert_offsets on the GPU (one process) or on the host (expert parallelism).
+// The backward with and without row_scale, accumulating into random values (experts without rows
+// keep them) and overwriting poison (they get zeros), each twice: the same bits. dot_add on copies
+// that read row 7i mod (R + 3), -1 past R, into random values (the -1 entries keep them).
+void check_grouped_bias(CheckReport& report, const std::vector<int32_t>& counts, int64_t o, bool offsets_on_gpu) {
+  const Buffer offsets = offsets_host(counts), offsets_gpu = to_device(offsets, DType::i32);
+  const Tensor offsets_d = offsets_on_gpu ? offsets_gpu.view() : offsets.view();
+  const int64_t e = int64_t(counts.size()), rows = offsets.ptr<int32_t>()[e];
+  const std::string size = fmt::format("E={} R={} O={} offsets on the {}", e, rows, o, offsets_on_gpu ? "GPU" : "host");
+  Buffer y = random_bf16({rows, o}, 110), bias = random_bf16({e, o}, 111);
+  OnDevice y_d(y, DType::bf16), bias_d(bias, DType::bf16);
+  grouped_bias_forward(y, bias, offsets);
+  grouped_bias_forward(y_d, bias_d, offsets_d);
+  report.compare("grouped_bias_forward in place " + size, y_d, y, kBf16);
+
+  Buffer dy = random_bf16({rows, o}, 112), scale = random_host({rows}, 113);
+  OnDevice dy_d(dy, DType::bf16), scale_d(scale, DType::f32);
+  for (bool scaled : {false, true})
+    for (bool overwrite : {false, true}) {
+      const std::string what =
+          fmt::format("grouped_bias_backward{} {} ", scaled ? " row_scale" : "", overwrite ? "overwrite" : "accumulate");
+      const Tensor row_scale = scaled ? scale.view() : Tensor{}, row_scale_d = scaled ? scale_d.tensor : Tensor{};
+      Buffer dbias = random_host({e, o}, 114);
+      Buffer dbias_d = overwrite ? poisoned(DType::f32, {e, o}) : to_device(dbias, DType::f32);
+      Buffer again_d = overwrite ? poisoned(DType::f32, {e, o}) : to_device(dbias, DType::f32);
+      grouped_bias_backward(dbias, dy, offsets, overwrite, row_scale);
+      grouped_bias_backward(dbias_d.view().reshape({e, o}), dy_d, offsets_d, overwrite, row_scale_d);  // to_device's copies are flat
+      grouped_bias_backward(again_d.view().reshape({e, o}), dy_d, offsets_d, overwrite, row_scale_d);
+      report.compare(what + size, dbias_d, dbias, kF32);
+      report.expect_equal(what + "two runs " + size, again_d, to_host(dbias_d));
+    }
+
+  const int64_t k = 2, tokens = (rows + 3 + k - 1) / k;
+  Buffer copy_row(DType::i32, Device::cpu, {tokens, k}), dtopk_weight = random_host({tokens, k}, 115);
+  for (int64_t i = 0; i < tokens * k; ++i) {
+    const int64_t r = i * 7 % (rows + 3);
+    copy_row.ptr<int32_t>()[i] = r < rows ? int32_t(r) : -1;
+  }
+  OnDevice copy_row_d(copy_row, DType::i32), dtopk_weight_d(dtopk_weight, DType::f32);
+  grouped_bias_dot_add(dtopk_weight, dy, bias, offsets, copy_row);
+  grouped_bias_dot_add(dtopk_weight_d, dy_d, bias_d, offsets_d, copy_row_d);
+  report.compare("grouped_bias_dot_add " + size, dtopk_weight_d, dtopk_weight, kF32);
+}
+
 void check_add(CheckReport& report, int64_t rows, int64_t cols, DType dtype) {
   const std::string size = fmt::format("{} [{}, {}] in place", dtype_name(dtype), rows, cols);
   Buffer a = random_bf16({rows, cols}, 30), b = random_bf16({rows, cols}, 31), out = host_f32({rows, cols});
@@ -287,6 +400,41 @@ void check_swiglu(CheckReport& report, int64_t rows, int64_t inter) {
   swiglu_backward(dgate_up, dout, gate_up);
   swiglu_backward(dgate_up_d, dout_d, gate_up_d);
   report.compare("swiglu_backward " + size, dgate_up_d, dgate_up, kBf16);
+}
+
+// GPT-OSS's alpha; its limit is 7, and a limit of 1.5 makes the clamps bite on many more values.
+constexpr double kClampedAlpha = 1.702;
+
+// Row 0's first four interleaved (gate, up) pairs at and past the clamps' bounds: gate and up at the
+// limit (both pass the gradient), gate past it (none) with up at -limit (passes), gate past -limit
+// (gate has no lower clamp) with up past the limit, and up past -limit. bf16 holds them for the
+// limits checked here (7, 7.25, 1.5, 1.75); I >= 4.
+void plant_clamp_bounds(Tensor gate_up, double limit) {
+  const float at = float(limit), past = float(limit + 0.25);
+  const float pairs[8] = {at, at, past, -at, -past, past, 0.5f, -past};
+  std::copy(std::begin(pairs), std::end(pairs), gate_up.ptr<float>());
+  round_to_bf16(gate_up);
+}
+
+// gate_up drawn at the limit's scale: about a sixth of the gates and a third of the ups lie past a bound.
+void check_clamped_swiglu(CheckReport& report, int64_t rows, int64_t inter) {
+  for (double limit : {7.0, 1.5}) {
+    const std::string size = fmt::format("R={} I={} limit {}", rows, inter, limit);
+    Buffer gate_up = random_bf16({rows, 2 * inter}, 130, limit), out = host_f32({rows, inter});
+    plant_clamp_bounds(gate_up, limit);
+    OnDevice gate_up_d(gate_up, DType::bf16);
+    Buffer out_d = poisoned(DType::bf16, {rows, inter});
+    clamped_swiglu_forward(out, gate_up, kClampedAlpha, limit);
+    clamped_swiglu_forward(out_d, gate_up_d, kClampedAlpha, limit);
+    report.compare("clamped_swiglu_forward " + size, out_d, out, kBf16);
+
+    Buffer dout = random_bf16({rows, inter}, 131), dgate_up = host_f32({rows, 2 * inter});
+    OnDevice dout_d(dout, DType::bf16);
+    Buffer dgate_up_d = poisoned(DType::bf16, {rows, 2 * inter});
+    clamped_swiglu_backward(dgate_up, dout, gate_up, kClampedAlpha, limit);
+    clamped_swiglu_backward(dgate_up_d, dout_d, gate_up_d, kClampedAlpha, limit);
+    report.compare("clamped_swiglu_backward " + size, dgate_up_d, dgate_up, kBf16);
+  }
 }
 
 // The CPU's routing of T tokens over E experts, top-K, which the ops after the router take.
@@ -561,6 +709,33 @@ void check_swiglu_weighted_rank(CheckReport& report, int64_t n, int64_t e, int64
   report.compare("swiglu_weighted_backward dgate_up " + size, dgate_up_d, dgate_up, kBf16);
 }
 
+// The clamped SwiGLU's experts' backward with the routing weights, as check_swiglu_weighted_rank,
+// plus each row's routing weight (a copy: exact; every row of a rank's plan is named once).
+void check_clamped_swiglu_weighted_rank(CheckReport& report, int64_t n, int64_t e, int64_t k, int64_t inter, int64_t ranks,
+                                        int64_t rank) {
+  const RankPlan plan = rank_plan(n, e, k, ranks, rank);
+  OnDevice rows_d(plan.copy_row, DType::i32);
+  for (double limit : {7.0, 1.5}) {
+    const std::string size =
+        fmt::format("T={} E={} K={} I={} limit {} rank {} of {} (R={})", n, e, k, inter, limit, rank, ranks, plan.rows);
+    Buffer gate_up = random_bf16({plan.rows, 2 * inter}, 132, limit), dact = random_bf16({plan.rows, inter}, 133);
+    plant_clamp_bounds(gate_up, limit);
+    Buffer topk_weight = random_host({n, k}, 134);
+    Buffer dgate_up = host_f32({plan.rows, 2 * inter}), act = host_f32({plan.rows, inter}), row_weight = host_f32({plan.rows}),
+           dweight = host_f32({n, k});
+    OnDevice gate_up_d(gate_up, DType::bf16), dact_d(dact, DType::bf16), weight_d(topk_weight, DType::f32);
+    Buffer dgate_up_d = poisoned(DType::bf16, {plan.rows, 2 * inter}), act_d = poisoned(DType::bf16, {plan.rows, inter});
+    Buffer row_weight_d = poisoned(DType::f32, {plan.rows}), dweight_d = poisoned(DType::f32, {n, k});
+    clamped_swiglu_weighted_backward(dgate_up, act, row_weight, dweight, dact, gate_up, topk_weight, plan.copy_row, kClampedAlpha, limit);
+    clamped_swiglu_weighted_backward(dgate_up_d, act_d, row_weight_d, dweight_d, dact_d, gate_up_d, weight_d, rows_d, kClampedAlpha, limit);
+    // The GPU's dot reads act rounded to bf16, as the separate ops did: a bf16 bound.
+    report.compare("clamped_swiglu_weighted_backward dtopk_weight " + size, dweight_d, dweight, kBf16);
+    report.compare("clamped_swiglu_weighted_backward act " + size, act_d, act, kBf16);
+    report.compare("clamped_swiglu_weighted_backward dgate_up " + size, dgate_up_d, dgate_up, kBf16);
+    report.compare("clamped_swiglu_weighted_backward row_weight " + size, row_weight_d, row_weight, kExact);
+  }
+}
+
 // Every 7th target is the ignore index; the backward writes dlogits over the logits, as the model does.
 void check_cross_entropy(CheckReport& report, int64_t n, int64_t vocab) {
   const std::string size = fmt::format("T={} V={}", n, vocab);
@@ -796,12 +971,22 @@ void check_elementwise_ops(CheckReport& report) {
   check_rmsnorm_rope(report, 37, 3, 18);  // one element at a time throughout
   check_rope(report, 37, 3, 72, false, false);
   check_rope(report, 37, 3, 16, false, true);
+  check_rope_yarn(report, 37, 3, 64, false, 0);  // packs of 8, cos and sin scaled
+  check_rope_yarn(report, 37, 3, 18, true, 0);   // one pair at a time
+  check_rope_yarn(report, 37, 3, 64, false, 1);  // YaRN's frequencies, unscaled
+  check_bias(report, 37, 72);  // packs of 8
+  check_bias(report, 37, 75);
+  // Empty experts first, in the middle and last; one of a single row.
+  for (int64_t o : {72, 75}) check_grouped_bias(report, {0, 5, 1, 0, 13, 18, 0}, o, false);
+  check_grouped_bias(report, {0, 5, 1, 0, 13, 18, 0}, 75, true);
   check_add(report, 37, 75, DType::bf16);
   check_add(report, 37, 75, DType::f32);
   check_add_into(report, 37, 75, DType::bf16);
   check_add_into(report, 37, 75, DType::f32);
   check_swiglu(report, 37, 72);
   check_swiglu(report, 37, 75);
+  check_clamped_swiglu(report, 37, 72);
+  check_clamped_swiglu(report, 37, 75);
   check_moe(report, 37, 8, 2, 72, true, -1);
   check_moe(report, 37, 8, 2, 75, false, -1);
   check_moe(report, 37, 8, 8, 72, true, -1);  // K = E
@@ -823,6 +1008,10 @@ void check_elementwise_ops(CheckReport& report) {
   check_swiglu_weighted_rank(report, 37, 8, 2, 72, 4, 1);
   check_swiglu_weighted_rank(report, 37, 8, 2, 75, 4, 1);
   check_swiglu_weighted_rank(report, 4096, 128, 8, 768, 1, 0);
+  check_clamped_swiglu_weighted_rank(report, 37, 8, 2, 72, 4, 1);
+  check_clamped_swiglu_weighted_rank(report, 37, 8, 2, 75, 4, 1);
+  // GPT-OSS-20b's experts (32, top-4, I = 2880) on 1,024 tokens: drawing the inputs on the CPU takes ~1 s per limit.
+  check_clamped_swiglu_weighted_rank(report, 1024, 32, 4, 2880, 1, 0);
   check_cross_entropy(report, 37, 1001);
   check_cross_entropy(report, 300, 151936);  // Qwen3's vocabulary: packs of 8
   check_adamw(report, 37 * 75, 0);
@@ -855,9 +1044,14 @@ void check_elementwise_ops(CheckReport& report) {
   check_rmsnorm_rope(report, 4096, 32, 128);  // queries
   check_rmsnorm_rope(report, 4096, 4, 128);   // keys
   check_rope(report, 4096, 32, 128, true, true);
+  // GPT-OSS-20b: 64 query heads of 64, hidden 2880, 32 experts, top-4.
+  check_rope_yarn(report, 4096, 64, 64, true, 0);
+  check_bias(report, 4096, 64 * 64);
+  check_grouped_bias(report, skewed_counts(32, 4096 * 4), 2880, true);
   check_add(report, 4096, 2048, DType::bf16);
   check_add(report, 4096, 2048, DType::f32);
   check_swiglu(report, 4096 * 8, 768);
+  check_clamped_swiglu(report, 4096, 2880);  // GPT-OSS-20b's I
   check_moe(report, 4096, 128, 8, 2048, true, 5);
   check_dispatch_rank(report, 4096, 128, 8, 2048, 8, 3, DType::bf16);
   check_dispatch_rank(report, 4096, 128, 8, 8, 8, 3, DType::f32);

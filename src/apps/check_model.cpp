@@ -1,6 +1,6 @@
-// Whole-model GPU checks: the same Qwen3-MoE (same initial weights, rounded to bf16 so both sides
-// compute with identical numbers) runs one micro-batch forward and backward on the CPU in f32 and
-// on the GPU in bf16.
+// Whole-model GPU checks: the same model (Qwen3-MoE, and GPT-OSS, whose GPU path these rows are the
+// first to run; same initial weights, rounded to bf16 so both sides compute with identical numbers)
+// runs one micro-batch forward and backward on the CPU in f32 and on the GPU in bf16.
 //
 // Top-k routing is discontinuous: a token whose k-th and (k+1)-th experts are nearly tied can pick a
 // different expert in bf16 than in f32 (the check prints how many choices differ; measured: a few
@@ -14,25 +14,32 @@
 #include "apps/check.h"
 #include "core/rng.h"
 #include "engine/step.h"
+#include "models/gpt_oss.h"
 #include "models/qwen3_moe.h"
 #include "ops/cast.h"
+#include "ops/init.h"
 
 namespace marrow {
 
 namespace {
 
+template <class M>
 struct ModelSide {
-  Qwen3Moe model;
+  M model;
   Arena params, grads;
   std::optional<Arena> working;
   double loss = 0, aux = 0;
   std::vector<Buffer> routing;  // each layer's top-k expert choices, on the host
 
-  ModelSide(const Qwen3MoeConfig& config, Device device)
+  ModelSide(const typename M::Config& config, Device device)
       : model(config, device == Device::cuda ? DType::bf16 : DType::f32, device),
         params("parameters", DType::f32, device, model.num_parameters()),
         grads("gradients", DType::f32, device, model.num_parameters()) {
     model.initialize(params, 5);
+    // Biases drawn like the weights (the init's zeros would hide a bias that is never added): the same
+    // numbers on both sides, as every tensor's are.
+    for (const TensorSpec& s : model.specs())
+      if (s.name.ends_with("bias")) fill_normal(params.slice(s.offset, {s.numel}), 6, s.name, 0.2);
     if (device == Device::cuda) {
       working.emplace("bf16 weights", DType::bf16, device, model.num_parameters());
       cast(working->all(), params.all());
@@ -44,14 +51,14 @@ struct ModelSide {
   void run(const std::vector<int32_t>& ids, const std::vector<int32_t>& targets, int64_t B, int64_t S) {
     const Device device = model.device();
     const int64_t T = B * S;
-    Qwen3MoeBatch batch{B, S, Buffer(DType::i32, device, {T}), Buffer(DType::i32, device, {T}), Buffer(DType::i32, device, {T})};
+    typename M::Batch batch{B, S, Buffer(DType::i32, device, {T}), Buffer(DType::i32, device, {T}), Buffer(DType::i32, device, {T})};
     std::vector<int32_t> positions(static_cast<size_t>(T));
     for (int64_t i = 0; i < T; ++i) positions[size_t(i)] = int32_t(i % S);
     copy(batch.input_ids, Tensor(const_cast<int32_t*>(ids.data()), DType::i32, Device::cpu, {T}));
     copy(batch.targets, Tensor(const_cast<int32_t*>(targets.data()), DType::i32, Device::cpu, {T}));
     copy(batch.positions, Tensor(positions.data(), DType::i32, Device::cpu, {T}));
     const auto w = model.bind(working ? *working : params);
-    MicroBatch<Qwen3Moe> mb;
+    MicroBatch<M> mb;
     forward(mb, model, w, batch);
     const double loss_scale = 1.0 / double(T), aux_grad = 0.01;
     loss = mb.token_loss.value() * loss_scale;
@@ -62,9 +69,39 @@ struct ModelSide {
   }
 };
 
+// Each family's layer gradients, relative to each tensor's largest element.
+void compare_layer(CheckReport& report, const std::string& p, const Qwen3MoeLayerWeights& a, const Qwen3MoeLayerWeights& b, double bound) {
+  report.compare(p + "input_layernorm", a.input_norm, b.input_norm, bound);
+  report.compare(p + "q_proj", a.q_proj, b.q_proj, bound);
+  report.compare(p + "k_proj", a.k_proj, b.k_proj, bound);
+  report.compare(p + "v_proj", a.v_proj, b.v_proj, bound);
+  report.compare(p + "o_proj", a.o_proj, b.o_proj, bound);
+  report.compare(p + "q_norm", a.q_norm, b.q_norm, bound);
+  report.compare(p + "k_norm", a.k_norm, b.k_norm, bound);
+  report.compare(p + "post_attention_layernorm", a.post_norm, b.post_norm, bound);
+  report.compare(p + "router", a.router, b.router, bound);
+  report.compare(p + "experts gate/up", a.experts_gate_up, b.experts_gate_up, bound);
+  report.compare(p + "experts down", a.experts_down, b.experts_down, bound);
+}
+
+void compare_layer(CheckReport& report, const std::string& p, const GptOssLayerWeights& a, const GptOssLayerWeights& b, double bound) {
+  const std::pair<const char*, Tensor GptOssLayerWeights::*> tensors[] = {
+      {"input_layernorm", &GptOssLayerWeights::input_norm}, {"q_proj", &GptOssLayerWeights::q_proj},
+      {"q_proj bias", &GptOssLayerWeights::q_bias},         {"k_proj", &GptOssLayerWeights::k_proj},
+      {"k_proj bias", &GptOssLayerWeights::k_bias},         {"v_proj", &GptOssLayerWeights::v_proj},
+      {"v_proj bias", &GptOssLayerWeights::v_bias},         {"o_proj", &GptOssLayerWeights::o_proj},
+      {"o_proj bias", &GptOssLayerWeights::o_bias},         {"sinks", &GptOssLayerWeights::sinks},
+      {"post_attention_layernorm", &GptOssLayerWeights::post_norm}, {"router", &GptOssLayerWeights::router},
+      {"router bias", &GptOssLayerWeights::router_bias},    {"experts gate_up_proj", &GptOssLayerWeights::experts_gate_up},
+      {"experts gate_up_proj_bias", &GptOssLayerWeights::experts_gate_up_bias}, {"experts down_proj", &GptOssLayerWeights::experts_down},
+      {"experts down_proj_bias", &GptOssLayerWeights::experts_down_bias}};
+  for (const auto& [name, member] : tensors) report.compare(p + name, a.*member, b.*member, bound);
+}
+
+template <class M>
 void compare_model(CheckReport& report, const std::string& name, const Json& config_json, int64_t B, int64_t S,
                    bool compare_gradients) {
-  const Qwen3MoeConfig config = Qwen3MoeConfig::from_json(config_json, name);
+  const typename M::Config config = M::Config::from_json(config_json, name);
   const int64_t T = B * S;
   std::vector<int32_t> ids(static_cast<size_t>(T)), targets(static_cast<size_t>(T));
   Philox rng = philox_for(17, "check_model");
@@ -72,13 +109,13 @@ void compare_model(CheckReport& report, const std::string& name, const Json& con
     ids[size_t(i)] = int32_t(rng.uniform(uint64_t(i)) * float(config.vocab_size));
     targets[size_t(i)] = int32_t(rng.uniform(uint64_t(i), 1) * float(config.vocab_size));
   }
-  ModelSide cpu(config, Device::cpu), gpu(config, Device::cuda);
+  ModelSide<M> cpu(config, Device::cpu), gpu(config, Device::cuda);
   cpu.run(ids, targets, B, S);
   gpu.run(ids, targets, B, S);
   int64_t flips = 0, choices = 0;
   for (size_t l = 0; l < cpu.routing.size(); ++l)
     for (int64_t i = 0; i < cpu.routing[l].numel(); ++i, ++choices)
-      flips += cpu.routing[l].ptr<int32_t>()[i] != gpu.routing[l].ptr<int32_t>()[i];
+      flips += cpu.routing[l].template ptr<int32_t>()[i] != gpu.routing[l].template ptr<int32_t>()[i];
   std::printf("%s: %lld of %lld top-k choices differ between CPU (f32) and GPU (bf16)\n", name.c_str(), (long long)flips,
               (long long)choices);
   const double loss_error = std::abs(gpu.loss - cpu.loss) / std::abs(cpu.loss);
@@ -94,21 +131,29 @@ void compare_model(CheckReport& report, const std::string& name, const Json& con
   report.compare(name + ": d embed_tokens", gg.embed, cg.embed, bound);
   report.compare(name + ": d lm_head", gg.lm_head, cg.lm_head, bound);
   report.compare(name + ": d final norm", gg.final_norm, cg.final_norm, bound);
-  for (size_t l = 0; l < gg.layers.size(); ++l) {
-    const auto &a = gg.layers[l], &b = cg.layers[l];
-    const std::string p = fmt::format("{}: layer {} d ", name, l);
-    report.compare(p + "input_layernorm", a.input_norm, b.input_norm, bound);
-    report.compare(p + "q_proj", a.q_proj, b.q_proj, bound);
-    report.compare(p + "k_proj", a.k_proj, b.k_proj, bound);
-    report.compare(p + "v_proj", a.v_proj, b.v_proj, bound);
-    report.compare(p + "o_proj", a.o_proj, b.o_proj, bound);
-    report.compare(p + "q_norm", a.q_norm, b.q_norm, bound);
-    report.compare(p + "k_norm", a.k_norm, b.k_norm, bound);
-    report.compare(p + "post_attention_layernorm", a.post_norm, b.post_norm, bound);
-    report.compare(p + "router", a.router, b.router, bound);
-    report.compare(p + "experts gate/up", a.experts_gate_up, b.experts_gate_up, bound);
-    report.compare(p + "experts down", a.experts_down, b.experts_down, bound);
-  }
+  for (size_t l = 0; l < gg.layers.size(); ++l) compare_layer(report, fmt::format("{}: layer {} d ", name, l), gg.layers[l], cg.layers[l], bound);
+}
+
+// GPT-OSS's tiny model: head_dim 64 (the GPU kernels' size), a sliding layer whose window (16) is
+// shorter than the 37-token sequences and a full one, YaRN, a clamp that bites at this scale.
+Json tiny_gpt_oss(int64_t top_k) {
+  return {{"model_type", "gpt_oss"},
+          {"vocab_size", 300},
+          {"hidden_size", 64},
+          {"num_hidden_layers", 2},
+          {"num_attention_heads", 4},
+          {"num_key_value_heads", 2},
+          {"head_dim", 64},
+          {"num_local_experts", 8},
+          {"num_experts_per_tok", top_k},
+          {"intermediate_size", 40},
+          {"sliding_window", 16},
+          {"layer_types", {"sliding_attention", "full_attention"}},
+          {"swiglu_limit", 1.5},
+          {"rope_parameters",
+           {{"rope_type", "yarn"}, {"rope_theta", 150000.0}, {"factor", 32.0}, {"beta_fast", 32.0}, {"beta_slow", 1.0},
+            {"original_max_position_embeddings", 4096}}},
+          {"initializer_range", 0.2}};
 }
 
 }  // namespace
@@ -126,9 +171,12 @@ void check_model(CheckReport& report) {
                {"moe_intermediate_size", 40},
                {"norm_topk_prob", true},
                {"initializer_range", 0.2}};
-  compare_model(report, "tiny model, top-2 of 8", tiny, 2, 37, false);
+  compare_model<Qwen3Moe>(report, "tiny model, top-2 of 8", tiny, 2, 37, false);
   tiny["num_experts_per_tok"] = 8;
-  compare_model(report, "tiny model, K = E = 8", tiny, 2, 37, true);
+  compare_model<Qwen3Moe>(report, "tiny model, K = E = 8", tiny, 2, 37, true);
+  GptOss::allow_unchecked_gpu();
+  compare_model<GptOss>(report, "tiny gpt_oss, top-2 of 8", tiny_gpt_oss(2), 2, 37, false);
+  compare_model<GptOss>(report, "tiny gpt_oss, K = E = 8", tiny_gpt_oss(8), 2, 37, true);
   // One layer of the bench shape (GPU.md: Qwen3-30B-A3B's layer). The vocabulary and sequence are
   // cut so the single-threaded CPU reference finishes in seconds.
   Json bench_layer = {{"model_type", "qwen3_moe"},
@@ -144,9 +192,9 @@ void check_model(CheckReport& report) {
                       {"norm_topk_prob", true},
                       {"rope_theta", 1000000.0},
                       {"initializer_range", 0.05}};
-  compare_model(report, "bench layer, top-8 of 128", bench_layer, 1, 512, false);
+  compare_model<Qwen3Moe>(report, "bench layer, top-8 of 128", bench_layer, 1, 512, false);
   bench_layer["num_experts_per_tok"] = 128;
-  compare_model(report, "bench layer, K = E = 128", bench_layer, 1, 64, true);
+  compare_model<Qwen3Moe>(report, "bench layer, K = E = 128", bench_layer, 1, 64, true);
 }
 
 }  // namespace marrow

@@ -105,11 +105,23 @@ GptOssConfig GptOssConfig::from_json(const Json& json, const std::string& source
   return c;
 }
 
+namespace {
+
+bool& unchecked_gpu() {
+  static bool allowed = false;
+  return allowed;
+}
+
+}  // namespace
+
+void GptOss::allow_unchecked_gpu() { unchecked_gpu() = true; }
+bool GptOss::unchecked_gpu_allowed() { return unchecked_gpu(); }
+
 GptOss::GptOss(const Config& config, DType dtype, Device device, ExpertShard experts)
     : config_(config), dtype_(dtype), device_(device), experts_(experts) {
   const Config& c = config_;
-  MARROW_CHECK(device == Device::cpu, "gpt_oss runs on the CPU only so far: its GPU kernels (attention sinks and windows, biases, the "
-                                      "clamped SwiGLU) are not built yet");
+  MARROW_CHECK(device == Device::cpu || unchecked_gpu_allowed(),
+               "gpt_oss's GPU path is built but has not been checked on a GPU yet (marrow check --only model); train it on the CPU for now");
   if (experts_.count < 0) experts_ = {0, c.num_experts};
   MARROW_CHECK(experts_.first >= 0 && experts_.count >= 1 && experts_.first + experts_.count <= c.num_experts,
                "experts [{}, {}) are not a range of the model's {} experts", experts_.first, experts_.first + experts_.count, c.num_experts);
@@ -417,7 +429,8 @@ void GptOss::aggregate_backward(Tensor dy_perm, Tensor dtopk_weight, Tensor dout
 }
 
 LmHead GptOss::lm_head(const GptOssWeights& w, int64_t tokens) const {
-  return {w.final_norm, w.lm_head, config_.rms_norm_eps, logits_chunk(tokens, config_.vocab_size, dtype_), dtype_, dtype_, device_};
+  return {w.final_norm, w.lm_head, config_.rms_norm_eps, logits_chunk(tokens, config_.vocab_size, dtype_), dtype_,
+          device_ == Device::cuda ? DType::f32 : dtype_, device_};
 }
 
 HostSum GptOss::epilog_forward(EpilogActivations& p, Buffer x, const GptOssBatch& batch, const GptOssWeights& w, const GptOssWeights* grads,
@@ -433,25 +446,26 @@ void GptOss::epilog_backward(Tensor dx, const GptOssWeights& grads, double loss_
                           overwrite_grads);
 }
 
-// Mirrors the stage functions above buffer by buffer (the CPU path: every buffer in the model's dtype).
+// Mirrors the stage functions above buffer by buffer, in buffer() and stats() dtypes; op scratch (the
+// GPU attention backward's delta and GQA partials) is left out.
 ModelActivationBytes GptOss::activation_bytes(int64_t batch, int64_t seq, int64_t expert_rows) const {
   const Config& c = config_;
   const int64_t T = batch * seq, R = expert_rows, H = c.hidden_size, D = c.head_dim, I = c.expert_intermediate_size;
   const int64_t q = c.num_heads * D, kv = c.num_kv_heads * D, E = c.num_experts, K = c.top_k, V = c.vocab_size;
-  const int64_t a = int64_t(dtype_size(dtype_)), i32 = 4;
+  const int64_t a = int64_t(dtype_size(dtype_)), s = device_ == Device::cuda ? 4 : a, i32 = 4;
   ModelActivationBytes m;
   m.attention_heads = {c.num_heads, c.num_kv_heads, D};
   // x, q_rope, k_rope, v, attn, x_mid, h2; rstd1, lse, rstd2, probs, topk weights, statistics; top-k.
-  m.attention.kept = T * (3 * H + 2 * q + 2 * kv) * a + (T * (2 + c.num_heads + E + K) + 2 * E + 1) * a + T * K * i32;
+  m.attention.kept = T * (3 * H + 2 * q + 2 * kv) * a + (T * (2 + c.num_heads + E + K) + 2 * E + 1) * s + T * K * i32;
   // h1 with q and k before RoPE, then the router logits.
-  m.attention.forward_scratch = std::max(T * (H + q + kv) * a, T * E * a);
+  m.attention.forward_scratch = std::max(T * (H + q + kv) * a, T * E * s);
   // dlogits, dres, dattn, dq_rope, dk_rope, dv; then dq, dk, h1 and dh1.
   m.attention.backward_scratch = T * (E + H + 2 * q + 2 * kv) * a + T * (q + kv + 2 * H) * a;
   m.experts.kept = R * 2 * I * a;
   m.experts.forward_scratch = R * I * a;
-  m.experts.backward_scratch = R * (4 * I + 1) * a;
-  m.experts.held_for_weights = R * (3 * I + 1) * a;
-  const EpilogBytes epilog = epilog_bytes(T, H, V, logits_chunk(T, V, dtype_), a, a);
+  m.experts.backward_scratch = R * 4 * I * a + R * s;
+  m.experts.held_for_weights = R * 3 * I * a + R * s;
+  const EpilogBytes epilog = epilog_bytes(T, H, V, logits_chunk(T, V, dtype_), a, s);
   m.epilog.kept = epilog.kept;
   m.epilog.forward_scratch = epilog.forward_scratch;
   m.epilog.backward_scratch = epilog.backward_scratch;

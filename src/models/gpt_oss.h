@@ -14,9 +14,10 @@
 // grouped_linear_forward, the same products.
 // Under expert parallelism a process holds its experts' rows of the fused tensors (TensorSpec's
 // canonical_first), so checkpoints and Hugging Face reads address the whole tensors.
-// So far the CPU path only: the GPU kernels of sinks, windows, biases and the clamped SwiGLU are not
-// built yet (refused in one sentence). Context parallelism runs ring attention with the sinks and
-// windows (parallel/ring_attention.h).
+// The GPU path (bf16 activations, f32 statistics, as Qwen3-MoE's; the own attention kernels' variant
+// for sinks and windows) is built but not yet checked on a GPU: only `marrow check` constructs the
+// model there. Context parallelism runs ring attention with the sinks and windows
+// (parallel/ring_attention.h; on the CPU only so far).
 #pragma once
 #include <string>
 #include <vector>
@@ -96,6 +97,10 @@ class GptOss {
   static constexpr const char* model_type = "gpt_oss";
 
   GptOss(const Config& config, DType dtype, Device device, ExpertShard experts = {});
+  // The GPU path is built but has not run on a GPU yet, so constructing the model there is refused in
+  // one sentence, except where `marrow check` compares it with the CPU (check_model), which allows it.
+  static void allow_unchecked_gpu();
+  static bool unchecked_gpu_allowed();
 
   const Config& config() const { return config_; }
   DType dtype() const { return dtype_; }
@@ -163,7 +168,8 @@ class GptOss {
   ModelActivationBytes activation_bytes(int64_t batch, int64_t seq, int64_t expert_rows) const;
 
   Buffer buffer(std::initializer_list<int64_t> dims) const { return Buffer(dtype_, device_, dims); }
-  Buffer stats(std::initializer_list<int64_t> dims) const { return Buffer(dtype_, device_, dims); }
+  // Statistics (norm scales, lse, router probabilities and weights): f32 on the GPU, as Qwen3-MoE's.
+  Buffer stats(std::initializer_list<int64_t> dims) const { return Buffer(device_ == Device::cuda ? DType::f32 : dtype_, device_, dims); }
 
  private:
   Buffer input_norm(GptOssAttentionActivations& a, const GptOssLayerWeights& w) const;

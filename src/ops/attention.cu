@@ -330,6 +330,10 @@ struct GpuArgs {
   bool full;             // every query sees every key; else causal (q_len == k_len)
   int q_heads, kv_heads;
   float scale, scale_log2;  // 1/sqrt(D), and times log2(e): probabilities go through exp2
+  // GPT-OSS's variant (the kernels' V = true instantiations; the causal op only): a sliding window of
+  // `window` keys (0: none) and a sink logit per query head (null: none).
+  int window;
+  const bf16* sinks;  // [Hq]
 
   // Head rows (units of D elements) of the block's query i of head h and key j of kv head hk.
   __device__ int64_t q_row(int64_t b, int64_t i, int64_t h) const {
@@ -341,6 +345,9 @@ struct GpuArgs {
   __device__ int64_t lse_at(int64_t b, int64_t h, int64_t i) const { return (b * q_heads + h) * q_seq + q_begin + i; }
   // The last key (block index) query i may see.
   __device__ int last_key(int i) const { return full ? k_len - 1 : i; }
+  // With a window (the causal op): the first key query i sees, and the last query that sees key j.
+  __device__ int first_key(int i) const { return window > 0 ? max(0, i - window + 1) : 0; }
+  __device__ int last_query(int j) const { return window > 0 ? j + window - 1 : q_len - 1; }
 };
 
 // Adds (x, y) into the adjacent f32 elements p[0], p[1] (8-byte aligned).
@@ -353,8 +360,10 @@ __device__ __forceinline__ void add_float2(float* p, float x, float y) {
 // s (scores) becomes P = exp2(scale s - max), the running max and sum move to the tile's, and o is
 // rescaled to the new max. Keys past a row's last key are -inf: after the query (causal; keys past
 // the end are after every stored query) or past the block's end (full). Every row sees key 0, in
-// the first tile, so the running max is finite from then on.
-template <int D, int BN>
+// the first tile, so the running max is finite from then on. V (GPT-OSS's variant): keys before a
+// row's window are -inf too; a row may see none of a tile (its max stays -inf, its P 0), and the
+// sink starts the running max and sum.
+template <int D, int BN, bool V = false>
 __device__ __forceinline__ void online_softmax(float (&s)[BN / 8][4], float (&o)[D / 8][4], float (&row_max)[2], float (&row_sum)[2],
                                                const GpuArgs& a, int n0, int row0, int row, int t) {
   const bool edge = n0 + BN - 1 > a.last_key(row0);
@@ -365,6 +374,8 @@ __device__ __forceinline__ void online_softmax(float (&s)[BN / 8][4], float (&o)
     for (int e = 0; e < 4; ++e) {
       float x = s[j][e] * a.scale_log2;
       if (edge && n0 + j * 8 + 2 * t + e % 2 > a.last_key(row + e / 2 * 8)) x = -INFINITY;
+      if constexpr (V)
+        if (n0 < a.first_key(row0 + kWarpRows - 1) && n0 + j * 8 + 2 * t + e % 2 < a.first_key(row + e / 2 * 8)) x = -INFINITY;
       s[j][e] = x;
       tile_max[e / 2] = fmaxf(tile_max[e / 2], x);
     }
@@ -417,7 +428,9 @@ __device__ __forceinline__ void store_output(const GpuArgs& a, const float (&o)[
 // diagonal tile, folds it into the running max / sum (online softmax in the log2 domain) and adds
 // P V into its 16 x D output accumulator (64 registers at D = 128). Row max and sum are reduced
 // across a quad with shuffles; the sum is kept per lane and reduced once at the end.
-template <int D>
+// V (GPT-OSS's variant, the causal op): key tiles start at the block's first row's window, and the
+// sink starts each row's max (sink / ln 2) and sum (1, counted once: by the quad's lane 0).
+template <int D, bool V = false>
 __global__ void __launch_bounds__(kThreads) attention_forward_kernel(GpuArgs a) {
   constexpr int BM = 64, BN = 64, LD = D + kPad;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -433,17 +446,22 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(GpuArgs a) 
   const bf16* k = a.k + a.kv_row(b, 0, hk) * D;
   const bf16* v = a.v + a.kv_row(b, 0, hk) * D;
   const int n_tiles = cdiv(min(a.k_len, a.last_key(m0 + BM - 1) + 1), BN);  // key tiles any row sees
+  const int n_first = V ? a.first_key(m0) / BN : 0;
 
   load_rows<BM, D>(sq, q, q_ld, m0, a.q_len);
-  load_rows<BN, D>(sk, k, kv_ld, 0, a.k_len);
-  load_rows<BN, D>(sv, v, kv_ld, 0, a.k_len);
+  load_rows<BN, D>(sk, k, kv_ld, n_first * BN, a.k_len);
+  load_rows<BN, D>(sv, v, kv_ld, n_first * BN, a.k_len);
   cp_async_commit();
 
   const int row0 = m0 + warp * kWarpRows, row = row0 + g;  // this lane's rows: row and row + 8
   float o[D / 8][4] = {};
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
-  for (int nt = 0; nt < n_tiles; ++nt) {
-    const int stage = nt & 1, n0 = nt * BN;
+  if (V && a.sinks) {
+    row_max[0] = row_max[1] = __bfloat162float(a.sinks[h]) * kLog2e;
+    row_sum[0] = row_sum[1] = t == 0 ? 1.f : 0.f;
+  }
+  for (int nt = n_first; nt < n_tiles; ++nt) {
+    const int stage = (nt - n_first) & 1, n0 = nt * BN;
     if (nt + 1 < n_tiles) {  // prefetch the next key tile into the other stage
       load_rows<BN, D>(sk + (stage ^ 1) * BN * LD, k, kv_ld, n0 + BN, a.k_len);
       load_rows<BN, D>(sv + (stage ^ 1) * BN * LD, v, kv_ld, n0 + BN, a.k_len);
@@ -457,7 +475,7 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(GpuArgs a) 
     float s[BN / 8][4] = {};
     warp_mma_nt<D, BN>(s, sq, warp * kWarpRows, kt, lane);
 
-    online_softmax<D, BN>(s, o, row_max, row_sum, a, n0, row0, row, t);
+    online_softmax<D, BN, V>(s, o, row_max, row_sum, a, n0, row0, row, t);
     warp_mma_pn<BN, D>(o, s, vt, lane);
     __syncthreads();  // everyone is done with this stage before it is refilled
   }
@@ -488,8 +506,9 @@ __global__ void attention_delta_kernel(GpuArgs a, float* delta, int64_t rows) {
 }
 
 // The dQ pass's P = exp(scale q . k - lse) from the scores in p, for a lane's two rows (row, row + 8 of
-// the warp's from row0; lse2 in the log2 domain) and the key tile at n0: zero past a row's last key.
-template <int BN>
+// the warp's from row0; lse2 in the log2 domain) and the key tile at n0: zero past a row's last key
+// (and, V, before its window).
+template <int BN, bool V = false>
 __device__ __forceinline__ void probabilities(float (&p)[BN / 8][4], const GpuArgs& a, const float (&lse2)[2], int n0, int row0, int row,
                                               int t) {
   const bool edge = n0 + BN - 1 > a.last_key(row0);
@@ -499,6 +518,8 @@ __device__ __forceinline__ void probabilities(float (&p)[BN / 8][4], const GpuAr
     for (int e = 0; e < 4; ++e) {
       const float x = exp2f(p[j][e] * a.scale_log2 - lse2[e / 2]);
       p[j][e] = edge && n0 + j * 8 + 2 * t + e % 2 > a.last_key(row + e / 2 * 8) ? 0.f : x;
+      if constexpr (V)
+        if (n0 < a.first_key(row0 + kWarpRows - 1) && n0 + j * 8 + 2 * t + e % 2 < a.first_key(row + e / 2 * 8)) p[j][e] = 0.f;
     }
 }
 
@@ -549,8 +570,9 @@ __device__ __forceinline__ void store_dkdv(const GpuArgs& a, const float (&dk)[D
 // Per query tile each warp forms P^T (16 keys x 32 queries) from lse, adds P^T dO into dV, forms
 // dP^T = V dO^T and dS^T = P^T (dP^T - delta), and adds dS^T Q into dK. 32 queries per tile keeps
 // P^T and dS^T at 16 registers each beside the two 64-register accumulators (D = 128: ptxas
-// reports 244 registers, no spills, 2 blocks per SM).
-template <int D>
+// reports 244 registers, no spills, 2 blocks per SM). V (GPT-OSS's window, the causal op): query
+// tiles end at the last query that sees the tile's last key.
+template <int D, bool V = false>
 __global__ void __launch_bounds__(kThreads) attention_dkdv_kernel(GpuArgs a) {
   constexpr int BN = 64, BM = 32, LD = D + kPad;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -570,7 +592,7 @@ __global__ void __launch_bounds__(kThreads) attention_dkdv_kernel(GpuArgs a) {
   const float* lse = a.lse + a.lse_at(b, h, 0);
   const float* delta = a.delta + (int64_t(b) * a.q_heads + h) * a.q_len;
   // Query tiles: from the diagonal on (causal), all of them (full).
-  const int m_first = a.full ? 0 : n0 / BM, m_tiles = cdiv(a.q_len, BM);
+  const int m_first = a.full ? 0 : n0 / BM, m_tiles = V ? cdiv(min(a.q_len, a.last_query(n0 + BN - 1) + 1), BM) : cdiv(a.q_len, BM);
 
   auto load_queries = [&](int mt, int stage) {
     load_rows<BM, D>(sq + stage * BM * LD, q, q_ld, mt * BM, a.q_len);
@@ -612,6 +634,8 @@ __global__ void __launch_bounds__(kThreads) attention_dkdv_kernel(GpuArgs a) {
         const int c = j * 8 + 2 * t + e % 2;  // query within the tile
         const float x = exp2f(p[j][e] * a.scale_log2 - lse_t[c] * kLog2e);
         p[j][e] = edge && ((!a.full && m0 + c < key + e / 2 * 8) || m0 + c >= a.q_len) ? 0.f : x;
+        if constexpr (V)  // queries past the window of the tile's keys
+          if (m0 + BM - 1 > a.last_query(key0) && m0 + c > a.last_query(key + e / 2 * 8)) p[j][e] = 0.f;
       }
     warp_mma_pn<BM, D>(dv, p, dot, lane);  // dV += P^T dO
 
@@ -657,8 +681,9 @@ __device__ __forceinline__ void store_dq(const GpuArgs& a, const float (&dq)[D /
 // Grid (query blocks of 64, Hq, B); block = 4 warps, 16 query rows each. Shared: Q and dO tiles
 // [64][D+8] and two stages of K and V tiles [64][D+8]: 104 KB at D = 128 (2 blocks per SM). Per
 // key tile each warp forms P (16 x 64) from lse, dP = dO V^T, dS = P (dP - delta), and adds dS K
-// into its 16 x D accumulator.
-template <int D>
+// into its 16 x D accumulator. V (GPT-OSS's window, the causal op): key tiles start at the block's
+// first row's window.
+template <int D, bool V = false>
 __global__ void __launch_bounds__(kThreads) attention_dq_kernel(GpuArgs a) {
   constexpr int BM = 64, BN = 64, LD = D + kPad;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -674,11 +699,12 @@ __global__ void __launch_bounds__(kThreads) attention_dq_kernel(GpuArgs a) {
   const bf16* k = a.k + a.kv_row(b, 0, hk) * D;
   const bf16* v = a.v + a.kv_row(b, 0, hk) * D;
   const int n_tiles = cdiv(min(a.k_len, a.last_key(m0 + BM - 1) + 1), BN);
+  const int n_first = V ? a.first_key(m0) / BN : 0;
 
   load_rows<BM, D>(sq, a.q + a.q_row(b, 0, h) * D, q_ld, m0, a.q_len);
   load_rows<BM, D>(sdo, a.dout + a.q_row(b, 0, h) * D, q_ld, m0, a.q_len);
-  load_rows<BN, D>(sk, k, kv_ld, 0, a.k_len);
-  load_rows<BN, D>(sv, v, kv_ld, 0, a.k_len);
+  load_rows<BN, D>(sk, k, kv_ld, n_first * BN, a.k_len);
+  load_rows<BN, D>(sv, v, kv_ld, n_first * BN, a.k_len);
   cp_async_commit();
 
   const int row0 = m0 + warp * kWarpRows, row = row0 + g;  // this lane's rows: row and row + 8
@@ -690,8 +716,8 @@ __global__ void __launch_bounds__(kThreads) attention_dq_kernel(GpuArgs a) {
     dl[r] = i < a.q_len ? a.delta[(int64_t(b) * a.q_heads + h) * a.q_len + i] : 0.f;
   }
   float dq[D / 8][4] = {};
-  for (int nt = 0; nt < n_tiles; ++nt) {
-    const int stage = nt & 1, n0 = nt * BN;
+  for (int nt = n_first; nt < n_tiles; ++nt) {
+    const int stage = (nt - n_first) & 1, n0 = nt * BN;
     if (nt + 1 < n_tiles) {
       load_rows<BN, D>(sk + (stage ^ 1) * BN * LD, k, kv_ld, n0 + BN, a.k_len);
       load_rows<BN, D>(sv + (stage ^ 1) * BN * LD, v, kv_ld, n0 + BN, a.k_len);
@@ -704,7 +730,7 @@ __global__ void __launch_bounds__(kThreads) attention_dq_kernel(GpuArgs a) {
 
     float p[BN / 8][4] = {};
     warp_mma_nt<D, BN>(p, sq, warp * kWarpRows, kt, lane);
-    probabilities<BN>(p, a, lse2, n0, row0, row, t);
+    probabilities<BN, V>(p, a, lse2, n0, row0, row, t);
     float ds[BN / 8][4] = {};
     warp_mma_nt<D, BN>(ds, sdo, warp * kWarpRows, vt, lane);  // dP = dO V^T
 #pragma unroll
@@ -807,20 +833,24 @@ GpuArgs gpu_args(const Dims& n, const AttentionBlock& blk, Tensor q, Tensor k, T
   a.kv_heads = int(n.kv_heads);
   a.scale = float(1 / std::sqrt(double(n.head_dim)));
   a.scale_log2 = float(1 / std::sqrt(double(n.head_dim)) * 1.4426950408889634);
+  a.window = int(blk.window);
   return a;
 }
 
+// sinks: bf16 [Hq] or empty. A window or sinks run the kernels' V instantiations (the causal op only).
 void forward_gpu(const char* op, Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v, const Dims& n,
-                 const AttentionBlock& blk, Stream stream) {
+                 const AttentionBlock& blk, Tensor sinks, Stream stream) {
   check_gpu_inputs(op, n, {{"q", &q}, {"k", &k}, {"v", &v}, {"out", &out}}, lse);
   GpuArgs a = gpu_args(n, blk, q, k, v);
   if (n.batch * a.q_len * n.q_heads == 0) return;
   a.o = static_cast<bf16*>(out.data);
   a.lse = static_cast<float*>(lse.data);
+  a.sinks = static_cast<const bf16*>(sinks.data);
   const auto s = static_cast<cudaStream_t>(stream.handle);
   const size_t smem = size_t(64 + 4 * 64) * (n.head_dim + kPad) * sizeof(bf16);
-  if (n.head_dim == 64) launch_tiled(attention_forward_kernel<64>, n, a.q_len, smem, a, s);
-  else launch_tiled(attention_forward_kernel<128>, n, a.q_len, smem, a, s);
+  const bool variant = a.window > 0 || a.sinks;
+  if (n.head_dim == 64) launch_tiled(variant ? attention_forward_kernel<64, true> : attention_forward_kernel<64>, n, a.q_len, smem, a, s);
+  else launch_tiled(variant ? attention_forward_kernel<128, true> : attention_forward_kernel<128>, n, a.q_len, smem, a, s);
 }
 
 // dk and dv of the backward (a.delta computed): the key-tile kernel, then the sum of each group's
@@ -836,8 +866,9 @@ void dkdv_gpu(GpuArgs a, const Dims& n, size_t ld_bytes, Stream stream) {
     a.dv_part = dv_part.ptr<float>();
   }
   const size_t dkdv_smem = size_t(2 * 64 + 4 * 32) * ld_bytes + 4 * 32 * sizeof(float);
-  if (n.head_dim == 64) launch_tiled(attention_dkdv_kernel<64>, n, a.k_len, dkdv_smem, a, s);
-  else launch_tiled(attention_dkdv_kernel<128>, n, a.k_len, dkdv_smem, a, s);
+  const bool window = a.window > 0;
+  if (n.head_dim == 64) launch_tiled(window ? attention_dkdv_kernel<64, true> : attention_dkdv_kernel<64>, n, a.k_len, dkdv_smem, a, s);
+  else launch_tiled(window ? attention_dkdv_kernel<128, true> : attention_dkdv_kernel<128>, n, a.k_len, dkdv_smem, a, s);
   if (group > 1) {
     const int64_t numel = n.batch * a.k_len * n.kv_heads * n.head_dim;
     const unsigned blocks = unsigned(std::min<int64_t>((numel + 255) / 256, 65536));
@@ -882,8 +913,9 @@ void backward_gpu(const char* op, Tensor dq, Tensor dk, Tensor dv, Tensor dout, 
   if (grads != AttentionGrads::q) dkdv_gpu(a, n, ld_bytes, stream);
   if (grads == AttentionGrads::kv) return;
   const size_t dq_smem = size_t(2 * 64 + 4 * 64) * ld_bytes;
-  if (d64) launch_tiled(attention_dq_kernel<64>, n, a.q_len, dq_smem, a, s);
-  else launch_tiled(attention_dq_kernel<128>, n, a.q_len, dq_smem, a, s);
+  const bool window = a.window > 0;
+  if (d64) launch_tiled(window ? attention_dq_kernel<64, true> : attention_dq_kernel<64>, n, a.q_len, dq_smem, a, s);
+  else launch_tiled(window ? attention_dq_kernel<128, true> : attention_dq_kernel<128>, n, a.q_len, dq_smem, a, s);
 }
 
 void merge_gpu(Tensor out, Tensor lse, Tensor part_out, Tensor part_lse, const Dims& n, int64_t begin, int64_t end,
@@ -908,7 +940,7 @@ void forward(const char* op, Tensor out, Tensor lse, Tensor q, Tensor k, Tensor 
              Tensor sinks, Stream stream) {
   if (common_device(op, {{"q", &q}, {"k", &k}, {"v", &v}, {"out", &out}, {"lse", &lse}}) == Device::cuda) {
 #ifdef __CUDACC__
-    return forward_gpu(op, out, lse, q, k, v, n, block, stream);
+    return forward_gpu(op, out, lse, q, k, v, n, block, sinks, stream);
 #else
     no_cuda_kernel(op);
 #endif
@@ -940,16 +972,16 @@ std::pair<Dims, bool> check_backward(const char* op, Tensor dq, Tensor dk, Tenso
   return {n, gpu};
 }
 
-// sinks [Hq] with q's dtype and device, a window >= 0; the GPU kernels run neither yet.
-void check_variant(const char* op, const Dims& n, const Tensor& q, const AttentionVariant& variant) {
+// sinks [Hq] with q's dtype and device, a window >= 0. Returns whether the op has a variant (on the GPU:
+// the own kernels' V instantiations, whatever train.attention_kernels says).
+bool check_variant(const char* op, const Dims& n, const Tensor& q, const AttentionVariant& variant) {
   MARROW_CHECK(variant.window >= 0, "{}: the sliding window must be 0 (none) or positive, got {}", op, variant.window);
   if (variant.sinks.data) {
     expect_shape(op, "sinks", variant.sinks, {n.q_heads});
     expect_dtype(op, "sinks", variant.sinks, q.dtype);
     expect_device(op, "sinks", variant.sinks, q.device);
   }
-  MARROW_CHECK(q.device == Device::cpu || (!variant.sinks.data && variant.window == 0),
-               "{}: attention sinks and sliding windows run on the CPU only so far, but q is on the GPU", op);
+  return variant.sinks.data || variant.window > 0;
 }
 
 // Both backwards after their shape checks: the device's path (windows only on the CPU).
@@ -1072,12 +1104,12 @@ void attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v, con
   expect_shape(op, "k", k, {n.batch, n.q_seq, n.kv_heads, n.head_dim});
   expect_shape(op, "out", out, {n.batch, n.q_seq, n.q_heads, n.head_dim});
   expect_shape(op, "lse", lse, {n.batch, n.q_heads, n.q_seq});
-  check_variant(op, n, q, variant);
+  const bool plain = !check_variant(op, n, q, variant);
 #if MARROW_CUDA
-  if (attention_kernels() == AttentionKernels::hopper && q.device == Device::cuda &&
+  if (plain && attention_kernels() == AttentionKernels::hopper && q.device == Device::cuda &&
       hopper_attention_supports(n.q_seq, n.q_heads, n.kv_heads, n.head_dim))
     return hopper_attention_forward(out, lse, q, k, v, stream);
-  if (forward_on_cudnn(n, q)) return cudnn_attention_forward(out, lse, q, k, v, stream);
+  if (plain && forward_on_cudnn(n, q)) return cudnn_attention_forward(out, lse, q, k, v, stream);
 #endif
   forward(op, out, lse, q, k, v, n, {AttentionMask::causal, 0, n.q_seq, 0, n.q_seq, variant.window}, variant.sinks, stream);
 }
@@ -1103,26 +1135,26 @@ void attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dsinks, Tensor d
   const char* op = "attention_backward";
   const auto [n, gpu] = check_backward(op, dq, dk, dv, dout, q, k, v, out, lse);
   expect_shape(op, "k", k, {n.batch, n.q_seq, n.kv_heads, n.head_dim});
-  check_variant(op, n, q, variant);
+  const bool plain = !check_variant(op, n, q, variant);
   if (variant.sinks.data) {
     MARROW_CHECK(dsinks.data, "{}: variant.sinks is given but dsinks, its gradient, is empty", op);
     expect_shape(op, "dsinks", dsinks, {n.q_heads});
-    expect_dtype(op, "dsinks", dsinks, q.dtype);
+    expect_dtype(op, "dsinks", dsinks, gpu ? DType::f32 : q.dtype);
     expect_device(op, "dsinks", dsinks, q.device);
   } else {
     MARROW_CHECK(!dsinks.data, "{}: dsinks is given but variant.sinks is empty", op);
   }
 #if MARROW_CUDA
   const bool hopper = attention_kernels() == AttentionKernels::hopper || attention_kernels() == AttentionKernels::hopper_backward;
-  if (hopper && q.device == Device::cuda && hopper_attention_supports(n.q_seq, n.q_heads, n.kv_heads, n.head_dim))
+  if (plain && hopper && q.device == Device::cuda && hopper_attention_supports(n.q_seq, n.q_heads, n.kv_heads, n.head_dim))
     return hopper_attention_backward(dq, dk, dv, dout, q, k, v, out, lse, stream);
-  if (backward_on_cudnn(n, q))
+  if (plain && backward_on_cudnn(n, q))
     return cudnn_attention_backward(dq, dk, dv, dout, q, k, v, out, lse, stream,
                                     attention_kernels() == AttentionKernels::cudnn);
 #endif
   backward(op, dq, dk, dv, dout, q, k, v, out, lse, n, {AttentionMask::causal, 0, n.q_seq, 0, n.q_seq, variant.window}, false,
            AttentionGrads::all, gpu, stream);
-  if (variant.sinks.data) attention_sinks_backward(dsinks, dout, out, lse, variant.sinks);
+  if (variant.sinks.data) attention_sinks_backward(dsinks, dout, out, lse, variant.sinks, stream);
 }
 
 void attention_merge(Tensor out, Tensor lse, Tensor part_out, Tensor part_lse, int64_t begin, int64_t end,
@@ -1154,15 +1186,12 @@ void attention_merge(Tensor out, Tensor lse, Tensor part_out, Tensor part_lse, i
 
 namespace {
 
-// out, lse, sinks of the sinks' ops: shapes, one dtype, the CPU; returns the sizes.
-Dims check_sinks(const char* op, const Tensor& out, const Tensor& lse, const Tensor& sinks) {
+// out[B, S, Hq, D] and lse[B, Hq, S]; returns the sizes.
+Dims sinks_dims(const char* op, const Tensor& out, const Tensor& lse, const Tensor& sinks) {
   MARROW_CHECK(out.ndim == 4, "{}: out must be [batch, seq, heads, head_dim], got {}", op, out.shape_string());
   const Dims n{out.size(0), out.size(1), out.size(1), out.size(2), out.size(2), out.size(3)};
   expect_shape(op, "lse", lse, {n.batch, n.q_heads, n.q_seq});
   expect_shape(op, "sinks", sinks, {n.q_heads});
-  const std::initializer_list<std::pair<const char*, const Tensor*>> tensors = {{"out", &out}, {"lse", &lse}, {"sinks", &sinks}};
-  MARROW_CHECK(common_device(op, tensors) == Device::cpu, "{}: attention sinks run on the CPU only so far, but out is on the GPU", op);
-  expect_same_dtype(op, tensors);
   return n;
 }
 
@@ -1180,23 +1209,70 @@ void sinks_merge_cpu(T* out, T* lse, const T* sinks, const Dims& n) {
       }
 }
 
+#ifdef __CUDACC__
+constexpr int kSinkThreads = 256;
+
+// dsinks[h] += -sum over (b, i) of exp(sink_h - lse) (dout . out), one block per head: each thread
+// sums the rows thread, thread + 256, ... in order, then a fixed tree over the block (deterministic).
+__global__ void attention_sinks_backward_kernel(float* dsinks, const bf16* dout, const bf16* out, const float* lse, const bf16* sinks,
+                                                int64_t batch, int64_t seq, int64_t heads, int64_t head_dim) {
+  __shared__ float partial[kSinkThreads];
+  const int64_t h = blockIdx.x;
+  const float sink = __bfloat162float(sinks[h]);
+  float acc = 0.f;
+  for (int64_t r = threadIdx.x; r < batch * seq; r += kSinkThreads) {
+    const int64_t b = r / seq, i = r % seq, at = ((b * seq + i) * heads + h) * head_dim;
+    float di = 0.f;
+    for (int64_t d = 0; d < head_dim; ++d) di += __bfloat162float(dout[at + d]) * __bfloat162float(out[at + d]);
+    acc -= expf(sink - lse[(b * heads + h) * seq + i]) * di;
+  }
+  partial[threadIdx.x] = acc;
+  __syncthreads();
+  for (int half = kSinkThreads / 2; half > 0; half /= 2) {
+    if (int(threadIdx.x) < half) partial[threadIdx.x] += partial[threadIdx.x + half];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) dsinks[h] += partial[0];
+}
+#endif  // __CUDACC__
+
 }  // namespace
 
 void attention_sinks_merge(Tensor out, Tensor lse, Tensor sinks) {
-  const Dims n = check_sinks("attention_sinks_merge", out, lse, sinks);
-  with_cpu_scalar("attention_sinks_merge", out, [&](auto s) {
+  const char* op = "attention_sinks_merge";
+  const Dims n = sinks_dims(op, out, lse, sinks);
+  const std::initializer_list<std::pair<const char*, const Tensor*>> tensors = {{"out", &out}, {"lse", &lse}, {"sinks", &sinks}};
+  MARROW_CHECK(common_device(op, tensors) == Device::cpu, "{}: the sinks of a merged result run on the CPU only so far, but out is on the GPU",
+               op);
+  expect_same_dtype(op, tensors);
+  with_cpu_scalar(op, out, [&](auto s) {
     using T = decltype(s);
     sinks_merge_cpu<T>(out.ptr<T>(), lse.ptr<T>(), sinks.ptr<T>(), n);
   });
 }
 
-void attention_sinks_backward(Tensor dsinks, Tensor dout, Tensor out, Tensor lse, Tensor sinks) {
+void attention_sinks_backward(Tensor dsinks, Tensor dout, Tensor out, Tensor lse, Tensor sinks, Stream stream) {
   const char* op = "attention_sinks_backward";
-  const Dims n = check_sinks(op, out, lse, sinks);
+  const Dims n = sinks_dims(op, out, lse, sinks);
   expect_shape(op, "dout", dout, {n.batch, n.q_seq, n.q_heads, n.head_dim});
   expect_shape(op, "dsinks", dsinks, {n.q_heads});
-  const std::initializer_list<std::pair<const char*, const Tensor*>> tensors = {{"dsinks", &dsinks}, {"dout", &dout}, {"out", &out}};
-  MARROW_CHECK(common_device(op, tensors) == Device::cpu, "{}: attention sinks run on the CPU only so far, but dout is on the GPU", op);
+  const std::initializer_list<std::pair<const char*, const Tensor*>> tensors = {
+      {"dsinks", &dsinks}, {"dout", &dout}, {"out", &out}, {"lse", &lse}, {"sinks", &sinks}};
+  if (common_device(op, tensors) == Device::cuda) {
+#ifdef __CUDACC__
+    for (auto [name, t] : {std::pair{"dout", &dout}, std::pair{"out", &out}, std::pair{"sinks", &sinks}}) expect_dtype(op, name, *t, DType::bf16);
+    for (auto [name, t] : {std::pair{"dsinks", &dsinks}, std::pair{"lse", &lse}}) expect_dtype(op, name, *t, DType::f32);
+    if (n.q_heads == 0) return;
+    attention_sinks_backward_kernel<<<unsigned(n.q_heads), kSinkThreads, 0, static_cast<cudaStream_t>(stream.handle)>>>(
+        dsinks.ptr<float>(), static_cast<const bf16*>(dout.data), static_cast<const bf16*>(out.data), lse.ptr<float>(),
+        static_cast<const bf16*>(sinks.data), n.batch, n.q_seq, n.q_heads, n.head_dim);
+    MARROW_CUDA_CHECK_LAUNCH();
+    return;
+#else
+    no_cuda_kernel(op);
+#endif
+  }
+  (void)stream;
   expect_same_dtype(op, tensors);
   with_cpu_scalar(op, out, [&](auto s) {
     using T = decltype(s);

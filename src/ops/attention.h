@@ -71,7 +71,9 @@ void attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, 
 // less than one and lse_i = log(sum_j exp(s_ij) + exp(sinks[h])) includes it; a sliding window of
 // W keys masks scores as transformers' create_sliding_window_causal_mask does (masking_utils.py:
 // kv_idx > q_idx - W on top of kv_idx <= q_idx). The op without a variant is no sinks and window 0,
-// with the same bits. CPU only so far: the GPU refuses sinks and windows.
+// with the same bits. GPU: the own kernels' instantiations for the variant (whatever
+// train.attention_kernels chooses for the plain op), sinks bf16 and dsinks f32; windowed blocks
+// (ring attention with a window) run on the CPU only so far.
 struct AttentionVariant {
   Tensor sinks;        // [Hq]; empty (data == nullptr): none
   int64_t window = 0;  // > 0: query i sees keys j with i - window < j <= i; 0: every earlier key
@@ -124,12 +126,13 @@ void set_cpu_blocks_fused(bool fused);
 void attention_merge(Tensor out, Tensor lse, Tensor part_out, Tensor part_lse, int64_t begin, int64_t end,
                      Stream stream = {});
 
-// The sinks of a result merged from blocks (ring attention; CPU only): out[B, S, Hq, D] and lse[B, Hq, S]
-// become the merge with each row's sink, a partial result of value 0 and lse sinks[h], so that they equal
-// attention_forward's with the variant's sinks (up to the order of the sums).
+// The sinks of a result merged from blocks (ring attention; CPU only so far): out[B, S, Hq, D] and lse
+// [B, Hq, S] become the merge with each row's sink, a partial result of value 0 and lse sinks[h], so
+// that they equal attention_forward's with the variant's sinks (up to the order of the sums).
 void attention_sinks_merge(Tensor out, Tensor lse, Tensor sinks);
 // dsinks[h] += -sum over batch rows and queries i of exp(sinks[h] - lse_i) (dout_i . out_i), with the
-// final out and lse: attention_backward's sinks term over these rows, in its order (CPU only).
-void attention_sinks_backward(Tensor dsinks, Tensor dout, Tensor out, Tensor lse, Tensor sinks);
+// final out and lse: attention_backward's sinks term over these rows, in its order on the CPU. GPU:
+// dout, out, sinks bf16; lse, dsinks f32 (one block per head, a fixed order: deterministic).
+void attention_sinks_backward(Tensor dsinks, Tensor dout, Tensor out, Tensor lse, Tensor sinks, Stream stream = {});
 
 }  // namespace marrow

@@ -2,7 +2,15 @@
 // The forward adds a bias row to every row of y in place, after the bias-free linear op wrote it;
 // the backward sums dy's rows, each column in row order (deterministic whatever the thread count).
 // The grouped forms serve the experts' rows, grouped by expert as in grouped_linear.h.
-// CPU only so far (f32 or f64, one dtype for all tensors); the sums run in double.
+// CPU: f32 or f64, one dtype for all tensors; the sums run in double.
+// GPU (math in f32): y, dy, bias bf16 (activations and working weights; bias_forward's y may be f32,
+// the router's logits); dbias f32 (the gradient:
+// written with overwrite, else added to); row_scale, dtopk_weight f32; copy_row i32 on the GPU;
+// expert_offsets i32 as grouped_linear takes them, on the GPU (one process: nothing waits) or on
+// the host (expert parallelism: uploaded in stream order); those on the GPU are not checked, and
+// rows outside [offsets[0], offsets[E]) then belong to no expert (left alone; dot_add writes NaN
+// for a copy of such a row, or of a row outside [0, R)). The sums are deterministic: each column in
+// a fixed order (16 strided slices of the rows in row order, the slices added in order), no atomics.
 #pragma once
 #include "core/tensor.h"
 

@@ -66,11 +66,12 @@ template <int N> struct alignas(2 * N) Pack {
 // One thread per N adjacent pairs (j, j + D/2) of one head of one token (N = 8 when D/2 % 8 == 0
 // and the data is 16-byte aligned, else 1), grid-stride over T * H * (D/2) / N. The angle is
 // float(position) * inv_freq[j] in f32 and its cos/sin are the precise cosf/sinf, as on the CPU
-// (rope_rotate, ops/cuda_common.cuh).
+// (rope_rotate, ops/cuda_common.cuh). Scaled (YaRN's attention factor other than 1): cos and sin
+// each times scale in f32, as the CPU's cos * scale; the unscaled instances are the plain rotation.
 // Each thread reads both halves of its pairs before writing them, so y may alias x.
-template <int N>
+template <int N, bool Scaled>
 __global__ void rope_rotate_kernel(bf16* y, const bf16* x, const int32_t* positions, InvFreq inv_freq, int64_t tokens, int64_t heads,
-                              int64_t half, float sign) {
+                              int64_t half, float sign, float scale) {
   begin_after_previous_grid();
   const int64_t per_head = half / N;
   for (int64_t p = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; p < tokens * heads * per_head;
@@ -81,7 +82,13 @@ __global__ void rope_rotate_kernel(bf16* y, const bf16* x, const int32_t* positi
     Pack<N> ya, yb;
 #pragma unroll
     for (int l = 0; l < N; ++l) {
-      const float2 o = rope_rotate(float(a.v[l]), float(b.v[l]), position, inv_freq.v[j + l], sign);
+      float2 o;
+      if constexpr (Scaled) {
+        const float2 cs = rope_cos_sin(position, inv_freq.v[j + l], sign);
+        o = rope_apply(float(a.v[l]), float(b.v[l]), make_float2(__fmul_rn(cs.x, scale), __fmul_rn(cs.y, scale)));
+      } else {
+        o = rope_rotate(float(a.v[l]), float(b.v[l]), position, inv_freq.v[j + l], sign);
+      }
       ya.v[l] = bf16(o.x);
       yb.v[l] = bf16(o.y);
     }
@@ -98,10 +105,11 @@ __global__ void rope_cos_sin_table_kernel(float2* table, const int32_t* position
   table[i] = rope_cos_sin(float(positions[i / half]), inv_freq.v[i % half], 1.0f);
 }
 
-void launch_rotate(Tensor y, Tensor x, Tensor positions, double theta, int sign, Stream stream) {
+// inv_freq [D/2] and scale as rope_inverse_frequencies and rope_attention_scaling give them: the CPU's very floats.
+void launch_rotate(Tensor y, Tensor x, Tensor positions, const std::vector<float>& frequencies, float scale, int sign, Stream stream) {
   const int64_t tokens = x.size(0), heads = x.size(1), d = x.size(2), half = d / 2;
   InvFreq inv_freq{};
-  for (int64_t j = 0; j < half; ++j) inv_freq.v[j] = rope_inverse_frequency(j, d, theta);
+  std::copy(frequencies.begin(), frequencies.end(), inv_freq.v);
   const bool packed =
       half % 8 == 0 && (reinterpret_cast<uintptr_t>(x.data) | reinterpret_cast<uintptr_t>(y.data)) % 16 == 0;
   const int64_t work = tokens * heads * (packed ? half / 8 : half);
@@ -111,8 +119,9 @@ void launch_rotate(Tensor y, Tensor x, Tensor positions, double theta, int sign,
   auto* out = static_cast<bf16*>(y.data);
   auto* in = static_cast<const bf16*>(x.data);
   auto* pos = positions.ptr<int32_t>();
-  if (packed) launch_dependent(rope_rotate_kernel<8>, blocks, threads, 0, s, out, in, pos, inv_freq, tokens, heads, half, float(sign));
-  else launch_dependent(rope_rotate_kernel<1>, blocks, threads, 0, s, out, in, pos, inv_freq, tokens, heads, half, float(sign));
+  auto* kernel = scale != 1.0f ? (packed ? rope_rotate_kernel<8, true> : rope_rotate_kernel<1, true>)
+                               : (packed ? rope_rotate_kernel<8, false> : rope_rotate_kernel<1, false>);
+  launch_dependent(kernel, blocks, threads, 0, s, out, in, pos, inv_freq, tokens, heads, half, float(sign), scale);
   MARROW_CUDA_CHECK_LAUNCH();
 }
 #endif
@@ -179,19 +188,18 @@ void rotate(const char* op, Tensor y, const char* y_name, Tensor x, const char* 
   expect_shape(op, "positions", positions, {tokens});
   expect_dtype(op, "positions", positions, DType::i32);
   expect_same_dtype(op, {{x_name, &x}, {y_name, &y}});
+  const std::vector<float> inv_freq = inverse_frequencies(d, rope);
+  const float scale = float(attention_scaling(rope));
   if (common_device(op, {{x_name, &x}, {y_name, &y}, {"positions", &positions}}) == Device::cuda) {
-    MARROW_CHECK(!rope.yarn, "{}: the yarn rotary embedding runs on the CPU only so far, but {} is on the GPU", op, x_name);
     expect_dtype(op, x_name, x, DType::bf16);
     MARROW_CHECK(d / 2 <= kMaxHalfHost, "{}: head_dim of {} is {}, but the GPU kernel takes at most {}", op, x_name, d, 2 * kMaxHalfHost);
 #ifdef __CUDACC__
-    return launch_rotate(y, x, positions, rope.theta, sign, stream);
+    return launch_rotate(y, x, positions, inv_freq, scale, sign, stream);
 #else
     (void)stream;
     no_cuda_kernel(op);
 #endif
   }
-  const std::vector<float> inv_freq = inverse_frequencies(d, rope);
-  const float scale = float(attention_scaling(rope));
   with_cpu_scalar(op, x, [&](auto s) {
     using T = decltype(s);
     rotate_cpu<T>(y.ptr<T>(), x.ptr<T>(), positions.ptr<int32_t>(), tokens, heads, d, inv_freq, scale, sign);

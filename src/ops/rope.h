@@ -53,7 +53,8 @@ double rope_attention_scaling(const RopeParameters& rope);
 // rope_forward / rope_backward above with rope's frequencies, cos and sin each float32
 // cos(angle) * float(rope_attention_scaling(rope)) as transformers' GPT-OSS rotary embedding
 // computes them; the backward is the transpose (the rotation by -angle, scaled the same). Without
-// yarn: the theta overloads, bit for bit, on either device; yarn runs on the CPU only so far.
+// yarn: the theta overloads, bit for bit, on either device. The GPU takes these very inv_freq and
+// scale from the host and multiplies its f32 cos and sin by the scale (when it is not 1).
 void rope_forward(Tensor y, Tensor x, Tensor positions, const RopeParameters& rope, Stream stream = {});
 void rope_backward(Tensor dx, Tensor dy, Tensor positions, const RopeParameters& rope, Stream stream = {});
 

@@ -122,15 +122,13 @@ std::array<int64_t, 2> check_weighted(const char* op, Tensor dgate_up, Tensor ac
   return size;
 }
 
-// The clamped SwiGLU's checks after the shapes: one dtype, a positive limit, and the CPU.
-void check_clamped(const char* op, double limit, std::initializer_list<std::pair<const char*, const Tensor*>> tensors) {
-  MARROW_CHECK(limit > 0, "{}: limit must be positive, got {}", op, limit);
-  expect_same_dtype(op, tensors);
-  MARROW_CHECK(common_device(op, tensors) == Device::cpu, "{}: the clamped SwiGLU runs on the CPU only so far, but {} is on the GPU", op,
-               tensors.begin()->first);
+// The clamped SwiGLU's bounds [-limit, limit] need a positive limit.
+void check_limit(const char* op, double limit) { MARROW_CHECK(limit > 0, "{}: limit must be positive, got {}", op, limit); }
+
+// The GPU dtypes of an op's tensors, one dtype for several.
+void expect_dtypes(const char* op, DType dtype, std::initializer_list<std::pair<const char*, const Tensor*>> tensors) {
+  for (auto [name, t] : tensors) expect_dtype(op, name, *t, dtype);
 }
-
-
 
 #ifdef __CUDACC__
 using bf16 = __nv_bfloat16;
@@ -143,42 +141,153 @@ template <int N> __device__ void store(bf16* p, const Pack<N>& v) { *reinterpret
 
 __device__ float sigmoidf(float g) { return 1.0f / (1.0f + expf(-g)); }
 
+// The activations the kernels below take as a template parameter: where a gate_up row holds the
+// (gate, up) pairs of columns [c, c + N), and one pair's math in f32 as the CPU reference associates
+// it, each intermediate rounded to bf16 where the separate ops store it (swiglu.h): forward's value
+// (unrounded), dot_term = dy * bf16(forward) (a term of dtopk_weight's dot), backward's (dgate, dup)
+// for the output gradient dy, weighted_backward's act = w * bf16(forward) and the backward of bf16(w * dy).
+
+// Qwen3's SwiGLU: gate in columns [0, I), up in [I, 2I). Each method is one of the kernels' loop
+// bodies as written before the clamped SwiGLU shared the kernels, statement order included: nvcc
+// schedules by it, and the kernels' machine code stays the same.
+struct Swiglu {
+  template <int N> __device__ void load_pairs(const bf16* row, int64_t inter, int64_t c, Pack<N>& g, Pack<N>& u) const {
+    g = load<N>(row + c);
+    u = load<N>(row + inter + c);
+  }
+  template <int N> __device__ void store_pairs(bf16* row, int64_t inter, int64_t c, const Pack<N>& dg, const Pack<N>& du) const {
+    store<N>(row + c, dg);
+    store<N>(row + inter + c, du);
+  }
+  __device__ float forward(bf16 g, bf16 u) const {
+    const float gf = float(g);
+    return gf * sigmoidf(gf) * float(u);
+  }
+  __device__ float dot_term(bf16 g, bf16 u, bf16 dy) const {
+    const float gf = float(g);
+    return float(dy) * float(bf16(gf * sigmoidf(gf) * float(u)));
+  }
+  __device__ void backward(bf16 g, bf16 u, bf16 dy, bf16& dg, bf16& du) const {
+    const float gf = float(g), s = sigmoidf(gf), d = float(dy);
+    dg = bf16(d * float(u) * s * (1.0f + gf * (1.0f - s)));
+    du = bf16(d * gf * s);
+  }
+  __device__ void weighted_backward(bf16 g, bf16 u, bf16 dy, float w, bf16& aw, bf16& dg, bf16& du) const {
+    const float gf = float(g), s = sigmoidf(gf), d = float(bf16(w * float(dy)));
+    aw = bf16(w * float(bf16(gf * s * float(u))));
+    dg = bf16(d * float(u) * s * (1.0f + gf * (1.0f - s)));
+    du = bf16(d * gf * s);
+  }
+};
+
+// GPT-OSS's clamped SwiGLU, pairs interleaved (gate in column 2i, up in 2i + 1): the N pairs of
+// columns [c, c + N) are the 2N values from 2c on, moved as two packs of N (16 bytes each when N = 8).
+struct ClampedSwiglu {
+  float alpha, limit;  // limit: clamp_limit's float
+
+  template <int N> __device__ void load_pairs(const bf16* row, int64_t, int64_t c, Pack<N>& g, Pack<N>& u) const {
+    const Pack<N> half[2] = {load<N>(row + 2 * c), load<N>(row + 2 * c + N)};
+#pragma unroll
+    for (int l = 0; l < N; ++l) {
+      g.v[l] = half[2 * l / N].v[2 * l % N];
+      u.v[l] = half[(2 * l + 1) / N].v[(2 * l + 1) % N];
+    }
+  }
+  template <int N> __device__ void store_pairs(bf16* row, int64_t, int64_t c, const Pack<N>& dg, const Pack<N>& du) const {
+    Pack<N> half[2];
+#pragma unroll
+    for (int l = 0; l < N; ++l) {
+      half[2 * l / N].v[2 * l % N] = dg.v[l];
+      half[(2 * l + 1) / N].v[(2 * l + 1) % N] = du.v[l];
+    }
+    store<N>(row + 2 * c, half[0]);
+    store<N>(row + 2 * c + N, half[1]);
+  }
+  // One pair as the CPU's ClampedPair takes it, in f32: std::min(gate, limit) and std::clamp(up,
+  // -limit, limit) written out, so that a NaN passes through as there (fminf would return the limit).
+  // The weighted backward takes act and the gradient from one Pair: with the bf16 values converted
+  // twice, nvcc computed the sigmoid twice.
+  struct Pair {
+    float g, u, s;
+    bool pass_gate, pass_up;
+  };
+  __device__ Pair pair(bf16 gate_bf16, bf16 up_bf16) const {
+    const float gate = float(gate_bf16), up = float(up_bf16), g = limit < gate ? limit : gate;
+    return {g, up < -limit ? -limit : limit < up ? limit : up, sigmoidf(alpha * g), gate <= limit, -limit <= up && up <= limit};
+  }
+  __device__ float value(const Pair& p) const { return (p.u + 1.0f) * (p.g * p.s); }
+  __device__ void gradient(const Pair& p, float d, bf16& dg, bf16& du) const {
+    dg = bf16(p.pass_gate ? d * (p.u + 1.0f) * p.s * (1.0f + alpha * p.g * (1.0f - p.s)) : 0.0f);
+    du = bf16(p.pass_up ? d * p.g * p.s : 0.0f);
+  }
+
+  __device__ float forward(bf16 gate, bf16 up) const { return value(pair(gate, up)); }
+  __device__ float dot_term(bf16 gate, bf16 up, bf16 dy) const { return float(dy) * float(bf16(forward(gate, up))); }
+  __device__ void backward(bf16 gate, bf16 up, bf16 dy, bf16& dg, bf16& du) const { gradient(pair(gate, up), float(dy), dg, du); }
+  __device__ void weighted_backward(bf16 gate, bf16 up, bf16 dy, float w, bf16& aw, bf16& dg, bf16& du) const {
+    const Pair p = pair(gate, up);
+    aw = bf16(w * float(bf16(value(p))));
+    gradient(p, float(bf16(w * float(dy))), dg, du);
+  }
+};
+
+// The largest float <= limit: a bf16 value (exact in float) passes a clamp on the GPU exactly where
+// it does on the CPU, which compares with the double limit (a float rounded up could let one more through).
+float clamp_limit(double limit) {
+  const float f = float(limit);
+  return double(f) > limit ? std::nextafter(f, 0.0f) : f;
+}
+
+ClampedSwiglu clamped_swiglu(double alpha, double limit) { return {float(alpha), clamp_limit(limit)}; }
+
 // One thread per N adjacent columns c of one row (N = 8 when I % 8 == 0 and rows are 16-byte
 // aligned, else 1), grid-stride over R * I / N. Elementwise, so nothing to order.
-template <int N> __global__ void swiglu_forward_kernel(bf16* out, const bf16* gate_up, int64_t rows, int64_t inter) {
+template <int N, class Act>
+__device__ __forceinline__ void forward_rows(Act activation, bf16* out, const bf16* gate_up, int64_t rows, int64_t inter) {
   begin_after_previous_grid();
   const int64_t per_row = inter / N;
   for (int64_t p = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; p < rows * per_row; p += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = p / per_row, c = p % per_row * N;
-    const Pack<N> g = load<N>(gate_up + r * 2 * inter + c), u = load<N>(gate_up + r * 2 * inter + inter + c);
-    Pack<N> o;
+    Pack<N> g, u, o;
+    activation.load_pairs(gate_up + r * 2 * inter, inter, c, g, u);
 #pragma unroll
-    for (int l = 0; l < N; ++l) {
-      const float gf = float(g.v[l]);
-      o.v[l] = bf16(gf * sigmoidf(gf) * float(u.v[l]));
-    }
+    for (int l = 0; l < N; ++l) o.v[l] = bf16(activation.forward(g.v[l], u.v[l]));
     store<N>(out + r * inter + c, o);
   }
 }
 
-template <int N>
-__global__ void swiglu_backward_kernel(bf16* dgate_up, const bf16* dout, const bf16* gate_up, int64_t rows, int64_t inter) {
+template <int N, class Act>
+__device__ __forceinline__ void backward_rows(Act activation, bf16* dgate_up, const bf16* dout, const bf16* gate_up, int64_t rows,
+                                              int64_t inter) {
   begin_after_previous_grid();
   const int64_t per_row = inter / N;
   for (int64_t p = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; p < rows * per_row; p += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = p / per_row, c = p % per_row * N;
-    const Pack<N> g = load<N>(gate_up + r * 2 * inter + c), u = load<N>(gate_up + r * 2 * inter + inter + c),
-                  dy = load<N>(dout + r * inter + c);
-    Pack<N> dg, du;
+    Pack<N> g, u, dg, du;
+    activation.load_pairs(gate_up + r * 2 * inter, inter, c, g, u);
+    const Pack<N> dy = load<N>(dout + r * inter + c);
 #pragma unroll
-    for (int l = 0; l < N; ++l) {
-      const float gf = float(g.v[l]), s = sigmoidf(gf), d = float(dy.v[l]);
-      dg.v[l] = bf16(d * float(u.v[l]) * s * (1.0f + gf * (1.0f - s)));
-      du.v[l] = bf16(d * gf * s);
-    }
-    store<N>(dgate_up + r * 2 * inter + c, dg);
-    store<N>(dgate_up + r * 2 * inter + inter + c, du);
+    for (int l = 0; l < N; ++l) activation.backward(g.v[l], u.v[l], dy.v[l], dg.v[l], du.v[l]);
+    activation.store_pairs(dgate_up + r * 2 * inter, inter, c, dg, du);
   }
+}
+
+// Thin kernels over the bodies above, so that each has its own name in kernel traces.
+template <int N> __global__ void swiglu_forward_kernel(bf16* out, const bf16* gate_up, int64_t rows, int64_t inter) {
+  forward_rows<N>(Swiglu{}, out, gate_up, rows, inter);
+}
+template <int N>
+__global__ void swiglu_backward_kernel(bf16* dgate_up, const bf16* dout, const bf16* gate_up, int64_t rows, int64_t inter) {
+  backward_rows<N>(Swiglu{}, dgate_up, dout, gate_up, rows, inter);
+}
+template <int N>
+__global__ void clamped_swiglu_forward_kernel(ClampedSwiglu activation, bf16* out, const bf16* gate_up, int64_t rows, int64_t inter) {
+  forward_rows<N>(activation, out, gate_up, rows, inter);
+}
+template <int N>
+__global__ void clamped_swiglu_backward_kernel(ClampedSwiglu activation, bf16* dgate_up, const bf16* dout, const bf16* gate_up, int64_t rows,
+                                               int64_t inter) {
+  backward_rows<N>(activation, dgate_up, dout, gate_up, rows, inter);
 }
 
 constexpr int kWarps = 4;  // copies per block of the weighted backward
@@ -189,11 +298,11 @@ constexpr int kWarps = 4;  // copies per block of the weighted backward
 // Keeping the row in registers instead held a warp at ~150 registers and the kernel at ~1.9 TB/s.
 // The dot sums in pack order then by a fixed butterfly, as route weights were summed before this
 // fusion: deterministic. Rows outside [0, R) other than -1 (copy_row is not checked on the GPU)
-// get dtopk_weight = NaN and are not touched.
-template <int N>
-__global__ void swiglu_weighted_backward_kernel(bf16* dgate_up, bf16* act, float* dtopk_weight, const bf16* dact, const bf16* gate_up,
-                                                const float* topk_weight, const int32_t* copy_row, int64_t copies, int64_t rows,
-                                                int64_t inter) {
+// get dtopk_weight = NaN and are not touched. row_weight (nullptr: none) receives each named row's w.
+template <int N, class Act>
+__device__ __forceinline__ void weighted_backward_copy(Act activation, float* row_weight, bf16* dgate_up, bf16* act, float* dtopk_weight,
+                                                       const bf16* dact, const bf16* gate_up, const float* topk_weight,
+                                                       const int32_t* copy_row, int64_t copies, int64_t rows, int64_t inter) {
   begin_after_previous_grid();
   const int64_t c = blockIdx.x * int64_t(kWarps) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
@@ -206,47 +315,59 @@ __global__ void swiglu_weighted_backward_kernel(bf16* dgate_up, bf16* act, float
   const bf16 *gu = gate_up + r * 2 * inter, *dy_row = dact + r * inter;
   float dot = 0;
   for (int64_t col = int64_t(lane) * N; col < inter; col += 32 * N) {
-    const Pack<N> g = load<N>(gu + col), u = load<N>(gu + inter + col), dy = load<N>(dy_row + col);
+    Pack<N> g, u;
+    activation.load_pairs(gu, inter, col, g, u);
+    const Pack<N> dy = load<N>(dy_row + col);
 #pragma unroll
-    for (int l = 0; l < N; ++l) {
-      const float gf = float(g.v[l]);
-      dot += float(dy.v[l]) * float(bf16(gf * sigmoidf(gf) * float(u.v[l])));
-    }
+    for (int l = 0; l < N; ++l) dot += activation.dot_term(g.v[l], u.v[l], dy.v[l]);
   }
   for (int m = 16; m > 0; m /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, m);
   if (lane == 0) dtopk_weight[c] = dot;
   const float w = topk_weight[c];
+  if (row_weight != nullptr && lane == 0) row_weight[r] = w;
   for (int64_t col = int64_t(lane) * N; col < inter; col += 32 * N) {
-    const Pack<N> g = load<N>(gu + col), u = load<N>(gu + inter + col), dy = load<N>(dy_row + col);
-    Pack<N> aw, dg, du;
+    Pack<N> g, u, aw, dg, du;
+    activation.load_pairs(gu, inter, col, g, u);
+    const Pack<N> dy = load<N>(dy_row + col);
 #pragma unroll
-    for (int l = 0; l < N; ++l) {
-      const float gf = float(g.v[l]), s = sigmoidf(gf), d = float(bf16(w * float(dy.v[l])));
-      aw.v[l] = bf16(w * float(bf16(gf * s * float(u.v[l]))));
-      dg.v[l] = bf16(d * float(u.v[l]) * s * (1.0f + gf * (1.0f - s)));
-      du.v[l] = bf16(d * gf * s);
-    }
+    for (int l = 0; l < N; ++l) activation.weighted_backward(g.v[l], u.v[l], dy.v[l], w, aw.v[l], dg.v[l], du.v[l]);
     store<N>(act + r * inter + col, aw);
-    store<N>(dgate_up + r * 2 * inter + col, dg);
-    store<N>(dgate_up + r * 2 * inter + inter + col, du);
+    activation.store_pairs(dgate_up + r * 2 * inter, inter, col, dg, du);
   }
 }
 
 template <int N>
-void launch_weighted_backward(Tensor dgate_up, Tensor act, Tensor dtopk_weight, Tensor dact, Tensor gate_up, Tensor topk_weight,
-                              Tensor copy_row, Stream stream) {
-  const int64_t copies = copy_row.numel(), rows = gate_up.size(0), inter = gate_up.size(1) / 2;
-  const unsigned blocks = unsigned((copies + kWarps - 1) / kWarps);
-  launch_dependent(swiglu_weighted_backward_kernel<N>, blocks, 32 * kWarps, 0, static_cast<cudaStream_t>(stream.handle), 
-      static_cast<bf16*>(dgate_up.data), static_cast<bf16*>(act.data), dtopk_weight.ptr<float>(), static_cast<const bf16*>(dact.data),
-      static_cast<const bf16*>(gate_up.data), topk_weight.ptr<float>(), copy_row.ptr<int32_t>(), copies, rows, inter);
-  MARROW_CUDA_CHECK_LAUNCH();
+__global__ void swiglu_weighted_backward_kernel(bf16* dgate_up, bf16* act, float* dtopk_weight, const bf16* dact, const bf16* gate_up,
+                                                const float* topk_weight, const int32_t* copy_row, int64_t copies, int64_t rows,
+                                                int64_t inter) {
+  weighted_backward_copy<N>(Swiglu{}, nullptr, dgate_up, act, dtopk_weight, dact, gate_up, topk_weight, copy_row, copies, rows, inter);
+}
+template <int N>
+__global__ void clamped_swiglu_weighted_backward_kernel(ClampedSwiglu activation, float* row_weight, bf16* dgate_up, bf16* act,
+                                                        float* dtopk_weight, const bf16* dact, const bf16* gate_up, const float* topk_weight,
+                                                        const int32_t* copy_row, int64_t copies, int64_t rows, int64_t inter) {
+  weighted_backward_copy<N>(activation, row_weight, dgate_up, act, dtopk_weight, dact, gate_up, topk_weight, copy_row, copies, rows, inter);
 }
 
 bool aligned16(std::initializer_list<const void*> ptrs) {
   uintptr_t bits = 0;
   for (const void* p : ptrs) bits |= reinterpret_cast<uintptr_t>(p);
   return bits % 16 == 0;
+}
+
+// The weighted backward's kernel<8> when rows of I columns split into 16-byte packs, else kernel<1>;
+// `leading` are the kernel's arguments before the common ones.
+template <typename Kernel, typename... Leading>
+void launch_weighted_backward(Kernel kernel8, Kernel kernel1, Tensor dgate_up, Tensor act, Tensor dtopk_weight, Tensor dact, Tensor gate_up,
+                              Tensor topk_weight, Tensor copy_row, Stream stream, Leading... leading) {
+  const int64_t copies = copy_row.numel(), rows = gate_up.size(0), inter = gate_up.size(1) / 2;
+  if (copies == 0) return;
+  const bool packed = inter % 8 == 0 && aligned16({dgate_up.data, act.data, dact.data, gate_up.data});
+  const unsigned blocks = unsigned((copies + kWarps - 1) / kWarps);
+  launch_dependent(packed ? kernel8 : kernel1, blocks, 32 * kWarps, 0, static_cast<cudaStream_t>(stream.handle), leading...,
+                   static_cast<bf16*>(dgate_up.data), static_cast<bf16*>(act.data), dtopk_weight.ptr<float>(), static_cast<const bf16*>(dact.data),
+                   static_cast<const bf16*>(gate_up.data), topk_weight.ptr<float>(), copy_row.ptr<int32_t>(), copies, rows, inter);
+  MARROW_CUDA_CHECK_LAUNCH();
 }
 
 // Launches kernel<8> when rows of inter columns split into 16-byte packs, else kernel<1>.
@@ -323,14 +444,11 @@ void swiglu_weighted_backward(Tensor dgate_up, Tensor act, Tensor dtopk_weight, 
                          {"topk_weight", &topk_weight},
                          {"dtopk_weight", &dtopk_weight},
                          {"copy_row", &copy_row}}) == Device::cuda) {
-    for (auto [name, t] : {std::pair{"gate_up", &gate_up}, std::pair{"dgate_up", &dgate_up}, std::pair{"act", &act}, std::pair{"dact", &dact}})
-      expect_dtype(op, name, *t, DType::bf16);
-    for (auto [name, t] : {std::pair{"topk_weight", &topk_weight}, std::pair{"dtopk_weight", &dtopk_weight}}) expect_dtype(op, name, *t, DType::f32);
+    expect_dtypes(op, DType::bf16, {{"gate_up", &gate_up}, {"dgate_up", &dgate_up}, {"act", &act}, {"dact", &dact}});
+    expect_dtypes(op, DType::f32, {{"topk_weight", &topk_weight}, {"dtopk_weight", &dtopk_weight}});
 #ifdef __CUDACC__
-    if (copies == 0) return;
-    const bool packed = d % 8 == 0 && aligned16({dgate_up.data, act.data, dact.data, gate_up.data});
-    if (packed) return launch_weighted_backward<8>(dgate_up, act, dtopk_weight, dact, gate_up, topk_weight, copy_row, stream);
-    return launch_weighted_backward<1>(dgate_up, act, dtopk_weight, dact, gate_up, topk_weight, copy_row, stream);
+    return launch_weighted_backward(swiglu_weighted_backward_kernel<8>, swiglu_weighted_backward_kernel<1>, dgate_up, act, dtopk_weight, dact,
+                                    gate_up, topk_weight, copy_row, stream);
 #else
     no_cuda_kernel(op);
 #endif
@@ -353,7 +471,18 @@ void clamped_swiglu_forward(Tensor out, Tensor gate_up, double alpha, double lim
   const std::array<int64_t, 2> size = check_gate_up(op, gate_up);
   const int64_t n = size[0], d = size[1];
   expect_shape(op, "out", out, {n, d});
-  check_clamped(op, limit, {{"gate_up", &gate_up}, {"out", &out}});
+  check_limit(op, limit);
+  expect_same_dtype(op, {{"gate_up", &gate_up}, {"out", &out}});
+  if (common_device(op, {{"gate_up", &gate_up}, {"out", &out}}) == Device::cuda) {
+    expect_dtype(op, "gate_up", gate_up, DType::bf16);
+#ifdef __CUDACC__
+    const bool packed = d % 8 == 0 && aligned16({out.data, gate_up.data});
+    return launch(clamped_swiglu_forward_kernel<8>, clamped_swiglu_forward_kernel<1>, packed, n, d, stream, clamped_swiglu(alpha, limit),
+                  static_cast<bf16*>(out.data), static_cast<const bf16*>(gate_up.data));
+#else
+    no_cuda_kernel(op);
+#endif
+  }
   (void)stream;
   with_cpu_scalar(op, gate_up, [&](auto s) {
     using T = decltype(s);
@@ -367,7 +496,18 @@ void clamped_swiglu_backward(Tensor dgate_up, Tensor dout, Tensor gate_up, doubl
   const int64_t n = size[0], d = size[1];
   expect_shape(op, "dgate_up", dgate_up, {n, 2 * d});
   expect_shape(op, "dout", dout, {n, d});
-  check_clamped(op, limit, {{"gate_up", &gate_up}, {"dgate_up", &dgate_up}, {"dout", &dout}});
+  check_limit(op, limit);
+  expect_same_dtype(op, {{"gate_up", &gate_up}, {"dgate_up", &dgate_up}, {"dout", &dout}});
+  if (common_device(op, {{"gate_up", &gate_up}, {"dgate_up", &dgate_up}, {"dout", &dout}}) == Device::cuda) {
+    expect_dtype(op, "gate_up", gate_up, DType::bf16);
+#ifdef __CUDACC__
+    const bool packed = d % 8 == 0 && aligned16({dgate_up.data, dout.data, gate_up.data});
+    return launch(clamped_swiglu_backward_kernel<8>, clamped_swiglu_backward_kernel<1>, packed, n, d, stream, clamped_swiglu(alpha, limit),
+                  static_cast<bf16*>(dgate_up.data), static_cast<const bf16*>(dout.data), static_cast<const bf16*>(gate_up.data));
+#else
+    no_cuda_kernel(op);
+#endif
+  }
   (void)stream;
   with_cpu_scalar(op, gate_up, [&](auto s) {
     using T = decltype(s);
@@ -381,8 +521,27 @@ void clamped_swiglu_weighted_backward(Tensor dgate_up, Tensor act, Tensor row_we
   const int64_t n = check_weighted(op, dgate_up, act, dtopk_weight, dact, gate_up, topk_weight, copy_row)[0];
   const int64_t d = gate_up.size(1) / 2, copies = copy_row.numel();
   expect_shape(op, "row_weight", row_weight, {n});
-  check_clamped(op, limit, {{"gate_up", &gate_up}, {"dgate_up", &dgate_up}, {"act", &act}, {"row_weight", &row_weight}, {"dact", &dact},
-                            {"topk_weight", &topk_weight}, {"dtopk_weight", &dtopk_weight}});
+  check_limit(op, limit);
+  if (common_device(op, {{"gate_up", &gate_up},
+                         {"dgate_up", &dgate_up},
+                         {"act", &act},
+                         {"row_weight", &row_weight},
+                         {"dact", &dact},
+                         {"topk_weight", &topk_weight},
+                         {"dtopk_weight", &dtopk_weight},
+                         {"copy_row", &copy_row}}) == Device::cuda) {
+    expect_dtypes(op, DType::bf16, {{"gate_up", &gate_up}, {"dgate_up", &dgate_up}, {"act", &act}, {"dact", &dact}});
+    expect_dtypes(op, DType::f32, {{"topk_weight", &topk_weight}, {"dtopk_weight", &dtopk_weight}, {"row_weight", &row_weight}});
+#ifdef __CUDACC__
+    return launch_weighted_backward(clamped_swiglu_weighted_backward_kernel<8>, clamped_swiglu_weighted_backward_kernel<1>, dgate_up, act,
+                                    dtopk_weight, dact, gate_up, topk_weight, copy_row, stream, clamped_swiglu(alpha, limit),
+                                    row_weight.ptr<float>());
+#else
+    no_cuda_kernel(op);
+#endif
+  }
+  expect_same_dtype(op, {{"gate_up", &gate_up}, {"dgate_up", &dgate_up}, {"act", &act}, {"row_weight", &row_weight}, {"dact", &dact},
+                         {"topk_weight", &topk_weight}, {"dtopk_weight", &dtopk_weight}});
   (void)stream;
   expect_copy_rows(op, copy_row, n);
   with_cpu_scalar(op, gate_up, [&](auto s) {

@@ -38,13 +38,16 @@ void swiglu_weighted_backward(Tensor dgate_up, Tensor act, Tensor dtopk_weight, 
 // the bounds with the bounds included (gate <= limit, -limit <= up <= limit), and zero outside:
 //   dgate = dout * (u + 1) * s * (1 + alpha * g * (1 - s)) * [gate <= limit],  s = sigmoid(alpha * g)
 //   dup   = dout * g * s * [-limit <= up <= limit]
-// limit must be positive. CPU only so far.
+// limit must be positive. On the GPU all tensors are bf16 and the math is f32, clamping at the
+// largest float <= limit (a bf16 value passes a clamp exactly where it does on the CPU).
 void clamped_swiglu_forward(Tensor out, Tensor gate_up, double alpha, double limit, Stream stream = {});
 // dgate_up[R, 2I] (overwritten) from dout[R, I].
 void clamped_swiglu_backward(Tensor dgate_up, Tensor dout, Tensor gate_up, double alpha, double limit, Stream stream = {});
 // swiglu_weighted_backward for the clamped SwiGLU: dtopk_weight[t, j] = dot(dact[r], act_r) (the
 // down projection's bias term is grouped_bias_dot_add's), act[r] = w act_r, row_weight[r] = w (for
-// the down bias's gradient), dgate_up[r] = clamped_swiglu_backward of w dact[r].
+// the down bias's gradient), dgate_up[r] = clamped_swiglu_backward of w dact[r]. On the GPU rounded
+// as swiglu_weighted_backward; act, dact, gate_up, dgate_up bf16; topk_weight, dtopk_weight,
+// row_weight[R] f32.
 void clamped_swiglu_weighted_backward(Tensor dgate_up, Tensor act, Tensor row_weight, Tensor dtopk_weight, Tensor dact, Tensor gate_up,
                                       Tensor topk_weight, Tensor copy_row, double alpha, double limit, Stream stream = {});
 
