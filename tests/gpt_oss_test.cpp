@@ -3,6 +3,7 @@
 #include "engine/step.h"
 #include "gradcheck.h"
 #include "ops/cross_entropy.h"
+#include "ops/grouped_linear_fp8.h"
 
 namespace marrow {
 namespace {
@@ -133,13 +134,19 @@ TEST(GptOss, AnExpertShardHoldsItsRowsOfTheFusedTensors) {
 }
 
 TEST(GptOss, RefusesWhatIsNotBuiltYetInOneSentence) {
+  const GptOss m(GptOssConfig::from_json(tiny_config_json(), "config.json"), DType::f32, Device::cpu);
+  const Arena params("parameters", DType::f32, Device::cpu, m.num_parameters());
+  const GptOssWeights w = m.bind(params);
+  GptOssExpertActivations e;
+  set_expert_fp8(true);
   try {
-    GptOss m(GptOssConfig::from_json(tiny_config_json(), "config.json"), DType::bf16, Device::cuda);
+    m.experts_forward(Buffer(DType::f32, Device::cpu, {1, 64}), e, Buffer(DType::f32, Device::cpu, {1, 64}),
+                      Buffer(DType::i32, Device::cpu, {9}), w.layers[0]);
     FAIL();
   } catch (const Error& e) {
-    EXPECT_STREQ(e.what(), "gpt_oss's GPU path is built but has not been checked on a GPU yet (marrow check --only model); train it on "
-                           "the CPU for now");
+    EXPECT_STREQ(e.what(), "train.fp8 is not supported for gpt_oss yet");
   }
+  set_expert_fp8(false);
 }
 
 // Hugging Face's tensors, in its names and shapes; biases start at zero except the router's.

@@ -2,8 +2,8 @@
 # Everything the GPU machine checks and measures, run there from the repository root after
 # tools/gpu_prepare.sh here, with the device tool carrying .gpu-carry:
 #   tools/gpu_check.sh <log-dir> [correctness|speed|model|profile|all]
-# correctness: build (cmake + ninja, sm_90a) -> marrow check -> tiny model GPU vs CPU and GPU
-#              determinism -> Hugging Face parity of the bf16 forward
+# correctness: build (cmake + ninja, sm_90a) -> marrow check -> tiny model (Qwen3-MoE, then GPT-OSS) GPU vs CPU and
+#              GPU determinism -> Hugging Face parity of the bf16 forward
 # model:       build -> marrow check --only model -> Hugging Face parity
 # speed:       build -> marrow bench --kernels -> marrow bench on the bench config (20 steps:
 #              memory bill, peak, tokens/s) -> leak check over 200 short steps -> profile
@@ -58,6 +58,17 @@ if [ "$what" = correctness ] || [ "$what" = all ]; then
   python3 tools/compare_runs.py runs/tiny-cpu/metrics.jsonl runs/tiny-gpu1/metrics.jsonl runs/tiny-gpu2/metrics.jsonl \
     2>&1 | tee -a "$out/tiny.log" | tail -4
   [ "${PIPESTATUS[0]}" -eq 0 ] || fail "tiny model GPU vs CPU"
+
+  step "tiny GPT-OSS (head_dim 64, the GPU kernels' size): 20 steps on CPU and twice on GPU"
+  mkdir -p runs
+  python3 -c 'import json; c = json.load(open("configs/tiny-gpt-oss.json")); c["head_dim"] = 64; json.dump(c, open("runs/tiny-gpt-oss-d64.json", "w"))'
+  for run in cpu gpu1 gpu2; do
+    device=cuda; [ $run = cpu ] && device=cpu
+    build-gpu/marrow train "${tiny[@]}" --model.config=runs/tiny-gpt-oss-d64.json --train.device=$device \
+      --output.dir=runs/tiny-gpt-oss-$run >> "$out/tiny-gpt-oss.log" 2>&1 || fail "tiny GPT-OSS $run run"
+  done
+  python3 tools/compare_runs.py runs/tiny-gpt-oss-{cpu,gpu1,gpu2}/metrics.jsonl 2>&1 | tee -a "$out/tiny-gpt-oss.log" | tail -4
+  [ "${PIPESTATUS[0]}" -eq 0 ] || fail "tiny GPT-OSS GPU vs CPU"
 
 fi
 

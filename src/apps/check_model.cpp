@@ -174,7 +174,6 @@ void check_model(CheckReport& report) {
   compare_model<Qwen3Moe>(report, "tiny model, top-2 of 8", tiny, 2, 37, false);
   tiny["num_experts_per_tok"] = 8;
   compare_model<Qwen3Moe>(report, "tiny model, K = E = 8", tiny, 2, 37, true);
-  GptOss::allow_unchecked_gpu();
   compare_model<GptOss>(report, "tiny gpt_oss, top-2 of 8", tiny_gpt_oss(2), 2, 37, false);
   compare_model<GptOss>(report, "tiny gpt_oss, K = E = 8", tiny_gpt_oss(8), 2, 37, true);
   // One layer of the bench shape (GPU.md: Qwen3-30B-A3B's layer). The vocabulary and sequence are

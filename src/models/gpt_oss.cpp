@@ -105,23 +105,9 @@ GptOssConfig GptOssConfig::from_json(const Json& json, const std::string& source
   return c;
 }
 
-namespace {
-
-bool& unchecked_gpu() {
-  static bool allowed = false;
-  return allowed;
-}
-
-}  // namespace
-
-void GptOss::allow_unchecked_gpu() { unchecked_gpu() = true; }
-bool GptOss::unchecked_gpu_allowed() { return unchecked_gpu(); }
-
 GptOss::GptOss(const Config& config, DType dtype, Device device, ExpertShard experts)
     : config_(config), dtype_(dtype), device_(device), experts_(experts) {
   const Config& c = config_;
-  MARROW_CHECK(device == Device::cpu || unchecked_gpu_allowed(),
-               "gpt_oss's GPU path is built but has not been checked on a GPU yet (marrow check --only model); train it on the CPU for now");
   if (experts_.count < 0) experts_ = {0, c.num_experts};
   MARROW_CHECK(experts_.first >= 0 && experts_.count >= 1 && experts_.first + experts_.count <= c.num_experts,
                "experts [{}, {}) are not a range of the model's {} experts", experts_.first, experts_.first + experts_.count, c.num_experts);

@@ -14,10 +14,9 @@
 // grouped_linear_forward, the same products.
 // Under expert parallelism a process holds its experts' rows of the fused tensors (TensorSpec's
 // canonical_first), so checkpoints and Hugging Face reads address the whole tensors.
-// The GPU path (bf16 activations, f32 statistics, as Qwen3-MoE's; the own attention kernels' variant
-// for sinks and windows) is built but not yet checked on a GPU: only `marrow check` constructs the
-// model there. Context parallelism runs ring attention with the sinks and windows
-// (parallel/ring_attention.h; on the CPU only so far).
+// The GPU path: bf16 activations and f32 statistics, as Qwen3-MoE's; the own attention kernels'
+// instantiations for sinks and windows. Context parallelism runs ring attention with the sinks and
+// windows (parallel/ring_attention.h; on the CPU only so far: the GPU refuses windowed blocks).
 #pragma once
 #include <string>
 #include <vector>
@@ -97,10 +96,6 @@ class GptOss {
   static constexpr const char* model_type = "gpt_oss";
 
   GptOss(const Config& config, DType dtype, Device device, ExpertShard experts = {});
-  // The GPU path is built but has not run on a GPU yet, so constructing the model there is refused in
-  // one sentence, except where `marrow check` compares it with the CPU (check_model), which allows it.
-  static void allow_unchecked_gpu();
-  static bool unchecked_gpu_allowed();
 
   const Config& config() const { return config_; }
   DType dtype() const { return dtype_; }
