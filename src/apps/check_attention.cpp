@@ -73,18 +73,20 @@ Problem make_inputs(const Shape& n, uint64_t seed) {
   return p;
 }
 
-Problem reference(const Shape& n, uint64_t seed) {
+// With a variant (GPT-OSS's sinks and window; the plain op's bits without one), dsinks [Hq] gets the
+// sinks' gradient.
+Problem reference(const Shape& n, uint64_t seed, const AttentionVariant& variant = {}, Tensor dsinks = {}) {
   Problem p = make_inputs(n, seed);
   p.out = Buffer(DType::f32, Device::cpu, {n.b, n.s, n.hq, n.d});
   p.lse = Buffer(DType::f32, Device::cpu, {n.b, n.hq, n.s});
-  attention_forward(p.out, p.lse, p.q, p.k, p.v);
+  attention_forward(p.out, p.lse, p.q, p.k, p.v, variant);
   p.out_bf16 = Buffer(DType::f32, Device::cpu, {n.b, n.s, n.hq, n.d});
   copy(p.out_bf16, p.out);
   round_to_bf16(p.out_bf16);
   p.dq = Buffer(DType::f32, Device::cpu, {n.b, n.s, n.hq, n.d});
   p.dk = Buffer(DType::f32, Device::cpu, {n.b, n.s, n.hkv, n.d});
   p.dv = Buffer(DType::f32, Device::cpu, {n.b, n.s, n.hkv, n.d});
-  attention_backward(p.dq, p.dk, p.dv, p.dout, p.q, p.k, p.v, p.out_bf16, p.lse);
+  attention_backward(p.dq, p.dk, p.dv, dsinks, p.dout, p.q, p.k, p.v, p.out_bf16, p.lse, variant);
   return p;
 }
 
@@ -400,21 +402,10 @@ void check_blocks(CheckReport& report, uint64_t seed) {
 // tile, across tiles, longer than the sequence) and sinks, against the CPU's variant op; the sinks'
 // gradient from attention_sinks_backward's kernel. The sinks are bf16 like the working weights.
 void check_variant(CheckReport& report, const Shape& n, int64_t window, bool with_sinks, uint64_t seed) {
-  Problem p = make_inputs(n, seed);
-  Buffer sinks = random_host({n.hq}, seed + 4);
+  Buffer sinks = random_host({n.hq}, seed + 4), dsinks = Buffer::zeros(DType::f32, Device::cpu, {n.hq});
   round_to_bf16(sinks);
-  const AttentionVariant cpu{with_sinks ? sinks.view() : Tensor{}, window};
-  p.out = Buffer(DType::f32, Device::cpu, {n.b, n.s, n.hq, n.d});
-  p.lse = Buffer(DType::f32, Device::cpu, {n.b, n.hq, n.s});
-  attention_forward(p.out, p.lse, p.q, p.k, p.v, cpu);
-  p.out_bf16 = Buffer(DType::f32, Device::cpu, {n.b, n.s, n.hq, n.d});
-  copy(p.out_bf16, p.out);
-  round_to_bf16(p.out_bf16);
-  p.dq = Buffer(DType::f32, Device::cpu, {n.b, n.s, n.hq, n.d});
-  p.dk = Buffer(DType::f32, Device::cpu, {n.b, n.s, n.hkv, n.d});
-  p.dv = Buffer(DType::f32, Device::cpu, {n.b, n.s, n.hkv, n.d});
-  Buffer dsinks = Buffer::zeros(DType::f32, Device::cpu, {n.hq});
-  attention_backward(p.dq, p.dk, p.dv, with_sinks ? dsinks.view() : Tensor{}, p.dout, p.q, p.k, p.v, p.out_bf16, p.lse, cpu);
+  const Problem p =
+      reference(n, seed, AttentionVariant{with_sinks ? sinks.view() : Tensor{}, window}, with_sinks ? dsinks.view() : Tensor{});
 
   Gpu g(p);
   Buffer gpu_sinks = to_device(sinks, DType::bf16), gpu_dsinks = Buffer::zeros(DType::f32, Device::cuda, {n.hq});

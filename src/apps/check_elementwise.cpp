@@ -230,6 +230,28 @@ void check_rmsnorm_rope(CheckReport& report, int64_t n, int64_t heads, int64_t d
   report.expect_equal("rmsnorm_rope_backward with the cos/sin table: dweight bits " + size, dweight_table_d, to_host(dweight_d));
 }
 
+// rope_forward and rope_backward on random x [n, heads, d] (seeds seed, seed + 1) at `positions`,
+// GPU against CPU; `rope` is a theta or RopeParameters.
+template <class Rope>
+void compare_rope(CheckReport& report, const std::string& size, const Buffer& positions, int64_t n, int64_t heads, int64_t d, bool in_place,
+                  uint64_t seed, const Rope& rope) {
+  OnDevice positions_d(positions, DType::i32);
+  for (int backward = 0; backward < 2; ++backward) {
+    Buffer x = random_bf16({n, heads, d}, seed + backward), y = host_f32({n, heads, d});
+    OnDevice x_d(x, DType::bf16);
+    Buffer y_d = poisoned(DType::bf16, {n, heads, d});
+    Tensor out_d = in_place ? x_d.tensor : y_d.view();
+    if (backward) {
+      rope_backward(y, x, positions, rope);
+      rope_backward(out_d, x_d, positions_d, rope);
+    } else {
+      rope_forward(y, x, positions, rope);
+      rope_forward(out_d, x_d, positions_d, rope);
+    }
+    report.compare((backward ? "rope_backward " : "rope_forward ") + size, out_d, y, kBf16);
+  }
+}
+
 // positions = t when `sequential`, else random in [0, 40000); the bench size runs in place.
 void check_rope(CheckReport& report, int64_t n, int64_t heads, int64_t d, bool sequential, bool in_place) {
   const std::string size = fmt::format("T={} H={} D={}{}", n, heads, d, in_place ? " in place" : "");
@@ -237,21 +259,7 @@ void check_rope(CheckReport& report, int64_t n, int64_t heads, int64_t d, bool s
   Buffer positions = random_ids({n}, 40000, 20);
   if (sequential)
     for (int64_t t = 0; t < n; ++t) positions.ptr<int32_t>()[t] = int32_t(t);
-  OnDevice positions_d(positions, DType::i32);
-  for (int backward = 0; backward < 2; ++backward) {
-    Buffer x = random_bf16({n, heads, d}, 21 + backward), y = host_f32({n, heads, d});
-    OnDevice x_d(x, DType::bf16);
-    Buffer y_d = poisoned(DType::bf16, {n, heads, d});
-    Tensor out_d = in_place ? x_d.tensor : y_d.view();
-    if (backward) {
-      rope_backward(y, x, positions, theta);
-      rope_backward(out_d, x_d, positions_d, theta);
-    } else {
-      rope_forward(y, x, positions, theta);
-      rope_forward(out_d, x_d, positions_d, theta);
-    }
-    report.compare((backward ? "rope_backward " : "rope_forward ") + size, out_d, y, kBf16);
-  }
+  compare_rope(report, size, positions, n, heads, d, in_place, 21, theta);
 }
 
 // YaRN RoPE with GPT-OSS's rope_parameters (attention_factor 0: Hugging Face's default, 1.35 for
@@ -272,21 +280,7 @@ void check_rope_yarn(CheckReport& report, int64_t n, int64_t heads, int64_t d, b
   Buffer positions = random_ids({n}, 131072, 28);
   const int32_t planted[] = {0, 4095, 4096, 131071};
   std::copy(std::begin(planted), std::end(planted), positions.ptr<int32_t>());
-  OnDevice positions_d(positions, DType::i32);
-  for (int backward = 0; backward < 2; ++backward) {
-    Buffer x = random_bf16({n, heads, d}, 23 + backward), y = host_f32({n, heads, d});
-    OnDevice x_d(x, DType::bf16);
-    Buffer y_d = poisoned(DType::bf16, {n, heads, d});
-    Tensor out_d = in_place ? x_d.tensor : y_d.view();
-    if (backward) {
-      rope_backward(y, x, positions, rope);
-      rope_backward(out_d, x_d, positions_d, rope);
-    } else {
-      rope_forward(y, x, positions, rope);
-      rope_forward(out_d, x_d, positions_d, rope);
-    }
-    report.compare((backward ? "rope_backward " : "rope_forward ") + size, out_d, y, kBf16);
-  }
+  compare_rope(report, size, positions, n, heads, d, in_place, 23, rope);
 }
 
 // bias_forward in place, then bias_backward accumulating into random values and overwriting poison,
