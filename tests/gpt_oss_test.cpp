@@ -149,6 +149,17 @@ TEST(GptOss, RefusesWhatIsNotBuiltYetInOneSentence) {
   set_expert_fp8(false);
 }
 
+// The bench's attention FLOPs: the tiny config's layers are sliding (window 3) then full. A query
+// of a sliding layer sees min(i + 1, W) keys; the count is that mean up to the convention's S / 2
+// for a full layer (W - W^2 / (2 S) against W - W (W - 1) / (2 S)).
+TEST(GptOss, AttentionFlopsCountEachLayersWindow) {
+  const GptOss m(GptOssConfig::from_json(tiny_config_json(), "config.json"), DType::f32, Device::cpu);
+  const double width = 4 * 8, full = 6.0 * 64 * width;  // S = 64
+  EXPECT_DOUBLE_EQ(m.attention_flops_per_token(64), full + 12.0 * (3 - 9.0 / 128) * width);
+  EXPECT_DOUBLE_EQ(m.attention_flops_per_token(3), 2 * 6.0 * 3 * width);  // the window spans the sequence
+  EXPECT_DOUBLE_EQ(m.attention_flops_per_token(2), 2 * 6.0 * 2 * width);
+}
+
 // Hugging Face's tensors, in its names and shapes; biases start at zero except the router's.
 TEST(GptOss, ParameterTableIsHuggingFacesAndInitialisesAsItDoes) {
   GptOss m(GptOssConfig::from_json(tiny_config_json(), "config.json"), DType::f32, Device::cpu);

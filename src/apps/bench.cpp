@@ -425,9 +425,8 @@ void bench_training(RunConfig rc, const typename M::Config& config, int64_t warm
     for (int k = 0; k < kStageCount; ++k) stage_ms[size_t(k)] += history[size_t(i)].stage_ms[size_t(k)] / double(timed);
   }
   const double tokens = double(rc.global_batch * rc.seq_len);
-  // Per token: 6 x active parameters, plus causal attention's 6 S D Hq per layer (forward + backward).
-  const double attention = 6.0 * double(rc.seq_len) * double(model.attention_width()) * double(config.num_layers);
-  const double flops_per_token = 6.0 * double(model.num_active_parameters()) + attention;
+  // Per token: 6 x active parameters, plus causal attention's (6 S D Hq per full layer, forward + backward).
+  const double flops_per_token = 6.0 * double(model.num_active_parameters()) + model.attention_flops_per_token(rc.seq_len);
   const double tflops = flops_per_token * tokens / (ms * 1e-3) / 1e12;
   // Several processes: the figures are per GPU (tokens/s of the whole job over its processes).
   const double gpus = double(process::size());

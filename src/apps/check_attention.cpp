@@ -5,7 +5,7 @@
 // log-sum-exp merge, with the same bounds. The causal op's rows run three times: on the own kernels,
 // on cuDNN's (ops/attention_cudnn.h; rows named "attention cudnn ...") and on cuDNN's with its
 // non-deterministic backward (no "same bits" rows there). Then GPT-OSS's variant (sliding windows,
-// sinks) on the own kernels. Then cuDNN's deterministic backward in
+// sinks) on the own kernels and on cuDNN's. Then cuDNN's deterministic backward in
 // forced query chunks (rows "attention cudnn chunk N ..."; set_cudnn_backward_chunk) at odd lengths,
 // within head groups, and at the bench shape, same bounds and the same bits twice.
 //
@@ -105,18 +105,18 @@ struct Gpu {
   // to_device gives flat buffers; the ops want [B, S, heads, D].
   Tensor rows4(const Buffer& b, int64_t heads) const { return b.view().reshape({n.b, n.s, heads, n.d}); }
 
-  void forward() {
+  void forward(const AttentionVariant& variant = {}) {
     out = poisoned(DType::bf16, {n.b, n.s, n.hq, n.d});
     lse = poisoned(DType::f32, {n.b, n.hq, n.s});
-    attention_forward(out, lse, rows4(q, n.hq), rows4(k, n.hkv), rows4(v, n.hkv));
+    attention_forward(out, lse, rows4(q, n.hq), rows4(k, n.hkv), rows4(v, n.hkv), variant);
   }
-  // Backward from the given out and lse; by default the forward's own.
-  void backward(Tensor out_in = {}, Tensor lse_in = {}) {
+  // Backward from the given out and lse (by default the forward's own); with sinks, dsinks is added to.
+  void backward(Tensor out_in = {}, Tensor lse_in = {}, const AttentionVariant& variant = {}, Tensor dsinks = {}) {
     dq = poisoned(DType::bf16, {n.b, n.s, n.hq, n.d});
     dk = poisoned(DType::bf16, {n.b, n.s, n.hkv, n.d});
     dv = poisoned(DType::bf16, {n.b, n.s, n.hkv, n.d});
-    attention_backward(dq, dk, dv, rows4(dout, n.hq), rows4(q, n.hq), rows4(k, n.hkv), rows4(v, n.hkv),
-                       out_in.data ? out_in : out.view(), lse_in.data ? lse_in : lse.view());
+    attention_backward(dq, dk, dv, dsinks, rows4(dout, n.hq), rows4(q, n.hq), rows4(k, n.hkv), rows4(v, n.hkv),
+                       out_in.data ? out_in : out.view(), lse_in.data ? lse_in : lse.view(), variant);
   }
 };
 
@@ -162,14 +162,15 @@ void expect_finite(CheckReport& report, const std::string& name, Tensor gpu) {
   report.add({name, double(bad), 0, bad == 0});
 }
 
-// The bench shape: the CPU reference of S = 4096 takes minutes (O(S^2 D H)), so the reference runs
-// at S = 1024 on the same inputs' first 1024 positions. Causality makes the bench run's first 1024
-// rows of out, lse and dq functions of those positions alone, computed by the very same tiles, so
-// they are compared with that reference; every S = 4096 result must be finite (poison shows), and
-// a second run must give the same bits (no atomics, DESIGN.md §4).
-void check_bench(CheckReport& report) {
-  const Shape bench{1, 4096, 32, 4, 128}, prefix{1, 1024, 32, 4, 128};
-  const uint64_t seed = 500;
+// The bench shape (and the same at head_dim 64, which the wgmma kernels leave to cuDNN): the CPU
+// reference of S = 4096 takes minutes (O(S^2 D H)), so the reference runs at S = 1024 on the same
+// inputs' first 1024 positions. Causality makes the bench run's first 1024 rows of out, lse and dq
+// functions of those positions alone, computed by the very same tiles, so they are compared with
+// that reference; every S = 4096 result must be finite (poison shows), and a second run must give
+// the same bits (no atomics, DESIGN.md §4).
+void check_bench(CheckReport& report, int64_t head_dim) {
+  const Shape bench{1, 4096, 32, 4, head_dim}, prefix{1, 1024, 32, 4, head_dim};
+  const uint64_t seed = 500 + uint64_t(head_dim);
   const Problem ref = reference(prefix, seed);
   check_shape(report, ref);
 
@@ -324,6 +325,53 @@ void check_merge(CheckReport& report) {
   report.add({"attention merge lse B2 S37 rows [3, 30) (abs; -inf outside)", error, 1e-5, error <= 1e-5});
 }
 
+// GPT-OSS's variant (ops/attention.h's AttentionVariant): the causal op with a sliding window
+// (shorter than a tile, across tiles, longer than the sequence) and sinks, against the CPU's variant
+// op, on the own kernels' V instantiations (setting own) and on cuDNN's (hopper_backward, the
+// default: the wgmma kernels take no variant), or the settings given, each run twice for the same
+// bits; the sinks' gradient from attention_sinks_backward's kernel. The sinks are bf16 like the
+// working weights.
+void check_variant(CheckReport& report, const Shape& n, int64_t window, bool with_sinks, uint64_t seed,
+                   std::initializer_list<AttentionKernels> settings = {AttentionKernels::own, AttentionKernels::hopper_backward}) {
+  Buffer sinks = random_host({n.hq}, seed + 4), dsinks = Buffer::zeros(DType::f32, Device::cpu, {n.hq});
+  round_to_bf16(sinks);
+  const Problem p =
+      reference(n, seed, AttentionVariant{with_sinks ? sinks.view() : Tensor{}, window}, with_sinks ? dsinks.view() : Tensor{});
+  Buffer gpu_sinks = to_device(sinks, DType::bf16);
+  const AttentionVariant variant{with_sinks ? gpu_sinks.view() : Tensor{}, window};
+  // The backward reads the reference's out and lse, so its rows measure the backward alone.
+  Buffer out_in = to_device(p.out_bf16, DType::bf16), lse_in = to_device(p.lse, DType::f32);
+  const std::string what = fmt::format("variant window {}{}", window, with_sinks ? " sinks" : "");
+  for (const AttentionKernels kernels : settings) {
+    set_attention_kernels(kernels);
+    Gpu runs[2] = {Gpu(p), Gpu(p)};
+    Buffer run_dsinks[2];
+    for (int r = 0; r < 2; ++r) {
+      run_dsinks[r] = Buffer::zeros(DType::f32, Device::cuda, {n.hq});
+      runs[r].forward(variant);
+      runs[r].backward(out_in.view().reshape({n.b, n.s, n.hq, n.d}), lse_in.view().reshape({n.b, n.hq, n.s}), variant,
+                       with_sinks ? run_dsinks[r].view() : Tensor{});
+    }
+    const Gpu& g = runs[0];
+    auto name = [&](const char* tensor) { return label(fmt::format("{} {}", what, tensor).c_str(), n); };
+    report.compare(name("out"), g.out, p.out, kOutBound);
+    report.compare(name("lse"), g.lse, p.lse, kLseBound);
+    // A window of 1 gives every row one key of probability 1, so dq = dk = 0 exactly on the CPU: compare's absolute rows.
+    compare(report, name("dq"), g.dq, p.dq, kGradBound);
+    compare(report, name("dk"), g.dk, p.dk, kGradBound);
+    compare(report, name("dv"), g.dv, p.dv, kGradBound);
+    if (with_sinks) compare(report, name("dsinks"), run_dsinks[0], dsinks, kGradBound);
+    const std::pair<const char*, std::pair<const Buffer*, const Buffer*>> results[] = {
+        {"out", {&runs[0].out, &runs[1].out}}, {"lse", {&runs[0].lse, &runs[1].lse}}, {"dq", {&runs[0].dq, &runs[1].dq}},
+        {"dk", {&runs[0].dk, &runs[1].dk}},    {"dv", {&runs[0].dv, &runs[1].dv}},    {"dsinks", {&run_dsinks[0], &run_dsinks[1]}}};
+    for (const auto& [tensor, pair] : results) {
+      if (std::string(tensor) == "dsinks" && !with_sinks) continue;
+      Buffer bits = to_host(*pair.first);
+      report.expect_equal(name(fmt::format("{} same bits", tensor).c_str()), *pair.second, bits);
+    }
+  }
+}
+
 // cuDNN's deterministic backward in query chunks, which its plan takes only past the workspace cap
 // (S > 16384 at the bench's heads), forced here: chunks that do not divide odd lengths (the first
 // chunk is the short one, a single row joins the next), both head dims, two batch rows; chunks within
@@ -348,9 +396,11 @@ void check_cudnn_chunks(CheckReport& report) {
   backward_variant = " chunk 64 in 2 head groups";
   check_shape(report, reference({1, 257, 4, 4, 128}, chunk_seed += 4));
   set_cudnn_backward_workspace_cap(0);
+  backward_variant = " chunk 64";  // the window's band aligned to each chunk's last row
+  check_variant(report, {1, 300, 16, 2, 64}, 128, true, chunk_seed += 8, {AttentionKernels::cudnn});
   set_cudnn_backward_chunk(1024);
   backward_variant = " chunk 1024";
-  check_bench(report);
+  check_bench(report, 128);
   set_cudnn_backward_chunk(0);
   backward_variant.clear();
 }
@@ -397,49 +447,18 @@ void check_blocks(CheckReport& report, uint64_t seed) {
   for (const BlockCase& c : wgmma_blocks) check_block(report, c, seed += 8);
 }
 
-// GPT-OSS's variant (ops/attention.h's AttentionVariant) on the own kernels' V instantiations, which
-// run it whatever train.attention_kernels says: the causal op with a sliding window (shorter than a
-// tile, across tiles, longer than the sequence) and sinks, against the CPU's variant op; the sinks'
-// gradient from attention_sinks_backward's kernel. The sinks are bf16 like the working weights.
-void check_variant(CheckReport& report, const Shape& n, int64_t window, bool with_sinks, uint64_t seed) {
-  Buffer sinks = random_host({n.hq}, seed + 4), dsinks = Buffer::zeros(DType::f32, Device::cpu, {n.hq});
-  round_to_bf16(sinks);
-  const Problem p =
-      reference(n, seed, AttentionVariant{with_sinks ? sinks.view() : Tensor{}, window}, with_sinks ? dsinks.view() : Tensor{});
-
-  Gpu g(p);
-  Buffer gpu_sinks = to_device(sinks, DType::bf16), gpu_dsinks = Buffer::zeros(DType::f32, Device::cuda, {n.hq});
-  const AttentionVariant gpu{with_sinks ? gpu_sinks.view() : Tensor{}, window};
-  g.out = poisoned(DType::bf16, {n.b, n.s, n.hq, n.d});
-  g.lse = poisoned(DType::f32, {n.b, n.hq, n.s});
-  attention_forward(g.out, g.lse, g.rows4(g.q, n.hq), g.rows4(g.k, n.hkv), g.rows4(g.v, n.hkv), gpu);
-  const std::string what = fmt::format("variant window {}{}", window, with_sinks ? " sinks" : "");
-  auto name = [&](const char* tensor) { return fmt::format("attention {} {} B{} S{} H{}/{} D{}", what, tensor, n.b, n.s, n.hq, n.hkv, n.d); };
-  report.compare(name("out"), g.out, p.out, kOutBound);
-  report.compare(name("lse"), g.lse, p.lse, kLseBound);
-  // The backward reads the reference's out and lse, so its rows measure the backward alone.
-  Buffer out_in = to_device(p.out_bf16, DType::bf16), lse_in = to_device(p.lse, DType::f32);
-  g.dq = poisoned(DType::bf16, {n.b, n.s, n.hq, n.d});
-  g.dk = poisoned(DType::bf16, {n.b, n.s, n.hkv, n.d});
-  g.dv = poisoned(DType::bf16, {n.b, n.s, n.hkv, n.d});
-  attention_backward(g.dq, g.dk, g.dv, with_sinks ? gpu_dsinks.view() : Tensor{}, g.rows4(g.dout, n.hq), g.rows4(g.q, n.hq),
-                     g.rows4(g.k, n.hkv), g.rows4(g.v, n.hkv), out_in.view().reshape({n.b, n.s, n.hq, n.d}),
-                     lse_in.view().reshape({n.b, n.hq, n.s}), gpu);
-  // A window of 1 gives every row one key of probability 1, so dq = dk = 0 exactly on the CPU: compare's absolute rows.
-  compare(report, name("dq"), g.dq, p.dq, kGradBound);
-  compare(report, name("dk"), g.dk, p.dk, kGradBound);
-  compare(report, name("dv"), g.dv, p.dv, kGradBound);
-  if (with_sinks) compare(report, name("dsinks"), gpu_dsinks, dsinks, kGradBound);
-}
-
 void check_variants(CheckReport& report, uint64_t seed) {
-  // GPT-OSS's shapes: head_dim 64, groups of 8, window 128 (across tiles of 64); windows of 1 and 37
-  // (inside a tile), one longer than the sequence; odd lengths; D 128 too.
+  // GPT-OSS's shapes: head_dim 64, groups of 8, window 128 (across tiles of 64), and gpt-oss-20b's
+  // heads at 2048 positions (many key tiles a row: where unordered sums would show); windows of 1
+  // and 37 (inside a tile), one longer than the sequence; odd lengths; D 128 too.
   const std::pair<Shape, int64_t> cases[] = {{{2, 300, 16, 2, 64}, 128}, {{1, 257, 4, 4, 128}, 37}, {{1, 129, 8, 1, 64}, 1},
-                                             {{1, 37, 8, 2, 64}, 100}, {{1, 200, 8, 1, 64}, 0}};
+                                             {{1, 37, 8, 2, 64}, 100},   {{1, 200, 8, 1, 64}, 0},     {{1, 2048, 64, 8, 64}, 128},
+                                             {{1, 2048, 64, 8, 64}, 0}};
+  const AttentionKernels before = attention_kernels();
   for (const auto& [n, window] : cases)
     for (const bool with_sinks : {false, true})
-      if (window > 0 || with_sinks) check_variant(report, n, window, with_sinks, seed += 8);
+      if ((window > 0 || with_sinks) && (n.s < 2048 || with_sinks)) check_variant(report, n, window, with_sinks, seed += 8);
+  set_attention_kernels(before);
 }
 
 }  // namespace
@@ -457,7 +476,8 @@ void check_attention_op(CheckReport& report) {
     set_attention_kernels(kernels);
     uint64_t shape_seed = seed;
     for (const Shape& n : shapes) check_shape(report, reference(n, shape_seed += 4));
-    check_bench(report);
+    check_bench(report, 128);
+    check_bench(report, 64);
   }
   check_cudnn_chunks(report);
   check_hopper(report);

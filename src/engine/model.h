@@ -28,6 +28,7 @@ concept MoeModel = requires(const M& m, typename M::AttentionActivations& a, typ
   { m.num_parameters() } -> std::convertible_to<int64_t>;
   { m.num_active_parameters() } -> std::convertible_to<int64_t>;
   { m.attention_width() } -> std::convertible_to<int64_t>;  // query heads x head dim: attention's FLOPs
+  { m.attention_flops_per_token(int64_t(1)) } -> std::convertible_to<double>;  // forward and backward, all layers
   { m.bind(std::declval<const Arena&>()) } -> std::same_as<typename M::Weights>;
   m.prolog_forward(t, batch, w);
   m.prolog_backward(w, t, batch, t);  // t: the embedding gradient's known-zero row flags

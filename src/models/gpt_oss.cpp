@@ -152,6 +152,15 @@ int64_t GptOss::num_active_parameters() const {
   return c.num_layers * (attention + c.num_experts * H + experts) + c.vocab_size * H;
 }
 
+double GptOss::attention_flops_per_token(int64_t seq) const {
+  double keys = 0;  // keys a query sees on average, summed over layers
+  for (int64_t layer = 0; layer < config_.num_layers; ++layer) {
+    const double s = double(seq), w = config_.sliding[size_t(layer)] ? double(std::min(config_.sliding_window, seq)) : s;
+    keys += w - w * w / (2 * s);
+  }
+  return 12.0 * keys * double(attention_width());
+}
+
 GptOssWeights GptOss::bind(const Placement& placement) const {
   const Config& c = config_;
   const int64_t H = c.hidden_size, D = c.head_dim, I = c.expert_intermediate_size, E = c.num_experts, El = experts_.count;
@@ -432,8 +441,8 @@ void GptOss::epilog_backward(Tensor dx, const GptOssWeights& grads, double loss_
                           overwrite_grads);
 }
 
-// Mirrors the stage functions above buffer by buffer, in buffer() and stats() dtypes; op scratch (the
-// GPU attention backward's delta and GQA partials) is left out.
+// Mirrors the stage functions above buffer by buffer, in buffer() and stats() dtypes, with the GPU
+// attention backward's scratch (ops/attention.h) while dq, dk, h1 and dh1 are not yet alive.
 ModelActivationBytes GptOss::activation_bytes(int64_t batch, int64_t seq, int64_t expert_rows) const {
   const Config& c = config_;
   const int64_t T = batch * seq, R = expert_rows, H = c.hidden_size, D = c.head_dim, I = c.expert_intermediate_size;
@@ -445,8 +454,9 @@ ModelActivationBytes GptOss::activation_bytes(int64_t batch, int64_t seq, int64_
   m.attention.kept = T * (3 * H + 2 * q + 2 * kv) * a + (T * (2 + c.num_heads + E + K) + 2 * E + 1) * s + T * K * i32;
   // h1 with q and k before RoPE, then the router logits.
   m.attention.forward_scratch = std::max(T * (H + q + kv) * a, T * E * s);
-  // dlogits, dres, dattn, dq_rope, dk_rope, dv; then dq, dk, h1 and dh1.
-  m.attention.backward_scratch = T * (E + H + 2 * q + 2 * kv) * a + T * (q + kv + 2 * H) * a;
+  // dlogits, dres, dattn, dq_rope, dk_rope, dv; then the op's scratch, or dq, dk, h1 and dh1.
+  const int64_t op = device_ == Device::cuda ? attention_backward_scratch(batch, seq, c.num_heads, c.num_kv_heads, D, true) : 0;
+  m.attention.backward_scratch = T * (E + H + 2 * q + 2 * kv) * a + std::max(op, T * (q + kv + 2 * H) * a);
   m.experts.kept = R * 2 * I * a;
   m.experts.forward_scratch = R * I * a;
   m.experts.backward_scratch = R * 4 * I * a + R * s;

@@ -14,8 +14,8 @@
 // grouped_linear_forward, the same products.
 // Under expert parallelism a process holds its experts' rows of the fused tensors (TensorSpec's
 // canonical_first), so checkpoints and Hugging Face reads address the whole tensors.
-// The GPU path: bf16 activations and f32 statistics, as Qwen3-MoE's; the own attention kernels'
-// instantiations for sinks and windows. Context parallelism runs ring attention with the sinks and
+// The GPU path: bf16 activations and f32 statistics, as Qwen3-MoE's; cuDNN's attention with its sink
+// token and diagonal band (or the own kernels' instantiations for sinks and windows). Context parallelism runs ring attention with the sinks and
 // windows (parallel/ring_attention.h; on the CPU only so far: the GPU refuses windowed blocks).
 #pragma once
 #include <string>
@@ -109,6 +109,9 @@ class GptOss {
   int64_t num_parameters() const { return num_parameters_; }
   int64_t num_active_parameters() const;
   int64_t attention_width() const { return config_.num_heads * config_.head_dim; }
+  // Attention's FLOPs per token, forward and backward, by Qwen3Moe's convention (S / 2 keys a query
+  // in a full layer); a sliding layer's query sees W - W^2 / (2 S) keys on average, the same at W = S.
+  double attention_flops_per_token(int64_t seq) const;
 
   GptOssWeights bind(const Placement& placement) const;
   // Hugging Face's initialisation: normal(0, initializer_range) for matrices, embeddings, sinks and

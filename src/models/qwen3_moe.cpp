@@ -4,8 +4,6 @@
 
 #include "core/weights_generation.h"
 #include "ops/attention.h"
-#include "ops/attention_cudnn.h"
-#include "ops/attention_hopper.h"
 #include "ops/combine.h"
 #include "ops/dispatch.h"
 #include "ops/embedding.h"
@@ -427,26 +425,6 @@ void Qwen3Moe::epilog_backward(Tensor dx, const Qwen3MoeWeights& grads, double l
                           overwrite_grads);
 }
 
-namespace {
-
-// The GPU attention backward's scratch. Own kernels (ops/attention.cu): the f32 row statistic delta
-// and, with grouped-query heads, f32 dK/dV per query head that are summed into the KV heads
-// afterwards. cuDNN's (ops/attention_cudnn.h): its workspace (dP and more) and, when the deterministic
-// backward runs in query chunks, the f32 dK, dV sums. The wgmma backward's (ops/attention_hopper.h):
-// f32 dQ, dK, dV accumulators.
-int64_t attention_backward_op_scratch(int64_t batch, int64_t seq, int64_t q_heads, int64_t kv_heads, int64_t head_dim) {
-  const bool hopper = attention_kernels() == AttentionKernels::hopper || attention_kernels() == AttentionKernels::hopper_backward;
-  if (hopper && hopper_attention_supports(seq, q_heads, kv_heads, head_dim))
-    return hopper_attention_backward_scratch(batch, seq, q_heads, kv_heads, head_dim);
-  const bool deterministic = attention_kernels() == AttentionKernels::cudnn;
-  if (attention_kernels() != AttentionKernels::own &&
-      cudnn_attention_backward_supports(batch, seq, q_heads, kv_heads, head_dim, deterministic))
-    return cudnn_attention_backward_scratch(batch, seq, q_heads, kv_heads, head_dim, deterministic);
-  const int64_t T = batch * seq;
-  return T * q_heads * 4 + (q_heads > kv_heads ? 2 * T * q_heads * head_dim * 4 : 0);
-}
-
-}  // namespace
 
 // Mirrors the stage functions above buffer by buffer; op scratch of a few KiB (router counts, the
 // norm weight-gradient partials, grouped-GEMM pointer arrays) is left out.
@@ -469,7 +447,7 @@ ModelActivationBytes Qwen3Moe::activation_bytes(int64_t batch, int64_t seq, int6
   // Alive through the attention op: dlogits, dres, dattn, dq_rope, dk_rope, dv, and q_rope, k_rope
   // computed again; after it, dq, dk, dh1 and h1 computed again.
   const int64_t before_op = T * (E + H + 2 * q + 2 * kv) * a;
-  const int64_t op = gpu ? attention_backward_op_scratch(batch, seq, c.num_heads, c.num_kv_heads, D) : 0;
+  const int64_t op = gpu ? attention_backward_scratch(batch, seq, c.num_heads, c.num_kv_heads, D) : 0;
   m.attention.backward_scratch = before_op + std::max(T * (q + kv) * a + op, T * (q + kv + 2 * H) * a);
 
   m.experts.kept = R * 2 * I * a;              // gate_up (x_perm is the engine's: EngineBytes)

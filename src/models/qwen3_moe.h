@@ -127,6 +127,9 @@ class Qwen3Moe {
   int64_t num_active_parameters() const;
   // Query heads x head dim: causal attention's work per token is ~2 x sequence x this multiply-adds.
   int64_t attention_width() const { return config_.num_heads * config_.head_dim; }
+  // Causal attention's FLOPs per token over every layer, forward and backward: 6 x seq x width a layer
+  // (the convention of PyTorch trainers' MFU: S / 2 keys a query, 4 products a key and head dim forward, twice that backward).
+  double attention_flops_per_token(int64_t seq) const { return 6.0 * double(seq) * double(attention_width()) * double(num_layers()); }
 
   // Views of the parameter table's tensors wherever the placement puts them (an arena, or the
   // buffers of fully sharded data parallelism).

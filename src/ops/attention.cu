@@ -972,8 +972,7 @@ std::pair<Dims, bool> check_backward(const char* op, Tensor dq, Tensor dk, Tenso
   return {n, gpu};
 }
 
-// sinks [Hq] with q's dtype and device, a window >= 0. Returns whether the op has a variant (on the GPU:
-// the own kernels' V instantiations, whatever train.attention_kernels says).
+// sinks [Hq] with q's dtype and device, a window >= 0. Returns whether the op has a variant.
 bool check_variant(const char* op, const Dims& n, const Tensor& q, const AttentionVariant& variant) {
   MARROW_CHECK(variant.window >= 0, "{}: the sliding window must be 0 (none) or positive, got {}", op, variant.window);
   if (variant.sinks.data) {
@@ -1006,26 +1005,34 @@ void backward(const char* op, Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tens
   });
 }
 
-// The causal op goes to cuDNN when the setting asks for it and cuDNN serves the sizes.
-bool forward_on_cudnn(const Dims& n, Tensor q) {
+// Which kernels run the causal op on the GPU: the setting's choice where it serves the sizes, else
+// the next (hopper -> cuDNN -> own). The wgmma kernels (hopper) take no variant.
+enum class CausalPath : uint8_t { hopper, cudnn, own };
+
+bool cudnn_backward_deterministic() { return attention_kernels() != AttentionKernels::cudnn_nondeterministic; }
+
+CausalPath forward_path(int64_t seq, int64_t q_heads, int64_t kv_heads, int64_t head_dim, bool variant) {
 #if MARROW_CUDA
-  return attention_kernels() != AttentionKernels::own && q.device == Device::cuda &&
-         cudnn_attention_forward_supports(n.q_seq, n.head_dim);
+  if (!variant && attention_kernels() == AttentionKernels::hopper && hopper_attention_supports(seq, q_heads, kv_heads, head_dim))
+    return CausalPath::hopper;
+  if (attention_kernels() != AttentionKernels::own && cudnn_attention_forward_supports(seq, head_dim)) return CausalPath::cudnn;
 #else
-  (void)n, (void)q;
-  return false;
+  (void)seq, (void)q_heads, (void)kv_heads, (void)head_dim, (void)variant;
 #endif
+  return CausalPath::own;
 }
 
-bool backward_on_cudnn(const Dims& n, Tensor q) {
+CausalPath backward_path(int64_t batch, int64_t seq, int64_t q_heads, int64_t kv_heads, int64_t head_dim, bool variant) {
 #if MARROW_CUDA
-  return attention_kernels() != AttentionKernels::own && q.device == Device::cuda &&
-         cudnn_attention_backward_supports(n.batch, n.q_seq, n.q_heads, n.kv_heads, n.head_dim,
-                                           attention_kernels() == AttentionKernels::cudnn);
+  const bool hopper = attention_kernels() == AttentionKernels::hopper || attention_kernels() == AttentionKernels::hopper_backward;
+  if (!variant && hopper && hopper_attention_supports(seq, q_heads, kv_heads, head_dim)) return CausalPath::hopper;
+  if (attention_kernels() != AttentionKernels::own &&
+      cudnn_attention_backward_supports(batch, seq, q_heads, kv_heads, head_dim, cudnn_backward_deterministic()))
+    return CausalPath::cudnn;
 #else
-  (void)n, (void)q;
-  return false;
+  (void)batch, (void)seq, (void)q_heads, (void)kv_heads, (void)head_dim, (void)variant;
 #endif
+  return CausalPath::own;
 }
 
 AttentionKernels& kernels_setting() {
@@ -1104,12 +1111,13 @@ void attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v, con
   expect_shape(op, "k", k, {n.batch, n.q_seq, n.kv_heads, n.head_dim});
   expect_shape(op, "out", out, {n.batch, n.q_seq, n.q_heads, n.head_dim});
   expect_shape(op, "lse", lse, {n.batch, n.q_heads, n.q_seq});
-  const bool plain = !check_variant(op, n, q, variant);
+  const bool has_variant = check_variant(op, n, q, variant);
 #if MARROW_CUDA
-  if (plain && attention_kernels() == AttentionKernels::hopper && q.device == Device::cuda &&
-      hopper_attention_supports(n.q_seq, n.q_heads, n.kv_heads, n.head_dim))
-    return hopper_attention_forward(out, lse, q, k, v, stream);
-  if (plain && forward_on_cudnn(n, q)) return cudnn_attention_forward(out, lse, q, k, v, stream);
+  if (q.device == Device::cuda) switch (forward_path(n.q_seq, n.q_heads, n.kv_heads, n.head_dim, has_variant)) {
+      case CausalPath::hopper: return hopper_attention_forward(out, lse, q, k, v, stream);
+      case CausalPath::cudnn: return cudnn_attention_forward(out, lse, q, k, v, variant, stream);
+      case CausalPath::own: break;
+    }
 #endif
   forward(op, out, lse, q, k, v, n, {AttentionMask::causal, 0, n.q_seq, 0, n.q_seq, variant.window}, variant.sinks, stream);
 }
@@ -1135,7 +1143,7 @@ void attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dsinks, Tensor d
   const char* op = "attention_backward";
   const auto [n, gpu] = check_backward(op, dq, dk, dv, dout, q, k, v, out, lse);
   expect_shape(op, "k", k, {n.batch, n.q_seq, n.kv_heads, n.head_dim});
-  const bool plain = !check_variant(op, n, q, variant);
+  const bool has_variant = check_variant(op, n, q, variant);
   if (variant.sinks.data) {
     MARROW_CHECK(dsinks.data, "{}: variant.sinks is given but dsinks, its gradient, is empty", op);
     expect_shape(op, "dsinks", dsinks, {n.q_heads});
@@ -1144,17 +1152,27 @@ void attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dsinks, Tensor d
   } else {
     MARROW_CHECK(!dsinks.data, "{}: dsinks is given but variant.sinks is empty", op);
   }
+  const CausalPath path = gpu ? backward_path(n.batch, n.q_seq, n.q_heads, n.kv_heads, n.head_dim, has_variant) : CausalPath::own;
 #if MARROW_CUDA
-  const bool hopper = attention_kernels() == AttentionKernels::hopper || attention_kernels() == AttentionKernels::hopper_backward;
-  if (plain && hopper && q.device == Device::cuda && hopper_attention_supports(n.q_seq, n.q_heads, n.kv_heads, n.head_dim))
-    return hopper_attention_backward(dq, dk, dv, dout, q, k, v, out, lse, stream);
-  if (plain && backward_on_cudnn(n, q))
-    return cudnn_attention_backward(dq, dk, dv, dout, q, k, v, out, lse, stream,
-                                    attention_kernels() == AttentionKernels::cudnn);
+  if (path == CausalPath::hopper) return hopper_attention_backward(dq, dk, dv, dout, q, k, v, out, lse, stream);
+  if (path == CausalPath::cudnn) cudnn_attention_backward(dq, dk, dv, dout, q, k, v, out, lse, variant, stream, cudnn_backward_deterministic());
 #endif
-  backward(op, dq, dk, dv, dout, q, k, v, out, lse, n, {AttentionMask::causal, 0, n.q_seq, 0, n.q_seq, variant.window}, false,
-           AttentionGrads::all, gpu, stream);
+  if (path == CausalPath::own)
+    backward(op, dq, dk, dv, dout, q, k, v, out, lse, n, {AttentionMask::causal, 0, n.q_seq, 0, n.q_seq, variant.window}, false,
+             AttentionGrads::all, gpu, stream);
   if (variant.sinks.data) attention_sinks_backward(dsinks, dout, out, lse, variant.sinks, stream);
+}
+
+int64_t attention_backward_scratch(int64_t batch, int64_t seq, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
+                                   bool variant) {
+  switch (backward_path(batch, seq, q_heads, kv_heads, head_dim, variant)) {
+    case CausalPath::hopper: return hopper_attention_backward_scratch(batch, seq, q_heads, kv_heads, head_dim);
+    case CausalPath::cudnn:
+      return cudnn_attention_backward_scratch(batch, seq, q_heads, kv_heads, head_dim, cudnn_backward_deterministic());
+    case CausalPath::own: break;
+  }
+  const int64_t T = batch * seq;
+  return T * q_heads * 4 + (q_heads > kv_heads ? 2 * T * q_heads * head_dim * 4 : 0);
 }
 
 void attention_merge(Tensor out, Tensor lse, Tensor part_out, Tensor part_lse, int64_t begin, int64_t end,

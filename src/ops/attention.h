@@ -71,9 +71,10 @@ void attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, 
 // less than one and lse_i = log(sum_j exp(s_ij) + exp(sinks[h])) includes it; a sliding window of
 // W keys masks scores as transformers' create_sliding_window_causal_mask does (masking_utils.py:
 // kv_idx > q_idx - W on top of kv_idx <= q_idx). The op without a variant is no sinks and window 0,
-// with the same bits. GPU: the own kernels' instantiations for the variant (whatever
-// train.attention_kernels chooses for the plain op), sinks bf16 and dsinks f32; windowed blocks
-// (ring attention with a window) run on the CPU only so far.
+// with the same bits. GPU: cuDNN's kernels unless train.attention_kernels is own (the wgmma kernels
+// take no variant), else the own kernels' instantiations for it; sinks bf16 and dsinks f32, the
+// sinks' gradient from attention_sinks_backward's kernel either way; windowed blocks (ring attention
+// with a window) run on the CPU only so far.
 struct AttentionVariant {
   Tensor sinks;        // [Hq]; empty (data == nullptr): none
   int64_t window = 0;  // > 0: query i sees keys j with i - window < j <= i; 0: every earlier key
@@ -84,6 +85,12 @@ void attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v, con
 // of exp(sinks[h] - lse_i) (dout_i . out_i). It is given exactly when variant.sinks is (empty otherwise).
 void attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dsinks, Tensor dout, Tensor q, Tensor k, Tensor v,
                         Tensor out, Tensor lse, const AttentionVariant& variant, Stream stream = {});
+
+// The GPU scratch attention_backward takes from the stream-ordered pool (bytes) under the current
+// attention_kernels setting, for memory estimates: the own kernels' delta and per-query-head dK, dV
+// partials, cuDNN's workspace, or the wgmma kernels' f32 accumulators.
+int64_t attention_backward_scratch(int64_t batch, int64_t seq, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
+                                   bool variant = false);
 
 enum class AttentionMask : uint8_t { causal, full };
 

@@ -159,14 +159,17 @@ namespace {
 
 namespace fe = cudnn_frontend;
 
-enum Uid : int64_t { kQ = 1, kK, kV, kOut, kLse, kDout, kDq, kDk, kDv };
+enum Uid : int64_t { kQ = 1, kK, kV, kOut, kLse, kDout, kDq, kDk, kDv, kSinks };
 
 // One graph's shape: a call covers q_heads / splits query heads (a key/value head group) and query
-// rows [q1 - q_rows, q1) against key rows [0, q1), q1 = kv_rows, of sequences of `seq` positions.
+// rows [q1 - q_rows, q1) against key rows [0, q1), q1 = kv_rows, of sequences of `seq` positions;
+// the variant's window (0: none, nor when it spans the sequence) and whether sinks join the forward.
 struct GraphKey {
   bool backward = false;
   bool deterministic = true;
   int64_t batch = 0, seq = 0, q_heads = 0, kv_heads = 0, head_dim = 0, splits = 1, q_rows = 0, kv_rows = 0;
+  int64_t window = 0;
+  bool sinks = false;
   auto operator<=>(const GraphKey&) const = default;
 };
 
@@ -222,6 +225,14 @@ void describe_forward(fe::graph::Graph& g, const GraphKey& key, int64_t hq, int6
   auto options =
       fe::graph::SDPA_attributes().set_name("attention").set_generate_stats(true).set_causal_mask(true).set_attn_scale(
           scale);
+  if (key.window > 0) options.set_diagonal_band_left_bound(int(key.window));
+  if (key.sinks)
+    options.set_sink_token(g.tensor(fe::graph::Tensor_attributes()
+                                        .set_name("sinks")
+                                        .set_uid(kSinks)
+                                        .set_data_type(fe::DataType_t::FLOAT)
+                                        .set_dim({1, hq, 1, 1})
+                                        .set_stride({hq, 1, 1, 1})));
   auto [out, lse] = g.sdpa(q, k, v, options);
   out->set_output(true);
   set_head_view(*out, kOut, key, hq, key.q_heads, key.seq);
@@ -246,6 +257,7 @@ void describe_backward(fe::graph::Graph& g, const GraphKey& key, int64_t hq, int
                      .set_deterministic_algorithm(key.deterministic);
   if (qr == kr) options.set_causal_mask(true);
   else options.set_causal_mask_bottom_right(true);
+  if (key.window > 0) options.set_diagonal_band_left_bound(int(key.window));
   auto [dq, dk, dv] = g.sdpa_backward(q, k, v, out, dout, lse, options);
   for (auto [t, uid, heads, row_heads, rows] :
        {std::tuple{dq, kDq, hq, key.q_heads, qr}, std::tuple{dk, kDk, hkv, key.kv_heads, kr},
@@ -296,7 +308,7 @@ void run_graph(const GraphKey& key, std::unordered_map<int64_t, void*> base, Str
     std::unordered_map<int64_t, void*> pack;
     for (auto [uid, ptr] : base) {
       const bool kv = uid == kK || uid == kV || uid == kDk || uid == kDv;
-      const int64_t offset = uid == kLse ? group * hq * key.seq * 4 : group * (kv ? hkv : hq) * d * 2;
+      const int64_t offset = uid == kLse ? group * hq * key.seq * 4 : uid == kSinks ? group * hq * 4 : group * (kv ? hkv : hq) * d * 2;
       pack[uid] = static_cast<char*>(ptr) + offset;
     }
     MARROW_CUDNN_FE_CHECK(built.graph->execute(handle, pack, workspace.ptr<float>()));
@@ -311,10 +323,13 @@ void expect_bf16_gpu(const char* op, std::initializer_list<std::pair<const char*
 }
 
 GraphKey key_of(const char* op, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, bool backward,
-                bool deterministic) {
+                bool deterministic, const AttentionVariant& variant) {
   MARROW_CHECK(q.ndim == 4 && k.ndim == 4, "{}: q and k must be [batch, seq, heads, head_dim], got {} and {}", op,
                q.shape_string(), k.shape_string());
+  MARROW_CHECK(variant.window >= 0, "{}: the sliding window must be 0 (none) or positive, got {}", op, variant.window);
   GraphKey key{backward, deterministic, q.size(0), q.size(1), q.size(2), k.size(2), q.size(3), 1, q.size(1), q.size(1)};
+  key.window = variant.window < key.seq ? variant.window : 0;
+  key.sinks = !backward && variant.sinks.data;
   expect_shape(op, "k", k, {key.batch, key.seq, key.kv_heads, key.head_dim});
   expect_shape(op, "v", v, {key.batch, key.seq, key.kv_heads, key.head_dim});
   expect_shape(op, "out", out, {key.batch, key.seq, key.q_heads, key.head_dim});
@@ -330,20 +345,30 @@ GraphKey key_of(const char* op, Tensor q, Tensor k, Tensor v, Tensor out, Tensor
 
 }  // namespace
 
-void cudnn_attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v, Stream stream) {
+void cudnn_attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v, const AttentionVariant& variant,
+                             Stream stream) {
   const char* op = "cudnn_attention_forward";
   expect_bf16_gpu(op, {{"out", &out}, {"q", &q}, {"k", &k}, {"v", &v}});
-  const GraphKey key = key_of(op, q, k, v, out, lse, false, true);
+  const GraphKey key = key_of(op, q, k, v, out, lse, false, true, variant);
   if (key.batch * key.seq == 0) return;
-  run_graph(key, {{kQ, q.data}, {kK, k.data}, {kV, v.data}, {kOut, out.data}, {kLse, lse.data}}, stream);
+  std::unordered_map<int64_t, void*> pack{{kQ, q.data}, {kK, k.data}, {kV, v.data}, {kOut, out.data}, {kLse, lse.data}};
+  Buffer sinks;  // cuDNN's sink token is f32
+  if (key.sinks) {
+    expect_bf16_gpu(op, {{"sinks", &variant.sinks}});
+    expect_shape(op, "sinks", variant.sinks, {key.q_heads});
+    sinks = Buffer(DType::f32, Device::cuda, {key.q_heads}, stream);
+    cast(sinks, variant.sinks, stream);
+    pack[kSinks] = sinks.ptr<float>();
+  }
+  run_graph(key, pack, stream);
 }
 
 void cudnn_attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out,
-                              Tensor lse, Stream stream, bool deterministic) {
+                              Tensor lse, const AttentionVariant& variant, Stream stream, bool deterministic) {
   const char* op = "cudnn_attention_backward";
   expect_bf16_gpu(op, {{"dq", &dq}, {"dk", &dk}, {"dv", &dv}, {"dout", &dout}, {"q", &q}, {"k", &k}, {"v", &v},
                        {"out", &out}});
-  GraphKey key = key_of(op, q, k, v, out, lse, true, deterministic);
+  GraphKey key = key_of(op, q, k, v, out, lse, true, deterministic, variant);
   const int64_t b = key.batch, s = key.seq, d = key.head_dim;
   expect_shape(op, "dq", dq, {b, s, key.q_heads, d});
   expect_shape(op, "dout", dout, {b, s, key.q_heads, d});
@@ -394,7 +419,7 @@ void cudnn_attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tens
 std::vector<CudnnAttentionPlan> cudnn_attention_plans(bool backward, Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q,
                                                       Tensor k, Tensor v, Tensor out, Tensor lse) {
   const char* op = "cudnn_attention_plans";
-  GraphKey key = key_of(op, q, k, v, out, lse, backward, true);
+  GraphKey key = key_of(op, q, k, v, out, lse, backward, true, AttentionVariant{});
   if (backward) {
     const BackwardPlan plan = backward_plan(key.batch, key.seq, key.q_heads, key.kv_heads);
     MARROW_CHECK(plan.splits == 1 && plan.rows == key.seq, "{}: the backward of these sizes runs in {} head groups of query chunks of {} rows, not one call",

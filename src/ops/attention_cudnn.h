@@ -18,6 +18,13 @@
 // workspace holds those per-query-head dK, dV and the f32 row sums of dO * O (4.5 GiB in all for
 // the 32,768 chunks); the chunked backward adds the f32 dK, dV accumulators (128 MiB at 32,768).
 // Graphs are built once per shape (the first call of a shape takes ~0.1-1 s) and kept.
+// GPT-OSS's variant (attention.h's AttentionVariant): the window is cuDNN's diagonal band (a left
+// bound of W keys, diagonal included: key j joins query i when j + W > i, transformers' mask), and
+// the sinks join the forward's softmax as cuDNN's sink token (f32 [1, Hq, 1, 1], a copy of the
+// bf16 sinks), so its lse holds them. The backward needs no sinks: P = exp(s - lse) with that lse
+// is each key's probability, and dS = P (dP - rowsum(dO * O)) holds with the sink as without (the
+// caller adds dsinks, attention_sinks_backward). Chunks of the backward keep the window's meaning:
+// with the diagonal aligned bottom right, a chunk's query row r is absolute row q0 + r.
 #pragma once
 #include <cstdint>
 #include <functional>
@@ -25,6 +32,7 @@
 #include <vector>
 
 #include "core/tensor.h"
+#include "ops/attention.h"
 
 namespace marrow {
 
@@ -53,14 +61,17 @@ bool cudnn_attention_backward_supports(int64_t batch, int64_t seq, int64_t q_hea
 int64_t cudnn_attention_backward_scratch(int64_t batch, int64_t seq, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
                                          bool deterministic = true);
 
-// out[B, S, Hq, D] and lse[B, Hq, S] from q[B, S, Hq, D], k, v[B, S, Hkv, D]; bf16 on the GPU.
-void cudnn_attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v, Stream stream);
+// out[B, S, Hq, D] and lse[B, Hq, S] from q[B, S, Hq, D], k, v[B, S, Hkv, D]; bf16 on the GPU,
+// sinks too.
+void cudnn_attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v, const AttentionVariant& variant,
+                             Stream stream);
 
 // dq, dk, dv overwritten (bf16), from the forward's out and lse. deterministic = false runs
 // cuDNN's default algorithm (dQ added with float atomics into an f32 accumulator, no dP workspace):
-// AttentionKernels::cudnn_nondeterministic, never a default.
+// AttentionKernels::cudnn_nondeterministic, never a default. Of the variant only the window is
+// read (see above for the sinks).
 void cudnn_attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out,
-                              Tensor lse, Stream stream, bool deterministic = true);
+                              Tensor lse, const AttentionVariant& variant, Stream stream, bool deterministic = true);
 
 // Every execution plan cuDNN's heuristics (modes A, B and the fallback) offer for one graph of the
 // op: the causal forward, or the deterministic backward in one call (batch x heads small enough that
