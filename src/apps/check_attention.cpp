@@ -226,9 +226,30 @@ struct BlockCase {
 
 std::string block_label(const char* what, const BlockCase& c) {
   const AttentionBlock& b = c.block;
-  return fmt::format("attention block {} {} q[{}, {}) k[{}, {}) B{} Sq{} Sk{} H{}/{} D{}", what,
-                     b.mask == AttentionMask::full ? "full" : "causal", b.q_begin, b.q_end, b.k_begin, b.k_end, c.n.b,
+  const std::string window = b.window > 0 ? fmt::format(" window {} distance {}", b.window, b.distance) : "";
+  return fmt::format("attention block {} {}{} q[{}, {}) k[{}, {}) B{} Sq{} Sk{} H{}/{} D{}", what,
+                     b.mask == AttentionMask::full ? "full" : "causal", window, b.q_begin, b.q_end, b.k_begin, b.k_end, c.n.b,
                      c.n.s, c.kv_seq, c.n.hq, c.n.hkv, c.n.d);
+}
+
+// lse against the reference where some rows saw no key (a windowed block's: -inf, which the GPU must
+// give exactly); elsewhere the relative error against the largest finite |lse|, as report.compare.
+void compare_lse(CheckReport& report, const std::string& name, Tensor gpu, const Buffer& cpu) {
+  Buffer got = to_host_f32(gpu);
+  double max_diff = 0, max_ref = 0;
+  bool ok = true;
+  for (int64_t i = 0; i < got.numel(); ++i) {
+    const float g = got.ptr<float>()[i], w = cpu.ptr<float>()[i];
+    if (std::isinf(w)) {
+      ok = ok && g == w;
+      continue;
+    }
+    ok = ok && std::isfinite(g);
+    max_diff = std::max(max_diff, double(std::abs(g - w)));
+    max_ref = std::max(max_ref, double(std::abs(w)));
+  }
+  const double error = ok ? max_diff / std::max(max_ref, 1e-30) : INFINITY;
+  report.add({name, error, kLseBound, ok && error <= kLseBound});
 }
 
 // The block forward (rows outside the block must keep their zeros), then the block backward from
@@ -260,7 +281,7 @@ void check_block(CheckReport& report, const BlockCase& c, uint64_t seed) {
   Buffer lse = Buffer::zeros(DType::f32, Device::cuda, {n.b, n.hq, n.s});
   attention_block_forward(out, lse, rows4(q, n.s, n.hq), rows4(k, c.kv_seq, n.hkv), rows4(v, c.kv_seq, n.hkv), c.block);
   compare(report, block_label("out", c), out, p.out, kOutBound);
-  compare(report, block_label("lse", c), lse, p.lse, kLseBound);
+  compare_lse(report, block_label("lse", c), lse, p.lse);
 
   p.out_bf16 = Buffer(DType::f32, Device::cpu, {n.b, n.s, n.hq, n.d});
   copy(p.out_bf16, p.out);
@@ -323,6 +344,15 @@ void check_merge(CheckReport& report) {
     error = std::max(error, std::isinf(w) ? (g == w ? 0.0 : INFINITY) : std::abs(double(g) - w));
   }
   report.add({"attention merge lse B2 S37 rows [3, 30) (abs; -inf outside)", error, 1e-5, error <= 1e-5});
+  // The sinks joining the merged result (ring attention with GPT-OSS's sinks); rows outside [3, 30)
+  // saw no key, so they take the sink's lse and keep out 0.
+  Buffer sinks = random_host({n.hq}, 703);
+  round_to_bf16(sinks);
+  attention_sinks_merge(out, lse, sinks);
+  Buffer gpu_sinks = to_device(sinks, DType::bf16);
+  attention_sinks_merge(gpu_out.view().reshape({n.b, n.s, n.hq, n.d}), gpu_lse.view().reshape({n.b, n.hq, n.s}), gpu_sinks);
+  report.compare("attention sinks merge out B2 S37 H8 D64", gpu_out, out, 1e-5);
+  report.compare("attention sinks merge lse B2 S37 H8 D64", gpu_lse, lse, 1e-6);
 }
 
 // GPT-OSS's variant (ops/attention.h's AttentionVariant): the causal op with a sliding window
@@ -445,6 +475,18 @@ void check_blocks(CheckReport& report, uint64_t seed) {
       {{1, 300, 8, 2, 128}, 260, {AttentionMask::causal, 16, 144, 132, 260}, true},
   };
   for (const BlockCase& c : wgmma_blocks) check_block(report, c, seed += 8);
+  // Windowed blocks (GPT-OSS's ring attention): ring_attention's chunk pairs, whose keys sit
+  // `distance` positions before their queries: a causal block with a window inside it, an adjacent
+  // earlier chunk the window reaches into, and a chunk two apart where the later rows see no key
+  // (out 0, lse -inf); D 128 too, and two batch rows at odd offsets.
+  const BlockCase windowed[] = {
+      {{1, 160, 8, 1, 64}, 160, {AttentionMask::causal, 0, 80, 0, 80, 37, 0}},
+      {{1, 160, 8, 1, 64}, 160, {AttentionMask::full, 80, 160, 0, 80, 128, 80}},
+      {{1, 160, 8, 1, 64}, 160, {AttentionMask::full, 80, 160, 0, 80, 128, 160}},
+      {{1, 256, 4, 2, 128}, 256, {AttentionMask::full, 128, 256, 0, 128, 100, 128}},
+      {{2, 150, 8, 2, 64}, 150, {AttentionMask::causal, 10, 75, 20, 85, 20, 0}},
+  };
+  for (const BlockCase& c : windowed) check_block(report, c, seed += 8);
 }
 
 void check_variants(CheckReport& report, uint64_t seed) {

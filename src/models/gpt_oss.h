@@ -15,8 +15,9 @@
 // Under expert parallelism a process holds its experts' rows of the fused tensors (TensorSpec's
 // canonical_first), so checkpoints and Hugging Face reads address the whole tensors.
 // The GPU path: bf16 activations and f32 statistics, as Qwen3-MoE's; cuDNN's attention with its sink
-// token and diagonal band (or the own kernels' instantiations for sinks and windows). Context parallelism runs ring attention with the sinks and
-// windows (parallel/ring_attention.h; on the CPU only so far: the GPU refuses windowed blocks).
+// token and diagonal band (or the own kernels' instantiations for sinks and windows). Context
+// parallelism runs ring attention with the sinks and windows (parallel/ring_attention.h; windowed
+// blocks on the own kernels' instantiations).
 #pragma once
 #include <string>
 #include <vector>

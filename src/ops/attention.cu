@@ -182,11 +182,6 @@ void check_block(const char* op, const Dims& n, const AttentionBlock& blk) {
                "{}: a causal block's queries and keys are the same tokens, but its distance is {}", op, blk.distance);
 }
 
-// Windows run on the CPU only so far.
-void check_block_device(const char* op, const Tensor& q, const AttentionBlock& blk) {
-  MARROW_CHECK(q.device == Device::cpu || blk.window == 0, "{}: sliding windows run on the CPU only so far, but q is on the GPU", op);
-}
-
 #ifdef __CUDACC__
 // ---------------------------------------------------------------------------------------------
 // CUDA: FlashAttention-2 on tensor cores (mma.sync m16n8k16, bf16 operands, f32 accumulators).
@@ -330,9 +325,10 @@ struct GpuArgs {
   bool full;             // every query sees every key; else causal (q_len == k_len)
   int q_heads, kv_heads;
   float scale, scale_log2;  // 1/sqrt(D), and times log2(e): probabilities go through exp2
-  // GPT-OSS's variant (the kernels' V = true instantiations; the causal op only): a sliding window of
-  // `window` keys (0: none) and a sink logit per query head (null: none).
-  int window;
+  // GPT-OSS's variant (the kernels' V = true instantiations): a sliding window of `window` keys (0:
+  // none), `distance` the position of query row q_begin minus that of key row k_begin (0 in a causal
+  // block), and a sink logit per query head (null: none; the causal op only).
+  int window, distance;
   const bf16* sinks;  // [Hq]
 
   // Head rows (units of D elements) of the block's query i of head h and key j of kv head hk.
@@ -345,9 +341,10 @@ struct GpuArgs {
   __device__ int64_t lse_at(int64_t b, int64_t h, int64_t i) const { return (b * q_heads + h) * q_seq + q_begin + i; }
   // The last key (block index) query i may see.
   __device__ int last_key(int i) const { return full ? k_len - 1 : i; }
-  // With a window (the causal op): the first key query i sees, and the last query that sees key j.
-  __device__ int first_key(int i) const { return window > 0 ? max(0, i - window + 1) : 0; }
-  __device__ int last_query(int j) const { return window > 0 ? j + window - 1 : q_len - 1; }
+  // With a window: the first key query i sees, and the last query that sees key j (block indices;
+  // beyond the block's keys or before its queries when a row or a key sees nothing).
+  __device__ int first_key(int i) const { return window > 0 ? max(0, distance + i - window + 1) : 0; }
+  __device__ int last_query(int j) const { return window > 0 ? j - distance + window - 1 : q_len - 1; }
 };
 
 // Adds (x, y) into the adjacent f32 elements p[0], p[1] (8-byte aligned).
@@ -403,8 +400,9 @@ __device__ __forceinline__ void online_softmax(float (&s)[BN / 8][4], float (&o)
 }
 
 // The forward's end for one lane's two rows (row, row + 8): out = o / sum in bf16, and the row's
-// log-sum-exp (natural log) from its running max and sum (log2 domain).
-template <int D>
+// log-sum-exp (natural log) from its running max and sum (log2 domain). V: a row that saw no key (a
+// windowed block's) gets out 0 and lse -inf, which attention_merge skips.
+template <int D, bool V = false>
 __device__ __forceinline__ void store_output(const GpuArgs& a, const float (&o)[D / 8][4], const float (&row_max)[2],
                                              const float (&row_sum)[2], int b, int h, int row) {
   const int t = threadIdx.x % 4;
@@ -413,7 +411,7 @@ __device__ __forceinline__ void store_output(const GpuArgs& a, const float (&o)[
     const int i = row + r * 8;
     const float sum = quad_sum(row_sum[r]);
     if (i >= a.q_len) continue;
-    const float inv = 1.f / sum;
+    const float inv = V && sum == 0.f ? 0.f : 1.f / sum;  // no key: row_max and so lse stay -inf
     bf16* dst = a.o + a.q_row(b, i, h) * D + 2 * t;
 #pragma unroll
     for (int d = 0; d < D / 8; ++d)
@@ -480,7 +478,7 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(GpuArgs a) 
     __syncthreads();  // everyone is done with this stage before it is refilled
   }
 
-  store_output<D>(a, o, row_max, row_sum, b, h, row);
+  store_output<D, V>(a, o, row_max, row_sum, b, h, row);
 }
 
 // Backward, step 1: delta[b, h, i] = dout_i . out_i in f32 for the block's queries, one warp per
@@ -834,10 +832,11 @@ GpuArgs gpu_args(const Dims& n, const AttentionBlock& blk, Tensor q, Tensor k, T
   a.scale = float(1 / std::sqrt(double(n.head_dim)));
   a.scale_log2 = float(1 / std::sqrt(double(n.head_dim)) * 1.4426950408889634);
   a.window = int(blk.window);
+  a.distance = int(blk.distance);
   return a;
 }
 
-// sinks: bf16 [Hq] or empty. A window or sinks run the kernels' V instantiations (the causal op only).
+// sinks: bf16 [Hq] or empty (blocks: empty). A window or sinks run the kernels' V instantiations.
 void forward_gpu(const char* op, Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v, const Dims& n,
                  const AttentionBlock& blk, Tensor sinks, Stream stream) {
   check_gpu_inputs(op, n, {{"q", &q}, {"k", &k}, {"v", &v}, {"out", &out}}, lse);
@@ -935,7 +934,7 @@ void merge_gpu(Tensor out, Tensor lse, Tensor part_out, Tensor part_lse, const D
 }
 #endif  // __CUDACC__
 
-// Both forwards after their shape checks: the device's path (sinks and windows only on the CPU).
+// Both forwards after their shape checks: the device's path.
 void forward(const char* op, Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v, const Dims& n, const AttentionBlock& block,
              Tensor sinks, Stream stream) {
   if (common_device(op, {{"q", &q}, {"k", &k}, {"v", &v}, {"out", &out}, {"lse", &lse}}) == Device::cuda) {
@@ -983,7 +982,7 @@ bool check_variant(const char* op, const Dims& n, const Tensor& q, const Attenti
   return variant.sinks.data || variant.window > 0;
 }
 
-// Both backwards after their shape checks: the device's path (windows only on the CPU).
+// Both backwards after their shape checks: the device's path.
 // accumulate: add the block's share into dq, dk, dv (f32 on the GPU); else overwrite them (bf16 on
 // the GPU).
 void backward(const char* op, Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse,
@@ -1093,7 +1092,6 @@ void attention_block_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor 
   expect_shape(op, "out", out, {n.batch, n.q_seq, n.q_heads, n.head_dim});
   expect_shape(op, "lse", lse, {n.batch, n.q_heads, n.q_seq});
   check_block(op, n, block);
-  check_block_device(op, q, block);
   if (block_on_hopper(q, k, block) &&
       common_device(op, {{"q", &q}, {"k", &k}, {"v", &v}, {"out", &out}, {"lse", &lse}}) == Device::cuda)
     return hopper_attention_block_forward(out, lse, q, k, v, block, stream);
@@ -1127,7 +1125,6 @@ void attention_block_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tens
   const char* op = "attention_block_backward";
   const auto [n, gpu] = check_backward(op, dq, dk, dv, dout, q, k, v, out, lse);
   check_block(op, n, block);
-  check_block_device(op, q, block);
   if (gpu && block_on_hopper(q, k, block))
     return hopper_attention_block_backward(dq, dk, dv, dout, q, k, v, out, lse, block, grads, stream);
   backward(op, dq, dk, dv, dout, q, k, v, out, lse, n, block, true, grads, gpu, stream);
@@ -1228,6 +1225,20 @@ void sinks_merge_cpu(T* out, T* lse, const T* sinks, const Dims& n) {
 }
 
 #ifdef __CUDACC__
+// sinks_merge_cpu's arithmetic, one warp per row (b, i, h) of the f32 running out and lse.
+__global__ void attention_sinks_merge_kernel(float* out, float* lse, const bf16* sinks, int64_t rows, int seq, int heads, int head_dim) {
+  const int64_t r = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (r >= rows) return;
+  const int64_t b = r / (int64_t(seq) * heads), i = r / heads % seq, h = r % heads;
+  const int64_t l_at = (b * heads + h) * seq + i, o_at = r * head_dim;
+  const float l = lse[l_at], sink = __bfloat162float(sinks[h]), m = fmaxf(l, sink);
+  const float w1 = expf(l - m), sum = w1 + expf(sink - m);
+  for (int d = lane; d < head_dim; d += 32) out[o_at + d] = w1 * out[o_at + d] / sum;
+  __syncwarp();  // every lane has read lse[l_at] before lane 0 overwrites it
+  if (lane == 0) lse[l_at] = m + logf(sum);
+}
+
 constexpr int kSinkThreads = 256;
 
 // dsinks[h] += -sum over (b, i) of exp(sink_h - lse) (dout . out), one block per head: each thread
@@ -1256,12 +1267,25 @@ __global__ void attention_sinks_backward_kernel(float* dsinks, const bf16* dout,
 
 }  // namespace
 
-void attention_sinks_merge(Tensor out, Tensor lse, Tensor sinks) {
+void attention_sinks_merge(Tensor out, Tensor lse, Tensor sinks, Stream stream) {
   const char* op = "attention_sinks_merge";
   const Dims n = sinks_dims(op, out, lse, sinks);
   const std::initializer_list<std::pair<const char*, const Tensor*>> tensors = {{"out", &out}, {"lse", &lse}, {"sinks", &sinks}};
-  MARROW_CHECK(common_device(op, tensors) == Device::cpu, "{}: the sinks of a merged result run on the CPU only so far, but out is on the GPU",
-               op);
+  if (common_device(op, tensors) == Device::cuda) {
+#ifdef __CUDACC__
+    for (auto [name, t] : {std::pair{"out", &out}, std::pair{"lse", &lse}}) expect_dtype(op, name, *t, DType::f32);
+    expect_dtype(op, "sinks", sinks, DType::bf16);
+    const int64_t rows = n.batch * n.q_seq * n.q_heads;
+    if (rows == 0) return;
+    attention_sinks_merge_kernel<<<unsigned((rows + 7) / 8), 256, 0, static_cast<cudaStream_t>(stream.handle)>>>(
+        out.ptr<float>(), lse.ptr<float>(), static_cast<const bf16*>(sinks.data), rows, int(n.q_seq), int(n.q_heads), int(n.head_dim));
+    MARROW_CUDA_CHECK_LAUNCH();
+    return;
+#else
+    no_cuda_kernel(op);
+#endif
+  }
+  (void)stream;
   expect_same_dtype(op, tensors);
   with_cpu_scalar(op, out, [&](auto s) {
     using T = decltype(s);

@@ -15,7 +15,7 @@
 //   causal: the ranges are the same tokens (equal lengths): query q_begin + i sees keys
 //           k_begin .. k_begin + i;
 //   full:   every query of the range sees every key of the range (keys that all come earlier).
-// A block may carry a sliding window (CPU only): query row q_begin + i then sits `distance` positions
+// A block may carry a sliding window: query row q_begin + i then sits `distance` positions
 // after key row k_begin + i (0 for a causal block; the ranges are chunks of a sequence that need not
 // be adjacent) and sees key k_begin + j only when j > distance + i - window, the causal op's window
 // over the true positions. Rows that see no key get lse -inf and out 0, which the merge skips.
@@ -73,8 +73,8 @@ void attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, 
 // kv_idx > q_idx - W on top of kv_idx <= q_idx). The op without a variant is no sinks and window 0,
 // with the same bits. GPU: cuDNN's kernels unless train.attention_kernels is own (the wgmma kernels
 // take no variant), else the own kernels' instantiations for it; sinks bf16 and dsinks f32, the
-// sinks' gradient from attention_sinks_backward's kernel either way; windowed blocks (ring attention
-// with a window) run on the CPU only so far.
+// sinks' gradient from attention_sinks_backward's kernel either way. Windowed blocks (ring attention
+// with a window) run on the own kernels' instantiations.
 struct AttentionVariant {
   Tensor sinks;        // [Hq]; empty (data == nullptr): none
   int64_t window = 0;  // > 0: query i sees keys j with i - window < j <= i; 0: every earlier key
@@ -98,7 +98,7 @@ struct AttentionBlock {
   AttentionMask mask = AttentionMask::causal;
   int64_t q_begin = 0, q_end = 0;  // query rows (dimension 1 of q)
   int64_t k_begin = 0, k_end = 0;  // key rows (dimension 1 of k and v)
-  int64_t window = 0;              // > 0: the sliding window (CPU only); 0: none
+  int64_t window = 0;              // > 0: the sliding window; 0: none
   int64_t distance = 0;            // with a window: the position of query row q_begin minus that of key row k_begin
 };
 
@@ -133,10 +133,11 @@ void set_cpu_blocks_fused(bool fused);
 void attention_merge(Tensor out, Tensor lse, Tensor part_out, Tensor part_lse, int64_t begin, int64_t end,
                      Stream stream = {});
 
-// The sinks of a result merged from blocks (ring attention; CPU only so far): out[B, S, Hq, D] and lse
-// [B, Hq, S] become the merge with each row's sink, a partial result of value 0 and lse sinks[h], so
-// that they equal attention_forward's with the variant's sinks (up to the order of the sums).
-void attention_sinks_merge(Tensor out, Tensor lse, Tensor sinks);
+// The sinks of a result merged from blocks (ring attention): out[B, S, Hq, D] and lse [B, Hq, S]
+// become the merge with each row's sink, a partial result of value 0 and lse sinks[h], so that they
+// equal attention_forward's with the variant's sinks (up to the order of the sums). GPU: out and lse
+// f32 (the running result), sinks bf16.
+void attention_sinks_merge(Tensor out, Tensor lse, Tensor sinks, Stream stream = {});
 // dsinks[h] += -sum over batch rows and queries i of exp(sinks[h] - lse_i) (dout_i . out_i), with the
 // final out and lse: attention_backward's sinks term over these rows, in its order on the CPU. GPU:
 // dout, out, sinks bf16; lse, dsinks f32 (one block per head, a fixed order: deterministic).

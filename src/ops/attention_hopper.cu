@@ -1024,7 +1024,8 @@ void run_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v, const Geo
 bool hopper_attention_serves_block(const Tensor& q, const Tensor& k, const AttentionBlock& block) {
   const int64_t q_rows = block.q_end - block.q_begin, k_rows = block.k_end - block.k_begin;
   return hopper_attention_supports(128, q.size(2), k.size(2), q.size(3)) && q_rows > 0 && q_rows % 128 == 0 && k_rows > 0 &&
-         k_rows % 128 == 0 && q.size(1) % 4 == 0 && block.q_begin % 4 == 0 && (block.mask == AttentionMask::full || q_rows == k_rows);
+         k_rows % 128 == 0 && q.size(1) % 4 == 0 && block.q_begin % 4 == 0 && (block.mask == AttentionMask::full || q_rows == k_rows) &&
+         block.window == 0;
 }
 
 void hopper_attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse,

@@ -72,12 +72,6 @@ std::vector<AttentionBlock> step_blocks(int64_t local_seq, int rank, int source,
   return chunk_blocks(local_seq, rank, source, ranks, window);
 }
 
-// Sinks and windows run on the CPU only so far.
-void check_variant(const char* op, const Tensor& q, const AttentionVariant& variant) {
-  MARROW_CHECK(q.device == Device::cpu || (!variant.sinks.data && variant.window == 0),
-               "{}: attention sinks and sliding windows run on the CPU only so far, but q is on the GPU", op);
-}
-
 struct RingShape {
   int64_t batch, seq, q_heads, kv_heads, head_dim;
 };
@@ -200,7 +194,6 @@ void ring_steps_backward(Tensor dq_sum, const KvPair& own, Tensor dout, Tensor q
 void ring_attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v, const Comm& cp, const AttentionVariant& variant) {
   const char* op = "ring_attention_forward";
   const RingShape n = check_ring(op, q, k, v, cp);
-  check_variant(op, q, variant);
   expect_shape(op, "out", out, {n.batch, n.seq, n.q_heads, n.head_dim});
   expect_shape(op, "lse", lse, {n.batch, n.q_heads, n.seq});
   KvPair kv[2] = {{k.dtype, k.device, n}, {k.dtype, k.device, n}};
@@ -239,7 +232,6 @@ void ring_attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tenso
                              Tensor lse, const Comm& cp, const AttentionVariant& variant, Tensor dsinks) {
   const char* op = "ring_attention_backward";
   const RingShape n = check_ring(op, q, k, v, cp);
-  check_variant(op, q, variant);
   MARROW_CHECK(!variant.sinks.data == !dsinks.data, "{}: dsinks must be given exactly when the variant has sinks", op);
   for (auto [name, t] : {std::pair{"dq", &dq}, std::pair{"dout", &dout}, std::pair{"out", &out}})
     expect_shape(op, name, *t, {n.batch, n.seq, n.q_heads, n.head_dim});

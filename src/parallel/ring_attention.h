@@ -24,7 +24,7 @@
 // halves, dK/dV first so that they travel while dq's kernel runs, except where one kernel computes
 // all three (ops/attention.h: attention_block_backward_fused, the wgmma kernels on the GPU).
 //
-// GPT-OSS's variant (ops/attention.h's AttentionVariant; CPU only so far): a sliding window masks by
+// GPT-OSS's variant (ops/attention.h's AttentionVariant): a sliding window masks by
 // the true positions, and a member's two chunks are not adjacent, so with a window every block is cut
 // into one block per pair of chunks (ops/attention.h's windowed blocks: the distance between the
 // chunks' positions), and pairs whose keys all lie beyond the window are skipped. Sinks join once,
