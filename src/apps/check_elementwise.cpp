@@ -970,6 +970,8 @@ void check_elementwise_ops(CheckReport& report) {
   check_rope_yarn(report, 37, 3, 64, false, 1);  // YaRN's frequencies, unscaled
   check_bias(report, 37, 72);  // packs of 8
   check_bias(report, 37, 75);
+  check_bias(report, 1000, 75);  // rows in 15 chunks, the last one shorter
+  check_bias(report, 300, 32);   // the router's width: 4 chunks
   // Empty experts first, in the middle and last; one of a single row.
   for (int64_t o : {72, 75}) check_grouped_bias(report, {0, 5, 1, 0, 13, 18, 0}, o, false);
   check_grouped_bias(report, {0, 5, 1, 0, 13, 18, 0}, 75, true);
