@@ -6,7 +6,8 @@
 #                                               commit's sources into .gpu-carry/ab-base (carried)
 #   tools/gpu_ab.sh <log-dir> [rounds]          on the GPU machine (device tool, carry [".gpu-carry"]),
 #                                               directly or as a tools/gpu_batch.sh part ("gpu_ab.sh 2")
-# Each round runs the bench config (3 + 27 steps) with the base, then with the tree; AB_ARGS adds bench
+# Each round runs the bench config (3 + 27 steps; AB_CONFIG another run config, e.g.
+# configs/bench-gpt-oss.toml) with the base, then with the tree; AB_ARGS adds bench
 # options to both (e.g. '--train.seq_len=32768 --train.global_batch=1'), AB_WARMUP and AB_STEPS set the
 # steps; KERNEL_ROWS='regex' adds both binaries' `marrow bench --kernels` rows that match. The summary has every run's bench line,
 # each side's mean tokens/s and whether the two sides' losses are the same bits (reported, not
@@ -39,8 +40,8 @@ fi
 binary() { [ "$1" = base ] && echo build-ab/marrow || echo build-gpu/marrow; }
 for round in $(seq 1 "$rounds"); do
   for side in base tree; do
-    step "round $round, $side: bench config ${AB_ARGS:-}, ${AB_WARMUP:-3} warm-up + ${AB_STEPS:-27} measured steps"
-    "$(binary $side)" bench configs/bench.toml --data.path=.gpu-carry/qwen3 --checkpoint.every=0 --warmup=${AB_WARMUP:-3} \
+    step "round $round, $side: ${AB_CONFIG:-configs/bench.toml} ${AB_ARGS:-}, ${AB_WARMUP:-3} warm-up + ${AB_STEPS:-27} measured steps"
+    "$(binary $side)" bench ${AB_CONFIG:-configs/bench.toml} --data.path=.gpu-carry/qwen3 --checkpoint.every=0 --warmup=${AB_WARMUP:-3} \
       --steps=${AB_STEPS:-27} ${AB_ARGS:-} --output.dir=runs/ab-$side-$round > "$out/bench-$side-$round.log" 2>&1 \
       || fail "bench ($side, round $round)"
     grep -E "^bench:" "$out/bench-$side-$round.log" | tee -a "$out/summary.log"
