@@ -6,7 +6,7 @@
 #   tools/gpu_gpt_oss.sh <log-dir> [check|bench|all]
 # check: marrow check --only attention (the variant's rows on both kernels, same bits twice, cuDNN's
 #        chunked backward with a window; the plain op at head_dim 64 and S 4096 on every setting)
-#        and --only model (tiny GPT-OSS against the CPU)
+#        --only model (tiny GPT-OSS against the CPU) and --only elementwise (the bias and sinks rows)
 # bench: the GPT-OSS bench config (3 + 27 steps) twice with the default kernels (the same losses bit
 #        for bit), then once on the own attention kernels (train.attention_kernels=own) for the
 #        comparison; tokens/s, MFU, peak against the estimate, the stage split
@@ -29,7 +29,7 @@ PY
 }
 
 if [ "$what" = check ] || [ "$what" = all ]; then
-  for group in attention model; do
+  for group in attention model elementwise; do
     step "marrow check --only $group"
     timeout 420 "$marrow" check --only $group > "$out/check-$group.log" 2>&1
     grep -E "FAIL|checks,|error" "$out/check-$group.log" | head -30 | tee -a "$out/summary.log"
