@@ -13,6 +13,17 @@ step() { echo "== [$(date +%T)] $*" | tee -a "$out/summary.log"; }
 fail() { echo "FAILED: $*" | tee -a "$out/summary.log"; status=1; }
 dry=${DRY_RUN:-0}
 
+# Every run directory given has the same losses, bit for bit.
+same_losses() {
+  python3 - "$@" <<'PY'
+import json, sys
+runs = [[json.loads(x)["loss"] for x in open(f"{d}/bench/metrics.jsonl")] for d in sys.argv[1:]]
+same = all(r == runs[0] for r in runs)
+print(f"{len(runs)} runs of {len(runs[0])} steps: the same losses bit for bit: {same}; first three {runs[0][:3]}")
+sys.exit(0 if same else 1)
+PY
+}
+
 if [ "$dry" = 1 ]; then
   export OMPI_MCA_btl_vader_single_copy_mechanism=none
   marrow=${MARROW:-build-cpu/marrow} python=${PYTHON:-.venv/bin/python}

@@ -17,17 +17,6 @@ what=${2:-all}
 source "$(dirname "$0")/gpu_common.sh"
 bench=("$marrow" bench configs/bench-gpt-oss.toml --data.path="$corpus" --checkpoint.every=0)
 
-# Every run directory given has the same losses, bit for bit.
-same_losses() {
-  python3 - "$@" <<'PY'
-import json, sys
-runs = [[json.loads(x)["loss"] for x in open(f"{d}/bench/metrics.jsonl")] for d in sys.argv[1:]]
-same = all(r == runs[0] for r in runs)
-print(f"{len(runs)} runs of {len(runs[0])} steps: the same losses bit for bit: {same}; first three {runs[0][:3]}")
-sys.exit(0 if same else 1)
-PY
-}
-
 if [ "$what" = check ] || [ "$what" = all ]; then
   for group in attention model elementwise; do
     step "marrow check --only $group"

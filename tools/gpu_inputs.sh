@@ -31,17 +31,6 @@ if ref:
 PY
 }
 
-# Every run directory given has the same losses, bit for bit.
-same_losses() {
-  python3 - "$@" <<'PY'
-import json, sys
-runs = [[json.loads(x)["loss"] for x in open(f"{d}/bench/metrics.jsonl")] for d in sys.argv[1:]]
-same = all(r == runs[0] for r in runs)
-print(f"{len(runs)} runs of {len(runs[0])} steps: the same losses bit for bit: {same}")
-sys.exit(0 if same else 1)
-PY
-}
-
 if [ "$what" = check ] || [ "$what" = all ]; then
   for group in gemm model; do
     step "marrow check --only $group"
