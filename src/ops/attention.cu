@@ -1239,48 +1239,29 @@ __global__ void attention_sinks_merge_kernel(float* out, float* lse, const bf16*
   if (lane == 0) lse[l_at] = m + logf(sum);
 }
 
-// dsinks[h] += -sum over rows r = (b, i) of exp(sink_h - lse) (dout . out), in two passes so that the
-// rows are read whole (a token's heads are contiguous) and the sums keep a fixed order. Pass 1: a
-// block per kSinkRows consecutive rows and kSinkWarps heads, a warp per head; a row's dot is summed
-// by a fixed shuffle tree, the warp adds its rows in order (unrolled, so that several rows' loads
-// are in flight) and writes partials[row block][h]. Pass 2: a thread per head adds the row blocks'
-// partials in order (deterministic; no atomics).
-constexpr int kSinkRows = 32, kSinkWarps = 8;
+constexpr int kSinkThreads = 256;
 
-template <int D>
-__global__ void __launch_bounds__(kSinkWarps * 32)
-    attention_sinks_partials_kernel(float* partials, const bf16* dout, const bf16* out, const float* lse, const bf16* sinks, int64_t rows,
-                                    int64_t seq, int heads) {
-  constexpr int kPerLane = D / 32;  // 2 or 4 elements a lane
-  const int lane = threadIdx.x % 32, h = int(blockIdx.y) * kSinkWarps + int(threadIdx.x) / 32;
-  if (h >= heads) return;
-  const int64_t r0 = int64_t(blockIdx.x) * kSinkRows, r1 = min(rows, r0 + kSinkRows);
+// dsinks[h] += -sum over (b, i) of exp(sink_h - lse) (dout . out), one block per head: each thread
+// sums the rows thread, thread + 256, ... in order, then a fixed tree over the block (deterministic).
+__global__ void attention_sinks_backward_kernel(float* dsinks, const bf16* dout, const bf16* out, const float* lse, const bf16* sinks,
+                                                int64_t batch, int64_t seq, int64_t heads, int64_t head_dim) {
+  __shared__ float partial[kSinkThreads];
+  const int64_t h = blockIdx.x;
   const float sink = __bfloat162float(sinks[h]);
   float acc = 0.f;
-#pragma unroll 4
-  for (int64_t r = r0; r < r1; ++r) {
-    const int64_t at = (r * heads + h) * D + lane * kPerLane;
+  for (int64_t r = threadIdx.x; r < batch * seq; r += kSinkThreads) {
+    const int64_t b = r / seq, i = r % seq, at = ((b * seq + i) * heads + h) * head_dim;
     float di = 0.f;
-#pragma unroll
-    for (int e = 0; e < kPerLane; e += 2) {
-      const float2 x = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(dout + at + e));
-      const float2 y = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(out + at + e));
-      di += x.x * y.x + x.y * y.y;
-    }
-#pragma unroll
-    for (int m = 16; m > 0; m /= 2) di += __shfl_xor_sync(0xffffffffu, di, m);
-    const int64_t b = r / seq, i = r % seq;
+    for (int64_t d = 0; d < head_dim; ++d) di += __bfloat162float(dout[at + d]) * __bfloat162float(out[at + d]);
     acc -= expf(sink - lse[(b * heads + h) * seq + i]) * di;
   }
-  if (lane == 0) partials[int64_t(blockIdx.x) * heads + h] = acc;
-}
-
-__global__ void attention_sinks_sum_kernel(float* dsinks, const float* partials, int blocks, int heads) {
-  const int h = int(blockIdx.x) * blockDim.x + int(threadIdx.x);
-  if (h >= heads) return;
-  float sum = 0.f;
-  for (int block = 0; block < blocks; ++block) sum += partials[int64_t(block) * heads + h];
-  dsinks[h] += sum;
+  partial[threadIdx.x] = acc;
+  __syncthreads();
+  for (int half = kSinkThreads / 2; half > 0; half /= 2) {
+    if (int(threadIdx.x) < half) partial[threadIdx.x] += partial[threadIdx.x + half];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) dsinks[h] += partial[0];
 }
 #endif  // __CUDACC__
 
@@ -1323,20 +1304,10 @@ void attention_sinks_backward(Tensor dsinks, Tensor dout, Tensor out, Tensor lse
 #ifdef __CUDACC__
     for (auto [name, t] : {std::pair{"dout", &dout}, std::pair{"out", &out}, std::pair{"sinks", &sinks}}) expect_dtype(op, name, *t, DType::bf16);
     for (auto [name, t] : {std::pair{"dsinks", &dsinks}, std::pair{"lse", &lse}}) expect_dtype(op, name, *t, DType::f32);
-    MARROW_CHECK(n.head_dim == 64 || n.head_dim == 128, "{}: head_dim {} has no GPU kernel (64 or 128)", op, n.head_dim);
-    const int64_t rows = n.batch * n.q_seq;
-    if (n.q_heads == 0 || rows == 0) return;
-    const auto s = static_cast<cudaStream_t>(stream.handle);
-    const int64_t blocks = (rows + kSinkRows - 1) / kSinkRows;
-    Buffer partials(DType::f32, Device::cuda, {blocks, n.q_heads}, stream);
-    auto kernel = n.head_dim == 64 ? attention_sinks_partials_kernel<64> : attention_sinks_partials_kernel<128>;
-    const dim3 grid(unsigned(blocks), unsigned((n.q_heads + kSinkWarps - 1) / kSinkWarps));
-    kernel<<<grid, kSinkWarps * 32, 0, s>>>(partials.ptr<float>(), static_cast<const bf16*>(dout.data),
-                                                      static_cast<const bf16*>(out.data), lse.ptr<float>(),
-                                                      static_cast<const bf16*>(sinks.data), rows, n.q_seq, int(n.q_heads));
-    MARROW_CUDA_CHECK_LAUNCH();
-    attention_sinks_sum_kernel<<<unsigned((n.q_heads + 127) / 128), 128, 0, s>>>(dsinks.ptr<float>(), partials.ptr<float>(),
-                                                                                 int(blocks), int(n.q_heads));
+    if (n.q_heads == 0) return;
+    attention_sinks_backward_kernel<<<unsigned(n.q_heads), kSinkThreads, 0, static_cast<cudaStream_t>(stream.handle)>>>(
+        dsinks.ptr<float>(), static_cast<const bf16*>(dout.data), static_cast<const bf16*>(out.data), lse.ptr<float>(),
+        static_cast<const bf16*>(sinks.data), n.batch, n.q_seq, n.q_heads, n.head_dim);
     MARROW_CUDA_CHECK_LAUNCH();
     return;
 #else

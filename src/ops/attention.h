@@ -140,8 +140,7 @@ void attention_merge(Tensor out, Tensor lse, Tensor part_out, Tensor part_lse, i
 void attention_sinks_merge(Tensor out, Tensor lse, Tensor sinks, Stream stream = {});
 // dsinks[h] += -sum over batch rows and queries i of exp(sinks[h] - lse_i) (dout_i . out_i), with the
 // final out and lse: attention_backward's sinks term over these rows, in its order on the CPU. GPU:
-// dout, out, sinks bf16; lse, dsinks f32 (partial sums of fixed row blocks, added in a fixed order:
-// deterministic); head_dim 64 or 128.
+// dout, out, sinks bf16; lse, dsinks f32 (one block per head, a fixed order: deterministic).
 void attention_sinks_backward(Tensor dsinks, Tensor dout, Tensor out, Tensor lse, Tensor sinks, Stream stream = {});
 
 }  // namespace marrow

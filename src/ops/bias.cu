@@ -118,8 +118,7 @@ template <int N> struct alignas(2 * N) Pack {
 
 constexpr int kThreads = 256;              // the forward's block: one row at a time
 constexpr int64_t kMaxRowBlocks = 16384;   // the forward's grid; its blocks stride over the rows
-constexpr int kSlices = 8;                  // the backward's block: 32 lanes x 8 slices of the rows
-constexpr int64_t kSumBlocks = 264;         // the plain backward cuts its rows into chunks to fill ~2 blocks an SM
+constexpr int kColumns = 32, kSlices = 16;  // the backward's block: 32 columns x 16 slices of the rows
 constexpr int kDotWarps = 4;               // dot_add's block: one copy a warp
 
 // The expert of row r: the last g with offsets[g] <= r (which skips empty experts), or -1 for a row
@@ -162,54 +161,32 @@ __global__ void bias_add_f32_kernel(float* y, const bf16* bias, int64_t rows, in
     y[i] += __bfloat162float(bias[i % cols]);
 }
 
-// dbias[g, c] (+)= sum over group g's rows r of w_r dy[r, c] (w_r = row_scale[r], or 1), group g =
-// blockIdx.y: expert g's rows [offsets[g], offsets[g + 1]), or with offsets null the chunk [g
-// chunk_rows, (g + 1) chunk_rows) of the rows (the plain backward's partial sums, added in order by
-// bias_chunks_sum_kernel). Lane x of warp y takes the N columns from (blockIdx.x 32 + x) N (16-byte
-// loads when N = 8) and sums rows begin + y, begin + y + kSlices, ... in row order (one fma each: the
-// product w_r dy exact, as the CPU's double one); after the barrier warp 0 adds the kSlices partials
-// in slice order. The order of every addition is fixed by the shape alone: deterministic, no atomics.
-// An expert without rows writes zeros when overwriting and is left alone when accumulating (the CPU
-// reference's rule).
-template <int N>
-__global__ void __launch_bounds__(32 * kSlices)
-    bias_sum_kernel(float* dbias, const bf16* dy, const float* row_scale, const int32_t* offsets, int64_t rows, int64_t cols,
-                    int64_t chunk_rows, bool overwrite) {
+// dbias[e, c] (+)= sum over expert e's rows r of w_r dy[r, c] (w_r = row_scale[r], or 1) for the
+// kColumns columns c of blockIdx.x and the expert e = blockIdx.y (offsets null: every row, one
+// expert). Thread (x, y) sums rows begin + y, begin + y + kSlices, ... of its column in row order
+// (one fma each: the product w_r dy exact, as the CPU's double one); after the barrier the slice-0
+// thread adds the kSlices partials in slice order. The order of every addition is fixed by the
+// shape alone: deterministic, no atomics. An expert without rows writes zeros when overwriting and
+// is left alone when accumulating (the CPU reference's rule).
+__global__ void bias_sum_kernel(float* dbias, const bf16* dy, const float* row_scale, const int32_t* offsets, int64_t rows, int64_t cols,
+                                bool overwrite) {
   begin_after_previous_grid();
-  const int g = blockIdx.y;
-  const int64_t begin = offsets ? offsets[g] : g * chunk_rows, end = offsets ? offsets[g + 1] : min(rows, begin + chunk_rows);
+  const int e = blockIdx.y;
+  const int64_t begin = offsets ? offsets[e] : 0, end = offsets ? offsets[e + 1] : rows;
   if (begin == end && !overwrite) return;  // the same for the whole block: before its barrier
-  const int64_t c = (int64_t(blockIdx.x) * 32 + threadIdx.x) * N;
-  float sum[N] = {};
+  const int64_t c = int64_t(blockIdx.x) * kColumns + threadIdx.x;
+  float sum = 0;
   if (c < cols)
-    for (int64_t r = begin + threadIdx.y; r < end; r += kSlices) {
-      const float w = row_scale ? row_scale[r] : 1.0f;
-      const Pack<N> v = *reinterpret_cast<const Pack<N>*>(dy + r * cols + c);
-#pragma unroll
-      for (int l = 0; l < N; ++l) sum[l] = fmaf(w, __bfloat162float(v.v[l]), sum[l]);
-    }
-  __shared__ float partial[kSlices][32 * N];
-#pragma unroll
-  for (int l = 0; l < N; ++l) partial[threadIdx.y][threadIdx.x * N + l] = sum[l];
+    for (int64_t r = begin + threadIdx.y; r < end; r += kSlices)
+      sum = fmaf(row_scale ? row_scale[r] : 1.0f, __bfloat162float(dy[r * cols + c]), sum);
+  __shared__ float partial[kSlices][kColumns];
+  partial[threadIdx.y][threadIdx.x] = sum;
   __syncthreads();
   if (threadIdx.y != 0 || c >= cols) return;
-  float* out = dbias + int64_t(g) * cols + c;
-#pragma unroll
-  for (int l = 0; l < N; ++l) {
-    float total = 0;
-    for (int s = 0; s < kSlices; ++s) total += partial[s][threadIdx.x * N + l];
-    out[l] = overwrite ? total : out[l] + total;
-  }
-}
-
-// dbias[c] (+)= the chunks' partial sums partials[g, c], g in order.
-__global__ void bias_chunks_sum_kernel(float* dbias, const float* partials, int64_t chunks, int64_t cols, bool overwrite) {
-  begin_after_previous_grid();
-  const int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (c >= cols) return;
   float total = 0;
-  for (int64_t g = 0; g < chunks; ++g) total += partials[g * cols + c];
-  dbias[c] = overwrite ? total : dbias[c] + total;
+  for (int s = 0; s < kSlices; ++s) total += partial[s][threadIdx.x];
+  float* out = dbias + int64_t(e) * cols + c;
+  *out = overwrite ? total : *out + total;
 }
 
 // dtopk_weight[i] += dot(dy[r], bias[e]) for r = copy_row[i] (-1: left alone) and e its expert: one
@@ -271,25 +248,10 @@ void sum_rows_gpu(const char* op, Tensor dbias, Tensor dy, Tensor expert_offsets
   if (cols == 0 || experts == 0) return;
   Buffer holder;
   const int32_t* offsets = gpu_offsets(expert_offsets, holder, stream);
-  const bool packed = packable(cols, {dy.data});
-  const int64_t columns = packed ? 32 * 8 : 32, column_blocks = (cols + columns - 1) / columns;
-  // Without experts the rows are cut into chunks (a shape's own count, so its bits are fixed) whose
-  // partial sums a second kernel adds in order, for enough blocks to fill the GPU.
-  const int64_t chunks = offsets ? 1 : std::clamp<int64_t>(kSumBlocks / column_blocks, 1, std::max<int64_t>(1, rows / 64));
-  const int64_t chunk_rows = (rows + chunks - 1) / std::max<int64_t>(chunks, 1);
-  Buffer partials;
-  if (chunks > 1) partials = Buffer(DType::f32, Device::cuda, {chunks, cols}, stream);
-  float* sums = chunks > 1 ? partials.ptr<float>() : static_cast<float*>(dbias.data);
-  const dim3 grid(unsigned(column_blocks), unsigned(offsets ? experts : chunks)), block(32, kSlices);
-  const auto s = static_cast<cudaStream_t>(stream.handle);
-  const auto* scale = row_scale.data ? static_cast<const float*>(row_scale.data) : nullptr;
-  const auto* rows_in = static_cast<const bf16*>(dy.data);
-  if (packed) launch_dependent(bias_sum_kernel<8>, grid, block, 0, s, sums, rows_in, scale, offsets, rows, cols, chunk_rows, overwrite || chunks > 1);
-  else launch_dependent(bias_sum_kernel<1>, grid, block, 0, s, sums, rows_in, scale, offsets, rows, cols, chunk_rows, overwrite || chunks > 1);
-  MARROW_CUDA_CHECK_LAUNCH();
-  if (chunks == 1) return;
-  launch_dependent(bias_chunks_sum_kernel, unsigned((cols + 255) / 256), 256, 0, s, static_cast<float*>(dbias.data), partials.ptr<float>(),
-                   chunks, cols, overwrite);
+  const dim3 grid(unsigned((cols + kColumns - 1) / kColumns), unsigned(experts)), block(kColumns, kSlices);
+  launch_dependent(bias_sum_kernel, grid, block, 0, static_cast<cudaStream_t>(stream.handle), static_cast<float*>(dbias.data),
+                   static_cast<const bf16*>(dy.data), row_scale.data ? static_cast<const float*>(row_scale.data) : nullptr, offsets, rows,
+                   cols, overwrite);
   MARROW_CUDA_CHECK_LAUNCH();
 }
 

@@ -10,9 +10,7 @@
 // the host (expert parallelism: uploaded in stream order); those on the GPU are not checked, and
 // rows outside [offsets[0], offsets[E]) then belong to no expert (left alone; dot_add writes NaN
 // for a copy of such a row, or of a row outside [0, R)). The sums are deterministic: each column in
-// a fixed order (8 strided slices of the rows in row order, the slices added in order; without
-// experts the rows are first cut into chunks, a count set by the shape, whose sums are added in
-// order), no atomics.
+// a fixed order (16 strided slices of the rows in row order, the slices added in order), no atomics.
 #pragma once
 #include "core/tensor.h"
 
