@@ -106,7 +106,8 @@ TEST(Checkpoint, Bf16MomentsAreSavedAsBf16AndReadIntoEitherDtype) {
 // part's save reads back into the part, and a whole tensor read from the part alone names what is missing.
 TEST(Checkpoint, PartsOfTensorsAddressTheCanonicalTensor) {
   ScratchDir tmp;
-  const TensorSpec whole{"model.layers.0.mlp.experts.down_proj", {2, 3, 4}, 0, 24, false, true, true, 0, {}, 0};
+  const TensorSpec whole{
+      .name = "model.layers.0.mlp.experts.down_proj", .shape = {2, 3, 4}, .numel = 24, .first_backward_writes = true, .is_expert = true, .layer = 0};
   TensorSpec part = whole;
   part.shape = {1, 3, 4};
   part.numel = 12;
@@ -316,7 +317,12 @@ TEST(HfFormat, ReadsSingleFileAndFusedExperts) {
 TEST(HfFormat, ReadsMxfp4TensorsDequantizedAndTransposed) {
   ScratchDir tmp;
   const int64_t E = 2, C = 64, R = 3, G = C / 32;
-  const TensorSpec spec{"model.layers.0.mlp.experts.down_proj", {E, C, R}, 0, E * C * R, false, true, true, 0, {}, 0};
+  const TensorSpec spec{.name = "model.layers.0.mlp.experts.down_proj",
+                        .shape = {E, C, R},
+                        .numel = E * C * R,
+                        .first_backward_writes = true,
+                        .is_expert = true,
+                        .layer = 0};
   std::vector<uint8_t> blocks(size_t(E * R * G * 16)), scales(size_t(E * R * G));
   for (size_t i = 0; i < blocks.size(); ++i) blocks[i] = uint8_t(i * 37 + 11);
   for (size_t i = 0; i < scales.size(); ++i) scales[i] = uint8_t(124 + i % 7);

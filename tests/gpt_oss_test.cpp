@@ -4,6 +4,8 @@
 #include "gradcheck.h"
 #include "ops/cross_entropy.h"
 #include "ops/grouped_linear_fp8.h"
+#include "ops/init.h"
+#include "parallel/sharded_params.h"
 
 namespace marrow {
 namespace {
@@ -186,6 +188,32 @@ TEST(GptOss, ParameterTableIsHuggingFacesAndInitialisesAsItDoes) {
   EXPECT_EQ(find("model.layers.1.mlp.experts.down_proj"), (std::vector<int64_t>{8, 12, 16}));
   EXPECT_EQ(find("model.layers.0.self_attn.sinks"), (std::vector<int64_t>{4}));
   EXPECT_EQ(find("model.layers.0.mlp.router.bias"), (std::vector<int64_t>{8}));
+}
+
+// AdamW decays matrices and embeddings, not norms, biases or sinks (TensorSpec::decayed): from a zero
+// gradient a decayed weight of 1 becomes 1 - lr * weight_decay and the others keep their bits. A
+// unit's matrices come before its biases, so each unit takes at most one run of either.
+TEST(GptOss, WeightDecaySkipsNormsBiasesAndSinks) {
+  const GptOss m(GptOssConfig::from_json(tiny_config_json(), "config.json"), DType::f32, Device::cpu);
+  const int64_t L = m.num_layers();
+  const Mesh mesh = Mesh::create(MeshShape{}, Device::cpu);
+  ShardedParameters state(m.specs(), L, std::vector<int64_t>(size_t(L + 2), 0), mesh, false, false, false, Device::cpu, DType::f32);
+  fill_constant(state.params().all(), 1.0);
+  const AdamWHyper hyper{1e-2, 0.9, 0.95, 1e-8, 0.1, 1};
+  state.optimizer_step(hyper);
+  const float decayed = float(1.0 * (1.0 - hyper.lr * hyper.weight_decay));
+  int64_t undecayed_tensors = 0;
+  for (size_t i = 0; i < m.specs().size(); ++i) {
+    const TensorSpec& s = m.specs()[i];
+    const bool bias = s.name.ends_with("bias") || s.name.ends_with("sinks");
+    EXPECT_EQ(s.decayed, !bias && !s.is_norm) << s.name;
+    undecayed_tensors += !s.decayed;
+    const Tensor t = state.params().slice(s.offset, {s.numel});
+    for (int64_t e = 0; e < s.numel; ++e) ASSERT_EQ(float(testing::element(t, e)), s.decayed ? decayed : 1.0f) << s.name << " " << e;
+    if (i > 0 && s.layer == m.specs()[i - 1].layer && s.is_expert == m.specs()[i - 1].is_expert && !s.is_norm)
+      EXPECT_TRUE(m.specs()[i - 1].decayed || !s.decayed) << s.name << " follows a bias in its unit";
+  }
+  EXPECT_EQ(undecayed_tensors, 2 * L + 1 + L * 8);  // norms; q, k, v, o, router, expert biases and sinks
 }
 
 struct TinyRun {

@@ -46,7 +46,15 @@ struct SmallTable {
   }
   void add(const std::string& name, int64_t numel, int64_t layer, bool expert, bool norm) {
     const int64_t offset = specs.empty() ? 0 : specs.back().offset + specs.back().numel;
-    specs.push_back({name, {numel}, offset, numel, norm, expert, expert, layer});
+    specs.push_back({.name = name,
+                     .shape = {numel},
+                     .offset = offset,
+                     .numel = numel,
+                     .is_norm = norm,
+                     .decayed = !norm,
+                     .first_backward_writes = expert,
+                     .is_expert = expert,
+                     .layer = layer});
   }
   EstimatedModel model() const {
     return {"small", specs, 2, 4, 2, 2, 4, [](int64_t, int64_t, int64_t) { return ModelActivationBytes{}; }};

@@ -15,6 +15,10 @@ struct TensorSpec {
   int64_t offset = 0;  // in elements
   int64_t numel = 0;
   bool is_norm = false;  // RMSNorm weights: initialised to 1, no weight decay
+  // AdamW's weight decay applies to it: matrices and embeddings. Norms, biases and GPT-OSS's sinks
+  // (vectors added to or scaling activations) are exempt, as Megatron-LM and Hugging Face's Trainer
+  // exempt them.
+  bool decayed = true;
   // The backward of a step's first micro-batch writes this gradient instead of adding to it (the
   // expert weights: their fp32 gradients are the bulk of the arena; the LM head, as large as the
   // embedding), so the trainer zeroes only the other gradients before a step. Decoder layers' such

@@ -22,21 +22,32 @@ void expect_family(const JsonFields& f, const std::string& source, const char* m
   MARROW_CHECK(f.number("attention_dropout", 0.0) == 0.0, "{}: attention_dropout must be 0", source);
 }
 
-void ParameterTable::add(std::string name, std::vector<int64_t> shape, bool is_norm, bool is_expert) {
+void ParameterTable::add(std::string name, std::vector<int64_t> shape, ParamKind kind, bool is_expert) {
+  const bool is_norm = kind == ParamKind::norm;
   const bool first_writes = is_expert || (layer == num_layers && !is_norm);
-  TensorSpec s{std::move(name), std::move(shape), numel, 1, is_norm, first_writes, is_expert, layer, {}, 0};
+  TensorSpec s;
+  s.name = std::move(name);
+  s.shape = std::move(shape);
+  s.offset = numel;
+  s.numel = 1;
+  s.is_norm = is_norm;
+  s.decayed = kind == ParamKind::matrix;
+  s.first_backward_writes = first_writes;
+  s.is_expert = is_expert;
+  s.layer = layer;
   for (int64_t d : s.shape) s.numel *= d;
   numel += s.numel;
   specs.push_back(std::move(s));
 }
 
-void ParameterTable::add_expert_rows(std::string name, std::vector<int64_t> canonical_shape, int64_t first, int64_t count) {
+void ParameterTable::add_expert_rows(std::string name, std::vector<int64_t> canonical_shape, int64_t first, int64_t count,
+                                     ParamKind kind) {
   const int64_t experts = canonical_shape.at(0);
   MARROW_CHECK(first >= 0 && count >= 1 && first + count <= experts, "internal: experts [{}, {}) of {}'s {}", first, first + count, name,
                experts);
   std::vector<int64_t> shape = canonical_shape;
   shape[0] = count;
-  add(std::move(name), shape, false, true);
+  add(std::move(name), shape, kind, true);
   if (count == experts) return;
   TensorSpec& s = specs.back();
   s.canonical_first = first * (s.numel / count);

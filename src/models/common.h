@@ -47,18 +47,25 @@ template <class C> void check_shared_values(const C& c, double rope_theta, const
   MARROW_CHECK(c.top_k <= c.num_experts, "{}: num_experts_per_tok ({}) exceeds {} ({})", source, c.top_k, experts_key, c.num_experts);
 }
 
+// What a parameter is, for its initialisation and weight decay (TensorSpec::is_norm, decayed): a
+// bias is any vector added to activations or logits (GPT-OSS's sinks too).
+enum class ParamKind { matrix, norm, bias };
+
 // A family's canonical parameter table, built tensor by tensor in its order. The expert weights'
 // and the LM head's gradients are written by a step's first backward (TensorSpec::first_backward_writes).
+// A family that has biases lists a unit's matrices before its biases (ShardedParameters' units: a
+// layer's dense tensors, its experts' tensors), so AdamW runs once decayed and once not per unit.
 struct ParameterTable {
   explicit ParameterTable(int64_t num_layers) : num_layers(num_layers) {}
   int64_t num_layers;
   int64_t layer = -1;  // TensorSpec::layer of the tensors added next: -1 the prolog, num_layers the epilog
   std::vector<TensorSpec> specs;
   int64_t numel = 0;
-  void add(std::string name, std::vector<int64_t> shape, bool is_norm, bool is_expert = false);
+  void add(std::string name, std::vector<int64_t> shape, ParamKind kind, bool is_expert = false);
   // Rows [first, first + count) of a fused expert tensor of canonical shape [E, ...]: one expert-parallel
   // rank's experts (TensorSpec::canonical_first); the whole tensor when they are all E.
-  void add_expert_rows(std::string name, std::vector<int64_t> canonical_shape, int64_t first, int64_t count);
+  void add_expert_rows(std::string name, std::vector<int64_t> canonical_shape, int64_t first, int64_t count,
+                       ParamKind kind = ParamKind::matrix);
 };
 
 // Views of a placement's tensors in the table's order, each in the shape the family computes with

@@ -114,32 +114,32 @@ GptOss::GptOss(const Config& config, DType dtype, Device device, ExpertShard exp
   const int64_t H = c.hidden_size, D = c.head_dim, I = c.expert_intermediate_size, E = c.num_experts;
   const int64_t first = experts_.first, El = experts_.count;
   ParameterTable t(c.num_layers);
-  t.add("model.embed_tokens.weight", {c.vocab_size, H}, false);
+  t.add("model.embed_tokens.weight", {c.vocab_size, H}, ParamKind::matrix);
   for (t.layer = 0; t.layer < c.num_layers; ++t.layer) {
     const std::string p = fmt::format("model.layers.{}.", t.layer);
-    for (const auto& [proj, rows] : {std::pair{"q_proj", c.num_heads * D}, {"k_proj", c.num_kv_heads * D}, {"v_proj", c.num_kv_heads * D}}) {
-      t.add(p + "self_attn." + proj + ".weight", {rows, H}, false);
-      t.add(p + "self_attn." + proj + ".bias", {rows}, false);
-    }
-    t.add(p + "self_attn.o_proj.weight", {H, c.num_heads * D}, false);
-    t.add(p + "self_attn.o_proj.bias", {H}, false);
-    t.add(p + "self_attn.sinks", {c.num_heads}, false);
-    t.add(p + "mlp.router.weight", {E, H}, false);
-    t.add(p + "mlp.router.bias", {E}, false);
+    const std::pair<const char*, int64_t> projections[] = {
+        {"q_proj", c.num_heads * D}, {"k_proj", c.num_kv_heads * D}, {"v_proj", c.num_kv_heads * D}};
+    for (const auto& [proj, rows] : projections) t.add(p + "self_attn." + proj + ".weight", {rows, H}, ParamKind::matrix);
+    t.add(p + "self_attn.o_proj.weight", {H, c.num_heads * D}, ParamKind::matrix);
+    t.add(p + "mlp.router.weight", {E, H}, ParamKind::matrix);
+    for (const auto& [proj, rows] : projections) t.add(p + "self_attn." + proj + ".bias", {rows}, ParamKind::bias);
+    t.add(p + "self_attn.o_proj.bias", {H}, ParamKind::bias);
+    t.add(p + "self_attn.sinks", {c.num_heads}, ParamKind::bias);
+    t.add(p + "mlp.router.bias", {E}, ParamKind::bias);
     t.add_expert_rows(p + "mlp.experts.gate_up_proj", {E, H, 2 * I}, first, El);
-    t.add_expert_rows(p + "mlp.experts.gate_up_proj_bias", {E, 2 * I}, first, El);
     t.add_expert_rows(p + "mlp.experts.down_proj", {E, I, H}, first, El);
-    t.add_expert_rows(p + "mlp.experts.down_proj_bias", {E, H}, first, El);
+    t.add_expert_rows(p + "mlp.experts.gate_up_proj_bias", {E, 2 * I}, first, El, ParamKind::bias);
+    t.add_expert_rows(p + "mlp.experts.down_proj_bias", {E, H}, first, El, ParamKind::bias);
   }
   t.layer = c.num_layers;
-  t.add("lm_head.weight", {c.vocab_size, H}, false);
+  t.add("lm_head.weight", {c.vocab_size, H}, ParamKind::matrix);
   for (t.layer = 0; t.layer < c.num_layers; ++t.layer) {
     const std::string p = fmt::format("model.layers.{}.", t.layer);
-    t.add(p + "input_layernorm.weight", {H}, true);
-    t.add(p + "post_attention_layernorm.weight", {H}, true);
+    t.add(p + "input_layernorm.weight", {H}, ParamKind::norm);
+    t.add(p + "post_attention_layernorm.weight", {H}, ParamKind::norm);
   }
   t.layer = c.num_layers;
-  t.add("model.norm.weight", {H}, true);
+  t.add("model.norm.weight", {H}, ParamKind::norm);
   specs_ = std::move(t.specs);
   num_parameters_ = t.numel;
 }
@@ -172,19 +172,19 @@ GptOssWeights GptOss::bind(const Placement& placement) const {
   for (auto& L : w.layers) {
     L.layer = &L - w.layers.data();
     L.q_proj = take({c.num_heads * D, H});
-    L.q_bias = take({c.num_heads * D});
     L.k_proj = take({c.num_kv_heads * D, H});
-    L.k_bias = take({c.num_kv_heads * D});
     L.v_proj = take({c.num_kv_heads * D, H});
-    L.v_bias = take({c.num_kv_heads * D});
     L.o_proj = take({H, c.num_heads * D});
+    L.router = take({E, H});
+    L.q_bias = take({c.num_heads * D});
+    L.k_bias = take({c.num_kv_heads * D});
+    L.v_bias = take({c.num_kv_heads * D});
     L.o_bias = take({H});
     L.sinks = take({c.num_heads});
-    L.router = take({E, H});
     L.router_bias = take({E});
     L.experts_gate_up = take({El, H, 2 * I});
-    L.experts_gate_up_bias = take({El, 2 * I});
     L.experts_down = take({El, I, H});
+    L.experts_gate_up_bias = take({El, 2 * I});
     L.experts_down_bias = take({El, H});
   }
   w.lm_head = take({c.vocab_size, H});

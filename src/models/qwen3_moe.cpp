@@ -76,32 +76,31 @@ Qwen3Moe::Qwen3Moe(const Config& config, DType dtype, Device device, ExpertShard
                "experts [{}, {}) are not a range of the model's {} experts", experts_.first, experts_.first + experts_.count, c.num_experts);
   const int64_t first = experts_.first, last = experts_.first + experts_.count;
   ParameterTable t(c.num_layers);
-  t.add("model.embed_tokens.weight", {c.vocab_size, H}, false);
+  t.add("model.embed_tokens.weight", {c.vocab_size, H}, ParamKind::matrix);
   for (t.layer = 0; t.layer < c.num_layers; ++t.layer) {
     const std::string p = fmt::format("model.layers.{}.", t.layer);
-    t.add(p + "self_attn.q_proj.weight", {c.num_heads * D, H}, false);
-    t.add(p + "self_attn.k_proj.weight", {c.num_kv_heads * D, H}, false);
-    t.add(p + "self_attn.v_proj.weight", {c.num_kv_heads * D, H}, false);
-    t.add(p + "self_attn.o_proj.weight", {H, c.num_heads * D}, false);
-    t.add(p + "mlp.gate.weight", {c.num_experts, H}, false);
+    t.add(p + "self_attn.q_proj.weight", {c.num_heads * D, H}, ParamKind::matrix);
+    t.add(p + "self_attn.k_proj.weight", {c.num_kv_heads * D, H}, ParamKind::matrix);
+    t.add(p + "self_attn.v_proj.weight", {c.num_kv_heads * D, H}, ParamKind::matrix);
+    t.add(p + "self_attn.o_proj.weight", {H, c.num_heads * D}, ParamKind::matrix);
+    t.add(p + "mlp.gate.weight", {c.num_experts, H}, ParamKind::matrix);
     for (int64_t e = first; e < last; ++e) {
-      t.add(fmt::format("{}mlp.experts.{}.gate_proj.weight", p, e), {I, H}, false, true);
-      t.add(fmt::format("{}mlp.experts.{}.up_proj.weight", p, e), {I, H}, false, true);
+      t.add(fmt::format("{}mlp.experts.{}.gate_proj.weight", p, e), {I, H}, ParamKind::matrix, true);
+      t.add(fmt::format("{}mlp.experts.{}.up_proj.weight", p, e), {I, H}, ParamKind::matrix, true);
     }
-    for (int64_t e = first; e < last; ++e) t.add(fmt::format("{}mlp.experts.{}.down_proj.weight", p, e), {H, I}, false, true);
+    for (int64_t e = first; e < last; ++e) t.add(fmt::format("{}mlp.experts.{}.down_proj.weight", p, e), {H, I}, ParamKind::matrix, true);
   }
   t.layer = c.num_layers;  // the epilog
-  t.add("lm_head.weight", {c.vocab_size, H}, false);
-  num_decayed_ = t.numel;
+  t.add("lm_head.weight", {c.vocab_size, H}, ParamKind::matrix);
   for (t.layer = 0; t.layer < c.num_layers; ++t.layer) {
     const std::string p = fmt::format("model.layers.{}.", t.layer);
-    t.add(p + "input_layernorm.weight", {H}, true);
-    t.add(p + "self_attn.q_norm.weight", {D}, true);
-    t.add(p + "self_attn.k_norm.weight", {D}, true);
-    t.add(p + "post_attention_layernorm.weight", {H}, true);
+    t.add(p + "input_layernorm.weight", {H}, ParamKind::norm);
+    t.add(p + "self_attn.q_norm.weight", {D}, ParamKind::norm);
+    t.add(p + "self_attn.k_norm.weight", {D}, ParamKind::norm);
+    t.add(p + "post_attention_layernorm.weight", {H}, ParamKind::norm);
   }
   t.layer = c.num_layers;
-  t.add("model.norm.weight", {H}, true);
+  t.add("model.norm.weight", {H}, ParamKind::norm);
   specs_ = std::move(t.specs);
   num_parameters_ = t.numel;
 }

@@ -119,10 +119,9 @@ class Qwen3Moe {
   int64_t num_local_experts() const { return experts_.count; }
   int64_t top_k() const { return config_.top_k; }
   int64_t hidden_size() const { return config_.hidden_size; }
-  // The canonical tensors; norms come last so the decayed parameters are one contiguous range.
+  // The canonical tensors; the norms come last, all of them in one unit (ShardedParameters).
   const std::vector<TensorSpec>& specs() const { return specs_; }
   int64_t num_parameters() const { return num_parameters_; }
-  int64_t num_decayed_parameters() const { return num_decayed_; }
   // Active parameters per token (top-k experts of each layer, everything else), for FLOP counts.
   int64_t num_active_parameters() const;
   // Query heads x head dim: causal attention's work per token is ~2 x sequence x this multiply-adds.
@@ -264,7 +263,7 @@ class Qwen3Moe {
   int64_t forced_logits_chunk_ = 0;
   ExpertShard experts_;
   std::vector<TensorSpec> specs_;
-  int64_t num_parameters_ = 0, num_decayed_ = 0;
+  int64_t num_parameters_ = 0;
   // By layer; shared by copies of the model (they see the same weights).
   std::shared_ptr<std::vector<Fp8ExpertWeights>> fp8_weights_ = std::make_shared<std::vector<Fp8ExpertWeights>>();
 };

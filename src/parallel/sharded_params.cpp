@@ -34,6 +34,13 @@ UnitKey unit_key(const TensorSpec& s, const std::vector<int64_t>& stage_chunk) {
 
 }  // namespace
 
+void ShardedParameters::add_undecayed(Unit& u, const TensorSpec& s) {
+  if (s.decayed) return;
+  const int64_t begin = s.offset - u.begin, end = begin + s.numel;
+  if (!u.undecayed.empty() && u.undecayed.back().second == begin) u.undecayed.back().second = end;
+  else u.undecayed.emplace_back(begin, end);
+}
+
 std::vector<ShardedParameters::Unit> ShardedParameters::cut_units(const std::vector<TensorSpec>& specs, int64_t num_layers,
                                                                   const std::vector<int64_t>& stage_chunk, const Mesh& mesh,
                                                                   bool keep_gathered, bool keep_whole_grads, bool cast_on_use) {
@@ -43,6 +50,7 @@ std::vector<ShardedParameters::Unit> ShardedParameters::cut_units(const std::vec
     if (stage_chunk[size_t(s.layer + 1)] < 0) continue;  // another pipeline rank's
     const UnitKey key = unit_key(s, stage_chunk);
     if (!units.empty() && seen.back() == key && units.back().begin + units.back().numel == s.offset) {
+      add_undecayed(units.back(), s);
       units.back().numel += s.numel;
       continue;
     }
@@ -61,6 +69,7 @@ std::vector<ShardedParameters::Unit> ShardedParameters::cut_units(const std::vec
     u.weights_kept = keep_gathered || whole_anyway || (u.n == 1 && !cast_on_use);
     u.grads_kept = keep_whole_grads || whole_anyway || u.n == 1;
     u.cast = u.n == 1 && !u.weights_kept;
+    add_undecayed(u, s);
     units.push_back(u);
   }
   int64_t offset = 0;
@@ -446,43 +455,59 @@ double ShardedParameters::gradient_norm(std::span<const Tensor> expert_squares, 
   return std::sqrt(mesh_.pipeline.sum(stage_squares, "gradient norm over the pipeline (sum of squares)"));
 }
 
+std::vector<ShardedParameters::AdamWRun> ShardedParameters::adamw_runs(const Unit& u, std::span<const KnownZeroGrads> known) const {
+  const Tensor grad = u.shard(grads_);
+  const auto* base = static_cast<const char*>(grad.data);
+  std::vector<AdamWRun> inside;  // the known-zero gradients in the shard
+  for (const KnownZeroGrads& k : known) {
+    const auto* at = static_cast<const char*>(k.grad.data);
+    if (at >= base && at < base + grad.bytes())
+      inside.push_back({int64_t(at - base) / int64_t(dtype_size(grad.dtype)), k.grad.numel(), true, &k});
+  }
+  MARROW_CHECK(inside.empty() || (u.n == 1 && u.grads_kept), "internal: known-zero gradients in a sharded unit of stage {}", u.stage);
+  const int64_t own = u.group->rank() * u.chunk;  // the shard's first element in the unit
+  std::vector<int64_t> cuts{0, u.chunk};
+  for (const auto& [begin, end] : u.undecayed)
+    for (const int64_t at : {begin - own, end - own}) cuts.push_back(std::clamp<int64_t>(at, 0, u.chunk));
+  for (const AdamWRun& k : inside) cuts.insert(cuts.end(), {k.begin, k.begin + k.count});
+  std::sort(cuts.begin(), cuts.end());
+  cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
+  std::vector<AdamWRun> runs;
+  for (size_t i = 0; i + 1 < cuts.size(); ++i) {
+    AdamWRun r{cuts[i], cuts[i + 1] - cuts[i]};
+    for (const auto& [begin, end] : u.undecayed) r.decayed = r.decayed && !(own + r.begin >= begin && own + r.begin < end);
+    for (const AdamWRun& k : inside)
+      if (k.begin <= r.begin && r.begin < k.begin + k.count) {
+        MARROW_CHECK(k.begin == r.begin && k.count == r.count,
+                     "internal: a known-zero gradient of stage {} spans tensors with and without weight decay", u.stage);
+        r.known = k.known;
+      }
+    runs.push_back(r);
+  }
+  return runs;
+}
+
 void ShardedParameters::adamw_unit(const Unit& u, const AdamWHyper& hyper, std::span<const KnownZeroGrads> known) {
   const bool separate = u.working.data != nullptr && u.working.data != u.shard(params_).data;
   auto part = [&](const Arena& a, int64_t begin, int64_t count) { return a.slice(u.offset + begin, {count}); };
-  auto update = [&](int64_t begin, int64_t count, const KnownZeroGrads* k) {
-    if (count == 0) return;
-    const Tensor working = separate ? u.working.reshape({u.chunk}).rows(begin, begin + count) : Tensor{};
-    if (k) adamw_step_known_zero(part(params_, begin, count), working, part(exp_avg_, begin, count), part(exp_avg_sq_, begin, count),
-                                 part(grads_, begin, count), k->flags, hyper);
-    else adamw_step(part(params_, begin, count), working, part(exp_avg_, begin, count), part(exp_avg_sq_, begin, count),
-                    part(grads_, begin, count), hyper);
-  };
-  const Tensor grad = u.shard(grads_);
-  const auto* base = static_cast<const char*>(grad.data);
-  std::vector<std::pair<int64_t, const KnownZeroGrads*>> inside;  // by element offset in the shard
-  for (const KnownZeroGrads& k : known) {
-    const auto* at = static_cast<const char*>(k.grad.data);
-    if (at >= base && at < base + grad.bytes()) inside.emplace_back(int64_t(at - base) / int64_t(dtype_size(grad.dtype)), &k);
+  AdamWHyper undecayed = hyper;
+  undecayed.weight_decay = 0;
+  for (const AdamWRun& r : adamw_runs(u, known)) {
+    const Tensor working = separate ? u.working.reshape({u.chunk}).rows(r.begin, r.begin + r.count) : Tensor{};
+    const Tensor params = part(params_, r.begin, r.count), exp_avg = part(exp_avg_, r.begin, r.count);
+    const Tensor exp_avg_sq = part(exp_avg_sq_, r.begin, r.count), grads = part(grads_, r.begin, r.count);
+    const AdamWHyper& h = r.decayed ? hyper : undecayed;
+    if (r.known) adamw_step_known_zero(params, working, exp_avg, exp_avg_sq, grads, r.known->flags, h);
+    else adamw_step(params, working, exp_avg, exp_avg_sq, grads, h);
   }
-  MARROW_CHECK(inside.empty() || (u.n == 1 && u.grads_kept), "internal: known-zero gradients in a sharded unit of stage {}", u.stage);
-  std::sort(inside.begin(), inside.end());
-  int64_t done = 0;
-  for (const auto& [begin, k] : inside) {
-    update(done, begin - done, nullptr);
-    update(begin, k->grad.numel(), k);
-    done = begin + k->grad.numel();
-  }
-  update(done, u.chunk - done, nullptr);
 }
 
-void ShardedParameters::optimizer_step(AdamWHyper hyper, std::span<const KnownZeroGrads> known) {
-  const double weight_decay = hyper.weight_decay;
+void ShardedParameters::optimizer_step(const AdamWHyper& hyper, std::span<const KnownZeroGrads> known) {
   ++weights_generation();
   forget_slots();
   // In the order the next forward needs them, each unit's gather starting as soon as it is updated.
   for (size_t i : update_order_) {
     Unit& u = units_[i];
-    hyper.weight_decay = u.norms ? 0 : weight_decay;
     adamw_unit(u, hyper, known);
     gather_kept(u);
   }

@@ -133,9 +133,9 @@ class ShardedParameters {
   // The same for the units of one stage that are not experts' (-1 the prolog, num_layers the epilog);
   // false where this rank holds none of them.
   bool grads_final(int64_t stage) const;
-  // AdamW on the shards (norm units without weight decay); then the compute copies are re-gathered.
+  // AdamW on the shards (norms and biases without weight decay); then the compute copies are re-gathered.
   // known: AdamW takes their flagged rows' gradient as zero without reading it.
-  void optimizer_step(AdamWHyper hyper, std::span<const KnownZeroGrads> known = {});
+  void optimizer_step(const AdamWHyper& hyper, std::span<const KnownZeroGrads> known = {});
 
  private:
   struct Unit {
@@ -147,6 +147,8 @@ class ShardedParameters {
     bool weights_kept = true;              // the whole weights kept for the step (else slots)
     bool grads_kept = true;                // the whole gradient accumulated over the step (else slots)
     bool cast = false;                     // n == 1 in slots: cast from the master, no compute copy kept
+    // [begin, end) in the unit's elements of tensors without weight decay (TensorSpec::decayed)
+    std::vector<std::pair<int64_t, int64_t>> undecayed;
     Tensor working;                        // the shard the optimizer writes, in the compute dtype
     Tensor gathered;                       // weights_kept: the whole unit, n * chunk elements
     Tensor whole_grad;                     // grads_kept: the whole fp32 gradient (n == 1: the shard)
@@ -163,6 +165,7 @@ class ShardedParameters {
   static std::vector<Unit> cut_units(const std::vector<TensorSpec>& specs, int64_t num_layers, const std::vector<int64_t>& stage_chunk,
                                      const Mesh& mesh, bool keep_gathered, bool keep_whole_grads, bool cast_on_use);
   static int64_t shard_elements(const std::vector<Unit>& units);
+  static void add_undecayed(Unit& u, const TensorSpec& s);
   void allocate(DType compute);
   void place(const std::vector<TensorSpec>& specs);
   void place_absent(const std::vector<TensorSpec>& specs, const std::vector<int64_t>& stage_chunk, DType compute);
@@ -179,7 +182,16 @@ class ShardedParameters {
   void prefetch(int64_t layer);
   Slot& slot(const Unit& u, int64_t layer) { return slots_[u.expert ? 1 : 0][size_t(layer % 2)]; }
   void reduce_kept(const Unit& u);
-  // AdamW on unit u's shard, the parts of `known` inside it by rows.
+  // A piece of a unit's shard that one AdamW call updates: one weight decay, at most one known-zero
+  // gradient (then the whole of it).
+  struct AdamWRun {
+    int64_t begin = 0, count = 0;  // in the shard's elements
+    bool decayed = true;
+    const KnownZeroGrads* known = nullptr;
+  };
+  // Unit u's shard cut where a tensor without weight decay or a known-zero gradient begins or ends.
+  std::vector<AdamWRun> adamw_runs(const Unit& u, std::span<const KnownZeroGrads> known) const;
+  // AdamW on unit u's shard, run by run.
   void adamw_unit(const Unit& u, const AdamWHyper& hyper, std::span<const KnownZeroGrads> known);
   // This rank's sum of squares of its gradient shards (see gradient_norm).
   double local_squares(std::span<const Tensor> expert_squares, std::span<const KnownZeroGrads> known) const;

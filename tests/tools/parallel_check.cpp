@@ -145,7 +145,8 @@ std::vector<TensorSpec> sharded_table() {
   std::vector<TensorSpec> specs;
   auto add = [&](const char* name, int64_t numel, int64_t layer, bool expert) {
     const int64_t offset = specs.empty() ? 0 : specs.back().offset + specs.back().numel;
-    specs.push_back({name, {numel}, offset, numel, false, expert, expert, layer});
+    specs.push_back(
+        {.name = name, .shape = {numel}, .offset = offset, .numel = numel, .first_backward_writes = expert, .is_expert = expert, .layer = layer});
   };
   add("embed", 37, -1, false);
   for (int64_t l = 0; l < 2; ++l) {
