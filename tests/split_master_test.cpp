@@ -14,6 +14,7 @@
 #include "ops/adamw.h"
 #include "ops/cast.h"
 #include "parallel/sharded_params.h"
+#include "sharded_table.h"
 
 namespace marrow {
 namespace {
@@ -100,23 +101,6 @@ TEST(SplitF32, AdamWOnSplitWeightsFollowsTheFp32Master) {
   }
 }
 
-// A table of a few tensors in the layers' stages: prolog, two decoder layers (dense and experts), epilog.
-std::vector<TensorSpec> small_table() {
-  std::vector<TensorSpec> specs;
-  auto add = [&](const char* name, int64_t numel, int64_t layer, bool expert) {
-    const int64_t offset = specs.empty() ? 0 : specs.back().offset + specs.back().numel;
-    specs.push_back(
-        {.name = name, .shape = {numel}, .offset = offset, .numel = numel, .first_backward_writes = expert, .is_expert = expert, .layer = layer});
-  };
-  add("embed", 37, -1, false);
-  for (int64_t l = 0; l < 2; ++l) {
-    add("dense", 29, l, false);
-    add("experts", 41, l, true);
-  }
-  add("head", 37, 2, false);
-  return specs;
-}
-
 std::vector<uint16_t> host_bits(Tensor t) {
   std::vector<uint16_t> out(size_t(t.numel()));
   std::memcpy(out.data(), t.data, t.bytes());
@@ -127,7 +111,7 @@ std::vector<uint16_t> host_bits(Tensor t) {
 // the same bf16 weights after initialisation and after each optimizer step, the same master as
 // stored (unpack_master), and the staging arena (the gradients) zero again after each use.
 TEST(SplitF32, ShardedParametersKeepTheSameWeightsAsAnFp32Master) {
-  const std::vector<TensorSpec> specs = small_table();
+  const std::vector<TensorSpec> specs = testing::sharded_table();
   const Mesh mesh = Mesh::create(MeshShape{}, Device::cpu);
   const std::vector<int64_t> stages(4, 0);
   ShardedParameters whole(specs, 2, stages, mesh, false, false, false, Device::cpu, DType::bf16, DType::f32, false);

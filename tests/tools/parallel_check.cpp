@@ -30,6 +30,7 @@
 #include "parallel/expert_parallel.h"
 #include "parallel/mesh.h"
 #include "parallel/sharded_params.h"
+#include "sharded_table.h"
 
 namespace {
 
@@ -140,23 +141,6 @@ void run_case(const Comm& group, int64_t experts, bool all_on_member0) {
 
 }  // namespace
 
-// Prolog, two decoder layers (dense and experts) and epilog, sizes that no process count divides.
-std::vector<TensorSpec> sharded_table() {
-  std::vector<TensorSpec> specs;
-  auto add = [&](const char* name, int64_t numel, int64_t layer, bool expert) {
-    const int64_t offset = specs.empty() ? 0 : specs.back().offset + specs.back().numel;
-    specs.push_back(
-        {.name = name, .shape = {numel}, .offset = offset, .numel = numel, .first_backward_writes = expert, .is_expert = expert, .layer = layer});
-  };
-  add("embed", 37, -1, false);
-  for (int64_t l = 0; l < 2; ++l) {
-    add("dense", 29, l, false);
-    add("experts", 41, l, true);
-  }
-  add("head", 37, 2, false);
-  return specs;
-}
-
 double pseudo_random(uint64_t i, uint64_t seed) {
   std::mt19937_64 rng(seed * 1000003 + i);
   return std::uniform_real_distribution<double>(-1, 1)(rng);
@@ -174,7 +158,7 @@ std::vector<uint16_t> gathered_weights(ShardedParameters& s, const std::vector<T
 }
 
 void check_split_master_sharded(const Comm& world) {
-  const std::vector<TensorSpec> specs = sharded_table();
+  const std::vector<TensorSpec> specs = testing::sharded_table();
   const Mesh mesh = Mesh::create(mesh_shape(world.size(), 1, 1, 1), Device::cpu);
   const std::vector<int64_t> stages(4, 0);
   ShardedParameters whole(specs, 2, stages, mesh, true, true, false, Device::cpu, DType::bf16, DType::f32, false);
