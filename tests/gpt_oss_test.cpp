@@ -1,6 +1,7 @@
 #include "models/gpt_oss.h"
 
 #include "engine/step.h"
+#include "fp8_model_check.h"
 #include "gradcheck.h"
 #include "ops/cross_entropy.h"
 #include "ops/grouped_linear_fp8.h"
@@ -135,22 +136,6 @@ TEST(GptOss, AnExpertShardHoldsItsRowsOfTheFusedTensors) {
   }
 }
 
-TEST(GptOss, RefusesWhatIsNotBuiltYetInOneSentence) {
-  const GptOss m(GptOssConfig::from_json(tiny_config_json(), "config.json"), DType::f32, Device::cpu);
-  const Arena params("parameters", DType::f32, Device::cpu, m.num_parameters());
-  const GptOssWeights w = m.bind(params);
-  GptOssExpertActivations e;
-  set_expert_fp8(true);
-  try {
-    m.experts_forward(Buffer(DType::f32, Device::cpu, {1, 64}), e, Buffer(DType::f32, Device::cpu, {1, 64}),
-                      Buffer(DType::i32, Device::cpu, {9}), w.layers[0]);
-    FAIL();
-  } catch (const Error& e) {
-    EXPECT_STREQ(e.what(), "train.fp8 is not supported for gpt_oss yet");
-  }
-  set_expert_fp8(false);
-}
-
 // The bench's attention FLOPs: the tiny config's layers are sliding (window 3) then full. A query
 // of a sliding layer sees min(i + 1, W) keys; the count is that mean up to the convention's S / 2
 // for a full layer (W - W^2 / (2 S) against W - W (W - 1) / (2 S)).
@@ -261,6 +246,28 @@ struct TinyRun {
     return loss;
   }
 };
+
+// train.fp8 (tests/fp8_model_check.h): the fused [E, in, out] tensors' transposed quantization in the
+// forward, as stored in the backward input. Each expert tensor's gradient stays close on its own too.
+TEST(GptOss, Fp8ExpertGemmsStayCloseAndFollowTheWeights) {
+  TinyRun plain(DType::f32, 2, 8), fp8(DType::f32, 2, 8), again(DType::f32, 2, 8);
+  testing::expect_fp8_experts_close<TinyRun>(plain, fp8, again, [](TinyRun& r) { return r.model.bind(r.params).layers[1].experts_down; });
+  set_expert_fp8(true);
+  fp8.loss_and_gradients();
+  set_expert_fp8(false);
+  plain.loss_and_gradients();
+  for (const char* name : {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"}) {
+    double error = 0, norm = 0;
+    for (const TensorSpec& s : plain.model.specs())
+      if (s.name.find(name) != std::string::npos)
+        for (int64_t i = s.offset; i < s.offset + s.numel; ++i) {
+          error += std::pow(double(fp8.grads.all().ptr<float>()[i]) - plain.grads.all().ptr<float>()[i], 2);
+          norm += std::pow(double(plain.grads.all().ptr<float>()[i]), 2);
+        }
+    EXPECT_GT(norm, 0.0) << name;
+    EXPECT_LT(std::sqrt(error / norm), 0.15) << name;
+  }
+}
 
 // Every parameter's gradient, through sinks, windows shorter than the sequence, YaRN, the clamp, the
 // biases and the routing weights, against central differences of the loss (f64).

@@ -17,6 +17,7 @@
 #include "models/gpt_oss.h"
 #include "models/qwen3_moe.h"
 #include "ops/cast.h"
+#include "ops/grouped_linear_fp8.h"
 #include "ops/init.h"
 
 namespace marrow {
@@ -180,6 +181,16 @@ void check_model(CheckReport& report) {
   compare_model<Qwen3Moe>(report, "tiny model, K = E = 8", tiny, 2, 37, true);
   compare_model<GptOss>(report, "tiny gpt_oss, top-2 of 8, limit 1.5", tiny_gpt_oss(2, 1.5, 0.2), 2, 37, false);
   compare_model<GptOss>(report, "tiny gpt_oss, K = E = 8", tiny_gpt_oss(8, 7.0, 0.1), 2, 37, true);
+  {
+    // train.fp8 on both sides (the CPU multiplies the dequantized E4M3 operands): each family's
+    // choice of its experts' quantized weights, as stored or transposed, against the reference.
+    struct ExpertFp8On {
+      ExpertFp8On() { set_expert_fp8(true); }
+      ~ExpertFp8On() { set_expert_fp8(false); }
+    } fp8;
+    compare_model<Qwen3Moe>(report, "tiny model, K = E = 8, fp8 experts", tiny, 2, 37, false);
+    compare_model<GptOss>(report, "tiny gpt_oss, K = E = 8, fp8 experts", tiny_gpt_oss(8, 7.0, 0.1), 2, 37, false);
+  }
   // One layer of the bench shape (GPU.md: Qwen3-30B-A3B's layer). The vocabulary and sequence are
   // cut so the single-threaded CPU reference finishes in seconds.
   Json bench_layer = {{"model_type", "qwen3_moe"},

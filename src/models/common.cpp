@@ -2,8 +2,11 @@
 
 #include <algorithm>
 
+#include "core/weights_generation.h"
+
 #include "ops/cross_entropy.h"
 #include "ops/grouped_linear.h"
+#include "ops/grouped_linear_fp8.h"
 #include "ops/init.h"
 #include "ops/linear.h"
 #include "ops/rmsnorm.h"
@@ -149,6 +152,32 @@ void epilog_backward(Tensor dx, Tensor final_norm_grad, Tensor lm_head_grad, dou
 // forward): one chunk's buffer in the forward, dh from the forward to the backward.
 EpilogBytes epilog_bytes(int64_t T, int64_t H, int64_t V, int64_t chunk, int64_t a, int64_t s) {
   return {T * 2 * H * a + (chunk == T ? T * V * a : T * H * a) + 3 * T * s, chunk == T ? 0 : chunk * V * a, chunk == T ? T * H * a : 0};
+}
+
+const Fp8ExpertWeights& fp8_expert_weights(std::vector<Fp8ExpertWeights>& cache, int64_t layer, int64_t num_layers, Tensor gate_up,
+                                           Tensor down) {
+  MARROW_CHECK(layer >= 0 && layer < num_layers, "fp8_expert_weights: the layer weights carry no layer index ({}); bind sets it", layer);
+  if (cache.empty()) cache.resize(size_t(num_layers));
+  Fp8ExpertWeights& q = cache[size_t(layer)];
+  if (q.generation == weights_generation() && q.source == gate_up.data && q.gate_up.values.view().data) return q;
+  if (!q.gate_up.values.view().data) {
+    const int64_t E = gate_up.size(0);
+    q.gate_up = Fp8Buffer::blocks(gate_up.device, E, gate_up.size(1), gate_up.size(2));
+    q.gate_up_t = Fp8Buffer::blocks(gate_up.device, E, gate_up.size(2), gate_up.size(1));
+    q.down = Fp8Buffer::blocks(down.device, E, down.size(1), down.size(2));
+    q.down_t = Fp8Buffer::blocks(down.device, E, down.size(2), down.size(1));
+  }
+  quantize_blocks(q.gate_up.view(), q.gate_up_t.view(), gate_up);
+  quantize_blocks(q.down.view(), q.down_t.view(), down);
+  q.generation = weights_generation();
+  q.source = gate_up.data;
+  return q;
+}
+
+void fp8_grouped(Tensor y, Tensor x, const Fp8Buffer& w, Tensor expert_offsets) {
+  const Fp8Buffer xq = Fp8Buffer::rows(x.device, x.size(0), x.size(1));
+  quantize_rows(xq.view(), x);
+  grouped_linear_fp8(y, xq.view(), w.view(), expert_offsets);
 }
 
 int64_t grouped_squares_count(Tensor dweight) { return grouped_weight_squares_count(dweight.size(0), dweight.size(1), dweight.size(2)); }

@@ -14,6 +14,7 @@
 #include "core/memory.h"
 #include "core/tensor_spec.h"
 #include "ops/dispatch.h"
+#include "ops/fp8.h"
 
 namespace marrow {
 
@@ -157,6 +158,24 @@ template <class L> std::vector<std::pair<Tensor, Tensor>> grouped_known_zero_par
   const int64_t down = grads.experts_down.size(0);
   return {{grads.experts_down, known_zero.rows(0, down)}, {grads.experts_gate_up, known_zero.rows(down, known_zero.numel())}};
 }
+
+// With expert_fp8() (train.fp8): a layer's two fused expert weights quantized for
+// ops/grouped_linear_fp8.h by 128 x 128 blocks, as stored (gate_up, down) and transposed (gate_up_t,
+// down_t); a family's forward multiplies by one and its backward input by the other. Made at a
+// layer's first use after the weights changed (core/weights_generation.h) and kept until they change
+// again: 2 bytes a local expert parameter, besides the bf16 weights (marrow estimate counts them).
+struct Fp8ExpertWeights {
+  Fp8Buffer gate_up, gate_up_t, down, down_t;
+  uint64_t generation = 0;
+  const void* source = nullptr;  // the bf16 weights they were made from
+};
+// Layer `layer`'s entry of cache (num_layers entries once used) for its bf16 weights gate_up and
+// down [E, ., .], quantized again when they changed.
+const Fp8ExpertWeights& fp8_expert_weights(std::vector<Fp8ExpertWeights>& cache, int64_t layer, int64_t num_layers, Tensor gate_up,
+                                           Tensor down);
+// y[R, N] from x[R, K] and an expert weight quantized as [E, N, K] (grouped_linear_forward's
+// product), through FP8: x quantized by rows for the call.
+void fp8_grouped(Tensor y, Tensor x, const Fp8Buffer& w, Tensor expert_offsets);
 
 // The number of sums of squares grouped_linear_backward_weight writes for dweight [E, O, I].
 int64_t grouped_squares_count(Tensor dweight);

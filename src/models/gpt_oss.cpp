@@ -329,15 +329,21 @@ void GptOss::attention_backward(Tensor dx, const GptOssLayerWeights& grads, Tens
 void GptOss::experts_forward(Tensor y_perm, GptOssExpertActivations& e, Buffer x_perm, Tensor expert_offsets,
                              const GptOssLayerWeights& w) const {
   const int64_t R = x_perm.view().size(0), I = config_.expert_intermediate_size;
-  MARROW_CHECK(!expert_fp8(), "train.fp8 is not supported for gpt_oss yet");
   e.x_perm = std::move(x_perm);
   e.gate_up = buffer({R, 2 * I});
-  grouped_linear_backward_input(e.gate_up, e.x_perm, w.experts_gate_up, expert_offsets);
+  const Fp8ExpertWeights* fp8 = expert_fp8() ? &fp8_expert_weights(w) : nullptr;
+  if (fp8) fp8_grouped(e.gate_up, e.x_perm, fp8->gate_up_t, expert_offsets);
+  else grouped_linear_backward_input(e.gate_up, e.x_perm, w.experts_gate_up, expert_offsets);
   grouped_bias_forward(e.gate_up, w.experts_gate_up_bias, expert_offsets);
   const Buffer act = buffer({R, I});
   clamped_swiglu_forward(act, e.gate_up, config_.swiglu_alpha, config_.swiglu_limit);
-  grouped_linear_backward_input(y_perm, act, w.experts_down, expert_offsets);
+  if (fp8) fp8_grouped(y_perm, act, fp8->down_t, expert_offsets);
+  else grouped_linear_backward_input(y_perm, act, w.experts_down, expert_offsets);
   grouped_bias_forward(y_perm, w.experts_down_bias, expert_offsets);
+}
+
+const Fp8ExpertWeights& GptOss::fp8_expert_weights(const GptOssLayerWeights& w) const {
+  return marrow::fp8_expert_weights(*fp8_weights_, w.layer, config_.num_layers, w.experts_gate_up, w.experts_down);
 }
 
 void GptOss::experts_backward(Tensor dx_perm, const GptOssLayerWeights& grads, Tensor dy_perm, GptOssExpertActivations& e,
@@ -369,7 +375,9 @@ void GptOss::experts_backward_input(Tensor dx_perm, Tensor dy_perm, GptOssExpert
                                     const GptOssLayerWeights& w) const {
   const int64_t R = e.gate_up.view().size(0), I = config_.expert_intermediate_size;
   Buffer dact = buffer({R, I});
-  grouped_linear_forward(dact, dy_perm, w.experts_down, expert_offsets);
+  const Fp8ExpertWeights* fp8 = expert_fp8() ? &fp8_expert_weights(w) : nullptr;
+  if (fp8) fp8_grouped(dact, dy_perm, fp8->down, expert_offsets);
+  else grouped_linear_forward(dact, dy_perm, w.experts_down, expert_offsets);
   e.act = buffer({R, I});
   e.dgate_up = buffer({R, 2 * I});
   if (e.copy_row.data != nullptr) {
@@ -383,7 +391,8 @@ void GptOss::experts_backward_input(Tensor dx_perm, Tensor dy_perm, GptOssExpert
     clamped_swiglu_backward(e.dgate_up, dact, e.gate_up, config_.swiglu_alpha, config_.swiglu_limit);
   }
   e.gate_up = Buffer{};
-  grouped_linear_forward(dx_perm, e.dgate_up, w.experts_gate_up, expert_offsets);
+  if (fp8) fp8_grouped(dx_perm, e.dgate_up, fp8->gate_up, expert_offsets);
+  else grouped_linear_forward(dx_perm, e.dgate_up, w.experts_gate_up, expert_offsets);
 }
 
 void GptOss::experts_backward_weights(const GptOssLayerWeights& grads, Tensor dy_perm, GptOssExpertActivations& e, Tensor expert_offsets,

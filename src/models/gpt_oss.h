@@ -19,6 +19,7 @@
 // parallelism runs ring attention with the sinks and windows (parallel/ring_attention.h; windowed
 // blocks on the own kernels' instantiations).
 #pragma once
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -174,6 +175,9 @@ class GptOss {
   Buffer input_norm(GptOssAttentionActivations& a, const GptOssLayerWeights& w) const;
   int64_t window(const GptOssLayerWeights& w) const;
   LmHead lm_head(const GptOssWeights& w, int64_t tokens) const;
+  // With expert_fp8(): the layer's quantized experts (models/common.h). The fused weights are
+  // [E, in, out], so the forward takes their transposes and the backward input them as stored.
+  const Fp8ExpertWeights& fp8_expert_weights(const GptOssLayerWeights& w) const;
 
   Config config_;
   DType dtype_;
@@ -181,6 +185,8 @@ class GptOss {
   std::vector<TensorSpec> specs_;
   int64_t num_parameters_ = 0;
   ExpertShard experts_;  // the experts this process holds: rows [first, first + count) of the fused tensors
+  // Shared by the copies of the model (as Qwen3Moe's), so a layer is quantized once per weights change.
+  std::shared_ptr<std::vector<Fp8ExpertWeights>> fp8_weights_ = std::make_shared<std::vector<Fp8ExpertWeights>>();
 };
 
 }  // namespace marrow

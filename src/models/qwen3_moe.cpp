@@ -309,31 +309,8 @@ void Qwen3Moe::experts_forward(Tensor y_perm, Qwen3MoeExpertActivations& e, Buff
   else grouped_linear_forward(y_perm, act, w.experts_down, expert_offsets);
 }
 
-const Qwen3Moe::Fp8ExpertWeights& Qwen3Moe::fp8_expert_weights(const Qwen3MoeLayerWeights& w) const {
-  MARROW_CHECK(w.layer >= 0 && w.layer < config_.num_layers, "fp8_expert_weights: the layer weights carry no layer index ({}); bind sets it",
-               w.layer);
-  std::vector<Fp8ExpertWeights>& all = *fp8_weights_;
-  if (all.empty()) all.resize(size_t(config_.num_layers));
-  Fp8ExpertWeights& q = all[size_t(w.layer)];
-  if (q.generation == weights_generation() && q.source == w.experts_gate_up.data && q.gate_up.values.view().data) return q;
-  const int64_t E = w.experts_gate_up.size(0), I2 = w.experts_gate_up.size(1), H = w.experts_gate_up.size(2), I = w.experts_down.size(2);
-  if (!q.gate_up.values.view().data) {
-    q.gate_up = Fp8Buffer::blocks(device_, E, I2, H);
-    q.gate_up_t = Fp8Buffer::blocks(device_, E, H, I2);
-    q.down = Fp8Buffer::blocks(device_, E, H, I);
-    q.down_t = Fp8Buffer::blocks(device_, E, I, H);
-  }
-  quantize_blocks(q.gate_up.view(), q.gate_up_t.view(), w.experts_gate_up);
-  quantize_blocks(q.down.view(), q.down_t.view(), w.experts_down);
-  q.generation = weights_generation();
-  q.source = w.experts_gate_up.data;
-  return q;
-}
-
-void Qwen3Moe::fp8_grouped(Tensor y, Tensor x, const Fp8Buffer& w, Tensor expert_offsets) const {
-  const Fp8Buffer xq = Fp8Buffer::rows(device_, x.size(0), x.size(1));
-  quantize_rows(xq.view(), x);
-  grouped_linear_fp8(y, xq.view(), w.view(), expert_offsets);
+const Fp8ExpertWeights& Qwen3Moe::fp8_expert_weights(const Qwen3MoeLayerWeights& w) const {
+  return marrow::fp8_expert_weights(*fp8_weights_, w.layer, config_.num_layers, w.experts_gate_up, w.experts_down);
 }
 
 void Qwen3Moe::experts_backward(Tensor dx_perm, const Qwen3MoeLayerWeights& grads, Tensor dy_perm, Qwen3MoeExpertActivations& e,

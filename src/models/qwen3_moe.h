@@ -221,15 +221,8 @@ class Qwen3Moe {
   int64_t logits_chunk(int64_t tokens) const { return marrow::logits_chunk(tokens, config_.vocab_size, dtype_, forced_logits_chunk_); }
   void set_logits_chunk(int64_t tokens) { forced_logits_chunk_ = tokens; }
 
-  // With expert_fp8() (train.fp8): a layer's expert weights quantized for ops/grouped_linear_fp8.h,
-  // each with its transposed quantization for the backward input. Made at a layer's first use after
-  // the weights changed (core/weights_generation.h) and kept until they change again: 2 bytes a
-  // local expert parameter, besides the bf16 weights (marrow estimate counts them).
-  struct Fp8ExpertWeights {
-    Fp8Buffer gate_up, gate_up_t, down, down_t;
-    uint64_t generation = 0;
-    const void* source = nullptr;  // the bf16 weights they were made from
-  };
+  // With expert_fp8(): the layer's quantized experts (models/common.h; the forward takes gate_up and
+  // down as stored, the backward input their transposes).
   const Fp8ExpertWeights& fp8_expert_weights(const Qwen3MoeLayerWeights& w) const;
   HostSum epilog_forward(EpilogActivations& p, Buffer x, const Qwen3MoeBatch& batch, const Qwen3MoeWeights& w,
                          const Qwen3MoeWeights* grads = nullptr, double loss_scale = 1, bool overwrite_grads = false) const;
@@ -252,8 +245,6 @@ class Qwen3Moe {
   Buffer input_norm(Qwen3MoeAttentionActivations& a, const Qwen3MoeLayerWeights& w) const;
   LmHead lm_head(const Qwen3MoeWeights& w, int64_t tokens) const;
   Tensor rope_cos_sin(const Qwen3MoeBatch& batch) const;
-  // y = x W_e^T per expert through FP8: x quantized by rows for the call, w from fp8_expert_weights.
-  void fp8_grouped(Tensor y, Tensor x, const Fp8Buffer& w, Tensor expert_offsets) const;
   std::pair<Buffer, Buffer> attention_inputs(Qwen3MoeAttentionActivations& a, const Qwen3MoeBatch& batch,
                                              const Qwen3MoeLayerWeights& w) const;
 
