@@ -36,6 +36,9 @@ std::optional<std::string> option_value(const std::vector<std::string>& args, si
   return args[++i];
 }
 
+// One GPU's memory in GiB at most: far above any GPU's, and finite (inf would fit anything).
+constexpr double kMostGpuGiB = 65536;
+
 // Takes --world and --gpu-memory out of args, so that the run config's parser sees only its keys.
 EstimateOptions take_options(std::vector<std::string>& args) {
   EstimateOptions o;
@@ -57,7 +60,8 @@ EstimateOptions take_options(std::vector<std::string>& args) {
       } catch (const std::exception&) {
         used = 0;
       }
-      MARROW_CHECK(used == gib->size() && used > 0 && o.gpu_gib > 0, "--gpu-memory must be a positive number of GiB, got '{}'", *gib);
+      MARROW_CHECK(used == gib->size() && used > 0 && o.gpu_gib > 0 && o.gpu_gib <= kMostGpuGiB,
+                   "--gpu-memory must be a positive number of GiB, at most {} (one GPU's memory), got '{}'", kMostGpuGiB, *gib);
     } else if (args[i] == "--layouts") {
       o.layouts = true;
     } else {
@@ -72,9 +76,12 @@ std::string fit_lines(const LargestFit& fit, const RunConfig& rc) {
   if (fit.micro_batch == 0 && fit.seq_len == 0)
     return "nothing fits, not even one token per micro-batch: spread the weights and optimizer state over more processes "
            "(--world, parallel.dp_shard, parallel.ep)\n";
-  const std::string batch = fit.micro_batch > 0 ? fmt::format("largest train.micro_batch that fits at seq_len {}: {}\n", rc.seq_len, fit.micro_batch)
+  const char* limit = " or more (the search stops at 2^31 tokens a micro-batch)";
+  const std::string batch = fit.micro_batch > 0 ? fmt::format("largest train.micro_batch that fits at seq_len {}: {}{}\n", rc.seq_len,
+                                                              fit.micro_batch, fit.micro_batch_at_limit ? limit : "")
                                                 : fmt::format("no train.micro_batch fits at seq_len {}\n", rc.seq_len);
-  return batch + fmt::format("largest train.seq_len that fits at micro_batch {}: {}\n", rc.micro_batch, fit.seq_len);
+  return batch + fmt::format("largest train.seq_len that fits at micro_batch {}: {}{}\n", rc.micro_batch, fit.seq_len,
+                             fit.seq_len_at_limit ? limit : "");
 }
 
 // Every layout of `world` processes the trainer accepts with rc's other settings (parallel.cp kept):

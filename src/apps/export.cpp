@@ -13,6 +13,21 @@ namespace fs = std::filesystem;
 
 namespace marrow {
 
+namespace {
+
+// The files an export writes, from an earlier export in out (--overwrite); the rest stays.
+void remove_model_files(const std::string& out) {
+  if (!fs::exists(out)) return;
+  for (const auto& entry : fs::directory_iterator(out)) {
+    const std::string name = entry.path().filename().string();
+    if (name.ends_with(".safetensors") || name == "model.safetensors.index.json" || name == "config.json" ||
+        name == "generation_config.json" || name == "tokenizer.json" || name == "tokenizer_config.json")
+      fs::remove(entry.path());
+  }
+}
+
+}  // namespace
+
 int export_command(int argc, char** argv) {
   CLI::App app{"Export a checkpoint as a Hugging Face model directory.", "marrow export"};
   std::string from, out, dtype = "float32";
@@ -35,15 +50,8 @@ int export_command(int argc, char** argv) {
                "export would replace; choose an out-dir outside it", out, run_data);
   MARROW_CHECK(fs::weakly_canonical(fs::absolute(out)) != fs::weakly_canonical(fs::absolute(source.dir)),
                "refusing to export {} onto itself: choose another out-dir", source.dir);
-  if (fs::exists(out) && !fs::is_empty(out)) {
-    MARROW_CHECK(overwrite, "{} exists and is not empty (pass --overwrite to replace its model files)", out);
-    for (const auto& entry : fs::directory_iterator(out)) {
-      const std::string name = entry.path().filename().string();
-      if (name.ends_with(".safetensors") || name == "model.safetensors.index.json" || name == "config.json" ||
-          name == "generation_config.json" || name == "tokenizer.json" || name == "tokenizer_config.json")
-        fs::remove(entry.path());
-    }
-  }
+  MARROW_CHECK(overwrite || !fs::exists(out) || fs::is_empty(out), "{} exists and is not empty (pass --overwrite to replace its model files)",
+               out);
   HfExportOptions options;
   options.dtype = dtype == "bfloat16" ? DType::bf16 : DType::f32;
   options.shard_bytes = size_t(shard_mib) << 20;
@@ -61,6 +69,7 @@ int export_command(int argc, char** argv) {
     M model(config, DType::f32, Device::cpu);
     Arena params("parameters", DType::f32, Device::cpu, model.num_parameters());
     load_model_weights(source, model.specs(), params, !quiet);
+    remove_model_files(out);  // only now: a source that fails to load leaves the old export whole
     write_hf_model(out, model.specs(), params, config.json, options);
     std::printf("export: %s -> %s: %.2fM parameters as %s%s\n", source.dir.c_str(), out.c_str(), model.num_parameters() / 1e6,
                 dtype.c_str(), options.tokenizer.empty() ? " (no tokenizer: the run's corpus had none)" : ", with tokenizer");

@@ -52,6 +52,10 @@ int plot_command(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e) == 0 ? 0 : 2;
   }
+  MARROW_CHECK(fs::path(out).extension() == ".svg",
+               "--out {} must name an .svg file: plot writes an SVG picture there, and would replace any other file (a run's "
+               "metrics.jsonl, say)",
+               out);
   const std::vector<std::string> names = run_names(dirs);
   std::vector<LossCurve> runs;
   for (size_t i = 0; i < dirs.size(); ++i) runs.push_back(read_loss_curve(dirs[i], names[i]));

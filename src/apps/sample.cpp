@@ -2,8 +2,10 @@
 // Continues a prompt with a trained model: the whole sequence goes through the fp32 CPU forward for
 // each new token (no KV cache: this is for reading what a small model learned, not for serving).
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <random>
 
 #include "apps/commands.h"
@@ -26,7 +28,8 @@ struct SampleOptions {
 };
 
 // The next token from the logits of the last position: the most likely one at temperature 0,
-// otherwise a draw from softmax(logits / temperature).
+// otherwise a draw from softmax(logits / temperature). vocab: the ids the tokenizer has, which a
+// model may pad beyond (Qwen3's 151,936 embeddings for 151,669 tokens); the padding rows are not drawn.
 int32_t pick(const float* logits, int64_t vocab, double temperature, std::mt19937_64& rng) {
   int64_t best = 0;
   for (int64_t i = 1; i < vocab; ++i)
@@ -86,6 +89,7 @@ void sample(const ModelSource& source, const typename M::Config& config, const T
     MARROW_CHECK(id < vocab, "the prompt encodes to token {} but the model's vocab_size is {}: {} is not its tokenizer", id, vocab,
                  source.tokenizer);
   check_length(int64_t(prompt.size()), o.tokens, config.json.value("max_position_embeddings", int64_t(0)));
+  const int64_t drawn = std::min(vocab, tokenizer.vocab_size());
   for (int64_t k = 0; k < o.samples; ++k) {
     std::mt19937_64 rng(o.seed + uint64_t(k));
     std::vector<int32_t> ids = prompt;
@@ -100,7 +104,7 @@ void sample(const ModelSource& source, const typename M::Config& config, const T
       const typename M::Batch batch{1, S, std::move(input), std::move(targets), std::move(positions)};
       MicroBatch<M> mb;
       forward(mb, model, w, batch);
-      const int32_t next = pick(mb.epilog.logits.template ptr<float>() + (S - 1) * vocab, vocab, o.temperature, rng);
+      const int32_t next = pick(mb.epilog.logits.template ptr<float>() + (S - 1) * vocab, drawn, o.temperature, rng);
       if (eos && next == *eos) break;
       ids.push_back(next);
     }
@@ -121,7 +125,14 @@ int sample_command(int argc, char** argv) {
   app.add_option("--tokens", o.tokens, "new tokens per sample at most (an end-of-text token stops earlier)")
       ->check(CLI::PositiveNumber)->capture_default_str();
   app.add_option("--temperature", o.temperature, "softmax temperature; 0 picks the most likely token")
-      ->check(CLI::NonNegativeNumber)->capture_default_str();
+      ->check(CLI::Validator(
+          [](std::string& v) -> std::string {
+            char* end = nullptr;
+            const double t = std::strtod(v.c_str(), &end);
+            return !v.empty() && *end == '\0' && std::isfinite(t) && t >= 0 ? "" : "must be a finite number, 0 or more, got " + v;
+          },
+          "NUMBER"))
+      ->capture_default_str();
   app.add_option("--seed", o.seed, "random seed of the first sample (sample k uses seed + k - 1)")->capture_default_str();
   app.add_option("--samples", o.samples, "continuations to print")->check(CLI::PositiveNumber)->capture_default_str();
   try {

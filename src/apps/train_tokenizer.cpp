@@ -36,6 +36,7 @@ int train_tokenizer_command(int argc, char** argv) {
   options.progress = !quiet;
   MARROW_CHECK(options.min_frequency >= 1, "--min-frequency must be at least 1, got {}", options.min_frequency);
   MARROW_CHECK(overwrite || !std::filesystem::exists(out), "output {} already exists; pass --overwrite to replace it", out);
+  MARROW_CHECK(!std::filesystem::is_directory(out), "output {} is a directory; --out names the tokenizer.json file to write", out);
   auto start = std::chrono::steady_clock::now();
   PieceCounts counts = count_pieces(options);
   Tokenizer tokenizer = train_bpe(counts, options);

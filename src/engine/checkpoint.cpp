@@ -510,6 +510,9 @@ int64_t TrainCheckpoints::resume() {
     arenas_.exp_avg_sq->fill_zero();
     resumed_updates_ = 0;
   }
+  resumed_step_ = c.step;
+  resumed_samples_ = c.meta.value("samples_seen", c.step * rc_.global_batch);
+  resumed_tokens_ = c.meta.value("tokens_seen", resumed_samples_ * rc_.seq_len);
   std::printf("resuming from %s at step %lld%s\n", c.dir.c_str(), (long long)c.step,
               c.has_optimizer_state ? "" : " (no optimizer state in it: AdamW moments start at zero)");
   if (!rc_.checkpoint_resume.empty() && from != rc_.checkpoint_resume)
@@ -607,8 +610,8 @@ Json TrainCheckpoints::write_parts(const std::string& dir) const {
 Json TrainCheckpoints::meta_json(int64_t step, int64_t updates) const {
   const CorpusManifest manifest = read_manifest(rc_.data_path);
   return {{"step", step},
-          {"samples_seen", step * rc_.global_batch},
-          {"tokens_seen", step * rc_.global_batch * rc_.seq_len},
+          {"samples_seen", samples_seen(step)},
+          {"tokens_seen", tokens_seen(step)},
           {"seed", rc_.seed},
           // The parallel layout that wrote it; the tensors themselves do not depend on it.
           {"mesh", sharing_.mesh},

@@ -148,6 +148,11 @@ class TrainCheckpoints {
   // AdamW updates applied up to the resumed checkpoint (skipped non-finite steps do not count; 0
   // when it holds no optimizer state, whose moments restart at zero): bias correction counts these.
   int64_t resumed_updates() const { return resumed_updates_; }
+  // Samples and tokens (targets) trained on through step, a step past the resumed one: the resumed
+  // checkpoint's counts plus this run's global batch for each step since, so a batch or seq_len
+  // changed at a resume (checkpoint.allow_changes = data) counts what each step read.
+  int64_t samples_seen(int64_t step) const { return resumed_samples_ + (step - resumed_step_) * rc_.global_batch; }
+  int64_t tokens_seen(int64_t step) const { return resumed_tokens_ + (step - resumed_step_) * rc_.global_batch * rc_.seq_len; }
   // Whether step (just finished) is saved: every checkpoint.every steps, the last step, or a stop.
   bool due(int64_t step, bool stopping) const;
   // With checkpoints on, one sentence (an Error) when output.dir's file system has less room than
@@ -170,6 +175,7 @@ class TrainCheckpoints {
   CheckpointSharing sharing_;
   std::vector<TensorPiece> pieces_;
   int64_t resumed_updates_ = 0;
+  int64_t resumed_step_ = 0, resumed_samples_ = 0, resumed_tokens_ = 0;
   Json config_changes_ = Json::array();  // the allowed changes of every resume so far (meta.json)
 };
 

@@ -41,8 +41,9 @@ std::vector<Change> changes_of(const Json& meta, const RunConfig& rc, const Corp
   const Json data = meta.value("data", Json::object());
   const std::string fingerprint = data.value("corpus_sha256", "");
   if (!fingerprint.empty() && fingerprint != corpus_fingerprint(corpus))
-    changes.push_back({"data", fmt::format("the corpus {} holds other tokens than the one it was trained on ({})", rc.data_path,
-                                           data.value("path", "?"))});
+    changes.push_back({"data", fmt::format("the corpus {} holds other tokens than the one it was trained on ({}), or the same tokens cut "
+                                           "into other shards",
+                                           rc.data_path, data.value("path", "?"))});
   const std::string tokenizer = data.value("tokenizer_sha256", "");
   if (!tokenizer.empty() && !corpus.tokenizer_sha256.empty() && tokenizer != corpus.tokenizer_sha256)
     changes.push_back({"tokenizer", fmt::format("the corpus {} was made with another tokenizer (sha256 {}) than the checkpoint's ({})",

@@ -578,8 +578,12 @@ LargestFit largest_fit(const RunConfig& rc, const EstimatedModel& m, const MeshS
   };
   // Context parallelism cuts a sequence into 2 x cp chunks: the sequences tried are multiples of that.
   const int64_t unit = mesh.cp > 1 ? 2 * mesh.cp : 1;
-  return {largest_fitting([&](int64_t b) { return fits(b, rc.seq_len); }, kMaxTokens / rc.seq_len),
-          unit * largest_fitting([&](int64_t s) { return fits(rc.micro_batch, unit * s); }, kMaxTokens / rc.micro_batch / unit)};
+  const int64_t most_sequences = kMaxTokens / rc.seq_len, most_chunks = kMaxTokens / rc.micro_batch / unit;
+  LargestFit fit{largest_fitting([&](int64_t b) { return fits(b, rc.seq_len); }, most_sequences),
+                 unit * largest_fitting([&](int64_t s) { return fits(rc.micro_batch, unit * s); }, most_chunks)};
+  fit.micro_batch_at_limit = fit.micro_batch == most_sequences;
+  fit.seq_len_at_limit = fit.seq_len == unit * most_chunks;
+  return fit;
 }
 
 std::string format_bill(const MemoryBill& bill, double gpu_bytes) {

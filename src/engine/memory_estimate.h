@@ -75,6 +75,7 @@ void check_global_batch(const RunConfig& rc, const MeshShape& mesh);
 // bill fits in gpu_bytes; 0 where not even 1 fits.
 struct LargestFit {
   int64_t micro_batch = 0, seq_len = 0;
+  bool micro_batch_at_limit = false, seq_len_at_limit = false;  // the search's end (2^31 tokens a micro-batch) fits too
 };
 
 // The shard group sizes n of the layout: expert units over dp_shard x cp processes, the others over

@@ -4,6 +4,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <filesystem>
 #include <utility>
 
 #include "core/errors.h"
@@ -40,6 +41,28 @@ void MetricsLog::append(const std::string& line) {
   const bool cut = before >= 0 && ::truncate(path_.c_str(), before) == 0;
   fail("cannot write {}: {} (is the disk full?); {}", path_, std::strerror(err),
        cut ? "the file is as it was before this step" : "its last line may be cut short");
+}
+
+std::string keep_earlier_records(const std::string& out_dir) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::path metrics = fs::path(out_dir) / "metrics.jsonl";
+  if (!fs::exists(metrics, ec) || fs::file_size(metrics, ec) == 0) return "";
+  fs::path kept;
+  for (int n = 1; kept.empty() || fs::exists(kept, ec); ++n) kept = fs::path(out_dir) / "earlier-runs" / std::to_string(n);
+  fs::create_directories(kept / "tb", ec);
+  MARROW_CHECK(!ec, "cannot create {} for the earlier run's records: {}", kept.string(), ec.message());
+  fs::rename(metrics, kept / "metrics.jsonl", ec);
+  MARROW_CHECK(!ec, "cannot move {} into {}: {}", metrics.string(), kept.string(), ec.message());
+  const fs::path tb = fs::path(out_dir) / "tb";
+  if (fs::is_directory(tb, ec))
+    for (const auto& entry : fs::directory_iterator(tb)) {
+      if (!entry.path().filename().string().starts_with("events.out.tfevents.")) continue;
+      fs::rename(entry.path(), kept / "tb" / entry.path().filename(), ec);
+      MARROW_CHECK(!ec, "cannot move {} into {}: {}", entry.path().string(), kept.string(), ec.message());
+    }
+  return fmt::format("note: output.dir {} held the records of an earlier run with no checkpoint to resume; they are kept in {}",
+                     out_dir, kept.string());
 }
 
 }  // namespace marrow

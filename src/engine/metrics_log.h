@@ -27,4 +27,9 @@ class MetricsLog {
   std::FILE* file_ = nullptr;
 };
 
+// A fresh run (nothing to resume) in an output.dir that holds an earlier run's records keeps them:
+// metrics.jsonl and tb/'s event files move into earlier-runs/<n>/ (n = 1, 2, ...: the first free
+// one), and the returned note says where. "" when there was nothing to keep.
+std::string keep_earlier_records(const std::string& out_dir);
+
 }  // namespace marrow

@@ -55,6 +55,8 @@ std::vector<std::string> config_file_arguments(const std::string& path) {
       const std::string name = fmt::format("{}.{}", section.str(), key.str()), text = scalar_text(value);
       MARROW_CHECK(!value.is_table() && !value.is_array(), "{}: {} must be a single value, not a {}", where(path, value.source()), name,
                    value.is_table() ? "table" : "list");
+      MARROW_CHECK(!value.is_date() && !value.is_time() && !value.is_date_time(), "{}: {} must be a number, a string or a boolean, not a {}",
+                   where(path, value.source()), name, value.is_time() ? "time" : "date");
       MARROW_CHECK(!text.empty(), "{}: {} has an empty value", where(path, value.source()), name);
       args.push_back("--" + name + "=" + text);
     }
@@ -88,6 +90,19 @@ CLI::Validator integer_at_least(int64_t low, const std::string& what) {
         try {
           size_t used = 0;
           if (std::stoll(value, &used) >= low && used == value.size()) return "";
+        } catch (const std::exception&) {
+        }
+        return fmt::format("must be {}, got {}", what, value);
+      },
+      "");
+}
+// An unsigned 64-bit integer read whole (std::stoull would take "-1" as 2^64 - 1, so a sign is refused).
+CLI::Validator unsigned_integer(const std::string& what) {
+  return CLI::Validator(
+      [=](std::string& value) -> std::string {
+        try {
+          size_t used = 0;
+          if (!value.empty() && value[0] != '-' && value[0] != '+' && (std::stoull(value, &used), used == value.size())) return "";
         } catch (const std::exception&) {
         }
         return fmt::format("must be {}, got {}", what, value);
@@ -157,6 +172,12 @@ void check_run_paths(const RunConfig& rc) {
                fs::path(path).is_relative()
                    ? fmt::format(" (relative paths in a run config resolve against the working directory, {})", fs::current_path(ec).string())
                    : "");
+  // A checkpoint (marrow import's output, a step-XXXXXXXX directory) holds meta.json at its top, which
+  // sample and export would read instead of the run's own newest checkpoint inside it.
+  MARROW_CHECK(!fs::exists(fs::path(rc.out_dir) / "meta.json", ec),
+               "{}: output.dir {} is a checkpoint (it holds meta.json); train into another directory, with checkpoint.resume = {} to start "
+               "from it",
+               rc.source, rc.out_dir, rc.out_dir);
 }
 
 void check_profile_steps(const RunConfig& rc) {
@@ -177,7 +198,7 @@ void add_run_config_options(CLI::App& app, RunConfig& rc, std::string& profile_s
   app.add_option("--train.global_batch", rc.global_batch)->check(kCount);
   app.add_option("--train.micro_batch", rc.micro_batch)->check(kCount);
   app.add_option("--train.seq_len", rc.seq_len)->check(kCount);
-  app.add_option("--train.seed", rc.seed)->check(number_in(0, 1.8446744073709552e19, false, true, "an integer from 0 to 2^64 - 1"));
+  app.add_option("--train.seed", rc.seed)->check(unsigned_integer("an integer from 0 to 2^64 - 1"));
   app.add_option("--train.device", rc.device)->check(CLI::IsMember({"auto", "cpu", "cuda"}));
   app.add_option("--train.aux_loss_coef", rc.aux_loss_coef)->check(kFinite);
   app.add_option("--train.max_bad_steps", rc.max_bad_steps)->check(kCount);
@@ -265,6 +286,11 @@ RunConfig parse_run_config(int argc, char** argv) {
 
   MARROW_CHECK(rc.global_batch % rc.micro_batch == 0, "{}: train.micro_batch ({}) does not divide train.global_batch ({})", rc.source,
                rc.micro_batch, rc.global_batch);
+  // Counts of samples and tokens are int64 everywhere; a run past 2^62 tokens is a typo, not a run.
+  const __int128 tokens = __int128(rc.steps) * rc.global_batch * (__int128(rc.seq_len) + 1);
+  MARROW_CHECK(tokens < (__int128(1) << 62),
+               "{}: train.steps x train.global_batch x (train.seq_len + 1) is {:.3g} tokens, more than any corpus holds", rc.source,
+               double(tokens));
   MARROW_CHECK(rc.warmup_steps <= rc.steps, "{}: schedule.warmup_steps ({}) exceeds train.steps ({})", rc.source, rc.warmup_steps,
                rc.steps);
   MARROW_CHECK(rc.min_lr <= rc.lr, "{}: optimizer.min_lr ({}) exceeds optimizer.lr ({})", rc.source, rc.min_lr, rc.lr);

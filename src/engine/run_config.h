@@ -114,8 +114,9 @@ struct RunConfig {
 // with one sentence.
 RunConfig parse_run_config(int argc, char** argv);
 
-// Fails with one sentence unless model.config is a file; a relative one's message says that it
-// resolves against the working directory (as a missing corpus's does, data/token_corpus.h).
+// Fails with one sentence unless model.config is a file (a relative one's message says that it
+// resolves against the working directory, as a missing corpus's does, data/token_corpus.h) and
+// output.dir is not itself a checkpoint.
 void check_run_paths(const RunConfig& rc);
 
 // `marrow <cmd> --help` (or -h): prints the usage and every run-config key and returns true; else false.

@@ -53,7 +53,7 @@ namespace marrow {
 
 struct StepMetrics {
   int64_t step = 0;
-  int64_t tokens_seen = 0;  // targets trained on through this step: step x global_batch x seq_len
+  int64_t tokens_seen = 0;  // targets trained on through this step (TrainCheckpoints::tokens_seen)
   double loss = 0, load_balance = 0, lr = 0, grad_norm = 0, tokens_per_s = 0, step_ms = 0;
   size_t peak_bytes = 0;
   bool skipped = false;
@@ -520,6 +520,8 @@ class RunRecord {
     if (!leader) return;
     const std::string path = rc.out_dir + "/metrics.jsonl";
     if (first_step > 1) keep_metrics_through(path, first_step - 1);
+    const std::string kept = first_step == 1 ? keep_earlier_records(rc.out_dir) : "";
+    if (!kept.empty()) std::printf("%s\n", kept.c_str());
     metrics_ = MetricsLog(path, first_step == 1);
     tensorboard_.emplace(rc, first_step);
   }
@@ -592,7 +594,7 @@ template <MoeModel M> class TrainLoop {
     const auto [token_loss_sum, aux_loss_sum] = run_step(s_, rc_, data_, step, loss_scale, aux_grad, timer_);
     StepMetrics m;
     m.step = step;
-    m.tokens_seen = step * rc_.global_batch * rc_.seq_len;
+    m.tokens_seen = checkpoints_.tokens_seen(step);
     if (s_.experts) m.expert_traffic = s_.experts->take_traffic();
     m.loss = s_.mesh.world.sum(token_loss_sum, "loss (sum)") * loss_scale;  // pipeline: only the LM head's rank has it
     // Reported normalised so that perfectly balanced routing reads 1.0.

@@ -15,8 +15,9 @@ MeshShape mesh_shape(int64_t world_size, int64_t pp, int64_t cp, int64_t ep, int
   MARROW_CHECK(pp >= 1 && cp >= 1 && ep >= 1, "parallel.pp, parallel.cp and parallel.ep must be at least 1, got {}, {} and {}", pp, cp,
                ep);
   MARROW_CHECK(world_size % (pp * cp * ep) == 0,
-               "the job has {} processes, which parallel.pp x parallel.cp x parallel.ep = {} x {} x {} = {} does not divide", world_size,
-               pp, cp, ep, pp * cp * ep);
+               "the job has {} process{}, which parallel.pp x parallel.cp x parallel.ep = {} x {} x {} = {} does not divide{}", world_size,
+               world_size == 1 ? "" : "es", pp, cp, ep, pp * cp * ep,
+               world_size == 1 ? " (several processes: mpirun -np N marrow train ..., or marrow estimate --world N)" : "");
   const int64_t dp = world_size / (pp * cp * ep);
   if (dp_shard == 0) dp_shard = dp;
   MARROW_CHECK(dp_shard >= 1 && dp % dp_shard == 0, "parallel.dp_shard ({}) does not divide the {} data-parallel ranks of {} processes ({})",

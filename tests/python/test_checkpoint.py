@@ -341,6 +341,8 @@ def sample(c):
     check(code == 0, f"sample reads a directory transformers wrote {err[-300:]}")
     code, out, err = m.run("sample", path("nowhere"), "--prompt", prompt)
     check(one_error_line(code, err, path("nowhere"), "does not exist"), "sample of a missing directory names it")
+    code, out, err = m.run("sample", last, "--prompt", prompt, "--temperature=nan")
+    check(code == 2 and "--temperature: must be a finite number, 0 or more, got nan" in err, f"sample refuses a NaN temperature {err}")
 
 
 def main():

@@ -181,7 +181,9 @@ def bad_inputs(marrow, bench):
               "no weight copy to drop with split master weights")
     one_error(marrow, [bench, "--world", "two"], "--world must be a whole number of processes, at least 1, got 'two'", "bad --world")
     one_error(marrow, [bench, "--world"], "--world needs a value", "--world without a value")
-    one_error(marrow, [bench, "--gpu-memory=-3"], "--gpu-memory must be a positive number of GiB, got '-3'", "bad --gpu-memory")
+    one_error(marrow, [bench, "--gpu-memory=-3"], "--gpu-memory must be a positive number of GiB, at most 65536 (one GPU's memory), got '-3'",
+              "bad --gpu-memory")
+    one_error(marrow, [bench, "--gpu-memory=inf"], "got 'inf'", "--gpu-memory inf")
     one_error(marrow, [bench, "--parallel.ep=2"], "does not divide", "ep larger than the world")
     one_error(marrow, [bench, "--world=3", "--parallel.ep=3"], "num_experts (128) is not a multiple of parallel.ep (3)",
               "experts that do not split")

@@ -110,6 +110,30 @@ def imported_model(ctx):
     ctx["imported"] = imported
 
 
+def export_and_corrupt(ctx):
+    """{tmp}/hf: an export of the run; {tmp}/corrupt: a copy of its step-10 checkpoint with one weight byte flipped."""
+    subprocess.run([ctx["marrow"], "export", ctx["run"], os.path.join(ctx["tmp"], "hf"), "--quiet"], cwd=ctx["repo"], check=True,
+                   capture_output=True)
+    corrupt = os.path.join(ctx["tmp"], "corrupt")
+    shutil.copytree(os.path.join(ctx["run"], "step-00000010"), corrupt)
+    weights = os.path.join(corrupt, sorted(f for f in os.listdir(corrupt) if f.startswith("weights-"))[0])
+    with open(weights, "r+b") as f:
+        f.seek(os.path.getsize(weights) - 1)
+        byte = f.read(1)
+        f.seek(os.path.getsize(weights) - 1)
+        f.write(bytes([byte[0] ^ 1]))
+
+
+def padded_vocab(ctx):
+    """{tmp}/padded: one step of the tiny model with 4,000 embedding rows past its tokenizer's ids (as Qwen3 pads
+    151,669 tokens to 151,936 rows), saved."""
+    model = json.load(open(os.path.join(ctx["repo"], "configs", "tiny-moe.json")))
+    model["vocab_size"] += 4000
+    json.dump(model, open(os.path.join(ctx["tmp"], "padded.json"), "w"))
+    subprocess.run([ctx["marrow"], *[a.format(**ctx) for a in train(out="{tmp}/padded", steps=1)], "--model.config={tmp}/padded.json".format(**ctx),
+                    "--checkpoint.every=1", "--quiet"], cwd=ctx["repo"], check=True, capture_output=True)
+
+
 def write(name, text):
     def setup(ctx):
         with open(os.path.join(ctx["tmp"], name), "w") as f:
@@ -174,6 +198,14 @@ def records_allowed_change(ctx):
     return ok, f"meta.json records the allowed change: {changes}"
 
 
+def counts_samples_seen(ctx):
+    """10 steps of 4 samples of 64 targets, then one of 8: 48 samples, 3,072 tokens (not 11 x 8)."""
+    m = meta(ctx, 11)
+    record = [json.loads(line) for line in open(os.path.join(ctx["run"], "metrics.jsonl"))][-1]
+    ok = m["samples_seen"] == 48 and m["tokens_seen"] == 48 * 64 and record["step"] == 11 and record["tokens_seen"] == 48 * 64
+    return ok, f"samples_seen {m['samples_seen']}, tokens_seen {m['tokens_seen']} in meta.json, {record.get('tokens_seen')} in metrics.jsonl"
+
+
 def counts_applied_updates(ctx):
     optimizer = meta(ctx, 4, "{tmp}/nan")["optimizer"]
     return optimizer["step"] == 4 and optimizer["updates"] == 3, f"step 3 skipped: 3 AdamW updates in 4 steps {optimizer}"
@@ -198,6 +230,8 @@ FAULTS = [
           "inside the checkpoint or run directory {run}"),
     Fault("export below a checkpoint", ["export", "{run}", "{run}/step-00000005/hf"], 1, "refusing to export into",
           absent=["{run}/step-00000005/hf"]),
+    Fault("export --overwrite from a corrupt checkpoint keeps the old export", ["export", "{tmp}/corrupt", "{tmp}/hf", "--overwrite"], 1,
+          "is corrupt", unchanged=["{run}", "{tmp}/hf"], setup=export_and_corrupt),
     # 2. What changes the data order or the meaning of the weights needs checkpoint.allow_changes.
     Fault("resume with another seed", train("--train.seed=7"), 1,
           "train.seed is 1234 there but 7 now, which changes the data order; pass --checkpoint.allow_changes=data"),
@@ -212,8 +246,14 @@ FAULTS = [
            "--checkpoint.resume={imported}", "--data.path={other_tokenizer}"], 1,
           "--checkpoint.allow_changes=tokenizer", unchanged=["{run}", "{imported}"], absent=["{tmp}/continued/metrics.jsonl"],
           setup=imported_model),
+    Fault("training into an imported checkpoint", ["train", *BASE, "--output.dir={imported}", "--train.steps=2",
+                                                    "--model.config={imported}/config.json", "--checkpoint.resume={imported}"], 1,
+          "output.dir {imported} is a checkpoint (it holds meta.json); train into another directory", unchanged=["{run}", "{imported}"],
+          setup=imported_model),
     Fault("an allowed change is recorded", train("--train.seed=7", "--checkpoint.allow_changes=data"), 0, "resuming from",
           unchanged=["{run}/step-00000010"], after=records_allowed_change),
+    Fault("an allowed batch change counts what each step read", train("--train.global_batch=8", "--checkpoint.allow_changes=data"), 0,
+          "resuming from", unchanged=["{run}/step-00000010"], after=counts_samples_seen),
     # 3. An override without a value swallows nothing.
     Fault("override without a value", ["train", "configs/tiny-moe.toml", "--data.path={corpus}", "--output.dir", "--train.steps=10"], 1,
           "--output.dir needs a value (write --output.dir=VALUE)", absent=["--train.steps=10"]),
@@ -264,6 +304,9 @@ FAULTS = [
           "the model cannot fit: 2.47e+13 parameters need 3.681e+05 GiB of fp32 training state", setup=huge_experts,
           absent=["{tmp}/huge/metrics.jsonl"]),
     # 9. Lengths beyond the model's positions.
+    Fault("sample of a model with rows past its tokenizer", ["sample", "{tmp}/padded", "--prompt", "The", "--tokens", "40",
+                                                             "--temperature", "50", "--samples", "3"], 0, "--- sample 3",
+          setup=padded_vocab),
     Fault("sample --tokens 1e12", ["sample", "{run}", "--prompt", "The", "--tokens", "1000000000000"], 1,
           "exceed the model's max_position_embeddings (2048): ask for at most"),
     Fault("sample with a prompt past the positions", ["sample", "{run}", "--prompt", "word " * 2100, "--tokens", "1"], 1,

@@ -98,13 +98,17 @@ def crash_resume_extend(marrow, base, corpus, tmp):
 
 
 def fresh_run_over_an_old_one(marrow, base, corpus, tmp):
-    """A fresh run in the same directory starts the event files anew."""
+    """A fresh run in the same directory starts the event files anew and keeps the earlier run's records aside."""
     fresh = os.path.join(tmp, "fresh")
-    for _ in range(2):
-        code, out, err = marrow("train", *base, f"--output.dir={fresh}", "--train.steps=3", "--checkpoint.every=0")
+    for steps in (3, 2):
+        code, out, err = marrow("train", *base, f"--output.dir={fresh}", f"--train.steps={steps}", "--checkpoint.every=0")
     check(code == 0 and len(glob.glob(os.path.join(fresh, "tb", "events.out.tfevents.*"))) == 1,
           "a fresh run in a used output.dir (no checkpoint) leaves one event file")
     compare_with_metrics(fresh, "a fresh run over an earlier one")
+    earlier = os.path.join(fresh, "earlier-runs", "1")
+    check(f"they are kept in {earlier}" in out and len(metrics(earlier)) == 3 and len(metrics(fresh)) == 2
+          and len(glob.glob(os.path.join(earlier, "tb", "events.out.tfevents.*"))) == 1,
+          f"the earlier run's metrics.jsonl (3 steps) and event file kept in earlier-runs/1, with a note: {out[-300:]}")
 
 
 def demo_and_plot(marrow, base, corpus, tmp):
@@ -136,6 +140,11 @@ def demo_and_plot(marrow, base, corpus, tmp):
     check(len(ticks) >= 6, f"the axes have ticks ({len(ticks)})")
     code, out, err = marrow("plot", tmp, "--out", os.path.join(tmp, "x.svg"))
     check(code == 1 and err.strip().count("\n") == 0 and "has no metrics.jsonl" in err, f"a directory that is no run: {err.strip()}")
+    metrics_path = os.path.join(run, "metrics.jsonl")
+    before = open(metrics_path, "rb").read()
+    code, out, err = marrow("plot", run, "--out", metrics_path)
+    check(code == 1 and "must name an .svg file" in err and open(metrics_path, "rb").read() == before,
+          f"--out onto the run's metrics.jsonl is refused and the file kept: {err.strip()}")
 
 
 def progress_and_quiet(marrow, base, corpus, tmp):
