@@ -73,6 +73,41 @@ TEST(GptOssConfig, ReadsHuggingFaceFields) {
   EXPECT_FALSE(c.json.contains("quantization_config"));
 }
 
+// RoPE and head_dim as transformers 5 reads them (modeling_rope_utils, GptOssConfig): a config that
+// transformers loads as yarn is yarn here too, with the same numbers.
+TEST(GptOssConfig, ReadsRopeAsTransformersDoes) {
+  Json j = tiny_config_json();
+  j.erase("rope_parameters");
+  j.erase("head_dim");
+  GptOssConfig c = GptOssConfig::from_json(j, "config.json");  // GptOssConfig's defaults
+  EXPECT_EQ(c.head_dim, 64);
+  EXPECT_TRUE(c.rope.yarn);
+  EXPECT_EQ(c.rope.theta, 150000.0);
+  EXPECT_EQ(c.rope.factor, 32.0);
+  EXPECT_EQ(c.rope.original_max_positions, 4096);
+  EXPECT_FALSE(c.rope.truncate);
+  // The older `type` key; the top-level rope_theta and original_max_position_embeddings.
+  j = tiny_config_json();
+  j["rope_scaling"] = {{"type", "yarn"}, {"factor", 8.0}, {"original_max_position_embeddings", 2048}};
+  j["rope_theta"] = 500.0;
+  j["original_max_position_embeddings"] = 8;
+  c = GptOssConfig::from_json(j, "config.json");  // rope_scaling wins over rope_parameters
+  EXPECT_TRUE(c.rope.yarn);
+  EXPECT_EQ(c.rope.factor, 8.0);
+  EXPECT_EQ(c.rope.theta, 500.0);
+  EXPECT_EQ(c.rope.original_max_positions, 8);
+  EXPECT_TRUE(c.rope.truncate);
+  // Without either original_max_position_embeddings, max_position_embeddings stands in.
+  j["rope_scaling"].erase("original_max_position_embeddings");
+  j.erase("original_max_position_embeddings");
+  j["max_position_embeddings"] = 1024;
+  EXPECT_EQ(GptOssConfig::from_json(j, "config.json").rope.original_max_positions, 1024);
+  // An empty rope_scaling (or null) leaves rope_parameters in charge.
+  j = tiny_config_json();
+  j["rope_scaling"] = Json::object();
+  EXPECT_EQ(GptOssConfig::from_json(j, "config.json").rope.factor, 32.0);
+}
+
 TEST(GptOssConfig, BadFieldsGiveOneSentence) {
   Json j = tiny_config_json();
   j.erase("intermediate_size");
@@ -91,7 +126,10 @@ TEST(GptOssConfig, BadFieldsGiveOneSentence) {
   EXPECT_EQ(config_error(j), "config.json: mscale is not supported");
   j = tiny_config_json();
   j["rope_parameters"]["rope_type"] = "longrope";
-  EXPECT_EQ(config_error(j), "config.json: rope_type 'longrope' is not supported (yarn or default)");
+  EXPECT_EQ(config_error(j), "config.json: rope_parameters: rope_type 'longrope' is not supported (default or yarn)");
+  j = tiny_config_json();
+  j["rope_parameters"] = {{"full_attention", j["rope_parameters"]}};
+  EXPECT_EQ(config_error(j), "config.json: rope_parameters: settings per layer type are not supported");
   j = tiny_config_json();
   j["quantization_config"] = {{"quant_method", "bitsandbytes"}};
   EXPECT_EQ(config_error(j), "config.json: quantization_config.quant_method 'bitsandbytes' is not supported (mxfp4 is, read dequantized)");

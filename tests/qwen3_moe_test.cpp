@@ -77,6 +77,18 @@ TEST(Qwen3MoeConfig, BadFieldsGiveOneSentence) {
   j = tiny_config_json();
   j["num_experts_per_tok"] = 9;
   EXPECT_EQ(config_error(j), "config.json: num_experts_per_tok (9) exceeds num_experts (8)");
+  // RoPE as transformers reads it (models/common.h's read_rope): the older `type` key is a rope_type,
+  // and rope_scaling wins over rope_parameters.
+  j = tiny_config_json();
+  j["rope_parameters"] = {{"type", "linear"}, {"factor", 8.0}, {"rope_theta", 1e4}};
+  EXPECT_EQ(config_error(j), "config.json: rope_parameters: rope_type 'linear' is not supported (only default)");
+  j = tiny_config_json();
+  j["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", 1e4}};
+  j["rope_scaling"] = {{"rope_type", "linear"}, {"factor", 8.0}};
+  EXPECT_EQ(config_error(j), "config.json: rope_scaling: rope_type 'linear' is not supported (only default)");
+  j["rope_scaling"] = {{"rope_type", "default"}};
+  j["rope_theta"] = 2e4;
+  EXPECT_EQ(Qwen3MoeConfig::from_json(j, "config.json").rope_theta, 2e4);  // the top level's, as rope_scaling has none
 }
 
 TEST(Qwen3MoeConfig, MissingFileIsNamed) {

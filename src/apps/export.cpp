@@ -36,7 +36,7 @@ int export_command(int argc, char** argv) {
   app.add_option("checkpoint", from, "checkpoint directory (step-XXXXXXXX), or a run directory for its newest")->required();
   app.add_option("out-dir", out, "the Hugging Face model directory to write")->required();
   app.add_option("--dtype", dtype, "dtype of the exported weights")->check(CLI::IsMember({"float32", "bfloat16"}))->capture_default_str();
-  app.add_option("--shard-mib", shard_mib, "largest safetensors shard, in MiB")->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--shard-mib", shard_mib, "largest safetensors shard, in MiB")->check(CLI::Range(int64_t(1), int64_t(1) << 30))->capture_default_str();
   app.add_flag("--overwrite", overwrite, "replace the model files of an existing out-dir");
   app.add_flag("--quiet", quiet, "no progress line");
   try {
@@ -50,6 +50,7 @@ int export_command(int argc, char** argv) {
                "export would replace; choose an out-dir outside it", out, run_data);
   MARROW_CHECK(fs::weakly_canonical(fs::absolute(out)) != fs::weakly_canonical(fs::absolute(source.dir)),
                "refusing to export {} onto itself: choose another out-dir", source.dir);
+  MARROW_CHECK(!fs::exists(out) || fs::is_directory(out), "{} exists and is not a directory: out-dir is the directory to write", out);
   MARROW_CHECK(overwrite || !fs::exists(out) || fs::is_empty(out), "{} exists and is not empty (pass --overwrite to replace its model files)",
                out);
   HfExportOptions options;

@@ -28,6 +28,8 @@ int import_command(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e) == 0 ? 0 : 2;
   }
+  // "out/" would put the checkpoint's staging directory out/.tmp inside out.
+  while (out.size() > 1 && out.back() == '/') out.pop_back();
   MARROW_CHECK(fs::is_directory(from), "{} is not a directory", from);
   MARROW_CHECK(is_hf_model_dir(from), "{} is not a Hugging Face model directory: it needs config.json and model.safetensors or "
                "model.safetensors.index.json", from);

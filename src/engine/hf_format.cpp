@@ -134,13 +134,18 @@ bool is_hf_model_dir(const std::string& dir) {
 
 namespace {
 
-// The safetensors files of a Hugging Face directory: those its index names, or model.safetensors.
+// The safetensors files of a Hugging Face directory in transformers' order: model.safetensors, else
+// those its index names. (save_pretrained leaves a stale one of the two behind when a directory is
+// saved once sharded and once not; reading the other would load another model than transformers.)
 std::vector<std::string> safetensors_paths(const std::string& dir) {
   const std::string index_path = dir + "/model.safetensors.index.json";
-  if (!fs::exists(index_path)) {
-    MARROW_CHECK(fs::exists(dir + "/model.safetensors"), "{} has neither model.safetensors.index.json nor model.safetensors", dir);
+  if (fs::exists(dir + "/model.safetensors")) {
+    if (fs::exists(index_path))
+      std::fprintf(stderr, "note: %s holds model.safetensors and model.safetensors.index.json; model.safetensors is read, as transformers does\n",
+                   dir.c_str());
     return {dir + "/model.safetensors"};
   }
+  MARROW_CHECK(fs::exists(index_path), "{} has neither model.safetensors.index.json nor model.safetensors", dir);
   const Json index = read_json_file(index_path);
   MARROW_CHECK(index.contains("weight_map") && index["weight_map"].is_object(), "{}: key 'weight_map' is missing or not an object",
                index_path);

@@ -71,7 +71,7 @@ template <MoeModel M> struct MicroBatch {
   };
   std::vector<DeferredExperts> deferred;
   HostSum token_loss;  // cross-entropy summed over counted targets
-  HostSum aux_loss;    // load-balance loss (Hugging Face's form) summed over layers
+  HostSum aux_loss;    // load-balance loss summed over layers (each layer's: ops/router.h)
   // The layers' load-balance losses summed on the model's device (f64 [1]) until the forward of a
   // chunk ends and adds them to aux_loss: one host read per chunk, not one per layer.
   Buffer aux_loss_total;

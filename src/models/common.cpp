@@ -25,6 +25,35 @@ void expect_family(const JsonFields& f, const std::string& source, const char* m
   MARROW_CHECK(f.number("attention_dropout", 0.0) == 0.0, "{}: attention_dropout must be 0", source);
 }
 
+RopeParameters read_rope(const JsonFields& f, const std::string& source, double default_theta, const Json& fallback, bool allow_yarn) {
+  const auto given = [&](const char* key) { return f.has(key) && !(f.raw(key).is_object() && f.raw(key).empty()); };
+  const char* key = given("rope_scaling") ? "rope_scaling" : given("rope_parameters") ? "rope_parameters" : nullptr;
+  const Json& settings = key ? f.raw(key) : fallback;
+  const std::string where = source + ": " + (key ? key : "the default rope_parameters");
+  MARROW_CHECK(settings.is_object(), "{} must be an object, got {}", where, settings.dump());
+  for (const char* layer_type : {"full_attention", "sliding_attention"})
+    MARROW_CHECK(!settings.contains(layer_type), "{}: settings per layer type are not supported", where);
+  JsonFields rope(settings, where);
+  RopeParameters r;
+  r.theta = rope.number("rope_theta", f.number("rope_theta", default_theta));
+  const std::string type = rope.string("rope_type", rope.string("type", "default"));
+  MARROW_CHECK(type == "default" || (allow_yarn && type == "yarn"), "{}: rope_type '{}' is not supported ({})", where, type,
+               allow_yarn ? "default or yarn" : "only default");
+  for (const char* unsupported : {"mscale", "mscale_all_dim", "partial_rotary_factor"})
+    MARROW_CHECK(!rope.has(unsupported) && !f.has(unsupported), "{}: {} is not supported", source, unsupported);
+  if (type == "default") return r;
+  r.yarn = true;
+  r.factor = rope.number("factor");
+  r.beta_fast = rope.number("beta_fast", 32.0);
+  r.beta_slow = rope.number("beta_slow", 1.0);
+  r.attention_factor = rope.number("attention_factor", 0.0);
+  r.original_max_positions = f.positive("original_max_position_embeddings",
+                                        rope.positive("original_max_position_embeddings", f.positive("max_position_embeddings", 0)));
+  MARROW_CHECK(r.original_max_positions > 0, "{}: yarn needs original_max_position_embeddings (or max_position_embeddings)", where);
+  r.truncate = rope.boolean("truncate", true);
+  return r;
+}
+
 void ParameterTable::add(std::string name, std::vector<int64_t> shape, ParamKind kind, bool is_expert) {
   const bool is_norm = kind == ParamKind::norm;
   const bool first_writes = is_expert || (layer == num_layers && !is_norm);

@@ -15,6 +15,7 @@
 #include "core/tensor_spec.h"
 #include "ops/dispatch.h"
 #include "ops/fp8.h"
+#include "ops/rope.h"
 
 namespace marrow {
 
@@ -36,6 +37,18 @@ template <class C> void read_shared_fields(C& c, const JsonFields& f, double def
   c.initializer_range = f.number("initializer_range", 0.02);
   c.router_aux_loss_coef = f.number("router_aux_loss_coef", 0.001);
 }
+// RoPE as transformers 5 reads a config.json (modeling_rope_utils: convert_rope_params_to_dict,
+// standardize_rope_params), so that Marrow computes the model transformers loads from it:
+//   the settings: rope_scaling when it is a non-empty object, else rope_parameters, else `fallback`
+//     (the family's default: GPT-OSS's yarn, Qwen3's none);
+//   rope_type: its rope_type, else the older `type`, else "default";
+//   rope_theta: its own, else the top-level rope_theta, else default_theta;
+//   yarn's original_max_position_embeddings: the top-level one (which wins), else its own, else
+//     max_position_embeddings.
+// Settings per layer type, keys Marrow does not compute and a rope_type other than default (or yarn,
+// where allowed) are refused in one sentence.
+RopeParameters read_rope(const JsonFields& f, const std::string& source, double default_theta, const Json& fallback, bool allow_yarn);
+
 // experts_key: the key the family's experts count is named by in messages.
 template <class C> void check_shared_values(const C& c, double rope_theta, const std::string& source, const char* experts_key) {
   MARROW_CHECK(c.rms_norm_eps > 0, "{}: rms_norm_eps must be positive, got {}", source, c.rms_norm_eps);

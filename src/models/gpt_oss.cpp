@@ -20,27 +20,11 @@ namespace marrow {
 
 namespace {
 
-// transformers 5 writes rope_parameters; files on the Hub have rope_theta and rope_scaling.
-RopeParameters read_rope(const JsonFields& f, const std::string& source) {
-  const bool nested = f.has("rope_parameters");
-  MARROW_CHECK(nested || f.has("rope_scaling"), "{}: rope_parameters (or rope_scaling) is missing", source);
-  JsonFields rope(f.raw(nested ? "rope_parameters" : "rope_scaling"), source + (nested ? ": rope_parameters" : ": rope_scaling"));
-  RopeParameters r;
-  r.theta = nested ? rope.number("rope_theta", 150000.0) : f.number("rope_theta", 150000.0);
-  const std::string type = rope.string("rope_type", "default");
-  MARROW_CHECK(type == "yarn" || type == "default", "{}: rope_type '{}' is not supported (yarn or default)", source, type);
-  for (const char* key : {"mscale", "mscale_all_dim", "partial_rotary_factor"})
-    MARROW_CHECK(!rope.has(key) && !f.has(key), "{}: {} is not supported", source, key);
-  if (type == "default") return r;
-  r.yarn = true;
-  r.factor = rope.number("factor");
-  r.beta_fast = rope.number("beta_fast", 32.0);
-  r.beta_slow = rope.number("beta_slow", 1.0);
-  r.attention_factor = rope.number("attention_factor", 0.0);
-  r.original_max_positions = rope.positive("original_max_position_embeddings");
-  r.truncate = rope.boolean("truncate", true);
-  return r;
-}
+// transformers' GptOssConfig: yarn when a config names no RoPE settings, theta 150,000 (common.h's
+// read_rope reads the rest).
+const Json kDefaultRope = {{"rope_type", "yarn"},  {"factor", 32.0},     {"beta_fast", 32.0},
+                           {"beta_slow", 1.0},     {"truncate", false}, {"original_max_position_embeddings", 4096}};
+constexpr double kDefaultTheta = 150000.0;
 
 // layer_types, or Hugging Face's default: sliding windows on even layers (0, 2, ...).
 std::vector<bool> read_layer_types(const JsonFields& f, int64_t layers, const std::string& source) {
@@ -90,12 +74,13 @@ GptOssConfig GptOssConfig::from_json(const Json& json, const std::string& source
   c.json = json;
   expect_family(f, source, "gpt_oss", "GptOssForCausalLM");
   read_shared_fields(c, f, 1e-5);
+  c.head_dim = f.positive("head_dim", 64);  // transformers' GptOssConfig default, not hidden_size / heads
   c.num_experts = f.has("num_local_experts") ? f.positive("num_local_experts") : f.positive("num_experts");
   c.expert_intermediate_size = f.positive("intermediate_size");
   c.sliding_window = f.positive("sliding_window", 128);
   c.swiglu_alpha = f.number("swiglu_alpha", 1.702);
   c.swiglu_limit = f.number("swiglu_limit", 7.0);
-  c.rope = read_rope(f, source);
+  c.rope = read_rope(f, source, kDefaultTheta, kDefaultRope, true);
   c.sliding = read_layer_types(f, c.num_layers, source);
   check_values(c, source);
   refuse_unsupported(f, source);

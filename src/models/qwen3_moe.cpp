@@ -19,18 +19,6 @@ namespace marrow {
 
 namespace {
 
-// transformers 5 nests RoPE settings in rope_parameters; older files have rope_theta/rope_scaling.
-double read_rope_theta(const JsonFields& f, const std::string& source) {
-  if (f.has("rope_parameters")) {
-    JsonFields rope(f.raw("rope_parameters"), source + ": rope_parameters");
-    MARROW_CHECK(rope.string("rope_type", "default") == "default", "{}: rope_parameters.rope_type '{}' is not supported (only default)",
-                 source, rope.string("rope_type"));
-    return rope.number("rope_theta");
-  }
-  MARROW_CHECK(!f.has("rope_scaling"), "{}: rope_scaling is not supported", source);
-  return f.number("rope_theta", 10000.0);
-}
-
 // Features of the family that Marrow does not implement: refuse rather than train something else.
 void refuse_unsupported(const JsonFields& f, const std::string& source) {
   MARROW_CHECK(!f.boolean("attention_bias", false), "{}: attention_bias = true is not supported", source);
@@ -61,7 +49,7 @@ Qwen3MoeConfig Qwen3MoeConfig::from_json(const Json& json, const std::string& so
   c.num_experts = f.has("num_experts") ? f.positive("num_experts") : f.positive("num_local_experts");
   c.expert_intermediate_size = f.positive("moe_intermediate_size");
   c.norm_topk_prob = f.boolean("norm_topk_prob", false);
-  c.rope_theta = read_rope_theta(f, source);
+  c.rope_theta = read_rope(f, source, 10000.0, Json::object(), false).theta;
   check_shared_values(c, c.rope_theta, source, "num_experts");
   refuse_unsupported(f, source);
   return c;

@@ -162,7 +162,7 @@ class Qwen3Moe {
   void attention_backward(Tensor dx, const Qwen3MoeLayerWeights& grads, Tensor dx_mid, Tensor dh2, Tensor dtopk_weight,
                           double aux_grad, Qwen3MoeAttentionActivations& a, const Qwen3MoeBatch& batch,
                           const Qwen3MoeLayerWeights& w) const;
-  // total[0] += this layer's load-balance loss (Hugging Face's form: K when routing is balanced) from
+  // total[0] += this layer's load-balance loss (ops/router.h: K when routing is balanced) from
   // a.routing_stats, on the model's device (total: f64 [1]; no host read).
   void add_aux_loss(Tensor total, const Qwen3MoeAttentionActivations& a) const;
 

@@ -23,9 +23,12 @@ void router_forward(Tensor probs, Tensor topk_index, Tensor topk_weight, Tensor 
 // (counts exact below 2^24) and probs' dtype on the CPU. T may be 0.
 void router_statistics(Tensor stats, Tensor probs, Tensor topk_index, Stream stream = {});
 
-// One layer's load-balance loss in Hugging Face's form, E * sum_e f_e * P_e, with
-// f_e = (copies routed to e) / T and P_e = (sum_t probs[t, e]) / T, from statistics (on any device,
-// read on the host; computed in double); perfectly balanced routing gives K.
+// One layer's load-balance loss, E * sum_e f_e * P_e, with f_e = (copies routed to e) / T and
+// P_e = (sum_t probs[t, e]) / T, from statistics (on any device, read on the host; computed in
+// double); perfectly balanced routing gives K. Hugging Face's formula on one layer's statistics: the
+// engine averages the layers' losses (and a step's micro-batches'), as Megatron-LM and PithTrain do,
+// where transformers' load_balancing_loss_func pools all layers' statistics before the product (its
+// value differs by ~1-5% on the tiny models, the router's gradients more).
 double router_aux_loss(Tensor stats, Stream stream = {});
 // total[0] += router_aux_loss(stats), on stats' device and without reading anything on the host
 // (the engine reads the sum once per micro-batch, not once per layer). total: f64 [1].

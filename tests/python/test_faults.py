@@ -110,6 +110,22 @@ def imported_model(ctx):
     ctx["imported"] = imported
 
 
+def exported(ctx):
+    """{tmp}/hf: an export of the run (model-00001-of-00001.safetensors and its index)."""
+    subprocess.run([ctx["marrow"], "export", ctx["run"], os.path.join(ctx["tmp"], "hf"), "--quiet"], cwd=ctx["repo"], check=True,
+                   capture_output=True)
+
+
+def exported_with_stale_index(ctx):
+    """{tmp}/hf with a stale model.safetensors.index.json beside its model.safetensors, as save_pretrained leaves
+    one when a sharded save is followed by an unsharded one: transformers reads model.safetensors."""
+    exported(ctx)
+    hf = os.path.join(ctx["tmp"], "hf")
+    os.rename(os.path.join(hf, "model-00001-of-00001.safetensors"), os.path.join(hf, "model.safetensors"))
+    json.dump({"metadata": {}, "weight_map": {"lm_head.weight": "model-00001-of-00007.safetensors"}},
+              open(os.path.join(hf, "model.safetensors.index.json"), "w"))
+
+
 def export_and_corrupt(ctx):
     """{tmp}/hf: an export of the run; {tmp}/corrupt: a copy of its step-10 checkpoint with one weight byte flipped."""
     subprocess.run([ctx["marrow"], "export", ctx["run"], os.path.join(ctx["tmp"], "hf"), "--quiet"], cwd=ctx["repo"], check=True,
@@ -230,6 +246,13 @@ FAULTS = [
           "inside the checkpoint or run directory {run}"),
     Fault("export below a checkpoint", ["export", "{run}", "{run}/step-00000005/hf"], 1, "refusing to export into",
           absent=["{run}/step-00000005/hf"]),
+    Fault("export onto a file", ["export", "{run}", "{tmp}/afile"], 1, "{tmp}/afile exists and is not a directory",
+          setup=write("afile", "")),
+    Fault("import into a path with a trailing slash", ["import", "{tmp}/hf", "{tmp}/slash/", "--quiet"], 0, "import:",
+          absent=["{tmp}/slash/.tmp", "{tmp}/slash.tmp"], setup=exported, after=lambda ctx: (
+              os.path.exists(os.path.join(ctx["tmp"], "slash", "meta.json")), "the checkpoint is {tmp}/slash itself")),
+    Fault("import of a directory with model.safetensors and a stale index", ["import", "{tmp}/hf", "{tmp}/imported", "--quiet"], 0,
+          "model.safetensors is read, as transformers does", setup=exported_with_stale_index),
     Fault("export --overwrite from a corrupt checkpoint keeps the old export", ["export", "{tmp}/corrupt", "{tmp}/hf", "--overwrite"], 1,
           "is corrupt", unchanged=["{run}", "{tmp}/hf"], setup=export_and_corrupt),
     # 2. What changes the data order or the meaning of the weights needs checkpoint.allow_changes.
