@@ -166,7 +166,7 @@ TEST(GroupedLinear, PairIsTheTwoCallsItStandsFor) {
     grouped_linear_backward_weight_pair(dw, {dy1, x1, first_offsets}, {dy2, x1, second_offsets});
     FAIL() << "expected an error";
   } catch (const Error& err) {
-    EXPECT_STREQ(err.what(), "grouped_linear_backward_weight_pair: x has shape [5, 300] but expected [4, 300]");
+    EXPECT_STREQ(err.what(), "grouped_linear_backward_weight_pair (second micro-batch): x has shape [5, 300] but expected [4, 300]");
   }
 }
 

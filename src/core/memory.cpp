@@ -28,7 +28,7 @@ void* allocate(size_t bytes, Device device, Stream stream) {
   if (err == cudaErrorMemoryAllocation) {
     cudaGetLastError();  // clears the error, so that the message below is the one the run ends with
     size_t free = 0, total = 0;
-    cudaMemGetInfo(&free, &total);
+    if (cudaMemGetInfo(&free, &total) != cudaSuccess) free = total = 0;  // best effort: the sentence below matters, not these
     fail("out of GPU memory allocating {:.1f} MiB ({:.2f} GiB free of {:.2f}); `marrow estimate` with the same config and "
          "overrides gives the bill and the settings that save memory",
          bytes / 1048576.0, free / 1073741824.0, total / 1073741824.0);
@@ -48,7 +48,7 @@ void deallocate(void* p, Device device, Stream stream) {
     return;
   }
 #if MARROW_CUDA
-  cudaFreeAsync(p, static_cast<cudaStream_t>(stream.handle));
+  cudaFreeAsync(p, static_cast<cudaStream_t>(stream.handle));  // status ignored: also runs while an error unwinds
 #else
   (void)stream;
 #endif
@@ -88,7 +88,7 @@ void Arena::Free::operator()(void* p) const {
     std::free(p);
   } else {
 #if MARROW_CUDA
-    cudaFree(p);
+    cudaFree(p);  // cleanup: status ignored (a deleter, which may run while an error unwinds)
 #endif
   }
 }
@@ -102,6 +102,7 @@ Arena::Arena(std::string category, DType dtype, Device device, int64_t numel)
 #if MARROW_CUDA
     void* p = nullptr;
     cudaError_t err = cudaMalloc(&p, bytes);
+    // A sentence naming the arena (the run's memory bill says which one did not fit); CUDA's message in it.
     MARROW_CHECK(err == cudaSuccess, "cannot allocate the {} arena ({:.1f} MiB) on the GPU: {}", category_, bytes / 1048576.0,
                  cudaGetErrorString(err));
     data_.reset(p);

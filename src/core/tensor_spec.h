@@ -16,8 +16,8 @@ struct TensorSpec {
   int64_t numel = 0;
   bool is_norm = false;  // RMSNorm weights: initialised to 1, no weight decay
   // AdamW's weight decay applies to it: matrices and embeddings. Norms, biases and GPT-OSS's sinks
-  // (vectors added to or scaling activations) are exempt, as Megatron-LM and Hugging Face's Trainer
-  // exempt them.
+  // (vectors added to or scaling activations) are exempt, as Megatron-LM exempts every 1-D parameter
+  // (Hugging Face's Trainer exempts norms and biases, and decays the sinks).
   bool decayed = true;
   // The backward of a step's first micro-batch writes this gradient instead of adding to it (the
   // expert weights: their fp32 gradients are the bulk of the arena; the LM head, as large as the

@@ -409,6 +409,7 @@ KernelTrace::KernelTrace(Device device) {
 
 KernelTrace::~KernelTrace() {
   if (!running_) return;
+  // cleanup: statuses ignored (a destructor, which may run while an error unwinds)
   for (CUpti_ActivityKind kind : kKinds) cuptiActivityDisable(kind);
   cuptiActivityFlushAll(CUPTI_ACTIVITY_FLAG_FLUSH_FORCED);
 }

@@ -29,7 +29,7 @@ StageTimer::~StageTimer() {
 #if MARROW_CUDA
   for (Mark& m : marks_) free_events_.insert(free_events_.end(), {m.start, m.stop});
   for (void* e : free_events_)
-    if (e) cudaEventDestroy(static_cast<cudaEvent_t>(e));
+    if (e) cudaEventDestroy(static_cast<cudaEvent_t>(e));  // cleanup: status ignored (a destructor)
 #endif
 }
 

@@ -340,6 +340,7 @@ GraphKey key_of(const char* op, Tensor q, Tensor k, Tensor v, Tensor out, Tensor
   MARROW_CHECK(served, "{}: cuDNN attention does not serve batch {}, sequence {}, {} / {} heads of {}", op, key.batch,
                key.seq, key.q_heads, key.kv_heads, key.head_dim);
   expect_dtype(op, "lse", lse, DType::f32);
+  expect_device(op, "lse", lse, Device::cuda);
   return key;
 }
 
@@ -420,7 +421,12 @@ std::vector<CudnnAttentionPlan> cudnn_attention_plans(bool backward, Tensor dq, 
                                                       Tensor k, Tensor v, Tensor out, Tensor lse) {
   const char* op = "cudnn_attention_plans";
   GraphKey key = key_of(op, q, k, v, out, lse, backward, true, AttentionVariant{});
+  expect_bf16_gpu(op, {{"out", &out}, {"q", &q}, {"k", &k}, {"v", &v}});
   if (backward) {
+    expect_bf16_gpu(op, {{"dq", &dq}, {"dk", &dk}, {"dv", &dv}, {"dout", &dout}});
+    expect_shape(op, "dq", dq, {key.batch, key.seq, key.q_heads, key.head_dim});
+    expect_shape(op, "dout", dout, {key.batch, key.seq, key.q_heads, key.head_dim});
+    for (auto [name, t] : {std::pair{"dk", &dk}, std::pair{"dv", &dv}}) expect_shape(op, name, *t, {key.batch, key.seq, key.kv_heads, key.head_dim});
     const BackwardPlan plan = backward_plan(key.batch, key.seq, key.q_heads, key.kv_heads);
     MARROW_CHECK(plan.splits == 1 && plan.rows == key.seq, "{}: the backward of these sizes runs in {} head groups of query chunks of {} rows, not one call",
                  op, plan.splits, plan.rows);
@@ -435,7 +441,11 @@ std::vector<CudnnAttentionPlan> cudnn_attention_plans(bool backward, Tensor dq, 
   for (int64_t i = 0; i < g->get_execution_plan_count(); ++i) {
     CudnnAttentionPlan plan;
     MARROW_CUDNN_FE_CHECK(g->get_plan_name_at_index(i, plan.name));
-    if (g->build_plan_at_index(i).is_good()) {
+    // A plan cuDNN cannot build for this shape is listed without a run (the bench prints it as such), its
+    // reason appended to its name.
+    auto built = g->build_plan_at_index(i);
+    if (!built.is_good()) plan.name += " (not built: " + built.get_message() + ")";
+    if (built.is_good()) {
       MARROW_CUDNN_FE_CHECK(g->get_workspace_size_plan_at_index(i, plan.workspace_bytes));
       auto workspace = std::make_shared<Buffer>(DType::f32, Device::cuda, std::initializer_list<int64_t>{std::max<int64_t>(1, (plan.workspace_bytes + 3) / 4)});
       plan.run = [g, i, pack, workspace] {

@@ -911,13 +911,51 @@ Geometry block_geometry(const Tensor& q, const Tensor& k, const AttentionBlock& 
 
 // The sizes the kernels serve (the caller's test), 32-bit row indices and TMA's 16-byte alignment,
 // else a one-sentence error.
-void check_served(const char* op, bool served, const Geometry& g, std::initializer_list<const Tensor*> tensors) {
+void check_served(const char* op, bool served, const Geometry& g, std::initializer_list<std::pair<const char*, const Tensor*>> tensors) {
   MARROW_CHECK(served, "{}: sizes Sq {} Sk {} rows [{}, +{}) / [{}, +{}) H {}/{} not served", op, g.q_seq, g.k_seq, g.q_first,
                g.q_rows, g.k_first, g.k_rows, g.q_heads, g.kv_heads);
   const int64_t rows = g.batch * std::max(g.q_seq, g.k_seq) * g.q_heads;
   MARROW_CHECK(rows < (int64_t(1) << 31), "{}: {} rows of B x S x Hq exceed the kernels' 32-bit row index", op, rows);
-  for (const Tensor* t : tensors)
-    MARROW_CHECK(reinterpret_cast<uintptr_t>(t->data) % 16 == 0, "{}: tensors must be 16-byte aligned (TMA)", op);
+  for (auto [name, t] : tensors)
+    MARROW_CHECK(reinterpret_cast<uintptr_t>(t->data) % 16 == 0, "{}: {} must be 16-byte aligned (TMA)", op, name);
+}
+
+// The tensors of one call, named in every message: q [B, Sq, Hq, D], k and v [B, Sk, Hkv, D], out
+// (and the backward's dout) as q, lse [B, Hq, Sq]; bf16 on the GPU but lse f32; the backward's
+// gradients, where given, shaped as q, k and v in grad_dtype (bf16 for the causal op, f32 for a
+// block, which adds into the ring's sums).
+struct HopperGrads {
+  const Tensor *dout = nullptr, *dq = nullptr, *dk = nullptr, *dv = nullptr;
+  DType dtype = DType::bf16;
+};
+void check_tensors(const char* op, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
+                   const HopperGrads& grads = {}) {
+  MARROW_CHECK(q.ndim == 4 && k.ndim == 4, "{}: q and k must be [batch, seq, heads, head_dim], got {} and {}", op, q.shape_string(),
+               k.shape_string());
+  const int64_t B = q.size(0), Sq = q.size(1), Hq = q.size(2), D = q.size(3), Sk = k.size(1), Hkv = k.size(2);
+  expect_shape(op, "k", k, {B, Sk, Hkv, D});
+  expect_shape(op, "v", v, {B, Sk, Hkv, D});
+  expect_shape(op, "out", out, {B, Sq, Hq, D});
+  expect_shape(op, "lse", lse, {B, Hq, Sq});
+  auto on_gpu = [&](const char* name, const Tensor& t, DType dtype) {
+    expect_dtype(op, name, t, dtype);
+    expect_device(op, name, t, Device::cuda);
+  };
+  for (auto [name, t] : {std::pair{"q", &q}, std::pair{"k", &k}, std::pair{"v", &v}, std::pair{"out", &out}}) on_gpu(name, *t, DType::bf16);
+  on_gpu("lse", lse, DType::f32);
+  if (grads.dout) {
+    expect_shape(op, "dout", *grads.dout, {B, Sq, Hq, D});
+    on_gpu("dout", *grads.dout, DType::bf16);
+  }
+  if (grads.dq) {
+    expect_shape(op, "dq", *grads.dq, {B, Sq, Hq, D});
+    on_gpu("dq", *grads.dq, grads.dtype);
+  }
+  for (auto [name, t] : {std::pair{"dk", grads.dk}, std::pair{"dv", grads.dv}})
+    if (t) {
+      expect_shape(op, name, *t, {B, Sk, Hkv, D});
+      on_gpu(name, *t, grads.dtype);
+    }
 }
 
 // A kernel's dynamic shared memory past the default 48 KiB, set once (a template per kernel: two
@@ -1030,43 +1068,47 @@ bool hopper_attention_serves_block(const Tensor& q, const Tensor& k, const Atten
 
 void hopper_attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse,
                                Stream stream) {
+  const char* op = "hopper_attention_backward";
+  check_tensors(op, q, k, v, out, lse, {&dout, &dq, &dk, &dv});
   const Geometry g = op_geometry(q, k);
-  check_served("hopper_attention_backward", hopper_attention_supports(q.size(1), q.size(2), k.size(2), q.size(3)), g,
-               {&dq, &dk, &dv, &dout, &q, &k, &v, &out, &lse});
+  check_served(op, hopper_attention_supports(q.size(1), q.size(2), k.size(2), q.size(3)), g,
+               {{"dq", &dq}, {"dk", &dk}, {"dv", &dv}, {"dout", &dout}, {"q", &q}, {"k", &k}, {"v", &v}, {"out", &out}, {"lse", &lse}});
   run_backward(dq, dk, dv, dout, q, k, v, out, lse, g, {}, nullptr, stream);
 }
 
 void hopper_attention_block_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out,
                                      Tensor lse, const AttentionBlock& block, AttentionGrads grads, Stream stream) {
   const char* op = "hopper_attention_block_backward";
+  check_tensors(op, q, k, v, out, lse, {&dout, &dq, &dk, &dv, DType::f32});
   const Geometry g = block_geometry(q, k, block);
-  check_served(op, hopper_attention_serves_block(q, k, block), g, {&dq, &dk, &dv, &dout, &q, &k, &v, &out, &lse});
-  for (auto [name, t] : {std::pair{"dq", &dq}, std::pair{"dk", &dk}, std::pair{"dv", &dv}, std::pair{"lse", &lse}})
-    expect_dtype(op, name, *t, DType::f32);
-  for (auto [name, t] : {std::pair{"q", &q}, std::pair{"k", &k}, std::pair{"v", &v}, std::pair{"out", &out}, std::pair{"dout", &dout}})
-    expect_dtype(op, name, *t, DType::bf16);
+  check_served(op, hopper_attention_serves_block(q, k, block), g,
+               {{"dq", &dq}, {"dk", &dk}, {"dv", &dv}, {"dout", &dout}, {"q", &q}, {"k", &k}, {"v", &v}, {"out", &out}, {"lse", &lse}});
   run_backward(dq, dk, dv, dout, q, k, v, out, lse, g, {true, grads}, nullptr, stream);
 }
 
 void hopper_attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v, Stream stream) {
+  const char* op = "hopper_attention_forward";
+  check_tensors(op, q, k, v, out, lse);
   const Geometry g = op_geometry(q, k);
-  check_served("hopper_attention_forward", hopper_attention_supports(q.size(1), q.size(2), k.size(2), q.size(3)), g,
-               {&out, &lse, &q, &k, &v});
+  check_served(op, hopper_attention_supports(q.size(1), q.size(2), k.size(2), q.size(3)), g,
+               {{"out", &out}, {"lse", &lse}, {"q", &q}, {"k", &k}, {"v", &v}});
   run_forward(out, lse, q, k, v, g, stream);
 }
 
 void hopper_attention_block_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v, const AttentionBlock& block, Stream stream) {
   const char* op = "hopper_attention_block_forward";
+  check_tensors(op, q, k, v, out, lse);
   const Geometry g = block_geometry(q, k, block);
-  check_served(op, hopper_attention_serves_block(q, k, block), g, {&out, &lse, &q, &k, &v});
-  expect_dtype(op, "lse", lse, DType::f32);
-  for (auto [name, t] : {std::pair{"q", &q}, std::pair{"k", &k}, std::pair{"v", &v}, std::pair{"out", &out}})
-    expect_dtype(op, name, *t, DType::bf16);
+  check_served(op, hopper_attention_serves_block(q, k, block), g, {{"out", &out}, {"lse", &lse}, {"q", &q}, {"k", &k}, {"v", &v}});
   run_forward(out, lse, q, k, v, g, stream);
 }
 
 std::vector<HopperItemTimes> hopper_backward_timeline(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out,
                                                       Tensor lse) {
+  const char* op = "hopper_backward_timeline";
+  check_tensors(op, q, k, v, out, lse, {&dout, &dq, &dk, &dv});
+  check_served(op, hopper_attention_supports(q.size(1), q.size(2), k.size(2), q.size(3)), op_geometry(q, k),
+               {{"dq", &dq}, {"dk", &dk}, {"dv", &dv}, {"dout", &dout}, {"q", &q}, {"k", &k}, {"v", &v}, {"out", &out}, {"lse", &lse}});
   const int64_t items = q.size(0) * q.size(2) * (q.size(1) / kKeys);
   Buffer timeline(DType::i64, Device::cuda, {items * kTimelineFields});
   run_backward(dq, dk, dv, dout, q, k, v, out, lse, op_geometry(q, k), {}, timeline.ptr<int64_t>(), {});

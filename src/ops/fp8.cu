@@ -323,17 +323,19 @@ template <typename T> void launch_quantize_blocks(Fp8Tensor out, Fp8Tensor trans
 }
 #endif
 
-void expect_input(const char* op, const Tensor& x, int64_t ndim) {
-  MARROW_CHECK(x.dtype == DType::f32 || x.dtype == DType::bf16, "{}: the input has dtype {} but must be f32 or bf16", op,
+void expect_input(const char* op, const char* name, const Tensor& x, int64_t ndim) {
+  MARROW_CHECK(x.dtype == DType::f32 || x.dtype == DType::bf16, "{}: {} has dtype {} but must be f32 or bf16", op, name,
                dtype_name(x.dtype));
-  MARROW_CHECK(x.ndim == ndim, "{}: the input has shape {} but must have {} dimensions", op, x.shape_string(), ndim);
+  MARROW_CHECK(x.ndim == ndim, "{}: {} has shape {} but must have {} dimensions", op, name, x.shape_string(), ndim);
 }
 
 // dequantize_*'s checks: tensors on the CPU, out f32, values of ndim dimensions (`layout`).
 void expect_dequantize(const char* op, const Tensor& out, const Fp8Tensor& in, int ndim, const char* layout) {
-  MARROW_CHECK(out.device == Device::cpu && in.values.device == Device::cpu && in.scales.device == Device::cpu,
-               "{}: the tensors must be on the CPU", op);
+  for (auto [name, t] : {std::pair{"out", &out}, std::pair{"values", &in.values}, std::pair{"scales", &in.scales}})
+    expect_device(op, name, *t, Device::cpu);
   expect_dtype(op, "out", out, DType::f32);
+  expect_dtype(op, "values", in.values, DType::fp8_e4m3);
+  expect_dtype(op, "scales", in.scales, DType::f32);
   MARROW_CHECK(in.values.ndim == ndim, "{}: values has shape {} but must be {}", op, in.values.shape_string(), layout);
 }
 
@@ -341,7 +343,7 @@ void expect_dequantize(const char* op, const Tensor& out, const Fp8Tensor& in, i
 
 void quantize_rows(Fp8Tensor out, Tensor x, Stream stream) {
   const char* op = kQuantizeRows;
-  expect_input(op, x, 2);
+  expect_input(op, "x", x, 2);
   const int64_t R = x.size(0), C = x.size(1);
   expect_dtype(op, "values", out.values, DType::fp8_e4m3);
   expect_dtype(op, "scales", out.scales, DType::f32);
@@ -360,7 +362,7 @@ void quantize_rows(Fp8Tensor out, Tensor x, Stream stream) {
 
 void quantize_blocks(Fp8Tensor out, Fp8Tensor transposed, Tensor weight, Stream stream) {
   const char* op = kQuantizeBlocks;
-  expect_input(op, weight, 3);
+  expect_input(op, "weight", weight, 3);
   const int64_t E = weight.size(0), O = weight.size(1), I = weight.size(2);
   expect_dtype(op, "values", out.values, DType::fp8_e4m3);
   expect_dtype(op, "scales", out.scales, DType::f32);

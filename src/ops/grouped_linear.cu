@@ -533,8 +533,11 @@ void grouped_linear_backward_weight(Tensor dweight, Tensor dy, Tensor x, Tensor 
 void grouped_linear_backward_weight_pair(Tensor dweight, const ExpertRows& first, const ExpertRows& second, bool overwrite,
                                          Tensor squares, Tensor known_zero, Stream stream) {
   const char* op = "grouped_linear_backward_weight_pair";
-  const bool cpu = check_backward_weight(op, dweight, first.dy, first.x, first.expert_offsets, squares, known_zero);
-  check_backward_weight(op, dweight, second.dy, second.x, second.expert_offsets, squares, known_zero);
+  // The rows' names in the messages say which micro-batch's are wrong.
+  const bool cpu = check_backward_weight("grouped_linear_backward_weight_pair (first micro-batch)", dweight, first.dy, first.x,
+                                         first.expert_offsets, squares, known_zero);
+  check_backward_weight("grouped_linear_backward_weight_pair (second micro-batch)", dweight, second.dy, second.x, second.expert_offsets,
+                        squares, known_zero);
   MARROW_CHECK(first.expert_offsets.device == second.expert_offsets.device,
                "{}: the two micro-batches' expert_offsets must be on the same device, got {} and {}", op,
                device_name(first.expert_offsets.device), device_name(second.expert_offsets.device));
@@ -555,6 +558,8 @@ void check_expert_offsets(const char* op, const Tensor& expert_offsets, int64_t 
 }
 
 const int32_t* expert_offsets_on_device(Tensor expert_offsets, Buffer& holder, Stream stream) {
+  expect_dtype("expert_offsets_on_device", "expert_offsets", expert_offsets, DType::i32);
+  MARROW_CHECK(expert_offsets.ndim == 1, "expert_offsets_on_device: expert_offsets must be [E + 1], got {}", expert_offsets.shape_string());
 #ifdef __CUDACC__
   return device_offsets(expert_offsets, holder, stream);
 #else

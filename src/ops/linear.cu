@@ -142,8 +142,9 @@ const LtPlan& lt_plan(const char* op, const LtGemm& g) {
   int found = 0;
   const cublasStatus_t status =
       cublasLtMatmulAlgoGetHeuristic(cublaslt_handle(), p.desc, p.a, p.b, p.d, p.d, pref, 1, &result, &found);
-  cublasLtMatmulPreferenceDestroy(pref);
+  const cublasStatus_t destroyed = cublasLtMatmulPreferenceDestroy(pref);
   MARROW_CUBLAS_CHECK(status);
+  MARROW_CUBLAS_CHECK(destroyed);
   MARROW_CHECK(found > 0, "{}: cuBLASLt has no algorithm for m={} n={} k={} (lda={} ldb={} ldd={}, alignment {}/{}/{} bytes)", op,
                g.m, g.n, g.k, g.lda, g.ldb, g.ldd, align_a, align_b, align_d);
   p.algo = result.algo;

@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <map>
 #include <mutex>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -432,6 +433,17 @@ inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   return encode;
 }
 
+// The driver's text for a CUresult: cuGetErrorString through the runtime's entry point, as the
+// encoder above (no link to libcuda).
+inline std::string driver_error_text(CUresult result) {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult found{};
+  const char* text = nullptr;
+  if (cudaGetDriverEntryPointByVersion("cuGetErrorString", &fn, 12000, cudaEnableDefault, &found) == cudaSuccess && fn)
+    reinterpret_cast<CUresult (*)(CUresult, const char**)>(fn)(result, &text);
+  return text ? std::string(text) : "CUresult " + std::to_string(int(result));
+}
+
 // A tensor map with 128-byte swizzle (bf16 unless told); dims innermost first, strides in bytes (rank
 // - 1 of them).
 inline CUtensorMap tensor_map(const void* data, int rank, const cuuint64_t* dims, const cuuint64_t* strides, const cuuint32_t* box,
@@ -442,7 +454,7 @@ inline CUtensorMap tensor_map(const void* data, int rank, const cuuint64_t* dims
                                                strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
                                                CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                                                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  MARROW_CHECK(result == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed with CUresult {}", int(result));
+  if (result != CUDA_SUCCESS) fail_call(__FILE__, __LINE__, "cuTensorMapEncodeTiled", driver_error_text(result));
   return map;
 }
 

@@ -127,6 +127,7 @@ Comm::Handles::~Handles() {
       std::lock_guard lock(g_nccl_mutex);
       g_nccl_comms.erase(std::remove(g_nccl_comms.begin(), g_nccl_comms.end(), nccl), g_nccl_comms.end());
     }
+    // cleanup: statuses ignored (a destructor, which may run while an error unwinds)
     ncclCommDestroy(nccl);
     cudaEventDestroy(before);
     cudaEventDestroy(after);
@@ -141,8 +142,9 @@ std::string nccl_async_error() {
   std::lock_guard lock(g_nccl_mutex);
   for (ncclComm_t c : g_nccl_comms) {
     ncclResult_t state = ncclSuccess;
-    if (ncclCommGetAsyncError(c, &state) == ncclSuccess && state != ncclSuccess && state != ncclInProgress)
-      return fmt::format("NCCL reported an asynchronous error: {}", ncclGetErrorString(state));
+    const ncclResult_t queried = ncclCommGetAsyncError(c, &state);
+    if (queried != ncclSuccess) return fmt::format("NCCL could not report a communicator's state: {}", ncclGetErrorString(queried));
+    if (state != ncclSuccess && state != ncclInProgress) return fmt::format("NCCL reported an asynchronous error: {}", ncclGetErrorString(state));
   }
 #endif
   return "";

@@ -43,6 +43,8 @@ void start(int* argc, char*** argv) {
     std::exit(1);
   }
   g_launched = true;
+  // Until the error handler is set below, MPI_ERRORS_ARE_FATAL holds: a failing call here ends the job
+  // with MPI's own message, so these calls need no check of their own.
   MPI_Comm_rank(MPI_COMM_WORLD, &g_rank);
   MPI_Comm_size(MPI_COMM_WORLD, &g_size);
   // The processes sharing this machine's memory, ordered by world rank: local rank r drives GPU r.

@@ -13,3 +13,10 @@
   do {                                                                       \
     if (!(cond)) { fprintf(stderr, "%s:%d check failed: %s\n", __FILE__, __LINE__, #cond); exit(1); } \
   } while (0)
+#include <string>
+namespace marrow {
+[[noreturn]] inline void fail_call(const char* file, int line, const char* call, const std::string& why) {
+  fprintf(stderr, "%s:%d %s: %s\n", file, line, call, why.c_str());
+  exit(1);
+}
+}  // namespace marrow
