@@ -17,6 +17,14 @@
 #include "ops/wgmma.cuh"
 #include "ops/wgmma_dw.cuh"
 
+// cuBLAS calls: file:line, the call and cuBLAS's message (the probe's stand-in for Marrow's macro).
+#define MARROW_CUBLAS_CHECK(call)                                                         \
+  do {                                                                                    \
+    cublasStatus_t marrow_st_ = (call);                                                   \
+    if (marrow_st_ != CUBLAS_STATUS_SUCCESS)                                              \
+      ::marrow::fail_call(__FILE__, __LINE__, #call, cublasGetStatusString(marrow_st_));  \
+  } while (0)
+
 using marrow::wgmma::bf16;
 
 // ops/launch.h's switch, which marrow_lib defines: the probe launches the kernels plainly, one at a
@@ -108,22 +116,22 @@ void cublas_grouped(bool forward, bf16* out, const bf16* in, const bf16* weight,
   std::vector<void*> p = a;
   p.insert(p.end(), b.begin(), b.end());
   p.insert(p.end(), c.begin(), c.end());
-  cudaMemcpy(dev_ptrs, p.data(), p.size() * sizeof(void*), cudaMemcpyHostToDevice);
+  MARROW_CUDA_CHECK(cudaMemcpy(dev_ptrs, p.data(), p.size() * sizeof(void*), cudaMemcpyHostToDevice));
   cublasStatus_t st = cublasGemmGroupedBatchedEx(handle, ta.data(), tb.data(), ms.data(), ns.data(), ks.data(), alpha.data(), (const void**)dev_ptrs,
                                                  CUDA_R_16BF, ldas.data(), (const void**)(dev_ptrs + groups), CUDA_R_16BF, ldbs.data(), beta.data(),
                                                  dev_ptrs + 2 * groups, CUDA_R_16BF, ldcs.data(), groups, sizes.data(), CUBLAS_COMPUTE_32F);
-  if (st != CUBLAS_STATUS_SUCCESS) { printf("cublas status %d\n", int(st)); exit(1); }
+  MARROW_CUBLAS_CHECK(st);
 }
 
 template <class F>
 float median_ms(F&& f) {
   cudaEvent_t a, b;
-  cudaEventCreate(&a); cudaEventCreate(&b);
+  MARROW_CUDA_CHECK(cudaEventCreate(&a)); MARROW_CUDA_CHECK(cudaEventCreate(&b));
   f(); f();
   std::vector<float> t;
   for (int rep = 0; rep < 10; ++rep) {
-    cudaEventRecord(a); f(); cudaEventRecord(b); cudaEventSynchronize(b);
-    float ms; cudaEventElapsedTime(&ms, a, b); t.push_back(ms);
+    MARROW_CUDA_CHECK(cudaEventRecord(a)); f(); MARROW_CUDA_CHECK(cudaEventRecord(b)); MARROW_CUDA_CHECK(cudaEventSynchronize(b));
+    float ms; MARROW_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b)); t.push_back(ms);
   }
   std::sort(t.begin(), t.end());
   return t[5];
@@ -146,28 +154,28 @@ void run(const char* label, bool forward, std::vector<int32_t> counts, int64_t o
   MARROW_CUDA_CHECK(cudaMalloc(&err, 16));
   MARROW_CUDA_CHECK(cudaMalloc(&ptrs, 3 * e * sizeof(void*)));
   MARROW_CUDA_CHECK(cudaMalloc(&doff, (e + 1) * 4));
-  fill_random<<<1024, 256>>>(in, rows * inner, 1);
-  fill_random<<<1024, 256>>>(w, e * o * i, 2);
-  fill_nan<<<1024, 256>>>(out, rows * cols);
-  cudaMemcpy(doff, offsets.data(), (e + 1) * 4, cudaMemcpyHostToDevice);
+  fill_random<<<1024, 256>>>(in, rows * inner, 1); MARROW_CUDA_CHECK_LAUNCH();
+  fill_random<<<1024, 256>>>(w, e * o * i, 2); MARROW_CUDA_CHECK_LAUNCH();
+  fill_nan<<<1024, 256>>>(out, rows * cols); MARROW_CUDA_CHECK_LAUNCH();
+  MARROW_CUDA_CHECK(cudaMemcpy(doff, offsets.data(), (e + 1) * 4, cudaMemcpyHostToDevice));
   const int tiles = marrow::wgmma::tile_count(offsets.data(), e, cols);
   auto mine = [&](bf16* dst) { marrow::wgmma::grouped_gemm(forward, dst, in, w, doff, tiles, e, o, i, rows, 0); };
   mine(out);
   MARROW_CUDA_CHECK(cudaDeviceSynchronize());
   float h[3] = {0, 0, 0};
   if (rows * cols > 0) {
-    reference<<<unsigned((rows * cols + 255) / 256), 256>>>(ref, in, w, doff, int(e), rows, int(cols), int(inner), int(o), int(i), forward);
-    cudaMemset(err, 0, 16);
-    error_kernel<<<1024, 256>>>(out, ref, rows * cols, err);
+    reference<<<unsigned((rows * cols + 255) / 256), 256>>>(ref, in, w, doff, int(e), rows, int(cols), int(inner), int(o), int(i), forward); MARROW_CUDA_CHECK_LAUNCH();
+    MARROW_CUDA_CHECK(cudaMemset(err, 0, 16));
+    error_kernel<<<1024, 256>>>(out, ref, rows * cols, err); MARROW_CUDA_CHECK_LAUNCH();
     MARROW_CUDA_CHECK(cudaDeviceSynchronize());
-    cudaMemcpy(h, err, 12, cudaMemcpyDeviceToHost);
+    MARROW_CUDA_CHECK(cudaMemcpy(h, err, 12, cudaMemcpyDeviceToHost));
   }
-  fill_nan<<<1024, 256>>>(out2, rows * cols);
+  fill_nan<<<1024, 256>>>(out2, rows * cols); MARROW_CUDA_CHECK_LAUNCH();
   mine(out2);
   MARROW_CUDA_CHECK(cudaDeviceSynchronize());
   std::vector<uint16_t> a(rows * cols), b(rows * cols);
-  cudaMemcpy(a.data(), out, a.size() * 2, cudaMemcpyDeviceToHost);
-  cudaMemcpy(b.data(), out2, b.size() * 2, cudaMemcpyDeviceToHost);
+  MARROW_CUDA_CHECK(cudaMemcpy(a.data(), out, a.size() * 2, cudaMemcpyDeviceToHost));
+  MARROW_CUDA_CHECK(cudaMemcpy(b.data(), out2, b.size() * 2, cudaMemcpyDeviceToHost));
   const bool same = a == b;
   const double rel = h[1] > 0 ? h[0] / h[1] : h[0];
   printf("%-34s %s E%-3ld R%-6ld %5ldx%-5ld tiles %5d  err %.3e (max|ref| %.1f) nan %.0f  bitwise-repeat %s  %s", label, forward ? "fwd" : "bwd",
@@ -180,7 +188,7 @@ void run(const char* label, bool forward, std::vector<int32_t> counts, int64_t o
   }
   printf("\n");
   fflush(stdout);
-  cudaFree(in); cudaFree(w); cudaFree(out); cudaFree(out2); cudaFree(ref); cudaFree(err); cudaFree(ptrs); cudaFree(doff);
+  for (void* p : std::initializer_list<void*>{in, w, out, out2, ref, err, ptrs, doff}) MARROW_CUDA_CHECK(cudaFree(p));
 }
 
 #include <chrono>
@@ -199,28 +207,28 @@ void timing_study(const char* label, bool forward, const std::vector<int32_t>& c
   MARROW_CUDA_CHECK(cudaMalloc(&out, rows * cols * 2));
   MARROW_CUDA_CHECK(cudaMalloc(&ptrs, 3 * e * sizeof(void*)));
   MARROW_CUDA_CHECK(cudaMalloc(&doff, (e + 1) * 4));
-  cudaMemcpy(doff, offsets.data(), (e + 1) * 4, cudaMemcpyHostToDevice);
+  MARROW_CUDA_CHECK(cudaMemcpy(doff, offsets.data(), (e + 1) * 4, cudaMemcpyHostToDevice));
   const int tiles = marrow::wgmma::tile_count(offsets.data(), e, cols);
   const double flops = 2.0 * rows * cols * inner;
   auto mine = [&] { marrow::wgmma::grouped_gemm(forward, out, in, w, doff, tiles, e, o, i, rows, 0); };
   auto theirs = [&] { cublas_grouped(forward, out, in, w, offsets, o, i, ptrs); };
   cudaEvent_t a, b;
-  cudaEventCreate(&a); cudaEventCreate(&b);
+  MARROW_CUDA_CHECK(cudaEventCreate(&a)); MARROW_CUDA_CHECK(cudaEventCreate(&b));
   for (int normal = 0; normal < 2; ++normal) {
-    if (normal) { fill_normal<<<1024, 256>>>(in, rows * inner, 1); fill_normal<<<1024, 256>>>(w, e * o * i, 2); }
-    else { fill_random<<<1024, 256>>>(in, rows * inner, 1); fill_random<<<1024, 256>>>(w, e * o * i, 2); }
+    if (normal) { fill_normal<<<1024, 256>>>(in, rows * inner, 1); MARROW_CUDA_CHECK_LAUNCH(); fill_normal<<<1024, 256>>>(w, e * o * i, 2); MARROW_CUDA_CHECK_LAUNCH(); }
+    else { fill_random<<<1024, 256>>>(in, rows * inner, 1); MARROW_CUDA_CHECK_LAUNCH(); fill_random<<<1024, 256>>>(w, e * o * i, 2); MARROW_CUDA_CHECK_LAUNCH(); }
     MARROW_CUDA_CHECK(cudaDeviceSynchronize());
     printf("%-20s %s %s data:", label, forward ? "fwd" : "bwd", normal ? "normal " : "uniform");
     for (int which = 0; which < 2; ++which) {
       auto call = [&] { which ? theirs() : mine(); };
       const float single = median_ms(call);
       call();
-      cudaEventRecord(a);
+      MARROW_CUDA_CHECK(cudaEventRecord(a));
       const auto h0 = std::chrono::steady_clock::now();
       for (int rep = 0; rep < 20; ++rep) call();
       const auto h1 = std::chrono::steady_clock::now();
-      cudaEventRecord(b); cudaEventSynchronize(b);
-      float ms; cudaEventElapsedTime(&ms, a, b);
+      MARROW_CUDA_CHECK(cudaEventRecord(b)); MARROW_CUDA_CHECK(cudaEventSynchronize(b));
+      float ms; MARROW_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
       const double host_us = std::chrono::duration<double, std::micro>(h1 - h0).count() / 20;
       printf("  %s single %.3f ms %.0f TF, back-to-back %.3f ms %.0f TF, host %.0f us/call;", which ? "cublas" : "wgmma", single,
              flops / single * 1e-9, ms / 20, flops / (ms / 20) * 1e-9, host_us);
@@ -228,7 +236,7 @@ void timing_study(const char* label, bool forward, const std::vector<int32_t>& c
     printf("\n");
     fflush(stdout);
   }
-  cudaFree(in); cudaFree(w); cudaFree(out); cudaFree(ptrs); cudaFree(doff);
+  for (void* p : std::initializer_list<void*>{in, w, out, ptrs, doff}) MARROW_CUDA_CHECK(cudaFree(p));
 }
 
 // ---- dW: dweight[e] (+)= dy_e^T x_e ----
@@ -278,10 +286,10 @@ void dw_run(const char* label, const std::vector<int32_t>& counts, int64_t o, in
   MARROW_CUDA_CHECK(cudaMalloc(&doff, (e + 1) * 4));
   MARROW_CUDA_CHECK(cudaMalloc(&work_acc, (marrow::wgmma::dw::kWorkInts * e + 2) * 4));
   MARROW_CUDA_CHECK(cudaMalloc(&work_over, (marrow::wgmma::dw::kWorkInts * e + 2) * 4));
-  fill_random<<<1024, 256>>>(dy, rows * o, 3);
-  fill_random<<<1024, 256>>>(x, rows * i, 4);
-  fill_random<<<1024, 256>>>(old16, n, 5);
-  bf16_to_f32<<<1024, 256>>>(old, old16, n);
+  fill_random<<<1024, 256>>>(dy, rows * o, 3); MARROW_CUDA_CHECK_LAUNCH();
+  fill_random<<<1024, 256>>>(x, rows * i, 4); MARROW_CUDA_CHECK_LAUNCH();
+  fill_random<<<1024, 256>>>(old16, n, 5); MARROW_CUDA_CHECK_LAUNCH();
+  bf16_to_f32<<<1024, 256>>>(old, old16, n); MARROW_CUDA_CHECK_LAUNCH();
   MARROW_CUDA_CHECK(cudaMemcpy(doff, offsets.data(), (e + 1) * 4, cudaMemcpyHostToDevice));
   const std::vector<int32_t> acc_list = marrow::wgmma::dw::work_list(offsets.data(), nullptr, e, false),
                              over_list = marrow::wgmma::dw::work_list(offsets.data(), nullptr, e, true);
@@ -297,7 +305,7 @@ void dw_run(const char* label, const std::vector<int32_t>& counts, int64_t o, in
   auto error = [&](const float* got, const char* what) {
     float h[3] = {0, 0, 0};
     MARROW_CUDA_CHECK(cudaMemset(err, 0, 16));
-    dw_error<<<1024, 256>>>(got, want, n, err);
+    dw_error<<<1024, 256>>>(got, want, n, err); MARROW_CUDA_CHECK_LAUNCH();
     MARROW_CUDA_CHECK(cudaMemcpy(h, err, 12, cudaMemcpyDeviceToHost));
     const double rel = h[1] > 0 ? h[0] / h[1] : h[0];
     printf("  %s err %.2e nan %.0f %s;", what, rel, h[2], rel < 1e-3 && h[2] == 0 ? "PASS" : "FAIL");
@@ -306,14 +314,14 @@ void dw_run(const char* label, const std::vector<int32_t>& counts, int64_t o, in
   printf("%-18s dW E%-3ld R%-6ld O%-5ld I%-5ld:", label, long(e), long(rows), long(o), long(i));
   MARROW_CUDA_CHECK(cudaMemcpy(dw, old, n * 4, cudaMemcpyDeviceToDevice));
   call(dw, true);
-  dw_reference<<<unsigned((n + 255) / 256), 256>>>(want, old, dy, x, doff, n, int(o), int(i));
+  dw_reference<<<unsigned((n + 255) / 256), 256>>>(want, old, dy, x, doff, n, int(o), int(i)); MARROW_CUDA_CHECK_LAUNCH();
   MARROW_CUDA_CHECK(cudaDeviceSynchronize());
   bool ok = error(dw, "accumulate");
-  fill_nan<<<1024, 256>>>(reinterpret_cast<bf16*>(dw), 2 * n);
-  fill_nan<<<1024, 256>>>(reinterpret_cast<bf16*>(dw2), 2 * n);
+  fill_nan<<<1024, 256>>>(reinterpret_cast<bf16*>(dw), 2 * n); MARROW_CUDA_CHECK_LAUNCH();
+  fill_nan<<<1024, 256>>>(reinterpret_cast<bf16*>(dw2), 2 * n); MARROW_CUDA_CHECK_LAUNCH();
   call(dw, false);
   call(dw2, false);
-  dw_reference<<<unsigned((n + 255) / 256), 256>>>(want, nullptr, dy, x, doff, n, int(o), int(i));
+  dw_reference<<<unsigned((n + 255) / 256), 256>>>(want, nullptr, dy, x, doff, n, int(o), int(i)); MARROW_CUDA_CHECK_LAUNCH();
   MARROW_CUDA_CHECK(cudaDeviceSynchronize());
   ok = error(dw, "overwrite") && ok;
   std::vector<float> a(n), b(n);
@@ -330,14 +338,14 @@ void dw_run(const char* label, const std::vector<int32_t>& counts, int64_t o, in
     }
   }
   fflush(stdout);
-  cudaFree(dy); cudaFree(x); cudaFree(old16); cudaFree(old); cudaFree(dw); cudaFree(dw2); cudaFree(want); cudaFree(err);
-  cudaFree(doff); cudaFree(work_acc); cudaFree(work_over);
+  for (void* p : std::initializer_list<void*>{dy, x, old16, old, dw, dw2, want, err}) MARROW_CUDA_CHECK(cudaFree(p));
+  for (void* p : std::initializer_list<void*>{doff, work_acc, work_over}) MARROW_CUDA_CHECK(cudaFree(p));
 }
 
 int main() {
-  cublasCreate(&handle);
+  MARROW_CUBLAS_CHECK(cublasCreate(&handle));
   cudaDeviceProp prop;
-  cudaGetDeviceProperties(&prop, 0);
+  MARROW_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
   printf("%s, %d SMs\n", prop.name, prop.multiProcessorCount);
   const int64_t E = 128, R = 32768;
   // dW: experts of 0, 1, 44, 64, 65, 127, 264, 300 rows (K = the expert's rows), partial dW tiles.
