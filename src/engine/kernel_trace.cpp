@@ -309,6 +309,7 @@ struct Collector {
   std::vector<KernelRecord> records;
   std::vector<Marker> markers;
   size_t dropped = 0;
+  std::string error;  // the first CUPTI failure inside a callback (which cannot throw), for stop()'s warning
 };
 
 // Never destroyed: CUPTI may hand back its last buffers while the process exits.
@@ -376,9 +377,16 @@ void CUPTIAPI buffer_completed(CUcontext, uint32_t, uint8_t* buffer, size_t, siz
   {
     std::lock_guard lock(c.mutex);
     CUpti_Activity* record = nullptr;
-    while (cuptiActivityGetNextRecord(buffer, valid_bytes, &record) == CUPTI_SUCCESS) add(c, record);
+    CUptiResult status = CUPTI_SUCCESS;
+    while ((status = cuptiActivityGetNextRecord(buffer, valid_bytes, &record)) == CUPTI_SUCCESS) add(c, record);
     size_t dropped = 0;
-    if (cuptiActivityGetNumDroppedRecords(nullptr, 0, &dropped) == CUPTI_SUCCESS) c.dropped += dropped;
+    const CUptiResult counted = cuptiActivityGetNumDroppedRecords(nullptr, 0, &dropped);
+    if (counted == CUPTI_SUCCESS) c.dropped += dropped;
+    // The buffer's end reads as MAX_LIMIT_REACHED; any other status cut its records short.
+    for (const CUptiResult r : {status == CUPTI_ERROR_MAX_LIMIT_REACHED ? CUPTI_SUCCESS : status, counted}) {
+      const char* text = nullptr;
+      if (r != CUPTI_SUCCESS && c.error.empty()) c.error = cuptiGetResultString(r, &text) == CUPTI_SUCCESS && text ? text : "unknown";
+    }
   }
   std::free(buffer);
 }
@@ -421,6 +429,7 @@ void KernelTrace::start() {
     c.records.clear();
     c.markers.clear();
     c.dropped = 0;
+    c.error.clear();
   }
   running_ = true;
   for (CUpti_ActivityKind kind : kKinds) MARROW_CUPTI_CHECK(cuptiActivityEnable(kind));
@@ -446,6 +455,9 @@ std::vector<KernelRecord> KernelTrace::stop() {
   c.markers.clear();
   if (c.dropped > 0)
     std::fprintf(stderr, "warning: CUPTI dropped or could not time %zu activity records: the kernel trace is incomplete\n", c.dropped);
+  if (!c.error.empty())
+    std::fprintf(stderr, "warning: CUPTI failed while handing back activity records (%s): the kernel trace is incomplete\n",
+                 c.error.c_str());
   return records;
 }
 
