@@ -38,8 +38,10 @@ void start(int* argc, char*** argv) {
   int provided = 0;
   // MPI_THREAD_MULTIPLE is not needed: only the main thread calls MPI (the watchdog thread exits
   // the process instead of calling MPI_Abort).
-  if (MPI_Init_thread(argc, argv, MPI_THREAD_FUNNELED, &provided) != MPI_SUCCESS) {
-    std::fprintf(stderr, "marrow: MPI_Init_thread failed: the launcher's MPI does not match this build's (Open MPI)\n");
+  // Before MPI's error strings and marrow's errors are usable: the code and a diagnosis, at file:line.
+  if (const int code = MPI_Init_thread(argc, argv, MPI_THREAD_FUNNELED, &provided); code != MPI_SUCCESS) {
+    std::fprintf(stderr, "marrow: %s:%d: MPI_Init_thread failed with code %d: the launcher's MPI does not match this build's (Open MPI)\n",
+                 __FILE__, __LINE__, code);
     std::exit(1);
   }
   g_launched = true;
