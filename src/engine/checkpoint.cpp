@@ -488,7 +488,9 @@ TrainCheckpoints::TrainCheckpoints(const RunConfig& rc, const Json& model_config
 
 int64_t TrainCheckpoints::resume() {
   std::string from;
-  if (auto latest = latest_checkpoint(rc_.out_dir)) from = *latest;
+  const std::optional<std::string> latest = latest_checkpoint(rc_.out_dir);
+  continues_output_dir_ = latest.has_value();
+  if (latest) from = *latest;
   else if (!rc_.checkpoint_resume.empty()) from = rc_.checkpoint_resume;
   else return 0;
   const Checkpoint c = open_checkpoint(from);

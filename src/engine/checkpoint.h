@@ -148,6 +148,9 @@ class TrainCheckpoints {
   // AdamW updates applied up to the resumed checkpoint (skipped non-finite steps do not count; 0
   // when it holds no optimizer state, whose moments restart at zero): bias correction counts these.
   int64_t resumed_updates() const { return resumed_updates_; }
+  // Whether resume() continued output.dir's own run (its newest checkpoint), rather than starting
+  // fresh or from checkpoint.resume: only then do output.dir's records (metrics.jsonl, tb/) go on.
+  bool continues_output_dir() const { return continues_output_dir_; }
   // Samples and tokens (targets) trained on through step, a step past the resumed one: the resumed
   // checkpoint's counts plus this run's global batch for each step since, so a batch or seq_len
   // changed at a resume (checkpoint.allow_changes = data) counts what each step read.
@@ -176,6 +179,7 @@ class TrainCheckpoints {
   std::vector<TensorPiece> pieces_;
   int64_t resumed_updates_ = 0;
   int64_t resumed_step_ = 0, resumed_samples_ = 0, resumed_tokens_ = 0;
+  bool continues_output_dir_ = false;
   Json config_changes_ = Json::array();  // the allowed changes of every resume so far (meta.json)
 };
 

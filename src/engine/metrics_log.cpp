@@ -6,6 +6,7 @@
 #include <cstring>
 #include <filesystem>
 #include <utility>
+#include <vector>
 
 #include "core/errors.h"
 
@@ -46,21 +47,27 @@ void MetricsLog::append(const std::string& line) {
 std::string keep_earlier_records(const std::string& out_dir) {
   namespace fs = std::filesystem;
   std::error_code ec;
-  const fs::path metrics = fs::path(out_dir) / "metrics.jsonl";
-  if (!fs::exists(metrics, ec) || fs::file_size(metrics, ec) == 0) return "";
+  const fs::path metrics = fs::path(out_dir) / "metrics.jsonl", tb = fs::path(out_dir) / "tb";
+  std::vector<fs::path> events;
+  if (fs::is_directory(tb, ec))
+    for (const auto& entry : fs::directory_iterator(tb))
+      if (entry.path().filename().string().starts_with("events.out.tfevents.")) events.push_back(entry.path());
+  const bool has_metrics = fs::exists(metrics, ec) && fs::file_size(metrics, ec) > 0;
+  if (!has_metrics && events.empty()) return "";
   fs::path kept;
   for (int n = 1; kept.empty() || fs::exists(kept, ec); ++n) kept = fs::path(out_dir) / "earlier-runs" / std::to_string(n);
   fs::create_directories(kept / "tb", ec);
   MARROW_CHECK(!ec, "cannot create {} for the earlier run's records: {}", kept.string(), ec.message());
-  fs::rename(metrics, kept / "metrics.jsonl", ec);
-  MARROW_CHECK(!ec, "cannot move {} into {}: {}", metrics.string(), kept.string(), ec.message());
-  const fs::path tb = fs::path(out_dir) / "tb";
-  if (fs::is_directory(tb, ec))
-    for (const auto& entry : fs::directory_iterator(tb)) {
-      if (!entry.path().filename().string().starts_with("events.out.tfevents.")) continue;
-      fs::rename(entry.path(), kept / "tb" / entry.path().filename(), ec);
-      MARROW_CHECK(!ec, "cannot move {} into {}: {}", entry.path().string(), kept.string(), ec.message());
-    }
+  // The event files first: a crash between the moves leaves metrics.jsonl, so the next start moves
+  // the rest into another earlier-runs/<n>, and nothing is removed.
+  for (const fs::path& path : events) {
+    fs::rename(path, kept / "tb" / path.filename(), ec);
+    MARROW_CHECK(!ec, "cannot move {} into {}: {}", path.string(), kept.string(), ec.message());
+  }
+  if (has_metrics) {
+    fs::rename(metrics, kept / "metrics.jsonl", ec);
+    MARROW_CHECK(!ec, "cannot move {} into {}: {}", metrics.string(), kept.string(), ec.message());
+  }
   return fmt::format("note: output.dir {} held the records of an earlier run with no checkpoint to resume; they are kept in {}",
                      out_dir, kept.string());
 }

@@ -27,9 +27,10 @@ class MetricsLog {
   std::FILE* file_ = nullptr;
 };
 
-// A fresh run (nothing to resume) in an output.dir that holds an earlier run's records keeps them:
-// metrics.jsonl and tb/'s event files move into earlier-runs/<n>/ (n = 1, 2, ...: the first free
-// one), and the returned note says where. "" when there was nothing to keep.
+// A run that does not continue output.dir's own run (a fresh start, or a start from another
+// directory's checkpoint) keeps an earlier run's records there: metrics.jsonl and tb/'s event files
+// move into earlier-runs/<n>/ (n = 1, 2, ...: the first free one), and the returned note says where.
+// "" when there was nothing to keep.
 std::string keep_earlier_records(const std::string& out_dir);
 
 }  // namespace marrow

@@ -83,7 +83,7 @@ void remove_rewrite_leftovers(const std::string& dir) {
 // The run's new event file, after the earlier ones are removed (a fresh start) or cut back (a
 // resume). Its name sorts after every earlier one: its time is not earlier and, within the same
 // second on the same host, its number is larger.
-std::string new_event_file(const RunConfig& rc, int64_t first_step) {
+std::string new_event_file(const RunConfig& rc, int64_t first_step, bool continues) {
   const std::string dir = rc.out_dir + "/tb";
   std::error_code ec;
   fs::create_directories(dir, ec);
@@ -91,20 +91,21 @@ std::string new_event_file(const RunConfig& rc, int64_t first_step) {
   std::vector<std::string> earlier = event_files(dir);
   remove_rewrite_leftovers(dir);
   for (const std::string& path : earlier) {
-    if (first_step > 1) {
+    if (continues) {
       keep_events_through(path, first_step - 1);
       continue;
     }
     fs::remove(path, ec);
     MARROW_CHECK(!ec, "cannot remove {} (an earlier run's events): {}", path, ec.message());
   }
-  const size_t number = first_step > 1 ? earlier.size() : 0;
+  const size_t number = continues ? earlier.size() : 0;
   return fmt::format("{}/events.out.tfevents.{:010d}.{}.{:04d}", dir, std::time(nullptr), host_name(), number);
 }
 
 }  // namespace
 
-TensorBoardLog::TensorBoardLog(const RunConfig& rc, int64_t first_step) : file_(new_event_file(rc, first_step)) {
+TensorBoardLog::TensorBoardLog(const RunConfig& rc, int64_t first_step, bool continues)
+    : file_(new_event_file(rc, first_step, continues)) {
   const double now = wall_time();
   file_.write(file_version_event(now));
   file_.write(text_event(now, first_step - 1, "run_config", run_config_markdown(rc)));

@@ -512,18 +512,20 @@ class StepTrace {
 };
 
 // World rank 0's record of the steps: <output.dir>/metrics.jsonl and TensorBoard's <output.dir>/tb/
-// (engine/tensorboard.h), both cut back to the checkpoint's step on a resume; every append checked
+// (engine/tensorboard.h), both cut back to the checkpoint's step when the run continues output.dir's
+// own run; otherwise (a fresh start, or one from checkpoint.resume elsewhere) an earlier run's records
+// there are moved aside (keep_earlier_records) and these start anew. Every append checked
 // (engine/metrics_log.h).
 class RunRecord {
  public:
-  RunRecord(const RunConfig& rc, int64_t first_step, bool leader) {
+  RunRecord(const RunConfig& rc, int64_t first_step, bool continues, bool leader) {
     if (!leader) return;
     const std::string path = rc.out_dir + "/metrics.jsonl";
-    if (first_step > 1) keep_metrics_through(path, first_step - 1);
-    const std::string kept = first_step == 1 ? keep_earlier_records(rc.out_dir) : "";
+    if (continues) keep_metrics_through(path, first_step - 1);
+    const std::string kept = continues ? "" : keep_earlier_records(rc.out_dir);
     if (!kept.empty()) std::printf("%s\n", kept.c_str());
-    metrics_ = MetricsLog(path, first_step == 1);
-    tensorboard_.emplace(rc, first_step);
+    metrics_ = MetricsLog(path, !continues);
+    tensorboard_.emplace(rc, first_step, continues);
   }
   void append(const StepMetrics& m) {
     if (!tensorboard_) return;
@@ -707,7 +709,7 @@ std::vector<StepMetrics> train(const RunConfig& rc, const typename M::Config& mo
                 (long long)rc.steps);
     return {};
   }
-  RunRecord record(rc, first_step, s.mesh.world.rank() == 0);
+  RunRecord record(rc, first_step, checkpoints.continues_output_dir(), s.mesh.world.rank() == 0);
   if (s.mesh.world.size() > 1) watchdog::start(rc.timeout_s, s.mesh.who(), nccl_async_error);
   const double aux_coef = rc.aux_loss_coef >= 0 ? rc.aux_loss_coef : model_config.router_aux_loss_coef;
   TrainLoop<M> loop(rc, s, data, checkpoints, trace, timer, aux_coef);

@@ -111,6 +111,27 @@ def fresh_run_over_an_old_one(marrow, base, corpus, tmp):
           f"the earlier run's metrics.jsonl (3 steps) and event file kept in earlier-runs/1, with a note: {out[-300:]}")
 
 
+def start_elsewhere_keeps_records(marrow, base, corpus, tmp):
+    """A run started from another directory's checkpoint (checkpoint.resume) in an output.dir holding an earlier run's
+    records (no checkpoint) moves them aside as a fresh run does: its own records start at its first step, not after
+    the earlier run's first steps. Event files alone (metrics.jsonl gone) are kept too."""
+    source, used = os.path.join(tmp, "elsewhere-source"), os.path.join(tmp, "elsewhere-used")
+    code, _, _ = marrow("train", *base, f"--output.dir={source}", "--train.steps=2", "--checkpoint.every=2")
+    code2, _, _ = marrow("train", *base, f"--output.dir={used}", "--train.steps=3", "--checkpoint.every=0")
+    code3, out, err = marrow("train", *base, f"--output.dir={used}", "--train.steps=4", "--checkpoint.every=0",
+                             f"--checkpoint.resume={source}/step-00000002")
+    earlier = os.path.join(used, "earlier-runs", "1")
+    steps = [m["step"] for m in metrics(used)]
+    check(code == code2 == code3 == 0 and steps == [3, 4] and [m["step"] for m in metrics(earlier)] == [1, 2, 3]
+          and f"kept in {earlier}" in out, f"a start from another checkpoint keeps the earlier records aside: {steps} {err[-300:]}")
+    compare_with_metrics(used, "a start from another directory's checkpoint")
+    os.remove(os.path.join(used, "metrics.jsonl"))
+    code, out, err = marrow("train", *base, f"--output.dir={used}", "--train.steps=2", "--checkpoint.every=0")
+    kept = glob.glob(os.path.join(used, "earlier-runs", "2", "tb", "events.out.tfevents.*"))
+    check(code == 0 and len(kept) == 1 and not os.path.exists(os.path.join(used, "earlier-runs", "2", "metrics.jsonl")),
+          f"event files without a metrics.jsonl are kept in earlier-runs/2: {kept} {err[-300:]}")
+
+
 def demo_and_plot(marrow, base, corpus, tmp):
     """The demo's command, and marrow plot."""
     run = os.path.join(tmp, "resumed")
@@ -189,7 +210,7 @@ def main():
         return p.returncode, p.stdout, p.stderr
 
     with tempfile.TemporaryDirectory() as tmp:
-        for part in (crash_resume_extend, fresh_run_over_an_old_one, demo_and_plot, progress_and_quiet):
+        for part in (crash_resume_extend, fresh_run_over_an_old_one, start_elsewhere_keeps_records, demo_and_plot, progress_and_quiet):
             part(marrow, base, corpus, tmp)
 
     print("PASS" if not FAILURES else "FAIL")
