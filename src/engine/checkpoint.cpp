@@ -664,7 +664,9 @@ struct sigaction g_previous_term, g_previous_int;
 extern "C" void on_stop_signal(int sig) {
   if (g_stop_signal != 0) _exit(128 + sig);
   g_stop_signal = sig;
-  const char message[] = "\nmarrow: stop requested: finishing the current step and saving a checkpoint (signal again to quit at once)\n";
+  // A constant (a handler may only write): the loop's own line then says whether a checkpoint was saved.
+  const char message[] =
+      "\nmarrow: stop requested: finishing the current step, then a checkpoint unless checkpoint.every = 0 (signal again to quit at once)\n";
   ssize_t written = ::write(2, message, sizeof message - 1);
   (void)written;
 }
