@@ -6,6 +6,8 @@
 #                                               commit's sources into .gpu-carry/ab-base (carried)
 #   tools/gpu_ab.sh <log-dir> [rounds]          on the GPU machine (device tool, carry [".gpu-carry"]),
 #                                               directly or as a tools/gpu_batch.sh part ("gpu_ab.sh 2")
+#   tools/gpu_ab.sh <log-dir> check             on the GPU machine: `marrow check` with the base, then with
+#                                               the tree, compared row by row (tools/compare_checks.py)
 # Each round runs the bench config (3 + 27 steps; AB_CONFIG another run config, e.g.
 # configs/bench-gpt-oss.toml) with the base, then with the tree; AB_ARGS adds bench
 # options to both (e.g. '--train.seq_len=32768 --train.global_batch=1'), AB_WARMUP and AB_STEPS set the
@@ -25,7 +27,8 @@ if [ "${1:-}" = prepare ]; then
   exit 0
 fi
 out=${1:-$OUT}
-rounds=${2:-2}
+mode=${2:-2}
+rounds=$mode
 [[ $rounds =~ ^[0-9]+$ ]] || rounds=2  # gpu_batch.sh passes "all" when a part names no mode
 [ -f "$base/.commit" ] || { echo "no base sources: run tools/gpu_ab.sh prepare <commit> here before tools/gpu_prepare.sh"; echo FAIL; exit 1; }
 source tools/gpu_common.sh
@@ -38,6 +41,17 @@ fi
 
 # side: base or tree; its binary and its runs' directories.
 binary() { [ "$1" = base ] && echo build-ab/marrow || echo build-gpu/marrow; }
+if [ "$mode" = check ]; then
+  for side in base tree; do
+    step "$side: marrow check"
+    "$(binary $side)" check > "$out/check-$side.log" 2>&1
+    grep -E "checks," "$out/check-$side.log" | tee -a "$out/summary.log"
+  done
+  python3 tools/compare_checks.py "$out/check-base.log" "$out/check-tree.log" | tee -a "$out/summary.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || fail "rows that passed with the base do not pass with the tree"
+  if [ $status -eq 0 ]; then echo PASS; else echo FAIL; fi
+  exit $status
+fi
 for round in $(seq 1 "$rounds"); do
   for side in base tree; do
     step "round $round, $side: ${AB_CONFIG:-configs/bench.toml} ${AB_ARGS:-}, ${AB_WARMUP:-3} warm-up + ${AB_STEPS:-27} measured steps"

@@ -5,6 +5,8 @@
 # correctness: build (cmake + ninja, sm_90a) -> marrow check -> tiny model (Qwen3-MoE, then GPT-OSS) GPU vs CPU and
 #              GPU determinism -> Hugging Face parity of the bf16 forward
 # model:       build -> marrow check --only model -> Hugging Face parity
+# check:       build -> marrow check, every group in one process (check.log; tools/compare_checks.py compares
+#              two such logs row by row, e.g. before and after a refactor)
 # speed:       build -> marrow bench --kernels -> marrow bench on the bench config (20 steps:
 #              memory bill, peak, tokens/s) -> leak check over 200 short steps -> profile
 # profile:     build -> kernel trace of 2 bench steps and the top-10 kernels (.agents/skills/profile-kernels);
@@ -33,6 +35,13 @@ if [ "$what" = model ]; then
   build-gpu/marrow check --only model > "$out/check.log" 2>&1
   grep -vE " ok$" "$out/check.log"
   grep -q '^PASS$' "$out/check.log" || fail "marrow check --only model"
+fi
+
+if [ "$what" = check ]; then
+  step "marrow check"
+  build-gpu/marrow check > "$out/check.log" 2>&1
+  grep -E "FAIL|checks," "$out/check.log" | head -60
+  grep -q '^PASS$' "$out/check.log" || fail "marrow check"
 fi
 
 if [ "$what" = model ] || [ "$what" = correctness ] || [ "$what" = all ]; then

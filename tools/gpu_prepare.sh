@@ -9,6 +9,8 @@
 #              and tokenizer given as arguments (default: ../shared/data's State of the Union text)
 #   commit     the commit of the tree being sent (rerun this script after each commit)
 # usage: tools/gpu_prepare.sh <marrow-binary> [text.jsonl qwen3-tokenizer.json]
+# A stale build-gpu/CMakeCache.txt there keeps an old PCRE2 path: delete it. CMake's find_path looks in
+# .gpu-carry/tomlplusplus/include first; gpu_common.sh points PKG_CONFIG_PATH at .gpu-carry/pcre2.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 marrow=$1

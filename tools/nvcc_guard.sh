@@ -3,7 +3,7 @@
 # when ptxas reports a kernel's wgmmas serialised (C7515, C7520: "wgmma.mma_async instructions are
 # serialized"). ptxas prints that only as "info" and still
 # emits code, which then waits for every wgmma to finish before issuing the next: the own attention
-# forward once ran at half speed that way unnoticed (docs/performance.md, thirteenth session).
+# forward once ran at half speed that way unnoticed (docs/performance.md, "Attention").
 set -uo pipefail
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
