@@ -1,5 +1,9 @@
-// cuDNN's fused SDPA behind attention.h's causal op (see attention_cudnn.h). Host code only: the
-// graphs are described with the cuDNN frontend (header-only) and run cuDNN's own kernels.
+// cuDNN's fused SDPA behind attention.h's causal op (see attention_cudnn.h): the deterministic
+// backward's plan of calls (host arithmetic, also in CPU builds for the memory estimate), then the
+// frontend graphs (header-only) that run cuDNN's own kernels. Invariants: a graph is built once per
+// GraphKey, which holds every field that changes it (chunk shapes included), and one mutex guards
+// the handles, the graphs and their executions. Gotcha: cuDNN refuses s_q = s_kv = 1, so a one-row
+// first query chunk joins the next (query_chunks) and a one-position sequence runs on the own kernels.
 #include "ops/attention_cudnn.h"
 
 #include <algorithm>
@@ -165,10 +169,7 @@ struct BuiltGraph {
   int64_t workspace_bytes = 0;
 };
 
-std::mutex& cudnn_mutex() {
-  static std::mutex m;
-  return m;
-}
+std::mutex cudnn_mutex;  // held for every handle and graph
 
 // Called with cudnn_mutex held: one handle per device, bound to the caller's stream.
 cudnnHandle_t handle_locked(cudaStream_t stream) {
@@ -183,15 +184,13 @@ cudnnHandle_t handle_locked(cudaStream_t stream) {
 
 // A [B, heads, rows, D] view of a [B, S, row_heads, D] tensor (the heads of one group, `rows` rows
 // from the pointer the call passes).
-void set_head_view(fe::graph::Tensor_attributes& t, Uid uid, const GraphKey& key, int64_t heads, int64_t row_heads,
-                   int64_t rows) {
+void set_head_view(fe::graph::Tensor_attributes& t, Uid uid, const GraphKey& key, int64_t heads, int64_t row_heads, int64_t rows) {
   const int64_t d = key.head_dim;
   t.set_uid(uid).set_dim({key.batch, heads, rows, d}).set_stride({key.seq * row_heads * d, d, row_heads * d, 1});
 }
 
-std::shared_ptr<fe::graph::Tensor_attributes> head_view(fe::graph::Graph& g, const char* name, Uid uid,
-                                                        const GraphKey& key, int64_t heads, int64_t row_heads,
-                                                        int64_t rows) {
+std::shared_ptr<fe::graph::Tensor_attributes> head_view(fe::graph::Graph& g, const char* name, Uid uid, const GraphKey& key, int64_t heads,
+                                                        int64_t row_heads, int64_t rows) {
   fe::graph::Tensor_attributes t;
   set_head_view(t.set_name(name), uid, key, heads, row_heads, rows);
   return g.tensor(t);
@@ -277,7 +276,7 @@ BuiltGraph build_graph(const GraphKey& key, cudnnHandle_t handle) {
 // the first row each tensor's view starts at.
 void run_graph(const GraphKey& key, std::unordered_map<int64_t, void*> base, Stream stream) {
   const auto s = static_cast<cudaStream_t>(stream.handle);
-  std::lock_guard<std::mutex> lock(cudnn_mutex());
+  std::lock_guard<std::mutex> lock(cudnn_mutex);
   cudnnHandle_t handle = handle_locked(s);
   static std::map<GraphKey, BuiltGraph> graphs;
   auto it = graphs.find(key);
@@ -407,7 +406,7 @@ std::vector<CudnnAttentionPlan> cudnn_attention_plans(bool backward, Tensor dq, 
   }
   std::unordered_map<int64_t, void*> pack{{kQ, q.data}, {kK, k.data}, {kV, v.data}, {kOut, out.data}, {kLse, lse.data}};
   if (backward) pack.insert({{kDout, dout.data}, {kDq, dq.data}, {kDk, dk.data}, {kDv, dv.data}});
-  std::lock_guard<std::mutex> lock(cudnn_mutex());
+  std::lock_guard<std::mutex> lock(cudnn_mutex);
   cudnnHandle_t handle = handle_locked(nullptr);
   std::shared_ptr<fe::graph::Graph> g = described_graph(key, handle);
   MARROW_CUDNN_CHECK(g->create_execution_plans({fe::HeurMode_t::A, fe::HeurMode_t::B, fe::HeurMode_t::FALLBACK}));
@@ -424,7 +423,7 @@ std::vector<CudnnAttentionPlan> cudnn_attention_plans(bool backward, Tensor dq, 
       auto workspace = std::make_shared<Buffer>(DType::f32, Device::cuda, std::initializer_list<int64_t>{std::max<int64_t>(1, (plan.workspace_bytes + 3) / 4)});
       plan.run = [g, i, pack, workspace] {
         std::unordered_map<int64_t, void*> uids = pack;
-        std::lock_guard<std::mutex> lock(cudnn_mutex());
+        std::lock_guard<std::mutex> lock(cudnn_mutex);
         MARROW_CUDNN_CHECK(g->execute_plan_at_index(handle_locked(nullptr), uids, workspace->ptr<float>(), i));
       };
     }
