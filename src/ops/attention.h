@@ -2,29 +2,24 @@
 //   s[i, j] = q_i . k_j / sqrt(D) for j <= i,   out_i = sum_j softmax_j(s[i, :]) v_j,
 // per batch row and query head. Query head h reads key/value head h / (Hq / Hkv), so consecutive
 // query heads share a key/value head, as in Hugging Face's repeat_kv; Hq must be a multiple of Hkv.
-// The forward saves lse_i = log sum_j exp(s[i, j]) so the backward can rebuild the probabilities
-// one row at a time (FlashAttention-2) instead of keeping the [S, S] matrix.
-// GPU: q, k, v, out, dout, dq, dk, dv bf16 and lse f32 (natural log, as on the CPU); head_dim 64 or
-// 128. The backward is deterministic (no atomics) and takes scratch from the stream-ordered pool:
-// delta [B, Hq, S] f32 and, when Hq > Hkv, per-query-head dk, dv partials [B, S, Hq, D] f32 each.
+// The forward saves lse_i = log sum_j exp(s[i, j]) (natural log) so the backward can rebuild the
+// probabilities one row at a time (FlashAttention-2) instead of keeping the [S, S] matrix.
+// GPU: q, k, v, out, dout and the causal op's dq, dk, dv bf16, lse f32; deterministic backwards
+// (but cudnn_nondeterministic's), scratch from the stream-ordered pool (attention_backward_scratch).
 //
-// Blocks (ring attention, parallel/ring_attention.h): the queries of one token range attend the
-// keys of another, and the partial results are merged by their log-sum-exp. A block is query rows
-// [q_begin, q_end) of q against key rows [k_begin, k_end) of k and v (q and k may hold different
-// token counts), masked one of two ways:
+// Blocks (ring attention, parallel/ring_attention.h): query rows [q_begin, q_end) of q against key
+// rows [k_begin, k_end) of k and v (q and k may hold different token counts), masked one of two ways:
 //   causal: the ranges are the same tokens (equal lengths): query q_begin + i sees keys
 //           k_begin .. k_begin + i;
 //   full:   every query of the range sees every key of the range (keys that all come earlier).
-// A block may carry a sliding window: query row q_begin + i then sits `distance` positions
-// after key row k_begin + i (0 for a causal block; the ranges are chunks of a sequence that need not
-// be adjacent) and sees key k_begin + j only when j > distance + i - window, the causal op's window
-// over the true positions. Rows that see no key get lse -inf and out 0, which the merge skips.
-// The causal op above is the causal block over all rows. The block forward writes the block's own
-// softmax (out, lse) on its query rows; attention_merge folds it into a running (out, lse). The
-// block backward takes the FINAL out and lse (after every merge) with P = exp(s - lse_final), so its
-// dq, dk, dv are exactly the block's share of the whole gradient: it adds them (+=) into dq, dk, dv,
-// and the shares of all blocks sum to the gradient of the merged attention. GPU: the block's out
-// is bf16, the running out of the merge and the accumulated dq, dk, dv are f32; lse f32.
+// With a sliding window, query row q_begin + i sits `distance` positions after key row k_begin + i
+// (0 for a causal block) and sees key k_begin + j only when j > distance + i - window. Rows that see
+// no key get lse -inf and out 0, which the merge skips. The causal op is the causal block over all
+// rows. The block forward writes the block's own softmax (out, lse); attention_merge folds it into a
+// running (out, lse) by log-sum-exp. The block backward takes the FINAL out and lse (after every
+// merge), so P = exp(s - lse_final) and its dq, dk, dv are exactly the block's share of the whole
+// gradient, added (+=) into dq, dk, dv. GPU: the block's out bf16; the running out and the
+// accumulated dq, dk, dv f32.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -33,19 +28,17 @@
 
 namespace marrow {
 
-// Which kernels run the causal op (attention_forward/backward) on the GPU: Marrow's own
-// (FlashAttention-2 style on mma.sync, below) or cuDNN's fused SDPA (ops/attention_cudnn.h: Hopper
-// wgmma kernels, deterministic backward), falling back to the own ones for sizes cuDNN does not
-// serve. Blocks run Marrow's wgmma kernels (ops/attention_hopper.h) where they serve the block's
-// sizes unless the setting is own, else the own mma.sync kernels (ring attention runs a member's own
-// block as the causal op, so that one follows the setting). One setting per process; the CPU ignores it.
-// cudnn_nondeterministic: cuDNN's default backward, which adds dQ with float atomics (no dP
-// workspace, any length, faster), so two runs differ in their last bits: the one exception to
-// DESIGN.md's determinism, never a default.
-// hopper: Marrow's own wgmma forward and deterministic backward (ops/attention_hopper.h) where they
-// serve the sizes (head_dim 128, lengths a multiple of 128), else as cudnn; hopper_backward: cuDNN's
-// forward with the own wgmma backward, the run config's default (the fastest bench step; both
-// deterministic, docs/performance.md).
+// Which GPU kernels run the causal op (one setting per process; the CPU ignores it), each falling
+// back to the next that serves the sizes (hopper -> cuDNN -> own):
+//   own: Marrow's mma.sync kernels (ops/attention_mma.h), head_dim 64 or 128, every variant;
+//   cudnn: cuDNN's fused SDPA (ops/attention_cudnn.h) with its deterministic backward;
+//   cudnn_nondeterministic: cuDNN's default backward (dQ added with float atomics: faster, two runs
+//     differ in their last bits), the one exception to DESIGN.md's determinism, never a default;
+//   hopper: Marrow's wgmma forward and backward (ops/attention_hopper.h: head_dim 128, lengths a
+//     multiple of 128, no variant), else as cudnn;
+//   hopper_backward: cuDNN's forward with the wgmma backward, the run config's default.
+// Blocks run the wgmma kernels where those serve them unless the setting is own, else the mma.sync
+// kernels (ring attention runs a member's own block as the causal op, which follows the setting).
 enum class AttentionKernels : uint8_t { own, cudnn, cudnn_nondeterministic, hopper, hopper_backward };
 inline constexpr AttentionKernels kAttentionKernels[] = {AttentionKernels::own, AttentionKernels::cudnn,
                                                          AttentionKernels::cudnn_nondeterministic, AttentionKernels::hopper,
@@ -56,31 +49,25 @@ AttentionKernels attention_kernels();
 AttentionKernels parse_attention_kernels(const std::string& name);
 const char* attention_kernels_name(AttentionKernels kernels);
 
-// out[B, S, Hq, D] and lse[B, Hq, S] from q[B, S, Hq, D], k[B, S, Hkv, D], v[B, S, Hkv, D].
-// out may not alias q, k or v.
-void attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v, Stream stream = {});
-
-// dq, dk, dv, all overwritten, with the shapes of q, k, v; out and lse are the forward's. The
-// gradients may not alias any input.
-void attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out,
-                        Tensor lse, Stream stream = {});
-
 // GPT-OSS's additions to the causal op (Hugging Face GptOssAttention): sinks [Hq], q's dtype and
 // device, a learned logit per query head that joins every row's softmax denominator and carries no
-// value, p_ij = exp(s_ij) / (sum_j' exp(s_ij') + exp(sinks[h])), so the row's probabilities sum to
-// less than one and lse_i = log(sum_j exp(s_ij) + exp(sinks[h])) includes it; a sliding window of
-// W keys masks scores as transformers' create_sliding_window_causal_mask does (masking_utils.py:
-// kv_idx > q_idx - W on top of kv_idx <= q_idx). The op without a variant is no sinks and window 0,
-// with the same bits. GPU: cuDNN's kernels unless train.attention_kernels is own (the wgmma kernels
-// take no variant), else the own kernels' instantiations for it; sinks bf16 and dsinks f32, the
-// sinks' gradient from attention_sinks_backward's kernel either way. Windowed blocks (ring attention
-// with a window) run on the own kernels' instantiations.
+// value: p_ij = exp(s_ij) / (sum_j' exp(s_ij') + exp(sinks[h])), and lse includes it; a sliding
+// window of W keys as transformers' create_sliding_window_causal_mask (kv_idx > q_idx - W on top of
+// kv_idx <= q_idx). No sinks and window 0 is the plain op, with its bits. GPU: cuDNN's kernels or,
+// under own, the mma.sync kernels' instantiations for it; sinks bf16 and dsinks f32.
 struct AttentionVariant {
   Tensor sinks;        // [Hq]; empty (data == nullptr): none
   int64_t window = 0;  // > 0: query i sees keys j with i - window < j <= i; 0: every earlier key
 };
-void attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v, const AttentionVariant& variant,
+
+// out[B, S, Hq, D] and lse[B, Hq, S] from q[B, S, Hq, D], k[B, S, Hkv, D], v[B, S, Hkv, D].
+// out may not alias q, k or v.
+void attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v, const AttentionVariant& variant = {},
                        Stream stream = {});
+// dq, dk, dv, all overwritten, with the shapes of q, k, v; out and lse are the forward's. The
+// gradients may not alias any input.
+void attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out,
+                        Tensor lse, Stream stream = {});
 // dsinks [Hq] is ADDED to (+=), as weight gradients accumulate: -sum over batch rows and queries i
 // of exp(sinks[h] - lse_i) (dout_i . out_i). It is given exactly when variant.sinks is (empty otherwise).
 void attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dsinks, Tensor dout, Tensor q, Tensor k, Tensor v,
@@ -119,11 +106,9 @@ void attention_block_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tens
                               Tensor lse, const AttentionBlock& block, AttentionGrads grads = AttentionGrads::all,
                               Stream stream = {});
 
-// Whether attention_block_backward runs this block as one kernel for all three gradients (the
-// Hopper kernels of ops/attention_hopper.h), so that a kv half and a q half would each cost the
-// whole: ring attention then asks for all three at once. Test hook: set_cpu_blocks_fused(true)
-// makes blocks on the CPU answer yes, so that ring attention's order for such blocks runs under
-// mpirun without a GPU (the CPU computes the same sums either way).
+// Whether attention_block_backward runs this block as one kernel for all three gradients (the wgmma
+// kernels), so that ring attention asks for them at once instead of in halves. Test hook:
+// set_cpu_blocks_fused(true) makes CPU blocks answer yes, so that order runs under mpirun too.
 bool attention_block_backward_fused(const Tensor& q, const Tensor& k, const AttentionBlock& block);
 void set_cpu_blocks_fused(bool fused);
 

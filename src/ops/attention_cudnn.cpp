@@ -1,5 +1,9 @@
-// cuDNN's fused SDPA behind attention.h's causal op (see attention_cudnn.h). Host code only: the
-// graphs are described with the cuDNN frontend (header-only) and run cuDNN's own kernels.
+// cuDNN's fused SDPA behind attention.h's causal op (see attention_cudnn.h): the deterministic
+// backward's plan of calls (host arithmetic, also in CPU builds for the memory estimate), then the
+// frontend graphs (header-only) that run cuDNN's own kernels. Invariants: a graph is built once per
+// GraphKey, which holds every field that changes it (chunk shapes included), and one mutex guards
+// the handles, the graphs and their executions. Gotcha: cuDNN refuses s_q = s_kv = 1, so a one-row
+// first query chunk joins the next (query_chunks) and a one-position sequence runs on the own kernels.
 #include "ops/attention_cudnn.h"
 
 #include <algorithm>
@@ -8,6 +12,7 @@
 #include <vector>
 
 #include "core/errors.h"
+#include "ops/common.h"
 
 namespace marrow {
 
@@ -15,15 +20,7 @@ namespace {
 
 int64_t round_up_64(int64_t n) { return (n + 63) / 64 * 64; }
 
-int64_t& workspace_cap_setting() {
-  static int64_t cap = kCudnnAttentionWorkspaceCap;
-  return cap;
-}
-
-int64_t& chunk_setting() {
-  static int64_t rows = 0;
-  return rows;
-}
+int64_t workspace_cap_setting = kCudnnAttentionWorkspaceCap, chunk_setting = 0;  // the hooks' values
 
 // The deterministic backward's dP workspace for one call: `q_rows` queries of `q_heads` heads
 // against `kv_rows` keys. The cap bounds this part.
@@ -68,20 +65,18 @@ int64_t largest_dp_workspace(int64_t batch, int64_t seq, int64_t q_heads, const 
 }
 
 // The fewest calls within the cap; at equal counts, whole sequences in head groups, else query
-// chunks over the most heads per call (measured on an H200, 32 / 4 heads of 128, cap 4 GiB: at
-// 16,384, 4 head groups 12.1 ms against 4 chunks of all heads 14.3; at 32,768, 16 chunks of all
-// heads 52.9 ms against 4 head groups x 4 chunks 56.3). Without a forced chunk, a split's chunk is
-// the most rows (a multiple of 64, or the whole sequence) whose last chunk, the largest workspace
-// (rows x S), fits.
+// chunks over the most heads per call (the faster arrangement in each case measured). Without a
+// forced chunk, a split's chunk is the most rows (a multiple of 64, or the whole sequence) whose
+// last chunk, the largest workspace (rows x S), fits.
 BackwardPlan backward_plan(int64_t batch, int64_t seq, int64_t q_heads, int64_t kv_heads) {
-  const int64_t cap = workspace_cap_setting();
+  const int64_t cap = workspace_cap_setting;
   BackwardPlan best;
   int64_t best_calls = 0;
   for (int64_t splits = 1; splits <= kv_heads; ++splits) {
     if (kv_heads % splits != 0) continue;
     // Bytes of dP per query row (at least 1: an empty batch runs whole).
     const int64_t per_row = std::max<int64_t>(1, batch * (q_heads / splits) * round_up_64(seq) * 2);
-    const int64_t rows = chunk_setting() > 0 ? std::min(chunk_setting(), seq) : std::min(seq, cap / per_row / 64 * 64);
+    const int64_t rows = chunk_setting > 0 ? std::min(chunk_setting, seq) : std::min(seq, cap / per_row / 64 * 64);
     const BackwardPlan plan{splits, rows};
     if (rows <= 0 || largest_dp_workspace(batch, seq, q_heads, plan) > cap) continue;
     const int64_t calls = splits * int64_t(query_chunks(seq, rows).size());
@@ -94,9 +89,9 @@ BackwardPlan backward_plan(int64_t batch, int64_t seq, int64_t q_heads, int64_t 
 }  // namespace
 
 void set_cudnn_backward_workspace_cap(int64_t bytes) {
-  workspace_cap_setting() = bytes > 0 ? bytes : kCudnnAttentionWorkspaceCap;
+  workspace_cap_setting = bytes > 0 ? bytes : kCudnnAttentionWorkspaceCap;
 }
-void set_cudnn_backward_chunk(int64_t rows) { chunk_setting() = std::max<int64_t>(rows, 0); }
+void set_cudnn_backward_chunk(int64_t rows) { chunk_setting = std::max<int64_t>(rows, 0); }
 
 // cuDNN refuses a single position (s_q = s_kv = 1); the own kernels take it.
 bool cudnn_attention_forward_supports(int64_t seq, int64_t head_dim) {
@@ -139,25 +134,21 @@ int64_t cudnn_attention_backward_scratch(int64_t batch, int64_t seq, int64_t q_h
 #include "ops/add.h"
 #include "ops/cast.h"
 
-#define MARROW_CUDNN_CHECK(call)                                                           \
-  do {                                                                                     \
-    cudnnStatus_t marrow_status_ = (call);                                                 \
-    if (marrow_status_ != CUDNN_STATUS_SUCCESS)                                            \
-      ::marrow::fail_call(__FILE__, __LINE__, #call, cudnnGetErrorString(marrow_status_)); \
-  } while (0)
-
-#define MARROW_CUDNN_FE_CHECK(call)                                                          \
-  do {                                                                                       \
-    auto marrow_fe_error_ = (call);                                                          \
-    if (marrow_fe_error_.is_bad())                                                           \
-      ::marrow::fail_call(__FILE__, __LINE__, #call, marrow_fe_error_.get_message());        \
-  } while (0)
-
 namespace marrow {
 
 namespace {
 
 namespace fe = cudnn_frontend;
+
+// Why a cuDNN call (a status) or a frontend call (an error object) failed; empty when it did not.
+std::string cudnn_failure(cudnnStatus_t status) { return status == CUDNN_STATUS_SUCCESS ? "" : cudnnGetErrorString(status); }
+std::string cudnn_failure(fe::error_t error) { return error.is_bad() ? "cuDNN frontend: " + error.get_message() : ""; }
+
+#define MARROW_CUDNN_CHECK(call)                                                           \
+  do {                                                                                     \
+    const std::string marrow_why_ = cudnn_failure(call);                                   \
+    if (!marrow_why_.empty()) ::marrow::fail_call(__FILE__, __LINE__, #call, marrow_why_); \
+  } while (0)
 
 enum Uid : int64_t { kQ = 1, kK, kV, kOut, kLse, kDout, kDq, kDk, kDv, kSinks };
 
@@ -178,10 +169,7 @@ struct BuiltGraph {
   int64_t workspace_bytes = 0;
 };
 
-std::mutex& cudnn_mutex() {
-  static std::mutex m;
-  return m;
-}
+std::mutex cudnn_mutex;  // held for every handle and graph
 
 // Called with cudnn_mutex held: one handle per device, bound to the caller's stream.
 cudnnHandle_t handle_locked(cudaStream_t stream) {
@@ -196,15 +184,13 @@ cudnnHandle_t handle_locked(cudaStream_t stream) {
 
 // A [B, heads, rows, D] view of a [B, S, row_heads, D] tensor (the heads of one group, `rows` rows
 // from the pointer the call passes).
-void set_head_view(fe::graph::Tensor_attributes& t, Uid uid, const GraphKey& key, int64_t heads, int64_t row_heads,
-                   int64_t rows) {
+void set_head_view(fe::graph::Tensor_attributes& t, Uid uid, const GraphKey& key, int64_t heads, int64_t row_heads, int64_t rows) {
   const int64_t d = key.head_dim;
   t.set_uid(uid).set_dim({key.batch, heads, rows, d}).set_stride({key.seq * row_heads * d, d, row_heads * d, 1});
 }
 
-std::shared_ptr<fe::graph::Tensor_attributes> head_view(fe::graph::Graph& g, const char* name, Uid uid,
-                                                        const GraphKey& key, int64_t heads, int64_t row_heads,
-                                                        int64_t rows) {
+std::shared_ptr<fe::graph::Tensor_attributes> head_view(fe::graph::Graph& g, const char* name, Uid uid, const GraphKey& key, int64_t heads,
+                                                        int64_t row_heads, int64_t rows) {
   fe::graph::Tensor_attributes t;
   set_head_view(t.set_name(name), uid, key, heads, row_heads, rows);
   return g.tensor(t);
@@ -222,17 +208,13 @@ void describe_forward(fe::graph::Graph& g, const GraphKey& key, int64_t hq, int6
   auto q = head_view(g, "q", kQ, key, hq, key.q_heads, key.seq);
   auto k = head_view(g, "k", kK, key, hkv, key.kv_heads, key.seq);
   auto v = head_view(g, "v", kV, key, hkv, key.kv_heads, key.seq);
-  auto options =
-      fe::graph::SDPA_attributes().set_name("attention").set_generate_stats(true).set_causal_mask(true).set_attn_scale(
-          scale);
+  auto options = fe::graph::SDPA_attributes().set_name("attention").set_generate_stats(true).set_causal_mask(true).set_attn_scale(scale);
   if (key.window > 0) options.set_diagonal_band_left_bound(int(key.window));
-  if (key.sinks)
-    options.set_sink_token(g.tensor(fe::graph::Tensor_attributes()
-                                        .set_name("sinks")
-                                        .set_uid(kSinks)
-                                        .set_data_type(fe::DataType_t::FLOAT)
-                                        .set_dim({1, hq, 1, 1})
-                                        .set_stride({hq, 1, 1, 1})));
+  if (key.sinks) {
+    fe::graph::Tensor_attributes sinks;
+    sinks.set_name("sinks").set_uid(kSinks).set_data_type(fe::DataType_t::FLOAT).set_dim({1, hq, 1, 1}).set_stride({hq, 1, 1, 1});
+    options.set_sink_token(g.tensor(sinks));
+  }
   auto [out, lse] = g.sdpa(q, k, v, options);
   out->set_output(true);
   set_head_view(*out, kOut, key, hq, key.q_heads, key.seq);
@@ -251,10 +233,8 @@ void describe_backward(fe::graph::Graph& g, const GraphKey& key, int64_t hq, int
   set_lse_view(*lse, key, hq);
   // A query chunk ends where its keys end: query q1 - q_rows + i sees keys 0 .. q1 - q_rows + i,
   // the causal diagonal aligned to the bottom right of the q_rows x kv_rows scores.
-  auto options = fe::graph::SDPA_backward_attributes()
-                     .set_name("attention_backward")
-                     .set_attn_scale(scale)
-                     .set_deterministic_algorithm(key.deterministic);
+  auto options =
+      fe::graph::SDPA_backward_attributes().set_name("attention_backward").set_attn_scale(scale).set_deterministic_algorithm(key.deterministic);
   if (qr == kr) options.set_causal_mask(true);
   else options.set_causal_mask_bottom_right(true);
   if (key.window > 0) options.set_diagonal_band_left_bound(int(key.window));
@@ -277,18 +257,18 @@ std::shared_ptr<fe::graph::Graph> described_graph(const GraphKey& key, cudnnHand
   const float scale = float(1 / std::sqrt(double(key.head_dim)));
   if (key.backward) describe_backward(*g, key, hq, hkv, scale);
   else describe_forward(*g, key, hq, hkv, scale);
-  MARROW_CUDNN_FE_CHECK(g->validate());
-  MARROW_CUDNN_FE_CHECK(g->build_operation_graph(handle));
+  MARROW_CUDNN_CHECK(g->validate());
+  MARROW_CUDNN_CHECK(g->build_operation_graph(handle));
   return g;
 }
 
 BuiltGraph build_graph(const GraphKey& key, cudnnHandle_t handle) {
   std::shared_ptr<fe::graph::Graph> g = described_graph(key, handle);
-  MARROW_CUDNN_FE_CHECK(g->create_execution_plans({fe::HeurMode_t::A}));
-  MARROW_CUDNN_FE_CHECK(g->check_support(handle));
-  MARROW_CUDNN_FE_CHECK(g->build_plans(handle));
+  MARROW_CUDNN_CHECK(g->create_execution_plans({fe::HeurMode_t::A}));
+  MARROW_CUDNN_CHECK(g->check_support(handle));
+  MARROW_CUDNN_CHECK(g->build_plans(handle));
   BuiltGraph built{g, 0};
-  MARROW_CUDNN_FE_CHECK(g->get_workspace_size(built.workspace_bytes));
+  MARROW_CUDNN_CHECK(g->get_workspace_size(built.workspace_bytes));
   return built;
 }
 
@@ -296,7 +276,7 @@ BuiltGraph build_graph(const GraphKey& key, cudnnHandle_t handle) {
 // the first row each tensor's view starts at.
 void run_graph(const GraphKey& key, std::unordered_map<int64_t, void*> base, Stream stream) {
   const auto s = static_cast<cudaStream_t>(stream.handle);
-  std::lock_guard<std::mutex> lock(cudnn_mutex());
+  std::lock_guard<std::mutex> lock(cudnn_mutex);
   cudnnHandle_t handle = handle_locked(s);
   static std::map<GraphKey, BuiltGraph> graphs;
   auto it = graphs.find(key);
@@ -311,7 +291,7 @@ void run_graph(const GraphKey& key, std::unordered_map<int64_t, void*> base, Str
       const int64_t offset = uid == kLse ? group * hq * key.seq * 4 : uid == kSinks ? group * hq * 4 : group * (kv ? hkv : hq) * d * 2;
       pack[uid] = static_cast<char*>(ptr) + offset;
     }
-    MARROW_CUDNN_FE_CHECK(built.graph->execute(handle, pack, workspace.ptr<float>()));
+    MARROW_CUDNN_CHECK(built.graph->execute(handle, pack, workspace.ptr<float>()));
   }
 }
 
@@ -392,15 +372,8 @@ void cudnn_attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tens
     key.kv_rows = q1;
     auto rows_at = [&](const Tensor& t) { return static_cast<char*>(t.data) + q0 * key.q_heads * d * 2; };
     run_graph(key,
-              {{kQ, rows_at(q)},
-               {kK, k.data},
-               {kV, v.data},
-               {kOut, rows_at(out)},
-               {kLse, static_cast<char*>(lse.data) + q0 * 4},
-               {kDout, rows_at(dout)},
-               {kDq, rows_at(dq)},
-               {kDk, dk.data},
-               {kDv, dv.data}},
+              {{kQ, rows_at(q)}, {kK, k.data}, {kV, v.data}, {kOut, rows_at(out)}, {kLse, static_cast<char*>(lse.data) + q0 * 4},
+               {kDout, rows_at(dout)}, {kDq, rows_at(dq)}, {kDk, dk.data}, {kDv, dv.data}},
               stream);
     if (chunks.size() == 1) return;
     for (auto [sum, share] : {std::pair{&dk_sum, dk}, std::pair{&dv_sum, dv}}) {
@@ -433,30 +406,43 @@ std::vector<CudnnAttentionPlan> cudnn_attention_plans(bool backward, Tensor dq, 
   }
   std::unordered_map<int64_t, void*> pack{{kQ, q.data}, {kK, k.data}, {kV, v.data}, {kOut, out.data}, {kLse, lse.data}};
   if (backward) pack.insert({{kDout, dout.data}, {kDq, dq.data}, {kDk, dk.data}, {kDv, dv.data}});
-  std::lock_guard<std::mutex> lock(cudnn_mutex());
+  std::lock_guard<std::mutex> lock(cudnn_mutex);
   cudnnHandle_t handle = handle_locked(nullptr);
   std::shared_ptr<fe::graph::Graph> g = described_graph(key, handle);
-  MARROW_CUDNN_FE_CHECK(g->create_execution_plans({fe::HeurMode_t::A, fe::HeurMode_t::B, fe::HeurMode_t::FALLBACK}));
+  MARROW_CUDNN_CHECK(g->create_execution_plans({fe::HeurMode_t::A, fe::HeurMode_t::B, fe::HeurMode_t::FALLBACK}));
   std::vector<CudnnAttentionPlan> plans;
   for (int64_t i = 0; i < g->get_execution_plan_count(); ++i) {
     CudnnAttentionPlan plan;
-    MARROW_CUDNN_FE_CHECK(g->get_plan_name_at_index(i, plan.name));
+    MARROW_CUDNN_CHECK(g->get_plan_name_at_index(i, plan.name));
     // A plan cuDNN cannot build for this shape is listed without a run (the bench prints it as such), its
     // reason appended to its name.
     auto built = g->build_plan_at_index(i);
     if (!built.is_good()) plan.name += " (not built: " + built.get_message() + ")";
     if (built.is_good()) {
-      MARROW_CUDNN_FE_CHECK(g->get_workspace_size_plan_at_index(i, plan.workspace_bytes));
+      MARROW_CUDNN_CHECK(g->get_workspace_size_plan_at_index(i, plan.workspace_bytes));
       auto workspace = std::make_shared<Buffer>(DType::f32, Device::cuda, std::initializer_list<int64_t>{std::max<int64_t>(1, (plan.workspace_bytes + 3) / 4)});
       plan.run = [g, i, pack, workspace] {
         std::unordered_map<int64_t, void*> uids = pack;
-        std::lock_guard<std::mutex> lock(cudnn_mutex());
-        MARROW_CUDNN_FE_CHECK(g->execute_plan_at_index(handle_locked(nullptr), uids, workspace->ptr<float>(), i));
+        std::lock_guard<std::mutex> lock(cudnn_mutex);
+        MARROW_CUDNN_CHECK(g->execute_plan_at_index(handle_locked(nullptr), uids, workspace->ptr<float>(), i));
       };
     }
     plans.push_back(std::move(plan));
   }
   return plans;
+}
+
+}  // namespace marrow
+
+#else
+
+namespace marrow {
+
+void cudnn_attention_forward(Tensor, Tensor, Tensor, Tensor, Tensor, const AttentionVariant&, Stream) {
+  no_cuda_kernel("cudnn_attention_forward");
+}
+void cudnn_attention_backward(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, const AttentionVariant&, Stream, bool) {
+  no_cuda_kernel("cudnn_attention_backward");
 }
 
 }  // namespace marrow

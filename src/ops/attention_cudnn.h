@@ -1,30 +1,23 @@
-// The causal attention op of attention.h on cuDNN's fused SDPA graphs (cuDNN frontend), the GPU
-// alternative to attention.cu's own kernels: same tensors, layouts and meaning, including lse
-// (natural log of the sum of exp of the scaled scores, f32 [B, Hq, S]), so either forward pairs
-// with either backward. cuDNN's Hopper kernels use wgmma and TMA, which the own kernels (mma.sync)
-// do not.
+// The causal attention op of attention.h on cuDNN's fused SDPA graphs (cuDNN frontend): same
+// tensors, layouts and meaning, including lse (natural log, f32 [B, Hq, S]), so either forward pairs
+// with any backward. q, k and v share one head_dim (the graphs describe a single D for all three), and
+// only 64 or 128 are served: other sizes (e.g. 192 / 128 or 256) would need new graphs and checks.
 // Deterministic: the backward runs cuDNN's deterministic algorithm, which writes dP = dO V^T to a
-// bf16 workspace of B x Hq x Sq' x Skv' (lengths rounded up to 64; 1 GiB at S = 4096 with 32 heads)
-// instead of adding dQ with float atomics. To keep that workspace within the cap below the backward
-// runs in calls over a key/value head group and/or a chunk of query rows: chunk [q0, q1) against
-// key rows [0, q1) with the causal mask aligned bottom-right gives the chunk's dQ exactly and its
-// share of dK, dV for rows [0, q1). Chunks run from the last (all key rows) to the first, and their
-// shares are summed in that fixed order into f32 accumulators, rounded to bf16 at the end. The
-// graphs write dK, dV in bf16 (an f32 output was not tried), so each share is rounded once before
-// the f32 sum (a few 2^-9 roundings of parts of dK, dV, within the check's bounds; cuDNN itself
-// sums bf16 per-query-head dK, dV into the key/value heads). The plan takes the fewest calls: at the
-// bench's heads, S = 16384 in 4 head groups (12.1 ms on an H200), S = 32768 in 16 chunks of 2048
-// query rows over all heads (52.9 ms against 104 ms on the own kernels). Besides dP, cuDNN's
-// workspace holds those per-query-head dK, dV and the f32 row sums of dO * O (4.5 GiB in all for
-// the 32,768 chunks); the chunked backward adds the f32 dK, dV accumulators (128 MiB at 32,768).
-// Graphs are built once per shape (the first call of a shape takes ~0.1-1 s) and kept.
-// GPT-OSS's variant (attention.h's AttentionVariant): the window is cuDNN's diagonal band (a left
-// bound of W keys, diagonal included: key j joins query i when j + W > i, transformers' mask), and
-// the sinks join the forward's softmax as cuDNN's sink token (f32 [1, Hq, 1, 1], a copy of the
-// bf16 sinks), so its lse holds them. The backward needs no sinks: P = exp(s - lse) with that lse
-// is each key's probability, and dS = P (dP - rowsum(dO * O)) holds with the sink as without (the
-// caller adds dsinks, attention_sinks_backward). Chunks of the backward keep the window's meaning:
-// with the diagonal aligned bottom right, a chunk's query row r is absolute row q0 + r.
+// bf16 workspace of B x Hq x Sq' x Skv' (lengths rounded up to 64) instead of adding dQ with float
+// atomics. To keep that workspace within the cap below the backward runs in calls over a key/value
+// head group and/or a chunk of query rows: chunk [q0, q1) against key rows [0, q1) with the causal
+// mask aligned bottom-right gives the chunk's dQ exactly and its share of dK, dV for rows [0, q1).
+// Chunks run from the last (all key rows) to the first, their shares summed in that fixed order into
+// f32 accumulators and rounded to bf16 at the end (each share is rounded to bf16 once before the sum:
+// the graphs write dK, dV in bf16). The plan takes the fewest calls. cuDNN's workspace also holds
+// per-query-head dK, dV and the f32 row sums of dO * O; the chunked backward adds the f32 dK, dV
+// accumulators. Graphs are built once per shape (~0.1-1 s the first call) and kept.
+// GPT-OSS's variant: the window is cuDNN's diagonal band (a left bound of W keys, diagonal included:
+// key j joins query i when j + W > i), the sinks cuDNN's sink token (f32 [1, Hq, 1, 1], a copy of the
+// bf16 sinks), so the forward's lse holds them. The backward needs no sinks: with that lse,
+// P = exp(s - lse) is each key's probability and dS = P (dP - rowsum(dO * O)) holds as without (the
+// caller adds dsinks). A backward chunk keeps the window's meaning: with the diagonal aligned bottom
+// right, its query row r is absolute row q0 + r.
 #pragma once
 #include <cstdint>
 #include <functional>
@@ -37,10 +30,9 @@
 namespace marrow {
 
 // The largest dP workspace one deterministic backward call may take (bytes): one key/value head
-// group at S = 16384 (8 x 16384^2 x 2 B = 4 GiB), or 2048 query rows of all 32 heads at 32,768.
-// Measured on an H200: a 1 GiB cap costs ~20% of the backward (marrow bench --kernels, 16,384:
-// 12.1 -> 14.4 ms; 32,768: 52.9 -> 62.8 ms) and 5.6% of a 16,384-token step (46.3K -> 43.6K
-// tokens/s) without lowering its peak (111.37 GiB either way: the epilog's backward sets it).
+// group at S = 16384 (8 x 16384^2 x 2 B), or 2048 query rows of all 32 heads at 32,768; a smaller
+// cap costs ~20% of the backward and lowers no peak (docs/performance.md: "cuDNN's deterministic
+// backward in query chunks").
 inline constexpr int64_t kCudnnAttentionWorkspaceCap = int64_t(4) << 30;
 
 // Test and bench hooks (0 restores the default): the workspace cap, and a fixed query chunk (rows)

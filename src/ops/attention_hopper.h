@@ -1,11 +1,9 @@
-// The causal attention op of attention.h on Hopper's wgmma (Marrow's own kernels, sm_90a): same
-// tensors, layouts and meaning, lse as cuDNN's and the own kernels' (natural log, f32 [B, Hq, S]),
-// so each pairs with any other forward or backward. The backward is deterministic without a dP
-// workspace: dQ is summed in f32 in a fixed order of key blocks (semaphores, attention_hopper.cu),
-// dK and dV in a fixed order of query heads. Serves head_dim 128 and lengths a multiple of 128 (the
-// bench, Qwen3-30B); other sizes stay on cuDNN's or the own kernels. The backward's scratch comes
-// from the stream-ordered pool: f32 dQ, dK, dV accumulators (B x S x (Hq + 2 Hkv) x 128 x 4 bytes:
-// 80 MiB at the bench shape) and the row sums of dO * O.
+// attention.h's causal op and blocks on Marrow's own Hopper kernels (wgmma, TMA; sm_90a):
+// attention_hopper.cu (forward), attention_hopper_backward.cu (backward). Same tensors, layouts and
+// lse as the other paths, so each pairs with any other forward or backward. Head_dim 128, lengths a
+// multiple of 128, no variant. The backward is deterministic without a dP workspace (fixed orders of
+// f32 sums behind semaphores); its scratch: f32 dQ, dK, dV accumulators, B x S x (Hq + 2 Hkv) x 128
+// x 4 bytes (80 MiB at the bench shape), and the row sums of dO * O.
 #pragma once
 #include <cstdint>
 #include <vector>
@@ -28,29 +26,21 @@ void set_hopper_backward_probe(int probe);
 // Whether the kernels serve these sizes (false without CUDA).
 bool hopper_attention_supports(int64_t seq, int64_t q_heads, int64_t kv_heads, int64_t head_dim);
 
-// out (bf16) and lse (f32) from q, k, v (bf16) on the GPU; the caller (attention_forward) has
-// checked the shapes.
-void hopper_attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v, Stream stream = {});
-
-// dq, dk, dv (bf16, overwritten) from dout, q, k, v, out (bf16) and lse (f32) on the GPU; the caller
-// (attention_backward) has checked the shapes. Takes hopper_attention_backward_scratch bytes from
-// the stream-ordered pool.
-int64_t hopper_attention_backward_scratch(int64_t batch, int64_t seq, int64_t q_heads, int64_t kv_heads, int64_t head_dim);
-void hopper_attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out,
-                               Tensor lse, Stream stream = {});
-
-// Blocks of ops/attention.h (ring attention's blocks), causal or full, on the same kernels: the
-// block's query and key lengths multiples of 128, head_dim 128, its first query row and q's row
-// count multiples of 4 (lse is read 16 bytes at a time); row offsets otherwise free. Whether the
-// kernels serve the block (false without CUDA):
+// Blocks of ops/attention.h (the causal op: the causal block over all rows) on these kernels: the
+// block's query and key lengths multiples of 128, head_dim 128, its first query row and q's row count
+// multiples of 4 (lse is read 16 bytes at a time); row offsets otherwise free. Whether the kernels
+// serve the block (false without CUDA):
 bool hopper_attention_serves_block(const Tensor& q, const Tensor& k, const AttentionBlock& block);
-// The block's out (bf16) and lse (f32) rows; the caller (attention_block_forward) has checked shapes.
-void hopper_attention_block_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v, const AttentionBlock& block,
-                                    Stream stream = {});
-// The block's share added into f32 dq, dk, dv (those `grads` names) from the final out and lse. One
-// kernel computes all three, so a kv or q half costs the whole (attention_block_backward_fused).
-void hopper_attention_block_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out,
-                                     Tensor lse, const AttentionBlock& block, AttentionGrads grads, Stream stream = {});
+// The block's out (bf16) and lse (f32) rows from q, k, v (bf16); the caller (ops/attention.cu) has
+// checked shapes, block and devices.
+void hopper_attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v, const AttentionBlock& block, Stream stream = {});
+// The block's gradients from dout, q, k, v, out (bf16) and the final lse (f32): accumulate adds them
+// into f32 dq, dk, dv (those `grads` names); else all three are overwritten in bf16 (the causal op).
+// One kernel computes all three, so a kv or q half costs the whole (attention_block_backward_fused).
+// Takes hopper_attention_backward_scratch bytes from the stream-ordered pool.
+int64_t hopper_attention_backward_scratch(int64_t batch, int64_t seq, int64_t q_heads, int64_t kv_heads, int64_t head_dim);
+void hopper_attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse,
+                               const AttentionBlock& block, bool accumulate, AttentionGrads grads, Stream stream = {});
 
 // Bench hook: one call of the backward with each work item's timeline (globaltimer ns; the item's
 // dQ semaphore waits summed, its dK/dV wait), in the order items were taken.
