@@ -122,7 +122,7 @@ __global__ void combine_backward_kernel(bf16* dy_perm, float* dtopk_weight, cons
     }
     store_pack<N>(dy_perm + r * h, c, o);
   }
-  for (int m = 16; m > 0; m /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, m);
+  dot = warp_sum(dot);
   if (lane == 0) dtopk_weight[copy] = dot;
 }
 
@@ -174,12 +174,8 @@ void combine_backward(Tensor dy_perm, Tensor dtopk_weight, Tensor dout, Tensor y
   expect_shape(op, "topk_weight", topk_weight, {n, k});
   expect_shape(op, "dy_perm", dy_perm, {y_perm.size(0), h});
   expect_shape(op, "dtopk_weight", dtopk_weight, {n, k});
-  if (on_gpu(op, {{"dout", &dout, DType::bf16},
-                  {"dy_perm", &dy_perm, DType::bf16},
-                  {"dtopk_weight", &dtopk_weight, DType::f32},
-                  {"y_perm", &y_perm, DType::bf16},
-                  {"topk_weight", &topk_weight, DType::f32},
-                  {"copy_row", &copy_row, DType::i32}}))
+  if (on_gpu(op, {{"dout", &dout, DType::bf16}, {"dy_perm", &dy_perm, DType::bf16}, {"dtopk_weight", &dtopk_weight, DType::f32},
+                  {"y_perm", &y_perm, DType::bf16}, {"topk_weight", &topk_weight, DType::f32}, {"copy_row", &copy_row, DType::i32}}))
     MARROW_GPU_RETURN(op, stream, launch_backward(dy_perm, dtopk_weight, dout, y_perm, topk_weight, copy_row, stream));
   expect_copy_rows(op, copy_row, y_perm.size(0));
   with_cpu_scalar(op, dout, [&](auto s) {

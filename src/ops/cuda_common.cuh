@@ -15,6 +15,9 @@ namespace marrow {
 
 using bf16 = __nv_bfloat16;
 
+// A bf16 tensor's data as the kernels take it (null for an absent tensor).
+inline bf16* bf16_ptr(const Tensor& t) { return static_cast<bf16*>(t.data); }
+
 // The CUDA stream of a Marrow Stream (or of a cudaStream_t, itself): the launchers take either.
 inline cudaStream_t cuda_stream(Stream stream) { return static_cast<cudaStream_t>(stream.handle); }
 inline cudaStream_t cuda_stream(cudaStream_t stream) { return stream; }
