@@ -13,8 +13,6 @@
 #include "ops/common.h"
 
 #ifdef __CUDACC__
-#include <cuda_bf16.h>
-
 #include "ops/cuda_common.cuh"
 #endif
 
@@ -290,15 +288,12 @@ void launch_step_rows(Tensor param, Tensor param_bf16, Tensor exp_avg, Tensor ex
   const int threads = 256;
   const dim3 grid(unsigned(std::max<int64_t>(1, std::min<int64_t>((per_row / (vec4 ? 4 : 1) + threads) / threads, 8192 / rows))),
                   unsigned(std::min<int64_t>(rows, 65535)));
-  auto s = static_cast<cudaStream_t>(stream.handle);
-  const int32_t* flags = known_zero.ptr<int32_t>();
   with_storage(param, param_bf16, exp_avg, exp_avg_sq, [&](auto p, auto* m, auto* v) {
     using P = decltype(p);
     using M = std::remove_pointer_t<decltype(m)>;
-    if (vec4) launch_dependent(adamw_step_rows_kernel<true, P, M>, grid, threads, 0, s, p, m, v, grad.ptr<float>(), flags, rows, per_row, k);
-    else launch_dependent(adamw_step_rows_kernel<false, P, M>, grid, threads, 0, s, p, m, v, grad.ptr<float>(), flags, rows, per_row, k);
+    launch_dependent(vec4 ? adamw_step_rows_kernel<true, P, M> : adamw_step_rows_kernel<false, P, M>, grid, threads, 0, stream, p, m, v,
+                     grad.ptr<float>(), known_zero.ptr<int32_t>(), rows, per_row, k);
   });
-  MARROW_CUDA_CHECK_LAUNCH();
 }
 
 void launch_step(Tensor param, Tensor param_bf16, Tensor exp_avg, Tensor exp_avg_sq, Tensor grad, const AdamWHyper& hp,
@@ -307,21 +302,15 @@ void launch_step(Tensor param, Tensor param_bf16, Tensor exp_avg, Tensor exp_avg
   if (n == 0) return;
   const Constants k = constants(hp);
   const bool vec4 = takes_vec4(param, param_bf16, exp_avg, exp_avg_sq, grad);
-  const int threads = 256, blocks = int(std::min<int64_t>((n / (vec4 ? 4 : 1) + threads) / threads, 8192));
-  auto s = static_cast<cudaStream_t>(stream.handle);
   with_storage(param, param_bf16, exp_avg, exp_avg_sq, [&](auto p, auto* m, auto* v) {
     using P = decltype(p);
     using M = std::remove_pointer_t<decltype(m)>;
-    if (vec4) launch_dependent(adamw_step_kernel<true, P, M>, blocks, threads, 0, s, p, m, v, grad.ptr<float>(), n, k);
-    else launch_dependent(adamw_step_kernel<false, P, M>, blocks, threads, 0, s, p, m, v, grad.ptr<float>(), n, k);
+    launch_dependent(vec4 ? adamw_step_kernel<true, P, M> : adamw_step_kernel<false, P, M>, grid_stride_blocks(n / (vec4 ? 4 : 1), 256, 8192),
+                     256, 0, stream, p, m, v, grad.ptr<float>(), n, k);
   });
-  MARROW_CUDA_CHECK_LAUNCH();
 }
 #endif
 
-}  // namespace
-
-namespace {
 // adamw_step's checks; returns whether the tensors are on the GPU.
 bool check_step(const char* op, const Tensor& param, const Tensor& param_bf16, const Tensor& exp_avg, const Tensor& exp_avg_sq,
                 const Tensor& grad, const AdamWHyper& hyper) {
@@ -375,14 +364,8 @@ void step_on_cpu(const char* op, Tensor param, Tensor param_bf16, Tensor exp_avg
 void adamw_step(Tensor param, Tensor param_bf16, Tensor exp_avg, Tensor exp_avg_sq, Tensor grad, const AdamWHyper& hyper,
                 Stream stream) {
   const char* op = "adamw_step";
-  if (check_step(op, param, param_bf16, exp_avg, exp_avg_sq, grad, hyper)) {
-#ifdef __CUDACC__
-    return launch_step(param, param_bf16, exp_avg, exp_avg_sq, grad, hyper, stream);
-#else
-    no_cuda_kernel(op);
-#endif
-  }
-  (void)stream;
+  if (check_step(op, param, param_bf16, exp_avg, exp_avg_sq, grad, hyper))
+    MARROW_GPU_RETURN(op, stream, launch_step(param, param_bf16, exp_avg, exp_avg_sq, grad, hyper, stream));
   step_on_cpu(op, param, param_bf16, exp_avg, exp_avg_sq, grad, hyper, nullptr, 1);
 }
 
@@ -395,14 +378,7 @@ void adamw_step_known_zero(Tensor param, Tensor param_bf16, Tensor exp_avg, Tens
   MARROW_CHECK(known_zero.ndim == 1 && known_zero.numel() > 0 && param.numel() % known_zero.numel() == 0,
                "{}: known_zero has shape {} but must be [E] with E dividing param's {} elements", op, known_zero.shape_string(),
                param.numel());
-  if (gpu) {
-#ifdef __CUDACC__
-    return launch_step_rows(param, param_bf16, exp_avg, exp_avg_sq, grad, known_zero, hyper, stream);
-#else
-    no_cuda_kernel(op);
-#endif
-  }
-  (void)stream;
+  if (gpu) MARROW_GPU_RETURN(op, stream, launch_step_rows(param, param_bf16, exp_avg, exp_avg_sq, grad, known_zero, hyper, stream));
   step_on_cpu(op, param, param_bf16, exp_avg, exp_avg_sq, grad, hyper, known_zero.ptr<int32_t>(), param.numel() / known_zero.numel());
 }
 

@@ -8,8 +8,6 @@
 #include "ops/common.h"
 
 #ifdef __CUDACC__
-#include <cuda_bf16.h>
-
 #include "ops/cuda_common.cuh"
 #endif
 
@@ -23,10 +21,6 @@ void add_cpu(T* out, const T* a, const T* b, int64_t n) {
 }
 
 #ifdef __CUDACC__
-template <typename T, int N> struct alignas(sizeof(T) * N) Pack {
-  T v[N];
-};
-
 // One thread per pack of N elements (16 bytes when every pointer is 16-byte aligned, else one
 // element) in a grid-stride loop, then the n % N tail. Elementwise: nothing to order, and each
 // element is read before the same thread writes it, so out may alias a or b.
@@ -50,14 +44,8 @@ template <typename T> void launch_add(Tensor out, Tensor a, Tensor b, Stream str
   constexpr int kPack = 16 / sizeof(T);
   const bool aligned = (reinterpret_cast<uintptr_t>(out.data) | reinterpret_cast<uintptr_t>(a.data) |
                         reinterpret_cast<uintptr_t>(b.data)) % 16 == 0;
-  const int threads = 256;
-  const int blocks = int(std::min<int64_t>((n / (aligned ? kPack : 1) + threads) / threads, 8192));
-  auto s = static_cast<cudaStream_t>(stream.handle);
-  auto* o = static_cast<T*>(out.data);
-  auto *pa = static_cast<const T*>(a.data), *pb = static_cast<const T*>(b.data);
-  if (aligned) launch_dependent(add_kernel<T, kPack>, blocks, threads, 0, s, o, pa, pb, n);
-  else launch_dependent(add_kernel<T, 1>, blocks, threads, 0, s, o, pa, pb, n);
-  MARROW_CUDA_CHECK_LAUNCH();
+  launch_dependent(aligned ? add_kernel<T, kPack> : add_kernel<T, 1>, grid_stride_blocks(n / (aligned ? kPack : 1), 256, 8192), 256, 0,
+                   stream, static_cast<T*>(out.data), static_cast<const T*>(a.data), static_cast<const T*>(b.data), n);
 }
 
 // acc (f32) += x: one thread per pack of 4 (acc 16-byte, x 4-element aligned) or per element.
@@ -82,14 +70,8 @@ template <typename T> void launch_add_into(Tensor acc, Tensor x, Stream stream) 
   constexpr int kPack = 4;
   const bool aligned =
       reinterpret_cast<uintptr_t>(acc.data) % 16 == 0 && reinterpret_cast<uintptr_t>(x.data) % (kPack * sizeof(T)) == 0;
-  const int threads = 256;
-  const int blocks = int(std::min<int64_t>((n / (aligned ? kPack : 1) + threads) / threads, 8192));
-  auto s = static_cast<cudaStream_t>(stream.handle);
-  auto* a = static_cast<float*>(acc.data);
-  const auto* px = static_cast<const T*>(x.data);
-  if (aligned) launch_dependent(add_into_kernel<T, kPack>, blocks, threads, 0, s, a, px, n);
-  else launch_dependent(add_into_kernel<T, 1>, blocks, threads, 0, s, a, px, n);
-  MARROW_CUDA_CHECK_LAUNCH();
+  launch_dependent(aligned ? add_into_kernel<T, kPack> : add_into_kernel<T, 1>, grid_stride_blocks(n / (aligned ? kPack : 1), 256, 8192),
+                   256, 0, stream, static_cast<float*>(acc.data), static_cast<const T*>(x.data), n);
 }
 #endif
 
@@ -98,42 +80,25 @@ template <typename T> void launch_add_into(Tensor acc, Tensor x, Stream stream) 
 void add(Tensor out, Tensor a, Tensor b, Stream stream) {
   const char* op = "add";
   for (auto [name, t] : {std::pair{"a", &a}, std::pair{"b", &b}})
-    MARROW_CHECK(t->numel() == out.numel(), "{}: {} has shape {} ({} elements) but out has shape {} ({} elements)", op,
-                 name, t->shape_string(), t->numel(), out.shape_string(), out.numel());
+    MARROW_CHECK(t->numel() == out.numel(), "{}: {} has shape {} ({} elements) but out has shape {} ({} elements)", op, name,
+                 t->shape_string(), t->numel(), out.shape_string(), out.numel());
   expect_same_dtype(op, {{"out", &out}, {"a", &a}, {"b", &b}});
   if (common_device(op, {{"out", &out}, {"a", &a}, {"b", &b}}) == Device::cuda) {
-    MARROW_CHECK(out.dtype == DType::bf16 || out.dtype == DType::f32, "{}: on the GPU the tensors must be bf16 or f32, got {}",
-                 op, dtype_name(out.dtype));
-#ifdef __CUDACC__
-    if (out.dtype == DType::bf16) return launch_add<__nv_bfloat16>(out, a, b, stream);
-    return launch_add<float>(out, a, b, stream);
-#else
-    no_cuda_kernel(op);
-#endif
+    MARROW_CHECK(out.dtype == DType::bf16 || out.dtype == DType::f32, "{}: on the GPU the tensors must be bf16 or f32, got {}", op,
+                 dtype_name(out.dtype));
+    MARROW_GPU_RETURN(op, stream, out.dtype == DType::bf16 ? launch_add<bf16>(out, a, b, stream) : launch_add<float>(out, a, b, stream));
   }
-  (void)stream;
-  with_cpu_scalar(op, out, [&](auto s) {
-    using T = decltype(s);
-    add_cpu<T>(out.ptr<T>(), a.ptr<T>(), b.ptr<T>(), out.numel());
-  });
+  with_cpu_scalar(op, out, [&](auto s) { using T = decltype(s); add_cpu<T>(out.ptr<T>(), a.ptr<T>(), b.ptr<T>(), out.numel()); });
 }
 
 void add_into(Tensor acc, Tensor x, Stream stream) {
   const char* op = "add_into";
-  MARROW_CHECK(x.numel() == acc.numel(), "{}: x has shape {} ({} elements) but acc has shape {} ({} elements)", op,
-               x.shape_string(), x.numel(), acc.shape_string(), acc.numel());
+  MARROW_CHECK(x.numel() == acc.numel(), "{}: x has shape {} ({} elements) but acc has shape {} ({} elements)", op, x.shape_string(),
+               x.numel(), acc.shape_string(), acc.numel());
   expect_dtype(op, "acc", acc, DType::f32);
-  MARROW_CHECK(x.dtype == DType::f32 || x.dtype == DType::bf16, "{}: x must be f32 or bf16, got {}", op,
-               dtype_name(x.dtype));
-  if (common_device(op, {{"acc", &acc}, {"x", &x}}) == Device::cuda) {
-#ifdef __CUDACC__
-    if (x.dtype == DType::bf16) return launch_add_into<__nv_bfloat16>(acc, x, stream);
-    return launch_add_into<float>(acc, x, stream);
-#else
-    no_cuda_kernel(op);
-#endif
-  }
-  (void)stream;
+  MARROW_CHECK(x.dtype == DType::f32 || x.dtype == DType::bf16, "{}: x must be f32 or bf16, got {}", op, dtype_name(x.dtype));
+  if (common_device(op, {{"acc", &acc}, {"x", &x}}) == Device::cuda)
+    MARROW_GPU_RETURN(op, stream, x.dtype == DType::bf16 ? launch_add_into<bf16>(acc, x, stream) : launch_add_into<float>(acc, x, stream));
   float* a = acc.ptr<float>();
   for (int64_t i = 0; i < acc.numel(); ++i)
     a[i] += x.dtype == DType::f32 ? x.ptr<float>()[i] : bf16_to_float(static_cast<const uint16_t*>(x.data)[i]);

@@ -12,8 +12,6 @@
 #include "ops/grouped_linear.h"
 
 #ifdef __CUDACC__
-#include <cuda_bf16.h>
-
 #include "ops/cuda_common.cuh"
 #endif
 
@@ -49,38 +47,9 @@ void sum_rows_cpu(T* dbias, const T* dy, int64_t r0, int64_t r1, int64_t o, bool
   }
 }
 
-// A tensor of a bias op and the dtype the GPU path takes for it (bias.h).
-struct Operand {
-  const char* name;
-  const Tensor* tensor;
-  DType gpu_dtype;
-};
-
-// The device checks every bias op makes after the shapes: all operands on the first's device; on
-// the CPU all of the first's dtype (the reference runs in one scalar type), on the GPU each of its
-// own. Returns whether they are on the GPU.
-bool on_gpu(const char* op, std::initializer_list<Operand> operands) {
-  const Operand& first = *operands.begin();
-  for (const Operand& o : operands)
-    MARROW_CHECK(o.tensor->device == first.tensor->device, "{}: {} is on {} but {} is on {}", op, o.name, device_name(o.tensor->device),
-                 first.name, device_name(first.tensor->device));
-  if (first.tensor->device == Device::cpu) {
-    for (const Operand& o : operands)
-      MARROW_CHECK(o.tensor->dtype == first.tensor->dtype, "{}: {} has dtype {} but {} has {}", op, o.name, dtype_name(o.tensor->dtype),
-                   first.name, dtype_name(first.tensor->dtype));
-    return false;
-  }
-  for (const Operand& o : operands) expect_dtype(op, o.name, *o.tensor, o.gpu_dtype);
-  return true;
-}
-
-void expect_rows(const char* op, const char* name, const Tensor& t) {
-  MARROW_CHECK(t.ndim == 2, "{}: {} must be [rows, out], got {}", op, name, t.shape_string());
-}
-
 // bias_forward's and bias_backward's shape checks of the rows [N, O] and the bias [O].
 void check_plain(const char* op, const char* rows_name, const Tensor& rows, const char* bias_name, const Tensor& bias) {
-  expect_rows(op, rows_name, rows);
+  expect_ndim(op, rows_name, rows, 2, "[rows, out]");
   expect_shape(op, bias_name, bias, {rows.size(1)});
 }
 
@@ -88,8 +57,8 @@ void check_plain(const char* op, const char* rows_name, const Tensor& rows, cons
 // (grouped_linear's: those on the host must split the R rows).
 void check_grouped(const char* op, const char* rows_name, const Tensor& rows, const char* bias_name, const Tensor& bias,
                    const Tensor& expert_offsets) {
-  expect_rows(op, rows_name, rows);
-  MARROW_CHECK(bias.ndim == 2, "{}: {} must be [experts, out], got {}", op, bias_name, bias.shape_string());
+  expect_ndim(op, rows_name, rows, 2, "[rows, out]");
+  expect_ndim(op, bias_name, bias, 2, "[experts, out]");
   expect_shape(op, bias_name, bias, {bias.size(0), rows.size(1)});
   check_expert_offsets(op, expert_offsets, bias.size(0), rows.size(0));
 }
@@ -110,12 +79,6 @@ template <typename F> void for_each_expert_cpu(const char* op, const Tensor& row
 // read in GPU memory (uploaded in stream order when on the host), so nothing waits for the GPU.
 // Offsets in GPU memory are not checked (that would wait): rows outside [offsets[0], offsets[E])
 // belong to no expert.
-using bf16 = __nv_bfloat16;
-
-template <int N> struct alignas(2 * N) Pack {
-  bf16 v[N];
-};
-
 constexpr int kThreads = 256;              // the forward's block: one row at a time
 constexpr int64_t kMaxRowBlocks = 16384;   // the forward's grid; its blocks stride over the rows
 constexpr int kColumns = 32, kSlices = 16;  // the backward's block: 32 columns x 16 slices of the rows
@@ -145,11 +108,11 @@ __global__ void bias_add_kernel(bf16* y, const bf16* bias, const int32_t* offset
     const int e = offsets ? expert_of_row(offsets, experts, r) : 0;
     if (e < 0) continue;
     for (int64_t c = int64_t(threadIdx.x) * N; c < cols; c += int64_t(blockDim.x) * N) {
-      Pack<N> out = *reinterpret_cast<const Pack<N>*>(y + r * cols + c);
-      const Pack<N> b = *reinterpret_cast<const Pack<N>*>(bias + int64_t(e) * cols + c);
+      Pack<bf16, N> out = load<N>(y + r * cols + c);
+      const Pack<bf16, N> b = load<N>(bias + int64_t(e) * cols + c);
 #pragma unroll
       for (int l = 0; l < N; ++l) out.v[l] = __float2bfloat16(__bfloat162float(out.v[l]) + __bfloat162float(b.v[l]));
-      *reinterpret_cast<Pack<N>*>(y + r * cols + c) = out;
+      store<N>(y + r * cols + c, out);
     }
   }
 }
@@ -222,23 +185,13 @@ const int32_t* gpu_offsets(const Tensor& expert_offsets, Buffer& holder, Stream 
 void add_rows_gpu(Tensor y, Tensor bias, Tensor expert_offsets, Stream stream) {
   const int64_t rows = y.size(0), cols = y.size(1);
   if (rows == 0 || cols == 0) return;
-  if (y.dtype == DType::f32) {
-    const unsigned blocks = unsigned(std::min<int64_t>((rows * cols + kThreads - 1) / kThreads, kMaxRowBlocks));
-    launch_dependent(bias_add_f32_kernel, blocks, kThreads, 0, static_cast<cudaStream_t>(stream.handle), y.ptr<float>(),
-                     static_cast<const bf16*>(bias.data), rows, cols);
-    MARROW_CUDA_CHECK_LAUNCH();
-    return;
-  }
+  if (y.dtype == DType::f32)
+    return launch_dependent(bias_add_f32_kernel, grid_stride_blocks(rows * cols, kThreads, kMaxRowBlocks), kThreads, 0, stream, y.ptr<float>(),
+                            static_cast<const bf16*>(bias.data), rows, cols);
   Buffer holder;
-  const int32_t* offsets = gpu_offsets(expert_offsets, holder, stream);
-  const int experts = bias.ndim == 2 ? int(bias.size(0)) : 1;
-  const unsigned blocks = unsigned(std::min(rows, kMaxRowBlocks));
-  auto s = static_cast<cudaStream_t>(stream.handle);
-  auto* out = static_cast<bf16*>(y.data);
-  auto* b = static_cast<const bf16*>(bias.data);
-  if (packable(cols, {y.data, bias.data})) launch_dependent(bias_add_kernel<8>, blocks, kThreads, 0, s, out, b, offsets, experts, rows, cols);
-  else launch_dependent(bias_add_kernel<1>, blocks, kThreads, 0, s, out, b, offsets, experts, rows, cols);
-  MARROW_CUDA_CHECK_LAUNCH();
+  launch_dependent(packable(cols, {y.data, bias.data}) ? bias_add_kernel<8> : bias_add_kernel<1>, unsigned(std::min(rows, kMaxRowBlocks)),
+                   kThreads, 0, stream, static_cast<bf16*>(y.data), static_cast<const bf16*>(bias.data), gpu_offsets(expert_offsets, holder, stream),
+                   bias.ndim == 2 ? int(bias.size(0)) : 1, rows, cols);
 }
 
 // dbias [O] (expert_offsets empty) or [E, O]; row_scale empty or [R].
@@ -249,22 +202,17 @@ void sum_rows_gpu(const char* op, Tensor dbias, Tensor dy, Tensor expert_offsets
   Buffer holder;
   const int32_t* offsets = gpu_offsets(expert_offsets, holder, stream);
   const dim3 grid(unsigned((cols + kColumns - 1) / kColumns), unsigned(experts)), block(kColumns, kSlices);
-  launch_dependent(bias_sum_kernel, grid, block, 0, static_cast<cudaStream_t>(stream.handle), static_cast<float*>(dbias.data),
-                   static_cast<const bf16*>(dy.data), row_scale.data ? static_cast<const float*>(row_scale.data) : nullptr, offsets, rows,
-                   cols, overwrite);
-  MARROW_CUDA_CHECK_LAUNCH();
+  launch_dependent(bias_sum_kernel, grid, block, 0, stream, static_cast<float*>(dbias.data), static_cast<const bf16*>(dy.data),
+                   row_scale.data ? static_cast<const float*>(row_scale.data) : nullptr, offsets, rows, cols, overwrite);
 }
 
 void dot_add_gpu(Tensor dtopk_weight, Tensor dy, Tensor bias, Tensor expert_offsets, Tensor copy_row, Stream stream) {
   const int64_t copies = copy_row.numel();
   if (copies == 0) return;
   Buffer holder;
-  const int32_t* offsets = gpu_offsets(expert_offsets, holder, stream);
-  launch_dependent(bias_dot_add_kernel, unsigned((copies + kDotWarps - 1) / kDotWarps), kDotWarps * 32, 0,
-                   static_cast<cudaStream_t>(stream.handle), static_cast<float*>(dtopk_weight.data), static_cast<const bf16*>(dy.data),
-                   static_cast<const bf16*>(bias.data), offsets, copy_row.ptr<int32_t>(), int(bias.size(0)), copies, dy.size(0),
-                   dy.size(1));
-  MARROW_CUDA_CHECK_LAUNCH();
+  launch_dependent(bias_dot_add_kernel, unsigned((copies + kDotWarps - 1) / kDotWarps), kDotWarps * 32, 0, stream,
+                   static_cast<float*>(dtopk_weight.data), static_cast<const bf16*>(dy.data), static_cast<const bf16*>(bias.data),
+                   gpu_offsets(expert_offsets, holder, stream), copy_row.ptr<int32_t>(), int(bias.size(0)), copies, dy.size(0), dy.size(1));
 }
 #endif
 
@@ -274,31 +222,16 @@ void bias_forward(Tensor y, Tensor bias, Stream stream) {
   const char* op = "bias_forward";
   check_plain(op, "y", y, "bias", bias);
   // On the GPU y is bf16, or f32 (the router's logits).
-  if (on_gpu(op, {{"y", &y, y.dtype == DType::f32 ? DType::f32 : DType::bf16}, {"bias", &bias, DType::bf16}})) {
-#ifdef __CUDACC__
-    return add_rows_gpu(y, bias, Tensor{}, stream);
-#else
-    no_cuda_kernel(op);
-#endif
-  }
-  (void)stream;
-  with_cpu_scalar(op, y, [&](auto s) {
-    using T = decltype(s);
-    add_rows_cpu<T>(y.ptr<T>(), bias.ptr<T>(), 0, y.size(0), y.size(1));
-  });
+  if (on_gpu(op, {{"y", &y, y.dtype == DType::f32 ? DType::f32 : DType::bf16}, {"bias", &bias, DType::bf16}}))
+    MARROW_GPU_RETURN(op, stream, add_rows_gpu(y, bias, Tensor{}, stream));
+  with_cpu_scalar(op, y, [&](auto s) { using T = decltype(s); add_rows_cpu<T>(y.ptr<T>(), bias.ptr<T>(), 0, y.size(0), y.size(1)); });
 }
 
 void bias_backward(Tensor dbias, Tensor dy, bool overwrite, Stream stream) {
   const char* op = "bias_backward";
   check_plain(op, "dy", dy, "dbias", dbias);
-  if (on_gpu(op, {{"dy", &dy, DType::bf16}, {"dbias", &dbias, DType::f32}})) {
-#ifdef __CUDACC__
-    return sum_rows_gpu(op, dbias, dy, Tensor{}, overwrite, Tensor{}, stream);
-#else
-    no_cuda_kernel(op);
-#endif
-  }
-  (void)stream;
+  if (on_gpu(op, {{"dy", &dy, DType::bf16}, {"dbias", &dbias, DType::f32}}))
+    MARROW_GPU_RETURN(op, stream, sum_rows_gpu(op, dbias, dy, Tensor{}, overwrite, Tensor{}, stream));
   with_cpu_scalar(op, dy, [&](auto s) {
     using T = decltype(s);
     sum_rows_cpu<T>(dbias.ptr<T>(), dy.ptr<T>(), 0, dy.size(0), dy.size(1), overwrite);
@@ -308,14 +241,8 @@ void bias_backward(Tensor dbias, Tensor dy, bool overwrite, Stream stream) {
 void grouped_bias_forward(Tensor y, Tensor bias, Tensor expert_offsets, Stream stream) {
   const char* op = "grouped_bias_forward";
   check_grouped(op, "y", y, "bias", bias, expert_offsets);
-  if (on_gpu(op, {{"y", &y, DType::bf16}, {"bias", &bias, DType::bf16}})) {
-#ifdef __CUDACC__
-    return add_rows_gpu(y, bias, expert_offsets, stream);
-#else
-    no_cuda_kernel(op);
-#endif
-  }
-  (void)stream;
+  if (on_gpu(op, {{"y", &y, DType::bf16}, {"bias", &bias, DType::bf16}}))
+    MARROW_GPU_RETURN(op, stream, add_rows_gpu(y, bias, expert_offsets, stream));
   for_each_expert_cpu(op, y, expert_offsets, [&](auto s, int64_t g, int64_t r0, int64_t r1) {
     using T = decltype(s);
     add_rows_cpu<T>(y.ptr<T>(), bias.ptr<T>() + g * y.size(1), r0, r1, y.size(1));
@@ -330,14 +257,7 @@ void grouped_bias_backward(Tensor dbias, Tensor dy, Tensor expert_offsets, bool 
     expect_shape(op, "row_scale", row_scale, {dy.size(0)});
     on_gpu(op, {{"dy", &dy, DType::bf16}, {"row_scale", &row_scale, DType::f32}});
   }
-  if (gpu) {
-#ifdef __CUDACC__
-    return sum_rows_gpu(op, dbias, dy, expert_offsets, overwrite, row_scale, stream);
-#else
-    no_cuda_kernel(op);
-#endif
-  }
-  (void)stream;
+  if (gpu) MARROW_GPU_RETURN(op, stream, sum_rows_gpu(op, dbias, dy, expert_offsets, overwrite, row_scale, stream));
   for_each_expert_cpu(op, dy, expert_offsets, [&](auto s, int64_t g, int64_t r0, int64_t r1) {
     using T = decltype(s);
     const T* scale = row_scale.data ? row_scale.ptr<T>() : nullptr;
@@ -347,20 +267,13 @@ void grouped_bias_backward(Tensor dbias, Tensor dy, Tensor expert_offsets, bool 
 
 void grouped_bias_dot_add(Tensor dtopk_weight, Tensor dy, Tensor bias, Tensor expert_offsets, Tensor copy_row, Stream stream) {
   const char* op = "grouped_bias_dot_add";
-  MARROW_CHECK(copy_row.ndim == 2, "{}: copy_row must be [tokens, k], got {}", op, copy_row.shape_string());
+  expect_ndim(op, "copy_row", copy_row, 2, "[tokens, k]");
   expect_dtype(op, "copy_row", copy_row, DType::i32);
   expect_shape(op, "dtopk_weight", dtopk_weight, {copy_row.size(0), copy_row.size(1)});
   check_grouped(op, "dy", dy, "bias", bias, expert_offsets);
   const bool gpu = on_gpu(op, {{"dy", &dy, DType::bf16}, {"bias", &bias, DType::bf16}, {"dtopk_weight", &dtopk_weight, DType::f32}});
   expect_device(op, "copy_row", copy_row, dy.device);
-  if (gpu) {
-#ifdef __CUDACC__
-    return dot_add_gpu(dtopk_weight, dy, bias, expert_offsets, copy_row, stream);
-#else
-    no_cuda_kernel(op);
-#endif
-  }
-  (void)stream;
+  if (gpu) MARROW_GPU_RETURN(op, stream, dot_add_gpu(dtopk_weight, dy, bias, expert_offsets, copy_row, stream));
   expect_copy_rows(op, copy_row, dy.size(0));
   std::vector<int64_t> expert_of(size_t(dy.size(0)));
   for_each_expert_cpu(op, dy, expert_offsets, [&](auto, int64_t g, int64_t r0, int64_t r1) {

@@ -6,7 +6,7 @@
 #include "ops/common.h"
 
 #ifdef __CUDACC__
-#include <cuda_bf16.h>
+#include "ops/cuda_common.cuh"
 #endif
 
 namespace marrow {
@@ -51,12 +51,16 @@ template <typename Out, typename In> __global__ void cast_kernel(Out* out, const
 
 template <typename Out, typename In> void launch_cast(Tensor out, Tensor in, Stream stream) {
   const int64_t n = in.numel();
-  if (n == 0) return;
-  const int threads = 256;
-  const int blocks = int(std::min<int64_t>((n + threads - 1) / threads, 65536));
-  cast_kernel<<<blocks, threads, 0, static_cast<cudaStream_t>(stream.handle)>>>(static_cast<Out*>(out.data),
-                                                                                static_cast<const In*>(in.data), n);
-  MARROW_CUDA_CHECK_LAUNCH();
+  if (n > 0) launch_plain(cast_kernel<Out, In>, grid_stride_blocks(n, 256, 65536), 256, 0, stream, static_cast<Out*>(out.data),
+                          static_cast<const In*>(in.data), n);
+}
+
+void launch_cast(const char* op, Tensor out, Tensor in, Stream stream) {
+  if (out.dtype == DType::bf16 && in.dtype == DType::f32) return launch_cast<bf16, float>(out, in, stream);
+  if (out.dtype == DType::f32 && in.dtype == DType::bf16) return launch_cast<float, bf16>(out, in, stream);
+  if (out.dtype == DType::f32 && in.dtype == DType::f32) return launch_cast<float, float>(out, in, stream);
+  if (out.dtype == DType::bf16 && in.dtype == DType::bf16) return launch_cast<bf16, bf16>(out, in, stream);
+  fail("{}: {} to {} is not supported on the GPU", op, dtype_name(in.dtype), dtype_name(out.dtype));
 }
 
 // Thread i splits (forward) or joins element i, grid-stride.
@@ -70,7 +74,10 @@ __global__ void join_f32_kernel(uint32_t* value, const uint16_t* high, const uin
     value[i] = split_join(high[i], low[i]);
 }
 
-int grid_for(int64_t n, int threads) { return int(std::min<int64_t>((n + threads - 1) / threads, 65536)); }
+// split_f32_kernel or join_f32_kernel over n elements.
+template <typename Kernel, typename... Args> void launch_split(Kernel kernel, int64_t n, Stream stream, Args... args) {
+  if (n > 0) launch_plain(kernel, grid_stride_blocks(n, 256, 65536), 256, 0, stream, args..., n);
+}
 #endif
 
 // split_f32 and join_f32's checks; returns the device.
@@ -93,15 +100,8 @@ void split_f32(Tensor high, Tensor low, Tensor value, Stream stream) {
       split_bits(static_cast<const uint32_t*>(value.data)[i], static_cast<uint16_t*>(high.data)[i], static_cast<uint16_t*>(low.data)[i]);
     return;
   }
-#ifdef __CUDACC__
-  if (n == 0) return;
-  split_f32_kernel<<<grid_for(n, 256), 256, 0, static_cast<cudaStream_t>(stream.handle)>>>(
-      static_cast<uint16_t*>(high.data), static_cast<uint16_t*>(low.data), static_cast<const uint32_t*>(value.data), n);
-  MARROW_CUDA_CHECK_LAUNCH();
-#else
-  (void)stream;
-  no_cuda_kernel(op);
-#endif
+  MARROW_GPU_RETURN(op, stream, launch_split(split_f32_kernel, n, stream, static_cast<uint16_t*>(high.data), static_cast<uint16_t*>(low.data),
+                                             static_cast<const uint32_t*>(value.data)));
 }
 
 void join_f32(Tensor value, Tensor high, Tensor low, Stream stream) {
@@ -112,15 +112,8 @@ void join_f32(Tensor value, Tensor high, Tensor low, Stream stream) {
       static_cast<uint32_t*>(value.data)[i] = split_join(static_cast<const uint16_t*>(high.data)[i], static_cast<const uint16_t*>(low.data)[i]);
     return;
   }
-#ifdef __CUDACC__
-  if (n == 0) return;
-  join_f32_kernel<<<grid_for(n, 256), 256, 0, static_cast<cudaStream_t>(stream.handle)>>>(
-      static_cast<uint32_t*>(value.data), static_cast<const uint16_t*>(high.data), static_cast<const uint16_t*>(low.data), n);
-  MARROW_CUDA_CHECK_LAUNCH();
-#else
-  (void)stream;
-  no_cuda_kernel(op);
-#endif
+  MARROW_GPU_RETURN(op, stream, launch_split(join_f32_kernel, n, stream, static_cast<uint32_t*>(value.data),
+                                             static_cast<const uint16_t*>(high.data), static_cast<const uint16_t*>(low.data)));
 }
 
 void cast(Tensor out, Tensor in, Stream stream) {
@@ -130,17 +123,7 @@ void cast(Tensor out, Tensor in, Stream stream) {
     MARROW_CHECK(t->dtype == DType::f32 || t->dtype == DType::bf16 || t->dtype == DType::f64,
                  "{}: {} has dtype {} but only f32, f64 and bf16 are supported", op, name, dtype_name(t->dtype));
   if (common_device(op, {{"out", &out}, {"in", &in}}) == Device::cpu) return cast_cpu(out, in);
-#ifdef __CUDACC__
-  using bf16 = __nv_bfloat16;
-  if (out.dtype == DType::bf16 && in.dtype == DType::f32) return launch_cast<bf16, float>(out, in, stream);
-  if (out.dtype == DType::f32 && in.dtype == DType::bf16) return launch_cast<float, bf16>(out, in, stream);
-  if (out.dtype == DType::f32 && in.dtype == DType::f32) return launch_cast<float, float>(out, in, stream);
-  if (out.dtype == DType::bf16 && in.dtype == DType::bf16) return launch_cast<bf16, bf16>(out, in, stream);
-  fail("{}: {} to {} is not supported on the GPU", op, dtype_name(in.dtype), dtype_name(out.dtype));
-#else
-  (void)stream;
-  no_cuda_kernel(op);
-#endif
+  MARROW_GPU_RETURN(op, stream, launch_cast(op, out, in, stream));
 }
 
 }  // namespace marrow

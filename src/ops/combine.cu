@@ -8,8 +8,6 @@
 #include "ops/dispatch.h"
 
 #ifdef __CUDACC__
-#include <cuda_bf16.h>
-
 #include "ops/cuda_common.cuh"
 #endif
 
@@ -52,29 +50,13 @@ void backward_cpu(T* dy_perm, T* dtopk_weight, const T* dout, const T* y_perm, c
     }
 }
 
-// Checks tokens[T, H] against rows[R, H], topk_weight[T, K] and copy_row[T, K] (i32); returns (T, K, H).
-std::array<int64_t, 3> check_combine(const char* op, const char* tokens_name, const Tensor& tokens, const char* rows_name,
-                                     const Tensor& rows, const Tensor& topk_weight, const Tensor& copy_row) {
-  MARROW_CHECK(tokens.ndim == 2, "{}: {} must be [tokens, hidden], got {}", op, tokens_name, tokens.shape_string());
-  MARROW_CHECK(copy_row.ndim == 2, "{}: copy_row must be [tokens, k], got {}", op, copy_row.shape_string());
-  MARROW_CHECK(rows.ndim == 2, "{}: {} must be [rows, hidden], got {}", op, rows_name, rows.shape_string());
-  const int64_t n = tokens.size(0), h = tokens.size(1), k = copy_row.size(1);
-  expect_shape(op, "copy_row", copy_row, {n, k});
-  expect_dtype(op, "copy_row", copy_row, DType::i32);
-  expect_shape(op, "topk_weight", topk_weight, {n, k});
-  expect_shape(op, rows_name, rows, {rows.size(0), h});
-  return {n, k, h};
-}
-
 #ifdef __CUDACC__
-using bf16 = __nv_bfloat16;
 constexpr int kWarps = 4;  // (token, slot) pairs per block of the backward
 
-template <int N> struct alignas(2 * N) Pack {
-  bf16 v[N];
-};
-template <int N> __device__ Pack<N> load(const bf16* row, int64_t pack) { return reinterpret_cast<const Pack<N>*>(row)[pack]; }
-template <int N> __device__ void store(bf16* row, int64_t pack, const Pack<N>& v) { reinterpret_cast<Pack<N>*>(row)[pack] = v; }
+// Pack `pack` of a row (indexed by packs: ops/cuda_common.cuh's load and store address otherwise).
+template <int N> __device__ Pack<bf16, N> load_pack(const bf16* row, int64_t pack) { return reinterpret_cast<const Pack<bf16, N>*>(row)[pack]; }
+template <int N> __device__ void store_pack(bf16* row, int64_t pack, const Pack<bf16, N>& v) { reinterpret_cast<Pack<bf16, N>*>(row)[pack] = v; }
+
 
 // One block per token; threads stride the row in packs of N (8 bf16 when H % 8 == 0). Each
 // element sums its weighted rows in slot order in f32, skipping entries of -1, then adds the
@@ -96,17 +78,17 @@ __global__ void combine_forward_kernel(bf16* out, const bf16* residual, const bf
         continue;
       }
       const float w = topk_weight[t * k + j];
-      const Pack<N> y = load<N>(y_perm + r * h, c);
+      const Pack<bf16, N> y = load_pack<N>(y_perm + r * h, c);
       for (int l = 0; l < N; ++l) acc[l] += w * float(y.v[l]);
     }
-    Pack<N> o;
+    Pack<bf16, N> o;
     if (residual) {
-      const Pack<N> res = load<N>(residual + t * h, c);
+      const Pack<bf16, N> res = load_pack<N>(residual + t * h, c);
       for (int l = 0; l < N; ++l) o.v[l] = bf16(float(res.v[l]) + acc[l]);
     } else {
       for (int l = 0; l < N; ++l) o.v[l] = bf16(acc[l]);
     }
-    store<N>(out + t * h, c, o);
+    store_pack<N>(out + t * h, c, o);
   }
 }
 
@@ -132,48 +114,34 @@ __global__ void combine_backward_kernel(bf16* dy_perm, float* dtopk_weight, cons
   const float w = topk_weight[copy];
   float dot = 0;
   for (int64_t c = lane; c < h / N; c += 32) {
-    const Pack<N> g = load<N>(dout + t * h, c), y = load<N>(y_perm + r * h, c);
-    Pack<N> o;
+    const Pack<bf16, N> g = load_pack<N>(dout + t * h, c), y = load_pack<N>(y_perm + r * h, c);
+    Pack<bf16, N> o;
     for (int l = 0; l < N; ++l) {
       dot += float(g.v[l]) * float(y.v[l]);
       o.v[l] = bf16(w * float(g.v[l]));
     }
-    store<N>(dy_perm + r * h, c, o);
+    store_pack<N>(dy_perm + r * h, c, o);
   }
-  for (int m = 16; m > 0; m /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, m);
+  dot = warp_sum(dot);
   if (lane == 0) dtopk_weight[copy] = dot;
 }
 
 void launch_forward(Tensor out, Tensor residual, Tensor y_perm, Tensor topk_weight, Tensor copy_row, Stream stream) {
-  const int64_t n = copy_row.size(0), k = copy_row.size(1), h = out.size(1), rows = y_perm.size(0);
+  const int64_t n = copy_row.size(0), k = copy_row.size(1), h = out.size(1);
   if (n == 0 || h == 0) return;
-  auto s = static_cast<cudaStream_t>(stream.handle);
-  auto* o = static_cast<bf16*>(out.data);
-  auto *res = static_cast<const bf16*>(residual.data), *y = static_cast<const bf16*>(y_perm.data);
-  const float* w = topk_weight.ptr<float>();
-  const int32_t* slots = copy_row.ptr<int32_t>();
   // A null residual (none) passes packable's alignment test.
-  if (packable(h, {out.data, residual.data, y_perm.data}))
-    launch_dependent(combine_forward_kernel<8>, unsigned(n), 128, 0, s, o, res, y, w, slots, rows, int(k), h);
-  else launch_dependent(combine_forward_kernel<1>, unsigned(n), 128, 0, s, o, res, y, w, slots, rows, int(k), h);
-  MARROW_CUDA_CHECK_LAUNCH();
+  launch_dependent(packable(h, {out.data, residual.data, y_perm.data}) ? combine_forward_kernel<8> : combine_forward_kernel<1>, unsigned(n),
+                   128, 0, stream, static_cast<bf16*>(out.data), static_cast<const bf16*>(residual.data),
+                   static_cast<const bf16*>(y_perm.data), topk_weight.ptr<float>(), copy_row.ptr<int32_t>(), y_perm.size(0), int(k), h);
 }
 
-void launch_backward(Tensor dy_perm, Tensor dtopk_weight, Tensor dout, Tensor y_perm, Tensor topk_weight, Tensor copy_row,
-                     Stream stream) {
-  const int64_t n = copy_row.size(0), k = copy_row.size(1), h = dout.size(1), rows = y_perm.size(0);
+void launch_backward(Tensor dy_perm, Tensor dtopk_weight, Tensor dout, Tensor y_perm, Tensor topk_weight, Tensor copy_row, Stream stream) {
+  const int64_t n = copy_row.size(0), k = copy_row.size(1), h = dout.size(1);
   if (n * k == 0) return;
-  auto s = static_cast<cudaStream_t>(stream.handle);
-  const unsigned blocks = unsigned((n * k + kWarps - 1) / kWarps);
-  auto* dy = static_cast<bf16*>(dy_perm.data);
-  float* dw = dtopk_weight.ptr<float>();
-  auto *g = static_cast<const bf16*>(dout.data), *y = static_cast<const bf16*>(y_perm.data);
-  const float* w = topk_weight.ptr<float>();
-  const int32_t* slots = copy_row.ptr<int32_t>();
-  if (packable(h, {dy_perm.data, dout.data, y_perm.data}))
-    launch_dependent(combine_backward_kernel<8>, blocks, 32 * kWarps, 0, s, dy, dw, g, y, w, slots, n, int(k), rows, h);
-  else launch_dependent(combine_backward_kernel<1>, blocks, 32 * kWarps, 0, s, dy, dw, g, y, w, slots, n, int(k), rows, h);
-  MARROW_CUDA_CHECK_LAUNCH();
+  launch_dependent(packable(h, {dy_perm.data, dout.data, y_perm.data}) ? combine_backward_kernel<8> : combine_backward_kernel<1>,
+                   unsigned((n * k + kWarps - 1) / kWarps), 32 * kWarps, 0, stream, static_cast<bf16*>(dy_perm.data), dtopk_weight.ptr<float>(),
+                   static_cast<const bf16*>(dout.data), static_cast<const bf16*>(y_perm.data), topk_weight.ptr<float>(),
+                   copy_row.ptr<int32_t>(), n, int(k), y_perm.size(0), h);
 }
 #endif
 
@@ -181,26 +149,15 @@ void launch_backward(Tensor dy_perm, Tensor dtopk_weight, Tensor dout, Tensor y_
 
 void combine_forward(Tensor out, Tensor residual, Tensor y_perm, Tensor topk_weight, Tensor copy_row, Stream stream) {
   const char* op = "combine_forward";
-  const std::array<int64_t, 3> size = check_combine(op, "out", out, "y_perm", y_perm, topk_weight, copy_row);
+  const std::array<int64_t, 3> size = check_token_rows(op, "out", out, "y_perm", y_perm, copy_row);
   const int64_t n = size[0], k = size[1], h = size[2];
+  expect_shape(op, "topk_weight", topk_weight, {n, k});
   const bool has_residual = residual.ndim != 0 || residual.data != nullptr;  // Tensor{}: no residual
   if (has_residual) expect_shape(op, "residual", residual, {n, h});
-  const Device device =
-      common_device(op, {{"out", &out}, {"y_perm", &y_perm}, {"topk_weight", &topk_weight}, {"copy_row", &copy_row}});
-  if (has_residual) expect_device(op, "residual", residual, device);
-  if (device == Device::cuda) {
-    for (auto [name, t] : {std::pair{"out", &out}, std::pair{"y_perm", &y_perm}}) expect_dtype(op, name, *t, DType::bf16);
-    if (has_residual) expect_dtype(op, "residual", residual, DType::bf16);
-    expect_dtype(op, "topk_weight", topk_weight, DType::f32);
-#ifdef __CUDACC__
-    return launch_forward(out, residual, y_perm, topk_weight, copy_row, stream);
-#else
-    no_cuda_kernel(op);
-#endif
-  }
-  expect_same_dtype(op, {{"out", &out}, {"y_perm", &y_perm}, {"topk_weight", &topk_weight}});
-  if (has_residual) expect_same_dtype(op, {{"out", &out}, {"residual", &residual}});
-  (void)stream;
+  const bool gpu = on_gpu(op, {{"out", &out, DType::bf16}, {"y_perm", &y_perm, DType::bf16}, {"topk_weight", &topk_weight, DType::f32},
+                               {"copy_row", &copy_row, DType::i32}});
+  if (has_residual) on_gpu(op, {{"out", &out, DType::bf16}, {"residual", &residual, DType::bf16}});
+  if (gpu) MARROW_GPU_RETURN(op, stream, launch_forward(out, residual, y_perm, topk_weight, copy_row, stream));
   expect_copy_rows(op, copy_row, y_perm.size(0));
   with_cpu_scalar(op, out, [&](auto s) {
     using T = decltype(s);
@@ -212,32 +169,14 @@ void combine_forward(Tensor out, Tensor residual, Tensor y_perm, Tensor topk_wei
 void combine_backward(Tensor dy_perm, Tensor dtopk_weight, Tensor dout, Tensor y_perm, Tensor topk_weight, Tensor copy_row,
                       Stream stream) {
   const char* op = "combine_backward";
-  const std::array<int64_t, 3> size = check_combine(op, "dout", dout, "y_perm", y_perm, topk_weight, copy_row);
+  const std::array<int64_t, 3> size = check_token_rows(op, "dout", dout, "y_perm", y_perm, copy_row);
   const int64_t n = size[0], k = size[1], h = size[2];
+  expect_shape(op, "topk_weight", topk_weight, {n, k});
   expect_shape(op, "dy_perm", dy_perm, {y_perm.size(0), h});
   expect_shape(op, "dtopk_weight", dtopk_weight, {n, k});
-  if (common_device(op, {{"dout", &dout},
-                         {"dy_perm", &dy_perm},
-                         {"dtopk_weight", &dtopk_weight},
-                         {"y_perm", &y_perm},
-                         {"topk_weight", &topk_weight},
-                         {"copy_row", &copy_row}}) == Device::cuda) {
-    for (auto [name, t] : {std::pair{"dout", &dout}, std::pair{"dy_perm", &dy_perm}, std::pair{"y_perm", &y_perm}})
-      expect_dtype(op, name, *t, DType::bf16);
-    expect_dtype(op, "topk_weight", topk_weight, DType::f32);
-    expect_dtype(op, "dtopk_weight", dtopk_weight, DType::f32);
-#ifdef __CUDACC__
-    return launch_backward(dy_perm, dtopk_weight, dout, y_perm, topk_weight, copy_row, stream);
-#else
-    no_cuda_kernel(op);
-#endif
-  }
-  expect_same_dtype(op, {{"dout", &dout},
-                         {"dy_perm", &dy_perm},
-                         {"dtopk_weight", &dtopk_weight},
-                         {"y_perm", &y_perm},
-                         {"topk_weight", &topk_weight}});
-  (void)stream;
+  if (on_gpu(op, {{"dout", &dout, DType::bf16}, {"dy_perm", &dy_perm, DType::bf16}, {"dtopk_weight", &dtopk_weight, DType::f32},
+                  {"y_perm", &y_perm, DType::bf16}, {"topk_weight", &topk_weight, DType::f32}, {"copy_row", &copy_row, DType::i32}}))
+    MARROW_GPU_RETURN(op, stream, launch_backward(dy_perm, dtopk_weight, dout, y_perm, topk_weight, copy_row, stream));
   expect_copy_rows(op, copy_row, y_perm.size(0));
   with_cpu_scalar(op, dout, [&](auto s) {
     using T = decltype(s);

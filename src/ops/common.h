@@ -25,6 +25,11 @@ template <typename F> void with_cpu_scalar(const char* op, const Tensor& t, F&& 
   }
 }
 
+// t has `ndim` dimensions, named in `layout` (e.g. "[tokens, hidden]") by the error.
+inline void expect_ndim(const char* op, const char* name, const Tensor& t, int ndim, const char* layout) {
+  MARROW_CHECK(t.ndim == ndim, "{}: {} must be {}, got {}", op, name, layout, t.shape_string());
+}
+
 // All floating tensors of an op share the dtype of the first; names come in the same order.
 inline void expect_same_dtype(const char* op, std::initializer_list<std::pair<const char*, const Tensor*>> tensors) {
   const Tensor* first = tensors.begin()->second;
@@ -40,6 +45,31 @@ inline Device common_device(const char* op, std::initializer_list<std::pair<cons
     MARROW_CHECK(t->device == d, "{}: {} is on {} but {} is on {}", op, name, device_name(t->device), tensors.begin()->first,
                  device_name(d));
   return d;
+}
+
+// A tensor of an op and the dtype the GPU kernels take for it.
+struct Operand {
+  const char* name;
+  const Tensor* tensor;
+  DType gpu_dtype;
+};
+
+// The device checks of an op after its shapes: all operands on the first's device; on the CPU all
+// but the i32 index tensors of the first's dtype (the reference runs in one scalar type), on the
+// GPU each of its gpu_dtype. Returns whether they are on the GPU.
+inline bool on_gpu(const char* op, std::initializer_list<Operand> operands) {
+  const Operand& first = *operands.begin();
+  for (const Operand& o : operands)
+    MARROW_CHECK(o.tensor->device == first.tensor->device, "{}: {} is on {} but {} is on {}", op, o.name, device_name(o.tensor->device),
+                 first.name, device_name(first.tensor->device));
+  if (first.tensor->device == Device::cpu) {
+    for (const Operand& o : operands)
+      MARROW_CHECK(o.gpu_dtype == DType::i32 || o.tensor->dtype == first.tensor->dtype, "{}: {} has dtype {} but {} has {}", op, o.name,
+                   dtype_name(o.tensor->dtype), first.name, dtype_name(first.tensor->dtype));
+    return false;
+  }
+  for (const Operand& o : operands) expect_dtype(op, o.name, *o.tensor, o.gpu_dtype);
+  return true;
 }
 
 // Index tensors [N, K] (i32, host) come from the caller: an entry outside [0, limit) is an error
@@ -70,5 +100,14 @@ template <typename T> void axpy(T* y, T alpha, const T* x, int64_t n) {
 [[noreturn]] inline void no_cuda_kernel(const char* op) {
   fail("{}: the tensors are on the GPU but this build of marrow has no CUDA support (configure with -DMARROW_CUDA=ON)", op);
 }
+
+// The GPU branch of a void op, `MARROW_GPU_RETURN(op, stream, launch(...));`: with CUDA it returns
+// the launch (code of the file's #ifdef __CUDACC__ section); without, the launch drops out unseen
+// and the op fails with no_cuda_kernel's message (stream named, so that it counts as used).
+#ifdef __CUDACC__
+#define MARROW_GPU_RETURN(op, stream, ...) return __VA_ARGS__
+#else
+#define MARROW_GPU_RETURN(op, stream, ...) return (void)(stream), ::marrow::no_cuda_kernel(op)
+#endif
 
 }  // namespace marrow

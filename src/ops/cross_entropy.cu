@@ -9,8 +9,6 @@
 #include "ops/common.h"
 
 #ifdef __CUDACC__
-#include <cuda_bf16.h>
-
 #include "ops/cuda_common.cuh"
 #endif
 
@@ -58,14 +56,8 @@ void backward_cpu(T* dlogits, const T* logits, const T* lse, const int32_t* targ
   }
 }
 
-
 #ifdef __CUDACC__
-using bf16 = __nv_bfloat16;
 constexpr int kThreads = 512;
-
-template <int N> struct alignas(2 * N) Pack {
-  bf16 v[N];
-};
 
 // The forward's exponentials are of x - max <= 0 and run on the SFU (__expf: one multiply by
 // log2(e) and ex2.approx, ~2 + 1.2 |x - max| ulp; the terms that dominate the sum have small
@@ -81,7 +73,7 @@ __device__ void merge(float& m, float& s, float m2, float s2) {
 }
 
 // The largest of a pack's logits (packs of 8: pairwise on bf16x2, no conversion until the last).
-template <int N> __device__ __forceinline__ float pack_max(const Pack<N>& p) {
+template <int N> __device__ __forceinline__ float pack_max(const Pack<bf16, N>& p) {
   if constexpr (N == 8) {
     const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&p);
     const __nv_bfloat162 m2 = __hmax2(__hmax2(h[0], h[1]), __hmax2(h[2], h[3]));
@@ -107,7 +99,7 @@ __global__ void cross_entropy_forward_kernel(float* token_loss, float* lse, cons
   // Unrolled so that a thread has several loads in flight (the sums keep their order).
 #pragma unroll 4
   for (int64_t c = threadIdx.x; c < vocab / N; c += kThreads) {
-    const Pack<N> p = reinterpret_cast<const Pack<N>*>(row)[c];
+    const Pack<bf16, N> p = reinterpret_cast<const Pack<bf16, N>*>(row)[c];
     const float largest = pack_max<N>(p);
     if (largest > m) {
       s *= __expf(m - largest);
@@ -146,40 +138,29 @@ __global__ void cross_entropy_backward_kernel(bf16* dlogits, const bf16* logits,
   const bool ignore = target == kIgnoreIndex, bad = !ignore && (target < 0 || target >= vocab);
   const float l = lse[t];
   for (int64_t c = threadIdx.x; c < vocab / N; c += kThreads) {
-    const Pack<N> p = reinterpret_cast<const Pack<N>*>(logits + t * vocab)[c];
-    Pack<N> o;
+    const Pack<bf16, N> p = reinterpret_cast<const Pack<bf16, N>*>(logits + t * vocab)[c];
+    Pack<bf16, N> o;
     for (int i = 0; i < N; ++i) {
       const float g = scale * expf(float(p.v[i]) - l) - (c * N + i == target ? scale : 0.0f);
       o.v[i] = bf16(ignore ? 0.0f : bad ? NAN : g);
     }
-    reinterpret_cast<Pack<N>*>(dlogits + t * vocab)[c] = o;
+    reinterpret_cast<Pack<bf16, N>*>(dlogits + t * vocab)[c] = o;
   }
 }
 
 void launch_forward(Tensor token_loss, Tensor lse, Tensor logits, Tensor targets, Stream stream) {
   const int64_t n = logits.size(0), vocab = logits.size(1);
   if (n == 0) return;
-  auto s = static_cast<cudaStream_t>(stream.handle);
-  auto* x = static_cast<const bf16*>(logits.data);
-  if (packable(vocab, {logits.data}))
-    cross_entropy_forward_kernel<8>
-        <<<unsigned(n), kThreads, 0, s>>>(token_loss.ptr<float>(), lse.ptr<float>(), x, targets.ptr<int32_t>(), vocab);
-  else
-    cross_entropy_forward_kernel<1>
-        <<<unsigned(n), kThreads, 0, s>>>(token_loss.ptr<float>(), lse.ptr<float>(), x, targets.ptr<int32_t>(), vocab);
-  MARROW_CUDA_CHECK_LAUNCH();
+  launch_plain(packable(vocab, {logits.data}) ? cross_entropy_forward_kernel<8> : cross_entropy_forward_kernel<1>, unsigned(n), kThreads, 0,
+               stream, token_loss.ptr<float>(), lse.ptr<float>(), static_cast<const bf16*>(logits.data), targets.ptr<int32_t>(), vocab);
 }
 
 void launch_backward(Tensor dlogits, Tensor logits, Tensor lse, Tensor targets, double scale, Stream stream) {
   const int64_t n = logits.size(0), vocab = logits.size(1);
   if (n == 0) return;
-  auto s = static_cast<cudaStream_t>(stream.handle);
-  auto* dx = static_cast<bf16*>(dlogits.data);
-  auto* x = static_cast<const bf16*>(logits.data);
-  if (packable(vocab, {dlogits.data, logits.data}))
-    cross_entropy_backward_kernel<8><<<unsigned(n), kThreads, 0, s>>>(dx, x, lse.ptr<float>(), targets.ptr<int32_t>(), vocab, float(scale));
-  else cross_entropy_backward_kernel<1><<<unsigned(n), kThreads, 0, s>>>(dx, x, lse.ptr<float>(), targets.ptr<int32_t>(), vocab, float(scale));
-  MARROW_CUDA_CHECK_LAUNCH();
+  launch_plain(packable(vocab, {dlogits.data, logits.data}) ? cross_entropy_backward_kernel<8> : cross_entropy_backward_kernel<1>,
+               unsigned(n), kThreads, 0, stream, static_cast<bf16*>(dlogits.data), static_cast<const bf16*>(logits.data), lse.ptr<float>(),
+               targets.ptr<int32_t>(), vocab, float(scale));
 }
 #endif
 
@@ -187,25 +168,15 @@ void launch_backward(Tensor dlogits, Tensor logits, Tensor lse, Tensor targets, 
 
 void cross_entropy_forward(Tensor token_loss, Tensor lse, Tensor logits, Tensor targets, Stream stream) {
   const char* op = "cross_entropy_forward";
-  MARROW_CHECK(logits.ndim == 2, "{}: logits must be [tokens, vocab], got {}", op, logits.shape_string());
+  expect_ndim(op, "logits", logits, 2, "[tokens, vocab]");
   const int64_t n = logits.size(0), vocab = logits.size(1);
   expect_shape(op, "targets", targets, {n});
   expect_shape(op, "token_loss", token_loss, {n});
   expect_shape(op, "lse", lse, {n});
   expect_dtype(op, "targets", targets, DType::i32);
-  if (common_device(op, {{"logits", &logits}, {"token_loss", &token_loss}, {"lse", &lse}, {"targets", &targets}}) ==
-      Device::cuda) {
-    expect_dtype(op, "logits", logits, DType::bf16);
-    expect_dtype(op, "token_loss", token_loss, DType::f32);
-    expect_dtype(op, "lse", lse, DType::f32);
-#ifdef __CUDACC__
-    return launch_forward(token_loss, lse, logits, targets, stream);
-#else
-    no_cuda_kernel(op);
-#endif
-  }
-  expect_same_dtype(op, {{"logits", &logits}, {"token_loss", &token_loss}, {"lse", &lse}});
-  (void)stream;
+  if (on_gpu(op, {{"logits", &logits, DType::bf16}, {"token_loss", &token_loss, DType::f32}, {"lse", &lse, DType::f32},
+                  {"targets", &targets, DType::i32}}))
+    MARROW_GPU_RETURN(op, stream, launch_forward(token_loss, lse, logits, targets, stream));
   check_targets(op, targets.ptr<int32_t>(), n, vocab);
   with_cpu_scalar(op, logits, [&](auto s) {
     using T = decltype(s);
@@ -215,25 +186,15 @@ void cross_entropy_forward(Tensor token_loss, Tensor lse, Tensor logits, Tensor 
 
 void cross_entropy_backward(Tensor dlogits, Tensor logits, Tensor lse, Tensor targets, double scale, Stream stream) {
   const char* op = "cross_entropy_backward";
-  MARROW_CHECK(logits.ndim == 2, "{}: logits must be [tokens, vocab], got {}", op, logits.shape_string());
+  expect_ndim(op, "logits", logits, 2, "[tokens, vocab]");
   const int64_t n = logits.size(0), vocab = logits.size(1);
   expect_shape(op, "dlogits", dlogits, {n, vocab});
   expect_shape(op, "targets", targets, {n});
   expect_shape(op, "lse", lse, {n});
   expect_dtype(op, "targets", targets, DType::i32);
-  if (common_device(op, {{"logits", &logits}, {"dlogits", &dlogits}, {"lse", &lse}, {"targets", &targets}}) ==
-      Device::cuda) {
-    expect_dtype(op, "logits", logits, DType::bf16);
-    expect_dtype(op, "dlogits", dlogits, DType::bf16);
-    expect_dtype(op, "lse", lse, DType::f32);
-#ifdef __CUDACC__
-    return launch_backward(dlogits, logits, lse, targets, scale, stream);
-#else
-    no_cuda_kernel(op);
-#endif
-  }
-  expect_same_dtype(op, {{"logits", &logits}, {"dlogits", &dlogits}, {"lse", &lse}});
-  (void)stream;
+  if (on_gpu(op, {{"logits", &logits, DType::bf16}, {"dlogits", &dlogits, DType::bf16}, {"lse", &lse, DType::f32},
+                  {"targets", &targets, DType::i32}}))
+    MARROW_GPU_RETURN(op, stream, launch_backward(dlogits, logits, lse, targets, scale, stream));
   check_targets(op, targets.ptr<int32_t>(), n, vocab);
   with_cpu_scalar(op, logits, [&](auto s) {
     using T = decltype(s);

@@ -1,13 +1,26 @@
 // Device-side helpers the op files share; included inside their #ifdef __CUDACC__ sections.
 #pragma once
+#include <cuda_bf16.h>
+
+#include <algorithm>
 #include <cstdint>
 #include <initializer_list>
 #include <utility>
 
 #include "core/cuda_check.h"
+#include "core/tensor.h"
 #include "ops/launch.h"
 
 namespace marrow {
+
+using bf16 = __nv_bfloat16;
+
+// A bf16 tensor's data as the kernels take it (null for an absent tensor).
+inline bf16* bf16_ptr(const Tensor& t) { return static_cast<bf16*>(t.data); }
+
+// The CUDA stream of a Marrow Stream (or of a cudaStream_t, itself): the launchers take either.
+inline cudaStream_t cuda_stream(Stream stream) { return static_cast<cudaStream_t>(stream.handle); }
+inline cudaStream_t cuda_stream(cudaStream_t stream) { return stream; }
 
 // Programmatic dependent launch (Hopper): a kernel launched with launch_dependent may be scheduled
 // onto the SMs while the kernel before it in the stream runs its last wave, which hides part of each
@@ -25,8 +38,11 @@ __device__ __forceinline__ void begin_after_previous_grid() {
 #endif
 }
 
+// A checked launch of kernel, as a programmatic dependent (see above) when `dependent` and the
+// setting allow it; launch_dependent and launch_plain below name the two cases.
 template <typename... Params, typename... Args>
-void launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t stream, Args&&... args) {
+void launch_kernel(bool dependent, void (*kernel)(Params...), dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t stream,
+                   Args&&... args) {
   cudaLaunchAttribute attribute{};
   attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attribute.val.programmaticStreamSerializationAllowed = 1;
@@ -36,8 +52,22 @@ void launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, size_t s
   config.dynamicSmemBytes = shared_bytes;
   config.stream = stream;
   config.attrs = &attribute;
-  config.numAttrs = dependent_launch() ? 1 : 0;
+  config.numAttrs = dependent && dependent_launch() ? 1 : 0;
   MARROW_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+}
+template <typename Kernel, typename S, typename... Args>
+void launch_dependent(Kernel kernel, dim3 grid, dim3 block, size_t shared_bytes, S stream, Args&&... args) {
+  launch_kernel(true, kernel, grid, block, shared_bytes, cuda_stream(stream), std::forward<Args>(args)...);
+}
+// For kernels that do not call begin_after_previous_grid.
+template <typename Kernel, typename S, typename... Args>
+void launch_plain(Kernel kernel, dim3 grid, dim3 block, size_t shared_bytes, S stream, Args&&... args) {
+  launch_kernel(false, kernel, grid, block, shared_bytes, cuda_stream(stream), std::forward<Args>(args)...);
+}
+
+// Blocks of `threads` for a grid-stride loop over n items, at most `cap` (and at least one).
+inline unsigned grid_stride_blocks(int64_t n, int threads, int64_t cap) {
+  return unsigned(std::max<int64_t>(1, std::min<int64_t>((n + threads - 1) / threads, cap)));
 }
 
 // Rows of `row_elements` bf16 values move in 16-byte packs of 8 when the row length allows it and
@@ -47,6 +77,13 @@ inline bool packable(int64_t row_elements, std::initializer_list<const void*> pt
   for (const void* p : ptrs) bits |= reinterpret_cast<uintptr_t>(p);
   return row_elements % 8 == 0 && bits % 16 == 0;
 }
+
+// N elements loaded and stored as one piece: 16-byte accesses (two for 8 floats).
+template <typename T, int N> struct alignas(sizeof(T) * N < 16 ? sizeof(T) * N : 16) Pack {
+  T v[N];
+};
+template <int N, typename T> __device__ __forceinline__ Pack<T, N> load(const T* p) { return *reinterpret_cast<const Pack<T, N>*>(p); }
+template <int N, typename T> __device__ __forceinline__ void store(T* p, const Pack<T, N>& v) { *reinterpret_cast<Pack<T, N>*>(p) = v; }
 
 __device__ __forceinline__ uint32_t smem_address(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
 
@@ -61,6 +98,11 @@ template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile(
 // Butterfly sum: every lane adds the same values in the same tree, so all lanes hold one result.
 template <typename T> __device__ T warp_sum(T v) {
   for (int m = 16; m > 0; m /= 2) v += __shfl_xor_sync(0xffffffffu, v, m);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+  for (int m = 16; m > 0; m /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, m));
   return v;
 }
 

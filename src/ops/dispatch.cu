@@ -11,8 +11,6 @@
 #include "ops/common.h"
 
 #ifdef __CUDACC__
-#include <cuda_bf16.h>
-
 #include "ops/cuda_common.cuh"
 
 #include <cub/block/block_scan.cuh>
@@ -58,35 +56,12 @@ void backward_cpu(T* dx, const T* dx_perm, const int32_t* copy_row, int64_t n, i
     }
 }
 
-// Checks the shapes and dtypes of copy_row[T, K] (i32), tokens[T, H] and rows[R, H]; returns (T, K, H).
-std::array<int64_t, 3> check_permute(const char* op, const char* tokens_name, const Tensor& tokens, const char* rows_name,
-                                     const Tensor& rows, const Tensor& copy_row) {
-  MARROW_CHECK(tokens.ndim == 2, "{}: {} must be [tokens, hidden], got {}", op, tokens_name, tokens.shape_string());
-  MARROW_CHECK(copy_row.ndim == 2, "{}: copy_row must be [tokens, k], got {}", op, copy_row.shape_string());
-  MARROW_CHECK(rows.ndim == 2, "{}: {} must be [rows, hidden], got {}", op, rows_name, rows.shape_string());
-  const int64_t n = tokens.size(0), h = tokens.size(1), k = copy_row.size(1);
-  expect_shape(op, "copy_row", copy_row, {n, k});
-  expect_dtype(op, "copy_row", copy_row, DType::i32);
-  expect_shape(op, rows_name, rows, {rows.size(0), h});
-  expect_same_dtype(op, {{tokens_name, &tokens}, {rows_name, &rows}});
-  return {n, k, h};
-}
-
 // On the GPU the [T, H] and [R, H] tensors are both bf16 or both f32.
 void expect_gpu_dtype(const char* op, const char* name, const Tensor& t) {
-  MARROW_CHECK(t.dtype == DType::bf16 || t.dtype == DType::f32, "{}: on the GPU {} must be bf16 or f32, got {}", op, name,
-               dtype_name(t.dtype));
+  MARROW_CHECK(t.dtype == DType::bf16 || t.dtype == DType::f32, "{}: on the GPU {} must be bf16 or f32, got {}", op, name, dtype_name(t.dtype));
 }
 
-
 #ifdef __CUDACC__
-using bf16 = __nv_bfloat16;
-
-// N elements loaded and stored as one piece: 16-byte accesses (two for 8 floats).
-template <typename T, int N> struct alignas(sizeof(T) * N < 16 ? sizeof(T) * N : 16) Pack {
-  T v[N];
-};
-
 // The plan on the GPU: a stable counting sort of the copies (t * K + j) by bucket in one block, the
 // bucket of a copy its expert, or E for an index outside [0, E) (-1: not here), which gets
 // copy_row -1 and no row, so offsets[E] counts the copies that are here. Warp w takes the w-th of kPlanWarps contiguous
@@ -234,7 +209,6 @@ __global__ void dispatch_backward_kernel(T* dx, const T* dx_perm, const int32_t*
 // host wait for the stream, and the indices are checked there.
 void launch_plan(Tensor expert_offsets, Tensor copy_row, Tensor topk_index, Stream stream) {
   const int64_t copies = topk_index.numel(), e = expert_offsets.size(0) - 1;
-  auto s = static_cast<cudaStream_t>(stream.handle);
   const bool on_device = expert_offsets.device == Device::cuda;
   Buffer host_bound;
   if (!on_device) host_bound = Buffer(DType::i32, Device::cuda, {e + 1}, stream);
@@ -248,29 +222,30 @@ void launch_plan(Tensor expert_offsets, Tensor copy_row, Tensor topk_index, Stre
     }();
     (void)allowed;
     const int smem = int(kPlanWarps * (e + 1) * sizeof(int32_t));
-    launch_dependent(dispatch_plan_kernel, 1, kPlanThreads, size_t(smem), s, copy_row.ptr<int32_t>(), offsets.ptr<int32_t>(),
+    launch_dependent(dispatch_plan_kernel, 1, kPlanThreads, size_t(smem), stream, copy_row.ptr<int32_t>(), offsets.ptr<int32_t>(),
                      topk_index.ptr<int32_t>(), int(copies), int(e));
-    MARROW_CUDA_CHECK_LAUNCH();
   } else {
-    MARROW_CUDA_CHECK(cudaMemsetAsync(offsets.data, 0, offsets.bytes(), s));
+    MARROW_CUDA_CHECK(cudaMemsetAsync(offsets.data, 0, offsets.bytes(), cuda_stream(stream)));
   }
   if (on_device) return;
   copy(expert_offsets, offsets, stream);  // waits for the stream: the offsets are wanted on the host
   expect_plan_indices("dispatch_plan", to_host(topk_index, stream), topk_index.size(1), e);
 }
 
-// kernel<T, 8> when rows are whole packs and every pointer is 16-byte aligned, else kernel<T, 1>.
+// kernel8 (T, 8) when rows are whole packs and every pointer is 16-byte aligned, else kernel1 (T, 1);
 // `rows` is R, the row count of the [R, H] side.
-template <typename T, typename Kernel8, typename Kernel1>
-void launch_permute(Kernel8 kernel8, Kernel1 kernel1, Tensor out, Tensor in, Tensor copy_row, int64_t rows, Stream stream) {
+template <typename T, typename Kernel>
+void launch_permute(Kernel kernel8, Kernel kernel1, Tensor out, Tensor in, Tensor copy_row, int64_t rows, Stream stream) {
   const int64_t n = copy_row.size(0), k = copy_row.size(1), h = out.size(1);
-  if (n == 0 || h == 0) return;
-  auto s = static_cast<cudaStream_t>(stream.handle);
-  auto* o = static_cast<T*>(out.data);
-  auto* i = static_cast<const T*>(in.data);
-  if (packable(h, {out.data, in.data})) launch_dependent(kernel8, unsigned(n), 128, 0, s, o, i, copy_row.ptr<int32_t>(), rows, int(k), h);
-  else launch_dependent(kernel1, unsigned(n), 128, 0, s, o, i, copy_row.ptr<int32_t>(), rows, int(k), h);
-  MARROW_CUDA_CHECK_LAUNCH();
+  if (n > 0 && h > 0)
+    launch_dependent(packable(h, {out.data, in.data}) ? kernel8 : kernel1, unsigned(n), 128, 0, stream, static_cast<T*>(out.data),
+                     static_cast<const T*>(in.data), copy_row.ptr<int32_t>(), rows, int(k), h);
+}
+template <typename T> void launch_forward(Tensor x_perm, Tensor x, Tensor copy_row, Stream stream) {
+  launch_permute<T>(dispatch_forward_kernel<T, 8>, dispatch_forward_kernel<T, 1>, x_perm, x, copy_row, x_perm.size(0), stream);
+}
+template <typename T> void launch_backward(Tensor dx, Tensor dx_perm, Tensor copy_row, Stream stream) {
+  launch_permute<T>(dispatch_backward_kernel<T, 8>, dispatch_backward_kernel<T, 1>, dx, dx_perm, copy_row, dx_perm.size(0), stream);
 }
 #endif
 
@@ -278,7 +253,7 @@ void launch_permute(Kernel8 kernel8, Kernel1 kernel1, Tensor out, Tensor in, Ten
 
 void dispatch_plan(Tensor expert_offsets, Tensor copy_row, Tensor topk_index, Stream stream) {
   const char* op = "dispatch_plan";
-  MARROW_CHECK(topk_index.ndim == 2, "{}: topk_index must be [tokens, k], got {}", op, topk_index.shape_string());
+  expect_ndim(op, "topk_index", topk_index, 2, "[tokens, k]");
   MARROW_CHECK(expert_offsets.ndim == 1 && expert_offsets.size(0) >= 1, "{}: expert_offsets must be [experts + 1], got {}", op,
                expert_offsets.shape_string());
   const int64_t n = topk_index.size(0), k = topk_index.size(1), e = expert_offsets.size(0) - 1;
@@ -287,17 +262,23 @@ void dispatch_plan(Tensor expert_offsets, Tensor copy_row, Tensor topk_index, St
   expect_dtype(op, "copy_row", copy_row, DType::i32);
   expect_dtype(op, "expert_offsets", expert_offsets, DType::i32);
   MARROW_CHECK(n * k <= std::numeric_limits<int32_t>::max(), "{}: {} token copies do not fit the i32 row indices", op, n * k);
-  if (common_device(op, {{"topk_index", &topk_index}, {"copy_row", &copy_row}}) == Device::cuda) {
-#ifdef __CUDACC__
-    return launch_plan(expert_offsets, copy_row, topk_index, stream);
-#else
-    no_cuda_kernel(op);
-#endif
-  }
+  if (common_device(op, {{"topk_index", &topk_index}, {"copy_row", &copy_row}}) == Device::cuda)
+    MARROW_GPU_RETURN(op, stream, launch_plan(expert_offsets, copy_row, topk_index, stream));
   expect_device(op, "expert_offsets", expert_offsets, Device::cpu);
-  (void)stream;
   expect_plan_indices(op, topk_index, k, e);
   plan_cpu(expert_offsets.ptr<int32_t>(), copy_row.ptr<int32_t>(), topk_index.ptr<int32_t>(), n * k, e);
+}
+
+std::array<int64_t, 3> check_token_rows(const char* op, const char* tokens_name, const Tensor& tokens, const char* rows_name,
+                                        const Tensor& rows, const Tensor& copy_row) {
+  expect_ndim(op, tokens_name, tokens, 2, "[tokens, hidden]");
+  expect_ndim(op, "copy_row", copy_row, 2, "[tokens, k]");
+  expect_ndim(op, rows_name, rows, 2, "[rows, hidden]");
+  const int64_t n = tokens.size(0), h = tokens.size(1), k = copy_row.size(1);
+  expect_shape(op, "copy_row", copy_row, {n, k});
+  expect_dtype(op, "copy_row", copy_row, DType::i32);
+  expect_shape(op, rows_name, rows, {rows.size(0), h});
+  return {n, k, h};
 }
 
 void expect_copy_rows(const char* op, const Tensor& copy_row, int64_t rows) {
@@ -310,22 +291,15 @@ void expect_copy_rows(const char* op, const Tensor& copy_row, int64_t rows) {
 
 void dispatch_forward(Tensor x_perm, Tensor x, Tensor copy_row, Stream stream) {
   const char* op = "dispatch_forward";
-  const std::array<int64_t, 3> size = check_permute(op, "x", x, "x_perm", x_perm, copy_row);
+  const std::array<int64_t, 3> size = check_token_rows(op, "x", x, "x_perm", x_perm, copy_row);
   const int64_t n = size[0], k = size[1], h = size[2], rows = x_perm.size(0);
+  expect_same_dtype(op, {{"x", &x}, {"x_perm", &x_perm}});
   if (common_device(op, {{"x", &x}, {"x_perm", &x_perm}, {"copy_row", &copy_row}}) == Device::cuda) {
     expect_gpu_dtype(op, "x", x);
-#ifdef __CUDACC__
-    if (x.dtype == DType::bf16)
-      return launch_permute<bf16>(dispatch_forward_kernel<bf16, 8>, dispatch_forward_kernel<bf16, 1>, x_perm, x, copy_row, rows,
-                                  stream);
-    return launch_permute<float>(dispatch_forward_kernel<float, 8>, dispatch_forward_kernel<float, 1>, x_perm, x, copy_row, rows,
-                                 stream);
-#else
-    no_cuda_kernel(op);
-#endif
+    MARROW_GPU_RETURN(op, stream, x.dtype == DType::bf16 ? launch_forward<bf16>(x_perm, x, copy_row, stream)
+                                                         : launch_forward<float>(x_perm, x, copy_row, stream));
   }
   expect_copy_rows(op, copy_row, rows);
-  (void)stream;
   with_cpu_scalar(op, x, [&](auto s) {
     using T = decltype(s);
     forward_cpu<T>(x_perm.ptr<T>(), x.ptr<T>(), copy_row.ptr<int32_t>(), n, k, h);
@@ -334,22 +308,15 @@ void dispatch_forward(Tensor x_perm, Tensor x, Tensor copy_row, Stream stream) {
 
 void dispatch_backward(Tensor dx, Tensor dx_perm, Tensor copy_row, Stream stream) {
   const char* op = "dispatch_backward";
-  const std::array<int64_t, 3> size = check_permute(op, "dx", dx, "dx_perm", dx_perm, copy_row);
+  const std::array<int64_t, 3> size = check_token_rows(op, "dx", dx, "dx_perm", dx_perm, copy_row);
   const int64_t n = size[0], k = size[1], h = size[2], rows = dx_perm.size(0);
+  expect_same_dtype(op, {{"dx", &dx}, {"dx_perm", &dx_perm}});
   if (common_device(op, {{"dx", &dx}, {"dx_perm", &dx_perm}, {"copy_row", &copy_row}}) == Device::cuda) {
     expect_gpu_dtype(op, "dx", dx);
-#ifdef __CUDACC__
-    if (dx.dtype == DType::bf16)
-      return launch_permute<bf16>(dispatch_backward_kernel<bf16, 8>, dispatch_backward_kernel<bf16, 1>, dx, dx_perm, copy_row,
-                                  rows, stream);
-    return launch_permute<float>(dispatch_backward_kernel<float, 8>, dispatch_backward_kernel<float, 1>, dx, dx_perm, copy_row,
-                                 rows, stream);
-#else
-    no_cuda_kernel(op);
-#endif
+    MARROW_GPU_RETURN(op, stream, dx.dtype == DType::bf16 ? launch_backward<bf16>(dx, dx_perm, copy_row, stream)
+                                                          : launch_backward<float>(dx, dx_perm, copy_row, stream));
   }
   expect_copy_rows(op, copy_row, rows);
-  (void)stream;
   with_cpu_scalar(op, dx, [&](auto s) {
     using T = decltype(s);
     backward_cpu<T>(dx.ptr<T>(), dx_perm.ptr<T>(), copy_row.ptr<int32_t>(), n, k, h);

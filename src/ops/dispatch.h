@@ -17,6 +17,8 @@
 // GPU kernels cannot without a sync, so a row outside [0, R) other than -1 is skipped by the
 // forward and makes the backward's sum NaN.
 #pragma once
+#include <array>
+
 #include "core/tensor.h"
 
 namespace marrow {
@@ -34,6 +36,11 @@ void dispatch_forward(Tensor x_perm, Tensor x, Tensor copy_row, Stream stream = 
 // dx[t] = sum_j dx_perm[copy_row[t, j]] over the entries other than -1, summed in slot order j (f32
 // on the GPU); a token whose entries are all -1 gets zeros. dx[T, H] is overwritten. GPU: bf16 or f32.
 void dispatch_backward(Tensor dx, Tensor dx_perm, Tensor copy_row, Stream stream = {});
+
+// The shapes dispatch and combine check: copy_row[T, K] (i32), tokens[T, H] and rows[R, H]; returns
+// (T, K, H).
+std::array<int64_t, 3> check_token_rows(const char* op, const char* tokens_name, const Tensor& tokens, const char* rows_name,
+                                        const Tensor& rows, const Tensor& copy_row);
 
 // The CPU check of copy_row[T, K] (host i32) against a rows tensor of `rows` rows: every entry is
 // -1 or inside [0, rows); the error names op and the entry. Combine shares it.

@@ -7,8 +7,6 @@
 #include "ops/common.h"
 
 #ifdef __CUDACC__
-#include <cuda_bf16.h>
-
 #include "ops/cuda_common.cuh"
 
 #include <cub/device/device_radix_sort.cuh>
@@ -43,15 +41,7 @@ void backward_cpu(T* dtable, const T* dout, const int32_t* ids, int64_t n, int64
   }
 }
 
-
 #ifdef __CUDACC__
-using bf16 = __nv_bfloat16;
-
-// N elements loaded and stored as one piece: 16-byte accesses (two for 8 floats).
-template <typename T, int N> struct alignas(sizeof(T) * N < 16 ? sizeof(T) * N : 16) Pack {
-  T v[N];
-};
-
 // One block per token, its threads over the row in packs of N (8 bf16 = 16 bytes when H % 8 == 0).
 // Ids cannot be checked on the host without a sync: an id outside [0, V) gives a NaN row, which
 // the loss then shows, instead of a stray read.
@@ -121,22 +111,18 @@ __global__ void embedding_backward_kernel(float* dtable, const bf16* dout, const
 
 void launch_forward(Tensor out, Tensor ids, Tensor table, Stream stream) {
   const int64_t n = ids.size(0), vocab = table.size(0), h = table.size(1);
-  if (n == 0 || h == 0) return;
-  auto s = static_cast<cudaStream_t>(stream.handle);
-  auto *o = static_cast<bf16*>(out.data), *tab = static_cast<bf16*>(table.data);
-  if (packable(h, {out.data, table.data})) embedding_forward_kernel<8><<<n, 128, 0, s>>>(o, ids.ptr<int32_t>(), tab, vocab, h);
-  else embedding_forward_kernel<1><<<n, 128, 0, s>>>(o, ids.ptr<int32_t>(), tab, vocab, h);
-  MARROW_CUDA_CHECK_LAUNCH();
+  if (n > 0 && h > 0)
+    launch_plain(packable(h, {out.data, table.data}) ? embedding_forward_kernel<8> : embedding_forward_kernel<1>, unsigned(n), 128, 0, stream,
+                 static_cast<bf16*>(out.data), ids.ptr<int32_t>(), static_cast<bf16*>(table.data), vocab, h);
 }
 
 void launch_backward(Tensor dtable, Tensor dout, Tensor ids, Tensor known_zero, Stream stream) {
   const int64_t n = ids.size(0), vocab = dtable.size(0), h = dtable.size(1);
   if (n == 0 || h == 0) return;
-  auto s = static_cast<cudaStream_t>(stream.handle);
+  auto s = cuda_stream(stream);
   Buffer pos(DType::i32, Device::cuda, {n}, stream), sorted_ids(DType::i32, Device::cuda, {n}, stream),
       sorted_pos(DType::i32, Device::cuda, {n}, stream);
-  embedding_iota_kernel<<<(n + 255) / 256, 256, 0, s>>>(pos.ptr<int32_t>(), n);
-  MARROW_CUDA_CHECK_LAUNCH();
+  launch_plain(embedding_iota_kernel, unsigned((n + 255) / 256), 256, 0, stream, pos.ptr<int32_t>(), n);
   // All 32 key bits: ids outside [0, V) sort into runs of their own, which the kernel skips.
   size_t temp_bytes = 0;
   MARROW_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, temp_bytes, ids.ptr<int32_t>(), sorted_ids.ptr<int32_t>(),
@@ -144,13 +130,9 @@ void launch_backward(Tensor dtable, Tensor dout, Tensor ids, Tensor known_zero, 
   Buffer temp(DType::i64, Device::cuda, {int64_t(temp_bytes / 8 + 1)}, stream);
   MARROW_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp.view().data, temp_bytes, ids.ptr<int32_t>(), sorted_ids.ptr<int32_t>(),
                                                     pos.ptr<int32_t>(), sorted_pos.ptr<int32_t>(), int(n), 0, 32, s));
-  auto* dt = static_cast<float*>(dtable.data);
-  auto* g = static_cast<const bf16*>(dout.data);
-  auto* flags = static_cast<int32_t*>(known_zero.data);
-  if (packable(h, {dtable.data, dout.data}))
-    embedding_backward_kernel<8><<<n, 128, 0, s>>>(dt, g, sorted_ids.ptr<int32_t>(), sorted_pos.ptr<int32_t>(), n, vocab, h, flags);
-  else embedding_backward_kernel<1><<<n, 128, 0, s>>>(dt, g, sorted_ids.ptr<int32_t>(), sorted_pos.ptr<int32_t>(), n, vocab, h, flags);
-  MARROW_CUDA_CHECK_LAUNCH();
+  launch_plain(packable(h, {dtable.data, dout.data}) ? embedding_backward_kernel<8> : embedding_backward_kernel<1>, unsigned(n), 128, 0, stream,
+               static_cast<float*>(dtable.data), static_cast<const bf16*>(dout.data), sorted_ids.ptr<int32_t>(), sorted_pos.ptr<int32_t>(), n,
+               vocab, h, static_cast<int32_t*>(known_zero.data));
 }
 #endif
 
@@ -158,22 +140,15 @@ void launch_backward(Tensor dtable, Tensor dout, Tensor ids, Tensor known_zero, 
 
 void embedding_forward(Tensor out, Tensor ids, Tensor table, Stream stream) {
   const char* op = "embedding_forward";
-  MARROW_CHECK(ids.ndim == 1, "{}: ids must be [tokens], got {}", op, ids.shape_string());
-  MARROW_CHECK(table.ndim == 2, "{}: table must be [vocab, hidden], got {}", op, table.shape_string());
+  expect_ndim(op, "ids", ids, 1, "[tokens]");
+  expect_ndim(op, "table", table, 2, "[vocab, hidden]");
   const int64_t n = ids.size(0), vocab = table.size(0), h = table.size(1);
   expect_shape(op, "out", out, {n, h});
   expect_dtype(op, "ids", ids, DType::i32);
-  expect_same_dtype(op, {{"table", &table}, {"out", &out}});
-  if (common_device(op, {{"table", &table}, {"out", &out}, {"ids", &ids}}) == Device::cuda) {
-    expect_dtype(op, "table", table, DType::bf16);
+  if (on_gpu(op, {{"table", &table, DType::bf16}, {"out", &out, DType::bf16}, {"ids", &ids, DType::i32}})) {
     MARROW_CHECK(n < (int64_t(1) << 31), "{}: {} tokens exceed the GPU kernel's i32 grid", op, n);
-#ifdef __CUDACC__
-    return launch_forward(out, ids, table, stream);
-#else
-    no_cuda_kernel(op);
-#endif
+    MARROW_GPU_RETURN(op, stream, launch_forward(out, ids, table, stream));
   }
-  (void)stream;
   check_ids(op, ids.ptr<int32_t>(), n, vocab);
   with_cpu_scalar(op, table, [&](auto s) {
     using T = decltype(s);
@@ -183,8 +158,8 @@ void embedding_forward(Tensor out, Tensor ids, Tensor table, Stream stream) {
 
 void embedding_backward(Tensor dtable, Tensor dout, Tensor ids, Tensor known_zero, Stream stream) {
   const char* op = "embedding_backward";
-  MARROW_CHECK(ids.ndim == 1, "{}: ids must be [tokens], got {}", op, ids.shape_string());
-  MARROW_CHECK(dtable.ndim == 2, "{}: dtable must be [vocab, hidden], got {}", op, dtable.shape_string());
+  expect_ndim(op, "ids", ids, 1, "[tokens]");
+  expect_ndim(op, "dtable", dtable, 2, "[vocab, hidden]");
   const int64_t n = ids.size(0), vocab = dtable.size(0), h = dtable.size(1);
   expect_shape(op, "dout", dout, {n, h});
   expect_dtype(op, "ids", ids, DType::i32);
@@ -194,18 +169,10 @@ void embedding_backward(Tensor dtable, Tensor dout, Tensor ids, Tensor known_zer
     expect_dtype(op, "known_zero", known_zero, DType::i32);
     expect_device(op, "known_zero", known_zero, dtable.device);
   }
-  if (common_device(op, {{"dtable", &dtable}, {"dout", &dout}, {"ids", &ids}}) == Device::cuda) {
-    expect_dtype(op, "dtable", dtable, DType::f32);
-    expect_dtype(op, "dout", dout, DType::bf16);
+  if (on_gpu(op, {{"dtable", &dtable, DType::f32}, {"dout", &dout, DType::bf16}, {"ids", &ids, DType::i32}})) {
     MARROW_CHECK(n < (int64_t(1) << 31), "{}: {} tokens exceed the GPU kernel's i32 grid", op, n);
-#ifdef __CUDACC__
-    return launch_backward(dtable, dout, ids, known_zero, stream);
-#else
-    no_cuda_kernel(op);
-#endif
+    MARROW_GPU_RETURN(op, stream, launch_backward(dtable, dout, ids, known_zero, stream));
   }
-  expect_same_dtype(op, {{"dtable", &dtable}, {"dout", &dout}});
-  (void)stream;
   check_ids(op, ids.ptr<int32_t>(), n, vocab);
   with_cpu_scalar(op, dtable, [&](auto s) {
     using T = decltype(s);

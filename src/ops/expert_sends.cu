@@ -6,6 +6,10 @@
 #include "core/cuda_check.h"
 #include "ops/common.h"
 
+#ifdef __CUDACC__
+#include "ops/cuda_common.cuh"
+#endif
+
 namespace marrow {
 
 namespace {
@@ -92,22 +96,18 @@ unsigned blocks_for(int64_t n) { return unsigned((n + kThreads - 1) / kThreads);
 
 void launch_members(Tensor member_index, Tensor copies, Tensor topk_index, Tensor owner, int64_t tokens, int64_t k, int64_t members,
                     Stream stream) {
-  auto s = static_cast<cudaStream_t>(stream.handle);
-  MARROW_CUDA_CHECK(cudaMemsetAsync(copies.data, 0, copies.bytes(), s));
-  if (tokens == 0) return;
-  members_kernel<<<blocks_for(tokens), kThreads, 0, s>>>(member_index.ptr<int32_t>(), copies.ptr<int32_t>(), topk_index.ptr<int32_t>(),
-                                                          owner.ptr<int32_t>(), tokens, int(k), int(members));
-  MARROW_CUDA_CHECK_LAUNCH();
+  MARROW_CUDA_CHECK(cudaMemsetAsync(copies.data, 0, copies.bytes(), cuda_stream(stream)));
+  if (tokens > 0)
+    launch_plain(members_kernel, blocks_for(tokens), kThreads, 0, stream, member_index.ptr<int32_t>(), copies.ptr<int32_t>(),
+                 topk_index.ptr<int32_t>(), owner.ptr<int32_t>(), tokens, int(k), int(members));
 }
 
 void launch_slots(Tensor send_slots, Tensor topk_index, Tensor owner, Tensor send_row, int64_t copies, int64_t k, int64_t members,
                   int64_t local_experts, Stream stream) {
-  auto s = static_cast<cudaStream_t>(stream.handle);
-  MARROW_CUDA_CHECK(cudaMemsetAsync(send_slots.data, 0xff, send_slots.bytes(), s));  // every int32 -1
-  if (copies == 0) return;
-  slots_kernel<<<blocks_for(copies), kThreads, 0, s>>>(send_slots.ptr<int32_t>(), topk_index.ptr<int32_t>(), owner.ptr<int32_t>(),
-                                                        send_row.ptr<int32_t>(), copies, int(k), int(members), local_experts);
-  MARROW_CUDA_CHECK_LAUNCH();
+  MARROW_CUDA_CHECK(cudaMemsetAsync(send_slots.data, 0xff, send_slots.bytes(), cuda_stream(stream)));  // every int32 -1
+  if (copies > 0)
+    launch_plain(slots_kernel, blocks_for(copies), kThreads, 0, stream, send_slots.ptr<int32_t>(), topk_index.ptr<int32_t>(), owner.ptr<int32_t>(),
+                 send_row.ptr<int32_t>(), copies, int(k), int(members), local_experts);
 }
 #endif
 
@@ -122,14 +122,8 @@ void expert_send_members(Tensor member_index, Tensor copies, Tensor topk_index, 
   expect_shape(op, "member_index", member_index, {T, P});
   expect_dtype(op, "member_index", member_index, DType::i32);
   expect_dtype(op, "copies", copies, DType::i32);
-  if (common_device(op, {{"member_index", &member_index}, {"copies", &copies}, {"topk_index", &topk_index}, {"owner", &owner}}) == Device::cuda) {
-#ifdef __CUDACC__
-    return launch_members(member_index, copies, topk_index, owner, T, K, P, stream);
-#else
-    no_cuda_kernel(op);
-#endif
-  }
-  (void)stream;
+  if (common_device(op, {{"member_index", &member_index}, {"copies", &copies}, {"topk_index", &topk_index}, {"owner", &owner}}) == Device::cuda)
+    MARROW_GPU_RETURN(op, stream, launch_members(member_index, copies, topk_index, owner, T, K, P, stream));
   expect_routing_indices(op, topk_index, owner, P);
   members_cpu(member_index.ptr<int32_t>(), copies.ptr<int32_t>(), topk_index.ptr<int32_t>(), owner.ptr<int32_t>(), T, K, P);
 }
@@ -142,15 +136,8 @@ void expert_send_slots(Tensor send_slots, Tensor topk_index, Tensor owner, Tenso
   expect_dtype(op, "send_row", send_row, DType::i32);
   expect_dtype(op, "send_slots", send_slots, DType::i32);
   const int64_t P = send_row.size(1);
-  if (common_device(op, {{"send_slots", &send_slots}, {"topk_index", &topk_index}, {"owner", &owner}, {"send_row", &send_row}}) ==
-      Device::cuda) {
-#ifdef __CUDACC__
-    return launch_slots(send_slots, topk_index, owner, send_row, T * K, K, P, local_experts, stream);
-#else
-    no_cuda_kernel(op);
-#endif
-  }
-  (void)stream;
+  if (common_device(op, {{"send_slots", &send_slots}, {"topk_index", &topk_index}, {"owner", &owner}, {"send_row", &send_row}}) == Device::cuda)
+    MARROW_GPU_RETURN(op, stream, launch_slots(send_slots, topk_index, owner, send_row, T * K, K, P, local_experts, stream));
   expect_routing_indices(op, topk_index, owner, P);
   const int32_t* rows = send_row.ptr<int32_t>();
   for (int64_t t = 0; t < T; ++t)

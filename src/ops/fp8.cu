@@ -9,7 +9,6 @@
 #include "ops/common.h"
 
 #ifdef __CUDACC__
-#include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
 #include "ops/cuda_common.cuh"
@@ -37,13 +36,11 @@ __host__ __device__
 float fp8_block_scale(float amax) { return block_scale(amax); }
 
 Fp8Buffer Fp8Buffer::rows(Device device, int64_t r, int64_t c, Stream stream) {
-  const int64_t blocks = (c + kFp8Block - 1) / kFp8Block;
-  return {Buffer(DType::fp8_e4m3, device, {r, c}, stream), Buffer(DType::f32, device, {blocks, r}, stream)};
+  return {Buffer(DType::fp8_e4m3, device, {r, c}, stream), Buffer(DType::f32, device, {fp8_blocks(c), r}, stream)};
 }
 
 Fp8Buffer Fp8Buffer::blocks(Device device, int64_t e, int64_t o, int64_t i, Stream stream) {
-  const int64_t ob = (o + kFp8Block - 1) / kFp8Block, ib = (i + kFp8Block - 1) / kFp8Block;
-  return {Buffer(DType::fp8_e4m3, device, {e, o, i}, stream), Buffer(DType::f32, device, {e, ob, ib}, stream)};
+  return {Buffer(DType::fp8_e4m3, device, {e, o, i}, stream), Buffer(DType::f32, device, {e, fp8_blocks(o), fp8_blocks(i)}, stream)};
 }
 
 uint8_t fp8_e4m3_from_float(float v) {
@@ -80,8 +77,6 @@ float load_value(const Tensor& t, int64_t i) {
   return t.dtype == DType::f32 ? t.ptr<float>()[i] : bf16_to_float(static_cast<const uint16_t*>(t.data)[i]);
 }
 
-int64_t blocks_of(int64_t n) { return (n + kFp8Block - 1) / kFp8Block; }
-
 // |v|'s contribution to a block's amax: a NaN must win, which max and fmaxf would drop.
 #ifdef __CUDACC__
 __host__ __device__
@@ -93,7 +88,7 @@ __host__ __device__
 // ---- CPU reference -------------------------------------------------------------------------------
 
 void quantize_rows_cpu(Fp8Tensor out, Tensor x) {
-  const int64_t R = x.size(0), C = x.size(1), CB = blocks_of(C);
+  const int64_t R = x.size(0), C = x.size(1), CB = fp8_blocks(C);
   uint8_t* q = static_cast<uint8_t*>(out.values.data);
   for (int64_t r = 0; r < R; ++r)
     for (int64_t cb = 0; cb < CB; ++cb) {
@@ -107,7 +102,7 @@ void quantize_rows_cpu(Fp8Tensor out, Tensor x) {
 }
 
 void quantize_blocks_cpu(Fp8Tensor out, Fp8Tensor transposed, Tensor w) {
-  const int64_t E = w.size(0), O = w.size(1), I = w.size(2), OB = blocks_of(O), IB = blocks_of(I);
+  const int64_t E = w.size(0), O = w.size(1), I = w.size(2), OB = fp8_blocks(O), IB = fp8_blocks(I);
   uint8_t* q = static_cast<uint8_t*>(out.values.data);
   uint8_t* qt = static_cast<uint8_t*>(transposed.values.data);
   for (int64_t e = 0; e < E; ++e)
@@ -132,15 +127,10 @@ void quantize_blocks_cpu(Fp8Tensor out, Fp8Tensor transposed, Tensor w) {
 // ---- CUDA kernels --------------------------------------------------------------------------------
 #ifdef __CUDACC__
 template <typename T> __device__ __forceinline__ float to_float(T v) { return float(v); }
-template <> __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <> __device__ __forceinline__ float to_float(bf16 v) { return __bfloat162float(v); }
 
 // NaN (of either sign) as 0x7F, as the CPU reference writes it.
 __device__ __forceinline__ uint8_t to_e4m3(float v) { return isnan(v) ? 0x7F : __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3); }
-
-__device__ __forceinline__ float warp_max(float v) {
-  for (int m = 16; m > 0; m /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, m));
-  return v;
-}
 
 // Eight consecutive values from row `row` at columns col .. col + 7 of a [rows, cols] matrix as f32,
 // zeros past its end: one 16-byte load (two for f32) when all eight lie inside and `vector` (cols a
@@ -230,9 +220,9 @@ template <typename T> struct HeldValues {
   }
   __device__ __forceinline__ float value(int j, int c) const { return v[j][c]; }
 };
-template <> struct HeldValues<__nv_bfloat16> {
+template <> struct HeldValues<bf16> {
   __nv_bfloat162 v[8][4];
-  __device__ __forceinline__ void load(const __nv_bfloat16* src, int j, int64_t o, int64_t i, int64_t O, int64_t I, bool vector) {
+  __device__ __forceinline__ void load(const bf16* src, int j, int64_t o, int64_t i, int64_t O, int64_t I, bool vector) {
     if (o < O && vector && i + 8 <= I) {
       const uint4 raw = *reinterpret_cast<const uint4*>(src + o * I + i);
       const auto* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
@@ -298,8 +288,8 @@ __global__ void __launch_bounds__(kBlockThreads, sizeof(T) == 2 ? 4 : 2)
   }
 }
 
-template <typename T> void launch_quantize_rows(Fp8Tensor out, Tensor x, cudaStream_t stream) {
-  const int64_t R = x.size(0), C = x.size(1), CB = blocks_of(C), items = R * CB;
+template <typename T> void launch_quantize_rows(Fp8Tensor out, Tensor x, Stream stream) {
+  const int64_t R = x.size(0), C = x.size(1), CB = fp8_blocks(C), items = R * CB;
   if (items == 0) return;
   const int threads = 256;
   const bool vector = packable(C, {x.data, out.values.data});
@@ -307,19 +297,17 @@ template <typename T> void launch_quantize_rows(Fp8Tensor out, Tensor x, cudaStr
   launch_dependent(quantize_rows_kernel<T>, dim3(unsigned((items * 8 + threads - 1) / threads)), dim3(threads), 0, stream,
                    static_cast<uint8_t*>(out.values.data), out.scales.ptr<float>(), static_cast<const T*>(x.data), R, C, uint32_t(CB),
                    uint32_t(items), vector);
-  MARROW_CUDA_CHECK_LAUNCH();
 }
 
-template <typename T> void launch_quantize_blocks(Fp8Tensor out, Fp8Tensor transposed, Tensor w, cudaStream_t stream) {
+template <typename T> void launch_quantize_blocks(Fp8Tensor out, Fp8Tensor transposed, Tensor w, Stream stream) {
   const int64_t E = w.size(0), O = w.size(1), I = w.size(2);
   if (w.numel() == 0) return;
-  MARROW_CHECK(blocks_of(O) <= 65535 && E <= 65535, "{}: weight {} has too many 128-row blocks for one launch", kQuantizeBlocks,
+  MARROW_CHECK(fp8_blocks(O) <= 65535 && E <= 65535, "{}: weight {} has too many 128-row blocks for one launch", kQuantizeBlocks,
                w.shape_string());
   const bool vector = packable(I, {w.data, out.values.data}) && packable(O, {transposed.values.data});
-  launch_dependent(quantize_blocks_kernel<T>, dim3(unsigned(blocks_of(I)), unsigned(blocks_of(O)), unsigned(E)), dim3(kBlockThreads), 0,
+  launch_dependent(quantize_blocks_kernel<T>, dim3(unsigned(fp8_blocks(I)), unsigned(fp8_blocks(O)), unsigned(E)), dim3(kBlockThreads), 0,
                    stream, static_cast<uint8_t*>(out.values.data), out.scales.ptr<float>(), static_cast<uint8_t*>(transposed.values.data),
                    transposed.values.data ? transposed.scales.ptr<float>() : nullptr, static_cast<const T*>(w.data), O, I, vector);
-  MARROW_CUDA_CHECK_LAUNCH();
 }
 #endif
 
@@ -348,16 +336,9 @@ void quantize_rows(Fp8Tensor out, Tensor x, Stream stream) {
   expect_dtype(op, "values", out.values, DType::fp8_e4m3);
   expect_dtype(op, "scales", out.scales, DType::f32);
   expect_shape(op, "values", out.values, {R, C});
-  expect_shape(op, "scales", out.scales, {blocks_of(C), R});
+  expect_shape(op, "scales", out.scales, {fp8_blocks(C), R});
   if (common_device(op, {{"x", &x}, {"values", &out.values}, {"scales", &out.scales}}) == Device::cpu) return quantize_rows_cpu(out, x);
-#ifdef __CUDACC__
-  const cudaStream_t s = static_cast<cudaStream_t>(stream.handle);
-  if (x.dtype == DType::bf16) return launch_quantize_rows<__nv_bfloat16>(out, x, s);
-  return launch_quantize_rows<float>(out, x, s);
-#else
-  (void)stream;
-  no_cuda_kernel(op);
-#endif
+  MARROW_GPU_RETURN(op, stream, x.dtype == DType::bf16 ? launch_quantize_rows<bf16>(out, x, stream) : launch_quantize_rows<float>(out, x, stream));
 }
 
 void quantize_blocks(Fp8Tensor out, Fp8Tensor transposed, Tensor weight, Stream stream) {
@@ -367,26 +348,20 @@ void quantize_blocks(Fp8Tensor out, Fp8Tensor transposed, Tensor weight, Stream 
   expect_dtype(op, "values", out.values, DType::fp8_e4m3);
   expect_dtype(op, "scales", out.scales, DType::f32);
   expect_shape(op, "values", out.values, {E, O, I});
-  expect_shape(op, "scales", out.scales, {E, blocks_of(O), blocks_of(I)});
+  expect_shape(op, "scales", out.scales, {E, fp8_blocks(O), fp8_blocks(I)});
   const bool with_transposed = transposed.values.data != nullptr;
   if (with_transposed) {
     expect_dtype(op, "transposed values", transposed.values, DType::fp8_e4m3);
     expect_dtype(op, "transposed scales", transposed.scales, DType::f32);
     expect_shape(op, "transposed values", transposed.values, {E, I, O});
-    expect_shape(op, "transposed scales", transposed.scales, {E, blocks_of(I), blocks_of(O)});
+    expect_shape(op, "transposed scales", transposed.scales, {E, fp8_blocks(I), fp8_blocks(O)});
   }
   Tensor tv = with_transposed ? transposed.values : out.values, ts = with_transposed ? transposed.scales : out.scales;
   const Device device = common_device(op, {{"weight", &weight}, {"values", &out.values}, {"scales", &out.scales},
                                            {"transposed values", &tv}, {"transposed scales", &ts}});
   if (device == Device::cpu) return quantize_blocks_cpu(out, transposed, weight);
-#ifdef __CUDACC__
-  const cudaStream_t s = static_cast<cudaStream_t>(stream.handle);
-  if (weight.dtype == DType::bf16) return launch_quantize_blocks<__nv_bfloat16>(out, transposed, weight, s);
-  return launch_quantize_blocks<float>(out, transposed, weight, s);
-#else
-  (void)stream;
-  no_cuda_kernel(op);
-#endif
+  MARROW_GPU_RETURN(op, stream, weight.dtype == DType::bf16 ? launch_quantize_blocks<bf16>(out, transposed, weight, stream)
+                                                            : launch_quantize_blocks<float>(out, transposed, weight, stream));
 }
 
 void dequantize_rows(Tensor out, Fp8Tensor in) {
@@ -394,7 +369,7 @@ void dequantize_rows(Tensor out, Fp8Tensor in) {
   expect_dequantize(op, out, in, 2, "[R, C]");
   const int64_t R = in.values.size(0), C = in.values.size(1);
   expect_shape(op, "out", out, {R, C});
-  expect_shape(op, "scales", in.scales, {blocks_of(C), R});
+  expect_shape(op, "scales", in.scales, {fp8_blocks(C), R});
   const uint8_t* q = static_cast<const uint8_t*>(in.values.data);
   for (int64_t r = 0; r < R; ++r)
     for (int64_t c = 0; c < C; ++c)
@@ -404,7 +379,7 @@ void dequantize_rows(Tensor out, Fp8Tensor in) {
 void dequantize_blocks(Tensor out, Fp8Tensor in) {
   const char* op = "dequantize_blocks";
   expect_dequantize(op, out, in, 3, "[E, O, I]");
-  const int64_t E = in.values.size(0), O = in.values.size(1), I = in.values.size(2), OB = blocks_of(O), IB = blocks_of(I);
+  const int64_t E = in.values.size(0), O = in.values.size(1), I = in.values.size(2), OB = fp8_blocks(O), IB = fp8_blocks(I);
   expect_shape(op, "out", out, {E, O, I});
   expect_shape(op, "scales", in.scales, {E, OB, IB});
   const uint8_t* q = static_cast<const uint8_t*>(in.values.data);

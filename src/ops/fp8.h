@@ -24,6 +24,8 @@ namespace marrow {
 
 constexpr int64_t kFp8Block = 128;
 constexpr float kFp8Max = 448.0f;
+// The blocks (of 128) along a dimension of n.
+inline int64_t fp8_blocks(int64_t n) { return (n + kFp8Block - 1) / kFp8Block; }
 
 // The E4M3 byte of v (round to nearest even, +-448 at most, NaN for NaN) and the value of a byte.
 uint8_t fp8_e4m3_from_float(float v);

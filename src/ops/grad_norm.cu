@@ -21,13 +21,11 @@ namespace {
 // grid-stride loop, so which element lands in which partial sum depends only on n.
 constexpr int kBlocks = int(kSumParts), kThreads = 256;
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
 // The block's sum of the threads' acc in a fixed tree (butterfly in each warp, then warp 0 over
 // the warps) into parts[block].
 __device__ void store_block_sum(double* parts, double acc) {
   __shared__ double warp_sums[kThreads / 32];
-  for (int m = 16; m > 0; m /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, m);
+  acc = warp_sum(acc);
   if (threadIdx.x % 32 == 0) warp_sums[threadIdx.x / 32] = acc;
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -120,13 +118,13 @@ __global__ void sum_values_kernel(double* parts, const double* x, int64_t n) {
   store_block_sum(parts, acc);
 }
 
-template <RowIndex R> void launch_squares(bool vec4, Tensor parts, Tensor x, const ZeroRows& rows, cudaStream_t s) {
-  if (vec4) launch_dependent(sum_squares_kernel<true, R>, kBlocks, kThreads, 0, s, parts.ptr<double>(), x.ptr<float>(), x.numel(), rows);
-  else launch_dependent(sum_squares_kernel<false, R>, kBlocks, kThreads, 0, s, parts.ptr<double>(), x.ptr<float>(), x.numel(), rows);
+template <RowIndex R> void launch_squares(Tensor parts, Tensor x, const ZeroRows& rows, Stream stream) {
+  const bool vec4 = reinterpret_cast<uintptr_t>(x.data) % 16 == 0;
+  launch_dependent(vec4 ? sum_squares_kernel<true, R> : sum_squares_kernel<false, R>, kBlocks, kThreads, 0, stream, parts.ptr<double>(),
+                   x.ptr<float>(), x.numel(), rows);
 }
 
 void launch_sum_squares(Tensor parts, Tensor x, const KnownZeroRows* known, Stream stream) {
-  auto s = static_cast<cudaStream_t>(stream.handle);
   ZeroRows rows;
   RowIndex index = RowIndex::none;
   if (known && known->flags.numel() > 0) {
@@ -134,17 +132,9 @@ void launch_sum_squares(Tensor parts, Tensor x, const KnownZeroRows* known, Stre
             known->begin % 4 == 0 && known->per_row % 4 == 0};
     index = rows.end - rows.begin < (int64_t(1) << 31) ? RowIndex::narrow : RowIndex::wide;
   }
-  const bool vec4 = aligned16(x.data);
-  if (index == RowIndex::none) launch_squares<RowIndex::none>(vec4, parts, x, rows, s);
-  else if (index == RowIndex::narrow) launch_squares<RowIndex::narrow>(vec4, parts, x, rows, s);
-  else launch_squares<RowIndex::wide>(vec4, parts, x, rows, s);
-  MARROW_CUDA_CHECK_LAUNCH();
-}
-
-void launch_sum_values(Tensor parts, Tensor x, Stream stream) {
-  launch_dependent(sum_values_kernel, kBlocks, kThreads, 0, static_cast<cudaStream_t>(stream.handle), parts.ptr<double>(), x.ptr<double>(),
-                   x.numel());
-  MARROW_CUDA_CHECK_LAUNCH();
+  if (index == RowIndex::none) launch_squares<RowIndex::none>(parts, x, rows, stream);
+  else if (index == RowIndex::narrow) launch_squares<RowIndex::narrow>(parts, x, rows, stream);
+  else launch_squares<RowIndex::wide>(parts, x, rows, stream);
 }
 #endif
 
@@ -173,13 +163,8 @@ void squares_parts(const char* op, Tensor parts, Tensor x, const KnownZeroRows* 
   }
   if (x.device == Device::cuda) {
     expect_dtype(op, "x", x, DType::f32);
-#ifdef __CUDACC__
-    return launch_sum_squares(parts, x, known, stream);
-#else
-    no_cuda_kernel(op);
-#endif
+    MARROW_GPU_RETURN(op, stream, launch_sum_squares(parts, x, known, stream));
   }
-  (void)stream;
   with_cpu_scalar(op, x, [&](auto s) {
     using T = decltype(s);
     cpu_parts(parts, [&] {
@@ -216,14 +201,9 @@ void sum_values_parts(Tensor parts, Tensor x, Stream stream) {
   const char* op = "sum_values_parts";
   check_parts(op, parts, x);
   expect_dtype(op, "x", x, DType::f64);
-  if (x.device == Device::cuda) {
-#ifdef __CUDACC__
-    return launch_sum_values(parts, x, stream);
-#else
-    no_cuda_kernel(op);
-#endif
-  }
-  (void)stream;
+  if (x.device == Device::cuda)
+    MARROW_GPU_RETURN(op, stream, launch_dependent(sum_values_kernel, kBlocks, kThreads, 0, stream, parts.ptr<double>(), x.ptr<double>(),
+                                                   x.numel()));
   cpu_parts(parts, [&] {
     double sum = 0;
     for (int64_t i = 0; i < x.numel(); ++i) sum += x.ptr<double>()[i];

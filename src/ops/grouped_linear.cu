@@ -7,8 +7,6 @@
 #include "ops/common.h"
 
 #ifdef __CUDACC__
-#include <cuda_bf16.h>
-
 #include <cstring>
 
 #include "core/blas.h"
@@ -19,6 +17,20 @@
 #endif
 
 namespace marrow {
+
+// The offsets drive raw row loops, so they must split [0, rows) into consecutive groups. Offsets in
+// GPU memory (dispatch_plan's without a host copy) are checked for shape and type only: reading
+// them would wait for the GPU, which is what keeping them there avoids.
+void check_expert_offsets(const char* op, const Tensor& offsets, int64_t experts, int64_t rows) {
+  expect_shape(op, "expert_offsets", offsets, {experts + 1});
+  expect_dtype(op, "expert_offsets", offsets, DType::i32);
+  if (offsets.device == Device::cuda) return;
+  const int32_t* o = offsets.ptr<int32_t>();
+  MARROW_CHECK(o[0] == 0 && o[experts] == rows, "{}: expert_offsets must run from 0 to the {} rows, got {} to {}", op, rows, o[0], o[experts]);
+  for (int64_t g = 0; g < experts; ++g)
+    MARROW_CHECK(o[g] <= o[g + 1], "{}: expert_offsets must not decrease, got expert_offsets[{}] = {} > expert_offsets[{}] = {}", op, g, o[g],
+                 g + 1, o[g + 1]);
+}
 
 namespace {
 
@@ -102,29 +114,13 @@ void backward_weight_cpu(T* dweight, const T* dy, const T* x, const int32_t* off
 
 // weight[E, O, I]: returns (E, O, I).
 std::array<int64_t, 3> weight_sizes(const char* op, const char* name, const Tensor& weight) {
-  MARROW_CHECK(weight.ndim == 3, "{}: {} must be [experts, out, in], got {}", op, name, weight.shape_string());
+  expect_ndim(op, name, weight, 3, "[experts, out, in]");
   return {weight.size(0), weight.size(1), weight.size(2)};
-}
-
-// The offsets drive raw row loops, so they must split [0, rows) into consecutive groups. Offsets in
-// GPU memory (dispatch_plan's without a host copy) are checked for shape and type only: reading
-// them would wait for the GPU, which is what keeping them there avoids.
-void check_offsets(const char* op, const Tensor& offsets, int64_t experts, int64_t rows) {
-  expect_shape(op, "expert_offsets", offsets, {experts + 1});
-  expect_dtype(op, "expert_offsets", offsets, DType::i32);
-  if (offsets.device == Device::cuda) return;
-  const int32_t* o = offsets.ptr<int32_t>();
-  MARROW_CHECK(o[0] == 0 && o[experts] == rows, "{}: expert_offsets must run from 0 to the {} rows, got {} to {}", op, rows,
-               o[0], o[experts]);
-  for (int64_t g = 0; g < experts; ++g)
-    MARROW_CHECK(o[g] <= o[g + 1],
-                 "{}: expert_offsets must not decrease, got expert_offsets[{}] = {} > expert_offsets[{}] = {}", op, g, o[g],
-                 g + 1, o[g + 1]);
 }
 
 // R from a [rows, cols] tensor.
 int64_t row_count(const char* op, const char* name, const Tensor& t) {
-  MARROW_CHECK(t.ndim == 2, "{}: {} must be [rows, features], got {}", op, name, t.shape_string());
+  expect_ndim(op, name, t, 2, "[rows, features]");
   return t.size(0);
 }
 
@@ -137,8 +133,6 @@ int64_t row_count(const char* op, const char* name, const Tensor& t) {
 // was 4-12% slower still; the wgmma kernel does 490-640: docs/performance.md.) backward_weight: an
 // own TMA + wgmma kernel (ops/wgmma_dw.cuh) that adds dy_e^T x_e straight into the fp32 gradient;
 // cuBLAS's grouped call has no fp32 output.
-using bf16 = __nv_bfloat16;
-
 bool aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
 // Copies a small host array into device memory in stream order by passing it as kernel parameters:
@@ -163,8 +157,7 @@ Buffer upload(const std::vector<T>& host, Stream stream) {
     ParamBytes chunk;
     const size_t n = std::min<size_t>(kParamBytes, bytes - begin);
     std::memcpy(chunk.bytes, reinterpret_cast<const unsigned char*>(host.data()) + begin, n);
-    store_bytes_kernel<<<1, 256, 0, static_cast<cudaStream_t>(stream.handle)>>>(out + begin, chunk, int(n));
-    MARROW_CUDA_CHECK_LAUNCH();
+    launch_plain(store_bytes_kernel, 1, 256, 0, stream, out + begin, chunk, int(n));
   }
   return device;
 }
@@ -206,7 +199,7 @@ void grouped_gemm_cublas(bool forward, Tensor out, Tensor in, Tensor weight, con
   pointers.insert(pointers.end(), c.begin(), c.end());
   Buffer device_pointers = upload(pointers, stream);
   void** p = static_cast<void**>(device_pointers.view().data);
-  cublasHandle_t handle = cublas_handle(static_cast<cudaStream_t>(stream.handle));
+  cublasHandle_t handle = cublas_handle(cuda_stream(stream));
   MARROW_CUBLAS_CHECK(cublasGemmGroupedBatchedEx(handle, transa.data(), transb.data(), ms.data(), ns.data(), ks.data(), alpha.data(),
                                                  p, CUDA_R_16BF, ldas.data(), p + groups, CUDA_R_16BF, ldbs.data(), beta.data(),
                                                  p + 2 * groups, CUDA_R_16BF, ldcs.data(), groups, sizes.data(),
@@ -241,7 +234,7 @@ void grouped_gemm_wgmma(bool forward, Tensor out, Tensor in, Tensor weight, Tens
   const int32_t* offsets = device_offsets(expert_offsets, holder, stream);
   const int tiles = expert_offsets.device == Device::cpu ? wgmma::tile_count(expert_offsets.ptr<int32_t>(), e, forward ? o : i) : -1;
   wgmma::grouped_gemm(forward, static_cast<bf16*>(out.data), static_cast<const bf16*>(in.data), static_cast<const bf16*>(weight.data),
-                      offsets, tiles, e, o, i, in.size(0), static_cast<cudaStream_t>(stream.handle));
+                      offsets, tiles, e, o, i, in.size(0), cuda_stream(stream));
 }
 
 // out[r, c] = sum_j in[r, j] W_e[c * wc + j * wj] for row r of expert e, one thread per output, fp32
@@ -269,10 +262,9 @@ __global__ void grouped_simple_kernel(bf16* out, const bf16* in, const bf16* wei
 void grouped_gemm_gpu(bool forward, Tensor out, Tensor in, Tensor weight, Tensor expert_offsets, Stream stream) {
   const int64_t e = weight.size(0), o = weight.size(1), i = weight.size(2), rows = in.size(0);
   const int64_t cols = forward ? o : i, inner = forward ? i : o;
-  auto s = static_cast<cudaStream_t>(stream.handle);
   if (rows == 0 || cols == 0) return;
   if (inner == 0) {  // empty sums
-    MARROW_CUDA_CHECK(cudaMemsetAsync(out.data, 0, out.bytes(), s));
+    MARROW_CUDA_CHECK(cudaMemsetAsync(out.data, 0, out.bytes(), cuda_stream(stream)));
     return;
   }
   if (o % 8 == 0 && i % 8 == 0 && aligned(out.data, 16) && aligned(in.data, 16) && aligned(weight.data, 16)) {
@@ -282,11 +274,8 @@ void grouped_gemm_gpu(bool forward, Tensor out, Tensor in, Tensor weight, Tensor
   }
   Buffer holder;
   const int32_t* offsets = device_offsets(expert_offsets, holder, stream);
-  const int64_t n = rows * cols;
-  grouped_simple_kernel<<<unsigned((n + 255) / 256), 256, 0, s>>>(
-      static_cast<bf16*>(out.data), static_cast<const bf16*>(in.data), static_cast<const bf16*>(weight.data),
-      offsets, int(e), rows, int(cols), int(inner), forward ? i : 1, forward ? 1 : i);
-  MARROW_CUDA_CHECK_LAUNCH();
+  launch_plain(grouped_simple_kernel, unsigned((rows * cols + 255) / 256), 256, 0, stream, bf16_ptr(out), bf16_ptr(in), bf16_ptr(weight),
+               offsets, int(e), rows, int(cols), int(inner), forward ? i : 1, forward ? 1 : i);
 }
 
 // --- backward_weight: dW[e] += dy_e^T x_e ----------------------------------------------------
@@ -331,7 +320,6 @@ __global__ void band_squares_kernel(double* squares, const float* dweight, int64
 // with known_zero flags (which live there), built there by one block.
 void backward_weight_wgmma(float* dweight, const wgmma::dw::Source (&sources)[2], Tensor offsets, Tensor second_offsets, int64_t e,
                            int64_t o, int64_t i, bool overwrite, double* squares, int32_t* known_zero, Stream stream) {
-  auto s = static_cast<cudaStream_t>(stream.handle);
   const bool two = second_offsets.data != nullptr;
   Buffer work;
   int works = -1;  // not known on the host for a list built on the GPU
@@ -341,9 +329,8 @@ void backward_weight_wgmma(float* dweight, const wgmma::dw::Source (&sources)[2]
     const int32_t* second = two ? device_offsets(second_offsets, holders[1], stream) : nullptr;
     work = Buffer(DType::i32, Device::cuda, {wgmma::dw::kWorkInts * e + 2}, stream);
     const int band_count = int(grouped_weight_squares_count(1, o, i));
-    launch_dependent(wgmma::dw::work_list_kernel, 1, wgmma::kScheduleThreads, 0, s, work.ptr<int32_t>(), first, second, int(e), overwrite,
+    launch_dependent(wgmma::dw::work_list_kernel, 1, wgmma::kScheduleThreads, 0, stream, work.ptr<int32_t>(), first, second, int(e), overwrite,
                      known_zero, squares, band_count);
-    MARROW_CUDA_CHECK_LAUNCH();
   } else {
     const std::vector<int32_t> host =
         wgmma::dw::work_list(offsets.ptr<int32_t>(), two ? second_offsets.ptr<int32_t>() : nullptr, e, overwrite);
@@ -351,7 +338,7 @@ void backward_weight_wgmma(float* dweight, const wgmma::dw::Source (&sources)[2]
     if (works == 0) return;
     work = upload(host, stream);
   }
-  wgmma::dw::grouped_dw(dweight, sources, work.ptr<int32_t>(), works, o, i, !overwrite, squares, s);
+  wgmma::dw::grouped_dw(dweight, sources, work.ptr<int32_t>(), works, o, i, !overwrite, squares, cuda_stream(stream));
 }
 
 // Whether the wgmma kernel takes these rows (TMA's rules).
@@ -360,7 +347,7 @@ bool wgmma_takes(const Tensor& dweight, const Tensor& dy, const Tensor& x) {
 }
 
 wgmma::dw::Source source_of(const Tensor& dy, const Tensor& x) {
-  return {static_cast<const bf16*>(dy.data), static_cast<const bf16*>(x.data), dy.size(0)};
+  return {bf16_ptr(dy), bf16_ptr(x), dy.size(0)};
 }
 
 // grouped_linear.h's known_zero flags after a call that wrote every expert (overwrite) or every
@@ -376,10 +363,8 @@ void backward_weight_gpu(Tensor dweight, Tensor dy, Tensor x, Tensor expert_offs
                          Stream stream) {
   const int64_t e = dweight.size(0), o = dweight.size(1), i = dweight.size(2), rows = dy.size(0);
   auto* dw_ptr = static_cast<float*>(dweight.data);
-  auto *dy_ptr = static_cast<const bf16*>(dy.data), *x_ptr = static_cast<const bf16*>(x.data);
   auto* squares_ptr = static_cast<double*>(squares.data);
   auto* known_zero_ptr = static_cast<int32_t*>(known_zero.data);
-  auto s = static_cast<cudaStream_t>(stream.handle);
   if (e == 0 || o == 0 || i == 0) return;
   if (rows > 0 && wgmma_takes(dweight, dy, x)) {
     const wgmma::dw::Source sources[2] = {source_of(dy, x), {nullptr, nullptr, 0}};
@@ -388,21 +373,16 @@ void backward_weight_gpu(Tensor dweight, Tensor dy, Tensor x, Tensor expert_offs
   Buffer holder;
   const int32_t* offsets = device_offsets(expert_offsets, holder, stream);
   if (rows == 0) {  // every expert empty
-    if (overwrite) MARROW_CUDA_CHECK(cudaMemsetAsync(dweight.data, 0, dweight.bytes(), s));
+    if (overwrite) MARROW_CUDA_CHECK(cudaMemsetAsync(dweight.data, 0, dweight.bytes(), cuda_stream(stream)));
   } else {
-    const int64_t n = e * o * i;
-    grouped_dw_simple_kernel<<<unsigned((n + 255) / 256), 256, 0, s>>>(dw_ptr, dy_ptr, x_ptr, offsets, n, int(o), int(i), !overwrite);
-    MARROW_CUDA_CHECK_LAUNCH();
+    launch_plain(grouped_dw_simple_kernel, unsigned((e * o * i + 255) / 256), 256, 0, stream, dw_ptr, bf16_ptr(dy), bf16_ptr(x), offsets,
+                 e * o * i, int(o), int(i), !overwrite);
   }
-  if (known_zero_ptr) {
-    update_known_zero_kernel<<<unsigned((e + 255) / 256), 256, 0, s>>>(known_zero_ptr, offsets, int(e), overwrite);
-    MARROW_CUDA_CHECK_LAUNCH();
-  }
-  if (squares_ptr) {
-    const int64_t bands = squares.numel();
-    band_squares_kernel<<<unsigned((bands + 255) / 256), 256, 0, s>>>(squares_ptr, dw_ptr, bands, int(o), int(i));
-    MARROW_CUDA_CHECK_LAUNCH();
-  }
+  if (known_zero_ptr)
+    launch_plain(update_known_zero_kernel, unsigned((e + 255) / 256), 256, 0, stream, known_zero_ptr, offsets, int(e), overwrite);
+  if (squares_ptr)
+    launch_plain(band_squares_kernel, unsigned((squares.numel() + 255) / 256), 256, 0, stream, squares_ptr, dw_ptr, squares.numel(), int(o),
+                 int(i));
 }
 
 // One pass of the wgmma kernel over both micro-batches where it takes both, else the two calls.
@@ -431,7 +411,7 @@ void grouped_linear_forward(Tensor y, Tensor x, Tensor weight, Tensor expert_off
   const int64_t r = row_count(op, "x", x);
   expect_shape(op, "x", x, {r, in});
   expect_shape(op, "y", y, {r, o});
-  check_offsets(op, expert_offsets, e, r);
+  check_expert_offsets(op, expert_offsets, e, r);
   if (common_device(op, {{"x", &x}, {"y", &y}, {"weight", &weight}}) == Device::cpu) {
     expect_same_dtype(op, {{"x", &x}, {"y", &y}, {"weight", &weight}});
     expect_device(op, "expert_offsets", expert_offsets, Device::cpu);
@@ -440,13 +420,8 @@ void grouped_linear_forward(Tensor y, Tensor x, Tensor weight, Tensor expert_off
       forward_cpu<T>(y.ptr<T>(), x.ptr<T>(), weight.ptr<T>(), expert_offsets.ptr<int32_t>(), e, o, in);
     });
   }
-#ifdef __CUDACC__
   for (auto [name, t] : {std::pair{"x", &x}, std::pair{"y", &y}, std::pair{"weight", &weight}}) expect_dtype(op, name, *t, DType::bf16);
-  grouped_gemm_gpu(true, y, x, weight, expert_offsets, stream);
-#else
-  (void)stream;
-  no_cuda_kernel(op);
-#endif
+  MARROW_GPU_RETURN(op, stream, grouped_gemm_gpu(true, y, x, weight, expert_offsets, stream));
 }
 
 void grouped_linear_backward_input(Tensor dx, Tensor dy, Tensor weight, Tensor expert_offsets, Stream stream) {
@@ -456,7 +431,7 @@ void grouped_linear_backward_input(Tensor dx, Tensor dy, Tensor weight, Tensor e
   const int64_t r = row_count(op, "dy", dy);
   expect_shape(op, "dy", dy, {r, o});
   expect_shape(op, "dx", dx, {r, in});
-  check_offsets(op, expert_offsets, e, r);
+  check_expert_offsets(op, expert_offsets, e, r);
   if (common_device(op, {{"dy", &dy}, {"dx", &dx}, {"weight", &weight}}) == Device::cpu) {
     expect_same_dtype(op, {{"dy", &dy}, {"dx", &dx}, {"weight", &weight}});
     expect_device(op, "expert_offsets", expert_offsets, Device::cpu);
@@ -465,13 +440,8 @@ void grouped_linear_backward_input(Tensor dx, Tensor dy, Tensor weight, Tensor e
       backward_input_cpu<T>(dx.ptr<T>(), dy.ptr<T>(), weight.ptr<T>(), expert_offsets.ptr<int32_t>(), e, o, in);
     });
   }
-#ifdef __CUDACC__
   for (auto [name, t] : {std::pair{"dy", &dy}, std::pair{"dx", &dx}, std::pair{"weight", &weight}}) expect_dtype(op, name, *t, DType::bf16);
-  grouped_gemm_gpu(false, dx, dy, weight, expert_offsets, stream);
-#else
-  (void)stream;
-  no_cuda_kernel(op);
-#endif
+  MARROW_GPU_RETURN(op, stream, grouped_gemm_gpu(false, dx, dy, weight, expert_offsets, stream));
 }
 
 int64_t grouped_weight_squares_count(int64_t experts, int64_t o, int64_t i) {
@@ -487,7 +457,7 @@ bool check_backward_weight(const char* op, const Tensor& dweight, const Tensor& 
   const int64_t r = row_count(op, "dy", dy);
   expect_shape(op, "dy", dy, {r, o});
   expect_shape(op, "x", x, {r, in});
-  check_offsets(op, expert_offsets, e, r);
+  check_expert_offsets(op, expert_offsets, e, r);
   if (squares.data != nullptr) {
     expect_shape(op, "squares", squares, {grouped_weight_squares_count(e, o, in)});
     expect_dtype(op, "squares", squares, DType::f64);
@@ -522,12 +492,7 @@ void grouped_linear_backward_weight(Tensor dweight, Tensor dy, Tensor x, Tensor 
       if (squares.data != nullptr) band_squares_cpu<T>(squares.ptr<double>(), dweight.ptr<T>(), e, o, in);
     });
   }
-#ifdef __CUDACC__
-  backward_weight_gpu(dweight, dy, x, expert_offsets, overwrite, squares, known_zero, stream);
-#else
-  (void)stream;
-  no_cuda_kernel(op);
-#endif
+  MARROW_GPU_RETURN(op, stream, backward_weight_gpu(dweight, dy, x, expert_offsets, overwrite, squares, known_zero, stream));
 }
 
 void grouped_linear_backward_weight_pair(Tensor dweight, const ExpertRows& first, const ExpertRows& second, bool overwrite,
@@ -545,16 +510,7 @@ void grouped_linear_backward_weight_pair(Tensor dweight, const ExpertRows& first
     grouped_linear_backward_weight(dweight, first.dy, first.x, first.expert_offsets, overwrite, squares, known_zero, stream);
     return grouped_linear_backward_weight(dweight, second.dy, second.x, second.expert_offsets, false, squares, known_zero, stream);
   }
-#ifdef __CUDACC__
-  backward_weight_pair_gpu(dweight, first, second, overwrite, squares, known_zero, stream);
-#else
-  (void)stream;
-  no_cuda_kernel(op);
-#endif
-}
-
-void check_expert_offsets(const char* op, const Tensor& expert_offsets, int64_t experts, int64_t rows) {
-  check_offsets(op, expert_offsets, experts, rows);
+  MARROW_GPU_RETURN(op, stream, backward_weight_pair_gpu(dweight, first, second, overwrite, squares, known_zero, stream));
 }
 
 const int32_t* expert_offsets_on_device(Tensor expert_offsets, Buffer& holder, Stream stream) {

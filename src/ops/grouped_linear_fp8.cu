@@ -18,8 +18,6 @@ namespace {
 
 const char* kOp = "grouped_linear_fp8";
 
-int64_t blocks_of(int64_t n) { return (n + kFp8Block - 1) / kFp8Block; }
-
 // ---- CPU reference: the dequantized operands through grouped_linear_forward's ----------------------
 void grouped_linear_fp8_cpu(Tensor y, Fp8Tensor x, Fp8Tensor weight, Tensor expert_offsets) {
   Buffer x_values(DType::f32, Device::cpu, {x.values.size(0), x.values.size(1)});
@@ -31,8 +29,6 @@ void grouped_linear_fp8_cpu(Tensor y, Fp8Tensor x, Fp8Tensor weight, Tensor expe
 
 // ---- CUDA kernels --------------------------------------------------------------------------------
 #ifdef __CUDACC__
-using bf16 = __nv_bfloat16;
-
 __device__ __forceinline__ float e4m3_value(uint8_t byte) { return __half2float(__half(__nv_cvt_fp8_to_halfraw(byte, __NV_E4M3))); }
 
 // y[r, n] by the formula of ops/grouped_linear_fp8.h, one thread per output, f32 sums in a fixed
@@ -62,28 +58,24 @@ __global__ void grouped_fp8_simple_kernel(bf16* y, const uint8_t* xq, const floa
 }
 
 bool wgmma_shape(Tensor y, Fp8Tensor x, Fp8Tensor weight) {
-  uintptr_t bits = 0;
-  for (const void* p : {y.data, x.values.data, weight.values.data}) bits |= reinterpret_cast<uintptr_t>(p);
-  return x.values.size(1) % 16 == 0 && y.size(1) % 8 == 0 && bits % 16 == 0 && weight.values.size(0) <= wgmma::fp8::kMaxExperts;
+  return x.values.size(1) % 16 == 0 && packable(y.size(1), {y.data, x.values.data, weight.values.data}) &&
+         weight.values.size(0) <= wgmma::fp8::kMaxExperts;
 }
 
 void grouped_linear_fp8_gpu(Tensor y, Fp8Tensor x, Fp8Tensor weight, Tensor expert_offsets, Stream stream) {
   const int64_t R = x.values.size(0), K = x.values.size(1), E = weight.values.size(0), N = weight.values.size(1);
   if (R == 0 || N == 0) return;
-  const cudaStream_t s = static_cast<cudaStream_t>(stream.handle);
   Buffer holder;
   const int32_t* offsets = expert_offsets_on_device(expert_offsets, holder, stream);
   const auto* xq = static_cast<const uint8_t*>(x.values.data);
   const auto* wq = static_cast<const uint8_t*>(weight.values.data);
   if (wgmma_shape(y, x, weight)) {
-    const int tiles = expert_offsets.device == Device::cpu ? wgmma::fp8::tile_count(expert_offsets.ptr<int32_t>(), E, N) : -1;
-    return wgmma::fp8::grouped_gemm(static_cast<bf16*>(y.data), xq, x.scales.ptr<float>(), wq, weight.scales.ptr<float>(), offsets, tiles,
-                                    E, N, K, R, s);
+    const int tiles = expert_offsets.device == Device::cpu ? wgmma::tile_count(expert_offsets.ptr<int32_t>(), E, N) : -1;
+    return wgmma::fp8::grouped_gemm(bf16_ptr(y), xq, x.scales.ptr<float>(), wq, weight.scales.ptr<float>(), offsets, tiles, E, N, K, R,
+                                    cuda_stream(stream));
   }
-  const int threads = 256;
-  launch_dependent(grouped_fp8_simple_kernel, dim3(unsigned((R * N + threads - 1) / threads)), dim3(threads), 0, s,
-                   static_cast<bf16*>(y.data), xq, x.scales.ptr<float>(), wq, weight.scales.ptr<float>(), offsets, int(E), R, int(N), int(K));
-  MARROW_CUDA_CHECK_LAUNCH();
+  launch_dependent(grouped_fp8_simple_kernel, unsigned((R * N + 255) / 256), 256, 0, stream, bf16_ptr(y), xq, x.scales.ptr<float>(), wq,
+                   weight.scales.ptr<float>(), offsets, int(E), R, int(N), int(K));
 }
 #endif
 
@@ -92,8 +84,8 @@ void check_operands(Tensor y, Fp8Tensor x, Fp8Tensor weight) {
   MARROW_CHECK(weight.values.ndim == 3, "{}: weight's values must be [experts, N, K], got {}", kOp, weight.values.shape_string());
   const int64_t R = x.values.size(0), K = x.values.size(1), E = weight.values.size(0), N = weight.values.size(1);
   expect_shape(kOp, "weight values", weight.values, {E, N, K});
-  expect_shape(kOp, "x scales", x.scales, {blocks_of(K), R});
-  expect_shape(kOp, "weight scales", weight.scales, {E, blocks_of(N), blocks_of(K)});
+  expect_shape(kOp, "x scales", x.scales, {fp8_blocks(K), R});
+  expect_shape(kOp, "weight scales", weight.scales, {E, fp8_blocks(N), fp8_blocks(K)});
   expect_shape(kOp, "y", y, {R, N});
   for (auto [name, t] : {std::pair{"x values", &x.values}, std::pair{"weight values", &weight.values}})
     expect_dtype(kOp, name, *t, DType::fp8_e4m3);
@@ -101,10 +93,8 @@ void check_operands(Tensor y, Fp8Tensor x, Fp8Tensor weight) {
     expect_dtype(kOp, name, *t, DType::f32);
 }
 
-}  // namespace
-
-namespace {
 bool expert_fp8_on = false;
+
 }  // namespace
 
 void set_expert_fp8(bool on) { expert_fp8_on = on; }
@@ -120,13 +110,8 @@ void grouped_linear_fp8(Tensor y, Fp8Tensor x, Fp8Tensor weight, Tensor expert_o
     expect_device(kOp, "expert_offsets", expert_offsets, Device::cpu);
     return grouped_linear_fp8_cpu(y, x, weight, expert_offsets);
   }
-#ifdef __CUDACC__
   expect_dtype(kOp, "y", y, DType::bf16);
-  grouped_linear_fp8_gpu(y, x, weight, expert_offsets, stream);
-#else
-  (void)stream;
-  no_cuda_kernel(kOp);
-#endif
+  MARROW_GPU_RETURN(kOp, stream, grouped_linear_fp8_gpu(y, x, weight, expert_offsets, stream));
 }
 
 }  // namespace marrow

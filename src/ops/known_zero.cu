@@ -6,6 +6,10 @@
 #include "core/cuda_check.h"
 #include "ops/common.h"
 
+#ifdef __CUDACC__
+#include "ops/cuda_common.cuh"
+#endif
+
 namespace marrow {
 
 namespace {
@@ -35,12 +39,6 @@ __global__ void restart_kernel(float* grad, int32_t* flags, int64_t rows, int64_
   __syncwarp();
   if (lane == 0) flags[r] = 1;
 }
-
-void launch_restart(Tensor grad, Tensor flags, int64_t rows, int64_t per_row, Stream stream) {
-  const auto blocks = unsigned((rows + kWarps - 1) / kWarps);
-  restart_kernel<<<blocks, 32 * kWarps, 0, static_cast<cudaStream_t>(stream.handle)>>>(grad.ptr<float>(), flags.ptr<int32_t>(), rows, per_row);
-  MARROW_CUDA_CHECK_LAUNCH();
-}
 #endif
 
 }  // namespace
@@ -52,14 +50,9 @@ void restart_known_zero(Tensor grad, Tensor flags, Stream stream) {
   const int64_t rows = flags.numel();
   MARROW_CHECK(rows > 0 && grad.numel() % rows == 0, "{}: grad has {} elements, not {} equal rows (one a flag)", op, grad.numel(), rows);
   const int64_t per_row = grad.numel() / rows;
-  if (common_device(op, {{"grad", &grad}, {"flags", &flags}}) == Device::cuda) {
-#ifdef __CUDACC__
-    return launch_restart(grad, flags, rows, per_row, stream);
-#else
-    no_cuda_kernel(op);
-#endif
-  }
-  (void)stream;
+  if (common_device(op, {{"grad", &grad}, {"flags", &flags}}) == Device::cuda)
+    MARROW_GPU_RETURN(op, stream, launch_plain(restart_kernel, unsigned((rows + kWarps - 1) / kWarps), 32 * kWarps, 0, stream, grad.ptr<float>(),
+                                               flags.ptr<int32_t>(), rows, per_row));
   restart_cpu(grad.ptr<float>(), flags.ptr<int32_t>(), rows, per_row);
 }
 

@@ -63,10 +63,6 @@ void backward_weight_cpu(T* dw, const T* dy, const T* x, int64_t n, int64_t in, 
   }
 }
 
-void expect_matrix(const char* op, const char* name, const Tensor& t, const char* dims) {
-  MARROW_CHECK(t.ndim == 2, "{}: {} must be {}, got {}", op, name, dims, t.shape_string());
-}
-
 #ifdef __CUDACC__
 // GPU: one cuBLASLt matmul per call, bf16 operands, fp32 compute and scale. cuBLASLt is
 // column-major, and a row-major [r, c] matrix is the column-major [c, r] matrix with ld = c, so each
@@ -199,8 +195,8 @@ void backward_weight_gpu(const char* op, Tensor dw, Tensor dy, Tensor x, bool ov
 
 void linear_forward(Tensor y, Tensor x, Tensor weight, Stream stream) {
   const char* op = "linear_forward";
-  expect_matrix(op, "x", x, "[rows, in]");
-  expect_matrix(op, "weight", weight, "[out, in]");
+  expect_ndim(op, "x", x, 2, "[rows, in]");
+  expect_ndim(op, "weight", weight, 2, "[out, in]");
   const int64_t n = x.size(0), in = x.size(1), out = weight.size(0);
   expect_shape(op, "weight", weight, {out, in});
   expect_shape(op, "y", y, {n, out});
@@ -211,18 +207,13 @@ void linear_forward(Tensor y, Tensor x, Tensor weight, Stream stream) {
       forward_cpu<T>(y.ptr<T>(), x.ptr<T>(), weight.ptr<T>(), n, in, out);
     });
   }
-#ifdef __CUDACC__
-  forward_gpu(op, y, x, weight, stream);
-#else
-  (void)stream;
-  no_cuda_kernel(op);
-#endif
+  MARROW_GPU_RETURN(op, stream, forward_gpu(op, y, x, weight, stream));
 }
 
 void linear_backward_input(Tensor dx, Tensor dy, Tensor weight, bool accumulate, Stream stream) {
   const char* op = "linear_backward_input";
-  expect_matrix(op, "dy", dy, "[rows, out]");
-  expect_matrix(op, "weight", weight, "[out, in]");
+  expect_ndim(op, "dy", dy, 2, "[rows, out]");
+  expect_ndim(op, "weight", weight, 2, "[out, in]");
   const int64_t n = dy.size(0), out = weight.size(0), in = weight.size(1);
   expect_shape(op, "dy", dy, {n, out});
   expect_shape(op, "dx", dx, {n, in});
@@ -233,18 +224,13 @@ void linear_backward_input(Tensor dx, Tensor dy, Tensor weight, bool accumulate,
       backward_input_cpu<T>(dx.ptr<T>(), dy.ptr<T>(), weight.ptr<T>(), n, in, out, accumulate);
     });
   }
-#ifdef __CUDACC__
-  backward_input_gpu(op, dx, dy, weight, accumulate, stream);
-#else
-  (void)stream;
-  no_cuda_kernel(op);
-#endif
+  MARROW_GPU_RETURN(op, stream, backward_input_gpu(op, dx, dy, weight, accumulate, stream));
 }
 
 void linear_backward_weight(Tensor dweight, Tensor dy, Tensor x, bool overwrite, Stream stream) {
   const char* op = "linear_backward_weight";
-  expect_matrix(op, "x", x, "[rows, in]");
-  expect_matrix(op, "dy", dy, "[rows, out]");
+  expect_ndim(op, "x", x, 2, "[rows, in]");
+  expect_ndim(op, "dy", dy, 2, "[rows, out]");
   const int64_t n = x.size(0), in = x.size(1), out = dy.size(1);
   expect_shape(op, "dy", dy, {n, out});
   expect_shape(op, "dweight", dweight, {out, in});
@@ -256,12 +242,7 @@ void linear_backward_weight(Tensor dweight, Tensor dy, Tensor x, bool overwrite,
       backward_weight_cpu<T>(dweight.ptr<T>(), dy.ptr<T>(), x.ptr<T>(), n, in, out);
     });
   }
-#ifdef __CUDACC__
-  backward_weight_gpu(op, dweight, dy, x, overwrite, stream);
-#else
-  (void)stream;
-  no_cuda_kernel(op);
-#endif
+  MARROW_GPU_RETURN(op, stream, backward_weight_gpu(op, dweight, dy, x, overwrite, stream));
 }
 
 }  // namespace marrow

@@ -55,16 +55,9 @@ void backward_cpu(T* dx, T* dweight, const T* dy, const T* x, const T* weight, c
 }
 
 #ifdef __CUDACC__
-using bf16 = __nv_bfloat16;
 constexpr int kWarpsPerBlock = 8;
 constexpr int64_t kChunkRows = 64;  // rows per partial sum of dweight
 constexpr int kMaxHalf = 128;       // RoPE variants: head_dim up to 256, inv_freq travels as a kernel argument
-
-template <int N> struct alignas(2 * N) Pack {
-  bf16 v[N];
-};
-template <int N> __device__ Pack<N> load(const bf16* p) { return *reinterpret_cast<const Pack<N>*>(p); }
-template <int N> __device__ void store(bf16* p, const Pack<N>& v) { *reinterpret_cast<Pack<N>*>(p) = v; }
 
 // One warp per row; lanes stride the row in packs of N (8 bf16 when D % 8 == 0). A lane sums the
 // squares of its packs in order, then warp_sum reduces the lanes in a fixed tree, so the result
@@ -75,7 +68,7 @@ template <int N> __device__ void store(bf16* p, const Pack<N>& v) { *reinterpret
 template <int N> __device__ float lane_squares(const bf16* xr, int64_t d, int lane) {
   float ss = 0;
   for (int64_t c = lane * N; c < d; c += 32 * N) {
-    const Pack<N> p = load<N>(xr + c);
+    const Pack<bf16, N> p = load<N>(xr + c);
     for (int l = 0; l < N; ++l) ss = fmaf(float(p.v[l]), float(p.v[l]), ss);
   }
   return ss;
@@ -86,8 +79,8 @@ __device__ float row_rstd(float lane_ss, int64_t d, float eps) { return 1.0f / s
 // y = x * r * weight over the lane's packs of the row.
 template <int N> __device__ void normalise_row(bf16* yr, const bf16* xr, const bf16* weight, float r, int64_t d, int lane) {
   for (int64_t c = lane * N; c < d; c += 32 * N) {
-    const Pack<N> p = load<N>(xr + c), w = load<N>(weight + c);
-    Pack<N> o;
+    const Pack<bf16, N> p = load<N>(xr + c), w = load<N>(weight + c);
+    Pack<bf16, N> o;
     for (int l = 0; l < N; ++l) o.v[l] = bf16(float(p.v[l]) * r * float(w.v[l]));
     store<N>(yr + c, o);
   }
@@ -117,8 +110,8 @@ __global__ void rmsnorm_add_forward_kernel(bf16* y, bf16* sum, float* rstd, cons
   if (row >= rows) return;
   float ss = 0;
   for (int64_t c = lane * N; c < d; c += 32 * N) {
-    const Pack<N> a = load<N>(x + row * d + c), b = load<N>(residual + row * d + c);
-    Pack<N> s;
+    const Pack<bf16, N> a = load<N>(x + row * d + c), b = load<N>(residual + row * d + c);
+    Pack<bf16, N> s;
     for (int l = 0; l < N; ++l) {
       s.v[l] = bf16(float(a.v[l]) + float(b.v[l]));
       ss = fmaf(float(s.v[l]), float(s.v[l]), ss);
@@ -138,19 +131,19 @@ __device__ void dx_row(bf16* dxr, const bf16* dyr, const bf16* dresr, const bf16
                        int lane) {
   float dot = 0;
   for (int64_t c = lane * N; c < d; c += 32 * N) {
-    const Pack<N> xp = load<N>(xr + c), gp = load<N>(dyr + c), wp = load<N>(weight + c);
+    const Pack<bf16, N> xp = load<N>(xr + c), gp = load<N>(dyr + c), wp = load<N>(weight + c);
     for (int l = 0; l < N; ++l) dot = fmaf(__fmul_rn(__fmul_rn(float(gp.v[l]), float(wp.v[l])), float(xp.v[l])), r, dot);
   }
   const float mean = warp_sum(dot) / float(d);
   for (int64_t c = lane * N; c < d; c += 32 * N) {
-    const Pack<N> xp = load<N>(xr + c), gp = load<N>(dyr + c), wp = load<N>(weight + c);
-    Pack<N> o;
+    const Pack<bf16, N> xp = load<N>(xr + c), gp = load<N>(dyr + c), wp = load<N>(weight + c);
+    Pack<bf16, N> o;
     for (int l = 0; l < N; ++l) {
       const float xhat_mean = __fmul_rn(__fmul_rn(float(xp.v[l]), r), mean);
       o.v[l] = bf16(__fmul_rn(r, fmaf(float(gp.v[l]), float(wp.v[l]), -xhat_mean)));
     }
     if (dresr) {
-      const Pack<N> res = load<N>(dresr + c);
+      const Pack<bf16, N> res = load<N>(dresr + c);
       for (int l = 0; l < N; ++l) o.v[l] = bf16(float(o.v[l]) + float(res.v[l]));
     }
     store<N>(dxr + c, o);
@@ -172,7 +165,7 @@ __global__ void rmsnorm_backward_dx_kernel(bf16* dx, const bf16* dy, const bf16*
   if (row >= rows) return;
   const bf16 *xr = x + row * d, *dyr = dy + row * d, *dresr = dresidual ? dresidual + row * d : nullptr;
   if constexpr (Staged) {
-    extern __shared__ Pack<8> staged_rows[];
+    extern __shared__ Pack<bf16, 8> staged_rows[];
     bf16* mine = reinterpret_cast<bf16*>(staged_rows) + (threadIdx.x / 32) * 3 * d;
     for (int64_t c = lane * 8; c < d; c += 32 * 8) {
       cp_async16(mine + c, xr + c);
@@ -236,7 +229,7 @@ template <int G, bool OwnComponent> struct RopeLane {
   int64_t token, begin, end;  // the warp's token and its rows [begin, end)
   bool valid;                 // token < tokens; the rest is set only then
   float2 cs[8];               // cos and sign * sin of the lane's 8 pairs, 8 (pack mod G/2) + l (see rotate)
-  Pack<8> weight;             // the norm's weight over the lane's pack
+  Pack<bf16, 8> weight;             // the norm's weight over the lane's pack
   static constexpr int kPasses = int(kHeadsPerWarp) / kHeadsAtOnce;  // passes over the warp's rows
   static constexpr int kAhead = kPasses < 4 ? kPasses : 4;            // passes loaded before the trig (registers)
   int passes = 0;                                                     // those that hold rows
@@ -302,20 +295,20 @@ template <int G, bool OwnComponent> struct RopeLane {
     return v;
   }
   // The partner lane's pack (elements j +- D/2 of this lane's).
-  __device__ Pack<8> partner(Pack<8> own) const {
+  __device__ Pack<bf16, 8> partner(Pack<bf16, 8> own) const {
     uint4 bits = *reinterpret_cast<uint4*>(&own);
     bits.x = __shfl_xor_sync(0xffffffffu, bits.x, G / 2);
     bits.y = __shfl_xor_sync(0xffffffffu, bits.y, G / 2);
     bits.z = __shfl_xor_sync(0xffffffffu, bits.z, G / 2);
     bits.w = __shfl_xor_sync(0xffffffffu, bits.w, G / 2);
-    return *reinterpret_cast<Pack<8>*>(&bits);
+    return *reinterpret_cast<Pack<bf16, 8>*>(&bits);
   }
   // This lane's half of the rotation of (own, partner): rope_apply's x for the first half,
   // fmaf(own, cos, -(other * sin)), and its y for the second, fmaf(own, cos, other * sin). With
   // OwnComponent the first half's cs holds -sign * sin (negation is exact, so the bits are
   // rope_apply's) and only that component is computed; otherwise rope_apply's pair, then a select.
-  __device__ Pack<8> rotate(const Pack<8>& own, const Pack<8>& other) const {
-    Pack<8> out;
+  __device__ Pack<bf16, 8> rotate(const Pack<bf16, 8>& own, const Pack<bf16, 8>& other) const {
+    Pack<bf16, 8> out;
 #pragma unroll
     for (int l = 0; l < 8; ++l) {
       if constexpr (OwnComponent) {
@@ -345,15 +338,15 @@ __global__ void rmsnorm_rope_forward_kernel(bf16* y, float* rstd, const bf16* x,
   RopeLane<G, true> lane(rope, tokens);
   if (!lane.valid) return;
   auto load_row = [&](int64_t row) { return load<8>(x + row * d + 8 * lane.pack); };
-  lane.run(rope, weight, load_row, [&](int64_t row, const Pack<8>& xp) {
+  lane.run(rope, weight, load_row, [&](int64_t row, const Pack<bf16, 8>& xp) {
     float ss = 0;
 #pragma unroll
     for (int l = 0; l < 8; ++l) ss = fmaf(float(xp.v[l]), float(xp.v[l]), ss);
     const float r = 1.0f / sqrtf(lane.head_sum(ss) / float(d) + eps);
-    Pack<8> normed;
+    Pack<bf16, 8> normed;
 #pragma unroll
     for (int l = 0; l < 8; ++l) normed.v[l] = bf16(float(xp.v[l]) * r * float(lane.weight.v[l]));
-    const Pack<8> rotated = lane.rotate(normed, lane.partner(normed));
+    const Pack<bf16, 8> rotated = lane.rotate(normed, lane.partner(normed));
     if (row < 0) return;
     if (lane.pack == 0) rstd[row] = r;
     store<8>(y + row * d + 8 * lane.pack, rotated);
@@ -372,27 +365,27 @@ __global__ void __launch_bounds__(512) rmsnorm_rope_backward_dx_kernel(bf16* dx,
   begin_after_previous_grid();
   constexpr int64_t d = 8 * G;
   constexpr int kChunk = int(kChunkRows);
-  __shared__ Pack<8> u_rows[WithPartial ? kChunk : 1][WithPartial ? G : 1], x_rows[WithPartial ? kChunk : 1][WithPartial ? G : 1];
+  __shared__ Pack<bf16, 8> u_rows[WithPartial ? kChunk : 1][WithPartial ? G : 1], x_rows[WithPartial ? kChunk : 1][WithPartial ? G : 1];
   __shared__ float rstd_rows[WithPartial ? kChunk : 1];
   RopeLane<G, false> lane(rope, tokens);
   const int64_t chunk_row0 = int64_t(blockIdx.x) * kChunkRows;
   struct Inputs {
-    Pack<8> dy, x;
+    Pack<bf16, 8> dy, x;
     float rstd;
   };
   auto load_row = [&](int64_t row) {
     return Inputs{load<8>(dy + row * d + 8 * lane.pack), load<8>(x + row * d + 8 * lane.pack), rstd[row]};
   };
   if (lane.valid) lane.run(rope, weight, load_row, [&](int64_t row, const Inputs& in) {
-    const Pack<8>&gp = in.dy, &xp = in.x;
+    const Pack<bf16, 8>&gp = in.dy, &xp = in.x;
     const float r = in.rstd;
-    const Pack<8> u = lane.rotate(gp, lane.partner(gp));
+    const Pack<bf16, 8> u = lane.rotate(gp, lane.partner(gp));
     float dot = 0;
 #pragma unroll
     for (int l = 0; l < 8; ++l) dot = fmaf(__fmul_rn(__fmul_rn(float(u.v[l]), float(lane.weight.v[l])), float(xp.v[l])), r, dot);
     const float mean = lane.head_sum(dot) / float(d);
     if (row < 0) return;
-    Pack<8> o;
+    Pack<bf16, 8> o;
 #pragma unroll
     for (int l = 0; l < 8; ++l) {
       const float xhat_mean = __fmul_rn(__fmul_rn(float(xp.v[l]), r), mean);
@@ -472,8 +465,6 @@ __global__ void rmsnorm_dweight_reduce_kernel(float* dweight, const float* parti
 unsigned row_blocks(int64_t n) { return unsigned((n + kWarpsPerBlock - 1) / kWarpsPerBlock); }
 constexpr int64_t kStagedWarps = 4, kMaxStagedBytes = 200 << 10;  // rmsnorm_backward_dx_kernel's staged rows
 constexpr unsigned kRowThreads = 32 * kWarpsPerBlock;
-const bf16* bf16_data(Tensor t) { return static_cast<const bf16*>(t.data); }
-bf16* bf16_out(Tensor t) { return static_cast<bf16*>(t.data); }
 
 Rope rope_args(Tensor positions, Tensor cos_sin, int64_t heads, int64_t d, double theta, float sign) {
   Rope rope{positions.ptr<int32_t>(), static_cast<const float2*>(cos_sin.data), heads, sign, {}};
@@ -484,21 +475,18 @@ Rope rope_args(Tensor positions, Tensor cos_sin, int64_t heads, int64_t d, doubl
 void launch_forward(Tensor y, Tensor rstd, Tensor x, Tensor weight, double eps, Stream stream) {
   const int64_t n = x.size(0), d = x.size(1);
   if (n == 0) return;
-  auto s = static_cast<cudaStream_t>(stream.handle);
   const auto kernel = packable(d, {y.data, x.data, weight.data}) ? rmsnorm_forward_kernel<8> : rmsnorm_forward_kernel<1>;
-  launch_dependent(kernel, row_blocks(n), kRowThreads, 0, s, bf16_out(y), rstd.ptr<float>(), bf16_data(x), bf16_data(weight), n, d, float(eps));
-  MARROW_CUDA_CHECK_LAUNCH();
+  launch_dependent(kernel, row_blocks(n), kRowThreads, 0, stream, bf16_ptr(y), rstd.ptr<float>(), bf16_ptr(x), bf16_ptr(weight), n, d,
+                   float(eps));
 }
 
 void launch_add_forward(Tensor y, Tensor sum, Tensor rstd, Tensor x, Tensor residual, Tensor weight, double eps, Stream stream) {
   const int64_t n = x.size(0), d = x.size(1);
   if (n == 0) return;
-  auto s = static_cast<cudaStream_t>(stream.handle);
   const auto kernel = packable(d, {y.data, sum.data, x.data, residual.data, weight.data}) ? rmsnorm_add_forward_kernel<8>
                                                                                           : rmsnorm_add_forward_kernel<1>;
-  launch_dependent(kernel, row_blocks(n), kRowThreads, 0, s, bf16_out(y), bf16_out(sum), rstd.ptr<float>(), bf16_data(x), bf16_data(residual),
-                                               bf16_data(weight), n, d, float(eps));
-  MARROW_CUDA_CHECK_LAUNCH();
+  launch_dependent(kernel, row_blocks(n), kRowThreads, 0, stream, bf16_ptr(y), bf16_ptr(sum), rstd.ptr<float>(), bf16_ptr(x),
+                   bf16_ptr(residual), bf16_ptr(weight), n, d, float(eps));
 }
 
 // G = D / 8 lanes per head for the fused kernels (see RopeLane): D in {64, 128, 256} with rows in
@@ -511,43 +499,31 @@ void launch_rope_forward(Tensor y, Tensor rstd, Tensor x, Tensor weight, Tensor 
                          int64_t group, Stream stream) {
   const int64_t tokens = x.size(0), heads = x.size(1), d = x.size(2);
   if (tokens * heads == 0) return;
-  auto s = static_cast<cudaStream_t>(stream.handle);
-  const Rope rope = rope_args(positions, cos_sin, heads, d, theta, 1.0f);
-  auto launch = [&](auto kernel) {
-    launch_dependent(kernel, rope_blocks(tokens, heads), kRowThreads, 0, s, bf16_out(y), rstd.ptr<float>(), bf16_data(x), bf16_data(weight), rope,
-                                                              tokens, float(eps));
-  };
-  if (group == 8) launch(rmsnorm_rope_forward_kernel<8>);
-  else if (group == 16) launch(rmsnorm_rope_forward_kernel<16>);
-  else launch(rmsnorm_rope_forward_kernel<32>);
-  MARROW_CUDA_CHECK_LAUNCH();
+  const auto kernel = group == 8 ? rmsnorm_rope_forward_kernel<8> : group == 16 ? rmsnorm_rope_forward_kernel<16> : rmsnorm_rope_forward_kernel<32>;
+  launch_dependent(kernel, rope_blocks(tokens, heads), kRowThreads, 0, stream, bf16_ptr(y), rstd.ptr<float>(), bf16_ptr(x), bf16_ptr(weight),
+                   rope_args(positions, cos_sin, heads, d, theta, 1.0f), tokens, float(eps));
 }
 
-// dweight += the column sums of the [chunks, d] partials that launch_partial(partial, chunks, s)
+// dweight += the column sums of the [chunks, d] partials that launch_partial(partial, chunks)
 // writes, reduced in the fixed order of the reduce kernel.
 template <class Partial> void accumulate_dweight(Tensor dweight, int64_t n, int64_t d, Stream stream, Partial launch_partial) {
-  auto s = static_cast<cudaStream_t>(stream.handle);
   const int64_t chunks = (n + kChunkRows - 1) / kChunkRows;
   Buffer partial(DType::f32, Device::cuda, {chunks, d}, stream);
-  launch_partial(partial.ptr<float>(), unsigned(chunks), s);
-  MARROW_CUDA_CHECK_LAUNCH();
-  launch_dependent(rmsnorm_dweight_reduce_kernel, unsigned((d + 31) / 32), 32 * kReduceLanes, 0, s, dweight.ptr<float>(), partial.ptr<float>(),
-                                                                                      chunks, d);
-  MARROW_CUDA_CHECK_LAUNCH();
+  launch_partial(partial.ptr<float>(), unsigned(chunks));
+  launch_dependent(rmsnorm_dweight_reduce_kernel, unsigned((d + 31) / 32), 32 * kReduceLanes, 0, stream, dweight.ptr<float>(),
+                   partial.ptr<float>(), chunks, d);
 }
 
 void launch_backward(Tensor dx, Tensor dweight, Tensor dy, Tensor x, Tensor weight, Tensor rstd, Tensor dresidual, Stream stream) {
   const int64_t n = x.size(0), d = x.size(1);
   if (n == 0 || d == 0) return;
-  auto s = static_cast<cudaStream_t>(stream.handle);
   // A null dresidual passes packable's alignment test. Staged: kStagedWarps rows a block, each
   // warp 3 rows of D bf16 in shared memory (48 KiB a block at D = 2,048).
   const bool packed = packable(d, {dx.data, dy.data, dresidual.data, x.data, weight.data});
   const int64_t staged_bytes = kStagedWarps * 3 * d * 2;
   auto args = [&](auto kernel, unsigned blocks, unsigned threads, size_t smem) {
-    launch_dependent(kernel, blocks, threads, smem, s, bf16_out(dx), bf16_data(dy), bf16_data(dresidual), bf16_data(x), bf16_data(weight),
-                                         rstd.ptr<float>(), n, d);
-    MARROW_CUDA_CHECK_LAUNCH();
+    launch_dependent(kernel, blocks, threads, smem, stream, bf16_ptr(dx), bf16_ptr(dy), bf16_ptr(dresidual), bf16_ptr(x), bf16_ptr(weight),
+                     rstd.ptr<float>(), n, d);
   };
   if (packed && staged_bytes <= kMaxStagedBytes) {
     MARROW_CUDA_CHECK(
@@ -557,9 +533,9 @@ void launch_backward(Tensor dx, Tensor dweight, Tensor dy, Tensor x, Tensor weig
   } else {  // odd widths, or rows too long to stage (D > 17,066)
     args(rmsnorm_backward_dx_kernel<1, false>, row_blocks(n), kRowThreads, 0);
   }
-  accumulate_dweight(dweight, n, d, stream, [&](float* partial, unsigned chunks, cudaStream_t st) {
-    launch_dependent(rmsnorm_dweight_partial_kernel, dim3(chunks, unsigned((d + 255) / 256)), 256, 0, st, partial, bf16_data(dy), bf16_data(x),
-                                                                                          rstd.ptr<float>(), n, d);
+  accumulate_dweight(dweight, n, d, stream, [&](float* partial, unsigned chunks) {
+    launch_dependent(rmsnorm_dweight_partial_kernel, dim3(chunks, unsigned((d + 255) / 256)), 256, 0, stream, partial, bf16_ptr(dy),
+                     bf16_ptr(x), rstd.ptr<float>(), n, d);
   });
 }
 
@@ -567,46 +543,37 @@ void launch_rope_backward(Tensor dx, Tensor dweight, Tensor dy, Tensor x, Tensor
                           double theta, int64_t group, Stream stream) {
   const int64_t tokens = x.size(0), heads = x.size(1), d = x.size(2), n = tokens * heads;
   if (n == 0) return;
-  auto s = static_cast<cudaStream_t>(stream.handle);
   const Rope rope = rope_args(positions, cos_sin, heads, d, theta, -1.0f);
   auto launch = [&](auto kernel, float* partial, int64_t warps_per_block) {
-    launch_dependent(kernel, rope_blocks(tokens, heads, warps_per_block), unsigned(32 * warps_per_block), 0, s, 
-        bf16_out(dx), partial, bf16_data(dy), bf16_data(x), bf16_data(weight), rstd.ptr<float>(), rope, tokens);
-    MARROW_CUDA_CHECK_LAUNCH();
+    launch_dependent(kernel, rope_blocks(tokens, heads, warps_per_block), unsigned(32 * warps_per_block), 0, stream, bf16_ptr(dx), partial,
+                     bf16_ptr(dy), bf16_ptr(x), bf16_ptr(weight), rstd.ptr<float>(), rope, tokens);
   };
   // dx and the dweight partials in one pass (see the kernel) when a block can hold exactly one chunk: a
   // warp takes kHeadsPerWarp rows (heads a multiple of it) or a token's 4 heads (16 warps a block).
   const int64_t warp_rows = heads % kHeadsPerWarp == 0 ? kHeadsPerWarp : heads;
   if (group <= 16 && (warp_rows == kHeadsPerWarp || warp_rows == 4))
-    return accumulate_dweight(dweight, n, d, stream, [&](float* partial, unsigned chunks, cudaStream_t) {
+    return accumulate_dweight(dweight, n, d, stream, [&](float* partial, unsigned chunks) {
       const int64_t warps = kChunkRows / warp_rows;
       MARROW_CHECK(chunks == rope_blocks(tokens, heads, warps), "internal: {} dweight chunks for {} blocks", chunks,
                    rope_blocks(tokens, heads, warps));
-      if (group == 8) launch(rmsnorm_rope_backward_dx_kernel<8, true>, partial, warps);
-      else launch(rmsnorm_rope_backward_dx_kernel<16, true>, partial, warps);
+      launch(group == 8 ? rmsnorm_rope_backward_dx_kernel<8, true> : rmsnorm_rope_backward_dx_kernel<16, true>, partial, warps);
     });
-  if (group == 8) launch(rmsnorm_rope_backward_dx_kernel<8, false>, nullptr, kWarpsPerBlock);
-  else if (group == 16) launch(rmsnorm_rope_backward_dx_kernel<16, false>, nullptr, kWarpsPerBlock);
-  else launch(rmsnorm_rope_backward_dx_kernel<32, false>, nullptr, kWarpsPerBlock);
+  launch(group == 8    ? rmsnorm_rope_backward_dx_kernel<8, false>
+         : group == 16 ? rmsnorm_rope_backward_dx_kernel<16, false>
+                       : rmsnorm_rope_backward_dx_kernel<32, false>,
+         nullptr, kWarpsPerBlock);
   // A thread per column pair: blocks of at most 256, no more warps than D/2 needs (64 threads at D = 128).
   const int64_t threads = std::min<int64_t>(256, (d / 2 + 31) / 32 * 32);
-  accumulate_dweight(dweight, n, d, stream, [&](float* partial, unsigned chunks, cudaStream_t st) {
-    launch_dependent(rmsnorm_rope_dweight_partial_kernel, dim3(chunks, unsigned((d / 2 + threads - 1) / threads)), unsigned(threads), 0, st, 
-        partial, bf16_data(dy), bf16_data(x), rstd.ptr<float>(), rope, n, d);
+  accumulate_dweight(dweight, n, d, stream, [&](float* partial, unsigned chunks) {
+    launch_dependent(rmsnorm_rope_dweight_partial_kernel, dim3(chunks, unsigned((d / 2 + threads - 1) / threads)), unsigned(threads), 0,
+                     stream, partial, bf16_ptr(dy), bf16_ptr(x), rstd.ptr<float>(), rope, n, d);
   });
 }
 #endif
 
-// The GPU kernels' dtypes: activations and weights bf16, statistics and weight gradients f32.
-using Named = std::initializer_list<std::pair<const char*, const Tensor*>>;
-void expect_gpu_dtypes(const char* op, Named bf16_tensors, Named f32_tensors) {
-  for (auto [name, t] : bf16_tensors) expect_dtype(op, name, *t, DType::bf16);
-  for (auto [name, t] : f32_tensors) expect_dtype(op, name, *t, DType::f32);
-}
-
 // x must be [rows, dim], and so must the tensors named with it.
-void expect_rows(const char* op, const Tensor& x, Named like_x) {
-  MARROW_CHECK(x.ndim == 2, "{}: x must be [rows, dim], got {}", op, x.shape_string());
+void expect_rows(const char* op, const Tensor& x, std::initializer_list<std::pair<const char*, const Tensor*>> like_x) {
+  expect_ndim(op, "x", x, 2, "[rows, dim]");
   for (auto [name, t] : like_x) expect_shape(op, name, *t, {x.size(0), x.size(1)});
 }
 
@@ -627,16 +594,8 @@ void rmsnorm_forward(Tensor y, Tensor rstd, Tensor x, Tensor weight, double eps,
   const int64_t n = x.size(0), d = x.size(1);
   expect_shape(op, "rstd", rstd, {n});
   expect_shape(op, "weight", weight, {d});
-  if (common_device(op, {{"x", &x}, {"y", &y}, {"rstd", &rstd}, {"weight", &weight}}) == Device::cuda) {
-    expect_gpu_dtypes(op, {{"x", &x}, {"y", &y}, {"weight", &weight}}, {{"rstd", &rstd}});
-#ifdef __CUDACC__
-    return launch_forward(y, rstd, x, weight, eps, stream);
-#else
-    no_cuda_kernel(op);
-#endif
-  }
-  expect_same_dtype(op, {{"x", &x}, {"y", &y}, {"rstd", &rstd}, {"weight", &weight}});
-  (void)stream;
+  if (on_gpu(op, {{"x", &x, DType::bf16}, {"y", &y, DType::bf16}, {"rstd", &rstd, DType::f32}, {"weight", &weight, DType::bf16}}))
+    MARROW_GPU_RETURN(op, stream, launch_forward(y, rstd, x, weight, eps, stream));
   with_cpu_scalar(op, x, [&](auto s) {
     using T = decltype(s);
     forward_cpu<T>(y.ptr<T>(), rstd.ptr<T>(), x.ptr<T>(), weight.ptr<T>(), n, d, eps);
@@ -649,24 +608,17 @@ void rmsnorm_add_forward(Tensor y, Tensor sum, Tensor rstd, Tensor x, Tensor res
   const int64_t n = x.size(0), d = x.size(1);
   expect_shape(op, "rstd", rstd, {n});
   expect_shape(op, "weight", weight, {d});
-  if (common_device(op, {{"x", &x}, {"residual", &residual}, {"sum", &sum}, {"y", &y}, {"rstd", &rstd}, {"weight", &weight}}) ==
-      Device::cpu) {
-    expect_same_dtype(op, {{"x", &x}, {"residual", &residual}, {"sum", &sum}, {"y", &y}, {"rstd", &rstd}, {"weight", &weight}});
-    add(sum, x, residual, stream);
-    return rmsnorm_forward(y, rstd, sum, weight, eps, stream);
-  }
-  expect_gpu_dtypes(op, {{"x", &x}, {"residual", &residual}, {"sum", &sum}, {"y", &y}, {"weight", &weight}}, {{"rstd", &rstd}});
-#ifdef __CUDACC__
-  launch_add_forward(y, sum, rstd, x, residual, weight, eps, stream);
-#else
-  no_cuda_kernel(op);
-#endif
+  if (on_gpu(op, {{"x", &x, DType::bf16}, {"residual", &residual, DType::bf16}, {"sum", &sum, DType::bf16}, {"y", &y, DType::bf16},
+                  {"rstd", &rstd, DType::f32}, {"weight", &weight, DType::bf16}}))
+    MARROW_GPU_RETURN(op, stream, launch_add_forward(y, sum, rstd, x, residual, weight, eps, stream));
+  add(sum, x, residual, stream);
+  rmsnorm_forward(y, rstd, sum, weight, eps, stream);
 }
 
 void rmsnorm_rope_forward(Tensor y, Tensor rstd, Tensor x, Tensor weight, Tensor positions, double eps, double theta,
                           Tensor cos_sin, Stream stream) {
   const char* op = "rmsnorm_rope_forward";
-  MARROW_CHECK(x.ndim == 3, "{}: x must be [tokens, heads, head_dim], got {}", op, x.shape_string());
+  expect_ndim(op, "x", x, 3, "[tokens, heads, head_dim]");
   const int64_t tokens = x.size(0), heads = x.size(1), d = x.size(2);
   MARROW_CHECK(d % 2 == 0, "{}: head_dim of x must be even, got {}", op, d);
   expect_shape(op, "y", y, {tokens, heads, d});
@@ -675,15 +627,12 @@ void rmsnorm_rope_forward(Tensor y, Tensor rstd, Tensor x, Tensor weight, Tensor
   expect_shape(op, "positions", positions, {tokens});
   expect_dtype(op, "positions", positions, DType::i32);
   expect_cos_sin(op, cos_sin, x);
-  if (common_device(op, {{"x", &x}, {"y", &y}, {"rstd", &rstd}, {"weight", &weight}, {"positions", &positions}}) == Device::cpu) {
-    expect_same_dtype(op, {{"x", &x}, {"y", &y}, {"rstd", &rstd}, {"weight", &weight}});
-  } else {
-    expect_gpu_dtypes(op, {{"x", &x}, {"y", &y}, {"weight", &weight}}, {{"rstd", &rstd}});
+  [[maybe_unused]] const bool gpu = on_gpu(op, {{"x", &x, DType::bf16}, {"y", &y, DType::bf16}, {"rstd", &rstd, DType::f32},
+                                                {"weight", &weight, DType::bf16}, {"positions", &positions, DType::i32}});
 #ifdef __CUDACC__
-    if (const int64_t group = rope_group(d, {y.data, x.data, weight.data}); group > 0)
-      return launch_rope_forward(y, rstd, x, weight, positions, cos_sin, eps, theta, group, stream);
+  if (const int64_t group = gpu ? rope_group(d, {y.data, x.data, weight.data}) : 0; group > 0)
+    return launch_rope_forward(y, rstd, x, weight, positions, cos_sin, eps, theta, group, stream);
 #endif
-  }
   // The CPU, and head sizes the fused kernels do not take: the unfused pair, whose bits they keep.
   rmsnorm_forward(y.reshape({tokens * heads, d}), rstd, x.reshape({tokens * heads, d}), weight, eps, stream);
   rope_forward(y, y, positions, theta, stream);
@@ -698,21 +647,10 @@ void rmsnorm_backward(Tensor dx, Tensor dweight, Tensor dy, Tensor x, Tensor wei
   expect_shape(op, "rstd", rstd, {n});
   const bool has_dresidual = dresidual.ndim != 0 || dresidual.data != nullptr;  // Tensor{}: none
   if (has_dresidual) expect_shape(op, "dresidual", dresidual, {n, d});
-  const Device device =
-      common_device(op, {{"x", &x}, {"dx", &dx}, {"dy", &dy}, {"dweight", &dweight}, {"weight", &weight}, {"rstd", &rstd}});
-  if (has_dresidual) expect_device(op, "dresidual", dresidual, device);
-  if (device == Device::cuda) {
-    expect_gpu_dtypes(op, {{"x", &x}, {"dx", &dx}, {"dy", &dy}, {"weight", &weight}}, {{"rstd", &rstd}, {"dweight", &dweight}});
-    if (has_dresidual) expect_dtype(op, "dresidual", dresidual, DType::bf16);
-#ifdef __CUDACC__
-    return launch_backward(dx, dweight, dy, x, weight, rstd, dresidual, stream);
-#else
-    no_cuda_kernel(op);
-#endif
-  }
-  expect_same_dtype(op, {{"x", &x}, {"dx", &dx}, {"dy", &dy}, {"dweight", &dweight}, {"weight", &weight}, {"rstd", &rstd}});
-  if (has_dresidual) expect_same_dtype(op, {{"x", &x}, {"dresidual", &dresidual}});
-  (void)stream;
+  const bool gpu = on_gpu(op, {{"x", &x, DType::bf16}, {"dx", &dx, DType::bf16}, {"dy", &dy, DType::bf16}, {"dweight", &dweight, DType::f32},
+                               {"weight", &weight, DType::bf16}, {"rstd", &rstd, DType::f32}});
+  if (has_dresidual) on_gpu(op, {{"x", &x, DType::bf16}, {"dresidual", &dresidual, DType::bf16}});
+  if (gpu) MARROW_GPU_RETURN(op, stream, launch_backward(dx, dweight, dy, x, weight, rstd, dresidual, stream));
   with_cpu_scalar(op, x, [&](auto s) {
     using T = decltype(s);
     backward_cpu<T>(dx.ptr<T>(), dweight.ptr<T>(), dy.ptr<T>(), x.ptr<T>(), weight.ptr<T>(), rstd.ptr<T>(),
@@ -723,7 +661,7 @@ void rmsnorm_backward(Tensor dx, Tensor dweight, Tensor dy, Tensor x, Tensor wei
 void rmsnorm_rope_backward(Tensor dx, Tensor dweight, Tensor dy, Tensor x, Tensor weight, Tensor rstd, Tensor positions,
                            double theta, Tensor cos_sin, Stream stream) {
   const char* op = "rmsnorm_rope_backward";
-  MARROW_CHECK(x.ndim == 3, "{}: x must be [tokens, heads, head_dim], got {}", op, x.shape_string());
+  expect_ndim(op, "x", x, 3, "[tokens, heads, head_dim]");
   const int64_t tokens = x.size(0), heads = x.size(1), d = x.size(2);
   MARROW_CHECK(d % 2 == 0, "{}: head_dim of x must be even, got {}", op, d);
   expect_shape(op, "dx", dx, {tokens, heads, d});
@@ -734,19 +672,15 @@ void rmsnorm_rope_backward(Tensor dx, Tensor dweight, Tensor dy, Tensor x, Tenso
   expect_shape(op, "positions", positions, {tokens});
   expect_dtype(op, "positions", positions, DType::i32);
   expect_cos_sin(op, cos_sin, x);
-  const Device device = common_device(op, {{"x", &x}, {"dx", &dx}, {"dy", &dy}, {"dweight", &dweight}, {"weight", &weight},
-                                            {"rstd", &rstd}, {"positions", &positions}});
-  if (device == Device::cpu) {
-    expect_same_dtype(op, {{"x", &x}, {"dx", &dx}, {"dy", &dy}, {"dweight", &dweight}, {"weight", &weight}, {"rstd", &rstd}});
-  } else {
-    expect_gpu_dtypes(op, {{"x", &x}, {"dx", &dx}, {"dy", &dy}, {"weight", &weight}}, {{"rstd", &rstd}, {"dweight", &dweight}});
+  [[maybe_unused]] const bool gpu =
+      on_gpu(op, {{"x", &x, DType::bf16}, {"dx", &dx, DType::bf16}, {"dy", &dy, DType::bf16}, {"dweight", &dweight, DType::f32},
+                  {"weight", &weight, DType::bf16}, {"rstd", &rstd, DType::f32}, {"positions", &positions, DType::i32}});
 #ifdef __CUDACC__
-    if (const int64_t group = rope_group(d, {dx.data, dy.data, x.data, weight.data}); group > 0)
-      return launch_rope_backward(dx, dweight, dy, x, weight, rstd, positions, cos_sin, theta, group, stream);
+  if (const int64_t group = gpu ? rope_group(d, {dx.data, dy.data, x.data, weight.data}) : 0; group > 0)
+    return launch_rope_backward(dx, dweight, dy, x, weight, rstd, positions, cos_sin, theta, group, stream);
 #endif
-  }
   // The CPU, and head sizes the fused kernels do not take: the unfused pair, whose bits they keep.
-  Buffer unrotated(x.dtype, device, {tokens, heads, d}, stream);
+  Buffer unrotated(x.dtype, x.device, {tokens, heads, d}, stream);
   rope_backward(unrotated, dy, positions, theta, stream);
   const Tensor rows = unrotated.view().reshape({tokens * heads, d});
   rmsnorm_backward(dx.reshape({tokens * heads, d}), dweight, rows, x.reshape({tokens * heads, d}), weight, rstd, {}, stream);

@@ -9,8 +9,6 @@
 #include "ops/common.h"
 
 #ifdef __CUDACC__
-#include <cuda_bf16.h>
-
 #include "ops/cuda_common.cuh"
 #endif
 
@@ -52,15 +50,10 @@ void rotate_cpu(T* y, const T* x, const int32_t* positions, int64_t tokens, int6
 }
 
 #ifdef __CUDACC__
-using bf16 = __nv_bfloat16;
 constexpr int kMaxHalf = int(kMaxHalfHost);  // head_dim up to 512: inv_freq travels as a kernel argument
 
 struct InvFreq {
   float v[kMaxHalf];
-};
-
-template <int N> struct alignas(2 * N) Pack {
-  bf16 v[N];
 };
 
 // One thread per N adjacent pairs (j, j + D/2) of one head of one token (N = 8 when D/2 % 8 == 0
@@ -78,8 +71,8 @@ __global__ void rope_rotate_kernel(bf16* y, const bf16* x, const int32_t* positi
        p += int64_t(gridDim.x) * blockDim.x) {
     const int64_t head = p / per_head, j = p % per_head * N, base = head * 2 * half;
     const float position = float(positions[head / heads]);
-    const Pack<N> a = *reinterpret_cast<const Pack<N>*>(x + base + j), b = *reinterpret_cast<const Pack<N>*>(x + base + half + j);
-    Pack<N> ya, yb;
+    const Pack<bf16, N> a = load<N>(x + base + j), b = load<N>(x + base + half + j);
+    Pack<bf16, N> ya, yb;
 #pragma unroll
     for (int l = 0; l < N; ++l) {
       float2 o;
@@ -92,8 +85,8 @@ __global__ void rope_rotate_kernel(bf16* y, const bf16* x, const int32_t* positi
       ya.v[l] = bf16(o.x);
       yb.v[l] = bf16(o.y);
     }
-    *reinterpret_cast<Pack<N>*>(y + base + j) = ya;
-    *reinterpret_cast<Pack<N>*>(y + base + half + j) = yb;
+    store<N>(y + base + j, ya);
+    store<N>(y + base + half + j, yb);
   }
 }
 
@@ -110,19 +103,22 @@ void launch_rotate(Tensor y, Tensor x, Tensor positions, const std::vector<float
   const int64_t tokens = x.size(0), heads = x.size(1), d = x.size(2), half = d / 2;
   InvFreq inv_freq{};
   std::copy(frequencies.begin(), frequencies.end(), inv_freq.v);
-  const bool packed =
-      half % 8 == 0 && (reinterpret_cast<uintptr_t>(x.data) | reinterpret_cast<uintptr_t>(y.data)) % 16 == 0;
+  const bool packed = packable(half, {x.data, y.data});
   const int64_t work = tokens * heads * (packed ? half / 8 : half);
   if (work == 0) return;
-  const int threads = 256, blocks = int(std::min<int64_t>((work + threads - 1) / threads, 8192));
-  auto s = static_cast<cudaStream_t>(stream.handle);
-  auto* out = static_cast<bf16*>(y.data);
-  auto* in = static_cast<const bf16*>(x.data);
-  auto* pos = positions.ptr<int32_t>();
   auto* kernel = scale != 1.0f ? (packed ? rope_rotate_kernel<8, true> : rope_rotate_kernel<1, true>)
                                : (packed ? rope_rotate_kernel<8, false> : rope_rotate_kernel<1, false>);
-  launch_dependent(kernel, blocks, threads, 0, s, out, in, pos, inv_freq, tokens, heads, half, float(sign), scale);
-  MARROW_CUDA_CHECK_LAUNCH();
+  launch_dependent(kernel, grid_stride_blocks(work, 256, 8192), 256, 0, stream, bf16_ptr(y), bf16_ptr(x), positions.ptr<int32_t>(), inv_freq,
+                   tokens, heads, half, float(sign), scale);
+}
+
+void launch_table(Tensor table, Tensor positions, int64_t head_dim, double theta, Stream stream) {
+  const int64_t tokens = positions.size(0), half = head_dim / 2;
+  if (tokens == 0) return;
+  InvFreq inv_freq{};
+  for (int64_t j = 0; j < half; ++j) inv_freq.v[j] = rope_inverse_frequency(j, head_dim, theta);
+  launch_dependent(rope_cos_sin_table_kernel, unsigned((tokens * half + 255) / 256), 256, 0, stream, static_cast<float2*>(table.data),
+                   positions.ptr<int32_t>(), inv_freq, tokens, half);
 }
 #endif
 
@@ -180,25 +176,18 @@ double attention_scaling(const RopeParameters& rope) {
 
 void rotate(const char* op, Tensor y, const char* y_name, Tensor x, const char* x_name, Tensor positions,
             const RopeParameters& rope, int sign, Stream stream) {
-  MARROW_CHECK(x.ndim == 3, "{}: {} must be [tokens, heads, head_dim], got {}", op, x_name, x.shape_string());
+  expect_ndim(op, x_name, x, 3, "[tokens, heads, head_dim]");
   const int64_t tokens = x.size(0), heads = x.size(1), d = x.size(2);
   MARROW_CHECK(d % 2 == 0, "{}: head_dim of {} must be even, got {}", op, x_name, d);
   check_rope(op, rope);
   expect_shape(op, y_name, y, {tokens, heads, d});
   expect_shape(op, "positions", positions, {tokens});
   expect_dtype(op, "positions", positions, DType::i32);
-  expect_same_dtype(op, {{x_name, &x}, {y_name, &y}});
   const std::vector<float> inv_freq = inverse_frequencies(d, rope);
   const float scale = float(attention_scaling(rope));
-  if (common_device(op, {{x_name, &x}, {y_name, &y}, {"positions", &positions}}) == Device::cuda) {
-    expect_dtype(op, x_name, x, DType::bf16);
+  if (on_gpu(op, {{x_name, &x, DType::bf16}, {y_name, &y, DType::bf16}, {"positions", &positions, DType::i32}})) {
     MARROW_CHECK(d / 2 <= kMaxHalfHost, "{}: head_dim of {} is {}, but the GPU kernel takes at most {}", op, x_name, d, 2 * kMaxHalfHost);
-#ifdef __CUDACC__
-    return launch_rotate(y, x, positions, inv_freq, scale, sign, stream);
-#else
-    (void)stream;
-    no_cuda_kernel(op);
-#endif
+    MARROW_GPU_RETURN(op, stream, launch_rotate(y, x, positions, inv_freq, scale, sign, stream));
   }
   with_cpu_scalar(op, x, [&](auto s) {
     using T = decltype(s);
@@ -226,26 +215,14 @@ void rope_cos_sin_table(Tensor table, Tensor positions, int64_t head_dim, double
   const char* op = "rope_cos_sin_table";
   MARROW_CHECK(head_dim > 0 && head_dim % 2 == 0, "{}: head_dim must be even and positive, got {}", op, head_dim);
   MARROW_CHECK(theta > 0, "{}: theta must be positive, got {}", op, theta);
-  MARROW_CHECK(positions.ndim == 1, "{}: positions must be [tokens], got {}", op, positions.shape_string());
+  expect_ndim(op, "positions", positions, 1, "[tokens]");
   const int64_t tokens = positions.size(0), half = head_dim / 2;
   expect_dtype(op, "positions", positions, DType::i32);
   expect_shape(op, "table", table, {tokens, half, 2});
   expect_dtype(op, "table", table, DType::f32);
   if (common_device(op, {{"table", &table}, {"positions", &positions}}) == Device::cuda) {
     MARROW_CHECK(half <= kMaxHalfHost, "{}: head_dim is {}, but the GPU kernel takes at most {}", op, head_dim, 2 * kMaxHalfHost);
-#ifdef __CUDACC__
-    if (tokens == 0) return;
-    InvFreq inv_freq{};
-    for (int64_t j = 0; j < half; ++j) inv_freq.v[j] = rope_inverse_frequency(j, head_dim, theta);
-    const int64_t n = tokens * half;
-    launch_dependent(rope_cos_sin_table_kernel, unsigned((n + 255) / 256), 256, 0, static_cast<cudaStream_t>(stream.handle), 
-        static_cast<float2*>(table.data), positions.ptr<int32_t>(), inv_freq, tokens, half);
-    MARROW_CUDA_CHECK_LAUNCH();
-    return;
-#else
-    (void)stream;
-    no_cuda_kernel(op);
-#endif
+    MARROW_GPU_RETURN(op, stream, launch_table(table, positions, head_dim, theta, stream));
   }
   float* out = table.ptr<float>();
   for (int64_t t = 0; t < tokens; ++t)

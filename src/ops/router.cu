@@ -11,8 +11,6 @@
 #include "ops/common.h"
 
 #ifdef __CUDACC__
-#include <cuda_bf16.h>
-
 #include "ops/cuda_common.cuh"
 #endif
 
@@ -99,8 +97,8 @@ void backward_cpu(T* dlogits, const T* dtopk_weight, const T* probs, const int32
 
 // [tokens, experts] and [tokens, k] with 1 <= k <= experts; returns (T, E, K).
 std::array<int64_t, 3> router_sizes(const char* op, const char* scores_name, const Tensor& scores, const Tensor& topk_index) {
-  MARROW_CHECK(scores.ndim == 2, "{}: {} must be [tokens, experts], got {}", op, scores_name, scores.shape_string());
-  MARROW_CHECK(topk_index.ndim == 2, "{}: topk_index must be [tokens, k], got {}", op, topk_index.shape_string());
+  expect_ndim(op, scores_name, scores, 2, "[tokens, experts]");
+  expect_ndim(op, "topk_index", topk_index, 2, "[tokens, k]");
   const int64_t n = scores.size(0), e = scores.size(1), k = topk_index.size(1);
   expect_shape(op, "topk_index", topk_index, {n, k});
   expect_dtype(op, "topk_index", topk_index, DType::i32);
@@ -123,7 +121,6 @@ int64_t statistics_experts(const char* op, const Tensor& stats) {
                "{}: stats must be [2 * experts + 1] with at least one expert, got {}", op, stats.shape_string());
   return (stats.numel() - 1) / 2;
 }
-
 
 #ifdef __CUDACC__
 constexpr int kWarps = 4;  // tokens per block of the per-token kernels
@@ -154,7 +151,7 @@ __global__ void router_forward_kernel(float* probs, int32_t* topk_index, float* 
   const float* l = logits + t * e;
   float max = -INFINITY;
   for (int i = lane; i < e; i += 32) max = fmaxf(max, l[i]);
-  for (int m = 16; m > 0; m /= 2) max = fmaxf(max, __shfl_xor_sync(0xffffffffu, max, m));
+  max = warp_max(max);
   for (int i = lane; i < e; i += 32) ex[i] = exp(double(l[i]) - double(max));
   __syncwarp();
   double sum = 0;
@@ -269,9 +266,8 @@ void launch_forward(Tensor probs, Tensor topk_index, Tensor topk_weight, Tensor 
   const int64_t n = logits.size(0), e = logits.size(1), k = topk_index.size(1);
   if (n == 0) return;
   const size_t smem = size_t(kWarps) * e * (sizeof(double) + sizeof(float) + 1);
-  launch_dependent(router_forward_kernel, unsigned((n + kWarps - 1) / kWarps), 32 * kWarps, smem, static_cast<cudaStream_t>(stream.handle), 
-      probs.ptr<float>(), topk_index.ptr<int32_t>(), topk_weight.ptr<float>(), logits.ptr<float>(), n, int(e), int(k), normalize);
-  MARROW_CUDA_CHECK_LAUNCH();
+  launch_dependent(router_forward_kernel, unsigned((n + kWarps - 1) / kWarps), 32 * kWarps, smem, stream, probs.ptr<float>(),
+                   topk_index.ptr<int32_t>(), topk_weight.ptr<float>(), logits.ptr<float>(), n, int(e), int(k), normalize);
 }
 
 // The arithmetic of aux_loss_cpu, each operation rounded on its own (no fused multiply-adds): the
@@ -291,23 +287,13 @@ __global__ void router_aux_loss_add_kernel(double* total, const float* stats, in
   total[0] = __dadd_rn(total[0], __dmul_rn(double(e), loss));
 }
 
-void launch_statistics(Tensor stats, Tensor probs, Tensor topk_index, Stream stream) {
-  const int64_t n = probs.size(0), e = probs.size(1);
-  auto s = static_cast<cudaStream_t>(stream.handle);
-  launch_dependent(router_statistics_kernel, unsigned(e), 256, 0, s, stats.ptr<float>(), probs.ptr<float>(), topk_index.ptr<int32_t>(), n,
-                                                       topk_index.numel(), int(e));
-  MARROW_CUDA_CHECK_LAUNCH();
-}
-
 void launch_backward(Tensor dlogits, Tensor dtopk_weight, Tensor probs, Tensor topk_index, Tensor topk_weight, bool normalize,
                      double aux_grad, Tensor stats, Stream stream) {
   const int64_t n = probs.size(0), e = probs.size(1), k = topk_index.size(1);
-  if (n == 0) return;
-  auto s = static_cast<cudaStream_t>(stream.handle);
-  launch_dependent(router_backward_kernel, unsigned((n + kWarps - 1) / kWarps), 32 * kWarps, size_t(kWarps) * e * sizeof(float), s, 
-      static_cast<__nv_bfloat16*>(dlogits.data), dtopk_weight.ptr<float>(), probs.ptr<float>(), topk_index.ptr<int32_t>(),
-      topk_weight.ptr<float>(), stats.ptr<float>(), n, int(e), int(k), normalize, aux_grad);
-  MARROW_CUDA_CHECK_LAUNCH();
+  if (n > 0)
+    launch_dependent(router_backward_kernel, unsigned((n + kWarps - 1) / kWarps), 32 * kWarps, size_t(kWarps) * e * sizeof(float), stream,
+                     bf16_ptr(dlogits), dtopk_weight.ptr<float>(), probs.ptr<float>(), topk_index.ptr<int32_t>(), topk_weight.ptr<float>(),
+                     stats.ptr<float>(), n, int(e), int(k), normalize, aux_grad);
 }
 #endif
 
@@ -319,18 +305,11 @@ void router_forward(Tensor probs, Tensor topk_index, Tensor topk_weight, Tensor 
   const int64_t n = size[0], e = size[1], k = size[2];
   expect_shape(op, "probs", probs, {n, e});
   expect_shape(op, "topk_weight", topk_weight, {n, k});
-  expect_same_dtype(op, {{"logits", &logits}, {"probs", &probs}, {"topk_weight", &topk_weight}});
-  if (common_device(op, {{"logits", &logits}, {"probs", &probs}, {"topk_index", &topk_index}, {"topk_weight", &topk_weight}}) ==
-      Device::cuda) {
-    expect_dtype(op, "logits", logits, DType::f32);
+  if (on_gpu(op, {{"logits", &logits, DType::f32}, {"probs", &probs, DType::f32}, {"topk_index", &topk_index, DType::i32},
+                  {"topk_weight", &topk_weight, DType::f32}})) {
     MARROW_CHECK(e <= kMaxGpuExperts, "{}: {} experts, but the GPU kernel takes at most {}", op, e, kMaxGpuExperts);
-#ifdef __CUDACC__
-    return launch_forward(probs, topk_index, topk_weight, logits, normalize, stream);
-#else
-    no_cuda_kernel(op);
-#endif
+    MARROW_GPU_RETURN(op, stream, launch_forward(probs, topk_index, topk_weight, logits, normalize, stream));
   }
-  (void)stream;
   with_cpu_scalar(op, logits, [&](auto s) {
     using T = decltype(s);
     forward_cpu<T>(probs.ptr<T>(), topk_index.ptr<int32_t>(), topk_weight.ptr<T>(), logits.ptr<T>(), n, e, k, normalize);
@@ -342,17 +321,10 @@ void router_statistics(Tensor stats, Tensor probs, Tensor topk_index, Stream str
   const std::array<int64_t, 3> size = router_sizes(op, "probs", probs, topk_index);
   const int64_t n = size[0], e = size[1], k = size[2];
   expect_shape(op, "stats", stats, {2 * e + 1});
-  expect_same_dtype(op, {{"probs", &probs}, {"stats", &stats}});
-  if (common_device(op, {{"probs", &probs}, {"topk_index", &topk_index}, {"stats", &stats}}) == Device::cuda) {
-    // Indices on the GPU are not checked: an entry outside [0, E) is left out of the counts.
-    expect_dtype(op, "probs", probs, DType::f32);
-#ifdef __CUDACC__
-    return launch_statistics(stats, probs, topk_index, stream);
-#else
-    no_cuda_kernel(op);
-#endif
-  }
-  (void)stream;
+  // Indices on the GPU are not checked: an entry outside [0, E) is left out of the counts.
+  if (on_gpu(op, {{"probs", &probs, DType::f32}, {"topk_index", &topk_index, DType::i32}, {"stats", &stats, DType::f32}}))
+    MARROW_GPU_RETURN(op, stream, launch_dependent(router_statistics_kernel, unsigned(e), 256, 0, stream, stats.ptr<float>(), probs.ptr<float>(),
+                                                   topk_index.ptr<int32_t>(), n, topk_index.numel(), int(e)));
   expect_indices_below(op, "topk_index", topk_index, e);
   with_cpu_scalar(op, probs, [&](auto s) {
     using T = decltype(s);
@@ -365,10 +337,7 @@ double router_aux_loss(Tensor stats, Stream stream) {
   const int64_t e = statistics_experts(op, stats);
   Buffer host = to_host(stats, stream);
   double loss = 0;
-  with_cpu_scalar(op, host, [&](auto s) {
-    using T = decltype(s);
-    loss = aux_loss_cpu<T>(op, host.ptr<T>(), e);
-  });
+  with_cpu_scalar(op, host, [&](auto s) { loss = aux_loss_cpu(op, host.ptr<decltype(s)>(), e); });
   return loss;
 }
 
@@ -379,21 +348,11 @@ void router_aux_loss_add(Tensor total, Tensor stats, Stream stream) {
   expect_dtype(op, "total", total, DType::f64);
   if (common_device(op, {{"total", &total}, {"stats", &stats}}) == Device::cuda) {
     expect_dtype(op, "stats", stats, DType::f32);
-#ifdef __CUDACC__
     MARROW_CHECK(e <= 4096, "{}: {} experts exceed the GPU kernel's shared memory (4096 at most)", op, e);
-    launch_dependent(router_aux_loss_add_kernel, 1, unsigned(std::min<int64_t>(e, 256)), size_t(e) * sizeof(double),
-                                 static_cast<cudaStream_t>(stream.handle), total.ptr<double>(), stats.ptr<float>(), int(e));
-    MARROW_CUDA_CHECK_LAUNCH();
-    return;
-#else
-    no_cuda_kernel(op);
-#endif
+    MARROW_GPU_RETURN(op, stream, launch_dependent(router_aux_loss_add_kernel, 1, unsigned(std::min<int64_t>(e, 256)), size_t(e) * sizeof(double),
+                                                   stream, total.ptr<double>(), stats.ptr<float>(), int(e)));
   }
-  (void)stream;
-  with_cpu_scalar(op, stats, [&](auto s) {
-    using T = decltype(s);
-    total.ptr<double>()[0] += aux_loss_cpu<T>(op, stats.ptr<T>(), e);
-  });
+  with_cpu_scalar(op, stats, [&](auto s) { total.ptr<double>()[0] += aux_loss_cpu(op, stats.ptr<decltype(s)>(), e); });
 }
 
 void router_backward(Tensor dlogits, Tensor dtopk_weight, Tensor probs, Tensor topk_index, Tensor topk_weight, bool normalize,
@@ -405,31 +364,12 @@ void router_backward(Tensor dlogits, Tensor dtopk_weight, Tensor probs, Tensor t
   expect_shape(op, "dtopk_weight", dtopk_weight, {n, k});
   expect_shape(op, "topk_weight", topk_weight, {n, k});
   expect_shape(op, "stats", stats, {2 * e + 1});
-  if (common_device(op, {{"probs", &probs},
-                         {"dlogits", &dlogits},
-                         {"dtopk_weight", &dtopk_weight},
-                         {"topk_index", &topk_index},
-                         {"topk_weight", &topk_weight},
-                         {"stats", &stats}}) == Device::cuda) {
-    // Indices on the GPU are not checked: an entry outside [0, E) is skipped.
-    expect_dtype(op, "probs", probs, DType::f32);
-    expect_dtype(op, "dtopk_weight", dtopk_weight, DType::f32);
-    expect_dtype(op, "topk_weight", topk_weight, DType::f32);
-    expect_dtype(op, "dlogits", dlogits, DType::bf16);
-    expect_dtype(op, "stats", stats, DType::f32);
+  // Indices on the GPU are not checked: an entry outside [0, E) is skipped.
+  if (on_gpu(op, {{"probs", &probs, DType::f32}, {"dlogits", &dlogits, DType::bf16}, {"dtopk_weight", &dtopk_weight, DType::f32},
+                  {"topk_index", &topk_index, DType::i32}, {"topk_weight", &topk_weight, DType::f32}, {"stats", &stats, DType::f32}})) {
     MARROW_CHECK(e <= kMaxGpuExperts, "{}: {} experts, but the GPU kernel takes at most {}", op, e, kMaxGpuExperts);
-#ifdef __CUDACC__
-    return launch_backward(dlogits, dtopk_weight, probs, topk_index, topk_weight, normalize, aux_grad, stats, stream);
-#else
-    no_cuda_kernel(op);
-#endif
+    MARROW_GPU_RETURN(op, stream, launch_backward(dlogits, dtopk_weight, probs, topk_index, topk_weight, normalize, aux_grad, stats, stream));
   }
-  expect_same_dtype(op, {{"probs", &probs},
-                         {"dlogits", &dlogits},
-                         {"dtopk_weight", &dtopk_weight},
-                         {"topk_weight", &topk_weight},
-                         {"stats", &stats}});
-  (void)stream;
   expect_indices_below(op, "topk_index", topk_index, e);
   with_cpu_scalar(op, probs, [&](auto s) {
     using T = decltype(s);

@@ -11,8 +11,6 @@
 #include "ops/dispatch.h"
 
 #ifdef __CUDACC__
-#include <cuda_bf16.h>
-
 #include "ops/cuda_common.cuh"
 #endif
 
@@ -79,6 +77,26 @@ std::array<int64_t, 2> check_gate_up(const char* op, const Tensor& gate_up) {
   return {gate_up.size(0), gate_up.size(1) / 2};
 }
 
+// The shapes of an op over R rows of gate_up[R, 2I] and its devices (all bf16 on the GPU).
+struct Rows {
+  int64_t n, d;
+  bool gpu;
+};
+Rows check_forward(const char* op, const Tensor& out, const Tensor& gate_up) {
+  const auto [n, d] = check_gate_up(op, gate_up);
+  expect_shape(op, "out", out, {n, d});
+  return {n, d, on_gpu(op, {{"gate_up", &gate_up, DType::bf16}, {"out", &out, DType::bf16}})};
+}
+Rows check_backward(const char* op, const Tensor& dgate_up, const Tensor& dout, const Tensor& gate_up) {
+  const auto [n, d] = check_gate_up(op, gate_up);
+  expect_shape(op, "dgate_up", dgate_up, {n, 2 * d});
+  expect_shape(op, "dout", dout, {n, d});
+  return {n, d, on_gpu(op, {{"gate_up", &gate_up, DType::bf16}, {"dgate_up", &dgate_up, DType::bf16}, {"dout", &dout, DType::bf16}})};
+}
+
+// The clamped SwiGLU's bounds [-limit, limit] need a positive limit.
+void check_limit(const char* op, double limit) { MARROW_CHECK(limit > 0, "{}: limit must be positive, got {}", op, limit); }
+
 // One copy at a time: the unweighted activation of row r (forward(a, gate_up row)), its dot with
 // dact, then the weighted act and the gradient of the weighted dact (backward(dgate_up row, da,
 // gate_up row)), each rounded to T where the separate ops would store it; row_weight, when given,
@@ -107,12 +125,12 @@ void weighted_backward_cpu(T* dgate_up, T* act, T* row_weight, T* dtopk_weight, 
   }
 }
 
-// The weighted backwards' shared checks: returns (R, I).
+// The weighted backwards' shared shape checks: returns (R, I).
 std::array<int64_t, 2> check_weighted(const char* op, Tensor dgate_up, Tensor act, Tensor dtopk_weight, Tensor dact, Tensor gate_up,
                                       Tensor topk_weight, Tensor copy_row) {
   const std::array<int64_t, 2> size = check_gate_up(op, gate_up);
   const int64_t n = size[0], d = size[1];
-  MARROW_CHECK(copy_row.ndim == 2, "{}: copy_row must be [tokens, k], got {}", op, copy_row.shape_string());
+  expect_ndim(op, "copy_row", copy_row, 2, "[tokens, k]");
   expect_dtype(op, "copy_row", copy_row, DType::i32);
   expect_shape(op, "dgate_up", dgate_up, {n, 2 * d});
   expect_shape(op, "act", act, {n, d});
@@ -122,23 +140,7 @@ std::array<int64_t, 2> check_weighted(const char* op, Tensor dgate_up, Tensor ac
   return size;
 }
 
-// The clamped SwiGLU's bounds [-limit, limit] need a positive limit.
-void check_limit(const char* op, double limit) { MARROW_CHECK(limit > 0, "{}: limit must be positive, got {}", op, limit); }
-
-// The GPU dtypes of an op's tensors, one dtype for several.
-void expect_dtypes(const char* op, DType dtype, std::initializer_list<std::pair<const char*, const Tensor*>> tensors) {
-  for (auto [name, t] : tensors) expect_dtype(op, name, *t, dtype);
-}
-
 #ifdef __CUDACC__
-using bf16 = __nv_bfloat16;
-
-template <int N> struct alignas(2 * N) Pack {
-  bf16 v[N];
-};
-template <int N> __device__ Pack<N> load(const bf16* p) { return *reinterpret_cast<const Pack<N>*>(p); }
-template <int N> __device__ void store(bf16* p, const Pack<N>& v) { *reinterpret_cast<Pack<N>*>(p) = v; }
-
 __device__ float sigmoidf(float g) { return 1.0f / (1.0f + expf(-g)); }
 
 // The activations the kernels below take as a template parameter: where a gate_up row holds the
@@ -151,11 +153,11 @@ __device__ float sigmoidf(float g) { return 1.0f / (1.0f + expf(-g)); }
 // bodies as written before the clamped SwiGLU shared the kernels, statement order included: nvcc
 // schedules by it, and the kernels' machine code stays the same.
 struct Swiglu {
-  template <int N> __device__ void load_pairs(const bf16* row, int64_t inter, int64_t c, Pack<N>& g, Pack<N>& u) const {
+  template <int N> __device__ void load_pairs(const bf16* row, int64_t inter, int64_t c, Pack<bf16, N>& g, Pack<bf16, N>& u) const {
     g = load<N>(row + c);
     u = load<N>(row + inter + c);
   }
-  template <int N> __device__ void store_pairs(bf16* row, int64_t inter, int64_t c, const Pack<N>& dg, const Pack<N>& du) const {
+  template <int N> __device__ void store_pairs(bf16* row, int64_t inter, int64_t c, const Pack<bf16, N>& dg, const Pack<bf16, N>& du) const {
     store<N>(row + c, dg);
     store<N>(row + inter + c, du);
   }
@@ -185,16 +187,16 @@ struct Swiglu {
 struct ClampedSwiglu {
   float alpha, limit;  // limit: clamp_limit's float
 
-  template <int N> __device__ void load_pairs(const bf16* row, int64_t, int64_t c, Pack<N>& g, Pack<N>& u) const {
-    const Pack<N> half[2] = {load<N>(row + 2 * c), load<N>(row + 2 * c + N)};
+  template <int N> __device__ void load_pairs(const bf16* row, int64_t, int64_t c, Pack<bf16, N>& g, Pack<bf16, N>& u) const {
+    const Pack<bf16, N> half[2] = {load<N>(row + 2 * c), load<N>(row + 2 * c + N)};
 #pragma unroll
     for (int l = 0; l < N; ++l) {
       g.v[l] = half[2 * l / N].v[2 * l % N];
       u.v[l] = half[(2 * l + 1) / N].v[(2 * l + 1) % N];
     }
   }
-  template <int N> __device__ void store_pairs(bf16* row, int64_t, int64_t c, const Pack<N>& dg, const Pack<N>& du) const {
-    Pack<N> half[2];
+  template <int N> __device__ void store_pairs(bf16* row, int64_t, int64_t c, const Pack<bf16, N>& dg, const Pack<bf16, N>& du) const {
+    Pack<bf16, N> half[2];
 #pragma unroll
     for (int l = 0; l < N; ++l) {
       half[2 * l / N].v[2 * l % N] = dg.v[l];
@@ -248,7 +250,7 @@ __device__ __forceinline__ void forward_rows(Act activation, bf16* out, const bf
   const int64_t per_row = inter / N;
   for (int64_t p = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; p < rows * per_row; p += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = p / per_row, c = p % per_row * N;
-    Pack<N> g, u, o;
+    Pack<bf16, N> g, u, o;
     activation.load_pairs(gate_up + r * 2 * inter, inter, c, g, u);
 #pragma unroll
     for (int l = 0; l < N; ++l) o.v[l] = bf16(activation.forward(g.v[l], u.v[l]));
@@ -263,9 +265,9 @@ __device__ __forceinline__ void backward_rows(Act activation, bf16* dgate_up, co
   const int64_t per_row = inter / N;
   for (int64_t p = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; p < rows * per_row; p += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = p / per_row, c = p % per_row * N;
-    Pack<N> g, u, dg, du;
+    Pack<bf16, N> g, u, dg, du;
     activation.load_pairs(gate_up + r * 2 * inter, inter, c, g, u);
-    const Pack<N> dy = load<N>(dout + r * inter + c);
+    const Pack<bf16, N> dy = load<N>(dout + r * inter + c);
 #pragma unroll
     for (int l = 0; l < N; ++l) activation.backward(g.v[l], u.v[l], dy.v[l], dg.v[l], du.v[l]);
     activation.store_pairs(dgate_up + r * 2 * inter, inter, c, dg, du);
@@ -315,20 +317,20 @@ __device__ __forceinline__ void weighted_backward_copy(Act activation, float* ro
   const bf16 *gu = gate_up + r * 2 * inter, *dy_row = dact + r * inter;
   float dot = 0;
   for (int64_t col = int64_t(lane) * N; col < inter; col += 32 * N) {
-    Pack<N> g, u;
+    Pack<bf16, N> g, u;
     activation.load_pairs(gu, inter, col, g, u);
-    const Pack<N> dy = load<N>(dy_row + col);
+    const Pack<bf16, N> dy = load<N>(dy_row + col);
 #pragma unroll
     for (int l = 0; l < N; ++l) dot += activation.dot_term(g.v[l], u.v[l], dy.v[l]);
   }
-  for (int m = 16; m > 0; m /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, m);
+  dot = warp_sum(dot);
   if (lane == 0) dtopk_weight[c] = dot;
   const float w = topk_weight[c];
   if (row_weight != nullptr && lane == 0) row_weight[r] = w;
   for (int64_t col = int64_t(lane) * N; col < inter; col += 32 * N) {
-    Pack<N> g, u, aw, dg, du;
+    Pack<bf16, N> g, u, aw, dg, du;
     activation.load_pairs(gu, inter, col, g, u);
-    const Pack<N> dy = load<N>(dy_row + col);
+    const Pack<bf16, N> dy = load<N>(dy_row + col);
 #pragma unroll
     for (int l = 0; l < N; ++l) activation.weighted_backward(g.v[l], u.v[l], dy.v[l], w, aw.v[l], dg.v[l], du.v[l]);
     store<N>(act + r * inter + col, aw);
@@ -349,12 +351,6 @@ __global__ void clamped_swiglu_weighted_backward_kernel(ClampedSwiglu activation
   weighted_backward_copy<N>(activation, row_weight, dgate_up, act, dtopk_weight, dact, gate_up, topk_weight, copy_row, copies, rows, inter);
 }
 
-bool aligned16(std::initializer_list<const void*> ptrs) {
-  uintptr_t bits = 0;
-  for (const void* p : ptrs) bits |= reinterpret_cast<uintptr_t>(p);
-  return bits % 16 == 0;
-}
-
 // The weighted backward's kernel<8> when rows of I columns split into 16-byte packs, else kernel<1>;
 // `leading` are the kernel's arguments before the common ones.
 template <typename Kernel, typename... Leading>
@@ -362,24 +358,19 @@ void launch_weighted_backward(Kernel kernel8, Kernel kernel1, Tensor dgate_up, T
                               Tensor topk_weight, Tensor copy_row, Stream stream, Leading... leading) {
   const int64_t copies = copy_row.numel(), rows = gate_up.size(0), inter = gate_up.size(1) / 2;
   if (copies == 0) return;
-  const bool packed = inter % 8 == 0 && aligned16({dgate_up.data, act.data, dact.data, gate_up.data});
-  const unsigned blocks = unsigned((copies + kWarps - 1) / kWarps);
-  launch_dependent(packed ? kernel8 : kernel1, blocks, 32 * kWarps, 0, static_cast<cudaStream_t>(stream.handle), leading...,
-                   static_cast<bf16*>(dgate_up.data), static_cast<bf16*>(act.data), dtopk_weight.ptr<float>(), static_cast<const bf16*>(dact.data),
-                   static_cast<const bf16*>(gate_up.data), topk_weight.ptr<float>(), copy_row.ptr<int32_t>(), copies, rows, inter);
-  MARROW_CUDA_CHECK_LAUNCH();
+  launch_dependent(packable(inter, {dgate_up.data, act.data, dact.data, gate_up.data}) ? kernel8 : kernel1,
+                   unsigned((copies + kWarps - 1) / kWarps), 32 * kWarps, 0, stream, leading..., bf16_ptr(dgate_up), bf16_ptr(act),
+                   dtopk_weight.ptr<float>(), bf16_ptr(dact), bf16_ptr(gate_up), topk_weight.ptr<float>(), copy_row.ptr<int32_t>(), copies, rows,
+                   inter);
 }
 
-// Launches kernel<8> when rows of inter columns split into 16-byte packs, else kernel<1>.
-template <typename K8, typename K1, typename... Args>
-void launch(K8 kernel8, K1 kernel1, bool packed, int64_t rows, int64_t inter, Stream stream, Args... args) {
+// Launches kernel<8> when rows of inter columns split into 16-byte packs (every tensor in `data`
+// 16-byte aligned), else kernel<1>.
+template <typename Kernel, typename... Args>
+void launch(Kernel kernel8, Kernel kernel1, std::initializer_list<const void*> data, int64_t rows, int64_t inter, Stream stream, Args... args) {
+  const bool packed = packable(inter, data);
   const int64_t work = rows * (packed ? inter / 8 : inter);
-  if (work == 0) return;
-  const int threads = 256, blocks = int(std::min<int64_t>((work + threads - 1) / threads, 8192));
-  auto s = static_cast<cudaStream_t>(stream.handle);
-  if (packed) launch_dependent(kernel8, blocks, threads, 0, s, args..., rows, inter);
-  else launch_dependent(kernel1, blocks, threads, 0, s, args..., rows, inter);
-  MARROW_CUDA_CHECK_LAUNCH();
+  if (work > 0) launch_dependent(packed ? kernel8 : kernel1, grid_stride_blocks(work, 256, 8192), 256, 0, stream, args..., rows, inter);
 }
 #endif
 
@@ -387,48 +378,22 @@ void launch(K8 kernel8, K1 kernel1, bool packed, int64_t rows, int64_t inter, St
 
 void swiglu_forward(Tensor out, Tensor gate_up, Stream stream) {
   const char* op = "swiglu_forward";
-  const std::array<int64_t, 2> size = check_gate_up(op, gate_up);
-  const int64_t n = size[0], d = size[1];
-  expect_shape(op, "out", out, {n, d});
-  expect_same_dtype(op, {{"gate_up", &gate_up}, {"out", &out}});
-  if (common_device(op, {{"gate_up", &gate_up}, {"out", &out}}) == Device::cuda) {
-    expect_dtype(op, "gate_up", gate_up, DType::bf16);
-#ifdef __CUDACC__
-    const bool packed = d % 8 == 0 && aligned16({out.data, gate_up.data});
-    return launch(swiglu_forward_kernel<8>, swiglu_forward_kernel<1>, packed, n, d, stream, static_cast<bf16*>(out.data),
-                  static_cast<const bf16*>(gate_up.data));
-#else
-    no_cuda_kernel(op);
-#endif
-  }
-  (void)stream;
-  with_cpu_scalar(op, gate_up, [&](auto s) {
-    using T = decltype(s);
-    forward_cpu<T>(out.ptr<T>(), gate_up.ptr<T>(), n, d);
-  });
+  const Rows r = check_forward(op, out, gate_up);
+  if (r.gpu)
+    MARROW_GPU_RETURN(op, stream, launch(swiglu_forward_kernel<8>, swiglu_forward_kernel<1>, {out.data, gate_up.data}, r.n, r.d, stream,
+                                         bf16_ptr(out), bf16_ptr(gate_up)));
+  with_cpu_scalar(op, gate_up, [&](auto s) { using T = decltype(s); forward_cpu<T>(out.ptr<T>(), gate_up.ptr<T>(), r.n, r.d); });
 }
 
 void swiglu_backward(Tensor dgate_up, Tensor dout, Tensor gate_up, Stream stream) {
   const char* op = "swiglu_backward";
-  const std::array<int64_t, 2> size = check_gate_up(op, gate_up);
-  const int64_t n = size[0], d = size[1];
-  expect_shape(op, "dgate_up", dgate_up, {n, 2 * d});
-  expect_shape(op, "dout", dout, {n, d});
-  expect_same_dtype(op, {{"gate_up", &gate_up}, {"dgate_up", &dgate_up}, {"dout", &dout}});
-  if (common_device(op, {{"gate_up", &gate_up}, {"dgate_up", &dgate_up}, {"dout", &dout}}) == Device::cuda) {
-    expect_dtype(op, "gate_up", gate_up, DType::bf16);
-#ifdef __CUDACC__
-    const bool packed = d % 8 == 0 && aligned16({dgate_up.data, dout.data, gate_up.data});
-    return launch(swiglu_backward_kernel<8>, swiglu_backward_kernel<1>, packed, n, d, stream, static_cast<bf16*>(dgate_up.data),
-                  static_cast<const bf16*>(dout.data), static_cast<const bf16*>(gate_up.data));
-#else
-    no_cuda_kernel(op);
-#endif
-  }
-  (void)stream;
+  const Rows r = check_backward(op, dgate_up, dout, gate_up);
+  if (r.gpu)
+    MARROW_GPU_RETURN(op, stream, launch(swiglu_backward_kernel<8>, swiglu_backward_kernel<1>, {dgate_up.data, dout.data, gate_up.data}, r.n,
+                                         r.d, stream, bf16_ptr(dgate_up), bf16_ptr(dout), bf16_ptr(gate_up)));
   with_cpu_scalar(op, gate_up, [&](auto s) {
     using T = decltype(s);
-    backward_cpu<T>(dgate_up.ptr<T>(), dout.ptr<T>(), gate_up.ptr<T>(), n, d);
+    backward_cpu<T>(dgate_up.ptr<T>(), dout.ptr<T>(), gate_up.ptr<T>(), r.n, r.d);
   });
 }
 
@@ -437,25 +402,11 @@ void swiglu_weighted_backward(Tensor dgate_up, Tensor act, Tensor dtopk_weight, 
   const char* op = "swiglu_weighted_backward";
   const int64_t n = check_weighted(op, dgate_up, act, dtopk_weight, dact, gate_up, topk_weight, copy_row)[0];
   const int64_t d = gate_up.size(1) / 2, copies = copy_row.numel();
-  if (common_device(op, {{"gate_up", &gate_up},
-                         {"dgate_up", &dgate_up},
-                         {"act", &act},
-                         {"dact", &dact},
-                         {"topk_weight", &topk_weight},
-                         {"dtopk_weight", &dtopk_weight},
-                         {"copy_row", &copy_row}}) == Device::cuda) {
-    expect_dtypes(op, DType::bf16, {{"gate_up", &gate_up}, {"dgate_up", &dgate_up}, {"act", &act}, {"dact", &dact}});
-    expect_dtypes(op, DType::f32, {{"topk_weight", &topk_weight}, {"dtopk_weight", &dtopk_weight}});
-#ifdef __CUDACC__
-    return launch_weighted_backward(swiglu_weighted_backward_kernel<8>, swiglu_weighted_backward_kernel<1>, dgate_up, act, dtopk_weight, dact,
-                                    gate_up, topk_weight, copy_row, stream);
-#else
-    no_cuda_kernel(op);
-#endif
-  }
-  expect_same_dtype(op, {{"gate_up", &gate_up}, {"dgate_up", &dgate_up}, {"act", &act}, {"dact", &dact}, {"topk_weight", &topk_weight},
-                         {"dtopk_weight", &dtopk_weight}});
-  (void)stream;
+  if (on_gpu(op, {{"gate_up", &gate_up, DType::bf16}, {"dgate_up", &dgate_up, DType::bf16}, {"act", &act, DType::bf16},
+                  {"dact", &dact, DType::bf16}, {"topk_weight", &topk_weight, DType::f32}, {"dtopk_weight", &dtopk_weight, DType::f32},
+                  {"copy_row", &copy_row, DType::i32}}))
+    MARROW_GPU_RETURN(op, stream, launch_weighted_backward(swiglu_weighted_backward_kernel<8>, swiglu_weighted_backward_kernel<1>, dgate_up,
+                                                           act, dtopk_weight, dact, gate_up, topk_weight, copy_row, stream));
   expect_copy_rows(op, copy_row, n);
   with_cpu_scalar(op, gate_up, [&](auto s) {
     using T = decltype(s);
@@ -468,50 +419,28 @@ void swiglu_weighted_backward(Tensor dgate_up, Tensor act, Tensor dtopk_weight, 
 
 void clamped_swiglu_forward(Tensor out, Tensor gate_up, double alpha, double limit, Stream stream) {
   const char* op = "clamped_swiglu_forward";
-  const std::array<int64_t, 2> size = check_gate_up(op, gate_up);
-  const int64_t n = size[0], d = size[1];
-  expect_shape(op, "out", out, {n, d});
   check_limit(op, limit);
-  expect_same_dtype(op, {{"gate_up", &gate_up}, {"out", &out}});
-  if (common_device(op, {{"gate_up", &gate_up}, {"out", &out}}) == Device::cuda) {
-    expect_dtype(op, "gate_up", gate_up, DType::bf16);
-#ifdef __CUDACC__
-    const bool packed = d % 8 == 0 && aligned16({out.data, gate_up.data});
-    return launch(clamped_swiglu_forward_kernel<8>, clamped_swiglu_forward_kernel<1>, packed, n, d, stream, clamped_swiglu(alpha, limit),
-                  static_cast<bf16*>(out.data), static_cast<const bf16*>(gate_up.data));
-#else
-    no_cuda_kernel(op);
-#endif
-  }
-  (void)stream;
+  const Rows r = check_forward(op, out, gate_up);
+  if (r.gpu)
+    MARROW_GPU_RETURN(op, stream, launch(clamped_swiglu_forward_kernel<8>, clamped_swiglu_forward_kernel<1>, {out.data, gate_up.data}, r.n, r.d,
+                                         stream, clamped_swiglu(alpha, limit), bf16_ptr(out), bf16_ptr(gate_up)));
   with_cpu_scalar(op, gate_up, [&](auto s) {
     using T = decltype(s);
-    clamped_forward_cpu<T>(out.ptr<T>(), gate_up.ptr<T>(), n, d, alpha, limit);
+    clamped_forward_cpu<T>(out.ptr<T>(), gate_up.ptr<T>(), r.n, r.d, alpha, limit);
   });
 }
 
 void clamped_swiglu_backward(Tensor dgate_up, Tensor dout, Tensor gate_up, double alpha, double limit, Stream stream) {
   const char* op = "clamped_swiglu_backward";
-  const std::array<int64_t, 2> size = check_gate_up(op, gate_up);
-  const int64_t n = size[0], d = size[1];
-  expect_shape(op, "dgate_up", dgate_up, {n, 2 * d});
-  expect_shape(op, "dout", dout, {n, d});
   check_limit(op, limit);
-  expect_same_dtype(op, {{"gate_up", &gate_up}, {"dgate_up", &dgate_up}, {"dout", &dout}});
-  if (common_device(op, {{"gate_up", &gate_up}, {"dgate_up", &dgate_up}, {"dout", &dout}}) == Device::cuda) {
-    expect_dtype(op, "gate_up", gate_up, DType::bf16);
-#ifdef __CUDACC__
-    const bool packed = d % 8 == 0 && aligned16({dgate_up.data, dout.data, gate_up.data});
-    return launch(clamped_swiglu_backward_kernel<8>, clamped_swiglu_backward_kernel<1>, packed, n, d, stream, clamped_swiglu(alpha, limit),
-                  static_cast<bf16*>(dgate_up.data), static_cast<const bf16*>(dout.data), static_cast<const bf16*>(gate_up.data));
-#else
-    no_cuda_kernel(op);
-#endif
-  }
-  (void)stream;
+  const Rows r = check_backward(op, dgate_up, dout, gate_up);
+  if (r.gpu)
+    MARROW_GPU_RETURN(op, stream, launch(clamped_swiglu_backward_kernel<8>, clamped_swiglu_backward_kernel<1>,
+                                         {dgate_up.data, dout.data, gate_up.data}, r.n, r.d, stream, clamped_swiglu(alpha, limit),
+                                         bf16_ptr(dgate_up), bf16_ptr(dout), bf16_ptr(gate_up)));
   with_cpu_scalar(op, gate_up, [&](auto s) {
     using T = decltype(s);
-    clamped_backward_cpu<T>(dgate_up.ptr<T>(), dout.ptr<T>(), gate_up.ptr<T>(), n, d, alpha, limit);
+    clamped_backward_cpu<T>(dgate_up.ptr<T>(), dout.ptr<T>(), gate_up.ptr<T>(), r.n, r.d, alpha, limit);
   });
 }
 
@@ -522,27 +451,12 @@ void clamped_swiglu_weighted_backward(Tensor dgate_up, Tensor act, Tensor row_we
   const int64_t d = gate_up.size(1) / 2, copies = copy_row.numel();
   expect_shape(op, "row_weight", row_weight, {n});
   check_limit(op, limit);
-  if (common_device(op, {{"gate_up", &gate_up},
-                         {"dgate_up", &dgate_up},
-                         {"act", &act},
-                         {"row_weight", &row_weight},
-                         {"dact", &dact},
-                         {"topk_weight", &topk_weight},
-                         {"dtopk_weight", &dtopk_weight},
-                         {"copy_row", &copy_row}}) == Device::cuda) {
-    expect_dtypes(op, DType::bf16, {{"gate_up", &gate_up}, {"dgate_up", &dgate_up}, {"act", &act}, {"dact", &dact}});
-    expect_dtypes(op, DType::f32, {{"topk_weight", &topk_weight}, {"dtopk_weight", &dtopk_weight}, {"row_weight", &row_weight}});
-#ifdef __CUDACC__
-    return launch_weighted_backward(clamped_swiglu_weighted_backward_kernel<8>, clamped_swiglu_weighted_backward_kernel<1>, dgate_up, act,
-                                    dtopk_weight, dact, gate_up, topk_weight, copy_row, stream, clamped_swiglu(alpha, limit),
-                                    row_weight.ptr<float>());
-#else
-    no_cuda_kernel(op);
-#endif
-  }
-  expect_same_dtype(op, {{"gate_up", &gate_up}, {"dgate_up", &dgate_up}, {"act", &act}, {"row_weight", &row_weight}, {"dact", &dact},
-                         {"topk_weight", &topk_weight}, {"dtopk_weight", &dtopk_weight}});
-  (void)stream;
+  if (on_gpu(op, {{"gate_up", &gate_up, DType::bf16}, {"dgate_up", &dgate_up, DType::bf16}, {"act", &act, DType::bf16},
+                  {"row_weight", &row_weight, DType::f32}, {"dact", &dact, DType::bf16}, {"topk_weight", &topk_weight, DType::f32},
+                  {"dtopk_weight", &dtopk_weight, DType::f32}, {"copy_row", &copy_row, DType::i32}}))
+    MARROW_GPU_RETURN(op, stream, launch_weighted_backward(clamped_swiglu_weighted_backward_kernel<8>, clamped_swiglu_weighted_backward_kernel<1>,
+                                                           dgate_up, act, dtopk_weight, dact, gate_up, topk_weight, copy_row, stream,
+                                                           clamped_swiglu(alpha, limit), row_weight.ptr<float>()));
   expect_copy_rows(op, copy_row, n);
   with_cpu_scalar(op, gate_up, [&](auto s) {
     using T = decltype(s);

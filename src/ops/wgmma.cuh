@@ -458,12 +458,21 @@ inline CUtensorMap tensor_map(const void* data, int rank, const cuuint64_t* dims
   return map;
 }
 
-// The tiles of a call with output columns `cols` from host offsets (the launch sizes its grid by them).
+// The tiles of a call with output columns `cols` from host offsets (the launch sizes its grid by
+// them); the FP8 kernel's tiles are the same size.
 inline int tile_count(const int32_t* offsets, int64_t experts, int64_t cols) {
   const int64_t col_tiles = (cols + kBlockN - 1) / kBlockN;
   int64_t tiles = 0;
   for (int64_t e = 0; e < experts; ++e) tiles += (offsets[e + 1] - offsets[e] + kBlockM - 1) / kBlockM * col_tiles;
   return int(tiles);
+}
+
+// The SMs of the current device: the persistent kernels' grid.
+inline int sm_count() {
+  int device = 0, sms = 0;
+  MARROW_CUDA_CHECK(cudaGetDevice(&device));
+  MARROW_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  return sms;
 }
 
 // One-block kernels that prepare per-expert work from device offsets (ops/wgmma_dw.cuh's work list).
@@ -501,18 +510,11 @@ inline void grouped_gemm(bool forward, bf16* out, const bf16* in, const bf16* we
   const cuuint32_t w_box_forward[3] = {kBlockK, kBlockN, 1}, w_box_backward[3] = {64, kBlockK, 1};
   const CUtensorMap a_map = tensor_map(in, 2, a_dims, a_strides, a_box);
   const CUtensorMap b_map = tensor_map(weight, 3, w_dims, w_strides, forward ? w_box_forward : w_box_backward);
-  int device = 0, sms = 0;
-  MARROW_CUDA_CHECK(cudaGetDevice(&device));
-  MARROW_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  const unsigned grid = unsigned(tiles < 0 ? sms : std::min(tiles, sms));
-  auto launch = [&](auto kernel) {
-    MARROW_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes(experts)));
-    launch_dependent(kernel, grid, kThreads, smem_bytes(experts), stream, a_map, b_map, out, offsets, stream_counters(stream), int(experts),
-                     int(cols), int(inner));
-    MARROW_CUDA_CHECK_LAUNCH();
-  };
-  if (forward) launch(grouped_gemm_kernel<0>);
-  else launch(grouped_gemm_kernel<1>);
+  const unsigned grid = unsigned(tiles < 0 ? sm_count() : std::min(tiles, sm_count()));
+  const auto kernel = forward ? grouped_gemm_kernel<0> : grouped_gemm_kernel<1>;
+  MARROW_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes(experts)));
+  launch_dependent(kernel, grid, kThreads, smem_bytes(experts), stream, a_map, b_map, out, offsets, stream_counters(stream), int(experts),
+                   int(cols), int(inner));
 }
 
 }  // namespace marrow::wgmma

@@ -209,7 +209,7 @@ __device__ __forceinline__ void store_band_squares(double* squares, const float 
         }
     sum += double(group);
   }
-  for (int m = 16; m > 0; m /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, m);
+  sum = warp_sum(sum);
   if (threadIdx.x % 32 == 0 && o < o_size) squares[band_index(expert, o, i0, o_size, i_size)] = sum;
 }
 
@@ -362,13 +362,9 @@ inline void grouped_dw(float* dweight, const Source (&sources)[2], int32_t* work
     maps.dy[p] = tensor_map(source.dy, 2, dy_dims, dy_strides, box);
     maps.x[p] = tensor_map(source.x, 2, x_dims, x_strides, box);
   }
-  int device = 0, sms = 0;
-  MARROW_CUDA_CHECK(cudaGetDevice(&device));
-  MARROW_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   MARROW_CUDA_CHECK(cudaFuncSetAttribute(grouped_dw_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
-  const unsigned grid = unsigned(works < 0 ? sms : std::min<int64_t>(tiles, sms));
+  const unsigned grid = unsigned(works < 0 ? sm_count() : std::min<int64_t>(tiles, sm_count()));
   launch_dependent(grouped_dw_kernel, grid, kThreads, kSmemBytes, stream, maps, dweight, work, int(o), int(i), accumulate, squares);
-  MARROW_CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace marrow::wgmma::dw

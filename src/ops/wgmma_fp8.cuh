@@ -126,16 +126,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   consume_tiles(m, out, a_scales, b_scales, rows, n, k_blocks);
 }
 
-// The tiles of a call from host offsets (the launch sizes its grid by them).
-inline int tile_count(const int32_t* offsets, int64_t experts, int64_t n) {
-  const int64_t col_tiles = (n + kBlockN - 1) / kBlockN;
-  int64_t tiles = 0;
-  for (int64_t e = 0; e < experts; ++e) tiles += (offsets[e + 1] - offsets[e] + kBlockM - 1) / kBlockM * col_tiles;
-  return int(tiles);
-}
+static_assert(kBlockN == wgmma::kBlockN, "wgmma::tile_count counts the FP8 kernel's tiles too");
 
 // out[rows, n] from in[rows, k] and weight[E, n, k] (e4m3 bytes) with their scales; offsets in device
-// memory; tiles: tile_count's, or -1 when the host does not know it (one block per SM then).
+// memory; tiles: wgmma::tile_count's, or -1 when the host does not know it (one block per SM then).
 inline void grouped_gemm(bf16* out, const uint8_t* in, const float* in_scales, const uint8_t* weight, const float* weight_scales,
                          const int32_t* offsets, int tiles, int64_t experts, int64_t n, int64_t k, int64_t rows, cudaStream_t stream) {
   if (tiles == 0) return;
@@ -147,14 +141,10 @@ inline void grouped_gemm(bf16* out, const uint8_t* in, const float* in_scales, c
   const cuuint32_t w_box[3] = {kBlockK, kBlockN, 1};
   const CUtensorMap a_map = tensor_map(in, 2, a_dims, a_strides, a_box, CU_TENSOR_MAP_DATA_TYPE_UINT8);
   const CUtensorMap b_map = tensor_map(weight, 3, w_dims, w_strides, w_box, CU_TENSOR_MAP_DATA_TYPE_UINT8);
-  int device = 0, sms = 0;
-  MARROW_CUDA_CHECK(cudaGetDevice(&device));
-  MARROW_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  const unsigned grid = unsigned(tiles < 0 ? sms : std::min(tiles, sms));
+  const unsigned grid = unsigned(tiles < 0 ? sm_count() : std::min(tiles, sm_count()));
   MARROW_CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes(experts)));
   launch_dependent(grouped_gemm_kernel, grid, kThreads, smem_bytes(experts), stream, a_map, b_map, out, in_scales, weight_scales, offsets,
                    stream_counters(stream), int(experts), int(rows), int(n), int(k));
-  MARROW_CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace marrow::wgmma::fp8
