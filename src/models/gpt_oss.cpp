@@ -189,9 +189,7 @@ void GptOss::initialize(Tensor out, const TensorSpec& spec, int64_t first, uint6
   initialize_tensor(out, spec, first, seed, config_.initializer_range, zero_bias);
 }
 
-void GptOss::prolog_forward(Tensor x, const GptOssBatch& batch, const GptOssWeights& w) const {
-  embedding_forward(x, batch.input_ids, w.embed);
-}
+void GptOss::prolog_forward(Tensor x, const GptOssBatch& batch, const GptOssWeights& w) const { embedding_forward(x, batch.input_ids, w.embed); }
 
 void GptOss::prolog_backward(const GptOssWeights& grads, Tensor dx, const GptOssBatch& batch, Tensor known_zero) const {
   embedding_backward(grads.embed, dx, batch.input_ids, known_zero);
@@ -455,10 +453,7 @@ ModelActivationBytes GptOss::activation_bytes(int64_t batch, int64_t seq, int64_
   m.experts.forward_scratch = R * I * a;
   m.experts.backward_scratch = R * 4 * I * a + R * s;
   m.experts.held_for_weights = R * 3 * I * a + R * s;
-  const EpilogBytes epilog = epilog_bytes(T, H, V, logits_chunk(T, V, dtype_), a, s);
-  m.epilog.kept = epilog.kept;
-  m.epilog.forward_scratch = epilog.forward_scratch;
-  m.epilog.backward_scratch = epilog.backward_scratch;
+  m.epilog = epilog_bytes(T, H, V, logits_chunk(T, V, dtype_), a, s);
   return m;
 }
 
