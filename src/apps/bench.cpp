@@ -1,21 +1,12 @@
 // marrow bench: measured speed, never pass/fail.
 //   marrow bench <run-config> [--warmup N] [--steps M] [--grouped-gemm=wgmma|cublas] [--section.key=value ...]
-//     trains warm-up + measured steps and reports over the measured ones: tokens/s, achieved TFLOP/s
-//     (6 x active parameters incl. the LM head per token, plus causal attention), MFU against the
-//     H100/H200 datasheet's 989 dense bf16 TFLOP/s, peak memory and the time per stage.
-//     --profile-steps=A:B (any run config option) also writes a CUPTI kernel trace of steps A..B
-//     and prints the ten heaviest kernels; the traced steps' times include CUPTI's overhead.
-//     --grouped-gemm=cublas runs the expert forward and backward input on cuBLAS's grouped call
-//     instead of the own wgmma kernel (an A/B of the two in one binary).
-//   marrow bench --kernels [attention|experts]
-//     times the heaviest kernels at the bench shapes (GPU.md) with CUDA events: attention forward
-//     and backward, ring attention's full blocks, the dense q_proj GEMM, the grouped expert GEMMs;
-//     `attention`: the attention rows alone, at 4,096 and 16,384, and the ring's blocks; `experts`:
-//     the grouped expert GEMMs alone, bf16 and FP8, with the expert weights' AdamW step.
-//   marrow bench --attention-plans [seq]
-//     every execution plan cuDNN offers for the bench's attention forward and deterministic
-//     backward (32 / 4 heads of 128, sequence 4096 by default): time, repeatability, and how its
-//     outputs differ from the plan the op runs.
+//     reports over the measured steps: tokens/s, achieved TFLOP/s (6 x active parameters incl. the
+//     LM head, plus causal attention), MFU against the datasheet's 989 dense bf16 TFLOP/s, peak
+//     memory, the time per stage; --profile-steps=A:B adds a CUPTI kernel trace (its steps' times
+//     include CUPTI's overhead), --grouped-gemm an A/B of the expert GEMMs' kernel.
+//   marrow bench --kernels [attention|experts]: the heaviest kernels at the bench shapes (CUDA events).
+//   marrow bench --attention-plans [seq]: every plan cuDNN offers for the bench's attention (time,
+//     repeatability, difference from the op's plan).
 #include <algorithm>
 #include <cmath>
 #include <cstring>

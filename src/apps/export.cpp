@@ -1,6 +1,5 @@
-// marrow export <checkpoint> <out-dir> [--dtype float32|bfloat16] [--shard-mib N] [--overwrite] [--quiet]
-// A checkpoint (or a run directory: its newest checkpoint) to a Hugging Face model directory
-// (engine/hf_format.h) that transformers, vLLM and lm-evaluation-harness load as is.
+// marrow export <checkpoint> <out-dir> [--dtype float32|bfloat16] [--shard-mib N] [--overwrite] [--quiet]:
+// a checkpoint to a Hugging Face model directory (engine/hf_format.h) that transformers loads as is.
 #include <filesystem>
 
 #include "apps/commands.h"

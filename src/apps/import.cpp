@@ -1,7 +1,5 @@
-// marrow import <hf-dir> <checkpoint-dir> [--overwrite] [--quiet]
-// A Hugging Face model directory (sharded or single-file safetensors, fp32 or bf16) to a checkpoint
-// for continued pretraining: weights only, so the run starts its AdamW moments at zero. Train from it
-// with [model] config = <checkpoint-dir>/config.json and [checkpoint] resume = <checkpoint-dir>.
+// marrow import <hf-dir> <checkpoint-dir> [--overwrite] [--quiet]: a Hugging Face model directory
+// to a checkpoint for continued pretraining (weights only: AdamW's moments start at zero).
 #include <filesystem>
 
 #include "apps/commands.h"

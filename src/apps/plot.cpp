@@ -1,6 +1,5 @@
-// marrow plot <run-dir>... [--out plot.svg]
-// Training and validation loss of one or more runs against tokens seen, from each run's
-// metrics.jsonl, as one SVG picture (engine/loss_plot.h) to compare runs without any other tool.
+// marrow plot <run-dir>... [--out plot.svg]: the runs' training and validation loss against tokens
+// seen, from their metrics.jsonl, as one SVG picture (engine/loss_plot.h).
 #include <filesystem>
 #include <fstream>
 #include <set>

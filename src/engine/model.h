@@ -38,9 +38,8 @@ concept MoeModel = requires(const M& m, typename M::AttentionActivations& a, typ
   m.attention_backward(t, w.layers[0], t, t, t, scale, a, batch, w.layers[0]);
   m.add_aux_loss(t, a);
   m.experts_forward(t, e, std::move(buffer), t, w.layers[0]);
-  m.experts_backward(t, w.layers[0], t, e, t, w.layers[0], flag, t, t);  // t, t last: squares and known-zero flags
   m.experts_backward_input(t, t, e, t, w.layers[0]);
-  m.experts_backward_weights(w.layers[0], t, e, t, flag, t, t);
+  m.experts_backward_weights(w.layers[0], t, e, t, flag, t, t);  // t, t last: squares and known-zero flags
   m.experts_backward_weights_pair(w.layers[0], t, e, t, t, e, t, flag, t, t);  // an earlier micro-batch's, then this one's
   { m.expert_squares_count(w.layers[0]) } -> std::convertible_to<int64_t>;
   { m.expert_known_zero_count(w.layers[0]) } -> std::convertible_to<int64_t>;

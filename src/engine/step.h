@@ -309,23 +309,21 @@ template <MoeModel M> class BackwardPass {
     dx_perm_ = m_.buffer({dy_perm_.view().size(0), m_.hidden_size()});
     StageScope scope(timer_, Stage::experts);
     if (mb_.gathers_expert_inputs && !groups_.experts) m_.experts_restore_input(s.experts, gather_expert_rows<M>(s, m_));
-    const auto& lw = w_.layers[size_t(stage_)];
     const auto& grads = g_.layers[size_t(stage_)];
     const Tensor squares = layer_record(options_.expert_squares, stage_), known_zero = layer_record(options_.expert_known_zero, stage_);
     auto* earlier = earlier_of_layer();
+    m_.experts_backward_input(dx_perm_, dy_perm_, s.experts, offsets(), w_.layers[size_t(stage_)]);
     if (options_.defer_expert_weights) {
-      m_.experts_backward_input(dx_perm_, dy_perm_, s.experts, offsets(), lw);
       Buffer& kept_offsets = groups_.experts ? s.route.expert_offsets : s.expert_offsets;
       // One process: dout and copy_row join the entry when attention() is done with them.
       mb_.deferred.push_back({stage_, std::move(s.experts), groups_.experts ? std::move(dy_perm_) : Buffer{}, std::move(kept_offsets), Buffer{}, Buffer{}});
     } else if (earlier != nullptr) {
-      m_.experts_backward_input(dx_perm_, dy_perm_, s.experts, offsets(), lw);
       const Buffer earlier_dy_perm = earlier->take_dy_perm(m_);
       m_.experts_backward_weights_pair(grads, earlier_dy_perm, earlier->experts, earlier->expert_offsets.view(), dy_perm_, s.experts, offsets(),
                                        options_.earlier_overwrites, squares, known_zero);
       options_.earlier->erase(options_.earlier->begin() + (earlier - options_.earlier->data()));
     } else {
-      m_.experts_backward(dx_perm_, grads, dy_perm_, s.experts, offsets(), lw, options_.first_micro_batch, squares, known_zero);
+      m_.experts_backward_weights(grads, dy_perm_, s.experts, offsets(), options_.first_micro_batch, squares, known_zero);
     }
     dy_perm_ = Buffer{};
     part_ = 2;

@@ -156,18 +156,6 @@ inline Mesh make_mesh(const RunConfig& rc, int64_t num_experts, Device device) {
   return Mesh::create(shape, device);
 }
 
-inline ExpertShard expert_shard(const Mesh& mesh, int64_t num_experts) {
-  const int64_t local = num_experts / mesh.shape.ep;
-  return {mesh.ep_rank * local, local};
-}
-
-// The chunk of each stage (index stage + 1) this pipeline rank holds, -1 for the others' (no
-// DualPipeV: all chunk 0).
-inline std::vector<int64_t> held_stages(const std::vector<PipelineChunk>& chunks, int64_t num_layers, const Mesh& mesh) {
-  if (chunks.empty()) return std::vector<int64_t>(size_t(num_layers + 2), 0);
-  return held_stage_chunks(chunks, num_layers, mesh.pp_rank);
-}
-
 // This process's GPU memory in bytes; 0 on the CPU (no limit the estimate decides against).
 inline double device_memory(Device device) {
   return device == Device::cuda ? double(device_memory_bytes(Device::cuda, process::local_rank())) : 0;
@@ -184,7 +172,7 @@ template <MoeModel M> struct TrainSetup {
   M model;
   size_t model_tensors;               // canonical tensors of the whole model (every rank's together)
   std::vector<PipelineChunk> chunks;  // with DualPipeV: the 2 x pp chunks
-  std::vector<int64_t> held;          // held_stages
+  std::vector<int64_t> held;          // the chunk of each stage (index stage + 1) this rank holds, else -1
   bool gathers_expert_inputs;         // train.expert_inputs resolved (MicroBatch::gathers_expert_inputs)
   std::optional<PipelineLinks> links; // with parallel.pp > 1
   ShardedParameters state;
@@ -206,10 +194,10 @@ template <MoeModel M> struct TrainSetup {
         dtype(device == Device::cuda ? DType::bf16 : DType::f32),
         mesh(make_mesh(rc, config.num_experts, device)),
         share(sequence_share(rc.seq_len, mesh.cp)),
-        model(config, dtype, device, expert_shard(mesh, config.num_experts)),
+        model(config, dtype, device, {mesh.ep_rank * (config.num_experts / mesh.shape.ep), config.num_experts / mesh.shape.ep}),
         model_tensors(M(config, dtype, device).specs().size()),
         chunks(rc.uses_dualpipev() ? pipeline_layout<M>(rc, config, mesh.world.size(), device) : std::vector<PipelineChunk>{}),
-        held(held_stages(chunks, config.num_layers, mesh)),
+        held(chunks.empty() ? std::vector<int64_t>(size_t(config.num_layers + 2), 0) : held_stage_chunks(chunks, config.num_layers, mesh.pp_rank)),
         gathers_expert_inputs(gathers_expert_inputs_again<M>(rc, config, mesh.world.size(), device, device_memory(device))),
         state(model.specs(), model.num_layers(), held, mesh, rc.keep_gathered || rc.uses_dualpipev(),
               rc.keep_whole_grads || rc.uses_dualpipev(), !rc.bf16_weight_copy, device, dtype, moments_dtype(rc),

@@ -329,13 +329,6 @@ const Fp8ExpertWeights& GptOss::fp8_expert_weights(const GptOssLayerWeights& w) 
   return marrow::fp8_expert_weights(*fp8_weights_, w.layer, config_.num_layers, w.experts_gate_up, w.experts_down);
 }
 
-void GptOss::experts_backward(Tensor dx_perm, const GptOssLayerWeights& grads, Tensor dy_perm, GptOssExpertActivations& e,
-                              Tensor expert_offsets, const GptOssLayerWeights& w, bool overwrite_grads, Tensor squares,
-                              Tensor known_zero) const {
-  experts_backward_input(dx_perm, dy_perm, e, expert_offsets, w);
-  experts_backward_weights(grads, dy_perm, e, expert_offsets, overwrite_grads, squares, known_zero);
-}
-
 // The weights' bands (grouped_linear_backward_weight's), then the two biases' sums of squares in
 // kSumParts parts each: the record covers every expert gradient of the layer, as the optimizer's
 // norm takes it in place of reading them (ShardedParameters::gradient_norm).

@@ -129,8 +129,6 @@ class GptOss {
 
   // Stage 3 and its backward: see Qwen3Moe; the biases' gradients are written or added with the weights'.
   void experts_forward(Tensor y_perm, GptOssExpertActivations& e, Buffer x_perm, Tensor expert_offsets, const GptOssLayerWeights& w) const;
-  void experts_backward(Tensor dx_perm, const GptOssLayerWeights& grads, Tensor dy_perm, GptOssExpertActivations& e, Tensor expert_offsets,
-                        const GptOssLayerWeights& w, bool overwrite_grads, Tensor squares = {}, Tensor known_zero = {}) const;
   int64_t expert_squares_count(const GptOssLayerWeights& grads) const;
   int64_t expert_known_zero_count(const GptOssLayerWeights& grads) const;
   std::vector<std::pair<Tensor, Tensor>> expert_known_zero_parts(const GptOssLayerWeights& grads, Tensor known_zero) const;

@@ -299,13 +299,6 @@ const Fp8ExpertWeights& Qwen3Moe::fp8_expert_weights(const Qwen3MoeLayerWeights&
   return marrow::fp8_expert_weights(*fp8_weights_, w.layer, config_.num_layers, w.experts_gate_up, w.experts_down);
 }
 
-void Qwen3Moe::experts_backward(Tensor dx_perm, const Qwen3MoeLayerWeights& grads, Tensor dy_perm, Qwen3MoeExpertActivations& e,
-                                Tensor expert_offsets, const Qwen3MoeLayerWeights& w, bool overwrite_grads, Tensor squares,
-                                Tensor known_zero) const {
-  experts_backward_input(dx_perm, dy_perm, e, expert_offsets, w);
-  experts_backward_weights(grads, dy_perm, e, expert_offsets, overwrite_grads, squares, known_zero);
-}
-
 int64_t Qwen3Moe::expert_squares_count(const Qwen3MoeLayerWeights& grads) const {
   return grouped_squares_count(grads.experts_down) + grouped_squares_count(grads.experts_gate_up);
 }

@@ -156,23 +156,20 @@ class Qwen3Moe {
   // Stage 3: y_perm[R, H] from the dispatched rows x_perm[R, H] (kept in e.x_perm).
   void experts_forward(Tensor y_perm, Qwen3MoeExpertActivations& e, Buffer x_perm, Tensor expert_offsets,
                        const Qwen3MoeLayerWeights& w) const;
+  // The backward in two halves, so the weight gradients can wait (zero bubble, pairs): the input
+  // gradient (e keeps what the weights need), then with the same dy_perm the weights (releasing e).
   // overwrite_grads: write the expert weight gradients instead of adding (first_backward_writes).
   // squares (f64 [expert_squares_count]) and known_zero (i32 [expert_known_zero_count]), when
   // given: grouped_linear_backward_weight's sums of squares and all-zero flags, down then gate_up
   // (the flags kept from step to step, so an empty expert's zeros are written only once).
-  void experts_backward(Tensor dx_perm, const Qwen3MoeLayerWeights& grads, Tensor dy_perm, Qwen3MoeExpertActivations& e,
-                        Tensor expert_offsets, const Qwen3MoeLayerWeights& w, bool overwrite_grads, Tensor squares = {},
-                        Tensor known_zero = {}) const;
-  int64_t expert_squares_count(const Qwen3MoeLayerWeights& grads) const;
-  int64_t expert_known_zero_count(const Qwen3MoeLayerWeights& grads) const;
-  // The layer's expert gradients with their part of known_zero (one flag an expert).
-  std::vector<std::pair<Tensor, Tensor>> expert_known_zero_parts(const Qwen3MoeLayerWeights& grads, Tensor known_zero) const;
-  // experts_backward in two halves, so the weight gradients can wait (zero bubble, pairs): the input
-  // gradient (e keeps what the weights need), then with the same dy_perm the weights (releasing e).
   void experts_backward_input(Tensor dx_perm, Tensor dy_perm, Qwen3MoeExpertActivations& e, Tensor expert_offsets,
                               const Qwen3MoeLayerWeights& w) const;
   void experts_backward_weights(const Qwen3MoeLayerWeights& grads, Tensor dy_perm, Qwen3MoeExpertActivations& e, Tensor expert_offsets,
                                 bool overwrite_grads, Tensor squares = {}, Tensor known_zero = {}) const;
+  int64_t expert_squares_count(const Qwen3MoeLayerWeights& grads) const;
+  int64_t expert_known_zero_count(const Qwen3MoeLayerWeights& grads) const;
+  // The layer's expert gradients with their part of known_zero (one flag an expert).
+  std::vector<std::pair<Tensor, Tensor>> expert_known_zero_parts(const Qwen3MoeLayerWeights& grads, Tensor known_zero) const;
   // Two micro-batches' weight gradients in one pass (grouped_linear_backward_weight_pair): the same
   // bits as the earlier one's experts_backward_weights (overwrite_grads applies to it), then e's.
   void experts_backward_weights_pair(const Qwen3MoeLayerWeights& grads, Tensor earlier_dy_perm, Qwen3MoeExpertActivations& earlier,
