@@ -1,22 +1,12 @@
 // marrow bench: measured speed, never pass/fail.
 //   marrow bench <run-config> [--warmup N] [--steps M] [--grouped-gemm=wgmma|cublas] [--section.key=value ...]
-//     trains warm-up + measured steps and reports over the measured ones: tokens/s, achieved TFLOP/s
-//     (6 x active parameters incl. the LM head per token, plus causal attention), MFU against the
-//     H100/H200 datasheet's 989 dense bf16 TFLOP/s, peak memory and the time per stage.
-//     --profile-steps=A:B (any run config option) also writes a CUPTI kernel trace of steps A..B
-//     and prints the ten heaviest kernels; the traced steps' times include CUPTI's overhead.
-//     --grouped-gemm=cublas runs the expert forward and backward input on cuBLAS's grouped call
-//     instead of the own wgmma kernel (an A/B of the two in one binary).
-//   marrow bench --kernels [attention|experts]
-//     times the heaviest kernels at the bench shapes (GPU.md) with CUDA events: attention forward
-//     and backward, ring attention's full blocks, the dense q_proj GEMM, the grouped expert GEMMs;
-//     `attention`: the attention rows alone, at 4,096 and 16,384, and the ring's blocks; `experts`:
-//     the grouped expert GEMMs alone, bf16 and FP8, with the expert weights' AdamW step.
-//   marrow bench --attention-plans [seq]
-//     every execution plan cuDNN offers for the bench's attention forward and deterministic
-//     backward (32 / 4 heads of 128, sequence 4096 by default): time, repeatability, and how its
-//     outputs differ from the plan the op runs.
-#include <CLI/CLI.hpp>
+//     reports over the measured steps: tokens/s, achieved TFLOP/s (6 x active parameters incl. the
+//     LM head, plus causal attention), MFU against the datasheet's 989 dense bf16 TFLOP/s, peak
+//     memory, the time per stage; --profile-steps=A:B adds a CUPTI kernel trace (its steps' times
+//     include CUPTI's overhead), --grouped-gemm an A/B of the expert GEMMs' kernel.
+//   marrow bench --kernels [attention|experts]: the heaviest kernels at the bench shapes (CUDA events).
+//   marrow bench --attention-plans [seq]: every plan cuDNN offers for the bench's attention (time,
+//     repeatability, difference from the op's plan).
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -48,7 +38,7 @@ namespace {
 constexpr double kPeakTflops = 989.0;
 
 // Median milliseconds of `reps` runs after one warm-up run, timed with CUDA events.
-double median_ms(const std::function<void()>& run, int reps = 10) {
+double median_ms([[maybe_unused]] const std::function<void()>& run, [[maybe_unused]] int reps = 10) {
 #if MARROW_CUDA
   run();
   std::vector<float> times;
@@ -69,7 +59,6 @@ double median_ms(const std::function<void()>& run, int reps = 10) {
   std::sort(times.begin(), times.end());
   return times[times.size() / 2];
 #else
-  (void)run, (void)reps;
   fail("bench: this build has no CUDA support");
 #endif
 }
@@ -138,35 +127,35 @@ void bench_attention_kernels(int64_t S, int64_t Hq, int64_t Hkv, int64_t D) {
       dv(DType::bf16, Device::cuda, {1, S, Hkv, D});
   // Causal: half of the 4 S^2 D multiply-adds per head forward; the backward does 2.5x the forward.
   const double fwd = 2.0 * double(S) * double(S) * double(D) * double(Hq);
+  const std::string shape = fmt::format("attention S{} Hq{} Hkv{} D{} causal", S, Hq, Hkv, D);
+  auto backward = [&] { attention_backward(dq, dk, dv, dout, q, k, v, out, lse); };
+  auto backward_row = [&](const std::string& what) { kernel_row(shape + ", " + what, 2.5 * fwd, backward); };
+  auto timeline = [&] { print_hopper_timeline(hopper_backward_timeline(dq, dk, dv, dout, q, k, v, out, lse), S); };
   const AttentionKernels before = attention_kernels();
   for (const AttentionKernels kernels : kAttentionKernels) {
     set_attention_kernels(kernels);
-    const std::string name = fmt::format("attention S{} Hq{} Hkv{} D{} causal, {}", S, Hq, Hkv, D, attention_kernels_name(kernels));
-    kernel_row(name + " fwd", fwd, [&] { attention_forward(out, lse, q, k, v); });
-    kernel_row(name + " bwd", 2.5 * fwd, [&] { attention_backward(dq, dk, dv, dout, q, k, v, out, lse); });
+    kernel_row(shape + ", " + attention_kernels_name(kernels) + " fwd", fwd, [&] { attention_forward(out, lse, q, k, v); });
+    backward_row(std::string(attention_kernels_name(kernels)) + " bwd");
   }
   // The hopper backward's work order: chunks of query heads (ops/attention_hopper.cu), each with its timeline.
   if (hopper_attention_supports(S, Hq, Hkv, D)) {
     set_attention_kernels(AttentionKernels::hopper);
     for (const int heads : {1, 2, 4, 8, 16}) {
       set_hopper_backward_chunk_heads(heads);
-      kernel_row(fmt::format("attention S{} Hq{} Hkv{} D{} causal, hopper bwd, chunks of {} heads", S, Hq, Hkv, D, heads), 2.5 * fwd,
-                 [&] { attention_backward(dq, dk, dv, dout, q, k, v, out, lse); });
-      print_hopper_timeline(hopper_backward_timeline(dq, dk, dv, dout, q, k, v, out, lse), S);
+      backward_row(fmt::format("hopper bwd, chunks of {} heads", heads));
+      timeline();
     }
     set_hopper_backward_chunk_heads(0);
     set_hopper_backward_unordered(true);
-    kernel_row(fmt::format("attention S{} Hq{} Hkv{} D{} causal, hopper bwd, dQ unordered (not deterministic)", S, Hq, Hkv, D), 2.5 * fwd,
-               [&] { attention_backward(dq, dk, dv, dout, q, k, v, out, lse); });
-    print_hopper_timeline(hopper_backward_timeline(dq, dk, dv, dout, q, k, v, out, lse), S);
+    backward_row("hopper bwd, dQ unordered (not deterministic)");
+    timeline();
     set_hopper_backward_unordered(false);
     // What the walk's memory traffic costs (wrong results on purpose): hot Q/dO rows, no dQ writes, both.
     for (const int probe : {1, 2, 3}) {
       set_hopper_backward_probe(probe);
       const char* what[] = {"", "Q/dO from 8 hot query blocks", "no dQ writes", "hot Q/dO, no dQ writes"};
-      kernel_row(fmt::format("attention S{} Hq{} Hkv{} D{} causal, hopper bwd probe: {}", S, Hq, Hkv, D, what[probe]), 2.5 * fwd,
-                 [&] { attention_backward(dq, dk, dv, dout, q, k, v, out, lse); });
-      print_hopper_timeline(hopper_backward_timeline(dq, dk, dv, dout, q, k, v, out, lse), S);
+      backward_row(fmt::format("hopper bwd probe: {}", what[probe]));
+      timeline();
     }
     set_hopper_backward_probe(0);
   }
@@ -175,16 +164,14 @@ void bench_attention_kernels(int64_t S, int64_t Hq, int64_t Hkv, int64_t D) {
   // it runs 4 whole head groups instead).
   if (S >= 16384) {
     set_attention_kernels(AttentionKernels::cudnn);
-    const std::string name = fmt::format("attention S{} Hq{} Hkv{} D{} causal, cudnn bwd", S, Hq, Hkv, D);
-    auto backward = [&] { attention_backward(dq, dk, dv, dout, q, k, v, out, lse); };
     for (const int64_t gib : {2, 1}) {
       set_cudnn_backward_workspace_cap(gib << 30);
-      kernel_row(fmt::format("{}, cap {} GiB", name, gib), 2.5 * fwd, backward);
+      backward_row(fmt::format("cudnn bwd, cap {} GiB", gib));
     }
     set_cudnn_backward_workspace_cap(0);
     const int64_t rows = kCudnnAttentionWorkspaceCap / (Hq * S * 2);
     set_cudnn_backward_chunk(rows);
-    kernel_row(fmt::format("{}, chunks of {} (all heads)", name, rows), 2.5 * fwd, backward);
+    backward_row(fmt::format("cudnn bwd, chunks of {} (all heads)", rows));
     set_cudnn_backward_chunk(0);
   }
   set_attention_kernels(before);

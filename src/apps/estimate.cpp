@@ -1,8 +1,6 @@
-// marrow estimate <run-config> [--section.key=value ...] [--world N] [--gpu-memory GiB] [--layouts]
-// The memory bill of one process of a training job (engine/memory_estimate.h), computed without a
-// GPU, against the GPU's memory (which also decides train.expert_inputs = auto, as the trainer does),
-// and the largest micro-batch and sequence that fit. --layouts lists every pipeline x expert-parallel
-// x FSDP layout of the world instead, each with its peak per GPU.
+// marrow estimate <run-config> [--section.key=value ...] [--world N] [--gpu-memory GiB] [--layouts]:
+// one process's memory bill (engine/memory_estimate.h) against the GPU's memory, and the largest
+// micro-batch and sequence that fit; --layouts lists every layout of the world with its peak per GPU.
 #include <cstdio>
 #include <optional>
 #include <string>

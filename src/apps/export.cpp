@@ -1,7 +1,5 @@
-// marrow export <checkpoint> <out-dir> [--dtype float32|bfloat16] [--shard-mib N] [--overwrite] [--quiet]
-// A checkpoint (or a run directory: its newest checkpoint) to a Hugging Face model directory
-// (engine/hf_format.h) that transformers, vLLM and lm-evaluation-harness load as is.
-#include <CLI/CLI.hpp>
+// marrow export <checkpoint> <out-dir> [--dtype float32|bfloat16] [--shard-mib N] [--overwrite] [--quiet]:
+// a checkpoint to a Hugging Face model directory (engine/hf_format.h) that transformers loads as is.
 #include <filesystem>
 
 #include "apps/commands.h"
@@ -39,11 +37,7 @@ int export_command(int argc, char** argv) {
   app.add_option("--shard-mib", shard_mib, "largest safetensors shard, in MiB")->check(CLI::Range(int64_t(1), int64_t(1) << 30))->capture_default_str();
   app.add_flag("--overwrite", overwrite, "replace the model files of an existing out-dir");
   app.add_flag("--quiet", quiet, "no progress line");
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e) == 0 ? 0 : 2;
-  }
+  if (const int code = parse_command_line(app, argc, argv); code >= 0) return code;
   const ModelSource source = find_model(from);
   const std::string run_data = enclosing_run_data(out);
   MARROW_CHECK(run_data.empty(), "refusing to export into {}: it is or lies inside the checkpoint or run directory {}, whose files an "

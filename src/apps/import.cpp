@@ -1,8 +1,5 @@
-// marrow import <hf-dir> <checkpoint-dir> [--overwrite] [--quiet]
-// A Hugging Face model directory (sharded or single-file safetensors, fp32 or bf16) to a checkpoint
-// for continued pretraining: weights only, so the run starts its AdamW moments at zero. Train from it
-// with [model] config = <checkpoint-dir>/config.json and [checkpoint] resume = <checkpoint-dir>.
-#include <CLI/CLI.hpp>
+// marrow import <hf-dir> <checkpoint-dir> [--overwrite] [--quiet]: a Hugging Face model directory
+// to a checkpoint for continued pretraining (weights only: AdamW's moments start at zero).
 #include <filesystem>
 
 #include "apps/commands.h"
@@ -23,11 +20,7 @@ int import_command(int argc, char** argv) {
   app.add_option("checkpoint-dir", out, "the checkpoint directory to write")->required();
   app.add_flag("--overwrite", overwrite, "replace an existing checkpoint at checkpoint-dir");
   app.add_flag("--quiet", quiet, "no progress line");
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e) == 0 ? 0 : 2;
-  }
+  if (const int code = parse_command_line(app, argc, argv); code >= 0) return code;
   // "out/" would put the checkpoint's staging directory out/.tmp inside out.
   while (out.size() > 1 && out.back() == '/') out.pop_back();
   MARROW_CHECK(fs::is_directory(from), "{} is not a directory", from);

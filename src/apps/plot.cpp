@@ -1,7 +1,5 @@
-// marrow plot <run-dir>... [--out plot.svg]
-// Training and validation loss of one or more runs against tokens seen, from each run's
-// metrics.jsonl, as one SVG picture (engine/loss_plot.h) to compare runs without any other tool.
-#include <CLI/CLI.hpp>
+// marrow plot <run-dir>... [--out plot.svg]: the runs' training and validation loss against tokens
+// seen, from their metrics.jsonl, as one SVG picture (engine/loss_plot.h).
 #include <filesystem>
 #include <fstream>
 #include <set>
@@ -47,11 +45,7 @@ int plot_command(int argc, char** argv) {
   std::string out = "plot.svg";
   app.add_option("run-dir", dirs, "run directories (a run's output.dir, holding metrics.jsonl)")->required();
   app.add_option("--out", out, "the SVG file to write")->capture_default_str();
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e) == 0 ? 0 : 2;
-  }
+  if (const int code = parse_command_line(app, argc, argv); code >= 0) return code;
   MARROW_CHECK(fs::path(out).extension() == ".svg",
                "--out {} must name an .svg file: plot writes an SVG picture there, and would replace any other file (a run's "
                "metrics.jsonl, say)",

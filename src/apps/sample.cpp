@@ -1,7 +1,6 @@
 // marrow sample <checkpoint-or-hf-dir> --prompt "..." [--tokens N] [--temperature T] [--seed S] [--samples K]
 // Continues a prompt with a trained model: the whole sequence goes through the fp32 CPU forward for
 // each new token (no KV cache: this is for reading what a small model learned, not for serving).
-#include <CLI/CLI.hpp>
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -135,11 +134,7 @@ int sample_command(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--seed", o.seed, "random seed of the first sample (sample k uses seed + k - 1)")->capture_default_str();
   app.add_option("--samples", o.samples, "continuations to print")->check(CLI::PositiveNumber)->capture_default_str();
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e) == 0 ? 0 : 2;
-  }
+  if (const int code = parse_command_line(app, argc, argv); code >= 0) return code;
   const ModelSource source = find_model(from);
   MARROW_CHECK(!source.tokenizer.empty(), "{} has no tokenizer.json: sample needs the tokenizer the model was trained with", source.dir);
   const Tokenizer tokenizer = Tokenizer::load(source.tokenizer);

@@ -1,5 +1,4 @@
 // marrow tokenize: raw text (txt, jsonl, jsonl.zst[d]) to a tokenized corpus directory.
-#include <CLI/CLI.hpp>
 #include <thread>
 
 #include "apps/commands.h"
@@ -25,11 +24,7 @@ int tokenize_command(int argc, char** argv) {
   app.add_flag("--strict", options.strict, "stop at the first bad line instead of skipping it");
   app.add_flag("--overwrite", options.overwrite, "replace an existing corpus at --out");
   app.add_flag("--quiet", quiet, "no progress line");
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e) == 0 ? 0 : 2;
-  }
+  if (const int code = parse_command_line(app, argc, argv); code >= 0) return code;
   options.progress = !quiet;
   TokenizeReport report = tokenize_corpus(options);
   const CorpusManifest& m = report.manifest;

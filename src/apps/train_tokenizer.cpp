@@ -1,5 +1,4 @@
 // marrow train-tokenizer: a byte-level BPE tokenizer.json (Qwen pre-tokenizer, NFC) trained on raw text.
-#include <CLI/CLI.hpp>
 #include <chrono>
 #include <filesystem>
 #include <thread>
@@ -28,11 +27,7 @@ int train_tokenizer_command(int argc, char** argv) {
   app.add_flag("--strict", options.strict, "stop at the first bad line instead of skipping it");
   app.add_flag("--overwrite", overwrite, "replace an existing --out file");
   app.add_flag("--quiet", quiet, "no progress line");
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e) == 0 ? 0 : 2;
-  }
+  if (const int code = parse_command_line(app, argc, argv); code >= 0) return code;
   options.progress = !quiet;
   MARROW_CHECK(options.min_frequency >= 1, "--min-frequency must be at least 1, got {}", options.min_frequency);
   MARROW_CHECK(overwrite || !std::filesystem::exists(out), "output {} already exists; pass --overwrite to replace it", out);

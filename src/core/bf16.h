@@ -21,4 +21,11 @@ inline float bf16_to_float(uint16_t b) {
   return f;
 }
 
+inline void float_to_bf16(const float* in, uint16_t* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = float_to_bf16(in[i]);
+}
+inline void bf16_to_float(const uint16_t* in, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = bf16_to_float(in[i]);
+}
+
 }  // namespace marrow

@@ -1,13 +1,10 @@
 // cuBLAS and cuBLASLt: the checked-call macro and the per-process handles and workspaces.
 //
-// MARROW_CUBLAS_CHECK(call) throws marrow::Error with file:line, the call and cuBLAS's status name
-// and message. The handles are created on first use, one per device, and live until the process
-// ends (destroying them at exit can race the CUDA runtime's own teardown). Each stream gets its own
-// workspace of kBlasWorkspaceBytes, allocated once and shared by cuBLASLt and cuBLAS calls on that
-// stream: calls on one stream run in order, and two streams never share scratch memory, which keeps
-// results deterministic. The handles are not meant to be used from several host threads at once.
-// In builds without CUDA (MARROW_CUDA=0) this header provides only the workspace size (the memory
-// estimate counts it).
+// The handles are created on first use, one per device, and live until the process ends
+// (destroying them at exit can race the CUDA runtime's teardown); not for several host threads at
+// once. Each stream has its own workspace of kBlasWorkspaceBytes shared by its cuBLASLt and cuBLAS
+// calls: two streams never share scratch memory, which keeps results deterministic. Without CUDA
+// this header provides only the workspace size (the memory estimate counts it).
 #pragma once
 #include <cstddef>
 
@@ -24,14 +21,11 @@ inline constexpr size_t kBlasWorkspaceBytes = size_t(32) << 20;
 
 #include <string>
 
-#define MARROW_CUBLAS_CHECK(call)                                                                        \
-  do {                                                                                                   \
-    cublasStatus_t marrow_status_ = (call);                                                              \
-    if (marrow_status_ != CUBLAS_STATUS_SUCCESS)                                                         \
-      ::marrow::fail_call(__FILE__, __LINE__, #call, ::marrow::cublas_status_message(marrow_status_)); \
-  } while (0)
+#define MARROW_CUBLAS_CHECK(call) MARROW_CHECK_RESULT(call, #call, ::marrow::cublas_failed, ::marrow::cublas_status_message)
 
 namespace marrow {
+
+inline bool cublas_failed(cublasStatus_t s) { return s != CUBLAS_STATUS_SUCCESS; }
 
 // "CUBLAS_STATUS_NOT_SUPPORTED (the functionality requested is not supported)".
 std::string cublas_status_message(cublasStatus_t status);

@@ -6,12 +6,10 @@
 #if MARROW_CUDA
 #include <cuda_runtime.h>
 
-#define MARROW_CUDA_CHECK(call)                                                        \
-  do {                                                                                 \
-    cudaError_t marrow_err_ = (call);                                                  \
-    if (marrow_err_ != cudaSuccess)                                                    \
-      ::marrow::fail_call(__FILE__, __LINE__, #call, cudaGetErrorString(marrow_err_)); \
-  } while (0)
+namespace marrow {
+inline bool cuda_failed(cudaError_t e) { return e != cudaSuccess; }
+}  // namespace marrow
+#define MARROW_CUDA_CHECK(call) MARROW_CHECK_RESULT(call, #call, ::marrow::cuda_failed, cudaGetErrorString)
 
 // After a kernel launch: catches bad launch configurations at the launch site.
 #define MARROW_CUDA_CHECK_LAUNCH() MARROW_CUDA_CHECK(cudaGetLastError())

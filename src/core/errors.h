@@ -32,8 +32,10 @@ template <typename... Args>
     if (!(cond)) ::marrow::fail(__VA_ARGS__);   \
   } while (0)
 
-// Checks a POSIX call that returns -1 (or nullptr) on failure and sets errno.
-#define MARROW_CHECK_ERRNO(call)                                                          \
-  do {                                                                                    \
-    if ((call) == -1) ::marrow::fail_call(__FILE__, __LINE__, #call, std::strerror(errno)); \
+// The body of each library's checked-call macro (MARROW_CUDA_CHECK, ...): `failed(result)` says
+// whether the call failed, `why(result)` is the library's message; text is the call as written.
+#define MARROW_CHECK_RESULT(result, text, failed, why)                                                \
+  do {                                                                                                \
+    const auto marrow_result_ = (result);                                                             \
+    if (failed(marrow_result_)) ::marrow::fail_call(__FILE__, __LINE__, text, why(marrow_result_)); \
   } while (0)

@@ -1,11 +1,8 @@
-// A sum, in double on the host, of small tensors' values that may live on the GPU (a micro-batch's
-// token losses, its load-balance loss): the reads of a step must not wait for the GPU one by one,
-// or the host falls behind the GPU after each wait and the GPU idles while it catches up.
-//
-// add(t) queues t's copy in stream order into page-locked memory and returns at once; value() waits
-// for those copies alone (at the end of a step the GPU is past them) and adds, in double, each part's
-// elements in index order, then the parts in the order added, from zero. So the bits equal reading
-// each part with to_host when it was added and adding it then.
+// A sum, in double on the host, of small tensors that may live on the GPU (token losses, the
+// load-balance loss): a step's reads must not wait for the GPU one by one, or it idles while the
+// host catches up. add(t) queues t's copy into page-locked memory and returns; value() waits for
+// those copies alone and adds each part's elements in index order, then the parts in order: the
+// same bits as reading each part with to_host when it was added.
 #pragma once
 #include <memory>
 #include <vector>

@@ -15,7 +15,7 @@ namespace marrow {
 
 namespace {
 
-void* allocate(size_t bytes, Device device, Stream stream) {
+void* allocate(size_t bytes, Device device, [[maybe_unused]] Stream stream) {
   if (bytes == 0) return nullptr;
   if (device == Device::cpu) {
     void* p = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
@@ -36,12 +36,11 @@ void* allocate(size_t bytes, Device device, Stream stream) {
   MARROW_CUDA_CHECK(err);
   return p;
 #else
-  (void)stream;
   fail("this build of marrow has no CUDA support (configure with -DMARROW_CUDA=ON)");
 #endif
 }
 
-void deallocate(void* p, Device device, Stream stream) {
+void deallocate(void* p, Device device, [[maybe_unused]] Stream stream) {
   if (p == nullptr) return;
   if (device == Device::cpu) {
     std::free(p);
@@ -49,8 +48,6 @@ void deallocate(void* p, Device device, Stream stream) {
   }
 #if MARROW_CUDA
   cudaFreeAsync(p, static_cast<cudaStream_t>(stream.handle));  // status ignored: also runs while an error unwinds
-#else
-  (void)stream;
 #endif
 }
 
@@ -125,15 +122,13 @@ Tensor Arena::slice(int64_t offset, std::initializer_list<int64_t> dims) const {
 
 void Arena::fill_zero(Stream stream) const { marrow::fill_zero(all(), stream); }
 
-void fill_zero(Tensor t, Stream stream) {
+void fill_zero(Tensor t, [[maybe_unused]] Stream stream) {
   if (t.bytes() == 0 || !t.data) return;
   if (t.device == Device::cpu) {
     std::memset(t.data, 0, t.bytes());
   } else {
 #if MARROW_CUDA
     MARROW_CUDA_CHECK(cudaMemsetAsync(t.data, 0, t.bytes(), static_cast<cudaStream_t>(stream.handle)));
-#else
-    (void)stream;
 #endif
   }
 }
@@ -161,7 +156,7 @@ Tensor Placement::slice(int64_t offset, std::initializer_list<int64_t> dims) con
   return r.storage.rows(offset - r.begin, offset - r.begin + n).reshape(dims);
 }
 
-void copy(Tensor dst, Tensor src, Stream stream) {
+void copy(Tensor dst, Tensor src, [[maybe_unused]] Stream stream) {
   MARROW_CHECK(dst.dtype == src.dtype && dst.numel() == src.numel(), "copy: destination {} {} does not match source {} {}",
                dtype_name(dst.dtype), dst.shape_string(), dtype_name(src.dtype), src.shape_string());
   if (src.bytes() == 0) return;
@@ -174,7 +169,6 @@ void copy(Tensor dst, Tensor src, Stream stream) {
   MARROW_CUDA_CHECK(cudaMemcpyAsync(dst.data, src.data, src.bytes(), cudaMemcpyDefault, s));
   if (dst.device == Device::cpu) MARROW_CUDA_CHECK(cudaStreamSynchronize(s));
 #else
-  (void)stream;
   fail("copy: this build of marrow has no CUDA support (configure with -DMARROW_CUDA=ON)");
 #endif
 }
@@ -209,7 +203,7 @@ Tensor PinnedHost::tensor(DType dtype, std::initializer_list<int64_t> dims, Devi
   return t;
 }
 
-StreamMark StreamMark::record(Device device, Stream stream) {
+StreamMark StreamMark::record([[maybe_unused]] Device device, [[maybe_unused]] Stream stream) {
   StreamMark mark;
 #if MARROW_CUDA
   if (device == Device::cuda) {
@@ -218,9 +212,6 @@ StreamMark StreamMark::record(Device device, Stream stream) {
     mark.event_ = std::shared_ptr<void>(event, [](void* e) { cudaEventDestroy(static_cast<cudaEvent_t>(e)); });
     MARROW_CUDA_CHECK(cudaEventRecord(event, static_cast<cudaStream_t>(stream.handle)));
   }
-#else
-  (void)device;
-  (void)stream;
 #endif
   return mark;
 }
@@ -251,11 +242,9 @@ Buffer to_host(Tensor src, Stream stream) {
   return b;
 }
 
-void synchronize(Stream stream) {
+void synchronize([[maybe_unused]] Stream stream) {
 #if MARROW_CUDA
   MARROW_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream.handle)));
-#else
-  (void)stream;
 #endif
 }
 
@@ -307,7 +296,7 @@ std::string memory_bill(const std::vector<const Arena*>& arenas) {
   return s;
 }
 
-size_t device_memory_bytes(Device device, int gpu) {
+size_t device_memory_bytes(Device device, [[maybe_unused]] int gpu) {
   if (device == Device::cpu) {
     const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
     return pages > 0 && page > 0 ? size_t(pages) * size_t(page) : 0;
@@ -315,8 +304,6 @@ size_t device_memory_bytes(Device device, int gpu) {
 #if MARROW_CUDA
   cudaDeviceProp properties{};
   if (cudaGetDeviceProperties(&properties, gpu) == cudaSuccess) return properties.totalGlobalMem;
-#else
-  (void)gpu;
 #endif
   return 0;
 }

@@ -62,17 +62,15 @@ class Arena {
   std::unique_ptr<void, Free> data_;
 };
 
-// Where the elements of a model's parameter layout live when they are not all in one arena (fully
-// sharded data parallelism gathers them into separate buffers): element o of a placed range
-// [begin, end) is element o - begin of its storage. Models bind their weight views through it.
+// Where the elements of a model's parameter layout live when not all in one arena (FSDP's buffers):
+// element o of a placed range [begin, end) is element o - begin of its storage.
 class Placement {
  public:
   Placement() = default;
   Placement(const Arena& arena) { place(0, arena.all()); }  // NOLINT: an arena is the one-range placement
   // Elements [begin, begin + storage.numel()) live in storage (a flat view); ranges must not overlap.
   void place(int64_t begin, Tensor storage);
-  // Elements [begin, begin + numel) are not on this process (another pipeline rank's layers):
-  // their slices are tensors with no data.
+  // Elements [begin, begin + numel) are another pipeline rank's: their slices have no data.
   void place_absent(int64_t begin, int64_t numel, DType dtype, Device device);
   // Elements [offset, offset + prod(dims)) seen as a tensor of shape dims; they must lie in one range.
   Tensor slice(int64_t offset, std::initializer_list<int64_t> dims) const;
@@ -92,17 +90,15 @@ void fill_zero(Tensor t, Stream stream = {});
 // queued on stream; a copy to the host waits for it, so the host can read the result at once.
 void copy(Tensor dst, Tensor src, Stream stream = {});
 
-// Page-locked host memory (plain host memory in a build without CUDA) that grows to the largest
-// size asked for and keeps its pages: the host side of copies that must not wait for the GPU's
-// queue (cudaMemcpyAsync from or to pageable memory may). A growth frees the old pages, so the
-// caller must know that no queued copy still uses them.
+// Page-locked host memory that grows to the largest size asked for and keeps its pages: the host
+// side of copies that must not wait for the GPU's queue (pageable memory may). A growth frees the
+// old pages, so no queued copy may still use them.
 class PinnedHost {
  public:
   PinnedHost() = default;
   PinnedHost(PinnedHost&&) = default;
   PinnedHost& operator=(PinnedHost&&) = default;
-  // A host tensor of dims over this memory (its contents are not kept across growths); page-locked
-  // when the copies it stages go to or come from `device` = cuda.
+  // A host tensor of dims over this memory, page-locked when its copies involve `device` = cuda.
   Tensor tensor(DType dtype, std::initializer_list<int64_t> dims, Device device);
 
  private:
@@ -125,9 +121,8 @@ class StreamMark {
   std::shared_ptr<void> event_;
 };
 
-// Queues a copy of src (any device) into `host` on `stream` and returns the point to wait at before
-// reading it; `host` should be page-locked (PinnedHost) for the copy not to wait for the GPU's queue.
-// A copy from the CPU is done at once.
+// Queues a copy of src (any device) into `host` (page-locked: PinnedHost) on `stream` and returns
+// the point to wait at before reading it.
 StreamMark copy_to_host_async(Tensor host, Tensor src, Stream stream = {});
 
 // A host copy of a tensor on any device, e.g. to read a loss or check a kernel.

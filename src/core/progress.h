@@ -1,10 +1,7 @@
-// A progress line on stderr for slow work of known size in bytes: export, import, the sha256 check
-// of a corpus. Work that ends within the first few seconds prints nothing; after that
-//   "<what>: 1.20 GB of 3.40 GB, 150.0 MB/s, 15 s left"
-// rewritten in place about once a second on a terminal, or printed as a new line every 10 s
-// otherwise (a log file stays short), and ended by finish() with
-//   "<what>: 3.40 GB in 22.5 s, 151.1 MB/s".
-// Destroyed unfinished (an error midway), it only ends the line, so the error starts on its own.
+// A progress line on stderr for slow work of known size in bytes (export, import, a corpus's
+// sha256). Silent for the first few seconds, then "<what>: 1.20 GB of 3.40 GB, 150.0 MB/s, 15 s
+// left", rewritten about once a second on a terminal or a new line every 10 s otherwise; finish()
+// ends it with "<what>: 3.40 GB in 22.5 s, 151.1 MB/s", destruction midway only ends the line.
 // A disabled reporter (--quiet) prints nothing. One thread calls it.
 // Test hook: MARROW_TEST_PROGRESS_DELAY_S=<seconds> replaces the silent first seconds (tests use 0).
 #pragma once

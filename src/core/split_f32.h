@@ -1,13 +1,10 @@
 // fp32 master weights kept as two 16-bit halves (train.master_weights = "split"): `high`, the value
-// rounded to the nearest bf16 (ties to even), is the weight the GPU computes with; `low` is the
-// value's own low 16 bits. Rounding went up exactly when low > 0x8000, so the value's top half is
-// high - 1 then, else high; the two halves together take the 4 bytes of the fp32 master alone, and
-// the separate bf16 copy of the weights (2 bytes a parameter, written by every AdamW step) is gone.
-//
-// One kind of value cannot be kept: a midpoint between two bf16 values whose lower one is odd
-// (low = 0x8000, rounded up to the even one). It shares (high, low) with the midpoint above that
-// even value, which rounds down, so it is stored one unit in the last place higher (low 0x8001):
-// 2^-24 of the value, in ~1 of 131,072 updated weights, and its bf16 rounding is the same.
+// rounded to the nearest bf16, is the weight the GPU computes with; `low` the value's own low 16
+// bits. Rounding went up exactly when low > 0x8000 (the top half is then high - 1), so the halves
+// take the fp32 master's 4 bytes and no separate bf16 copy is needed. One kind of value cannot be
+// kept: a midpoint whose lower bf16 neighbour is odd (low = 0x8000, rounded up) is stored one unit
+// in the last place higher (low 0x8001): 2^-24 of the value, ~1 in 131,072 updated weights, the
+// same bf16 rounding.
 #pragma once
 #include <cstdint>
 #include <cstring>

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <initializer_list>
 #include <string>
+#include <vector>
 
 #include "core/errors.h"
 
@@ -110,6 +111,15 @@ struct Tensor {
     return s + "]";
   }
 };
+
+// A host tensor over data with a shape known at run time (a file's, a spec's).
+inline Tensor host_tensor(void* data, DType dtype, const std::vector<int64_t>& shape) {
+  Tensor t(data, dtype, Device::cpu, {});
+  MARROW_CHECK(shape.size() <= 4, "a tensor has at most 4 dimensions, got {}", shape.size());
+  t.ndim = int(shape.size());
+  for (size_t i = 0; i < shape.size(); ++i) t.shape[i] = shape[i];
+  return t;
+}
 
 // Shape and dtype checks at op entry. `op` and `name` appear in the message, e.g.
 // "rmsnorm_forward: weight has shape [63] but expected [64]".

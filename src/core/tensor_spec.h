@@ -15,27 +15,20 @@ struct TensorSpec {
   int64_t offset = 0;  // in elements
   int64_t numel = 0;
   bool is_norm = false;  // RMSNorm weights: initialised to 1, no weight decay
-  // AdamW's weight decay applies to it: matrices and embeddings. Norms, biases and GPT-OSS's sinks
-  // (vectors added to or scaling activations) are exempt, as Megatron-LM exempts every 1-D parameter
-  // (Hugging Face's Trainer exempts norms and biases, and decays the sinks).
+  // AdamW's weight decay applies: matrices and embeddings, not norms, biases and sinks (as Megatron-LM
+  // exempts every 1-D parameter).
   bool decayed = true;
-  // The backward of a step's first micro-batch writes this gradient instead of adding to it (the
-  // expert weights: their fp32 gradients are the bulk of the arena; the LM head, as large as the
-  // embedding), so the trainer zeroes only the other gradients before a step. Decoder layers' such
-  // gradients are written by every micro-batch where their unit is reduced after each (slots:
-  // ShardedParameters::first_writes_fresh); the epilog's are kept whole in every layout, so written
-  // by micro-batch 0 (BackwardPass::Options::first_of_step).
+  // A step's first backward writes this gradient instead of adding to it (the expert weights, the
+  // bulk of the arena; the LM head), so the trainer zeroes only the others (slotted units: every
+  // micro-batch writes, ShardedParameters::first_writes_fresh).
   bool first_backward_writes = false;
-  // One expert's weight: held by one expert-parallel rank (ExpertShard), so its gradient is summed
-  // over that rank's data-parallel replicas only, and that rank saves it.
+  // Held by one expert-parallel rank (ExpertShard): summed over its data-parallel replicas only.
   bool is_expert = false;
-  // The stage whose backward completes its gradient: decoder layer 0..L-1, L for the epilog (LM
-  // head, final norm), -1 for the prolog (embedding). Once the last micro-batch's backward has passed
-  // that stage, the gradient's reduction over processes can start while the stages below compute.
+  // The stage whose backward completes its gradient: decoder layer 0..L-1, L the epilog, -1 the
+  // prolog; its reduction can start once the last micro-batch's backward has passed it.
   int64_t layer = -1;
-  // Where this tensor lies in the model's canonical tensor of its name, when it holds a part of it:
-  // GPT-OSS's fused experts [E, ...] under expert parallelism hold one rank's experts, the canonical
-  // tensor's elements [canonical_first, canonical_first + numel). Empty: the whole canonical tensor.
+  // Where a part of a canonical tensor lies in it (GPT-OSS's fused experts under expert
+  // parallelism): elements [canonical_first, canonical_first + numel). Empty: the whole tensor.
   // Checkpoints, Hugging Face reads and initialisation address the canonical tensor.
   std::vector<int64_t> canonical_shape;
   int64_t canonical_first = 0;
@@ -49,9 +42,7 @@ struct TensorSpec {
 };
 
 // A slice of one canonical tensor held in an arena: elements [first, first + count) of the flat
-// tensor specs[spec] live at element `offset` of the arena. A process holding whole tensors has one
-// piece per spec (first 0, count numel, offset spec.offset); a shard of a fully sharded run holds
-// slices.
+// tensor specs[spec] live at element `offset` of the arena.
 struct TensorPiece {
   size_t spec = 0;
   int64_t first = 0, count = 0, offset = 0;

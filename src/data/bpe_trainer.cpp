@@ -16,21 +16,12 @@
 namespace marrow {
 namespace {
 
-// ByteLevel shows byte b as this code point; byte tokens get ids in this order, as `tokenizers` does.
-uint32_t byte_level_code(int b) {
-  bool printable = (b >= 33 && b <= 126) || (b >= 161 && b <= 172) || b >= 174;
-  if (printable) return uint32_t(b);
-  int rank = 0;
-  for (int other = 0; other < b; ++other)
-    if (!((other >= 33 && other <= 126) || (other >= 161 && other <= 172) || other >= 174)) ++rank;
-  return 256 + uint32_t(rank);
-}
-
+// The special tokens, then the byte tokens in the order of their ByteLevel code points, as `tokenizers` does.
 std::vector<std::string> initial_tokens(const std::vector<std::string>& special_tokens) {
   std::vector<std::string> tokens = special_tokens;
   std::vector<int> bytes(256);
   for (int b = 0; b < 256; ++b) bytes[size_t(b)] = b;
-  std::sort(bytes.begin(), bytes.end(), [](int a, int b) { return byte_level_code(a) < byte_level_code(b); });
+  std::sort(bytes.begin(), bytes.end(), [](int a, int b) { return byte_level_code(uint8_t(a)) < byte_level_code(uint8_t(b)); });
   for (int b : bytes) tokens.emplace_back(1, char(b));
   return tokens;
 }
@@ -159,11 +150,8 @@ using WorkerCounts = std::unordered_map<std::string, int64_t, TransparentHash, s
 
 void count_piece(WorkerCounts& counts, std::string_view piece) {
   auto it = counts.find(piece);
-  if (it == counts.end()) {
-    counts.emplace(piece, 1);
-  } else {
-    ++it->second;
-  }
+  if (it == counts.end()) counts.emplace(piece, 1);
+  else ++it->second;
 }
 
 // "train-tokenizer: counted N MB of text", every second on a terminal (overwriting), else every 10.

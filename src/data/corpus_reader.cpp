@@ -184,12 +184,7 @@ bool ChunkReader::next(TextChunk& chunk) {
       // The last safe cut: after a newline, and for text before an ASCII letter or digit.
       cut = 0;
       for (size_t i = pending_.size(); i-- > 0;) {
-        if (pending_[i] != '\n') continue;
-        if (file.jsonl) {
-          cut = i + 1;
-          break;
-        }
-        if (i + 1 < pending_.size() && std::isalnum(uint8_t(pending_[i + 1]))) {
+        if (pending_[i] == '\n' && (file.jsonl || (i + 1 < pending_.size() && std::isalnum(uint8_t(pending_[i + 1]))))) {
           cut = i + 1;
           break;
         }
@@ -234,11 +229,8 @@ void chunk_text(const TextChunk& chunk, const DocumentVisitor& visit, std::vecto
     end = end == std::string_view::npos ? bytes.size() : end + 1;
     std::string_view text = bytes.substr(start, end - start);
     size_t invalid = find_invalid_utf8(text);
-    if (invalid == std::string_view::npos) {
-      valid += text;
-    } else {
-      bad_lines.push_back({chunk.file_index, line, invalid_utf8_reason(invalid)});
-    }
+    if (invalid == std::string_view::npos) valid += text;
+    else bad_lines.push_back({chunk.file_index, line, invalid_utf8_reason(invalid)});
     start = end;
   }
   visit(valid, chunk.ends_file);

@@ -61,17 +61,13 @@ TokenDataset::TokenDataset(const std::string& dir, int64_t seq_len, uint64_t see
   windows_ = (manifest_.tokens - 1) / seq_len;
   if (validation_fraction > 0 && windows_ >= 2)
     validation_windows_ = std::clamp<int64_t>(int64_t(double(windows_) * validation_fraction), 1, windows_ / 2);
-  verify_and_map(show_progress);
+  map_shards();
+  check_shards(hash_shards(show_progress));
 }
 
 TokenDataset::~TokenDataset() {
   for (const Shard& shard : shards_)
     if (shard.tokens) ::munmap(const_cast<uint32_t*>(shard.tokens), shard.bytes);
-}
-
-void TokenDataset::verify_and_map(bool show_progress) {
-  map_shards();
-  check_shards(hash_shards(show_progress));
 }
 
 void TokenDataset::map_shards() {
@@ -196,11 +192,8 @@ int64_t TokenDataset::train_window(int64_t train_index) const {
   int64_t low = train_index, high = std::min(train_index + validation_windows_, windows_ - 1);
   while (low < high) {
     int64_t mid = low + (high - low) / 2;
-    if (mid + 1 - validation_before(mid + 1) >= train_index + 1) {
-      high = mid;
-    } else {
-      low = mid + 1;
-    }
+    if (mid + 1 - validation_before(mid + 1) >= train_index + 1) high = mid;
+    else low = mid + 1;
   }
   return low;
 }

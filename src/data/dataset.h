@@ -3,11 +3,10 @@
 // token is a target once). A few windows spread evenly through the corpus are held out for
 // validation; the rest are training samples.
 //
-// Sample order: the training samples of optimizer step s are positions s*S .. s*S+S-1 (S samples
-// per step) of an endless sequence made of one seeded random permutation of all training windows
-// per epoch. So no window repeats before the corpus is used up, and the samples of a step are a
-// pure function of (seed, step): resuming needs no saved state, and the same global batch comes out
-// for any number of data-parallel ranks, each taking disjoint slices of it (train_batch).
+// Sample order: step s takes positions s*S .. s*S+S-1 (S samples per step) of an endless sequence
+// of seeded random permutations of the training windows, one per epoch: no window repeats before
+// the corpus is used up, and a step's samples are a function of (seed, step), so resuming needs no
+// saved state and any number of data-parallel ranks take disjoint slices of the same global batch.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -17,9 +16,8 @@
 
 namespace marrow {
 
-// Tokens [first, first + count) of a sample's seq_len + 1: context parallelism reads only the
-// parts of each sequence a process trains on. Spans of a sample are read one after another; none
-// means the whole sample.
+// Tokens [first, first + count) of a sample's seq_len + 1 (context parallelism reads only its
+// parts of each sequence); a sample's spans are read one after another, none meaning all of it.
 struct TokenSpan {
   int64_t first = 0, count = 0;
 };
@@ -27,8 +25,7 @@ int64_t sample_tokens(const std::vector<TokenSpan>& spans, int64_t seq_len);
 
 class TokenDataset {
  public:
-  // Opens a tokenized corpus directory, verifies manifest, shard sizes and sha256 (with a progress
-  // line, core/progress.h, when slow and show_progress).
+  // Opens a tokenized corpus directory, verifying manifest, shard sizes and sha256.
   TokenDataset(const std::string& dir, int64_t seq_len, uint64_t seed, double validation_fraction = 0.01, bool show_progress = true);
   ~TokenDataset();
   TokenDataset(const TokenDataset&) = delete;
@@ -41,20 +38,16 @@ class TokenDataset {
   int64_t validation_samples() const { return validation_windows_; }
   const CorpusManifest& manifest() const { return manifest_; }
 
-  // The global batch: training samples per optimizer step over all data-parallel ranks. It sets
-  // where each step starts in the sample order, so it must be called before train_batch.
+  // The global batch over all data-parallel ranks (where each step starts): before train_batch.
   void set_samples_per_step(int64_t samples_per_step);
-  // Error "corpus <dir> holds N training samples of L tokens but the run needs M (...)" when the
-  // run would need more than max_epochs passes over them.
+  // An Error when the run would need more than max_epochs passes over the training samples.
   void require_train_samples(int64_t needed, int64_t max_epochs = 1) const;
   // Error naming both numbers when the corpus's vocabulary does not fit the model's vocab_size.
   void require_vocab_fits(int64_t model_vocab_size) const;
-  // Fills tokens[count*(seq_len+1)] with micro-batch `micro` of `count` samples of optimizer step `step` for
-  // data-parallel rank dp_rank of dp_size: the step's samples micro*count*dp_size + dp_rank*count + [0, count).
-  // One round of micro-batches covers every rank before the next, so micro-batch m of all ranks together
-  // is micro-batch m of one process with count*dp_size samples (its load-balance statistics too).
-  // A pure function of (seed, step, indices). With spans, only those tokens of each sample are read
-  // (below): tokens holds count * sample_tokens(spans).
+  // Fills tokens[count * sample_tokens(spans)] with micro-batch `micro` of `count` samples of step
+  // `step` for data-parallel rank dp_rank of dp_size: the step's samples micro*count*dp_size +
+  // dp_rank*count + [0, count), so micro-batch m of all ranks together is micro-batch m of one
+  // process with count*dp_size samples.
   void train_batch(int64_t step, int64_t micro, int64_t count, int32_t* tokens, int dp_rank = 0, int dp_size = 1,
                    const std::vector<TokenSpan>& spans = {}) const;
   void validation_batch(int64_t first, int64_t count, int32_t* tokens, const std::vector<TokenSpan>& spans = {}) const;
@@ -75,7 +68,6 @@ class TokenDataset {
     std::string sha256;
     uint32_t largest_id = 0;
   };
-  void verify_and_map(bool show_progress);
   void map_shards();
   std::vector<ShardDigest> hash_shards(bool show_progress) const;  // on all cores, with a progress line
   void check_shards(const std::vector<ShardDigest>& digests) const;

@@ -301,11 +301,8 @@ void Tokenizer::encode_piece(std::string_view piece, std::vector<int32_t>& ids, 
       if (id >= 0) symbols.push_back(id);
       last_unknown = id < 0;
     }
-    if (symbols.size() > kShortWordSymbols) {
-      merge_long_word(symbols);
-    } else {
-      merge_short_word(symbols);
-    }
+    if (symbols.size() > kShortWordSymbols) merge_long_word(symbols);
+    else merge_short_word(symbols);
   }
   ids.insert(ids.end(), symbols.begin(), symbols.end());
   if (cacheable) scratch.cache.insert(piece, hash, symbols);
@@ -415,11 +412,8 @@ void Tokenizer::encode_segment(std::string_view raw, std::vector<int32_t>& ids, 
     return;
   }
   split_added(text, true, [&](std::string_view part, const AddedToken* token) {
-    if (token) {
-      ids.push_back(token->id);
-    } else {
-      encode_pieces(part);
-    }
+    if (token) ids.push_back(token->id);
+    else encode_pieces(part);
   });
 }
 
@@ -433,11 +427,8 @@ void Tokenizer::encode(std::string_view text, std::vector<int32_t>& ids, EncodeS
     return;
   }
   split_added(text, false, [&](std::string_view part, const AddedToken* token) {
-    if (token) {
-      ids.push_back(token->id);
-    } else {
-      encode_segment(part, ids, scratch);
-    }
+    if (token) ids.push_back(token->id);
+    else encode_segment(part, ids, scratch);
   });
 }
 

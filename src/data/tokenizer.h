@@ -1,10 +1,8 @@
 // Byte-level BPE tokenizer that reads and writes Hugging Face tokenizer.json files (Qwen2/Qwen3,
-// GPT-2 families) and encodes exactly as the `tokenizers` library does:
-//   added tokens are cut out of the raw text first (leftmost, longest); the rest is NFC-normalised,
-//   split by the pre-tokenizer's regexes (PCRE2, JIT-compiled), mapped byte-to-symbol by ByteLevel,
-//   and each piece is merged by BPE, lowest merge rank first, leftmost on ties.
-// A Tokenizer is immutable after construction and can be shared by threads; each encoding thread
-// brings its own EncodeState (regex match buffers and a cache of pieces already encoded).
+// GPT-2 families) and encodes exactly as `tokenizers` does: added tokens are cut out first
+// (leftmost, longest); the rest is NFC-normalised, split by the pre-tokenizer's regexes (PCRE2 JIT),
+// mapped by ByteLevel and merged by BPE, lowest rank first, leftmost on ties. Immutable, shared by
+// threads; each encoding thread brings its own EncodeState (match buffers, a cache of pieces).
 #pragma once
 #include <cstdint>
 #include <functional>
@@ -38,6 +36,8 @@ struct SplitRule {
 
 // The pre-tokenizer used by Qwen2/Qwen3 (and by `marrow train-tokenizer`).
 extern const char* const kQwenSplitPattern;
+// GPT-2's ByteLevel alphabet: the code point that stands for byte b in a token's text.
+char32_t byte_level_code(uint8_t b);
 
 struct EncodeScratch;
 class EncodeState {

@@ -39,21 +39,12 @@ std::string byte_level_text(std::string_view bytes) {
   return text;
 }
 
-// The bytes a ByteLevel token stands for, or nullopt when it holds a character outside the alphabet.
+// The bytes a ByteLevel token (valid UTF-8, as JSON holds it) stands for, or nullopt when it holds
+// a character outside the alphabet.
 std::optional<std::string> byte_level_bytes(std::string_view text) {
   std::string bytes;
   for (size_t i = 0; i < text.size();) {
-    auto lead = uint8_t(text[i]);
-    char32_t code;
-    if (lead < 0x80) {
-      code = lead;
-      i += 1;
-    } else if ((lead & 0xE0) == 0xC0 && i + 1 < text.size()) {
-      code = char32_t(lead & 0x1F) << 6 | (uint8_t(text[i + 1]) & 0x3F);
-      i += 2;
-    } else {
-      return std::nullopt;
-    }
+    const char32_t code = next_code_point(text, i);
     if (code >= 324 || byte_alphabet().byte_of_code[code] < 0) return std::nullopt;
     bytes += char(byte_alphabet().byte_of_code[code]);
   }
@@ -62,6 +53,12 @@ std::optional<std::string> byte_level_bytes(std::string_view text) {
 
 std::string type_of(const Json& node) {
   return node.is_object() && node.contains("type") && node["type"].is_string() ? node["type"].get<std::string>() : "";
+}
+
+// The steps of a Sequence node (its `list`), else the node alone; none for null.
+std::vector<Json> steps_of(const Json& node, const char* list) {
+  if (node.is_null()) return {};
+  return type_of(node) == "Sequence" && node.contains(list) ? node[list].get<std::vector<Json>>() : std::vector<Json>{node};
 }
 
 bool flag(const Json& node, const char* key, bool fallback) {
@@ -97,6 +94,8 @@ void check_byte_level_bpe(const Json& json, const std::string& source) {
 }
 
 }  // namespace
+
+char32_t byte_level_code(uint8_t b) { return byte_alphabet().code_of_byte[b]; }
 
 Tokenizer Tokenizer::load(const std::string& path) { return from_json(read_json_file(path), path); }
 
@@ -175,11 +174,7 @@ void Tokenizer::read_added_tokens(const Json& json, const std::string& source) {
 }
 
 void Tokenizer::read_normalizer(const Json& json, const std::string& source) {
-  const Json normalizer = json.contains("normalizer") ? json["normalizer"] : Json();
-  if (normalizer.is_null()) return;
-  std::vector<Json> steps = type_of(normalizer) == "Sequence" && normalizer.contains("normalizers")
-                                ? normalizer["normalizers"].get<std::vector<Json>>()
-                                : std::vector<Json>{normalizer};
+  const std::vector<Json> steps = steps_of(json.value("normalizer", Json()), "normalizers");
   for (const Json& step : steps)
     MARROW_CHECK(type_of(step) == "NFC", "{}: normalizer '{}' is not supported (Marrow applies NFC or nothing)", source,
                  type_of(step).empty() ? step.dump() : type_of(step));
@@ -188,15 +183,8 @@ void Tokenizer::read_normalizer(const Json& json, const std::string& source) {
 
 // Split steps, then ByteLevel (with use_regex, GPT-2's split rule after them); the ByteLevel decoder.
 void Tokenizer::read_pre_tokenizer(const Json& json, const std::string& source) {
-  const Json pre = json.contains("pre_tokenizer") ? json["pre_tokenizer"] : Json();
-  std::vector<Json> steps;
-  if (type_of(pre) == "Sequence" && pre.contains("pretokenizers")) {
-    steps = pre["pretokenizers"].get<std::vector<Json>>();
-  } else if (!pre.is_null()) {
-    steps.push_back(pre);
-  }
   bool byte_level = false;
-  for (const Json& step : steps) {
+  for (const Json& step : steps_of(json.value("pre_tokenizer", Json()), "pretokenizers")) {
     std::string type = type_of(step);
     MARROW_CHECK(!byte_level, "{}: pre-tokenizer '{}' after ByteLevel is not supported", source, type);
     if (type == "ByteLevel") {
@@ -224,7 +212,7 @@ void Tokenizer::read_pre_tokenizer(const Json& json, const std::string& source) 
     splits_.push_back({regex, behavior == "Removed"});
   }
   MARROW_CHECK(byte_level, "{}: the pre-tokenizer has no ByteLevel step, so this is not a byte-level BPE tokenizer", source);
-  const Json decoder = json.contains("decoder") ? json["decoder"] : Json();
+  const Json decoder = json.value("decoder", Json());
   MARROW_CHECK(decoder.is_null() || type_of(decoder) == "ByteLevel",
                "{}: decoder '{}' is not supported; a byte-level BPE tokenizer decodes with ByteLevel", source, type_of(decoder));
 }

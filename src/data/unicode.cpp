@@ -10,12 +10,7 @@
 #include "data/unicode_tables.h"
 
 namespace marrow {
-namespace {
 
-constexpr char32_t kHangulFirst = 0xAC00, kLeadFirst = 0x1100, kVowelFirst = 0x1161, kTrailFirst = 0x11A7;
-constexpr int kVowelCount = 21, kTrailCount = 28, kSyllableCount = 11172;
-
-// Decodes one code point of valid UTF-8 at text[i] and advances i.
 char32_t next_code_point(std::string_view text, size_t& i) {
   auto byte = [&](size_t k) { return char32_t(uint8_t(text[k])); };
   char32_t c = byte(i);
@@ -35,6 +30,11 @@ char32_t next_code_point(std::string_view text, size_t& i) {
   }
   return c;
 }
+
+namespace {
+
+constexpr char32_t kHangulFirst = 0xAC00, kLeadFirst = 0x1100, kVowelFirst = 0x1161, kTrailFirst = 0x11A7;
+constexpr int kVowelCount = 21, kTrailCount = 28, kSyllableCount = 11172;
 
 struct NfcData {
   // One bit per code point: set when the character may change under NFC or combine with its
@@ -241,11 +241,8 @@ void append_nfc(std::string_view text, std::string& out) {
     }
     span_start = at;
   }
-  if (span_unstable) {
-    normalize_span(text.substr(span_start), data, out);
-  } else {
-    out.append(text.substr(copied));
-  }
+  if (span_unstable) normalize_span(text.substr(span_start), data, out);
+  else out.append(text.substr(copied));
 }
 
 std::string to_nfc(std::string_view text) {

@@ -16,5 +16,7 @@ void append_nfc(std::string_view text, std::string& out);
 std::string to_nfc(std::string_view text);
 
 void append_utf8(char32_t code, std::string& out);
+// Decodes one code point of valid UTF-8 at text[i] and advances i.
+char32_t next_code_point(std::string_view text, size_t& i);
 
 }  // namespace marrow

@@ -79,14 +79,7 @@ std::vector<std::pair<int64_t, std::string>> complete_checkpoints(const std::str
   return found;
 }
 
-Tensor host_view(void* data, DType dtype, const std::vector<int64_t>& shape) {
-  Tensor t(data, dtype, Device::cpu, {});
-  t.ndim = int(shape.size());
-  for (size_t i = 0; i < shape.size(); ++i) t.shape[i] = shape[i];
-  return t;
-}
-
-std::string shape_string(const std::vector<int64_t>& shape) { return host_view(nullptr, DType::f32, shape).shape_string(); }
+std::string shape_string(const std::vector<int64_t>& shape) { return host_tensor(nullptr, DType::f32, shape).shape_string(); }
 
 std::string human_bytes(double bytes) {
   return bytes >= 1073741824.0 ? fmt::format("{:.2f} GiB", bytes / 1073741824.0) : fmt::format("{:.1f} MiB", bytes / 1048576.0);
@@ -154,13 +147,8 @@ bool is_whole(const TensorPiece& p, const TensorSpec& s) { return s.canonical_fi
 void copy_converting(Tensor dst, Tensor src) {
   if (dst.dtype == src.dtype) return copy(dst, src);
   Buffer staged(dst.dtype, Device::cpu, {src.numel()});
-  if (dst.dtype == DType::f32) {
-    const auto* from = static_cast<const uint16_t*>(src.data);
-    for (int64_t i = 0; i < src.numel(); ++i) staged.ptr<float>()[i] = bf16_to_float(from[i]);
-  } else {
-    auto* to = static_cast<uint16_t*>(staged.view().data);
-    for (int64_t i = 0; i < src.numel(); ++i) to[i] = float_to_bf16(src.ptr<float>()[i]);
-  }
+  if (dst.dtype == DType::f32) bf16_to_float(static_cast<const uint16_t*>(src.data), staged.ptr<float>(), src.numel());
+  else float_to_bf16(src.ptr<float>(), static_cast<uint16_t*>(staged.view().data), src.numel());
   copy(dst, staged.view());
 }
 
@@ -201,7 +189,7 @@ Json write_checkpoint_part(const std::string& tmp, const std::vector<TensorSpec>
         const TensorSpec& spec = specs.at(p.spec);
         Tensor dst = host.view().rows(at, at + p.count);
         copy(dst, arena->slice(p.offset, {p.count}));
-        entries.push_back({spec.name, host_view(dst.data, dtype, is_whole(p, spec) ? spec.stored_shape() : std::vector<int64_t>{p.count})});
+        entries.push_back({spec.name, host_tensor(dst.data, dtype, is_whole(p, spec) ? spec.stored_shape() : std::vector<int64_t>{p.count})});
         if (!is_whole(p, spec))
           slices[spec.name] = {{"first", spec.canonical_first + p.first}, {"count", p.count}, {"shape", spec.stored_shape()}};
         at += p.count;

@@ -9,17 +9,12 @@
 //   (the moments fp32, or bf16 when the run kept them in bf16: optimizer.moments; a run that keeps
 //   the other dtype converts them as it reads, bf16 -> fp32 exactly)
 //   tokenizer.json  the corpus's tokenizer, when it has one (export hands it on)
-// Every safetensors entry is a canonical tensor under its Hugging Face name (one entry per expert),
-// in the model's table order: whole, with its global shape, or (fully sharded runs, where each
-// rank writes the shards it owns into files of its own) a flat slice whose offset meta.json
-// records. Files are cut at ~2 GiB. The three groups use the same names. Nothing depends on the
-// parallel layout: any mesh reads any checkpoint, assembling the slices it needs.
-//
-// Crash safety: files are written into <dir>.tmp and fsync'ed, meta.json last; the directory is
-// fsync'ed, renamed to <dir> and its parent fsync'ed. A step-XXXXXXXX directory holding meta.json is
-// complete; leftovers of a killed save (*.tmp) are never read and the next save sweeps them. Opening
-// a checkpoint checks each file's presence and size, verify_checkpoint its sha256; every mismatch is
-// an Error naming the file.
+// Every safetensors entry is a canonical tensor under its Hugging Face name, in table order: whole,
+// or (sharded runs, each rank writing its own files) a flat slice whose offset meta.json records.
+// Files are cut at ~2 GiB. Any mesh reads any checkpoint, assembling the slices it needs.
+// Crash safety: files are written into <dir>.tmp and fsync'ed, meta.json last, then the directory
+// is renamed to <dir>; a step-XXXXXXXX directory holding meta.json is complete, and leftovers
+// (*.tmp) are never read. Opening checks each file's size, verify_checkpoint its sha256.
 #pragma once
 #include <optional>
 #include <string>
@@ -58,23 +53,19 @@ std::string checkpoint_name(int64_t step);
 int64_t checkpoint_bytes_per_parameter(const RunConfig& rc);
 std::string checkpoint_contents(const RunConfig& rc);
 
-// A checkpoint is written in three steps, so that several processes can each write their part:
-// start_checkpoint makes <dir>.tmp (one process), write_checkpoint_part writes the given pieces of
-// the arenas (whole tensors, or slices of them: core/tensor_spec.h) into files named
-// <group>-[<part>-]0000k-of-0000n.safetensors and returns their meta.json entries, finish_checkpoint
-// (one process, after every part) adds config.json, the tokenizer and meta.json and renames
-// <dir>.tmp to <dir>. A slice is stored as a flat entry under the tensor's name; its file's
-// meta.json entry records "slices": {name: {"first", "count", "shape"}} (elements of the flat whole
-// tensor, and its shape).
+// A checkpoint is written in three steps, so several processes can each write their part:
+// start_checkpoint makes <dir>.tmp (one process); write_checkpoint_part writes pieces of the arenas
+// into <group>-[<part>-]0000k-of-0000n.safetensors and returns their meta.json entries (a slice's
+// records "slices": {name: {"first", "count", "shape"}}); finish_checkpoint (one process, after
+// every part) adds config.json, the tokenizer and meta.json and renames <dir>.tmp to <dir>.
 void start_checkpoint(const std::string& dir);
 Json write_checkpoint_part(const std::string& tmp, const std::vector<TensorSpec>& specs, const std::vector<TensorPiece>& pieces,
                            const CheckpointArenas& arenas, const std::string& part, size_t shard_bytes = kCheckpointShardBytes,
                            bool show_progress = true);
 void finish_checkpoint(const std::string& dir, Json files, Json meta, const Json& model_config, const std::string& tokenizer_json);
 
-// One process writes a complete checkpoint at dir (replacing one already there): the arenas' tensors, config.json,
-// the tokenizer file when given, and meta (to which the file list is added). Prints a progress line
-// per file when the save is large.
+// One process writes a complete checkpoint at dir (replacing one already there), meta getting the
+// file list.
 void write_checkpoint(const std::string& dir, const std::vector<TensorSpec>& specs, const CheckpointArenas& arenas, Json meta,
                       const Json& model_config, const std::string& tokenizer_json = "",
                       size_t shard_bytes = kCheckpointShardBytes);
@@ -82,22 +73,19 @@ void write_checkpoint(const std::string& dir, const std::vector<TensorSpec>& spe
 // The newest complete step-XXXXXXXX directory in run_dir, if any.
 std::optional<std::string> latest_checkpoint(const std::string& run_dir);
 
-// The checkpoint (meta.json) or run directory (checkpoints, metrics.jsonl or a run lock) that path
-// is or lies inside, or "" when none. Outputs of other commands must never land there: an export
-// with --overwrite would delete a checkpoint's weights while its meta.json still calls it complete.
+// The checkpoint or run directory (checkpoints, metrics.jsonl or a run lock) that path is or lies
+// inside, or "": other commands' outputs must never land there.
 std::string enclosing_run_data(const std::string& path);
 
 // Opens a checkpoint directory, or a run directory (its newest checkpoint): reads meta.json and
 // checks that every file it lists is there with its recorded size.
 Checkpoint open_checkpoint(const std::string& path);
-// Checks every file's sha256 against meta.json.
-// show_progress: a progress line (core/progress.h) when the work takes more than a few seconds, here
-// and in the loaders below.
+// Checks every file's sha256 against meta.json. show_progress, here and below: a progress line
+// (core/progress.h) when the work takes more than a few seconds.
 void verify_checkpoint(const Checkpoint& checkpoint, bool show_progress = true);
-// Fills arena (any device) with group "weights", "exp_avg" or "exp_avg_sq" of the checkpoint, piece
-// by piece, whatever slicing wrote it; every element must be there, with the tensor's shape, and
-// the checkpoint must hold model_tensors tensors in the group (the whole model's; 0: specs.size(),
-// when specs is the whole model).
+// Fills arena (any device) with group "weights", "exp_avg" or "exp_avg_sq", piece by piece, whatever
+// slicing wrote it; every element must be there, and the group must hold model_tensors tensors
+// (0: specs.size()).
 void load_checkpoint_pieces(const Checkpoint& checkpoint, const std::string& group, const std::vector<TensorSpec>& specs,
                             const std::vector<TensorPiece>& pieces, const Arena& arena, size_t model_tensors = 0,
                             bool show_progress = true);
@@ -124,9 +112,8 @@ ModelSource find_model(const std::string& path);
 // Loads the weights of a model source into a parameter arena laid out by specs.
 void load_model_weights(const ModelSource& source, const std::vector<TensorSpec>& specs, const Arena& params, bool show_progress = true);
 
-// How the processes of a job share a checkpoint: each writes the pieces it holds (when it is the
-// one replica that saves them) into files of its own, and world rank 0 writes meta.json once every
-// part is on disk. Every process reads what it holds from any checkpoint, whatever layout wrote it.
+// How a job's processes share a checkpoint: each writes the pieces it holds (when it is the replica
+// that saves them) into files of its own; world rank 0 writes meta.json once every part is on disk.
 struct CheckpointSharing {
   Comm world;                        // the group of this process alone for one process
   std::vector<TensorPiece> pieces;   // what this process holds (empty: every spec whole, at its offset)
@@ -140,27 +127,22 @@ class TrainCheckpoints {
  public:
   TrainCheckpoints(const RunConfig& rc, const Json& model_config, const std::vector<TensorSpec>& specs, CheckpointArenas arenas,
                    CheckpointSharing sharing = {});
-  // Loads the newest complete checkpoint in output.dir, or else checkpoint.resume when set, into
-  // the arenas; returns its step (0: a fresh start). A checkpoint of another model, or a change of
-  // the data order or tokenizer that checkpoint.allow_changes does not name (engine/config_changes.h),
-  // is an Error.
+  // Loads the newest checkpoint in output.dir, else checkpoint.resume, into the arenas; returns its
+  // step (0: a fresh start). Another model, or a change checkpoint.allow_changes does not name
+  // (engine/config_changes.h), is an Error.
   int64_t resume();
-  // AdamW updates applied up to the resumed checkpoint (skipped non-finite steps do not count; 0
-  // when it holds no optimizer state, whose moments restart at zero): bias correction counts these.
+  // AdamW updates applied up to the resumed checkpoint (0 without optimizer state): bias correction counts these.
   int64_t resumed_updates() const { return resumed_updates_; }
-  // Whether resume() continued output.dir's own run (its newest checkpoint), rather than starting
-  // fresh or from checkpoint.resume: only then do output.dir's records (metrics.jsonl, tb/) go on.
+  // Whether resume() continued output.dir's own run: only then do its records (metrics.jsonl, tb/) go on.
   bool continues_output_dir() const { return continues_output_dir_; }
-  // Samples and tokens (targets) trained on through step, a step past the resumed one: the resumed
-  // checkpoint's counts plus this run's global batch for each step since, so a batch or seq_len
-  // changed at a resume (checkpoint.allow_changes = data) counts what each step read.
+  // Samples and tokens (targets) trained on through step: the resumed checkpoint's counts plus this
+  // run's batch for each step since (a batch changed at a resume counts what each step read).
   int64_t samples_seen(int64_t step) const { return resumed_samples_ + (step - resumed_step_) * rc_.global_batch; }
   int64_t tokens_seen(int64_t step) const { return resumed_tokens_ + (step - resumed_step_) * rc_.global_batch * rc_.seq_len; }
   // Whether step (just finished) is saved: every checkpoint.every steps, the last step, or a stop.
   bool due(int64_t step, bool stopping) const;
-  // With checkpoints on, one sentence (an Error) when output.dir's file system has less room than
-  // one checkpoint of this run takes (checkpoint_bytes_per_parameter): said before training, not hours later at
-  // the first save. Every process of the job calls it (the size is summed over them).
+  // With checkpoints on, an Error when output.dir has less room than one checkpoint of this run:
+  // said before training, not at the first save. Every process calls it (the size is summed).
   void require_disk_space() const;
   // Saves step, with `updates` AdamW updates applied so far, into output.dir/step-XXXXXXXX, then
   // deletes all but the newest checkpoint.keep.
@@ -187,7 +169,7 @@ class TrainCheckpoints {
 void keep_metrics_through(const std::string& path, int64_t step);
 
 // While alive, SIGTERM and SIGINT ask the training loop to stop after the current step (and save);
-// a second signal exits at once (a save in progress is then simply never completed).
+// a second signal exits at once (a save in progress is never completed).
 class StopSignals {
  public:
   StopSignals();

@@ -1,12 +1,10 @@
 // What a resumed (or continued) run may change against the run that wrote its checkpoint.
 //
-// One rule: a change that alters the data order or the meaning of the weights is refused unless
-// the run config names its kind in checkpoint.allow_changes (comma-separated), and every allowed
-// change is recorded in the checkpoints the run writes afterwards (meta.json "config_changes").
-//   data       the sample order: train.seed, train.global_batch, train.seq_len,
-//              data.validation_fraction, or the corpus's tokens themselves
-//   tokenizer  the corpus was made with another tokenizer than the checkpoint's (token ids mean
-//              other strings: the embeddings and the LM head no longer fit the text)
+// A change of the data order or of the weights' meaning is refused unless checkpoint.allow_changes
+// names its kind, and every allowed change is recorded in later checkpoints (meta.json
+// "config_changes"):
+//   data       train.seed, train.global_batch, train.seq_len, data.validation_fraction, the corpus's tokens
+//   tokenizer  another tokenizer than the checkpoint's (token ids would mean other strings)
 // Everything else (learning rate, steps, batch split, parallel layout, ...) may change freely.
 #pragma once
 #include <string>

@@ -1,10 +1,8 @@
-// TensorBoard event files: the record format TensorFlow calls TFRecord, each record holding one
-// serialized `Event` protocol buffer (tensorboard/compat/proto/event.proto, summary.proto).
+// TensorBoard event files: TFRecord records, each one serialized `Event` protocol buffer
+// (tensorboard/compat/proto/event.proto, summary.proto):
 //   record = uint64 length | uint32 masked CRC-32C of the 8 length bytes | data | uint32 masked CRC-32C of data
-// all little-endian (core/crc32c.h has the mask). The few Event and Summary fields a run writes are
-// encoded here by hand: wall_time (1, double), step (2, int64), file_version (3, string) and
-// summary (5) holding values with tag (1), simple_value (2, float), metadata (9: plugin name) and
-// tensor (8: a DT_STRING scalar, the text plugin's format).
+// all little-endian. The few fields a run writes are encoded by hand: wall_time (1), step (2),
+// file_version (3), summary (5) with values of tag (1), simple_value (2), metadata (9), tensor (8).
 #pragma once
 #include <cstdint>
 #include <cstdio>

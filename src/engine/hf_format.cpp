@@ -17,13 +17,6 @@ namespace marrow {
 
 namespace {
 
-Tensor host_view(void* data, DType dtype, const std::vector<int64_t>& shape) {
-  Tensor t(data, dtype, Device::cpu, {});
-  t.ndim = int(shape.size());
-  for (size_t i = 0; i < shape.size(); ++i) t.shape[i] = shape[i];
-  return t;
-}
-
 // The id of a token in a tokenizer.json (added tokens first, then the model's vocabulary), or -1.
 int64_t token_id_in(const std::string& tokenizer_json, const std::string& token) {
   const Json t = read_json_file(tokenizer_json);
@@ -53,9 +46,7 @@ Buffer host_in_dtype(const Arena& params, int64_t first, int64_t n, DType dtype)
   Buffer host = to_host(params.slice(first, {n}));
   if (dtype == DType::f32) return host;
   Buffer out(DType::bf16, Device::cpu, {n});
-  auto* dst = static_cast<uint16_t*>(out.view().data);
-  const float* src = host.ptr<float>();
-  for (int64_t i = 0; i < n; ++i) dst[i] = float_to_bf16(src[i]);
+  float_to_bf16(host.ptr<float>(), static_cast<uint16_t*>(out.view().data), n);
   return out;
 }
 
@@ -77,7 +68,7 @@ void write_hf_weights(const std::string& out_dir, const std::vector<TensorSpec>&
     std::vector<SafetensorsEntry> entries;
     for (size_t i = shards[k].first; i < shards[k].second; ++i) {
       char* data = static_cast<char*>(out.view().data) + size_t(specs[i].offset - first.offset) * element;
-      entries.push_back({specs[i].name, host_view(data, options.dtype, specs[i].shape)});
+      entries.push_back({specs[i].name, host_tensor(data, options.dtype, specs[i].shape)});
       weight_map[specs[i].name] = file;
       total += size_t(specs[i].numel) * element;
     }
@@ -180,8 +171,8 @@ class HfTensors {
       used_.insert(s.name);
       const std::vector<int64_t> shape(t.shape.begin(), t.shape.begin() + t.ndim);
       MARROW_CHECK(shape == s.stored_shape(), "{}: tensor '{}' has shape {} but the model's config.json gives {}", it->second->path(),
-                   s.name, t.shape_string(), host_view(nullptr, t.dtype, s.stored_shape()).shape_string());
-      return {host_view(static_cast<char*>(t.data) + size_t(s.canonical_first) * dtype_size(t.dtype), t.dtype, s.shape), it->second};
+                   s.name, t.shape_string(), host_tensor(nullptr, t.dtype, s.stored_shape()).shape_string());
+      return {host_tensor(static_cast<char*>(t.data) + size_t(s.canonical_first) * dtype_size(t.dtype), t.dtype, s.shape), it->second};
     }
     std::string layer, part;
     int64_t expert = 0;
@@ -194,10 +185,10 @@ class HfTensors {
     const int64_t rows = s.shape[0] * (part == "down_proj" ? 1 : 2);
     MARROW_CHECK(f.ndim == 3 && f.shape[0] > expert && f.shape[1] == rows && f.shape[2] == s.shape[1],
                  "{}: tensor '{}' has shape {}, which does not hold expert {}'s {} of shape {}", it->second->path(), fused,
-                 f.shape_string(), expert, part, host_view(nullptr, f.dtype, s.shape).shape_string());
+                 f.shape_string(), expert, part, host_tensor(nullptr, f.dtype, s.shape).shape_string());
     const size_t offset = size_t(expert * rows + (part == "up_proj" ? s.shape[0] : 0)) * size_t(s.shape[1]);
     used_.insert(fused);
-    return {host_view(static_cast<char*>(f.data) + offset * dtype_size(f.dtype), f.dtype, s.shape), it->second};
+    return {host_tensor(static_cast<char*>(f.data) + offset * dtype_size(f.dtype), f.dtype, s.shape), it->second};
   }
 
   // Whether `s` is stored in MXFP4 (openai/gpt-oss's expert weights on the Hub): s.name + "_blocks",
@@ -218,13 +209,13 @@ class HfTensors {
                  blocks_name, scales_name, dtype_name(blocks.dtype), dtype_name(scales.dtype));
     const int n = int(s.shape.size());
     MARROW_CHECK(n >= 2 && blocks.ndim == n + 1 && scales.ndim == n && blocks.shape[n] == 16, "{}: MXFP4 tensor '{}' has shape {}, not [..., rows, groups, 16] for '{}' {}",
-                 path, blocks_name, blocks.shape_string(), s.name, host_view(nullptr, DType::f32, s.shape).shape_string());
+                 path, blocks_name, blocks.shape_string(), s.name, host_tensor(nullptr, DType::f32, s.shape).shape_string());
     const int64_t rows = blocks.shape[n - 2], groups = blocks.shape[n - 1], columns = 32 * groups;
     bool fits = s.shape[size_t(n - 1)] == rows && s.shape[size_t(n - 2)] == columns;
     for (int d = 0; d < n - 2; ++d) fits = fits && blocks.shape[d] == s.shape[size_t(d)];
     for (int d = 0; d < n; ++d) fits = fits && scales.shape[d] == blocks.shape[d];
     MARROW_CHECK(fits, "{}: MXFP4 tensors '{}' {} and '{}' {} do not dequantize to '{}' {}", path, blocks_name, blocks.shape_string(),
-                 scales_name, scales.shape_string(), s.name, host_view(nullptr, DType::f32, s.shape).shape_string());
+                 scales_name, scales.shape_string(), s.name, host_tensor(nullptr, DType::f32, s.shape).shape_string());
     static constexpr float kE2M1[16] = {0, 0.5f, 1, 1.5f, 2, 3, 4, 6, -0.0f, -0.5f, -1, -1.5f, -2, -3, -4, -6};
     const auto* b = static_cast<const uint8_t*>(blocks.data);
     const auto* e = static_cast<const uint8_t*>(scales.data);
@@ -274,8 +265,7 @@ void copy_as_f32(Tensor dst, Tensor t, const SafetensorsFile& file, const std::s
     copy(dst, t.reshape({n}));
   } else if (t.dtype == DType::bf16) {
     Buffer f32(DType::f32, Device::cpu, {n});
-    const auto* src = static_cast<const uint16_t*>(t.data);
-    for (int64_t i = 0; i < n; ++i) f32.ptr<float>()[i] = bf16_to_float(src[i]);
+    bf16_to_float(static_cast<const uint16_t*>(t.data), f32.ptr<float>(), n);
     copy(dst, f32);
   } else {
     fail("{}: tensor '{}' is {}; Marrow reads f32 and bf16 weights", file.path(), name, dtype_name(t.dtype));

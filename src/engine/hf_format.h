@@ -1,12 +1,9 @@
-// Hugging Face model directories (DESIGN.md §6): what `marrow export` writes and `marrow import` and
-// `marrow sample` read.
+// Hugging Face model directories (DESIGN.md §6), written by `marrow export`, read by import and sample:
 //   config.json, generation_config.json
 //   model-0000k-of-0000n.safetensors + model.safetensors.index.json   the weights, fp32 or bf16
 //   tokenizer.json + tokenizer_config.json                            when the model has a tokenizer
-// Reading also takes a single model.safetensors, the fused expert tensors of a layer
-// (mlp.experts.gate_up_proj [E, 2I, H], mlp.experts.down_proj [E, H, I]) in place of per-expert ones,
-// and a tensor stored in MXFP4 (<name>_blocks and <name>_scales, as openai/gpt-oss's experts are on the Hub),
-// dequantized exactly.
+// Reading also takes a single model.safetensors, a layer's fused experts in place of per-expert
+// tensors, and MXFP4 tensors (<name>_blocks and _scales, openai/gpt-oss's), dequantized exactly.
 #pragma once
 #include <string>
 #include <vector>
@@ -34,7 +31,6 @@ bool is_hf_model_dir(const std::string& dir);
 
 // Fills a parameter arena (any device) from the directory's safetensors, converting bf16 to fp32;
 // a missing tensor, a wrong shape or an unsupported dtype is an Error naming the file and tensor.
-// progress: a progress line when the reading is slow (core/progress.h).
 void read_hf_weights(const std::string& dir, const std::vector<TensorSpec>& specs, const Arena& params, bool progress = false);
 
 }  // namespace marrow

@@ -22,16 +22,18 @@
 #include <mutex>
 #include <unordered_map>
 
-// Checked CUPTI calls, like MARROW_CUDA_CHECK: file:line, the call and CUPTI's message.
-#define MARROW_CUPTI_CHECK(call)                                                  \
-  do {                                                                            \
-    CUptiResult marrow_result_ = (call);                                          \
-    if (marrow_result_ != CUPTI_SUCCESS) {                                        \
-      const char* marrow_message_ = "unknown CUPTI error";                        \
-      cuptiGetResultString(marrow_result_, &marrow_message_);                     \
-      ::marrow::fail_call(__FILE__, __LINE__, #call, marrow_message_);            \
-    }                                                                             \
-  } while (0)
+#define MARROW_CUPTI_CHECK(call) MARROW_CHECK_RESULT(call, #call, ::marrow::cupti_failed, ::marrow::cupti_message)
+
+namespace marrow {
+namespace {
+bool cupti_failed(CUptiResult r) { return r != CUPTI_SUCCESS; }
+const char* cupti_message(CUptiResult r) {
+  const char* message = "unknown CUPTI error";
+  cuptiGetResultString(r, &message);
+  return message;
+}
+}  // namespace
+}  // namespace marrow
 #endif
 
 namespace marrow {
@@ -50,8 +52,9 @@ const char* kind_name(ActivityKind kind) {
 
 double duration_ns(const KernelRecord& r) { return r.end_ns > r.start_ns ? double(r.end_ns - r.start_ns) : 0.0; }
 
-// Every kernel aggregated by display name, heaviest first.
-std::vector<KernelStat> all_kernels(const std::vector<KernelRecord>& records) {
+}  // namespace
+
+std::vector<KernelStat> top_kernels(const std::vector<KernelRecord>& records, size_t n) {
   std::map<std::string, KernelStat> by_name;
   double total_ms = 0;
   for (const KernelRecord& r : records) {
@@ -70,10 +73,9 @@ std::vector<KernelStat> all_kernels(const std::vector<KernelRecord>& records) {
     rows.push_back(s);
   }
   std::stable_sort(rows.begin(), rows.end(), [](const KernelStat& a, const KernelStat& b) { return a.total_ms > b.total_ms; });
+  if (rows.size() > n) rows.resize(n);
   return rows;
 }
-
-}  // namespace
 
 std::string kernel_display_name(const std::string& raw) {
   int status = 0;
@@ -150,14 +152,8 @@ void write_chrome_trace(const std::string& path, const std::vector<KernelRecord>
   MARROW_CHECK(!ec, "cannot rename {} to {}: {}", tmp, path, ec.message());
 }
 
-std::vector<KernelStat> top_kernels(const std::vector<KernelRecord>& records, size_t n) {
-  std::vector<KernelStat> rows = all_kernels(records);
-  if (rows.size() > n) rows.resize(n);
-  return rows;
-}
-
 std::string kernel_table(const std::vector<KernelRecord>& records, size_t n) {
-  const std::vector<KernelStat> rows = all_kernels(records);
+  const std::vector<KernelStat> rows = top_kernels(records, SIZE_MAX);
   constexpr size_t kWidth = 72;
   auto row = [&](const std::string& name, int64_t calls, double ms, const std::string& mean, const std::string& share) {
     const std::string shown = name.size() > kWidth ? name.substr(0, kWidth - 3) + "..." : name;

@@ -1,7 +1,6 @@
-// Kernel traces for the speed work: `marrow train/bench --profile-steps A:B` records every kernel,
-// memcpy and memset of steps A..B with CUPTI's activity API, plus the NVTX ranges of the steps and
-// stages, writes them as a Chrome trace (opens in ui.perfetto.dev) and prints the heaviest kernels.
-// The records are plain data so that the trace writer and the table are tested without a GPU.
+// Kernel traces: `marrow train/bench --profile-steps A:B` records every kernel, memcpy and memset
+// of steps A..B with CUPTI, plus the steps' and stages' NVTX ranges, writes them as a Chrome trace
+// (ui.perfetto.dev) and prints the heaviest kernels. Plain records, so tests need no GPU.
 #pragma once
 #include <array>
 #include <cstdint>
@@ -28,9 +27,8 @@ struct KernelRecord {
 // mangled C++ name), without the return type, the parameter list and "(anonymous namespace)::".
 std::string kernel_display_name(const std::string& raw);
 
-// Chrome trace JSON ("traceEvents": one complete event per record, ts/dur in microseconds from the
-// first record; pid = device and tid = stream, NVTX ranges under the host process), written to
-// <path>.tmp and renamed.
+// Chrome trace JSON (one complete event per record, microseconds from the first; pid = device, tid
+// = stream, NVTX ranges under the host process), written to <path>.tmp and renamed.
 void write_chrome_trace(const std::string& path, const std::vector<KernelRecord>& records);
 
 struct KernelStat {
@@ -46,9 +44,7 @@ std::vector<KernelStat> top_kernels(const std::vector<KernelRecord>& records, si
 // The n heaviest kernels as a table, then the rest of the kernels, their total, and the copies.
 std::string kernel_table(const std::vector<KernelRecord>& records, size_t n = 10);
 
-// How much of the communication kernels' time (NCCL's, which run on the groups' communication
-// streams) passed while a compute kernel (any other) ran on the same GPU: the share of
-// communication hidden under compute. One row per NCCL kernel name.
+// How much of each NCCL kernel's time passed while a compute kernel (any other) ran on the same GPU.
 struct CommunicationOverlap {
   std::string name;  // kernel_display_name
   int64_t calls = 0;
@@ -63,9 +59,9 @@ std::string compute_busy_lines(const std::vector<KernelRecord>& records);
 // Writes the trace to path and prints where it is, the top-10 table and the communication overlap.
 void report_trace(const std::vector<KernelRecord>& records, const std::string& path);
 
-// Collects the activity of the GPU between start() and stop() through CUPTI. Construct it before
-// the first NVTX range of the process: NVTX binds its tool (CUPTI) on its first call. Any failure,
-// a build without CUDA or a CPU run included, is an Error with one sentence.
+// Collects the GPU's activity between start() and stop() through CUPTI. Construct it before the
+// process's first NVTX range (NVTX binds its tool on its first call). Any failure (no CUDA, a CPU
+// run) is an Error with one sentence.
 class KernelTrace {
  public:
   explicit KernelTrace(Device device);

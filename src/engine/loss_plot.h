@@ -1,10 +1,8 @@
-// Loss curves of training runs as one self-contained SVG picture (`marrow plot`): training and
-// validation loss against tokens seen, one colour per run (training: a solid line; validation: a
-// dashed line with a dot per evaluation), axes with ticks at 1, 2 or 5 times a power of ten, axis
-// labels, a title and a legend. No script, font file or style sheet: any browser or viewer shows it.
-// The picture is a pure function of the curves. Its elements carry classes for tools and tests:
-// polyline.train and polyline.validation (attribute data-run = the run's name), text.axis-label,
-// g.legend.
+// Loss curves of training runs as one self-contained SVG picture (`marrow plot`): training (solid)
+// and validation (dashed, a dot per evaluation) loss against tokens seen, a colour per run, ticks at
+// 1, 2 or 5 times a power of ten, a legend; no script or font, a pure function of the curves. Its
+// elements carry classes for tools and tests: polyline.train and polyline.validation (data-run =
+// the run's name), text.axis-label, g.legend.
 #pragma once
 #include <string>
 #include <utility>

@@ -284,12 +284,9 @@ std::string expert_inputs_note(const RunConfig& rc, const MeshShape& mesh) {
 // paired: the step's micro-batches pair their expert weight gradients (engine/trainer.h).
 void add_activations(MemoryBill& bill, const RunConfig& rc, const EstimatedModel& m, const MeshShape& mesh, Device device, bool paired) {
   const OneMicroBatch one(rc, m, mesh, device, paired);
-  const int64_t ep = mesh.ep;
   const ModelActivationBytes& model = one.model;
   const EngineBytes& engine = one.engine;
-  const Walk& walk = one.walk;
-  const int64_t rows = one.rows;
-  const Moment& p = walk.peak();
+  const Moment& p = one.walk.peak();
   bill.activation_peak_at = p.where;
   auto per_layer = [&](int64_t bytes) { return fmt::format("kept: {} per layer", mib(bytes)); };
   const std::vector<std::pair<std::string, std::string>> kinds = {
@@ -306,11 +303,11 @@ void add_activations(MemoryBill& bill, const RunConfig& rc, const EstimatedModel
     bill.items.push_back({BillGroup::activations, "ring attention buffers at the peak", p.ring,
                           fmt::format("context parallelism over {}: {} in a layer's forward, {} in its backward", mesh.cp,
                                       mib(engine.ring.forward), mib(engine.ring.backward))});
-  if (ep > 1) {
-    const Moment& x = walk.largest_exchange();
+  if (mesh.ep > 1) {
+    const Moment& x = one.walk.largest_exchange();
     bill.items.push_back({BillGroup::activations, "expert all-to-all buffers at the peak", p.exchange,
                           fmt::format("largest {} in {}; expert rows {} per layer (+{:.0f}% for routing skew)", mib(x.exchange), x.where,
-                                      rows, (kExpertRowSkew - 1) * 100)});
+                                      one.rows, (kExpertRowSkew - 1) * 100)});
   }
 }
 
@@ -330,11 +327,9 @@ void add_pipeline_activations(MemoryBill& bill, const RunConfig& rc, const Estim
   const int64_t T = one.tokens;
   const int64_t per_layer = model.attention.kept + engine.route + engine.y_perm_kept + model.experts.kept + engine.x_perm_kept;
   const int64_t waiting = held_for_weights(model, engine);  // a deferred W's
-  auto kept = [&](int phase) {
-    const PipelineChunk& c = place.chunks[size_t(phase == 0 ? place.rank : 2 * place.pp - 1 - place.rank)];
-    return c.layers(m.num_layers) * per_layer + (c.last == m.num_layers ? model.epilog.kept : 0);
-  };
-  auto layers = [&](int phase) { return place.chunks[size_t(phase == 0 ? place.rank : 2 * place.pp - 1 - place.rank)].layers(m.num_layers); };
+  auto chunk = [&](int phase) -> const PipelineChunk& { return place.chunks[size_t(phase == 0 ? place.rank : 2 * place.pp - 1 - place.rank)]; };
+  auto layers = [&](int phase) { return chunk(phase).layers(m.num_layers); };
+  auto kept = [&](int phase) { return layers(phase) * per_layer + (chunk(phase).last == m.num_layers ? model.epilog.kept : 0); };
   int64_t live = 0, peak = 0;
   std::string peak_at;
   for (const PipelineOp& op : dualpipev_order(place.pp, place.rank, place.micro_batches)) {
@@ -458,10 +453,6 @@ MemoryBill rank_bill(const RunConfig& rc, const EstimatedModel& m, const MeshSha
   return bill;
 }
 
-}  // namespace
-
-namespace {
-
 // The bill with train.expert_inputs already "keep" or "gather".
 MemoryBill resolved_bill(const RunConfig& rc, const EstimatedModel& m, const MeshShape& mesh, ShardGroups groups, Device device) {
   MemoryBill largest = rank_bill(rc, m, mesh, groups, device, 0);
@@ -476,6 +467,10 @@ RunConfig with_expert_inputs(const RunConfig& rc, bool gather_again) {
   RunConfig out = rc;
   out.expert_inputs = gather_again ? "gather" : "keep";
   return out;
+}
+
+std::string layer_list(const std::vector<PipelineChunk>& chunks, int64_t num_layers) {
+  return fmt::format("{}", fmt::join(chunk_layer_counts(chunks, num_layers), " "));
 }
 
 }  // namespace
@@ -525,14 +520,6 @@ std::vector<PipelineChunk> pipeline_layout(const RunConfig& rc, const EstimatedM
   const int64_t micro_batches = rc.global_batch / (rc.micro_batch * mesh.data_parallel());
   return chosen_pipeline_chunks(rc.pp_layers, m.num_layers, mesh.pp, micro_batches, pipeline_stage_costs(rc, m, mesh));
 }
-
-namespace {
-
-std::string layer_list(const std::vector<PipelineChunk>& chunks, int64_t num_layers) {
-  return fmt::format("{}", fmt::join(chunk_layer_counts(chunks, num_layers), " "));
-}
-
-}  // namespace
 
 std::string pipeline_report(const RunConfig& rc, const EstimatedModel& m, const MeshShape& mesh) {
   const int64_t micro_batches = rc.global_batch / (rc.micro_batch * mesh.data_parallel());

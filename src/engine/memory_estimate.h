@@ -1,21 +1,14 @@
-// The memory bill of one training process, computed without a GPU: `marrow estimate` prints it,
-// and the trainer can print it at start. Every figure is in bytes and follows the code that
-// allocates it:
-// - state: fp32 master weights, gradients and the two AdamW moments, each the sum of this
-//   process's chunks of the shard units (parallel/sharded_params.h's layout: prolog, each layer's
-//   dense and expert tensors, epilog, all norms; a unit of N elements over a shard group of n
-//   processes has chunk c = ceil(N / n); n = 1 is the whole unit, today's replicated layout).
-// - weights: the compute copies (bf16 on the GPU) and whole fp32 gradients: units kept whole for
-//   the step (prolog, epilog, norms, any unit with n = 1, every unit with keep_gathered) hold n*c
-//   elements each; the other decoder layers hold their working shard plus two shared slots per kind
-//   (dense, expert) of gathered weights and of gradients.
-// - activations: one micro-batch at its peak moment (micro-batches run one after the other, so only
-//   one is alive); with DualPipeV, the micro-batch chunks alive at the heaviest op of the pipeline
-//   rank's order, and of the ranks the one with the largest bill. The model family reports its stages' bytes (core/stage_bytes.h); the walk in
-//   memory_estimate.cpp replays engine/step.h's forward and backward order with the engine's own
-//   buffers (residual gradient, dispatch/combine rows, the expert all-to-all buffers with ep > 1).
-// - runtime (GPU only): CUDA context, cuBLAS workspace and NCCL communicators, which live outside
-//   the arenas and the activation pool, so the trainer's `peak` figure does not count them.
+// The memory bill of one training process, computed without a GPU (`marrow estimate`, and the
+// trainer at start). Every figure is in bytes and follows the code that allocates it:
+// - state: fp32 master weights, gradients and AdamW moments: this process's chunks of the shard
+//   units (parallel/sharded_params.h; a unit of N elements over n processes has c = ceil(N / n)).
+// - weights: the compute copies and whole fp32 gradients: units kept whole hold n*c elements, the
+//   other decoder layers their working shard plus two slots per kind (dense, expert).
+// - activations: one micro-batch at its peak moment, replaying engine/step.h's order with the
+//   model's stage bytes (core/stage_bytes.h) and the engine's own buffers; with DualPipeV, the
+//   chunks alive at the heaviest op of the pipeline rank with the largest bill.
+// - runtime (GPU only): CUDA context, cuBLAS workspace and NCCL communicators, outside the
+//   trainer's `peak` figure.
 // Invariant: with n = 1 everywhere the state and weights items equal the trainer's arenas.
 #pragma once
 #include <cstdint>
@@ -78,49 +71,41 @@ struct LargestFit {
   bool micro_batch_at_limit = false, seq_len_at_limit = false;  // the search's end (2^31 tokens a micro-batch) fits too
 };
 
-// The shard group sizes n of the layout: expert units over dp_shard x cp processes, the others over
-// dp_shard x cp x ep (dp_shard = parallel.dp_shard, 0 meaning all of dp).
+// The shard group sizes n: expert units over dp_shard x cp processes, the others over dp_shard x cp x ep.
 struct ShardGroups {
   int64_t dense = 1, expert = 1;
 };
 ShardGroups shard_groups(const MeshShape& mesh);
 
-// train.expert_inputs = "auto" keeps x_perm while the estimated total with it kept stays within this
-// share of the device's memory (the rest: the allocator's slack, other processes' contexts).
+// train.expert_inputs = "auto" keeps x_perm while the estimated total stays within this share of
+// the device's memory (the rest: the allocator's slack, other processes' contexts).
 constexpr double kKeptExpertInputsShare = 0.9;
 
-// Whether the trainer drops x_perm after each layer's experts forward and gathers it again for the
-// backward (train.expert_inputs: "gather"; "auto" when keeping it would pass kKeptExpertInputsShare of
-// device_bytes; never with expert parallelism, where x_perm is what arrived). device_bytes 0: the
-// device's memory is not known, and "auto" keeps.
+// Whether the trainer gathers x_perm again for the backward (train.expert_inputs resolved; never
+// with expert parallelism). device_bytes 0: the device's memory is unknown, and "auto" keeps.
 bool gathers_expert_inputs_again(const RunConfig& rc, const EstimatedModel& model, const MeshShape& mesh, ShardGroups groups, Device device,
                                  double device_bytes);
-// groups {1, 1} is the trainer before FSDP: every process holds whole copies of its tensors.
-// device_bytes: the device's memory, which train.expert_inputs = "auto" decides against (0: keep).
+// groups {1, 1}: every process holds whole copies of its tensors.
 MemoryBill estimate_memory(const RunConfig& rc, const EstimatedModel& model, const MeshShape& mesh, ShardGroups groups, Device device,
                            double device_bytes = 0);
 LargestFit largest_fit(const RunConfig& rc, const EstimatedModel& model, const MeshShape& mesh, Device device, double gpu_bytes);
-// DualPipeV's cost of each stage (index stage + 1) per token, in time at rates measured on the
-// H200, and the chunks parallel.pp_layers asks for under those costs (the trainer's and the
-// estimate's partition: parallel/dualpipev.h's chosen_pipeline_chunks).
+// DualPipeV's cost of each stage (index stage + 1), in time at rates measured on the H200, and the
+// chunks parallel.pp_layers asks for under those costs (the trainer's and the estimate's).
 std::vector<ChunkCost> pipeline_stage_costs(const RunConfig& rc, const EstimatedModel& model, const MeshShape& mesh);
 std::vector<PipelineChunk> pipeline_layout(const RunConfig& rc, const EstimatedModel& model, const MeshShape& mesh);
-// With DualPipeV: the chunks, each pipeline rank's order of work (as the trainer prints it with
-// parallel.print_schedule), and the simulated bubble and live activations (parallel/dualpipev.h).
+// With DualPipeV: the chunks, each rank's order of work, the simulated bubble and live activations.
 std::string pipeline_report(const RunConfig& rc, const EstimatedModel& model, const MeshShape& mesh);
 
 // The bill as a table, with the total against gpu_bytes of device memory (GPU bills only).
 std::string format_bill(const MemoryBill& bill, double gpu_bytes);
 
-// A setting that trades memory for speed, turned to the side that saves memory: its run-config
-// override and the change it makes.
+// A setting that trades memory for speed, turned to the side that saves memory.
 struct MemorySaving {
   std::string setting;
   std::function<void(RunConfig&)> apply;
 };
-// Those rc has on the side that holds memory: AdamW moments in bf16 (where beta2 allows it), no
-// persistent bf16 weight copy, no paired expert weight gradients, the experts' inputs gathered again
-// for the backward, FSDP's gathered weights and whole gradients freed after use.
+// Those rc has on the side that holds memory (bf16 moments where beta2 allows, split master, no
+// pairs, x_perm gathered again, FSDP's gathered weights and whole gradients freed after use).
 std::vector<MemorySaving> memory_savings(const RunConfig& rc);
 // An option: a saving's setting (or "all of the above together") and the bill's total with it.
 struct MemoryOption {

@@ -1,8 +1,7 @@
-// The first check of a run, before anything is allocated: can the training state fit at all?
-// A config of absurd size (num_experts = 1e9) would otherwise grow the parameter table and the
-// arenas until the kernel kills the process without a word. This is a floor, not the bill
-// (`marrow estimate` has that): the fp32 state spread as thinly as any layout could spread it, so a
-// refusal is always right and a run that passes may still not fit.
+// The first check of a run, before anything is allocated: can the training state fit at all? (An
+// absurd config would otherwise grow the table and arenas until the kernel kills the process.) A
+// floor, not the bill: the fp32 state spread as thinly as any layout could, so a refusal is always
+// right.
 #pragma once
 #include <cstdint>
 
@@ -11,10 +10,8 @@
 
 namespace marrow {
 
-// Fails with the numbers when the parameter table (host memory) or the training state (fp32 weights
-// and gradients, two AdamW moments of moment_bytes each: 16 bytes per parameter, 12 with bf16
-// moments) over `processes` exceed the memory that holds them: the machine's for the table and CPU
-// runs, the GPU's for GPU runs (when it can be read).
+// Fails with the numbers when the parameter table (host memory) or the training state (16 bytes a
+// parameter, 12 with bf16 moments) over `processes` exceed the machine's or the GPU's memory.
 void check_state_fits(const ModelSize& size, int64_t processes, Device device, int gpu, int moment_bytes = 4);
 
 }  // namespace marrow

@@ -38,9 +38,8 @@ concept MoeModel = requires(const M& m, typename M::AttentionActivations& a, typ
   m.attention_backward(t, w.layers[0], t, t, t, scale, a, batch, w.layers[0]);
   m.add_aux_loss(t, a);
   m.experts_forward(t, e, std::move(buffer), t, w.layers[0]);
-  m.experts_backward(t, w.layers[0], t, e, t, w.layers[0], flag, t, t);  // t, t last: squares and known-zero flags
   m.experts_backward_input(t, t, e, t, w.layers[0]);
-  m.experts_backward_weights(w.layers[0], t, e, t, flag, t, t);
+  m.experts_backward_weights(w.layers[0], t, e, t, flag, t, t);  // t, t last: squares and known-zero flags
   m.experts_backward_weights_pair(w.layers[0], t, e, t, t, e, t, flag, t, t);  // an earlier micro-batch's, then this one's
   { m.expert_squares_count(w.layers[0]) } -> std::convertible_to<int64_t>;
   { m.expert_known_zero_count(w.layers[0]) } -> std::convertible_to<int64_t>;
@@ -57,17 +56,12 @@ concept MoeModel = requires(const M& m, typename M::AttentionActivations& a, typ
   m.epilog_backward(t, w, scale, p, batch, w, flag);  // flag: write the first_backward_writes gradients
 };
 
-// Whether the trainer pairs consecutive micro-batches' expert weight gradients (engine/step.h's
-// BackwardPass earlier, engine/trainer.h's run_micro_batches): the fp32 expert gradients, read and
-// written once per micro-batch otherwise, are the traffic that bounds their kernel; a pair reads
-// and writes them once, for the memory of one micro-batch's expert inputs held until the next
-// one's backward (the memory estimate counts it). A micro-batch's dW reads and writes 8 bytes of
-// gradient an element for 2 x rows multiply-adds over its expert's rows: below ~600 rows an expert
-// (an H200's ~4 TB/s against its ~650 bf16 TFLOP/s) that traffic binds the kernel and a pair
-// halves it; above, a pair would only hold memory. So micro-batches pair below
-// kPairedBelowRowsPerExpert rows per expert of this process (balanced routing: tokens x top-k x ep
-// / experts; the bench shape has 256), when the run config wants it (train.pair_expert_grads).
-// The same bits either way.
+// Whether the trainer pairs consecutive micro-batches' expert weight gradients (BackwardPass's
+// earlier): a micro-batch's dW reads and writes 8 bytes of fp32 gradient an element for 2 x rows
+// multiply-adds, so below ~600 rows an expert (an H200's ~4 TB/s against ~650 bf16 TFLOP/s) that
+// traffic binds the kernel, and a pair halves it for the memory of one micro-batch's expert inputs
+// held until the next one's backward. Rows per expert under balanced routing: tokens x top-k x ep
+// / experts (the bench shape has 256). The same bits either way.
 constexpr int64_t kPairedBelowRowsPerExpert = 512;
 inline bool pairs_expert_weight_gradients(bool wanted, int64_t tokens, int64_t top_k, int64_t ep, int64_t num_experts) {
   return wanted && tokens * top_k * ep < kPairedBelowRowsPerExpert * num_experts;

@@ -77,37 +77,32 @@ template <MoeModel M> class PipelineStep {
     return s_.model.buffer({b.batch * b.seq, s_.model.hidden_size()});
   }
 
-  // The forward input of a chunk: none for the first, else the previous chunk's output.
-  Buffer forward_input(int phase, int64_t micro) {
-    if (chunk_index(phase) == 0) return {};
-    if (phase == 1 && turn_of_the_v()) return take_local(true, micro);
-    Buffer x = message(micro);
-    if (phase == 0) s_.links->up[PipelineLinks::forward0].recv(x, 0, "pipeline activations, phase 0 (recv)");
-    else s_.links->down[PipelineLinks::forward1].recv(x, 1, "pipeline activations, phase 1 (recv)");
-    return x;
+  // A chunk's input: for a forward the previous chunk's output (none for chunk 0), for a backward
+  // the next chunk's input gradient (none for the last chunk).
+  Buffer input(bool forward, int phase, int64_t micro) {
+    if (chunk_index(phase) == (forward ? 0 : 2 * s_.pp - 1)) return {};
+    if (phase == (forward ? 1 : 0) && turn_of_the_v()) return take_local(forward, micro);
+    Buffer t = message(micro);
+    const auto [comm, peer] = link(forward, phase, false);
+    comm.recv(t, peer, label(forward, phase, "recv").c_str());
+    return t;
   }
-  void forward_output(int phase, int64_t micro, Buffer x) {
-    if (chunk_index(phase) == 2 * s_.pp - 1) return;
-    if (phase == 0 && turn_of_the_v()) return put_local(true, micro, std::move(x));
-    if (phase == 0) s_.links->down[PipelineLinks::forward0].send(x, 1, "pipeline activations, phase 0 (send)");
-    else s_.links->up[PipelineLinks::forward1].send(x, 0, "pipeline activations, phase 1 (send)");
-    sent_.push_back(std::move(x));
+  void output(bool forward, int phase, int64_t micro, Buffer t) {
+    if (chunk_index(phase) == (forward ? 2 * s_.pp - 1 : 0)) return;
+    if (phase == (forward ? 0 : 1) && turn_of_the_v()) return put_local(forward, micro, std::move(t));
+    const auto [comm, peer] = link(forward, phase, true);
+    comm.send(t, peer, label(forward, phase, "send").c_str());
+    sent_.push_back(std::move(t));
   }
-  // The backward input of a chunk: none for the last, else the next chunk's input gradient.
-  Buffer backward_input(int phase, int64_t micro) {
-    if (chunk_index(phase) == 2 * s_.pp - 1) return {};
-    if (phase == 0 && turn_of_the_v()) return take_local(false, micro);
-    Buffer dx = message(micro);
-    if (phase == 0) s_.links->down[PipelineLinks::backward0].recv(dx, 1, "pipeline gradients, phase 0 (recv)");
-    else s_.links->up[PipelineLinks::backward1].recv(dx, 0, "pipeline gradients, phase 1 (recv)");
-    return dx;
+  // Forwards of phase 0 and backwards of phase 1 travel down the ranks, the other two up: a sender
+  // uses the link in that direction, a receiver the other; the peer is the link's other member.
+  std::pair<const Comm&, int> link(bool forward, int phase, bool send) const {
+    const bool down = (forward == (phase == 0)) == send;
+    const size_t kind = size_t((forward ? PipelineLinks::forward0 : PipelineLinks::backward0) + phase);  // the enum's order
+    return {(down ? s_.links->down : s_.links->up)[kind], down ? 1 : 0};
   }
-  void backward_output(int phase, int64_t micro, Buffer dx) {
-    if (chunk_index(phase) == 0) return;
-    if (phase == 1 && turn_of_the_v()) return put_local(false, micro, std::move(dx));
-    if (phase == 0) s_.links->up[PipelineLinks::backward0].send(dx, 0, "pipeline gradients, phase 0 (send)");
-    else s_.links->down[PipelineLinks::backward1].send(dx, 1, "pipeline gradients, phase 1 (send)");
-    sent_.push_back(std::move(dx));
+  static std::string label(bool forward, int phase, const char* direction) {
+    return fmt::format("pipeline {}, phase {} ({})", forward ? "activations" : "gradients", phase, direction);
   }
   void put_local(bool forward, int64_t micro, Buffer t) { local_[{forward, micro}] = std::move(t); }
   Buffer take_local(bool forward, int64_t micro) {
@@ -123,7 +118,7 @@ template <MoeModel M> class PipelineStep {
   ForwardPass<M> forward_pass(int phase, int64_t micro, bool training) {
     if (training) mb(phase, micro).epilog_gradients = {&s_.g, backward_.loss_scale, micro == 0};
     mb(phase, micro).gathers_expert_inputs = s_.gathers_expert_inputs;
-    return ForwardPass<M>(mb(phase, micro), s_.model, s_.w, batch(micro), chunk(phase), forward_input(phase, micro), groups_(micro),
+    return ForwardPass<M>(mb(phase, micro), s_.model, s_.w, batch(micro), chunk(phase), input(true, phase, micro), groups_(micro),
                           s_.timer);
   }
   BackwardPass<M> backward_pass(int phase, int64_t micro, bool defer) {
@@ -131,11 +126,11 @@ template <MoeModel M> class PipelineStep {
     options.first_micro_batch = first_writes_(micro);
     options.first_of_step = micro == 0;
     options.defer_expert_weights = defer;
-    return BackwardPass<M>(mb(phase, micro), s_.model, s_.w, s_.g, batch(micro), chunk(phase), backward_input(phase, micro), options,
+    return BackwardPass<M>(mb(phase, micro), s_.model, s_.w, s_.g, batch(micro), chunk(phase), input(false, phase, micro), options,
                            groups_(micro), s_.timer);
   }
   void forward_done(int phase, int64_t micro, ForwardPass<M>& f, bool forward_only) {
-    forward_output(phase, micro, f.output());
+    output(true, phase, micro, f.output());
     token_loss_.add(std::move(mb(phase, micro).token_loss));
     aux_loss_.add(std::move(mb(phase, micro).aux_loss));
     if (forward_only) mb(phase, micro) = MicroBatch<M>{};
@@ -148,14 +143,14 @@ template <MoeModel M> class PipelineStep {
   void backward(int phase, int64_t micro, bool defer) {
     BackwardPass<M> b = backward_pass(phase, micro, defer);
     run_pass(b);
-    backward_output(phase, micro, b.output());
+    output(false, phase, micro, b.output());
   }
   void forward_backward(const PipelineOp& op) {
     ForwardPass<M> f = forward_pass(op.phase, op.micro, true);
     BackwardPass<M> b = backward_pass(1 - op.phase, op.back_micro, false);
     marrow::forward_backward(f, b);
     forward_done(op.phase, op.micro, f, false);
-    backward_output(1 - op.phase, op.back_micro, b.output());
+    output(false, 1 - op.phase, op.back_micro, b.output());
   }
 
   Setup s_;

@@ -1,7 +1,6 @@
-// Time per stage of the training step, for `marrow bench`'s split (the speed issue): CUDA events
-// around each stage on the GPU, read once per step after the step's synchronisation, or the host
-// clock on the CPU. Each stage is also an NVTX range, so profilers show the same names.
-// Stage 1's router runs inside the model's attention stage and is counted there.
+// Time per stage of the training step, for `marrow bench`'s split: CUDA events around each stage on
+// the GPU, read once per step after its synchronisation, or the host clock on the CPU. Each stage
+// is also an NVTX range, so profilers show the same names (the router counts in attention).
 #pragma once
 #include <array>
 #include <chrono>
@@ -24,10 +23,8 @@ class StageTimer {
   StageTimer(const StageTimer&) = delete;
   StageTimer& operator=(const StageTimer&) = delete;
 
-  // Steps from `step` on are timed (default: every step); the others only mark their stages as
-  // NVTX ranges, for profilers. Timing costs ~9 ms of a bench step (CUDA events at each stage
-  // boundary, read back after the step), so the bench times steps of its own after the ones it
-  // measures for speed, and a kernel trace sees untimed steps.
+  // Steps from `step` on are timed; the others only mark their stages as NVTX ranges. Timing
+  // slows a step (docs/performance.md), so the bench times steps of its own after the measured ones.
   void time_from_step(int64_t step) { first_step_ = step; }
   bool times(int64_t step) const { return step >= first_step_; }
   // Called by the training loop before each step.

@@ -1,11 +1,9 @@
-// One micro-batch through the model, or through one pipeline chunk of it: the engine's half of the
-// five-stage contract. Stage 2 (dispatch) and stage 4 (combine) live here because with expert
-// parallelism they are the all-to-all exchanges (parallel/expert_parallel.h); with one
-// expert-parallel rank the expert outputs are already local and combine moves nothing. A forward
-// keeps what the backward consumes in a MicroBatch, so a schedule can interleave the two across
-// micro-batches. ForwardPass and BackwardPass run a chunk one stage at a time, so a schedule can
-// also interleave one micro-batch's forward with another's backward stage by stage
-// (forward_backward): each all-to-all then has the other micro-batch's compute to hide under.
+// One micro-batch through the model, or one pipeline chunk of it: the engine's half of the
+// five-stage contract. Stages 2 (dispatch) and 4 (combine) live here because with expert
+// parallelism they are the all-to-alls (parallel/expert_parallel.h). A forward keeps what the
+// backward consumes in a MicroBatch; ForwardPass and BackwardPass run a chunk one stage at a time,
+// so a schedule can interleave one micro-batch's forward with another's backward stage by stage
+// (forward_backward) and hide each all-to-all under the other's compute.
 #pragma once
 #include <functional>
 #include <span>
@@ -23,12 +21,11 @@ namespace marrow {
 struct StepGroups {
   const ExpertParallel* experts = nullptr;  // the layer's experts are spread over this group
   const Comm* routing = nullptr;            // load-balance statistics are summed over this group
-  // Called before each stage's forward (forward = true) and backward: the prolog as stage -1, the
-  // decoder layers, the epilog as num_layers; e.g. to gather the stage's sharded weights.
+  // Before each stage's forward and backward (prolog -1, the layers, epilog num_layers): e.g. to
+  // gather the stage's sharded weights.
   std::function<void(int64_t stage, bool forward)> before_stage;
-  // Called by backward() once a stage's gradients of this micro-batch are written (the epilog,
-  // each decoder layer, then the prolog), e.g. to start reducing them over the processes while the
-  // stages below compute.
+  // Once a stage's gradients of this micro-batch are written: e.g. to start reducing them while
+  // the stages below compute.
   std::function<void(int64_t stage)> layer_done;
 };
 
@@ -42,19 +39,17 @@ template <MoeModel M> struct MicroBatch {
   };
   std::vector<Layer> layers;
   typename M::EpilogActivations epilog;  // epilog.logits holds the logits until backward
-  // Set by training before the forward (never by evaluation): what the epilog's forward needs to
-  // run the epilog's backward at once where the model does so (M::epilog_forward).
+  // Set by training (never by evaluation): lets M::epilog_forward run the epilog's backward at once.
   struct EpilogGradients {
     const typename M::Weights* grads = nullptr;
     double loss_scale = 1;
     bool overwrite = false;  // the step's first micro-batch: BackwardPass::Options::first_of_step
   } epilog_gradients;
-  // With one expert-parallel rank: x_perm is dropped after each layer's experts forward and gathered
-  // again from h2 for its backward (the trainer's train.expert_inputs, resolved).
+  // One expert-parallel rank: x_perm dropped after each experts forward, gathered again from h2
+  // for the backward (train.expert_inputs).
   bool gathers_expert_inputs = false;
-  // Expert weight gradients a deferring backward left for weights_backward(), layers top down.
-  // With one expert-parallel rank the layer keeps its output gradient dout [T, H] and copy_row
-  // instead of dy_perm [T x K, H], and gathers dy_perm again when the weights run (dy_perm()).
+  // Expert weight gradients a deferring backward left for weights_backward(), layers top down. With
+  // one expert-parallel rank a layer keeps dout [T, H] and copy_row instead of dy_perm [T x K, H].
   struct DeferredExperts {
     int64_t layer;
     typename M::ExpertActivations experts;
@@ -72,8 +67,8 @@ template <MoeModel M> struct MicroBatch {
   std::vector<DeferredExperts> deferred;
   HostSum token_loss;  // cross-entropy summed over counted targets
   HostSum aux_loss;    // load-balance loss summed over layers (each layer's: ops/router.h)
-  // The layers' load-balance losses summed on the model's device (f64 [1]) until the forward of a
-  // chunk ends and adds them to aux_loss: one host read per chunk, not one per layer.
+  // The layers' load-balance losses summed on the device (f64 [1]) until the chunk's forward ends:
+  // one host read per chunk, not per layer.
   Buffer aux_loss_total;
 };
 
@@ -100,9 +95,8 @@ template <MoeModel M> Buffer dispatch_local(typename MicroBatch<M>::Layer& s, co
 template <MoeModel M> PipelineChunk whole_model(const M& m) { return {-1, m.num_layers()}; }
 
 // The forward of one micro-batch through a chunk, one stage per step(): the prolog, each layer's
-// attention, dispatch, experts and combine, the epilog. x is the chunk's input (empty when the
-// chunk starts with the prolog); output() is what it hands to the next chunk (empty after the
-// epilog, which leaves the loss in the MicroBatch). timer, when given, gets each stage's time.
+// attention, dispatch, experts and combine, the epilog. x: the chunk's input (empty before the
+// prolog); output(): what it hands on (empty after the epilog). timer gets each stage's time.
 template <MoeModel M> class ForwardPass {
  public:
   ForwardPass(MicroBatch<M>& mb, const M& m, const typename M::Weights& w, const typename M::Batch& batch, PipelineChunk chunk,
@@ -231,23 +225,15 @@ inline Tensor layer_record(std::span<const Tensor> records, int64_t layer) {
   return size_t(layer) < records.size() ? records[size_t(layer)] : Tensor{};
 }
 
-// The backward of one micro-batch through a chunk, one stage per step(): the epilog, each layer's
-// combine, experts, dispatch and attention from the top, the prolog. Gradients of (loss_scale *
-// token_loss + aux_grad * aux_loss) accumulate into grads, except that first_micro_batch
-// = true writes the decoder layers' gradients the model's spec table marks first_backward_writes,
-// and first_of_step = true the epilog's (the caller zeroes only the others). dx is the gradient of the chunk's output (empty when it ends with the
-// epilog); output() the gradient of its input (empty after the prolog). With defer_expert_weights
-// the expert weight gradients wait in the MicroBatch for weights_backward(), or for the next
-// micro-batch's backward given them as `earlier`: each layer then computes both micro-batches'
-// expert weight gradients in one pass over them (the model's experts_backward_weights_pair, the
-// same bits as two; earlier_overwrites: the earlier micro-batch writes first_backward_writes
-// gradients). expert_squares[l], where given, gets the sums of squares of layer l's expert
-// gradients that this backward writes (grouped_linear_backward_weight's squares): given to every
-// backward of a step, after the last they describe the final gradients, so the gradient norm need
-// not read them again; expert_known_zero[l] likewise the model's flags of which of layer l's expert
-// gradients are all zeros (kept from step to step with the gradients), prolog_known_zero the row
-// flags of the prolog's gradients (the embedding's). Activations are released as the backward
-// passes them.
+// The backward of one micro-batch through a chunk, one stage per step(), from the epilog down to
+// the prolog, releasing activations as it goes. Gradients of (loss_scale * token_loss + aux_grad *
+// aux_loss) accumulate into grads, except that first_micro_batch writes the layers'
+// first_backward_writes gradients and first_of_step the epilog's. dx: the gradient of the chunk's
+// output (empty at the epilog); output(): that of its input. defer_expert_weights leaves the expert
+// weight gradients for weights_backward() or for the next micro-batch's backward (`earlier`), which
+// computes both in one pass (experts_backward_weights_pair, the same bits as two). expert_squares[l]
+// and expert_known_zero[l], where given, receive the sums of squares and known-zero flags of layer
+// l's expert gradients as this backward writes them, so the gradient norm need not read them.
 template <MoeModel M> class BackwardPass {
  public:
   struct Options {
@@ -256,11 +242,9 @@ template <MoeModel M> class BackwardPass {
     std::span<const Tensor> expert_squares = {};
     std::span<const Tensor> expert_known_zero = {};
     Tensor prolog_known_zero = {};  // the prolog's gradient row flags (the model's prolog_known_zero_parts)
-    // Micro-batch 0 of the step: the epilog's first_backward_writes gradients (kept whole in every
-    // layout) are written, not added to.
-    bool first_of_step = false;
+    bool first_of_step = false;     // micro-batch 0: the epilog's first_backward_writes gradients are written
     std::vector<typename MicroBatch<M>::DeferredExperts>* earlier = nullptr;  // consumed, layer by layer
-    bool earlier_overwrites = false;
+    bool earlier_overwrites = false;  // the earlier micro-batch writes first_backward_writes gradients
   };
   BackwardPass(MicroBatch<M>& mb, const M& m, const typename M::Weights& w, const typename M::Weights& grads,
                const typename M::Batch& batch, PipelineChunk chunk, Buffer dx, Options options, StepGroups groups = {},
@@ -304,8 +288,7 @@ template <MoeModel M> class BackwardPass {
     done_with(stage_);
     --stage_;
   }
-  // With expert parallelism each exchange is started by one step and finished by the next, which
-  // consumes it (see ForwardPass::finish_combine).
+  // With expert parallelism one step starts each exchange and the next finishes it.
   void combine() {
     auto& s = layer();
     const int64_t T = batch_.batch * batch_.seq, H = m_.hidden_size();
@@ -326,23 +309,21 @@ template <MoeModel M> class BackwardPass {
     dx_perm_ = m_.buffer({dy_perm_.view().size(0), m_.hidden_size()});
     StageScope scope(timer_, Stage::experts);
     if (mb_.gathers_expert_inputs && !groups_.experts) m_.experts_restore_input(s.experts, gather_expert_rows<M>(s, m_));
-    const auto& lw = w_.layers[size_t(stage_)];
     const auto& grads = g_.layers[size_t(stage_)];
     const Tensor squares = layer_record(options_.expert_squares, stage_), known_zero = layer_record(options_.expert_known_zero, stage_);
     auto* earlier = earlier_of_layer();
+    m_.experts_backward_input(dx_perm_, dy_perm_, s.experts, offsets(), w_.layers[size_t(stage_)]);
     if (options_.defer_expert_weights) {
-      m_.experts_backward_input(dx_perm_, dy_perm_, s.experts, offsets(), lw);
       Buffer& kept_offsets = groups_.experts ? s.route.expert_offsets : s.expert_offsets;
       // One process: dout and copy_row join the entry when attention() is done with them.
       mb_.deferred.push_back({stage_, std::move(s.experts), groups_.experts ? std::move(dy_perm_) : Buffer{}, std::move(kept_offsets), Buffer{}, Buffer{}});
     } else if (earlier != nullptr) {
-      m_.experts_backward_input(dx_perm_, dy_perm_, s.experts, offsets(), lw);
       const Buffer earlier_dy_perm = earlier->take_dy_perm(m_);
       m_.experts_backward_weights_pair(grads, earlier_dy_perm, earlier->experts, earlier->expert_offsets.view(), dy_perm_, s.experts, offsets(),
                                        options_.earlier_overwrites, squares, known_zero);
       options_.earlier->erase(options_.earlier->begin() + (earlier - options_.earlier->data()));
     } else {
-      m_.experts_backward(dx_perm_, grads, dy_perm_, s.experts, offsets(), lw, options_.first_micro_batch, squares, known_zero);
+      m_.experts_backward_weights(grads, dy_perm_, s.experts, offsets(), options_.first_micro_batch, squares, known_zero);
     }
     dy_perm_ = Buffer{};
     part_ = 2;
@@ -421,11 +402,9 @@ void weights_backward(MicroBatch<M>& mb, const M& m, const typename M::Weights& 
   mb.deferred.clear();
 }
 
-// A forward and another micro-batch's backward, stage by stage: whichever of the two comes to an
-// exchange issues it first, so the exchange runs while the other's compute that follows it does.
-// A dispatch waits on the host for its plan's counts (the all-to-alls' sizes) before it can issue
-// its exchange: the backward queues its stage first then, so the GPU computes it while the counts
-// come and the host trades them, and the exchange runs under the backward's next stage.
+// A forward and another micro-batch's backward, stage by stage: whichever comes to an exchange
+// issues it first, so it runs under the other's compute. A dispatch first waits on the host for
+// its plan's counts, so the backward queues its stage before it and the GPU computes meanwhile.
 template <MoeModel M> void forward_backward(ForwardPass<M>& f, BackwardPass<M>& b) {
   while (!f.done() || !b.done()) {
     const bool forward_first = b.done() || (!f.done() && f.next_communicates() && !f.next_plans());
@@ -435,11 +414,8 @@ template <MoeModel M> void forward_backward(ForwardPass<M>& f, BackwardPass<M>& 
   }
 }
 
-template <MoeModel M> void run_pass(ForwardPass<M>& f) {
-  while (!f.done()) f.step();
-}
-template <MoeModel M> void run_pass(BackwardPass<M>& b) {
-  while (!b.done()) b.step();
+template <class Pass> void run_pass(Pass& pass) {
+  while (!pass.done()) pass.step();
 }
 
 // The whole model's forward of one micro-batch.

@@ -19,17 +19,13 @@ namespace fs = std::filesystem;
 namespace marrow {
 namespace {
 
+// The keys of metrics.jsonl not shown as train/<key>.
 struct TagOf {
   const char* key;  // in metrics.jsonl
   const char* tag;  // in TensorBoard
   double scale;
 };
-constexpr TagOf kTags[] = {{"loss", "train/loss", 1},
-                           {"val_loss", "val/loss", 1},
-                           {"lr", "train/lr", 1},
-                           {"grad_norm", "train/grad_norm", 1},
-                           {"load_balance", "train/load_balance", 1},
-                           {"tokens_seen", "train/tokens_seen", 1},
+constexpr TagOf kTags[] = {{"val_loss", "val/loss", 1},
                            {"tokens_per_s", "perf/tokens_per_s", 1},
                            {"step_ms", "perf/step_ms", 1},
                            {"peak_bytes", "perf/peak_memory_gib", 1.0 / 1073741824.0}};

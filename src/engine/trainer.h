@@ -1,17 +1,11 @@
 // The training loop: data -> micro-batches through forward/backward -> gradients reduced over the
 // data-parallel processes -> gradient norm, clipping and AdamW -> one human line and one JSON line
-// per step. Gradients accumulate over the micro-batches of a step; the loss is the mean over all
-// counted tokens of the step (every process's), plus the load-balance loss (mean over layers and
-// micro-batches, its statistics summed over the processes) times its coefficient.
-//
-// Several processes (parallel/mesh.h): each takes its own share of every global batch (the
-// data-parallel width is dp x ep) and holds the experts of its expert-parallel rank. Weights,
-// gradients and AdamW moments are sharded over the data-parallel ranks (parallel/sharded_params.h:
-// gathered before each stage computes, gradients reduce-scattered after), so each rank updates its
-// own shard. With context parallelism (parallel.cp > 1) the ranks of a cp group take the same
-// samples, each its zigzag share of every sequence (SequenceShare), and attention runs around the
-// group. World rank 0 alone prints and writes metrics; every rank writes its shards into the
-// checkpoint.
+// per step. The loss is the mean over every process's counted tokens of the step, plus the
+// load-balance loss (mean over layers and micro-batches) times its coefficient.
+// Each process takes its share of every global batch (data-parallel width dp x ep), holds its
+// expert-parallel rank's experts and its shard of the sharded state (parallel/sharded_params.h);
+// a cp group takes the same samples, each rank its zigzag share of every sequence (SequenceShare).
+// World rank 0 alone prints and writes metrics; every rank writes its shards into the checkpoint.
 #pragma once
 #include <chrono>
 #include <cmath>
@@ -78,10 +72,9 @@ inline std::string step_json(const StepMetrics& s) {
   return j.dump();
 }
 
-// This process's tokens of every sequence of seq_len: all of them, or with context parallelism
-// (parallel.cp > 1) the zigzag split's two chunks (parallel/ring_attention.h), whose attention runs
-// around the cp group. A span of the data holds a piece's inputs and its last target (one token
-// more), from the piece's first position in the sequence.
+// This process's tokens of every sequence: all of them, or with context parallelism the zigzag
+// split's two chunks (parallel/ring_attention.h). A span holds a piece's inputs and its last
+// target (one token more).
 struct SequenceShare {
   int64_t tokens = 0;            // per sequence: seq_len / cp
   std::vector<TokenSpan> spans;  // per piece of the sequence, in the order of the local tokens
@@ -100,7 +93,7 @@ inline SequenceShare sequence_share(int64_t seq_len, const Comm& cp) {
 // [1, n) their targets, at the span's positions in the sequence.
 template <MoeModel M>
 typename M::Batch make_batch(const std::vector<int32_t>& tokens, int64_t B, const SequenceShare& share, Device device) {
-  const int64_t S = share.tokens, T = B * S;
+  const int64_t T = B * share.tokens;
   Buffer ids(DType::i32, Device::cpu, {T}), targets(DType::i32, Device::cpu, {T}), positions(DType::i32, Device::cpu, {T});
   int64_t at = 0, t = 0;
   for (int64_t b = 0; b < B; ++b)
@@ -112,37 +105,18 @@ typename M::Batch make_batch(const std::vector<int32_t>& tokens, int64_t B, cons
       }
       at += span.count;
     }
-  if (device == Device::cpu) return {B, S, std::move(ids), std::move(targets), std::move(positions), share.attention()};
-  typename M::Batch batch{B, S, Buffer(DType::i32, device, {T}), Buffer(DType::i32, device, {T}), Buffer(DType::i32, device, {T}),
-                          share.attention()};
-  copy(batch.input_ids, ids);
-  copy(batch.targets, targets);
-  copy(batch.positions, positions);
-  return batch;
+  auto on_device = [&](Buffer& host) {
+    if (device == Device::cpu) return std::move(host);
+    Buffer b(DType::i32, device, {T});
+    copy(b, host);
+    return b;
+  };
+  return {B, share.tokens, on_device(ids), on_device(targets), on_device(positions), share.attention()};
 }
 
 // The tokens of B samples read through share's spans.
 inline std::vector<int32_t> share_tokens(int64_t B, const SequenceShare& share, int64_t seq_len) {
   return std::vector<int32_t>(size_t(B * sample_tokens(share.spans, seq_len)));
-}
-
-// Cross-entropy summed over this process's share of the first `samples` held-out sequences,
-// forward only, in micro-batches of `micro`: the same sequences at every evaluation, so the numbers
-// are comparable. Every process evaluates all of them (the experts' all-to-alls need the whole group).
-template <MoeModel M>
-double validation_loss_sum(const M& model, const typename M::Weights& w, const TokenDataset& data, int64_t samples, int64_t micro,
-                           const SequenceShare& share, Device device, StepGroups groups) {
-  HostSum loss_sum;
-  for (int64_t first = 0; first < samples; first += micro) {
-    const int64_t B = std::min(micro, samples - first);
-    std::vector<int32_t> tokens = share_tokens(B, share, data.seq_len());
-    data.validation_batch(first, B, tokens.data(), share.spans);
-    MicroBatch<M> mb;
-    groups.routing = nullptr;  // every process evaluates the same sequences
-    forward(mb, model, w, make_batch<M>(tokens, B, share, device), groups);
-    loss_sum.add(std::move(mb.token_loss));
-  }
-  return loss_sum.value();
 }
 
 inline Device choose_device(const std::string& requested) {
@@ -154,9 +128,8 @@ inline Device choose_device(const std::string& requested) {
   return cuda_available() ? Device::cuda : Device::cpu;
 }
 
-// Test hook for the fail-fast tests: MARROW_TEST_FAULT=<rank>:<step>:<raise|exit|hang|nan> makes that
-// world rank raise an error, exit with code 3, or stop making progress at the start of that step;
-// nan returns true: the step's loss counts as non-finite (its update is skipped).
+// Test hook: MARROW_TEST_FAULT=<rank>:<step>:<raise|exit|hang|nan> makes that world rank raise, exit
+// with code 3 or hang at the start of that step; nan returns true (the step's loss is non-finite).
 inline bool inject_test_fault(int64_t step, int rank) {
   const char* fault = std::getenv("MARROW_TEST_FAULT");
   if (!fault) return false;
@@ -183,18 +156,6 @@ inline Mesh make_mesh(const RunConfig& rc, int64_t num_experts, Device device) {
   return Mesh::create(shape, device);
 }
 
-inline ExpertShard expert_shard(const Mesh& mesh, int64_t num_experts) {
-  const int64_t local = num_experts / mesh.shape.ep;
-  return {mesh.ep_rank * local, local};
-}
-
-// The pipeline chunk of each stage (index stage + 1) this pipeline rank holds, -1 for the others';
-// without DualPipeV the whole model is chunk 0.
-inline std::vector<int64_t> held_stages(const std::vector<PipelineChunk>& chunks, int64_t num_layers, const Mesh& mesh) {
-  if (chunks.empty()) return std::vector<int64_t>(size_t(num_layers + 2), 0);
-  return held_stage_chunks(chunks, num_layers, mesh.pp_rank);
-}
-
 // This process's GPU memory in bytes; 0 on the CPU (no limit the estimate decides against).
 inline double device_memory(Device device) {
   return device == Device::cuda ? double(device_memory_bytes(Device::cuda, process::local_rank())) : 0;
@@ -204,32 +165,25 @@ inline double device_memory(Device device) {
 // (initialised) and the model's views of it.
 template <MoeModel M> struct TrainSetup {
   Device device;
-  DType dtype;  // the GPU computes in bf16 from a working copy of the fp32 master weights; the CPU in fp32
+  DType dtype;  // GPU: bf16 from a working copy of the fp32 master weights; CPU: fp32
   Mesh mesh;
   std::optional<ExpertParallel> experts;  // with parallel.ep > 1
-  SequenceShare share;  // this process's tokens of each sequence (context parallelism)
+  SequenceShare share;
   M model;
-  size_t model_tensors;  // canonical tensors of the whole model (every rank's together)
-  std::vector<PipelineChunk> chunks;      // with DualPipeV: the 2 x pp chunks (parallel/dualpipev.h)
-  // train.expert_inputs resolved against this device's memory: each micro-batch drops x_perm after a
-  // layer's experts forward and gathers it again for the backward (MicroBatch::gathers_expert_inputs).
-  bool gathers_expert_inputs;
-  std::optional<PipelineLinks> links;     // with parallel.pp > 1
+  size_t model_tensors;               // canonical tensors of the whole model (every rank's together)
+  std::vector<PipelineChunk> chunks;  // with DualPipeV: the 2 x pp chunks
+  std::vector<int64_t> held;          // the chunk of each stage (index stage + 1) this rank holds, else -1
+  bool gathers_expert_inputs;         // train.expert_inputs resolved (MicroBatch::gathers_expert_inputs)
+  std::optional<PipelineLinks> links; // with parallel.pp > 1
   ShardedParameters state;
   typename M::Weights w, g;
-  // Per decoder layer, the sums of squares of its expert gradients, which every backward of a step
-  // updates (the expert weight-gradient kernels compute them as they store), so that the gradient
-  // norm does not read those gradients again; empty where they are reduced after the backward, and
-  // an empty tensor for another pipeline rank's layers.
-  std::vector<Buffer> expert_squares;
-  std::vector<Tensor> expert_squares_views;
-  // Per decoder layer, which of its experts' gradients are all zeros (the model's known-zero flags),
-  // kept with the gradients from step to step (zero at the start: nothing known); where the
-  // squares are.
-  std::vector<Buffer> expert_known_zero;
-  std::vector<Tensor> expert_known_zero_views;
-  // The row flags of the prolog's gradients (the model's prolog_known_zero_parts: the embedding's,
-  // whose step writes only its tokens' rows), where those gradients are final after the backward.
+  // Per decoder layer, the sums of squares of its expert gradients that every backward of a step
+  // updates, so the gradient norm need not read them (empty where they are reduced after the
+  // backward, an empty tensor for another pipeline rank's layer); where the squares are, its experts'
+  // known-zero flags, kept with the gradients (zero at the start: nothing known).
+  std::vector<Buffer> expert_squares, expert_known_zero;
+  std::vector<Tensor> expert_squares_views, expert_known_zero_views;
+  // The prolog gradients' row flags (prolog_known_zero_parts), where those are final after the backward.
   Buffer prolog_known_zero;
   Tensor prolog_known_zero_view;
   // The gradients the flags describe, for the step's start, the gradient norm and AdamW.
@@ -240,11 +194,12 @@ template <MoeModel M> struct TrainSetup {
         dtype(device == Device::cuda ? DType::bf16 : DType::f32),
         mesh(make_mesh(rc, config.num_experts, device)),
         share(sequence_share(rc.seq_len, mesh.cp)),
-        model(config, dtype, device, expert_shard(mesh, config.num_experts)),
+        model(config, dtype, device, {mesh.ep_rank * (config.num_experts / mesh.shape.ep), config.num_experts / mesh.shape.ep}),
         model_tensors(M(config, dtype, device).specs().size()),
         chunks(rc.uses_dualpipev() ? pipeline_layout<M>(rc, config, mesh.world.size(), device) : std::vector<PipelineChunk>{}),
+        held(chunks.empty() ? std::vector<int64_t>(size_t(config.num_layers + 2), 0) : held_stage_chunks(chunks, config.num_layers, mesh.pp_rank)),
         gathers_expert_inputs(gathers_expert_inputs_again<M>(rc, config, mesh.world.size(), device, device_memory(device))),
-        state(model.specs(), model.num_layers(), held_stages(chunks, config.num_layers, mesh), mesh, rc.keep_gathered || rc.uses_dualpipev(),
+        state(model.specs(), model.num_layers(), held, mesh, rc.keep_gathered || rc.uses_dualpipev(),
               rc.keep_whole_grads || rc.uses_dualpipev(), !rc.bf16_weight_copy, device, dtype, moments_dtype(rc),
               rc.master_weights == "split") {
     if (mesh.shape.ep > 1) experts.emplace(mesh.ep, config.num_experts);
@@ -253,7 +208,6 @@ template <MoeModel M> struct TrainSetup {
     w = model.bind(state.weights());
     g = model.bind(state.gradients());
     if (state.expert_grads_final()) {
-      const std::vector<int64_t> held = held_stages(chunks, config.num_layers, mesh);
       for (size_t l = 0; l < g.layers.size(); ++l) {
         const int64_t count = held[l + 1] >= 0 ? model.expert_squares_count(g.layers[l]) : 0;
         expert_squares.emplace_back(DType::f64, device, std::initializer_list<int64_t>{count});
@@ -272,7 +226,7 @@ template <MoeModel M> struct TrainSetup {
       for (const auto& [grad, part] : model.prolog_known_zero_parts(g, prolog_known_zero_view)) known_zero_grads.push_back({grad, part});
     }
   }
-  // The groups and hooks of one micro-batch (the micro-th of `count` in a step; evaluation: -1).
+  // The groups and hooks of micro-batch `micro` of `count` in a step (evaluation: -1).
   StepGroups groups(int64_t micro = -1, int64_t count = 0, bool overlap = true) {
     StepGroups gr;
     gr.experts = experts ? &*experts : nullptr;
@@ -283,6 +237,15 @@ template <MoeModel M> struct TrainSetup {
     return gr;
   }
   std::vector<const Arena*> arenas() const { return state.arenas(); }
+  typename PipelineStep<M>::Setup pipeline_setup(StageTimer* timer) const {
+    return {model, w, g, mesh.shape.pp, mesh.pp_rank, chunks, links ? &*links : nullptr, timer, gathers_expert_inputs};
+  }
+  // Micro-batch `micro` of training step `step` (1-based).
+  typename M::Batch train_batch(const RunConfig& rc, const TokenDataset& data, int64_t step, int64_t micro) const {
+    std::vector<int32_t> tokens = share_tokens(rc.micro_batch, share, rc.seq_len);
+    data.train_batch(step - 1, micro, rc.micro_batch, tokens.data(), int(mesh.data_rank()), int(mesh.shape.data_parallel()), share.spans);
+    return make_batch<M>(tokens, rc.micro_batch, share, device);
+  }
 };
 
 // Whether run_micro_batches pairs micro-batches 2i and 2i + 1 for their expert weight gradients.
@@ -339,13 +302,8 @@ template <MoeModel M> void print_setup(const TrainSetup<M>& s, const RunConfig& 
 
 // Each process saves the shards it holds (one replica of each); any mesh reads them back.
 inline CheckpointSharing checkpoint_sharing(const Mesh& mesh, const ShardedParameters& state, size_t model_tensors) {
-  CheckpointSharing c;
-  c.world = mesh.world;
-  c.pieces = state.pieces();
-  c.saves = state.saves_checkpoint();
-  c.model_tensors = model_tensors;
-  c.mesh = {{"pp", mesh.shape.pp}, {"dp", mesh.shape.dp}, {"cp", mesh.shape.cp}, {"ep", mesh.shape.ep}, {"dp_shard", mesh.shape.dp_shard}};
-  return c;
+  return {mesh.world, state.pieces(), state.saves_checkpoint(), model_tensors,
+          {{"pp", mesh.shape.pp}, {"dp", mesh.shape.dp}, {"cp", mesh.shape.cp}, {"ep", mesh.shape.ep}, {"dp_shard", mesh.shape.dp_shard}}};
 }
 
 // One AdamW step over the shards, the update-th applied (bias correction counts applied updates,
@@ -357,22 +315,18 @@ template <MoeModel M> void optimizer_step(TrainSetup<M>& s, const RunConfig& rc,
 }
 
 // Forward and backward of this process's micro-batches of one step; returns its summed token
-// losses and the (already global) load-balance losses. Where the expert gradients accumulate over
-// the step's micro-batches in place, micro-batches 2i and 2i + 1 pair their expert weight gradients
-// (engine/model.h's pairs_expert_weight_gradients).
+// losses and the (already global) load-balance losses. Micro-batches 2i and 2i + 1 may pair their
+// expert weight gradients (pairs_micro_batches).
 template <MoeModel M>
 std::pair<double, double> run_micro_batches(TrainSetup<M>& s, const RunConfig& rc, const TokenDataset& data, int64_t step,
                                             double loss_scale, double aux_grad, StageTimer* timer) {
-  const int64_t B = rc.micro_batch, W = s.mesh.shape.data_parallel();
-  std::vector<int32_t> tokens = share_tokens(B, s.share, rc.seq_len);
   HostSum token_loss, aux_loss;  // read after the last micro-batch is queued: no wait for the GPU between them
-  const int64_t micro_batches = rc.global_batch / (B * W);
+  const int64_t micro_batches = rc.global_batch / (rc.micro_batch * s.mesh.shape.data_parallel());
   const bool pairs = pairs_micro_batches(s, rc);
   std::vector<typename MicroBatch<M>::DeferredExperts> earlier;  // an even micro-batch's expert inputs, held for the next
   for (int64_t micro = 0; micro < micro_batches; ++micro) {
     watchdog::progress("a micro-batch");
-    data.train_batch(step - 1, micro, B, tokens.data(), int(s.mesh.data_rank()), int(W), s.share.spans);
-    const typename M::Batch batch = make_batch<M>(tokens, B, s.share, s.device);
+    const typename M::Batch batch = s.train_batch(rc, data, step, micro);
     MicroBatch<M> mb;
     mb.epilog_gradients = {&s.g, loss_scale, micro == 0};
     mb.gathers_expert_inputs = s.gathers_expert_inputs;
@@ -395,21 +349,13 @@ std::pair<double, double> run_micro_batches(TrainSetup<M>& s, const RunConfig& r
   return {token_loss.value(), aux_loss.value()};
 }
 
-// The same with DualPipeV (parallel/dualpipev.h): this pipeline rank's order of work over both of
-// its chunks; `executed`, when given, receives the order as run. Gradients are reduced after the step.
+// The same with DualPipeV: this pipeline rank's order of work; `executed` receives the order as run.
 template <MoeModel M>
 std::pair<double, double> run_pipeline(TrainSetup<M>& s, const RunConfig& rc, const TokenDataset& data, int64_t step, double loss_scale,
                                        double aux_grad, StageTimer* timer, std::string* executed = nullptr) {
-  const int64_t B = rc.micro_batch, W = s.mesh.shape.data_parallel(), n = rc.global_batch / (B * W);
-  auto batches = [&](int64_t micro) {
-    std::vector<int32_t> tokens = share_tokens(B, s.share, rc.seq_len);
-    data.train_batch(step - 1, micro, B, tokens.data(), int(s.mesh.data_rank()), int(W), s.share.spans);
-    return make_batch<M>(tokens, B, s.share, s.device);
-  };
-  auto groups = [&](int64_t micro) { return s.groups(micro, n, false); };
-  PipelineStep<M> pipeline({s.model, s.w, s.g, s.mesh.shape.pp, s.mesh.pp_rank, s.chunks, s.links ? &*s.links : nullptr, timer,
-                            s.gathers_expert_inputs}, n,
-                           batches, groups,
+  const int64_t n = rc.global_batch / (rc.micro_batch * s.mesh.shape.data_parallel());
+  PipelineStep<M> pipeline(s.pipeline_setup(timer), n, [&](int64_t micro) { return s.train_batch(rc, data, step, micro); },
+                           [&](int64_t micro) { return s.groups(micro, n, false); },
                            {loss_scale, aux_grad, false, false, s.expert_squares_views, s.expert_known_zero_views, s.prolog_known_zero_view},
                            [&](int64_t micro) { return s.state.first_writes_fresh(micro); });
   watchdog::progress("a pipeline step");
@@ -418,8 +364,7 @@ std::pair<double, double> run_pipeline(TrainSetup<M>& s, const RunConfig& rc, co
   return losses;
 }
 
-// The micro-batches of a step, sequentially or through DualPipeV; returns the token and
-// load-balance loss sums of the whole pipeline (every stage's share summed).
+// The micro-batches of a step, sequentially or through DualPipeV; the whole pipeline's loss sums.
 template <MoeModel M>
 std::pair<double, double> run_step(TrainSetup<M>& s, const RunConfig& rc, const TokenDataset& data, int64_t step, double loss_scale,
                                    double aux_grad, StageTimer* timer) {
@@ -434,29 +379,33 @@ std::pair<double, double> run_step(TrainSetup<M>& s, const RunConfig& rc, const 
   return {token_loss, s.mesh.pipeline.sum(aux_loss, "load-balance loss over the pipeline (sum)")};
 }
 
-// The mean validation loss per target (validation_loss_sum over the shares of the cp group), through
-// the pipeline with DualPipeV (every pipeline rank runs its chunks).
+// The mean validation loss per target over the first eval.samples held-out sequences (the same at
+// every evaluation, so the numbers compare), forward only, through the pipeline with DualPipeV.
+// Every process evaluates all of them (the experts' all-to-alls need the whole group).
 template <MoeModel M> double evaluation_loss(TrainSetup<M>& s, const RunConfig& rc, const TokenDataset& data) {
-  const int64_t samples = rc.eval_samples, micro = rc.micro_batch;
-  const double targets = double(samples * rc.seq_len);
+  const int64_t samples = rc.eval_samples, micro = rc.micro_batch, n = (samples + micro - 1) / micro;
   StepGroups groups = s.groups();
   groups.routing = nullptr;  // every process evaluates the same sequences
-  if (!rc.uses_dualpipev())
-    return s.mesh.cp.sum(validation_loss_sum(s.model, s.w, data, samples, micro, s.share, s.device, groups),
-                         "validation loss over the sequence's shares (sum)") / targets;
   auto batches = [&](int64_t i) {
     const int64_t first = i * micro, B = std::min(micro, samples - first);
     std::vector<int32_t> tokens = share_tokens(B, s.share, rc.seq_len);
     data.validation_batch(first, B, tokens.data(), s.share.spans);
     return make_batch<M>(tokens, B, s.share, s.device);
   };
-  const int64_t n = (samples + micro - 1) / micro;
-  PipelineStep<M> pipeline({s.model, s.w, s.g, s.mesh.shape.pp, s.mesh.pp_rank, s.chunks, s.links ? &*s.links : nullptr, nullptr,
-                            s.gathers_expert_inputs}, n,
-                           batches, [&](int64_t) { return groups; }, {}, [](int64_t) { return false; });
-  const double loss_sum = pipeline.run(forward_only_order(n), true).first;
-  const double pipeline_sum = s.mesh.pipeline.sum(loss_sum, "validation loss over the pipeline (sum)");
-  return s.mesh.cp.sum(pipeline_sum, "validation loss over the sequence's shares (sum)") / targets;
+  double loss_sum = 0;
+  if (rc.uses_dualpipev()) {
+    PipelineStep<M> pipeline(s.pipeline_setup(nullptr), n, batches, [&](int64_t) { return groups; }, {}, [](int64_t) { return false; });
+    loss_sum = s.mesh.pipeline.sum(pipeline.run(forward_only_order(n), true).first, "validation loss over the pipeline (sum)");
+  } else {
+    HostSum sum;
+    for (int64_t i = 0; i < n; ++i) {
+      MicroBatch<M> mb;
+      forward(mb, s.model, s.w, batches(i), groups);
+      sum.add(std::move(mb.token_loss));
+    }
+    loss_sum = sum.value();
+  }
+  return s.mesh.cp.sum(loss_sum, "validation loss over the sequence's shares (sum)") / double(samples * rc.seq_len);
 }
 
 // A stop signal seen by any process stops all of them after the same step.
@@ -466,8 +415,8 @@ inline int agreed_stop_signal(const Comm& world) {
   return anyone > 0 ? (local != 0 ? local : SIGTERM) : 0;
 }
 
-// The run's corpus checked against it: the vocabulary, enough samples for train.steps (a note
-// when the run makes more than one pass) and for eval.samples.
+// The corpus checked against the run: the vocabulary, enough samples for train.steps (a note when
+// the run makes more than one pass) and for eval.samples.
 inline void check_training_data(TokenDataset& data, const RunConfig& rc, int64_t vocab_size) {
   data.require_vocab_fits(vocab_size);
   data.require_train_samples(rc.steps * rc.global_batch, rc.max_epochs);
@@ -481,10 +430,9 @@ inline void check_training_data(TokenDataset& data, const RunConfig& rc, int64_t
                rc.data_path, data.validation_samples(), rc.seq_len + 1, rc.eval_samples);
 }
 
-// --profile-steps: a kernel trace of steps [profile_first, profile_last] by world rank 0. The trace
-// exists before any NVTX range (see KernelTrace); the stages are NVTX ranges through a StageTimer,
-// so a traced run without one gets one that times no step (timing would slow the traced steps,
-// engine/stage_timer.h).
+// --profile-steps: a kernel trace of steps [profile_first, profile_last] by world rank 0, made
+// before any NVTX range (KernelTrace). The stages' ranges come from a StageTimer: a traced run
+// without one gets one that times no step (timing would slow the traced steps).
 class StepTrace {
  public:
   // Returns the stage timer the steps use: `timer`, or that NVTX-only one.
@@ -511,11 +459,9 @@ class StepTrace {
   std::optional<StageTimer> stages_;
 };
 
-// World rank 0's record of the steps: <output.dir>/metrics.jsonl and TensorBoard's <output.dir>/tb/
-// (engine/tensorboard.h), both cut back to the checkpoint's step when the run continues output.dir's
-// own run; otherwise (a fresh start, or one from checkpoint.resume elsewhere) an earlier run's records
-// there are moved aside (keep_earlier_records) and these start anew. Every append checked
-// (engine/metrics_log.h).
+// World rank 0's record of the steps: metrics.jsonl and tb/ (engine/tensorboard.h), cut back to
+// the checkpoint's step when the run continues output.dir's own run, else started anew after an
+// earlier run's records were moved aside (keep_earlier_records).
 class RunRecord {
  public:
   RunRecord(const RunConfig& rc, int64_t first_step, bool continues, bool leader) {
@@ -538,10 +484,9 @@ class RunRecord {
   std::optional<TensorBoardLog> tensorboard_;
 };
 
-// The steps of a run, each composed of named parts: forward and backward of the step's
-// micro-batches, the update (gradients reduced, their norm, AdamW or a skipped non-finite step), its
-// timing, the report (evaluation, the step's line and record), and its end (trace, checkpoint, stop
-// signals).
+// The steps of a run, each in named parts: forward and backward, the update (gradients reduced,
+// their norm, AdamW or a skipped step), timing, the report (evaluation, the line and record) and
+// the end (trace, checkpoint, stop signals).
 template <MoeModel M> class TrainLoop {
  public:
   TrainLoop(const RunConfig& rc, TrainSetup<M>& s, const TokenDataset& data, TrainCheckpoints& checkpoints, StepTrace& trace,
@@ -553,8 +498,7 @@ template <MoeModel M> class TrainLoop {
     for (const Arena* a : s.arenas()) arena_bytes_ += a->bytes();
   }
 
-  // Steps first_step..train.steps, or to the end of the step in which a stop signal (SIGTERM,
-  // SIGINT) reached any process; returns their metrics.
+  // Steps first_step..train.steps, or to the end of the step a stop signal reached any process in.
   std::vector<StepMetrics> run(int64_t first_step, RunRecord& record) {
     std::vector<StepMetrics> history;
     StopSignals stop;
@@ -586,8 +530,7 @@ template <MoeModel M> class TrainLoop {
     return m;
   }
 
-  // The step's gradients over its micro-batches, its loss (every target of a sample is a real next
-  // token, so the step's counted tokens are known upfront) and load balance.
+  // The step's gradients, loss (every target is a real next token: the count is known upfront) and load balance.
   StepMetrics forward_backward(int64_t step) {
     s_.state.start_step(s_.known_zero_grads);
     const double loss_scale = 1.0 / double(rc_.global_batch * rc_.seq_len);
@@ -605,8 +548,8 @@ template <MoeModel M> class TrainLoop {
     return m;
   }
 
-  // Gradients reduced, their norm; AdamW, or the update skipped for a non-finite loss or norm (the
-  // run stops after optimizer.max_bad_steps of those in a row).
+  // Gradients reduced, their norm; AdamW, or the update skipped for a non-finite loss or norm (up to
+  // train.max_bad_steps in a row).
   void update(StepMetrics& m, bool poisoned) {
     s_.state.finish_gradients(rc_.overlap_grad_reduce && !rc_.uses_dualpipev());
     m.grad_norm = s_.state.gradient_norm(s_.expert_squares_views, s_.known_zero_grads);
@@ -682,8 +625,8 @@ template <MoeModel M> class TrainLoop {
   size_t arena_bytes_ = 0;
 };
 
-// Sets up a run (the corpus, the model's sharded state, a checkpoint to resume) and trains it.
-// timer, when given, splits each step's time by stage into StepMetrics::stage_ms (marrow bench).
+// Sets up a run (the corpus, the sharded state, a checkpoint to resume) and trains it. timer, when
+// given, splits each step's time by stage into StepMetrics::stage_ms (marrow bench).
 template <MoeModel M>
 std::vector<StepMetrics> train(const RunConfig& rc, const typename M::Config& model_config, StageTimer* timer = nullptr) {
   const Device device = choose_device(rc.device);

@@ -179,7 +179,7 @@ void epilog_backward(Tensor dx, Tensor final_norm_grad, Tensor lm_head_grad, dou
 // x, h, the logits when kept whole; rstd, lse, token losses. Whole logits: dh in the backward (the
 // loss gradient overwrites the logits). Chunked logits (training runs their backward in the
 // forward): one chunk's buffer in the forward, dh from the forward to the backward.
-EpilogBytes epilog_bytes(int64_t T, int64_t H, int64_t V, int64_t chunk, int64_t a, int64_t s) {
+StageBytes epilog_bytes(int64_t T, int64_t H, int64_t V, int64_t chunk, int64_t a, int64_t s) {
   return {T * 2 * H * a + (chunk == T ? T * V * a : T * H * a) + 3 * T * s, chunk == T ? 0 : chunk * V * a, chunk == T ? T * H * a : 0};
 }
 

@@ -1,8 +1,7 @@
-// What the model families (qwen3_moe, gpt_oss) share: the bookkeeping of a canonical parameter
-// table, Hugging Face's initialisation of one tensor, the epilog (final norm -> LM head ->
-// cross-entropy, the logits whole or in chunks) and the records of a layer's grouped expert
-// gradients. Free functions and plain structs, so that each family's file still reads top to
-// bottom and says which of them it calls.
+// What the model families share, as free functions and plain structs (each family's file still
+// reads top to bottom): config.json reading, the canonical parameter table, Hugging Face's
+// initialisation, the epilog (final norm -> LM head -> cross-entropy) and the records of a layer's
+// grouped expert gradients.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -12,6 +11,7 @@
 #include "core/host_sum.h"
 #include "core/json.h"
 #include "core/memory.h"
+#include "core/stage_bytes.h"
 #include "core/tensor_spec.h"
 #include "ops/dispatch.h"
 #include "ops/fp8.h"
@@ -37,16 +37,12 @@ template <class C> void read_shared_fields(C& c, const JsonFields& f, double def
   c.initializer_range = f.number("initializer_range", 0.02);
   c.router_aux_loss_coef = f.number("router_aux_loss_coef", 0.001);
 }
-// RoPE as transformers 5 reads a config.json (modeling_rope_utils: convert_rope_params_to_dict,
-// standardize_rope_params), so that Marrow computes the model transformers loads from it:
-//   the settings: rope_scaling when it is a non-empty object, else rope_parameters, else `fallback`
-//     (the family's default: GPT-OSS's yarn, Qwen3's none);
-//   rope_type: its rope_type, else the older `type`, else "default";
-//   rope_theta: its own, else the top-level rope_theta, else default_theta;
-//   yarn's original_max_position_embeddings: the top-level one (which wins), else its own, else
-//     max_position_embeddings.
-// Settings per layer type, keys Marrow does not compute and a rope_type other than default (or yarn,
-// where allowed) are refused in one sentence.
+// RoPE as transformers 5 reads a config.json (modeling_rope_utils), so Marrow computes the model
+// transformers loads: the settings are rope_scaling when a non-empty object, else rope_parameters,
+// else `fallback` (the family's default); rope_type, else the older `type`, else "default";
+// rope_theta its own, else the top-level one, else default_theta; yarn's
+// original_max_position_embeddings the top-level one, else its own, else max_position_embeddings.
+// Settings per layer type, keys Marrow does not compute and other rope_types are refused.
 RopeParameters read_rope(const JsonFields& f, const std::string& source, double default_theta, const Json& fallback, bool allow_yarn);
 
 // experts_key: the key the family's experts count is named by in messages.
@@ -65,10 +61,9 @@ template <class C> void check_shared_values(const C& c, double rope_theta, const
 // bias is any vector added to activations or logits (GPT-OSS's sinks too).
 enum class ParamKind { matrix, norm, bias };
 
-// A family's canonical parameter table, built tensor by tensor in its order. The expert weights'
-// and the LM head's gradients are written by a step's first backward (TensorSpec::first_backward_writes).
-// A family that has biases lists a unit's matrices before its biases (ShardedParameters' units: a
-// layer's dense tensors, its experts' tensors), so AdamW runs once decayed and once not per unit.
+// A family's canonical parameter table, built tensor by tensor in its order; the expert weights'
+// and the LM head's gradients are first_backward_writes. A unit's matrices come before its biases
+// (ShardedParameters' units), so AdamW runs once decayed and once not per unit.
 struct ParameterTable {
   explicit ParameterTable(int64_t num_layers) : num_layers(num_layers) {}
   int64_t num_layers;
@@ -125,13 +120,10 @@ struct LmHead {
   Device device;
 };
 
-// The logits of a micro-batch stay whole in p.logits for the backward up to kWholeLogitsBytes; past
-// that (long sequences: 9.3 GiB at 32,768 tokens of Qwen3's vocabulary) they exist only one chunk of
-// tokens at a time, the fewest even chunks of at most kLogitsChunkBytes. Each chunk after the first
-// reads and writes the head's f32 gradient once more (2.3 GiB of Qwen3's), so chunks are large, and
-// 16,384 tokens (4.6 GiB) stay whole: on the H200 three chunks there saved 2.57 GiB of peak for
-// +0.8% a step, and 2 GiB chunks at 32,768 ran 0.6% faster than 512 MiB ones (docs/performance.md,
-// eighteenth session). forced > 0 (tests) takes that many tokens a chunk instead.
+// The logits of a micro-batch stay whole in p.logits for the backward up to kWholeLogitsBytes;
+// past that they exist one chunk of tokens at a time, the fewest even chunks of at most
+// kLogitsChunkBytes. Chunks are large because each one after the first reads and writes the head's
+// f32 gradient once more (docs/performance.md). forced > 0 (tests) takes that many tokens a chunk.
 constexpr int64_t kWholeLogitsBytes = int64_t(8) << 30;
 constexpr int64_t kLogitsChunkBytes = int64_t(2) << 30;
 int64_t logits_chunk(int64_t tokens, int64_t vocab, DType dtype, int64_t forced = 0);
@@ -149,10 +141,7 @@ void epilog_backward(Tensor dx, Tensor final_norm_grad, Tensor lm_head_grad, dou
                      const LmHead& head, bool overwrite = false);
 // Device bytes the epilog keeps from its forward to its backward, and its scratch in each (T tokens,
 // hidden H, vocab V, a and s bytes per activation and statistic).
-struct EpilogBytes {
-  int64_t kept, forward_scratch, backward_scratch;
-};
-EpilogBytes epilog_bytes(int64_t T, int64_t H, int64_t V, int64_t chunk, int64_t a, int64_t s);
+StageBytes epilog_bytes(int64_t T, int64_t H, int64_t V, int64_t chunk, int64_t a, int64_t s);
 
 // Stage 5's backward with one expert-parallel rank, for a family whose experts' backward applies the
 // routing weights (ops/swiglu.h's swiglu_weighted_backward): dy_perm (overwritten) = dout's copies
@@ -172,11 +161,10 @@ template <class L> std::vector<std::pair<Tensor, Tensor>> grouped_known_zero_par
   return {{grads.experts_down, known_zero.rows(0, down)}, {grads.experts_gate_up, known_zero.rows(down, known_zero.numel())}};
 }
 
-// With expert_fp8() (train.fp8): a layer's two fused expert weights quantized for
-// ops/grouped_linear_fp8.h by 128 x 128 blocks, as stored (gate_up, down) and transposed (gate_up_t,
-// down_t); a family's forward multiplies by one and its backward input by the other. Made at a
-// layer's first use after the weights changed (core/weights_generation.h) and kept until they change
-// again: 2 bytes a local expert parameter, besides the bf16 weights (marrow estimate counts them).
+// With expert_fp8() (train.fp8): a layer's two fused expert weights quantized by 128 x 128 blocks,
+// as stored and transposed (the forward multiplies by one, the backward input by the other). Made
+// at a layer's first use after the weights changed (core/weights_generation.h): 2 bytes a local
+// expert parameter besides the bf16 weights (marrow estimate counts them).
 struct Fp8ExpertWeights {
   Fp8Buffer gate_up, gate_up_t, down, down_t;
   uint64_t generation = 0;

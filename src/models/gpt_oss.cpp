@@ -189,9 +189,7 @@ void GptOss::initialize(Tensor out, const TensorSpec& spec, int64_t first, uint6
   initialize_tensor(out, spec, first, seed, config_.initializer_range, zero_bias);
 }
 
-void GptOss::prolog_forward(Tensor x, const GptOssBatch& batch, const GptOssWeights& w) const {
-  embedding_forward(x, batch.input_ids, w.embed);
-}
+void GptOss::prolog_forward(Tensor x, const GptOssBatch& batch, const GptOssWeights& w) const { embedding_forward(x, batch.input_ids, w.embed); }
 
 void GptOss::prolog_backward(const GptOssWeights& grads, Tensor dx, const GptOssBatch& batch, Tensor known_zero) const {
   embedding_backward(grads.embed, dx, batch.input_ids, known_zero);
@@ -331,13 +329,6 @@ const Fp8ExpertWeights& GptOss::fp8_expert_weights(const GptOssLayerWeights& w) 
   return marrow::fp8_expert_weights(*fp8_weights_, w.layer, config_.num_layers, w.experts_gate_up, w.experts_down);
 }
 
-void GptOss::experts_backward(Tensor dx_perm, const GptOssLayerWeights& grads, Tensor dy_perm, GptOssExpertActivations& e,
-                              Tensor expert_offsets, const GptOssLayerWeights& w, bool overwrite_grads, Tensor squares,
-                              Tensor known_zero) const {
-  experts_backward_input(dx_perm, dy_perm, e, expert_offsets, w);
-  experts_backward_weights(grads, dy_perm, e, expert_offsets, overwrite_grads, squares, known_zero);
-}
-
 // The weights' bands (grouped_linear_backward_weight's), then the two biases' sums of squares in
 // kSumParts parts each: the record covers every expert gradient of the layer, as the optimizer's
 // norm takes it in place of reading them (ShardedParameters::gradient_norm).
@@ -455,10 +446,7 @@ ModelActivationBytes GptOss::activation_bytes(int64_t batch, int64_t seq, int64_
   m.experts.forward_scratch = R * I * a;
   m.experts.backward_scratch = R * 4 * I * a + R * s;
   m.experts.held_for_weights = R * 3 * I * a + R * s;
-  const EpilogBytes epilog = epilog_bytes(T, H, V, logits_chunk(T, V, dtype_), a, s);
-  m.epilog.kept = epilog.kept;
-  m.epilog.forward_scratch = epilog.forward_scratch;
-  m.epilog.backward_scratch = epilog.backward_scratch;
+  m.epilog = epilog_bytes(T, H, V, logits_chunk(T, V, dtype_), a, s);
   return m;
 }
 

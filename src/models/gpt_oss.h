@@ -6,18 +6,13 @@
 //                other layer in a sliding window -> out-proj (+bias) -> +residual -> norm -> router
 //                (+bias; top-k of the logits, softmax over those k)
 //   3 experts    grouped gate/up (+bias) -> clamped SwiGLU (gate and up interleaved) -> grouped down (+bias)
-// Parameters are Hugging Face's tensors as they are: a layer's experts are the fused
-// mlp.experts.gate_up_proj [E, H, 2I] (gate and up in alternate columns), gate_up_proj_bias
-// [E, 2I], down_proj [E, I, H] and down_proj_bias [E, H], so export and import are copies. The
-// fused weights are [E, in, out] where the grouped GEMMs' weights are [E, out, in]: the forward
-// runs them through grouped_linear_backward_input and the input gradient through
-// grouped_linear_forward, the same products.
-// Under expert parallelism a process holds its experts' rows of the fused tensors (TensorSpec's
-// canonical_first), so checkpoints and Hugging Face reads address the whole tensors.
-// The GPU path: bf16 activations and f32 statistics, as Qwen3-MoE's; cuDNN's attention with its sink
-// token and diagonal band (or the own kernels' instantiations for sinks and windows). Context
-// parallelism runs ring attention with the sinks and windows (parallel/ring_attention.h; windowed
-// blocks on the own kernels' instantiations).
+// Parameters are Hugging Face's tensors as they are, so export and import are copies: a layer's
+// experts are the fused mlp.experts.gate_up_proj [E, H, 2I] (gate and up in alternate columns),
+// gate_up_proj_bias [E, 2I], down_proj [E, I, H] and down_proj_bias [E, H]. Being [E, in, out]
+// where the grouped GEMMs take [E, out, in], the forward runs grouped_linear_backward_input and the
+// input gradient grouped_linear_forward. Under expert parallelism a process holds its experts' rows
+// of the fused tensors (TensorSpec::canonical_first). Attention with sinks and sliding windows runs
+// on cuDNN or the own kernels, and around the ring under context parallelism.
 #pragma once
 #include <memory>
 #include <string>
@@ -43,9 +38,7 @@ struct GptOssConfig {
   std::vector<bool> sliding;  // per layer: a "sliding_attention" layer (else "full_attention")
   Json json;                  // the config.json as read, written back unchanged on export
 
-  // Parameters and table entries (core/stage_bytes.h): embeddings and LM head, per layer attention
-  // with its biases and sinks, router, the fused experts with their biases, norms.
-  ModelSize model_size() const;
+  ModelSize model_size() const;  // core/stage_bytes.h
   // Reads and validates a Hugging Face config.json; every problem is one sentence naming the key.
   static GptOssConfig from_json(const Json& json, const std::string& source);
   static GptOssConfig load(const std::string& path) { return from_json(read_json_file(path), path); }
@@ -117,8 +110,7 @@ class GptOss {
 
   GptOssWeights bind(const Placement& placement) const;
   // Hugging Face's initialisation: normal(0, initializer_range) for matrices, embeddings, sinks and
-  // the router's bias, zeros for the other biases, ones for norms; element i of tensor n draws
-  // Philox(seed, n) at i.
+  // the router's bias, zeros for the other biases, ones for norms.
   void initialize(const Arena& params, uint64_t seed) const;
   void initialize(Tensor out, const TensorSpec& spec, int64_t first, uint64_t seed) const;
 
@@ -137,8 +129,6 @@ class GptOss {
 
   // Stage 3 and its backward: see Qwen3Moe; the biases' gradients are written or added with the weights'.
   void experts_forward(Tensor y_perm, GptOssExpertActivations& e, Buffer x_perm, Tensor expert_offsets, const GptOssLayerWeights& w) const;
-  void experts_backward(Tensor dx_perm, const GptOssLayerWeights& grads, Tensor dy_perm, GptOssExpertActivations& e, Tensor expert_offsets,
-                        const GptOssLayerWeights& w, bool overwrite_grads, Tensor squares = {}, Tensor known_zero = {}) const;
   int64_t expert_squares_count(const GptOssLayerWeights& grads) const;
   int64_t expert_known_zero_count(const GptOssLayerWeights& grads) const;
   std::vector<std::pair<Tensor, Tensor>> expert_known_zero_parts(const GptOssLayerWeights& grads, Tensor known_zero) const;
@@ -175,8 +165,7 @@ class GptOss {
   Buffer input_norm(GptOssAttentionActivations& a, const GptOssLayerWeights& w) const;
   int64_t window(const GptOssLayerWeights& w) const;
   LmHead lm_head(const GptOssWeights& w, int64_t tokens) const;
-  // With expert_fp8(): the layer's quantized experts (models/common.h). The fused weights are
-  // [E, in, out], so the forward takes their transposes and the backward input them as stored.
+  // With expert_fp8(): the layer's quantized experts (forward: transposed, backward input: as stored).
   const Fp8ExpertWeights& fp8_expert_weights(const GptOssLayerWeights& w) const;
 
   Config config_;

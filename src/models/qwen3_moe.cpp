@@ -224,9 +224,7 @@ void Qwen3Moe::attention_forward(Qwen3MoeAttentionActivations& a, Buffer x, cons
   router_statistics(a.routing_stats, a.probs, a.topk_index);
 }
 
-void Qwen3Moe::add_aux_loss(Tensor total, const Qwen3MoeAttentionActivations& a) const {
-  router_aux_loss_add(total, a.routing_stats);
-}
+void Qwen3Moe::add_aux_loss(Tensor total, const Qwen3MoeAttentionActivations& a) const { router_aux_loss_add(total, a.routing_stats); }
 
 void Qwen3Moe::attention_backward(Tensor dx, const Qwen3MoeLayerWeights& grads, Tensor dx_mid, Tensor dh2, Tensor dtopk_weight,
                                   double aux_grad, Qwen3MoeAttentionActivations& a, const Qwen3MoeBatch& batch,
@@ -299,13 +297,6 @@ void Qwen3Moe::experts_forward(Tensor y_perm, Qwen3MoeExpertActivations& e, Buff
 
 const Fp8ExpertWeights& Qwen3Moe::fp8_expert_weights(const Qwen3MoeLayerWeights& w) const {
   return marrow::fp8_expert_weights(*fp8_weights_, w.layer, config_.num_layers, w.experts_gate_up, w.experts_down);
-}
-
-void Qwen3Moe::experts_backward(Tensor dx_perm, const Qwen3MoeLayerWeights& grads, Tensor dy_perm, Qwen3MoeExpertActivations& e,
-                                Tensor expert_offsets, const Qwen3MoeLayerWeights& w, bool overwrite_grads, Tensor squares,
-                                Tensor known_zero) const {
-  experts_backward_input(dx_perm, dy_perm, e, expert_offsets, w);
-  experts_backward_weights(grads, dy_perm, e, expert_offsets, overwrite_grads, squares, known_zero);
 }
 
 int64_t Qwen3Moe::expert_squares_count(const Qwen3MoeLayerWeights& grads) const {
@@ -419,10 +410,7 @@ ModelActivationBytes Qwen3Moe::activation_bytes(int64_t batch, int64_t seq, int6
   m.experts.backward_scratch = R * 4 * I * a;  // act (again), dact, dgate_up
   m.experts.held_for_weights = R * 3 * I * a;  // act, dgate_up (gate_up is freed)
 
-  const EpilogBytes epilog = epilog_bytes(T, H, V, logits_chunk(T), a, s);
-  m.epilog.kept = epilog.kept;
-  m.epilog.forward_scratch = epilog.forward_scratch;
-  m.epilog.backward_scratch = epilog.backward_scratch;
+  m.epilog = epilog_bytes(T, H, V, logits_chunk(T), a, s);
   return m;
 }
 

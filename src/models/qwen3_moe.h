@@ -10,15 +10,13 @@
 //   4 combine    (engine) bring expert outputs back (identity with one expert-parallel rank)
 //   5 aggregate  weighted sum of each token's top-k outputs + residual
 //   epilog     final norm -> LM head -> cross-entropy
-// Every stage has an explicit forward, which fills an activation struct with what its backward
-// needs, and a backward, which consumes it. Weight gradients accumulate into the gradient arena.
-//
-// Parameters are laid out from a table of canonical tensors named exactly as in Hugging Face
-// checkpoints (one entry per expert), so export is a copy and initial weights are a pure function of
-// (seed, name, element index). Expert weights of a layer are contiguous, so the per-expert tensors
-// form the fused [E, 2I, H] gate/up and [E, H, I] down tensors the grouped GEMMs use. With expert
-// parallelism a process holds E_local of the E experts of each layer (ExpertShard): the table has
-// only those, under their global names, so any layout starts from the same weights.
+// Each stage's forward fills an activation struct with what its backward consumes; weight
+// gradients accumulate into the gradient arena.
+// Parameters are a table of canonical tensors named as in Hugging Face checkpoints (one entry per
+// expert), so export is a copy and initial weights are a function of (seed, name, element). A
+// layer's per-expert tensors are contiguous: the fused [E, 2I, H] gate/up and [E, H, I] down of the
+// grouped GEMMs. Under expert parallelism the table holds this process's experts (ExpertShard),
+// under their global names.
 #pragma once
 #include <memory>
 #include <string>
@@ -42,9 +40,7 @@ struct Qwen3MoeConfig {
   bool norm_topk_prob = false;
   Json json;  // the config.json as read, written back unchanged on export
 
-  // Parameters and table entries (core/stage_bytes.h): embeddings and LM head, per layer attention,
-  // router, experts (one table entry each per expert) and norms.
-  ModelSize model_size() const;
+  ModelSize model_size() const;  // core/stage_bytes.h
   // Reads and validates a Hugging Face config.json; every problem is one sentence naming the key.
   static Qwen3MoeConfig from_json(const Json& json, const std::string& source);
   static Qwen3MoeConfig load(const std::string& path) { return from_json(read_json_file(path), path); }
@@ -72,16 +68,13 @@ struct Qwen3MoeBatch {
   Buffer targets;    // [T] i32, kIgnoreIndex where no loss
   Buffer positions;  // [T] i32
   const AttentionRunner* attention = nullptr;  // none: the sequences are whole (ops/attention_runner.h)
-  // rope_cos_sin_table of the positions on the GPU, built by the first layer that needs it and read by
-  // every layer's QK-norm forward and backward (derived data: a cache, hence mutable). So positions
-  // must not change once a forward has run on the batch: a new micro-batch is a new Batch.
+  // rope_cos_sin_table of the positions on the GPU, built by the first layer that needs it (a
+  // cache, hence mutable: positions must not change once a forward ran on the batch).
   mutable Buffer rope_cos_sin = Buffer();
 };
 
 struct Qwen3MoeAttentionActivations {
-  Buffer x;  // residual stream entering the layer [T, H]
-  // The input norm's output h1 and the attention inputs q_rope, k_rope are not kept: the backward
-  // computes them again from x, q and k (cheap, elementwise) with the forward's bits.
+  Buffer x;  // residual stream entering the layer [T, H]; h1, q_rope, k_rope are computed again (elementwise)
   Buffer rstd1, q, k, v, rstd_q, rstd_k, attn, lse;
   Buffer x_mid;  // residual after attention [T, H]
   Buffer h2, rstd2, probs, topk_index, topk_weight;
@@ -91,8 +84,8 @@ struct Qwen3MoeAttentionActivations {
 struct Qwen3MoeExpertActivations {
   Buffer x_perm, gate_up;
   Buffer act, dgate_up;  // from experts_backward_input (act computed again there) to experts_backward_weights
-  // Set by aggregate_backward, where dy_perm holds dout's copies unweighted: experts_backward_input
-  // applies the routing weights and writes their gradient (swiglu_weighted_backward), then clears them.
+  // Set by aggregate_backward (dy_perm holds dout's copies unweighted): experts_backward_input
+  // applies the routing weights and writes their gradient (swiglu_weighted_backward).
   Tensor topk_weight, copy_row, dtopk_weight;
 };
 
@@ -107,8 +100,7 @@ class Qwen3Moe {
   using EpilogActivations = marrow::EpilogActivations;
   static constexpr const char* model_type = "qwen3_moe";
 
-  // experts: the experts of each layer this process holds (expert parallelism); its parameter
-  // table, arenas and expert weights cover only those, under their global names.
+  // experts: the experts of each layer this process holds (expert parallelism).
   Qwen3Moe(const Config& config, DType dtype, Device device, ExpertShard experts = {});
 
   const Config& config() const { return config_; }
@@ -124,30 +116,25 @@ class Qwen3Moe {
   int64_t num_parameters() const { return num_parameters_; }
   // Active parameters per token (top-k experts of each layer, everything else), for FLOP counts.
   int64_t num_active_parameters() const;
-  // Query heads x head dim: causal attention's work per token is ~2 x sequence x this multiply-adds.
   int64_t attention_width() const { return config_.num_heads * config_.head_dim; }
-  // Causal attention's FLOPs per token over every layer, forward and backward: 6 x seq x width a layer
-  // (the convention of PyTorch trainers' MFU: S / 2 keys a query, 4 products a key and head dim forward, twice that backward).
+  // Causal attention's FLOPs per token, all layers, forward and backward: 6 x seq x width a layer
+  // (PyTorch trainers' MFU convention: S / 2 keys a query, 4 products a key and head dim forward, twice backward).
   double attention_flops_per_token(int64_t seq) const { return 6.0 * double(seq) * double(attention_width()) * double(num_layers()); }
 
-  // Views of the parameter table's tensors wherever the placement puts them (an arena, or the
-  // buffers of fully sharded data parallelism).
+  // Views of the table's tensors wherever the placement puts them (an arena, or FSDP's buffers).
   Qwen3MoeWeights bind(const Placement& placement) const;
-  // Fills a parameter arena (on any device) as Hugging Face initialises: normal(0, initializer_range)
-  // for matrices and embeddings, ones for norms; element i of tensor n draws Philox(seed, n) at i.
+  // Hugging Face's initialisation (normal(0, initializer_range), ones for norms; models/common.h's
+  // initialize_tensor), of a whole arena or of elements [first, first + out.numel()) of one tensor.
   void initialize(const Arena& params, uint64_t seed) const;
-  // The same for elements [first, first + out.numel()) of one tensor: a shard starts from the slice
-  // of the whole tensor's initial values, bit for bit.
   void initialize(Tensor out, const TensorSpec& spec, int64_t first, uint64_t seed) const;
 
   // Prolog: x[T, H] = embed[input_ids].
   void prolog_forward(Tensor x, const Qwen3MoeBatch& batch, const Qwen3MoeWeights& w) const;
   // known_zero (i32 [prolog_known_zero_count()]), when given: the embedding gradient's row flags
-  // (ops/known_zero.h), kept from step to step; the backward clears those of the rows it adds to.
+  // (ops/known_zero.h); the backward clears those of the rows it adds to.
   void prolog_backward(const Qwen3MoeWeights& grads, Tensor dx, const Qwen3MoeBatch& batch, Tensor known_zero = {}) const;
   int64_t prolog_known_zero_count() const { return config_.vocab_size; }
-  // The prolog's gradients whose rows known_zero flags (the embedding's, one flag a token), for the
-  // trainer to restart them by rows and the norm and the optimizer to skip the flagged ones.
+  // The gradients known_zero's flags describe (one a row), for the norm and AdamW to skip.
   std::vector<std::pair<Tensor, Tensor>> prolog_known_zero_parts(const Qwen3MoeWeights& grads, Tensor known_zero) const {
     return {{grads.embed, known_zero}};
   }
@@ -169,77 +156,58 @@ class Qwen3Moe {
   // Stage 3: y_perm[R, H] from the dispatched rows x_perm[R, H] (kept in e.x_perm).
   void experts_forward(Tensor y_perm, Qwen3MoeExpertActivations& e, Buffer x_perm, Tensor expert_offsets,
                        const Qwen3MoeLayerWeights& w) const;
-  // overwrite_grads: write the expert weight gradients instead of adding (TensorSpec::first_backward_writes).
-  // squares (f64 [expert_squares_count(grads)]), when given: the sums of squares of the expert
-  // gradients this call writes (grouped_linear_backward_weight's bands, down then gate_up).
-  // known_zero (i32 [expert_known_zero_count(grads)]), when given: which experts' gradients are all
-  // zeros (grouped_linear_backward_weight's flags, down then gate_up), kept from step to step so
-  // that an overwriting call writes an empty expert's zeros only when they are not there already.
-  void experts_backward(Tensor dx_perm, const Qwen3MoeLayerWeights& grads, Tensor dy_perm, Qwen3MoeExpertActivations& e,
-                        Tensor expert_offsets, const Qwen3MoeLayerWeights& w, bool overwrite_grads, Tensor squares = {},
-                        Tensor known_zero = {}) const;
-  int64_t expert_squares_count(const Qwen3MoeLayerWeights& grads) const;
-  int64_t expert_known_zero_count(const Qwen3MoeLayerWeights& grads) const;
-  // The layer's expert gradients with their part of known_zero (its flags cover their rows: one an
-  // expert), for the optimizer to take a flagged expert's gradient as zero without reading it.
-  std::vector<std::pair<Tensor, Tensor>> expert_known_zero_parts(const Qwen3MoeLayerWeights& grads, Tensor known_zero) const;
-  // experts_backward in two halves, so the weight gradients can wait for a gap in a pipeline
-  // schedule (zero bubble): the input gradient now (e keeps what the weights need), and later,
-  // with the same dy_perm and offsets, the weight gradients (which release e).
+  // The backward in two halves, so the weight gradients can wait (zero bubble, pairs): the input
+  // gradient (e keeps what the weights need), then with the same dy_perm the weights (releasing e).
+  // overwrite_grads: write the expert weight gradients instead of adding (first_backward_writes).
+  // squares (f64 [expert_squares_count]) and known_zero (i32 [expert_known_zero_count]), when
+  // given: grouped_linear_backward_weight's sums of squares and all-zero flags, down then gate_up
+  // (the flags kept from step to step, so an empty expert's zeros are written only once).
   void experts_backward_input(Tensor dx_perm, Tensor dy_perm, Qwen3MoeExpertActivations& e, Tensor expert_offsets,
                               const Qwen3MoeLayerWeights& w) const;
   void experts_backward_weights(const Qwen3MoeLayerWeights& grads, Tensor dy_perm, Qwen3MoeExpertActivations& e, Tensor expert_offsets,
                                 bool overwrite_grads, Tensor squares = {}, Tensor known_zero = {}) const;
-  // The weight gradients of two micro-batches of a step in one pass over the gradients
-  // (grouped_linear_backward_weight_pair): the same bits as experts_backward_weights of the
-  // earlier one (its inputs held since its backward_input; overwrite_grads applies to it) followed
-  // by that of e's. Releases both.
+  int64_t expert_squares_count(const Qwen3MoeLayerWeights& grads) const;
+  int64_t expert_known_zero_count(const Qwen3MoeLayerWeights& grads) const;
+  // The layer's expert gradients with their part of known_zero (one flag an expert).
+  std::vector<std::pair<Tensor, Tensor>> expert_known_zero_parts(const Qwen3MoeLayerWeights& grads, Tensor known_zero) const;
+  // Two micro-batches' weight gradients in one pass (grouped_linear_backward_weight_pair): the same
+  // bits as the earlier one's experts_backward_weights (overwrite_grads applies to it), then e's.
   void experts_backward_weights_pair(const Qwen3MoeLayerWeights& grads, Tensor earlier_dy_perm, Qwen3MoeExpertActivations& earlier,
                                      Tensor earlier_offsets, Tensor dy_perm, Qwen3MoeExpertActivations& e, Tensor expert_offsets,
                                      bool overwrite_grads, Tensor squares = {}, Tensor known_zero = {}) const;
-  // x_perm is a gather of h2 (which stage 1 keeps) when all of a token's copies stay on this
-  // process: the engine then drops it after the forward and gathers it again for the backward.
+  // With one expert-parallel rank x_perm is a gather of h2, which the engine may drop and redo.
   void experts_drop_input(Qwen3MoeExpertActivations& e) const { e.x_perm = Buffer{}; }
   void experts_restore_input(Qwen3MoeExpertActivations& e, Buffer x_perm) const { e.x_perm = std::move(x_perm); }
 
   // Stage 5: out = x_mid + sum_j topk_weight[t, j] * y_perm[copy_row[t, j]].
   void aggregate_forward(Tensor out, const Qwen3MoeAttentionActivations& a, Tensor y_perm, Tensor copy_row) const;
   // With one expert-parallel rank: dy_perm (overwritten) = dout's copies, unweighted; the routing
-  // weights' part waits for experts_backward_input, which writes dtopk_weight from the SwiGLU output,
-  // so y_perm need not be kept (ops/swiglu.h: swiglu_weighted_backward). The residual's gradient is dout itself. (Under
-  // expert parallelism the expert's process applies the weights: parallel/expert_parallel.h.)
+  // weights' part waits for experts_backward_input (swiglu_weighted_backward), so y_perm need not
+  // be kept. The residual's gradient is dout itself. (Under expert parallelism: expert_parallel.h.)
   void aggregate_backward(Tensor dy_perm, Tensor dtopk_weight, Tensor dout, const Qwen3MoeAttentionActivations& a, Tensor copy_row,
                           Qwen3MoeExpertActivations& e) const;
-  // aggregate_backward's dy_perm again (a layer whose weight gradients wait keeps dout, [T, H],
-  // instead of dy_perm, [T x K, H]).
+  // aggregate_backward's dy_perm again (a deferred layer keeps dout [T, H], not dy_perm [T x K, H]).
   void aggregate_backward_rows(Tensor dy_perm, Tensor dout, Tensor copy_row) const;
 
-  // Epilog: final norm, LM head, cross-entropy (models/common.h's epilog_forward and
-  // epilog_backward, which say how the logits come in chunks past kWholeLogitsBytes). Tokens per
-  // logits chunk for a micro-batch of `tokens` (all of them when kept whole); set_logits_chunk(n > 0)
-  // forces n (tests), 0 restores the rule.
+  // Epilog: models/common.h's. Tokens per logits chunk for a micro-batch of `tokens`;
+  // set_logits_chunk(n > 0) forces n (tests), 0 restores the rule.
   int64_t logits_chunk(int64_t tokens) const { return marrow::logits_chunk(tokens, config_.vocab_size, dtype_, forced_logits_chunk_); }
   void set_logits_chunk(int64_t tokens) { forced_logits_chunk_ = tokens; }
 
-  // With expert_fp8(): the layer's quantized experts (models/common.h; the forward takes gate_up and
-  // down as stored, the backward input their transposes).
+  // With expert_fp8(): the layer's quantized experts (forward: as stored, backward input: transposed).
   const Fp8ExpertWeights& fp8_expert_weights(const Qwen3MoeLayerWeights& w) const;
   HostSum epilog_forward(EpilogActivations& p, Buffer x, const Qwen3MoeBatch& batch, const Qwen3MoeWeights& w,
                          const Qwen3MoeWeights* grads = nullptr, double loss_scale = 1, bool overwrite_grads = false) const;
   void epilog_backward(Tensor dx, const Qwen3MoeWeights& grads, double loss_scale, EpilogActivations& p, const Qwen3MoeBatch& batch,
                        const Qwen3MoeWeights& w, bool overwrite_grads = false) const;
 
-  // Device bytes of each stage for one micro-batch of batch x seq tokens whose layers each run
-  // expert_rows token copies through this process's experts (core/stage_bytes.h): the buffers the
-  // stage functions above allocate, in buffer() and stats() dtypes.
+  // Device bytes of each stage for one micro-batch of batch x seq tokens, expert_rows token copies
+  // a layer through this process's experts (core/stage_bytes.h).
   ModelActivationBytes activation_bytes(int64_t batch, int64_t seq, int64_t expert_rows) const;
 
-  // Activations: the model's dtype (bf16 on the GPU). Statistics (norm scales, log-sum-exps, routing
-  // probabilities and weights, losses): f32 on the GPU, the model's dtype on the CPU.
+  // Activations in the model's dtype; statistics (norm scales, lse, routing, losses) f32 on the GPU.
   Buffer buffer(std::initializer_list<int64_t> dims) const { return Buffer(dtype_, device_, dims); }
-  Buffer stats(std::initializer_list<int64_t> dims) const {
-    return Buffer(device_ == Device::cuda ? DType::f32 : dtype_, device_, dims);
-  }
+  Buffer stats(std::initializer_list<int64_t> dims) const { return Buffer(device_ == Device::cuda ? DType::f32 : dtype_, device_, dims); }
 
  private:
   Buffer input_norm(Qwen3MoeAttentionActivations& a, const Qwen3MoeLayerWeights& w) const;

@@ -18,26 +18,25 @@
 
 #include "core/cuda_check.h"
 
-#define MARROW_NCCL_CHECK(call)                                                        \
-  do {                                                                                 \
-    ncclResult_t marrow_nccl_ = (call);                                                \
-    if (marrow_nccl_ != ncclSuccess)                                                   \
-      ::marrow::fail_call(__FILE__, __LINE__, #call, ncclGetErrorString(marrow_nccl_)); \
-  } while (0)
+#define MARROW_NCCL_CHECK(call) MARROW_CHECK_RESULT(call, #call, ::marrow::nccl_failed, ncclGetErrorString)
 #endif
-
-#define MARROW_MPI_CHECK(call)                                    \
-  do {                                                            \
-    int marrow_mpi_ = (call);                                     \
-    if (marrow_mpi_ != MPI_SUCCESS) {                             \
-      char marrow_text_[MPI_MAX_ERROR_STRING];                    \
-      int marrow_len_ = 0;                                        \
-      MPI_Error_string(marrow_mpi_, marrow_text_, &marrow_len_);  \
-      ::marrow::fail_call(__FILE__, __LINE__, #call, marrow_text_); \
-    }                                                             \
-  } while (0)
+#define MARROW_MPI_CHECK(call) MARROW_CHECK_RESULT(call, #call, ::marrow::mpi_failed, ::marrow::mpi_message)
 
 namespace marrow {
+namespace {
+
+#if MARROW_CUDA
+bool nccl_failed(ncclResult_t r) { return r != ncclSuccess; }
+#endif
+bool mpi_failed(int code) { return code != MPI_SUCCESS; }
+std::string mpi_message(int code) {
+  char text[MPI_MAX_ERROR_STRING];
+  int length = 0;
+  MPI_Error_string(code, text, &length);
+  return text;
+}
+
+}  // namespace
 
 struct Comm::Handles {
   MPI_Comm mpi = MPI_COMM_NULL;
@@ -209,7 +208,7 @@ void Comm::join() const {
 #endif
 }
 
-void Comm::all_reduce_sum(Tensor t, const char* what, bool join) const {
+void Comm::all_reduce_sum(Tensor t, const char* what, [[maybe_unused]] bool join) const {
   if (size_ == 1 || t.numel() == 0) return;
   InFlight scope(what);
   if (t.device == Device::cuda) {
@@ -218,8 +217,6 @@ void Comm::all_reduce_sum(Tensor t, const char* what, bool join) const {
       MARROW_NCCL_CHECK(ncclAllReduce(t.data, t.data, size_t(t.numel()), nccl_type(t.dtype), ncclSum, handles_->nccl, s));
     }, join);
     return;
-#else
-    (void)join;
 #endif
   }
   // Each rank sums one chunk of every rank's tensor in rank order, then every rank gathers the chunks.
@@ -243,7 +240,7 @@ void Comm::all_reduce_sum(Tensor t, const char* what, bool join) const {
   MARROW_MPI_CHECK(MPI_Allgatherv(summed.data(), mine, MPI_BYTE, t.data, counts.data(), offsets.data(), MPI_BYTE, handles_->mpi));
 }
 
-void Comm::all_gather(Tensor out, Tensor in, const char* what, bool join) const {
+void Comm::all_gather(Tensor out, Tensor in, const char* what, [[maybe_unused]] bool join) const {
   check_device(out, in, what);
   MARROW_CHECK(out.numel() == in.numel() * size_ && out.dtype == in.dtype, "{}: all_gather of {} {} into {} {} over {} ranks", what,
                in.shape_string(), dtype_name(in.dtype), out.shape_string(), dtype_name(out.dtype), size_);
@@ -257,15 +254,13 @@ void Comm::all_gather(Tensor out, Tensor in, const char* what, bool join) const 
       MARROW_NCCL_CHECK(ncclAllGather(in.data, out.data, size_t(in.numel()), nccl_type(in.dtype), handles_->nccl, s));
     }, join);
     return;
-#else
-    (void)join;
 #endif
   }
   const int bytes = mpi_count(block, what);
   MARROW_MPI_CHECK(MPI_Allgather(in_place ? MPI_IN_PLACE : in.data, bytes, MPI_BYTE, out.data, bytes, MPI_BYTE, handles_->mpi));
 }
 
-void Comm::reduce_scatter_sum(Tensor out, Tensor in, const char* what, bool accumulate, bool join) const {
+void Comm::reduce_scatter_sum(Tensor out, Tensor in, const char* what, bool accumulate, [[maybe_unused]] bool join) const {
   check_device(out, in, what);
   MARROW_CHECK(in.numel() == out.numel() * size_ && out.dtype == in.dtype, "{}: reduce_scatter of {} {} into {} {} over {} ranks", what,
                in.shape_string(), dtype_name(in.dtype), out.shape_string(), dtype_name(out.dtype), size_);
@@ -282,8 +277,6 @@ void Comm::reduce_scatter_sum(Tensor out, Tensor in, const char* what, bool accu
       if (accumulate) add(out, out, own, Stream{s});
     }, join);
     return;
-#else
-    (void)join;
 #endif
   }
   const int bytes = mpi_count(out.bytes(), what);
@@ -307,22 +300,24 @@ Comm::Point Comm::queued() const {
   return {};
 }
 
-void Comm::wait_for(const Point& point) const {
+void Comm::wait_for([[maybe_unused]] const Point& point) const {
 #if MARROW_CUDA
   if (point.event) MARROW_CUDA_CHECK(cudaStreamWaitEvent(nullptr, static_cast<cudaEvent_t>(point.event.get()), 0));
-#else
-  (void)point;
 #endif
 }
 
 void Comm::all_to_all_v(Tensor recv, const std::vector<int64_t>& recv_rows, Tensor send, const std::vector<int64_t>& send_rows,
-                        const char* what, bool join) const {
+                        const char* what, [[maybe_unused]] bool join) const {
   check_device(recv, send, what);
   MARROW_CHECK(recv.dtype == send.dtype, "{}: all_to_all_v of {} into {}", what, dtype_name(send.dtype), dtype_name(recv.dtype));
   MARROW_CHECK(int(recv_rows.size()) == size_ && int(send_rows.size()) == size_, "{}: {} receive and {} send counts for {} ranks", what,
                recv_rows.size(), send_rows.size(), size_);
-  const int64_t recv_total = std::accumulate(recv_rows.begin(), recv_rows.end(), int64_t(0));
-  const int64_t send_total = std::accumulate(send_rows.begin(), send_rows.end(), int64_t(0));
+  std::vector<int64_t> send_at(size_t(size_) + 1, 0), recv_at(size_t(size_) + 1, 0);  // each member's first row
+  for (size_t p = 0; p < size_t(size_); ++p) {
+    send_at[p + 1] = send_at[p] + send_rows[p];
+    recv_at[p + 1] = recv_at[p] + recv_rows[p];
+  }
+  const int64_t recv_total = recv_at.back(), send_total = send_at.back();
   MARROW_CHECK(recv.ndim >= 1 && send.ndim >= 1 && recv.size(0) == recv_total && send.size(0) == send_total,
                "{}: all_to_all_v sends {} rows from {} and receives {} rows into {}", what, send_total, send.shape_string(), recv_total,
                recv.shape_string());
@@ -334,33 +329,24 @@ void Comm::all_to_all_v(Tensor recv, const std::vector<int64_t>& recv_rows, Tens
     const size_t row_elems = row_bytes / dtype_size(send.dtype);
     on_comm_stream(*handles_, [&](cudaStream_t s) {
       MARROW_NCCL_CHECK(ncclGroupStart());
-      int64_t sent = 0, received = 0;
       for (int peer = 0; peer < size_; ++peer) {
-        const auto* src = static_cast<const char*>(send.data) + size_t(sent) * row_bytes;
-        auto* dst = static_cast<char*>(recv.data) + size_t(received) * row_bytes;
-        if (send_rows[size_t(peer)] > 0)
-          MARROW_NCCL_CHECK(ncclSend(src, size_t(send_rows[size_t(peer)]) * row_elems, nccl_type(send.dtype), peer, handles_->nccl, s));
-        if (recv_rows[size_t(peer)] > 0)
-          MARROW_NCCL_CHECK(ncclRecv(dst, size_t(recv_rows[size_t(peer)]) * row_elems, nccl_type(send.dtype), peer, handles_->nccl, s));
-        sent += send_rows[size_t(peer)];
-        received += recv_rows[size_t(peer)];
+        const size_t p = size_t(peer);
+        const auto* src = static_cast<const char*>(send.data) + size_t(send_at[p]) * row_bytes;
+        auto* dst = static_cast<char*>(recv.data) + size_t(recv_at[p]) * row_bytes;
+        if (send_rows[p] > 0) MARROW_NCCL_CHECK(ncclSend(src, size_t(send_rows[p]) * row_elems, nccl_type(send.dtype), peer, handles_->nccl, s));
+        if (recv_rows[p] > 0) MARROW_NCCL_CHECK(ncclRecv(dst, size_t(recv_rows[p]) * row_elems, nccl_type(send.dtype), peer, handles_->nccl, s));
       }
       MARROW_NCCL_CHECK(ncclGroupEnd());
     }, join);
     return;
-#else
-    (void)join;
 #endif
   }
   std::vector<int> sc(static_cast<size_t>(size_)), so(static_cast<size_t>(size_)), rc(static_cast<size_t>(size_)), ro(static_cast<size_t>(size_));
-  int64_t sent = 0, received = 0;
   for (size_t p = 0; p < size_t(size_); ++p) {
     sc[p] = mpi_count(size_t(send_rows[p]) * row_bytes, what);
-    so[p] = mpi_count(size_t(sent) * row_bytes, what);
+    so[p] = mpi_count(size_t(send_at[p]) * row_bytes, what);
     rc[p] = mpi_count(size_t(recv_rows[p]) * row_bytes, what);
-    ro[p] = mpi_count(size_t(received) * row_bytes, what);
-    sent += send_rows[p];
-    received += recv_rows[p];
+    ro[p] = mpi_count(size_t(recv_at[p]) * row_bytes, what);
   }
   MARROW_MPI_CHECK(MPI_Alltoallv(send.data, sc.data(), so.data(), MPI_BYTE, recv.data, rc.data(), ro.data(), MPI_BYTE, handles_->mpi));
 }
@@ -402,7 +388,7 @@ std::vector<std::string> Comm::all_gather_text(const std::string& text, const ch
   return texts;
 }
 
-void Comm::send_recv(Tensor send, int dst, Tensor recv, int src, const char* what, bool join) const {
+void Comm::send_recv(Tensor send, int dst, Tensor recv, int src, const char* what, [[maybe_unused]] bool join) const {
   const bool sending = send.data != nullptr && send.numel() > 0, receiving = recv.data != nullptr && recv.numel() > 0;
   MARROW_CHECK(!sending || (dst >= 0 && dst < size_ && dst != rank_), "{}: no rank {} to send to in a group of {}", what, dst, size_);
   MARROW_CHECK(!receiving || (src >= 0 && src < size_ && src != rank_), "{}: no rank {} to receive from in a group of {}", what, src, size_);
@@ -418,8 +404,6 @@ void Comm::send_recv(Tensor send, int dst, Tensor recv, int src, const char* wha
       MARROW_NCCL_CHECK(ncclGroupEnd());
     }, join);
     return;
-#else
-    (void)join;
 #endif
   }
   MPI_Request requests[2];

@@ -2,24 +2,16 @@
 // are spread over the P members of an expert-parallel group, member d holding experts
 // [d * E / P, (d + 1) * E / P). Every member routes its own tokens.
 //
-// Both directions are deduplicated:
-// - dispatch sends token t to member d once if any of its K experts lives there (not once per
-//   expert), with its K routing weights; the receiver expands the row to its local experts;
-// - combine: the receiver sums its experts' weighted outputs per received row and sends back one
-//   row per (token, member); the sender adds the rows of its token, in member order, to the residual.
-// The backward mirrors both: the output gradient of token t goes once to each member that got t,
-// and each member returns one input-gradient row per (token, member) plus the gradients of the
-// routing weights it applied (zero for slots whose expert lives elsewhere), summed on the sender.
-//
-// All of it is the dispatch and combine ops (ops/dispatch.h, ops/combine.h) twice: once with the P
-// members as the "slots" of a token (sender side), once with the local experts (receiver side),
-// with -1 marking a slot that is not there; plus four all-to-alls per direction. The plan (who
-// sends what where) is computed where the routing is (ops/expert_sends.h, then dispatch_plan on
-// each side), queued by plan_sends as soon as the router is: only the 2P + 1 counts travel to the
-// host, which needs them to size the buffers and the all-to-alls (one wait per layer for those
-// counts, the GPU free to run other work meanwhile); the counts go to the other members over MPI;
-// the sent rows' expert slots travel with the rows over NCCL, and the receiver groups its copies
-// by local expert on the GPU, so the grouped GEMMs read their row blocks there.
+// Both directions are deduplicated: dispatch sends token t once to each member holding any of its
+// K experts, with its K routing weights, and the receiver expands the row to its local experts;
+// combine sums a received row's weighted expert outputs and sends one row back per (token, member),
+// which the sender adds to the residual in member order. The backward mirrors both, each member
+// also returning the gradients of the routing weights it applied.
+// All of it is the dispatch and combine ops twice (the P members as a token's "slots" on the sender,
+// the local experts on the receiver, -1 marking a slot not there) plus the all-to-alls. The plan is
+// computed on the device where the routing is (ops/expert_sends.h); only the 2P + 1 counts travel
+// to the host, which needs them to size the buffers and all-to-alls (one wait per layer, the GPU
+// free meanwhile), and go to the other members over MPI.
 #pragma once
 #include <chrono>
 #include <cstdint>
@@ -31,8 +23,7 @@
 
 namespace marrow {
 
-// One layer's routing over the group for one micro-batch: made by plan_sends and dispatch_forward,
-// read by the other three, dropped with the micro-batch.
+// One layer's routing over the group for one micro-batch (plan_sends and start_dispatch make it).
 struct ExpertRoute {
   // Sender side, T tokens.
   Buffer send_row;     // [T, P] i32: the token's row in the block sent to member d, or -1
@@ -46,18 +37,15 @@ struct ExpertRoute {
   Buffer copy_row;        // [R, K] i32: row of slot j among this member's expert copies, or -1
   Buffer expert_offsets;  // [local experts + 1] i32, where the data is: the grouped GEMMs' row blocks
   int64_t sent = 0, received = 0, copies = 0;
-  // Sent to other members: rows (deduplicated), and the token copies they stand for (what sending
-  // one row per routed expert would move).
+  // Sent to other members: rows (deduplicated), and the token copies they stand for.
   int64_t remote_rows = 0, remote_copies = 0;
 };
 
-// Rows that left this member since the last reset, per direction of one all-to-all (dispatch and
-// combine each move them twice: forward and backward), for the bench's traffic figures.
+// Rows that left this member since the last reset, per all-to-all, for the bench's traffic figures.
 struct ExpertTraffic {
   int64_t remote_rows = 0, remote_copies = 0, dispatches = 0;
-  // Host time of the plans from the moment the counts reached the host to the all-to-alls queued,
-  // waiting for the peers' counts too: the GPU idles for it unless another micro-batch's compute
-  // was queued before (engine/step.h's forward_backward).
+  // Host time of the plans from the counts on the host to the all-to-alls queued (the GPU idles
+  // unless another micro-batch's compute was queued before).
   double plan_ms = 0;
   double exchange_ms = 0;  // of which in the MPI exchange (the peers' counts arriving)
 };
@@ -71,19 +59,17 @@ class ExpertParallel {
   // Totals over the dispatches since the last call, which resets them.
   ExpertTraffic take_traffic() const { return std::exchange(traffic_, {}); }
 
-  // Each exchange in two halves, so that the compute stream is free between them (another
-  // micro-batch's stage can run there while the all-to-all is in flight, engine/step.h): start_*
-  // gathers the rows to send and queues the all-to-alls; finish_* makes the compute stream wait for
-  // them and scatters what arrived. On the host the exchange is done when start_* returns.
+  // Each exchange in two halves, so another micro-batch's stage can run between them: start_*
+  // gathers the rows and queues the all-to-alls, finish_* waits for them and scatters what arrived
+  // (on the host, start_* completes the exchange).
   struct Exchange {
     Buffer sent, sent_weights, received, received_weights;  // alive until finish_*
     Comm::Point done;
   };
 
-  // Queues the sender's plan of a layer's routing (topk_index [T, K] i32) into route and the copy
-  // of its counts to the host, which start_dispatch waits for, and returns at once: called as soon
-  // as the router has been queued, it lets a schedule queue another micro-batch's compute before
-  // start_dispatch waits, so the GPU runs that compute while the counts travel (engine/step.h).
+  // Queues the sender's plan of a layer's routing (topk_index [T, K] i32) and the copy of its
+  // counts to the host, and returns at once, so a schedule can queue other compute before
+  // start_dispatch waits for the counts.
   void plan_sends(ExpertRoute& route, Tensor topk_index) const;
   // Stage 2 forward: from this member's x[T, H] and routing (topk_index [T, K] i32, topk_weight
   // [T, K]), trades the counts with the other members (after plan_sends, or planning now) and
@@ -106,8 +92,7 @@ class ExpertParallel {
 
  private:
   // The counts' page-locked host copy, one for all routes: one plan at a time is between
-  // plan_sends and start_dispatch (one forward's dispatch), and a later plan_sends overwrites it
-  // only after the start_dispatch that read it.
+  // plan_sends and start_dispatch.
   struct HostCounts {
     PinnedHost counts;
     const ExpertRoute* planned = nullptr;  // the route whose counts are on their way

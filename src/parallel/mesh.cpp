@@ -47,7 +47,6 @@ Mesh Mesh::create(const MeshShape& shape, Device device) {
   m.cp = m.world.split(int((m.pp_rank * shape.dp + m.dp_rank) * shape.ep + m.ep_rank), int(rank));
   m.data = m.world.split(int(m.pp_rank), int(rank));
   m.pipeline = m.world.split(int((m.dp_rank * shape.cp + m.cp_rank) * shape.ep + m.ep_rank), int(rank));
-  m.expert_data = m.world.split(int(m.pp_rank * shape.ep + m.ep_rank), int(rank));
   m.shard_rank = m.dp_rank % shape.dp_shard;
   m.replica_rank = m.dp_rank / shape.dp_shard;
   const int64_t replica = m.pp_rank * shape.dp_replicas() + m.replica_rank;

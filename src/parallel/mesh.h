@@ -13,8 +13,8 @@ namespace marrow {
 
 struct MeshShape {
   int64_t pp = 1, dp = 1, cp = 1, ep = 1;
-  // Fully sharded data parallelism shards over groups of dp_shard of the dp ranks (consecutive
-  // dp ranks, so a group stays on one machine) and replicates over the dp / dp_shard groups (HSDP).
+  // FSDP shards over groups of dp_shard consecutive dp ranks (one machine) and replicates over the
+  // dp / dp_shard groups (HSDP).
   int64_t dp_shard = 1;
   int64_t world() const { return pp * dp * cp * ep; }
   int64_t dp_replicas() const { return dp / dp_shard; }
@@ -35,7 +35,6 @@ struct Mesh {
   Comm cp;           // same pp, dp, ep: the members sharing each sequence (ring attention, ring_attention.h)
   Comm data;         // same pp (dp x cp x ep): non-expert gradients, losses, routing statistics
   Comm pipeline;     // same dp, cp, ep (the pp ranks in order): activations and their gradients
-  Comm expert_data;  // same pp and ep (dp x cp): the gradients of the experts this rank holds
   // Fully sharded data parallelism (sharded_params.h): the dp ranks are replicas r of shard
   // position s, dp_rank = r * dp_shard + s.
   int64_t shard_rank = 0, replica_rank = 0;

@@ -24,8 +24,8 @@ bool started_by_launcher() {
 }
 
 // Each process on this machine gets its share of the cores for the CPU path's OpenMP loops, as
-// torchrun does: with every process at all cores, OpenMP's spinning barriers take the cores from the
-// ranks that compute (4 ranks on 2 cores ran 12x slower). OMP_NUM_THREADS, when set, wins.
+// torchrun does (OpenMP's spinning barriers would take the cores from the ranks that compute);
+// OMP_NUM_THREADS, when set, wins.
 void share_cores(int local_size) {
   if (local_size <= 1 || std::getenv("OMP_NUM_THREADS")) return;
   omp_set_num_threads(std::max(1, omp_get_num_procs() / local_size));

@@ -1,41 +1,26 @@
 // Context parallelism: causal attention over a sequence split across the members of the cp group,
 // with the zigzag split and ring attention.
 //
-// Zigzag split: the sequence of S tokens is cut into 2·CP chunks of S / (2·CP); member r holds
-// chunks r and 2·CP − 1 − r, in that order. Causal attention work grows with the position, so one
-// early and one late chunk give every member the same work.
+// Zigzag split: the S tokens are cut into 2·CP chunks; member r holds chunks r and 2·CP − 1 − r,
+// so one early and one late chunk give every member the same causal work.
 //
-// Ring attention: each member keeps its queries; the keys and values travel around the ring, one
-// hop per step (member r sends to r + 1), so after CP − 1 hops every member has seen every K/V
-// block. The next hop's exchange is posted before the current block is computed, so on the GPU the
-// transfer runs under the attention kernels. With c = S / (2·CP) and the member's local tokens
-// [0, c) = chunk r and [c, 2c) = chunk 2·CP − 1 − r, the block of the keys that came from member s is
-// (ops/attention.h's modes on sub-ranges):
-//   s = r: causal over all 2c local rows (chunk r sees itself causally, chunk 2·CP−1−r sees chunk r in
-//          full and itself causally; chunk r never sees the later chunk 2·CP−1−r);
-//   s < r: queries [0, 2c) against keys [0, c) in full (chunk s precedes both local chunks, chunk
-//          2·CP−1−s follows both);
+// Ring attention: each member keeps its queries while the keys and values travel around the ring
+// (r sends to r + 1), the next hop posted before the current block computes so the transfer runs
+// under it. With c = S / (2·CP), local tokens [0, c) = chunk r and [c, 2c) = chunk 2·CP − 1 − r,
+// the block of member s's keys is (ops/attention.h's modes on sub-ranges):
+//   s = r: causal over all 2c local rows;
+//   s < r: queries [0, 2c) against keys [0, c) in full (chunk s precedes both local chunks);
 //   s > r: queries [c, 2c) against keys [0, 2c) in full (both of s's chunks lie between r's two).
-// Each block's partial (out, lse) is merged into the running one by its log-sum-exp. The backward
-// runs the K/V ring again beside a ring of dK/dV sums: the sum for a K/V block starts at the member
-// after its owner and travels with it, each member adding its share, until one last hop brings it
-// home, where the owner adds it to its own block's share. The own block runs in three parts: two
-// under the first K/V hop, the third under that last dK/dV hop. A block's backward runs as two
-// halves, dK/dV first so that they travel while dq's kernel runs, except where one kernel computes
-// all three (ops/attention.h: attention_block_backward_fused, the wgmma kernels on the GPU).
-//
-// GPT-OSS's variant (ops/attention.h's AttentionVariant): a sliding window masks by
-// the true positions, and a member's two chunks are not adjacent, so with a window every block is cut
-// into one block per pair of chunks (ops/attention.h's windowed blocks: the distance between the
-// chunks' positions), and pairs whose keys all lie beyond the window are skipped. Sinks join once,
-// after every block is merged (attention_sinks_merge); the blocks' backward then takes the final lse,
-// which includes them, and each member adds its rows' share of dsinks.
-//
-// Numbers: the CPU runs in the tensors' dtype (f32, f64); on the GPU q, k, v, out, dout, dq, dk, dv
-// are bf16 and lse f32, while the running out and the dq, dk, dv accumulators are f32 (each rounded
-// to bf16 once, at the end). Runs on the compute stream (the default stream, as Comm expects); the
-// exchanges run on the group's stream. The order of additions is fixed (blocks in ring order), so
-// results are deterministic for a given CP, and equal the one-process op up to that order.
+// Each block's partial (out, lse) merges into the running one by its log-sum-exp. The backward
+// runs the K/V ring again beside a ring of dK/dV sums that travel with their block, each member
+// adding its share, until a last hop brings them home. A block's backward computes dK/dV first so
+// they travel while dq's kernel runs (one fused kernel on the GPU where it computes all three).
+// GPT-OSS's variant: with a sliding window every block is cut into one per pair of chunks (the two
+// local chunks are not adjacent) and pairs wholly beyond the window are skipped; sinks join once,
+// after every block is merged, and each member adds its rows' share of dsinks.
+// Numbers: on the GPU the tensors are bf16 (lse f32), the running out and the dq, dk, dv
+// accumulators f32, rounded once at the end. Additions run in ring order, so results are
+// deterministic for a given CP and equal the one-process op up to that order.
 #pragma once
 #include <cstdint>
 
@@ -78,11 +63,8 @@ void ring_attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tenso
 // over cp: ring_attention_forward/backward over the group, which must outlive the runner.
 AttentionRunner ring_attention_runner(const Comm& cp);
 
-// Device bytes ring attention over several members allocates beyond its inputs and outputs, for
-// `tokens` local tokens (batch x local sequence) of q_heads and kv_heads heads of head_dim: the two
-// K/V blocks of the ring, the partial and running results (forward), the dK/dV sums (three that
-// travel, the member's own) and the dq sum (backward).
-// Activations of `bytes` bytes (2 on the GPU), the running results f32 on the GPU.
+// Device bytes ring attention allocates beyond its inputs and outputs for `tokens` local tokens:
+// the ring's two K/V blocks, partial and running results (forward), the dK/dV sums and dq (backward).
 struct RingAttentionBytes {
   int64_t forward = 0, backward = 0;
 };

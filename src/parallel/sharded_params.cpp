@@ -257,8 +257,7 @@ void ShardedParameters::gather_kept(Unit& u) {
 namespace {
 
 // Appends t to ranges, or extends the last range when t follows it in memory: the gradients a step
-// zeroes lie mostly side by side, and one memset a run (not ~70 a bench step, each a GPU boundary
-// the host must launch at the start of the step) leaves the same zeros.
+// zeroes lie mostly side by side, and one memset a run leaves the same zeros with fewer launches.
 void add_range(std::vector<Tensor>& ranges, const Tensor& t) {
   if (!ranges.empty()) {
     const Tensor& last = ranges.back();

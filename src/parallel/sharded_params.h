@@ -1,39 +1,30 @@
 // Fully sharded data parallelism (ZeRO-3, and HSDP with parallel.dp_shard; DESIGN.md §5) for any
 // model whose parameter table (core/tensor_spec.h) tells each tensor's stage.
 //
-// The table is cut into units, each a contiguous range of the model's layout: the prolog's
-// tensors, each decoder layer's dense tensors, each layer's expert tensors, the epilog's, and the
-// norms of each pipeline chunk together (tiny, and needed by every stage). With pipeline
-// parallelism a rank has only the units of its chunks' stages. A unit of N elements is cut into n chunks of
-// c = ceil(N / n) elements (the last one padded with zeros) over its shard group: expert units over
-// the dp_shard x cp ranks that hold the same experts (Mesh::expert_shard), the others over
-// dp_shard x cp x ep (Mesh::shard). Member r of the group owns elements [r c, (r + 1) c): their fp32
-// master weights, gradients and AdamW moments live in this rank's arenas, units in table order.
-// The dp / dp_shard replicas of a shard (Mesh::replicas) sum their gradients.
+// The table is cut into units, each a contiguous range of the model's layout: the prolog, each
+// decoder layer's dense tensors, each layer's expert tensors, the epilog, and the norms of each
+// pipeline chunk together; a pipeline rank has only its chunks' units. A unit of N elements is cut
+// into n chunks of c = ceil(N / n) (the last padded with zeros) over its shard group: expert units
+// over the dp_shard x cp ranks holding the same experts (Mesh::expert_shard), the others over
+// dp_shard x cp x ep (Mesh::shard). Member r owns elements [r c, (r + 1) c): their fp32 master
+// weights, gradients and AdamW moments, units in table order. Replicas (Mesh::replicas) sum their
+// gradients.
 //
-// How one step moves a unit:
-//   weights  AdamW writes the compute-dtype shard (bf16 on the GPU; on the CPU the fp32 master
-//            shard itself serves). It is all-gathered into a whole copy on the group's
-//            communication stream: kept units (prolog, epilog, norms; every unit with
-//            parallel.keep_gathered) right after the optimizer updated them, decoder layers before
-//            each forward and backward, one layer ahead, through two slots (layer l in slot l % 2).
-//            After the forward the last two layers are still in their slots and the backward
-//            starts on them.
-//   grads    The backward writes a whole fp32 gradient of the unit. Decoder layers write it into
-//            two slots and reduce-scatter it into the owner's shard after each micro-batch
-//            (adding to the earlier micro-batches'); prolog, epilog and norms (every unit with
-//            parallel.keep_whole_grads) accumulate it whole over the micro-batches and
-//            reduce-scatter it once, as soon as the last micro-batch's backward has passed the
-//            stage. Replicas then sum the shards.
-// A unit of one chunk (n = 1) is neither gathered nor scattered: its whole copy is the shard, and
-// this is plain replicated data parallelism (and the single process). With cast_on_use (GPU), such
-// a unit of a decoder layer keeps no compute copy: before each use its fp32 master is cast into the
-// layer's slot, as a sharded unit would be gathered there.
-// With split_master (GPU), the fp32 master shard is kept split (core/split_f32.h): its high halves
-// are the compute-dtype shard AdamW writes anyway, its low halves are the params() arena (u16), so
-// the master and its bf16 copy take 4 bytes a parameter instead of 6. Initial values and
-// checkpoints pass through master_staging(), the fp32 gradient arena, which holds nothing between
-// an optimizer step and the next backward.
+// One step of a unit:
+//   weights  AdamW writes the compute-dtype shard (on the CPU the fp32 master itself serves), which
+//            is all-gathered on the communication stream: kept units (prolog, epilog, norms; all
+//            with parallel.keep_gathered) right after the update, decoder layers one layer ahead of
+//            each forward and backward through two slots (layer l in slot l % 2).
+//   grads    The backward writes a whole fp32 gradient. Decoder layers write it into two slots and
+//            reduce-scatter it after each micro-batch into the owner's shard; kept units (all with
+//            parallel.keep_whole_grads) accumulate it whole and reduce-scatter once, as soon as the
+//            last micro-batch's backward has passed the stage. Replicas then sum the shards.
+// A unit with n = 1 is neither gathered nor scattered (plain replicated data parallelism). With
+// cast_on_use (GPU) such a decoder-layer unit keeps no compute copy: its fp32 master is cast into the
+// layer's slot before each use. With split_master (GPU) the master is kept split (core/split_f32.h):
+// its high halves are the compute-dtype shard, its low halves the params() arena (u16), 4 bytes a
+// parameter instead of 6; initial values and checkpoints pass through master_staging() (the fp32
+// gradient arena, empty between an optimizer step and the next backward).
 #pragma once
 #include <array>
 #include <functional>
@@ -51,19 +42,16 @@ namespace marrow {
 
 class ShardedParameters {
  public:
-  // compute: the dtype the model computes in (bf16 on the GPU, f32 on the CPU). stage_chunk[stage
-  // + 1]: the pipeline chunk holding each stage (-1 prolog .. num_layers epilog), -1 where another
-  // pipeline rank holds it. moments: the AdamW moments' storage, f32 or bf16 (ops/adamw.h).
-  // split_master: keep the master split (above); it takes effect with a bf16 compute dtype, and
-  // excludes cast_on_use (the split keeps the compute copy by design).
+  // compute: the model's dtype. stage_chunk[stage + 1]: the pipeline chunk holding each stage, -1
+  // for another pipeline rank's. moments: f32 or bf16 (ops/adamw.h). split_master takes effect with
+  // a bf16 compute dtype and excludes cast_on_use (the split keeps the compute copy).
   ShardedParameters(const std::vector<TensorSpec>& specs, int64_t num_layers, const std::vector<int64_t>& stage_chunk, const Mesh& mesh,
                     bool keep_gathered, bool keep_whole_grads, bool cast_on_use, Device device, DType compute,
                     DType moments = DType::f32, bool split_master = false);
   ShardedParameters(const ShardedParameters&) = delete;
   ShardedParameters& operator=(const ShardedParameters&) = delete;
 
-  // This rank's shards, fp32 (the moments in their storage dtype; with the split master, params()
-  // holds the master's u16 low halves), units one after another in table order.
+  // This rank's shards in table order, fp32 (moments in their dtype; split master: u16 low halves).
   const Arena& params() const { return params_; }
   const Arena& grads() const { return grads_; }
   const Arena& exp_avg() const { return exp_avg_; }
@@ -78,19 +66,17 @@ class ShardedParameters {
   // Replica 0 of each shard saves it.
   bool saves_checkpoint() const { return saves_; }
 
-  // Fills the master shards: init(out, spec, first) writes elements [first, first + out.numel())
-  // of the whole tensor's initial values into master_staging(); master_changed() then takes them up.
+  // Fills the master shards: init(out, spec, first) writes elements [first, first + out.numel()) of
+  // the whole tensor's initial values into master_staging(); master_changed() takes them up.
   void initialize(const std::function<void(Tensor, const TensorSpec&, int64_t)>& init) const;
-  // The fp32 master shards, laid out as params(): params() itself, or with the split master the
-  // gradient arena, which holds them between unpack_master() (or a write such as a checkpoint's
-  // load) and master_changed() / release_master_staging(). Only outside a step.
+  // The fp32 master shards laid out as params(): params() itself, or with the split master the
+  // gradient arena, between unpack_master() (or a checkpoint's load) and master_changed() /
+  // release_master_staging(). Only outside a step.
   const Arena& master_staging() const { return split_ ? grads_ : params_; }
   bool split_master() const { return split_; }
-  // After the master shards changed outside the optimizer (written into master_staging(): the
-  // initial values, a checkpoint): the compute copies (and the split halves) follow.
+  // After master_staging() was written (initial values, a checkpoint): the compute copies follow.
   void master_changed();
-  // The master shards into master_staging() (nothing to do without the split); then
-  // release_master_staging() once they have been read (a checkpoint's save).
+  // The master shards into master_staging(), released after they were read (a checkpoint's save).
   void unpack_master() const;
   void release_master_staging() const;
 
@@ -100,41 +86,33 @@ class ShardedParameters {
     Tensor grad, flags;
   };
 
-  // One step, in this order: start_step; per micro-batch the forward and backward with the hooks
-  // below; finish_gradients; gradient_norm; optimizer_step. start_step zeroes the gradients the
-  // backward adds to; those of `known` that it would zero it restarts by rows instead
-  // (restart_known_zero: only the rows written since).
+  // One step: start_step; per micro-batch the forward and backward with the hooks below;
+  // finish_gradients; gradient_norm; optimizer_step. start_step zeroes the gradients the backward
+  // adds to, those of `known` by the rows written since (restart_known_zero).
   void start_step(std::span<const KnownZeroGrads> known = {});
   void before_forward(int64_t stage);
   void before_backward(int64_t stage);
   // micro: the micro-batch's index in the step; last: it is the step's last one.
   void after_backward(int64_t stage, int64_t micro, bool last, bool overlap);
-  // Whether this micro-batch's backward writes (rather than adds to) the decoder layers' gradients
-  // the table marks first_backward_writes (the epilog's, kept whole in every layout: micro == 0).
+  // Whether this micro-batch's backward writes (not adds to) the decoder layers'
+  // first_backward_writes gradients (the epilog's, always kept whole: micro == 0).
   bool first_writes_fresh(int64_t micro) const { return micro == 0 || first_writes_slotted_; }
-  // Whether those gradients add up over a step's micro-batches in one place (not slotted, each
-  // micro-batch's reduced after its backward).
+  // Whether those gradients add up over a step's micro-batches in one place (not slotted).
   bool expert_grads_accumulate() const { return !first_writes_slotted_; }
-  // The reductions not started during the backward (all, without overlap); the compute stream
-  // then waits for all of them.
+  // The reductions not started during the backward; the compute stream then waits for all.
   void finish_gradients(bool overlapped);
   // The global gradient norm, each element counted once (summed over the shard group, then the
-  // pipeline, in rank order). expert_squares[l], where given (f64, any length), holds parts whose
-  // sum is the sum of squares of decoder layer l's expert gradients as they stand (the step's
-  // backwards wrote them: grouped_linear_backward_weight's squares); that unit is then not read.
-  // Only where expert_grads_final(). The sums then run on the device, one piece per run of
-  // units, and reach the host in one copy.
-  // known: gradients whose flagged rows are not read (each run of units between the fused ones
-  // holds at most one).
+  // pipeline, in rank order). expert_squares[l], where given (only where expert_grads_final()),
+  // holds parts summing to layer l's expert gradients' squares, so that unit is not read; the sums
+  // then run on the device and reach the host in one copy. known: flagged rows are not read (at
+  // most one such gradient per run of units between the fused ones).
   double gradient_norm(std::span<const Tensor> expert_squares = {}, std::span<const KnownZeroGrads> known = {}) const;
-  // Whether every expert unit's gradient is complete once the step's last backward has written
-  // it: no shard reduction and no replica sum follows (n = 1, no dp replicas).
+  // Whether every expert unit's gradient is complete once the last backward wrote it (n = 1, no
+  // replicas); grads_final the same for one stage's other units (false where none is held).
   bool expert_grads_final() const;
-  // The same for the units of one stage that are not experts' (-1 the prolog, num_layers the epilog);
-  // false where this rank holds none of them.
   bool grads_final(int64_t stage) const;
-  // AdamW on the shards (norms and biases without weight decay); then the compute copies are re-gathered.
-  // known: AdamW takes their flagged rows' gradient as zero without reading it.
+  // AdamW on the shards (norms and biases undecayed; known's flagged rows read as zero), then the
+  // compute copies are gathered again.
   void optimizer_step(const AdamWHyper& hyper, std::span<const KnownZeroGrads> known = {});
 
  private:
@@ -183,7 +161,7 @@ class ShardedParameters {
   Slot& slot(const Unit& u, int64_t layer) { return slots_[u.expert ? 1 : 0][size_t(layer % 2)]; }
   void reduce_kept(const Unit& u);
   // A piece of a unit's shard that one AdamW call updates: one weight decay, at most one known-zero
-  // gradient (then the whole of it).
+  // gradient (whole).
   struct AdamWRun {
     int64_t begin = 0, count = 0;  // in the shard's elements
     bool decayed = true;
@@ -211,8 +189,7 @@ class ShardedParameters {
   Placement weights_, gradients_;
   std::vector<TensorPiece> pieces_;
   bool saves_ = true, first_writes_slotted_ = false, split_ = false;
-  // A GPU stream of its own for cast_on_use's casts, so the next layer's cast overlaps this layer's
-  // compute as a gather on a communication stream would (null on the CPU and without casts).
+  // cast_on_use's own GPU stream, so the next layer's cast overlaps this layer's compute.
   std::shared_ptr<void> cast_stream_;
 };
 

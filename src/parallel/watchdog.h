@@ -1,9 +1,8 @@
-// The watchdog ends a job that stops making progress instead of letting it hang for ever: a rank
-// that died, a peer stuck outside any collective, or an NCCL collective that never completes all
-// leave the other ranks blocked. While armed (the trainer arms it for each step), every collective
-// and every micro-batch marks progress; when none comes for parallel.timeout_s, or NCCL reports an
-// asynchronous error, the watchdog prints one line naming the rank and what it was waiting for, and
-// exits the process with code 124. The launcher (mpirun, srun) then ends the other ranks.
+// The watchdog ends a job that stops making progress (a dead rank, a stuck peer, an NCCL collective
+// that never completes) instead of letting it hang. While armed (each step), every collective and
+// micro-batch marks progress; when none comes for parallel.timeout_s, or NCCL reports an
+// asynchronous error, it prints one line naming the rank and what it waited for and exits with
+// code 124, and the launcher ends the other ranks.
 #pragma once
 #include <functional>
 #include <string>
