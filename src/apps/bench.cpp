@@ -7,6 +7,11 @@
 //   marrow bench --kernels [attention|experts]: the heaviest kernels at the bench shapes (CUDA events).
 //   marrow bench --attention-plans [seq]: every plan cuDNN offers for the bench's attention (time,
 //     repeatability, difference from the op's plan).
+// Speed steps run without stage timing (CUDA events at each stage boundary cost ~9 ms of a bench
+// step); steps/4 extra steps are timed for the stage split, and --profile-steps traces untimed steps
+// (stages as NVTX ranges only). Compare bench lines only across commits that time the same way
+// (2f9fbd5 changed it). A kernel's rows in --kernels can understate a change in the step: dW variants
+// looked 5-25% slower in the rows and were 27-39% slower in the step's trace.
 #include <algorithm>
 #include <cmath>
 #include <cstring>

@@ -8,6 +8,9 @@
 // gradient is compared on configs that route each token to every expert (K = E), where the model is
 // smooth and only rounding separates the sides (bound 5e-2 of the tensor's largest element); the
 // routed configs (K < E) are compared on the loss and the load-balance loss.
+// Routed MoE (K < E) is discontinuous: bf16 and f32 can pick different experts for near-tied tokens,
+// so the GPU-vs-CPU gradient and logit rows use K = E configs. GPT-OSS's clamp is a discontinuity of
+// the same kind: the rows keep gates away from it.
 #include <cmath>
 #include <optional>
 

@@ -5,6 +5,10 @@
 // kept: a midpoint whose lower bf16 neighbour is odd (low = 0x8000, rounded up) is stored one unit
 // in the last place higher (low 0x8001): 2^-24 of the value, ~1 in 131,072 updated weights, the
 // same bf16 rounding.
+// That midpoint rounding makes the bench model's losses leave the fp32 master's from step 2 (MoE
+// routing amplifies it); the tiny model's stay the same bits. Reference losses therefore differ by
+// master (docs/performance.md, "Split master weights"). Tests: SplitF32.* (gtest), parallel_check
+// under mpirun, marrow check --only elementwise rows "split"; GPU: tools/gpu_master.sh.
 #pragma once
 #include <cstdint>
 #include <cstring>

@@ -15,6 +15,12 @@
 // Crash safety: files are written into <dir>.tmp and fsync'ed, meta.json last, then the directory
 // is renamed to <dir>; a step-XXXXXXXX directory holding meta.json is complete, and leftovers
 // (*.tmp) are never read. Opening checks each file's size, verify_checkpoint its sha256.
+// Checkpoints of sharded runs hold slices: read them with load_checkpoint_pieces (tests:
+// tests/python/checkpoint_tensors.py, which assembles them from meta.json), never by opening one
+// safetensors file. TrainCheckpoints::require_disk_space refuses, before training, a run whose
+// output.dir cannot hold one checkpoint (12 bytes a parameter with the AdamW moments; marrow estimate
+// prints the size; Qwen3-30B-A3B's is 341 GiB, more than the 8-GPU kind's disk).
+// MARROW_TEST_SAVE_PAUSE_MS pauses a save so a test can kill it midway.
 #pragma once
 #include <optional>
 #include <string>

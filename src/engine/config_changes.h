@@ -6,6 +6,9 @@
 //   data       train.seed, train.global_batch, train.seq_len, data.validation_fraction, the corpus's tokens
 //   tokenizer  another tokenizer than the checkpoint's (token ids would mean other strings)
 // Everything else (learning rate, steps, batch split, parallel layout, ...) may change freely.
+// Refused without checkpoint.allow_changes=data|tokenizer: a change of train.seed, global_batch,
+// seq_len, data.validation_fraction, the corpus or its tokenizer. Anything else may change, so tests
+// that resume with another layout may change the layout freely.
 #pragma once
 #include <string>
 #include <vector>

@@ -10,6 +10,16 @@
 // - runtime (GPU only): CUDA context, cuBLAS workspace and NCCL communicators, outside the
 //   trainer's `peak` figure.
 // Invariant: with n = 1 everywhere the state and weights items equal the trainer's arenas.
+// pipeline_layout is computed by every rank and by marrow estimate on their own: it must stay a
+// pure function of the run config and the model (no timing, no rank), or ranks disagree on who holds
+// which layer. pipeline_stage_costs' rates are H200 measurements: re-derive them from a bench stage
+// split when the step's balance changes a lot (docs/performance.md, "DualPipeV's layer partition").
+// train.expert_inputs = auto is resolved once, against the device's memory, by
+// gathers_expert_inputs_again: the trainer (TrainSetup::gathers_expert_inputs ->
+// MicroBatch::gathers_expert_inputs) and marrow estimate (--gpu-memory) take the same decision, so
+// the bill matches the run. A new activation kept only when memory allows follows that pattern (a
+// setting, resolved here, set on the micro-batch). Either way gives the same bits
+// (tools/gpu_inputs.sh on the GPU).
 #pragma once
 #include <cstdint>
 #include <functional>

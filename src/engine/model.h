@@ -1,5 +1,11 @@
 // What the engine needs from a model family: the five-stage contract of DESIGN.md §3 as a C++20
 // concept. Each family (src/models/) satisfies it with plain member functions; nothing is virtual.
+// The sequential trainer pairs micro-batches 2i and 2i + 1 for the expert weight gradients (under
+// 512 rows per expert, expert gradients accumulating in place): 2i defers them (MicroBatch::deferred,
+// holding dout and copy_row instead of dy_perm with one process) and 2i + 1's BackwardPass runs
+// experts_backward_weights_pair with earlier_overwrites set from 2i. The kernel side must stay the
+// two calls' bits (ops/grouped_linear.h); Qwen3Moe.PairedExpertWeightGradientsGiveTheSameBits checks
+// the engine side on the CPU.
 #pragma once
 #include <concepts>
 #include <utility>

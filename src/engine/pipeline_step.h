@@ -4,6 +4,8 @@
 // chunk and handing its output to the next: through the pipeline links (parallel/pipeline_links.h)
 // when that chunk is on another rank, directly at the turn of the V (the last rank holds chunks
 // PP - 1 and PP). Messages are one fixed shape: [tokens, hidden] in the compute dtype.
+// DualPipeV (parallel.pp > 1 or parallel.schedule = dualpipev) implies keep_gathered and
+// keep_whole_grads; a pipeline rank's Weights views of other ranks' layers have data == nullptr.
 #pragma once
 #include <functional>
 #include <map>

@@ -1,3 +1,5 @@
+// Debian 12's CLI11 (2.1) cannot map TOML sections to dotted options, so the file is read with
+// toml++ and handed to CLI11 as --section.key=value arguments.
 #include "engine/run_config.h"
 
 #include <CLI/CLI.hpp>

@@ -1,6 +1,8 @@
 // The run configuration: a TOML file of [section] key = value lines plus command-line overrides
 // --section.key=value (the command line wins). Every key is a CLI11 option, so types, ranges and
 // unknown keys are checked in one place.
+// Paths in a run config resolve against the working directory, not the config file's (the files in
+// configs/ name configs/...).
 #pragma once
 #include <cstdint>
 #include <string>

@@ -2,6 +2,7 @@
 // directory corrupt both, so a run holds an exclusive lock on <output.dir>/.lock for its whole
 // life. flock() locks die with their process, so a crashed or SIGKILLed run never leaves a stale
 // lock behind; the file itself only names the holder (pid, host, start time) for the message.
+// The file stays after the run (only the lock dies), so listings of an output.dir include .lock.
 #pragma once
 #include <string>
 

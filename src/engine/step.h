@@ -4,6 +4,15 @@
 // backward consumes in a MicroBatch; ForwardPass and BackwardPass run a chunk one stage at a time,
 // so a schedule can interleave one micro-batch's forward with another's backward stage by stage
 // (forward_backward) and hide each all-to-all under the other's compute.
+// With one process a layer's expert_offsets are in GPU memory: the grouped GEMMs build their
+// schedules from them there, and nothing waits for the GPU between the optimizer and the gradient
+// norm (losses are read through HostSum at the step's end). Code that wants the expert sizes on the
+// host copies them (to_host, a wait for the GPU), never calls ptr<int32_t>() on them; with expert
+// parallelism they are the route's host offsets.
+// With one expert-parallel rank y_perm is freed after combine: aggregate_backward writes dout's
+// copies unweighted, and the experts' backward applies the routing weights and writes their
+// gradient (swiglu_weighted_backward, ops/swiglu.h). A model whose expert outputs are not linear in
+// the last matrix's input cannot take this path (Qwen3's down projection is).
 #pragma once
 #include <functional>
 #include <span>

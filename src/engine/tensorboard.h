@@ -6,6 +6,10 @@
 // - the run config (command-line arguments, then the file) as the text "run_config" at the start's step.
 // As for metrics.jsonl each step is in the files once: a fresh start removes an earlier run's event
 // files, a resume cuts them back to the checkpoint's step. File names sort in the order written.
+// A resume cuts metrics.jsonl and the earlier tb/ event files back to the checkpoint's step (later
+// steps are trained again). TensorBoard's Rust server drops such orphaned steps itself, but its
+// Python reader (EventAccumulator, which the tests and most tools use) would show them twice. Each
+// start of a run writes a new event file whose name sorts last.
 #pragma once
 #include <cstdint>
 #include <string>

@@ -6,6 +6,18 @@
 // expert-parallel rank's experts and its shard of the sharded state (parallel/sharded_params.h);
 // a cp group takes the same samples, each rank its zigzag share of every sequence (SequenceShare).
 // World rank 0 alone prints and writes metrics; every rank writes its shards into the checkpoint.
+// The gradient norm takes the expert gradients' sums of squares from expert_squares, which every
+// backward of a step updates (bands of the experts each dW call writes; a step's first call
+// overwrites). A new path that writes expert gradients (another schedule, a new model's experts)
+// passes the same squares to every one of its backwards, or the norm silently uses stale bands
+// (python.test_parallel's DualPipeV-equals-sequential rows and
+// Qwen3Moe.ExpertSquaresOfTheLastBackwardGiveTheGradientNorm catch a missed path).
+// expert_known_zero flags experts whose gradients are all zeros, kept from step to step, so an
+// overwriting dW call skips an empty expert (grouped_linear.h's known_zero) and AdamW takes its
+// gradient as zero without reading it (adamw_step_known_zero via ShardedParameters::optimizer_step's
+// `known`). The flags trust that only the dW calls write those gradients between steps: a new writer
+// (a reduction, a reset, a loaded state) clears them (fills them with 0) or runs without them.
+// prolog_known_zero does the same by rows for the embedding gradient (ops/known_zero.h).
 #pragma once
 #include <chrono>
 #include <cmath>

@@ -1,3 +1,7 @@
+// Neither the input norm's output nor attention's q/k inputs are kept: attention_backward computes
+// them again (input_norm, attention_inputs, which rewrite rstd1/rstd_q/rstd_k with the same bits). A
+// change to those ops must stay deterministic, or the backward no longer sees the forward's values;
+// activation_bytes mirrors what is kept.
 #include "models/qwen3_moe.h"
 
 #include <algorithm>

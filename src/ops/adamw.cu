@@ -1,3 +1,12 @@
+// Measured launch shape: many more blocks than fit at once (~12 waves) beat one resident wave with
+// grid-stride loops, despite the waves' tail (the single wave was +0.9 ms a bench step). Fusing a
+// block-wide reduction into this memory-bound FP64 walk (the FP8 weight scales) ran slower than AdamW
+// plus a separate pass (2.6 TB/s against 4.0 + 2.0): the barrier between the update and the stores
+// either holds a block's values in registers (fewer warps to hide the FP64 chains) or reads them
+// back (an exposed L2 round trip); try a side stream before another fused kernel. But AdamW on a
+// side stream under the next forward hid nothing, with or without stream priorities: the forward's
+// GEMMs and attention take every register of an SM, and a priority orders only the dispatch of new
+// blocks, so it helps only with short-lived blocks on the low-priority side.
 #include "ops/adamw.h"
 
 #include <algorithm>

@@ -14,6 +14,11 @@
 // (core/split_f32.h; train.master_weights = "split") pass param as their u16 low halves and
 // param_bf16 as their high halves: the step reads both and writes both, the same arithmetic on the
 // fp32 value they hold.
+// The two formulas (double with fp32 moments, f32 with bf16 ones) are each bit for bit between CPU
+// and GPU (`marrow check --only elementwise`, rows "bf16 moments"). Keep the bf16 kernels' registers
+// low: a two-float4 loop (80 registers) ran 12% slower. Checkpoint files hold the moments in their
+// arena's dtype and loading converts (copy_converting, engine/checkpoint.cpp). GPU runs:
+// tools/gpu_moments.sh <log-dir> [check|bench|long|curve|resume].
 #pragma once
 #include <cstdint>
 

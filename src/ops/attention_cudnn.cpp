@@ -4,6 +4,9 @@
 // GraphKey, which holds every field that changes it (chunk shapes included), and one mutex guards
 // the handles, the graphs and their executions. Gotcha: cuDNN refuses s_q = s_kv = 1, so a one-row
 // first query chunk joins the next (query_chunks) and a one-position sequence runs on the own kernels.
+// The cuDNN frontend (header-only, included by this file alone) comes from its PyPI wheel:
+// tools/setup.sh keeps its headers in .cache/cudnn-frontend and tools/gpu_prepare.sh carries them to
+// the GPU machine. CUDNN_FRONTEND_SKIP_JSON_LIB keeps its bundled nlohmann/json from meeting ours.
 #include "ops/attention_cudnn.h"
 
 #include <algorithm>

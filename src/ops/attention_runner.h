@@ -8,6 +8,9 @@
 // local tokens, with a variant (sinks, sliding window): q, out, dq, dout [B, S_local, Hq, D], k, v,
 // dk, dv [B, S_local, Hkv, D], lse [B, Hq, S_local]; dq, dk, dv are overwritten, dsinks [Hq] (given
 // exactly when the variant has sinks) is added to with this process's share.
+// Only attention sees other tokens of the sequence: every other op of a model must stay per token.
+// An op that mixes tokens along the sequence (a convolution, a sequence-wide norm) would see only the
+// local zigzag share under context parallelism (batch.seq = seq_len / cp, true `positions`).
 #pragma once
 #include <functional>
 

@@ -1,6 +1,9 @@
 // What every op file shares: picking the CPU reference's scalar type and checking that an op's
 // tensors live on one device. The CPU references are templates over the scalar type: f32 is the
 // path CI trains with, f64 lets gradient checks run the very same code in double precision.
+// A CPU reference splits an outer loop only where one thread computes each output element in the
+// sequential order (rows of y, rows of dW, key/value heads of attention), with an `if` on
+// kParallelWork; the *.ThreadCountDoesNotChangeTheBits tests check 1 against 3 threads.
 #pragma once
 #include <initializer_list>
 

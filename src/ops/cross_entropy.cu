@@ -1,3 +1,6 @@
+// Forward and backward stay two kernels. A fused version capped at one block per SM (shared memory
+// as the lever) so that its second pass over a row hits L2 ran +0.5 ms a bench step slower: the
+// idle time of each block's reductions and barriers cost more than L2 saved.
 #include "ops/cross_entropy.h"
 
 #include <algorithm>

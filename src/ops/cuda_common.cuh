@@ -1,4 +1,9 @@
 // Device-side helpers the op files share; included inside their #ifdef __CUDACC__ sections.
+// Dependent launch hides ~2 us before a small kernel but nearly nothing before a large one that
+// needs a whole SM: a GEMM waits for the SM to empty either way (docs/performance.md).
+// `cond ? pack_a.v[l] : pack_b.v[l]` on two register arrays makes nvcc take their addresses, so both
+// go to local memory (STL/LDL in the SASS, "stack" in -Xptxas -v): convert both elements first,
+// then select the values (rmsnorm.cu does).
 #pragma once
 #include <cuda_bf16.h>
 

@@ -15,6 +15,9 @@
 // over the expert's rows in order by one block, read-modify-write of the fp32 gradient from
 // registers) under the same shape rule, else a plain one-thread-per-dW-element kernel. All of them
 // are deterministic (no atomics on data).
+// The pair kernel must stay the two calls' bits: accumulators start from the old dW, then the first
+// source's k-steps, then the second's. A dW kernel that sums first and adds the old value later
+// breaks marrow check's "pair = two calls" rows and the reference losses.
 #pragma once
 #include "core/tensor.h"
 

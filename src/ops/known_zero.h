@@ -4,6 +4,10 @@
 // rule), and the readers may then skip flagged rows without changing a bit of what they compute
 // (adamw_step_known_zero, sum_squares_parts with KnownZeroRows). The flags live with the gradient
 // from step to step; all clear is always a valid state (nothing known).
+// Anything else that writes the embedding gradient must clear the flags of the rows it writes;
+// Qwen3Moe.KnownZeroEmbeddingRowsKeepTheBits catches a path that does not. start_step(known)
+// restarts the gradient by rows (restart_known_zero), embedding_backward clears its tokens' rows,
+// and the gradient norm (sum_squares_parts with KnownZeroRows) and AdamW skip flagged rows.
 #pragma once
 #include "core/tensor.h"
 

@@ -1,3 +1,6 @@
+// The fused QK-norm + RoPE kernels keep the plain rmsnorm's lane layout (pack p of a row to lane p;
+// the tree over a head's lanes is warp_sum's) so that fused and unfused give the same bits
+// (marrow check's "... bits" rows). A faster layout that moves elements between lanes changes bits.
 #include "ops/rmsnorm.h"
 
 #include <algorithm>

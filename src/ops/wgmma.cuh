@@ -19,6 +19,11 @@
 // unused (1), stride 1024 (8 rows of 128 bytes), 16 of K = +32 bytes on the start address; N-major:
 // leading = the distance between 64-column blocks, stride = between 8-row groups of K (swapped, the
 // results are wrong).
+// How to see a serialised wgmma: `cuobjdump -sass` shows `WARPGROUP.DEPBAR.LE gsb0, 0x0` after each
+// HGMMA (the pip wheel nvidia-cuda-cuobjdump has the tool when the toolkit lacks it). ptxas also
+// hoists `wgmma.wait_group` into any stall slot of the same basic block: a wait meant to come after
+// some work must start a block (e.g. right after an mbarrier wait's loop), as the own attention
+// forward's forward_step does. `ctest -R nvcc_guard` (tests/nvcc_guard/) checks the build's guard.
 #pragma once
 #include <cuda.h>
 #include <cuda_bf16.h>

@@ -12,6 +12,9 @@
 // computed on the device where the routing is (ops/expert_sends.h); only the 2P + 1 counts travel
 // to the host, which needs them to size the buffers and all-to-alls (one wait per layer, the GPU
 // free meanwhile), and go to the other members over MPI.
+// An exchange started (start_*) must be finished by the same pass before its buffers are reused:
+// its Exchange owns the send and receive buffers until finish_*, since the comm stream may still
+// read them.
 #pragma once
 #include <chrono>
 #include <cstdint>

@@ -3,6 +3,7 @@
 // one direction only and in micro-batch order (forwards of phase 0 and backwards of phase 1 go
 // down, the other two up), so with one group per kind a receiver never finds another kind's
 // message first, and on the GPU a send waits behind nothing but earlier sends of its kind.
+// A new kind of message needs its own group, or a receiver can take another kind's message.
 #pragma once
 #include <array>
 

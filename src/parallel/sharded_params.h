@@ -25,6 +25,15 @@
 // its high halves are the compute-dtype shard, its low halves the params() arena (u16), 4 bytes a
 // parameter instead of 6; initial values and checkpoints pass through master_staging() (the fp32
 // gradient arena, empty between an optimizer step and the next backward).
+// The model binds its views through a Placement, never to shard arenas. A new parameter must keep
+// each unit (prolog, a layer's dense tensors, a layer's experts, epilog, all norms) contiguous in the
+// spec table, or setup fails with an internal error. With split master weights (the GPU's default)
+// params() holds bf16 high halves and u16 low halves (4 bytes a parameter for master and copy, 6
+// with "fp32"); anything new that reads params() as fp32 goes through master_staging(): write it,
+// then master_changed() (which zeroes it again); for a save unpack_master(), then
+// release_master_staging() (TrainLoop::save_checkpoint). train.bf16_weight_copy=false needs
+// master_weights = "fp32" and runs only on the GPU (the CPU computes on the fp32 master): layers are
+// cast into the FSDP slots; tools/gpu_attention.sh long checks its losses bit for bit.
 #pragma once
 #include <array>
 #include <functional>
