@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "core/errors.h"
 #include "core/memory.h"
 
 namespace marrow {
@@ -36,6 +37,17 @@ class Both {
   Both() = default;
   Buffer host_, device_;
 };
+
+// Whether the call refuses its input (throws marrow's Error).
+template <class Call>
+bool refuses(const Call& call) {
+  try {
+    call();
+  } catch (const Error&) {
+    return true;
+  }
+  return false;
+}
 
 // Runs op(0) on the CPU's tensors, then op(1) on the GPU's.
 template <class Op>
