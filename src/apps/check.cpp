@@ -45,6 +45,13 @@ void CheckReport::expect_equal(const std::string& name, Tensor gpu, Tensor cpu) 
   add({name, same ? 0.0 : 1.0, 0.0, same});
 }
 
+void CheckReport::expect_finite(const std::string& name, Tensor gpu) {
+  const Buffer host = to_host_f32(gpu);
+  int64_t bad = 0;
+  for (int64_t i = 0; i < host.numel(); ++i) bad += !std::isfinite(host.ptr<float>()[i]);
+  add({name, double(bad), 0.0, bad == 0});
+}
+
 bool CheckReport::passed() const {
   return !rows_.empty() && std::all_of(rows_.begin(), rows_.end(), [](const CheckRow& r) { return r.passed; });
 }
@@ -53,6 +60,12 @@ Buffer random_host(std::initializer_list<int64_t> dims, uint64_t seed, double sc
   Buffer b(DType::f32, Device::cpu, dims);
   Philox rng = philox_for(seed, "check");
   for (int64_t i = 0; i < b.numel(); ++i) b.ptr<float>()[i] = float(scale * rng.normal(uint64_t(i)));
+  return b;
+}
+
+Buffer random_bf16(std::initializer_list<int64_t> dims, uint64_t seed, double scale) {
+  Buffer b = random_host(dims, seed, scale);
+  round_to_bf16(b);
   return b;
 }
 
@@ -92,6 +105,23 @@ Buffer poisoned(DType dtype, std::initializer_list<int64_t> dims) {
   Buffer b(dtype, Device::cuda, dims);
   poison(b);
   return b;
+}
+
+Both::Both(Tensor host, DType dtype) : cpu(host), gpu(host), device_(to_device(host, dtype)) {
+  gpu.data = device_.view().data;
+  gpu.dtype = dtype;
+  gpu.device = Device::cuda;
+}
+
+Both::Both(Buffer&& host, DType dtype) : Both(host.view(), dtype) { host_ = std::move(host); }
+
+Both Both::out(DType dtype, std::initializer_list<int64_t> dims) {
+  Both t;
+  t.host_ = Buffer(dtype == DType::bf16 ? DType::f32 : dtype, Device::cpu, dims);
+  t.device_ = poisoned(dtype, dims);
+  t.cpu = t.host_.view();
+  t.gpu = t.device_.view();
+  return t;
 }
 
 Buffer random_device(std::initializer_list<int64_t> dims, uint64_t seed, const char* name) {

@@ -1,13 +1,8 @@
-// marrow check, attention group: the flash-attention kernels of ops/attention.cu against the f32
-// CPU reference, at odd lengths (1, 37, 257), GQA groups 1, 4 and 8, head_dim 64 and 128, and the
-// bench shape (B 1, S 4096, 32 query / 4 key-value heads of 128); then the blocks of ring attention
-// (full and causal on sub-ranges, the zigzag split's cases, the backward adding into f32) and the
-// log-sum-exp merge, with the same bounds. The causal op's rows run three times: on the own kernels,
-// on cuDNN's (ops/attention_cudnn.h; rows named "attention cudnn ...") and on cuDNN's with its
-// non-deterministic backward (no "same bits" rows there). Then GPT-OSS's variant (sliding windows,
-// sinks) on the own kernels and on cuDNN's. Then cuDNN's deterministic backward in
-// forced query chunks (rows "attention cudnn chunk N ..."; set_cudnn_backward_chunk) at odd lengths,
-// within head groups, and at the bench shape, same bounds and the same bits twice.
+// marrow check, attention group: the causal op on every set_attention_kernels setting (rows of
+// cuDNN's name it; its non-deterministic backward has no "same bits" rows), cuDNN's backward in
+// forced query chunks ("chunk N"), the wgmma kernels, ring attention's blocks and log-sum-exp merge,
+// and GPT-OSS's variant (windows, sinks), against the f32 CPU reference at odd lengths, GQA groups
+// 1, 4 and 8, head_dim 64 and 128 and the bench shape (B 1, S 4096, 32 / 4 heads of 128).
 //
 // Bounds, as error = max |gpu - cpu| / max |cpu| (check.h). Both sides read the same bf16 inputs,
 // and the tensor cores multiply bf16 operands exactly into f32 accumulators, so the GPU's coarse
@@ -19,6 +14,7 @@
 // 2^-22 relative), so its error is near f32 rounding, ~1e-7 of |lse| >= O(1); 1e-4 still leaves
 // room for a sum of 4096 terms in another order.
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <iterator>
@@ -36,6 +32,7 @@ namespace {
 constexpr double kOutBound = 2e-2;
 constexpr double kLseBound = 1e-4;
 constexpr double kGradBound = 3e-2;
+constexpr DType bf16 = DType::bf16, f32 = DType::f32;
 
 struct Shape {
   int64_t b, s, hq, hkv, d;
@@ -45,78 +42,71 @@ struct Shape {
 std::string backward_variant;
 
 // Rows of the causal op name the kernels that ran it when they are cuDNN's.
-std::string label(const char* what, const Shape& n) {
+std::string label(const std::string& what, const Shape& n) {
   const std::string kernels =
       attention_kernels() == AttentionKernels::own ? "" : fmt::format(" {}", attention_kernels_name(attention_kernels()));
-  return fmt::format("attention{}{} {} B{} S{} H{}/{} D{}", kernels, backward_variant, what, n.b, n.s, n.hq, n.hkv,
-                     n.d);
+  return fmt::format("attention{}{} {} B{} S{} H{}/{} D{}", kernels, backward_variant, what, n.b, n.s, n.hq, n.hkv, n.d);
 }
 
-// Inputs (host f32, already rounded to bf16) and the CPU reference's results.
+Buffer rows4(int64_t b, int64_t s, int64_t heads, int64_t d) { return Buffer(f32, Device::cpu, {b, s, heads, d}); }
+
+// A host f32 copy rounded to bf16: the out that both backwards read, as the GPU's would be.
+Buffer rounded(Tensor out) {
+  Buffer b = rows4(out.size(0), out.size(1), out.size(2), out.size(3));
+  copy(b, out);
+  round_to_bf16(b);
+  return b;
+}
+
+// Inputs (rounded to bf16, with their GPU copies) and the CPU reference's results; q [B, S], k and v
+// [B, kv_seq]. Seeds depend on the seed and the tensor only, so a problem at S = 1024 (B = 1) holds
+// exactly the first 1024 positions of the same problem at S = 4096.
 struct Problem {
   Shape n;
-  Buffer q, k, v, dout;
-  Buffer out, lse, dq, dk, dv;
-  Buffer out_bf16;  // out rounded to bf16: what both backwards read, as the GPU's would be
+  int64_t kv_seq;
+  Both q, k, v, dout;
+  Buffer out{}, lse{}, dq{}, dk{}, dv{}, out_bf16{};
 };
 
-// Seeds depend on the seed and the tensor only, so a problem at S = 1024 (B = 1) holds exactly the
-// first 1024 positions of the same problem at S = 4096.
-Problem make_inputs(const Shape& n, uint64_t seed) {
-  Problem p{n,
-            random_host({n.b, n.s, n.hq, n.d}, seed),
-            random_host({n.b, n.s, n.hkv, n.d}, seed + 1),
-            random_host({n.b, n.s, n.hkv, n.d}, seed + 2),
-            random_host({n.b, n.s, n.hq, n.d}, seed + 3),
-            {}, {}, {}, {}, {}, {}};
-  for (Buffer* b : {&p.q, &p.k, &p.v, &p.dout}) round_to_bf16(*b);
-  return p;
+Problem make_inputs(const Shape& n, uint64_t seed, int64_t kv_seq = 0) {
+  const int64_t kv = kv_seq ? kv_seq : n.s;
+  return {n, kv, Both(random_bf16({n.b, n.s, n.hq, n.d}, seed), bf16), Both(random_bf16({n.b, kv, n.hkv, n.d}, seed + 1), bf16),
+          Both(random_bf16({n.b, kv, n.hkv, n.d}, seed + 2), bf16), Both(random_bf16({n.b, n.s, n.hq, n.d}, seed + 3), bf16)};
 }
 
 // With a variant (GPT-OSS's sinks and window; the plain op's bits without one), dsinks [Hq] gets the
 // sinks' gradient.
 Problem reference(const Shape& n, uint64_t seed, const AttentionVariant& variant = {}, Tensor dsinks = {}) {
   Problem p = make_inputs(n, seed);
-  p.out = Buffer(DType::f32, Device::cpu, {n.b, n.s, n.hq, n.d});
-  p.lse = Buffer(DType::f32, Device::cpu, {n.b, n.hq, n.s});
-  attention_forward(p.out, p.lse, p.q, p.k, p.v, variant);
-  p.out_bf16 = Buffer(DType::f32, Device::cpu, {n.b, n.s, n.hq, n.d});
-  copy(p.out_bf16, p.out);
-  round_to_bf16(p.out_bf16);
-  p.dq = Buffer(DType::f32, Device::cpu, {n.b, n.s, n.hq, n.d});
-  p.dk = Buffer(DType::f32, Device::cpu, {n.b, n.s, n.hkv, n.d});
-  p.dv = Buffer(DType::f32, Device::cpu, {n.b, n.s, n.hkv, n.d});
-  attention_backward(p.dq, p.dk, p.dv, dsinks, p.dout, p.q, p.k, p.v, p.out_bf16, p.lse, variant);
+  p.out = rows4(n.b, n.s, n.hq, n.d);
+  p.lse = Buffer(f32, Device::cpu, {n.b, n.hq, n.s});
+  attention_forward(p.out, p.lse, p.q.cpu, p.k.cpu, p.v.cpu, variant);
+  p.out_bf16 = rounded(p.out);
+  p.dq = rows4(n.b, n.s, n.hq, n.d), p.dk = rows4(n.b, n.s, n.hkv, n.d), p.dv = rows4(n.b, n.s, n.hkv, n.d);
+  attention_backward(p.dq, p.dk, p.dv, dsinks, p.dout.cpu, p.q.cpu, p.k.cpu, p.v.cpu, p.out_bf16, p.lse, variant);
   return p;
 }
 
-// The GPU side: bf16 copies of the inputs; every run's outputs are freshly poisoned.
+// The GPU side of a problem; every run's outputs are freshly poisoned.
 struct Gpu {
-  Shape n;
-  Buffer q, k, v, dout, out, lse, dq, dk, dv;
-
-  explicit Gpu(const Problem& p)
-      : n(p.n),
-        q(to_device(p.q, DType::bf16)),
-        k(to_device(p.k, DType::bf16)),
-        v(to_device(p.v, DType::bf16)),
-        dout(to_device(p.dout, DType::bf16)) {}
-
-  // to_device gives flat buffers; the ops want [B, S, heads, D].
-  Tensor rows4(const Buffer& b, int64_t heads) const { return b.view().reshape({n.b, n.s, heads, n.d}); }
+  const Problem& p;
+  Buffer out{}, lse{}, dq{}, dk{}, dv{};
 
   void forward(const AttentionVariant& variant = {}) {
-    out = poisoned(DType::bf16, {n.b, n.s, n.hq, n.d});
-    lse = poisoned(DType::f32, {n.b, n.hq, n.s});
-    attention_forward(out, lse, rows4(q, n.hq), rows4(k, n.hkv), rows4(v, n.hkv), variant);
+    out = poisoned(bf16, {p.n.b, p.n.s, p.n.hq, p.n.d});
+    lse = poisoned(f32, {p.n.b, p.n.hq, p.n.s});
+    attention_forward(out, lse, p.q.gpu, p.k.gpu, p.v.gpu, variant);
   }
   // Backward from the given out and lse (by default the forward's own); with sinks, dsinks is added to.
   void backward(Tensor out_in = {}, Tensor lse_in = {}, const AttentionVariant& variant = {}, Tensor dsinks = {}) {
-    dq = poisoned(DType::bf16, {n.b, n.s, n.hq, n.d});
-    dk = poisoned(DType::bf16, {n.b, n.s, n.hkv, n.d});
-    dv = poisoned(DType::bf16, {n.b, n.s, n.hkv, n.d});
-    attention_backward(dq, dk, dv, dsinks, rows4(dout, n.hq), rows4(q, n.hq), rows4(k, n.hkv), rows4(v, n.hkv),
-                       out_in.data ? out_in : out.view(), lse_in.data ? lse_in : lse.view(), variant);
+    dq = poisoned(bf16, {p.n.b, p.n.s, p.n.hq, p.n.d});
+    dk = poisoned(bf16, {p.n.b, p.n.s, p.n.hkv, p.n.d});
+    dv = poisoned(bf16, {p.n.b, p.n.s, p.n.hkv, p.n.d});
+    attention_backward(dq, dk, dv, dsinks, p.dout.gpu, p.q.gpu, p.k.gpu, p.v.gpu, out_in.data ? out_in : out.view(),
+                       lse_in.data ? lse_in : lse.view(), variant);
+  }
+  std::array<std::pair<const char*, const Buffer*>, 5> results() const {
+    return {{{"out", &out}, {"lse", &lse}, {"dq", &dq}, {"dk", &dk}, {"dv", &dv}}};
   }
 };
 
@@ -124,10 +114,8 @@ struct Gpu {
 // probability 1, so dS = 0 and dq = dk = 0) the relative error has no scale: there the row
 // measures the absolute error against the same bound, on O(1) inputs.
 void compare(CheckReport& report, const std::string& name, Tensor gpu, Tensor cpu, double bound) {
-  const float* c = cpu.ptr<float>();
-  bool zero = true;
-  for (int64_t i = 0; i < cpu.numel() && zero; ++i) zero = c[i] == 0.f;
-  if (!zero) return report.compare(name, gpu, cpu, bound);
+  if (std::any_of(cpu.ptr<float>(), cpu.ptr<float>() + cpu.numel(), [](float c) { return c != 0.f; }))
+    return report.compare(name, gpu, cpu, bound);
   Buffer got = to_host_f32(gpu);
   double max_abs = 0;
   bool finite = true;
@@ -139,27 +127,23 @@ void compare(CheckReport& report, const std::string& name, Tensor gpu, Tensor cp
   report.add({name + " (abs, ref 0)", error, bound, finite && error <= bound});
 }
 
-void check_shape(CheckReport& report, const Problem& p) {
-  const Shape& n = p.n;
-  Gpu g(p);
-  g.forward();
-  compare(report, label("out", n), g.out, p.out, kOutBound);
-  compare(report, label("lse", n), g.lse, p.lse, kLseBound);
-  // The backward reads the reference's out and lse, so its rows measure the backward alone.
-  Buffer out_in = to_device(p.out_bf16, DType::bf16), lse_in = to_device(p.lse, DType::f32);
-  g.backward(out_in.view().reshape({n.b, n.s, n.hq, n.d}), lse_in.view().reshape({n.b, n.hq, n.s}));
-  compare(report, label("dq", n), g.dq, p.dq, kGradBound);
-  compare(report, label("dk", n), g.dk, p.dk, kGradBound);
-  compare(report, label("dv", n), g.dv, p.dv, kGradBound);
+// The gradients' rows against the reference's.
+template <class Name>
+void compare_grads(CheckReport& report, const Problem& p, const Gpu& g, const Name& name) {
+  compare(report, name("dq"), g.dq, p.dq, kGradBound);
+  compare(report, name("dk"), g.dk, p.dk, kGradBound);
+  compare(report, name("dv"), g.dv, p.dv, kGradBound);
 }
 
-// A row that fails when a GPU result holds a NaN or an infinity (an element no kernel wrote keeps
-// its NaN poison); error = the number of such elements.
-void expect_finite(CheckReport& report, const std::string& name, Tensor gpu) {
-  Buffer got = to_host_f32(gpu);
-  int64_t bad = 0;
-  for (int64_t i = 0; i < got.numel(); ++i) bad += !std::isfinite(got.ptr<float>()[i]);
-  report.add({name, double(bad), 0, bad == 0});
+void check_shape(CheckReport& report, const Problem& p) {
+  Gpu g{p};
+  g.forward();
+  compare(report, label("out", p.n), g.out, p.out, kOutBound);
+  compare(report, label("lse", p.n), g.lse, p.lse, kLseBound);
+  // The backward reads the reference's out and lse, so its rows measure the backward alone.
+  const Both out_in(p.out_bf16, bf16), lse_in(p.lse, f32);
+  g.backward(out_in.gpu, lse_in.gpu);
+  compare_grads(report, p, g, [&](const char* what) { return label(what, p.n); });
 }
 
 // The bench shape (and the same at head_dim 64, which the wgmma kernels leave to cuDNN): the CPU
@@ -175,45 +159,32 @@ void check_bench(CheckReport& report, int64_t head_dim) {
   check_shape(report, ref);
 
   const Problem p = make_inputs(bench, seed);
-  Gpu first(p), second(p);
-  first.forward();
-  first.backward();
-  second.forward();
-  second.backward();
-
+  Gpu first{p}, second{p};
+  for (Gpu* g : {&first, &second}) {
+    g->forward();
+    g->backward();
+  }
   const int64_t rows = prefix.s * prefix.hq * prefix.d;  // B = 1: a prefix of positions is a prefix of memory
-  report.compare(label("out[:1024]", bench), first.out.view().reshape({bench.s * bench.hq * bench.d}).rows(0, rows),
-                 ref.out, kOutBound);
-  report.compare(label("dq[:1024]", bench), first.dq.view().reshape({bench.s * bench.hq * bench.d}).rows(0, rows),
-                 ref.dq, kGradBound);
-  Buffer lse = to_host_f32(first.lse), lse_prefix(DType::f32, Device::cpu, {prefix.b, prefix.hq, prefix.s});
+  auto head = [&](const Buffer& b) { return b.view().reshape({bench.s * bench.hq * bench.d}).rows(0, rows); };
+  report.compare(label("out[:1024]", bench), head(first.out), ref.out, kOutBound);
+  report.compare(label("dq[:1024]", bench), head(first.dq), ref.dq, kGradBound);
+  Buffer lse = to_host_f32(first.lse), lse_prefix(f32, Device::cpu, {prefix.b, prefix.hq, prefix.s});
   for (int64_t h = 0; h < bench.hq; ++h)
-    std::memcpy(lse_prefix.ptr<float>() + h * prefix.s, lse.ptr<float>() + h * bench.s,
-                size_t(prefix.s) * sizeof(float));
+    std::memcpy(lse_prefix.ptr<float>() + h * prefix.s, lse.ptr<float>() + h * bench.s, size_t(prefix.s) * sizeof(float));
   report.compare(label("lse[:1024]", bench), lse_prefix, ref.lse, kLseBound);
-
-  const std::pair<const char*, std::pair<const Buffer*, const Buffer*>> results[] = {
-      {"out", {&first.out, &second.out}}, {"lse", {&first.lse, &second.lse}}, {"dq", {&first.dq, &second.dq}},
-      {"dk", {&first.dk, &second.dk}},    {"dv", {&first.dv, &second.dv}}};
-  for (const auto& [what, runs] : results) {
-    expect_finite(report, label(fmt::format("{} finite", what).c_str(), bench), *runs.first);
+  for (size_t i = 0; i < first.results().size(); ++i) {
+    const auto [what, result] = first.results()[i];
+    report.expect_finite(label(fmt::format("{} finite", what), bench), *result);
     if (attention_kernels() == AttentionKernels::cudnn_nondeterministic) continue;  // its dq differs run to run
-    Buffer bits = to_host(*runs.first);
-    report.expect_equal(label(fmt::format("{} same bits", what).c_str(), bench), *runs.second, bits);
+    report.expect_same_bits(label(fmt::format("{} same bits", what), bench), *second.results()[i].second, *result);
   }
 }
 
 // Head dims without a kernel are a clear error, not a launch.
 void check_rejects_head_dim(CheckReport& report) {
-  Buffer q(DType::bf16, Device::cuda, {1, 4, 2, 96}), kv(DType::bf16, Device::cuda, {1, 4, 1, 96}),
-      out(DType::bf16, Device::cuda, {1, 4, 2, 96}), lse(DType::f32, Device::cuda, {1, 2, 4});
-  bool rejected = false;
-  try {
-    attention_forward(out, lse, q, kv, kv);
-  } catch (const Error&) {
-    rejected = true;
-  }
-  report.add({"attention rejects head_dim 96 on the GPU", rejected ? 0.0 : 1.0, 0, rejected});
+  Buffer q(bf16, Device::cuda, {1, 4, 2, 96}), kv(bf16, Device::cuda, {1, 4, 1, 96}), out(bf16, Device::cuda, {1, 4, 2, 96}),
+      lse(f32, Device::cuda, {1, 2, 4});
+  report.expect("attention rejects head_dim 96 on the GPU", refuses([&] { attention_forward(out, lse, q, kv, kv); }));
 }
 
 // Blocks (ring attention): q[B, Sq] against k, v[B, Sk] on sub-ranges, full and causal.
@@ -257,57 +228,35 @@ void compare_lse(CheckReport& report, const std::string& name, Tensor gpu, const
 // values against the CPU's share.
 void check_block(CheckReport& report, const BlockCase& c, uint64_t seed) {
   const Shape& n = c.n;
-  Problem p{n,
-            random_host({n.b, n.s, n.hq, n.d}, seed),
-            random_host({n.b, c.kv_seq, n.hkv, n.d}, seed + 1),
-            random_host({n.b, c.kv_seq, n.hkv, n.d}, seed + 2),
-            random_host({n.b, n.s, n.hq, n.d}, seed + 3),
-            Buffer::zeros(DType::f32, Device::cpu, {n.b, n.s, n.hq, n.d}),
-            Buffer::zeros(DType::f32, Device::cpu, {n.b, n.hq, n.s}),
-            Buffer::zeros(DType::f32, Device::cpu, {n.b, n.s, n.hq, n.d}),
-            Buffer::zeros(DType::f32, Device::cpu, {n.b, c.kv_seq, n.hkv, n.d}),
-            Buffer::zeros(DType::f32, Device::cpu, {n.b, c.kv_seq, n.hkv, n.d}),
-            {}};
-  for (Buffer* b : {&p.q, &p.k, &p.v, &p.dout}) round_to_bf16(*b);
-  attention_block_forward(p.out, p.lse, p.q, p.k, p.v, c.block);
-  Buffer q = to_device(p.q, DType::bf16), k = to_device(p.k, DType::bf16), v = to_device(p.v, DType::bf16);
-  Buffer dout = to_device(p.dout, DType::bf16);
-  auto rows4 = [&](const Buffer& b, int64_t seq, int64_t heads) { return b.view().reshape({n.b, seq, heads, n.d}); };
-  if (c.wgmma) {
-    const bool on = attention_block_backward_fused(rows4(q, n.s, n.hq), rows4(k, c.kv_seq, n.hkv), c.block);
-    report.add({block_label("on the wgmma kernels", c), on ? 0.0 : 1.0, 0, on});
-  }
-  Buffer out = Buffer::zeros(DType::bf16, Device::cuda, {n.b, n.s, n.hq, n.d});
-  Buffer lse = Buffer::zeros(DType::f32, Device::cuda, {n.b, n.hq, n.s});
-  attention_block_forward(out, lse, rows4(q, n.s, n.hq), rows4(k, c.kv_seq, n.hkv), rows4(v, c.kv_seq, n.hkv), c.block);
+  Problem p = make_inputs(n, seed, c.kv_seq);
+  auto zeros = [](std::initializer_list<int64_t> dims) { return Buffer::zeros(f32, Device::cpu, dims); };
+  p.out = zeros({n.b, n.s, n.hq, n.d}), p.lse = zeros({n.b, n.hq, n.s}), p.dq = zeros({n.b, n.s, n.hq, n.d});
+  p.dk = zeros({n.b, c.kv_seq, n.hkv, n.d}), p.dv = zeros({n.b, c.kv_seq, n.hkv, n.d});
+  attention_block_forward(p.out, p.lse, p.q.cpu, p.k.cpu, p.v.cpu, c.block);
+  if (c.wgmma) report.expect(block_label("on the wgmma kernels", c), attention_block_backward_fused(p.q.gpu, p.k.gpu, c.block));
+  Buffer out = Buffer::zeros(bf16, Device::cuda, {n.b, n.s, n.hq, n.d}), lse = Buffer::zeros(f32, Device::cuda, {n.b, n.hq, n.s});
+  attention_block_forward(out, lse, p.q.gpu, p.k.gpu, p.v.gpu, c.block);
   compare(report, block_label("out", c), out, p.out, kOutBound);
   compare_lse(report, block_label("lse", c), lse, p.lse);
 
-  p.out_bf16 = Buffer(DType::f32, Device::cpu, {n.b, n.s, n.hq, n.d});
-  copy(p.out_bf16, p.out);
-  round_to_bf16(p.out_bf16);
-  attention_block_backward(p.dq, p.dk, p.dv, p.dout, p.q, p.k, p.v, p.out_bf16, p.lse, c.block);
-  Buffer out_in = to_device(p.out_bf16, DType::bf16), lse_in = to_device(p.lse, DType::f32);
+  p.out_bf16 = rounded(p.out);
+  attention_block_backward(p.dq, p.dk, p.dv, p.dout.cpu, p.q.cpu, p.k.cpu, p.v.cpu, p.out_bf16, p.lse, c.block);
+  const Both out_in(p.out_bf16, bf16), lse_in(p.lse, f32);
   const Buffer base[3] = {random_host({n.b, n.s, n.hq, n.d}, seed + 4), random_host({n.b, c.kv_seq, n.hkv, n.d}, seed + 5),
                           random_host({n.b, c.kv_seq, n.hkv, n.d}, seed + 6)};
-  Buffer grads[3] = {to_device(base[0], DType::f32), to_device(base[1], DType::f32), to_device(base[2], DType::f32)};
-  attention_block_backward(rows4(grads[0], n.s, n.hq), rows4(grads[1], c.kv_seq, n.hkv), rows4(grads[2], c.kv_seq, n.hkv),
-                           rows4(dout, n.s, n.hq), rows4(q, n.s, n.hq), rows4(k, c.kv_seq, n.hkv),
-                           rows4(v, c.kv_seq, n.hkv), rows4(out_in, n.s, n.hq), lse_in.view().reshape({n.b, n.hq, n.s}),
-                           c.block);
+  const Both grads[3] = {Both(base[0], f32), Both(base[1], f32), Both(base[2], f32)};
+  const Both halves[3] = {Both(base[0], f32), Both(base[1], f32), Both(base[2], f32)};
+  auto backward = [&](const Both* g, AttentionGrads half) {
+    attention_block_backward(g[0].gpu, g[1].gpu, g[2].gpu, p.dout.gpu, p.q.gpu, p.k.gpu, p.v.gpu, out_in.gpu, lse_in.gpu, c.block, half);
+  };
+  backward(grads, AttentionGrads::all);
   // Ring attention runs the kv half and the q half apart: together they must give the whole's bits.
-  Buffer halves[3] = {to_device(base[0], DType::f32), to_device(base[1], DType::f32), to_device(base[2], DType::f32)};
-  for (AttentionGrads half : {AttentionGrads::kv, AttentionGrads::q})
-    attention_block_backward(rows4(halves[0], n.s, n.hq), rows4(halves[1], c.kv_seq, n.hkv),
-                             rows4(halves[2], c.kv_seq, n.hkv), rows4(dout, n.s, n.hq), rows4(q, n.s, n.hq),
-                             rows4(k, c.kv_seq, n.hkv), rows4(v, c.kv_seq, n.hkv), rows4(out_in, n.s, n.hq),
-                             lse_in.view().reshape({n.b, n.hq, n.s}), c.block, half);
+  for (AttentionGrads half : {AttentionGrads::kv, AttentionGrads::q}) backward(halves, half);
   const std::pair<const char*, const Buffer*> want[3] = {{"dq", &p.dq}, {"dk", &p.dk}, {"dv", &p.dv}};
   for (int i = 0; i < 3; ++i)
-    report.expect_equal(block_label(want[i].first, c) + " (kv half, then q half: the whole's bits)",
-                        to_host_f32(halves[i]), to_host_f32(grads[i]));
+    report.expect_same_bits(block_label(want[i].first, c) + " (kv half, then q half: the whole's bits)", halves[i].gpu, grads[i].gpu);
   for (int i = 0; i < 3; ++i) {
-    Buffer added = to_host_f32(grads[i]);
+    Buffer added = to_host_f32(grads[i].gpu);
     for (int64_t e = 0; e < added.numel(); ++e) added.ptr<float>()[e] -= base[i].ptr<float>()[e];
     compare(report, block_label(want[i].first, c), added, *want[i].second, kGradBound);
   }
@@ -315,44 +264,35 @@ void check_block(CheckReport& report, const BlockCase& c, uint64_t seed) {
 
 // The merge of two partials (keys [0, 20) and [20, 45) in full) into a running result at (0, -inf),
 // on query rows [3, 30) of 37: f32 arithmetic on the same inputs (the partial out rounded to bf16
-// on both sides), so 1e-5 of the largest element bounds it; rows outside must keep 0 and -inf.
+// on both sides), so 1e-5 of the largest element bounds it; rows outside must keep 0 and -inf. Then
+// the sinks joining the merged result (ring attention with GPT-OSS's sinks); rows outside [3, 30)
+// saw no key, so they take the sink's lse and keep out 0.
 void check_merge(CheckReport& report) {
   const Shape n{2, 37, 8, 2, 64};
   const int64_t begin = 3, end = 30;
-  Buffer q = random_host({n.b, n.s, n.hq, n.d}, 700), k = random_host({n.b, 45, n.hkv, n.d}, 701),
-         v = random_host({n.b, 45, n.hkv, n.d}, 702);
-  Buffer out = Buffer::zeros(DType::f32, Device::cpu, {n.b, n.s, n.hq, n.d});
-  Buffer lse(DType::f32, Device::cpu, {n.b, n.hq, n.s});
-  for (int64_t i = 0; i < lse.numel(); ++i) lse.ptr<float>()[i] = -INFINITY;
-  Buffer gpu_out = to_device(out, DType::f32), gpu_lse = to_device(lse, DType::f32);
+  Buffer q = random_host({n.b, n.s, n.hq, n.d}, 700), k = random_host({n.b, 45, n.hkv, n.d}, 701), v = random_host({n.b, 45, n.hkv, n.d}, 702);
+  Buffer out = Buffer::zeros(f32, Device::cpu, {n.b, n.s, n.hq, n.d}), lse(f32, Device::cpu, {n.b, n.hq, n.s}), sinks = random_bf16({n.hq}, 703);
+  std::fill(lse.ptr<float>(), lse.ptr<float>() + lse.numel(), -INFINITY);
+  const Both merged_out(out, f32), merged_lse(lse, f32);
   for (const auto& [k0, k1] : {std::pair{int64_t(0), int64_t(20)}, std::pair{int64_t(20), int64_t(45)}}) {
-    Buffer part = Buffer::zeros(DType::f32, Device::cpu, {n.b, n.s, n.hq, n.d});
-    Buffer part_lse = Buffer::zeros(DType::f32, Device::cpu, {n.b, n.hq, n.s});
+    Buffer part = Buffer::zeros(f32, Device::cpu, {n.b, n.s, n.hq, n.d}), part_lse = Buffer::zeros(f32, Device::cpu, {n.b, n.hq, n.s});
     attention_block_forward(part, part_lse, q, k, v, {AttentionMask::full, begin, end, k0, k1});
     round_to_bf16(part);
-    attention_merge(out, lse, part, part_lse, begin, end);
-    Buffer gpu_part = to_device(part, DType::bf16), gpu_part_lse = to_device(part_lse, DType::f32);
-    attention_merge(gpu_out.view().reshape({n.b, n.s, n.hq, n.d}), gpu_lse.view().reshape({n.b, n.hq, n.s}),
-                    gpu_part.view().reshape({n.b, n.s, n.hq, n.d}), gpu_part_lse.view().reshape({n.b, n.hq, n.s}), begin,
-                    end);
+    const Both part_both(part, bf16), part_lse_both(part_lse, f32);
+    on_each_side([&](int s) { attention_merge(merged_out[s], merged_lse[s], part_both[s], part_lse_both[s], begin, end); });
   }
-  report.compare("attention merge out B2 S37 rows [3, 30) H8 D64", gpu_out, out, 1e-5);
-  Buffer got_lse = to_host_f32(gpu_lse);
+  report.compare("attention merge out B2 S37 rows [3, 30) H8 D64", merged_out, 1e-5);
+  Buffer got_lse = to_host_f32(merged_lse.gpu);
   double error = 0;
   for (int64_t i = 0; i < lse.numel(); ++i) {
     const float g = got_lse.ptr<float>()[i], w = lse.ptr<float>()[i];
     error = std::max(error, std::isinf(w) ? (g == w ? 0.0 : INFINITY) : std::abs(double(g) - w));
   }
   report.add({"attention merge lse B2 S37 rows [3, 30) (abs; -inf outside)", error, 1e-5, error <= 1e-5});
-  // The sinks joining the merged result (ring attention with GPT-OSS's sinks); rows outside [3, 30)
-  // saw no key, so they take the sink's lse and keep out 0.
-  Buffer sinks = random_host({n.hq}, 703);
-  round_to_bf16(sinks);
-  attention_sinks_merge(out, lse, sinks);
-  Buffer gpu_sinks = to_device(sinks, DType::bf16);
-  attention_sinks_merge(gpu_out.view().reshape({n.b, n.s, n.hq, n.d}), gpu_lse.view().reshape({n.b, n.hq, n.s}), gpu_sinks);
-  report.compare("attention sinks merge out B2 S37 H8 D64", gpu_out, out, 1e-5);
-  report.compare("attention sinks merge lse B2 S37 H8 D64", gpu_lse, lse, 1e-6);
+  const Both sinks_both(sinks, bf16);
+  on_each_side([&](int s) { attention_sinks_merge(merged_out[s], merged_lse[s], sinks_both[s]); });
+  report.compare("attention sinks merge out B2 S37 H8 D64", merged_out, 1e-5);
+  report.compare("attention sinks merge lse B2 S37 H8 D64", merged_lse, 1e-6);
 }
 
 // GPT-OSS's variant (ops/attention.h's AttentionVariant): the causal op with a sliding window
@@ -363,42 +303,33 @@ void check_merge(CheckReport& report) {
 // working weights.
 void check_variant(CheckReport& report, const Shape& n, int64_t window, bool with_sinks, uint64_t seed,
                    std::initializer_list<AttentionKernels> settings = {AttentionKernels::own, AttentionKernels::hopper_backward}) {
-  Buffer sinks = random_host({n.hq}, seed + 4), dsinks = Buffer::zeros(DType::f32, Device::cpu, {n.hq});
-  round_to_bf16(sinks);
-  const Problem p =
-      reference(n, seed, AttentionVariant{with_sinks ? sinks.view() : Tensor{}, window}, with_sinks ? dsinks.view() : Tensor{});
-  Buffer gpu_sinks = to_device(sinks, DType::bf16);
-  const AttentionVariant variant{with_sinks ? gpu_sinks.view() : Tensor{}, window};
+  Buffer dsinks = Buffer::zeros(f32, Device::cpu, {n.hq});
+  const Both sinks(random_bf16({n.hq}, seed + 4), bf16);
+  const Problem p = reference(n, seed, AttentionVariant{with_sinks ? sinks.cpu : Tensor{}, window}, with_sinks ? dsinks.view() : Tensor{});
+  const AttentionVariant variant{with_sinks ? sinks.gpu : Tensor{}, window};
   // The backward reads the reference's out and lse, so its rows measure the backward alone.
-  Buffer out_in = to_device(p.out_bf16, DType::bf16), lse_in = to_device(p.lse, DType::f32);
+  const Both out_in(p.out_bf16, bf16), lse_in(p.lse, f32);
   const std::string what = fmt::format("variant window {}{}", window, with_sinks ? " sinks" : "");
+  auto name = [&](const std::string& tensor) { return label(fmt::format("{} {}", what, tensor), n); };
   for (const AttentionKernels kernels : settings) {
     set_attention_kernels(kernels);
-    Gpu runs[2] = {Gpu(p), Gpu(p)};
+    Gpu runs[2] = {Gpu{p}, Gpu{p}};
     Buffer run_dsinks[2];
     for (int r = 0; r < 2; ++r) {
-      run_dsinks[r] = Buffer::zeros(DType::f32, Device::cuda, {n.hq});
+      run_dsinks[r] = Buffer::zeros(f32, Device::cuda, {n.hq});
       runs[r].forward(variant);
-      runs[r].backward(out_in.view().reshape({n.b, n.s, n.hq, n.d}), lse_in.view().reshape({n.b, n.hq, n.s}), variant,
-                       with_sinks ? run_dsinks[r].view() : Tensor{});
+      runs[r].backward(out_in.gpu, lse_in.gpu, variant, with_sinks ? run_dsinks[r].view() : Tensor{});
     }
-    const Gpu& g = runs[0];
-    auto name = [&](const char* tensor) { return label(fmt::format("{} {}", what, tensor).c_str(), n); };
-    report.compare(name("out"), g.out, p.out, kOutBound);
-    report.compare(name("lse"), g.lse, p.lse, kLseBound);
+    report.compare(name("out"), runs[0].out, p.out, kOutBound);
+    report.compare(name("lse"), runs[0].lse, p.lse, kLseBound);
     // A window of 1 gives every row one key of probability 1, so dq = dk = 0 exactly on the CPU: compare's absolute rows.
-    compare(report, name("dq"), g.dq, p.dq, kGradBound);
-    compare(report, name("dk"), g.dk, p.dk, kGradBound);
-    compare(report, name("dv"), g.dv, p.dv, kGradBound);
+    compare_grads(report, p, runs[0], name);
     if (with_sinks) compare(report, name("dsinks"), run_dsinks[0], dsinks, kGradBound);
-    const std::pair<const char*, std::pair<const Buffer*, const Buffer*>> results[] = {
-        {"out", {&runs[0].out, &runs[1].out}}, {"lse", {&runs[0].lse, &runs[1].lse}}, {"dq", {&runs[0].dq, &runs[1].dq}},
-        {"dk", {&runs[0].dk, &runs[1].dk}},    {"dv", {&runs[0].dv, &runs[1].dv}},    {"dsinks", {&run_dsinks[0], &run_dsinks[1]}}};
-    for (const auto& [tensor, pair] : results) {
-      if (std::string(tensor) == "dsinks" && !with_sinks) continue;
-      Buffer bits = to_host(*pair.first);
-      report.expect_equal(name(fmt::format("{} same bits", tensor).c_str()), *pair.second, bits);
+    for (size_t i = 0; i < runs[0].results().size(); ++i) {
+      const auto [tensor, result] = runs[0].results()[i];
+      report.expect_same_bits(name(fmt::format("{} same bits", tensor)), *runs[1].results()[i].second, *result);
     }
+    if (with_sinks) report.expect_same_bits(name("dsinks same bits"), run_dsinks[1], run_dsinks[0]);
   }
 }
 

@@ -11,7 +11,6 @@
 #include <vector>
 
 #include "apps/check.h"
-#include "core/cuda_check.h"
 #include "ops/fp8.h"
 #include "ops/grouped_linear.h"
 #include "ops/grouped_linear_fp8.h"
@@ -25,19 +24,6 @@ constexpr double kQuantizedBound = 0.08;  // FP8 against bf16 operands (3-4.3% m
 
 int64_t blocks_of(int64_t n) { return (n + kFp8Block - 1) / kFp8Block; }
 
-// A device copy of a host tensor cast to dtype, seen with the host tensor's shape (to_device's is flat).
-struct DeviceCopy {
-  Buffer buffer;
-  Tensor view;
-};
-DeviceCopy device_copy(Tensor host, DType dtype) {
-  Buffer b = to_device(host, dtype);
-  Tensor v = b.view();
-  v.ndim = host.ndim;
-  v.shape = host.shape;
-  return {std::move(b), v};
-}
-
 // A host copy of a 2- or 3-dimensional device tensor with its shape (to_host's is flat).
 Buffer host_copy(Tensor device) {
   Buffer b = device.ndim == 3 ? Buffer(device.dtype, Device::cpu, {device.size(0), device.size(1), device.size(2)})
@@ -49,8 +35,7 @@ Buffer host_copy(Tensor device) {
 // Host f32 values, rounded through bf16, rows scaled by powers of two from 2^-3 to 2^3 (so that the
 // blocks' scales differ), element 5 of row 1 NaN when asked.
 Buffer host_input(std::initializer_list<int64_t> dims, uint64_t seed, bool with_nan) {
-  Buffer b = random_host(dims, seed);
-  round_to_bf16(b);
+  Buffer b = random_bf16(dims, seed);
   const Tensor t = b.view();
   const int64_t cols = t.size(t.ndim - 1);
   for (int64_t i = 0; i < t.numel(); ++i) t.ptr<float>()[i] = std::ldexp(t.ptr<float>()[i], int(i / cols % 7) - 3);
@@ -64,7 +49,7 @@ void check_quantize_rows(CheckReport& report, int64_t r, int64_t c, DType input,
   Fp8Buffer ref = Fp8Buffer::rows(Device::cpu, r, c), got = Fp8Buffer::rows(Device::cuda, r, c);
   quantize_rows(ref.view(), x);
   poison(got.scales);
-  quantize_rows(got.view(), device_copy(x, input).view);
+  quantize_rows(got.view(), Both(x, input).gpu);
   report.expect_equal("quantize_rows values " + shape, got.values, ref.values);
   report.expect_equal("quantize_rows scales (a NaN block) " + shape, got.scales, ref.scales);
 }
@@ -76,9 +61,9 @@ void check_quantize_blocks(CheckReport& report, int64_t e, int64_t o, int64_t i,
   Fp8Buffer got = Fp8Buffer::blocks(Device::cuda, e, o, i), got_t = Fp8Buffer::blocks(Device::cuda, e, i, o);
   Fp8Buffer alone = Fp8Buffer::blocks(Device::cuda, e, o, i);
   quantize_blocks(ref.view(), ref_t.view(), w);
-  const DeviceCopy wd = device_copy(w, input);
-  quantize_blocks(got.view(), got_t.view(), wd.view);
-  quantize_blocks(alone.view(), {}, wd.view);
+  const Both wd(w, input);
+  quantize_blocks(got.view(), got_t.view(), wd.gpu);
+  quantize_blocks(alone.view(), {}, wd.gpu);
   report.expect_equal("quantize_blocks values " + shape, got.values, ref.values);
   report.expect_equal("quantize_blocks scales " + shape, got.scales, ref.scales);
   report.expect_equal("quantize_blocks transposed values " + shape, got_t.values, ref_t.values);
@@ -118,13 +103,10 @@ void check_gemm_small(CheckReport& report, int64_t n, int64_t k, const std::vect
   const int64_t r = offsets.ptr<int32_t>()[e];
   const std::string shape = fmt::format("{}x{}->{} E{}{}", r, k, n, e, transposed ? " (transposed weight)" : "");
   Fp8Buffer x = Fp8Buffer::rows(Device::cuda, r, k), w = Fp8Buffer::blocks(Device::cuda, e, n, k);
-  quantize_rows(x.view(), device_copy(host_input({r, k}, seed, false), DType::bf16).view);
-  if (transposed) {
-    Fp8Buffer drawn = Fp8Buffer::blocks(Device::cuda, e, k, n);
-    quantize_blocks(drawn.view(), w.view(), device_copy(host_input({e, k, n}, seed + 1, false), DType::bf16).view);
-  } else {
-    quantize_blocks(w.view(), {}, device_copy(host_input({e, n, k}, seed + 1, false), DType::bf16).view);
-  }
+  quantize_rows(x.view(), Both(host_input({r, k}, seed, false), DType::bf16).gpu);
+  Fp8Buffer drawn = Fp8Buffer::blocks(Device::cuda, e, k, n);
+  if (transposed) quantize_blocks(drawn.view(), w.view(), Both(host_input({e, k, n}, seed + 1, false), DType::bf16).gpu);
+  else quantize_blocks(w.view(), {}, Both(host_input({e, n, k}, seed + 1, false), DType::bf16).gpu);
   Buffer y = poisoned(DType::bf16, {r, n}), again = poisoned(DType::bf16, {r, n}), device_offsets = poisoned(DType::bf16, {r, n});
   grouped_linear_fp8(y, x.view(), w.view(), offsets);
   grouped_linear_fp8(again, x.view(), w.view(), offsets);
@@ -133,8 +115,8 @@ void check_gemm_small(CheckReport& report, int64_t n, int64_t k, const std::vect
   const Fp8Buffer xh{host_copy(x.values), host_copy(x.scales)}, wh{host_copy(w.values), host_copy(w.scales)};
   grouped_linear_fp8(ref, xh.view(), wh.view(), offsets);
   report.compare("grouped fp8 " + shape, y, ref, kBf16Bound);
-  report.expect_equal("grouped fp8 twice, same bits " + shape, again, to_host(y));
-  report.expect_equal("grouped fp8, offsets on the GPU = on the host " + shape, device_offsets, to_host(y));
+  report.expect_same_bits("grouped fp8 twice, same bits " + shape, again, y);
+  report.expect_same_bits("grouped fp8, offsets on the GPU = on the host " + shape, device_offsets, y);
 }
 
 // Bench shape: y = x W^T (forward) or dx = dy W (the transposed weight), compared on the last 48
@@ -154,10 +136,7 @@ void check_gemm_bench(CheckReport& report, const char* label, int64_t e, int64_t
   grouped_linear_fp8(y, xq.view(), wq.view(), offsets);
   if (transposed) grouped_linear_backward_input(y_bf16, x, w, offsets);
   else grouped_linear_forward(y_bf16, x, w, offsets);
-  const Buffer yh = to_host_f32(y);
-  int64_t bad = 0;
-  for (int64_t i = 0; i < yh.numel(); ++i) bad += !std::isfinite(yh.ptr<float>()[i]);
-  report.add({"grouped fp8 all written " + shape, double(bad), 0.0, bad == 0});
+  report.expect_finite("grouped fp8 all written " + shape, y);
   const int32_t* off = offsets.ptr<int32_t>();
   const int64_t largest = std::max_element(counts.begin(), counts.end()) - counts.begin();
   for (const int64_t g : {largest, int64_t(3), int64_t(1), e - 1}) {

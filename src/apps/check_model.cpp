@@ -74,33 +74,22 @@ struct ModelSide {
 };
 
 // Each family's layer gradients, relative to each tensor's largest element.
-void compare_layer(CheckReport& report, const std::string& p, const Qwen3MoeLayerWeights& a, const Qwen3MoeLayerWeights& b, double bound) {
-  report.compare(p + "input_layernorm", a.input_norm, b.input_norm, bound);
-  report.compare(p + "q_proj", a.q_proj, b.q_proj, bound);
-  report.compare(p + "k_proj", a.k_proj, b.k_proj, bound);
-  report.compare(p + "v_proj", a.v_proj, b.v_proj, bound);
-  report.compare(p + "o_proj", a.o_proj, b.o_proj, bound);
-  report.compare(p + "q_norm", a.q_norm, b.q_norm, bound);
-  report.compare(p + "k_norm", a.k_norm, b.k_norm, bound);
-  report.compare(p + "post_attention_layernorm", a.post_norm, b.post_norm, bound);
-  report.compare(p + "router", a.router, b.router, bound);
-  report.compare(p + "experts gate/up", a.experts_gate_up, b.experts_gate_up, bound);
-  report.compare(p + "experts down", a.experts_down, b.experts_down, bound);
-}
-
-void compare_layer(CheckReport& report, const std::string& p, const GptOssLayerWeights& a, const GptOssLayerWeights& b, double bound) {
-  const std::pair<const char*, Tensor GptOssLayerWeights::*> tensors[] = {
-      {"input_layernorm", &GptOssLayerWeights::input_norm}, {"q_proj", &GptOssLayerWeights::q_proj},
-      {"q_proj bias", &GptOssLayerWeights::q_bias},         {"k_proj", &GptOssLayerWeights::k_proj},
-      {"k_proj bias", &GptOssLayerWeights::k_bias},         {"v_proj", &GptOssLayerWeights::v_proj},
-      {"v_proj bias", &GptOssLayerWeights::v_bias},         {"o_proj", &GptOssLayerWeights::o_proj},
-      {"o_proj bias", &GptOssLayerWeights::o_bias},         {"sinks", &GptOssLayerWeights::sinks},
-      {"post_attention_layernorm", &GptOssLayerWeights::post_norm}, {"router", &GptOssLayerWeights::router},
-      {"router bias", &GptOssLayerWeights::router_bias},    {"experts gate_up_proj", &GptOssLayerWeights::experts_gate_up},
-      {"experts gate_up_proj_bias", &GptOssLayerWeights::experts_gate_up_bias}, {"experts down_proj", &GptOssLayerWeights::experts_down},
-      {"experts down_proj_bias", &GptOssLayerWeights::experts_down_bias}};
-  for (const auto& [name, member] : tensors) report.compare(p + name, a.*member, b.*member, bound);
-}
+// Each family's layer gradients by their Hugging Face names.
+using Qwen = Qwen3MoeLayerWeights;
+const std::pair<const char*, Tensor Qwen::*> kQwenLayer[] = {
+    {"input_layernorm", &Qwen::input_norm}, {"q_proj", &Qwen::q_proj}, {"k_proj", &Qwen::k_proj}, {"v_proj", &Qwen::v_proj},
+    {"o_proj", &Qwen::o_proj}, {"q_norm", &Qwen::q_norm}, {"k_norm", &Qwen::k_norm}, {"post_attention_layernorm", &Qwen::post_norm},
+    {"router", &Qwen::router}, {"experts gate/up", &Qwen::experts_gate_up}, {"experts down", &Qwen::experts_down}};
+using Gpt = GptOssLayerWeights;
+const std::pair<const char*, Tensor Gpt::*> kGptOssLayer[] = {
+    {"input_layernorm", &Gpt::input_norm}, {"q_proj", &Gpt::q_proj}, {"q_proj bias", &Gpt::q_bias}, {"k_proj", &Gpt::k_proj},
+    {"k_proj bias", &Gpt::k_bias}, {"v_proj", &Gpt::v_proj}, {"v_proj bias", &Gpt::v_bias}, {"o_proj", &Gpt::o_proj},
+    {"o_proj bias", &Gpt::o_bias}, {"sinks", &Gpt::sinks}, {"post_attention_layernorm", &Gpt::post_norm}, {"router", &Gpt::router},
+    {"router bias", &Gpt::router_bias}, {"experts gate_up_proj", &Gpt::experts_gate_up},
+    {"experts gate_up_proj_bias", &Gpt::experts_gate_up_bias}, {"experts down_proj", &Gpt::experts_down},
+    {"experts down_proj_bias", &Gpt::experts_down_bias}};
+const auto& layer_tensors(const Qwen&) { return kQwenLayer; }
+const auto& layer_tensors(const Gpt&) { return kGptOssLayer; }
 
 template <class M>
 void compare_model(CheckReport& report, const std::string& name, const Json& config_json, int64_t B, int64_t S,
@@ -135,7 +124,9 @@ void compare_model(CheckReport& report, const std::string& name, const Json& con
   report.compare(name + ": d embed_tokens", gg.embed, cg.embed, bound);
   report.compare(name + ": d lm_head", gg.lm_head, cg.lm_head, bound);
   report.compare(name + ": d final norm", gg.final_norm, cg.final_norm, bound);
-  for (size_t l = 0; l < gg.layers.size(); ++l) compare_layer(report, fmt::format("{}: layer {} d ", name, l), gg.layers[l], cg.layers[l], bound);
+  for (size_t l = 0; l < gg.layers.size(); ++l)
+    for (const auto& [tensor, member] : layer_tensors(gg.layers[l]))
+      report.compare(fmt::format("{}: layer {} d {}", name, l, tensor), gg.layers[l].*member, cg.layers[l].*member, bound);
 }
 
 // GPT-OSS's tiny model: head_dim 64 (the GPU kernels' size), a sliding layer whose window (16) is
@@ -145,40 +136,21 @@ void compare_model(CheckReport& report, const std::string& name, const Json& con
 // gradient rows take GPT-OSS's limit 7 at a scale where no element comes near it, and the loss rows
 // a limit of 1.5 that clamps about a third of the gates; the op rows test the clamps at their bounds.
 Json tiny_gpt_oss(int64_t top_k, double limit, double init) {
-  return {{"model_type", "gpt_oss"},
-          {"vocab_size", 300},
-          {"hidden_size", 64},
-          {"num_hidden_layers", 2},
-          {"num_attention_heads", 4},
-          {"num_key_value_heads", 2},
-          {"head_dim", 64},
-          {"num_local_experts", 8},
-          {"num_experts_per_tok", top_k},
-          {"intermediate_size", 40},
-          {"sliding_window", 16},
-          {"layer_types", {"sliding_attention", "full_attention"}},
-          {"swiglu_limit", limit},
+  return {{"model_type", "gpt_oss"}, {"vocab_size", 300}, {"hidden_size", 64}, {"num_hidden_layers", 2}, {"num_attention_heads", 4},
+          {"num_key_value_heads", 2}, {"head_dim", 64}, {"num_local_experts", 8}, {"num_experts_per_tok", top_k},
+          {"intermediate_size", 40}, {"sliding_window", 16}, {"layer_types", {"sliding_attention", "full_attention"}},
+          {"swiglu_limit", limit}, {"initializer_range", init},
           {"rope_parameters",
            {{"rope_type", "yarn"}, {"rope_theta", 150000.0}, {"factor", 32.0}, {"beta_fast", 32.0}, {"beta_slow", 1.0},
-            {"original_max_position_embeddings", 4096}}},
-          {"initializer_range", init}};
+            {"original_max_position_embeddings", 4096}}}};
 }
 
 }  // namespace
 
 void check_model(CheckReport& report) {
-  Json tiny = {{"model_type", "qwen3_moe"},
-               {"vocab_size", 300},
-               {"hidden_size", 64},
-               {"num_hidden_layers", 2},
-               {"num_attention_heads", 4},
-               {"num_key_value_heads", 2},
-               {"head_dim", 64},
-               {"num_experts", 8},
-               {"num_experts_per_tok", 2},
-               {"moe_intermediate_size", 40},
-               {"norm_topk_prob", true},
-               {"initializer_range", 0.2}};
+  Json tiny = {{"model_type", "qwen3_moe"}, {"vocab_size", 300}, {"hidden_size", 64}, {"num_hidden_layers", 2},
+               {"num_attention_heads", 4}, {"num_key_value_heads", 2}, {"head_dim", 64}, {"num_experts", 8},
+               {"num_experts_per_tok", 2}, {"moe_intermediate_size", 40}, {"norm_topk_prob", true}, {"initializer_range", 0.2}};
   compare_model<Qwen3Moe>(report, "tiny model, top-2 of 8", tiny, 2, 37, false);
   tiny["num_experts_per_tok"] = 8;
   compare_model<Qwen3Moe>(report, "tiny model, K = E = 8", tiny, 2, 37, true);
@@ -196,19 +168,10 @@ void check_model(CheckReport& report) {
   }
   // One layer of the bench shape (GPU.md: Qwen3-30B-A3B's layer). The vocabulary and sequence are
   // cut so the single-threaded CPU reference finishes in seconds.
-  Json bench_layer = {{"model_type", "qwen3_moe"},
-                      {"vocab_size", 4096},
-                      {"hidden_size", 2048},
-                      {"num_hidden_layers", 1},
-                      {"num_attention_heads", 32},
-                      {"num_key_value_heads", 4},
-                      {"head_dim", 128},
-                      {"num_experts", 128},
-                      {"num_experts_per_tok", 8},
-                      {"moe_intermediate_size", 768},
-                      {"norm_topk_prob", true},
-                      {"rope_theta", 1000000.0},
-                      {"initializer_range", 0.05}};
+  Json bench_layer = tiny;
+  bench_layer.update({{"vocab_size", 4096}, {"hidden_size", 2048}, {"num_hidden_layers", 1}, {"num_attention_heads", 32},
+                      {"num_key_value_heads", 4}, {"head_dim", 128}, {"num_experts", 128}, {"num_experts_per_tok", 8},
+                      {"moe_intermediate_size", 768}, {"rope_theta", 1000000.0}, {"initializer_range", 0.05}});
   compare_model<Qwen3Moe>(report, "bench layer, top-8 of 128", bench_layer, 1, 512, false);
   bench_layer["num_experts_per_tok"] = 128;
   compare_model<Qwen3Moe>(report, "bench layer, K = E = 128", bench_layer, 1, 64, true);

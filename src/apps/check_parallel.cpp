@@ -31,8 +31,7 @@ void poison_or_zero(Tensor t) {
 
 void check_exchange_counts(CheckReport& report, const Comm& group, const std::vector<int64_t>& sent, const std::vector<int64_t>& want,
                            const std::string& on) {
-  const bool same = group.exchange_counts(sent, "check exchange_counts") == want;
-  report.add({"comm exchange_counts " + on, same ? 0.0 : 1.0, 0.0, same});
+  report.expect("comm exchange_counts " + on, group.exchange_counts(sent, "check exchange_counts") == want);
 }
 
 // Rows of each local expert scaled by s(e), on the host: the check is of the exchange, not of a GEMM.
@@ -64,22 +63,17 @@ void check_case(CheckReport& report, const Comm& world, int64_t T, int64_t H, in
       weight.ptr<float>()[t * K + j] = uniform(rng);
     }
   }
-  Buffer x = random_host({T, H}, 11 + uint64_t(rank)), residual = random_host({T, H}, 12 + uint64_t(rank)),
-         dout = random_host({T, H}, 13 + uint64_t(rank));
-  for (Tensor t : {x.view(), residual.view(), dout.view()}) round_to_bf16(t);
-
+  const Both x(random_bf16({T, H}, 11 + uint64_t(rank)), DType::bf16), residual(random_bf16({T, H}, 12 + uint64_t(rank)), DType::bf16);
+  const Both dout(random_bf16({T, H}, 13 + uint64_t(rank)), DType::bf16), topk_d(topk, DType::i32), weight_d(weight, DType::f32);
   ExpertRoute route;
-  Buffer topk_d = to_device(topk, DType::i32), weight_d = to_device(weight, DType::f32);
-  Buffer x_d = to_device(x, DType::bf16), residual_d = to_device(residual, DType::bf16), dout_d = to_device(dout, DType::bf16);
-  ExpertParallel::Exchange exchange =
-      ep.start_dispatch(route, x_d.view().reshape({T, H}), topk_d.view().reshape({T, K}), weight_d.view().reshape({T, K}));
+  ExpertParallel::Exchange exchange = ep.start_dispatch(route, x.gpu, topk_d.gpu, weight_d.gpu);
   Buffer x_perm = ep.finish_dispatch(exchange, route);
   Buffer y_perm = run_experts(x_perm, route, ep.first_local_expert());
   Buffer out = poisoned(DType::bf16, {T, H});
   exchange = ep.start_combine(y_perm.view().reshape({route.copies, H}), route);
-  ep.finish_combine(out, residual_d.view().reshape({T, H}), exchange, route);
+  ep.finish_combine(out, residual.gpu, exchange, route);
   Buffer dy_perm = poisoned(DType::bf16, {route.copies, H});
-  exchange = ep.start_combine_backward(dout_d.view().reshape({T, H}), route);
+  exchange = ep.start_combine_backward(dout.gpu, route);
   Buffer dweight_recv = ep.finish_combine_backward(dy_perm, y_perm.view().reshape({route.copies, H}), exchange, route);
   Buffer dx_perm = run_experts(dy_perm, route, ep.first_local_expert());
   Buffer dx = poisoned(DType::bf16, {T, H}), dtopk = poisoned(DType::f32, {T, K});
@@ -87,13 +81,14 @@ void check_case(CheckReport& report, const Comm& world, int64_t T, int64_t H, in
   ep.finish_dispatch_backward(dx, dtopk, exchange, route);
 
   Buffer out_ref(DType::f32, Device::cpu, {T, H}), dx_ref(DType::f32, Device::cpu, {T, H}), dtopk_ref(DType::f32, Device::cpu, {T, K});
+  const float *xs = x.cpu.ptr<float>(), *rs = residual.cpu.ptr<float>(), *ds = dout.cpu.ptr<float>();
   for (int64_t t = 0; t < T; ++t) {
     double mix = 0, dot = 0;
     for (int64_t j = 0; j < K; ++j) mix += weight.ptr<float>()[t * K + j] * scale_of(topk.ptr<int32_t>()[t * K + j]);
     for (int64_t c = 0; c < H; ++c) {
-      out_ref.ptr<float>()[t * H + c] = float(residual.ptr<float>()[t * H + c] + mix * x.ptr<float>()[t * H + c]);
-      dx_ref.ptr<float>()[t * H + c] = float(mix * dout.ptr<float>()[t * H + c]);
-      dot += double(dout.ptr<float>()[t * H + c]) * x.ptr<float>()[t * H + c];
+      out_ref.ptr<float>()[t * H + c] = float(rs[t * H + c] + mix * xs[t * H + c]);
+      dx_ref.ptr<float>()[t * H + c] = float(mix * ds[t * H + c]);
+      dot += double(ds[t * H + c]) * xs[t * H + c];
     }
     for (int64_t j = 0; j < K; ++j) dtopk_ref.ptr<float>()[t * K + j] = float(scale_of(topk.ptr<int32_t>()[t * K + j]) * dot);
   }
@@ -201,7 +196,7 @@ void check_collectives(CheckReport& report, const Comm& group, Device device) {
   const std::vector<std::string> texts = group.all_gather_text(std::string(size_t(r + 1), char('a' + r)), "check all_gather_text");
   bool texts_ok = int(texts.size()) == P;
   for (int q = 0; q < P && texts_ok; ++q) texts_ok = texts[size_t(q)] == std::string(size_t(q + 1), char('a' + q));
-  report.add({"comm all_gather_text " + on, texts_ok ? 0.0 : 1.0, 0.0, texts_ok});
+  report.expect("comm all_gather_text " + on, texts_ok);
   const double total = group.sum(double(r + 1) / 3, "check sum");
   report.add({"comm sum in rank order " + on, std::abs(total - double(ranks_sum) / 3), 1e-15, std::abs(total - double(ranks_sum) / 3) <= 1e-15});
 }

@@ -30,9 +30,8 @@ Buffer share_of(Tensor whole, const ZigzagSplit& z, std::initializer_list<int64_
 
 void check_ring_case(CheckReport& report, const Comm& cp, const RingCase& n, uint64_t seed) {
   const int64_t S = 2 * cp.size() * n.chunk, L = 2 * n.chunk, B = n.batch, Hq = n.q_heads, Hkv = n.kv_heads, D = n.head_dim;
-  Buffer q = random_host({B, S, Hq, D}, seed), k = random_host({B, S, Hkv, D}, seed + 1), v = random_host({B, S, Hkv, D}, seed + 2),
-         dout = random_host({B, S, Hq, D}, seed + 3);
-  for (Buffer* t : {&q, &k, &v, &dout}) round_to_bf16(*t);
+  Buffer q = random_bf16({B, S, Hq, D}, seed), k = random_bf16({B, S, Hkv, D}, seed + 1), v = random_bf16({B, S, Hkv, D}, seed + 2),
+         dout = random_bf16({B, S, Hq, D}, seed + 3);
   Buffer out(DType::f32, Device::cpu, {B, S, Hq, D}), lse(DType::f32, Device::cpu, {B, Hq, S});
   Buffer dq(DType::f32, Device::cpu, {B, S, Hq, D}), dk(DType::f32, Device::cpu, {B, S, Hkv, D}), dv(DType::f32, Device::cpu, {B, S, Hkv, D});
   attention_forward(out, lse, q, k, v);
