@@ -16,9 +16,9 @@ row() {  # what, size, goal, ceiling, unit
 }
 bytes() { [ -f "$1" ] && wc -c < "$1" || echo 0; }
 
-# Files of src/ still over 800 lines, each with its ceiling (issue #49 cuts them).
-declare -A file_ceiling=([src/apps/check_elementwise.cpp]=992)
-src_ceiling=27200
+# Files of src/ over 800 lines may not exist; src/ as a whole may not grow past its ceiling.
+declare -A file_ceiling=()
+src_ceiling=26850
 
 printf '%-40s %8s %8s %8s %-6s\n' what size goal ceiling unit
 row AGENTS.md "$(bytes AGENTS.md)" 12000 12000 bytes

@@ -2,11 +2,12 @@
 // (src/ops/wgmma_dw.cuh) without the rest of Marrow: correctness against a plain CUDA reference,
 // bitwise determinism, and TFLOP/s (the GEMM against cublasGemmGroupedBatchedEx) at the bench
 // shapes (skewed and even routing), plus a timing study (uniform vs normal data, one call vs 20 back
-// to back, host time per launch). core/cuda_check.h here stands in for Marrow's. On a GPU machine,
-// from the repository root:
+// to back, host time per launch). It uses Marrow's headers, not its library. On a GPU machine, from
+// the repository root:
 //   ninja -C build-gpu wgmma_probe && build-gpu/wgmma_probe (built with the CUDA code), or by hand:
-//   cd tools/wgmma_probe && nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -I. -I../../src \
-//     -o probe probe.cu -lcublas && ./probe   (PROBE_SHORT=1: the timing study only; PROBE_DW=1: dW only)
+//   cd tools/wgmma_probe && nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -I../../src \
+//     -DFMT_HEADER_ONLY -DMARROW_CUDA=1 -o probe probe.cu -lcublas && ./probe
+//   (PROBE_SHORT=1: the timing study only; PROBE_DW=1: dW only)
 #include <cublas_v2.h>
 
 #include <algorithm>
