@@ -1,6 +1,9 @@
 #include "data/tokenizer.h"
 
 #include <gtest/gtest.h>
+#include <utf8proc.h>
+
+#include <cstdlib>
 
 #include "core/sha256.h"
 #include "data/bpe_trainer.h"
@@ -50,6 +53,31 @@ TEST(Nfc, ComposesReordersAndMapsSingletons) {
   EXPECT_EQ(to_nfc("\xEF\xA4\x80"), "\xE8\xB1\x88");                              // CJK compatibility ideograph
   std::string stable = "plain text, caf\xC3\xA9, \xE4\xB8\xAD\xE6\x96\x87, \xF0\x9F\x98\x80";
   EXPECT_EQ(to_nfc(stable), stable);
+}
+
+// The skip over text NFC leaves alone must not skip what the full algorithm changes: every code
+// point of the BMP and the first supplementary planes, alone and between neighbours it could
+// combine with, against utf8proc's NFC of the whole string (U+11A7, which utf8proc 2.8 gets wrong,
+// separately).
+TEST(Nfc, SkipAgreesWithTheFullAlgorithmOnEveryCodePoint) {
+  const char32_t neighbours[] = {U'a', U'e', 0x1100, 0xAC00, 0x0B47, 0x0301, 0x0323, 0x1161, 0x11A8};
+  int64_t compared = 0;
+  for (char32_t c = 0x80; c < 0x30000; ++c) {
+    if ((c >= 0xD800 && c < 0xE000) || c == 0x11A7) continue;
+    for (char32_t before : neighbours) {
+      for (char32_t after : {char32_t(U'x'), char32_t(0x0301), char32_t(0x1161), char32_t(0x11A8), char32_t(0x0B3E)}) {
+        std::string text;
+        for (char32_t part : {before, c, after}) append_utf8(part, text);
+        auto* full = utf8proc_NFC(reinterpret_cast<const utf8proc_uint8_t*>(text.c_str()));
+        ASSERT_EQ(to_nfc(text), reinterpret_cast<const char*>(full)) << "code point U+" << std::hex << uint32_t(c);
+        std::free(full);
+        ++compared;
+      }
+    }
+  }
+  EXPECT_GT(compared, 8000000);
+  EXPECT_EQ(to_nfc("\xEA\xB0\x80\xE1\x86\xA7"), "\xEA\xB0\x80\xE1\x86\xA7");                  // 가 + U+11A7 stays
+  EXPECT_EQ(to_nfc("\xEA\xB0\x80\xCC\x81\xE1\x86\xA7" "e\xCC\x81"), "\xEA\xB0\x80\xCC\x81\xE1\x86\xA7\xC3\xA9");
 }
 
 Tokenizer small_trained_tokenizer() {

@@ -18,7 +18,7 @@ bytes() { [ -f "$1" ] && wc -c < "$1" || echo 0; }
 
 # Files of src/ over 800 lines may not exist; src/ as a whole may not grow past its ceiling.
 declare -A file_ceiling=()
-src_ceiling=26850
+src_ceiling=24000
 
 printf '%-40s %8s %8s %8s %-6s\n' what size goal ceiling unit
 row AGENTS.md "$(bytes AGENTS.md)" 12000 12000 bytes

@@ -18,7 +18,7 @@ out=${1:-$OUT}
 what=${2:-all}
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
-export PKG_CONFIG_PATH=$PWD/.gpu-carry/pcre2/lib/pkgconfig
+export PKG_CONFIG_PATH=$PWD/.gpu-carry/libs/lib/pkgconfig
 status=0
 step() { echo "== $*" | tee -a "$out/summary.log"; }
 fail() { echo "FAILED: $*" | tee -a "$out/summary.log"; status=1; }

@@ -33,7 +33,7 @@ if [ "$dry" = 1 ]; then
   return 0
 fi
 
-export PKG_CONFIG_PATH=$PWD/.gpu-carry/pcre2/lib/pkgconfig
+export PKG_CONFIG_PATH=$PWD/.gpu-carry/libs/lib/pkgconfig
 marrow=build-gpu/marrow python=python3 corpus=.gpu-carry/qwen3 runs=runs
 mpi=(mpirun --allow-run-as-root --bind-to none -np "${ranks:-2}")
 step "build (commit $(cat .gpu-carry/commit 2>/dev/null || echo unknown: rerun tools/gpu_prepare.sh))"

@@ -12,7 +12,7 @@ set -uo pipefail
 out=${1:-$OUT}
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
-export PKG_CONFIG_PATH=$PWD/.gpu-carry/pcre2/lib/pkgconfig
+export PKG_CONFIG_PATH=$PWD/.gpu-carry/libs/lib/pkgconfig
 run=runs/bench-export
 hf=runs/bench-export-hf
 step() { echo "== $*" | tee -a "$out/export-summary.log"; }

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run on the CPU machine before a GPU run: fills .gpu-carry/ (git-ignored) with what the GPU machine
 # lacks, for the device tool to carry there (carry: [".gpu-carry"]):
-#   pcre2/     PCRE2 header and static library (the GPU image has no libpcre2-dev)
+#   libs/      PCRE2's and utf8proc's headers and static libraries (the GPU image has neither -dev package)
 #   tomlplusplus/  toml++'s headers (header-only; the GPU image has no libtomlplusplus-dev)
 #   cudnn-frontend/  the cuDNN frontend's headers (header-only; tools/setup.sh fetches them)
 #   demo/      the demo corpus (tools/make_demo_corpus.sh)
@@ -10,24 +10,30 @@
 #   commit     the commit of the tree being sent (rerun this script after each commit)
 # usage: tools/gpu_prepare.sh <marrow-binary> [text.jsonl qwen3-tokenizer.json]
 # A stale build-gpu/CMakeCache.txt there keeps an old PCRE2 path: delete it. CMake's find_path looks in
-# .gpu-carry/tomlplusplus/include first; gpu_common.sh points PKG_CONFIG_PATH at .gpu-carry/pcre2.
+# .gpu-carry/tomlplusplus/include first; gpu_common.sh points PKG_CONFIG_PATH at .gpu-carry/libs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 marrow=$1
 text=${2:-../shared/data/sotu.jsonl}
 tokenizer=${3:-../shared/data/qwen3-tokenizer.json}
 carry=.gpu-carry
-mkdir -p $carry/pcre2/include $carry/pcre2/lib/pkgconfig
-cp /usr/include/pcre2.h $carry/pcre2/include/
-cp /usr/lib/x86_64-linux-gnu/libpcre2-8.a $carry/pcre2/lib/
-cat > $carry/pcre2/lib/pkgconfig/libpcre2-8.pc <<PC
+rm -rf $carry/pcre2
+mkdir -p $carry/libs/include $carry/libs/lib/pkgconfig
+# pc <name> <library>: a pkg-config file for a static library carried into $carry/libs.
+pc() {
+  cat > $carry/libs/lib/pkgconfig/$1.pc <<PC
 prefix=\${pcfiledir}/../..
-Name: libpcre2-8
-Description: PCRE2 8-bit, carried for the GPU machine
-Version: 10.42
-Libs: -L\${prefix}/lib -lpcre2-8
+Name: $1
+Description: $1, carried for the GPU machine
+Version: $(pkg-config --modversion "$1")
+Libs: -L\${prefix}/lib -l$2
 Cflags: -I\${prefix}/include
 PC
+}
+cp /usr/include/pcre2.h /usr/include/utf8proc.h $carry/libs/include/
+cp /usr/lib/x86_64-linux-gnu/libpcre2-8.a /usr/lib/x86_64-linux-gnu/libutf8proc.a $carry/libs/lib/
+pc libpcre2-8 pcre2-8
+pc libutf8proc utf8proc
 mkdir -p $carry/tomlplusplus/include
 cp -r /usr/include/toml++ $carry/tomlplusplus/include/
 [ -f .cache/cudnn-frontend/include/cudnn_frontend.h ] || tools/setup.sh

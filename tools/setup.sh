@@ -7,6 +7,7 @@ cd "$(dirname "$0")/.."
 
 packages=(build-essential cmake ninja-build pkg-config git python3 python3-venv
           libfmt-dev nlohmann-json3-dev libcli11-dev libgtest-dev libpcre2-dev libzstd-dev zstd
+          libutf8proc-dev  # Unicode NFC for the tokenizers (data/unicode.cpp)
           libtomlplusplus-dev  # toml++, header-only: run configs (engine/run_config.cpp)
           openmpi-bin libopenmpi-dev  # mpirun and MPI for multi-process runs (src/parallel/)
           python3.11-doc)  # the demo corpus: real English text (tools/make_demo_corpus.sh)

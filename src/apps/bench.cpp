@@ -18,7 +18,7 @@
 #include <functional>
 #include <map>
 
-#include "apps/check.h"
+#include "gpu_check/check.h"
 #include "apps/commands.h"
 #include "core/cuda_check.h"
 #include "engine/memory_guard.h"

@@ -1,13 +1,13 @@
 #include "data/unicode.h"
 
-#include <algorithm>
-#include <cstring>
+#include <utf8proc.h>
+
 #include <cstdint>
-#include <tuple>
-#include <unordered_map>
+#include <cstdlib>
+#include <cstring>
 #include <vector>
 
-#include "data/unicode_tables.h"
+#include "core/errors.h"
 
 namespace marrow {
 
@@ -33,119 +33,53 @@ char32_t next_code_point(std::string_view text, size_t& i) {
 
 namespace {
 
-constexpr char32_t kHangulFirst = 0xAC00, kLeadFirst = 0x1100, kVowelFirst = 0x1161, kTrailFirst = 0x11A7;
-constexpr int kVowelCount = 21, kTrailCount = 28, kSyllableCount = 11172;
+// Full NFC (decomposition, canonical ordering, composition) of valid UTF-8 through utf8proc.
+void append_utf8proc_nfc(std::string_view text, std::string& out) {
+  utf8proc_uint8_t* normalized = nullptr;
+  const utf8proc_ssize_t n = utf8proc_map(reinterpret_cast<const utf8proc_uint8_t*>(text.data()), utf8proc_ssize_t(text.size()),
+                                          &normalized, utf8proc_option_t(UTF8PROC_STABLE | UTF8PROC_COMPOSE));
+  MARROW_CHECK(n >= 0, "NFC of {} bytes of text failed: {}", text.size(), utf8proc_errmsg(n));
+  out.append(reinterpret_cast<const char*>(normalized), size_t(n));
+  std::free(normalized);
+}
 
-struct NfcData {
-  // One bit per code point: set when the character may change under NFC or combine with its
-  // neighbour (Unicode's NFC_Quick_Check "No" or "Maybe", or a non-zero combining class).
-  std::vector<uint64_t> unstable_bits = std::vector<uint64_t>(0x110000 / 64);
-  std::unordered_map<char32_t, std::pair<char32_t, char32_t>> decompositions;
-  std::unordered_map<uint64_t, char32_t> compositions;
+// utf8proc 2.8 composes an LV syllable with U+11A7, which is not a trailing consonant, and drops it.
+// U+11A7 is a starter that composes with nothing, so NFC of the text is NFC of the pieces around it.
+void append_full_nfc(std::string_view text, std::string& out) {
+  constexpr std::string_view kNotATrail = "\xE1\x86\xA7";
+  for (size_t at; (at = text.find(kNotATrail)) != std::string_view::npos; text.remove_prefix(at + kNotATrail.size())) {
+    append_utf8proc_nfc(text.substr(0, at), out);
+    out.append(kNotATrail);
+  }
+  append_utf8proc_nfc(text, out);
+}
 
-  NfcData() {
-    auto mark = [&](char32_t c) { unstable_bits[c >> 6] |= uint64_t(1) << (c & 63); };
-    for (const auto& d : unicode::kDecompositions) {
-      decompositions[d.code] = {d.first, d.second};
-      if (d.composes) {
-        compositions[uint64_t(d.first) << 32 | d.second] = d.code;
-        mark(d.second);
-      } else {
-        mark(d.code);
-      }
+// One bit per code point: set when the character may change under NFC or combine with a neighbour
+// (Unicode's NFC_Quick_Check "No" or "Maybe", or a non-zero combining class), read off utf8proc's
+// data once. Over-marking only sends more text down the full path.
+struct UnstableCharacters {
+  std::vector<uint64_t> bits = std::vector<uint64_t>(0x110000 / 64);
+
+  UnstableCharacters() {
+    auto mark = [&](utf8proc_int32_t c) { bits[size_t(c) >> 6] |= uint64_t(1) << (c & 63); };
+    utf8proc_int32_t parts[8];
+    for (utf8proc_int32_t c = 0; c < 0x110000; ++c) {
+      if (c >= 0xD800 && c < 0xE000) continue;
+      if (utf8proc_get_property(c)->combining_class != 0) mark(c);
+      int last_boundclass = 0;
+      const utf8proc_ssize_t n = utf8proc_decompose_char(c, parts, 8, UTF8PROC_DECOMPOSE, &last_boundclass);
+      if (n < 1 || (n == 1 && parts[0] == c)) continue;
+      std::string utf8, nfc;
+      append_utf8(char32_t(c), utf8);
+      append_full_nfc(utf8, nfc);
+      // A composite that NFC keeps: its later parts may combine with a preceding starter.
+      if (nfc == utf8) for (utf8proc_ssize_t k = 1; k < n; ++k) mark(parts[k]);
+      else mark(c);
     }
-    for (const auto& range : unicode::kCombiningClasses)
-      for (char32_t c = range.first; c <= range.last; ++c) mark(c);
-    for (char32_t c = kVowelFirst; c < kVowelFirst + kVowelCount; ++c) mark(c);
-    for (char32_t c = kTrailFirst + 1; c < kTrailFirst + kTrailCount; ++c) mark(c);
   }
 
-  bool unstable(char32_t c) const { return unstable_bits[c >> 6] >> (c & 63) & 1; }
+  bool operator()(char32_t c) const { return bits[c >> 6] >> (c & 63) & 1; }
 };
-
-const NfcData& nfc_data() {
-  static const NfcData data;
-  return data;
-}
-
-uint8_t combining_class(char32_t c) {
-  const auto* begin = std::begin(unicode::kCombiningClasses);
-  const auto* end = std::end(unicode::kCombiningClasses);
-  const auto* it = std::upper_bound(begin, end, c, [](char32_t v, const auto& r) { return v < r.first; });
-  if (it == begin) return 0;
-  --it;
-  return c <= it->last ? it->combining_class : 0;
-}
-
-void decompose(char32_t c, const NfcData& data, std::vector<char32_t>& out) {
-  if (c >= kHangulFirst && c < kHangulFirst + kSyllableCount) {
-    int index = int(c - kHangulFirst);
-    out.push_back(kLeadFirst + index / (kVowelCount * kTrailCount));
-    out.push_back(kVowelFirst + index % (kVowelCount * kTrailCount) / kTrailCount);
-    if (index % kTrailCount) out.push_back(kTrailFirst + index % kTrailCount);
-    return;
-  }
-  auto it = data.decompositions.find(c);
-  if (it == data.decompositions.end()) {
-    out.push_back(c);
-    return;
-  }
-  decompose(it->second.first, data, out);
-  if (it->second.second) decompose(it->second.second, data, out);
-}
-
-char32_t compose_pair(char32_t first, char32_t second, const NfcData& data) {
-  if (first >= kLeadFirst && first < kLeadFirst + 19 && second >= kVowelFirst && second < kVowelFirst + kVowelCount)
-    return kHangulFirst + ((first - kLeadFirst) * kVowelCount + (second - kVowelFirst)) * kTrailCount;
-  if (first >= kHangulFirst && first < kHangulFirst + kSyllableCount && (first - kHangulFirst) % kTrailCount == 0 &&
-      second > kTrailFirst && second < kTrailFirst + kTrailCount)
-    return first + (second - kTrailFirst);
-  auto it = data.compositions.find(uint64_t(first) << 32 | second);
-  return it == data.compositions.end() ? 0 : it->second;
-}
-
-// Full NFC of a span: canonical decomposition, canonical ordering, canonical composition.
-void normalize_span(std::string_view text, const NfcData& data, std::string& out) {
-  std::vector<char32_t> chars;
-  for (size_t i = 0; i < text.size();) decompose(next_code_point(text, i), data, chars);
-  std::vector<uint8_t> classes(chars.size());
-  for (size_t i = 0; i < chars.size(); ++i) classes[i] = combining_class(chars[i]);
-  for (size_t i = 0; i < chars.size();) {
-    if (classes[i] == 0) {
-      ++i;
-      continue;
-    }
-    size_t end = i;
-    while (end < chars.size() && classes[end] != 0) ++end;
-    std::vector<std::pair<uint8_t, char32_t>> run;
-    for (size_t k = i; k < end; ++k) run.emplace_back(classes[k], chars[k]);
-    std::stable_sort(run.begin(), run.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
-    for (size_t k = i; k < end; ++k) std::tie(classes[k], chars[k]) = run[k - i];
-    i = end;
-  }
-  // Composition: each character joins the last starter unless a character between them has a
-  // combining class of zero or at least its own (it is "blocked"). After reordering, the last
-  // character kept since the starter has the largest class among those in between.
-  size_t written = 0;
-  size_t starter = SIZE_MAX;
-  for (size_t i = 0; i < chars.size(); ++i) {
-    uint8_t cls = classes[i];
-    if (starter != SIZE_MAX) {
-      bool adjacent = written == starter + 1;
-      if (adjacent || classes[written - 1] < cls) {
-        if (char32_t composite = compose_pair(chars[starter], chars[i], data)) {
-          chars[starter] = composite;
-          continue;
-        }
-      }
-    }
-    if (cls == 0) starter = written;
-    chars[written] = chars[i];
-    classes[written] = cls;
-    ++written;
-  }
-  for (size_t i = 0; i < written; ++i) append_utf8(chars[i], out);
-}
 
 }  // namespace
 
@@ -209,7 +143,7 @@ void append_utf8(char32_t c, std::string& out) {
 }
 
 void append_nfc(std::string_view text, std::string& out) {
-  const NfcData& data = nfc_data();
+  static const UnstableCharacters unstable;
   // Normalisation never reaches across a stable character that is a starter, so only the spans
   // between such characters that hold an unstable one need the full algorithm.
   size_t copied = 0, span_start = 0, i = 0;
@@ -219,7 +153,7 @@ void append_nfc(std::string_view text, std::string& out) {
     if (uint8_t(text[i]) < 0x80) {
       ++i;
       if (span_unstable) {
-        normalize_span(text.substr(span_start, at - span_start), data, out);
+        append_full_nfc(text.substr(span_start, at - span_start), out);
         copied = at;
         span_unstable = false;
       }
@@ -227,7 +161,7 @@ void append_nfc(std::string_view text, std::string& out) {
       continue;
     }
     char32_t c = next_code_point(text, i);
-    if (data.unstable(c)) {
+    if (unstable(c)) {
       if (!span_unstable) {
         out.append(text.substr(copied, span_start - copied));
         span_unstable = true;
@@ -235,13 +169,13 @@ void append_nfc(std::string_view text, std::string& out) {
       continue;
     }
     if (span_unstable) {
-      normalize_span(text.substr(span_start, at - span_start), data, out);
+      append_full_nfc(text.substr(span_start, at - span_start), out);
       copied = at;
       span_unstable = false;
     }
     span_start = at;
   }
-  if (span_unstable) normalize_span(text.substr(span_start), data, out);
+  if (span_unstable) append_full_nfc(text.substr(span_start), out);
   else out.append(text.substr(copied));
 }
 

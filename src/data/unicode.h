@@ -1,4 +1,5 @@
-// UTF-8 helpers and Unicode NFC normalisation, as Hugging Face's "NFC" normaliser applies it.
+// UTF-8 helpers and Unicode NFC normalisation, as Hugging Face's "NFC" normaliser applies it (the
+// Unicode data and the full algorithm from utf8proc; the skip over text NFC leaves alone is ours).
 #pragma once
 #include <cstddef>
 #include <string>

@@ -10,7 +10,7 @@
 #include <fstream>
 #include <optional>
 
-#include "apps/check.h"
+#include "gpu_check/check.h"
 #include "apps/model_switch.h"
 #include "core/safetensors.h"
 #include "engine/step.h"

@@ -22,7 +22,7 @@
 
 #include <omp.h>
 
-#include "apps/check.h"
+#include "gpu_check/check.h"
 #include "core/memory.h"
 #include "mpi_check.h"
 #include "parallel/comm.h"

@@ -20,7 +20,7 @@
 #include <iterator>
 #include <utility>
 
-#include "apps/check.h"
+#include "gpu_check/check.h"
 #include "core/errors.h"
 #include "ops/attention.h"
 #include "ops/attention_cudnn.h"

@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "apps/check.h"
+#include "gpu_check/check.h"
 #include "ops/fp8.h"
 #include "ops/grouped_linear.h"
 #include "ops/grouped_linear_fp8.h"

@@ -14,7 +14,7 @@
 #include <cmath>
 #include <optional>
 
-#include "apps/check.h"
+#include "gpu_check/check.h"
 #include "core/rng.h"
 #include "engine/step.h"
 #include "models/gpt_oss.h"

@@ -12,7 +12,7 @@
 #include <string>
 #include <utility>
 
-#include "apps/check.h"
+#include "gpu_check/check.h"
 #include "core/bf16.h"
 #include "core/rng.h"
 #include "core/split_f32.h"

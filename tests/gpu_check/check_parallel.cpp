@@ -11,7 +11,7 @@
 #include <random>
 #include <tuple>
 
-#include "apps/check.h"
+#include "gpu_check/check.h"
 #include "ops/cast.h"
 #include "parallel/comm.h"
 #include "parallel/expert_parallel.h"

@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "apps/check.h"
+#include "gpu_check/check.h"
 #include "ops/grouped_linear.h"
 #include "ops/linear.h"
 

@@ -1,7 +1,7 @@
 // marrow check [--only <group>]: the GPU correctness report (DESIGN.md §7, layer 2); under mpirun,
 // `--only expert_parallel` checks the expert all-to-alls over NCCL, `--only ring_attention` ring
 // attention's K/V and dK/dV hops.
-#include "apps/check.h"
+#include "gpu_check/check.h"
 
 #include <CLI/CLI.hpp>
 #include <algorithm>

@@ -5,7 +5,7 @@
 // attention forward and backward there, and compares out, lse, dq, dk, dv with the reference's
 // share under the bounds of the one-GPU attention check (the ring's merges and sums are f32). The
 // reference's backward reads its out rounded to bf16, as the GPU's reads the bf16 out.
-#include "apps/check.h"
+#include "gpu_check/check.h"
 #include "ops/attention.h"
 #include "parallel/comm.h"
 #include "parallel/process.h"
