@@ -8,6 +8,7 @@
 
 #include "apps/commands.h"
 #include "apps/model_switch.h"
+#include "core/memory.h"
 #include "engine/checkpoint.h"
 #include "engine/memory_estimate.h"
 #include "ops/attention.h"
@@ -16,14 +17,24 @@ namespace marrow {
 
 namespace {
 
-// The H200's memory as CUDA reports it (the trainer's start-up line: "GPU free ... of 139.8 GiB").
-constexpr double kH200GiB = 139.8;
+// One H100's memory as CUDA reports it (the trainer's start-up line: "GPU free ... of 79.2 GiB"): the
+// GPU the device machines give by default, assumed where no GPU is visible.
+constexpr double kH100GiB = 79.2;
 
 struct EstimateOptions {
   int64_t world = 1;
-  double gpu_gib = kH200GiB;
+  double gpu_gib = 0;  // 0 until --gpu-memory or default_gpu_memory sets it
+  std::string gpu_source = "given by --gpu-memory";
   bool layouts = false;
 };
+
+// The memory of the GPU the trainer would train on (device 0), or one H100's where none is visible.
+void default_gpu_memory(EstimateOptions& o) {
+  const size_t visible = device_memory_bytes(Device::cuda, 0);
+  o.gpu_gib = visible > 0 ? double(visible) / 1073741824.0 : kH100GiB;
+  o.gpu_source = visible > 0 ? "GPU 0's, as CUDA reports it; --gpu-memory sets another"
+                             : "no GPU visible, so one H100's; --gpu-memory sets another";
+}
 
 // The value of --name=V or --name V at args[i] (advancing i past V), or nothing for another argument.
 std::optional<std::string> option_value(const std::vector<std::string>& args, size_t& i, const std::string& name) {
@@ -67,6 +78,7 @@ EstimateOptions take_options(std::vector<std::string>& args) {
     }
   }
   args = std::move(rest);
+  if (o.gpu_gib == 0) default_gpu_memory(o);
   return o;
 }
 
@@ -131,6 +143,7 @@ int estimate_command(int argc, char** argv) {
   // An estimate is for the GPU unless the run is asked to train on the CPU.
   const Device device = rc.device == "cpu" ? Device::cpu : Device::cuda;
   const double gpu_bytes = options.gpu_gib * 1073741824.0;
+  std::printf("GPU memory: %.2f GiB (%s)\n", options.gpu_gib, options.gpu_source.c_str());
   with_model(read_json_file(rc.model_config), rc.model_config, [&]<class M>(const typename M::Config& config) {
     if (options.layouts) {
       std::printf("%s", layout_table<M>(rc, config, options.world, device, gpu_bytes).c_str());

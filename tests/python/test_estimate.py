@@ -7,6 +7,7 @@
   largest sequence that fits is a multiple of 2 x cp.
 - A config that does not fit says so, names the largest micro-batch and sequence that do, and the settings that
   save memory, each with its total.
+- Without --gpu-memory the visible GPU's memory, or one H100's; the H100 bench configs fit it.
 - Bad inputs stop it with one sentence and exit 1.
 """
 import argparse
@@ -15,6 +16,10 @@ import subprocess
 import sys
 
 FAILURES = []
+
+
+# The bench config's figures were measured on an H200; the estimate's default is the visible GPU's memory.
+H200 = ["--gpu-memory=139.8"]
 
 
 def check(condition, what):
@@ -42,7 +47,7 @@ def one_error(marrow, args, expected, what):
 
 def bench_bill(marrow, bench):
     """The bench config's bill on one GPU against the measured peak, and one checkpoint's size."""
-    code, stdout, stderr = estimate(marrow, [bench, "--train.master_weights=fp32"])
+    code, stdout, stderr = estimate(marrow, [bench, "--train.master_weights=fp32"] + H200)
     print(stdout, stderr)
     check(code == 0, "bench config: exits 0 without a GPU")
     for label in ["fp32 master weights", "AdamW exp_avg_sq (fp32)", "bf16 weights of units kept whole", "experts (stage 3)",
@@ -52,7 +57,7 @@ def bench_bill(marrow, bench):
     check(one_gpu is not None and abs(one_gpu - 97.94) / 97.94 < 0.05, f"one GPU: {one_gpu} GiB against the measured 97.94")
     check("fits in 139.80 GiB of GPU memory" in stdout, "bench config fits an H200")
     # The split master (the default) keeps 2 bytes a parameter instead of 4 beside the same bf16 weights.
-    _, split_stdout, _ = estimate(marrow, [bench])
+    _, split_stdout, _ = estimate(marrow, [bench] + H200)
     split = gib(split_stdout, "trainer's peak figure (arenas + activations)")
     check("fp32 master weights' low halves" in split_stdout and split is not None and one_gpu is not None
           and abs(one_gpu - split - 5.6073e9 * 2 / 2**30) < 0.01, f"split master weights: {split} GiB against fp32's {one_gpu}")
@@ -87,7 +92,7 @@ def long_sequences(marrow, bench):
     # train.expert_inputs = auto keeps x_perm (4 GiB over the 8 layers at 16,384) while the total with it
     # stays within 90% of the GPU's memory, and gathers it again for the backward beyond.
     sixteen = [bench, "--train.seq_len=16384"] + one_sequence
-    _, roomy, _ = estimate(marrow, sixteen)
+    _, roomy, _ = estimate(marrow, sixteen + H200)
     _, tight, _ = estimate(marrow, sixteen + ["--gpu-memory=105"])
     kept_total, again_total = gib(roomy, "total"), gib(tight, "total")
     check("x_perm among them" in roomy and "x_perm gathered again" in tight and kept_total is not None and again_total is not None
@@ -97,14 +102,14 @@ def long_sequences(marrow, bench):
 
 def full_node_layouts(marrow, bench):
     # Issue #15's layout: the whole Qwen3-30B-A3B on 8 GPUs fits (not yet measured: no 8-GPU machine).
-    code, stdout, stderr = estimate(marrow, ["configs/qwen3-30b-a3b.toml", "--world=8"])
+    code, stdout, stderr = estimate(marrow, ["configs/qwen3-30b-a3b.toml", "--world=8"] + H200)
     full = gib(stdout, "trainer's peak figure (arenas + activations)")
     check(code == 0 and "fits in 139.80 GiB" in stdout and full is not None and 80 < full < 120,
           f"Qwen3-30B-A3B, EP = 8 on 8 GPUs: {full} GiB per GPU")
     total = gib(stdout, "total")
     # --layouts: every layout of the 8 processes with its total per GPU, the one above among them with the same figure,
     # the ones that fit listed first; layouts the trainer refuses (ep = 3: 128 experts do not split) are left out.
-    code, stdout, stderr = estimate(marrow, ["configs/qwen3-30b-a3b.toml", "--world=8", "--layouts"])
+    code, stdout, stderr = estimate(marrow, ["configs/qwen3-30b-a3b.toml", "--world=8", "--layouts"] + H200)
     print(stdout, stderr)
     rows = re.findall(r"^  (pp \d+ x dp \d+ x cp \d+ x ep \d+[^\d]*?(?:\(.*?\))?)\s+([\d.]+) GiB  (fits|does NOT fit)$", stdout, re.M)
     table = {layout.strip(): (float(g), fits == "fits") for layout, g, fits in rows}
@@ -170,8 +175,24 @@ def too_large(marrow, bench):
           and "bf16_weight_copy" not in stdout
           and "all of the above together" in stdout and "pair_expert_grads" not in stdout,
           "the weight copy alone stays over; a setting that saves nothing (no pairs at one sequence a step) is left out")
-    code, stdout, stderr = estimate(marrow, [bench])
+    code, stdout, stderr = estimate(marrow, [bench] + H200)
     check("settings that save memory" not in stdout, "a bill that fits lists no settings")
+
+
+def default_gpu(marrow, bench):
+    """Without --gpu-memory: the visible GPU's memory, or one H100's where none is visible; the H100 configs fit it."""
+    code, stdout, stderr = estimate(marrow, [bench])
+    m = re.search(r"^GPU memory: ([\d.]+) GiB \((GPU 0's, as CUDA reports it|no GPU visible, so one H100's); --gpu-memory sets another\)$",
+                  stdout, re.M)
+    check(code == 0 and m is not None and (m.group(2) != "no GPU visible, so one H100's" or m.group(1) == "79.20"),
+          f"the default GPU memory says where it comes from ({m and m.group(0)})")
+    if m is not None and m.group(1) == "79.20":
+        check("does NOT fit in 79.20 GiB" in stdout, "the H200 bench config does not fit one H100")
+        for config in ["configs/bench-h100.toml", "configs/bench-gpt-oss-h100.toml"]:
+            code, stdout, stderr = estimate(marrow, [config])
+            check(code == 0 and "fits in 79.20 GiB of GPU memory" in stdout and "does NOT" not in stdout, f"{config} fits one H100")
+    code, stdout, stderr = estimate(marrow, [bench, "--gpu-memory=100"])
+    check("GPU memory: 100.00 GiB (given by --gpu-memory)" in stdout, "--gpu-memory says it was given")
 
 
 def bad_inputs(marrow, bench):
@@ -200,7 +221,7 @@ def main():
     args = parser.parse_args()
     bench = "configs/bench.toml"
 
-    for part in (bench_bill, long_sequences, full_node_layouts, parallel_layouts, too_large, bad_inputs):
+    for part in (bench_bill, long_sequences, full_node_layouts, parallel_layouts, too_large, default_gpu, bad_inputs):
         part(args.marrow, bench)
 
     if FAILURES:
