@@ -7,7 +7,8 @@
 #   tools/gpu_ab.sh <log-dir> [rounds]          on the GPU machine (device tool, carry [".gpu-carry"]),
 #                                               directly or as a tools/gpu_batch.sh part ("gpu_ab.sh 2")
 #   tools/gpu_ab.sh <log-dir> check             on the GPU machine: `marrow check` with the base, then with
-#                                               the tree, compared row by row (tools/compare_checks.py)
+#                                               the tree, compared row by row (tools/compare_checks.py);
+#                                               rerun on the warm machine, it resumes after a time limit
 # Each round runs the bench config (3 + 27 steps; AB_CONFIG another run config, e.g.
 # configs/bench-gpt-oss.toml) with the base, then with the tree; AB_ARGS adds bench
 # options to both (e.g. '--train.seq_len=32768 --train.global_batch=1'), AB_WARMUP and AB_STEPS set the
@@ -42,9 +43,17 @@ fi
 # side: base or tree; its binary and its runs' directories.
 binary() { [ "$1" = base ] && echo build-ab/marrow || echo build-gpu/marrow; }
 if [ "$mode" = check ]; then
+  # A side's finished log stays in runs/ so that a second call on the same warm machine goes on where a
+  # first one hit the device tool's time limit.
+  mkdir -p runs
   for side in base tree; do
-    step "$side: marrow check"
-    "$(binary $side)" check > "$out/check-$side.log" 2>&1
+    if grep -q "checks," "runs/check-$side.log" 2>/dev/null; then
+      step "$side: marrow check (finished in an earlier call)"
+    else
+      step "$side: marrow check"
+      "$(binary $side)" check > "runs/check-$side.log" 2>&1
+    fi
+    cp "runs/check-$side.log" "$out/check-$side.log"
     grep -E "checks," "$out/check-$side.log" | tee -a "$out/summary.log"
   done
   python3 tools/compare_checks.py "$out/check-base.log" "$out/check-tree.log" | tee -a "$out/summary.log"
