@@ -15,8 +15,10 @@ namespace {
 using testing::element;
 using testing::random_buffer;
 
+// d: q's and k's head dim; dv: v's and out's (0: d).
 struct Shape {
-  int64_t b, s, hq, hkv, d;
+  int64_t b, s, hq, hkv, d, dv = 0;
+  int64_t vd() const { return dv ? dv : d; }
 };
 
 struct Attn {
@@ -25,13 +27,13 @@ struct Attn {
   Attn(DType t, Shape n)
       : q(random_buffer(t, {n.b, n.s, n.hq, n.d}, 1)),
         k(random_buffer(t, {n.b, n.s, n.hkv, n.d}, 2)),
-        v(random_buffer(t, {n.b, n.s, n.hkv, n.d}, 3)),
-        out(t, Device::cpu, {n.b, n.s, n.hq, n.d}),
+        v(random_buffer(t, {n.b, n.s, n.hkv, n.vd()}, 3)),
+        out(t, Device::cpu, {n.b, n.s, n.hq, n.vd()}),
         lse(t, Device::cpu, {n.b, n.hq, n.s}),
         dq(t, Device::cpu, {n.b, n.s, n.hq, n.d}),
         dk(t, Device::cpu, {n.b, n.s, n.hkv, n.d}),
-        dv(t, Device::cpu, {n.b, n.s, n.hkv, n.d}),
-        dout(random_buffer(t, {n.b, n.s, n.hq, n.d}, 4)) {}
+        dv(t, Device::cpu, {n.b, n.s, n.hkv, n.vd()}),
+        dout(random_buffer(t, {n.b, n.s, n.hq, n.vd()}, 4)) {}
   void forward() { attention_forward(out, lse, q, k, v); }
   void backward() { attention_backward(dq, dk, dv, dout, q, k, v, out, lse); }
   void forward(const AttentionVariant& variant) { attention_forward(out, lse, q, k, v, variant); }
@@ -69,6 +71,28 @@ TEST(Attention, ZeroQueriesAverageThePrefix) {
         double mean = 0;
         for (int64_t j = 0; j <= i; ++j) mean += element(r.v, (j * n.hkv + h) * n.d + e) / double(i + 1);
         EXPECT_NEAR(element(r.out, (i * n.hq + h) * n.d + e), mean, 1e-14);
+      }
+    }
+}
+
+// v's head dim may differ from q's and k's (DeepSeek-V2's 192 / 128), and the scale stays 1/sqrt(D):
+// S = 2, one key/value head for two query heads, each row's softmax written out.
+TEST(Attention, ValueHeadDimKeepsTheQueryKeyScale) {
+  const Shape n{1, 2, 2, 1, 6, 3};
+  Attn r(DType::f64, n);
+  r.forward();
+  for (int64_t h = 0; h < n.hq; ++h)
+    for (int64_t i = 0; i < n.s; ++i) {
+      double w[2] = {0, 0}, sum = 0;
+      for (int64_t j = 0; j <= i; ++j) {
+        for (int64_t e = 0; e < n.d; ++e) w[j] += element(r.q, (i * n.hq + h) * n.d + e) * element(r.k, j * n.d + e);
+        sum += w[j] = std::exp(w[j] / std::sqrt(double(n.d)));
+      }
+      EXPECT_NEAR(element(r.lse, h * n.s + i), std::log(sum), 1e-14);
+      for (int64_t e = 0; e < n.dv; ++e) {
+        double want = 0;
+        for (int64_t j = 0; j <= i; ++j) want += w[j] / sum * element(r.v, j * n.dv + e);
+        EXPECT_NEAR(element(r.out, (i * n.hq + h) * n.dv + e), want, 1e-14) << h << " " << i << " " << e;
       }
     }
 }
@@ -124,9 +148,10 @@ TEST(Attention, GroupedHeadsMatchRepeatedKeysAndValues) {
 }
 
 TEST(Attention, GradientsMatchFiniteDifferences) {
-  // GQA groups of 2, 8 and 1 (plain multi-head), one token, odd head dims.
-  for (Shape n :
-       {Shape{2, 5, 4, 2, 3}, Shape{1, 6, 8, 1, 5}, Shape{1, 4, 3, 3, 8}, Shape{2, 1, 8, 1, 4}, Shape{1, 3, 1, 1, 1}}) {
+  // GQA groups of 2, 8 and 1 (plain multi-head), one token, odd head dims; v's head dim unlike q's
+  // and k's (24 / 16, DeepSeek-V2's 192 / 128) in GQA and multi-head.
+  for (Shape n : {Shape{2, 5, 4, 2, 3}, Shape{1, 6, 8, 1, 5}, Shape{1, 4, 3, 3, 8}, Shape{2, 1, 8, 1, 4}, Shape{1, 3, 1, 1, 1},
+                  Shape{1, 5, 4, 2, 24, 16}, Shape{2, 4, 3, 3, 24, 16}, Shape{1, 3, 4, 1, 192, 128}, Shape{1, 3, 2, 2, 192, 128}}) {
     Attn r(DType::f64, n);
     // Poison the gradients: the backward must overwrite them.
     for (Buffer* g : {&r.dq, &r.dk, &r.dv})
@@ -167,13 +192,28 @@ TEST(Attention, RejectsBadShapes) {
     EXPECT_STREQ(e.what(),
                  "attention_forward: the 6 query heads of q are not a multiple of the 4 key/value heads of k");
   }
-  Buffer k2(DType::f32, Device::cpu, {1, 4, 2, 8}), v2(DType::f32, Device::cpu, {1, 4, 2, 4});
-  try {
-    attention_forward(out, lse, q, k2, v2);
-    FAIL() << "expected an error";
-  } catch (const Error& e) {
-    EXPECT_STREQ(e.what(), "attention_forward: v has shape [1, 4, 2, 4] but expected [1, 4, 2, 8]");
-  }
+  // v (and out) may have another head dim than q and k, but not another length or head count.
+  Buffer k2(DType::f32, Device::cpu, {1, 4, 2, 8}), v2(DType::f32, Device::cpu, {1, 4, 2, 4}),
+      short_v(DType::f32, Device::cpu, {1, 3, 2, 4}), out4(DType::f32, Device::cpu, {1, 4, 6, 4});
+  auto message = [](auto call) {
+    try {
+      call();
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_EQ(message([&] { attention_forward(out, lse, q, k2, short_v); }),
+            "attention_forward: v has shape [1, 3, 2, 4] but expected [1, 4, 2, 4]");
+  EXPECT_EQ(message([&] { attention_forward(out, lse, q, k2, v2); }),
+            "attention_forward: out has shape [1, 4, 6, 8] but expected [1, 4, 6, 4]");
+  EXPECT_EQ(message([&] { attention_forward(out4, lse, q, k2, v2); }), "no error");
+  EXPECT_EQ(message([&] { attention_backward(q, k2, k2, out4, q, k2, v2, out4, lse); }),
+            "attention_backward: dv has shape [1, 4, 2, 8] but expected [1, 4, 2, 4]");
+  EXPECT_EQ(message([&] { attention_backward(q, k2, v2, out, q, k2, v2, out4, lse); }),
+            "attention_backward: dout has shape [1, 4, 6, 8] but expected [1, 4, 6, 4]");
+  EXPECT_EQ(message([&] { attention_merge(out4, lse, out, lse, 0, 4); }),
+            "attention_merge: part_out has shape [1, 4, 6, 8] but expected [1, 4, 6, 4]");
   Buffer bad_lse(DType::f32, Device::cpu, {1, 4, 6});
   try {
     attention_backward(q, k2, k2, out, q, k2, k2, out, bad_lse);
@@ -206,19 +246,19 @@ TEST(Attention, KernelSetNamesRoundTrip) {
     for (int64_t i = 0; i < a->numel(); ++i) ASSERT_EQ(a->ptr<float>()[i], b->ptr<float>()[i]);
 }
 
-// Blocks: q[B, Sq, Hq, D] against k, v[B, Sk, Hkv, D] (random; seeds shared with Attn).
+// Blocks: q[B, Sq, Hq, D] against k[B, Sk, Hkv, D], v[B, Sk, Hkv, Dv] (random; seeds shared with Attn).
 struct BlockAttn {
   Buffer q, k, v, out, lse, dq, dk, dv, dout;
   BlockAttn(Shape n, int64_t kv_seq)
       : q(random_buffer(DType::f64, {n.b, n.s, n.hq, n.d}, 1)),
         k(random_buffer(DType::f64, {n.b, kv_seq, n.hkv, n.d}, 2)),
-        v(random_buffer(DType::f64, {n.b, kv_seq, n.hkv, n.d}, 3)),
-        out(DType::f64, Device::cpu, {n.b, n.s, n.hq, n.d}),
+        v(random_buffer(DType::f64, {n.b, kv_seq, n.hkv, n.vd()}, 3)),
+        out(DType::f64, Device::cpu, {n.b, n.s, n.hq, n.vd()}),
         lse(DType::f64, Device::cpu, {n.b, n.hq, n.s}),
         dq(DType::f64, Device::cpu, {n.b, n.s, n.hq, n.d}),
         dk(DType::f64, Device::cpu, {n.b, kv_seq, n.hkv, n.d}),
-        dv(DType::f64, Device::cpu, {n.b, kv_seq, n.hkv, n.d}),
-        dout(random_buffer(DType::f64, {n.b, n.s, n.hq, n.d}, 4)) {}
+        dv(DType::f64, Device::cpu, {n.b, kv_seq, n.hkv, n.vd()}),
+        dout(random_buffer(DType::f64, {n.b, n.s, n.hq, n.vd()}, 4)) {}
 };
 
 void fill(const Tensor& t, double value) {
@@ -228,36 +268,41 @@ void fill(const Tensor& t, double value) {
 // One block alone: its out and lse are final, so the block backward is the gradient of
 // sum(dout * out) over the block's rows. Rows outside the block keep their 7 (out, lse); the
 // gradients start at 0.5 and the backward must add to them.
+void expect_block_gradients(const Shape& n, const AttentionBlock& block, int64_t kv_seq) {
+  BlockAttn r(n, kv_seq);
+  auto loss = [&] {
+    fill(r.out, 7);
+    fill(r.lse, 7);
+    attention_block_forward(r.out, r.lse, r.q, r.k, r.v, block);
+    return testing::weighted_sum(r.out, r.dout);
+  };
+  loss();
+  for (int64_t b = 0; b < n.b; ++b)
+    for (int64_t h = 0; h < n.hq; ++h)
+      for (int64_t i = 0; i < n.s; ++i) {
+        const bool inside = block.q_begin <= i && i < block.q_end;
+        EXPECT_EQ(element(r.lse, (b * n.hq + h) * n.s + i) == 7, !inside) << i;
+        EXPECT_EQ(element(r.out, ((b * n.s + i) * n.hq + h) * n.vd()) == 7, !inside) << i;
+      }
+  for (Buffer* g : {&r.dq, &r.dk, &r.dv}) fill(*g, 0.5);
+  attention_block_backward(r.dq, r.dk, r.dv, r.dout, r.q, r.k, r.v, r.out, r.lse, block);
+  for (Buffer* g : {&r.dq, &r.dk, &r.dv})
+    for (int64_t i = 0; i < g->numel(); ++i) g->ptr<double>()[i] -= 0.5;
+  // Rows outside the block hold 7 * dout, a constant: the loss's gradient there is zero as well.
+  testing::expect_gradient("dq", r.q, r.dq, loss);
+  testing::expect_gradient("dk", r.k, r.dk, loss);
+  testing::expect_gradient("dv", r.v, r.dv, loss);
+}
+
+// Full and causal blocks at offsets and whole; GQA groups of 2, and v's head dim unlike q's and k's
+// (24 / 16) in GQA and multi-head.
 TEST(AttentionBlock, GradientsMatchFiniteDifferences) {
-  const Shape n{2, 7, 4, 2, 5};  // GQA groups of 2
-  for (const auto& [block, kv_seq] : {std::pair{AttentionBlock{AttentionMask::full, 2, 6, 1, 4}, int64_t(5)},
-                                      std::pair{AttentionBlock{AttentionMask::full, 0, 7, 0, 9}, int64_t(9)},
-                                      std::pair{AttentionBlock{AttentionMask::causal, 3, 7, 1, 5}, int64_t(6)},
-                                      std::pair{AttentionBlock{AttentionMask::causal, 0, 7, 0, 7}, int64_t(7)}}) {
-    BlockAttn r(n, kv_seq);
-    auto loss = [&] {
-      fill(r.out, 7);
-      fill(r.lse, 7);
-      attention_block_forward(r.out, r.lse, r.q, r.k, r.v, block);
-      return testing::weighted_sum(r.out, r.dout);
-    };
-    loss();
-    for (int64_t b = 0; b < n.b; ++b)
-      for (int64_t h = 0; h < n.hq; ++h)
-        for (int64_t i = 0; i < n.s; ++i) {
-          const bool inside = block.q_begin <= i && i < block.q_end;
-          EXPECT_EQ(element(r.lse, (b * n.hq + h) * n.s + i) == 7, !inside) << i;
-          EXPECT_EQ(element(r.out, ((b * n.s + i) * n.hq + h) * n.d) == 7, !inside) << i;
-        }
-    for (Buffer* g : {&r.dq, &r.dk, &r.dv}) fill(*g, 0.5);
-    attention_block_backward(r.dq, r.dk, r.dv, r.dout, r.q, r.k, r.v, r.out, r.lse, block);
-    for (Buffer* g : {&r.dq, &r.dk, &r.dv})
-      for (int64_t i = 0; i < g->numel(); ++i) g->ptr<double>()[i] -= 0.5;
-    // Rows outside the block hold 7 * dout, a constant: the loss's gradient there is zero as well.
-    testing::expect_gradient("dq", r.q, r.dq, loss);
-    testing::expect_gradient("dk", r.k, r.dk, loss);
-    testing::expect_gradient("dv", r.v, r.dv, loss);
-  }
+  for (const Shape& n : {Shape{2, 7, 4, 2, 5}, Shape{2, 7, 4, 2, 24, 16}, Shape{1, 7, 3, 3, 24, 16}})
+    for (const auto& [block, kv_seq] : {std::pair{AttentionBlock{AttentionMask::full, 2, 6, 1, 4}, int64_t(5)},
+                                        std::pair{AttentionBlock{AttentionMask::full, 0, 7, 0, 9}, int64_t(9)},
+                                        std::pair{AttentionBlock{AttentionMask::causal, 3, 7, 1, 5}, int64_t(6)},
+                                        std::pair{AttentionBlock{AttentionMask::causal, 0, 7, 0, 7}, int64_t(7)}})
+      expect_block_gradients(n, block, kv_seq);
 }
 
 // The kv half then the q half of a block backward add what the whole backward adds, bit for bit,
@@ -306,7 +351,7 @@ struct Blockwise {
   void forward(Attn& r, const Shape& n) const {
     fill(r.out, 0);
     fill(r.lse, -INFINITY);
-    Buffer part_out(DType::f64, Device::cpu, {n.b, n.s, n.hq, n.d}), part_lse(DType::f64, Device::cpu, {n.b, n.hq, n.s});
+    Buffer part_out(DType::f64, Device::cpu, {n.b, n.s, n.hq, n.vd()}), part_lse(DType::f64, Device::cpu, {n.b, n.hq, n.s});
     for (const AttentionBlock& block : blocks) {
       attention_block_forward(part_out, part_lse, r.q, r.k, r.v, block);
       attention_merge(r.out, r.lse, part_out, part_lse, block.q_begin, block.q_end);
@@ -320,10 +365,13 @@ struct Blockwise {
 };
 
 TEST(AttentionBlock, BlockwiseEqualsTheWholeCausalOp) {
-  // S = 23 and 37: primes, so no block or tile size divides them; GQA groups of 2; head_dim 8 and 64.
+  // S = 23 and 37: primes, so no block or tile size divides them; GQA groups of 2; head_dim 8 and 64;
+  // v's head dim unlike q's and k's (24 / 16 and 192 / 128).
   for (const auto& [n, blocks] : {std::pair{Shape{2, 23, 4, 2, 8}, Blockwise(23, {5, 6, 17})},
                                    std::pair{Shape{1, 37, 4, 2, 64}, Blockwise(37, {18})},
-                                   std::pair{Shape{1, 37, 2, 1, 3}, Blockwise(37, {1, 2, 3, 36})}}) {
+                                   std::pair{Shape{1, 37, 2, 1, 3}, Blockwise(37, {1, 2, 3, 36})},
+                                   std::pair{Shape{1, 23, 4, 2, 24, 16}, Blockwise(23, {5, 6, 17})},
+                                   std::pair{Shape{1, 9, 2, 2, 192, 128}, Blockwise(9, {4})}}) {
     Attn whole(DType::f64, n), split(DType::f64, n);
     whole.forward();
     whole.backward();
@@ -362,20 +410,22 @@ TEST(AttentionBlock, WindowedBlocksAndSinksEqualTheVariantOp) {
 }
 
 // The merge inside the composite: the gradients of sum(dout * out) with out merged from blocks,
-// computed by the block backwards, against finite differences through the merges.
+// computed by the block backwards, against finite differences through the merges; v's head dim as
+// q's and k's, and unlike them in GQA and multi-head.
 TEST(AttentionMerge, BlockwiseGradientsMatchFiniteDifferences) {
-  const Shape n{2, 9, 4, 2, 5};
   const Blockwise blocks(9, {2, 4});
-  Attn r(DType::f64, n);
-  auto loss = [&] {
-    blocks.forward(r, n);
-    return testing::weighted_sum(r.out, r.dout);
-  };
-  loss();
-  blocks.backward(r);
-  testing::expect_gradient("dq", r.q, r.dq, loss);
-  testing::expect_gradient("dk", r.k, r.dk, loss);
-  testing::expect_gradient("dv", r.v, r.dv, loss);
+  for (const Shape& n : {Shape{2, 9, 4, 2, 5}, Shape{1, 9, 4, 2, 24, 16}, Shape{1, 9, 3, 3, 24, 16}}) {
+    Attn r(DType::f64, n);
+    auto loss = [&] {
+      blocks.forward(r, n);
+      return testing::weighted_sum(r.out, r.dout);
+    };
+    loss();
+    blocks.backward(r);
+    testing::expect_gradient("dq", r.q, r.dq, loss);
+    testing::expect_gradient("dk", r.k, r.dk, loss);
+    testing::expect_gradient("dv", r.v, r.dv, loss);
+  }
 }
 
 // Two partials with hand-picked lse: out is their softmax-weighted mean, lse their logaddexp; a
@@ -479,11 +529,13 @@ TEST(AttentionVariant, SmallCaseMatchesTheDirectSoftmax) {
 }
 
 // GQA groups of 2 and 4, several batch rows, S prime, windows of 3, 4 and 1 (each query sees only
-// itself and the sink); sinks of scale 2, so some outweigh every score of their rows.
+// itself and the sink); sinks of scale 2, so some outweigh every score of their rows; v's head dim
+// unlike q's and k's.
 TEST(AttentionVariant, GradientsMatchFiniteDifferences) {
   for (const auto& [n, window] : {std::pair{Shape{3, 7, 4, 2, 3}, int64_t(3)},
                                   std::pair{Shape{2, 11, 8, 2, 5}, int64_t(4)},
-                                  std::pair{Shape{2, 5, 4, 2, 2}, int64_t(1)}}) {
+                                  std::pair{Shape{2, 5, 4, 2, 2}, int64_t(1)},
+                                  std::pair{Shape{2, 7, 4, 2, 24, 16}, int64_t(3)}}) {
     Attn r(DType::f64, n);
     const Buffer sinks = random_buffer(DType::f64, {n.hq}, 5, 2.0), dsinks = constant(DType::f64, {n.hq}, 0.5);
     const AttentionVariant variant{sinks, window};
@@ -558,18 +610,38 @@ TEST(AttentionVariant, RejectsBadVariants) {
 TEST(AttentionCudnn, BackwardPlanKeepsDpWithinTheCap) {
   const int64_t GiB = int64_t(1) << 30, MiB = int64_t(1) << 20;
   // 16,384: 4 head groups of 8, whole: dP 4 GiB, per-query-head dK, dV 64 MiB, row sums 512 KiB.
-  EXPECT_EQ(cudnn_attention_backward_scratch(1, 16384, 32, 4, 128), 4 * GiB + 64 * MiB + 512 * 1024 + 256);
+  EXPECT_EQ(cudnn_attention_backward_scratch(1, 16384, 32, 4, 128, 128), 4 * GiB + 64 * MiB + 512 * 1024 + 256);
   // 32,768: 16 chunks of 2048 over all 32 heads; the last sees every key (4,832,100,608 measured).
-  ASSERT_TRUE(cudnn_attention_backward_supports(1, 32768, 32, 4, 128));
-  EXPECT_EQ(cudnn_attention_backward_scratch(1, 32768, 32, 4, 128), int64_t(4832100608) + 128 * MiB);
+  ASSERT_TRUE(cudnn_attention_backward_supports(1, 32768, 32, 4, 128, 128));
+  EXPECT_EQ(cudnn_attention_backward_scratch(1, 32768, 32, 4, 128, 128), int64_t(4832100608) + 128 * MiB);
   // A 1 GiB cap: 16,384 in 16 chunks of 1024 over all heads (1,342,308,608 measured).
   set_cudnn_backward_workspace_cap(GiB);
-  EXPECT_EQ(cudnn_attention_backward_scratch(1, 16384, 32, 4, 128), int64_t(1342308608) + 64 * MiB);
+  EXPECT_EQ(cudnn_attention_backward_scratch(1, 16384, 32, 4, 128, 128), int64_t(1342308608) + 64 * MiB);
   set_cudnn_backward_workspace_cap(0);
   // Not even 64 query rows of one head group fit: the own kernels run the backward.
-  EXPECT_FALSE(cudnn_attention_backward_supports(1024, 32768, 32, 4, 128));
-  EXPECT_TRUE(cudnn_attention_backward_supports(1024, 32768, 32, 4, 128, false));
-  EXPECT_TRUE(cudnn_attention_backward_supports(0, 4096, 32, 4, 128));  // an empty batch: nothing to run
+  EXPECT_FALSE(cudnn_attention_backward_supports(1024, 32768, 32, 4, 128, 128));
+  EXPECT_TRUE(cudnn_attention_backward_supports(1024, 32768, 32, 4, 128, 128, false));
+  EXPECT_TRUE(cudnn_attention_backward_supports(0, 4096, 32, 4, 128, 128));  // an empty batch: nothing to run
+}
+
+// DeepSeek-V2's head dims (192 for q and k, 128 for v) are served, no other mixed pair, nor 192 alone.
+// Their scratch counts dK (192) and dV (128) per query head where heads are grouped, and the f32
+// dK, dV sums when the backward runs in query chunks.
+TEST(AttentionCudnn, ServesDeepSeekHeadDims) {
+  const int64_t MiB = int64_t(1) << 20;
+  EXPECT_TRUE(cudnn_attention_forward_supports(1024, 192, 128));
+  EXPECT_FALSE(cudnn_attention_forward_supports(1, 192, 128));
+  EXPECT_FALSE(cudnn_attention_forward_supports(1024, 192, 192));
+  EXPECT_FALSE(cudnn_attention_forward_supports(1024, 128, 64));
+  EXPECT_TRUE(cudnn_attention_backward_supports(2, 4096, 16, 16, 192, 128));
+  // dP 16 x 4096^2 x 2 B = 512 MiB, per-query-head dK and dV 16 x 4096 x (192 + 128) x 2 B = 40 MiB, row sums 256 KiB.
+  EXPECT_EQ(cudnn_attention_backward_scratch(1, 4096, 16, 4, 192, 128), 552 * MiB + 256 * 1024 + 256);
+  EXPECT_EQ(cudnn_attention_backward_scratch(1, 4096, 16, 16, 192, 128), 512 * MiB + 256 * 1024 + 256);
+  // A forced chunk of 1024 rows: the last call (1024 x 4096) sets the workspace, plus dK, dV sums
+  // 4096 x 16 x (192 + 128) x 4 B = 80 MiB.
+  set_cudnn_backward_chunk(1024);
+  EXPECT_EQ(cudnn_attention_backward_scratch(1, 4096, 16, 16, 192, 128), 128 * MiB + 64 * 1024 + 256 + 80 * MiB);
+  set_cudnn_backward_chunk(0);
 }
 
 }  // namespace

@@ -43,8 +43,10 @@ TEST(Ring, ZigzagSliceCopiesTheMembersTokens) {
         EXPECT_EQ(element(local, (b * 4 + i) * 3 + e), double((b * 8 + z.position(i)) * 3 + e)) << b << " " << i;
 }
 
+// d: q's and k's head dim; dv: v's and out's (0: d).
 struct Shape {
-  int64_t b, s, hq, hkv, d;
+  int64_t b, s, hq, hkv, d, dv = 0;
+  int64_t vd() const { return dv ? dv : d; }
 };
 
 // The whole sequence's inputs and the causal op's results, f64.
@@ -55,13 +57,13 @@ struct Whole {
       : n(n),
         q(random_buffer(DType::f64, {n.b, n.s, n.hq, n.d}, 11)),
         k(random_buffer(DType::f64, {n.b, n.s, n.hkv, n.d}, 12)),
-        v(random_buffer(DType::f64, {n.b, n.s, n.hkv, n.d}, 13)),
-        dout(random_buffer(DType::f64, {n.b, n.s, n.hq, n.d}, 14)),
-        out(DType::f64, Device::cpu, {n.b, n.s, n.hq, n.d}),
+        v(random_buffer(DType::f64, {n.b, n.s, n.hkv, n.vd()}, 13)),
+        dout(random_buffer(DType::f64, {n.b, n.s, n.hq, n.vd()}, 14)),
+        out(DType::f64, Device::cpu, {n.b, n.s, n.hq, n.vd()}),
         lse(DType::f64, Device::cpu, {n.b, n.hq, n.s}),
         dq(DType::f64, Device::cpu, {n.b, n.s, n.hq, n.d}),
         dk(DType::f64, Device::cpu, {n.b, n.s, n.hkv, n.d}),
-        dv(DType::f64, Device::cpu, {n.b, n.s, n.hkv, n.d}) {
+        dv(DType::f64, Device::cpu, {n.b, n.s, n.hkv, n.vd()}) {
     attention_forward(out, lse, q, k, v);
     attention_backward(dq, dk, dv, dout, q, k, v, out, lse);
   }
@@ -77,13 +79,13 @@ struct Member {
         sl(2 * z.chunk),
         q(DType::f64, Device::cpu, {w.n.b, sl, w.n.hq, w.n.d}),
         k(DType::f64, Device::cpu, {w.n.b, sl, w.n.hkv, w.n.d}),
-        v(DType::f64, Device::cpu, {w.n.b, sl, w.n.hkv, w.n.d}),
-        dout(DType::f64, Device::cpu, {w.n.b, sl, w.n.hq, w.n.d}),
-        out(Buffer::zeros(DType::f64, Device::cpu, {w.n.b, sl, w.n.hq, w.n.d})),
+        v(DType::f64, Device::cpu, {w.n.b, sl, w.n.hkv, w.n.vd()}),
+        dout(DType::f64, Device::cpu, {w.n.b, sl, w.n.hq, w.n.vd()}),
+        out(Buffer::zeros(DType::f64, Device::cpu, {w.n.b, sl, w.n.hq, w.n.vd()})),
         lse(DType::f64, Device::cpu, {w.n.b, w.n.hq, sl}),
         dq(Buffer::zeros(DType::f64, Device::cpu, {w.n.b, sl, w.n.hq, w.n.d})),
         dk(Buffer::zeros(DType::f64, Device::cpu, {w.n.b, sl, w.n.hkv, w.n.d})),
-        dv(Buffer::zeros(DType::f64, Device::cpu, {w.n.b, sl, w.n.hkv, w.n.d})) {
+        dv(Buffer::zeros(DType::f64, Device::cpu, {w.n.b, sl, w.n.hkv, w.n.vd()})) {
     for (auto [local, whole] : {std::pair{&q, &w.q}, std::pair{&k, &w.k}, std::pair{&v, &w.v}, std::pair{&dout, &w.dout}})
       zigzag_slice(*local, *whole, z);
     for (int64_t i = 0; i < lse.numel(); ++i) lse.ptr<double>()[i] = -INFINITY;
@@ -93,7 +95,7 @@ struct Member {
     const Shape& n = w.n;
     const std::pair<const Buffer*, const Buffer*> pairs[] = {{&out, &w.out}, {&dq, &w.dq}, {&dk, &w.dk}, {&dv, &w.dv}};
     for (auto [mine, whole] : pairs) {
-      Buffer want(DType::f64, Device::cpu, {n.b, sl, mine->view().size(2), n.d});
+      Buffer want(DType::f64, Device::cpu, {n.b, sl, mine->view().size(2), mine->view().size(3)});
       zigzag_slice(want, *whole, z);
       for (int64_t i = 0; i < want.numel(); ++i)
         ASSERT_NEAR(element(*mine, i), element(want, i), 1e-12 * (1 + std::abs(element(want, i)))) << i;
@@ -107,14 +109,16 @@ struct Member {
 
 // The ring's arithmetic in one process: member r's queries meet member s's K/V block as
 // zigzag_block(r, s) says; partials merge by lse; every block's backward adds into the owner's
-// dq and the source's dk, dv. Equal to the whole causal op at CP = 2, 3, 4 and prime chunk sizes.
+// dq and the source's dk, dv. Equal to the whole causal op at CP = 2, 3, 4 and prime chunk sizes, and
+// with v's head dim unlike q's and k's (24 / 16, DeepSeek-V2's 192 / 128).
 TEST(Ring, ZigzagBlocksEqualTheWholeCausalOp) {
   for (const auto& [n, ranks] : {std::pair{Shape{2, 4 * 7, 4, 2, 8}, 2}, std::pair{Shape{1, 6 * 5, 4, 2, 16}, 3},
-                                 std::pair{Shape{1, 8 * 3, 2, 1, 64}, 4}, std::pair{Shape{1, 8, 2, 2, 3}, 4}}) {
+                                 std::pair{Shape{1, 8 * 3, 2, 1, 64}, 4}, std::pair{Shape{1, 8, 2, 2, 3}, 4},
+                                 std::pair{Shape{1, 4 * 5, 4, 2, 24, 16}, 2}, std::pair{Shape{1, 6 * 2, 2, 2, 192, 128}, 3}}) {
     const Whole w(n);
     std::vector<Member> members;
     for (int r = 0; r < ranks; ++r) members.emplace_back(w, r, ranks);
-    Buffer part_out(DType::f64, Device::cpu, {n.b, n.s / ranks, n.hq, n.d});
+    Buffer part_out(DType::f64, Device::cpu, {n.b, n.s / ranks, n.hq, n.vd()});
     Buffer part_lse(DType::f64, Device::cpu, {n.b, n.hq, n.s / ranks});
     for (Member& m : members)
       for (int t = 0; t < ranks; ++t) {
@@ -133,16 +137,29 @@ TEST(Ring, ZigzagBlocksEqualTheWholeCausalOp) {
   }
 }
 
-// A group of one: the ring is the causal op itself, to the bit.
+// A group of one: the ring is the causal op itself, to the bit; v's head dim as q's and k's or not.
 TEST(Ring, OneMemberIsTheCausalOp) {
-  const Shape n{2, 14, 4, 2, 8};
-  const Whole w(n);
-  Member m(w, 0, 1);
-  ring_attention_forward(m.out, m.lse, w.q, w.k, w.v, Comm());
-  ring_attention_backward(m.dq, m.dk, m.dv, w.dout, w.q, w.k, w.v, m.out, m.lse, Comm());
-  for (auto [a, b] : {std::pair{&m.out, &w.out}, std::pair{&m.lse, &w.lse}, std::pair{&m.dq, &w.dq},
-                      std::pair{&m.dk, &w.dk}, std::pair{&m.dv, &w.dv}})
-    for (int64_t i = 0; i < a->numel(); ++i) ASSERT_EQ(element(*a, i), element(*b, i)) << i;
+  for (const Shape& n : {Shape{2, 14, 4, 2, 8}, Shape{1, 14, 4, 2, 24, 16}}) {
+    const Whole w(n);
+    Member m(w, 0, 1);
+    ring_attention_forward(m.out, m.lse, w.q, w.k, w.v, Comm());
+    ring_attention_backward(m.dq, m.dk, m.dv, w.dout, w.q, w.k, w.v, m.out, m.lse, Comm());
+    for (auto [a, b] : {std::pair{&m.out, &w.out}, std::pair{&m.lse, &w.lse}, std::pair{&m.dq, &w.dq},
+                        std::pair{&m.dk, &w.dk}, std::pair{&m.dv, &w.dv}})
+      for (int64_t i = 0; i < a->numel(); ++i) ASSERT_EQ(element(*a, i), element(*b, i)) << i;
+  }
+}
+
+// Ring attention's buffers grow with v's head dim where it differs: K/V blocks and their gradient
+// sums hold D + Dv per key/value head, the partial and running out Dv, dq D.
+TEST(Ring, BytesCountTheValueHeadDim) {
+  const RingAttentionBytes same = ring_attention_bytes(1024, 16, 4, 128, Device::cuda),
+                           mixed = ring_attention_bytes(1024, 16, 4, 192, Device::cuda, 128);
+  EXPECT_EQ(same.forward, ring_attention_bytes(1024, 16, 4, 128, Device::cuda, 128).forward);
+  // Forward: kv[2] bf16 (+ 1024 x 4 x 64 each), part_out and running unchanged (Dv = 128).
+  EXPECT_EQ(mixed.forward - same.forward, 2 * 1024 * 4 * 64 * 2);
+  // Backward: kv[2] bf16 and four f32 dK/dV buffers (+ 1024 x 4 x 64 each), dq_sum f32 (+ 1024 x 16 x 64).
+  EXPECT_EQ(mixed.backward - same.backward, 2 * 1024 * 4 * 64 * 2 + 4 * 1024 * 4 * 64 * 4 + 1024 * 16 * 64 * 4);
 }
 
 }  // namespace

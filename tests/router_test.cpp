@@ -1,6 +1,10 @@
 #include "ops/router.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <numeric>
+#include <vector>
 
 #include "gradcheck.h"
 
@@ -261,6 +265,215 @@ TEST(Router, BackwardRejectsStatisticsOfFewerTokens) {
   } catch (const Error& e) {
     EXPECT_STREQ(e.what(), "router_backward: stats counts 1 tokens, fewer than the 2 rows of probs");
   }
+}
+
+// DeepSeek's routing options: routed_scaling_factor, norm_topk_prob, n_group and topk_group.
+RouterOptions deepseek(bool normalize, double scale, int64_t groups, int64_t top_groups) {
+  RouterOptions o;
+  o.normalize = normalize;
+  o.scale = scale;
+  o.groups = groups;
+  o.top_groups = top_groups;
+  return o;
+}
+
+template <class Call>
+void expect_error(const Call& call, const char* message) {
+  try {
+    call();
+    FAIL() << "expected an error: " << message;
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(), message);
+  }
+}
+
+TEST(RouterOptions, ScaleMultipliesTheWeightsAfterTheNormalisation) {
+  // softmax(log [1, 2, 3, 4]) = [0.1, 0.2, 0.3, 0.4]
+  double logits[4] = {0, std::log(2.0), std::log(3.0), std::log(4.0)}, probs[4], w[2];
+  int32_t idx[2];
+  for (bool normalize : {false, true}) {
+    router_forward(host(probs, DType::f64, {1, 4}), host(idx, DType::i32, {1, 2}), host(w, DType::f64, {1, 2}),
+                   host(logits, DType::f64, {1, 4}), deepseek(normalize, 16.0, 1, 1));
+    EXPECT_EQ(idx[0], 3);
+    EXPECT_EQ(idx[1], 2);
+    EXPECT_NEAR(w[0], normalize ? 16 * 4.0 / 7 : 16 * 0.4, 1e-14);
+    EXPECT_NEAR(w[1], normalize ? 16 * 3.0 / 7 : 16 * 0.3, 1e-14);
+  }
+}
+
+// transformers' group_limited_greedy written out: group scores, the top groups by (score, lower
+// index), then the top K of the kept experts by (probability, lower index).
+void route_directly(const double* p, int64_t e, int64_t k, const RouterOptions& o, std::vector<int32_t>& idx) {
+  const int64_t size = e / o.groups;
+  std::vector<int64_t> order(o.groups), experts;
+  std::iota(order.begin(), order.end(), 0);
+  auto score = [&](int64_t g) { return *std::max_element(p + g * size, p + (g + 1) * size); };
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return score(a) > score(b); });
+  for (int64_t r = 0; r < o.top_groups; ++r)
+    for (int64_t i = order[r] * size; i < (order[r] + 1) * size; ++i) experts.push_back(i);
+  std::sort(experts.begin(), experts.end());
+  std::stable_sort(experts.begin(), experts.end(), [&](int64_t a, int64_t b) { return p[a] > p[b]; });
+  idx.assign(experts.begin(), experts.begin() + k);
+}
+
+TEST(RouterOptions, GroupLimitedSelectionMatchesADirectImplementation) {
+  const int64_t n = 11, e = 16, k = 3;
+  for (RouterOptions o : {deepseek(false, 2.5, 4, 2), deepseek(true, 1.0, 8, 3), deepseek(false, 1.0, 16, 5)}) {
+    SCOPED_TRACE(::testing::Message() << "groups=" << o.groups << " top_groups=" << o.top_groups);
+    Buffer logits = random_buffer(DType::f64, {n, e}, 21, 2.0), probs(DType::f64, Device::cpu, {n, e}), idx(DType::i32, Device::cpu, {n, k}),
+           w(DType::f64, Device::cpu, {n, k});
+    router_forward(probs, idx, w, logits, o);
+    std::vector<int32_t> want;
+    for (int64_t t = 0; t < n; ++t) {
+      const double* p = probs.ptr<double>() + t * e;
+      route_directly(p, e, k, o, want);
+      double sum = 0;
+      for (int64_t j = 0; j < k; ++j) sum += p[want[j]];
+      for (int64_t j = 0; j < k; ++j) {
+        ASSERT_EQ(idx.ptr<int32_t>()[t * k + j], want[j]) << "token " << t << " slot " << j;
+        EXPECT_NEAR(w.ptr<double>()[t * k + j], p[want[j]] / (o.normalize ? sum : 1.0) * o.scale, 1e-15) << "token " << t << " slot " << j;
+      }
+    }
+  }
+}
+
+// Groups of two: groups 1 and 2 tie at the highest score, so with one kept group the lower index
+// wins, and expert 3 is chosen over the more probable 4 and 5 of the dropped group.
+TEST(RouterOptions, GroupTiesGoToTheLowerGroupAndDroppedGroupsAreNeverChosen) {
+  double logits[8] = {0, 0, 1, 0.5, 1, 0.8, 0, 0}, probs[8], w[2];
+  int32_t idx[2];
+  router_forward(host(probs, DType::f64, {1, 8}), host(idx, DType::i32, {1, 2}), host(w, DType::f64, {1, 2}),
+                 host(logits, DType::f64, {1, 8}), deepseek(false, 1.0, 4, 1));
+  EXPECT_EQ(idx[0], 2);
+  EXPECT_EQ(idx[1], 3);
+}
+
+// With every group kept, the group-limited choice is greedy's: the bool overload's bits.
+TEST(RouterOptions, AllGroupsKeptIsGreedy) {
+  const int64_t n = 9, e = 16, k = 4;
+  Buffer logits = random_buffer(DType::f32, {n, e}, 22, 2.0);
+  Buffer p[2] = {Buffer(DType::f32, Device::cpu, {n, e}), Buffer(DType::f32, Device::cpu, {n, e})};
+  Buffer idx[2] = {Buffer(DType::i32, Device::cpu, {n, k}), Buffer(DType::i32, Device::cpu, {n, k})};
+  Buffer w[2] = {Buffer(DType::f32, Device::cpu, {n, k}), Buffer(DType::f32, Device::cpu, {n, k})};
+  router_forward(p[0], idx[0], w[0], logits, true);
+  router_forward(p[1], idx[1], w[1], logits, deepseek(true, 1.0, 4, 4));
+  const Tensor outputs[3][2] = {{p[0], p[1]}, {idx[0], idx[1]}, {w[0], w[1]}};
+  for (int b = 0; b < 3; ++b) EXPECT_EQ(std::memcmp(outputs[b][0].data, outputs[b][1].data, outputs[b][0].bytes()), 0) << "output " << b;
+}
+
+// Rows g of [G, 2E + 1] are router_statistics of the g-th run of tokens; the loss is the mean of
+// the rows' losses; one row is router_statistics itself.
+TEST(RouterOptions, GroupedStatisticsAreEachGroupsStatistics) {
+  const int64_t n = 12, e = 8, k = 2, per = 4, g = n / per;
+  Buffer logits = random_buffer(DType::f64, {n, e}, 23, 2.0), probs(DType::f64, Device::cpu, {n, e}), idx(DType::i32, Device::cpu, {n, k}),
+         w(DType::f64, Device::cpu, {n, k}), stats(DType::f64, Device::cpu, {g, 2 * e + 1}), row(DType::f64, Device::cpu, {2 * e + 1});
+  router_forward(probs, idx, w, logits, false);
+  router_statistics_grouped(stats, probs, idx, per);
+  double mean = 0;
+  for (int64_t r = 0; r < g; ++r) {
+    router_statistics(row, probs.view().rows(r * per, (r + 1) * per), idx.view().rows(r * per, (r + 1) * per));
+    for (int64_t i = 0; i < 2 * e + 1; ++i) ASSERT_EQ(stats.ptr<double>()[r * (2 * e + 1) + i], row.ptr<double>()[i]) << "row " << r << " " << i;
+    mean += router_aux_loss(row) / double(g);
+  }
+  EXPECT_NEAR(router_aux_loss(stats), mean, 1e-14 * mean);
+  double total = 0.25;
+  router_aux_loss_add(host(&total, DType::f64, {1}), stats);
+  EXPECT_EQ(total, 0.25 + router_aux_loss(stats));
+
+  Buffer one(DType::f64, Device::cpu, {1, 2 * e + 1}), whole(DType::f64, Device::cpu, {2 * e + 1});
+  router_statistics_grouped(one, probs, idx, n);
+  router_statistics(whole, probs, idx);
+  for (int64_t i = 0; i < 2 * e + 1; ++i) ASSERT_EQ(one.ptr<double>()[i], whole.ptr<double>()[i]) << i;
+  EXPECT_EQ(router_aux_loss(one), router_aux_loss(whole));
+}
+
+// d/dlogits of sum(r * topk_weight) + aux_grad * aux_loss with DeepSeek's options, the aux loss
+// from one row of statistics or per sequence (G rows of T / G tokens).
+TEST(RouterOptions, GradientsMatchFiniteDifferences) {
+  const int64_t n = 6, e = 16;
+  for (RouterOptions o : {deepseek(false, 16.0, 1, 1), deepseek(true, 2.5, 4, 2), deepseek(false, 1.0, 8, 3)})
+    for (int64_t k : {int64_t(1), int64_t(3)})
+      for (int64_t groups : {int64_t(1), int64_t(2), int64_t(3)}) {
+        SCOPED_TRACE(::testing::Message() << "normalize=" << o.normalize << " scale=" << o.scale << " groups=" << o.groups << " k=" << k
+                                          << " stats rows=" << groups);
+        const double aux_grad = 0.7;
+        Buffer logits = separated_logits(DType::f64, n, e, 24), r = random_buffer(DType::f64, {n, k}, 25);
+        Buffer probs(DType::f64, Device::cpu, {n, e}), idx(DType::i32, Device::cpu, {n, k}), w(DType::f64, Device::cpu, {n, k}),
+            stats(DType::f64, Device::cpu, {groups, 2 * e + 1}), dlogits(DType::f64, Device::cpu, {n, e});
+        auto loss = [&] {
+          router_forward(probs, idx, w, logits, o);
+          router_statistics_grouped(stats, probs, idx, n / groups);
+          return testing::weighted_sum(w, r) + aux_grad * router_aux_loss(stats);
+        };
+        loss();
+        router_backward(dlogits, r, probs, idx, w, o, aux_grad, stats);
+        testing::expect_gradient("dlogits", logits, dlogits, loss);
+      }
+}
+
+// The rows (all columns) `rows` of t, in that order.
+Buffer gather_rows(const Tensor& t, const std::vector<int64_t>& rows) {
+  Buffer out(t.dtype, Device::cpu, {int64_t(rows.size()), t.numel() / t.size(0)});
+  const size_t row_bytes = t.bytes() / size_t(t.size(0));
+  for (size_t i = 0; i < rows.size(); ++i)
+    std::memcpy(static_cast<char*>(out.view().data) + i * row_bytes, static_cast<const char*>(t.data) + size_t(rows[i]) * row_bytes, row_bytes);
+  return out;
+}
+
+// Context parallelism: two sequences of 6 tokens, each split between two ranks (tokens 0-2 of each
+// on rank 0, 3-5 on rank 1). Each rank's per-sequence rows summed give the sequences' statistics,
+// their loss, and on each rank the whole batch's dlogits.
+TEST(RouterOptions, PerSequenceStatisticsSummedOverRanksGiveTheSequencesLossAndGradient) {
+  const int64_t sequences = 2, length = 6, n = sequences * length, e = 8, k = 3, width = 2 * e + 1;
+  const double aux_grad = 0.9;
+  const RouterOptions o = deepseek(false, 16.0, 4, 2);
+  Buffer logits = random_buffer(DType::f64, {n, e}, 26, 2.0), r = random_buffer(DType::f64, {n, k}, 27);
+  Buffer probs(DType::f64, Device::cpu, {n, e}), idx(DType::i32, Device::cpu, {n, k}), w(DType::f64, Device::cpu, {n, k}),
+      stats(DType::f64, Device::cpu, {sequences, width}), dlogits(DType::f64, Device::cpu, {n, e});
+  router_forward(probs, idx, w, logits, o);
+  router_statistics_grouped(stats, probs, idx, length);
+  router_backward(dlogits, r, probs, idx, w, o, aux_grad, stats);
+
+  std::vector<int64_t> rank_rows[2];
+  for (int64_t s = 0; s < sequences; ++s)
+    for (int64_t t = 0; t < length; ++t) rank_rows[t < length / 2 ? 0 : 1].push_back(s * length + t);
+  Buffer summed = Buffer::zeros(DType::f64, Device::cpu, {sequences, width}), part_stats(DType::f64, Device::cpu, {sequences, width});
+  for (int rank = 0; rank < 2; ++rank) {
+    router_statistics_grouped(part_stats, gather_rows(probs, rank_rows[rank]), gather_rows(idx, rank_rows[rank]), length / 2);
+    for (int64_t i = 0; i < sequences * width; ++i) summed.ptr<double>()[i] += part_stats.ptr<double>()[i];
+  }
+  for (int64_t s = 0; s < sequences; ++s) {
+    for (int64_t i = 0; i < e; ++i) EXPECT_EQ(summed.ptr<double>()[s * width + i], stats.ptr<double>()[s * width + i]) << s << " count " << i;
+    EXPECT_EQ(summed.ptr<double>()[s * width + 2 * e], double(length));
+  }
+  const double whole = router_aux_loss(stats);
+  EXPECT_NEAR(router_aux_loss(summed), whole, 1e-12 * whole);
+  for (int rank = 0; rank < 2; ++rank) {
+    const std::vector<int64_t>& rows = rank_rows[rank];
+    Buffer part_dlogits(DType::f64, Device::cpu, {int64_t(rows.size()), e});
+    router_backward(part_dlogits, gather_rows(r, rows), gather_rows(probs, rows), gather_rows(idx, rows), gather_rows(w, rows), o, aux_grad,
+                    summed);
+    for (size_t i = 0; i < rows.size(); ++i)
+      for (int64_t x = 0; x < e; ++x) {
+        const double expected = dlogits.ptr<double>()[rows[i] * e + x];
+        EXPECT_NEAR(part_dlogits.ptr<double>()[i * e + x], expected, 1e-12 * (1 + std::abs(expected))) << "rank " << rank << " row " << i;
+      }
+  }
+}
+
+TEST(RouterOptions, RejectsGroupsThatDoNotFitAndStatisticsOfOtherRows) {
+  Buffer logits(DType::f32, Device::cpu, {6, 8}), probs(DType::f32, Device::cpu, {6, 8}), idx(DType::i32, Device::cpu, {6, 3}),
+      w(DType::f32, Device::cpu, {6, 3});
+  expect_error([&] { router_forward(probs, idx, w, logits, deepseek(false, 1.0, 3, 1)); }, "router_forward: 8 experts do not split into 3 groups");
+  expect_error([&] { router_forward(probs, idx, w, logits, deepseek(false, 1.0, 4, 1)); },
+               "router_forward: k = 3 exceeds the 2 experts of the top 1 groups");
+  expect_error([&] { router_forward(probs, idx, w, logits, deepseek(false, 1.0, 4, 5)); },
+               "router_forward: top_groups = 5 must be between 1 and the 4 groups");
+  Buffer stats(DType::f32, Device::cpu, {4, 17});
+  expect_error([&] { router_statistics_grouped(stats, probs, idx, 4); },
+               "router_statistics_grouped: tokens_per_group = 4 must be positive and divide the 6 tokens");
+  expect_error([&] { router_backward(logits, w, probs, idx, w, deepseek(false, 1.0, 1, 1), 1.0, stats); },
+               "router_backward: stats has 4 rows, which do not divide the 6 tokens of probs");
 }
 
 }  // namespace

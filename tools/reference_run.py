@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""An independent trainer for Marrow's Qwen3-MoE runs, in PyTorch and transformers (issue #52).
+"""An independent trainer for Marrow's Qwen3-MoE and DeepSeek-V2 runs, in PyTorch and transformers (issues #52, #50).
 
 It trains the model of a Marrow run config the way `marrow train` does, from the same weights on the
 same batches, so that the two loss curves can be laid side by side over a long run:
@@ -8,7 +8,11 @@ same batches, so that the two loss curves can be laid side by side over a long r
   - batches: Marrow's sample order (data/dataset.h) computed here from the corpus: windows of
     seq_len + 1 tokens, the held-out windows spread evenly, a seeded Feistel permutation per epoch;
   - loss: the mean cross-entropy over the step's targets plus aux_loss_coef times the load-balance
-    loss E * sum_e f_e * P_e of each layer and micro-batch, averaged (ops/router.h);
+    loss E * sum_e f_e * P_e of each MoE layer and micro-batch, averaged (ops/router.h). DeepSeek-V2:
+    f_e counts the routing's own top-k choice (group-limited under topk_method group_limited_greedy),
+    with seq_aux the loss of each sequence, averaged over them (router_statistics_grouped); the
+    coefficient is router_aux_loss_coef, else aux_loss_alpha x MoE layers / top-k (models/deepseek_v2.cpp),
+    and norm_topk_prob normalises the routing weights as Marrow does (transformers 5 ignores it);
   - update: global-norm clipping, torch.optim.AdamW (decay on matrices only, as ParamKind::matrix),
     the learning rate of engine/lr_schedule.h;
   - precision: fp32 weights; on the GPU, bf16 autocast (bf16 compute, fp32 master weights, fp32
@@ -22,6 +26,21 @@ It writes metrics.jsonl in Marrow's format, so `marrow plot` draws both runs.
         ends past S seconds (one device call's limit), the next call goes on
   reference_run.py eval <run-config> <hf-dir> [--device ...]  the mean loss over eval.samples held-out
         sequences of a Hugging Face model (e.g. marrow export of the final checkpoint), printed as JSON
+  reference_run.py bench <run-config> <hf-dir> [--warmup N] [--steps M] [--attention A] [--compile C] [--json F]
+        the PyTorch peer of `marrow bench`: N warm-up and M measured training steps (the learning rate of
+        marrow bench's schedule, which runs M / 4 more steps) on the run's batches; prints one line with
+        tokens/s, ms/step, TFLOP/s and MFU from Marrow's FLOP count (6 x active parameters + causal
+        attention, flops_per_token below), torch.cuda.max_memory_allocated and the losses; --json writes
+        the same as JSON. Speed settings: fused AdamW, one host read a step (the losses and the gradient norm,
+        after the last backward; the gradients scaled only when clipped), no KV cache,
+        --attention sdpa (torch's pick: DeepSeek's v head dim 128 < q/k's 192 rules out its flash kernel),
+        sdpa_padded (v zero-padded to q's head dim, output cropped: flash-eligible, as transformers'
+        flash_attention integration does), sdpa_cudnn (SDPA forced onto cuDNN), eager, any other
+        attn_implementation, or auto (default on the GPU: each candidate times 1 + 2 steps, the fastest
+        is kept, then the initial weights come back and the measured run starts from step 1);
+        --compile layers: torch.compile of each decoder layer and of the LM head + loss (default none).
+  init's --init-device cuda draws the initial weights on the GPU (seconds for billions of parameters;
+  other values than the CPU's under the same seed); the weights are written in shards of --shard-size.
 """
 import argparse
 import json
@@ -147,18 +166,20 @@ class Corpus:
 
 
 def experts_forward_bf16(self, hidden_states, top_k_index, top_k_weights):
-    """The experts of a Qwen3-MoE layer as grouped bf16 GEMMs (torch's grouped_mm, CUTLASS on Hopper).
+    """The experts of a Qwen3-MoE or DeepSeek-V2 layer as grouped bf16 GEMMs (torch's grouped_mm, CUTLASS on Hopper).
 
     transformers' own grouped_mm path casts the input to the weights' dtype, so under autocast with
     fp32 weights it would multiply in fp32; this one casts the weights to bf16 as autocast does for
-    every linear layer (the gradient still reaches the fp32 weights in fp32)."""
+    every linear layer (the gradient still reaches the fp32 weights in fp32). Every shape is static
+    (the counts by scatter_add, not bincount), so torch.compile traces it whole."""
     import torch
     import torch.nn.functional as F
     grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
     k = top_k_index.shape[-1]
     chosen = top_k_index.reshape(-1)
     order = torch.argsort(chosen, stable=True)
-    offsets = torch.cumsum(torch.bincount(chosen, minlength=self.num_experts), 0, dtype=torch.int32)
+    counts = torch.zeros(self.num_experts, dtype=torch.int64, device=chosen.device).scatter_add_(0, chosen, torch.ones_like(chosen))
+    offsets = torch.cumsum(counts, 0, dtype=torch.int32)
     rows = order // k
     x = hidden_states[rows].to(torch.bfloat16)
     gate, up = grouped_mm(x, self.gate_up_proj.to(torch.bfloat16).transpose(-2, -1), offs=offsets).chunk(2, dim=-1)
@@ -167,36 +188,144 @@ def experts_forward_bf16(self, hidden_states, top_k_index, top_k_weights):
     return torch.zeros(hidden_states.shape, dtype=y.dtype, device=y.device).index_add_(0, rows, y).to(hidden_states.dtype)
 
 
-def load_model(hf_dir, device):
-    """fp32 weights; on the GPU, SDPA attention and the bf16 grouped experts."""
+def is_deepseek(config):
+    return config.model_type == "deepseek_v2"
+
+
+def moe_layers(model):
+    """The decoder layers with routed experts (DeepSeek-V2's first first_k_dense_replace layers have a dense MLP)."""
+    return [layer for layer in model.model.layers if hasattr(layer.mlp, "experts")]
+
+
+def aux_coefficient(rc, config):
+    """train.aux_loss_coef, else the model's: router_aux_loss_coef, or DeepSeek's aux_loss_alpha x MoE layers / top-k
+    (models/deepseek_v2.cpp: DeepSeek sums alpha x E / K x sum f P over the layers, Marrow averages E x sum f P),
+    else Marrow's default 0.001."""
+    if rc["train.aux_loss_coef"] >= 0:
+        return rc["train.aux_loss_coef"]
+    coef = getattr(config, "router_aux_loss_coef", None)
+    alpha = getattr(config, "aux_loss_alpha", None)
+    if is_deepseek(config) and coef is None and alpha is not None:
+        return alpha * (config.num_hidden_layers - (config.first_k_dense_replace or 0)) / config.num_experts_per_tok
+    return 0.001 if coef is None else coef
+
+
+def routed_experts(probs, config):
+    """DeepseekV2TopkRouter's top-k choice from the softmax probabilities [T, E]: greedy, or among the topk_group
+    groups of highest maximum probability (group_limited_greedy), computed with its operations."""
+    import torch
+    k, experts = config.num_experts_per_tok, config.num_experts
+    if config.topk_method == "group_limited_greedy":
+        groups = config.n_group
+        group_scores = probs.view(-1, groups, experts // groups).max(dim=-1).values
+        group_idx = torch.topk(group_scores, k=config.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+        score_mask = group_mask.unsqueeze(-1).expand(-1, groups, experts // groups).reshape(-1, experts)
+        probs = probs.masked_fill(~score_mask.bool(), 0.0)
+    return torch.topk(probs, k=k, dim=-1, sorted=False)[1]
+
+
+def deepseek_router_normalized(self, hidden_states):
+    """DeepseekV2TopkRouter.forward with norm_topk_prob honoured as Marrow (ops/router.h), DeepSeek's code and vLLM
+    do: the chosen probabilities divided by their sum, then times routed_scaling_factor (transformers 5 skips the
+    division)."""
+    import torch
+    import torch.nn.functional as F
+    hidden_states = hidden_states.view(-1, self.hidden_dim)
+    router_logits = F.linear(hidden_states.type(torch.float32), self.weight.type(torch.float32))
+    scores = router_logits.softmax(dim=-1, dtype=torch.float32)
+    topk_indices = routed_experts(scores, self._marrow_config)
+    topk_weights = scores.gather(1, topk_indices)
+    topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+    return router_logits, topk_weights * self.routed_scaling_factor, topk_indices
+
+
+def padded_sdpa_attention(module, query, key, value, attention_mask, **kwargs):
+    """transformers' SDPA with v zero-padded to q's head dim and the output cropped back (DeepSeek's MLA: q and k 192,
+    v 128): equal head dims let torch pick its flash kernel, as transformers' flash_attention integration pads."""
+    import torch.nn.functional as F
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    dv = value.shape[-1]
+    if dv != query.shape[-1]:
+        value = F.pad(value, [0, query.shape[-1] - dv])
+    out, weights = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    return out[..., :dv], weights
+
+
+def cudnn_sdpa_attention(module, query, key, value, attention_mask, **kwargs):
+    """transformers' SDPA held to torch's cuDNN backend (which takes unequal q/k and v head dims on Hopper)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def register_attention():
+    """The attention variants above as attn_implementation names (no mask function: causal, no mask built)."""
+    from transformers import AttentionInterface
+    AttentionInterface.register("sdpa_padded", padded_sdpa_attention)
+    AttentionInterface.register("sdpa_cudnn", cudnn_sdpa_attention)
+
+
+def load_model(hf_dir, device, attention="sdpa"):
+    """fp32 weights; on the GPU, SDPA attention (or `attention`) and the bf16 grouped experts. DeepSeek-V2 with
+    norm_topk_prob: the normalising router."""
     import types
     import torch
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="sdpa").to(device)
+    register_attention()
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation=attention).to(device)
     if device == "cuda":
-        for layer in model.model.layers:
+        for layer in moe_layers(model):
+            if not hasattr(layer.mlp.experts, "gate_up_proj"):
+                import transformers
+                fail(f"the bf16 grouped experts need transformers 5's fused expert weights (gate_up_proj); this is transformers {transformers.__version__}")
             layer.mlp.experts.forward = types.MethodType(experts_forward_bf16, layer.mlp.experts)
+    if is_deepseek(model.config) and model.config.norm_topk_prob:
+        for layer in moe_layers(model):
+            layer.mlp.gate._marrow_config = model.config
+            layer.mlp.gate.forward = types.MethodType(deepseek_router_normalized, layer.mlp.gate)
     return model
 
 
-def forward_losses(model, tokens, autocast):
-    """Summed cross-entropy over the targets and each layer's load-balance loss E * sum_e f_e P_e."""
+def head_loss(model, hidden, targets, autocast):
+    """The LM head's logits (bf16 under autocast) and their summed cross-entropy in fp32."""
     import torch
     import torch.nn.functional as F
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        logits = model.lm_head(hidden)
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum")
+
+
+HEAD_LOSS = [head_loss]  # bench --compile replaces it with its compiled form
+
+
+def load_balance_loss(layer_logits, config, sequences):
+    """One MoE layer's E * sum_e f_e P_e from its router logits [T, E] (ops/router.h). Qwen3-MoE: the top-k of the
+    probabilities over all T tokens. DeepSeek-V2: the router's own choice (routed_experts), and with seq_aux the
+    loss of each of the `sequences` rows of T / sequences tokens, averaged (router_statistics_grouped)."""
+    import torch
+    probs = torch.softmax(layer_logits.float(), dim=-1)
+    experts = config.num_experts
+    if not is_deepseek(config):
+        chosen = torch.topk(probs, config.num_experts_per_tok, dim=-1).indices
+        counts = torch.zeros(experts, device=probs.device).scatter_add_(0, chosen.reshape(-1), torch.ones(chosen.numel(), device=probs.device))
+        return experts * torch.sum(counts / probs.shape[0] * probs.mean(dim=0))
+    groups = sequences if getattr(config, "seq_aux", False) else 1
+    chosen = routed_experts(probs, config).reshape(groups, -1)
+    probs = probs.reshape(groups, -1, experts)
+    counts = torch.zeros(groups, experts, device=probs.device).scatter_add_(1, chosen, torch.ones(chosen.shape, device=probs.device))
+    return (experts * torch.sum(counts / probs.shape[1] * probs.mean(dim=1), dim=-1)).mean()
+
+
+def forward_losses(model, tokens, autocast):
+    """Summed cross-entropy over the targets and each MoE layer's load-balance loss E * sum_e f_e P_e."""
+    import torch
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-        out = model.model(input_ids=inputs, output_router_logits=True)
-        logits = model.lm_head(out.last_hidden_state)
-    ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum")
-    k, experts = model.config.num_experts_per_tok, model.config.num_experts
-    aux = []
-    for layer_logits in out.router_logits:
-        probs = torch.softmax(layer_logits.float(), dim=-1)
-        chosen = torch.topk(probs, k, dim=-1).indices
-        counts = torch.zeros(experts, device=probs.device).scatter_add_(0, chosen.reshape(-1), torch.ones(chosen.numel(), device=probs.device))
-        tokens_count = probs.shape[0]
-        aux.append(experts * torch.sum(counts / tokens_count * probs.mean(dim=0)))
-    return ce, aux
+        out = model.model(input_ids=inputs, use_cache=False, output_router_logits=True)
+    ce = HEAD_LOSS[0](model, out.last_hidden_state, targets, autocast)
+    return ce, [load_balance_loss(layer_logits, model.config, tokens.shape[0]) for layer_logits in out.router_logits]
 
 
 def decayed(name):
@@ -227,24 +356,41 @@ def evaluation_loss(model, corpus, rc, device, autocast):
     return total / (samples * rc["train.seq_len"])
 
 
-def train_step(model, optimizer, corpus, rc, step, device, autocast, aux_coef):
-    """One optimizer step; returns Marrow's metrics of it (loss without the aux term, load balance, norm, lr)."""
+def train_step(model, optimizer, corpus, rc, step, device, autocast, aux_coef, fast=False):
+    """One optimizer step; returns Marrow's metrics of it (loss without the aux term, load balance, norm, lr).
+
+    The losses are read once, after the last backward. fast (bench): the step's batches go to the GPU
+    first, and the gradient norm comes from torch's foreach norms with one host read, the gradients
+    scaled only when clipped (clip_grad_norm_ with an infinite bound multiplies them all by 1)."""
     import torch
     G, B, S = rc["train.global_batch"], rc["train.micro_batch"], rc["train.seq_len"]
-    micro_batches, layers, k = G // B, model.config.num_hidden_layers, model.config.num_experts_per_tok
+    micro_batches, layers, k = G // B, len(moe_layers(model)), model.config.num_experts_per_tok
     loss_scale, aux_grad = 1.0 / (G * S), aux_coef / (layers * micro_batches)
+    batches = [torch.from_numpy(corpus.micro_batch(step, micro, B, G)) for micro in range(micro_batches)]
+    if fast and device == "cuda":
+        batches = [b.pin_memory().to(device, non_blocking=True) for b in batches]
+    read = []
+    for tokens in batches:
+        ce, aux = forward_losses(model, tokens.to(device), autocast)
+        aux = torch.stack(aux)
+        (ce * loss_scale + aux_grad * aux.sum()).backward()
+        read.append(torch.cat([ce.detach().reshape(1), aux.detach()]))
+    values = torch.stack(read).tolist()
     ce_sum, aux_sum = 0.0, 0.0
-    for micro in range(micro_batches):
-        tokens = torch.from_numpy(corpus.micro_batch(step, micro, B, G)).to(device)
-        ce, aux = forward_losses(model, tokens, autocast)
-        (ce * loss_scale + aux_grad * torch.stack(aux).sum()).backward()
-        ce_sum += ce.item()
-        aux_sum += sum(a.item() for a in aux)
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")).item()
+    for row in values:
+        ce_sum += row[0]
+        aux_sum += sum(row[1:])
     clip = rc["optimizer.grad_clip"]
-    if clip > 0 and grad_norm > clip:
-        for p in model.parameters():
-            p.grad.mul_(clip / grad_norm)
+    if fast:
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        grad_norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))).item()
+        if clip > 0 and grad_norm > clip:
+            torch._foreach_mul_(grads, clip / grad_norm)
+    else:
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")).item()
+        if clip > 0 and grad_norm > clip:
+            for p in model.parameters():
+                p.grad.mul_(clip / grad_norm)
     lr = learning_rate(rc, step)
     for group in optimizer.param_groups:
         group["lr"] = lr
@@ -259,20 +405,25 @@ def save(path, model, optimizer, step):
     os.replace(path + ".tmp", path)
 
 
-def train(args, rc):
-    import torch
-    torch.manual_seed(rc["train.seed"])
-    device = args.device
-    autocast = device == "cuda"
+def training_corpus(rc):
     corpus = Corpus(rc["data.path"], rc["train.seq_len"], rc["train.seed"], rc["data.validation_fraction"])
     needed = rc["train.steps"] * rc["train.global_batch"]
     if needed > rc["data.max_epochs"] * len(corpus.train):
         fail(f"the run reads {needed} training samples; the corpus holds {len(corpus.train)} and data.max_epochs is {rc['data.max_epochs']}")
     if rc["train.global_batch"] % rc["train.micro_batch"]:
         fail(f"train.global_batch ({rc['train.global_batch']}) is not a multiple of train.micro_batch ({rc['train.micro_batch']})")
+    return corpus
+
+
+def train(args, rc):
+    import torch
+    torch.manual_seed(rc["train.seed"])
+    device = args.device
+    autocast = device == "cuda"
+    corpus = training_corpus(rc)
     model = load_model(args.hf_dir, device)
     optimizer = make_optimizer(model, rc, fused=device == "cuda")
-    aux_coef = rc["train.aux_loss_coef"] if rc["train.aux_loss_coef"] >= 0 else model.config.router_aux_loss_coef
+    aux_coef = aux_coefficient(rc, model.config)
     os.makedirs(args.out_dir, exist_ok=True)
     checkpoint, metrics_path = os.path.join(args.out_dir, "reference.pt"), os.path.join(args.out_dir, "metrics.jsonl")
     first = 1
@@ -322,9 +473,143 @@ def init(args, rc):
         fields = json.load(f)
     config = AutoConfig.for_model(fields.pop("model_type"), **fields)
     torch.manual_seed(rc["train.seed"])
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.save_pretrained(args.hf_dir)
-    print(f"initial weights ({sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters) in {args.hf_dir}")
+    start = time.time()
+    with torch.device(args.init_device):  # the CPU: the default device, as before --init-device
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    drawn = time.time()
+    model.save_pretrained(args.hf_dir, max_shard_size=args.shard_size)
+    print(f"initial weights ({sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters) in {args.hf_dir} "
+          f"(drawn on the {args.init_device} in {drawn - start:.1f} s, written in {time.time() - drawn:.1f} s)")
+
+
+def active_parameters(c):
+    """Parameters one token passes through, the LM head included and the embedding not: Marrow's
+    num_active_parameters (models/qwen3_moe.cpp, models/deepseek_v2.cpp)."""
+    H, L, V = c.hidden_size, c.num_hidden_layers, c.vocab_size
+    if is_deepseek(c):
+        Hq, qk = c.num_attention_heads, c.qk_nope_head_dim + c.qk_rope_head_dim
+        query = c.q_lora_rank * (H + Hq * qk) if c.q_lora_rank else H * Hq * qk
+        attention = (query + H * (c.kv_lora_rank + c.qk_rope_head_dim) + c.kv_lora_rank * Hq * (c.qk_nope_head_dim + c.v_head_dim)
+                     + Hq * c.v_head_dim * H)
+        moe = c.n_routed_experts * H + 3 * H * (c.num_experts_per_tok * c.moe_intermediate_size + c.moe_intermediate_size * (c.n_shared_experts or 0))
+        dense = c.first_k_dense_replace or 0
+        return L * attention + dense * 3 * H * c.intermediate_size + (L - dense) * moe + V * H
+    attention = H * c.head_dim * (2 * c.num_attention_heads + 2 * c.num_key_value_heads)
+    return L * (attention + c.num_experts * H + c.num_experts_per_tok * 3 * H * c.moe_intermediate_size) + V * H
+
+
+def flops_per_token(c, seq):
+    """Marrow bench's FLOP count of a training token: 6 x active parameters plus causal attention's, forward and
+    backward (S / 2 keys a query): 6 S Hq D a layer for Qwen3-MoE, 3 S Hq (D_qk + D_v) for DeepSeek-V2's MLA."""
+    if is_deepseek(c):
+        attention = 3.0 * seq * c.num_attention_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim) * c.num_hidden_layers
+    else:
+        attention = 6.0 * seq * c.num_attention_heads * c.head_dim * c.num_hidden_layers
+    return 6.0 * active_parameters(c) + attention
+
+
+def compile_model(model):
+    """bench --compile layers: each decoder layer (its norms, attention, MLP or router and experts) and the LM head
+    with its loss, compiled by torch.compile for the run's fixed shapes."""
+    import torch
+    for layer in model.model.layers:
+        layer.compile(dynamic=False)
+    HEAD_LOSS[0] = torch.compile(head_loss, dynamic=False)
+
+
+def timed_steps(model, optimizer, corpus, rc, steps, device, aux_coef, first=1, quiet=False):
+    """Steps first..first + steps - 1 (fast train_step), each timed between GPU synchronisations: (seconds, metrics)."""
+    import torch
+    times, metrics = [], []
+    for step in range(first, first + steps):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        m = train_step(model, optimizer, corpus, rc, step, device, device == "cuda", aux_coef, fast=True)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        metrics.append(m)
+        if not quiet:
+            print(f"step {step} loss {m['loss']:.4f} lb {m['load_balance']:.3f} norm {m['grad_norm']:.3f} lr {m['lr']:.3g} "
+                  f"{times[-1] * 1e3:.1f} ms", flush=True)
+    return times, metrics
+
+
+ATTENTION_CANDIDATES = ["sdpa_padded", "sdpa_cudnn", "sdpa"]
+
+
+def choose_attention(model, corpus, rc, device, aux_coef):
+    """bench --attention auto: 1 + 2 steps with each candidate, the fastest kept; then the initial weights again."""
+    import torch
+    initial = {name: t.detach().to("cpu", copy=True) for name, t in model.state_dict().items()}
+    optimizer = make_optimizer(model, rc, fused=device == "cuda")
+    best, timings = None, []
+    for name in ATTENTION_CANDIDATES:
+        try:
+            model.set_attn_implementation(name)
+            times, _ = timed_steps(model, optimizer, corpus, rc, 3, device, aux_coef, quiet=True)
+            ms = 1e3 * sum(times[1:]) / 2
+        except Exception as e:  # a backend that refuses these head dims
+            print(f"attention {name}: unavailable ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})", flush=True)
+            optimizer.zero_grad(set_to_none=True)
+            continue
+        timings.append(f"{name} {ms:.1f} ms")
+        if best is None or ms < best[1]:
+            best = (name, ms)
+    if best is None:
+        fail("no attention implementation of " + ", ".join(ATTENTION_CANDIDATES) + " ran")
+    print(f"attention auto: {'; '.join(timings)} per step (2 steps after 1): {best[0]}", flush=True)
+    del optimizer
+    model.load_state_dict(initial)
+    model.set_attn_implementation(best[0])
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return best[0]
+
+
+def bench(args, rc):
+    import torch
+    import transformers
+    cuda = args.device == "cuda"
+    # marrow bench's run: warm-up + measured + measured / 4 steps timed by stage, the schedule over all of them.
+    rc["train.steps"] = args.warmup + args.steps + max(1, args.steps // 4)
+    rc["schedule.warmup_steps"] = min(rc["schedule.warmup_steps"], rc["train.steps"])
+    torch.manual_seed(rc["train.seed"])
+    corpus = training_corpus(rc)
+    attention = args.attention or ("auto" if cuda else "sdpa")
+    start = time.time()
+    model = load_model(args.hf_dir, args.device, "sdpa" if attention == "auto" else attention)
+    loaded = time.time() - start
+    aux_coef = aux_coefficient(rc, model.config)
+    if attention == "auto":
+        attention = choose_attention(model, corpus, rc, args.device, aux_coef)
+    if args.compile == "layers":
+        compile_model(model)
+    optimizer = make_optimizer(model, rc, fused=cuda)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    times, metrics = timed_steps(model, optimizer, corpus, rc, args.warmup + args.steps, args.device, aux_coef)
+    ms = 1e3 * sum(times[args.warmup:]) / args.steps
+    tokens = rc["train.global_batch"] * rc["train.seq_len"]
+    fpt = flops_per_token(model.config, rc["train.seq_len"])
+    tflops = fpt * tokens / (ms * 1e-3) / 1e12
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
+    losses = [m["loss"] for m in metrics]
+    card = torch.cuda.get_device_name() if cuda else "cpu"
+    result = {"tokens_per_s": tokens / (ms * 1e-3), "ms_per_step": ms, "tflops": tflops, "mfu": tflops / args.peak_tflops,
+              "peak_gib": peak, "flops_per_token": fpt, "active_parameters": active_parameters(model.config),
+              "parameters": sum(p.numel() for p in model.parameters()), "losses": losses,
+              "load_balance": [m["load_balance"] for m in metrics], "grad_norms": [m["grad_norm"] for m in metrics],
+              "warmup": args.warmup, "steps": args.steps, "attention": attention, "compile": args.compile, "card": card,
+              "torch": torch.__version__, "transformers": transformers.__version__, "load_s": loaded, "aux_loss_coef": aux_coef}
+    print(f"torch bench: {args.steps} measured steps after {args.warmup} warm-up | {result['tokens_per_s']:.0f} tokens/s | "
+          f"{ms:.1f} ms/step | {tflops:.1f} TFLOP/s | MFU {100 * result['mfu']:.1f}% | peak {peak:.2f} GiB | "
+          f"attention {attention}, compile {args.compile}, torch {torch.__version__}, transformers {transformers.__version__}, {card} | losses "
+          + json.dumps([round(x, 5) for x in losses]), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
 
 
 def evaluate(args, rc):
@@ -337,18 +622,28 @@ def evaluate(args, rc):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=["init", "train", "eval"])
+    parser.add_argument("command", choices=["init", "train", "eval", "bench"])
     parser.add_argument("run_config")
     parser.add_argument("hf_dir")
     parser.add_argument("out_dir", nargs="?")
     parser.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
     parser.add_argument("--stop-after-s", type=float, default=0)
     parser.add_argument("--checkpoint-every", type=int, default=0)
+    parser.add_argument("--init-device", default="cpu", choices=["cpu", "cuda"], help="init: where the weights are drawn")
+    parser.add_argument("--shard-size", default="50GB", help="init: save_pretrained's max_shard_size (its default 50GB)")
+    parser.add_argument("--warmup", type=int, default=3, help="bench: warm-up steps")
+    parser.add_argument("--steps", type=int, default=10, help="bench: measured steps")
+    parser.add_argument("--attention", help="bench: auto (the GPU's default), sdpa (the CPU's), sdpa_padded, sdpa_cudnn, eager, ...")
+    parser.add_argument("--compile", default="none", choices=["none", "layers"], help="bench: torch.compile")
+    parser.add_argument("--peak-tflops", type=float, default=989.0, help="bench: the card's dense bf16 peak for the MFU (H100 SXM, H200)")
+    parser.add_argument("--json", help="bench: write the figures and losses here")
     args, overrides = parser.parse_known_args()
     rc = run_config(args.run_config, overrides)
     if args.command == "train" and not args.out_dir:
         fail("train needs an output directory: reference_run.py train <run-config> <hf-dir> <out-dir>")
-    {"init": init, "train": train, "eval": evaluate}[args.command](args, rc)
+    if args.command == "bench" and (args.warmup < 0 or args.steps < 1):
+        fail(f"bench needs --warmup >= 0 and --steps >= 1, got {args.warmup} and {args.steps}")
+    {"init": init, "train": train, "eval": evaluate, "bench": bench}[args.command](args, rc)
 
 
 if __name__ == "__main__":

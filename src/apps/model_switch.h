@@ -5,6 +5,7 @@
 #include <string>
 
 #include "core/json.h"
+#include "models/deepseek_v2.h"
 #include "models/gpt_oss.h"
 #include "models/qwen3_moe.h"
 
@@ -15,7 +16,8 @@ decltype(auto) with_model(const Json& config_json, const std::string& source, F&
   const std::string model_type = JsonFields(config_json, source).string("model_type");
   if (model_type == Qwen3Moe::model_type) return f.template operator()<Qwen3Moe>(Qwen3MoeConfig::from_json(config_json, source));
   if (model_type == GptOss::model_type) return f.template operator()<GptOss>(GptOssConfig::from_json(config_json, source));
-  fail("{}: unknown model_type '{}' (supported: qwen3_moe, gpt_oss)", source, model_type);
+  if (model_type == DeepseekV2::model_type) return f.template operator()<DeepseekV2>(DeepseekV2Config::from_json(config_json, source));
+  fail("{}: unknown model_type '{}' (supported: qwen3_moe, gpt_oss, deepseek_v2)", source, model_type);
 }
 
 }  // namespace marrow

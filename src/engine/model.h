@@ -62,6 +62,24 @@ concept MoeModel = requires(const M& m, typename M::AttentionActivations& a, typ
   m.epilog_backward(t, w, scale, p, batch, w, flag);  // flag: write the first_backward_writes gradients
 };
 
+// Whether layer `layer` has no experts (DeepSeek-V2's first_k_dense_replace): its attention stage is
+// then the whole layer, with no routing, dispatch, experts or combine. A family without such layers
+// need not say.
+template <class M> bool dense_layer(const M& m, int64_t layer) {
+  if constexpr (requires { m.dense_layer(layer); }) return m.dense_layer(layer);
+  else return false;
+}
+// The layers with experts: the load-balance loss is their mean.
+template <class M> int64_t moe_layer_count(const M& m) {
+  int64_t n = 0;
+  for (int64_t l = 0; l < m.num_layers(); ++l) n += dense_layer(m, l) ? 0 : 1;
+  return n;
+}
+// A family whose load-balance statistics have a row a sequence gives its Batch a member
+// `StatisticsRows sequences` (ops/router.h): the engine, which sums the statistics over the data
+// group (StepGroups::routing), says there which rows of the data-parallel ranks' sequences are the
+// micro-batch's; context-parallel ranks holding shares of the same sequences get the same rows.
+
 // Whether the trainer pairs consecutive micro-batches' expert weight gradients (BackwardPass's
 // earlier): a micro-batch's dW reads and writes 8 bytes of fp32 gradient an element for 2 x rows
 // multiply-adds, so below ~600 rows an expert (an H200's ~4 TB/s against ~650 bf16 TFLOP/s) that

@@ -142,6 +142,11 @@ template <MoeModel M> class ForwardPass {
         before(stage_);
         StageScope scope(timer_, Stage::attention);
         m_.attention_forward(s.attention, std::move(x_), batch_, lw);
+        if (dense_layer(m_, stage_)) {  // the whole layer: the next one starts at its attention
+          x_ = std::move(s.attention.x_mid);
+          ++stage_;
+          return;
+        }
         if (groups_.routing) groups_.routing->all_reduce_sum(s.attention.routing_stats, "load-balance statistics (all_reduce)");
         m_.add_aux_loss(mb_.aux_loss_total, s.attention);
         if (groups_.experts) groups_.experts->plan_sends(s.route, s.attention.topk_index);
@@ -261,11 +266,14 @@ template <MoeModel M> class BackwardPass {
       : mb_(mb), m_(m), w_(w), g_(grads), batch_(batch), chunk_(chunk), options_(options), groups_(std::move(groups)), timer_(timer),
         stage_(chunk.last), dx_(std::move(dx)) {}
   bool done() const { return stage_ < chunk_.first; }
-  bool next_communicates() const { return groups_.experts && stage_ >= 0 && stage_ < m_.num_layers() && part_ % 2 == 0; }
+  bool next_communicates() const {
+    return groups_.experts && stage_ >= 0 && stage_ < m_.num_layers() && part_ % 2 == 0 && !dense_layer(m_, stage_);
+  }
   Buffer output() { return std::move(dx_); }
 
   void step() {
     if (stage_ < 0 || stage_ == m_.num_layers()) return end_step();
+    if (dense_layer(m_, stage_)) return dense();
     switch (part_) {
       case 0: return combine();
       case 1: return experts();
@@ -294,6 +302,20 @@ template <MoeModel M> class BackwardPass {
       StageScope scope(timer_, Stage::epilog);
       m_.epilog_backward(dx_, g_, options_.loss_scale, mb_.epilog, batch_, w_, options_.first_of_step);
     }
+    done_with(stage_);
+    --stage_;
+  }
+  // A layer without experts in one step: its attention stage's backward is the whole layer's.
+  void dense() {
+    before(stage_);
+    Buffer dx_in = m_.buffer({batch_.batch * batch_.seq, m_.hidden_size()});
+    {
+      StageScope scope(timer_, Stage::attention);
+      m_.attention_backward(dx_in, g_.layers[size_t(stage_)], dx_, Tensor{}, Tensor{}, options_.aux_grad, layer().attention, batch_,
+                            w_.layers[size_t(stage_)]);
+    }
+    dx_ = std::move(dx_in);
+    layer() = typename MicroBatch<M>::Layer{};
     done_with(stage_);
     --stage_;
   }

@@ -49,6 +49,7 @@
 #include "ops/cast.h"
 #include "ops/cross_entropy.h"
 #include "ops/grad_norm.h"
+#include "ops/router.h"
 #include "parallel/mesh.h"
 #include "parallel/process.h"
 #include "parallel/ring_attention.h"
@@ -102,9 +103,11 @@ inline SequenceShare sequence_share(int64_t seq_len, const Comm& cp) {
 }
 
 // A micro-batch of B samples read through share's spans: each span's tokens [0, n - 1) are inputs,
-// [1, n) their targets, at the span's positions in the sequence.
+// [1, n) their targets, at the span's positions in the sequence; `rows` goes to a family's
+// per-sequence statistics (engine/model.h).
 template <MoeModel M>
-typename M::Batch make_batch(const std::vector<int32_t>& tokens, int64_t B, const SequenceShare& share, Device device) {
+typename M::Batch make_batch(const std::vector<int32_t>& tokens, int64_t B, const SequenceShare& share, Device device,
+                             StatisticsRows rows = {}) {
   const int64_t T = B * share.tokens;
   Buffer ids(DType::i32, Device::cpu, {T}), targets(DType::i32, Device::cpu, {T}), positions(DType::i32, Device::cpu, {T});
   int64_t at = 0, t = 0;
@@ -123,7 +126,9 @@ typename M::Batch make_batch(const std::vector<int32_t>& tokens, int64_t B, cons
     copy(b, host);
     return b;
   };
-  return {B, share.tokens, on_device(ids), on_device(targets), on_device(positions), share.attention()};
+  typename M::Batch batch{B, share.tokens, on_device(ids), on_device(targets), on_device(positions), share.attention()};
+  if constexpr (requires { batch.sequences; }) batch.sequences = rows;
+  return batch;
 }
 
 // The tokens of B samples read through share's spans.
@@ -256,7 +261,9 @@ template <MoeModel M> struct TrainSetup {
   typename M::Batch train_batch(const RunConfig& rc, const TokenDataset& data, int64_t step, int64_t micro) const {
     std::vector<int32_t> tokens = share_tokens(rc.micro_batch, share, rc.seq_len);
     data.train_batch(step - 1, micro, rc.micro_batch, tokens.data(), int(mesh.data_rank()), int(mesh.shape.data_parallel()), share.spans);
-    return make_batch<M>(tokens, rc.micro_batch, share, device);
+    // The statistics are summed over the data group: a row for each sequence of its data-parallel ranks.
+    return make_batch<M>(tokens, rc.micro_batch, share, device,
+                         {mesh.data_rank() * rc.micro_batch, mesh.shape.data_parallel() * rc.micro_batch});
   }
 };
 
@@ -546,7 +553,7 @@ template <MoeModel M> class TrainLoop {
   StepMetrics forward_backward(int64_t step) {
     s_.state.start_step(s_.known_zero_grads);
     const double loss_scale = 1.0 / double(rc_.global_batch * rc_.seq_len);
-    const double aux_grad = aux_coef_ / double(s_.model.num_layers() * micro_batches_);
+    const double aux_grad = aux_coef_ / double(moe_layer_count(s_.model) * micro_batches_);
     if (timer_) timer_->start_step(step);
     const auto [token_loss_sum, aux_loss_sum] = run_step(s_, rc_, data_, step, loss_scale, aux_grad, timer_);
     StepMetrics m;
@@ -555,7 +562,7 @@ template <MoeModel M> class TrainLoop {
     if (s_.experts) m.expert_traffic = s_.experts->take_traffic();
     m.loss = s_.mesh.world.sum(token_loss_sum, "loss (sum)") * loss_scale;  // pipeline: only the LM head's rank has it
     // Reported normalised so that perfectly balanced routing reads 1.0.
-    m.load_balance = aux_loss_sum / double(s_.model.num_layers() * micro_batches_ * s_.model.top_k());
+    m.load_balance = aux_loss_sum / double(moe_layer_count(s_.model) * micro_batches_ * s_.model.top_k());
     m.lr = schedule_.at(step);
     return m;
   }

@@ -1,6 +1,8 @@
 #include "models/common.h"
 
 #include <algorithm>
+#include <cmath>
+#include <string_view>
 
 #include "core/weights_generation.h"
 
@@ -25,10 +27,21 @@ void expect_family(const JsonFields& f, const std::string& source, const char* m
   MARROW_CHECK(f.number("attention_dropout", 0.0) == 0.0, "{}: attention_dropout must be 0", source);
 }
 
-RopeParameters read_rope(const JsonFields& f, const std::string& source, double default_theta, const Json& fallback, bool allow_yarn) {
+// rope_scaling when a non-empty object, else rope_parameters, else none.
+static const char* rope_key(const JsonFields& f) {
   const auto given = [&](const char* key) { return f.has(key) && !(f.raw(key).is_object() && f.raw(key).empty()); };
-  const char* key = given("rope_scaling") ? "rope_scaling" : given("rope_parameters") ? "rope_parameters" : nullptr;
-  const Json& settings = key ? f.raw(key) : fallback;
+  return given("rope_scaling") ? "rope_scaling" : given("rope_parameters") ? "rope_parameters" : nullptr;
+}
+
+const Json& rope_settings(const JsonFields& f, const Json& fallback) {
+  const char* key = rope_key(f);
+  return key ? f.raw(key) : fallback;
+}
+
+RopeParameters read_rope(const JsonFields& f, const std::string& source, double default_theta, const Json& fallback, bool allow_yarn,
+                         bool allow_mscale) {
+  const char* key = rope_key(f);
+  const Json& settings = rope_settings(f, fallback);
   const std::string where = source + ": " + (key ? key : "the default rope_parameters");
   MARROW_CHECK(settings.is_object(), "{} must be an object, got {}", where, settings.dump());
   for (const char* layer_type : {"full_attention", "sliding_attention"})
@@ -40,13 +53,18 @@ RopeParameters read_rope(const JsonFields& f, const std::string& source, double 
   MARROW_CHECK(type == "default" || (allow_yarn && type == "yarn"), "{}: rope_type '{}' is not supported ({})", where, type,
                allow_yarn ? "default or yarn" : "only default");
   for (const char* unsupported : {"mscale", "mscale_all_dim", "partial_rotary_factor"})
-    MARROW_CHECK(!rope.has(unsupported) && !f.has(unsupported), "{}: {} is not supported", source, unsupported);
+    MARROW_CHECK((allow_mscale && std::string_view(unsupported) != "partial_rotary_factor") || (!rope.has(unsupported) && !f.has(unsupported)),
+                 "{}: {} is not supported", source, unsupported);
   if (type == "default") return r;
   r.yarn = true;
   r.factor = rope.number("factor");
   r.beta_fast = rope.number("beta_fast", 32.0);
   r.beta_slow = rope.number("beta_slow", 1.0);
   r.attention_factor = rope.number("attention_factor", 0.0);
+  // transformers' _compute_yarn_parameters: DeepSeek's ratio of the two temperatures when both are given.
+  const double mscale = rope.number("mscale", 0.0), mscale_all_dim = rope.number("mscale_all_dim", 0.0);
+  if (allow_mscale && r.attention_factor == 0.0 && mscale != 0.0 && mscale_all_dim != 0.0 && r.factor > 1)
+    r.attention_factor = (0.1 * mscale * std::log(r.factor) + 1.0) / (0.1 * mscale_all_dim * std::log(r.factor) + 1.0);
   r.original_max_positions = f.positive("original_max_position_embeddings",
                                         rope.positive("original_max_position_embeddings", f.positive("max_position_embeddings", 0)));
   MARROW_CHECK(r.original_max_positions > 0, "{}: yarn needs original_max_position_embeddings (or max_position_embeddings)", where);

@@ -43,7 +43,11 @@ template <class C> void read_shared_fields(C& c, const JsonFields& f, double def
 // rope_theta its own, else the top-level one, else default_theta; yarn's
 // original_max_position_embeddings the top-level one, else its own, else max_position_embeddings.
 // Settings per layer type, keys Marrow does not compute and other rope_types are refused.
-RopeParameters read_rope(const JsonFields& f, const std::string& source, double default_theta, const Json& fallback, bool allow_yarn);
+// allow_mscale: DeepSeek's mscale and mscale_all_dim (yarn's attention_factor from their ratio).
+RopeParameters read_rope(const JsonFields& f, const std::string& source, double default_theta, const Json& fallback, bool allow_yarn,
+                         bool allow_mscale = false);
+// The settings object read_rope reads (rope_scaling, rope_parameters or fallback).
+const Json& rope_settings(const JsonFields& f, const Json& fallback);
 
 // experts_key: the key the family's experts count is named by in messages.
 template <class C> void check_shared_values(const C& c, double rope_theta, const std::string& source, const char* experts_key) {

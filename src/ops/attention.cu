@@ -1,7 +1,8 @@
 // attention.h's ops on the CPU (the reference: templates over f32 and f64), their checks, and which
 // GPU kernels run them: the own mma.sync kernels (attention_mma.cu), the own wgmma kernels
 // (attention_hopper.cu, attention_hopper_backward.cu) or cuDNN's (attention_cudnn.cpp), by
-// train.attention_kernels and the sizes each serves.
+// train.attention_kernels and the sizes each serves; a v head dim unlike q's and k's goes to cuDNN's
+// under every setting (nothing else serves it).
 // Invariants: every entry point checks shapes, block and devices before any path runs, so the paths
 // check only their own dtypes and limits; the CPU references give the same bits for any thread count
 // (threads own batch rows and heads; the query heads of a group add into dk, dv in head order).
@@ -66,10 +67,9 @@ void forward_cpu(T* out, T* lse, const T* q, const T* k, const T* v, const T* si
             sum += p[j];
           }
           if (sinks) sum += std::exp(sinks[h] - m);
-          T* oi = out + n.q(b, i, h);
-          std::fill(oi, oi + n.head_dim, T(0));
-          for (int64_t j = seen.first; j < seen.end; ++j)
-            axpy(oi, T(p[j] / sum), v + n.kv(b, blk.k_begin + j, h), n.head_dim);
+          T* oi = out + n.out(b, i, h);
+          std::fill(oi, oi + n.v_dim, T(0));
+          for (int64_t j = seen.first; j < seen.end; ++j) axpy(oi, T(p[j] / sum), v + n.v(b, blk.k_begin + j, h), n.v_dim);
           lse[n.lse(b, i, h)] = T(m + std::log(sum));
         }
   }
@@ -96,16 +96,16 @@ void backward_cpu(T* dq, T* dk, T* dv, const T* dout, const T* q, const T* k, co
     for (int64_t hk = 0; hk < n.kv_heads; ++hk)
       for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
         for (int64_t i = blk.q_begin; i < blk.q_end; ++i) {
-          const int64_t qo = n.q(b, i, h);
-          const T *qi = q + qo, *douti = dout + qo;
-          const T di = dot(douti, out + qo, n.head_dim), lse_i = lse[n.lse(b, i, h)];
+          const int64_t qo = n.q(b, i, h), oo = n.out(b, i, h);
+          const T *qi = q + qo, *douti = dout + oo;
+          const T di = dot(douti, out + oo, n.v_dim), lse_i = lse[n.lse(b, i, h)];
           T* dqi = dq + qo;
           const KeyRange seen = keys_seen(blk, i);
           for (int64_t j = blk.k_begin + seen.first; j < blk.k_begin + seen.end; ++j) {
-            const int64_t kvo = n.kv(b, j, h);
+            const int64_t kvo = n.kv(b, j, h), vo = n.v(b, j, h);
             const T p = std::exp(scale * dot(qi, k + kvo, n.head_dim) - lse_i);
-            const T ds = p * (dot(douti, v + kvo, n.head_dim) - di);
-            if (want_kv) axpy(dv + kvo, p, douti, n.head_dim);
+            const T ds = p * (dot(douti, v + vo, n.v_dim) - di);
+            if (want_kv) axpy(dv + vo, p, douti, n.v_dim);
             if (want_q) axpy(dqi, scale * ds, k + kvo, n.head_dim);
             if (want_kv) axpy(dk + kvo, scale * ds, qi, n.head_dim);
           }
@@ -118,13 +118,13 @@ void backward_cpu(T* dq, T* dk, T* dv, const T* dout, const T* q, const T* k, co
 template <typename T>
 void sinks_backward_cpu(T* dsinks, const T* dout, const T* out, const T* lse, const T* sinks, const Dims& n) {
   std::vector<T> share(size_t(n.batch * n.q_heads));
-#pragma omp parallel for collapse(2) schedule(static) if (n.batch * n.q_heads * n.q_seq * n.head_dim > kParallelWork)
+#pragma omp parallel for collapse(2) schedule(static) if (n.batch * n.q_heads * n.q_seq * n.v_dim > kParallelWork)
   for (int64_t b = 0; b < n.batch; ++b)
     for (int64_t h = 0; h < n.q_heads; ++h) {
       T dsink = 0;
       for (int64_t i = 0; i < n.q_seq; ++i) {
-        const int64_t qo = n.q(b, i, h);
-        dsink -= std::exp(sinks[h] - lse[n.lse(b, i, h)]) * dot(dout + qo, out + qo, n.head_dim);
+        const int64_t oo = n.out(b, i, h);
+        dsink -= std::exp(sinks[h] - lse[n.lse(b, i, h)]) * dot(dout + oo, out + oo, n.v_dim);
       }
       share[size_t(b * n.q_heads + h)] = dsink;
     }
@@ -143,9 +143,9 @@ void merge_cpu(T* out, T* lse, const T* part_out, const T* part_lse, const Dims&
         const T l2 = part_lse[n.lse(b, i, h)], m = std::max(l, l2);
         if (m == -std::numeric_limits<T>::infinity()) continue;
         const T w1 = std::exp(l - m), w2 = std::exp(l2 - m), sum = w1 + w2;
-        T* o = out + n.q(b, i, h);
-        const T* o2 = part_out + n.q(b, i, h);
-        for (int64_t d = 0; d < n.head_dim; ++d) o[d] = (w1 * o[d] + w2 * o2[d]) / sum;
+        T* o = out + n.out(b, i, h);
+        const T* o2 = part_out + n.out(b, i, h);
+        for (int64_t d = 0; d < n.v_dim; ++d) o[d] = (w1 * o[d] + w2 * o2[d]) / sum;
         l = m + std::log(sum);
       }
 }
@@ -158,28 +158,29 @@ void sinks_merge_cpu(T* out, T* lse, const T* sinks, const Dims& n) {
       for (int64_t i = 0; i < n.q_seq; ++i) {
         T& l = lse[n.lse(b, i, h)];
         const T m = std::max(l, sinks[h]), w1 = std::exp(l - m), sum = w1 + std::exp(sinks[h] - m);
-        T* o = out + n.q(b, i, h);
-        for (int64_t d = 0; d < n.head_dim; ++d) o[d] = w1 * o[d] / sum;
+        T* o = out + n.out(b, i, h);
+        for (int64_t d = 0; d < n.v_dim; ++d) o[d] = w1 * o[d] / sum;
         l = m + std::log(sum);
       }
 }
 
-// Checks q's layout and that k and v match each other; returns the sizes.
+// Checks q's layout and that k and v match each other (v's head dim may differ); returns the sizes.
 Dims check_qkv(const char* op, const Tensor& q, const Tensor& k, const Tensor& v) {
   MARROW_CHECK(q.ndim == 4, "{}: q must be [batch, seq, heads, head_dim], got {}", op, q.shape_string());
   MARROW_CHECK(k.ndim == 4, "{}: k must be [batch, seq, kv_heads, head_dim], got {}", op, k.shape_string());
-  Dims n{q.size(0), q.size(1), k.size(1), q.size(2), k.size(2), q.size(3)};
+  MARROW_CHECK(v.ndim == 4, "{}: v must be [batch, seq, kv_heads, v_head_dim], got {}", op, v.shape_string());
+  Dims n{q.size(0), q.size(1), k.size(1), q.size(2), k.size(2), q.size(3), v.size(3)};
   expect_shape(op, "k", k, {n.batch, n.kv_seq, n.kv_heads, n.head_dim});
-  expect_shape(op, "v", v, {n.batch, n.kv_seq, n.kv_heads, n.head_dim});
+  expect_shape(op, "v", v, {n.batch, n.kv_seq, n.kv_heads, n.v_dim});
   MARROW_CHECK(n.kv_heads > 0 && n.q_heads % n.kv_heads == 0,
                "{}: the {} query heads of q are not a multiple of the {} key/value heads of k", op, n.q_heads,
                n.kv_heads);
   return n;
 }
 
-// out [B, Sq, Hq, D] and lse [B, Hq, Sq], as q.
+// out [B, Sq, Hq, Dv] and lse [B, Hq, Sq].
 void check_out_lse(const char* op, const Dims& n, const Tensor& out, const Tensor& lse) {
-  expect_shape(op, "out", out, {n.batch, n.q_seq, n.q_heads, n.head_dim});
+  expect_shape(op, "out", out, {n.batch, n.q_seq, n.q_heads, n.v_dim});
   expect_shape(op, "lse", lse, {n.batch, n.q_heads, n.q_seq});
 }
 
@@ -209,8 +210,8 @@ std::pair<Dims, bool> check_backward(const char* op, Tensor dq, Tensor dk, Tenso
   const Dims n = check_qkv(op, q, k, v);
   expect_shape(op, "dq", dq, {n.batch, n.q_seq, n.q_heads, n.head_dim});
   expect_shape(op, "dk", dk, {n.batch, n.kv_seq, n.kv_heads, n.head_dim});
-  expect_shape(op, "dv", dv, {n.batch, n.kv_seq, n.kv_heads, n.head_dim});
-  expect_shape(op, "dout", dout, {n.batch, n.q_seq, n.q_heads, n.head_dim});
+  expect_shape(op, "dv", dv, {n.batch, n.kv_seq, n.kv_heads, n.v_dim});
+  expect_shape(op, "dout", dout, {n.batch, n.q_seq, n.q_heads, n.v_dim});
   check_out_lse(op, n, out, lse);
   const NamedTensors tensors = {{"q", &q},       {"k", &k},   {"v", &v},   {"out", &out}, {"lse", &lse},
                                 {"dout", &dout}, {"dq", &dq}, {"dk", &dk}, {"dv", &dv}};
@@ -230,11 +231,25 @@ bool check_variant(const char* op, const Dims& n, const Tensor& q, const Attenti
   return variant.sinks.data || variant.window > 0;
 }
 
+// Marrow's own kernels (mma.sync, wgmma) take one head dim for q, k and v; only cuDNN's serve a v
+// head dim unlike q's and k's (DeepSeek-V2's 192 / 128).
+bool mixed_head_dims(const Dims& n) { return n.v_dim != n.head_dim; }
+
+// Where the causal op's mixed head dims reach the own kernels, cuDNN's did not take the sizes either.
+void expect_one_head_dim(const char* op, const Dims& n) {
+  MARROW_CHECK(!mixed_head_dims(n),
+               "{}: head dims {} (q, k) and {} (v) run only on cuDNN's kernels, which do not serve batch {}, {} positions, {} / {} heads",
+               op, n.head_dim, n.v_dim, n.batch, n.q_seq, n.q_heads, n.kv_heads);
+}
+
 // Both forwards on the own kernels or the CPU, after their checks. sinks: [Hq] or empty.
 void forward(const char* op, Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v, const Dims& n, const AttentionBlock& block,
              Tensor sinks, Stream stream) {
   const NamedTensors tensors = {{"q", &q}, {"k", &k}, {"v", &v}, {"out", &out}, {"lse", &lse}};
-  if (common_device(op, tensors) == Device::cuda) return mma_attention_forward(op, out, lse, q, k, v, n, block, sinks, stream);
+  if (common_device(op, tensors) == Device::cuda) {
+    expect_one_head_dim(op, n);
+    return mma_attention_forward(op, out, lse, q, k, v, n, block, sinks, stream);
+  }
   expect_same_dtype(op, tensors);
   with_cpu_scalar(op, q, [&](auto s) {
     using T = decltype(s);
@@ -246,7 +261,10 @@ void forward(const char* op, Tensor out, Tensor lse, Tensor q, Tensor k, Tensor 
 // share into dq, dk, dv (f32 on the GPU); else overwrite them (bf16 on the GPU).
 void backward(const char* op, Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse,
               const Dims& n, const AttentionBlock& block, bool accumulate, AttentionGrads grads, bool gpu, Stream stream) {
-  if (gpu) return mma_attention_backward(op, dq, dk, dv, dout, q, k, v, out, lse, n, block, accumulate, grads, stream);
+  if (gpu) {
+    expect_one_head_dim(op, n);
+    return mma_attention_backward(op, dq, dk, dv, dout, q, k, v, out, lse, n, block, accumulate, grads, stream);
+  }
   if (!accumulate)
     for (Tensor g : {dq, dk, dv}) fill_zero(g);
   with_cpu_scalar(op, q, [&](auto s) {
@@ -259,34 +277,43 @@ void backward(const char* op, Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tens
 AttentionKernels kernels_setting = AttentionKernels::own;
 
 // Which kernels run the causal op on the GPU: the setting's choice where it serves the sizes, else
-// the next (hopper -> cuDNN -> own). The wgmma kernels (hopper) take no variant.
+// the next (hopper -> cuDNN -> own); mixed head dims go to cuDNN under every setting. The wgmma
+// kernels (hopper) take no variant.
 enum class CausalPath : uint8_t { hopper, cudnn, own };
 
 bool cudnn_backward_deterministic() { return kernels_setting != AttentionKernels::cudnn_nondeterministic; }
 
+// The wgmma kernels take no variant and one head dim for q, k and v.
+bool hopper_serves(const Dims& n, bool variant) {
+  return !variant && !mixed_head_dims(n) && hopper_attention_supports(n.q_seq, n.q_heads, n.kv_heads, n.head_dim);
+}
+
 CausalPath forward_path(const Dims& n, bool variant) {
   const AttentionKernels setting = kernels_setting;
-  if (!MARROW_CUDA || setting == AttentionKernels::own) return CausalPath::own;
-  if (!variant && setting == AttentionKernels::hopper && hopper_attention_supports(n.q_seq, n.q_heads, n.kv_heads, n.head_dim))
-    return CausalPath::hopper;
-  return cudnn_attention_forward_supports(n.q_seq, n.head_dim) ? CausalPath::cudnn : CausalPath::own;
+  if (!MARROW_CUDA || (setting == AttentionKernels::own && !mixed_head_dims(n))) return CausalPath::own;
+  if (setting == AttentionKernels::hopper && hopper_serves(n, variant)) return CausalPath::hopper;
+  return cudnn_attention_forward_supports(n.q_seq, n.head_dim, n.v_dim) ? CausalPath::cudnn : CausalPath::own;
 }
 
 CausalPath backward_path(const Dims& n, bool variant) {
   const AttentionKernels setting = kernels_setting;
-  if (!MARROW_CUDA || setting == AttentionKernels::own) return CausalPath::own;
+  if (!MARROW_CUDA || (setting == AttentionKernels::own && !mixed_head_dims(n))) return CausalPath::own;
   const bool hopper = setting == AttentionKernels::hopper || setting == AttentionKernels::hopper_backward;
-  if (!variant && hopper && hopper_attention_supports(n.q_seq, n.q_heads, n.kv_heads, n.head_dim)) return CausalPath::hopper;
-  return cudnn_attention_backward_supports(n.batch, n.q_seq, n.q_heads, n.kv_heads, n.head_dim, cudnn_backward_deterministic())
+  if (hopper && hopper_serves(n, variant)) return CausalPath::hopper;
+  return cudnn_attention_backward_supports(n.batch, n.q_seq, n.q_heads, n.kv_heads, n.head_dim, n.v_dim, cudnn_backward_deterministic())
              ? CausalPath::cudnn
              : CausalPath::own;
 }
 
 bool cpu_blocks_fused = false;
 
-// Blocks go to the wgmma kernels unless the setting is own, where those serve the block.
-bool block_on_hopper(const Tensor& q, const Tensor& k, const AttentionBlock& block) {
-  return kernels_setting != AttentionKernels::own && q.device == Device::cuda && hopper_attention_serves_block(q, k, block);
+// GPU blocks: cuDNN's kernels where v's head dim differs (nothing else serves it), else the wgmma
+// kernels unless the setting is own, where those serve the block, else the mma.sync kernels.
+enum class BlockPath : uint8_t { hopper, cudnn, own };
+
+BlockPath block_path(const Tensor& q, const Tensor& k, const Tensor& v, const AttentionBlock& block) {
+  if (v.size(3) != q.size(3)) return BlockPath::cudnn;
+  return kernels_setting != AttentionKernels::own && hopper_attention_serves_block(q, k, block) ? BlockPath::hopper : BlockPath::own;
 }
 
 }  // namespace
@@ -307,8 +334,8 @@ const char* attention_kernels_name(AttentionKernels kernels) { return kKernelsNa
 
 void set_cpu_blocks_fused(bool fused) { cpu_blocks_fused = fused; }
 
-bool attention_block_backward_fused(const Tensor& q, const Tensor& k, const AttentionBlock& block) {
-  return q.device == Device::cpu ? cpu_blocks_fused : block_on_hopper(q, k, block);
+bool attention_block_backward_fused(const Tensor& q, const Tensor& k, const AttentionBlock& block, const Tensor& v) {
+  return q.device == Device::cpu ? cpu_blocks_fused : block_path(q, k, v.ndim == 4 ? v : k, block) != BlockPath::own;
 }
 
 void attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v, const AttentionVariant& variant, Stream stream) {
@@ -358,15 +385,16 @@ void attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dsinks, Tensor d
 }
 
 int64_t attention_backward_scratch(int64_t batch, int64_t seq, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
-                                   bool variant) {
-  switch (backward_path({batch, seq, seq, q_heads, kv_heads, head_dim}, variant)) {
+                                   bool variant, int64_t v_head_dim) {
+  const int64_t v_dim = v_head_dim > 0 ? v_head_dim : head_dim;
+  switch (backward_path({batch, seq, seq, q_heads, kv_heads, head_dim, v_dim}, variant)) {
     case CausalPath::hopper: return hopper_attention_backward_scratch(batch, seq, q_heads, kv_heads, head_dim);
     case CausalPath::cudnn:
-      return cudnn_attention_backward_scratch(batch, seq, q_heads, kv_heads, head_dim, cudnn_backward_deterministic());
+      return cudnn_attention_backward_scratch(batch, seq, q_heads, kv_heads, head_dim, v_dim, cudnn_backward_deterministic());
     case CausalPath::own: break;
   }
   const int64_t T = batch * seq;
-  return T * q_heads * 4 + (q_heads > kv_heads ? 2 * T * q_heads * head_dim * 4 : 0);
+  return T * q_heads * 4 + (q_heads > kv_heads ? T * q_heads * (head_dim + v_dim) * 4 : 0);
 }
 
 void attention_block_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v, const AttentionBlock& block,
@@ -375,9 +403,12 @@ void attention_block_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor 
   const Dims n = check_qkv(op, q, k, v);
   check_out_lse(op, n, out, lse);
   check_block(op, n, block);
-  if (block_on_hopper(q, k, block) &&
-      common_device(op, {{"q", &q}, {"k", &k}, {"v", &v}, {"out", &out}, {"lse", &lse}}) == Device::cuda)
-    return hopper_attention_forward(out, lse, q, k, v, block, stream);
+  if (common_device(op, {{"q", &q}, {"k", &k}, {"v", &v}, {"out", &out}, {"lse", &lse}}) == Device::cuda)
+    switch (block_path(q, k, v, block)) {
+      case BlockPath::hopper: return hopper_attention_forward(out, lse, q, k, v, block, stream);
+      case BlockPath::cudnn: return cudnn_attention_block_forward(out, lse, q, k, v, block, stream);
+      case BlockPath::own: break;
+    }
   forward(op, out, lse, q, k, v, n, block, {}, stream);
 }
 
@@ -386,16 +417,20 @@ void attention_block_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tens
   const char* op = "attention_block_backward";
   const auto [n, gpu] = check_backward(op, dq, dk, dv, dout, q, k, v, out, lse);
   check_block(op, n, block);
-  if (gpu && block_on_hopper(q, k, block))
-    return hopper_attention_backward(dq, dk, dv, dout, q, k, v, out, lse, block, true, grads, stream);
+  switch (gpu ? block_path(q, k, v, block) : BlockPath::own) {
+    case BlockPath::hopper: return hopper_attention_backward(dq, dk, dv, dout, q, k, v, out, lse, block, true, grads, stream);
+    case BlockPath::cudnn:
+      return cudnn_attention_block_backward(dq, dk, dv, dout, q, k, v, out, lse, block, grads, stream, cudnn_backward_deterministic());
+    case BlockPath::own: break;
+  }
   backward(op, dq, dk, dv, dout, q, k, v, out, lse, n, block, true, grads, gpu, stream);
 }
 
-// The merge and the sinks take their sizes from out [B, S, Hq, D] and lse [B, Hq, S].
+// The merge and the sinks take their sizes from out [B, S, Hq, Dv] and lse [B, Hq, S].
 namespace {
 Dims out_dims(const char* op, const Tensor& out, const Tensor& lse) {
   MARROW_CHECK(out.ndim == 4, "{}: out must be [batch, seq, heads, head_dim], got {}", op, out.shape_string());
-  const Dims n{out.size(0), out.size(1), out.size(1), out.size(2), out.size(2), out.size(3)};
+  const Dims n{out.size(0), out.size(1), out.size(1), out.size(2), out.size(2), out.size(3), out.size(3)};
   expect_shape(op, "lse", lse, {n.batch, n.q_heads, n.q_seq});
   return n;
 }
@@ -405,7 +440,7 @@ void attention_merge(Tensor out, Tensor lse, Tensor part_out, Tensor part_lse, i
                      Stream stream) {
   const char* op = "attention_merge";
   const Dims n = out_dims(op, out, lse);
-  expect_shape(op, "part_out", part_out, {n.batch, n.q_seq, n.q_heads, n.head_dim});
+  expect_shape(op, "part_out", part_out, {n.batch, n.q_seq, n.q_heads, n.v_dim});
   expect_shape(op, "part_lse", part_lse, {n.batch, n.q_heads, n.q_seq});
   MARROW_CHECK(0 <= begin && begin <= end && end <= n.q_seq, "{}: rows [{}, {}) do not fit {} rows", op, begin, end,
                n.q_seq);
@@ -435,7 +470,7 @@ void attention_sinks_backward(Tensor dsinks, Tensor dout, Tensor out, Tensor lse
   const char* op = "attention_sinks_backward";
   const Dims n = out_dims(op, out, lse);
   expect_shape(op, "sinks", sinks, {n.q_heads});
-  expect_shape(op, "dout", dout, {n.batch, n.q_seq, n.q_heads, n.head_dim});
+  expect_shape(op, "dout", dout, {n.batch, n.q_seq, n.q_heads, n.v_dim});
   expect_shape(op, "dsinks", dsinks, {n.q_heads});
   const NamedTensors tensors = {{"dsinks", &dsinks}, {"dout", &dout}, {"out", &out}, {"lse", &lse}, {"sinks", &sinks}};
   if (common_device(op, tensors) == Device::cuda) return gpu_attention_sinks_backward(dsinks, dout, out, lse, sinks, n, stream);

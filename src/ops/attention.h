@@ -2,6 +2,8 @@
 //   s[i, j] = q_i . k_j / sqrt(D) for j <= i,   out_i = sum_j softmax_j(s[i, :]) v_j,
 // per batch row and query head. Query head h reads key/value head h / (Hq / Hkv), so consecutive
 // query heads share a key/value head, as in Hugging Face's repeat_kv; Hq must be a multiple of Hkv.
+// q and k share the head dim D, which sets the scale; v, out and their gradients have the value head
+// dim Dv, which may differ (DeepSeek-V2's D = 192, Dv = 128).
 // The forward saves lse_i = log sum_j exp(s[i, j]) (natural log) so the backward can rebuild the
 // probabilities one row at a time (FlashAttention-2) instead of keeping the [S, S] matrix.
 // GPU: q, k, v, out, dout and the causal op's dq, dk, dv bf16, lse f32; deterministic backwards
@@ -30,15 +32,18 @@ namespace marrow {
 
 // Which GPU kernels run the causal op (one setting per process; the CPU ignores it), each falling
 // back to the next that serves the sizes (hopper -> cuDNN -> own):
-//   own: Marrow's mma.sync kernels (ops/attention_mma.h), head_dim 64 or 128, every variant;
-//   cudnn: cuDNN's fused SDPA (ops/attention_cudnn.h) with its deterministic backward;
+//   own: Marrow's mma.sync kernels (ops/attention_mma.h), head_dim 64 or 128 (Dv = D), every variant;
+//   cudnn: cuDNN's fused SDPA (ops/attention_cudnn.h: D = Dv = 64 or 128, or D = 192 with Dv = 128)
+//     with its deterministic backward;
 //   cudnn_nondeterministic: cuDNN's default backward (dQ added with float atomics: faster, two runs
 //     differ in their last bits), the one exception to DESIGN.md's determinism, never a default;
 //   hopper: Marrow's wgmma forward and backward (ops/attention_hopper.h: head_dim 128, lengths a
 //     multiple of 128, no variant), else as cudnn;
 //   hopper_backward: cuDNN's forward with the wgmma backward, the run config's default.
-// Blocks run the wgmma kernels where those serve them unless the setting is own, else the mma.sync
-// kernels (ring attention runs a member's own block as the causal op, which follows the setting).
+// Only cuDNN serves Dv != D: such sizes run on it under every setting, causal op and blocks, and
+// where it does not serve them either they are an error. Other blocks run the wgmma kernels where
+// those serve them unless the setting is own, else the mma.sync kernels (ring attention runs a
+// member's own block as the causal op, which follows the setting).
 enum class AttentionKernels : uint8_t { own, cudnn, cudnn_nondeterministic, hopper, hopper_backward };
 inline constexpr AttentionKernels kAttentionKernels[] = {AttentionKernels::own, AttentionKernels::cudnn,
                                                          AttentionKernels::cudnn_nondeterministic, AttentionKernels::hopper,
@@ -60,7 +65,7 @@ struct AttentionVariant {
   int64_t window = 0;  // > 0: query i sees keys j with i - window < j <= i; 0: every earlier key
 };
 
-// out[B, S, Hq, D] and lse[B, Hq, S] from q[B, S, Hq, D], k[B, S, Hkv, D], v[B, S, Hkv, D].
+// out[B, S, Hq, Dv] and lse[B, Hq, S] from q[B, S, Hq, D], k[B, S, Hkv, D], v[B, S, Hkv, Dv].
 // out may not alias q, k or v.
 void attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v, const AttentionVariant& variant = {},
                        Stream stream = {});
@@ -75,9 +80,9 @@ void attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dsinks, Tensor d
 
 // The GPU scratch attention_backward takes from the stream-ordered pool (bytes) under the current
 // attention_kernels setting, for memory estimates: the own kernels' delta and per-query-head dK, dV
-// partials, cuDNN's workspace, or the wgmma kernels' f32 accumulators.
+// partials, cuDNN's workspace, or the wgmma kernels' f32 accumulators. v_head_dim 0: Dv = head_dim.
 int64_t attention_backward_scratch(int64_t batch, int64_t seq, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
-                                   bool variant = false);
+                                   bool variant = false, int64_t v_head_dim = 0);
 
 enum class AttentionMask : uint8_t { causal, full };
 
@@ -89,8 +94,9 @@ struct AttentionBlock {
   int64_t distance = 0;            // with a window: the position of query row q_begin minus that of key row k_begin
 };
 
-// Rows [q_begin, q_end) of out[B, Sq, Hq, D] and lse[B, Hq, Sq] (the others are left as they are)
-// from q[B, Sq, Hq, D], k[B, Sk, Hkv, D], v[B, Sk, Hkv, D] under the block's mask.
+// Rows [q_begin, q_end) of out[B, Sq, Hq, Dv] and lse[B, Hq, Sq] (the others are left as they are)
+// from q[B, Sq, Hq, D], k[B, Sk, Hkv, D], v[B, Sk, Hkv, Dv] under the block's mask. GPU blocks with
+// Dv != D run on cuDNN (ops/attention_cudnn.h: no window, not one query against one key).
 void attention_block_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v, const AttentionBlock& block,
                              Stream stream = {});
 
@@ -107,18 +113,19 @@ void attention_block_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tens
                               Stream stream = {});
 
 // Whether attention_block_backward runs this block as one kernel for all three gradients (the wgmma
-// kernels), so that ring attention asks for them at once instead of in halves. Test hook:
-// set_cpu_blocks_fused(true) makes CPU blocks answer yes, so that order runs under mpirun too.
-bool attention_block_backward_fused(const Tensor& q, const Tensor& k, const AttentionBlock& block);
+// kernels, cuDNN's), so that ring attention asks for them at once instead of in halves; v empty: as
+// k's head dim. Test hook: set_cpu_blocks_fused(true) makes CPU blocks answer yes, so that order
+// runs under mpirun too.
+bool attention_block_backward_fused(const Tensor& q, const Tensor& k, const AttentionBlock& block, const Tensor& v = {});
 void set_cpu_blocks_fused(bool fused);
 
-// Rows [begin, end) of out[B, S, Hq, D], lse[B, Hq, S] become the merge with a partial result of
+// Rows [begin, end) of out[B, S, Hq, Dv], lse[B, Hq, S] become the merge with a partial result of
 // the same shapes: out = (e^lse out + e^part_lse part_out) / (e^lse + e^part_lse), lse = log(e^lse +
 // e^part_lse). A running result starts as out = 0, lse = -inf (a row with both lse -inf is left as is).
 void attention_merge(Tensor out, Tensor lse, Tensor part_out, Tensor part_lse, int64_t begin, int64_t end,
                      Stream stream = {});
 
-// The sinks of a result merged from blocks (ring attention): out[B, S, Hq, D] and lse [B, Hq, S]
+// The sinks of a result merged from blocks (ring attention): out[B, S, Hq, Dv] and lse [B, Hq, S]
 // become the merge with each row's sink, a partial result of value 0 and lse sinks[h], so that they
 // equal attention_forward's with the variant's sinks (up to the order of the sums). GPU: out and lse
 // f32 (the running result), sinks bf16.

@@ -9,15 +9,19 @@
 
 namespace marrow {
 
-// The sizes of one call: q [batch, q_seq, q_heads, head_dim], k and v [batch, kv_seq, kv_heads,
-// head_dim]; element offsets of row i of batch row b for query head h, for the key/value head that
-// serves h, and of its lse entry.
+// The sizes of one call: q [batch, q_seq, q_heads, head_dim], k [batch, kv_seq, kv_heads,
+// head_dim], v [batch, kv_seq, kv_heads, v_dim], out [batch, q_seq, q_heads, v_dim]; element offsets
+// of row i of batch row b for query head h (in q, in out), for the key/value head that serves h (in
+// k, in v), and of its lse entry. The kernels here take v_dim == head_dim (attention.cu routes the
+// rest to cuDNN).
 struct AttentionDims {
-  int64_t batch, q_seq, kv_seq, q_heads, kv_heads, head_dim;
+  int64_t batch, q_seq, kv_seq, q_heads, kv_heads, head_dim, v_dim;
   int64_t q(int64_t b, int64_t i, int64_t h) const { return ((b * q_seq + i) * q_heads + h) * head_dim; }
+  int64_t out(int64_t b, int64_t i, int64_t h) const { return ((b * q_seq + i) * q_heads + h) * v_dim; }
   int64_t kv(int64_t b, int64_t j, int64_t h) const {
     return ((b * kv_seq + j) * kv_heads + h / (q_heads / kv_heads)) * head_dim;
   }
+  int64_t v(int64_t b, int64_t j, int64_t h) const { return ((b * kv_seq + j) * kv_heads + h / (q_heads / kv_heads)) * v_dim; }
   int64_t lse(int64_t b, int64_t i, int64_t h) const { return (b * q_heads + h) * q_seq + i; }
 };
 

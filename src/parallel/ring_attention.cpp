@@ -73,16 +73,16 @@ std::vector<AttentionBlock> step_blocks(int64_t local_seq, int rank, int source,
 }
 
 struct RingShape {
-  int64_t batch, seq, q_heads, kv_heads, head_dim;
+  int64_t batch, seq, q_heads, kv_heads, head_dim, v_dim;  // head_dim: q's and k's; v_dim: v's and out's
 };
 
 // q, k, v of one member; a split over several members needs an even local length (two chunks).
 RingShape check_ring(const char* op, const Tensor& q, const Tensor& k, const Tensor& v, const Comm& cp) {
-  MARROW_CHECK(q.ndim == 4 && k.ndim == 4, "{}: q {} and k {} must be [batch, seq, heads, head_dim]", op,
-               q.shape_string(), k.shape_string());
-  const RingShape n{q.size(0), q.size(1), q.size(2), k.size(2), q.size(3)};
+  MARROW_CHECK(q.ndim == 4 && k.ndim == 4 && v.ndim == 4, "{}: q {}, k {} and v {} must be [batch, seq, heads, head_dim]", op,
+               q.shape_string(), k.shape_string(), v.shape_string());
+  const RingShape n{q.size(0), q.size(1), q.size(2), k.size(2), q.size(3), v.size(3)};
   expect_shape(op, "k", k, {n.batch, n.seq, n.kv_heads, n.head_dim});
-  expect_shape(op, "v", v, {n.batch, n.seq, n.kv_heads, n.head_dim});
+  expect_shape(op, "v", v, {n.batch, n.seq, n.kv_heads, n.v_dim});
   MARROW_CHECK(cp.size() == 1 || n.seq % 2 == 0,
                "{}: a member's {} tokens are not two zigzag chunks (the length must be even)", op, n.seq);
   return n;
@@ -92,13 +92,14 @@ RingShape check_ring(const char* op, const Tensor& q, const Tensor& k, const Ten
 struct KvPair {
   Buffer both;
   KvPair(DType dtype, Device device, const RingShape& n)
-      : both(dtype, device, {2 * n.batch * n.seq * n.kv_heads * n.head_dim}) {}
-  Tensor half(int i, const RingShape& n) const {
-    const int64_t numel = both.numel() / 2;
-    return both.view().rows(i * numel, (i + 1) * numel).reshape({n.batch, n.seq, n.kv_heads, n.head_dim});
+      : both(dtype, device, {n.batch * n.seq * n.kv_heads * (n.head_dim + n.v_dim)}) {}
+  Tensor k(const RingShape& n) const {
+    return both.view().rows(0, k_numel(n)).reshape({n.batch, n.seq, n.kv_heads, n.head_dim});
   }
-  Tensor k(const RingShape& n) const { return half(0, n); }
-  Tensor v(const RingShape& n) const { return half(1, n); }
+  Tensor v(const RingShape& n) const {
+    return both.view().rows(k_numel(n), both.numel()).reshape({n.batch, n.seq, n.kv_heads, n.v_dim});
+  }
+  static int64_t k_numel(const RingShape& n) { return n.batch * n.seq * n.kv_heads * n.head_dim; }
 };
 
 // The running out and the accumulated gradients: f32 on the GPU (bf16 tensors), else the dtype.
@@ -171,7 +172,7 @@ void ring_steps_backward(Tensor dq_sum, const KvPair& own, Tensor dout, Tensor q
     fill_zero(mine.both);
     for (const AttentionBlock& block : blocks)
       attention_block_backward(dq_sum, mine.k(n), mine.v(n), dout, q, here.k(n), here.v(n), out, lse, block,
-                               attention_block_backward_fused(q, here.k(n), block) ? AttentionGrads::all : AttentionGrads::kv);
+                               attention_block_backward_fused(q, here.k(n), block, here.v(n)) ? AttentionGrads::all : AttentionGrads::kv);
     if (t > 1) {
       cp.wait_for(grads_arrived);
       add(mine.both, mine.both, incoming.both);
@@ -180,7 +181,7 @@ void ring_steps_backward(Tensor dq_sum, const KvPair& own, Tensor dout, Tensor q
                  false);
     grads_arrived = cp.queued();
     for (const AttentionBlock& block : blocks)
-      if (!attention_block_backward_fused(q, here.k(n), block))
+      if (!attention_block_backward_fused(q, here.k(n), block, here.v(n)))
         attention_block_backward(dq_sum, mine.k(n), mine.v(n), dout, q, here.k(n), here.v(n), out, lse, block, AttentionGrads::q);
   }
   own_block_backward(dq_sum, own, dout, q, k, v, out, lse, n, own_blocks.data() + own_blocks.size() - 1,
@@ -194,14 +195,14 @@ void ring_steps_backward(Tensor dq_sum, const KvPair& own, Tensor dout, Tensor q
 void ring_attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v, const Comm& cp, const AttentionVariant& variant) {
   const char* op = "ring_attention_forward";
   const RingShape n = check_ring(op, q, k, v, cp);
-  expect_shape(op, "out", out, {n.batch, n.seq, n.q_heads, n.head_dim});
+  expect_shape(op, "out", out, {n.batch, n.seq, n.q_heads, n.v_dim});
   expect_shape(op, "lse", lse, {n.batch, n.q_heads, n.seq});
   KvPair kv[2] = {{k.dtype, k.device, n}, {k.dtype, k.device, n}};
   copy(kv[0].k(n), k);
   copy(kv[0].v(n), v);
-  Buffer part_out(out.dtype, out.device, {n.batch, n.seq, n.q_heads, n.head_dim});
+  Buffer part_out(out.dtype, out.device, {n.batch, n.seq, n.q_heads, n.v_dim});
   Buffer part_lse(lse.dtype, lse.device, {n.batch, n.q_heads, n.seq});
-  Buffer running(accumulator_dtype(out), out.device, {n.batch, n.seq, n.q_heads, n.head_dim});
+  Buffer running(accumulator_dtype(out), out.device, {n.batch, n.seq, n.q_heads, n.v_dim});
   // The own block comes first and covers every row: it starts the running result. Without a window it
   // is the causal op over the local rows, so it runs on cuDNN's kernels where they are chosen
   // (ops/attention.h); with one member it is the whole op, sinks included.
@@ -233,10 +234,11 @@ void ring_attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tenso
   const char* op = "ring_attention_backward";
   const RingShape n = check_ring(op, q, k, v, cp);
   MARROW_CHECK(!variant.sinks.data == !dsinks.data, "{}: dsinks must be given exactly when the variant has sinks", op);
-  for (auto [name, t] : {std::pair{"dq", &dq}, std::pair{"dout", &dout}, std::pair{"out", &out}})
-    expect_shape(op, name, *t, {n.batch, n.seq, n.q_heads, n.head_dim});
+  expect_shape(op, "dq", dq, {n.batch, n.seq, n.q_heads, n.head_dim});
+  for (auto [name, t] : {std::pair{"dout", &dout}, std::pair{"out", &out}})
+    expect_shape(op, name, *t, {n.batch, n.seq, n.q_heads, n.v_dim});
   expect_shape(op, "dk", dk, {n.batch, n.seq, n.kv_heads, n.head_dim});
-  expect_shape(op, "dv", dv, {n.batch, n.seq, n.kv_heads, n.head_dim});
+  expect_shape(op, "dv", dv, {n.batch, n.seq, n.kv_heads, n.v_dim});
   expect_shape(op, "lse", lse, {n.batch, n.q_heads, n.seq});
   const DType acc = accumulator_dtype(dq);
   Buffer dq_sum = Buffer::zeros(acc, dq.device, {n.batch, n.seq, n.q_heads, n.head_dim});
@@ -260,13 +262,16 @@ AttentionRunner ring_attention_runner(const Comm& cp) {
                 const AttentionVariant& variant) { ring_attention_backward(dq, dk, dv, dout, q, k, v, out, lse, cp, variant, dsinks); }};
 }
 
-RingAttentionBytes ring_attention_bytes(int64_t tokens, int64_t q_heads, int64_t kv_heads, int64_t head_dim, Device device) {
+RingAttentionBytes ring_attention_bytes(int64_t tokens, int64_t q_heads, int64_t kv_heads, int64_t head_dim, Device device,
+                                       int64_t v_head_dim) {
   const bool gpu = device == Device::cuda;
   const int64_t a = gpu ? 2 : 4, acc = 4;  // bf16 or f32 activations; f32 running results and lse
-  const int64_t q = tokens * q_heads * head_dim, kv = 2 * tokens * kv_heads * head_dim;  // a KvPair holds K and V
+  const int64_t v_dim = v_head_dim > 0 ? v_head_dim : head_dim;
+  // q-side tensors of q's head dim (dq_sum) and of v's (part_out, running); a KvPair holds K and V.
+  const int64_t q = tokens * q_heads * head_dim, o = tokens * q_heads * v_dim, kv = tokens * kv_heads * (head_dim + v_dim);
   // Forward: kv[2], part_out, part_lse, running. Backward (several members): kv[2], share[2], incoming
   // and own, dq_sum.
-  return {2 * kv * a + q * a + tokens * q_heads * acc + q * acc, 2 * kv * a + 4 * kv * acc + q * acc};
+  return {2 * kv * a + o * a + tokens * q_heads * acc + o * acc, 2 * kv * a + 4 * kv * acc + q * acc};
 }
 
 }  // namespace marrow

@@ -50,8 +50,9 @@ void zigzag_slice(Tensor local, Tensor whole, const ZigzagSplit& split);
 // The block of member `rank`'s local_seq queries against the K/V block of member `source` (above).
 AttentionBlock zigzag_block(int64_t local_seq, int rank, int source);
 
-// out[B, Sl, Hq, D] and lse[B, Hq, Sl] of this member's queries q[B, Sl, Hq, D] against the keys and
-// values k, v[B, Sl, Hkv, D] of every member (causal over the true positions); Sl = S / CP.
+// out[B, Sl, Hq, Dv] and lse[B, Hq, Sl] of this member's queries q[B, Sl, Hq, D] against the keys
+// k[B, Sl, Hkv, D] and values v[B, Sl, Hkv, Dv] of every member (causal over the true positions);
+// Sl = S / CP. Dv may differ from D (ops/attention.h; on the GPU cuDNN runs such blocks).
 void ring_attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v, const Comm& cp, const AttentionVariant& variant = {});
 
 // dq, dk, dv (overwritten, shaped like q, k, v) of this member's tensors, from dout and the
@@ -65,9 +66,11 @@ AttentionRunner ring_attention_runner(const Comm& cp);
 
 // Device bytes ring attention allocates beyond its inputs and outputs for `tokens` local tokens:
 // the ring's two K/V blocks, partial and running results (forward), the dK/dV sums and dq (backward).
+// v_head_dim 0: v's head dim is head_dim.
 struct RingAttentionBytes {
   int64_t forward = 0, backward = 0;
 };
-RingAttentionBytes ring_attention_bytes(int64_t tokens, int64_t q_heads, int64_t kv_heads, int64_t head_dim, Device device);
+RingAttentionBytes ring_attention_bytes(int64_t tokens, int64_t q_heads, int64_t kv_heads, int64_t head_dim, Device device,
+                                        int64_t v_head_dim = 0);
 
 }  // namespace marrow

@@ -103,6 +103,7 @@ std::vector<int32_t> skewed_counts(int64_t experts, int64_t rows);
 Buffer offsets_host(const std::vector<int32_t>& counts);
 
 void check_elementwise_ops(CheckReport& report);
+void check_mla_ops(CheckReport& report);  // DeepSeek-V2's ops (check_mla.cpp), run with the elementwise group
 void check_gemm_ops(CheckReport& report);
 void check_fp8_ops(CheckReport& report);
 void check_attention_op(CheckReport& report);

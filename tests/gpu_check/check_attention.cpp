@@ -2,7 +2,8 @@
 // cuDNN's name it; its non-deterministic backward has no "same bits" rows), cuDNN's backward in
 // forced query chunks ("chunk N"), the wgmma kernels, ring attention's blocks and log-sum-exp merge,
 // and GPT-OSS's variant (windows, sinks), against the f32 CPU reference at odd lengths, GQA groups
-// 1, 4 and 8, head_dim 64 and 128 and the bench shape (B 1, S 4096, 32 / 4 heads of 128).
+// 1, 4 and 8, head_dim 64 and 128 and the bench shape (B 1, S 4096, 32 / 4 heads of 128), and
+// DeepSeek-V2's head dims (q, k 192, v 128: cuDNN's under every setting, rows "D192 Dv128").
 //
 // Bounds, as error = max |gpu - cpu| / max |cpu| (check.h). Both sides read the same bf16 inputs,
 // and the tensor cores multiply bf16 operands exactly into f32 accumulators, so the GPU's coarse
@@ -34,9 +35,14 @@ constexpr double kLseBound = 1e-4;
 constexpr double kGradBound = 3e-2;
 constexpr DType bf16 = DType::bf16, f32 = DType::f32;
 
+// d: q's and k's head dim; dv: v's and out's (0: d).
 struct Shape {
-  int64_t b, s, hq, hkv, d;
+  int64_t b, s, hq, hkv, d, dv = 0;
+  int64_t vd() const { return dv ? dv : d; }
 };
+
+// The head dims in a row's name: "D128", or "D192 Dv128" where v's differs.
+std::string dims_label(const Shape& n) { return n.vd() == n.d ? fmt::format("D{}", n.d) : fmt::format("D{} Dv{}", n.d, n.vd()); }
 
 // How cuDNN's deterministic backward is forced to split (rows "... chunk 64"); empty for its own plan.
 std::string backward_variant;
@@ -45,7 +51,7 @@ std::string backward_variant;
 std::string label(const std::string& what, const Shape& n) {
   const std::string kernels =
       attention_kernels() == AttentionKernels::own ? "" : fmt::format(" {}", attention_kernels_name(attention_kernels()));
-  return fmt::format("attention{}{} {} B{} S{} H{}/{} D{}", kernels, backward_variant, what, n.b, n.s, n.hq, n.hkv, n.d);
+  return fmt::format("attention{}{} {} B{} S{} H{}/{} {}", kernels, backward_variant, what, n.b, n.s, n.hq, n.hkv, dims_label(n));
 }
 
 Buffer rows4(int64_t b, int64_t s, int64_t heads, int64_t d) { return Buffer(f32, Device::cpu, {b, s, heads, d}); }
@@ -71,18 +77,18 @@ struct Problem {
 Problem make_inputs(const Shape& n, uint64_t seed, int64_t kv_seq = 0) {
   const int64_t kv = kv_seq ? kv_seq : n.s;
   return {n, kv, Both(random_bf16({n.b, n.s, n.hq, n.d}, seed), bf16), Both(random_bf16({n.b, kv, n.hkv, n.d}, seed + 1), bf16),
-          Both(random_bf16({n.b, kv, n.hkv, n.d}, seed + 2), bf16), Both(random_bf16({n.b, n.s, n.hq, n.d}, seed + 3), bf16)};
+          Both(random_bf16({n.b, kv, n.hkv, n.vd()}, seed + 2), bf16), Both(random_bf16({n.b, n.s, n.hq, n.vd()}, seed + 3), bf16)};
 }
 
 // With a variant (GPT-OSS's sinks and window; the plain op's bits without one), dsinks [Hq] gets the
 // sinks' gradient.
 Problem reference(const Shape& n, uint64_t seed, const AttentionVariant& variant = {}, Tensor dsinks = {}) {
   Problem p = make_inputs(n, seed);
-  p.out = rows4(n.b, n.s, n.hq, n.d);
+  p.out = rows4(n.b, n.s, n.hq, n.vd());
   p.lse = Buffer(f32, Device::cpu, {n.b, n.hq, n.s});
   attention_forward(p.out, p.lse, p.q.cpu, p.k.cpu, p.v.cpu, variant);
   p.out_bf16 = rounded(p.out);
-  p.dq = rows4(n.b, n.s, n.hq, n.d), p.dk = rows4(n.b, n.s, n.hkv, n.d), p.dv = rows4(n.b, n.s, n.hkv, n.d);
+  p.dq = rows4(n.b, n.s, n.hq, n.d), p.dk = rows4(n.b, n.s, n.hkv, n.d), p.dv = rows4(n.b, n.s, n.hkv, n.vd());
   attention_backward(p.dq, p.dk, p.dv, dsinks, p.dout.cpu, p.q.cpu, p.k.cpu, p.v.cpu, p.out_bf16, p.lse, variant);
   return p;
 }
@@ -93,7 +99,7 @@ struct Gpu {
   Buffer out{}, lse{}, dq{}, dk{}, dv{};
 
   void forward(const AttentionVariant& variant = {}) {
-    out = poisoned(bf16, {p.n.b, p.n.s, p.n.hq, p.n.d});
+    out = poisoned(bf16, {p.n.b, p.n.s, p.n.hq, p.n.vd()});
     lse = poisoned(f32, {p.n.b, p.n.hq, p.n.s});
     attention_forward(out, lse, p.q.gpu, p.k.gpu, p.v.gpu, variant);
   }
@@ -101,7 +107,7 @@ struct Gpu {
   void backward(Tensor out_in = {}, Tensor lse_in = {}, const AttentionVariant& variant = {}, Tensor dsinks = {}) {
     dq = poisoned(bf16, {p.n.b, p.n.s, p.n.hq, p.n.d});
     dk = poisoned(bf16, {p.n.b, p.n.s, p.n.hkv, p.n.d});
-    dv = poisoned(bf16, {p.n.b, p.n.s, p.n.hkv, p.n.d});
+    dv = poisoned(bf16, {p.n.b, p.n.s, p.n.hkv, p.n.vd()});
     attention_backward(dq, dk, dv, dsinks, p.dout.gpu, p.q.gpu, p.k.gpu, p.v.gpu, out_in.data ? out_in : out.view(),
                        lse_in.data ? lse_in : lse.view(), variant);
   }
@@ -185,6 +191,11 @@ void check_rejects_head_dim(CheckReport& report) {
   Buffer q(bf16, Device::cuda, {1, 4, 2, 96}), kv(bf16, Device::cuda, {1, 4, 1, 96}), out(bf16, Device::cuda, {1, 4, 2, 96}),
       lse(f32, Device::cuda, {1, 2, 4});
   report.expect("attention rejects head_dim 96 on the GPU", refuses([&] { attention_forward(out, lse, q, kv, kv); }));
+  // A v head dim unlike q's and k's that cuDNN does not serve either (only 192 / 128 mixes).
+  Buffer q128(bf16, Device::cuda, {1, 4, 2, 128}), k128(bf16, Device::cuda, {1, 4, 1, 128}), v64(bf16, Device::cuda, {1, 4, 1, 64}),
+      out64(bf16, Device::cuda, {1, 4, 2, 64});
+  report.expect("attention rejects head dims 128 / 64 (q, k / v) on the GPU",
+                refuses([&] { attention_forward(out64, lse, q128, k128, v64); }));
 }
 
 // Blocks (ring attention): q[B, Sq] against k, v[B, Sk] on sub-ranges, full and causal.
@@ -192,15 +203,15 @@ struct BlockCase {
   Shape n;  // n.s is Sq
   int64_t kv_seq;
   AttentionBlock block;
-  bool wgmma = false;  // must run on the wgmma kernels (a row says whether it does)
+  bool fused = false;  // must run as one kernel for all three gradients, wgmma's or cuDNN's (a row says whether it does)
 };
 
 std::string block_label(const char* what, const BlockCase& c) {
   const AttentionBlock& b = c.block;
   const std::string window = b.window > 0 ? fmt::format(" window {} distance {}", b.window, b.distance) : "";
-  return fmt::format("attention block {} {}{} q[{}, {}) k[{}, {}) B{} Sq{} Sk{} H{}/{} D{}", what,
+  return fmt::format("attention block {} {}{} q[{}, {}) k[{}, {}) B{} Sq{} Sk{} H{}/{} {}", what,
                      b.mask == AttentionMask::full ? "full" : "causal", window, b.q_begin, b.q_end, b.k_begin, b.k_end, c.n.b,
-                     c.n.s, c.kv_seq, c.n.hq, c.n.hkv, c.n.d);
+                     c.n.s, c.kv_seq, c.n.hq, c.n.hkv, dims_label(c.n));
 }
 
 // lse against the reference where some rows saw no key (a windowed block's: -inf, which the GPU must
@@ -230,11 +241,13 @@ void check_block(CheckReport& report, const BlockCase& c, uint64_t seed) {
   const Shape& n = c.n;
   Problem p = make_inputs(n, seed, c.kv_seq);
   auto zeros = [](std::initializer_list<int64_t> dims) { return Buffer::zeros(f32, Device::cpu, dims); };
-  p.out = zeros({n.b, n.s, n.hq, n.d}), p.lse = zeros({n.b, n.hq, n.s}), p.dq = zeros({n.b, n.s, n.hq, n.d});
-  p.dk = zeros({n.b, c.kv_seq, n.hkv, n.d}), p.dv = zeros({n.b, c.kv_seq, n.hkv, n.d});
+  p.out = zeros({n.b, n.s, n.hq, n.vd()}), p.lse = zeros({n.b, n.hq, n.s}), p.dq = zeros({n.b, n.s, n.hq, n.d});
+  p.dk = zeros({n.b, c.kv_seq, n.hkv, n.d}), p.dv = zeros({n.b, c.kv_seq, n.hkv, n.vd()});
   attention_block_forward(p.out, p.lse, p.q.cpu, p.k.cpu, p.v.cpu, c.block);
-  if (c.wgmma) report.expect(block_label("on the wgmma kernels", c), attention_block_backward_fused(p.q.gpu, p.k.gpu, c.block));
-  Buffer out = Buffer::zeros(bf16, Device::cuda, {n.b, n.s, n.hq, n.d}), lse = Buffer::zeros(f32, Device::cuda, {n.b, n.hq, n.s});
+  if (c.fused)
+    report.expect(block_label(n.vd() == n.d ? "on the wgmma kernels" : "on cuDNN", c),
+                  attention_block_backward_fused(p.q.gpu, p.k.gpu, c.block, p.v.gpu));
+  Buffer out = Buffer::zeros(bf16, Device::cuda, {n.b, n.s, n.hq, n.vd()}), lse = Buffer::zeros(f32, Device::cuda, {n.b, n.hq, n.s});
   attention_block_forward(out, lse, p.q.gpu, p.k.gpu, p.v.gpu, c.block);
   compare(report, block_label("out", c), out, p.out, kOutBound);
   compare_lse(report, block_label("lse", c), lse, p.lse);
@@ -243,7 +256,7 @@ void check_block(CheckReport& report, const BlockCase& c, uint64_t seed) {
   attention_block_backward(p.dq, p.dk, p.dv, p.dout.cpu, p.q.cpu, p.k.cpu, p.v.cpu, p.out_bf16, p.lse, c.block);
   const Both out_in(p.out_bf16, bf16), lse_in(p.lse, f32);
   const Buffer base[3] = {random_host({n.b, n.s, n.hq, n.d}, seed + 4), random_host({n.b, c.kv_seq, n.hkv, n.d}, seed + 5),
-                          random_host({n.b, c.kv_seq, n.hkv, n.d}, seed + 6)};
+                          random_host({n.b, c.kv_seq, n.hkv, n.vd()}, seed + 6)};
   const Both grads[3] = {Both(base[0], f32), Both(base[1], f32), Both(base[2], f32)};
   const Both halves[3] = {Both(base[0], f32), Both(base[1], f32), Both(base[2], f32)};
   auto backward = [&](const Both* g, AttentionGrads half) {
@@ -418,6 +431,30 @@ void check_blocks(CheckReport& report, uint64_t seed) {
       {{2, 150, 8, 2, 64}, 150, {AttentionMask::causal, 10, 75, 20, 85, 20, 0}},
   };
   for (const BlockCase& c : windowed) check_block(report, c, seed += 8);
+  // DeepSeek-V2's head dims (D 192, Dv 128), which only cuDNN serves (any setting sends them there):
+  // the zigzag split's two full blocks (group 1 and, two batch rows, group 4) and a causal block at
+  // different offsets in q and k; one call for all three gradients, so ring attention asks for them at once.
+  const BlockCase cudnn_blocks[] = {
+      {{1, 256, 16, 16, 192, 128}, 256, {AttentionMask::full, 0, 256, 0, 128}, true},
+      {{2, 200, 16, 4, 192, 128}, 200, {AttentionMask::full, 100, 200, 0, 200}, true},
+      {{1, 130, 8, 2, 192, 128}, 150, {AttentionMask::causal, 5, 70, 40, 105}, true},
+  };
+  for (const BlockCase& c : cudnn_blocks) check_block(report, c, seed += 8);
+}
+
+// DeepSeek-V2's head dims (D 192 for q and k, Dv 128 for v and out), which only cuDNN serves: every
+// setting must send the causal op there (the rows name the setting), forward and backward, with
+// multi-head attention at S 256 and 1024, one and two batch rows, and a GQA group of 4.
+void check_value_head_dim(CheckReport& report, uint64_t seed) {
+  const Shape shapes[] = {{1, 256, 16, 16, 192, 128}, {2, 256, 16, 16, 192, 128}, {1, 1024, 16, 16, 192, 128},
+                          {2, 1024, 16, 16, 192, 128}, {1, 1024, 16, 4, 192, 128}};
+  for (const Shape& n : shapes) {
+    const Problem p = reference(n, seed += 4);
+    for (const AttentionKernels kernels : kAttentionKernels) {
+      set_attention_kernels(kernels);
+      check_shape(report, p);
+    }
+  }
 }
 
 void check_variants(CheckReport& report, uint64_t seed) {
@@ -459,6 +496,8 @@ void check_attention_op(CheckReport& report) {
   set_attention_kernels(before);
   check_merge(report);
   check_variants(report, seed + 1000);
+  check_value_head_dim(report, seed + 2000);
+  set_attention_kernels(before);
   check_rejects_head_dim(report);
 }
 

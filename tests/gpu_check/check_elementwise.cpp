@@ -777,6 +777,7 @@ void check_elementwise_ops(CheckReport& report) {
   check_adamw(report, (1 << 20) + 3, 0, 0, f32, false, 70);
   check_adamw(report, (1 << 20) + 3, 0, 0, f32, true, 96);
   check_grad_norm(report, (1 << 24) + 3, 0);
+  check_mla_ops(report);
 }
 
 }  // namespace marrow

@@ -1,5 +1,4 @@
-// Whole-model GPU checks: the same model (Qwen3-MoE, and GPT-OSS, whose GPU path these rows are the
-// first to run; same initial weights, rounded to bf16 so both sides compute with identical numbers)
+// Whole-model GPU checks: the same model (Qwen3-MoE, GPT-OSS and DeepSeek-V2; same initial weights, rounded to bf16 so both sides compute with identical numbers)
 // runs one micro-batch forward and backward on the CPU in f32 and on the GPU in bf16.
 //
 // Top-k routing is discontinuous: a token whose k-th and (k+1)-th experts are nearly tied can pick a
@@ -17,6 +16,7 @@
 #include "gpu_check/check.h"
 #include "core/rng.h"
 #include "engine/step.h"
+#include "models/deepseek_v2.h"
 #include "models/gpt_oss.h"
 #include "models/qwen3_moe.h"
 #include "ops/cast.h"
@@ -67,7 +67,8 @@ struct ModelSide {
     const double loss_scale = 1.0 / double(T), aux_grad = 0.01;
     loss = mb.token_loss.value() * loss_scale;
     aux = mb.aux_loss.value();
-    for (const auto& layer : mb.layers) routing.push_back(to_host(layer.attention.topk_index));
+    for (const auto& layer : mb.layers)
+      routing.push_back(layer.attention.topk_index.view().data ? to_host(layer.attention.topk_index) : Buffer(DType::i32, Device::cpu, {0}));
     backward(mb, model, w, model.bind(grads), batch, loss_scale, aux_grad);
     if (device == Device::cuda) synchronize();
   }
@@ -88,7 +89,16 @@ const std::pair<const char*, Tensor Gpt::*> kGptOssLayer[] = {
     {"router bias", &Gpt::router_bias}, {"experts gate_up_proj", &Gpt::experts_gate_up},
     {"experts gate_up_proj_bias", &Gpt::experts_gate_up_bias}, {"experts down_proj", &Gpt::experts_down},
     {"experts down_proj_bias", &Gpt::experts_down_bias}};
+using Deepseek = DeepseekV2LayerWeights;
+const std::pair<const char*, Tensor Deepseek::*> kDeepseekLayer[] = {
+    {"input_layernorm", &Deepseek::input_norm}, {"q_proj", &Deepseek::q_proj}, {"q_a_proj", &Deepseek::q_a_proj},
+    {"q_a_layernorm", &Deepseek::q_a_norm}, {"q_b_proj", &Deepseek::q_b_proj}, {"kv_a_proj_with_mqa (latent)", &Deepseek::kv_a_latent},
+    {"kv_a_proj_with_mqa (rope key)", &Deepseek::kv_a_rope}, {"kv_a_layernorm", &Deepseek::kv_a_norm}, {"kv_b_proj", &Deepseek::kv_b_proj},
+    {"o_proj", &Deepseek::o_proj}, {"post_attention_layernorm", &Deepseek::post_norm}, {"mlp (dense or shared) gate/up", &Deepseek::mlp_gate_up},
+    {"mlp (dense or shared) down", &Deepseek::mlp_down}, {"router", &Deepseek::router}, {"experts gate/up", &Deepseek::experts_gate_up},
+    {"experts down", &Deepseek::experts_down}};
 const auto& layer_tensors(const Qwen&) { return kQwenLayer; }
+const auto& layer_tensors(const Deepseek&) { return kDeepseekLayer; }
 const auto& layer_tensors(const Gpt&) { return kGptOssLayer; }
 
 template <class M>
@@ -106,7 +116,7 @@ void compare_model(CheckReport& report, const std::string& name, const Json& con
   cpu.run(ids, targets, B, S);
   gpu.run(ids, targets, B, S);
   int64_t flips = 0, choices = 0;
-  for (size_t l = 0; l < cpu.routing.size(); ++l)
+  for (size_t l = 0; l < cpu.routing.size(); ++l)  // a dense layer's are empty
     for (int64_t i = 0; i < cpu.routing[l].numel(); ++i, ++choices)
       flips += cpu.routing[l].template ptr<int32_t>()[i] != gpu.routing[l].template ptr<int32_t>()[i];
   std::printf("%s: %lld of %lld top-k choices differ between CPU (f32) and GPU (bf16)\n", name.c_str(), (long long)flips,
@@ -126,7 +136,8 @@ void compare_model(CheckReport& report, const std::string& name, const Json& con
   report.compare(name + ": d final norm", gg.final_norm, cg.final_norm, bound);
   for (size_t l = 0; l < gg.layers.size(); ++l)
     for (const auto& [tensor, member] : layer_tensors(gg.layers[l]))
-      report.compare(fmt::format("{}: layer {} d {}", name, l, tensor), gg.layers[l].*member, cg.layers[l].*member, bound);
+      if ((gg.layers[l].*member).data != nullptr)  // a DeepSeek layer has one query form, a dense one no router
+        report.compare(fmt::format("{}: layer {} d {}", name, l, tensor), gg.layers[l].*member, cg.layers[l].*member, bound);
 }
 
 // GPT-OSS's tiny model: head_dim 64 (the GPU kernels' size), a sliding layer whose window (16) is
@@ -145,6 +156,19 @@ Json tiny_gpt_oss(int64_t top_k, double limit, double init) {
             {"original_max_position_embeddings", 4096}}}};
 }
 
+// DeepSeek-V2's tiny model: MLA at V2's head dims (q/k 128 + 64, v 128: cuDNN's kernels), q-LoRA, a
+// dense first layer, shared experts, YaRN with DeepSeek's mscale; routed rows group-limited with a
+// routed scaling factor, gradient rows K = E (every group kept).
+Json tiny_deepseek_v2(int64_t top_k, int64_t top_groups) {
+  return {{"model_type", "deepseek_v2"}, {"vocab_size", 300}, {"hidden_size", 64}, {"num_hidden_layers", 2}, {"num_attention_heads", 2},
+          {"num_key_value_heads", 2}, {"q_lora_rank", 48}, {"kv_lora_rank", 32}, {"qk_nope_head_dim", 128}, {"qk_rope_head_dim", 64},
+          {"v_head_dim", 128}, {"intermediate_size", 96}, {"moe_intermediate_size", 40}, {"n_routed_experts", 8}, {"n_shared_experts", 1},
+          {"num_experts_per_tok", top_k}, {"first_k_dense_replace", 1}, {"topk_method", "group_limited_greedy"}, {"n_group", 4},
+          {"topk_group", top_groups}, {"routed_scaling_factor", 2.0}, {"initializer_range", 0.1},
+          {"rope_scaling", {{"type", "yarn"}, {"factor", 40.0}, {"mscale", 0.707}, {"mscale_all_dim", 0.707}, {"original_max_position_embeddings", 4096}}},
+          {"max_position_embeddings", 163840}};
+}
+
 }  // namespace
 
 void check_model(CheckReport& report) {
@@ -156,6 +180,8 @@ void check_model(CheckReport& report) {
   compare_model<Qwen3Moe>(report, "tiny model, K = E = 8", tiny, 2, 37, true);
   compare_model<GptOss>(report, "tiny gpt_oss, top-2 of 8, limit 1.5", tiny_gpt_oss(2, 1.5, 0.2), 2, 37, false);
   compare_model<GptOss>(report, "tiny gpt_oss, K = E = 8", tiny_gpt_oss(8, 7.0, 0.1), 2, 37, true);
+  compare_model<DeepseekV2>(report, "tiny deepseek_v2, top-3 of 8 in 2 of 4 groups", tiny_deepseek_v2(3, 2), 2, 37, false);
+  compare_model<DeepseekV2>(report, "tiny deepseek_v2, K = E = 8", tiny_deepseek_v2(8, 4), 2, 37, true);
   {
     // train.fp8 on both sides (the CPU multiplies the dequantized E4M3 operands): each family's
     // choice of its experts' quantized weights, as stored or transposed, against the reference.
@@ -165,6 +191,7 @@ void check_model(CheckReport& report) {
     } fp8;
     compare_model<Qwen3Moe>(report, "tiny model, K = E = 8, fp8 experts", tiny, 2, 37, false);
     compare_model<GptOss>(report, "tiny gpt_oss, K = E = 8, fp8 experts", tiny_gpt_oss(8, 7.0, 0.1), 2, 37, false);
+    compare_model<DeepseekV2>(report, "tiny deepseek_v2, K = E = 8, fp8 experts", tiny_deepseek_v2(8, 4), 2, 37, false);
   }
   // One layer of the bench shape (GPU.md: Qwen3-30B-A3B's layer). The vocabulary and sequence are
   // cut so the single-threaded CPU reference finishes in seconds.

@@ -18,7 +18,7 @@ namespace {
 constexpr double kOutBound = 2e-2, kLseBound = 1e-4, kGradBound = 3e-2;
 
 struct RingCase {
-  int64_t batch, chunk, q_heads, kv_heads, head_dim;  // chunk: tokens per zigzag chunk
+  int64_t batch, chunk, q_heads, kv_heads, head_dim, v_dim = 0;  // chunk: tokens per zigzag chunk; v_dim 0: head_dim
 };
 
 // The member's zigzag share of a host tensor whole[N, S, ...]; dims is the share's shape.
@@ -30,34 +30,37 @@ Buffer share_of(Tensor whole, const ZigzagSplit& z, std::initializer_list<int64_
 
 void check_ring_case(CheckReport& report, const Comm& cp, const RingCase& n, uint64_t seed) {
   const int64_t S = 2 * cp.size() * n.chunk, L = 2 * n.chunk, B = n.batch, Hq = n.q_heads, Hkv = n.kv_heads, D = n.head_dim;
-  Buffer q = random_bf16({B, S, Hq, D}, seed), k = random_bf16({B, S, Hkv, D}, seed + 1), v = random_bf16({B, S, Hkv, D}, seed + 2),
-         dout = random_bf16({B, S, Hq, D}, seed + 3);
-  Buffer out(DType::f32, Device::cpu, {B, S, Hq, D}), lse(DType::f32, Device::cpu, {B, Hq, S});
-  Buffer dq(DType::f32, Device::cpu, {B, S, Hq, D}), dk(DType::f32, Device::cpu, {B, S, Hkv, D}), dv(DType::f32, Device::cpu, {B, S, Hkv, D});
+  const int64_t Dv = n.v_dim ? n.v_dim : D;
+  Buffer q = random_bf16({B, S, Hq, D}, seed), k = random_bf16({B, S, Hkv, D}, seed + 1), v = random_bf16({B, S, Hkv, Dv}, seed + 2),
+         dout = random_bf16({B, S, Hq, Dv}, seed + 3);
+  Buffer out(DType::f32, Device::cpu, {B, S, Hq, Dv}), lse(DType::f32, Device::cpu, {B, Hq, S});
+  Buffer dq(DType::f32, Device::cpu, {B, S, Hq, D}), dk(DType::f32, Device::cpu, {B, S, Hkv, D}), dv(DType::f32, Device::cpu, {B, S, Hkv, Dv});
   attention_forward(out, lse, q, k, v);
   round_to_bf16(out);
   attention_backward(dq, dk, dv, dout, q, k, v, out, lse);
 
   const ZigzagSplit z = zigzag_split(S, cp.rank(), cp.size());
-  auto device_share = [&](const Buffer& whole, int64_t heads) {
-    return to_device(share_of(whole, z, {B, L, heads, D}), DType::bf16);
+  auto device_share = [&](const Buffer& whole, int64_t heads, int64_t d) {
+    return to_device(share_of(whole, z, {B, L, heads, d}), DType::bf16);
   };
-  const Buffer gq = device_share(q, Hq), gk = device_share(k, Hkv), gv = device_share(v, Hkv), gdout = device_share(dout, Hq);
-  auto rows4 = [&](const Buffer& b, int64_t heads) { return b.view().reshape({B, L, heads, D}); };
-  Buffer gout = poisoned(DType::bf16, {B, L, Hq, D}), glse = poisoned(DType::f32, {B, Hq, L});
-  Buffer gdq = poisoned(DType::bf16, {B, L, Hq, D}), gdk = poisoned(DType::bf16, {B, L, Hkv, D}), gdv = poisoned(DType::bf16, {B, L, Hkv, D});
-  ring_attention_forward(gout, glse, rows4(gq, Hq), rows4(gk, Hkv), rows4(gv, Hkv), cp);
-  ring_attention_backward(gdq, gdk, gdv, rows4(gdout, Hq), rows4(gq, Hq), rows4(gk, Hkv), rows4(gv, Hkv), gout, glse, cp);
+  const Buffer gq = device_share(q, Hq, D), gk = device_share(k, Hkv, D), gv = device_share(v, Hkv, Dv), gdout = device_share(dout, Hq, Dv);
+  auto rows4 = [&](const Buffer& b, int64_t heads, int64_t d) { return b.view().reshape({B, L, heads, d}); };
+  Buffer gout = poisoned(DType::bf16, {B, L, Hq, Dv}), glse = poisoned(DType::f32, {B, Hq, L});
+  Buffer gdq = poisoned(DType::bf16, {B, L, Hq, D}), gdk = poisoned(DType::bf16, {B, L, Hkv, D}), gdv = poisoned(DType::bf16, {B, L, Hkv, Dv});
+  const Tensor lq = rows4(gq, Hq, D), lk = rows4(gk, Hkv, D), lv = rows4(gv, Hkv, Dv);
+  ring_attention_forward(gout, glse, lq, lk, lv, cp);
+  ring_attention_backward(gdq, gdk, gdv, rows4(gdout, Hq, Dv), lq, lk, lv, gout, glse, cp);
 
   auto label = [&](const char* what) {
-    return fmt::format("ring attention {} CP{} rank {} B{} S{} H{}/{} D{}", what, cp.size(), cp.rank(), B, S, Hq, Hkv, D);
+    const std::string dims = Dv == D ? fmt::format("D{}", D) : fmt::format("D{} Dv{}", D, Dv);
+    return fmt::format("ring attention {} CP{} rank {} B{} S{} H{}/{} {}", what, cp.size(), cp.rank(), B, S, Hq, Hkv, dims);
   };
-  report.compare(label("out"), gout, share_of(out, z, {B, L, Hq, D}), kOutBound);
+  report.compare(label("out"), gout, share_of(out, z, {B, L, Hq, Dv}), kOutBound);
   Buffer lse_share = share_of(lse.view().reshape({B * Hq, S}), z, {B * Hq, L});
   report.compare(label("lse"), glse, lse_share, kLseBound);
   report.compare(label("dq"), gdq, share_of(dq, z, {B, L, Hq, D}), kGradBound);
   report.compare(label("dk"), gdk, share_of(dk, z, {B, L, Hkv, D}), kGradBound);
-  report.compare(label("dv"), gdv, share_of(dv, z, {B, L, Hkv, D}), kGradBound);
+  report.compare(label("dv"), gdv, share_of(dv, z, {B, L, Hkv, Dv}), kGradBound);
 }
 
 }  // namespace
@@ -65,10 +68,13 @@ void check_ring_case(CheckReport& report, const Comm& cp, const RingCase& n, uin
 void check_ring_attention(CheckReport& report) {
   use_gpu(process::local_rank());
   const Comm cp = Comm::world(Device::cuda);
-  // Chunks of whole and partial tiles (64 rows), GQA groups of 4 and 8, both head dims.
+  // Chunks of whole and partial tiles (64 rows), GQA groups of 4 and 8, both head dims; DeepSeek-V2's
+  // head dims (q, k 192, v 128: cuDNN's blocks), multi-head and a GQA group of 4.
   check_ring_case(report, cp, {2, 64, 8, 2, 64}, 700);
   check_ring_case(report, cp, {1, 100, 16, 2, 128}, 710);
   check_ring_case(report, cp, {1, 256, 32, 4, 128}, 720);
+  check_ring_case(report, cp, {1, 128, 16, 16, 192, 128}, 730);
+  check_ring_case(report, cp, {2, 100, 16, 4, 192, 128}, 740);
   add_failed_rows_of_all_ranks(report, cp, "ring_attention");
 }
 

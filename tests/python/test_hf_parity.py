@@ -1,4 +1,4 @@
-"""Parity with Hugging Face transformers (DESIGN.md §7, layer 3), for both model families.
+"""Parity with Hugging Face transformers (DESIGN.md §7, layer 3), for every model family.
 
 For two configs of each family that differ in every size, Marrow initialises a model, writes it under
 Hugging Face tensor names and runs its fp32 forward (tests/tools/hf_dump.cpp); transformers loads the
@@ -12,7 +12,9 @@ keeps Qwen3-MoE's experts one tensor each, as the Hub's files do; transformers 5
 (mlp.experts.gate_up_proj [E, 2I, H], gate rows then up rows; down_proj [E, H, I]), so Marrow's are
 stacked the same way before the comparison. GptOssForCausalLM (eager attention): sliding and full
 layers, sinks, YaRN RoPE, the clamped SwiGLU with biases (hf_dump --random-biases draws every bias
-as the weights are), sequences longer than the window.
+as the weights are), sequences longer than the window. DeepseekV2ForCausalLM (eager attention): multi-head
+latent attention with and without q-LoRA, dense first layers, shared experts, greedy and group-limited
+routing with a routed scaling factor, YaRN with DeepSeek's mscale (V2-Lite's rope_scaling).
 """
 import argparse
 import json
@@ -23,7 +25,7 @@ import tempfile
 
 import torch
 from safetensors.torch import load_file
-from transformers import GptOssForCausalLM, Qwen3MoeForCausalLM
+from transformers import DeepseekV2ForCausalLM, GptOssForCausalLM, Qwen3MoeForCausalLM
 
 QWEN3 = dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], hidden_act="silu", tie_word_embeddings=False,
              max_position_embeddings=512)
@@ -31,6 +33,11 @@ GPT_OSS = dict(model_type="gpt_oss", architectures=["GptOssForCausalLM"], tie_wo
                max_position_embeddings=131072)
 YARN = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
         "truncate": False, "original_max_position_embeddings": 4096}
+DEEPSEEK = dict(model_type="deepseek_v2", architectures=["DeepseekV2ForCausalLM"], hidden_act="silu", tie_word_embeddings=False,
+                max_position_embeddings=512)
+# DeepSeek-V2-Lite's rope_scaling (its config.json), with max_position_embeddings 163840.
+LITE_YARN = {"type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707,
+             "original_max_position_embeddings": 4096}
 CONFIGS = {
     "qwen3 a": dict(QWEN3, vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                     head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=256,
@@ -47,6 +54,19 @@ CONFIGS = {
                       layer_types=["full_attention", "sliding_attention", "sliding_attention"],
                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, rms_norm_eps=1e-6, initializer_range=0.3,
                       swiglu_limit=1.5),
+    # Every feature: q-LoRA, a dense first layer, shared experts, group-limited routing, routed scaling.
+    "deepseek_v2 a": dict(DEEPSEEK, vocab_size=300, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+                          q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+                          intermediate_size=96, moe_intermediate_size=20, n_routed_experts=8, n_shared_experts=2, num_experts_per_tok=3,
+                          first_k_dense_replace=1, topk_method="group_limited_greedy", n_group=4, topk_group=2,
+                          routed_scaling_factor=2.5, norm_topk_prob=False, rope_theta=10000.0, rms_norm_eps=1e-6, initializer_range=0.2),
+    # DeepSeek-V2-Lite's shape cut down: no q-LoRA, greedy routing, one shared pair of experts, its YaRN with mscale.
+    "deepseek_v2 lite": dict(DEEPSEEK, vocab_size=257, hidden_size=48, num_hidden_layers=2, num_attention_heads=3, num_key_value_heads=3,
+                             q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                             intermediate_size=80, moe_intermediate_size=12, n_routed_experts=6, n_shared_experts=2, num_experts_per_tok=2,
+                             first_k_dense_replace=1, topk_method="greedy", routed_scaling_factor=1.0, norm_topk_prob=False,
+                             rope_scaling=LITE_YARN, rope_theta=10000.0, max_position_embeddings=163840, rms_norm_eps=1e-6,
+                             initializer_range=0.3),
 }
 
 
@@ -55,8 +75,8 @@ def rel_err(a, b):
 
 
 def fused_experts(grads, layers, experts):
-    """Qwen3-MoE's per-expert gradients stacked as transformers 5 holds the weights."""
-    for layer in range(layers):
+    """Per-expert gradients (Qwen3-MoE, DeepSeek-V2) stacked as transformers 5 holds the weights."""
+    for layer in layers:
         p = f"model.layers.{layer}.mlp.experts."
         gate_up = [torch.cat([grads.pop(f"{p}{e}.gate_proj.weight"), grads.pop(f"{p}{e}.up_proj.weight")]) for e in range(experts)]
         grads[p + "gate_up_proj"] = torch.stack(gate_up)
@@ -68,7 +88,9 @@ def gradient_errors(out, model, config):
     """Each parameter's gradient against transformers' (after its backward), by name; the worst."""
     grads = load_file(os.path.join(out, "marrow_grads.safetensors"))
     if config["model_type"] == "qwen3_moe":
-        grads = fused_experts(grads, config["num_hidden_layers"], config["num_experts"])
+        grads = fused_experts(grads, range(config["num_hidden_layers"]), config["num_experts"])
+    if config["model_type"] == "deepseek_v2":
+        grads = fused_experts(grads, range(config["first_k_dense_replace"], config["num_hidden_layers"]), config["n_routed_experts"])
     hf_grads = {n: p.grad for n, p in model.named_parameters()}
     assert set(grads) == set(hf_grads), f"tensor names differ: {sorted(set(grads) ^ set(hf_grads))}"
     errs = {n: rel_err(grads[n], hf_grads[n]) for n in grads}
@@ -91,6 +113,8 @@ def check(name, config, hf_dump, workdir):
 
     if gpt_oss:
         model = GptOssForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager").train()
+    elif config["model_type"] == "deepseek_v2":
+        model = DeepseekV2ForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager").train()
     else:
         model = Qwen3MoeForCausalLM.from_pretrained(out, dtype=torch.float32).train()
     marrow = load_file(os.path.join(out, "marrow_outputs.safetensors"))

@@ -8,6 +8,15 @@
   the same load-balance loss.
 - A corpus smaller than the run (data.max_epochs = 3): the order of later epochs agrees too.
 - The reference stopped after its first step (--stop-after-s) and run again goes on to the same losses.
+- DeepSeek-V2 (issue #50), the same agreement over 20 steps of configs/tiny-deepseek-v2 (q-LoRA, a dense
+  first layer, shared experts; its group-limited top-2 of 2 groups picks what greedy would) and 10 of a
+  variant with top-3 (the group limit changes the choice of ~56% of the tokens), norm_topk_prob with
+  routed_scaling_factor 2 (transformers ignores norm_topk_prob; the reference's router honours it, as
+  Marrow), seq_aux (the load balance of each sequence, averaged) and aux_loss_alpha in place of
+  router_aux_loss_coef (Marrow's coefficient alpha x 2 MoE layers / 3; alpha itself moves the gradient
+  norms by ~1e-3). Both at lr 1e-3: at the config's 3e-3 the tiny model's gradient spikes (norms of 2-4
+  from step 7) turn the rounding of a near-tied routing choice into differences of 1e-3.
+- reference_run.py bench on the CPU: one line with the figures and losses, its first loss the train's.
 - Bad inputs stop it with one sentence.
 """
 import argparse
@@ -72,6 +81,39 @@ def agreement(a, b, name, steps):
     check(w is not None and w <= 1e-4, f"{name}: gradient norms of the first ten steps agree within 1e-4 (worst {w})")
 
 
+def deepseek(marrow, corpus, tmp):
+    """The DeepSeek-V2 rows: the tiny config and its variant against marrow train, then bench on the CPU."""
+    base = ["configs/tiny-deepseek-v2.toml", f"--data.path={corpus}", "--schedule.warmup_steps=5", "--optimizer.lr=1e-3",
+            "--optimizer.min_lr=1e-4"]
+    config = base + ["--train.steps=20", "--eval.every=10"]
+    a, b, hf, _ = both_runs(marrow, config, tmp, "deepseek_v2")
+    if a is not None:
+        agreement(a, b, "deepseek_v2", 20)
+        check(a[-1]["loss"] < a[0]["loss"] - 0.3, f"deepseek_v2: the loss falls ({a[0]['loss']:.3f} -> {a[-1]['loss']:.3f})")
+
+    with open("configs/tiny-deepseek-v2.json") as f:
+        fields = json.load(f)
+    del fields["router_aux_loss_coef"]
+    fields.update(num_experts_per_tok=3, norm_topk_prob=True, routed_scaling_factor=2.0, seq_aux=True, aux_loss_alpha=0.05)
+    variant = os.path.join(tmp, "deepseek-variant.json")
+    with open(variant, "w") as f:
+        json.dump(fields, f)
+    v1, v2, _, _ = both_runs(marrow, base + [f"--model.config={variant}", "--train.steps=10", "--eval.every=5"], tmp, "deepseek_v2 variant")
+    if v1 is not None:
+        agreement(v1, v2, "deepseek_v2 variant", 10)
+
+    if b is not None:
+        out = os.path.join(tmp, "deepseek-bench.json")
+        p = run([sys.executable, TOOL, "bench", *base, hf, "--device=cpu", "--warmup=1", "--steps=2", f"--json={out}"])
+        line = [l for l in p.stdout.splitlines() if l.startswith("torch bench:")]
+        result = json.load(open(out)) if p.returncode == 0 and os.path.exists(out) else {}
+        losses = result.get("losses", [])
+        check(len(line) == 1 and "tokens/s" in line[0] and len(losses) == 3 and abs(losses[0] - b[0]["loss"]) <= 1e-6 * b[0]["loss"],
+              f"deepseek_v2: bench prints its line, 3 losses, the first the train's ({losses[:1]} against {b[0]['loss']})")
+        check(result.get("flops_per_token", 0) > 6 * result.get("active_parameters", 0) > 0,
+              f"deepseek_v2: bench counts 6 x {result.get('active_parameters')} active parameters plus attention a token")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--marrow", required=True)
@@ -112,6 +154,8 @@ def main():
             check(len(first) == 1 and "resumed at step 1" in p2.stdout, "the reference stops after a step and resumes from its checkpoint")
             w = worst(b, again, "loss")
             check(len(again) == 30 and w is not None and w <= 1e-6, f"resumed: the same losses as one run (worst {w})")
+
+        deepseek(args.marrow, corpus, tmp)
 
         for args_, expected, what in [
                 ([*base, "--data.path=/nonexistent", "x", os.path.join(tmp, "o")], "cannot open the corpus manifest /nonexistent", "missing corpus"),

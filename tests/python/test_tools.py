@@ -1,8 +1,9 @@
 """The GPU run scripts' CPU dry runs, so that a script waiting for a machine kind that is not lent
 does not rot unseen: tools/gpu_full_node.sh (issue #15's 8-GPU node) on 8 processes, and
 tools/gpu_pipeline.sh (#12) and tools/gpu_context.sh (#13) on 2, under mpirun --oversubscribe with the
-tiny model, must end with PASS and print the comparisons they exist for. And tools/ncu_stalls.py, which
-reads Nsight Compute's source page on the GPU machine, on a small page of known shares.
+tiny model, must end with PASS and print the comparisons they exist for, as must tools/gpu_deepseek_v2.sh's
+bench part (#50: marrow bench and its PyTorch peer, reference_run.py bench) in one CPU process. And
+tools/ncu_stalls.py, which reads Nsight Compute's source page on the GPU machine, on a small page of known shares.
 """
 import argparse
 import os
@@ -24,7 +25,9 @@ def main():
                 ("gpu_pipeline.sh", "one", ["equal: True"], "one process, the DualPipeV order's losses equal the sequential's"),
                 ("gpu_pipeline.sh", "all", ["equal: True", "simulated bubble", "PP = 2: "], "EP = 2 orders equal, PP = 2 trains"),
                 ("gpu_context.sh", "all", ["the bench config at sequence 512 with CP = 2", "sequence 1024 fits"],
-                 "CP = 2 against one process, the long run, the largest sequences")]
+                 "CP = 2 against one process, the long run, the largest sequences"),
+                ("gpu_deepseek_v2.sh", "bench", ["summary: marrow", "marrow losses", "torch eager losses"],
+                 "marrow bench and reference_run.py bench of tiny DeepSeek-V2, the summary")]
         ok = True
         for script, part, want, what in runs:
             p = subprocess.run([os.path.join(repo, "tools", script), os.path.join(tmp, script + "-" + part), part], cwd=repo, env=env,

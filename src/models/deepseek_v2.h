@@ -1,0 +1,207 @@
+// DeepSeek-V2 and V2-Lite (Hugging Face DeepseekV2ForCausalLM): the whole model family in this file
+// and its .cpp, cut into DESIGN.md's five stages as Qwen3-MoE is (models/qwen3_moe.h):
+//   prolog       embedding
+//   1 attention  norm -> multi-head latent attention -> +residual -> norm -> shared experts (or, in
+//                the first first_k_dense_replace layers, the dense SwiGLU MLP) and the router
+//   2 dispatch   (engine) group the normed hidden states' token copies by expert
+//   3 experts    grouped gate/up -> SwiGLU -> grouped down
+//   4 combine    (engine) bring expert outputs back
+//   5 aggregate  weighted sum of each token's top-k outputs + the residual (shared experts included)
+//   epilog       final norm -> LM head -> cross-entropy
+// Multi-head latent attention (MLA): the query from q_proj, or through a low-rank q_a_proj ->
+// q_a_layernorm -> q_b_proj (q_lora_rank); kv_a_proj_with_mqa gives the latent (kv_lora_rank) and one
+// rope key shared by every head; the latent is normed and kv_b_proj decompresses it to each head's
+// key (nope part) and value. Query and key heads are [nope | rope] (qk_nope_head_dim +
+// qk_rope_head_dim), values v_head_dim; DeepSeek's RoPE rotates adjacent pairs (ops/mla.h).
+// The shared experts run in stage 1 on the routed input, so they overlap the dispatch that follows;
+// a dense layer has no stages 2-5: its stage 1 is the whole layer (the engine's dense_layer).
+#pragma once
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/host_sum.h"
+#include "core/json.h"
+#include "core/memory.h"
+#include "core/stage_bytes.h"
+#include "core/tensor_spec.h"
+#include "models/common.h"
+#include "ops/attention_runner.h"
+#include "ops/fp8.h"
+#include "ops/rope.h"
+#include "ops/router.h"
+
+namespace marrow {
+
+struct DeepseekV2Config {
+  int64_t vocab_size = 0, hidden_size = 0, num_layers = 0, num_heads = 0, num_kv_heads = 0, head_dim = 0;
+  int64_t q_lora_rank = 0;  // 0: q_proj (config null)
+  int64_t kv_lora_rank = 0, qk_nope_head_dim = 0, qk_rope_head_dim = 0, v_head_dim = 0;
+  int64_t intermediate_size = 0;  // the dense layers' MLP
+  int64_t num_experts = 0, top_k = 0, expert_intermediate_size = 0, num_shared_experts = 0, first_dense_layers = 0;
+  RouterOptions routing;  // topk_method's groups, routed_scaling_factor, norm_topk_prob
+  bool sequence_aux = false;  // seq_aux: the load-balance loss per sequence, averaged
+  double rms_norm_eps = 1e-6, initializer_range = 0.02, router_aux_loss_coef = 0.001;
+  RopeParameters rope;
+  double softmax_scale = 0;  // qk_head_dim^-0.5, times YaRN's mscale(factor, mscale_all_dim)^2
+  Json json;  // the config.json as read, written back unchanged on export
+
+  int64_t qk_head_dim() const { return qk_nope_head_dim + qk_rope_head_dim; }
+  int64_t shared_intermediate_size() const { return expert_intermediate_size * num_shared_experts; }
+  int64_t moe_layers() const { return num_layers - first_dense_layers; }
+  ModelSize model_size() const;  // core/stage_bytes.h
+  // Reads and validates a Hugging Face config.json; every problem is one sentence naming the key.
+  static DeepseekV2Config from_json(const Json& json, const std::string& source);
+  static DeepseekV2Config load(const std::string& path) { return from_json(read_json_file(path), path); }
+};
+
+struct DeepseekV2LayerWeights {
+  bool dense = false;  // one of the first first_k_dense_replace layers: mlp_gate_up/mlp_down, no experts
+  Tensor input_norm, q_proj, q_a_proj, q_a_norm, q_b_proj;  // q_proj, or q_a_proj/q_a_norm/q_b_proj with q-LoRA
+  Tensor kv_a_latent, kv_a_rope;  // kv_a_proj_with_mqa's rows: [kv_lora_rank, H], [qk_rope_head_dim, H]
+  Tensor kv_a_norm, kv_b_proj, o_proj, post_norm;
+  Tensor mlp_gate_up, mlp_down;  // the dense MLP, or the shared experts as one MLP: [2I, H] gate rows then up, [H, I]
+  Tensor router;
+  Tensor experts_gate_up;  // [E_local, 2I, H]
+  Tensor experts_down;     // [E_local, H, I]
+  int64_t layer = -1;
+};
+
+struct DeepseekV2Weights {
+  Tensor embed, final_norm, lm_head;
+  std::vector<DeepseekV2LayerWeights> layers;
+};
+
+// As Qwen3MoeBatch: B sequences of S tokens (a share of longer ones under context parallelism).
+struct DeepseekV2Batch {
+  int64_t batch = 0, seq = 0;
+  Buffer input_ids, targets, positions;  // [T] i32
+  const AttentionRunner* attention = nullptr;
+  // seq_aux: the rows of these sequences among the data-parallel group's (engine/model.h).
+  StatisticsRows sequences;
+};
+
+struct DeepseekV2AttentionActivations {
+  Buffer x;  // the residual entering the layer [T, H]; the input norm is computed again
+  Buffer rstd1, q_a, rstd_qa, q, latent, rstd_kv, k_pe, kv, attn, lse;
+  Buffer x_attn;  // x + attention [T, H]: the post-attention norm's input
+  Buffer x_mid;   // x_attn + the shared experts' (or dense MLP's) output: stage 5's residual, a dense layer's output
+  Buffer h2, rstd2, mlp_gate_up;  // the routed input and the shared/dense MLP's gate/up
+  Buffer probs, topk_index, topk_weight, routing_stats;  // routing_stats [G, 2E + 1] (ops/router.h)
+};
+
+struct DeepseekV2ExpertActivations {
+  Buffer x_perm, gate_up;
+  Buffer act, dgate_up;
+  Tensor topk_weight, copy_row, dtopk_weight;
+};
+
+class DeepseekV2 {
+ public:
+  using Config = DeepseekV2Config;
+  using Weights = DeepseekV2Weights;
+  using LayerWeights = DeepseekV2LayerWeights;
+  using Batch = DeepseekV2Batch;
+  using AttentionActivations = DeepseekV2AttentionActivations;
+  using ExpertActivations = DeepseekV2ExpertActivations;
+  using EpilogActivations = marrow::EpilogActivations;
+  static constexpr const char* model_type = "deepseek_v2";
+
+  DeepseekV2(const Config& config, DType dtype, Device device, ExpertShard experts = {});
+
+  const Config& config() const { return config_; }
+  DType dtype() const { return dtype_; }
+  Device device() const { return device_; }
+  int64_t num_layers() const { return config_.num_layers; }
+  bool dense_layer(int64_t layer) const { return layer < config_.first_dense_layers; }
+  int64_t num_experts() const { return config_.num_experts; }
+  int64_t num_local_experts() const { return experts_.count; }
+  int64_t top_k() const { return config_.top_k; }
+  int64_t hidden_size() const { return config_.hidden_size; }
+  const std::vector<TensorSpec>& specs() const { return specs_; }
+  int64_t num_parameters() const { return num_parameters_; }
+  int64_t num_active_parameters() const;
+  // Query heads x qk head dim: the score products; the value products (v_head_dim) are counted in
+  // attention_flops_per_token.
+  int64_t attention_width() const { return config_.num_heads * config_.qk_head_dim(); }
+  // 2 x seq x heads x (qk + v head dims) a layer, times 3 for forward and backward (Qwen3Moe's
+  // convention: S / 2 keys a query).
+  double attention_flops_per_token(int64_t seq) const {
+    return 3.0 * double(seq) * double(config_.num_heads * (config_.qk_head_dim() + config_.v_head_dim)) * double(num_layers());
+  }
+
+  DeepseekV2Weights bind(const Placement& placement) const;
+  void initialize(const Arena& params, uint64_t seed) const;
+  void initialize(Tensor out, const TensorSpec& spec, int64_t first, uint64_t seed) const;
+
+  void prolog_forward(Tensor x, const DeepseekV2Batch& batch, const DeepseekV2Weights& w) const;
+  void prolog_backward(const DeepseekV2Weights& grads, Tensor dx, const DeepseekV2Batch& batch, Tensor known_zero = {}) const;
+  int64_t prolog_known_zero_count() const { return config_.vocab_size; }
+  std::vector<std::pair<Tensor, Tensor>> prolog_known_zero_parts(const DeepseekV2Weights& grads, Tensor known_zero) const {
+    return {{grads.embed, known_zero}};
+  }
+
+  // Stage 1 (Qwen3Moe's contract). A dense layer's a.x_mid is the layer's output and its backward
+  // takes no dh2 or dtopk_weight (empty).
+  void attention_forward(DeepseekV2AttentionActivations& a, Buffer x, const DeepseekV2Batch& batch, const DeepseekV2LayerWeights& w) const;
+  void attention_backward(Tensor dx, const DeepseekV2LayerWeights& grads, Tensor dx_mid, Tensor dh2, Tensor dtopk_weight, double aux_grad,
+                          DeepseekV2AttentionActivations& a, const DeepseekV2Batch& batch, const DeepseekV2LayerWeights& w) const;
+  void add_aux_loss(Tensor total, const DeepseekV2AttentionActivations& a) const;
+
+  void experts_forward(Tensor y_perm, DeepseekV2ExpertActivations& e, Buffer x_perm, Tensor expert_offsets,
+                       const DeepseekV2LayerWeights& w) const;
+  void experts_backward_input(Tensor dx_perm, Tensor dy_perm, DeepseekV2ExpertActivations& e, Tensor expert_offsets,
+                              const DeepseekV2LayerWeights& w) const;
+  void experts_backward_weights(const DeepseekV2LayerWeights& grads, Tensor dy_perm, DeepseekV2ExpertActivations& e, Tensor expert_offsets,
+                                bool overwrite_grads, Tensor squares = {}, Tensor known_zero = {}) const;
+  void experts_backward_weights_pair(const DeepseekV2LayerWeights& grads, Tensor earlier_dy_perm, DeepseekV2ExpertActivations& earlier,
+                                     Tensor earlier_offsets, Tensor dy_perm, DeepseekV2ExpertActivations& e, Tensor expert_offsets,
+                                     bool overwrite_grads, Tensor squares = {}, Tensor known_zero = {}) const;
+  int64_t expert_squares_count(const DeepseekV2LayerWeights& grads) const;
+  int64_t expert_known_zero_count(const DeepseekV2LayerWeights& grads) const;
+  std::vector<std::pair<Tensor, Tensor>> expert_known_zero_parts(const DeepseekV2LayerWeights& grads, Tensor known_zero) const;
+  void experts_drop_input(DeepseekV2ExpertActivations& e) const { e.x_perm = Buffer{}; }
+  void experts_restore_input(DeepseekV2ExpertActivations& e, Buffer x_perm) const { e.x_perm = std::move(x_perm); }
+
+  void aggregate_forward(Tensor out, const DeepseekV2AttentionActivations& a, Tensor y_perm, Tensor copy_row) const;
+  void aggregate_backward(Tensor dy_perm, Tensor dtopk_weight, Tensor dout, const DeepseekV2AttentionActivations& a, Tensor copy_row,
+                          DeepseekV2ExpertActivations& e) const;
+  void aggregate_backward_rows(Tensor dy_perm, Tensor dout, Tensor copy_row) const;
+
+  int64_t logits_chunk(int64_t tokens) const { return marrow::logits_chunk(tokens, config_.vocab_size, dtype_, forced_logits_chunk_); }
+  void set_logits_chunk(int64_t tokens) { forced_logits_chunk_ = tokens; }
+  const Fp8ExpertWeights& fp8_expert_weights(const DeepseekV2LayerWeights& w) const;
+  HostSum epilog_forward(EpilogActivations& p, Buffer x, const DeepseekV2Batch& batch, const DeepseekV2Weights& w,
+                         const DeepseekV2Weights* grads = nullptr, double loss_scale = 1, bool overwrite_grads = false) const;
+  void epilog_backward(Tensor dx, const DeepseekV2Weights& grads, double loss_scale, EpilogActivations& p, const DeepseekV2Batch& batch,
+                       const DeepseekV2Weights& w, bool overwrite_grads = false) const;
+
+  ModelActivationBytes activation_bytes(int64_t batch, int64_t seq, int64_t expert_rows) const;
+
+  Buffer buffer(std::initializer_list<int64_t> dims) const { return Buffer(dtype_, device_, dims); }
+  Buffer stats(std::initializer_list<int64_t> dims) const { return Buffer(device_ == Device::cuda ? DType::f32 : dtype_, device_, dims); }
+
+ private:
+  struct Attention;  // the MLA steps of stage 1, in the .cpp
+  Buffer input_norm(DeepseekV2AttentionActivations& a, const DeepseekV2LayerWeights& w) const;
+  void mlp_forward(DeepseekV2AttentionActivations& a, const DeepseekV2LayerWeights& w) const;
+  void mlp_backward(Tensor dh2, const DeepseekV2LayerWeights& grads, Tensor dx_mid, DeepseekV2AttentionActivations& a,
+                    const DeepseekV2LayerWeights& w, bool add) const;
+  void route(DeepseekV2AttentionActivations& a, const DeepseekV2Batch& batch, const DeepseekV2LayerWeights& w) const;
+  struct OwnRows {  // this micro-batch's rows [first, first + count) of routing_stats' total
+    int64_t first, count, total;
+  };
+  OwnRows statistics_rows(const DeepseekV2Batch& batch) const;
+  LmHead lm_head(const DeepseekV2Weights& w, int64_t tokens) const;
+
+  Config config_;
+  DType dtype_;
+  Device device_;
+  int64_t forced_logits_chunk_ = 0;
+  ExpertShard experts_;
+  std::vector<TensorSpec> specs_;
+  int64_t num_parameters_ = 0;
+  std::shared_ptr<std::vector<Fp8ExpertWeights>> fp8_weights_ = std::make_shared<std::vector<Fp8ExpertWeights>>();
+};
+
+}  // namespace marrow
