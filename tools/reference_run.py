@@ -285,7 +285,17 @@ def load_model(hf_dir, device, attention="sdpa"):
         for layer in moe_layers(model):
             layer.mlp.gate._marrow_config = model.config
             layer.mlp.gate.forward = types.MethodType(deepseek_router_normalized, layer.mlp.gate)
+    record_router_logits(model)
     return model
+
+
+def record_router_logits(model):
+    """model._router_logits: each MoE layer's router logits of the last forward, taken by a hook on its gate (whose
+    output starts with them in every family), since not every transformers 5 release returns them from a
+    family's model (5.17's DeepseekV2Model does not)."""
+    model._router_logits = []
+    for layer in moe_layers(model):
+        layer.mlp.gate.register_forward_hook(lambda module, args, output: model._router_logits.append(output[0]))
 
 
 def head_loss(model, hidden, targets, autocast):
@@ -323,9 +333,10 @@ def forward_losses(model, tokens, autocast):
     import torch
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-        out = model.model(input_ids=inputs, use_cache=False, output_router_logits=True)
+        model._router_logits.clear()
+        out = model.model(input_ids=inputs, use_cache=False)
     ce = HEAD_LOSS[0](model, out.last_hidden_state, targets, autocast)
-    return ce, [load_balance_loss(layer_logits, model.config, tokens.shape[0]) for layer_logits in out.router_logits]
+    return ce, [load_balance_loss(layer_logits, model.config, tokens.shape[0]) for layer_logits in model._router_logits]
 
 
 def decayed(name):
