@@ -6,10 +6,11 @@
 # AdamW) on the same config, corpus and batches. Run on the GPU machine from the repository root after
 # tools/gpu_prepare.sh here (device tool, carry [".gpu-carry"]), directly or as a tools/gpu_batch.sh part:
 #   tools/gpu_deepseek_v2.sh <log-dir> [check|bench|all]          (default bench)
-# check (~4-5 min with a fresh build, ~2 min of it the build): marrow check --only elementwise and
-#        --only attention, the groups that hold the new rows (marrow check filters by group only): every
-#        row must pass; the summary counts the new ones: mla_*, router_* with DeepSeek's options (groups,
-#        scale, per-sequence statistics), attention ... D192 Dv128 (cuDNN's, every setting)
+# check (~5-6 min with a fresh build, ~2 min of it the build): marrow check --only elementwise,
+#        --only attention and --only model, the groups that hold the new rows (marrow check filters by
+#        group only): every row must pass; the summary counts the new ones: mla_*, router_* with
+#        DeepSeek's options (groups, scale, per-sequence statistics), attention ... D192 Dv128 (cuDNN's,
+#        every setting), the tiny deepseek_v2 model's
 # bench (~7-8 min with a fresh build): the marrow estimate line; marrow bench, 3 warm-up + 20 measured
 #        steps (+5 stage-timed) on .gpu-carry/qwen3 (~1 min, the init of 3B parameters included); then
 #        reference_run.py init --init-device cuda (~30-40 s: drawn on the GPU, written in 2 GB shards),
@@ -47,7 +48,7 @@ case "$card" in *H100*PCIe*) peak_default=756 ;; *) peak_default=989 ;; esac
 peak=${PEAK_TFLOPS:-$peak_default}
 
 if [ "$what" = check ] || [ "$what" = all ]; then
-  for group in elementwise attention; do
+  for group in elementwise attention model; do
     step "marrow check --only $group"
     timeout 420 "$marrow" check --only $group > "$out/check-$group.log" 2>&1
     grep -E "FAIL|checks,|error" "$out/check-$group.log" | head -30 | tee -a "$out/summary.log"
@@ -56,7 +57,8 @@ if [ "$what" = check ] || [ "$what" = all ]; then
   { echo "new rows (all passed unless listed above):"
     echo "  mla_*: $(grep -cE '^mla_' "$out/check-elementwise.log")"
     echo "  router_* with DeepSeek's options: $(grep -cE '^router_.* groups [0-9]+ top' "$out/check-elementwise.log")"
-    echo "  attention ... D192 Dv128: $(grep -cE '^attention.*D192 Dv128' "$out/check-attention.log")"; } | tee -a "$out/summary.log"
+    echo "  attention ... D192 Dv128: $(grep -cE '^attention.*D192 Dv128' "$out/check-attention.log")"
+    echo "  tiny deepseek_v2 model: $(grep -cE 'deepseek_v2' "$out/check-model.log")"; } | tee -a "$out/summary.log"
 fi
 
 if [ "$what" = bench ] || [ "$what" = all ]; then
