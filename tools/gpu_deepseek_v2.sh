@@ -5,7 +5,7 @@
 # transformers' DeepseekV2ForCausalLM, fp32 master weights, bf16 autocast, grouped_mm experts, fused
 # AdamW) on the same config, corpus and batches. Run on the GPU machine from the repository root after
 # tools/gpu_prepare.sh here (device tool, carry [".gpu-carry"]), directly or as a tools/gpu_batch.sh part:
-#   tools/gpu_deepseek_v2.sh <log-dir> [check|bench|all]          (default bench)
+#   tools/gpu_deepseek_v2.sh <log-dir> [check|bench|kernels|all]          (default bench)
 # check (~5-6 min with a fresh build, ~2 min of it the build): marrow check --only elementwise,
 #        --only attention and --only model, the groups that hold the new rows (marrow check filters by
 #        group only): every row must pass; the summary counts the new ones: mla_*, router_* with
@@ -23,6 +23,8 @@
 #        count: 6 x active parameters (LM head included) + causal attention's 3 S Hq (Dqk + Dv) a layer
 #        (models/deepseek_v2.h; reference_run.py flops_per_token) against the card's dense bf16 peak
 #        (H100 SXM and H200: 989 TFLOP/s; H100 PCIe 756; PEAK_TFLOPS overrides)
+# kernels (~3 min with a fresh build): marrow bench --kernels mla, the attention at q/k 192, v 128 alone
+#        (cuDNN's, S 4,096 and 16,384, Hq 16): what an own kernel for that shape would have to beat.
 # all: check then bench: ~11-12 min on a fresh machine, past one call's 10 minutes: run check, then bench
 #        in a second call on the same warm machine (build-gpu/ stays, the build is then seconds).
 # DRY_RUN=1: the bench part on the CPU (build-cpu/marrow, the demo corpus, tiny DeepSeek-V2 at S 64) to
@@ -59,6 +61,12 @@ if [ "$what" = check ] || [ "$what" = all ]; then
     echo "  router_* with DeepSeek's options: $(grep -cE '^router_.* groups [0-9]+ top' "$out/check-elementwise.log")"
     echo "  attention ... D192 Dv128: $(grep -cE '^attention.*D192 Dv128' "$out/check-attention.log")"
     echo "  tiny deepseek_v2 model: $(grep -cE 'deepseek_v2' "$out/check-model.log")"; } | tee -a "$out/summary.log"
+fi
+
+if [ "$what" = kernels ]; then
+  step "marrow bench --kernels mla"
+  timeout 300 "$marrow" bench --kernels mla > "$out/kernels-mla.log" 2>&1 || fail "marrow bench --kernels mla"
+  tee -a "$out/summary.log" < "$out/kernels-mla.log"
 fi
 
 if [ "$what" = bench ] || [ "$what" = all ]; then

@@ -4,7 +4,8 @@
 //     LM head, plus causal attention), MFU against the datasheet's 989 dense bf16 TFLOP/s, peak
 //     memory, the time per stage; --profile-steps=A:B adds a CUPTI kernel trace (its steps' times
 //     include CUPTI's overhead), --grouped-gemm an A/B of the expert GEMMs' kernel.
-//   marrow bench --kernels [attention|experts]: the heaviest kernels at the bench shapes (CUDA events).
+//   marrow bench --kernels [attention|experts|mla]: the heaviest kernels at the bench shapes (CUDA events);
+//     mla: attention at DeepSeek-V2-Lite's q/k head dim 192 and v 128 (cuDNN's, the only path there).
 //   marrow bench --attention-plans [seq]: every plan cuDNN offers for the bench's attention (time,
 //     repeatability, difference from the op's plan).
 // Speed steps run without stage timing (CUDA events at each stage boundary cost ~9 ms of a bench
@@ -182,6 +183,18 @@ void bench_attention_kernels(int64_t S, int64_t Hq, int64_t Hkv, int64_t D) {
   set_attention_kernels(before);
 }
 
+// Attention with v's head dim Dv != D (DeepSeek-V2's MLA heads) on cuDNN: causal, so half of the
+// S^2 (2 D + 2 Dv) multiply-adds per head forward; the backward counted as 2.5 forwards.
+void bench_attention_dv(int64_t S, int64_t H, int64_t D, int64_t Dv) {
+  Buffer q = random_device({1, S, H, D}, 1, "q"), k = random_device({1, S, H, D}, 1, "k"), v = random_device({1, S, H, Dv}, 1, "v");
+  Buffer out(DType::bf16, Device::cuda, {1, S, H, Dv}), lse(DType::f32, Device::cuda, {1, H, S}), dout = random_device({1, S, H, Dv}, 2, "dout");
+  Buffer dq(DType::bf16, Device::cuda, {1, S, H, D}), dk(DType::bf16, Device::cuda, {1, S, H, D}), dv(DType::bf16, Device::cuda, {1, S, H, Dv});
+  const double fwd = double(S) * double(S) * double(D + Dv) * double(H);
+  const std::string shape = fmt::format("attention S{} H{} D{} Dv{} causal, cudnn", S, H, D, Dv);
+  kernel_row(shape + " fwd", fwd, [&] { attention_forward(out, lse, q, k, v); });
+  kernel_row(shape + " bwd", 2.5 * fwd, [&] { attention_backward(dq, dk, dv, dout, q, k, v, out, lse); });
+}
+
 #if MARROW_CUDA
 // The largest |a - b| over the outputs of two runs (host copies), and whether their bits are equal.
 std::pair<double, bool> compare_outputs(const std::vector<Buffer>& a, const std::vector<Buffer>& b) {
@@ -300,8 +313,12 @@ void bench_fp8_grouped(const std::string& name, Tensor offsets, Tensor x, Tensor
              [&] { adamw_step_known_zero(low, copy, m16, v16, grad, known, hyper); });
 }
 
-// group: "" all, "attention" the attention rows only, "experts" the expert GEMM rows only.
+// group: "" all, "attention" the attention rows only, "experts" the expert GEMM rows only, "mla" DeepSeek-V2's attention.
 void bench_kernels(const std::string& group) {
+  if (group == "mla") {
+    for (const int64_t seq : {4096, 16384}) bench_attention_dv(seq, 16, 192, 128);
+    return;
+  }
   const bool attention_only = group == "attention", experts_only = group == "experts";
   // As in training: without it the pool hands freed memory back at every event sync, and each timed
   // call that allocates (the grouped GEMMs' small schedules, cuDNN's 1 GiB dP workspace) pays for mapping it again (~80 us).
@@ -440,8 +457,8 @@ int bench_command(int argc, char** argv) {
   if (argc >= 2 && std::string(argv[1]) == "--kernels") {
     MARROW_CHECK(cuda_available(), "bench --kernels needs a GPU");
     const std::string only = argc >= 3 ? argv[2] : "";
-    MARROW_CHECK(only.empty() || only == "attention" || only == "experts", "bench --kernels takes nothing, `attention` or `experts`, got '{}'",
-                 only);
+    MARROW_CHECK(only.empty() || only == "attention" || only == "experts" || only == "mla",
+                 "bench --kernels takes nothing, `attention`, `experts` or `mla` (it needs no run config), got '{}'", only);
     bench_kernels(only);
     return 0;
   }
@@ -456,7 +473,7 @@ int bench_command(int argc, char** argv) {
   }
   if (print_run_config_help(argc, argv)) {
     std::printf("\nbench's own: --warmup=N (3) --steps=M (10) measured steps; --grouped-gemm=wgmma|cublas (the expert GEMMs' kernel);\n"
-                "marrow bench --kernels [attention|experts] times the heaviest kernels (GPU); marrow bench --attention-plans [seq] times every plan\n"
+                "marrow bench --kernels [attention|experts|mla] times the heaviest kernels (GPU); marrow bench --attention-plans [seq] times every plan\n"
                 "cuDNN offers for the bench's attention (GPU)\n");
     return 0;
   }

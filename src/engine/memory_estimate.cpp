@@ -104,7 +104,7 @@ void add_weights(MemoryBill& bill, const std::vector<Unit>& units, Device device
   bill.items.push_back({BillGroup::weights, dtype + " gathered layer slots", w * slots, "2 dense + 2 expert"});
   bill.items.push_back({BillGroup::weights, "fp32 whole gradients of units kept whole", 4 * kept_grads, ""});
   bill.items.push_back({BillGroup::weights, "fp32 gradient slots of the layers", 4 * grad_slots, "2 dense + 2 expert"});
-  // Two bytes an element and two f32 scales a 128 x 128 block (models/qwen3_moe.h: Fp8ExpertWeights).
+  // Two bytes an element and two f32 scales a 128 x 128 block (models/common.h: Fp8ExpertWeights).
   if (fp8) bill.items.push_back({BillGroup::weights, "fp8 expert weights and their transposes", 2 * experts + experts / 2048, "train.fp8"});
 }
 

@@ -12,6 +12,7 @@
 #include "ops/init.h"
 #include "ops/linear.h"
 #include "ops/rmsnorm.h"
+#include "ops/swiglu.h"
 
 namespace marrow {
 
@@ -234,6 +235,69 @@ std::pair<Tensor, Tensor> split_record(const char* name, Tensor record, int64_t 
   MARROW_CHECK(record.ndim == 1 && record.numel() == expected,
                "experts_backward_weights: {} has shape {} but the layer's expert gradients need [{}]", name, record.shape_string(), expected);
   return {record.rows(0, first), record.rows(first, record.numel())};
+}
+
+void swiglu_experts_forward(Tensor y_perm, SwigluExpertActivations& e, Buffer x_perm, Tensor expert_offsets, const SwigluExperts& w) {
+  const int64_t R = x_perm.view().size(0), I = w.down.size(2);
+  e.x_perm = std::move(x_perm);
+  e.gate_up = Buffer(w.dtype, w.device, {R, 2 * I});
+  if (w.fp8) fp8_grouped(e.gate_up, e.x_perm, w.fp8->gate_up, expert_offsets);
+  else grouped_linear_forward(e.gate_up, e.x_perm, w.gate_up, expert_offsets);
+  const Buffer act(w.dtype, w.device, {R, I});
+  swiglu_forward(act, e.gate_up);
+  if (w.fp8) fp8_grouped(y_perm, act, w.fp8->down, expert_offsets);
+  else grouped_linear_forward(y_perm, act, w.down, expert_offsets);
+}
+
+void swiglu_experts_backward_input(Tensor dx_perm, Tensor dy_perm, SwigluExpertActivations& e, Tensor expert_offsets, const SwigluExperts& w) {
+  const int64_t R = e.gate_up.view().size(0), I = w.down.size(2);
+  Buffer dact(w.dtype, w.device, {R, I});
+  if (w.fp8) fp8_grouped(dact, dy_perm, w.fp8->down_t, expert_offsets);
+  else grouped_linear_backward_input(dact, dy_perm, w.down, expert_offsets);
+  e.act = Buffer(w.dtype, w.device, {R, I});  // computed again, for the down projection's weight gradient
+  e.dgate_up = Buffer(w.dtype, w.device, {R, 2 * I});
+  if (e.copy_row.data != nullptr) {
+    swiglu_weighted_backward(e.dgate_up, e.act, e.dtopk_weight, dact, e.gate_up, e.topk_weight, e.copy_row);
+    e.topk_weight = e.copy_row = e.dtopk_weight = Tensor{};
+  } else {
+    swiglu_forward(e.act, e.gate_up);
+    swiglu_backward(e.dgate_up, dact, e.gate_up);
+  }
+  e.gate_up = Buffer{};
+  if (w.fp8) fp8_grouped(dx_perm, e.dgate_up, w.fp8->gate_up_t, expert_offsets);
+  else grouped_linear_backward_input(dx_perm, e.dgate_up, w.gate_up, expert_offsets);
+}
+
+namespace {
+struct ExpertRecords {  // squares and known_zero cut into down's and gate_up's parts
+  Tensor down_squares, gate_up_squares, down_zero, gate_up_zero;
+};
+ExpertRecords split_expert_records(Tensor ddown, Tensor dgate_up, Tensor squares, Tensor known_zero) {
+  const int64_t down_squares = grouped_squares_count(ddown), down_experts = ddown.size(0);
+  const auto [ds, gs] = split_record("squares", squares, down_squares, down_squares + grouped_squares_count(dgate_up));
+  const auto [dz, gz] = split_record("known_zero", known_zero, down_experts, down_experts + dgate_up.size(0));
+  return {ds, gs, dz, gz};
+}
+}  // namespace
+
+void swiglu_experts_backward_weights(Tensor ddown, Tensor dgate_up, Tensor dy_perm, SwigluExpertActivations& e, Tensor expert_offsets,
+                                     bool overwrite_grads, Tensor squares, Tensor known_zero) {
+  const ExpertRecords r = split_expert_records(ddown, dgate_up, squares, known_zero);
+  grouped_linear_backward_weight(ddown, dy_perm, e.act, expert_offsets, overwrite_grads, r.down_squares, r.down_zero);
+  grouped_linear_backward_weight(dgate_up, e.dgate_up, e.x_perm, expert_offsets, overwrite_grads, r.gate_up_squares, r.gate_up_zero);
+  e = SwigluExpertActivations{};
+}
+
+void swiglu_experts_backward_weights_pair(Tensor ddown, Tensor dgate_up, Tensor earlier_dy_perm, SwigluExpertActivations& earlier,
+                                          Tensor earlier_offsets, Tensor dy_perm, SwigluExpertActivations& e, Tensor expert_offsets,
+                                          bool overwrite_grads, Tensor squares, Tensor known_zero) {
+  const ExpertRecords r = split_expert_records(ddown, dgate_up, squares, known_zero);
+  grouped_linear_backward_weight_pair(ddown, {earlier_dy_perm, earlier.act, earlier_offsets}, {dy_perm, e.act, expert_offsets},
+                                      overwrite_grads, r.down_squares, r.down_zero);
+  grouped_linear_backward_weight_pair(dgate_up, {earlier.dgate_up, earlier.x_perm, earlier_offsets}, {e.dgate_up, e.x_perm, expert_offsets},
+                                      overwrite_grads, r.gate_up_squares, r.gate_up_zero);
+  earlier = SwigluExpertActivations{};
+  e = SwigluExpertActivations{};
 }
 
 }  // namespace marrow

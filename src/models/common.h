@@ -1,9 +1,11 @@
-// What the model families share, as free functions and plain structs (each family's file still
-// reads top to bottom): config.json reading, the canonical parameter table, Hugging Face's
-// initialisation, the epilog (final norm -> LM head -> cross-entropy) and the records of a layer's
-// grouped expert gradients.
+// What the model families share (each family's file still reads top to bottom): config.json
+// reading, the canonical parameter table, Hugging Face's initialisation, the epilog (final norm ->
+// LM head -> cross-entropy), the SwiGLU experts of the families that route to them, the records of a
+// layer's grouped expert gradients, and the members of the engine's stage interface every family's
+// class inherits (MoeModelBase, SwigluMoeModel), their contract written once here.
 #pragma once
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -13,9 +15,14 @@
 #include "core/memory.h"
 #include "core/stage_bytes.h"
 #include "core/tensor_spec.h"
+#include "ops/combine.h"
 #include "ops/dispatch.h"
+#include "ops/embedding.h"
 #include "ops/fp8.h"
+#include "ops/grouped_linear_fp8.h"
+#include "ops/rmsnorm.h"
 #include "ops/rope.h"
+#include "ops/router.h"
 
 namespace marrow {
 
@@ -147,24 +154,6 @@ void epilog_backward(Tensor dx, Tensor final_norm_grad, Tensor lm_head_grad, dou
 // hidden H, vocab V, a and s bytes per activation and statistic).
 StageBytes epilog_bytes(int64_t T, int64_t H, int64_t V, int64_t chunk, int64_t a, int64_t s);
 
-// Stage 5's backward with one expert-parallel rank, for a family whose experts' backward applies the
-// routing weights (ops/swiglu.h's swiglu_weighted_backward): dy_perm (overwritten) = dout's copies
-// unweighted; e takes the weights, the copies' rows and where their gradient goes.
-template <class A, class E> void aggregate_backward_unweighted(Tensor dy_perm, Tensor dtopk_weight, Tensor dout, const A& a, Tensor copy_row, E& e) {
-  dispatch_forward(dy_perm, dout, copy_row);
-  e.topk_weight = a.topk_weight;
-  e.copy_row = copy_row;
-  e.dtopk_weight = dtopk_weight;
-}
-
-// A layer's known-zero flags of its grouped expert gradients: one an expert, down's then gate_up's
-// (L: a family's layer weights with experts_down and experts_gate_up [E, ., .]).
-template <class L> int64_t grouped_known_zero_count(const L& grads) { return grads.experts_down.size(0) + grads.experts_gate_up.size(0); }
-template <class L> std::vector<std::pair<Tensor, Tensor>> grouped_known_zero_parts(const L& grads, Tensor known_zero) {
-  const int64_t down = grads.experts_down.size(0);
-  return {{grads.experts_down, known_zero.rows(0, down)}, {grads.experts_gate_up, known_zero.rows(down, known_zero.numel())}};
-}
-
 // With expert_fp8() (train.fp8): a layer's two fused expert weights quantized by 128 x 128 blocks,
 // as stored and transposed (the forward multiplies by one, the backward input by the other). Made
 // at a layer's first use after the weights changed (core/weights_generation.h): 2 bytes a local
@@ -187,5 +176,232 @@ int64_t grouped_squares_count(Tensor dweight);
 // A layer's record of its expert gradients (squares or known-zero flags) cut at `first` (empty
 // halves when the record is not given; a record of another length is an error naming it).
 std::pair<Tensor, Tensor> split_record(const char* name, Tensor record, int64_t first, int64_t expected);
+
+// Stage 3 of the families whose experts are SwiGLU MLPs (Qwen3-MoE, DeepSeek-V2): gate_up [E, 2I, H]
+// then down [E, H, I] as grouped GEMMs over the dispatched rows (SwigluMoeModel below states the
+// contract). The SwiGLU output is not kept: the backward computes it again from gate_up (a cheap
+// elementwise pass), R x I activations less per layer until then.
+struct SwigluExpertActivations {
+  Buffer x_perm, gate_up;
+  Buffer act, dgate_up;  // from experts_backward_input (act computed again there) to the weights' half
+  // Set by aggregate_backward (dy_perm holds dout's copies unweighted): the input half applies the
+  // routing weights and writes their gradient (swiglu_weighted_backward).
+  Tensor topk_weight, copy_row, dtopk_weight;
+};
+struct SwigluExperts {
+  Tensor gate_up, down;                  // this process's experts' bf16 (or fp32) weights
+  const Fp8ExpertWeights* fp8;           // with expert_fp8(): their quantized copies, else null
+  DType dtype;                           // of the activations
+  Device device;
+};
+void swiglu_experts_forward(Tensor y_perm, SwigluExpertActivations& e, Buffer x_perm, Tensor expert_offsets, const SwigluExperts& w);
+void swiglu_experts_backward_input(Tensor dx_perm, Tensor dy_perm, SwigluExpertActivations& e, Tensor expert_offsets, const SwigluExperts& w);
+// ddown, dgate_up: the layer's expert gradients; squares and known_zero as the family's contract
+// (down's part first). Releases e.
+void swiglu_experts_backward_weights(Tensor ddown, Tensor dgate_up, Tensor dy_perm, SwigluExpertActivations& e, Tensor expert_offsets,
+                                     bool overwrite_grads, Tensor squares, Tensor known_zero);
+// Two micro-batches' in one pass: the earlier one's bits as alone (overwrite_grads applies to it), then e's.
+void swiglu_experts_backward_weights_pair(Tensor ddown, Tensor dgate_up, Tensor earlier_dy_perm, SwigluExpertActivations& earlier,
+                                          Tensor earlier_offsets, Tensor dy_perm, SwigluExpertActivations& e, Tensor expert_offsets,
+                                          bool overwrite_grads, Tensor squares, Tensor known_zero);
+
+// Whether a layer has routed experts: all but DeepSeek-V2's first dense ones (LayerWeights::dense).
+template <class L> bool has_experts(const L& w) {
+  if constexpr (requires { w.dense; }) return !w.dense;
+  else return true;
+}
+
+// The members every family's model shares, as the engine calls them (engine/model.h's MoeModel),
+// written once: the accessors, the prolog, stage 1's input norm and load-balance loss, stage 5, the
+// expert gradients' known-zero flags, the epilog and the data they read. A family's class derives
+// from it (or from SwigluMoeModel) with itself as Model and Types naming its structs (Config,
+// Weights, LayerWeights, Batch, AttentionActivations, ExpertActivations) and `name`, its class in
+// messages; it adds stages 1 and 3, bind and activation_bytes, and fills specs_ and num_parameters_
+// from its ParameterTable.
+template <class Model, class Types> class MoeModelBase {
+ public:
+  using Config = typename Types::Config;
+  using Weights = typename Types::Weights;
+  using LayerWeights = typename Types::LayerWeights;
+  using Batch = typename Types::Batch;
+  using AttentionActivations = typename Types::AttentionActivations;
+  using ExpertActivations = typename Types::ExpertActivations;
+  using EpilogActivations = marrow::EpilogActivations;
+
+  const Config& config() const { return config_; }
+  DType dtype() const { return dtype_; }
+  Device device() const { return device_; }
+  int64_t num_layers() const { return config_.num_layers; }
+  int64_t num_experts() const { return config_.num_experts; }  // the router's choices, over all processes
+  int64_t num_local_experts() const { return experts_.count; }
+  int64_t top_k() const { return config_.top_k; }
+  int64_t hidden_size() const { return config_.hidden_size; }
+  // The canonical tensors; the norms come last, all of them in one unit (ShardedParameters).
+  const std::vector<TensorSpec>& specs() const { return specs_; }
+  int64_t num_parameters() const { return num_parameters_; }
+
+  // Hugging Face's initialisation (normal(0, initializer_range), ones for norms: initialize_tensor),
+  // of a whole arena through Model's initialize of one tensor, or of elements [first, first +
+  // out.numel()) of one tensor (a family initialising some tensors otherwise declares its own).
+  void initialize(const Arena& params, uint64_t seed) const { initialize_parameters(static_cast<const Model&>(*this), params, seed); }
+  void initialize(Tensor out, const TensorSpec& spec, int64_t first, uint64_t seed) const {
+    initialize_tensor(out, spec, first, seed, config_.initializer_range);
+  }
+
+  // Prolog: x[T, H] = embed[input_ids].
+  void prolog_forward(Tensor x, const Batch& batch, const Weights& w) const { embedding_forward(x, batch.input_ids, w.embed); }
+  // known_zero (i32 [prolog_known_zero_count()]), when given: the embedding gradient's row flags
+  // (ops/known_zero.h); the backward clears those of the rows it adds to.
+  void prolog_backward(const Weights& grads, Tensor dx, const Batch& batch, Tensor known_zero = {}) const {
+    embedding_backward(grads.embed, dx, batch.input_ids, known_zero);
+  }
+  int64_t prolog_known_zero_count() const { return config_.vocab_size; }
+  // The gradients known_zero's flags describe (one a row), for the norm and AdamW to skip.
+  std::vector<std::pair<Tensor, Tensor>> prolog_known_zero_parts(const Weights& grads, Tensor known_zero) const {
+    return {{grads.embed, known_zero}};
+  }
+
+  // total[0] += this layer's load-balance loss (ops/router.h: K when routing is balanced) from
+  // a.routing_stats, on the model's device (total: f64 [1]; no host read).
+  void add_aux_loss(Tensor total, const AttentionActivations& a) const { router_aux_loss_add(total, a.routing_stats); }
+
+  // Stage 3's known-zero flags of a layer's grouped expert gradients (experts_backward_weights'
+  // known_zero): one an expert, down's then gate_up's, each part with its gradient; none without experts.
+  int64_t expert_known_zero_count(const LayerWeights& grads) const {
+    return has_experts(grads) ? grads.experts_down.size(0) + grads.experts_gate_up.size(0) : 0;
+  }
+  std::vector<std::pair<Tensor, Tensor>> expert_known_zero_parts(const LayerWeights& grads, Tensor known_zero) const {
+    if (!has_experts(grads)) return {};
+    const int64_t down = grads.experts_down.size(0);
+    return {{grads.experts_down, known_zero.rows(0, down)}, {grads.experts_gate_up, known_zero.rows(down, known_zero.numel())}};
+  }
+  // With one expert-parallel rank x_perm is a gather of h2, which the engine may drop and redo.
+  void experts_drop_input(ExpertActivations& e) const { e.x_perm = Buffer{}; }
+  void experts_restore_input(ExpertActivations& e, Buffer x_perm) const { e.x_perm = std::move(x_perm); }
+  // With expert_fp8(): the layer's quantized experts (which copy each pass multiplies by is the family's).
+  const Fp8ExpertWeights& fp8_expert_weights(const LayerWeights& w) const {
+    return marrow::fp8_expert_weights(*fp8_weights_, w.layer, config_.num_layers, w.experts_gate_up, w.experts_down);
+  }
+
+  // Stage 5: out = x_mid + sum_j topk_weight[t, j] * y_perm[copy_row[t, j]].
+  void aggregate_forward(Tensor out, const AttentionActivations& a, Tensor y_perm, Tensor copy_row) const {
+    combine_forward(out, a.x_mid, y_perm, a.topk_weight, copy_row);
+  }
+  // With one expert-parallel rank: dy_perm (overwritten) = dout's copies, unweighted; e takes the
+  // routing weights, the copies' rows and where their gradient goes, for experts_backward_input to
+  // apply them (ops/swiglu.h's weighted backwards), so y_perm need not be kept. The residual's
+  // gradient is dout itself. (Under expert parallelism: expert_parallel.h.)
+  void aggregate_backward(Tensor dy_perm, Tensor dtopk_weight, Tensor dout, const AttentionActivations& a, Tensor copy_row,
+                          ExpertActivations& e) const {
+    aggregate_backward_rows(dy_perm, dout, copy_row);
+    e.topk_weight = a.topk_weight;
+    e.copy_row = copy_row;
+    e.dtopk_weight = dtopk_weight;
+  }
+  // aggregate_backward's dy_perm again (a deferred layer keeps dout [T, H], not dy_perm [T x K, H]).
+  void aggregate_backward_rows(Tensor dy_perm, Tensor dout, Tensor copy_row) const { dispatch_forward(dy_perm, dout, copy_row); }
+
+  // Epilog: epilog_forward and epilog_backward above with the model's LM head. Tokens per logits
+  // chunk for a micro-batch of `tokens`; set_logits_chunk(n > 0) forces n (tests), 0 restores the rule.
+  int64_t logits_chunk(int64_t tokens) const { return marrow::logits_chunk(tokens, config_.vocab_size, dtype_, forced_logits_chunk_); }
+  void set_logits_chunk(int64_t tokens) { forced_logits_chunk_ = tokens; }
+  HostSum epilog_forward(EpilogActivations& p, Buffer x, const Batch& batch, const Weights& w, const Weights* grads = nullptr,
+                         double loss_scale = 1, bool overwrite_grads = false) const {
+    const int64_t T = batch.batch * batch.seq;
+    expect_shape(kEpilogForward.c_str(), "x", x, {T, config_.hidden_size});
+    return marrow::epilog_forward(p, std::move(x), batch.targets, lm_head(w, T), grads ? grads->lm_head : Tensor{}, loss_scale, overwrite_grads);
+  }
+  void epilog_backward(Tensor dx, const Weights& grads, double loss_scale, EpilogActivations& p, const Batch& batch, const Weights& w,
+                       bool overwrite_grads = false) const {
+    marrow::epilog_backward(dx, grads.final_norm, grads.lm_head, loss_scale, p, batch.targets, lm_head(w, batch.batch * batch.seq),
+                            overwrite_grads);
+  }
+
+  // Activations in the model's dtype; statistics (norm scales, lse, routing, losses) f32 on the GPU.
+  Buffer buffer(std::initializer_list<int64_t> dims) const { return Buffer(dtype_, device_, dims); }
+  Buffer stats(std::initializer_list<int64_t> dims) const { return Buffer(stats_dtype(), device_, dims); }
+
+ protected:
+  // experts: the experts of each layer this process holds (expert parallelism); all of them by default.
+  MoeModelBase(const Config& config, DType dtype, Device device, ExpertShard experts)
+      : config_(config), dtype_(dtype), device_(device), experts_(experts) {
+    if (experts_.count < 0) experts_ = {0, config_.num_experts};
+    MARROW_CHECK(experts_.first >= 0 && experts_.count >= 1 && experts_.first + experts_.count <= config_.num_experts,
+                 "experts [{}, {}) are not a range of the model's {} experts", experts_.first, experts_.first + experts_.count,
+                 config_.num_experts);
+  }
+  // Stage 1's h1 = the input norm of a.x, writing a.rstd1 (again, with the same bits, in the backward).
+  Buffer input_norm(AttentionActivations& a, const LayerWeights& w) const {
+    Buffer h1 = buffer({a.x.view().size(0), config_.hidden_size});
+    rmsnorm_forward(h1, a.rstd1, a.x, w.input_norm, config_.rms_norm_eps);
+    return h1;
+  }
+  DType stats_dtype() const { return device_ == Device::cuda ? DType::f32 : dtype_; }
+  LmHead lm_head(const Weights& w, int64_t tokens) const {
+    return {w.final_norm, w.lm_head, config_.rms_norm_eps, logits_chunk(tokens), dtype_, stats_dtype(), device_};
+  }
+
+  Config config_;
+  DType dtype_;
+  Device device_;
+  ExpertShard experts_;  // rows [first, first + count) of each layer's experts
+  int64_t forced_logits_chunk_ = 0;
+  std::vector<TensorSpec> specs_;
+  int64_t num_parameters_ = 0;
+  // By layer; shared by copies of the model (they see the same weights), so a layer is quantized once per weights change.
+  std::shared_ptr<std::vector<Fp8ExpertWeights>> fp8_weights_ = std::make_shared<std::vector<Fp8ExpertWeights>>();
+
+ private:
+  static inline const std::string kEpilogForward = std::string(Types::name) + "::epilog_forward";  // expect_shape's op
+};
+
+// Stage 3 of the families whose experts are SwiGLU MLPs (Qwen3-MoE, DeepSeek-V2): the swiglu_experts_*
+// above on the layer's experts_gate_up and experts_down.
+template <class Model, class Types> class SwigluMoeModel : public MoeModelBase<Model, Types> {
+  using Base = MoeModelBase<Model, Types>;
+
+ public:
+  using typename Base::ExpertActivations;
+  using typename Base::LayerWeights;
+
+  // Stage 3: y_perm[R, H] from the dispatched rows x_perm[R, H] (kept in e.x_perm).
+  void experts_forward(Tensor y_perm, ExpertActivations& e, Buffer x_perm, Tensor expert_offsets, const LayerWeights& w) const {
+    swiglu_experts_forward(y_perm, e, std::move(x_perm), expert_offsets, swiglu_experts(w));
+  }
+  // The backward in two halves, so the weight gradients can wait (zero bubble, pairs): the input
+  // gradient (e keeps what the weights need), then with the same dy_perm the weights (releasing e).
+  // overwrite_grads: write the expert weight gradients instead of adding (first_backward_writes).
+  // squares (f64 [expert_squares_count]) and known_zero (i32 [expert_known_zero_count]), when
+  // given: grouped_linear_backward_weight's sums of squares and all-zero flags, down then gate_up
+  // (the flags kept from step to step, so an empty expert's zeros are written only once).
+  void experts_backward_input(Tensor dx_perm, Tensor dy_perm, ExpertActivations& e, Tensor expert_offsets, const LayerWeights& w) const {
+    swiglu_experts_backward_input(dx_perm, dy_perm, e, expert_offsets, swiglu_experts(w));
+  }
+  void experts_backward_weights(const LayerWeights& grads, Tensor dy_perm, ExpertActivations& e, Tensor expert_offsets, bool overwrite_grads,
+                                Tensor squares = {}, Tensor known_zero = {}) const {
+    swiglu_experts_backward_weights(grads.experts_down, grads.experts_gate_up, dy_perm, e, expert_offsets, overwrite_grads, squares,
+                                    known_zero);
+  }
+  // Two micro-batches' weight gradients in one pass (grouped_linear_backward_weight_pair): the same
+  // bits as the earlier one's experts_backward_weights (overwrite_grads applies to it), then e's.
+  void experts_backward_weights_pair(const LayerWeights& grads, Tensor earlier_dy_perm, ExpertActivations& earlier, Tensor earlier_offsets,
+                                     Tensor dy_perm, ExpertActivations& e, Tensor expert_offsets, bool overwrite_grads, Tensor squares = {},
+                                     Tensor known_zero = {}) const {
+    swiglu_experts_backward_weights_pair(grads.experts_down, grads.experts_gate_up, earlier_dy_perm, earlier, earlier_offsets, dy_perm, e,
+                                         expert_offsets, overwrite_grads, squares, known_zero);
+  }
+  int64_t expert_squares_count(const LayerWeights& grads) const {
+    return has_experts(grads) ? grouped_squares_count(grads.experts_down) + grouped_squares_count(grads.experts_gate_up) : 0;
+  }
+
+ protected:
+  using Base::Base;
+
+ private:
+  // The forward multiplies by the quantized experts as stored, the backward input by their transposes.
+  SwigluExperts swiglu_experts(const LayerWeights& w) const {
+    return {w.experts_gate_up, w.experts_down, expert_fp8() ? &this->fp8_expert_weights(w) : nullptr, this->dtype_, this->device_};
+  }
+};
 
 }  // namespace marrow

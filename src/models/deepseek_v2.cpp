@@ -8,12 +8,7 @@
 #include <cmath>
 
 #include "ops/attention.h"
-#include "ops/combine.h"
-#include "ops/dispatch.h"
-#include "ops/embedding.h"
 #include "ops/add.h"
-#include "ops/grouped_linear.h"
-#include "ops/grouped_linear_fp8.h"
 #include "ops/linear.h"
 #include "ops/mla.h"
 #include "ops/rmsnorm.h"
@@ -107,12 +102,9 @@ DeepseekV2Config DeepseekV2Config::from_json(const Json& json, const std::string
 }
 
 DeepseekV2::DeepseekV2(const Config& config, DType dtype, Device device, ExpertShard experts)
-    : config_(config), dtype_(dtype), device_(device), experts_(experts) {
+    : SwigluMoeModel(config, dtype, device, experts) {
   const Config& c = config_;
   const int64_t H = c.hidden_size, Hq = c.num_heads, I = c.expert_intermediate_size, Is = c.shared_intermediate_size();
-  if (experts_.count < 0) experts_ = {0, c.num_experts};
-  MARROW_CHECK(experts_.first >= 0 && experts_.count >= 1 && experts_.first + experts_.count <= c.num_experts,
-               "experts [{}, {}) are not a range of the model's {} experts", experts_.first, experts_.first + experts_.count, c.num_experts);
   ParameterTable t(c.num_layers);
   t.add("model.embed_tokens.weight", {c.vocab_size, H}, ParamKind::matrix);
   for (t.layer = 0; t.layer < c.num_layers; ++t.layer) {
@@ -215,26 +207,6 @@ DeepseekV2Weights DeepseekV2::bind(const Placement& placement) const {
   return w;
 }
 
-void DeepseekV2::initialize(const Arena& params, uint64_t seed) const { initialize_parameters(*this, params, seed); }
-
-void DeepseekV2::initialize(Tensor out, const TensorSpec& spec, int64_t first, uint64_t seed) const {
-  initialize_tensor(out, spec, first, seed, config_.initializer_range);
-}
-
-void DeepseekV2::prolog_forward(Tensor x, const DeepseekV2Batch& batch, const DeepseekV2Weights& w) const {
-  embedding_forward(x, batch.input_ids, w.embed);
-}
-
-void DeepseekV2::prolog_backward(const DeepseekV2Weights& grads, Tensor dx, const DeepseekV2Batch& batch, Tensor known_zero) const {
-  embedding_backward(grads.embed, dx, batch.input_ids, known_zero);
-}
-
-Buffer DeepseekV2::input_norm(DeepseekV2AttentionActivations& a, const DeepseekV2LayerWeights& w) const {
-  Buffer h1 = buffer({a.x.view().size(0), config_.hidden_size});
-  rmsnorm_forward(h1, a.rstd1, a.x, w.input_norm, config_.rms_norm_eps);
-  return h1;
-}
-
 // MLA's steps between the input norm and the attention op, the same in the forward and (computing
 // them again) the backward: the normed low-rank query and latent, and the attention op's heads.
 struct DeepseekV2::Attention {
@@ -255,17 +227,113 @@ struct DeepseekV2::Attention {
     rmsnorm_forward(y, a.rstd_kv, a.latent, w.kv_a_norm, c().rms_norm_eps);
     return y;
   }
-  // The attention op's q [B, S, Hq, Dqk] (scaled so that its 1/sqrt(Dqk) becomes the config's
-  // softmax scale), k [B, S, Hq, Dqk] and v [B, S, Hq, Dv].
-  std::array<Buffer, 3> heads() const {
+  // The attention op's q [B, S, Hq, Dqk], scaled so that its 1/sqrt(Dqk) becomes the config's
+  // softmax scale.
+  Buffer query() const {
     const int64_t Hq = c().num_heads, Dqk = c().qk_head_dim();
-    Buffer q = m.buffer({batch.batch, batch.seq, Hq, Dqk}), k = m.buffer({batch.batch, batch.seq, Hq, Dqk});
-    Buffer v = m.buffer({batch.batch, batch.seq, Hq, c().v_head_dim});
+    Buffer q = m.buffer({batch.batch, batch.seq, Hq, Dqk});
     mla_query_forward(q.view().reshape({T(), Hq, Dqk}), a.q.view().reshape({T(), Hq, Dqk}), batch.positions, c().qk_rope_head_dim, c().rope,
                       query_scale());
+    return q;
+  }
+  // One process: the attention op's k [B, S, Hq, Dqk] and v [B, S, Hq, Dv] from a.kv and a.k_pe.
+  std::array<Buffer, 2> keys_values() const {
+    const int64_t Hq = c().num_heads, Dqk = c().qk_head_dim();
+    Buffer k = m.buffer({batch.batch, batch.seq, Hq, Dqk}), v = m.buffer({batch.batch, batch.seq, Hq, c().v_head_dim});
     mla_key_value_forward(k.view().reshape({T(), Hq, Dqk}), v.view().reshape({T(), Hq, c().v_head_dim}),
                           a.kv.view().reshape({T(), Hq, c().qk_nope_head_dim + c().v_head_dim}), a.k_pe, batch.positions, c().rope);
-    return {std::move(q), std::move(k), std::move(v)};
+    return {std::move(k), std::move(v)};
+  }
+  // Context parallelism: what travels the ring, [B, S, R + Dr] in the layout only expansion() reads:
+  // the normed latent (T x R values), then the rope key already rotated at its true positions (T x Dr).
+  Buffer packed() const {
+    const int64_t R = c().kv_lora_rank, Dr = c().qk_rope_head_dim;
+    Buffer packed = m.buffer({batch.batch, batch.seq, R + Dr});
+    const auto [latent, k_pe] = packed_parts(packed, R, Dr);
+    copy(latent, latent_normed());
+    mla_query_forward(k_pe.reshape({T(), 1, Dr}), a.k_pe.view().reshape({T(), 1, Dr}), batch.positions, Dr, c().rope, 1.0);
+    return packed;
+  }
+  static std::array<Tensor, 2> packed_parts(Tensor packed, int64_t R, int64_t Dr) {
+    const int64_t T = packed.numel() / (R + Dr);
+    const Tensor flat = packed.reshape({packed.numel()});
+    return {flat.rows(0, T * R).reshape({T, R}), flat.rows(T * R, T * (R + Dr)).reshape({T, Dr})};
+  }
+  // A packed block's k and v: kv_b_proj's GEMM, then the heads with the rope key as it came (rotated
+  // by angle 0: positions 0 and plain RoPE, the identity, exact). Its backward adds the block's share
+  // to grads->kv_b_proj.
+  KvExpansion expansion(const DeepseekV2LayerWeights* grads) const {
+    const Config& cc = c();
+    const int64_t Hq = cc.num_heads, R = cc.kv_lora_rank, Dr = cc.qk_rope_head_dim, Dqk = cc.qk_head_dim(), Dv = cc.v_head_dim;
+    const int64_t Dkv = cc.qk_nope_head_dim + Dv;
+    const DeepseekV2& model = m;
+    const Tensor weight = w.kv_b_proj;
+    KvExpansion e{R + Dr, Hq, Dqk, Dv, {}, {}};
+    e.expand = [=, &model](Tensor k, Tensor v, Tensor packed) {
+      const auto [latent, k_pe] = packed_parts(packed, R, Dr);
+      const int64_t T = latent.size(0);
+      Buffer kv = model.buffer({T, Hq * Dkv});
+      linear_forward(kv, latent, weight);
+      mla_key_value_forward(k.reshape({T, Hq, Dqk}), v.reshape({T, Hq, Dv}), kv.view().reshape({T, Hq, Dkv}), k_pe,
+                            Buffer::zeros(DType::i32, k.device, {T}), RopeParameters{});
+    };
+    e.expand_backward = [=, &model](Tensor dpacked, Tensor dk, Tensor dv, Tensor packed) {
+      const Tensor latent = packed_parts(packed, R, Dr)[0];
+      const auto [dlatent, dk_pe] = packed_parts(dpacked, R, Dr);
+      const int64_t T = latent.size(0);
+      Buffer dkv = model.buffer({T, Hq * Dkv});
+      mla_key_value_backward(dkv.view().reshape({T, Hq, Dkv}), dk_pe, dk.reshape({T, Hq, Dqk}), dv.reshape({T, Hq, Dv}),
+                             Buffer::zeros(DType::i32, dk.device, {T}), RopeParameters{});
+      linear_backward_weight(grads->kv_b_proj, dkv, latent);
+      linear_backward_input(dlatent, dkv, weight);
+    };
+    return e;
+  }
+  // From the attention op's dattn [B, S, Hq, Dv], through the op and MLA's head assembly: the
+  // gradients of a.q [T, Hq Dqk], the normed latent [T, R] and a.k_pe [T, Dr]; kv_b_proj's weight
+  // gradient added to grads.
+  struct InputGrads {
+    Buffer dq, dnormed, dk_pe;
+  };
+  InputGrads op_backward(Buffer dattn, const DeepseekV2LayerWeights& grads) const {
+    const int64_t Hq = c().num_heads, Dqk = c().qk_head_dim(), R = c().kv_lora_rank, Dr = c().qk_rope_head_dim;
+    Buffer dq_heads = m.buffer({batch.batch, batch.seq, Hq, Dqk});
+    InputGrads g;
+    if (batch.attention) {
+      Buffer dpacked = m.buffer({batch.batch, batch.seq, R + Dr});
+      batch.attention->backward_packed(dq_heads, dpacked, dattn, query(), packed(), a.attn, a.lse, expansion(&grads));
+      dattn = Buffer{};
+      const auto [dlatent, dk_pe_rotated] = packed_parts(dpacked, R, Dr);
+      g.dnormed = m.buffer({T(), R});
+      copy(g.dnormed, dlatent);
+      g.dk_pe = m.buffer({T(), Dr});
+      mla_query_backward(g.dk_pe.view().reshape({T(), 1, Dr}), dk_pe_rotated.reshape({T(), 1, Dr}), batch.positions, Dr, c().rope, 1.0);
+    } else {
+      key_value_backward(g, dq_heads, std::move(dattn), grads);
+    }
+    g.dq = m.buffer({T(), Hq * Dqk});
+    mla_query_backward(g.dq.view().reshape({T(), Hq, Dqk}), dq_heads.view().reshape({T(), Hq, Dqk}), batch.positions, Dr, c().rope,
+                       query_scale());
+    return g;
+  }
+  // One process: the attention op's backward into dq_heads, then g.dnormed and g.dk_pe.
+  void key_value_backward(InputGrads& g, Tensor dq_heads, Buffer dattn, const DeepseekV2LayerWeights& grads) const {
+    const int64_t Hq = c().num_heads, Dqk = c().qk_head_dim(), Dv = c().v_head_dim, Dkv = c().qk_nope_head_dim + Dv;
+    Buffer dk_heads = m.buffer({batch.batch, batch.seq, Hq, Dqk}), dv = m.buffer({batch.batch, batch.seq, Hq, Dv});
+    {
+      const auto [k, v] = keys_values();
+      marrow::attention_backward(dq_heads, dk_heads, dv, dattn, query(), k, v, a.attn, a.lse);
+    }
+    dattn = Buffer{};
+    Buffer dkv = m.buffer({T(), Hq * Dkv});
+    g.dk_pe = m.buffer({T(), c().qk_rope_head_dim});
+    mla_key_value_backward(dkv.view().reshape({T(), Hq, Dkv}), g.dk_pe, dk_heads.view().reshape({T(), Hq, Dqk}),
+                           dv.view().reshape({T(), Hq, Dv}), batch.positions, c().rope);
+    dk_heads = Buffer{};
+    dv = Buffer{};
+    linear_backward_weight(grads.kv_b_proj, dkv, latent_normed());
+    g.dnormed = m.buffer({T(), c().kv_lora_rank});
+    linear_backward_input(g.dnormed, dkv, w.kv_b_proj);
   }
   double query_scale() const { return c().softmax_scale * std::sqrt(double(c().qk_head_dim())); }
 };
@@ -335,7 +403,6 @@ void DeepseekV2::attention_forward(DeepseekV2AttentionActivations& a, Buffer x, 
   a.q = buffer({T, Hq * c.qk_head_dim()});
   a.latent = buffer({T, c.kv_lora_rank});
   a.k_pe = buffer({T, c.qk_rope_head_dim});
-  a.kv = buffer({T, Hq * (c.qk_nope_head_dim + c.v_head_dim)});
   a.rstd_kv = stats({T});
   Attention mla{*this, a, batch, w};
   {
@@ -351,13 +418,15 @@ void DeepseekV2::attention_forward(DeepseekV2AttentionActivations& a, Buffer x, 
     linear_forward(a.latent, h1, w.kv_a_latent);
     linear_forward(a.k_pe, h1, w.kv_a_rope);
   }
-  linear_forward(a.kv, mla.latent_normed(), w.kv_b_proj);
   a.attn = buffer({B, S, Hq, c.v_head_dim});
   a.lse = stats({B, Hq, S});
-  {
-    const auto [q, k, v] = mla.heads();
-    if (batch.attention) batch.attention->forward(a.attn, a.lse, q, k, v, {});
-    else marrow::attention_forward(a.attn, a.lse, q, k, v);
+  if (batch.attention) {
+    batch.attention->forward_packed(a.attn, a.lse, mla.query(), mla.packed(), mla.expansion(nullptr));
+  } else {
+    a.kv = buffer({T, Hq * (c.qk_nope_head_dim + c.v_head_dim)});
+    linear_forward(a.kv, mla.latent_normed(), w.kv_b_proj);
+    const auto [k, v] = mla.keys_values();
+    marrow::attention_forward(a.attn, a.lse, mla.query(), k, v);
   }
   a.x_attn = buffer({T, H});
   linear_forward(a.x_attn, a.attn.view().reshape({T, Hq * c.v_head_dim}), w.o_proj);
@@ -368,13 +437,11 @@ void DeepseekV2::attention_forward(DeepseekV2AttentionActivations& a, Buffer x, 
   if (!w.dense) route(a, batch, w);
 }
 
-void DeepseekV2::add_aux_loss(Tensor total, const DeepseekV2AttentionActivations& a) const { router_aux_loss_add(total, a.routing_stats); }
-
 void DeepseekV2::attention_backward(Tensor dx, const DeepseekV2LayerWeights& grads, Tensor dx_mid, Tensor dh2_in, Tensor dtopk_weight,
                                     double aux_grad, DeepseekV2AttentionActivations& a, const DeepseekV2Batch& batch,
                                     const DeepseekV2LayerWeights& w) const {
   const Config& c = config_;
-  const int64_t B = batch.batch, S = batch.seq, T = B * S, H = c.hidden_size, Hq = c.num_heads, Dqk = c.qk_head_dim();
+  const int64_t B = batch.batch, S = batch.seq, T = B * S, H = c.hidden_size, Hq = c.num_heads;
   expect_shape("DeepseekV2::attention_backward", "dx", dx, {T, H});
   expect_shape("DeepseekV2::attention_backward", "dx_mid", dx_mid, {T, H});
   Buffer dense_dh2 = w.dense ? buffer({T, H}) : Buffer{};
@@ -397,38 +464,17 @@ void DeepseekV2::attention_backward(Tensor dx, const DeepseekV2LayerWeights& gra
   linear_backward_weight(grads.o_proj, dres, attn_2d);
   Buffer dattn = buffer({B, S, Hq, c.v_head_dim});
   linear_backward_input(dattn.view().reshape({T, Hq * c.v_head_dim}), dres, w.o_proj);
-  Buffer dq_heads = buffer({B, S, Hq, Dqk}), dk_heads = buffer({B, S, Hq, Dqk}), dv = buffer({B, S, Hq, c.v_head_dim});
   Attention mla{*this, a, batch, w};
-  {
-    const auto [q, k, v] = mla.heads();
-    if (batch.attention) batch.attention->backward(dq_heads, dk_heads, dv, {}, dattn, q, k, v, a.attn, a.lse, {});
-    else marrow::attention_backward(dq_heads, dk_heads, dv, dattn, q, k, v, a.attn, a.lse);
-  }
-  dattn = Buffer{};
-  Buffer dq = buffer({T, Hq * Dqk}), dkv = buffer({T, Hq * (c.qk_nope_head_dim + c.v_head_dim)}), dk_pe = buffer({T, c.qk_rope_head_dim});
-  mla_query_backward(dq.view().reshape({T, Hq, Dqk}), dq_heads.view().reshape({T, Hq, Dqk}), batch.positions, c.qk_rope_head_dim, c.rope,
-                     mla.query_scale());
-  mla_key_value_backward(dkv.view().reshape({T, Hq, c.qk_nope_head_dim + c.v_head_dim}), dk_pe, dk_heads.view().reshape({T, Hq, Dqk}),
-                         dv.view().reshape({T, Hq, c.v_head_dim}), batch.positions, c.rope);
-  dq_heads = Buffer{};
-  dk_heads = Buffer{};
-  dv = Buffer{};
-
+  const auto [dq, dnormed, dk_pe] = mla.op_backward(std::move(dattn), grads);
   Buffer dlatent = buffer({T, c.kv_lora_rank});
-  {
-    const Buffer latent = mla.latent_normed();
-    linear_backward_weight(grads.kv_b_proj, dkv, latent);
-    Buffer dnormed = buffer({T, c.kv_lora_rank});
-    linear_backward_input(dnormed, dkv, w.kv_b_proj);
-    rmsnorm_backward(dlatent, grads.kv_a_norm, dnormed, a.latent, w.kv_a_norm, a.rstd_kv);
-  }
+  rmsnorm_backward(dlatent, grads.kv_a_norm, dnormed, a.latent, w.kv_a_norm, a.rstd_kv);
   Buffer dq_a = c.q_lora_rank ? buffer({T, c.q_lora_rank}) : Buffer{};
   if (c.q_lora_rank) {
     const Buffer q_a = mla.q_a_normed();
     linear_backward_weight(grads.q_b_proj, dq, q_a);
-    Buffer dnormed = buffer({T, c.q_lora_rank});
-    linear_backward_input(dnormed, dq, w.q_b_proj);
-    rmsnorm_backward(dq_a, grads.q_a_norm, dnormed, a.q_a, w.q_a_norm, a.rstd_qa);
+    Buffer dq_a_normed = buffer({T, c.q_lora_rank});
+    linear_backward_input(dq_a_normed, dq, w.q_b_proj);
+    rmsnorm_backward(dq_a, grads.q_a_norm, dq_a_normed, a.q_a, w.q_a_norm, a.rstd_qa);
   }
   Buffer dh1 = buffer({T, H});  // the three projections' input gradients summed by their GEMMs
   {
@@ -444,108 +490,6 @@ void DeepseekV2::attention_backward(Tensor dx, const DeepseekV2LayerWeights& gra
   linear_backward_input(dh1, dk_pe, w.kv_a_rope, true);
   rmsnorm_backward(dx, grads.input_norm, dh1, a.x, w.input_norm, a.rstd1, dres);
   a = DeepseekV2AttentionActivations{};
-}
-
-void DeepseekV2::experts_forward(Tensor y_perm, DeepseekV2ExpertActivations& e, Buffer x_perm, Tensor expert_offsets,
-                                 const DeepseekV2LayerWeights& w) const {
-  const int64_t R = x_perm.view().size(0), I = config_.expert_intermediate_size;
-  e.x_perm = std::move(x_perm);
-  e.gate_up = buffer({R, 2 * I});
-  const Fp8ExpertWeights* fp8 = expert_fp8() ? &fp8_expert_weights(w) : nullptr;
-  if (fp8) fp8_grouped(e.gate_up, e.x_perm, fp8->gate_up, expert_offsets);
-  else grouped_linear_forward(e.gate_up, e.x_perm, w.experts_gate_up, expert_offsets);
-  const Buffer act = buffer({R, I});
-  swiglu_forward(act, e.gate_up);
-  if (fp8) fp8_grouped(y_perm, act, fp8->down, expert_offsets);
-  else grouped_linear_forward(y_perm, act, w.experts_down, expert_offsets);
-}
-
-const Fp8ExpertWeights& DeepseekV2::fp8_expert_weights(const DeepseekV2LayerWeights& w) const {
-  return marrow::fp8_expert_weights(*fp8_weights_, w.layer, config_.num_layers, w.experts_gate_up, w.experts_down);
-}
-
-int64_t DeepseekV2::expert_squares_count(const DeepseekV2LayerWeights& grads) const {
-  return grads.dense ? 0 : grouped_squares_count(grads.experts_down) + grouped_squares_count(grads.experts_gate_up);
-}
-
-int64_t DeepseekV2::expert_known_zero_count(const DeepseekV2LayerWeights& grads) const {
-  return grads.dense ? 0 : grouped_known_zero_count(grads);
-}
-
-std::vector<std::pair<Tensor, Tensor>> DeepseekV2::expert_known_zero_parts(const DeepseekV2LayerWeights& grads, Tensor known_zero) const {
-  if (grads.dense) return {};
-  return grouped_known_zero_parts(grads, known_zero);
-}
-
-void DeepseekV2::experts_backward_input(Tensor dx_perm, Tensor dy_perm, DeepseekV2ExpertActivations& e, Tensor expert_offsets,
-                                        const DeepseekV2LayerWeights& w) const {
-  const int64_t R = e.gate_up.view().size(0), I = config_.expert_intermediate_size;
-  Buffer dact = buffer({R, I});
-  const Fp8ExpertWeights* fp8 = expert_fp8() ? &fp8_expert_weights(w) : nullptr;
-  if (fp8) fp8_grouped(dact, dy_perm, fp8->down_t, expert_offsets);
-  else grouped_linear_backward_input(dact, dy_perm, w.experts_down, expert_offsets);
-  e.act = buffer({R, I});
-  e.dgate_up = buffer({R, 2 * I});
-  if (e.copy_row.data != nullptr) {
-    swiglu_weighted_backward(e.dgate_up, e.act, e.dtopk_weight, dact, e.gate_up, e.topk_weight, e.copy_row);
-    e.topk_weight = e.copy_row = e.dtopk_weight = Tensor{};
-  } else {
-    swiglu_forward(e.act, e.gate_up);
-    swiglu_backward(e.dgate_up, dact, e.gate_up);
-  }
-  e.gate_up = Buffer{};
-  if (fp8) fp8_grouped(dx_perm, e.dgate_up, fp8->gate_up_t, expert_offsets);
-  else grouped_linear_backward_input(dx_perm, e.dgate_up, w.experts_gate_up, expert_offsets);
-}
-
-void DeepseekV2::experts_backward_weights(const DeepseekV2LayerWeights& grads, Tensor dy_perm, DeepseekV2ExpertActivations& e,
-                                          Tensor expert_offsets, bool overwrite_grads, Tensor squares, Tensor known_zero) const {
-  const auto [down_squares, gate_up_squares] = split_record("squares", squares, grouped_squares_count(grads.experts_down), expert_squares_count(grads));
-  const auto [down_zero, gate_up_zero] = split_record("known_zero", known_zero, grads.experts_down.size(0), expert_known_zero_count(grads));
-  grouped_linear_backward_weight(grads.experts_down, dy_perm, e.act, expert_offsets, overwrite_grads, down_squares, down_zero);
-  grouped_linear_backward_weight(grads.experts_gate_up, e.dgate_up, e.x_perm, expert_offsets, overwrite_grads, gate_up_squares, gate_up_zero);
-  e = DeepseekV2ExpertActivations{};
-}
-
-void DeepseekV2::experts_backward_weights_pair(const DeepseekV2LayerWeights& grads, Tensor earlier_dy_perm, DeepseekV2ExpertActivations& earlier,
-                                               Tensor earlier_offsets, Tensor dy_perm, DeepseekV2ExpertActivations& e, Tensor expert_offsets,
-                                               bool overwrite_grads, Tensor squares, Tensor known_zero) const {
-  const auto [down_squares, gate_up_squares] = split_record("squares", squares, grouped_squares_count(grads.experts_down), expert_squares_count(grads));
-  const auto [down_zero, gate_up_zero] = split_record("known_zero", known_zero, grads.experts_down.size(0), expert_known_zero_count(grads));
-  grouped_linear_backward_weight_pair(grads.experts_down, {earlier_dy_perm, earlier.act, earlier_offsets}, {dy_perm, e.act, expert_offsets},
-                                      overwrite_grads, down_squares, down_zero);
-  grouped_linear_backward_weight_pair(grads.experts_gate_up, {earlier.dgate_up, earlier.x_perm, earlier_offsets},
-                                      {e.dgate_up, e.x_perm, expert_offsets}, overwrite_grads, gate_up_squares, gate_up_zero);
-  earlier = DeepseekV2ExpertActivations{};
-  e = DeepseekV2ExpertActivations{};
-}
-
-void DeepseekV2::aggregate_forward(Tensor out, const DeepseekV2AttentionActivations& a, Tensor y_perm, Tensor copy_row) const {
-  combine_forward(out, a.x_mid, y_perm, a.topk_weight, copy_row);
-}
-
-void DeepseekV2::aggregate_backward_rows(Tensor dy_perm, Tensor dout, Tensor copy_row) const { dispatch_forward(dy_perm, dout, copy_row); }
-
-void DeepseekV2::aggregate_backward(Tensor dy_perm, Tensor dtopk_weight, Tensor dout, const DeepseekV2AttentionActivations& a,
-                                    Tensor copy_row, DeepseekV2ExpertActivations& e) const {
-  aggregate_backward_unweighted(dy_perm, dtopk_weight, dout, a, copy_row, e);
-}
-
-LmHead DeepseekV2::lm_head(const DeepseekV2Weights& w, int64_t tokens) const {
-  return {w.final_norm, w.lm_head, config_.rms_norm_eps, logits_chunk(tokens), dtype_, device_ == Device::cuda ? DType::f32 : dtype_, device_};
-}
-
-HostSum DeepseekV2::epilog_forward(EpilogActivations& p, Buffer x, const DeepseekV2Batch& batch, const DeepseekV2Weights& w,
-                                   const DeepseekV2Weights* grads, double loss_scale, bool overwrite_grads) const {
-  const int64_t T = batch.batch * batch.seq;
-  expect_shape("DeepseekV2::epilog_forward", "x", x, {T, config_.hidden_size});
-  return marrow::epilog_forward(p, std::move(x), batch.targets, lm_head(w, T), grads ? grads->lm_head : Tensor{}, loss_scale, overwrite_grads);
-}
-
-void DeepseekV2::epilog_backward(Tensor dx, const DeepseekV2Weights& grads, double loss_scale, EpilogActivations& p, const DeepseekV2Batch& batch,
-                                 const DeepseekV2Weights& w, bool overwrite_grads) const {
-  marrow::epilog_backward(dx, grads.final_norm, grads.lm_head, loss_scale, p, batch.targets, lm_head(w, batch.batch * batch.seq),
-                          overwrite_grads);
 }
 
 // Mirrors the stage functions above buffer by buffer for an MoE layer (a dense layer's MLP is

@@ -15,21 +15,14 @@
 // qk_rope_head_dim), values v_head_dim; DeepSeek's RoPE rotates adjacent pairs (ops/mla.h).
 // The shared experts run in stage 1 on the routed input, so they overlap the dispatch that follows;
 // a dense layer has no stages 2-5: its stage 1 is the whole layer (the engine's dense_layer).
+// Under context parallelism the normed latent and the rotated rope key travel the ring
+// (ring_attention_*_packed: 576 values a token for V2-Lite) and each member decompresses the blocks it holds.
 #pragma once
-#include <memory>
 #include <string>
 #include <vector>
 
-#include "core/host_sum.h"
-#include "core/json.h"
-#include "core/memory.h"
-#include "core/stage_bytes.h"
-#include "core/tensor_spec.h"
-#include "models/common.h"
+#include "models/common.h"  // and the core/ and ops/ headers its declarations use (Json, Buffer, TensorSpec, HostSum, ...)
 #include "ops/attention_runner.h"
-#include "ops/fp8.h"
-#include "ops/rope.h"
-#include "ops/router.h"
 
 namespace marrow {
 
@@ -90,36 +83,24 @@ struct DeepseekV2AttentionActivations {
   Buffer probs, topk_index, topk_weight, routing_stats;  // routing_stats [G, 2E + 1] (ops/router.h)
 };
 
-struct DeepseekV2ExpertActivations {
-  Buffer x_perm, gate_up;
-  Buffer act, dgate_up;
-  Tensor topk_weight, copy_row, dtopk_weight;
-};
-
-class DeepseekV2 {
- public:
+struct DeepseekV2Types {  // as Qwen3MoeTypes
   using Config = DeepseekV2Config;
   using Weights = DeepseekV2Weights;
   using LayerWeights = DeepseekV2LayerWeights;
   using Batch = DeepseekV2Batch;
   using AttentionActivations = DeepseekV2AttentionActivations;
-  using ExpertActivations = DeepseekV2ExpertActivations;
-  using EpilogActivations = marrow::EpilogActivations;
+  using ExpertActivations = SwigluExpertActivations;
+  static constexpr const char* name = "DeepseekV2";
+};
+
+// As Qwen3Moe, with SwigluMoeModel's members (models/common.h); a dense layer has no expert gradients.
+class DeepseekV2 : public SwigluMoeModel<DeepseekV2, DeepseekV2Types> {
+ public:
   static constexpr const char* model_type = "deepseek_v2";
 
   DeepseekV2(const Config& config, DType dtype, Device device, ExpertShard experts = {});
 
-  const Config& config() const { return config_; }
-  DType dtype() const { return dtype_; }
-  Device device() const { return device_; }
-  int64_t num_layers() const { return config_.num_layers; }
   bool dense_layer(int64_t layer) const { return layer < config_.first_dense_layers; }
-  int64_t num_experts() const { return config_.num_experts; }
-  int64_t num_local_experts() const { return experts_.count; }
-  int64_t top_k() const { return config_.top_k; }
-  int64_t hidden_size() const { return config_.hidden_size; }
-  const std::vector<TensorSpec>& specs() const { return specs_; }
-  int64_t num_parameters() const { return num_parameters_; }
   int64_t num_active_parameters() const;
   // Query heads x qk head dim: the score products; the value products (v_head_dim) are counted in
   // attention_flops_per_token.
@@ -131,59 +112,17 @@ class DeepseekV2 {
   }
 
   DeepseekV2Weights bind(const Placement& placement) const;
-  void initialize(const Arena& params, uint64_t seed) const;
-  void initialize(Tensor out, const TensorSpec& spec, int64_t first, uint64_t seed) const;
-
-  void prolog_forward(Tensor x, const DeepseekV2Batch& batch, const DeepseekV2Weights& w) const;
-  void prolog_backward(const DeepseekV2Weights& grads, Tensor dx, const DeepseekV2Batch& batch, Tensor known_zero = {}) const;
-  int64_t prolog_known_zero_count() const { return config_.vocab_size; }
-  std::vector<std::pair<Tensor, Tensor>> prolog_known_zero_parts(const DeepseekV2Weights& grads, Tensor known_zero) const {
-    return {{grads.embed, known_zero}};
-  }
 
   // Stage 1 (Qwen3Moe's contract). A dense layer's a.x_mid is the layer's output and its backward
   // takes no dh2 or dtopk_weight (empty).
   void attention_forward(DeepseekV2AttentionActivations& a, Buffer x, const DeepseekV2Batch& batch, const DeepseekV2LayerWeights& w) const;
   void attention_backward(Tensor dx, const DeepseekV2LayerWeights& grads, Tensor dx_mid, Tensor dh2, Tensor dtopk_weight, double aux_grad,
                           DeepseekV2AttentionActivations& a, const DeepseekV2Batch& batch, const DeepseekV2LayerWeights& w) const;
-  void add_aux_loss(Tensor total, const DeepseekV2AttentionActivations& a) const;
-
-  void experts_forward(Tensor y_perm, DeepseekV2ExpertActivations& e, Buffer x_perm, Tensor expert_offsets,
-                       const DeepseekV2LayerWeights& w) const;
-  void experts_backward_input(Tensor dx_perm, Tensor dy_perm, DeepseekV2ExpertActivations& e, Tensor expert_offsets,
-                              const DeepseekV2LayerWeights& w) const;
-  void experts_backward_weights(const DeepseekV2LayerWeights& grads, Tensor dy_perm, DeepseekV2ExpertActivations& e, Tensor expert_offsets,
-                                bool overwrite_grads, Tensor squares = {}, Tensor known_zero = {}) const;
-  void experts_backward_weights_pair(const DeepseekV2LayerWeights& grads, Tensor earlier_dy_perm, DeepseekV2ExpertActivations& earlier,
-                                     Tensor earlier_offsets, Tensor dy_perm, DeepseekV2ExpertActivations& e, Tensor expert_offsets,
-                                     bool overwrite_grads, Tensor squares = {}, Tensor known_zero = {}) const;
-  int64_t expert_squares_count(const DeepseekV2LayerWeights& grads) const;
-  int64_t expert_known_zero_count(const DeepseekV2LayerWeights& grads) const;
-  std::vector<std::pair<Tensor, Tensor>> expert_known_zero_parts(const DeepseekV2LayerWeights& grads, Tensor known_zero) const;
-  void experts_drop_input(DeepseekV2ExpertActivations& e) const { e.x_perm = Buffer{}; }
-  void experts_restore_input(DeepseekV2ExpertActivations& e, Buffer x_perm) const { e.x_perm = std::move(x_perm); }
-
-  void aggregate_forward(Tensor out, const DeepseekV2AttentionActivations& a, Tensor y_perm, Tensor copy_row) const;
-  void aggregate_backward(Tensor dy_perm, Tensor dtopk_weight, Tensor dout, const DeepseekV2AttentionActivations& a, Tensor copy_row,
-                          DeepseekV2ExpertActivations& e) const;
-  void aggregate_backward_rows(Tensor dy_perm, Tensor dout, Tensor copy_row) const;
-
-  int64_t logits_chunk(int64_t tokens) const { return marrow::logits_chunk(tokens, config_.vocab_size, dtype_, forced_logits_chunk_); }
-  void set_logits_chunk(int64_t tokens) { forced_logits_chunk_ = tokens; }
-  const Fp8ExpertWeights& fp8_expert_weights(const DeepseekV2LayerWeights& w) const;
-  HostSum epilog_forward(EpilogActivations& p, Buffer x, const DeepseekV2Batch& batch, const DeepseekV2Weights& w,
-                         const DeepseekV2Weights* grads = nullptr, double loss_scale = 1, bool overwrite_grads = false) const;
-  void epilog_backward(Tensor dx, const DeepseekV2Weights& grads, double loss_scale, EpilogActivations& p, const DeepseekV2Batch& batch,
-                       const DeepseekV2Weights& w, bool overwrite_grads = false) const;
 
   ModelActivationBytes activation_bytes(int64_t batch, int64_t seq, int64_t expert_rows) const;
 
-  Buffer buffer(std::initializer_list<int64_t> dims) const { return Buffer(dtype_, device_, dims); }
-  Buffer stats(std::initializer_list<int64_t> dims) const { return Buffer(device_ == Device::cuda ? DType::f32 : dtype_, device_, dims); }
-
  private:
   struct Attention;  // the MLA steps of stage 1, in the .cpp
-  Buffer input_norm(DeepseekV2AttentionActivations& a, const DeepseekV2LayerWeights& w) const;
   void mlp_forward(DeepseekV2AttentionActivations& a, const DeepseekV2LayerWeights& w) const;
   void mlp_backward(Tensor dh2, const DeepseekV2LayerWeights& grads, Tensor dx_mid, DeepseekV2AttentionActivations& a,
                     const DeepseekV2LayerWeights& w, bool add) const;
@@ -192,16 +131,6 @@ class DeepseekV2 {
     int64_t first, count, total;
   };
   OwnRows statistics_rows(const DeepseekV2Batch& batch) const;
-  LmHead lm_head(const DeepseekV2Weights& w, int64_t tokens) const;
-
-  Config config_;
-  DType dtype_;
-  Device device_;
-  int64_t forced_logits_chunk_ = 0;
-  ExpertShard experts_;
-  std::vector<TensorSpec> specs_;
-  int64_t num_parameters_ = 0;
-  std::shared_ptr<std::vector<Fp8ExpertWeights>> fp8_weights_ = std::make_shared<std::vector<Fp8ExpertWeights>>();
 };
 
 }  // namespace marrow

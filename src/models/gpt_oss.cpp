@@ -4,9 +4,6 @@
 
 #include "ops/attention.h"
 #include "ops/bias.h"
-#include "ops/combine.h"
-#include "ops/dispatch.h"
-#include "ops/embedding.h"
 #include "ops/grad_norm.h"
 #include "ops/grouped_linear.h"
 #include "ops/grouped_linear_fp8.h"
@@ -91,11 +88,8 @@ GptOssConfig GptOssConfig::from_json(const Json& json, const std::string& source
 }
 
 GptOss::GptOss(const Config& config, DType dtype, Device device, ExpertShard experts)
-    : config_(config), dtype_(dtype), device_(device), experts_(experts) {
+    : MoeModelBase(config, dtype, device, experts) {
   const Config& c = config_;
-  if (experts_.count < 0) experts_ = {0, c.num_experts};
-  MARROW_CHECK(experts_.first >= 0 && experts_.count >= 1 && experts_.first + experts_.count <= c.num_experts,
-               "experts [{}, {}) are not a range of the model's {} experts", experts_.first, experts_.first + experts_.count, c.num_experts);
   const int64_t H = c.hidden_size, D = c.head_dim, I = c.expert_intermediate_size, E = c.num_experts;
   const int64_t first = experts_.first, El = experts_.count;
   ParameterTable t(c.num_layers);
@@ -182,23 +176,9 @@ GptOssWeights GptOss::bind(const Placement& placement) const {
   return w;
 }
 
-void GptOss::initialize(const Arena& params, uint64_t seed) const { initialize_parameters(*this, params, seed); }
-
 void GptOss::initialize(Tensor out, const TensorSpec& spec, int64_t first, uint64_t seed) const {
   const bool zero_bias = spec.name.ends_with("bias") && !spec.name.ends_with("router.bias");
   initialize_tensor(out, spec, first, seed, config_.initializer_range, zero_bias);
-}
-
-void GptOss::prolog_forward(Tensor x, const GptOssBatch& batch, const GptOssWeights& w) const { embedding_forward(x, batch.input_ids, w.embed); }
-
-void GptOss::prolog_backward(const GptOssWeights& grads, Tensor dx, const GptOssBatch& batch, Tensor known_zero) const {
-  embedding_backward(grads.embed, dx, batch.input_ids, known_zero);
-}
-
-Buffer GptOss::input_norm(GptOssAttentionActivations& a, const GptOssLayerWeights& w) const {
-  Buffer h1 = buffer({a.x.view().size(0), config_.hidden_size});
-  rmsnorm_forward(h1, a.rstd1, a.x, w.input_norm, config_.rms_norm_eps);
-  return h1;
 }
 
 int64_t GptOss::window(const GptOssLayerWeights& w) const { return config_.sliding[size_t(w.layer)] ? config_.sliding_window : 0; }
@@ -251,8 +231,6 @@ void GptOss::attention_forward(GptOssAttentionActivations& a, Buffer x, const Gp
   a.routing_stats = stats({2 * E + 1});
   router_statistics(a.routing_stats, a.probs, a.topk_index);
 }
-
-void GptOss::add_aux_loss(Tensor total, const GptOssAttentionActivations& a) const { router_aux_loss_add(total, a.routing_stats); }
 
 void GptOss::attention_backward(Tensor dx, const GptOssLayerWeights& grads, Tensor dx_mid, Tensor dh2, Tensor dtopk_weight, double aux_grad,
                                 GptOssAttentionActivations& a, const GptOssBatch& batch, const GptOssLayerWeights& w) const {
@@ -325,21 +303,11 @@ void GptOss::experts_forward(Tensor y_perm, GptOssExpertActivations& e, Buffer x
   grouped_bias_forward(y_perm, w.experts_down_bias, expert_offsets);
 }
 
-const Fp8ExpertWeights& GptOss::fp8_expert_weights(const GptOssLayerWeights& w) const {
-  return marrow::fp8_expert_weights(*fp8_weights_, w.layer, config_.num_layers, w.experts_gate_up, w.experts_down);
-}
-
 // The weights' bands (grouped_linear_backward_weight's), then the two biases' sums of squares in
 // kSumParts parts each: the record covers every expert gradient of the layer, as the optimizer's
 // norm takes it in place of reading them (ShardedParameters::gradient_norm).
 int64_t GptOss::expert_squares_count(const GptOssLayerWeights& grads) const {
   return grouped_squares_count(grads.experts_down) + grouped_squares_count(grads.experts_gate_up) + 2 * kSumParts;
-}
-
-int64_t GptOss::expert_known_zero_count(const GptOssLayerWeights& grads) const { return grouped_known_zero_count(grads); }
-
-std::vector<std::pair<Tensor, Tensor>> GptOss::expert_known_zero_parts(const GptOssLayerWeights& grads, Tensor known_zero) const {
-  return grouped_known_zero_parts(grads, known_zero);
 }
 
 // With one expert-parallel rank dy_perm holds each copy's output gradient unweighted
@@ -397,35 +365,6 @@ void GptOss::experts_backward_weights_pair(const GptOssLayerWeights& grads, Tens
   experts_backward_weights(grads, dy_perm, e, expert_offsets, false, squares, known_zero);
 }
 
-void GptOss::aggregate_forward(Tensor out, const GptOssAttentionActivations& a, Tensor y_perm, Tensor copy_row) const {
-  combine_forward(out, a.x_mid, y_perm, a.topk_weight, copy_row);
-}
-
-void GptOss::aggregate_backward_rows(Tensor dy_perm, Tensor dout, Tensor copy_row) const { dispatch_forward(dy_perm, dout, copy_row); }
-
-void GptOss::aggregate_backward(Tensor dy_perm, Tensor dtopk_weight, Tensor dout, const GptOssAttentionActivations& a, Tensor copy_row,
-                                GptOssExpertActivations& e) const {
-  aggregate_backward_unweighted(dy_perm, dtopk_weight, dout, a, copy_row, e);
-}
-
-LmHead GptOss::lm_head(const GptOssWeights& w, int64_t tokens) const {
-  return {w.final_norm, w.lm_head, config_.rms_norm_eps, logits_chunk(tokens, config_.vocab_size, dtype_), dtype_,
-          device_ == Device::cuda ? DType::f32 : dtype_, device_};
-}
-
-HostSum GptOss::epilog_forward(EpilogActivations& p, Buffer x, const GptOssBatch& batch, const GptOssWeights& w, const GptOssWeights* grads,
-                               double loss_scale, bool overwrite_grads) const {
-  const int64_t T = batch.batch * batch.seq;
-  expect_shape("GptOss::epilog_forward", "x", x, {T, config_.hidden_size});
-  return marrow::epilog_forward(p, std::move(x), batch.targets, lm_head(w, T), grads ? grads->lm_head : Tensor{}, loss_scale, overwrite_grads);
-}
-
-void GptOss::epilog_backward(Tensor dx, const GptOssWeights& grads, double loss_scale, EpilogActivations& p, const GptOssBatch& batch,
-                             const GptOssWeights& w, bool overwrite_grads) const {
-  marrow::epilog_backward(dx, grads.final_norm, grads.lm_head, loss_scale, p, batch.targets, lm_head(w, batch.batch * batch.seq),
-                          overwrite_grads);
-}
-
 // Mirrors the stage functions above buffer by buffer, in buffer() and stats() dtypes, with the GPU
 // attention backward's scratch (ops/attention.h) while dq, dk, h1 and dh1 are not yet alive.
 ModelActivationBytes GptOss::activation_bytes(int64_t batch, int64_t seq, int64_t expert_rows) const {
@@ -446,7 +385,7 @@ ModelActivationBytes GptOss::activation_bytes(int64_t batch, int64_t seq, int64_
   m.experts.forward_scratch = R * I * a;
   m.experts.backward_scratch = R * 4 * I * a + R * s;
   m.experts.held_for_weights = R * 3 * I * a + R * s;
-  m.epilog = epilog_bytes(T, H, V, logits_chunk(T, V, dtype_), a, s);
+  m.epilog = epilog_bytes(T, H, V, logits_chunk(T), a, s);
   return m;
 }
 

@@ -14,18 +14,11 @@
 // of the fused tensors (TensorSpec::canonical_first). Attention with sinks and sliding windows runs
 // on cuDNN or the own kernels, and around the ring under context parallelism.
 #pragma once
-#include <memory>
 #include <string>
 #include <vector>
 
+#include "models/common.h"  // and the core/ and ops/ headers its declarations use (Json, Buffer, TensorSpec, HostSum, ...)
 #include "ops/attention_runner.h"
-#include "core/host_sum.h"
-#include "core/json.h"
-#include "core/memory.h"
-#include "core/stage_bytes.h"
-#include "core/tensor_spec.h"
-#include "models/common.h"
-#include "ops/rope.h"
 
 namespace marrow {
 
@@ -79,29 +72,23 @@ struct GptOssExpertActivations {
   Tensor topk_weight, copy_row, dtopk_weight;
 };
 
-class GptOss {
- public:
+struct GptOssTypes {  // as Qwen3MoeTypes
   using Config = GptOssConfig;
   using Weights = GptOssWeights;
   using LayerWeights = GptOssLayerWeights;
   using Batch = GptOssBatch;
   using AttentionActivations = GptOssAttentionActivations;
   using ExpertActivations = GptOssExpertActivations;
-  using EpilogActivations = marrow::EpilogActivations;
+  static constexpr const char* name = "GptOss";
+};
+
+// The accessors, prolog, stage 5 and the epilog are MoeModelBase's (models/common.h); stage 3 is its own.
+class GptOss : public MoeModelBase<GptOss, GptOssTypes> {
+ public:
   static constexpr const char* model_type = "gpt_oss";
 
   GptOss(const Config& config, DType dtype, Device device, ExpertShard experts = {});
 
-  const Config& config() const { return config_; }
-  DType dtype() const { return dtype_; }
-  Device device() const { return device_; }
-  int64_t num_layers() const { return config_.num_layers; }
-  int64_t num_experts() const { return config_.num_experts; }
-  int64_t num_local_experts() const { return experts_.count; }
-  int64_t top_k() const { return config_.top_k; }
-  int64_t hidden_size() const { return config_.hidden_size; }
-  const std::vector<TensorSpec>& specs() const { return specs_; }
-  int64_t num_parameters() const { return num_parameters_; }
   int64_t num_active_parameters() const;
   int64_t attention_width() const { return config_.num_heads * config_.head_dim; }
   // Attention's FLOPs per token, forward and backward, by Qwen3Moe's convention (S / 2 keys a query
@@ -110,28 +97,20 @@ class GptOss {
 
   GptOssWeights bind(const Placement& placement) const;
   // Hugging Face's initialisation: normal(0, initializer_range) for matrices, embeddings, sinks and
-  // the router's bias, zeros for the other biases, ones for norms.
-  void initialize(const Arena& params, uint64_t seed) const;
+  // the router's bias, zeros for the other biases, ones for norms (a whole arena: MoeModelBase's).
+  using MoeModelBase::initialize;
   void initialize(Tensor out, const TensorSpec& spec, int64_t first, uint64_t seed) const;
-
-  void prolog_forward(Tensor x, const GptOssBatch& batch, const GptOssWeights& w) const;
-  void prolog_backward(const GptOssWeights& grads, Tensor dx, const GptOssBatch& batch, Tensor known_zero = {}) const;
-  int64_t prolog_known_zero_count() const { return config_.vocab_size; }
-  std::vector<std::pair<Tensor, Tensor>> prolog_known_zero_parts(const GptOssWeights& grads, Tensor known_zero) const {
-    return {{grads.embed, known_zero}};
-  }
 
   // Stage 1 and its backward: see Qwen3Moe. The sinks' gradient is added in the backward.
   void attention_forward(GptOssAttentionActivations& a, Buffer x, const GptOssBatch& batch, const GptOssLayerWeights& w) const;
   void attention_backward(Tensor dx, const GptOssLayerWeights& grads, Tensor dx_mid, Tensor dh2, Tensor dtopk_weight, double aux_grad,
                           GptOssAttentionActivations& a, const GptOssBatch& batch, const GptOssLayerWeights& w) const;
-  void add_aux_loss(Tensor total, const GptOssAttentionActivations& a) const;
 
-  // Stage 3 and its backward: see Qwen3Moe; the biases' gradients are written or added with the weights'.
+  // Stage 3 and its backward: SwigluMoeModel's contract (models/common.h); the biases' gradients are
+  // written or added with the weights'. The quantized experts (fp8_expert_weights): the forward
+  // multiplies by the transposed copies, the backward input by those as stored.
   void experts_forward(Tensor y_perm, GptOssExpertActivations& e, Buffer x_perm, Tensor expert_offsets, const GptOssLayerWeights& w) const;
   int64_t expert_squares_count(const GptOssLayerWeights& grads) const;
-  int64_t expert_known_zero_count(const GptOssLayerWeights& grads) const;
-  std::vector<std::pair<Tensor, Tensor>> expert_known_zero_parts(const GptOssLayerWeights& grads, Tensor known_zero) const;
   void experts_backward_input(Tensor dx_perm, Tensor dy_perm, GptOssExpertActivations& e, Tensor expert_offsets,
                               const GptOssLayerWeights& w) const;
   void experts_backward_weights(const GptOssLayerWeights& grads, Tensor dy_perm, GptOssExpertActivations& e, Tensor expert_offsets,
@@ -140,42 +119,11 @@ class GptOss {
   void experts_backward_weights_pair(const GptOssLayerWeights& grads, Tensor earlier_dy_perm, GptOssExpertActivations& earlier,
                                      Tensor earlier_offsets, Tensor dy_perm, GptOssExpertActivations& e, Tensor expert_offsets,
                                      bool overwrite_grads, Tensor squares = {}, Tensor known_zero = {}) const;
-  void experts_drop_input(GptOssExpertActivations& e) const { e.x_perm = Buffer{}; }
-  void experts_restore_input(GptOssExpertActivations& e, Buffer x_perm) const { e.x_perm = std::move(x_perm); }
-
-  // Stage 5: see Qwen3Moe.
-  void aggregate_forward(Tensor out, const GptOssAttentionActivations& a, Tensor y_perm, Tensor copy_row) const;
-  void aggregate_backward(Tensor dy_perm, Tensor dtopk_weight, Tensor dout, const GptOssAttentionActivations& a, Tensor copy_row,
-                          GptOssExpertActivations& e) const;
-  void aggregate_backward_rows(Tensor dy_perm, Tensor dout, Tensor copy_row) const;
-
-  // Epilog: models/common.h's, as for Qwen3-MoE.
-  HostSum epilog_forward(EpilogActivations& p, Buffer x, const GptOssBatch& batch, const GptOssWeights& w,
-                         const GptOssWeights* grads = nullptr, double loss_scale = 1, bool overwrite_grads = false) const;
-  void epilog_backward(Tensor dx, const GptOssWeights& grads, double loss_scale, EpilogActivations& p, const GptOssBatch& batch,
-                       const GptOssWeights& w, bool overwrite_grads = false) const;
 
   ModelActivationBytes activation_bytes(int64_t batch, int64_t seq, int64_t expert_rows) const;
 
-  Buffer buffer(std::initializer_list<int64_t> dims) const { return Buffer(dtype_, device_, dims); }
-  // Statistics (norm scales, lse, router probabilities and weights): f32 on the GPU, as Qwen3-MoE's.
-  Buffer stats(std::initializer_list<int64_t> dims) const { return Buffer(device_ == Device::cuda ? DType::f32 : dtype_, device_, dims); }
-
  private:
-  Buffer input_norm(GptOssAttentionActivations& a, const GptOssLayerWeights& w) const;
   int64_t window(const GptOssLayerWeights& w) const;
-  LmHead lm_head(const GptOssWeights& w, int64_t tokens) const;
-  // With expert_fp8(): the layer's quantized experts (forward: transposed, backward input: as stored).
-  const Fp8ExpertWeights& fp8_expert_weights(const GptOssLayerWeights& w) const;
-
-  Config config_;
-  DType dtype_;
-  Device device_;
-  std::vector<TensorSpec> specs_;
-  int64_t num_parameters_ = 0;
-  ExpertShard experts_;  // the experts this process holds: rows [first, first + count) of the fused tensors
-  // Shared by the copies of the model (as Qwen3Moe's), so a layer is quantized once per weights change.
-  std::shared_ptr<std::vector<Fp8ExpertWeights>> fp8_weights_ = std::make_shared<std::vector<Fp8ExpertWeights>>();
 };
 
 }  // namespace marrow

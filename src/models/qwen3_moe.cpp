@@ -6,18 +6,11 @@
 
 #include <algorithm>
 
-#include "core/weights_generation.h"
 #include "ops/attention.h"
-#include "ops/combine.h"
-#include "ops/dispatch.h"
-#include "ops/embedding.h"
-#include "ops/grouped_linear.h"
-#include "ops/grouped_linear_fp8.h"
 #include "ops/linear.h"
 #include "ops/rmsnorm.h"
 #include "ops/rope.h"
 #include "ops/router.h"
-#include "ops/swiglu.h"
 
 namespace marrow {
 
@@ -60,12 +53,9 @@ Qwen3MoeConfig Qwen3MoeConfig::from_json(const Json& json, const std::string& so
 }
 
 Qwen3Moe::Qwen3Moe(const Config& config, DType dtype, Device device, ExpertShard experts)
-    : config_(config), dtype_(dtype), device_(device), experts_(experts) {
+    : SwigluMoeModel(config, dtype, device, experts) {
   const Config& c = config_;
   const int64_t H = c.hidden_size, D = c.head_dim, I = c.expert_intermediate_size;
-  if (experts_.count < 0) experts_ = {0, c.num_experts};
-  MARROW_CHECK(experts_.first >= 0 && experts_.count >= 1 && experts_.first + experts_.count <= c.num_experts,
-               "experts [{}, {}) are not a range of the model's {} experts", experts_.first, experts_.first + experts_.count, c.num_experts);
   const int64_t first = experts_.first, last = experts_.first + experts_.count;
   ParameterTable t(c.num_layers);
   t.add("model.embed_tokens.weight", {c.vocab_size, H}, ParamKind::matrix);
@@ -134,27 +124,6 @@ Qwen3MoeWeights Qwen3Moe::bind(const Placement& placement) const {
   w.final_norm = take({H});
   cursor.expect_end();
   return w;
-}
-
-void Qwen3Moe::initialize(const Arena& params, uint64_t seed) const { initialize_parameters(*this, params, seed); }
-
-void Qwen3Moe::initialize(Tensor out, const TensorSpec& spec, int64_t first, uint64_t seed) const {
-  initialize_tensor(out, spec, first, seed, config_.initializer_range);
-}
-
-void Qwen3Moe::prolog_forward(Tensor x, const Qwen3MoeBatch& batch, const Qwen3MoeWeights& w) const {
-  embedding_forward(x, batch.input_ids, w.embed);
-}
-
-void Qwen3Moe::prolog_backward(const Qwen3MoeWeights& grads, Tensor dx, const Qwen3MoeBatch& batch, Tensor known_zero) const {
-  embedding_backward(grads.embed, dx, batch.input_ids, known_zero);
-}
-
-// h1 = the input norm of a.x, writing a.rstd1 (again, with the same bits, in the backward).
-Buffer Qwen3Moe::input_norm(Qwen3MoeAttentionActivations& a, const Qwen3MoeLayerWeights& w) const {
-  Buffer h1 = buffer({a.x.view().size(0), config_.hidden_size});
-  rmsnorm_forward(h1, a.rstd1, a.x, w.input_norm, config_.rms_norm_eps);
-  return h1;
 }
 
 // The micro-batch's RoPE cosines and sines on the GPU (built on first use), none on the CPU.
@@ -228,8 +197,6 @@ void Qwen3Moe::attention_forward(Qwen3MoeAttentionActivations& a, Buffer x, cons
   router_statistics(a.routing_stats, a.probs, a.topk_index);
 }
 
-void Qwen3Moe::add_aux_loss(Tensor total, const Qwen3MoeAttentionActivations& a) const { router_aux_loss_add(total, a.routing_stats); }
-
 void Qwen3Moe::attention_backward(Tensor dx, const Qwen3MoeLayerWeights& grads, Tensor dx_mid, Tensor dh2, Tensor dtopk_weight,
                                   double aux_grad, Qwen3MoeAttentionActivations& a, const Qwen3MoeBatch& batch,
                                   const Qwen3MoeLayerWeights& w) const {
@@ -282,108 +249,6 @@ void Qwen3Moe::attention_backward(Tensor dx, const Qwen3MoeLayerWeights& grads, 
   rmsnorm_backward(dx, grads.input_norm, dh1, a.x, w.input_norm, a.rstd1, dres);
   a = Qwen3MoeAttentionActivations{};
 }
-
-void Qwen3Moe::experts_forward(Tensor y_perm, Qwen3MoeExpertActivations& e, Buffer x_perm, Tensor expert_offsets,
-                               const Qwen3MoeLayerWeights& w) const {
-  const int64_t R = x_perm.view().size(0), I = config_.expert_intermediate_size;
-  e.x_perm = std::move(x_perm);
-  e.gate_up = buffer({R, 2 * I});
-  const Fp8ExpertWeights* fp8 = expert_fp8() ? &fp8_expert_weights(w) : nullptr;
-  if (fp8) fp8_grouped(e.gate_up, e.x_perm, fp8->gate_up, expert_offsets);
-  else grouped_linear_forward(e.gate_up, e.x_perm, w.experts_gate_up, expert_offsets);
-  // The SwiGLU output is not kept: the backward computes it again from gate_up (a cheap
-  // elementwise pass), R x I activations less per layer until then.
-  const Buffer act = buffer({R, I});
-  swiglu_forward(act, e.gate_up);
-  if (fp8) fp8_grouped(y_perm, act, fp8->down, expert_offsets);
-  else grouped_linear_forward(y_perm, act, w.experts_down, expert_offsets);
-}
-
-const Fp8ExpertWeights& Qwen3Moe::fp8_expert_weights(const Qwen3MoeLayerWeights& w) const {
-  return marrow::fp8_expert_weights(*fp8_weights_, w.layer, config_.num_layers, w.experts_gate_up, w.experts_down);
-}
-
-int64_t Qwen3Moe::expert_squares_count(const Qwen3MoeLayerWeights& grads) const {
-  return grouped_squares_count(grads.experts_down) + grouped_squares_count(grads.experts_gate_up);
-}
-
-int64_t Qwen3Moe::expert_known_zero_count(const Qwen3MoeLayerWeights& grads) const { return grouped_known_zero_count(grads); }
-
-std::vector<std::pair<Tensor, Tensor>> Qwen3Moe::expert_known_zero_parts(const Qwen3MoeLayerWeights& grads, Tensor known_zero) const {
-  return grouped_known_zero_parts(grads, known_zero);
-}
-
-void Qwen3Moe::experts_backward_input(Tensor dx_perm, Tensor dy_perm, Qwen3MoeExpertActivations& e, Tensor expert_offsets,
-                                      const Qwen3MoeLayerWeights& w) const {
-  const int64_t R = e.gate_up.view().size(0), I = config_.expert_intermediate_size;
-  Buffer dact = buffer({R, I});
-  const Fp8ExpertWeights* fp8 = expert_fp8() ? &fp8_expert_weights(w) : nullptr;
-  if (fp8) fp8_grouped(dact, dy_perm, fp8->down_t, expert_offsets);
-  else grouped_linear_backward_input(dact, dy_perm, w.experts_down, expert_offsets);
-  e.act = buffer({R, I});  // computed again, for the down projection's weight gradient
-  e.dgate_up = buffer({R, 2 * I});
-  if (e.copy_row.data != nullptr) {
-    swiglu_weighted_backward(e.dgate_up, e.act, e.dtopk_weight, dact, e.gate_up, e.topk_weight, e.copy_row);
-    e.topk_weight = e.copy_row = e.dtopk_weight = Tensor{};
-  } else {
-    swiglu_forward(e.act, e.gate_up);
-    swiglu_backward(e.dgate_up, dact, e.gate_up);
-  }
-  e.gate_up = Buffer{};
-  if (fp8) fp8_grouped(dx_perm, e.dgate_up, fp8->gate_up_t, expert_offsets);
-  else grouped_linear_backward_input(dx_perm, e.dgate_up, w.experts_gate_up, expert_offsets);
-}
-
-void Qwen3Moe::experts_backward_weights(const Qwen3MoeLayerWeights& grads, Tensor dy_perm, Qwen3MoeExpertActivations& e,
-                                        Tensor expert_offsets, bool overwrite_grads, Tensor squares, Tensor known_zero) const {
-  const auto [down_squares, gate_up_squares] = split_record("squares", squares, grouped_squares_count(grads.experts_down), expert_squares_count(grads));
-  const auto [down_zero, gate_up_zero] = split_record("known_zero", known_zero, grads.experts_down.size(0), expert_known_zero_count(grads));
-  grouped_linear_backward_weight(grads.experts_down, dy_perm, e.act, expert_offsets, overwrite_grads, down_squares, down_zero);
-  grouped_linear_backward_weight(grads.experts_gate_up, e.dgate_up, e.x_perm, expert_offsets, overwrite_grads, gate_up_squares, gate_up_zero);
-  e = Qwen3MoeExpertActivations{};
-}
-
-void Qwen3Moe::experts_backward_weights_pair(const Qwen3MoeLayerWeights& grads, Tensor earlier_dy_perm, Qwen3MoeExpertActivations& earlier,
-                                             Tensor earlier_offsets, Tensor dy_perm, Qwen3MoeExpertActivations& e, Tensor expert_offsets,
-                                             bool overwrite_grads, Tensor squares, Tensor known_zero) const {
-  const auto [down_squares, gate_up_squares] = split_record("squares", squares, grouped_squares_count(grads.experts_down), expert_squares_count(grads));
-  const auto [down_zero, gate_up_zero] = split_record("known_zero", known_zero, grads.experts_down.size(0), expert_known_zero_count(grads));
-  grouped_linear_backward_weight_pair(grads.experts_down, {earlier_dy_perm, earlier.act, earlier_offsets}, {dy_perm, e.act, expert_offsets},
-                                      overwrite_grads, down_squares, down_zero);
-  grouped_linear_backward_weight_pair(grads.experts_gate_up, {earlier.dgate_up, earlier.x_perm, earlier_offsets},
-                                      {e.dgate_up, e.x_perm, expert_offsets}, overwrite_grads, gate_up_squares, gate_up_zero);
-  earlier = Qwen3MoeExpertActivations{};
-  e = Qwen3MoeExpertActivations{};
-}
-
-void Qwen3Moe::aggregate_forward(Tensor out, const Qwen3MoeAttentionActivations& a, Tensor y_perm, Tensor copy_row) const {
-  combine_forward(out, a.x_mid, y_perm, a.topk_weight, copy_row);
-}
-
-void Qwen3Moe::aggregate_backward_rows(Tensor dy_perm, Tensor dout, Tensor copy_row) const { dispatch_forward(dy_perm, dout, copy_row); }
-
-void Qwen3Moe::aggregate_backward(Tensor dy_perm, Tensor dtopk_weight, Tensor dout, const Qwen3MoeAttentionActivations& a,
-                                  Tensor copy_row, Qwen3MoeExpertActivations& e) const {
-  aggregate_backward_unweighted(dy_perm, dtopk_weight, dout, a, copy_row, e);
-}
-
-LmHead Qwen3Moe::lm_head(const Qwen3MoeWeights& w, int64_t tokens) const {
-  return {w.final_norm, w.lm_head, config_.rms_norm_eps, logits_chunk(tokens), dtype_, device_ == Device::cuda ? DType::f32 : dtype_, device_};
-}
-
-HostSum Qwen3Moe::epilog_forward(EpilogActivations& p, Buffer x, const Qwen3MoeBatch& batch, const Qwen3MoeWeights& w,
-                                 const Qwen3MoeWeights* grads, double loss_scale, bool overwrite_grads) const {
-  const int64_t T = batch.batch * batch.seq;
-  expect_shape("Qwen3Moe::epilog_forward", "x", x, {T, config_.hidden_size});
-  return marrow::epilog_forward(p, std::move(x), batch.targets, lm_head(w, T), grads ? grads->lm_head : Tensor{}, loss_scale, overwrite_grads);
-}
-
-void Qwen3Moe::epilog_backward(Tensor dx, const Qwen3MoeWeights& grads, double loss_scale, EpilogActivations& p, const Qwen3MoeBatch& batch,
-                               const Qwen3MoeWeights& w, bool overwrite_grads) const {
-  marrow::epilog_backward(dx, grads.final_norm, grads.lm_head, loss_scale, p, batch.targets, lm_head(w, batch.batch * batch.seq),
-                          overwrite_grads);
-}
-
 
 // Mirrors the stage functions above buffer by buffer; op scratch of a few KiB (router counts, the
 // norm weight-gradient partials, grouped-GEMM pointer arrays) is left out.

@@ -15,6 +15,9 @@
 // runs the K/V ring again beside a ring of dK/dV sums that travel with their block, each member
 // adding its share, until a last hop brings them home. A block's backward computes dK/dV first so
 // they travel while dq's kernel runs (one fused kernel on the GPU where it computes all three).
+// Packed K/V (ops/attention_runner.h's KvExpansion): the packed blocks travel instead, each
+// expanded by the member that holds it; a block's dK/dV is packed (expand_backward) before its sum
+// travels on, so both rings move `width` values a token.
 // GPT-OSS's variant: with a sliding window every block is cut into one per pair of chunks (the two
 // local chunks are not adjacent) and pairs wholly beyond the window are skipped; sinks join once,
 // after every block is merged, and each member adds its rows' share of dsinks.
@@ -60,8 +63,14 @@ void ring_attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v
 void ring_attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out,
                              Tensor lse, const Comm& cp, const AttentionVariant& variant = {}, Tensor dsinks = {});
 
+// The same with the keys and values given packed (KvExpansion): dpacked [B, Sl, width]
+// overwritten; expand_backward adds each block's share to the expansion's weight gradients.
+void ring_attention_forward_packed(Tensor out, Tensor lse, Tensor q, Tensor packed, const KvExpansion& kv, const Comm& cp);
+void ring_attention_backward_packed(Tensor dq, Tensor dpacked, Tensor dout, Tensor q, Tensor packed, Tensor out, Tensor lse,
+                                    const KvExpansion& kv, const Comm& cp);
+
 // The model's attention hook (ops/attention_runner.h) for micro-batches cut by the zigzag split
-// over cp: ring_attention_forward/backward over the group, which must outlive the runner.
+// over cp: ring_attention_forward/backward (and the packed pair) over the group, which must outlive the runner.
 AttentionRunner ring_attention_runner(const Comm& cp);
 
 // Device bytes ring attention allocates beyond its inputs and outputs for `tokens` local tokens:

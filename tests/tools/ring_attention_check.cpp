@@ -6,7 +6,10 @@
 // by block), so they agree to ~1e-15 relative; 1e-12 leaves room for that and none for a wrong
 // mask, block or hop (O(1) errors). Both orders of a block's backward run (halves, and fused as
 // on the GPU's wgmma kernels). GPT-OSS's variant too: sinks (their gradient summed over the members)
-// and sliding windows shorter than a chunk, across chunks and longer than the sequence.
+// and sliding windows shorter than a chunk, across chunks and longer than the sequence. Packed K/V
+// (DeepSeek's MLA under CP): each block expanded by linear maps k = packed Wk, v = packed Wv (v's head
+// dim differing from k's), against the one-process op on the expanded whole: out, lse, dq, dpacked,
+// and dWk, dWv summed over the members.
 // Run as `mpirun -np P ring_attention_check`; prints PASS or FAIL.
 #include <cmath>
 #include <cstdio>
@@ -84,6 +87,86 @@ void run_case(const Comm& cp, const Shape& n, int64_t window = 0, bool sinks = f
   expect_close("dsinks", ldsinks, dsinks, cp.rank());
 }
 
+// y[N, O] += x[N, I] w[I, O]; transpose: y[N, I] += x[N, O] w[I, O]^T. accumulate_weight: dw[I, O] += x^T dy.
+void matmul(Tensor y, Tensor x, Tensor w, bool transpose = false) {
+  const int64_t rows = x.size(0), in = w.size(0), out = w.size(1);
+  const double *a = x.ptr<double>(), *b = w.ptr<double>();
+  double* c = y.ptr<double>();
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < in; ++i)
+      for (int64_t o = 0; o < out; ++o) {
+        if (transpose) c[r * in + i] += a[r * out + o] * b[i * out + o];
+        else c[r * out + o] += a[r * in + i] * b[i * out + o];
+      }
+}
+void accumulate_weight(Tensor dw, Tensor x, Tensor dy) {
+  const int64_t rows = x.size(0), in = dw.size(0), out = dw.size(1);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < in; ++i)
+      for (int64_t o = 0; o < out; ++o) dw.ptr<double>()[i * out + o] += x.ptr<double>()[r * in + i] * dy.ptr<double>()[r * out + o];
+}
+
+// The linear expansion of packed [B, S, W] with weights wk [W, Hkv D], wv [W, Hkv Dv], adding to dwk, dwv.
+KvExpansion linear_expansion(const Shape& n, int64_t width, int64_t dv_dim, Tensor wk, Tensor wv, Tensor dwk, Tensor dwv) {
+  auto two_d = [](Tensor t) { return t.reshape({t.size(0) * t.size(1), t.numel() / (t.size(0) * t.size(1))}); };
+  KvExpansion e{width, n.hkv, n.d, dv_dim, {}, {}};
+  e.expand = [=](Tensor k, Tensor v, Tensor packed) {
+    fill_zero(k);
+    fill_zero(v);
+    matmul(two_d(k), two_d(packed), wk);
+    matmul(two_d(v), two_d(packed), wv);
+  };
+  e.expand_backward = [=](Tensor dpacked, Tensor dk, Tensor dv, Tensor packed) {
+    fill_zero(dpacked);
+    matmul(two_d(dpacked), two_d(dk), wk, true);
+    matmul(two_d(dpacked), two_d(dv), wv, true);
+    accumulate_weight(dwk, two_d(packed), two_d(dk));
+    accumulate_weight(dwv, two_d(packed), two_d(dv));
+  };
+  return e;
+}
+
+void sum_over_members(const Comm& cp, Tensor t) {
+  for (int64_t i = 0; i < t.numel(); ++i) t.ptr<double>()[i] = cp.sum(t.ptr<double>()[i], "packed weight gradients (sum)");
+}
+
+// Packed K/V of `width` values a token expanded to k [.., Hkv, D] and v [.., Hkv, dv_dim].
+void run_packed_case(const Comm& cp, const Shape& n, int64_t width, int64_t dv_dim) {
+  std::mt19937_64 rng(91);
+  Buffer q = random_f64(rng, {n.b, n.s, n.hq, n.d}), packed = random_f64(rng, {n.b, n.s, width});
+  Buffer wk = random_f64(rng, {width, n.hkv * n.d}), wv = random_f64(rng, {width, n.hkv * dv_dim});
+  Buffer dout = random_f64(rng, {n.b, n.s, n.hq, dv_dim});
+  Buffer dwk = Buffer::zeros(DType::f64, Device::cpu, {width, n.hkv * n.d}), dwv = Buffer::zeros(DType::f64, Device::cpu, {width, n.hkv * dv_dim});
+  Buffer ldwk = Buffer::zeros(DType::f64, Device::cpu, {width, n.hkv * n.d}), ldwv = Buffer::zeros(DType::f64, Device::cpu, {width, n.hkv * dv_dim});
+  const KvExpansion whole_e = linear_expansion(n, width, dv_dim, wk, wv, dwk, dwv), local_e = linear_expansion(n, width, dv_dim, wk, wv, ldwk, ldwv);
+  Buffer k(DType::f64, Device::cpu, {n.b, n.s, n.hkv, n.d}), v(DType::f64, Device::cpu, {n.b, n.s, n.hkv, dv_dim});
+  whole_e.expand(k, v, packed);
+  Buffer out(DType::f64, Device::cpu, {n.b, n.s, n.hq, dv_dim}), lse(DType::f64, Device::cpu, {n.b, n.hq, n.s});
+  Buffer dq(DType::f64, Device::cpu, {n.b, n.s, n.hq, n.d}), dk(DType::f64, Device::cpu, {n.b, n.s, n.hkv, n.d}),
+      dv(DType::f64, Device::cpu, {n.b, n.s, n.hkv, dv_dim}), dpacked(DType::f64, Device::cpu, {n.b, n.s, width});
+  attention_forward(out, lse, q, k, v);
+  attention_backward(dq, dk, dv, dout, q, k, v, out, lse);
+  whole_e.expand_backward(dpacked, dk, dv, packed);
+
+  const ZigzagSplit z = zigzag_split(n.s, cp.rank(), cp.size());
+  const int64_t sl = 2 * z.chunk;
+  Buffer lq = slice(q, {n.b, sl, n.hq, n.d}, z), lpacked = slice(packed, {n.b, sl, width}, z), ldout = slice(dout, {n.b, sl, n.hq, dv_dim}, z);
+  Buffer lout(DType::f64, Device::cpu, {n.b, sl, n.hq, dv_dim}), llse(DType::f64, Device::cpu, {n.b, n.hq, sl});
+  Buffer ldq(DType::f64, Device::cpu, {n.b, sl, n.hq, n.d}), ldpacked(DType::f64, Device::cpu, {n.b, sl, width});
+  ring_attention_forward_packed(lout, llse, lq, lpacked, local_e, cp);
+  ring_attention_backward_packed(ldq, ldpacked, ldout, lq, lpacked, lout, llse, local_e, cp);
+
+  expect_close("packed out", lout, slice(out, {n.b, sl, n.hq, dv_dim}, z), cp.rank());
+  expect_close("packed lse", llse.view().reshape({n.b * n.hq, sl}), slice(lse.view().reshape({n.b * n.hq, n.s}), {n.b * n.hq, sl}, z),
+               cp.rank());
+  expect_close("packed dq", ldq, slice(dq, {n.b, sl, n.hq, n.d}, z), cp.rank());
+  expect_close("dpacked", ldpacked, slice(dpacked, {n.b, sl, width}, z), cp.rank());
+  sum_over_members(cp, ldwk);
+  sum_over_members(cp, ldwv);
+  expect_close("dWk (sum)", ldwk, dwk, cp.rank());
+  expect_close("dWv (sum)", ldwv, dwv, cp.rank());
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -104,6 +187,13 @@ int main(int argc, char** argv) {
       for (const int64_t window : {int64_t(1), int64_t(3), int64_t(9), int64_t(15), chunks * 7})
         for (const bool sinks : {false, true}) run_case(cp, {2, chunks * 7, 4, 2, 8}, window, sinks);
       run_case(cp, {1, chunks * 5, 4, 1, 16}, 0, true);
+    }
+    marrow::set_cpu_blocks_fused(false);
+    // Packed K/V: 6 values a token to 2 heads of k 8 and v 4; to 1 head of k 16 and v 8 with GQA 4.
+    for (const bool fused : {false, true}) {
+      marrow::set_cpu_blocks_fused(fused);
+      run_packed_case(cp, {2, chunks * 7, 4, 2, 8}, 6, 4);
+      run_packed_case(cp, {1, chunks * 5, 4, 1, 16}, 5, 8);
     }
     marrow::set_cpu_blocks_fused(false);
     const double all_worst = cp.sum(worst, "worst error (sum)");
