@@ -9,6 +9,16 @@
 #   tools/gpu_reference.sh <log-dir> marrow [S]     marrow train for at most S seconds (default 540), resuming
 #   tools/gpu_reference.sh <log-dir> torch [S]      the reference for at most S seconds (default 540), resuming
 #   tools/gpu_reference.sh <log-dir> compare        window means, plot, and the exported model's held-out loss
+#   tools/gpu_reference.sh <log-dir> torch-bf16 [S] the reference with its residual stream in bf16 as Marrow's
+#                                                   (reference_run.py --residual-dtype bfloat16) into
+#                                                   runs/reference-torch-bf16, prepare first, at most S seconds, resuming
+#   tools/gpu_reference.sh <log-dir> compare-bf16   window means of Marrow's run against torch-bf16's (and against
+#                                                   torch's where present), plot of the three: reference-bf16.svg.
+#                                                   MARROW_RUN (default runs/reference-marrow) and TORCH_RUN (default
+#                                                   runs/reference-torch): other directories holding a metrics.jsonl,
+#                                                   e.g. docs/logs' saved ones copied there on a fresh machine
+# torch-bf16 and compare-bf16 test issue #52's hypothesis that Marrow's ~0.6% higher training loss is its bf16
+# residual stream (the reference's stays fp32 under autocast): the gap closes if it is.
 # A run longer than one device call (10 minutes) is several calls on the same warm machine: its disk keeps
 # runs/ between them (a fresh machine starts again from prepare). Ends with PASS or FAIL.
 set -uo pipefail
@@ -19,6 +29,7 @@ limit=${3:-540}
 source tools/gpu_common.sh
 config=configs/reference-moe.toml
 corpus=runs/corpus-reference init=runs/reference-init ours=runs/reference-marrow theirs=runs/reference-torch
+theirs_bf16=runs/reference-torch-bf16
 common=(--data.path=$corpus)
 marrow_args=(--model.config=$init-ckpt/config.json --checkpoint.resume=$init-ckpt --output.dir=$ours)
 corpus_tokenizer=.gpu-carry/qwen3/tokenizer.json
@@ -45,11 +56,13 @@ marrow_part() {
   tail -4 "$(ls -t "$out"/marrow-*.log | head -1)" | tee -a "$out/summary.log"
 }
 
+# torch_part <seconds> <run-dir> <log-name> [reference_run.py options...]
 torch_part() {
-  step "reference_run.py train, at most $1 s"
-  $python tools/reference_run.py train $config $init $theirs "${common[@]}" --stop-after-s="$1" "${@:2}" \
-    > "$out/torch-$(date +%H%M%S).log" 2>&1 || fail "reference_run.py train"
-  tail -4 "$(ls -t "$out"/torch-*.log | head -1)" | tee -a "$out/summary.log"
+  step "reference_run.py train${4:+ ${*:4}} into $2, at most $1 s"
+  local log="$out/$3-$(date +%H%M%S).log"
+  $python tools/reference_run.py train $config $init "$2" "${common[@]}" --stop-after-s="$1" "${@:4}" > "$log" 2>&1 \
+    || fail "reference_run.py train ${*:4}"
+  tail -4 "$log" | tee -a "$out/summary.log"
 }
 
 case $part in
@@ -67,7 +80,21 @@ case $part in
     grep -E "^step|peak|rror" "$out/torch-smoke.log" | tee -a "$out/summary.log"
     ;;
   marrow) prepare && marrow_part "$limit" ;;
-  torch) prepare && torch_part "$limit" ;;
+  torch) prepare && torch_part "$limit" $theirs torch ;;
+  torch-bf16) prepare && torch_part "$limit" $theirs_bf16 torch-bf16 --residual-dtype=bfloat16 ;;
+  compare-bf16)
+    marrow_run=${MARROW_RUN:-$ours} torch_run=${TORCH_RUN:-$theirs}
+    step "compare: $marrow_run against $theirs_bf16 (the reference's residual stream in bf16)"
+    $python tools/reference_compare.py "$marrow_run" $theirs_bf16 | tee -a "$out/summary.log" || fail "the curves do not agree"
+    curves=("$marrow_run")
+    if [ -f "$torch_run/metrics.jsonl" ]; then
+      step "beside it: $marrow_run against $torch_run (fp32 residual stream)"
+      $python tools/reference_compare.py "$marrow_run" "$torch_run" | tee -a "$out/summary.log"  # informational: no FAIL
+      curves+=("$torch_run")
+    fi
+    curves+=($theirs_bf16)
+    $marrow plot "${curves[@]}" --out "$out/reference-bf16.svg" 2>&1 | tee -a "$out/summary.log" || fail "plot"
+    ;;
   compare)
     step "compare: window means, validation, plot"
     $python tools/reference_compare.py $ours $theirs | tee -a "$out/summary.log" || fail "the curves do not agree"
@@ -78,7 +105,7 @@ case $part in
     $python tools/reference_compare.py $ours $theirs --exported "$out/exported-eval.json" | tail -1 | tee -a "$out/summary.log" \
       || fail "the exported model's held-out loss differs from Marrow's"
     ;;
-  *) echo "unknown part '$part': prepare, smoke, marrow, torch or compare"; echo FAIL; exit 1 ;;
+  *) echo "unknown part '$part': prepare, smoke, marrow, torch, compare, torch-bf16 or compare-bf16"; echo FAIL; exit 1 ;;
 esac
 if [ $status -eq 0 ]; then echo PASS; else echo FAIL; fi
 exit $status

@@ -16,17 +16,23 @@ same batches, so that the two loss curves can be laid side by side over a long r
   - update: global-norm clipping, torch.optim.AdamW (decay on matrices only, as ParamKind::matrix),
     the learning rate of engine/lr_schedule.h;
   - precision: fp32 weights; on the GPU, bf16 autocast (bf16 compute, fp32 master weights, fp32
-    gradients), on the CPU plain fp32 (the CI test against marrow train on the CPU).
+    gradients), on the CPU plain fp32 (the CI test against marrow train on the CPU). The residual
+    stream (the embedding output, residual + attention and residual + MLP in every decoder layer)
+    stays fp32 under autocast; --residual-dtype bfloat16 rounds it to bf16 at those points, as Marrow
+    holds it (every activation bf16, rounded after each add), and so its gradients there too: issue
+    #52's test of whether precision explains Marrow's ~0.6% higher H100 training loss (decoder_layer_forward_bf16).
 It writes metrics.jsonl in Marrow's format, so `marrow plot` draws both runs.
 
   reference_run.py init <run-config> <hf-dir>                 the initial weights and config.json
   reference_run.py train <run-config> <hf-dir> <out-dir> [--section.key=value ...]
-        [--device cpu|cuda] [--stop-after-s S] [--checkpoint-every N]
-        resumes from <out-dir>/reference.pt when present; --stop-after-s saves and exits 0 when a step
-        ends past S seconds (one device call's limit), the next call goes on
+        [--device cpu|cuda] [--stop-after-s S] [--checkpoint-every N] [--residual-dtype float32|bfloat16]
+        resumes from <out-dir>/reference.pt when present (made with the same --residual-dtype);
+        --stop-after-s saves and exits 0 when a step ends past S seconds (one device call's limit), the
+        next call goes on
   reference_run.py eval <run-config> <hf-dir> [--device ...]  the mean loss over eval.samples held-out
         sequences of a Hugging Face model (e.g. marrow export of the final checkpoint), printed as JSON
   reference_run.py bench <run-config> <hf-dir> [--warmup N] [--steps M] [--attention A] [--compile C] [--json F]
+        [--residual-dtype R]
         the PyTorch peer of `marrow bench`: N warm-up and M measured training steps (the learning rate of
         marrow bench's schedule, which runs M / 4 more steps) on the run's batches; prints one line with
         tokens/s, ms/step, TFLOP/s and MFU from Marrow's FLOP count (6 x active parameters + causal
@@ -188,6 +194,26 @@ def experts_forward_bf16(self, hidden_states, top_k_index, top_k_weights):
     return torch.zeros(hidden_states.shape, dtype=y.dtype, device=y.device).index_add_(0, rows, y).to(hidden_states.dtype)
 
 
+def decoder_layer_forward_bf16(self, hidden_states, **kwargs):
+    """Qwen3MoeDecoderLayer.forward and DeepseekV2DecoderLayer.forward (the same code in transformers 5) with the
+    residual stream rounded to bf16 (--residual-dtype bfloat16, issue #52): the layer's input, its sum residual +
+    attention (post_attention_layernorm's input) and its output residual + MLP. Under autocast these stay fp32
+    (the weights' dtype) while Marrow holds them in bf16, rounded after each add; .to(bfloat16) rounds the gradient
+    through each point to bf16 as well (a bf16 tensor's gradient is bf16). Rounding the input rounds the embedding
+    output at the first layer (a no-op at the next), rather than a hook on embed_tokens, whose bf16 output would
+    also turn the model's rotary cos/sin (computed in the embedding's dtype) into bf16. The norms then see bf16
+    input and round their normalised value to bf16 before the fp32 weight, as in a bf16 model."""
+    import torch
+    residual = hidden_states.to(torch.bfloat16)
+    hidden_states, _ = self.self_attn(hidden_states=self.input_layernorm(residual), **kwargs)
+    residual = (residual + hidden_states).to(torch.bfloat16)
+    hidden_states = self.mlp(self.post_attention_layernorm(residual))
+    return (residual + hidden_states).to(torch.bfloat16)
+
+
+DECODER_LAYERS = ("Qwen3MoeDecoderLayer", "DeepseekV2DecoderLayer")  # whose forward decoder_layer_forward_bf16 mirrors
+
+
 def is_deepseek(config):
     return config.model_type == "deepseek_v2"
 
@@ -267,9 +293,9 @@ def register_attention():
     AttentionInterface.register("sdpa_cudnn", cudnn_sdpa_attention)
 
 
-def load_model(hf_dir, device, attention="sdpa"):
+def load_model(hf_dir, device, attention="sdpa", residual_dtype="float32"):
     """fp32 weights; on the GPU, SDPA attention (or `attention`) and the bf16 grouped experts. DeepSeek-V2 with
-    norm_topk_prob: the normalising router."""
+    norm_topk_prob: the normalising router. residual_dtype bfloat16: the decoder layers round the residual stream."""
     import types
     import torch
     from transformers import AutoModelForCausalLM
@@ -285,6 +311,11 @@ def load_model(hf_dir, device, attention="sdpa"):
         for layer in moe_layers(model):
             layer.mlp.gate._marrow_config = model.config
             layer.mlp.gate.forward = types.MethodType(deepseek_router_normalized, layer.mlp.gate)
+    if residual_dtype == "bfloat16":
+        for layer in model.model.layers:
+            if type(layer).__name__ not in DECODER_LAYERS:
+                fail(f"--residual-dtype bfloat16 replaces the forward of {' and '.join(DECODER_LAYERS)}; this model has {type(layer).__name__}")
+            layer.forward = types.MethodType(decoder_layer_forward_bf16, layer)
     record_router_logits(model)
     return model
 
@@ -410,9 +441,10 @@ def train_step(model, optimizer, corpus, rc, step, device, autocast, aux_coef, f
     return {"loss": ce_sum * loss_scale, "load_balance": aux_sum / (layers * micro_batches * k), "grad_norm": grad_norm, "lr": lr}
 
 
-def save(path, model, optimizer, step):
+def save(path, model, optimizer, step, residual_dtype):
     import torch
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}, path + ".tmp")
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step, "residual_dtype": residual_dtype},
+               path + ".tmp")
     os.replace(path + ".tmp", path)
 
 
@@ -432,14 +464,19 @@ def train(args, rc):
     device = args.device
     autocast = device == "cuda"
     corpus = training_corpus(rc)
-    model = load_model(args.hf_dir, device)
+    model = load_model(args.hf_dir, device, residual_dtype=args.residual_dtype)
     optimizer = make_optimizer(model, rc, fused=device == "cuda")
     aux_coef = aux_coefficient(rc, model.config)
     os.makedirs(args.out_dir, exist_ok=True)
     checkpoint, metrics_path = os.path.join(args.out_dir, "reference.pt"), os.path.join(args.out_dir, "metrics.jsonl")
+    precision = "bf16 autocast, fp32 master weights" if autocast else "fp32"
+    print(f"reference train: {model.config.model_type} on the {device}, {precision}, residual stream {args.residual_dtype}", flush=True)
     first = 1
     if os.path.exists(checkpoint):
         state = torch.load(checkpoint, map_location=device, weights_only=True)
+        saved = state.get("residual_dtype", "float32")  # checkpoints from before the option: fp32
+        if saved != args.residual_dtype:
+            fail(f"{checkpoint} was trained with --residual-dtype {saved}, not {args.residual_dtype}: another <out-dir>, or the same option")
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         first = state["step"] + 1
@@ -467,12 +504,12 @@ def train(args, rc):
                   f"norm {m['grad_norm']:.3f} lr {m['lr']:.3g} {m['tokens_per_s']:.0f} tokens/s", flush=True)
         late = args.stop_after_s > 0 and time.time() - start > args.stop_after_s
         if (args.checkpoint_every > 0 and step % args.checkpoint_every == 0) or late:
-            save(checkpoint, model, optimizer, step)
+            save(checkpoint, model, optimizer, step, args.residual_dtype)
         if late:
             print(f"stopped after step {step} ({time.time() - start:.0f} s): run the same command again to go on", flush=True)
             return
     if args.checkpoint_every > 0:
-        save(checkpoint, model, optimizer, step)
+        save(checkpoint, model, optimizer, step, args.residual_dtype)
     if device == "cuda":
         print(f"peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB", flush=True)
 
@@ -590,7 +627,7 @@ def bench(args, rc):
     corpus = training_corpus(rc)
     attention = args.attention or ("auto" if cuda else "sdpa")
     start = time.time()
-    model = load_model(args.hf_dir, args.device, "sdpa" if attention == "auto" else attention)
+    model = load_model(args.hf_dir, args.device, "sdpa" if attention == "auto" else attention, args.residual_dtype)
     loaded = time.time() - start
     aux_coef = aux_coefficient(rc, model.config)
     if attention == "auto":
@@ -613,10 +650,12 @@ def bench(args, rc):
               "parameters": sum(p.numel() for p in model.parameters()), "losses": losses,
               "load_balance": [m["load_balance"] for m in metrics], "grad_norms": [m["grad_norm"] for m in metrics],
               "warmup": args.warmup, "steps": args.steps, "attention": attention, "compile": args.compile, "card": card,
-              "torch": torch.__version__, "transformers": transformers.__version__, "load_s": loaded, "aux_loss_coef": aux_coef}
+              "torch": torch.__version__, "transformers": transformers.__version__, "load_s": loaded, "aux_loss_coef": aux_coef,
+              "residual_dtype": args.residual_dtype}
     print(f"torch bench: {args.steps} measured steps after {args.warmup} warm-up | {result['tokens_per_s']:.0f} tokens/s | "
           f"{ms:.1f} ms/step | {tflops:.1f} TFLOP/s | MFU {100 * result['mfu']:.1f}% | peak {peak:.2f} GiB | "
-          f"attention {attention}, compile {args.compile}, torch {torch.__version__}, transformers {transformers.__version__}, {card} | losses "
+          f"attention {attention}, compile {args.compile}, residual {args.residual_dtype}, torch {torch.__version__}, "
+          f"transformers {transformers.__version__}, {card} | losses "
           + json.dumps([round(x, 5) for x in losses]), flush=True)
     if args.json:
         with open(args.json, "w") as f:
@@ -625,7 +664,7 @@ def bench(args, rc):
 
 def evaluate(args, rc):
     corpus = Corpus(rc["data.path"], rc["train.seq_len"], rc["train.seed"], rc["data.validation_fraction"])
-    model = load_model(args.hf_dir, args.device)
+    model = load_model(args.hf_dir, args.device, residual_dtype=args.residual_dtype)
     # The exported weights are bf16 (marrow export --dtype bfloat16): held in fp32 they are the same
     # values, and autocast computes with them in bf16 as Marrow does.
     print(json.dumps({"val_loss": evaluation_loss(model, corpus, rc, args.device, args.device == "cuda"), "samples": rc["eval.samples"]}))
@@ -648,6 +687,10 @@ def main():
     parser.add_argument("--compile", default="none", choices=["none", "layers"], help="bench: torch.compile")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="bench: the card's dense bf16 peak for the MFU (H100 SXM, H200)")
     parser.add_argument("--json", help="bench: write the figures and losses here")
+    parser.add_argument("--residual-dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="train, bench, eval: the residual stream's dtype (the embedding output and each decoder layer's two "
+                             "residual sums, their gradients too): float32 (default: autocast's, the weights' dtype) or bfloat16 "
+                             "(rounded there as Marrow holds it: issue #52's test of whether precision explains Marrow's higher loss)")
     args, overrides = parser.parse_known_args()
     rc = run_config(args.run_config, overrides)
     if args.command == "train" and not args.out_dir:
