@@ -17,11 +17,12 @@ row() {  # what, size, goal, ceiling, unit
 bytes() { [ -f "$1" ] && wc -c < "$1" || echo 0; }
 
 # Files of src/ over 800 lines may not exist; src/ as a whole may not grow past its ceiling: 24,000
-# lines for the engine, the ops and the first two model families, and 1,500 more for each family
-# after them (its model file and the ops only it needs; DeepSeek-V2 took ~1,400).
+# lines for the engine, the ops and the first two model families, 1,500 more for each family after
+# them (its model file and the ops only it needs; DeepSeek-V2 took ~1,400), and 800 for issue #51's
+# training recipes all together (Muon, the load-balance variants, the expert bias, packed documents).
 declare -A file_ceiling=()
 families=$(find src/models -name '*.h' ! -name common.h | wc -l)
-src_ceiling=$((24000 + 1500 * (families - 2)))
+src_ceiling=$((24000 + 1500 * (families - 2) + 800))
 
 printf '%-40s %8s %8s %8s %-6s\n' what size goal ceiling unit
 row AGENTS.md "$(bytes AGENTS.md)" 12000 12000 bytes

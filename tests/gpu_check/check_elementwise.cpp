@@ -1,5 +1,5 @@
 // marrow check, elementwise group: the memory-bound ops (embedding, rmsnorm and its fusions with add
-// and rope, rope (YaRN too), biases, add, router, dispatch, combine, swiglu, cross-entropy, AdamW,
+// and rope, rope (YaRN too), biases, add, muon, router, dispatch, combine, swiglu, cross-entropy, AdamW,
 // gradient norm), forward and backward, each against its f32 CPU reference on random inputs rounded
 // to the GPU's dtypes (docs/gpu-path.md), at odd sizes and at the bench sizes where the CPU
 // reference is cheap. GPU outputs start poisoned; accumulated outputs start from the same random
@@ -30,6 +30,7 @@
 #include "ops/rmsnorm.h"
 #include "ops/rope.h"
 #include "ops/router.h"
+#include "ops/muon.h"
 #include "ops/swiglu.h"
 
 namespace marrow {
@@ -307,6 +308,20 @@ void check_add_into(CheckReport& report, int64_t rows, int64_t cols, DType dtype
   const Both acc(random_bf16({rows, cols}, 32), f32), x(random_bf16({rows, cols}, 33), dtype);
   on_each_side([&](int s) { add_into(acc[s], x[s]); });
   report.compare(fmt::format("add_into f32 += {} [{}, {}]", dtype_name(dtype), rows, cols), acc, kSameOrder);
+}
+
+// Muon (ops/muon.h): the momentum in f32; Newton-Schulz's 5 steps of bf16 GEMMs against the CPU's
+// f32: each step rounds its three products to bf16 (2^-9 relative) and the iteration contracts the
+// singular values' errors, so the bound is a few roundings, 5e-2.
+void check_muon(CheckReport& report, int64_t rows, int64_t cols) {
+  const std::string size = fmt::format("[{}, {}]", rows, cols);
+  const Both update = Both::out(f32, {rows, cols}), momentum(random_host({rows, cols}, 140), f32), grad(random_host({rows, cols}, 141), f32);
+  on_each_side([&](int s) { muon_momentum(update[s], momentum[s], grad[s], 0.95); });
+  report.compare("muon_momentum update " + size, update, kF32);
+  report.compare("muon_momentum momentum " + size, momentum, kF32);
+  const Both out = Both::out(bf16, {rows, cols});
+  on_each_side([&](int s) { newton_schulz(out[s], update[s], 5); });
+  report.compare("newton_schulz 5 steps " + size, out, 5e-2);
 }
 
 // GPT-OSS's alpha; its limit is 7, and a limit of 1.5 makes the clamps bite on many more values.
@@ -714,6 +729,7 @@ void check_elementwise_ops(CheckReport& report) {
   for (auto [o, on_gpu] : {std::pair{72, false}, {75, false}, {75, true}}) check_grouped_bias(report, {0, 5, 1, 0, 13, 18, 0}, o, on_gpu);
   for (DType dtype : {bf16, f32}) check_add(report, 37, 75, dtype);
   for (DType dtype : {bf16, f32}) check_add_into(report, 37, 75, dtype);
+  for (const auto [rows, cols] : {std::pair{37L, 75L}, std::pair{75L, 37L}, std::pair{64L, 64L}}) check_muon(report, rows, cols);
   for (int64_t i : {72, 75}) check_swiglu(report, 37, i, 0);
   for (int64_t i : {72, 75})
     for (double limit : {7.0, 1.5}) check_swiglu(report, 37, i, limit);
