@@ -220,7 +220,8 @@ TEST(DeepseekV2, PerSequenceStatisticsOfDataParallelHalvesAreTheWholeBatchs) {
   for (int64_t h = 0; h < 2; ++h) {
     const int64_t first = h * 2 * S;
     batches[size_t(h)] = {2, S, rows_of(run.batch.input_ids, first, 2 * S), rows_of(run.batch.targets, first, 2 * S),
-                          rows_of(run.batch.positions, first, 2 * S), nullptr, {2 * h, B}};
+                          rows_of(run.batch.positions, first, 2 * S), nullptr};
+    batches[size_t(h)].sequences = {2 * h, B};
     m.attention_forward(halves[size_t(h)], rows_of(x, first, 2 * S), batches[size_t(h)], w.layers[1]);
   }
   add(halves[0].routing_stats, halves[0].routing_stats, halves[1].routing_stats);

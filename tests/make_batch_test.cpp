@@ -45,5 +45,24 @@ TEST(MakeBatch, WholeSequenceOnOneProcess) {
   EXPECT_EQ(values(batch.positions), (std::vector<int32_t>{0, 1, 2, 3}));
 }
 
+// data.document_mask under cp = 2 over a sequence of 12 (chunks of 3): every rank reads the whole
+// sample (13 tokens, eos 0 at positions 1 and 7), so a document that starts on another rank's chunk
+// (positions 2-7, across chunks 0, 1 and 2) keeps its positions; position 8 starts one inside chunk 2.
+TEST(MakeBatch, DocumentPositionsOfAZigzagShare) {
+  std::vector<int32_t> tokens;
+  for (int32_t p = 0; p < 13; ++p) tokens.push_back(p == 1 || p == 7 ? 0 : 50 + p);
+  const std::vector<std::vector<int32_t>> want_ids = {{50, 0, 52, 59, 60, 61}, {53, 54, 55, 56, 0, 58}};
+  const std::vector<std::vector<int32_t>> want_positions = {{0, 1, 0, 1, 2, 3}, {1, 2, 3, 4, 5, 0}};
+  for (int rank = 0; rank < 2; ++rank) {
+    const ZigzagSplit z = zigzag_split(12, rank, 2);
+    SequenceShare share{2 * z.chunk, {{z.first, z.chunk + 1}, {z.second, z.chunk + 1}}, {}, 0};
+    ASSERT_TRUE(share.reads().empty());  // the whole sample
+    const Qwen3MoeBatch batch = make_batch<Qwen3Moe>(tokens, 1, share, Device::cpu);
+    EXPECT_TRUE(batch.documents);
+    EXPECT_EQ(values(batch.input_ids), want_ids[size_t(rank)]) << rank;
+    EXPECT_EQ(values(batch.positions), want_positions[size_t(rank)]) << rank;
+  }
+}
+
 }  // namespace
 }  // namespace marrow

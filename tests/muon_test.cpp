@@ -7,7 +7,13 @@
 #include <vector>
 
 #include "core/errors.h"
+#include "core/json.h"
+#include "core/split_f32.h"
 #include "gradcheck.h"
+#include "models/deepseek_v2.h"
+#include "models/gpt_oss.h"
+#include "models/qwen3_moe.h"
+#include "ops/cast.h"
 
 namespace marrow {
 namespace {
@@ -59,6 +65,73 @@ TEST(Muon, MomentumIsNesterovsTwoLerps) {
     const double m = 0.95 * m0[size_t(i)] + 0.05 * grad.ptr<double>()[i];
     EXPECT_DOUBLE_EQ(momentum.ptr<double>()[i], m) << i;
     EXPECT_DOUBLE_EQ(update.ptr<double>()[i], 0.05 * grad.ptr<double>()[i] + 0.95 * m) << i;
+  }
+}
+
+TEST(Muon, MomentumScalesTheGradientFirst) {
+  Buffer update(DType::f64, Device::cpu, {5}), momentum = random_buffer(DType::f64, {5}, 1), grad = random_buffer(DType::f64, {5}, 2);
+  const Matrix m0(momentum.ptr<double>(), momentum.ptr<double>() + 5);
+  muon_momentum(update, momentum, grad, 0.9, 0.25);
+  for (int i = 0; i < 5; ++i) {
+    const double g = 0.25 * grad.ptr<double>()[i], m = 0.9 * m0[size_t(i)] + 0.1 * g;
+    EXPECT_DOUBLE_EQ(momentum.ptr<double>()[i], m) << i;
+    EXPECT_DOUBLE_EQ(update.ptr<double>()[i], 0.1 * g + 0.9 * m) << i;
+  }
+}
+
+// [B, R, C] orthogonalizes each matrix on its own: the bits of B separate calls.
+TEST(Muon, NewtonSchulzOfABatchIsEachMatrixAlone) {
+  for (const auto [rows, cols] : {std::pair{6L, 10L}, std::pair{10L, 6L}}) {
+    const Buffer g = random_buffer(DType::f32, {3, rows, cols}, 6);
+    Buffer out(DType::f32, Device::cpu, {3, rows, cols}), one(DType::f32, Device::cpu, {rows, cols});
+    newton_schulz(out, g, 5);
+    for (int64_t b = 0; b < 3; ++b) {
+      newton_schulz(one, g.view().rows(b, b + 1).reshape({rows, cols}), 5);
+      for (int64_t i = 0; i < rows * cols; ++i) ASSERT_EQ(out.ptr<float>()[b * rows * cols + i], one.ptr<float>()[i]) << b << " at " << i;
+    }
+  }
+}
+
+// p (1 - lr wd) - lr (scale o), each product rounded in f32, for an fp32 master (with its bf16 copy)
+// and for the same values kept split.
+TEST(Muon, ApplyDecaysThenStepsTheMasterWeights) {
+  const Buffer p0 = random_buffer(DType::f32, {33}, 7), orth = random_buffer(DType::f32, {33}, 8);
+  Buffer p(DType::f32, Device::cpu, {33}), copy(DType::f32, Device::cpu, {33}), high(DType::bf16, Device::cpu, {33});
+  Buffer low(DType::u16, Device::cpu, {33}), halves(DType::bf16, Device::cpu, {33}), joined(DType::f32, Device::cpu, {33});
+  std::copy(p0.ptr<float>(), p0.ptr<float>() + 33, p.ptr<float>());
+  split_f32(halves, low, p0);
+  muon_apply(p, high, orth, 0.02, 0.1, 1.6);
+  muon_apply(low, halves, orth, 0.02, 0.1, 1.6);
+  join_f32(joined, halves, low);
+  for (int64_t i = 0; i < 33; ++i) {
+    const float kept = p0.ptr<float>()[i] * float(1 - 0.02 * 0.1), step = 0.02f * (1.6f * orth.ptr<float>()[i]);
+    EXPECT_EQ(p.ptr<float>()[i], kept - step) << i;
+    EXPECT_EQ(static_cast<uint16_t*>(high.view().data)[i], split_high(float_bits(kept - step))) << i;
+    EXPECT_EQ(float_bits(joined.ptr<float>()[i]), split_storable(float_bits(kept - step))) << i;
+  }
+  EXPECT_THROW(muon_apply(low, Tensor{}, orth, 0.02, 0.1, 1.6), Error);
+  EXPECT_THROW(muon_apply(p, Tensor{}, orth.view().rows(0, 32), 0.02, 0.1, 1.6), Error);
+}
+
+// Muon takes each family's hidden matrices (GPT-OSS's fused experts as [E, rows, cols]); the embeddings,
+// the LM head, the router, norms, biases and sinks stay with AdamW.
+TEST(Muon, EachFamilyOrthogonalizesItsHiddenMatricesOnly) {
+  const std::string dir = MARROW_SOURCE_DIR "/configs/";
+  const Qwen3Moe qwen(Qwen3MoeConfig::from_json(read_json_file(dir + "tiny-moe.json"), "tiny-moe.json"), DType::f32, Device::cpu);
+  const GptOss gpt(GptOssConfig::from_json(read_json_file(dir + "tiny-gpt-oss.json"), "tiny-gpt-oss.json"), DType::f32, Device::cpu);
+  const DeepseekV2 deepseek(DeepseekV2Config::from_json(read_json_file(dir + "tiny-deepseek-v2.json"), "tiny-deepseek-v2.json"), DType::f32,
+                            Device::cpu);
+  for (const std::vector<TensorSpec>* specs : {&qwen.specs(), &gpt.specs(), &deepseek.specs()}) {
+    int64_t matrices = 0;
+    for (const TensorSpec& s : *specs) {
+      const bool table = s.name.ends_with("embed_tokens.weight") || s.name == "lm_head.weight" || s.name.ends_with("mlp.gate.weight") ||
+                         s.name.ends_with("mlp.router.weight");
+      const bool want = !table && s.decayed && s.shape.size() >= 2;
+      EXPECT_EQ(s.orthogonalized, want) << s.name;
+      EXPECT_TRUE(!table || s.decayed) << s.name;
+      matrices += s.orthogonalized;
+    }
+    EXPECT_GT(matrices, 6);
   }
 }
 

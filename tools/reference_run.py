@@ -14,7 +14,8 @@ same batches, so that the two loss curves can be laid side by side over a long r
     coefficient is router_aux_loss_coef, else aux_loss_alpha x MoE layers / top-k (models/deepseek_v2.cpp),
     and norm_topk_prob normalises the routing weights as Marrow does (transformers 5 ignores it);
   - update: global-norm clipping, torch.optim.AdamW (decay on matrices only, as ParamKind::matrix),
-    the learning rate of engine/lr_schedule.h;
+    the learning rate of engine/lr_schedule.h; optimizer.kind = "muon": Muon (MuonWithAdamW below, written
+    from the formulas of ops/muon.h) for the matrices Marrow orthogonalizes, AdamW for the rest;
   - precision: fp32 weights; on the GPU, bf16 autocast (bf16 compute, fp32 master weights, fp32
     gradients), on the CPU plain fp32 (the CI test against marrow train on the CPU). The residual
     stream (the embedding output, residual + attention and residual + MLP in every decoder layer)
@@ -72,6 +73,7 @@ DEFAULTS = {
     "train.steps": 200, "train.global_batch": 8, "train.micro_batch": 8, "train.seq_len": 128, "train.seed": 1234,
     "train.aux_loss_coef": -1.0, "optimizer.lr": 3e-3, "optimizer.min_lr": 3e-4, "optimizer.beta1": 0.9,
     "optimizer.beta2": 0.95, "optimizer.eps": 1e-8, "optimizer.weight_decay": 0.1, "optimizer.grad_clip": 1.0,
+    "optimizer.kind": "adamw", "optimizer.muon_momentum": 0.95, "optimizer.muon_scale": 0.2, "optimizer.muon_steps": 5,
     "schedule.kind": "cosine", "schedule.warmup_steps": 20, "schedule.decay_fraction": 0.2, "output.log_every": 1,
     "eval.every": 0, "eval.samples": 16,
 }
@@ -375,13 +377,89 @@ def decayed(name):
     return not name.endswith("norm.weight")
 
 
-def make_optimizer(model, rc, fused):
+def adamw(params, rc, fused):
     import torch
-    params = list(model.named_parameters())
     groups = [{"params": [p for n, p in params if decayed(n)], "weight_decay": rc["optimizer.weight_decay"]},
               {"params": [p for n, p in params if not decayed(n)], "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=rc["optimizer.lr"], betas=(rc["optimizer.beta1"], rc["optimizer.beta2"]),
                              eps=rc["optimizer.eps"], fused=fused)
+
+
+def muon_matrices(name, p, split_gate_up):
+    """The matrices Marrow's Muon takes of parameter p (TensorSpec::orthogonalized) as a function from a tensor of p's
+    shape to views of [rows, cols], or None for AdamW's parameters (embeddings, LM head, router, norms, biases, sinks).
+    transformers 5 fuses Qwen3-MoE's and DeepSeek-V2's gate_proj and up_proj per expert ([E, 2I, H], gate first): Marrow
+    holds Hugging Face's checkpoint tensors, two matrices an expert; GPT-OSS's interleaved gate_up_proj is one."""
+    tables = ("embed_tokens.weight", "lm_head.weight", "mlp.gate.weight", "mlp.router.weight")
+    if p.ndim < 2 or name.endswith(tables) or name.endswith("bias"):
+        return None
+    if p.ndim == 2:
+        return lambda t: [t]
+    if split_gate_up and name.endswith("gate_up_proj"):
+        return lambda t: [half for expert in t for half in expert.chunk(2, dim=0)]
+    return lambda t: list(t)
+
+
+def newton_schulz(u, steps):
+    """ops/muon.h's iteration in fp32: X = u / (||u|| + 1e-7), then X = aX + (bA + cAA) X with A = X X^T (tall: transposed)."""
+    tall = u.shape[0] > u.shape[1]
+    x = u.T if tall else u
+    x = x / (x.norm() + 1e-7)
+    for _ in range(steps):
+        a = x @ x.T
+        x = 3.4445 * x + (-4.7750 * a + 2.0315 * (a @ a)) @ x
+    return x.T if tall else x
+
+
+class MuonWithAdamW:
+    """optimizer.kind = "muon": per matrix m = beta m + (1 - beta) g, u = (1 - beta) g + beta m, O = newton_schulz(u),
+    p = p (1 - lr wd) - lr (scale sqrt(max(rows, cols)) O); AdamW for the other parameters. One lr for both."""
+
+    def __init__(self, model, rc, fused):
+        import torch
+        split = model.config.model_type != "gpt_oss"
+        named = list(model.named_parameters())
+        self.muon = [(p, muon_matrices(n, p, split)) for n, p in named if muon_matrices(n, p, split)]
+        taken = {id(p) for p, _ in self.muon}
+        self.adamw = adamw([(n, p) for n, p in named if id(p) not in taken], rc, fused)
+        self.group = {"lr": rc["optimizer.lr"]}
+        self.param_groups = self.adamw.param_groups + [self.group]
+        self.momentum = [torch.zeros_like(p) for p, _ in self.muon]
+        self.beta, self.scale, self.steps = rc["optimizer.muon_momentum"], rc["optimizer.muon_scale"], rc["optimizer.muon_steps"]
+        self.weight_decay = rc["optimizer.weight_decay"]
+
+    def step(self):
+        import torch
+        self.adamw.step()
+        lr, beta = self.group["lr"], self.beta
+        with torch.no_grad():
+            for (p, matrices), m in zip(self.muon, self.momentum):
+                m.copy_(beta * m + (1 - beta) * p.grad)
+                u = (1 - beta) * p.grad + beta * m
+                for pv, uv in zip(matrices(p), matrices(u)):
+                    o = newton_schulz(uv, self.steps)
+                    pv.copy_(pv * (1 - lr * self.weight_decay) - lr * ((self.scale * max(o.shape) ** 0.5) * o))
+
+    def zero_grad(self, set_to_none=True):
+        self.adamw.zero_grad(set_to_none=set_to_none)
+        for p, _ in self.muon:
+            p.grad = None
+
+    def state_dict(self):
+        return {"adamw": self.adamw.state_dict(), "momentum": self.momentum}
+
+    def load_state_dict(self, state):
+        self.adamw.load_state_dict(state["adamw"])
+        for m, saved in zip(self.momentum, state["momentum"]):
+            m.copy_(saved)
+
+
+def make_optimizer(model, rc, fused):
+    if rc["optimizer.kind"] == "muon":
+        return MuonWithAdamW(model, rc, fused)
+    if rc["optimizer.kind"] != "adamw":
+        fail(f"optimizer.kind must be adamw or muon, got {rc['optimizer.kind']}")
+    return adamw(list(model.named_parameters()), rc, fused)
 
 
 def evaluation_loss(model, corpus, rc, device, autocast):

@@ -55,6 +55,9 @@ int export_command(int argc, char** argv) {
   if (source.is_checkpoint) {
     const Json meta = read_json_file(source.dir + "/meta.json");
     options.eos_token = meta.value("data", Json::object()).value("eos_token", "");
+    for (const Json& b : meta.value("expert_bias", Json::array()))
+      MARROW_CHECK(b.get<double>() == 0, "{} was trained with a non-zero expert bias (train.expert_bias_update), which no Hugging Face model of "
+                   "this family holds, so an export would route tokens differently", source.dir);
   } else if (fs::exists(source.dir + "/tokenizer_config.json")) {
     const Json t = read_json_file(source.dir + "/tokenizer_config.json");
     if (t.contains("eos_token") && t["eos_token"].is_string()) options.eos_token = t["eos_token"];

@@ -18,6 +18,7 @@ int tokenize_command(int argc, char** argv) {
   app.add_option("--tokenizer", options.tokenizer_path, "Hugging Face tokenizer.json (byte-level BPE)")->required();
   app.add_option("--out", options.out_dir, "output corpus directory")->required();
   app.add_option("--field", options.field, "JSONL field holding the text")->capture_default_str();
+  app.add_option("--loss-mask", options.loss_mask, "JSONL field whose text precedes the document's and is not trained on (a prompt)");
   app.add_option("--threads", options.threads, "encoding threads")->capture_default_str();
   app.add_option("--eos-token", options.eos_token, "token put after each document")->capture_default_str();
   app.add_option("--shard-tokens", options.shard_tokens, "tokens per shard file")->capture_default_str();

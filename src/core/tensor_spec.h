@@ -18,6 +18,9 @@ struct TensorSpec {
   // AdamW's weight decay applies: matrices and embeddings, not norms, biases and sinks (as Megatron-LM
   // exempts every 1-D parameter).
   bool decayed = true;
+  // Muon's (optimizer.kind = "muon"): a hidden layer's matrix, or [count, rows, cols] of them; the
+  // embeddings, the LM head and the router stay with AdamW as norms, biases and sinks do.
+  bool orthogonalized = false;
   // A step's first backward writes this gradient instead of adding to it (the expert weights, the
   // bulk of the arena; the LM head), so the trainer zeroes only the others (slotted units: every
   // micro-batch writes, ShardedParameters::first_writes_fresh).

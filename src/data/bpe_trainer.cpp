@@ -194,7 +194,7 @@ PieceCounts count_pieces(const BpeTrainOptions& options) {
     std::vector<BadLine> bad;
     auto count = [&](std::string_view piece) { count_piece(worker_counts[size_t(worker)], piece); };
     chunk_documents(files[chunk.file_index], chunk, options.field,
-                    [&](std::string_view text, bool) { splitter.pre_tokenize(text, states[size_t(worker)], count); }, bad);
+                    [&](std::string_view text, bool, bool) { splitter.pre_tokenize(text, states[size_t(worker)], count); }, bad);
     return bad;
   };
   auto consume = [&](std::vector<BadLine>& bad) {

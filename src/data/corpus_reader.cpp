@@ -211,7 +211,7 @@ bool ChunkReader::next(TextChunk& chunk) {
 
 namespace {
 
-using DocumentVisitor = std::function<void(std::string_view text, bool ends_document)>;
+using DocumentVisitor = std::function<void(std::string_view text, bool ends_document, bool no_loss)>;
 
 std::string invalid_utf8_reason(size_t invalid) { return fmt::format("invalid UTF-8 at byte {} of the line", invalid + 1); }
 
@@ -219,7 +219,7 @@ std::string invalid_utf8_reason(size_t invalid) { return fmt::format("invalid UT
 void chunk_text(const TextChunk& chunk, const DocumentVisitor& visit, std::vector<BadLine>& bad_lines) {
   std::string_view bytes = chunk.bytes;
   if (find_invalid_utf8(bytes) == std::string_view::npos) {
-    visit(bytes, chunk.ends_file);
+    visit(bytes, chunk.ends_file, false);
     return;
   }
   std::string valid;
@@ -233,12 +233,12 @@ void chunk_text(const TextChunk& chunk, const DocumentVisitor& visit, std::vecto
     else bad_lines.push_back({chunk.file_index, line, invalid_utf8_reason(invalid)});
     start = end;
   }
-  visit(valid, chunk.ends_file);
+  visit(valid, chunk.ends_file, false);
 }
 
 // One JSONL line (no newline): visits the string of `field` as a whole document, or returns why the
 // line is bad; a blank line is neither.
-std::string visit_jsonl_line(std::string_view text, const std::string& field, const DocumentVisitor& visit) {
+std::string visit_jsonl_line(std::string_view text, const std::string& field, const DocumentVisitor& visit, const std::string& no_loss_field) {
   if (text.ends_with('\r')) text.remove_suffix(1);
   if (text.find_first_not_of(" \t") == std::string_view::npos) return "";
   size_t invalid = find_invalid_utf8(text);
@@ -255,21 +255,27 @@ std::string visit_jsonl_line(std::string_view text, const std::string& field, co
   if (!object.is_object() || value == object.end() || value->is_null()) return fmt::format("missing field '{}'", field);
   if (!value->is_string()) return fmt::format("field '{}' is not a string", field);
   const std::string& document = value->get_ref<const std::string&>();
-  if (!document.empty()) visit(document, true);
+  if (!no_loss_field.empty()) {
+    auto prompt = object.find(no_loss_field);
+    if (prompt == object.end() || !prompt->is_string()) return fmt::format("field '{}' is missing or not a string", no_loss_field);
+    visit(prompt->get_ref<const std::string&>(), false, true);
+  }
+  if (!document.empty() || !no_loss_field.empty()) visit(document, true, false);
   return "";
 }
 
 }  // namespace
 
 void chunk_documents(const InputFile& file, const TextChunk& chunk, const std::string& field, const DocumentVisitor& visit,
-                     std::vector<BadLine>& bad_lines) {
+                     std::vector<BadLine>& bad_lines, const std::string& no_loss_field) {
+  MARROW_CHECK(file.jsonl || no_loss_field.empty(), "{}: a loss mask (--loss-mask) needs JSONL inputs", file.path);
   if (!file.jsonl) return chunk_text(chunk, visit, bad_lines);
   std::string_view bytes = chunk.bytes;
   int64_t line = chunk.first_line;
   for (size_t start = 0; start < bytes.size(); ++line) {
     size_t end = bytes.find('\n', start);
     if (end == std::string_view::npos) end = bytes.size();
-    std::string error = visit_jsonl_line(bytes.substr(start, end - start), field, visit);
+    std::string error = visit_jsonl_line(bytes.substr(start, end - start), field, visit, no_loss_field);
     if (!error.empty()) bad_lines.push_back({chunk.file_index, line, std::move(error)});
     start = end + 1;
   }

@@ -69,10 +69,11 @@ struct BadLine {
 
 // The documents in a chunk: for JSONL each line's field (invalid UTF-8, invalid JSON, a missing or
 // non-string field make a bad line, which is skipped); for text the chunk itself, less any lines
-// that are not valid UTF-8. `visit` gets each text and whether a document ends with it.
+// that are not valid UTF-8. `visit` gets each text, whether a document ends with it and whether it
+// carries no loss: with a no_loss_field (JSONL only), that field's text first (a prompt), then the document's.
 void chunk_documents(const InputFile& file, const TextChunk& chunk, const std::string& field,
-                     const std::function<void(std::string_view text, bool ends_document)>& visit,
-                     std::vector<BadLine>& bad_lines);
+                     const std::function<void(std::string_view text, bool ends_document, bool no_loss)>& visit,
+                     std::vector<BadLine>& bad_lines, const std::string& no_loss_field = {});
 
 // Bad lines as the commands report them: a warning on stderr for each of the first 20 (or, with
 // strict, an error at the first), then how many more were skipped.

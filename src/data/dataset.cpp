@@ -95,6 +95,7 @@ void TokenDataset::map_shards() {
 }
 
 std::vector<TokenDataset::ShardDigest> TokenDataset::hash_shards(bool show_progress) const {
+  const uint32_t id_bits = manifest_.loss_mask.empty() ? ~0u : ~kNoLossBit;  // a loss mask's bit is no part of the id
   std::atomic<size_t> next_shard{0};
   std::atomic<uint64_t> hashed_bytes{0};
   std::vector<ShardDigest> digests(shards_.size());
@@ -108,7 +109,8 @@ std::vector<TokenDataset::ShardDigest> TokenDataset::hash_shards(bool show_progr
         size_t take = std::min<size_t>(shards_[i].bytes - at, size_t(64) << 20);
         hash.update(bytes + at, take);
         const uint32_t* ids = shards_[i].tokens + at / sizeof(uint32_t);
-        digests[i].largest_id = std::max(digests[i].largest_id, *std::max_element(ids, ids + take / sizeof(uint32_t)));
+        for (const uint32_t* id = ids; id < ids + take / sizeof(uint32_t); ++id)
+          digests[i].largest_id = std::max(digests[i].largest_id, *id & id_bits);
         hashed_bytes += take;
         at += take;
       }
@@ -219,6 +221,10 @@ void TokenDataset::copy_tokens(int64_t begin, int64_t count, int32_t* out) const
   }
 }
 
+void document_positions(int32_t* positions, const int32_t* tokens, int64_t count, int32_t eos) {
+  for (int64_t i = 0; i < count; ++i) positions[i] = i == 0 || tokens[i - 1] == eos ? 0 : positions[i - 1] + 1;
+}
+
 int64_t sample_tokens(const std::vector<TokenSpan>& spans, int64_t seq_len) {
   if (spans.empty()) return seq_len + 1;
   int64_t sum = 0;
@@ -248,6 +254,24 @@ void TokenDataset::train_batch(int64_t step, int64_t micro, int64_t count, int32
                samples_per_step_);
   const int64_t base = step * samples_per_step_ + micro * round + dp_rank * count, sample = sample_tokens(spans, seq_len_);
   for (int64_t i = 0; i < count; ++i) copy_window(train_window_at(base + i), tokens + i * sample, spans);
+}
+
+int64_t TokenDataset::window_loss_targets(int64_t window) const {
+  std::vector<int32_t> tokens(size_t(seq_len_ + 1));
+  copy_window(window, tokens.data(), {});
+  return std::count_if(tokens.begin() + 1, tokens.end(), [](int32_t t) { return !(uint32_t(t) & kNoLossBit); });
+}
+
+int64_t TokenDataset::loss_targets(int64_t step) const {
+  int64_t count = 0;
+  for (int64_t i = 0; i < samples_per_step_; ++i) count += window_loss_targets(train_window_at(step * samples_per_step_ + i));
+  return count;
+}
+
+int64_t TokenDataset::validation_loss_targets(int64_t count) const {
+  int64_t targets = 0;
+  for (int64_t i = 0; i < count; ++i) targets += window_loss_targets(validation_window(i));
+  return targets;
 }
 
 void TokenDataset::validation_batch(int64_t first, int64_t count, int32_t* tokens, const std::vector<TokenSpan>& spans) const {

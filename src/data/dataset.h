@@ -23,6 +23,10 @@ struct TokenSpan {
 };
 int64_t sample_tokens(const std::vector<TokenSpan>& spans, int64_t seq_len);
 
+// Packed documents (data.document_mask): positions[i] is token i's position in its document, a
+// document ending with the eos token (the token after one, like tokens[0], is at 0).
+void document_positions(int32_t* positions, const int32_t* tokens, int64_t count, int32_t eos);
+
 class TokenDataset {
  public:
   // Opens a tokenized corpus directory, verifying manifest, shard sizes and sha256.
@@ -51,6 +55,10 @@ class TokenDataset {
   void train_batch(int64_t step, int64_t micro, int64_t count, int32_t* tokens, int dp_rank = 0, int dp_size = 1,
                    const std::vector<TokenSpan>& spans = {}) const;
   void validation_batch(int64_t first, int64_t count, int32_t* tokens, const std::vector<TokenSpan>& spans = {}) const;
+  // With a loss mask (manifest().loss_mask): the targets without kNoLossBit of step `step`'s global
+  // batch, and of the first `count` validation samples (the loss is their mean).
+  int64_t loss_targets(int64_t step) const;
+  int64_t validation_loss_targets(int64_t count) const;
 
   // The window (index into the corpus's windows) of training sample `position` of the endless order.
   int64_t train_window_at(int64_t position) const;
@@ -76,6 +84,7 @@ class TokenDataset {
   // Copies the spans of the window (all of it when none) to out, one after another.
   void copy_window(int64_t window, int32_t* out, const std::vector<TokenSpan>& spans) const;
   void copy_tokens(int64_t begin, int64_t count, int32_t* out) const;  // tokens [begin, begin + count) of the stream
+  int64_t window_loss_targets(int64_t window) const;
 
   std::string dir_;
   CorpusManifest manifest_;

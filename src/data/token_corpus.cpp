@@ -36,6 +36,7 @@ CorpusManifest read_manifest(const std::string& dir) {
   m.documents = fields.integer("documents");
   m.tokens = fields.integer("tokens");
   m.bad_lines = fields.integer("bad_lines", 0);
+  m.loss_mask = fields.string("loss_mask", "");
   const Json& shards = fields.raw("shards");
   MARROW_CHECK(shards.is_array() && !shards.empty(), "{}: shards must be a non-empty array", path);
   int64_t total = 0;
@@ -67,6 +68,7 @@ void write_manifest(const std::string& dir, const CorpusManifest& m) {
                                  {"documents", m.documents},
                                  {"tokens", m.tokens},
                                  {"bad_lines", m.bad_lines},
+                                 {"loss_mask", m.loss_mask},
                                  {"inputs", m.inputs},
                                  {"shards", shards}};
   std::string path = (fs::path(dir) / kManifestFile).string();

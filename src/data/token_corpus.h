@@ -1,6 +1,7 @@
 // A tokenized corpus on disk (DESIGN.md §6): a directory with manifest.json, a copy of the
 // tokenizer.json that made it, and shards of little-endian uint32 token ids, each document
-// followed by the end-of-document token.
+// followed by the end-of-document token. A corpus tokenized with a loss mask sets kNoLossBit on
+// the tokens that are no target of the loss (supervised fine-tuning's prompts); ids stay below it.
 #pragma once
 #include <cstdint>
 #include <span>
@@ -10,6 +11,8 @@
 #include "core/sha256.h"
 
 namespace marrow {
+
+constexpr uint32_t kNoLossBit = 0x80000000u;
 
 struct ShardInfo {
   std::string file;  // relative to the corpus directory
@@ -26,6 +29,7 @@ struct CorpusManifest {
   int64_t documents = 0;
   int64_t tokens = 0;
   int64_t bad_lines = 0;
+  std::string loss_mask;  // the JSONL field whose tokens carry kNoLossBit (marrow tokenize --loss-mask); empty: none
   std::vector<std::string> inputs;
   std::vector<ShardInfo> shards;
 };

@@ -103,6 +103,7 @@ CorpusManifest start_manifest(const TokenizeOptions& options, const Tokenizer& t
   manifest.vocab_size = tokenizer.vocab_size();
   manifest.eos_id = eos;
   manifest.eos_token = options.eos_token;
+  manifest.loss_mask = options.loss_mask;
   for (const InputFile& file : files) manifest.inputs.push_back(file.path);
   return manifest;
 }
@@ -199,12 +200,12 @@ TokenizeReport tokenize_corpus(const TokenizeOptions& options) {
     ChunkTokens out;
     out.bytes = chunk.bytes.size();
     std::vector<int32_t> ids;
-    chunk_documents(files[chunk.file_index], chunk, options.field, [&](std::string_view text, bool ends_document) {
+    chunk_documents(files[chunk.file_index], chunk, options.field, [&](std::string_view text, bool ends_document, bool no_loss) {
       ids.clear();
       tokenizer.encode(text, ids, states[size_t(worker)]);
-      out.tokens.insert(out.tokens.end(), ids.begin(), ids.end());
+      for (const int32_t id : ids) out.tokens.push_back(no_loss ? uint32_t(id) | kNoLossBit : uint32_t(id));
       if (ends_document) out.document_ends.push_back(out.tokens.size());
-    }, out.bad_lines);
+    }, out.bad_lines, options.loss_mask);
     return out;
   };
   ChunkReader reader(files, options.chunk_bytes);

@@ -12,6 +12,7 @@ struct TokenizeOptions {
   std::string tokenizer_path;
   std::string out_dir;
   std::string field = "text";
+  std::string loss_mask;  // JSONL field whose text comes before each document's and is no target of the loss; empty: none
   std::string eos_token = "<|endoftext|>";
   int threads = 1;
   int64_t shard_tokens = int64_t(1) << 28;

@@ -100,7 +100,8 @@ Json run_config_json(const RunConfig& rc) {
             {"seed", rc.seed}, {"device", rc.device}, {"aux_loss_coef", rc.aux_loss_coef}, {"max_bad_steps", rc.max_bad_steps}}},
           {"optimizer",
            {{"lr", rc.lr}, {"min_lr", rc.min_lr}, {"beta1", rc.beta1}, {"beta2", rc.beta2}, {"eps", rc.eps},
-            {"weight_decay", rc.weight_decay}, {"grad_clip", rc.grad_clip}, {"moments", rc.moments}}},
+            {"weight_decay", rc.weight_decay}, {"grad_clip", rc.grad_clip}, {"moments", rc.moments}, {"kind", rc.optimizer_kind},
+            {"muon_momentum", rc.muon_momentum}, {"muon_scale", rc.muon_scale}, {"muon_steps", rc.muon_steps}}},
           {"schedule", {{"kind", rc.schedule}, {"warmup_steps", rc.warmup_steps}, {"decay_fraction", rc.decay_fraction}}},
           {"checkpoint",
            {{"every", rc.checkpoint_every}, {"keep", rc.checkpoint_keep}, {"resume", rc.checkpoint_resume},
@@ -494,11 +495,22 @@ int64_t TrainCheckpoints::resume() {
     load_checkpoint_pieces(c, "exp_avg_sq", specs_, pieces_, *arenas_.exp_avg_sq, sharing_.model_tensors, show);
     // Checkpoints from before the count was saved applied one update per step.
     const Json optimizer = c.meta.value("optimizer", Json::object());
+    const std::string kind = optimizer.value("name", std::string("adamw"));
+    MARROW_CHECK(kind == rc_.optimizer_kind,
+                 "cannot resume from {}: its optimizer state is {}'s but optimizer.kind is \"{}\" (resume with the same kind, or from a "
+                 "checkpoint saved with checkpoint.optimizer_state = false)",
+                 c.dir, kind, rc_.optimizer_kind);
     resumed_updates_ = optimizer.value("updates", optimizer.value("step", c.step));
   } else {
     arenas_.exp_avg->fill_zero();
     arenas_.exp_avg_sq->fill_zero();
     resumed_updates_ = 0;
+  }
+  if (expert_bias_.data) {
+    std::vector<float> bias = c.meta.value("expert_bias", std::vector<float>(size_t(expert_bias_.numel())));
+    MARROW_CHECK(int64_t(bias.size()) == expert_bias_.numel(), "{}/{}: expert_bias holds {} values, not the model's {}", c.dir, kMeta, bias.size(),
+                 expert_bias_.numel());
+    copy(expert_bias_, host_tensor(bias.data(), DType::f32, {expert_bias_.numel()}));
   }
   resumed_step_ = c.step;
   resumed_samples_ = c.meta.value("samples_seen", c.step * rc_.global_batch);
@@ -557,7 +569,12 @@ std::string TrainCheckpoints::save(int64_t step, int64_t updates) {
   Json files = write_parts(dir);
   if (leader) {
     const std::string tokenizer = rc_.data_path + "/" + kCorpusTokenizerFile;
-    finish_checkpoint(dir, std::move(files), meta_json(step, updates), model_config_, fs::exists(tokenizer) ? tokenizer : "");
+    Json meta = meta_json(step, updates);
+    if (expert_bias_.data) {
+      const Buffer bias = to_host(expert_bias_);
+      meta["expert_bias"] = std::vector<float>(bias.ptr<float>(), bias.ptr<float>() + bias.view().numel());
+    }
+    finish_checkpoint(dir, std::move(files), std::move(meta), model_config_, fs::exists(tokenizer) ? tokenizer : "");
     delete_old_checkpoints();
     size_t bytes = 0;
     for (const auto& entry : fs::directory_iterator(dir)) bytes += entry.file_size();
@@ -606,7 +623,7 @@ Json TrainCheckpoints::meta_json(int64_t step, int64_t updates) const {
           // The parallel layout that wrote it; the tensors themselves do not depend on it.
           {"mesh", sharing_.mesh},
           // updates: AdamW steps applied (skipped non-finite steps are not), what bias correction counts.
-          {"optimizer", {{"name", "adamw"}, {"step", step}, {"updates", updates}, {"state_saved", rc_.checkpoint_optimizer_state}}},
+          {"optimizer", {{"name", rc_.optimizer_kind}, {"step", step}, {"updates", updates}, {"state_saved", rc_.checkpoint_optimizer_state}}},
           {"model_config", model_config_},
           {"run_config", run_config_json(rc_)},
           {"config_changes", config_changes_},

@@ -153,6 +153,9 @@ class TrainCheckpoints {
   // Saves step, with `updates` AdamW updates applied so far, into output.dir/step-XXXXXXXX, then
   // deletes all but the newest checkpoint.keep.
   std::string save(int64_t step, int64_t updates);
+  // train.expert_bias_update's bias (f32 [layers, E], any device; empty: none), saved in meta.json's
+  // "expert_bias" (exact: f32 through JSON's doubles) and restored by resume(), zeros when absent.
+  void keep_expert_bias(Tensor bias) { expert_bias_ = bias; }
 
  private:
   void prepare_directory(const std::string& dir) const;  // leader: output.dir, no leftovers of killed saves, dir.tmp
@@ -169,6 +172,7 @@ class TrainCheckpoints {
   int64_t resumed_step_ = 0, resumed_samples_ = 0, resumed_tokens_ = 0;
   bool continues_output_dir_ = false;
   Json config_changes_ = Json::array();  // the allowed changes of every resume so far (meta.json)
+  Tensor expert_bias_;
 };
 
 // Rewrites a metrics.jsonl keeping the lines of steps <= step (a resumed run appends after them).

@@ -602,7 +602,8 @@ DType moments_dtype(const RunConfig& rc) { return rc.moments == "bf16" ? DType::
 
 std::vector<MemorySaving> memory_savings(const RunConfig& rc) {
   std::vector<MemorySaving> out;
-  if (rc.moments == "fp32" && rc.beta2 <= 0.99) out.push_back({"--optimizer.moments=bf16", [](RunConfig& c) { c.moments = "bf16"; }});
+  if (rc.moments == "fp32" && rc.beta2 <= 0.99 && rc.optimizer_kind == "adamw")
+    out.push_back({"--optimizer.moments=bf16", [](RunConfig& c) { c.moments = "bf16"; }});
   // The split saves what dropping the weight copy would, and costs no casts: the one offered.
   if (rc.master_weights == "fp32" && rc.bf16_weight_copy)
     out.push_back({"--train.master_weights=split", [](RunConfig& c) { c.master_weights = "split"; }});

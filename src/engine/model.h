@@ -75,10 +75,11 @@ template <class M> int64_t moe_layer_count(const M& m) {
   for (int64_t l = 0; l < m.num_layers(); ++l) n += dense_layer(m, l) ? 0 : 1;
   return n;
 }
-// A family whose load-balance statistics have a row a sequence gives its Batch a member
-// `StatisticsRows sequences` (ops/router.h): the engine, which sums the statistics over the data
-// group (StepGroups::routing), says there which rows of the data-parallel ranks' sequences are the
-// micro-batch's; context-parallel ranks holding shares of the same sequences get the same rows.
+// Each family's Batch has a member `StatisticsRows sequences` (ops/router.h) for the sequence-wise
+// load balance (config sequence_aux, set from train.load_balance): the engine, which sums the
+// statistics over the data group (StepGroups::routing), says there which rows of the data-parallel
+// ranks' sequences are the micro-batch's; context-parallel ranks holding shares of the same sequences
+// get the same rows.
 
 // Whether the trainer pairs consecutive micro-batches' expert weight gradients (BackwardPass's
 // earlier): a micro-batch's dW reads and writes 8 bytes of fp32 gradient an element for 2 x rows

@@ -196,6 +196,8 @@ void add_run_config_options(CLI::App& app, RunConfig& rc, std::string& profile_s
   app.add_option("--data.path", rc.data_path)->required();
   app.add_option("--data.validation_fraction", rc.validation_fraction)->check(number_in(0, 0.5, false, false, "between 0 and 0.5"));
   app.add_option("--data.max_epochs", rc.max_epochs)->check(kCount);
+  app.add_option("--data.document_mask", rc.document_mask);
+  app.add_option("--data.loss_mask", rc.loss_mask);
   app.add_option("--train.steps", rc.steps)->check(kCount);
   app.add_option("--train.global_batch", rc.global_batch)->check(kCount);
   app.add_option("--train.micro_batch", rc.micro_batch)->check(kCount);
@@ -203,6 +205,8 @@ void add_run_config_options(CLI::App& app, RunConfig& rc, std::string& profile_s
   app.add_option("--train.seed", rc.seed)->check(unsigned_integer("an integer from 0 to 2^64 - 1"));
   app.add_option("--train.device", rc.device)->check(CLI::IsMember({"auto", "cpu", "cuda"}));
   app.add_option("--train.aux_loss_coef", rc.aux_loss_coef)->check(kFinite);
+  app.add_option("--train.load_balance", rc.load_balance)->check(CLI::IsMember({"micro_batch", "global_batch", "sequence"}));
+  app.add_option("--train.expert_bias_update", rc.expert_bias_update)->check(kNonNegative);
   app.add_option("--train.max_bad_steps", rc.max_bad_steps)->check(kCount);
   app.add_option("--train.dependent_launch", rc.dependent_launch);
   app.add_option("--train.attention_kernels", rc.attention_kernels)->check(CLI::IsMember({"cudnn", "own", "cudnn_nondeterministic", "hopper", "hopper_backward"}));
@@ -219,6 +223,10 @@ void add_run_config_options(CLI::App& app, RunConfig& rc, std::string& profile_s
   app.add_option("--optimizer.weight_decay", rc.weight_decay)->check(kNonNegative);
   app.add_option("--optimizer.grad_clip", rc.grad_clip)->check(kNonNegative);
   app.add_option("--optimizer.moments", rc.moments)->check(CLI::IsMember({"fp32", "bf16"}));
+  app.add_option("--optimizer.kind", rc.optimizer_kind)->check(CLI::IsMember({"adamw", "muon"}));
+  app.add_option("--optimizer.muon_momentum", rc.muon_momentum)->check(kBeta);
+  app.add_option("--optimizer.muon_scale", rc.muon_scale)->check(kPositive);
+  app.add_option("--optimizer.muon_steps", rc.muon_steps)->check(kCount);
   app.add_option("--schedule.kind", rc.schedule)->check(CLI::IsMember({"cosine", "wsd"}));
   app.add_option("--schedule.warmup_steps", rc.warmup_steps)->check(kCountOrZero);
   app.add_option("--schedule.decay_fraction", rc.decay_fraction)->check(kFraction);
@@ -304,6 +312,9 @@ RunConfig parse_run_config(int argc, char** argv) {
                "{}: optimizer.moments = \"bf16\" needs optimizer.beta2 <= 0.99, got {}: a bf16 moment holds 8 significant bits, and "
                "v's per-step change of {:g} would round away (use fp32 moments)",
                rc.source, rc.beta2, 1 - rc.beta2);
+  MARROW_CHECK(rc.optimizer_kind != "muon" || rc.moments == "fp32",
+               "{}: optimizer.kind = \"muon\" keeps its momentum in the first-moment arena in fp32: optimizer.moments must be \"fp32\"",
+               rc.source);
   if (app.count("--profile-steps") > 0) {
     std::smatch range;
     if (!std::regex_match(profile_steps, range, std::regex(R"((\d{1,18}):(\d{1,18}))"))) bad_profile_steps(rc.steps, profile_steps);

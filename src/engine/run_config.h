@@ -17,6 +17,8 @@ struct RunConfig {
   std::string data_path;     // tokenized corpus directory (marrow tokenize)
   double validation_fraction = 0.01;
   int64_t max_epochs = 1;  // passes over the training samples a run may make (never repeated unasked)
+  bool document_mask = false;  // packed documents: attention within each document, RoPE positions restart (ops/attention.h)
+  bool loss_mask = false;      // train only on the targets the corpus's loss mask leaves (marrow tokenize --loss-mask)
   // [train]
   int64_t steps = 200;
   int64_t global_batch = 8;  // sequences per optimizer step
@@ -25,6 +27,10 @@ struct RunConfig {
   uint64_t seed = 1234;
   std::string device = "auto";  // auto, cpu or cuda
   double aux_loss_coef = -1;    // load-balance coefficient; negative takes router_aux_loss_coef from config.json
+  // The load-balance loss (engine/trainer.h's load_balance_form): "micro_batch", "global_batch" or
+  // "sequence"; "" (unset) is micro_batch, or sequence for a DeepSeek-V2 config with seq_aux.
+  std::string load_balance;
+  double expert_bias_update = 0;  // DeepSeek-V3's auxiliary-loss-free bias, moved by this much a step (0: off)
   int64_t max_bad_steps = 5;    // non-finite steps in a row that stop the run
   bool dependent_launch = true;  // GPU: own kernels launched as programmatic dependents (ops/launch.h)
   std::string attention_kernels = "hopper_backward";  // GPU attention: hopper_backward, hopper, cudnn, own or cudnn_nondeterministic (ops/attention.h)
@@ -43,6 +49,12 @@ struct RunConfig {
   // The AdamW moments' storage: "fp32" or "bf16" (4 bytes a parameter less; rounded to nearest,
   // so beta2 must leave v an update bf16 can hold: <= 0.99).
   std::string moments = "fp32";
+  // "adamw", or "muon": Muon (ops/muon.h) for the hidden layers' matrices (TensorSpec::orthogonalized)
+  // with momentum muon_momentum, muon_steps Newton-Schulz iterations and its update scaled by
+  // muon_scale * sqrt(max(rows, cols)); AdamW for the rest. Both take lr, its schedule and weight_decay.
+  std::string optimizer_kind = "adamw";
+  double muon_momentum = 0.95, muon_scale = 0.2;
+  int64_t muon_steps = 5;
   // [schedule]
   std::string schedule = "cosine";  // cosine (linear warmup, cosine decay) or wsd (warmup, stable, decay)
   int64_t warmup_steps = 20;

@@ -21,6 +21,7 @@
 #include "engine/model.h"
 #include "engine/stage_timer.h"
 #include "ops/dispatch.h"
+#include "ops/router.h"
 #include "parallel/dualpipev.h"
 #include "parallel/expert_parallel.h"
 
@@ -30,6 +31,11 @@ namespace marrow {
 struct StepGroups {
   const ExpertParallel* experts = nullptr;  // the layer's experts are spread over this group
   const Comm* routing = nullptr;            // load-balance statistics are summed over this group
+  // The step's routing totals, f64 [layers, E + 1] (router_step_statistics): each forward adds its
+  // layers' summed statistics, in micro-batch order whatever the schedule; with global_balance the
+  // load-balance loss takes its expert fractions from them. Empty: none (evaluation).
+  Tensor step_totals;
+  bool global_balance = false;
   // Before each stage's forward and backward (prolog -1, the layers, epilog num_layers): e.g. to
   // gather the stage's sharded weights.
   std::function<void(int64_t stage, bool forward)> before_stage;
@@ -148,6 +154,9 @@ template <MoeModel M> class ForwardPass {
           return;
         }
         if (groups_.routing) groups_.routing->all_reduce_sum(s.attention.routing_stats, "load-balance statistics (all_reduce)");
+        if (groups_.step_totals.data)
+          router_step_statistics(groups_.step_totals.rows(stage_, stage_ + 1).reshape({m_.num_experts() + 1}), s.attention.routing_stats,
+                                 groups_.global_balance);
         m_.add_aux_loss(mb_.aux_loss_total, s.attention);
         if (groups_.experts) groups_.experts->plan_sends(s.route, s.attention.topk_index);
         break;

@@ -67,6 +67,7 @@ struct StepMetrics {
   double val_loss = std::numeric_limits<double>::quiet_NaN();  // mean over eval.samples when evaluated
   std::array<double, kStageCount> stage_ms{};  // filled when train() is given a StageTimer
   ExpertTraffic expert_traffic;  // this process's rows sent to other expert-parallel ranks (parallel.ep > 1)
+  std::vector<std::vector<double>> expert_load;  // train.expert_bias_update: each layer's copies routed to each expert
 };
 
 inline std::string step_line(const StepMetrics& s, int64_t total) {
@@ -82,6 +83,7 @@ inline std::string step_json(const StepMetrics& s) {
          {"skipped", s.skipped}};
   if (!std::isnan(s.val_loss)) j["val_loss"] = s.val_loss;
   j["tokens_seen"] = s.tokens_seen;
+  if (!s.expert_load.empty()) j["expert_load"] = s.expert_load;
   return j.dump();
 }
 
@@ -92,7 +94,12 @@ struct SequenceShare {
   int64_t tokens = 0;            // per sequence: seq_len / cp
   std::vector<TokenSpan> spans;  // per piece of the sequence, in the order of the local tokens
   AttentionRunner ring;          // empty with cp = 1
+  int32_t eos = -1;              // data.document_mask: the token that ends a document; -1: off
+  bool loss_mask = false;        // data.loss_mask: targets carrying kNoLossBit are kIgnoreIndex
   const AttentionRunner* attention() const { return ring.forward ? &ring : nullptr; }
+  // What a rank reads of a sample: its spans, or with documents all of it (a position in a document
+  // depends on the tokens before it).
+  std::vector<TokenSpan> reads() const { return eos >= 0 ? std::vector<TokenSpan>{} : spans; }
 };
 
 // cp must outlive the share (its ring refers to it).
@@ -102,21 +109,27 @@ inline SequenceShare sequence_share(int64_t seq_len, const Comm& cp) {
   return {2 * z.chunk, {{z.first, z.chunk + 1}, {z.second, z.chunk + 1}}, ring_attention_runner(cp)};
 }
 
-// A micro-batch of B samples read through share's spans: each span's tokens [0, n - 1) are inputs,
-// [1, n) their targets, at the span's positions in the sequence; `rows` goes to a family's
-// per-sequence statistics (engine/model.h).
+// A micro-batch of B samples read through share's reads(): each span's tokens [0, n - 1) are
+// inputs, [1, n) their targets, at the span's positions in the sequence (with documents, in their
+// documents); `rows` goes to a family's per-sequence statistics (engine/model.h). Ids lose a loss
+// mask's bit; with share.loss_mask the targets that carry it are ignored.
 template <MoeModel M>
 typename M::Batch make_batch(const std::vector<int32_t>& tokens, int64_t B, const SequenceShare& share, Device device,
                              StatisticsRows rows = {}) {
-  const int64_t T = B * share.tokens;
+  const int64_t T = B * share.tokens, whole = share.eos >= 0 ? int64_t(tokens.size()) / B : 0;
+  std::vector<int32_t> in_document(size_t(B * whole));
+  for (int64_t b = 0; b < B && whole > 0; ++b)
+    document_positions(in_document.data() + b * whole, tokens.data() + b * whole, whole, share.eos);
   Buffer ids(DType::i32, Device::cpu, {T}), targets(DType::i32, Device::cpu, {T}), positions(DType::i32, Device::cpu, {T});
   int64_t at = 0, t = 0;
   for (int64_t b = 0; b < B; ++b)
     for (const TokenSpan& span : share.spans) {
+      const int64_t from = whole > 0 ? b * whole + span.first : at;
       for (int64_t i = 0; i + 1 < span.count; ++i, ++t) {
-        ids.ptr<int32_t>()[t] = tokens[size_t(at + i)];
-        targets.ptr<int32_t>()[t] = tokens[size_t(at + i + 1)];
-        positions.ptr<int32_t>()[t] = int32_t(span.first + i);
+        const auto next = uint32_t(tokens[size_t(from + i + 1)]);
+        ids.ptr<int32_t>()[t] = int32_t(uint32_t(tokens[size_t(from + i)]) & ~kNoLossBit);
+        targets.ptr<int32_t>()[t] = share.loss_mask && (next & kNoLossBit) ? kIgnoreIndex : int32_t(next & ~kNoLossBit);
+        positions.ptr<int32_t>()[t] = whole > 0 ? in_document[size_t(from + i)] : int32_t(span.first + i);
       }
       at += span.count;
     }
@@ -127,13 +140,14 @@ typename M::Batch make_batch(const std::vector<int32_t>& tokens, int64_t B, cons
     return b;
   };
   typename M::Batch batch{B, share.tokens, on_device(ids), on_device(targets), on_device(positions), share.attention()};
-  if constexpr (requires { batch.sequences; }) batch.sequences = rows;
+  batch.documents = whole > 0;
+  batch.sequences = rows;
   return batch;
 }
 
 // The tokens of B samples read through share's spans.
 inline std::vector<int32_t> share_tokens(int64_t B, const SequenceShare& share, int64_t seq_len) {
-  return std::vector<int32_t>(size_t(B * sample_tokens(share.spans, seq_len)));
+  return std::vector<int32_t>(size_t(B * sample_tokens(share.reads(), seq_len)));
 }
 
 inline Device choose_device(const std::string& requested) {
@@ -178,6 +192,15 @@ inline double device_memory(Device device) {
   return device == Device::cuda ? double(device_memory_bytes(Device::cuda, process::local_rank())) : 0;
 }
 
+// train.load_balance resolved: unset takes the model's form (DeepSeek-V2's seq_aux: "sequence").
+template <class C> std::string load_balance_form(const RunConfig& rc, const C& config) {
+  return !rc.load_balance.empty() ? rc.load_balance : config.sequence_aux ? "sequence" : "micro_batch";
+}
+template <class C> C with_load_balance(const RunConfig& rc, C config) {
+  config.sequence_aux = load_balance_form(rc, config) == "sequence";
+  return config;
+}
+
 // Everything a run holds: the mesh, the model's share on this process, its sharded state
 // (initialised) and the model's views of it.
 template <MoeModel M> struct TrainSetup {
@@ -205,13 +228,18 @@ template <MoeModel M> struct TrainSetup {
   Tensor prolog_known_zero_view;
   // The gradients the flags describe, for the step's start, the gradient norm and AdamW.
   std::vector<ShardedParameters::KnownZeroGrads> known_zero_grads;
+  // The step's routing totals (StepGroups::step_totals) for the global-batch form and the expert bias
+  // (train.expert_bias_update: f32 [layers, E], the same on every rank); empty when unused.
+  bool global_balance = false;
+  Buffer step_totals, expert_bias;
 
   TrainSetup(const RunConfig& rc, const typename M::Config& config, Device device_)
       : device(device_),
         dtype(device == Device::cuda ? DType::bf16 : DType::f32),
         mesh(make_mesh(rc, config.num_experts, device)),
         share(sequence_share(rc.seq_len, mesh.cp)),
-        model(config, dtype, device, {mesh.ep_rank * (config.num_experts / mesh.shape.ep), config.num_experts / mesh.shape.ep}),
+        model(with_load_balance(rc, config), dtype, device,
+              {mesh.ep_rank * (config.num_experts / mesh.shape.ep), config.num_experts / mesh.shape.ep}),
         model_tensors(M(config, dtype, device).specs().size()),
         chunks(rc.uses_dualpipev() ? pipeline_layout<M>(rc, config, mesh.world.size(), device) : std::vector<PipelineChunk>{}),
         held(chunks.empty() ? std::vector<int64_t>(size_t(config.num_layers + 2), 0) : held_stage_chunks(chunks, config.num_layers, mesh.pp_rank)),
@@ -242,6 +270,24 @@ template <MoeModel M> struct TrainSetup {
       prolog_known_zero_view = prolog_known_zero.view();
       for (const auto& [grad, part] : model.prolog_known_zero_parts(g, prolog_known_zero_view)) known_zero_grads.push_back({grad, part});
     }
+    global_balance = load_balance_form(rc, config) == "global_batch";
+    if (global_balance || rc.expert_bias_update > 0)
+      step_totals = Buffer::zeros(DType::f64, device, {config.num_layers, config.num_experts + 1});
+    if (rc.expert_bias_update > 0) {
+      expert_bias = Buffer::zeros(DType::f32, device, {config.num_layers, config.num_experts});
+      model.set_expert_bias(expert_bias);
+    }
+  }
+  // After an applied update: the step's loads (the pipeline's ranks hold other layers' as zeros)
+  // move the expert bias (ops/router.h); returns them by layer for the record.
+  std::vector<std::vector<double>> move_expert_bias(double rate) {
+    if (mesh.shape.pp > 1) mesh.pipeline.all_reduce_sum(step_totals, "routing totals over the pipeline (all_reduce)");
+    expert_bias_update(expert_bias, step_totals, rate);
+    const Buffer totals = to_host(step_totals);
+    const int64_t E = model.num_experts();
+    std::vector<std::vector<double>> loads;
+    for (int64_t l = 0; l < model.num_layers(); ++l) loads.emplace_back(totals.ptr<double>() + l * (E + 1), totals.ptr<double>() + l * (E + 1) + E);
+    return loads;
   }
   // The groups and hooks of micro-batch `micro` of `count` in a step (evaluation: -1).
   StepGroups groups(int64_t micro = -1, int64_t count = 0, bool overlap = true) {
@@ -250,7 +296,10 @@ template <MoeModel M> struct TrainSetup {
     gr.routing = mesh.data.size() > 1 ? &mesh.data : nullptr;
     ShardedParameters& st = state;
     gr.before_stage = [&st](int64_t stage, bool forward) { forward ? st.before_forward(stage) : st.before_backward(stage); };
-    if (micro >= 0) gr.layer_done = [&st, micro, count, overlap](int64_t stage) { st.after_backward(stage, micro, micro + 1 == count, overlap); };
+    if (micro < 0) return gr;
+    gr.layer_done = [&st, micro, count, overlap](int64_t stage) { st.after_backward(stage, micro, micro + 1 == count, overlap); };
+    gr.step_totals = step_totals.view();
+    gr.global_balance = global_balance;
     return gr;
   }
   std::vector<const Arena*> arenas() const { return state.arenas(); }
@@ -260,7 +309,7 @@ template <MoeModel M> struct TrainSetup {
   // Micro-batch `micro` of training step `step` (1-based).
   typename M::Batch train_batch(const RunConfig& rc, const TokenDataset& data, int64_t step, int64_t micro) const {
     std::vector<int32_t> tokens = share_tokens(rc.micro_batch, share, rc.seq_len);
-    data.train_batch(step - 1, micro, rc.micro_batch, tokens.data(), int(mesh.data_rank()), int(mesh.shape.data_parallel()), share.spans);
+    data.train_batch(step - 1, micro, rc.micro_batch, tokens.data(), int(mesh.data_rank()), int(mesh.shape.data_parallel()), share.reads());
     // The statistics are summed over the data group: a row for each sequence of its data-parallel ranks.
     return make_batch<M>(tokens, rc.micro_batch, share, device,
                          {mesh.data_rank() * rc.micro_batch, mesh.shape.data_parallel() * rc.micro_batch});
@@ -325,12 +374,14 @@ inline CheckpointSharing checkpoint_sharing(const Mesh& mesh, const ShardedParam
           {{"pp", mesh.shape.pp}, {"dp", mesh.shape.dp}, {"cp", mesh.shape.cp}, {"ep", mesh.shape.ep}, {"dp_shard", mesh.shape.dp_shard}}};
 }
 
-// One AdamW step over the shards, the update-th applied (bias correction counts applied updates,
-// not steps); clipping scales the gradient inside the step, which also writes the bf16 working weights.
+// One optimizer step over the shards, the update-th applied (AdamW's bias correction counts applied
+// updates, not steps); clipping scales the gradient inside the step, which also writes the bf16
+// working weights. optimizer.kind = "muon": Muon on the orthogonalized matrices, AdamW on the rest.
 template <MoeModel M> void optimizer_step(TrainSetup<M>& s, const RunConfig& rc, const StepMetrics& m, int64_t update) {
   AdamWHyper hyper{m.lr, rc.beta1, rc.beta2, rc.eps, rc.weight_decay, update};
   if (rc.grad_clip > 0 && m.grad_norm > rc.grad_clip) hyper.grad_scale = rc.grad_clip / m.grad_norm;
-  s.state.optimizer_step(hyper, s.known_zero_grads);
+  const MuonHyper muon{rc.muon_momentum, rc.muon_scale, int(rc.muon_steps)};
+  s.state.optimizer_step(hyper, s.known_zero_grads, rc.optimizer_kind == "muon" ? &muon : nullptr);
 }
 
 // Forward and backward of this process's micro-batches of one step; returns its summed token
@@ -408,7 +459,7 @@ template <MoeModel M> double evaluation_loss(TrainSetup<M>& s, const RunConfig& 
   auto batches = [&](int64_t i) {
     const int64_t first = i * micro, B = std::min(micro, samples - first);
     std::vector<int32_t> tokens = share_tokens(B, s.share, rc.seq_len);
-    data.validation_batch(first, B, tokens.data(), s.share.spans);
+    data.validation_batch(first, B, tokens.data(), s.share.reads());
     return make_batch<M>(tokens, B, s.share, s.device);
   };
   double loss_sum = 0;
@@ -424,7 +475,8 @@ template <MoeModel M> double evaluation_loss(TrainSetup<M>& s, const RunConfig& 
     }
     loss_sum = sum.value();
   }
-  return s.mesh.cp.sum(loss_sum, "validation loss over the sequence's shares (sum)") / double(samples * rc.seq_len);
+  const int64_t targets = rc.loss_mask ? std::max<int64_t>(1, data.validation_loss_targets(samples)) : samples * rc.seq_len;
+  return s.mesh.cp.sum(loss_sum, "validation loss over the sequence's shares (sum)") / double(targets);
 }
 
 // A stop signal seen by any process stops all of them after the same step.
@@ -444,6 +496,8 @@ inline void check_training_data(TokenDataset& data, const RunConfig& rc, int64_t
                 (long long)(rc.steps * rc.global_batch), (long long)data.train_samples(),
                 double(rc.steps * rc.global_batch) / double(data.train_samples()), (long long)rc.max_epochs);
   data.set_samples_per_step(rc.global_batch);
+  MARROW_CHECK(!rc.loss_mask || !data.manifest().loss_mask.empty(),
+               "data.loss_mask needs a corpus tokenized with a loss mask (marrow tokenize --loss-mask FIELD); {} has none", rc.data_path);
   MARROW_CHECK(rc.eval_every == 0 || rc.eval_samples <= data.validation_samples(),
                "corpus {} holds {} validation samples of {} tokens but eval.samples is {} (lower it or raise data.validation_fraction)",
                rc.data_path, data.validation_samples(), rc.seq_len + 1, rc.eval_samples);
@@ -549,10 +603,13 @@ template <MoeModel M> class TrainLoop {
     return m;
   }
 
-  // The step's gradients, loss (every target is a real next token: the count is known upfront) and load balance.
+  // The step's gradients, loss (the mean over the step's targets; with data.loss_mask those without the
+  // bit, which every rank counts from the corpus: the count is known upfront) and load balance.
   StepMetrics forward_backward(int64_t step) {
     s_.state.start_step(s_.known_zero_grads);
-    const double loss_scale = 1.0 / double(rc_.global_batch * rc_.seq_len);
+    if (s_.step_totals.view().data) fill_zero(s_.step_totals);
+    const int64_t targets = rc_.loss_mask ? std::max<int64_t>(1, data_.loss_targets(step - 1)) : rc_.global_batch * rc_.seq_len;
+    const double loss_scale = 1.0 / double(targets);
     const double aux_grad = aux_coef_ / double(moe_layer_count(s_.model) * micro_batches_);
     if (timer_) timer_->start_step(step);
     const auto [token_loss_sum, aux_loss_sum] = run_step(s_, rc_, data_, step, loss_scale, aux_grad, timer_);
@@ -576,6 +633,7 @@ template <MoeModel M> class TrainLoop {
     if (std::isfinite(m.loss) && std::isfinite(m.grad_norm)) {
       bad_in_a_row_ = 0;
       optimizer_step(s_, rc_, m, ++updates_);
+      if (rc_.expert_bias_update > 0) m.expert_load = s_.move_expert_bias(rc_.expert_bias_update);
       return;
     }
     m.skipped = true;
@@ -658,11 +716,14 @@ std::vector<StepMetrics> train(const RunConfig& rc, const typename M::Config& mo
   TrainSetup<M> s(rc, model_config, device);
   TokenDataset data(rc.data_path, rc.seq_len, rc.seed, rc.validation_fraction, !rc.quiet);
   check_training_data(data, rc, model_config.vocab_size);
+  if (rc.document_mask) s.share.eos = data.eos_id();
+  s.share.loss_mask = rc.loss_mask;
   print_setup(s, rc, data);
 
   // Checkpoints (engine/checkpoint.h): resume from the newest in output.dir or checkpoint.resume.
   TrainCheckpoints checkpoints(rc, model_config.json, s.model.specs(), {&s.state.master_staging(), &s.state.exp_avg(), &s.state.exp_avg_sq()},
                                checkpoint_sharing(s.mesh, s.state, s.model_tensors));
+  checkpoints.keep_expert_bias(s.expert_bias.view());
   const int64_t first_step = checkpoints.resume() + 1;
   checkpoints.require_disk_space();
   s.state.master_changed();

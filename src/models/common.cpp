@@ -82,7 +82,8 @@ void ParameterTable::add(std::string name, std::vector<int64_t> shape, ParamKind
   s.offset = numel;
   s.numel = 1;
   s.is_norm = is_norm;
-  s.decayed = kind == ParamKind::matrix;
+  s.decayed = kind == ParamKind::matrix || kind == ParamKind::table;
+  s.orthogonalized = kind == ParamKind::matrix && s.shape.size() >= 2;
   s.first_backward_writes = first_writes;
   s.is_expert = is_expert;
   s.layer = layer;

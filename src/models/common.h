@@ -68,9 +68,11 @@ template <class C> void check_shared_values(const C& c, double rope_theta, const
   MARROW_CHECK(c.top_k <= c.num_experts, "{}: num_experts_per_tok ({}) exceeds {} ({})", source, c.top_k, experts_key, c.num_experts);
 }
 
-// What a parameter is, for its initialisation and weight decay (TensorSpec::is_norm, decayed): a
-// bias is any vector added to activations or logits (GPT-OSS's sinks too).
-enum class ParamKind { matrix, norm, bias };
+// What a parameter is, for its initialisation, weight decay and optimizer (TensorSpec::is_norm,
+// decayed, orthogonalized): a matrix maps activations (Muon's); a table's rows stand for one token or
+// expert each (the embeddings, the LM head, the router: decayed, AdamW's); a bias is any vector added
+// to activations or logits (GPT-OSS's sinks too).
+enum class ParamKind { matrix, table, norm, bias };
 
 // A family's canonical parameter table, built tensor by tensor in its order; the expert weights'
 // and the LM head's gradients are first_backward_writes. A unit's matrices come before its biases
@@ -101,6 +103,12 @@ class TableCursor {
   const Placement& placement_;
   size_t next_ = 0;
 };
+
+// Packed documents (data.document_mask): a batch's positions, which restart at each document, as
+// attention's per-query document positions [B, S] (ops/attention.h); empty when off.
+template <class Batch> Tensor batch_documents(const Batch& batch) {
+  return batch.documents ? batch.positions.view().reshape({batch.batch, batch.seq}) : Tensor{};
+}
 
 // Hugging Face's initialisation of elements [first, first + out.numel()) of one tensor: ones for a
 // norm, zeros where `zeros`, else normal(0, std) with element i drawing Philox(seed, name) at i, so a
@@ -264,6 +272,8 @@ template <class Model, class Types> class MoeModelBase {
   // total[0] += this layer's load-balance loss (ops/router.h: K when routing is balanced) from
   // a.routing_stats, on the model's device (total: f64 [1]; no host read).
   void add_aux_loss(Tensor total, const AttentionActivations& a) const { router_aux_loss_add(total, a.routing_stats); }
+  // train.expert_bias_update: f32 [layers, E] added to the probabilities for the choice (ops/router.h), its owner's to keep.
+  void set_expert_bias(Tensor bias) { expert_bias_ = bias; }
 
   // Stage 3's known-zero flags of a layer's grouped expert gradients (experts_backward_weights'
   // known_zero): one an expert, down's then gate_up's, each part with its gradient; none without experts.
@@ -337,6 +347,39 @@ template <class Model, class Types> class MoeModelBase {
     return h1;
   }
   DType stats_dtype() const { return device_ == Device::cuda ? DType::f32 : dtype_; }
+  // Stage 1's routing of logits [T, E] into a.probs, a.topk_index, a.topk_weight, a.routing_stats: one
+  // row of statistics, or with sequence_aux (train.load_balance = "sequence") one a sequence of the
+  // data group, the other processes' rows zeros here (engine/model.h): the engine's sum over
+  // processes leaves each row its sequence's statistics, the context-parallel shares added up.
+  void route_tokens(AttentionActivations& a, Tensor logits, const Batch& batch, RouterOptions options, int64_t layer) const {
+    const int64_t T = logits.size(0), E = config_.num_experts;
+    a.probs = stats({T, E});
+    a.topk_index = Buffer(DType::i32, device_, {T, config_.top_k});
+    a.topk_weight = stats({T, config_.top_k});
+    if (expert_bias_.data) options.selection_bias = expert_bias_.rows(layer, layer + 1).reshape({E});
+    router_forward(a.probs, a.topk_index, a.topk_weight, logits, options);
+    const StatisticsRows r = statistics_rows(batch);
+    if (r.total == 0) {
+      a.routing_stats = stats({2 * E + 1});
+      return router_statistics(a.routing_stats, a.probs, a.topk_index);
+    }
+    a.routing_stats = stats({r.total, 2 * E + 1});
+    if (r.total > batch.batch) fill_zero(a.routing_stats);
+    router_statistics_grouped(a.routing_stats.view().rows(r.first, r.first + batch.batch), a.probs, a.topk_index, batch.seq);
+  }
+  // route_tokens's backward: the loss is the mean over every row, router_backward's over this micro-batch's.
+  void route_tokens_backward(Tensor dlogits, Tensor dtopk_weight, const AttentionActivations& a, const Batch& batch, const RouterOptions& options,
+                      double aux_grad) const {
+    const StatisticsRows r = statistics_rows(batch);
+    if (r.total == 0) return router_backward(dlogits, dtopk_weight, a.probs, a.topk_index, a.topk_weight, options, aux_grad, a.routing_stats);
+    router_backward(dlogits, dtopk_weight, a.probs, a.topk_index, a.topk_weight, options, aux_grad * double(batch.batch) / double(r.total),
+                    a.routing_stats.view().rows(r.first, r.first + batch.batch));
+  }
+  // No rows (total 0): one row of every token; else the batch's rows, its own B without the engine's.
+  StatisticsRows statistics_rows(const Batch& batch) const {
+    if (!config_.sequence_aux) return {};
+    return batch.sequences.total > 0 ? batch.sequences : StatisticsRows{0, batch.batch};
+  }
   LmHead lm_head(const Weights& w, int64_t tokens) const {
     return {w.final_norm, w.lm_head, config_.rms_norm_eps, logits_chunk(tokens), dtype_, stats_dtype(), device_};
   }
@@ -346,6 +389,7 @@ template <class Model, class Types> class MoeModelBase {
   Device device_;
   ExpertShard experts_;  // rows [first, first + count) of each layer's experts
   int64_t forced_logits_chunk_ = 0;
+  Tensor expert_bias_;  // set_expert_bias; empty: none
   std::vector<TensorSpec> specs_;
   int64_t num_parameters_ = 0;
   // By layer; shared by copies of the model (they see the same weights), so a layer is quantized once per weights change.

@@ -106,7 +106,7 @@ DeepseekV2::DeepseekV2(const Config& config, DType dtype, Device device, ExpertS
   const Config& c = config_;
   const int64_t H = c.hidden_size, Hq = c.num_heads, I = c.expert_intermediate_size, Is = c.shared_intermediate_size();
   ParameterTable t(c.num_layers);
-  t.add("model.embed_tokens.weight", {c.vocab_size, H}, ParamKind::matrix);
+  t.add("model.embed_tokens.weight", {c.vocab_size, H}, ParamKind::table);
   for (t.layer = 0; t.layer < c.num_layers; ++t.layer) {
     const std::string p = fmt::format("model.layers.{}.", t.layer);
     if (c.q_lora_rank) {
@@ -127,7 +127,7 @@ DeepseekV2::DeepseekV2(const Config& config, DType dtype, Device device, ExpertS
       for (const char* m : {"gate_proj", "up_proj"}) t.add(fmt::format("{}mlp.shared_experts.{}.weight", p, m), {Is, H}, ParamKind::matrix);
       t.add(p + "mlp.shared_experts.down_proj.weight", {H, Is}, ParamKind::matrix);
     }
-    t.add(p + "mlp.gate.weight", {c.num_experts, H}, ParamKind::matrix);
+    t.add(p + "mlp.gate.weight", {c.num_experts, H}, ParamKind::table);
     for (int64_t e = experts_.first; e < experts_.first + experts_.count; ++e) {
       t.add(fmt::format("{}mlp.experts.{}.gate_proj.weight", p, e), {I, H}, ParamKind::matrix, true);
       t.add(fmt::format("{}mlp.experts.{}.up_proj.weight", p, e), {I, H}, ParamKind::matrix, true);
@@ -136,7 +136,7 @@ DeepseekV2::DeepseekV2(const Config& config, DType dtype, Device device, ExpertS
       t.add(fmt::format("{}mlp.experts.{}.down_proj.weight", p, e), {H, I}, ParamKind::matrix, true);
   }
   t.layer = c.num_layers;
-  t.add("lm_head.weight", {c.vocab_size, H}, ParamKind::matrix);
+  t.add("lm_head.weight", {c.vocab_size, H}, ParamKind::table);
   for (t.layer = 0; t.layer < c.num_layers; ++t.layer) {
     const std::string p = fmt::format("model.layers.{}.", t.layer);
     t.add(p + "input_layernorm.weight", {H}, ParamKind::norm);
@@ -301,7 +301,7 @@ struct DeepseekV2::Attention {
     InputGrads g;
     if (batch.attention) {
       Buffer dpacked = m.buffer({batch.batch, batch.seq, R + Dr});
-      batch.attention->backward_packed(dq_heads, dpacked, dattn, query(), packed(), a.attn, a.lse, expansion(&grads));
+      batch.attention->backward_packed(dq_heads, dpacked, dattn, query(), packed(), a.attn, a.lse, expansion(&grads), batch_documents(batch));
       dattn = Buffer{};
       const auto [dlatent, dk_pe_rotated] = packed_parts(dpacked, R, Dr);
       g.dnormed = m.buffer({T(), R});
@@ -322,7 +322,7 @@ struct DeepseekV2::Attention {
     Buffer dk_heads = m.buffer({batch.batch, batch.seq, Hq, Dqk}), dv = m.buffer({batch.batch, batch.seq, Hq, Dv});
     {
       const auto [k, v] = keys_values();
-      marrow::attention_backward(dq_heads, dk_heads, dv, dattn, query(), k, v, a.attn, a.lse);
+      marrow::attention_backward(dq_heads, dk_heads, dv, {}, dattn, query(), k, v, a.attn, a.lse, {.documents = batch_documents(batch)});
     }
     dattn = Buffer{};
     Buffer dkv = m.buffer({T(), Hq * Dkv});
@@ -372,25 +372,9 @@ void DeepseekV2::mlp_backward(Tensor dh2, const DeepseekV2LayerWeights& grads, T
 }
 
 void DeepseekV2::route(DeepseekV2AttentionActivations& a, const DeepseekV2Batch& batch, const DeepseekV2LayerWeights& w) const {
-  const int64_t T = batch.batch * batch.seq, E = config_.num_experts, K = config_.top_k;
-  Buffer logits = stats({T, E});
+  Buffer logits = stats({batch.batch * batch.seq, config_.num_experts});
   linear_forward(logits, a.h2, w.router);
-  a.probs = stats({T, E});
-  a.topk_index = Buffer(DType::i32, device_, {T, K});
-  a.topk_weight = stats({T, K});
-  router_forward(a.probs, a.topk_index, a.topk_weight, logits, config_.routing);
-  const OwnRows rows = statistics_rows(batch);
-  a.routing_stats = stats({rows.total, 2 * E + 1});
-  if (rows.total > rows.count) fill_zero(a.routing_stats);
-  router_statistics_grouped(a.routing_stats.view().rows(rows.first, rows.first + rows.count), a.probs, a.topk_index, T / rows.count);
-}
-
-// One row of every token, or with seq_aux one a sequence of the data-parallel group, the other
-// processes' zeros here: the engine's sum over processes (StepGroups::routing) leaves each row its
-// sequence's statistics, the context-parallel shares of a sequence added up.
-DeepseekV2::OwnRows DeepseekV2::statistics_rows(const DeepseekV2Batch& batch) const {
-  if (!config_.sequence_aux) return {0, 1, 1};
-  return {batch.sequences.first, batch.batch, batch.sequences.total > 0 ? batch.sequences.total : batch.batch};
+  route_tokens(a, logits, batch, config_.routing, w.layer);
 }
 
 void DeepseekV2::attention_forward(DeepseekV2AttentionActivations& a, Buffer x, const DeepseekV2Batch& batch,
@@ -421,12 +405,12 @@ void DeepseekV2::attention_forward(DeepseekV2AttentionActivations& a, Buffer x, 
   a.attn = buffer({B, S, Hq, c.v_head_dim});
   a.lse = stats({B, Hq, S});
   if (batch.attention) {
-    batch.attention->forward_packed(a.attn, a.lse, mla.query(), mla.packed(), mla.expansion(nullptr));
+    batch.attention->forward_packed(a.attn, a.lse, mla.query(), mla.packed(), mla.expansion(nullptr), batch_documents(batch));
   } else {
     a.kv = buffer({T, Hq * (c.qk_nope_head_dim + c.v_head_dim)});
     linear_forward(a.kv, mla.latent_normed(), w.kv_b_proj);
     const auto [k, v] = mla.keys_values();
-    marrow::attention_forward(a.attn, a.lse, mla.query(), k, v);
+    marrow::attention_forward(a.attn, a.lse, mla.query(), k, v, {.documents = batch_documents(batch)});
   }
   a.x_attn = buffer({T, H});
   linear_forward(a.x_attn, a.attn.view().reshape({T, Hq * c.v_head_dim}), w.o_proj);
@@ -449,10 +433,7 @@ void DeepseekV2::attention_backward(Tensor dx, const DeepseekV2LayerWeights& gra
   expect_shape("DeepseekV2::attention_backward", "dh2", dh2, {T, H});
   if (!w.dense) {
     Buffer dlogits = buffer({T, c.num_experts});
-    // The loss is the mean over every row; router_backward's over the rows it is given, this micro-batch's.
-    const OwnRows rows = statistics_rows(batch);
-    router_backward(dlogits, dtopk_weight, a.probs, a.topk_index, a.topk_weight, c.routing, aux_grad * double(rows.count) / double(rows.total),
-                    a.routing_stats.view().rows(rows.first, rows.first + rows.count));
+    route_tokens_backward(dlogits, dtopk_weight, a, batch, c.routing, aux_grad);
     linear_backward_weight(grads.router, dlogits, a.h2);
     linear_backward_input(dh2, dlogits, w.router, true);
   }

@@ -33,7 +33,7 @@ struct DeepseekV2Config {
   int64_t intermediate_size = 0;  // the dense layers' MLP
   int64_t num_experts = 0, top_k = 0, expert_intermediate_size = 0, num_shared_experts = 0, first_dense_layers = 0;
   RouterOptions routing;  // topk_method's groups, routed_scaling_factor, norm_topk_prob
-  bool sequence_aux = false;  // seq_aux: the load-balance loss per sequence, averaged
+  bool sequence_aux = false;  // seq_aux: the load-balance loss per sequence, averaged (train.load_balance overrides it)
   double rms_norm_eps = 1e-6, initializer_range = 0.02, router_aux_loss_coef = 0.001;
   RopeParameters rope;
   double softmax_scale = 0;  // qk_head_dim^-0.5, times YaRN's mscale(factor, mscale_all_dim)^2
@@ -70,8 +70,8 @@ struct DeepseekV2Batch {
   int64_t batch = 0, seq = 0;
   Buffer input_ids, targets, positions;  // [T] i32
   const AttentionRunner* attention = nullptr;
-  // seq_aux: the rows of these sequences among the data-parallel group's (engine/model.h).
-  StatisticsRows sequences;
+  bool documents = false;  // as Qwen3MoeBatch's
+  StatisticsRows sequences = {};  // as Qwen3MoeBatch's
 };
 
 struct DeepseekV2AttentionActivations {
@@ -127,10 +127,6 @@ class DeepseekV2 : public SwigluMoeModel<DeepseekV2, DeepseekV2Types> {
   void mlp_backward(Tensor dh2, const DeepseekV2LayerWeights& grads, Tensor dx_mid, DeepseekV2AttentionActivations& a,
                     const DeepseekV2LayerWeights& w, bool add) const;
   void route(DeepseekV2AttentionActivations& a, const DeepseekV2Batch& batch, const DeepseekV2LayerWeights& w) const;
-  struct OwnRows {  // this micro-batch's rows [first, first + count) of routing_stats' total
-    int64_t first, count, total;
-  };
-  OwnRows statistics_rows(const DeepseekV2Batch& batch) const;
 };
 
 }  // namespace marrow

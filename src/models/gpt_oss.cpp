@@ -93,14 +93,14 @@ GptOss::GptOss(const Config& config, DType dtype, Device device, ExpertShard exp
   const int64_t H = c.hidden_size, D = c.head_dim, I = c.expert_intermediate_size, E = c.num_experts;
   const int64_t first = experts_.first, El = experts_.count;
   ParameterTable t(c.num_layers);
-  t.add("model.embed_tokens.weight", {c.vocab_size, H}, ParamKind::matrix);
+  t.add("model.embed_tokens.weight", {c.vocab_size, H}, ParamKind::table);
   for (t.layer = 0; t.layer < c.num_layers; ++t.layer) {
     const std::string p = fmt::format("model.layers.{}.", t.layer);
     const std::pair<const char*, int64_t> projections[] = {
         {"q_proj", c.num_heads * D}, {"k_proj", c.num_kv_heads * D}, {"v_proj", c.num_kv_heads * D}};
     for (const auto& [proj, rows] : projections) t.add(p + "self_attn." + proj + ".weight", {rows, H}, ParamKind::matrix);
     t.add(p + "self_attn.o_proj.weight", {H, c.num_heads * D}, ParamKind::matrix);
-    t.add(p + "mlp.router.weight", {E, H}, ParamKind::matrix);
+    t.add(p + "mlp.router.weight", {E, H}, ParamKind::table);
     for (const auto& [proj, rows] : projections) t.add(p + "self_attn." + proj + ".bias", {rows}, ParamKind::bias);
     t.add(p + "self_attn.o_proj.bias", {H}, ParamKind::bias);
     t.add(p + "self_attn.sinks", {c.num_heads}, ParamKind::bias);
@@ -111,7 +111,7 @@ GptOss::GptOss(const Config& config, DType dtype, Device device, ExpertShard exp
     t.add_expert_rows(p + "mlp.experts.down_proj_bias", {E, H}, first, El, ParamKind::bias);
   }
   t.layer = c.num_layers;
-  t.add("lm_head.weight", {c.vocab_size, H}, ParamKind::matrix);
+  t.add("lm_head.weight", {c.vocab_size, H}, ParamKind::table);
   for (t.layer = 0; t.layer < c.num_layers; ++t.layer) {
     const std::string p = fmt::format("model.layers.{}.", t.layer);
     t.add(p + "input_layernorm.weight", {H}, ParamKind::norm);
@@ -186,7 +186,7 @@ int64_t GptOss::window(const GptOssLayerWeights& w) const { return config_.slidi
 void GptOss::attention_forward(GptOssAttentionActivations& a, Buffer x, const GptOssBatch& batch, const GptOssLayerWeights& w) const {
   const Config& c = config_;
   const int64_t B = batch.batch, S = batch.seq, T = B * S, H = c.hidden_size, D = c.head_dim;
-  const int64_t Hq = c.num_heads, Hkv = c.num_kv_heads, E = c.num_experts, K = c.top_k;
+  const int64_t Hq = c.num_heads, Hkv = c.num_kv_heads, E = c.num_experts;
   expect_shape("GptOss::attention_forward", "x", x, {T, H});
   a.x = std::move(x);
   a.rstd1 = stats({T});
@@ -209,7 +209,7 @@ void GptOss::attention_forward(GptOssAttentionActivations& a, Buffer x, const Gp
   a.lse = stats({B, Hq, S});
   const Tensor q4 = a.q_rope.view().reshape({B, S, Hq, D}), k4 = a.k_rope.view().reshape({B, S, Hkv, D});
   const Tensor v4 = a.v.view().reshape({B, S, Hkv, D});
-  const AttentionVariant variant{w.sinks, window(w)};
+  const AttentionVariant variant{w.sinks, window(w), batch_documents(batch)};
   if (batch.attention) batch.attention->forward(a.attn, a.lse, q4, k4, v4, variant);
   else marrow::attention_forward(a.attn, a.lse, q4, k4, v4, variant);
   a.x_mid = buffer({T, H});
@@ -224,12 +224,7 @@ void GptOss::attention_forward(GptOssAttentionActivations& a, Buffer x, const Gp
   Buffer logits = stats({T, E});
   linear_forward(logits, a.h2, w.router);
   bias_forward(logits, w.router_bias);
-  a.probs = stats({T, E});
-  a.topk_index = Buffer(DType::i32, device_, {T, K});
-  a.topk_weight = stats({T, K});
-  router_forward(a.probs, a.topk_index, a.topk_weight, logits, true);
-  a.routing_stats = stats({2 * E + 1});
-  router_statistics(a.routing_stats, a.probs, a.topk_index);
+  route_tokens(a, logits, batch, {.normalize = true}, w.layer);
 }
 
 void GptOss::attention_backward(Tensor dx, const GptOssLayerWeights& grads, Tensor dx_mid, Tensor dh2, Tensor dtopk_weight, double aux_grad,
@@ -242,7 +237,7 @@ void GptOss::attention_backward(Tensor dx, const GptOssLayerWeights& grads, Tens
   expect_shape("GptOss::attention_backward", "dh2", dh2, {T, H});
 
   Buffer dlogits = buffer({T, E});
-  router_backward(dlogits, dtopk_weight, a.probs, a.topk_index, a.topk_weight, true, aux_grad, a.routing_stats);
+  route_tokens_backward(dlogits, dtopk_weight, a, batch, {.normalize = true}, aux_grad);
   linear_backward_weight(grads.router, dlogits, a.h2);
   bias_backward(grads.router_bias, dlogits);
   linear_backward_input(dh2, dlogits, w.router, true);
@@ -260,7 +255,7 @@ void GptOss::attention_backward(Tensor dx, const GptOssLayerWeights& grads, Tens
     const Tensor dv4 = dv.view().reshape({B, S, Hkv, D}), dattn4 = dattn.view().reshape({B, S, Hq, D});
     const Tensor q4 = a.q_rope.view().reshape({B, S, Hq, D}), k4 = a.k_rope.view().reshape({B, S, Hkv, D});
     const Tensor v4 = a.v.view().reshape({B, S, Hkv, D});
-    const AttentionVariant variant{w.sinks, window(w)};
+    const AttentionVariant variant{w.sinks, window(w), batch_documents(batch)};
     if (batch.attention) batch.attention->backward(dq4, dk4, dv4, grads.sinks, dattn4, q4, k4, v4, a.attn, a.lse, variant);
     else marrow::attention_backward(dq4, dk4, dv4, grads.sinks, dattn4, q4, k4, v4, a.attn, a.lse, variant);
   }

@@ -26,6 +26,7 @@ struct GptOssConfig {
   int64_t vocab_size = 0, hidden_size = 0, num_layers = 0, num_heads = 0, num_kv_heads = 0, head_dim = 0;
   int64_t num_experts = 0, top_k = 0, expert_intermediate_size = 0, sliding_window = 0;
   double rms_norm_eps = 1e-5, initializer_range = 0.02, router_aux_loss_coef = 0.001;
+  bool sequence_aux = false;  // as Qwen3MoeConfig's
   double swiglu_alpha = 1.702, swiglu_limit = 7.0;
   RopeParameters rope;
   std::vector<bool> sliding;  // per layer: a "sliding_attention" layer (else "full_attention")
@@ -56,6 +57,8 @@ struct GptOssBatch {
   Buffer targets;    // [T] i32, kIgnoreIndex where no loss
   Buffer positions;  // [T] i32
   const AttentionRunner* attention = nullptr;  // none: the sequences are whole (ops/attention_runner.h)
+  bool documents = false;  // data.document_mask: positions restart at each document, which attends only to itself
+  StatisticsRows sequences = {};  // as Qwen3MoeBatch's
 };
 
 struct GptOssAttentionActivations {

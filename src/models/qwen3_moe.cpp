@@ -58,14 +58,14 @@ Qwen3Moe::Qwen3Moe(const Config& config, DType dtype, Device device, ExpertShard
   const int64_t H = c.hidden_size, D = c.head_dim, I = c.expert_intermediate_size;
   const int64_t first = experts_.first, last = experts_.first + experts_.count;
   ParameterTable t(c.num_layers);
-  t.add("model.embed_tokens.weight", {c.vocab_size, H}, ParamKind::matrix);
+  t.add("model.embed_tokens.weight", {c.vocab_size, H}, ParamKind::table);
   for (t.layer = 0; t.layer < c.num_layers; ++t.layer) {
     const std::string p = fmt::format("model.layers.{}.", t.layer);
     t.add(p + "self_attn.q_proj.weight", {c.num_heads * D, H}, ParamKind::matrix);
     t.add(p + "self_attn.k_proj.weight", {c.num_kv_heads * D, H}, ParamKind::matrix);
     t.add(p + "self_attn.v_proj.weight", {c.num_kv_heads * D, H}, ParamKind::matrix);
     t.add(p + "self_attn.o_proj.weight", {H, c.num_heads * D}, ParamKind::matrix);
-    t.add(p + "mlp.gate.weight", {c.num_experts, H}, ParamKind::matrix);
+    t.add(p + "mlp.gate.weight", {c.num_experts, H}, ParamKind::table);
     for (int64_t e = first; e < last; ++e) {
       t.add(fmt::format("{}mlp.experts.{}.gate_proj.weight", p, e), {I, H}, ParamKind::matrix, true);
       t.add(fmt::format("{}mlp.experts.{}.up_proj.weight", p, e), {I, H}, ParamKind::matrix, true);
@@ -73,7 +73,7 @@ Qwen3Moe::Qwen3Moe(const Config& config, DType dtype, Device device, ExpertShard
     for (int64_t e = first; e < last; ++e) t.add(fmt::format("{}mlp.experts.{}.down_proj.weight", p, e), {H, I}, ParamKind::matrix, true);
   }
   t.layer = c.num_layers;  // the epilog
-  t.add("lm_head.weight", {c.vocab_size, H}, ParamKind::matrix);
+  t.add("lm_head.weight", {c.vocab_size, H}, ParamKind::table);
   for (t.layer = 0; t.layer < c.num_layers; ++t.layer) {
     const std::string p = fmt::format("model.layers.{}.", t.layer);
     t.add(p + "input_layernorm.weight", {H}, ParamKind::norm);
@@ -156,7 +156,7 @@ void Qwen3Moe::attention_forward(Qwen3MoeAttentionActivations& a, Buffer x, cons
                                  const Qwen3MoeLayerWeights& w) const {
   const Config& c = config_;
   const int64_t B = batch.batch, S = batch.seq, T = B * S, H = c.hidden_size, D = c.head_dim;
-  const int64_t Hq = c.num_heads, Hkv = c.num_kv_heads, E = c.num_experts, K = c.top_k;
+  const int64_t Hq = c.num_heads, Hkv = c.num_kv_heads, E = c.num_experts;
   expect_shape("Qwen3Moe::attention_forward", "x", x, {T, H});
   a.x = std::move(x);
   a.rstd1 = stats({T});
@@ -178,8 +178,9 @@ void Qwen3Moe::attention_forward(Qwen3MoeAttentionActivations& a, Buffer x, cons
     const Tensor q = q_rope.view().reshape({B, S, Hq, D}), k = k_rope.view().reshape({B, S, Hkv, D}),
                  v = a.v.view().reshape({B, S, Hkv, D});
     // Qualified: the member of the same name is the whole stage.
-    if (batch.attention) batch.attention->forward(a.attn, a.lse, q, k, v, {});
-    else marrow::attention_forward(a.attn, a.lse, q, k, v);
+    const AttentionVariant variant{.documents = batch_documents(batch)};
+    if (batch.attention) batch.attention->forward(a.attn, a.lse, q, k, v, variant);
+    else marrow::attention_forward(a.attn, a.lse, q, k, v, variant);
   }
   a.x_mid = buffer({T, H});
   linear_forward(a.x_mid, a.attn.view().reshape({T, Hq * D}), w.o_proj);
@@ -189,12 +190,7 @@ void Qwen3Moe::attention_forward(Qwen3MoeAttentionActivations& a, Buffer x, cons
   rmsnorm_add_forward(a.h2, a.x_mid, a.rstd2, a.x_mid, a.x, w.post_norm, c.rms_norm_eps);
   Buffer logits = stats({T, E});
   linear_forward(logits, a.h2, w.router);
-  a.probs = stats({T, E});
-  a.topk_index = Buffer(DType::i32, device_, {T, K});
-  a.topk_weight = stats({T, K});
-  router_forward(a.probs, a.topk_index, a.topk_weight, logits, c.norm_topk_prob);
-  a.routing_stats = stats({2 * E + 1});
-  router_statistics(a.routing_stats, a.probs, a.topk_index);
+  route_tokens(a, logits, batch, {.normalize = c.norm_topk_prob}, w.layer);
 }
 
 void Qwen3Moe::attention_backward(Tensor dx, const Qwen3MoeLayerWeights& grads, Tensor dx_mid, Tensor dh2, Tensor dtopk_weight,
@@ -209,7 +205,7 @@ void Qwen3Moe::attention_backward(Tensor dx, const Qwen3MoeLayerWeights& grads, 
 
   // Router: its input h2 also feeds the experts, so its gradient joins dh2 (added by the GEMM).
   Buffer dlogits = buffer({T, E});
-  router_backward(dlogits, dtopk_weight, a.probs, a.topk_index, a.topk_weight, c.norm_topk_prob, aux_grad, a.routing_stats);
+  route_tokens_backward(dlogits, dtopk_weight, a, batch, {.normalize = c.norm_topk_prob}, aux_grad);
   linear_backward_weight(grads.router, dlogits, a.h2);
   linear_backward_input(dh2, dlogits, w.router, true);
 
@@ -227,8 +223,9 @@ void Qwen3Moe::attention_backward(Tensor dx, const Qwen3MoeLayerWeights& grads, 
     const auto [q_rope, k_rope] = attention_inputs(a, batch, w);
     const Tensor q = q_rope.view().reshape({B, S, Hq, D}), k = k_rope.view().reshape({B, S, Hkv, D}),
                  v = a.v.view().reshape({B, S, Hkv, D});
-    if (batch.attention) batch.attention->backward(dq_4d, dk_4d, dv_4d, {}, dattn_4d, q, k, v, a.attn, a.lse, {});
-    else marrow::attention_backward(dq_4d, dk_4d, dv_4d, dattn_4d, q, k, v, a.attn, a.lse);
+    const AttentionVariant variant{.documents = batch_documents(batch)};
+    if (batch.attention) batch.attention->backward(dq_4d, dk_4d, dv_4d, {}, dattn_4d, q, k, v, a.attn, a.lse, variant);
+    else marrow::attention_backward(dq_4d, dk_4d, dv_4d, {}, dattn_4d, q, k, v, a.attn, a.lse, variant);
   }
   Buffer dq = buffer({T, Hq * D}), dk = buffer({T, Hkv * D});
   rmsnorm_rope_backward(dq.view().reshape({T, Hq, D}), grads.q_norm, dq_rope, a.q.view().reshape({T, Hq, D}), w.q_norm, a.rstd_q,

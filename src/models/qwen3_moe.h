@@ -30,6 +30,7 @@ struct Qwen3MoeConfig {
   int64_t vocab_size = 0, hidden_size = 0, num_layers = 0, num_heads = 0, num_kv_heads = 0, head_dim = 0;
   int64_t num_experts = 0, top_k = 0, expert_intermediate_size = 0;
   double rms_norm_eps = 1e-6, rope_theta = 1e6, initializer_range = 0.02, router_aux_loss_coef = 0.001;
+  bool sequence_aux = false;  // the load-balance loss per sequence: train.load_balance = "sequence" (never in config.json)
   bool norm_topk_prob = false;
   Json json;  // the config.json as read, written back unchanged on export
 
@@ -61,6 +62,9 @@ struct Qwen3MoeBatch {
   Buffer targets;    // [T] i32, kIgnoreIndex where no loss
   Buffer positions;  // [T] i32
   const AttentionRunner* attention = nullptr;  // none: the sequences are whole (ops/attention_runner.h)
+  bool documents = false;  // data.document_mask: positions restart at each document, which attends only to itself
+  // train.load_balance = "sequence": the rows of these sequences among the data-parallel group's (engine/model.h).
+  StatisticsRows sequences = {};
   // rope_cos_sin_table of the positions on the GPU, built by the first layer that needs it (a
   // cache, hence mutable: positions must not change once a forward ran on the batch).
   mutable Buffer rope_cos_sin = Buffer();

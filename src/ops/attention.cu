@@ -29,16 +29,21 @@ namespace {
 using Dims = AttentionDims;
 using NamedTensors = std::initializer_list<std::pair<const char*, const Tensor*>>;
 
-// The keys query row i of a block sees, as offsets from k_begin: [first, end). A window keeps the
-// keys less than `window` positions before the query (in a causal block the last `window` keys, its
-// own included).
+// The keys query row i of batch row b sees, as offsets from k_begin: [first, end). A window keeps
+// the keys less than `window` positions before the query (in a causal block the last `window` keys,
+// its own included); documents keep those at most the query's document position before it.
 struct KeyRange {
   int64_t first, end;
 };
-KeyRange keys_seen(const AttentionBlock& block, int64_t i) {
+KeyRange keys_seen(const AttentionBlock& block, int64_t b, int64_t i) {
   const int64_t end = block.mask == AttentionMask::causal ? i - block.q_begin + 1 : block.k_end - block.k_begin;
-  if (block.window == 0) return {0, end};
-  return {std::clamp<int64_t>(block.distance + (i - block.q_begin) - block.window + 1, 0, end), end};
+  int64_t window = block.window;
+  if (block.documents.data) {
+    const int64_t reach = block.documents.ptr<int32_t>()[b * block.documents.size(1) + i] + 1;
+    window = window == 0 ? reach : std::min(window, reach);
+  }
+  if (window == 0) return {0, end};
+  return {std::clamp<int64_t>(block.distance + (i - block.q_begin) - window + 1, 0, end), end};
 }
 
 // sinks: [Hq] or null (none). With the sink in the running max, a sink far above the row's scores
@@ -55,7 +60,7 @@ void forward_cpu(T* out, T* lse, const T* q, const T* k, const T* v, const T* si
       for (int64_t h = 0; h < n.q_heads; ++h)
         for (int64_t i = blk.q_begin; i < blk.q_end; ++i) {
           const T* qi = q + n.q(b, i, h);
-          const KeyRange seen = keys_seen(blk, i);
+          const KeyRange seen = keys_seen(blk, b, i);
           T m = sinks ? sinks[h] : -std::numeric_limits<T>::infinity();
           for (int64_t j = seen.first; j < seen.end; ++j) {
             p[j] = scale * dot(qi, k + n.kv(b, blk.k_begin + j, h), n.head_dim);
@@ -100,7 +105,7 @@ void backward_cpu(T* dq, T* dk, T* dv, const T* dout, const T* q, const T* k, co
           const T *qi = q + qo, *douti = dout + oo;
           const T di = dot(douti, out + oo, n.v_dim), lse_i = lse[n.lse(b, i, h)];
           T* dqi = dq + qo;
-          const KeyRange seen = keys_seen(blk, i);
+          const KeyRange seen = keys_seen(blk, b, i);
           for (int64_t j = blk.k_begin + seen.first; j < blk.k_begin + seen.end; ++j) {
             const int64_t kvo = n.kv(b, j, h), vo = n.v(b, j, h);
             const T p = std::exp(scale * dot(qi, k + kvo, n.head_dim) - lse_i);
@@ -196,12 +201,14 @@ void check_block(const char* op, const Dims& n, const AttentionBlock& blk) {
   MARROW_CHECK(blk.q_begin == blk.q_end || blk.k_begin < blk.k_end, "{}: {} queries see no key", op,
                blk.q_end - blk.q_begin);
   MARROW_CHECK(blk.window >= 0, "{}: the sliding window must be 0 (none) or positive, got {}", op, blk.window);
-  MARROW_CHECK(blk.window == 0 || blk.mask == AttentionMask::full || blk.distance == 0,
+  MARROW_CHECK((blk.window == 0 && !blk.documents.data) || blk.mask == AttentionMask::full || blk.distance == 0,
                "{}: a causal block's queries and keys are the same tokens, but its distance is {}", op, blk.distance);
 }
 
-// The causal op as a block: every query row against every key row, with the variant's window.
-AttentionBlock whole_sequence(const Dims& n, int64_t window) { return {AttentionMask::causal, 0, n.q_seq, 0, n.q_seq, window}; }
+// The causal op as a block: every query row against every key row, with the variant's window and documents.
+AttentionBlock whole_sequence(const Dims& n, const AttentionVariant& variant) {
+  return {AttentionMask::causal, 0, n.q_seq, 0, n.q_seq, variant.window, 0, variant.documents};
+}
 
 // The backward's shape and device checks (the gradients' dtypes are the caller's); returns the
 // sizes and whether the tensors are on the GPU.
@@ -228,7 +235,7 @@ bool check_variant(const char* op, const Dims& n, const Tensor& q, const Attenti
     expect_dtype(op, "sinks", variant.sinks, q.dtype);
     expect_device(op, "sinks", variant.sinks, q.device);
   }
-  return variant.sinks.data || variant.window > 0;
+  return variant.sinks.data || variant.window > 0 || variant.documents.data;
 }
 
 // Marrow's own kernels (mma.sync, wgmma) take one head dim for q, k and v; only cuDNN's serve a v
@@ -307,6 +314,18 @@ CausalPath backward_path(const Dims& n, bool variant) {
 
 bool cpu_blocks_fused = false;
 
+// documents [B, Sq] i32 on q's device; on the GPU only the mma.sync kernels serve them.
+void check_documents(const char* op, const Dims& n, const Tensor& q, const Tensor& documents) {
+  if (!documents.data) return;
+  expect_shape(op, "documents", documents, {n.batch, n.q_seq});
+  expect_dtype(op, "documents", documents, DType::i32);
+  expect_device(op, "documents", documents, q.device);
+  MARROW_CHECK(q.device == Device::cpu || (kernels_setting == AttentionKernels::own && !mixed_head_dims(n)),
+               "{}: data.document_mask runs on the GPU on the own attention kernels only, with one head dim for q, k and v: set "
+               "train.attention_kernels = own (DeepSeek-V2's MLA: train on the CPU)",
+               op);
+}
+
 // GPU blocks: cuDNN's kernels where v's head dim differs (nothing else serves it), else the wgmma
 // kernels unless the setting is own, where those serve the block, else the mma.sync kernels.
 enum class BlockPath : uint8_t { hopper, cudnn, own };
@@ -344,7 +363,8 @@ void attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v, con
   expect_shape(op, "k", k, {n.batch, n.q_seq, n.kv_heads, n.head_dim});
   check_out_lse(op, n, out, lse);
   const bool has_variant = check_variant(op, n, q, variant);
-  const AttentionBlock whole = whole_sequence(n, variant.window);
+  check_documents(op, n, q, variant.documents);
+  const AttentionBlock whole = whole_sequence(n, variant);
   if (common_device(op, {{"q", &q}, {"k", &k}, {"v", &v}, {"out", &out}, {"lse", &lse}}) == Device::cuda)
     switch (forward_path(n, has_variant)) {
       case CausalPath::hopper: return hopper_attention_forward(out, lse, q, k, v, whole, stream);
@@ -373,7 +393,8 @@ void attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dsinks, Tensor d
   } else {
     MARROW_CHECK(!dsinks.data, "{}: dsinks is given but variant.sinks is empty", op);
   }
-  const AttentionBlock whole = whole_sequence(n, variant.window);
+  check_documents(op, n, q, variant.documents);
+  const AttentionBlock whole = whole_sequence(n, variant);
   switch (gpu ? backward_path(n, has_variant) : CausalPath::own) {
     case CausalPath::hopper: return hopper_attention_backward(dq, dk, dv, dout, q, k, v, out, lse, whole, false, AttentionGrads::all, stream);
     case CausalPath::cudnn:
@@ -403,6 +424,7 @@ void attention_block_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor 
   const Dims n = check_qkv(op, q, k, v);
   check_out_lse(op, n, out, lse);
   check_block(op, n, block);
+  check_documents(op, n, q, block.documents);
   if (common_device(op, {{"q", &q}, {"k", &k}, {"v", &v}, {"out", &out}, {"lse", &lse}}) == Device::cuda)
     switch (block_path(q, k, v, block)) {
       case BlockPath::hopper: return hopper_attention_forward(out, lse, q, k, v, block, stream);
@@ -417,6 +439,7 @@ void attention_block_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tens
   const char* op = "attention_block_backward";
   const auto [n, gpu] = check_backward(op, dq, dk, dv, dout, q, k, v, out, lse);
   check_block(op, n, block);
+  check_documents(op, n, q, block.documents);
   switch (gpu ? block_path(q, k, v, block) : BlockPath::own) {
     case BlockPath::hopper: return hopper_attention_backward(dq, dk, dv, dout, q, k, v, out, lse, block, true, grads, stream);
     case BlockPath::cudnn:

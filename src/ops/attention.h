@@ -15,7 +15,8 @@
 //           k_begin .. k_begin + i;
 //   full:   every query of the range sees every key of the range (keys that all come earlier).
 // With a sliding window, query row q_begin + i sits `distance` positions after key row k_begin + i
-// (0 for a causal block) and sees key k_begin + j only when j > distance + i - window. Rows that see
+// (0 for a causal block) and sees key k_begin + j only when j > distance + i - window; documents bound
+// it the same way by the query's position in its document (j >= distance + i - documents). Rows that see
 // no key get lse -inf and out 0, which the merge skips. The causal op is the causal block over all
 // rows. The block forward writes the block's own softmax (out, lse); attention_merge folds it into a
 // running (out, lse) by log-sum-exp. The block backward takes the FINAL out and lse (after every
@@ -60,9 +61,14 @@ const char* attention_kernels_name(AttentionKernels kernels);
 // window of W keys as transformers' create_sliding_window_causal_mask (kv_idx > q_idx - W on top of
 // kv_idx <= q_idx). No sinks and window 0 is the plain op, with its bits. GPU: cuDNN's kernels or,
 // under own, the mma.sync kernels' instantiations for it; sinks bf16 and dsinks f32.
+// Packed documents (data.document_mask): documents [B, S] i32 on q's device, each query's position
+// in its document (RoPE's restarted positions): query i sees only keys j >= i - documents[b, i], its
+// own document's, as if each document ran alone; with a window, the nearer bound of the two.
+// GPU: the mma.sync kernels only (train.attention_kernels = own, D = Dv).
 struct AttentionVariant {
-  Tensor sinks;        // [Hq]; empty (data == nullptr): none
+  Tensor sinks{};      // [Hq]; empty (data == nullptr): none
   int64_t window = 0;  // > 0: query i sees keys j with i - window < j <= i; 0: every earlier key
+  Tensor documents{};  // [B, S] i32; empty: one document a row
 };
 
 // out[B, S, Hq, Dv] and lse[B, Hq, S] from q[B, S, Hq, D], k[B, S, Hkv, D], v[B, S, Hkv, Dv].
@@ -91,7 +97,8 @@ struct AttentionBlock {
   int64_t q_begin = 0, q_end = 0;  // query rows (dimension 1 of q)
   int64_t k_begin = 0, k_end = 0;  // key rows (dimension 1 of k and v)
   int64_t window = 0;              // > 0: the sliding window; 0: none
-  int64_t distance = 0;            // with a window: the position of query row q_begin minus that of key row k_begin
+  int64_t distance = 0;            // with a window or documents: the position of query row q_begin minus that of key row k_begin
+  Tensor documents{};              // [B, Sq] i32, as AttentionVariant's per query row of q (its keys' positions by distance); empty: none
 };
 
 // Rows [q_begin, q_end) of out[B, Sq, Hq, Dv] and lse[B, Hq, Sq] (the others are left as they are)

@@ -171,6 +171,10 @@ struct GpuArgs {
   // block), and a sink logit per query head (null: none; the causal op only).
   int window, distance;
   const bf16* sinks;  // [Hq]
+  // Packed documents: [B, q_seq] each query row's position in its document (null: none); a query
+  // sees keys at most that many positions before it. Block rows are consecutive positions, so a
+  // row's first key never decreases down the rows (tile bounds from a tile's first or last row hold).
+  const int* documents;
 
   // Head rows (units of D elements) of the block's query i of head h and key j of kv head hk.
   __device__ int64_t q_row(int64_t b, int64_t i, int64_t h) const {
@@ -182,9 +186,17 @@ struct GpuArgs {
   __device__ int64_t lse_at(int64_t b, int64_t h, int64_t i) const { return (b * q_heads + h) * q_seq + q_begin + i; }
   // The last key (block index) query i may see.
   __device__ int last_key(int i) const { return full ? k_len - 1 : i; }
-  // With a window: the first key query i sees, and the last query that sees key j (block indices;
-  // beyond the block's keys or before its queries when a row or a key sees nothing).
-  __device__ int first_key(int i) const { return window > 0 ? max(0, distance + i - window + 1) : 0; }
+  // With a window or documents: the first key query i of batch row b sees, and (window only) the
+  // last query that sees key j (block indices; beyond the block's keys or before its queries when a
+  // row or a key sees nothing). Rows past the block's end take its last row's document.
+  __device__ int first_key(int b, int i) const {
+    int reach = window;
+    if (documents) {
+      const int in_document = documents[int64_t(b) * q_seq + q_begin + min(i, q_len - 1)] + 1;
+      reach = reach > 0 ? min(reach, in_document) : in_document;
+    }
+    return reach > 0 ? max(0, distance + i - reach + 1) : 0;
+  }
   __device__ int last_query(int j) const { return window > 0 ? j - distance + window - 1 : q_len - 1; }
 };
 
@@ -203,7 +215,7 @@ __device__ __forceinline__ void add_float2(float* p, float x, float y) {
 // sink starts the running max and sum.
 template <int D, int BN, bool V = false>
 __device__ __forceinline__ void online_softmax(float (&s)[BN / 8][4], float (&o)[D / 8][4], float (&row_max)[2], float (&row_sum)[2],
-                                               const GpuArgs& a, int n0, int row0, int row, int t) {
+                                               const GpuArgs& a, int b, int n0, int row0, int row, int t) {
   const bool edge = n0 + BN - 1 > a.last_key(row0);
   float tile_max[2] = {row_max[0], row_max[1]};
 #pragma unroll
@@ -213,7 +225,7 @@ __device__ __forceinline__ void online_softmax(float (&s)[BN / 8][4], float (&o)
       float x = s[j][e] * a.scale_log2;
       if (edge && n0 + j * 8 + 2 * t + e % 2 > a.last_key(row + e / 2 * 8)) x = -INFINITY;
       if constexpr (V)
-        if (n0 < a.first_key(row0 + kWarpRows - 1) && n0 + j * 8 + 2 * t + e % 2 < a.first_key(row + e / 2 * 8)) x = -INFINITY;
+        if (n0 < a.first_key(b, row0 + kWarpRows - 1) && n0 + j * 8 + 2 * t + e % 2 < a.first_key(b, row + e / 2 * 8)) x = -INFINITY;
       s[j][e] = x;
       tile_max[e / 2] = fmaxf(tile_max[e / 2], x);
     }
@@ -285,7 +297,7 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(GpuArgs a) 
   const bf16* k = a.k + a.kv_row(b, 0, hk) * D;
   const bf16* v = a.v + a.kv_row(b, 0, hk) * D;
   const int n_tiles = cdiv(min(a.k_len, a.last_key(m0 + BM - 1) + 1), BN);  // key tiles any row sees
-  const int n_first = V ? a.first_key(m0) / BN : 0;
+  const int n_first = V ? a.first_key(b, m0) / BN : 0;
 
   load_rows<BM, D>(sq, q, q_ld, m0, a.q_len);
   load_rows<BN, D>(sk, k, kv_ld, n_first * BN, a.k_len);
@@ -314,7 +326,7 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(GpuArgs a) 
     float s[BN / 8][4] = {};
     warp_mma_nt<D, BN>(s, sq, warp * kWarpRows, kt, lane);
 
-    online_softmax<D, BN, V>(s, o, row_max, row_sum, a, n0, row0, row, t);
+    online_softmax<D, BN, V>(s, o, row_max, row_sum, a, b, n0, row0, row, t);
     warp_mma_pn<BN, D>(o, s, vt, lane);
     __syncthreads();  // everyone is done with this stage before it is refilled
   }
@@ -348,8 +360,8 @@ __global__ void attention_delta_kernel(GpuArgs a, float* delta, int64_t rows) {
 // the warp's from row0; lse2 in the log2 domain) and the key tile at n0: zero past a row's last key
 // (and, V, before its window).
 template <int BN, bool V = false>
-__device__ __forceinline__ void probabilities(float (&p)[BN / 8][4], const GpuArgs& a, const float (&lse2)[2], int n0, int row0, int row,
-                                              int t) {
+__device__ __forceinline__ void probabilities(float (&p)[BN / 8][4], const GpuArgs& a, const float (&lse2)[2], int b, int n0, int row0,
+                                              int row, int t) {
   const bool edge = n0 + BN - 1 > a.last_key(row0);
 #pragma unroll
   for (int j = 0; j < BN / 8; ++j)
@@ -358,7 +370,7 @@ __device__ __forceinline__ void probabilities(float (&p)[BN / 8][4], const GpuAr
       const float x = exp2f(p[j][e] * a.scale_log2 - lse2[e / 2]);
       p[j][e] = edge && n0 + j * 8 + 2 * t + e % 2 > a.last_key(row + e / 2 * 8) ? 0.f : x;
       if constexpr (V)
-        if (n0 < a.first_key(row0 + kWarpRows - 1) && n0 + j * 8 + 2 * t + e % 2 < a.first_key(row + e / 2 * 8)) p[j][e] = 0.f;
+        if (n0 < a.first_key(b, row0 + kWarpRows - 1) && n0 + j * 8 + 2 * t + e % 2 < a.first_key(b, row + e / 2 * 8)) p[j][e] = 0.f;
     }
 }
 
@@ -473,8 +485,10 @@ __global__ void __launch_bounds__(kThreads) attention_dkdv_kernel(GpuArgs a) {
         const int c = j * 8 + 2 * t + e % 2;  // query within the tile
         const float x = exp2f(p[j][e] * a.scale_log2 - lse_t[c] * kLog2e);
         p[j][e] = edge && ((!a.full && m0 + c < key + e / 2 * 8) || m0 + c >= a.q_len) ? 0.f : x;
-        if constexpr (V)  // queries past the window of the tile's keys
+        if constexpr (V) {  // queries past the window of the tile's keys, or in a later document
           if (m0 + BM - 1 > a.last_query(key0) && m0 + c > a.last_query(key + e / 2 * 8)) p[j][e] = 0.f;
+          if (a.documents && key + e / 2 * 8 < a.first_key(b, m0 + c)) p[j][e] = 0.f;
+        }
       }
     warp_mma_pn<BM, D>(dv, p, dot, lane);  // dV += P^T dO
 
@@ -538,7 +552,7 @@ __global__ void __launch_bounds__(kThreads) attention_dq_kernel(GpuArgs a) {
   const bf16* k = a.k + a.kv_row(b, 0, hk) * D;
   const bf16* v = a.v + a.kv_row(b, 0, hk) * D;
   const int n_tiles = cdiv(min(a.k_len, a.last_key(m0 + BM - 1) + 1), BN);
-  const int n_first = V ? a.first_key(m0) / BN : 0;
+  const int n_first = V ? a.first_key(b, m0) / BN : 0;
 
   load_rows<BM, D>(sq, a.q + a.q_row(b, 0, h) * D, q_ld, m0, a.q_len);
   load_rows<BM, D>(sdo, a.dout + a.q_row(b, 0, h) * D, q_ld, m0, a.q_len);
@@ -569,7 +583,7 @@ __global__ void __launch_bounds__(kThreads) attention_dq_kernel(GpuArgs a) {
 
     float p[BN / 8][4] = {};
     warp_mma_nt<D, BN>(p, sq, warp * kWarpRows, kt, lane);
-    probabilities<BN, V>(p, a, lse2, n0, row0, row, t);
+    probabilities<BN, V>(p, a, lse2, b, n0, row0, row, t);
     float ds[BN / 8][4] = {};
     warp_mma_nt<D, BN>(ds, sdo, warp * kWarpRows, vt, lane);  // dP = dO V^T
 #pragma unroll
@@ -705,6 +719,7 @@ GpuArgs gpu_args(const AttentionDims& n, const AttentionBlock& blk, Tensor q, Te
   a.q_seq = int(n.q_seq), a.kv_seq = int(n.kv_seq), a.q_heads = int(n.q_heads), a.kv_heads = int(n.kv_heads);
   a.q_begin = int(blk.q_begin), a.q_len = int(blk.q_end - blk.q_begin), a.k_begin = int(blk.k_begin), a.k_len = int(blk.k_end - blk.k_begin);
   a.full = blk.mask == AttentionMask::full, a.window = int(blk.window), a.distance = int(blk.distance);
+  a.documents = static_cast<const int*>(blk.documents.data);
   a.scale = float(1 / std::sqrt(double(n.head_dim)));
   a.scale_log2 = float(1 / std::sqrt(double(n.head_dim)) * 1.4426950408889634);
   return a;
@@ -721,7 +736,7 @@ void dkdv_gpu(GpuArgs a, const AttentionDims& n, size_t ld_bytes, Stream stream)
     a.dk_part = dk_part.ptr<float>(), a.dv_part = dv_part.ptr<float>();
   }
   const size_t dkdv_smem = size_t(2 * 64 + 4 * 32) * ld_bytes + 4 * 32 * sizeof(float);
-  const bool window = a.window > 0;
+  const bool window = a.window > 0 || a.documents;
   if (n.head_dim == 64) launch_tiled(window ? attention_dkdv_kernel<64, true> : attention_dkdv_kernel<64>, n, a.k_len, dkdv_smem, a, s);
   else launch_tiled(window ? attention_dkdv_kernel<128, true> : attention_dkdv_kernel<128>, n, a.k_len, dkdv_smem, a, s);
   if (group > 1) {
@@ -745,7 +760,7 @@ void mma_attention_forward(const char* op, Tensor out, Tensor lse, Tensor q, Ten
   a.o = static_cast<bf16*>(out.data), a.lse = static_cast<float*>(lse.data), a.sinks = static_cast<const bf16*>(sinks.data);
   const auto s = static_cast<cudaStream_t>(stream.handle);
   const size_t smem = size_t(64 + 4 * 64) * (n.head_dim + kPad) * sizeof(bf16);
-  const bool variant = a.window > 0 || a.sinks;
+  const bool variant = a.window > 0 || a.sinks || a.documents;
   if (n.head_dim == 64) launch_tiled(variant ? attention_forward_kernel<64, true> : attention_forward_kernel<64>, n, a.q_len, smem, a, s);
   else launch_tiled(variant ? attention_forward_kernel<128, true> : attention_forward_kernel<128>, n, a.q_len, smem, a, s);
 }
@@ -774,7 +789,7 @@ void mma_attention_backward(const char* op, Tensor dq, Tensor dk, Tensor dv, Ten
   if (grads != AttentionGrads::q) dkdv_gpu(a, n, ld_bytes, stream);
   if (grads == AttentionGrads::kv) return;
   const size_t dq_smem = size_t(2 * 64 + 4 * 64) * ld_bytes;
-  const bool window = a.window > 0;
+  const bool window = a.window > 0 || a.documents;
   if (d64) launch_tiled(window ? attention_dq_kernel<64, true> : attention_dq_kernel<64>, n, a.q_len, dq_smem, a, s);
   else launch_tiled(window ? attention_dq_kernel<128, true> : attention_dq_kernel<128>, n, a.q_len, dq_smem, a, s);
 }

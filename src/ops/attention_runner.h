@@ -5,13 +5,13 @@
 //   parallelism), and the runner computes their attention with the others' keys and values
 //   (parallel/ring_attention.h's ring_attention_runner).
 // Both take and give the shapes and dtypes of ops/attention.h's attention_forward/backward over the
-// local tokens, with a variant (sinks, sliding window): q, out, dq, dout [B, S_local, Hq, D], k, v,
+// local tokens, with a variant (sinks, sliding window, documents): q, out, dq, dout [B, S_local, Hq, D], k, v,
 // dk, dv [B, S_local, Hkv, D], lse [B, Hq, S_local]; dq, dk, dv are overwritten, dsinks [Hq] (given
 // exactly when the variant has sinks) is added to with this process's share.
 // A runner may also take the keys and values packed (KvExpansion: DeepSeek's MLA rotates its
 // normed latent and rotated rope key, 576 values a token for V2-Lite, not 16 heads x (192 + 128)),
 // expanding each block where it is used: packed [B, S_local, width], dpacked overwritten with the
-// gradient of packed.
+// gradient of packed; documents as AttentionVariant's (empty: none).
 // Only attention sees other tokens of the sequence: every other op of a model must stay per token.
 // An op that mixes tokens along the sequence (a convolution, a sequence-wide norm) would see only the
 // local zigzag share under context parallelism (batch.seq = seq_len / cp, true `positions`).
@@ -38,8 +38,9 @@ struct AttentionRunner {
   std::function<void(Tensor dq, Tensor dk, Tensor dv, Tensor dsinks, Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse,
                      const AttentionVariant& variant)>
       backward;
-  std::function<void(Tensor out, Tensor lse, Tensor q, Tensor packed, const KvExpansion& kv)> forward_packed;
-  std::function<void(Tensor dq, Tensor dpacked, Tensor dout, Tensor q, Tensor packed, Tensor out, Tensor lse, const KvExpansion& kv)>
+  std::function<void(Tensor out, Tensor lse, Tensor q, Tensor packed, const KvExpansion& kv, Tensor documents)> forward_packed;
+  std::function<void(Tensor dq, Tensor dpacked, Tensor dout, Tensor q, Tensor packed, Tensor out, Tensor lse, const KvExpansion& kv,
+                     Tensor documents)>
       backward_packed;
 };
 

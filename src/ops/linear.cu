@@ -1,6 +1,8 @@
 #include "ops/linear.h"
 
 #include <algorithm>
+#include <initializer_list>
+#include <utility>
 
 #include "ops/common.h"
 
@@ -63,7 +65,25 @@ void backward_weight_cpu(T* dw, const T* dy, const T* x, int64_t n, int64_t in, 
   }
 }
 
+// The batch B of the operands: all 2-D (B = 1) or all 3-D with one leading size; the first names the layout.
+int64_t batch_of(const char* op, std::initializer_list<std::pair<const char*, const Tensor*>> tensors, const char* layout) {
+  const auto [first, t0] = *tensors.begin();
+  MARROW_CHECK(t0->ndim == 2 || t0->ndim == 3, "{}: {} has shape {} but expected {} or [batch, {}", op, first, t0->shape_string(), layout,
+               layout + 1);
+  for (const auto& [name, t] : tensors)
+    MARROW_CHECK(t->ndim == t0->ndim && (t0->ndim == 2 || t->size(0) == t0->size(0)), "{}: {} has shape {} but {} has shape {}", op, name,
+                 t->shape_string(), first, t0->shape_string());
+  return t0->ndim == 3 ? t0->size(0) : 1;
+}
+
+void expect_matrices(const char* op, const char* name, const Tensor& t, int64_t batch, int64_t rows, int64_t cols) {
+  if (t.ndim == 3) return expect_shape(op, name, t, {batch, rows, cols});
+  expect_shape(op, name, t, {rows, cols});
+}
+
 #ifdef __CUDACC__
+int64_t batch_count(const Tensor& t) { return t.ndim == 3 ? t.size(0) : 1; }
+
 // GPU: one cuBLASLt matmul per call, bf16 operands, fp32 compute and scale. cuBLASLt is
 // column-major, and a row-major [r, c] matrix is the column-major [c, r] matrix with ld = c, so each
 // product is written for the column-major views (W is HF's [O, I], i.e. column-major [I, O]):
@@ -81,6 +101,7 @@ struct LtGemm {
   int64_t ldd;
   cudaDataType_t d_type;  // CUDA_R_16BF or CUDA_R_32F; A and B are always CUDA_R_16BF
   float beta;
+  int64_t batch = 1;  // products of contiguous matrices one after another in a, b and d
 };
 
 // Descriptors, layouts and the heuristic's algorithm for one shape, built once and kept for the
@@ -104,10 +125,10 @@ const LtPlan& lt_plan(const char* op, const LtGemm& g) {
   int device = 0;
   MARROW_CUDA_CHECK(cudaGetDevice(&device));
   const uint32_t align_a = alignment(g.a), align_b = alignment(g.b), align_d = alignment(g.d);
-  const std::array<int64_t, 13> key{device, g.transa, g.transb, g.m, g.n, g.k, g.lda, g.ldb, g.ldd, g.d_type,
-                                    align_a, align_b, align_d};
+  const std::array<int64_t, 14> key{device, g.transa, g.transb, g.m, g.n, g.k, g.lda, g.ldb, g.ldd, g.d_type,
+                                    align_a, align_b, align_d, g.batch};
   static std::mutex mutex;
-  static std::map<std::array<int64_t, 13>, LtPlan> plans;
+  static std::map<std::array<int64_t, 14>, LtPlan> plans;
   std::lock_guard<std::mutex> lock(mutex);
   if (auto it = plans.find(key); it != plans.end()) return it->second;
 
@@ -120,6 +141,14 @@ const LtPlan& lt_plan(const char* op, const LtGemm& g) {
   MARROW_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.a, CUDA_R_16BF, ta ? g.k : g.m, ta ? g.m : g.k, g.lda));
   MARROW_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.b, CUDA_R_16BF, tb ? g.n : g.k, tb ? g.k : g.n, g.ldb));
   MARROW_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.d, g.d_type, g.m, g.n, g.ldd));
+  if (g.batch > 1) {
+    const int32_t count = int32_t(g.batch);
+    const std::array<std::pair<cublasLtMatrixLayout_t, int64_t>, 3> strides{{{p.a, g.m * g.k}, {p.b, g.k * g.n}, {p.d, g.m * g.n}}};
+    for (const auto& [layout, stride] : strides) {
+      MARROW_CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, sizeof(count)));
+      MARROW_CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride, sizeof(stride)));
+    }
+  }
 
   cublasLtMatmulPreference_t pref;
   MARROW_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
@@ -153,7 +182,7 @@ void lt_matmul(const char* op, const LtGemm& g, Stream stream) {
   if (g.k == 0) {  // an empty sum: D = beta * C
     if (g.beta == 0)
       MARROW_CUDA_CHECK(cudaMemset2DAsync(g.d, size_t(g.ldd) * (g.d_type == CUDA_R_32F ? 4 : 2), 0,
-                                          size_t(g.m) * (g.d_type == CUDA_R_32F ? 4 : 2), size_t(g.n), s));
+                                          size_t(g.m) * (g.d_type == CUDA_R_32F ? 4 : 2), size_t(g.n * g.batch), s));
     return;
   }
   const LtPlan& p = lt_plan(op, g);
@@ -167,9 +196,9 @@ void forward_gpu(const char* op, Tensor y, Tensor x, Tensor w, Stream stream) {
   expect_dtype(op, "weight", w, DType::bf16);
   MARROW_CHECK(y.dtype == DType::bf16 || y.dtype == DType::f32, "{}: y has dtype {} but expected bf16 or f32", op,
                dtype_name(y.dtype));
-  const int64_t n = x.size(0), in = x.size(1), out = w.size(0);
+  const int64_t n = x.size(-2), in = x.size(-1), out = w.size(-2);
   lt_matmul(op, {CUBLAS_OP_T, CUBLAS_OP_N, out, n, in, w.data, in, x.data, in, y.data, out,
-                 y.dtype == DType::f32 ? CUDA_R_32F : CUDA_R_16BF, 0.0f},
+                 y.dtype == DType::f32 ? CUDA_R_32F : CUDA_R_16BF, 0.0f, batch_count(x)},
             stream);
 }
 
@@ -177,8 +206,9 @@ void backward_input_gpu(const char* op, Tensor dx, Tensor dy, Tensor w, bool acc
   expect_dtype(op, "dy", dy, DType::bf16);
   expect_dtype(op, "dx", dx, DType::bf16);
   expect_dtype(op, "weight", w, DType::bf16);
-  const int64_t n = dy.size(0), out = w.size(0), in = w.size(1);
-  lt_matmul(op, {CUBLAS_OP_N, CUBLAS_OP_N, in, n, out, w.data, in, dy.data, out, dx.data, in, CUDA_R_16BF, accumulate ? 1.0f : 0.0f},
+  const int64_t n = dy.size(-2), out = w.size(-2), in = w.size(-1);
+  lt_matmul(op,
+            {CUBLAS_OP_N, CUBLAS_OP_N, in, n, out, w.data, in, dy.data, out, dx.data, in, CUDA_R_16BF, accumulate ? 1.0f : 0.0f, batch_count(dy)},
             stream);
 }
 
@@ -186,8 +216,10 @@ void backward_weight_gpu(const char* op, Tensor dw, Tensor dy, Tensor x, bool ov
   expect_dtype(op, "x", x, DType::bf16);
   expect_dtype(op, "dy", dy, DType::bf16);
   expect_dtype(op, "dweight", dw, DType::f32);
-  const int64_t n = x.size(0), in = x.size(1), out = dy.size(1);
-  lt_matmul(op, {CUBLAS_OP_N, CUBLAS_OP_T, in, out, n, x.data, in, dy.data, out, dw.data, in, CUDA_R_32F, overwrite ? 0.0f : 1.0f}, stream);
+  const int64_t n = x.size(-2), in = x.size(-1), out = dy.size(-1);
+  lt_matmul(op,
+            {CUBLAS_OP_N, CUBLAS_OP_T, in, out, n, x.data, in, dy.data, out, dw.data, in, CUDA_R_32F, overwrite ? 0.0f : 1.0f, batch_count(x)},
+            stream);
 }
 #endif
 
@@ -195,16 +227,16 @@ void backward_weight_gpu(const char* op, Tensor dw, Tensor dy, Tensor x, bool ov
 
 void linear_forward(Tensor y, Tensor x, Tensor weight, Stream stream) {
   const char* op = "linear_forward";
-  expect_ndim(op, "x", x, 2, "[rows, in]");
-  expect_ndim(op, "weight", weight, 2, "[out, in]");
-  const int64_t n = x.size(0), in = x.size(1), out = weight.size(0);
-  expect_shape(op, "weight", weight, {out, in});
-  expect_shape(op, "y", y, {n, out});
+  const int64_t batch = batch_of(op, {{"x", &x}, {"weight", &weight}, {"y", &y}}, "[rows, in]");
+  const int64_t n = x.size(-2), in = x.size(-1), out = weight.size(-2);
+  expect_matrices(op, "weight", weight, batch, out, in);
+  expect_matrices(op, "y", y, batch, n, out);
   if (common_device(op, {{"x", &x}, {"y", &y}, {"weight", &weight}}) == Device::cpu) {
     expect_same_dtype(op, {{"x", &x}, {"y", &y}, {"weight", &weight}});
     return with_cpu_scalar(op, x, [&](auto s) {
       using T = decltype(s);
-      forward_cpu<T>(y.ptr<T>(), x.ptr<T>(), weight.ptr<T>(), n, in, out);
+      for (int64_t b = 0; b < batch; ++b)
+        forward_cpu<T>(y.ptr<T>() + b * n * out, x.ptr<T>() + b * n * in, weight.ptr<T>() + b * out * in, n, in, out);
     });
   }
   MARROW_GPU_RETURN(op, stream, forward_gpu(op, y, x, weight, stream));
@@ -212,16 +244,16 @@ void linear_forward(Tensor y, Tensor x, Tensor weight, Stream stream) {
 
 void linear_backward_input(Tensor dx, Tensor dy, Tensor weight, bool accumulate, Stream stream) {
   const char* op = "linear_backward_input";
-  expect_ndim(op, "dy", dy, 2, "[rows, out]");
-  expect_ndim(op, "weight", weight, 2, "[out, in]");
-  const int64_t n = dy.size(0), out = weight.size(0), in = weight.size(1);
-  expect_shape(op, "dy", dy, {n, out});
-  expect_shape(op, "dx", dx, {n, in});
+  const int64_t batch = batch_of(op, {{"dy", &dy}, {"weight", &weight}, {"dx", &dx}}, "[rows, out]");
+  const int64_t n = dy.size(-2), out = weight.size(-2), in = weight.size(-1);
+  expect_matrices(op, "dy", dy, batch, n, out);
+  expect_matrices(op, "dx", dx, batch, n, in);
   if (common_device(op, {{"dy", &dy}, {"dx", &dx}, {"weight", &weight}}) == Device::cpu) {
     expect_same_dtype(op, {{"dy", &dy}, {"dx", &dx}, {"weight", &weight}});
     return with_cpu_scalar(op, dy, [&](auto s) {
       using T = decltype(s);
-      backward_input_cpu<T>(dx.ptr<T>(), dy.ptr<T>(), weight.ptr<T>(), n, in, out, accumulate);
+      for (int64_t b = 0; b < batch; ++b)
+        backward_input_cpu<T>(dx.ptr<T>() + b * n * in, dy.ptr<T>() + b * n * out, weight.ptr<T>() + b * out * in, n, in, out, accumulate);
     });
   }
   MARROW_GPU_RETURN(op, stream, backward_input_gpu(op, dx, dy, weight, accumulate, stream));
@@ -229,17 +261,17 @@ void linear_backward_input(Tensor dx, Tensor dy, Tensor weight, bool accumulate,
 
 void linear_backward_weight(Tensor dweight, Tensor dy, Tensor x, bool overwrite, Stream stream) {
   const char* op = "linear_backward_weight";
-  expect_ndim(op, "x", x, 2, "[rows, in]");
-  expect_ndim(op, "dy", dy, 2, "[rows, out]");
-  const int64_t n = x.size(0), in = x.size(1), out = dy.size(1);
-  expect_shape(op, "dy", dy, {n, out});
-  expect_shape(op, "dweight", dweight, {out, in});
+  const int64_t batch = batch_of(op, {{"x", &x}, {"dy", &dy}, {"dweight", &dweight}}, "[rows, in]");
+  const int64_t n = x.size(-2), in = x.size(-1), out = dy.size(-1);
+  expect_matrices(op, "dy", dy, batch, n, out);
+  expect_matrices(op, "dweight", dweight, batch, out, in);
   if (common_device(op, {{"x", &x}, {"dy", &dy}, {"dweight", &dweight}}) == Device::cpu) {
     expect_same_dtype(op, {{"x", &x}, {"dy", &dy}, {"dweight", &dweight}});
     return with_cpu_scalar(op, x, [&](auto s) {
       using T = decltype(s);
-      if (overwrite) std::fill(dweight.ptr<T>(), dweight.ptr<T>() + out * in, T(0));
-      backward_weight_cpu<T>(dweight.ptr<T>(), dy.ptr<T>(), x.ptr<T>(), n, in, out);
+      if (overwrite) std::fill(dweight.ptr<T>(), dweight.ptr<T>() + batch * out * in, T(0));
+      for (int64_t b = 0; b < batch; ++b)
+        backward_weight_cpu<T>(dweight.ptr<T>() + b * out * in, dy.ptr<T>() + b * n * out, x.ptr<T>() + b * n * in, n, in, out);
     });
   }
   MARROW_GPU_RETURN(op, stream, backward_weight_gpu(op, dweight, dy, x, overwrite, stream));

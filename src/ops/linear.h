@@ -4,6 +4,9 @@
 // split in two so the schedule can defer the weight gradient to fill pipeline bubbles.
 // GPU (cuBLASLt, fp32 compute): x, weight, dy, dx bf16; y bf16, or f32 for the router's logits;
 // dweight f32, accumulated by the GEMM itself (beta = 1), or written (beta = 0).
+// Every tensor may instead carry a leading batch dimension B (all of them the same B): B independent
+// products of contiguous matrices, one strided-batched GEMM on the GPU (Muon's Newton-Schulz over a
+// layer's experts).
 #pragma once
 #include "core/tensor.h"
 

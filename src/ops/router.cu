@@ -42,7 +42,8 @@ template <typename T>
 void forward_cpu(T* probs, int32_t* topk_index, T* topk_weight, const T* logits, int64_t n, int64_t e, int64_t k,
                  const RouterOptions& options) {
   std::vector<char> taken(e);
-  std::vector<T> score(options.groups);
+  std::vector<T> score(options.groups), chosen_by(e);
+  const float* bias = options.selection_bias.data ? options.selection_bias.ptr<float>() : nullptr;
   for (int64_t t = 0; t < n; ++t) {
     const T* l = logits + t * e;
     T* p = probs + t * e;
@@ -53,14 +54,15 @@ void forward_cpu(T* probs, int32_t* topk_index, T* topk_weight, const T* logits,
 
     // Selection over the stored probabilities (not the logits), as torch.topk sees them: two
     // logits that round to one probability are a tie, resolved to the lower index by the strict >.
+    for (int64_t i = 0; i < e; ++i) chosen_by[i] = bias ? T(p[i] + T(bias[i])) : p[i];
     std::fill(taken.begin(), taken.end(), 0);
-    if (options.groups > 1) mask_groups_cpu(taken.data(), p, e, score, options.top_groups);
+    if (options.groups > 1) mask_groups_cpu(taken.data(), chosen_by.data(), e, score, options.top_groups);
     int32_t* idx = topk_index + t * k;
     double topk_sum = 0;
     for (int64_t j = 0; j < k; ++j) {
       int64_t best = -1;
       for (int64_t i = 0; i < e; ++i)
-        if (!taken[i] && (best < 0 || p[i] > p[best])) best = i;
+        if (!taken[i] && (best < 0 || chosen_by[i] > chosen_by[best])) best = i;
       taken[best] = 1;
       idx[j] = int32_t(best);
       topk_sum += p[best];
@@ -141,6 +143,22 @@ template <typename T> double aux_loss_cpu(const char* op, const T* stats, int64_
   return sum / double(rows);
 }
 
+// router_step_statistics: each expert's sum runs over the rows in order, in double.
+template <typename T> void step_statistics_cpu(double* totals, T* stats, int64_t rows, int64_t e, bool global_form) {
+  for (int64_t i = 0; i <= e; ++i)
+    for (int64_t r = 0; r < rows; ++r) totals[i] += double(stats[r * (2 * e + 1) + (i < e ? i : 2 * e)]);
+  if (global_form)
+    for (int64_t i = 0; i < e; ++i) stats[i] = T(totals[i] * double(stats[2 * e]) / totals[e]);
+}
+
+// expert_bias_update of one layer: the mean load summed in expert order, each step one rounded f32 add.
+void bias_update_cpu(float* bias, const double* load, int64_t e, float rate) {
+  double sum = 0;
+  for (int64_t i = 0; i < e; ++i) sum += load[i];
+  const double mean = sum / double(e);
+  for (int64_t i = 0; i < e; ++i) bias[i] = load[i] < mean ? bias[i] + rate : load[i] > mean ? bias[i] - rate : bias[i];
+}
+
 // (rows, E) of statistics [2E + 1] (one row) or [rows, 2E + 1].
 std::array<int64_t, 2> statistics_experts(const char* op, const Tensor& stats) {
   const int64_t width = stats.ndim > 0 ? stats.size(-1) : 0, rows = stats.ndim == 2 ? stats.size(0) : 1;
@@ -196,12 +214,14 @@ __device__ Candidate warp_best(Candidate c) {
 // top_groups of highest score (the group's highest probability), equal scores to the lower group
 // index, as mask_groups_cpu. score (the token's exponentials, no longer read) holds the groups'
 // scores, a chosen group's becoming -1; lane l owns groups l, l + 32, ... as it owns experts.
-__device__ void mask_groups(char* taken, const float* p, double* score, int e, int groups, int top_groups, int lane) {
+__device__ float chosen_by(const float* p, const float* bias, int i) { return bias ? __fadd_rn(p[i], bias[i]) : p[i]; }
+
+__device__ void mask_groups(char* taken, const float* p, const float* bias, double* score, int e, int groups, int top_groups, int lane) {
   const int size = e / groups;
   __syncwarp();  // every lane's probabilities
   for (int g = lane; g < groups; g += 32) {
-    float best = p[g * size];
-    for (int i = 1; i < size; ++i) best = fmaxf(best, p[g * size + i]);
+    float best = chosen_by(p, bias, g * size);
+    for (int i = 1; i < size; ++i) best = fmaxf(best, chosen_by(p, bias, g * size + i));
     score[g] = best;
   }
   for (int r = 0; r < top_groups; ++r) {
@@ -220,10 +240,10 @@ __device__ void mask_groups(char* taken, const float* p, double* score, int e, i
 // exp(logit - max) (double), probabilities and taken flags. The softmax runs in double and lane 0
 // sums the exponentials in expert order, as the CPU reference does, so the stored f32
 // probabilities -- and the top-k choice made on them -- match it. K rounds of a warp argmax pick
-// the experts (among the top groups' when groups > 1); the top-k sum is added in slot order, again
-// as on the CPU.
-__global__ void router_forward_kernel(float* probs, int32_t* topk_index, float* topk_weight, const float* logits, int64_t n, int e,
-                               int k, bool normalize, double scale, int groups, int top_groups) {
+// the experts (among the top groups' when groups > 1) on p + bias where a selection bias is given
+// (one f32 add, as the CPU's); the top-k sum of p is added in slot order, again as on the CPU.
+__global__ void router_forward_kernel(float* probs, int32_t* topk_index, float* topk_weight, const float* logits, const float* bias, int64_t n,
+                                      int e, int k, bool normalize, double scale, int groups, int top_groups) {
   begin_after_previous_grid();
   extern __shared__ double shared[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -247,14 +267,15 @@ __global__ void router_forward_kernel(float* probs, int32_t* topk_index, float* 
     probs[t * e + i] = p[i];
     taken[i] = 0;
   }
-  if (groups > 1) mask_groups(taken, p, ex, e, groups, top_groups, lane);
+  if (groups > 1) mask_groups(taken, p, bias, ex, e, groups, top_groups, lane);
+  __syncwarp();  // p[c.i] below is another lane's
   double topk_sum = 0;
   for (int j = 0; j < k; ++j) {
     Candidate c{0.0f, -1};
     for (int i = lane; i < e; i += 32)
-      if (!taken[i] && (c.i < 0 || p[i] > c.p)) c = {p[i], i};
+      if (!taken[i] && (c.i < 0 || chosen_by(p, bias, i) > c.p)) c = {chosen_by(p, bias, i), i};
     c = warp_best(c);
-    topk_sum += c.p;
+    topk_sum += p[c.i];
     if (lane == c.i % 32) taken[c.i] = 1;  // only the owning lane reads this flag again
     if (lane == 0) topk_index[t * k + j] = c.i;
   }
@@ -354,8 +375,9 @@ void launch_forward(Tensor probs, Tensor topk_index, Tensor topk_weight, Tensor 
   if (n == 0) return;
   const size_t smem = size_t(kWarps) * e * (sizeof(double) + sizeof(float) + 1);
   launch_dependent(router_forward_kernel, unsigned((n + kWarps - 1) / kWarps), 32 * kWarps, smem, stream, probs.ptr<float>(),
-                   topk_index.ptr<int32_t>(), topk_weight.ptr<float>(), logits.ptr<float>(), n, int(e), int(k), o.normalize, o.scale,
-                   int(o.groups), int(o.top_groups));
+                   topk_index.ptr<int32_t>(), topk_weight.ptr<float>(), logits.ptr<float>(),
+                   o.selection_bias.data ? o.selection_bias.ptr<float>() : nullptr, n, int(e), int(k), o.normalize, o.scale, int(o.groups),
+                   int(o.top_groups));
 }
 
 // The arithmetic of aux_loss_cpu, each operation rounded on its own (no fused multiply-adds): the
@@ -380,6 +402,32 @@ __global__ void router_aux_loss_add_kernel(double* total, const float* stats, in
     __syncthreads();
   }
   if (threadIdx.x == 0) total[0] = __dadd_rn(total[0], __ddiv_rn(sum, double(rows)));
+}
+
+// One block, thread i owning totals[i] (i = E the tokens), as step_statistics_cpu.
+__global__ void router_step_statistics_kernel(double* totals, float* stats, int rows, int e, bool global_form) {
+  begin_after_previous_grid();
+  const int64_t width = 2 * e + 1;
+  double tokens = totals[e];
+  for (int r = 0; r < rows; ++r) tokens = __dadd_rn(tokens, double(stats[r * width + 2 * e]));
+  __syncthreads();  // every thread has read totals[e]
+  for (int i = threadIdx.x; i <= e; i += blockDim.x) {
+    double sum = totals[i];
+    for (int r = 0; r < rows; ++r) sum = __dadd_rn(sum, double(stats[r * width + (i < e ? i : 2 * e)]));
+    totals[i] = sum;
+    if (global_form && i < e) stats[i] = float(__ddiv_rn(__dmul_rn(sum, double(stats[2 * e])), tokens));
+  }
+}
+
+// One block a layer; every thread sums the layer's loads in expert order, as bias_update_cpu.
+__global__ void expert_bias_update_kernel(float* bias, const double* totals, int e, float rate) {
+  begin_after_previous_grid();
+  const double* load = totals + blockIdx.x * int64_t(e + 1);
+  double sum = 0;
+  for (int i = 0; i < e; ++i) sum = __dadd_rn(sum, load[i]);
+  const double mean = __ddiv_rn(sum, double(e));
+  float* b = bias + blockIdx.x * int64_t(e);
+  for (int i = threadIdx.x; i < e; i += blockDim.x) b[i] = load[i] < mean ? __fadd_rn(b[i], rate) : load[i] > mean ? __fsub_rn(b[i], rate) : b[i];
 }
 
 void launch_backward(Tensor dlogits, Tensor dtopk_weight, Tensor probs, Tensor topk_index, Tensor topk_weight, const RouterOptions& o,
@@ -425,6 +473,11 @@ void router_forward(Tensor probs, Tensor topk_index, Tensor topk_weight, Tensor 
   expect_shape(op, "probs", probs, {n, e});
   expect_shape(op, "topk_weight", topk_weight, {n, k});
   check_options(op, options, e, k);
+  if (options.selection_bias.data) {
+    expect_shape(op, "selection_bias", options.selection_bias, {e});
+    expect_dtype(op, "selection_bias", options.selection_bias, DType::f32);
+    common_device(op, {{"logits", &logits}, {"selection_bias", &options.selection_bias}});
+  }
   if (on_gpu(op, {{"logits", &logits, DType::f32}, {"probs", &probs, DType::f32}, {"topk_index", &topk_index, DType::i32},
                   {"topk_weight", &topk_weight, DType::f32}})) {
     MARROW_CHECK(e <= kMaxGpuExperts, "{}: {} experts, but the GPU kernel takes at most {}", op, e, kMaxGpuExperts);
@@ -475,6 +528,37 @@ void router_aux_loss_add(Tensor total, Tensor stats, Stream stream) {
                                                    stream, total.ptr<double>(), stats.ptr<float>(), int(rows), int(e)));
   }
   with_cpu_scalar(op, stats, [&](auto s) { total.ptr<double>()[0] += aux_loss_cpu(op, stats.ptr<decltype(s)>(), rows, e); });
+}
+
+void router_step_statistics(Tensor totals, Tensor stats, bool global_form, Stream stream) {
+  const char* op = "router_step_statistics";
+  const std::array<int64_t, 2> size = statistics_experts(op, stats);
+  const int64_t rows = size[0], e = size[1];
+  expect_shape(op, "totals", totals, {e + 1});
+  expect_dtype(op, "totals", totals, DType::f64);
+  MARROW_CHECK(!global_form || stats.ndim == 1, "{}: the global-batch form takes one row of statistics, got {}", op, stats.shape_string());
+  if (common_device(op, {{"totals", &totals}, {"stats", &stats}}) == Device::cuda) {
+    expect_dtype(op, "stats", stats, DType::f32);
+    MARROW_GPU_RETURN(op, stream, launch_dependent(router_step_statistics_kernel, 1, 256, 0, stream, totals.ptr<double>(), stats.ptr<float>(),
+                                                   int(rows), int(e), global_form));
+  }
+  with_cpu_scalar(op, stats, [&](auto s) { step_statistics_cpu(totals.ptr<double>(), stats.ptr<decltype(s)>(), rows, e, global_form); });
+}
+
+void expert_bias_update(Tensor bias, Tensor totals, double rate, Stream stream) {
+  const char* op = "expert_bias_update";
+  expect_ndim(op, "bias", bias, 2, "[layers, experts]");
+  const int64_t layers = bias.size(0), e = bias.size(1);
+  expect_shape(op, "totals", totals, {layers, e + 1});
+  expect_dtype(op, "bias", bias, DType::f32);
+  expect_dtype(op, "totals", totals, DType::f64);
+  MARROW_CHECK(std::isfinite(rate) && rate > 0, "{}: the rate must be positive and finite, got {}", op, rate);
+  if (common_device(op, {{"bias", &bias}, {"totals", &totals}}) == Device::cuda) {
+    if (layers == 0) return;
+    MARROW_GPU_RETURN(op, stream, launch_dependent(expert_bias_update_kernel, unsigned(layers), 256, 0, stream, bias.ptr<float>(),
+                                                   totals.ptr<double>(), int(e), float(rate)));
+  }
+  for (int64_t l = 0; l < layers; ++l) bias_update_cpu(bias.ptr<float>() + l * e, totals.ptr<double>() + l * (e + 1), e, float(rate));
 }
 
 void router_backward(Tensor dlogits, Tensor dtopk_weight, Tensor probs, Tensor topk_index, Tensor topk_weight, bool normalize,

@@ -26,6 +26,9 @@ struct RouterOptions {
   bool normalize = false;
   double scale = 1.0;                  // routed_scaling_factor, positive
   int64_t groups = 1, top_groups = 1;  // n_group (dividing E), topk_group; K <= top_groups * E / groups
+  // DeepSeek-V3's auxiliary-loss-free balancing: f32 [E] added to the probabilities for the choice
+  // of the experts (groups included) only; the weights stay the unbiased probabilities. Empty: none.
+  Tensor selection_bias = {};
 };
 
 // probs[T, E], topk_index[T, K] (i32), topk_weight[T, K] from logits[T, E].
@@ -60,6 +63,16 @@ struct StatisticsRows {
 // give the mean over rows of each row's loss (the rows summed in order, then divided by G); [2E + 1]
 // is one row.
 double router_aux_loss(Tensor stats, Stream stream = {});
+// The step's routing so far, for the global-batch form and the expert bias: totals (f64 [E + 1],
+// zeros at the step's start) += the copies routed to each expert and the tokens, summed over the rows
+// of stats ([2E + 1] or [G, 2E + 1]). With `global_form` (one row) the counts of stats become
+// totals_e * T / totals_E, so that router_aux_loss and router_backward on them compute
+// E * sum_e (totals_e / totals_E) * P_e and its gradient: the expert fractions of every token
+// counted so far, the probabilities of this row's.
+void router_step_statistics(Tensor totals, Tensor stats, bool global_form, Stream stream = {});
+// DeepSeek-V3's bias update: bias[l, e] (f32 [L, E]) += rate * sign(mean_e load[l] - load[l, e]),
+// load = totals[l, 0..E) (f64 [L, E + 1], router_step_statistics'); a layer without load keeps its bias.
+void expert_bias_update(Tensor bias, Tensor totals, double rate, Stream stream = {});
 // total[0] += router_aux_loss(stats), on stats' device and without reading anything on the host
 // (the engine reads the sum once per micro-batch, not once per layer). total: f64 [1].
 void router_aux_loss_add(Tensor total, Tensor stats, Stream stream = {});

@@ -51,9 +51,10 @@ namespace {
 
 // The blocks of member `rank`'s queries against member `source`'s keys and values, one per pair of
 // chunks (local rows [0, c) and [c, 2c)) whose keys come no later than the queries and, with a
-// window, reach into it; each carries the window and the distance between its chunks' positions.
+// window, reach into it; each carries the window, the documents and the distance between its chunks' positions.
 // Source = rank gives its own chunk first causally, the later chunk against it, the later causally.
-std::vector<AttentionBlock> chunk_blocks(int64_t local_seq, int rank, int source, int ranks, int64_t window) {
+std::vector<AttentionBlock> chunk_blocks(int64_t local_seq, int rank, int source, int ranks, const AttentionVariant& variant) {
+  const int64_t window = variant.window;
   const int64_t c = local_seq / 2;
   auto position = [&](int member, int64_t half) { return (half == 0 ? member : 2 * ranks - 1 - member) * c; };
   std::vector<AttentionBlock> blocks;
@@ -61,15 +62,17 @@ std::vector<AttentionBlock> chunk_blocks(int64_t local_seq, int rank, int source
     for (int64_t kh = 0; kh < 2; ++kh) {
       const int64_t qp = position(rank, qh), kp = position(source, kh);
       if (kp > qp || (window > 0 && kp + c - 1 <= qp - window)) continue;
-      blocks.push_back({kp == qp ? AttentionMask::causal : AttentionMask::full, qh * c, qh * c + c, kh * c, kh * c + c, window, qp - kp});
+      blocks.push_back(
+          {kp == qp ? AttentionMask::causal : AttentionMask::full, qh * c, qh * c + c, kh * c, kh * c + c, window, qp - kp, variant.documents});
     }
   return blocks;
 }
 
-// The blocks of a ring step: zigzag_block's one block without a window, chunk_blocks with one.
-std::vector<AttentionBlock> step_blocks(int64_t local_seq, int rank, int source, int ranks, int64_t window) {
-  if (window == 0) return {zigzag_block(local_seq, rank, source)};
-  return chunk_blocks(local_seq, rank, source, ranks, window);
+// The blocks of a ring step: zigzag_block's one block without a window or documents, else
+// chunk_blocks (their masks need each block's rows to be consecutive positions).
+std::vector<AttentionBlock> step_blocks(int64_t local_seq, int rank, int source, int ranks, const AttentionVariant& variant) {
+  if (variant.window == 0 && !variant.documents.data) return {zigzag_block(local_seq, rank, source)};
+  return chunk_blocks(local_seq, rank, source, ranks, variant);
 }
 
 struct RingShape {
@@ -231,8 +234,8 @@ void own_block_backward(Tensor dq_sum, const KvView& own, Tensor dout, Tensor q,
 // goes on to the next member, so that after step CP - 1 it reaches the block's owner, in `incoming`.
 // `own` ends as this member's own blocks' share.
 void ring_steps_backward(Tensor dq_sum, Tensor own_sum, const GradRing& grads, Tensor dout, Tensor q, const KvRing& ring, Tensor out,
-                         Tensor lse, const RingShape& n, const Comm& cp, int64_t window) {
-  const std::vector<AttentionBlock> own_blocks = chunk_blocks(n.seq, cp.rank(), cp.rank(), cp.size(), window);
+                         Tensor lse, const RingShape& n, const Comm& cp, const AttentionVariant& variant) {
+  const std::vector<AttentionBlock> own_blocks = chunk_blocks(n.seq, cp.rank(), cp.rank(), cp.size(), variant);
   fill_zero(own_sum);
   const KvView own = split(own_sum, n);
   ring.pass_on(cp, 0);
@@ -248,7 +251,7 @@ void ring_steps_backward(Tensor dq_sum, Tensor own_sum, const GradRing& grads, T
     const KvView here = ring.at(t);
     // A fused block (one kernel for all three gradients) adds its dq here too; the others' dq runs
     // after the hop is posted, so the hop travels under it.
-    const std::vector<AttentionBlock> blocks = step_blocks(n.seq, cp.rank(), source_at(cp, t), cp.size(), window);
+    const std::vector<AttentionBlock> blocks = step_blocks(n.seq, cp.rank(), source_at(cp, t), cp.size(), variant);
     const KvView target = grads.target(t);
     for (const AttentionBlock& block : blocks)
       attention_block_backward(dq_sum, target.k, target.v, dout, q, here.k, here.v, out, lse, block,
@@ -275,10 +278,10 @@ void ring_forward(Tensor out, Tensor lse, Tensor q, const KvRing& ring, const Ri
   Buffer part_out(out.dtype, out.device, {n.batch, n.seq, n.q_heads, n.v_dim});
   Buffer part_lse(lse.dtype, lse.device, {n.batch, n.q_heads, n.seq});
   Buffer running(accumulator_dtype(out), out.device, {n.batch, n.seq, n.q_heads, n.v_dim});
-  // The own block comes first and covers every row: it starts the running result. Without a window it
-  // is the causal op over the local rows, so it runs on cuDNN's kernels where they are chosen
-  // (ops/attention.h); with one member it is the whole op, sinks included.
-  const bool causal_first = variant.window == 0 || cp.size() == 1;
+  // The own block comes first and covers every row: it starts the running result. Without a window
+  // or documents it is the causal op over the local rows, so it runs on cuDNN's kernels where they
+  // are chosen (ops/attention.h); with one member it is the whole op, sinks included.
+  const bool causal_first = (variant.window == 0 && !variant.documents.data) || cp.size() == 1;
   if (!causal_first) {
     fill_zero(running);
     fill_constant(lse, -std::numeric_limits<double>::infinity());
@@ -290,7 +293,7 @@ void ring_forward(Tensor out, Tensor lse, Tensor q, const KvRing& ring, const Ri
       attention_forward(part_out, lse, q, here.k, here.v, cp.size() == 1 ? variant : AttentionVariant{});
       cast(running, part_out);
     } else {
-      for (const AttentionBlock& block : step_blocks(n.seq, cp.rank(), source_at(cp, t), cp.size(), variant.window)) {
+      for (const AttentionBlock& block : step_blocks(n.seq, cp.rank(), source_at(cp, t), cp.size(), variant)) {
         attention_block_forward(part_out, part_lse, q, here.k, here.v, block);
         attention_merge(running, lse, part_out, part_lse, block.q_begin, block.q_end);
       }
@@ -317,7 +320,7 @@ void check_gradients(const char* op, const RingShape& n, Tensor dq, Tensor dout,
 void ring_backward(Tensor dq_sum, Tensor own_sum, const GradRing& grads, Tensor dout, Tensor q, const KvRing& ring, Tensor out,
                    Tensor lse, const RingShape& n, const Comm& cp, const AttentionVariant& variant, Tensor dsinks) {
   if (cp.size() == 1) return single_member_backward(dq_sum, own_sum, dout, q, ring.at(0), out, lse, n, variant, dsinks);
-  ring_steps_backward(dq_sum, own_sum, grads, dout, q, ring, out, lse, n, cp, variant.window);
+  ring_steps_backward(dq_sum, own_sum, grads, dout, q, ring, out, lse, n, cp, variant);
   if (variant.sinks.data) attention_sinks_backward(dsinks, dout, out, lse, variant.sinks);
 }
 
@@ -330,11 +333,12 @@ void ring_attention_forward(Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v
   ring_forward(out, lse, q, KvRing(n, k, v), n, cp, variant);
 }
 
-void ring_attention_forward_packed(Tensor out, Tensor lse, Tensor q, Tensor packed, const KvExpansion& kv, const Comm& cp) {
+void ring_attention_forward_packed(Tensor out, Tensor lse, Tensor q, Tensor packed, const KvExpansion& kv, const Comm& cp,
+                                   Tensor documents) {
   const char* op = "ring_attention_forward_packed";
   const RingShape n = check_packed(op, q, packed, kv, cp);
   check_results(op, n, out, lse);
-  ring_forward(out, lse, q, KvRing(n, packed, kv), n, cp, {});
+  ring_forward(out, lse, q, KvRing(n, packed, kv), n, cp, {.documents = documents});
 }
 
 void ring_attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out,
@@ -357,7 +361,7 @@ void ring_attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tenso
 }
 
 void ring_attention_backward_packed(Tensor dq, Tensor dpacked, Tensor dout, Tensor q, Tensor packed, Tensor out, Tensor lse,
-                                    const KvExpansion& kv, const Comm& cp) {
+                                    const KvExpansion& kv, const Comm& cp, Tensor documents) {
   const char* op = "ring_attention_backward_packed";
   const RingShape n = check_packed(op, q, packed, kv, cp);
   check_gradients(op, n, dq, dout, out, lse);
@@ -366,7 +370,7 @@ void ring_attention_backward_packed(Tensor dq, Tensor dpacked, Tensor dout, Tens
   Buffer dq_sum = Buffer::zeros(acc, dq.device, {n.batch, n.seq, n.q_heads, n.head_dim});
   const GradRing grads(n, acc, dq.device, &kv);
   const Buffer own = flat(acc, dq.device, kv_numel(n)), own_packed = flat(acc, dq.device, grads.width());
-  ring_backward(dq_sum, own, grads, dout, q, KvRing(n, packed, kv), out, lse, n, cp, {}, {});
+  ring_backward(dq_sum, own, grads, dout, q, KvRing(n, packed, kv), out, lse, n, cp, {.documents = documents}, {});
   grads.pack(own_packed, own, packed);
   if (cp.size() > 1) add(own_packed, own_packed, grads.incoming());
   cast(dq, dq_sum);
@@ -379,12 +383,11 @@ AttentionRunner ring_attention_runner(const Comm& cp) {
           },
           [&cp](Tensor dq, Tensor dk, Tensor dv, Tensor dsinks, Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse,
                 const AttentionVariant& variant) { ring_attention_backward(dq, dk, dv, dout, q, k, v, out, lse, cp, variant, dsinks); },
-          [&cp](Tensor out, Tensor lse, Tensor q, Tensor packed, const KvExpansion& kv) {
-            ring_attention_forward_packed(out, lse, q, packed, kv, cp);
+          [&cp](Tensor out, Tensor lse, Tensor q, Tensor packed, const KvExpansion& kv, Tensor documents) {
+            ring_attention_forward_packed(out, lse, q, packed, kv, cp, documents);
           },
-          [&cp](Tensor dq, Tensor dpacked, Tensor dout, Tensor q, Tensor packed, Tensor out, Tensor lse, const KvExpansion& kv) {
-            ring_attention_backward_packed(dq, dpacked, dout, q, packed, out, lse, kv, cp);
-          }};
+          [&cp](Tensor dq, Tensor dpacked, Tensor dout, Tensor q, Tensor packed, Tensor out, Tensor lse, const KvExpansion& kv,
+                Tensor documents) { ring_attention_backward_packed(dq, dpacked, dout, q, packed, out, lse, kv, cp, documents); }};
 }
 
 RingAttentionBytes ring_attention_bytes(int64_t tokens, int64_t q_heads, int64_t kv_heads, int64_t head_dim, Device device,

@@ -20,7 +20,9 @@
 // travels on, so both rings move `width` values a token.
 // GPT-OSS's variant: with a sliding window every block is cut into one per pair of chunks (the two
 // local chunks are not adjacent) and pairs wholly beyond the window are skipped; sinks join once,
-// after every block is merged, and each member adds its rows' share of dsinks.
+// after every block is merged, and each member adds its rows' share of dsinks. Packed documents
+// (the variant's per-query positions in their documents) cut blocks the same way: a pair's
+// distance and a query's position bound the keys it sees, so key positions need not travel.
 // Numbers: on the GPU the tensors are bf16 (lse f32), the running out and the dq, dk, dv
 // accumulators f32, rounded once at the end. Additions run in ring order, so results are
 // deterministic for a given CP and equal the one-process op up to that order.
@@ -64,10 +66,12 @@ void ring_attention_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tenso
                              Tensor lse, const Comm& cp, const AttentionVariant& variant = {}, Tensor dsinks = {});
 
 // The same with the keys and values given packed (KvExpansion): dpacked [B, Sl, width]
-// overwritten; expand_backward adds each block's share to the expansion's weight gradients.
-void ring_attention_forward_packed(Tensor out, Tensor lse, Tensor q, Tensor packed, const KvExpansion& kv, const Comm& cp);
+// overwritten; expand_backward adds each block's share to the expansion's weight gradients;
+// documents as AttentionVariant's (empty: none).
+void ring_attention_forward_packed(Tensor out, Tensor lse, Tensor q, Tensor packed, const KvExpansion& kv, const Comm& cp,
+                                   Tensor documents = {});
 void ring_attention_backward_packed(Tensor dq, Tensor dpacked, Tensor dout, Tensor q, Tensor packed, Tensor out, Tensor lse,
-                                    const KvExpansion& kv, const Comm& cp);
+                                    const KvExpansion& kv, const Comm& cp, Tensor documents = {});
 
 // The model's attention hook (ops/attention_runner.h) for micro-batches cut by the zigzag split
 // over cp: ring_attention_forward/backward (and the packed pair) over the group, which must outlive the runner.

@@ -8,6 +8,7 @@
 #include "ops/cast.h"
 #include "ops/grad_norm.h"
 #include "ops/known_zero.h"
+#include "ops/muon.h"
 
 #if MARROW_CUDA
 #include <cuda_runtime.h>
@@ -41,6 +42,14 @@ void ShardedParameters::add_undecayed(Unit& u, const TensorSpec& s) {
   else u.undecayed.emplace_back(begin, end);
 }
 
+void ShardedParameters::add_matrices(Unit& u, const TensorSpec& s) {
+  if (!s.orthogonalized) return;
+  const int64_t rows = s.shape[s.shape.size() - 2], cols = s.shape.back(), begin = s.offset - u.begin;
+  Unit::MatrixRun& last = u.matrices.empty() ? u.matrices.emplace_back(Unit::MatrixRun{begin, 0, rows, cols}) : u.matrices.back();
+  if (last.end() == begin && last.rows == rows && last.cols == cols) last.count += s.numel / (rows * cols);
+  else u.matrices.push_back({begin, s.numel / (rows * cols), rows, cols});
+}
+
 std::vector<ShardedParameters::Unit> ShardedParameters::cut_units(const std::vector<TensorSpec>& specs, int64_t num_layers,
                                                                   const std::vector<int64_t>& stage_chunk, const Mesh& mesh,
                                                                   bool keep_gathered, bool keep_whole_grads, bool cast_on_use) {
@@ -51,6 +60,7 @@ std::vector<ShardedParameters::Unit> ShardedParameters::cut_units(const std::vec
     const UnitKey key = unit_key(s, stage_chunk);
     if (!units.empty() && seen.back() == key && units.back().begin + units.back().numel == s.offset) {
       add_undecayed(units.back(), s);
+      add_matrices(units.back(), s);
       units.back().numel += s.numel;
       continue;
     }
@@ -70,6 +80,7 @@ std::vector<ShardedParameters::Unit> ShardedParameters::cut_units(const std::vec
     u.grads_kept = keep_whole_grads || whole_anyway || u.n == 1;
     u.cast = u.n == 1 && !u.weights_kept;
     add_undecayed(u, s);
+    add_matrices(u, s);
     units.push_back(u);
   }
   int64_t offset = 0;
@@ -454,14 +465,15 @@ double ShardedParameters::gradient_norm(std::span<const Tensor> expert_squares, 
   return std::sqrt(mesh_.pipeline.sum(stage_squares, "gradient norm over the pipeline (sum of squares)"));
 }
 
-std::vector<ShardedParameters::AdamWRun> ShardedParameters::adamw_runs(const Unit& u, std::span<const KnownZeroGrads> known) const {
+std::vector<ShardedParameters::AdamWRun> ShardedParameters::adamw_runs(const Unit& u, std::span<const KnownZeroGrads> known,
+                                                                       bool muon) const {
   const Tensor grad = u.shard(grads_);
   const auto* base = static_cast<const char*>(grad.data);
   std::vector<AdamWRun> inside;  // the known-zero gradients in the shard
   for (const KnownZeroGrads& k : known) {
     const auto* at = static_cast<const char*>(k.grad.data);
     if (at >= base && at < base + grad.bytes())
-      inside.push_back({int64_t(at - base) / int64_t(dtype_size(grad.dtype)), k.grad.numel(), true, &k});
+      inside.push_back({.begin = int64_t(at - base) / int64_t(dtype_size(grad.dtype)), .count = k.grad.numel(), .known = &k});
   }
   MARROW_CHECK(inside.empty() || (u.n == 1 && u.grads_kept), "internal: known-zero gradients in a sharded unit of stage {}", u.stage);
   const int64_t own = u.group->rank() * u.chunk;  // the shard's first element in the unit
@@ -469,14 +481,19 @@ std::vector<ShardedParameters::AdamWRun> ShardedParameters::adamw_runs(const Uni
   for (const auto& [begin, end] : u.undecayed)
     for (const int64_t at : {begin - own, end - own}) cuts.push_back(std::clamp<int64_t>(at, 0, u.chunk));
   for (const AdamWRun& k : inside) cuts.insert(cuts.end(), {k.begin, k.begin + k.count});
+  if (muon)
+    for (const Unit::MatrixRun& m : u.matrices)
+      for (const int64_t at : {m.begin - own, m.end() - own}) cuts.push_back(std::clamp<int64_t>(at, 0, u.chunk));
   std::sort(cuts.begin(), cuts.end());
   cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
   std::vector<AdamWRun> runs;
   for (size_t i = 0; i + 1 < cuts.size(); ++i) {
     AdamWRun r{cuts[i], cuts[i + 1] - cuts[i]};
     for (const auto& [begin, end] : u.undecayed) r.decayed = r.decayed && !(own + r.begin >= begin && own + r.begin < end);
+    for (const Unit::MatrixRun& m : u.matrices)
+      r.orthogonalized = r.orthogonalized || (muon && own + r.begin >= m.begin && own + r.begin < m.end());
     for (const AdamWRun& k : inside)
-      if (k.begin <= r.begin && r.begin < k.begin + k.count) {
+      if (!r.orthogonalized && k.begin <= r.begin && r.begin < k.begin + k.count) {
         MARROW_CHECK(k.begin == r.begin && k.count == r.count,
                      "internal: a known-zero gradient of stage {} spans tensors with and without weight decay", u.stage);
         r.known = k.known;
@@ -486,12 +503,13 @@ std::vector<ShardedParameters::AdamWRun> ShardedParameters::adamw_runs(const Uni
   return runs;
 }
 
-void ShardedParameters::adamw_unit(const Unit& u, const AdamWHyper& hyper, std::span<const KnownZeroGrads> known) {
+void ShardedParameters::adamw_unit(const Unit& u, const AdamWHyper& hyper, std::span<const KnownZeroGrads> known, bool muon) {
   const bool separate = u.working.data != nullptr && u.working.data != u.shard(params_).data;
   auto part = [&](const Arena& a, int64_t begin, int64_t count) { return a.slice(u.offset + begin, {count}); };
   AdamWHyper undecayed = hyper;
   undecayed.weight_decay = 0;
-  for (const AdamWRun& r : adamw_runs(u, known)) {
+  for (const AdamWRun& r : adamw_runs(u, known, muon)) {
+    if (r.orthogonalized) continue;
     const Tensor working = separate ? u.working.reshape({u.chunk}).rows(r.begin, r.begin + r.count) : Tensor{};
     const Tensor params = part(params_, r.begin, r.count), exp_avg = part(exp_avg_, r.begin, r.count);
     const Tensor exp_avg_sq = part(exp_avg_sq_, r.begin, r.count), grads = part(grads_, r.begin, r.count);
@@ -501,13 +519,83 @@ void ShardedParameters::adamw_unit(const Unit& u, const AdamWHyper& hyper, std::
   }
 }
 
-void ShardedParameters::optimizer_step(const AdamWHyper& hyper, std::span<const KnownZeroGrads> known) {
+namespace {
+// Matrices a Newton-Schulz call takes at most: its scratch for a layer's experts at once would be GBs.
+constexpr int64_t kMuonBatch = 64;
+
+DType orthogonalized_dtype(Device device) { return device == Device::cuda ? DType::bf16 : DType::f32; }
+
+// Newton-Schulz of `count` [rows, cols] matrices from element `at` of from (f32) into to, batch by batch.
+void orthogonalize(Tensor to, Tensor from, int64_t at, int64_t count, int64_t rows, int64_t cols, int steps) {
+  for (int64_t first = 0; first < count; first += kMuonBatch) {
+    const int64_t batch = std::min(kMuonBatch, count - first), begin = at + first * rows * cols, end = begin + batch * rows * cols;
+    newton_schulz(to.rows(begin, end).reshape({batch, rows, cols}), from.rows(begin, end).reshape({batch, rows, cols}), steps);
+  }
+}
+}  // namespace
+
+void ShardedParameters::apply_orthogonalized(const Unit& u, int64_t first, int64_t count, Tensor orth, const Unit::MatrixRun& m,
+                                             const AdamWHyper& hyper, const MuonHyper& muon) {
+  const bool separate = u.working.data != nullptr && u.working.data != u.shard(params_).data;
+  muon_apply(params_.slice(u.offset + first, {count}), separate ? u.working.reshape({u.chunk}).rows(first, first + count) : Tensor{},
+             orth, hyper.lr, hyper.weight_decay, muon.scale * std::sqrt(double(std::max(m.rows, m.cols))));
+}
+
+void ShardedParameters::muon_local(const Unit& u, const AdamWHyper& hyper, const MuonHyper& muon) {
+  for (const Unit::MatrixRun& m : u.matrices)
+    for (int64_t first = 0; first < m.count; first += kMuonBatch) {
+      const int64_t batch = std::min(kMuonBatch, m.count - first), at = m.begin + first * m.rows * m.cols, n = batch * m.rows * m.cols;
+      Buffer update(DType::f32, device_, {n}), orth(orthogonalized_dtype(device_), device_, {n});
+      muon_momentum(update, exp_avg_.slice(u.offset + at, {n}), grads_.slice(u.offset + at, {n}), muon.momentum, hyper.grad_scale);
+      orthogonalize(orth, update, 0, batch, m.rows, m.cols, muon.steps);
+      apply_orthogonalized(u, at, n, orth, m, hyper, muon);
+    }
+}
+
+// A sharded unit's matrices are whole on no member: each member's momentum-updated shard is gathered
+// whole, each member orthogonalizes the matrices it owns (a run's matrices cut into n blocks, block
+// b owned by member (b + turn) % n, turn advancing with every run so that single matrices spread
+// over the group too), and a reduce-scatter brings the results to their shards: every element has
+// one non-zero term, so the sum is exact and the update that of one process.
+void ShardedParameters::muon_unit(const Unit& u, const AdamWHyper& hyper, const MuonHyper& muon, int64_t& turn) {
+  if (u.matrices.empty()) return;
+  if (u.n == 1) return muon_local(u, hyper, muon);
+  const int64_t own = u.group->rank() * u.chunk;
+  // The shard's part [first, last) of run m, in shard elements.
+  auto piece = [&](const Unit::MatrixRun& m) {
+    return std::pair{std::clamp<int64_t>(m.begin - own, 0, u.chunk), std::clamp<int64_t>(m.end() - own, 0, u.chunk)};
+  };
+  Buffer update = Buffer::zeros(DType::f32, device_, {u.chunk}), whole(DType::f32, device_, {u.n * u.chunk});
+  for (const Unit::MatrixRun& m : u.matrices)
+    if (const auto [first, last] = piece(m); last > first)
+      muon_momentum(update.view().rows(first, last), exp_avg_.slice(u.offset + first, {last - first}),
+                    grads_.slice(u.offset + first, {last - first}), muon.momentum, hyper.grad_scale);
+  u.group->all_gather(whole, update, "Muon update all_gather");
+  Buffer orth = Buffer::zeros(orthogonalized_dtype(device_), device_, {u.n * u.chunk});
+  for (const Unit::MatrixRun& m : u.matrices) {
+    for (int64_t b = 0; b < u.n; ++b) {
+      const int64_t first = b * m.count / u.n, count = (b + 1) * m.count / u.n - first;
+      if ((b + turn) % u.n == u.group->rank())
+        orthogonalize(orth, whole, m.begin + first * m.rows * m.cols, count, m.rows, m.cols, muon.steps);
+    }
+    ++turn;
+  }
+  Buffer mine(orthogonalized_dtype(device_), device_, {u.chunk});
+  u.group->reduce_scatter_sum(mine, orth, "Muon update reduce_scatter");
+  for (const Unit::MatrixRun& m : u.matrices)
+    if (const auto [first, last] = piece(m); last > first)
+      apply_orthogonalized(u, first, last - first, mine.view().rows(first, last), m, hyper, muon);
+}
+
+void ShardedParameters::optimizer_step(const AdamWHyper& hyper, std::span<const KnownZeroGrads> known, const MuonHyper* muon) {
   ++weights_generation();
   forget_slots();
+  int64_t turn = 0;
   // In the order the next forward needs them, each unit's gather starting as soon as it is updated.
   for (size_t i : update_order_) {
     Unit& u = units_[i];
-    adamw_unit(u, hyper, known);
+    if (muon) muon_unit(u, hyper, *muon, turn);
+    adamw_unit(u, hyper, known, muon != nullptr);
     gather_kept(u);
   }
 }

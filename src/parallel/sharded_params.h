@@ -49,6 +49,12 @@
 
 namespace marrow {
 
+// Muon's own hyperparameters (ops/muon.h); its lr, weight decay and gradient scale are AdamW's.
+struct MuonHyper {
+  double momentum = 0.95, scale = 0.2;  // the update scaled by scale * sqrt(max(rows, cols))
+  int steps = 5;
+};
+
 class ShardedParameters {
  public:
   // compute: the model's dtype. stage_chunk[stage + 1]: the pipeline chunk holding each stage, -1
@@ -120,9 +126,10 @@ class ShardedParameters {
   // replicas); grads_final the same for one stage's other units (false where none is held).
   bool expert_grads_final() const;
   bool grads_final(int64_t stage) const;
-  // AdamW on the shards (norms and biases undecayed; known's flagged rows read as zero), then the
-  // compute copies are gathered again.
-  void optimizer_step(const AdamWHyper& hyper, std::span<const KnownZeroGrads> known = {});
+  // AdamW on the shards (norms and biases undecayed; known's flagged rows read as zero), with muon
+  // Muon on the orthogonalized matrices instead (momentum in exp_avg()); then the compute copies are
+  // gathered again.
+  void optimizer_step(const AdamWHyper& hyper, std::span<const KnownZeroGrads> known = {}, const MuonHyper* muon = nullptr);
 
  private:
   struct Unit {
@@ -136,6 +143,13 @@ class ShardedParameters {
     bool cast = false;                     // n == 1 in slots: cast from the master, no compute copy kept
     // [begin, end) in the unit's elements of tensors without weight decay (TensorSpec::decayed)
     std::vector<std::pair<int64_t, int64_t>> undecayed;
+    // Runs of consecutive orthogonalized matrices of one shape, `count` [rows, cols] matrices from
+    // element `begin` of the unit
+    struct MatrixRun {
+      int64_t begin, count, rows, cols;
+      int64_t end() const { return begin + count * rows * cols; }
+    };
+    std::vector<MatrixRun> matrices;
     Tensor working;                        // the shard the optimizer writes, in the compute dtype
     Tensor gathered;                       // weights_kept: the whole unit, n * chunk elements
     Tensor whole_grad;                     // grads_kept: the whole fp32 gradient (n == 1: the shard)
@@ -153,6 +167,7 @@ class ShardedParameters {
                                      const Mesh& mesh, bool keep_gathered, bool keep_whole_grads, bool cast_on_use);
   static int64_t shard_elements(const std::vector<Unit>& units);
   static void add_undecayed(Unit& u, const TensorSpec& s);
+  static void add_matrices(Unit& u, const TensorSpec& s);
   void allocate(DType compute);
   void place(const std::vector<TensorSpec>& specs);
   void place_absent(const std::vector<TensorSpec>& specs, const std::vector<int64_t>& stage_chunk, DType compute);
@@ -173,13 +188,21 @@ class ShardedParameters {
   // gradient (whole).
   struct AdamWRun {
     int64_t begin = 0, count = 0;  // in the shard's elements
-    bool decayed = true;
+    bool decayed = true, orthogonalized = false;
     const KnownZeroGrads* known = nullptr;
   };
-  // Unit u's shard cut where a tensor without weight decay or a known-zero gradient begins or ends.
-  std::vector<AdamWRun> adamw_runs(const Unit& u, std::span<const KnownZeroGrads> known) const;
-  // AdamW on unit u's shard, run by run.
-  void adamw_unit(const Unit& u, const AdamWHyper& hyper, std::span<const KnownZeroGrads> known);
+  // Unit u's shard cut where a tensor without weight decay or a known-zero gradient begins or ends,
+  // and with muon where a run of orthogonalized matrices does.
+  std::vector<AdamWRun> adamw_runs(const Unit& u, std::span<const KnownZeroGrads> known, bool muon) const;
+  // AdamW on unit u's shard, run by run, but with muon those of orthogonalized matrices.
+  void adamw_unit(const Unit& u, const AdamWHyper& hyper, std::span<const KnownZeroGrads> known, bool muon);
+  // Muon on unit u's matrices: held whole (n = 1) batch by batch (muon_local), else through their
+  // owners; turn spreads the owners of the group's matrices (muon_unit).
+  void muon_unit(const Unit& u, const AdamWHyper& hyper, const MuonHyper& muon, int64_t& turn);
+  void muon_local(const Unit& u, const AdamWHyper& hyper, const MuonHyper& muon);
+  // muon_apply on elements [first, first + count) of u's shard from orth (as many), at run m's scale.
+  void apply_orthogonalized(const Unit& u, int64_t first, int64_t count, Tensor orth, const Unit::MatrixRun& m, const AdamWHyper& hyper,
+                            const MuonHyper& muon);
   // This rank's sum of squares of its gradient shards (see gradient_norm).
   double local_squares(std::span<const Tensor> expert_squares, std::span<const KnownZeroGrads> known) const;
   // Whether unit u's gradient is complete once the backward has written it (no reduction follows).

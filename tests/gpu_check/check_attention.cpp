@@ -1,7 +1,7 @@
 // marrow check, attention group: the causal op on every set_attention_kernels setting (rows of
 // cuDNN's name it; its non-deterministic backward has no "same bits" rows), cuDNN's backward in
 // forced query chunks ("chunk N"), the wgmma kernels, ring attention's blocks and log-sum-exp merge,
-// and GPT-OSS's variant (windows, sinks), against the f32 CPU reference at odd lengths, GQA groups
+// GPT-OSS's variant (windows, sinks) and packed documents (own kernels), against the f32 CPU reference at odd lengths, GQA groups
 // 1, 4 and 8, head_dim 64 and 128 and the bench shape (B 1, S 4096, 32 / 4 heads of 128), and
 // DeepSeek-V2's head dims (q, k 192, v 128: cuDNN's under every setting, rows "D192 Dv128").
 //
@@ -20,6 +20,7 @@
 #include <cstring>
 #include <iterator>
 #include <utility>
+#include <vector>
 
 #include "gpu_check/check.h"
 #include "core/errors.h"
@@ -204,13 +205,20 @@ struct BlockCase {
   int64_t kv_seq;
   AttentionBlock block;
   bool fused = false;  // must run as one kernel for all three gradients, wgmma's or cuDNN's (a row says whether it does)
+  const Both* documents = nullptr;  // packed documents [B, Sq] (i32), or none
+  // The block on side 0 (the CPU) or 1 (the GPU), with that side's documents.
+  AttentionBlock on(int side) const {
+    AttentionBlock b = block;
+    if (documents) b.documents = (*documents)[side];
+    return b;
+  }
 };
 
 std::string block_label(const char* what, const BlockCase& c) {
   const AttentionBlock& b = c.block;
-  const std::string window = b.window > 0 ? fmt::format(" window {} distance {}", b.window, b.distance) : "";
-  return fmt::format("attention block {} {}{} q[{}, {}) k[{}, {}) B{} Sq{} Sk{} H{}/{} {}", what,
-                     b.mask == AttentionMask::full ? "full" : "causal", window, b.q_begin, b.q_end, b.k_begin, b.k_end, c.n.b,
+  const std::string window = b.window > 0 || c.documents ? fmt::format(" window {} distance {}", b.window, b.distance) : "";
+  return fmt::format("attention block {} {}{}{} q[{}, {}) k[{}, {}) B{} Sq{} Sk{} H{}/{} {}", what,
+                     b.mask == AttentionMask::full ? "full" : "causal", c.documents ? " documents" : "", window, b.q_begin, b.q_end, b.k_begin, b.k_end, c.n.b,
                      c.n.s, c.kv_seq, c.n.hq, c.n.hkv, dims_label(c.n));
 }
 
@@ -243,24 +251,24 @@ void check_block(CheckReport& report, const BlockCase& c, uint64_t seed) {
   auto zeros = [](std::initializer_list<int64_t> dims) { return Buffer::zeros(f32, Device::cpu, dims); };
   p.out = zeros({n.b, n.s, n.hq, n.vd()}), p.lse = zeros({n.b, n.hq, n.s}), p.dq = zeros({n.b, n.s, n.hq, n.d});
   p.dk = zeros({n.b, c.kv_seq, n.hkv, n.d}), p.dv = zeros({n.b, c.kv_seq, n.hkv, n.vd()});
-  attention_block_forward(p.out, p.lse, p.q.cpu, p.k.cpu, p.v.cpu, c.block);
+  attention_block_forward(p.out, p.lse, p.q.cpu, p.k.cpu, p.v.cpu, c.on(0));
   if (c.fused)
     report.expect(block_label(n.vd() == n.d ? "on the wgmma kernels" : "on cuDNN", c),
                   attention_block_backward_fused(p.q.gpu, p.k.gpu, c.block, p.v.gpu));
   Buffer out = Buffer::zeros(bf16, Device::cuda, {n.b, n.s, n.hq, n.vd()}), lse = Buffer::zeros(f32, Device::cuda, {n.b, n.hq, n.s});
-  attention_block_forward(out, lse, p.q.gpu, p.k.gpu, p.v.gpu, c.block);
+  attention_block_forward(out, lse, p.q.gpu, p.k.gpu, p.v.gpu, c.on(1));
   compare(report, block_label("out", c), out, p.out, kOutBound);
   compare_lse(report, block_label("lse", c), lse, p.lse);
 
   p.out_bf16 = rounded(p.out);
-  attention_block_backward(p.dq, p.dk, p.dv, p.dout.cpu, p.q.cpu, p.k.cpu, p.v.cpu, p.out_bf16, p.lse, c.block);
+  attention_block_backward(p.dq, p.dk, p.dv, p.dout.cpu, p.q.cpu, p.k.cpu, p.v.cpu, p.out_bf16, p.lse, c.on(0));
   const Both out_in(p.out_bf16, bf16), lse_in(p.lse, f32);
   const Buffer base[3] = {random_host({n.b, n.s, n.hq, n.d}, seed + 4), random_host({n.b, c.kv_seq, n.hkv, n.d}, seed + 5),
                           random_host({n.b, c.kv_seq, n.hkv, n.vd()}, seed + 6)};
   const Both grads[3] = {Both(base[0], f32), Both(base[1], f32), Both(base[2], f32)};
   const Both halves[3] = {Both(base[0], f32), Both(base[1], f32), Both(base[2], f32)};
   auto backward = [&](const Both* g, AttentionGrads half) {
-    attention_block_backward(g[0].gpu, g[1].gpu, g[2].gpu, p.dout.gpu, p.q.gpu, p.k.gpu, p.v.gpu, out_in.gpu, lse_in.gpu, c.block, half);
+    attention_block_backward(g[0].gpu, g[1].gpu, g[2].gpu, p.dout.gpu, p.q.gpu, p.k.gpu, p.v.gpu, out_in.gpu, lse_in.gpu, c.on(1), half);
   };
   backward(grads, AttentionGrads::all);
   // Ring attention runs the kv half and the q half apart: together they must give the whole's bits.
@@ -313,16 +321,18 @@ void check_merge(CheckReport& report) {
 // op, on the own kernels' V instantiations (setting own) and on cuDNN's (hopper_backward, the
 // default: the wgmma kernels take no variant), or the settings given, each run twice for the same
 // bits; the sinks' gradient from attention_sinks_backward's kernel. The sinks are bf16 like the
-// working weights.
+// working weights. With packed documents (i32 [B, S]) the rows say "documents".
 void check_variant(CheckReport& report, const Shape& n, int64_t window, bool with_sinks, uint64_t seed,
-                   std::initializer_list<AttentionKernels> settings = {AttentionKernels::own, AttentionKernels::hopper_backward}) {
+                   std::initializer_list<AttentionKernels> settings = {AttentionKernels::own, AttentionKernels::hopper_backward},
+                   const Both* documents = nullptr) {
   Buffer dsinks = Buffer::zeros(f32, Device::cpu, {n.hq});
   const Both sinks(random_bf16({n.hq}, seed + 4), bf16);
-  const Problem p = reference(n, seed, AttentionVariant{with_sinks ? sinks.cpu : Tensor{}, window}, with_sinks ? dsinks.view() : Tensor{});
-  const AttentionVariant variant{with_sinks ? sinks.gpu : Tensor{}, window};
+  const Problem p = reference(n, seed, AttentionVariant{with_sinks ? sinks.cpu : Tensor{}, window, documents ? documents->cpu : Tensor{}},
+                              with_sinks ? dsinks.view() : Tensor{});
+  const AttentionVariant variant{with_sinks ? sinks.gpu : Tensor{}, window, documents ? documents->gpu : Tensor{}};
   // The backward reads the reference's out and lse, so its rows measure the backward alone.
   const Both out_in(p.out_bf16, bf16), lse_in(p.lse, f32);
-  const std::string what = fmt::format("variant window {}{}", window, with_sinks ? " sinks" : "");
+  const std::string what = fmt::format("{} window {}{}", documents ? "documents" : "variant", window, with_sinks ? " sinks" : "");
   auto name = [&](const std::string& tensor) { return label(fmt::format("{} {}", what, tensor), n); };
   for (const AttentionKernels kernels : settings) {
     set_attention_kernels(kernels);
@@ -471,6 +481,43 @@ void check_variants(CheckReport& report, uint64_t seed) {
   set_attention_kernels(before);
 }
 
+// Packed documents [B, S] (i32, data.document_mask): each token's position in its document, the
+// documents' lengths cycling along each row, row b starting 11 b tokens into the cycle.
+Buffer packed_documents(int64_t batch, int64_t seq, const std::vector<int64_t>& lengths) {
+  Buffer p(DType::i32, Device::cpu, {batch, seq});
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t i = 0, doc = 0, at = 11 * b; i < seq; ++i, ++at) {
+      while (at >= lengths[size_t(doc) % lengths.size()]) at -= lengths[size_t(doc++) % lengths.size()];
+      p.ptr<int32_t>()[b * seq + i] = int32_t(at);
+    }
+  return p;
+}
+
+// Packed documents on the own mma.sync kernels, the only ones that take them (other settings
+// refuse): documents of one token, inside a tile and across tiles, alone and with GPT-OSS's window
+// and sinks, the causal op (check_variant) and ring attention's chunk-pair blocks (a causal one, an
+// earlier chunk whose rows partly see no key, and one with a window).
+void check_documents(CheckReport& report, uint64_t seed) {
+  const std::vector<int64_t> lengths = {37, 150, 1, 64, 90};
+  for (const Shape& n : {Shape{2, 300, 16, 2, 64}, Shape{1, 257, 4, 4, 128}}) {
+    const Both documents(packed_documents(n.b, n.s, lengths), DType::i32);
+    for (const int64_t window : {int64_t(0), int64_t(128)})
+      check_variant(report, n, window, window > 0, seed += 8, {AttentionKernels::own}, &documents);
+    set_attention_kernels(AttentionKernels::hopper_backward);
+    const Problem p = make_inputs(n, seed);
+    Gpu g{p};
+    report.expect(label("documents refused under hopper_backward", n), refuses([&] { g.forward({Tensor{}, 0, documents.gpu}); }));
+  }
+  set_attention_kernels(AttentionKernels::own);
+  const Both documents(packed_documents(1, 160, lengths), DType::i32);
+  const BlockCase blocks[] = {
+      {{1, 160, 8, 1, 64}, 160, {AttentionMask::causal, 0, 80, 0, 80}, false, &documents},
+      {{1, 160, 8, 1, 64}, 160, {AttentionMask::full, 80, 160, 0, 80, 0, 80}, false, &documents},
+      {{1, 160, 8, 1, 64}, 160, {AttentionMask::full, 80, 160, 0, 80, 64, 80}, false, &documents},
+  };
+  for (const BlockCase& c : blocks) check_block(report, c, seed += 8);
+}
+
 }  // namespace
 
 void check_attention_op(CheckReport& report) {
@@ -497,6 +544,7 @@ void check_attention_op(CheckReport& report) {
   check_merge(report);
   check_variants(report, seed + 1000);
   check_value_head_dim(report, seed + 2000);
+  check_documents(report, seed + 3000);
   set_attention_kernels(before);
   check_rejects_head_dim(report);
 }

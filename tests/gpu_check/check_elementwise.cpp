@@ -310,18 +310,34 @@ void check_add_into(CheckReport& report, int64_t rows, int64_t cols, DType dtype
   report.compare(fmt::format("add_into f32 += {} [{}, {}]", dtype_name(dtype), rows, cols), acc, kSameOrder);
 }
 
-// Muon (ops/muon.h): the momentum in f32; Newton-Schulz's 5 steps of bf16 GEMMs against the CPU's
-// f32: each step rounds its three products to bf16 (2^-9 relative) and the iteration contracts the
-// singular values' errors, so the bound is a few roundings, 5e-2.
+// Muon (ops/muon.h): the momentum in f32 (clipping's scale folded in); Newton-Schulz's 5 steps of bf16
+// GEMMs against the CPU's f32, one matrix and a batch of 3 (strided-batched GEMMs): each step rounds its
+// three products to bf16 (2^-9 relative) and the iteration contracts the singular values' errors, so
+// the bound is a few roundings, 5e-2; the apply step on an fp32 master with its copy and on split
+// halves, from the same bf16 orth on both sides: bit for bit (each product rounded on its own).
 void check_muon(CheckReport& report, int64_t rows, int64_t cols) {
   const std::string size = fmt::format("[{}, {}]", rows, cols);
-  const Both update = Both::out(f32, {rows, cols}), momentum(random_host({rows, cols}, 140), f32), grad(random_host({rows, cols}, 141), f32);
-  on_each_side([&](int s) { muon_momentum(update[s], momentum[s], grad[s], 0.95); });
+  const Both update = Both::out(f32, {3, rows, cols}), momentum(random_host({3, rows, cols}, 140), f32);
+  const Both grad(random_host({3, rows, cols}, 141), f32);
+  on_each_side([&](int s) { muon_momentum(update[s], momentum[s], grad[s], 0.95, 0.37); });
   report.compare("muon_momentum update " + size, update, kF32);
   report.compare("muon_momentum momentum " + size, momentum, kF32);
-  const Both out = Both::out(bf16, {rows, cols});
-  on_each_side([&](int s) { newton_schulz(out[s], update[s], 5); });
-  report.compare("newton_schulz 5 steps " + size, out, 5e-2);
+  const Both one = Both::out(bf16, {rows, cols}), batch = Both::out(bf16, {3, rows, cols});
+  on_each_side([&](int s) { newton_schulz(one[s], update[s].rows(0, 1).reshape({rows, cols}), 5); });
+  report.compare("newton_schulz 5 steps " + size, one, 5e-2);
+  on_each_side([&](int s) { newton_schulz(batch[s], update[s], 5); });
+  report.compare("newton_schulz 5 steps, a batch of 3 " + size, batch, 5e-2);
+  const Both orth(random_bf16({rows * cols}, 142), bf16);
+  for (const bool split : {false, true}) {
+    Buffer value = random_host({rows * cols}, 143), high(bf16, Device::cpu, {rows * cols}), low(DType::u16, Device::cpu, {rows * cols});
+    if (split) split_f32(high, low, value);
+    const Both first = split ? Both(low, DType::u16) : Both(value, f32), second(high, bf16);
+    if (!split) poison(second.gpu);
+    on_each_side([&](int s) { muon_apply(first[s], second[s], orth[s], 0.02, 0.1, 0.2 * std::sqrt(double(std::max(rows, cols)))); });
+    const std::string what = split ? "muon_apply split master " : "muon_apply ";
+    report.expect_equal(what + (split ? "low " : "param ") + size, first);
+    report.expect_equal(what + (split ? "high " : "param_bf16 ") + size, second);
+  }
 }
 
 // GPT-OSS's alpha; its limit is 7, and a limit of 1.5 makes the clamps bite on many more values.
@@ -476,6 +492,46 @@ void check_routing_outside(CheckReport& report, int64_t n, int64_t e, int64_t k)
   for (int64_t i = 0; i < n * k; ++i) absent.ptr<int32_t>()[i] = 0 <= idx[i] && idx[i] < e ? idx[i] : -1;
   dispatch_plan(expected_offsets, expected, absent);
   report.expect_equal("dispatch_plan copy_row on the GPU" + outside, copy_row_d, expected);
+}
+
+// DeepSeek-V3's expert bias in the router's choice (groups too), the global-batch form's running
+// statistics and the bias update (ops/router.h), GPU against CPU: the same f32 and double arithmetic,
+// so the choice, the totals, the rewritten counts and the biases bit for bit.
+void check_load_balance(CheckReport& report, int64_t n, int64_t e, int64_t k, int64_t groups) {
+  const std::string size = fmt::format("T={} E={} K={} groups={}", n, e, k, groups);
+  const Both logits(random_host({n, e}, 60, 2.0), f32), bias(random_host({e}, 61, 0.05), f32);
+  Both probs = Both::out(f32, {n, e}), index = Both::out(i32, {n, k}), weight = Both::out(f32, {n, k});
+  on_each_side([&](int s) {
+    RouterOptions o;
+    o.normalize = true;
+    o.groups = groups;
+    o.top_groups = groups > 1 ? groups / 2 : 1;
+    o.selection_bias = bias[s];
+    router_forward(probs[s], index[s], weight[s], logits[s], o);
+  });
+  report.expect_equal("router_forward selection_bias topk_index " + size, index);
+  report.compare("router_forward selection_bias topk_weight " + size, weight, kF32);
+
+  // The CPU's statistics on both sides, after earlier micro-batches of 3T tokens.
+  Buffer stats_host(f32, Device::cpu, {2 * e + 1}), totals = Buffer::zeros(DType::f64, Device::cpu, {e + 1});
+  router_statistics(stats_host, probs.cpu, index.cpu);
+  for (int64_t i = 0; i < e; ++i) totals.ptr<double>()[i] = double((5 * i) % 11);
+  totals.ptr<double>()[e] = double(3 * n);
+  Buffer totals_gpu(DType::f64, Device::cuda, {e + 1}), loads = Buffer::zeros(DType::f64, Device::cpu, {3, e + 1});
+  copy(totals_gpu, totals);
+  const Both stats(stats_host, f32);
+  const Tensor totals_side[2] = {totals, totals_gpu};
+  on_each_side([&](int s) { router_step_statistics(totals_side[s], stats[s], true); });
+  report.expect_equal("router_step_statistics totals " + size, totals_gpu, totals);
+  report.expect_equal("router_step_statistics global-form counts " + size, stats);
+
+  for (int64_t i = 0; i < 2 * (e + 1); ++i) loads.ptr<double>()[i] = double((37 * i) % 13);  // the third layer without load
+  Buffer loads_gpu(DType::f64, Device::cuda, {3, e + 1});
+  copy(loads_gpu, loads);
+  const Both expert_bias(random_host({3, e}, 62, 0.01), f32);
+  const Tensor loads_side[2] = {loads, loads_gpu};
+  on_each_side([&](int s) { expert_bias_update(expert_bias[s], loads_side[s], 1e-3); });
+  report.expect_equal("expert_bias_update " + size, expert_bias);
 }
 
 // The sender's expert-parallel plan (ops/expert_sends.h) on the GPU against the CPU, bit for bit:
@@ -729,7 +785,7 @@ void check_elementwise_ops(CheckReport& report) {
   for (auto [o, on_gpu] : {std::pair{72, false}, {75, false}, {75, true}}) check_grouped_bias(report, {0, 5, 1, 0, 13, 18, 0}, o, on_gpu);
   for (DType dtype : {bf16, f32}) check_add(report, 37, 75, dtype);
   for (DType dtype : {bf16, f32}) check_add_into(report, 37, 75, dtype);
-  for (const auto [rows, cols] : {std::pair{37L, 75L}, std::pair{75L, 37L}, std::pair{64L, 64L}}) check_muon(report, rows, cols);
+  for (auto [rows, cols] : {std::pair{37L, 75L}, std::pair{75L, 37L}, std::pair{64L, 64L}}) check_muon(report, rows, cols);
   for (int64_t i : {72, 75}) check_swiglu(report, 37, i, 0);
   for (int64_t i : {72, 75})
     for (double limit : {7.0, 1.5}) check_swiglu(report, 37, i, limit);
@@ -739,6 +795,8 @@ void check_elementwise_ops(CheckReport& report) {
                                                 {37, 128, 8, 75, true, 5}, {3001, 300, 6, 72, true, 7}})
     check_moe(report, n, e, k, h, normalize, starved);
   for (auto [n, e, k] : {std::tuple{37, 8, 2}, {37, 128, 8}, {3001, 300, 6}}) check_routing_outside(report, n, e, k);
+  for (auto [n, e, k, groups] : {std::tuple{37, 8, 2, 1}, {37, 64, 6, 8}, {3001, 300, 6, 1}, {4096, 128, 8, 1}})
+    check_load_balance(report, n, e, k, groups);
   // The bench routing with EP = 2 and 8; 64: the most members a token mask holds.
   for (auto [n, e, k, p] : {std::tuple{37, 8, 2, 4}, {4096, 128, 8, 2}, {4096, 128, 8, 8}, {1000, 64, 8, 64}}) check_expert_sends(report, n, e, k, p);
   check_dispatch_rank(report, 37, 8, 2, 72, 4, 1, bf16);

@@ -5,6 +5,7 @@
   again bitwise equal to the straight run.
 - optimizer.moments = bf16: resume bit-exact; the moments saved as bf16; fp32 and bf16 checkpoints each
   resumed by a run with the other kind of moments.
+- optimizer.kind = muon: resume bit-exact; a checkpoint holding AdamW's state is refused in one sentence.
 - Crash safety: a run SIGKILLed while saving resumes from the previous complete checkpoint; a truncated
   or corrupted shard, a missing file and a checkpoint of another model each stop with one sentence
   naming the file. Only the newest checkpoint.keep checkpoints are kept.
@@ -154,6 +155,24 @@ def bf16_moments(c):
     resumed = losses(path("bf16-from-fp32")) if code == 0 else []
     check(code == 0 and resumed[:1] == c.straight[N:N + 1] and resumed[1:] != c.straight[N + 1:],
           f"a bf16-moments run resumes an fp32 checkpoint (its first loss is the checkpoint's) {err[-300:]}")
+
+
+def muon(c):
+    """optimizer.kind = muon: resume bit-exact (its momentum in the exp_avg files); an AdamW checkpoint's state is refused."""
+    m, path, N = c.m, c.path, c.N
+    kind = "--optimizer.kind=muon"
+    code, out, err = m.train(path("muon-straight"), f"--checkpoint.every={N}", kind)
+    straight = losses(path("muon-straight")) if code == 0 else []
+    check(code == 0 and straight[0] == c.straight[0] and straight[-1] != c.straight[-1] and straight[-1] < straight[0],
+          f"a Muon run trains: its first loss is AdamW's, then its own, falling ({straight[-1:]} against {c.straight[-1]}) {err[-300:]}")
+    last = path("muon-straight", f"step-{2 * N:08d}")
+    code, out, err = m.train(path("muon-resumed"), f"--checkpoint.every={N}", kind, "--resume", path("muon-straight", f"step-{N:08d}"))
+    check(code == 0 and losses(path("muon-resumed")) == straight[N:] and
+          same_files(last, path("muon-resumed", f"step-{2 * N:08d}"), checkpoint_files(last)),
+          f"Muon: resumed losses, weights and momentum bitwise equal to the straight run's {err[-300:]}")
+    code, out, err = m.train(path("muon-from-adamw"), kind, "--resume", path("straight", f"step-{N:08d}"))
+    check(code == 1 and "its optimizer state is adamw's but optimizer.kind is \"muon\"" in err,
+          f"Muon does not resume AdamW's moments: one sentence ({err.strip()[-300:]!r})")
 
 
 def preemption(c):
@@ -360,7 +379,7 @@ def main():
 
     with tempfile.TemporaryDirectory() as tmp:
         c = types.SimpleNamespace(m=m, N=N, model_forward=model_forward, path=lambda *p: os.path.join(tmp, *p))
-        for section in (resume, bf16_moments, preemption, kill_during_save, damaged_checkpoints, export, import_export, continued_pretraining, sample):
+        for section in (resume, bf16_moments, muon, preemption, kill_during_save, damaged_checkpoints, export, import_export, continued_pretraining, sample):
             section(c)
 
     print("PASS" if not FAILURES else "FAIL")

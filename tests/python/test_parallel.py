@@ -21,6 +21,11 @@ parallelism, context parallelism and the pipeline against one process.
 - Context parallelism (zigzag ring attention): CP = 2 and CP = 2 x EP = 2 (test_context_parallel), PP = 2 x CP = 2
   (test_pipeline) against one process as strictly as the layouts above, the validation loss too; a CP = 2
   checkpoint resumes on one process.
+- Muon (optimizer.kind = "muon", test_muon_layouts): EP = 2, DP = 2, DP = 2 x EP = 2, HSDP 2 x 2 and PP = 2 against
+  one process as strictly as the layouts above (the momentum in exp_avg); which tensors take Muon and which AdamW.
+- Packed documents (data.document_mask, test_document_mask): on a corpus of short documents EP = 2, DP = 2, CP = 2,
+  CP = 2 x EP = 2 and PP = 2 against one process as strictly as the layouts above, GPT-OSS and DeepSeek-V2 at CP = 2;
+  with a loss mask (prompts tokenized with --loss-mask), DP = 2 and CP = 2 against one process.
 - Initial weights: one step at a denormal lr leaves them as initialised; every mesh's equal one process's bit
   for bit (a shard draws the slice of the whole tensor's random numbers).
 - Checkpoints: a checkpoint written by DP = 2 x EP = 2 (each rank its own slices) resumes on one process, on
@@ -476,6 +481,90 @@ def test_bf16_moments_layouts(tmp):
           f"bf16 moments, DP=2 (FSDP): every saved moment slice is bf16 ({len(moments)} tensors)")
 
 
+def test_muon_layouts(tmp):
+    # optimizer.kind = "muon": a sharded matrix is gathered, orthogonalized by its owner and scattered back
+    # (ShardedParameters::muon_unit), so every layout takes one process's update; the momentum is exp_avg.
+    # Newton-Schulz amplifies the layouts' ~1e-7 differences of the small singular directions (the quintic's
+    # slope near 0 is 3.4 a step), so the momentum is held to 1e-5 and the weights to 1e-6 at the small lr.
+    runs = {name: LAYOUTS[name] for name in ("one process", "EP=2", "DP=2 (FSDP)", "DP=2 x EP=2", "HSDP 2 x 2")}
+    strict = [f"--model.config={all_experts_config(tmp)}", *SMOOTH_OPTIMIZER, "--checkpoint.every=5", "--optimizer.kind=muon"]
+    dirs, _ = train_runs(runs, strict, "muon-", tmp, "optimizer.kind = muon")
+    for name in runs:
+        if name != "one process":
+            compare_runs(f"Muon, {name} vs one process", dirs["one process"], dirs[name], 5)
+    four = [f"--model.config={all_experts_config(tmp, 4)}", *SMOOTH_OPTIMIZER, "--checkpoint.every=5", "--optimizer.kind=muon"]
+    pipe = {"one process": (0, ["--train.micro_batch=4"]), "PP=2": (2, ["--parallel.pp=2", "--train.micro_batch=2"])}
+    pipe_dirs, _ = train_runs(pipe, four, "muon-pipe-", tmp, "optimizer.kind = muon, 4 layers")
+    compare_runs("Muon, PP=2 vs one process", pipe_dirs["one process"], pipe_dirs["PP=2"], 5)
+    # Muon's matrices keep their momentum in exp_avg and never touch exp_avg_sq; AdamW's tensors fill both.
+    tensors = checkpoint_tensors(os.path.join(dirs["one process"], "step-00000005"))
+    muon = sorted(k[1] for k, t in tensors.items() if k[0] == "exp_avg_sq" and not t.any())
+    adamw = ("embed_tokens.weight", "lm_head.weight", "mlp.gate.weight", "norm.weight")
+    check(any("experts.0.down_proj" in n for n in muon) and any("o_proj" in n for n in muon)
+          and not any(n.endswith(adamw) for n in muon)
+          and all(tensors[("exp_avg", n)].any() for n in muon),
+          f"Muon takes the experts' and attention matrices, AdamW the embeddings, LM head, router and norms ({len(muon)} Muon tensors)")
+
+
+def short_documents_corpus(tmp, loss_mask=False):
+    """A corpus of 3000 documents of 1 to 24 words (3 to ~60 tokens), so every 32-token window of the
+    tests holds document boundaries, inside zigzag chunks (CP = 2: chunks of 8) and across them; with
+    loss_mask each document follows a prompt of 1 to 5 words that carries no loss (--loss-mask prompt)."""
+    words = ["alpha", "beta", "gamma", "delta", "list", "tuple", "return", "value", "class", "import", "the", "of", "and"]
+    name = "short-docs-masked" if loss_mask else "short-docs"
+    path, out = os.path.join(tmp, name + ".jsonl"), os.path.join(tmp, name)
+    with open(path, "w") as f:
+        for i in range(3000):
+            text = " ".join(words[(i * 7 + j * j) % len(words)] for j in range(1 + (i * 5) % 24))
+            f.write(json.dumps({"text": text, "prompt": " ".join(words[(i + j) % len(words)] for j in range(1 + i % 5))}) + "\n")
+    tokenizer = os.path.join(os.path.dirname(COMMON[1].split("=", 1)[1]), "tokenizer.json")
+    mask = ["--loss-mask", "prompt"] if loss_mask else []
+    subprocess.run([ARGS.marrow, "tokenize", "--quiet", "--input", path, "--tokenizer", tokenizer, "--out", out, *mask], check=True)
+    return out
+
+
+def test_document_mask(tmp):
+    """data.document_mask (packed documents) on a corpus of short documents: EP = 2, DP = 2 (FSDP), CP = 2, CP = 2 x EP = 2
+    and PP = 2 against one process as strictly as the layouts above; GPT-OSS (sinks, a sliding window) and DeepSeek-V2 (MLA,
+    packed K/V under CP; routed, so at the small lr) at CP = 2 against one process; the mask changes the losses (the corpus
+    does hold boundaries); with a loss mask, DP = 2 and CP = 2 against one process and the loss moves."""
+    packed = [f"--data.path={short_documents_corpus(tmp)}", "--data.document_mask=true"]
+    strict = [f"--model.config={all_experts_config(tmp)}", *SMOOTH_OPTIMIZER, "--checkpoint.every=5", *packed]
+    runs = {name: LAYOUTS[name] for name in ("one process", "EP=2", "DP=2 (FSDP)")}
+    runs["CP=2"] = (2, ["--parallel.cp=2", "--train.micro_batch=4"])
+    runs["CP=2 x EP=2"] = (4, ["--parallel.cp=2", "--parallel.ep=2", "--train.micro_batch=2"])
+    dirs, _ = train_runs(runs, strict, "docs-", tmp, "document_mask")
+    for name in runs:
+        if name != "one process":
+            compare_runs(f"document_mask, {name} vs one process", dirs["one process"], dirs[name], 5)
+    unmasked = os.path.join(tmp, "docs-unmasked")
+    train(LAYOUTS["one process"][1] + strict + ["--data.document_mask=false"], 0, unmasked)
+    a, b = metrics(dirs["one process"]), metrics(unmasked)
+    check(len(a) == len(b) == 5 and a[0]["loss"] != b[0]["loss"], "document_mask changes the loss of a corpus of short documents")
+    four = [f"--model.config={all_experts_config(tmp, 4)}", *SMOOTH_OPTIMIZER, "--checkpoint.every=5", *packed]
+    pipe = {"one process": (0, ["--train.micro_batch=4"]), "PP=2": (2, ["--parallel.pp=2", "--train.micro_batch=2"])}
+    pipe_dirs, _ = train_runs(pipe, four, "docs-pipe-", tmp, "document_mask, 4 layers")
+    compare_runs("document_mask, PP=2 vs one process", pipe_dirs["one process"], pipe_dirs["PP=2"], 5)
+    for family in ("configs/tiny-gpt-oss.json", "configs/tiny-deepseek-v2.json"):
+        family_runs = {"one process": (0, ["--train.micro_batch=4"]), "CP=2": (2, ["--parallel.cp=2", "--train.micro_batch=4"])}
+        family_dirs, _ = train_runs(family_runs, [f"--model.config={family}", *SMOOTH_OPTIMIZER, "--checkpoint.every=0", *packed], "docs-" + os.path.basename(family)[:-5], tmp,
+                                    f"document_mask, {family}")
+        want, got = metrics(family_dirs["one process"]), metrics(family_dirs["CP=2"])
+        worst = max((abs(x[k] - y[k]) / abs(x[k]) for x, y in zip(want, got) for k in ("loss", "grad_norm")), default=1.0)
+        check(len(want) == len(got) == 5 and worst <= 1e-6, f"document_mask, {family}: CP=2 vs one process within 1e-6 (worst {worst:.2e})")
+    # data.loss_mask: the loss is the mean over the targets the prompts leave, counted over the whole step on every rank.
+    masked = [f"--data.path={short_documents_corpus(tmp, True)}", "--data.document_mask=true", "--data.loss_mask=true"]
+    strict_masked = [f"--model.config={all_experts_config(tmp)}", *SMOOTH_OPTIMIZER, "--checkpoint.every=5", *masked]
+    mask_runs = {name: runs[name] for name in ("one process", "DP=2 (FSDP)", "CP=2")}
+    mask_dirs, _ = train_runs(mask_runs, strict_masked, "loss-mask-", tmp, "loss_mask")
+    for name in ("DP=2 (FSDP)", "CP=2"):
+        compare_runs(f"loss_mask, {name} vs one process", mask_dirs["one process"], mask_dirs[name], 5)
+    unmasked = os.path.join(tmp, "loss-mask-off")
+    train(LAYOUTS["one process"][1] + strict_masked + ["--data.loss_mask=false"], 0, unmasked)
+    a, b = metrics(mask_dirs["one process"]), metrics(unmasked)
+    check(len(a) == len(b) == 5 and a[0]["loss"] != b[0]["loss"], "loss_mask changes the loss (the prompts' targets are left out)")
+
+
 def main():
     global ARGS, COMMON
     parser = argparse.ArgumentParser()
@@ -487,7 +576,7 @@ def main():
     COMMON = ["configs/tiny-moe.toml", f"--data.path={corpus}/corpus", "--train.steps=5", "--train.global_batch=8",
               "--train.seq_len=32", "--schedule.warmup_steps=1", "--eval.every=0", "--train.device=cpu"]
     torch.set_printoptions(precision=10)
-    tests = [test_pipeline, test_context_parallel, test_layouts, test_fp8_layouts, test_bf16_moments_layouts, test_initial_weights, test_resume_on_other_layouts,
+    tests = [test_pipeline, test_context_parallel, test_document_mask, test_layouts, test_fp8_layouts, test_bf16_moments_layouts, test_muon_layouts, test_initial_weights, test_resume_on_other_layouts,
              test_full_node, test_fail_fast, test_bad_layouts]
     with tempfile.TemporaryDirectory() as tmp:
         for test in tests:

@@ -6,6 +6,8 @@
   gradient norms over the first ten steps. This holds only when both read the same batches in the
   same order, take the same AdamW step (decay on matrices only) at the same learning rate, and form
   the same load-balance loss.
+- Muon (optimizer.kind = "muon", issue #51): 20 steps at lr 1e-3 against the reference's own Muon + AdamW, the
+  same agreement step by step.
 - A corpus smaller than the run (data.max_epochs = 3): the order of later epochs agrees too.
 - The reference stopped after its first step (--stop-after-s) and run again goes on to the same losses.
 - DeepSeek-V2 (issue #50), the same agreement over 20 steps of configs/tiny-deepseek-v2 (q-LoRA, a dense
@@ -147,6 +149,14 @@ def main():
         if a is not None:
             agreement(a, b, "demo corpus", 30)
             check(a[-1]["loss"] < a[0]["loss"] - 1.0, f"demo corpus: the loss falls ({a[0]['loss']:.3f} -> {a[-1]['loss']:.3f})")
+
+        # optimizer.kind = "muon" against the reference's MuonWithAdamW (written from ops/muon.h's formulas), at lr 1e-3
+        # as the DeepSeek rows below (the tiny model's near-tied routing at 3e-3).
+        muon = base + [f"--data.path={corpus}", "--train.steps=20", "--optimizer.kind=muon", "--optimizer.lr=1e-3", "--optimizer.min_lr=1e-4"]
+        m1, m2, _, _ = both_runs(args.marrow, muon, tmp, "muon")
+        if m1 is not None:
+            agreement(m1, m2, "muon", 20)
+            check(m1[-1]["loss"] < m1[0]["loss"] - 0.1, f"muon: the loss falls ({m1[0]['loss']:.3f} -> {m1[-1]['loss']:.3f})")
 
         # A small corpus (this repo's architecture tour, the demo tokenizer): 20 steps pass into a third epoch.
         small, text = os.path.join(tmp, "small-corpus"), os.path.join(tmp, "architecture.txt")

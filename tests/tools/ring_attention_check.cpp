@@ -9,11 +9,13 @@
 // and sliding windows shorter than a chunk, across chunks and longer than the sequence. Packed K/V
 // (DeepSeek's MLA under CP): each block expanded by linear maps k = packed Wk, v = packed Wv (v's head
 // dim differing from k's), against the one-process op on the expanded whole: out, lse, dq, dpacked,
-// and dWk, dWv summed over the members.
+// and dWk, dWv summed over the members. Packed documents (data.document_mask) in both: boundaries
+// inside a chunk, on a chunk's first token, and documents across two and three chunks.
 // Run as `mpirun -np P ring_attention_check`; prints PASS or FAIL.
 #include <cmath>
 #include <cstdio>
 #include <random>
+#include <vector>
 
 #include "core/memory.h"
 #include "mpi_check.h"
@@ -53,13 +55,36 @@ void expect_close(const char* what, const Tensor& got, const Tensor& want, int r
   }
 }
 
-// window: the variant's sliding window (0: none); sinks: whether it has sinks.
-void run_case(const Comm& cp, const Shape& n, int64_t window = 0, bool sinks = false) {
+// Each token's position in its document [B, S] (i32): row b cycles through documents of its
+// lengths, so with chunks of 7 boundaries fall inside chunks, on chunk starts and across chunks.
+Buffer documents_of(int64_t batch, int64_t seq) {
+  Buffer p(DType::i32, Device::cpu, {batch, seq});
+  for (int64_t b = 0; b < batch; ++b) {
+    const std::vector<int64_t> lengths = b % 2 == 0 ? std::vector<int64_t>{3, 14, 4, 7} : std::vector<int64_t>{10, 1, 17};
+    for (int64_t i = 0, doc = 0, at = 0; i < seq; ++i, ++at) {
+      if (at == lengths[size_t(doc) % lengths.size()]) at = 0, ++doc;
+      p.ptr<int32_t>()[b * seq + i] = int32_t(at);
+    }
+  }
+  return p;
+}
+
+// This rank's documents of whole[B, S] (i32), or none.
+Buffer local_documents(const Buffer& whole, const ZigzagSplit& z) {
+  if (!whole.view().data) return Buffer();
+  Buffer out(DType::i32, Device::cpu, {whole.view().size(0), 2 * z.chunk});
+  zigzag_slice(out, whole, z);
+  return out;
+}
+
+// window: the variant's sliding window (0: none); sinks: whether it has sinks; documents: packed documents.
+void run_case(const Comm& cp, const Shape& n, int64_t window = 0, bool sinks = false, bool documents = false) {
   std::mt19937_64 rng(77);  // the same sequence on every rank
   Buffer q = random_f64(rng, {n.b, n.s, n.hq, n.d}), k = random_f64(rng, {n.b, n.s, n.hkv, n.d}),
          v = random_f64(rng, {n.b, n.s, n.hkv, n.d}), dout = random_f64(rng, {n.b, n.s, n.hq, n.d});
   Buffer sink_logits = random_f64(rng, {n.hq});
-  const AttentionVariant variant{sinks ? sink_logits.view() : Tensor{}, window};
+  const Buffer docs = documents ? documents_of(n.b, n.s) : Buffer();
+  const AttentionVariant variant{sinks ? sink_logits.view() : Tensor{}, window, docs.view()};
   Buffer out(DType::f64, Device::cpu, {n.b, n.s, n.hq, n.d}), lse(DType::f64, Device::cpu, {n.b, n.hq, n.s});
   Buffer dq(DType::f64, Device::cpu, {n.b, n.s, n.hq, n.d}), dk(DType::f64, Device::cpu, {n.b, n.s, n.hkv, n.d}),
       dv(DType::f64, Device::cpu, {n.b, n.s, n.hkv, n.d});
@@ -74,8 +99,10 @@ void run_case(const Comm& cp, const Shape& n, int64_t window = 0, bool sinks = f
   Buffer lout(DType::f64, Device::cpu, {n.b, sl, n.hq, n.d}), llse(DType::f64, Device::cpu, {n.b, n.hq, sl});
   Buffer ldq(DType::f64, Device::cpu, {n.b, sl, n.hq, n.d}), ldk(DType::f64, Device::cpu, {n.b, sl, n.hkv, n.d}),
       ldv(DType::f64, Device::cpu, {n.b, sl, n.hkv, n.d});
-  ring_attention_forward(lout, llse, lq, lk, lv, cp, variant);
-  ring_attention_backward(ldq, ldk, ldv, ldout, lq, lk, lv, lout, llse, cp, variant, sinks ? ldsinks.view() : Tensor{});
+  const Buffer ldocs = local_documents(docs, z);
+  const AttentionVariant local_variant{variant.sinks, window, ldocs.view()};
+  ring_attention_forward(lout, llse, lq, lk, lv, cp, local_variant);
+  ring_attention_backward(ldq, ldk, ldv, ldout, lq, lk, lv, lout, llse, cp, local_variant, sinks ? ldsinks.view() : Tensor{});
 
   expect_close("out", lout, slice(out, {n.b, sl, n.hq, n.d}, z), cp.rank());
   expect_close("lse", llse.view().reshape({n.b * n.hq, sl}),
@@ -131,7 +158,7 @@ void sum_over_members(const Comm& cp, Tensor t) {
 }
 
 // Packed K/V of `width` values a token expanded to k [.., Hkv, D] and v [.., Hkv, dv_dim].
-void run_packed_case(const Comm& cp, const Shape& n, int64_t width, int64_t dv_dim) {
+void run_packed_case(const Comm& cp, const Shape& n, int64_t width, int64_t dv_dim, bool documents = false) {
   std::mt19937_64 rng(91);
   Buffer q = random_f64(rng, {n.b, n.s, n.hq, n.d}), packed = random_f64(rng, {n.b, n.s, width});
   Buffer wk = random_f64(rng, {width, n.hkv * n.d}), wv = random_f64(rng, {width, n.hkv * dv_dim});
@@ -144,8 +171,9 @@ void run_packed_case(const Comm& cp, const Shape& n, int64_t width, int64_t dv_d
   Buffer out(DType::f64, Device::cpu, {n.b, n.s, n.hq, dv_dim}), lse(DType::f64, Device::cpu, {n.b, n.hq, n.s});
   Buffer dq(DType::f64, Device::cpu, {n.b, n.s, n.hq, n.d}), dk(DType::f64, Device::cpu, {n.b, n.s, n.hkv, n.d}),
       dv(DType::f64, Device::cpu, {n.b, n.s, n.hkv, dv_dim}), dpacked(DType::f64, Device::cpu, {n.b, n.s, width});
-  attention_forward(out, lse, q, k, v);
-  attention_backward(dq, dk, dv, dout, q, k, v, out, lse);
+  const Buffer docs = documents ? documents_of(n.b, n.s) : Buffer();
+  attention_forward(out, lse, q, k, v, {.documents = docs.view()});
+  attention_backward(dq, dk, dv, {}, dout, q, k, v, out, lse, {.documents = docs.view()});
   whole_e.expand_backward(dpacked, dk, dv, packed);
 
   const ZigzagSplit z = zigzag_split(n.s, cp.rank(), cp.size());
@@ -153,8 +181,9 @@ void run_packed_case(const Comm& cp, const Shape& n, int64_t width, int64_t dv_d
   Buffer lq = slice(q, {n.b, sl, n.hq, n.d}, z), lpacked = slice(packed, {n.b, sl, width}, z), ldout = slice(dout, {n.b, sl, n.hq, dv_dim}, z);
   Buffer lout(DType::f64, Device::cpu, {n.b, sl, n.hq, dv_dim}), llse(DType::f64, Device::cpu, {n.b, n.hq, sl});
   Buffer ldq(DType::f64, Device::cpu, {n.b, sl, n.hq, n.d}), ldpacked(DType::f64, Device::cpu, {n.b, sl, width});
-  ring_attention_forward_packed(lout, llse, lq, lpacked, local_e, cp);
-  ring_attention_backward_packed(ldq, ldpacked, ldout, lq, lpacked, lout, llse, local_e, cp);
+  const Buffer ldocs = local_documents(docs, z);
+  ring_attention_forward_packed(lout, llse, lq, lpacked, local_e, cp, ldocs.view());
+  ring_attention_backward_packed(ldq, ldpacked, ldout, lq, lpacked, lout, llse, local_e, cp, ldocs.view());
 
   expect_close("packed out", lout, slice(out, {n.b, sl, n.hq, dv_dim}, z), cp.rank());
   expect_close("packed lse", llse.view().reshape({n.b * n.hq, sl}), slice(lse.view().reshape({n.b * n.hq, n.s}), {n.b * n.hq, sl}, z),
@@ -194,6 +223,12 @@ int main(int argc, char** argv) {
       marrow::set_cpu_blocks_fused(fused);
       run_packed_case(cp, {2, chunks * 7, 4, 2, 8}, 6, 4);
       run_packed_case(cp, {1, chunks * 5, 4, 1, 16}, 5, 8);
+      run_packed_case(cp, {2, chunks * 7, 4, 2, 8}, 6, 4, true);
+    }
+    // Packed documents: alone, with windows inside a chunk and across chunks, with sinks.
+    for (const bool fused : {false, true}) {
+      marrow::set_cpu_blocks_fused(fused);
+      for (const int64_t window : {int64_t(0), int64_t(3), int64_t(9)}) run_case(cp, {2, chunks * 7, 4, 2, 8}, window, window > 0, true);
     }
     marrow::set_cpu_blocks_fused(false);
     const double all_worst = cp.sum(worst, "worst error (sum)");
