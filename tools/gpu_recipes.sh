@@ -5,8 +5,9 @@
 # check: marrow check --only elementwise and --only attention (Muon's momentum, Newton-Schulz and
 #        update rows, the router's load-balance and expert-bias rows, the document-mask attention rows)
 # bench: configs/bench-h100.toml (3 warm-up + 12 measured steps) with AdamW (the default), Muon,
-#        train.load_balance = global_batch and data.document_mask = true; then AdamW and Muon with 8x
-#        the global batch (32 sequences of 4,096 a step: Muon's cost is per step, not per token)
+#        train.load_balance = global_batch, the own attention kernels unpacked and with data.document_mask
+#        (packed documents run on those only); then AdamW and Muon with 8x the global batch (32 sequences
+#        of 4,096 a step, two passes over the carried corpus: Muon's cost is per step, not per token)
 # Ends with PASS or FAIL; logs in <log-dir>.
 set -uo pipefail
 out=${1:-$OUT}
@@ -26,8 +27,9 @@ fi
 
 if [ "$what" = bench ] || [ "$what" = all ]; then
   for run in "adamw:" "muon:--optimizer.kind=muon" "global-batch:--train.load_balance=global_batch" \
-             "document-mask:--data.document_mask=true" "adamw-x8:--train.global_batch=32" \
-             "muon-x8:--optimizer.kind=muon --train.global_batch=32"; do
+             "own:--train.attention_kernels=own" "document-mask:--train.attention_kernels=own --data.document_mask=true" \
+             "adamw-x8:--train.global_batch=32 --data.max_epochs=2" \
+             "muon-x8:--optimizer.kind=muon --train.global_batch=32 --data.max_epochs=2"; do
     name=${run%%:*} args=${run#*:}
     step "bench-h100, $name: 3 warm-up + 12 measured steps"
     # shellcheck disable=SC2086
