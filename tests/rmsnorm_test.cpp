@@ -1,5 +1,6 @@
 #include "ops/rmsnorm.h"
 
+#include <cmath>
 #include <string>
 #include <vector>
 
@@ -55,6 +56,72 @@ TEST(RmsNorm, GradientsMatchFiniteDifferences) {
     rmsnorm_backward(dx, dw, r, x, w, rstd);
     testing::expect_gradient("dx", x, dx, loss);
     testing::expect_gradient("dweight", w, dw, loss);
+  }
+}
+
+// Qwen3.5's zero-centred norm: offset 1 against x * rstd * (1 + w) written out in f64.
+TEST(RmsNorm, ZeroCentredWeightIsTheDirectFormula) {
+  const int64_t n = 4, d = 7;
+  Buffer x = random_buffer(DType::f64, {n, d}, 1), w = random_buffer(DType::f64, {d}, 2);
+  Buffer y(DType::f64, Device::cpu, {n, d}), rstd(DType::f64, Device::cpu, {n});
+  rmsnorm_forward(y, rstd, x, NormWeight(w, 1), 1e-6);
+  for (int64_t i = 0; i < n; ++i) {
+    double squares = 0;
+    for (int64_t j = 0; j < d; ++j) squares += element(x, i * d + j) * element(x, i * d + j);
+    const double r = 1 / std::sqrt(squares / double(d) + 1e-6);
+    EXPECT_NEAR(element(rstd, i), r, 1e-14 * r);
+    for (int64_t j = 0; j < d; ++j)
+      EXPECT_NEAR(element(y, i * d + j), element(x, i * d + j) * r * (1 + element(w, j)), 1e-13) << i << " " << j;
+  }
+}
+
+// loss = <y, r> + <sum, r_sum> of the fused add and norm with offset 1 (its CPU reference is add,
+// then rmsnorm_forward), through rmsnorm_backward with dresidual.
+TEST(RmsNorm, ZeroCentredGradientsMatchFiniteDifferences) {
+  for (int64_t d : {1, 7, 64}) {
+    const int64_t n = 5;
+    Buffer x = random_buffer(DType::f64, {n, d}, 1), residual = random_buffer(DType::f64, {n, d}, 2),
+           w = random_buffer(DType::f64, {d}, 3), r = random_buffer(DType::f64, {n, d}, 4), r_sum = random_buffer(DType::f64, {n, d}, 5);
+    Buffer sum(DType::f64, Device::cpu, {n, d}), y(DType::f64, Device::cpu, {n, d}), rstd(DType::f64, Device::cpu, {n});
+    Buffer dx(DType::f64, Device::cpu, {n, d}), dw = Buffer::zeros(DType::f64, Device::cpu, {d});
+    auto loss = [&] {
+      rmsnorm_add_forward(y, sum, rstd, x, residual, NormWeight(w, 1), 1e-6);
+      return testing::weighted_sum(y, r) + testing::weighted_sum(sum, r_sum);
+    };
+    loss();
+    rmsnorm_backward(dx, dw, r, sum, NormWeight(w, 1), rstd, r_sum);
+    testing::expect_gradient("dx", x, dx, loss);
+    testing::expect_gradient("dresidual", residual, dx, loss);
+    testing::expect_gradient("dweight", w, dw, loss);
+  }
+}
+
+// Offset 1 is the weight T(1) + w in the op's dtype, bit for bit (y, rstd, dx, dweight); offset 0
+// is today's x * rstd * w, bit for bit, the sign of a -0 weight's zeros included.
+TEST(RmsNorm, OffsetJoinsTheWeightInItsDtype) {
+  for (DType dtype : {DType::f32, DType::f64}) {
+    const int64_t n = 3, d = 9;
+    Buffer x = random_buffer(dtype, {n, d}, 1), w = random_buffer(dtype, {d}, 2), shifted(dtype, Device::cpu, {d});
+    testing::set_element(w, 4, -0.0);
+    for (int64_t j = 0; j < d; ++j)
+      testing::set_element(shifted, j, dtype == DType::f32 ? double(1.0f + w.ptr<float>()[j]) : 1.0 + element(w, j));
+    Buffer y[2] = {{dtype, Device::cpu, {n, d}}, {dtype, Device::cpu, {n, d}}};
+    Buffer dx[2] = {{dtype, Device::cpu, {n, d}}, {dtype, Device::cpu, {n, d}}};
+    Buffer rstd[2] = {{dtype, Device::cpu, {n}}, {dtype, Device::cpu, {n}}};
+    Buffer dw[2] = {random_buffer(dtype, {d}, 3), random_buffer(dtype, {d}, 3)}, dy = random_buffer(dtype, {n, d}, 4);
+    rmsnorm_forward(y[0], rstd[0], x, NormWeight(w, 1), 1e-6);
+    rmsnorm_forward(y[1], rstd[1], x, shifted, 1e-6);
+    rmsnorm_backward(dx[0], dw[0], dy, x, NormWeight(w, 1), rstd[0]);
+    rmsnorm_backward(dx[1], dw[1], dy, x, shifted, rstd[1]);
+    for (const Buffer* pair : {y, rstd, dx, dw})
+      for (int64_t i = 0; i < pair[0].numel(); ++i) ASSERT_EQ(element(pair[0], i), element(pair[1], i)) << i;
+    rmsnorm_forward(y[0], rstd[0], x, NormWeight(w, 0), 1e-6);
+    for (int64_t i = 0; i < n * d; ++i) {
+      const double want = dtype == DType::f32 ? double(x.ptr<float>()[i] * rstd[0].ptr<float>()[i / d] * w.ptr<float>()[i % d])
+                                               : element(x, i) * element(rstd[0], i / d) * element(w, i % d);
+      ASSERT_EQ(element(y[0], i), want) << i;
+      ASSERT_EQ(std::signbit(element(y[0], i)), std::signbit(want)) << i;
+    }
   }
 }
 

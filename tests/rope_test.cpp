@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <string>
 #include <vector>
 
 #include "gradcheck.h"
@@ -129,6 +130,68 @@ TEST(Rope, RejectsOddHeadDimAndMismatchedPositions) {
   } catch (const Error& e) {
     EXPECT_STREQ(e.what(), "rope_backward: positions has shape [3] but expected [4]");
   }
+}
+
+// Partial rotation (Qwen3.5: 64 of 256): the first rotary_dim elements against the rotation
+// written out in double with inv_freq_j = theta^(-2j / rotary_dim), bit for bit the full rotation of
+// a head of rotary_dim; the rest passed through exactly; in place the same bits.
+TEST(Rope, PartialRotatesTheFirstDimsAndPassesTheRest) {
+  const int64_t t = 3, h = 2, d = 10, rot = 4;
+  std::vector<int32_t> pos = {0, 3, 17};
+  Buffer x = random_buffer(DType::f64, {t, h, d}, 1), inplace = random_buffer(DType::f64, {t, h, d}, 1);
+  Buffer y(DType::f64, Device::cpu, {t, h, d});
+  Buffer head(DType::f64, Device::cpu, {t, h, rot}), head_rotated(DType::f64, Device::cpu, {t, h, rot});
+  rope_forward(y, x, positions_tensor(pos), 1e4, rot);
+  rope_forward(inplace, inplace, positions_tensor(pos), 1e4, rot);
+  for (int64_t row = 0; row < t * h; ++row)
+    for (int64_t j = 0; j < rot; ++j) head.ptr<double>()[row * rot + j] = element(x, row * d + j);
+  rope_forward(head_rotated, head, positions_tensor(pos), 1e4);
+  for (int64_t row = 0; row < t * h; ++row) {
+    for (int64_t j = 0; j < rot / 2; ++j) {
+      const double angle = pos[row / h] * std::pow(1e4, -2.0 * double(j) / double(rot));
+      const double a = element(x, row * d + j), b = element(x, row * d + j + rot / 2);
+      EXPECT_NEAR(element(y, row * d + j), a * std::cos(angle) - b * std::sin(angle), 1e-5) << row << " " << j;
+      EXPECT_NEAR(element(y, row * d + j + rot / 2), b * std::cos(angle) + a * std::sin(angle), 1e-5) << row << " " << j;
+    }
+    for (int64_t j = 0; j < rot; ++j) EXPECT_EQ(element(y, row * d + j), element(head_rotated, row * rot + j)) << row << " " << j;
+    for (int64_t j = rot; j < d; ++j) EXPECT_EQ(element(y, row * d + j), element(x, row * d + j)) << row << " " << j;
+  }
+  for (int64_t i = 0; i < x.numel(); ++i) EXPECT_EQ(element(inplace, i), element(y, i)) << i;
+}
+
+// The partial backward is the forward's transpose; at rotary_dim = D both are the theta overloads' bits.
+TEST(Rope, PartialBackwardIsTheTransposeAndTheWholeHeadIsTheFullRotation) {
+  std::vector<int32_t> pos = {0, 5, 4095, 32767};
+  Buffer x = random_buffer(DType::f64, {4, 3, 16}, 1), r = random_buffer(DType::f64, {4, 3, 16}, 2);
+  Buffer y(DType::f64, Device::cpu, {4, 3, 16}), dx(DType::f64, Device::cpu, {4, 3, 16});
+  rope_forward(y, x, positions_tensor(pos), 1e6, 8);
+  rope_backward(dx, r, positions_tensor(pos), 1e6, 8);
+  const double forward = testing::weighted_sum(y, r), adjoint = testing::weighted_sum(dx, x);
+  EXPECT_NEAR(forward, adjoint, 1e-12 * std::abs(forward));
+  Buffer x32 = random_buffer(DType::f32, {4, 3, 16}, 3), a(DType::f32, Device::cpu, {4, 3, 16}), b(DType::f32, Device::cpu, {4, 3, 16});
+  rope_forward(a, x32, positions_tensor(pos), 1e6, 16);
+  rope_forward(b, x32, positions_tensor(pos), 1e6);
+  for (int64_t i = 0; i < a.numel(); ++i) ASSERT_EQ(element(a, i), element(b, i)) << i;
+  rope_backward(a, x32, positions_tensor(pos), 1e6, 16);
+  rope_backward(b, x32, positions_tensor(pos), 1e6);
+  for (int64_t i = 0; i < a.numel(); ++i) ASSERT_EQ(element(a, i), element(b, i)) << i;
+}
+
+TEST(Rope, RejectsAnOddOrOversizedRotaryDim) {
+  std::vector<int32_t> pos = {0, 1, 2};
+  Buffer x(DType::f32, Device::cpu, {3, 2, 8});
+  auto error = [&](int64_t rot, bool backward) -> std::string {
+    try {
+      if (backward) rope_backward(x, x, positions_tensor(pos), 1e6, rot);
+      else rope_forward(x, x, positions_tensor(pos), 1e6, rot);
+    } catch (const Error& e) {
+      return e.what();
+    }
+    return "";
+  };
+  EXPECT_EQ(error(5, false), "rope_forward: rotary_dim must be even, positive and at most the head_dim of x (8), got 5");
+  EXPECT_EQ(error(10, true), "rope_backward: rotary_dim must be even, positive and at most the head_dim of dy (8), got 10");
+  EXPECT_EQ(error(0, false), "rope_forward: rotary_dim must be even, positive and at most the head_dim of x (8), got 0");
 }
 
 // The table holds the cosine and sine the rotation uses: rotating x = (1, 0) pairs by rope_forward

@@ -7,6 +7,8 @@
 #   demo/      the demo corpus (tools/make_demo_corpus.sh)
 #   qwen3/     a corpus in the Qwen3 tokenizer's vocabulary for the bench config, made from the text
 #              and tokenizer given as arguments (default: ../shared/data's State of the Union text)
+#   wheels/    flash-linear-attention's (and fla-core's) and transformers 5.24's wheels for Qwen3.5-MoE's PyTorch
+#              peer (tools/gpu_family.sh installs them there with no network)
 #   commit     the commit of the tree being sent (rerun this script after each commit)
 # usage: tools/gpu_prepare.sh <marrow-binary> [text.jsonl qwen3-tokenizer.json]
 # A stale build-gpu/CMakeCache.txt there keeps an old PCRE2 path: delete it. CMake's find_path looks in
@@ -41,6 +43,9 @@ rm -rf $carry/cudnn-frontend && cp -r .cache/cudnn-frontend $carry/cudnn-fronten
 tools/make_demo_corpus.sh "$marrow" $carry/demo
 if [ ! -f $carry/qwen3/manifest.json ]; then
   "$marrow" tokenize --input "$text" --tokenizer "$tokenizer" --out $carry/qwen3
+fi
+if ! ls $carry/wheels/flash_linear_attention-*.whl > /dev/null 2>&1; then
+  .venv/bin/pip download -q --no-deps --only-binary=:all: -d $carry/wheels flash-linear-attention==0.6.0 fla-core==0.6.0 transformers==5.24.0
 fi
 # The device copy's .git can lag behind the tree it receives, so the tree's commit travels as a file.
 { git rev-parse --short HEAD; git diff --quiet HEAD -- . ':!docs' || echo "(plus uncommitted changes)"; } | paste -sd' ' > $carry/commit

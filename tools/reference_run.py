@@ -220,6 +220,10 @@ def is_deepseek(config):
     return config.model_type == "deepseek_v2"
 
 
+def is_qwen3_5(config):
+    return config.model_type == "qwen3_5_moe_text"
+
+
 def moe_layers(model):
     """The decoder layers with routed experts (DeepSeek-V2's first first_k_dense_replace layers have a dense MLP)."""
     return [layer for layer in model.model.layers if hasattr(layer.mlp, "experts")]
@@ -373,8 +377,8 @@ def forward_losses(model, tokens, autocast):
 
 
 def decayed(name):
-    """ParamKind::matrix: every 2-D and 3-D weight; norms are not decayed."""
-    return not name.endswith("norm.weight")
+    """ParamKind::matrix and table: every 2-D and 3-D weight; norms and Qwen3.5's A_log and dt_bias are not decayed."""
+    return not name.endswith(("norm.weight", "A_log", "dt_bias"))
 
 
 def adamw(params, rc, fused):
@@ -610,7 +614,7 @@ def init(args, rc):
 
 def active_parameters(c):
     """Parameters one token passes through, the LM head included and the embedding not: Marrow's
-    num_active_parameters (models/qwen3_moe.cpp, models/deepseek_v2.cpp)."""
+    num_active_parameters (models/qwen3_moe.cpp, models/deepseek_v2.cpp, models/qwen3_5_moe.cpp)."""
     H, L, V = c.hidden_size, c.num_hidden_layers, c.vocab_size
     if is_deepseek(c):
         Hq, qk = c.num_attention_heads, c.qk_nope_head_dim + c.qk_rope_head_dim
@@ -620,15 +624,28 @@ def active_parameters(c):
         moe = c.n_routed_experts * H + 3 * H * (c.num_experts_per_tok * c.moe_intermediate_size + c.moe_intermediate_size * (c.n_shared_experts or 0))
         dense = c.first_k_dense_replace or 0
         return L * attention + dense * 3 * H * c.intermediate_size + (L - dense) * moe + V * H
+    if is_qwen3_5(c):
+        full = c.layer_types.count("full_attention")
+        attention = H * c.head_dim * (3 * c.num_attention_heads + 2 * c.num_key_value_heads)
+        kd, vd, hv = c.linear_num_key_heads * c.linear_key_head_dim, c.linear_num_value_heads * c.linear_value_head_dim, c.linear_num_value_heads
+        delta = H * (2 * kd + 2 * vd + 2 * hv)
+        moe = (c.num_experts + 1) * H + 3 * H * (c.num_experts_per_tok * c.moe_intermediate_size + c.shared_expert_intermediate_size)
+        return full * attention + (L - full) * delta + L * moe + V * H
     attention = H * c.head_dim * (2 * c.num_attention_heads + 2 * c.num_key_value_heads)
     return L * (attention + c.num_experts * H + c.num_experts_per_tok * 3 * H * c.moe_intermediate_size) + V * H
 
 
 def flops_per_token(c, seq):
     """Marrow bench's FLOP count of a training token: 6 x active parameters plus causal attention's, forward and
-    backward (S / 2 keys a query): 6 S Hq D a layer for Qwen3-MoE, 3 S Hq (D_qk + D_v) for DeepSeek-V2's MLA."""
+    backward (S / 2 keys a query): 6 S Hq D a layer for Qwen3-MoE, 3 S Hq (D_qk + D_v) for DeepSeek-V2's MLA; Qwen3.5's
+    as models/qwen3_5_moe.h counts them."""
     if is_deepseek(c):
         attention = 3.0 * seq * c.num_attention_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim) * c.num_hidden_layers
+    elif is_qwen3_5(c):  # models/qwen3_5_moe.h: the gated attention layers', and the delta rule's per DeltaNet layer
+        full = c.layer_types.count("full_attention")
+        dk, dv = c.linear_key_head_dim, c.linear_value_head_dim
+        delta = 3.0 * c.linear_num_value_heads * (4 * dk * dv + 128 * (dk + dv))
+        attention = 6.0 * seq * c.num_attention_heads * c.head_dim * full + delta * (c.num_hidden_layers - full)
     else:
         attention = 6.0 * seq * c.num_attention_heads * c.head_dim * c.num_hidden_layers
     return 6.0 * active_parameters(c) + attention

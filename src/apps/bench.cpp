@@ -4,8 +4,9 @@
 //     LM head, plus causal attention), MFU against the datasheet's 989 dense bf16 TFLOP/s, peak
 //     memory, the time per stage; --profile-steps=A:B adds a CUPTI kernel trace (its steps' times
 //     include CUPTI's overhead), --grouped-gemm an A/B of the expert GEMMs' kernel.
-//   marrow bench --kernels [attention|experts|mla]: the heaviest kernels at the bench shapes (CUDA events);
-//     mla: attention at DeepSeek-V2-Lite's q/k head dim 192 and v 128 (cuDNN's, the only path there).
+//   marrow bench --kernels [attention|experts|mla|gated_delta]: the heaviest kernels at the bench shapes (CUDA events);
+//     mla: attention at DeepSeek-V2-Lite's q/k head dim 192 and v 128 (cuDNN's, the only path there);
+//     gated_delta: Qwen3.5-MoE's linear attention (ops/gated_delta.h) at its layer's shape.
 //   marrow bench --attention-plans [seq]: every plan cuDNN offers for the bench's attention (time,
 //     repeatability, difference from the op's plan).
 // Speed steps run without stage timing (CUDA events at each stage boundary cost ~9 ms of a bench
@@ -31,6 +32,7 @@
 #include "ops/attention_cudnn.h"
 #include "ops/attention_hopper.h"
 #include "ops/fp8.h"
+#include "ops/gated_delta.h"
 #include "ops/grouped_linear.h"
 #include "ops/grouped_linear_fp8.h"
 #include "ops/init.h"
@@ -195,6 +197,37 @@ void bench_attention_dv(int64_t S, int64_t H, int64_t D, int64_t Dv) {
   kernel_row(shape + " bwd", 2.5 * fwd, [&] { attention_backward(dq, dk, dv, dout, q, k, v, out, lse); });
 }
 
+// Qwen3.5-MoE's gated delta rule at its layer's shape (B = 1, S = 4096, Hk = 16, Hv = 32, Dk = Dv = D =
+// 128, chunks of C = 64). FLOPs: twice the chunk algorithm's multiply-adds, per token and value head
+// forward 2.5 C Dk + 1.5 C Dv + 3 Dk Dv (Q K^T, K K^T, the triangular solve for W and U, W S0,
+// Q S0, P Vn, the state update: 21.5 GFLOP here), backward 9 C Dk + 4 C Dv + 8 Dk Dv (the forward's
+// products again but O's, the reverse scan, the chunk gradients, the solve's backward: 62.3 GFLOP).
+// GB/s counts the op's own tensors once (qkv, g, beta, o; + d_out, dqkv, dg, dbeta), not its scratch.
+void bench_gated_delta() {
+  const int64_t B = 1, S = 4096, Hk = 16, Hv = 32, D = 128, C = 64, width = 2 * Hk * D + Hv * D;
+  Buffer qkv = random_device({B, S, width}, 1, "qkv"), dout = random_device({B, S, Hv, D}, 2, "dout");
+  Buffer g_host = random_host({B, S, Hv}, 3), beta_host = random_host({B, S, Hv}, 4);
+  for (int64_t i = 0; i < g_host.numel(); ++i) {
+    g_host.ptr<float>()[i] = -std::log1p(std::exp(g_host.ptr<float>()[i] + 1.0f));  // the model's -softplus
+    beta_host.ptr<float>()[i] = 1.0f / (1.0f + std::exp(-beta_host.ptr<float>()[i]));
+  }
+  Buffer g = to_device(g_host, DType::f32), beta = to_device(beta_host, DType::f32);
+  Buffer o(DType::bf16, Device::cuda, {B, S, Hv, D}), dqkv(DType::bf16, Device::cuda, {B, S, width});
+  Buffer dg(DType::f32, Device::cuda, {B, S, Hv}), dbeta(DType::f32, Device::cuda, {B, S, Hv});
+  const double heads = double(B * S * Hv), fwd = 2 * heads * (4.0 * C * D + 3.0 * D * D), bwd = 2 * heads * (13.0 * C * D + 8.0 * D * D);
+  const double io = double(B * S) * (2.0 * double(width) + 8.0 * double(Hv) + 2.0 * double(Hv * D));
+  const double io_bwd = double(B * S) * (4.0 * double(width) + 16.0 * double(Hv) + 2.0 * double(Hv * D));
+  auto row = [](const std::string& name, double flops, double bytes, const std::function<void()>& run) {
+    const double ms = median_ms(run);
+    std::printf("%-64s %9.3f ms %8.1f TFLOP/s %8.1f GB/s\n", name.c_str(), ms, flops / (ms * 1e-3) / 1e12, bytes / (ms * 1e-3) / 1e9);
+    std::fflush(stdout);
+  };
+  const std::string shape = fmt::format("gated_delta B{} S{} Hk{} Hv{} D{} chunk {}", B, S, Hk, Hv, D, C);
+  row(shape + " fwd", fwd, io, [&] { gated_delta_forward(o, {}, qkv, g, beta, Hk, D); });
+  row(shape + " bwd", bwd, io_bwd, [&] { gated_delta_backward(dqkv, dg, dbeta, {}, dout, qkv, g, beta, Hk, D); });
+  std::printf("gated_delta bwd scratch %.0f MiB\n", double(gated_delta_backward_scratch({B, S, Hk, D, Hv, D})) / (1 << 20));
+}
+
 #if MARROW_CUDA
 // The largest |a - b| over the outputs of two runs (host copies), and whether their bits are equal.
 std::pair<double, bool> compare_outputs(const std::vector<Buffer>& a, const std::vector<Buffer>& b) {
@@ -313,8 +346,14 @@ void bench_fp8_grouped(const std::string& name, Tensor offsets, Tensor x, Tensor
              [&] { adamw_step_known_zero(low, copy, m16, v16, grad, known, hyper); });
 }
 
-// group: "" all, "attention" the attention rows only, "experts" the expert GEMM rows only, "mla" DeepSeek-V2's attention.
+// group: "" all, "attention" the attention rows only, "experts" the expert GEMM rows only, "mla" DeepSeek-V2's attention,
+// "gated_delta" Qwen3.5-MoE's linear attention.
 void bench_kernels(const std::string& group) {
+  if (group == "gated_delta") {
+    keep_pool_memory();
+    bench_gated_delta();
+    return;
+  }
   if (group == "mla") {
     for (const int64_t seq : {4096, 16384}) bench_attention_dv(seq, 16, 192, 128);
     return;
@@ -457,8 +496,8 @@ int bench_command(int argc, char** argv) {
   if (argc >= 2 && std::string(argv[1]) == "--kernels") {
     MARROW_CHECK(cuda_available(), "bench --kernels needs a GPU");
     const std::string only = argc >= 3 ? argv[2] : "";
-    MARROW_CHECK(only.empty() || only == "attention" || only == "experts" || only == "mla",
-                 "bench --kernels takes nothing, `attention`, `experts` or `mla` (it needs no run config), got '{}'", only);
+    MARROW_CHECK(only.empty() || only == "attention" || only == "experts" || only == "mla" || only == "gated_delta",
+                 "bench --kernels takes nothing, `attention`, `experts`, `mla` or `gated_delta` (it needs no run config), got '{}'", only);
     bench_kernels(only);
     return 0;
   }
@@ -473,8 +512,8 @@ int bench_command(int argc, char** argv) {
   }
   if (print_run_config_help(argc, argv)) {
     std::printf("\nbench's own: --warmup=N (3) --steps=M (10) measured steps; --grouped-gemm=wgmma|cublas (the expert GEMMs' kernel);\n"
-                "marrow bench --kernels [attention|experts|mla] times the heaviest kernels (GPU); marrow bench --attention-plans [seq] times every plan\n"
-                "cuDNN offers for the bench's attention (GPU)\n");
+                "marrow bench --kernels [attention|experts|mla|gated_delta] times the heaviest kernels (GPU); marrow bench --attention-plans [seq]\n"
+                "times every plan cuDNN offers for the bench's attention (GPU)\n");
     return 0;
   }
   // --warmup, --steps and --grouped-gemm are bench's own; everything else is the run config and its overrides.

@@ -39,6 +39,9 @@ int import_command(int argc, char** argv) {
     if (t.contains("eos_token") && t["eos_token"].is_object()) eos_token = t["eos_token"].value("content", "");
   }
   const std::string tokenizer = fs::exists(from + "/tokenizer.json") ? from + "/tokenizer.json" : "";
+  if (config_json.value("model_type", "") == "qwen3_5_moe")
+    std::printf("import: %s is a multimodal Qwen3.5-MoE: its text tower is imported (text_config, model.language_model.*); "
+                "the vision tower and the MTP head are left out\n", from.c_str());
   with_model(config_json, config_path, [&]<class M>(const typename M::Config& config) {
     M model(config, DType::f32, Device::cpu);
     Arena params("parameters", DType::f32, Device::cpu, model.num_parameters());

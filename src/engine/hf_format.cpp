@@ -166,9 +166,10 @@ class HfTensors {
   // e's rows of transformers 5's fused experts (gate_up_proj [E, 2I, H], gate rows then up rows;
   // down_proj [E, H, I]).
   std::pair<Tensor, const SafetensorsFile*> find(const TensorSpec& s) {
-    if (auto it = where_.find(s.name); it != where_.end()) {
-      const Tensor t = it->second->get(s.name);
-      used_.insert(s.name);
+    if (auto it = where_.find(stored_name(s.name)); it != where_.end()) {
+      const std::string& name = it->first;
+      const Tensor t = it->second->get(name);
+      used_.insert(name);
       const std::vector<int64_t> shape(t.shape.begin(), t.shape.begin() + t.ndim);
       MARROW_CHECK(shape == s.stored_shape(), "{}: tensor '{}' has shape {} but the model's config.json gives {}", it->second->path(),
                    s.name, t.shape_string(), host_tensor(nullptr, t.dtype, s.stored_shape()).shape_string());
@@ -178,7 +179,7 @@ class HfTensors {
     int64_t expert = 0;
     if (!s.canonical_shape.empty() || !parse_expert_name(s.name, layer, expert, part) || s.shape.size() != 2)
       fail("{}: tensor '{}' is missing", paths_.size() == 1 ? paths_[0] : dir_ + "/model.safetensors.index.json", s.name);
-    const std::string fused = layer + (part == "down_proj" ? "down_proj" : "gate_up_proj");
+    const std::string fused = stored_name(layer + (part == "down_proj" ? "down_proj" : "gate_up_proj"));
     auto it = where_.find(fused);
     MARROW_CHECK(it != where_.end(), "{}: tensor '{}' is missing (nor is there a fused '{}')", dir_, s.name, fused);
     const Tensor f = it->second->get(fused);
@@ -237,6 +238,14 @@ class HfTensors {
     used_.insert(blocks_name);
     used_.insert(scales_name);
     return true;
+  }
+
+  // A model tensor's name in the files: as it is, or a multimodal checkpoint's text tower's
+  // (Qwen3.5-MoE's model.language_model.* for model.*) when only that is stored.
+  std::string stored_name(const std::string& name) const {
+    if (where_.count(name) || !name.starts_with("model.")) return name;
+    const std::string tower = "model.language_model." + name.substr(6);
+    return where_.count(tower) ? tower : name;
   }
 
   // A note naming one of the tensors no find() asked for.

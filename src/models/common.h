@@ -132,7 +132,8 @@ struct EpilogActivations {
 // The LM head as the epilog runs it: weights, the final norm's epsilon, the tokens per logits chunk
 // (logits_chunk) and the dtypes of activations and of statistics (lse, losses, rstd).
 struct LmHead {
-  Tensor final_norm, lm_head;
+  NormWeight final_norm;  // the final norm's weight and offset (Qwen3.5's zero-centred norms: 1)
+  Tensor lm_head;
   double eps;
   int64_t chunk;
   DType dtype, stats_dtype;
@@ -343,7 +344,7 @@ template <class Model, class Types> class MoeModelBase {
   // Stage 1's h1 = the input norm of a.x, writing a.rstd1 (again, with the same bits, in the backward).
   Buffer input_norm(AttentionActivations& a, const LayerWeights& w) const {
     Buffer h1 = buffer({a.x.view().size(0), config_.hidden_size});
-    rmsnorm_forward(h1, a.rstd1, a.x, w.input_norm, config_.rms_norm_eps);
+    rmsnorm_forward(h1, a.rstd1, a.x, {w.input_norm, kNormOffset}, config_.rms_norm_eps);
     return h1;
   }
   DType stats_dtype() const { return device_ == Device::cuda ? DType::f32 : dtype_; }
@@ -381,8 +382,14 @@ template <class Model, class Types> class MoeModelBase {
     return batch.sequences.total > 0 ? batch.sequences : StatisticsRows{0, batch.batch};
   }
   LmHead lm_head(const Weights& w, int64_t tokens) const {
-    return {w.final_norm, w.lm_head, config_.rms_norm_eps, logits_chunk(tokens), dtype_, stats_dtype(), device_};
+    return {{w.final_norm, kNormOffset}, w.lm_head, config_.rms_norm_eps, logits_chunk(tokens), dtype_, stats_dtype(), device_};
   }
+
+  // Added to every RMSNorm weight of the family where it scales (Types::norm_offset; 0 when not given).
+  static constexpr float kNormOffset = [] {
+    if constexpr (requires { Types::norm_offset; }) return Types::norm_offset;
+    else return 0.f;
+  }();
 
   Config config_;
   DType dtype_;

@@ -238,13 +238,14 @@ bool check_variant(const char* op, const Dims& n, const Tensor& q, const Attenti
   return variant.sinks.data || variant.window > 0 || variant.documents.data;
 }
 
-// Marrow's own kernels (mma.sync, wgmma) take one head dim for q, k and v; only cuDNN's serve a v
-// head dim unlike q's and k's (DeepSeek-V2's 192 / 128).
+// Marrow's own kernels (mma.sync, wgmma) take one head dim of 64 or 128 for q, k and v; only cuDNN's
+// serve a v head dim unlike q's and k's (DeepSeek-V2's 192 / 128) or 256 (Qwen3.5's).
 bool mixed_head_dims(const Dims& n) { return n.v_dim != n.head_dim; }
+bool own_serves(const Dims& n) { return !mixed_head_dims(n) && (n.head_dim == 64 || n.head_dim == 128); }
 
-// Where the causal op's mixed head dims reach the own kernels, cuDNN's did not take the sizes either.
+// Where head dims the own kernels do not take reach them, cuDNN's did not take the sizes either.
 void expect_one_head_dim(const char* op, const Dims& n) {
-  MARROW_CHECK(!mixed_head_dims(n),
+  MARROW_CHECK(own_serves(n),
                "{}: head dims {} (q, k) and {} (v) run only on cuDNN's kernels, which do not serve batch {}, {} positions, {} / {} heads",
                op, n.head_dim, n.v_dim, n.batch, n.q_seq, n.q_heads, n.kv_heads);
 }
@@ -292,19 +293,19 @@ bool cudnn_backward_deterministic() { return kernels_setting != AttentionKernels
 
 // The wgmma kernels take no variant and one head dim for q, k and v.
 bool hopper_serves(const Dims& n, bool variant) {
-  return !variant && !mixed_head_dims(n) && hopper_attention_supports(n.q_seq, n.q_heads, n.kv_heads, n.head_dim);
+  return !variant && own_serves(n) && hopper_attention_supports(n.q_seq, n.q_heads, n.kv_heads, n.head_dim);
 }
 
 CausalPath forward_path(const Dims& n, bool variant) {
   const AttentionKernels setting = kernels_setting;
-  if (!MARROW_CUDA || (setting == AttentionKernels::own && !mixed_head_dims(n))) return CausalPath::own;
+  if (!MARROW_CUDA || (setting == AttentionKernels::own && own_serves(n))) return CausalPath::own;
   if (setting == AttentionKernels::hopper && hopper_serves(n, variant)) return CausalPath::hopper;
   return cudnn_attention_forward_supports(n.q_seq, n.head_dim, n.v_dim) ? CausalPath::cudnn : CausalPath::own;
 }
 
 CausalPath backward_path(const Dims& n, bool variant) {
   const AttentionKernels setting = kernels_setting;
-  if (!MARROW_CUDA || (setting == AttentionKernels::own && !mixed_head_dims(n))) return CausalPath::own;
+  if (!MARROW_CUDA || (setting == AttentionKernels::own && own_serves(n))) return CausalPath::own;
   const bool hopper = setting == AttentionKernels::hopper || setting == AttentionKernels::hopper_backward;
   if (hopper && hopper_serves(n, variant)) return CausalPath::hopper;
   return cudnn_attention_backward_supports(n.batch, n.q_seq, n.q_heads, n.kv_heads, n.head_dim, n.v_dim, cudnn_backward_deterministic())
@@ -320,7 +321,7 @@ void check_documents(const char* op, const Dims& n, const Tensor& q, const Tenso
   expect_shape(op, "documents", documents, {n.batch, n.q_seq});
   expect_dtype(op, "documents", documents, DType::i32);
   expect_device(op, "documents", documents, q.device);
-  MARROW_CHECK(q.device == Device::cpu || (kernels_setting == AttentionKernels::own && !mixed_head_dims(n)),
+  MARROW_CHECK(q.device == Device::cpu || (kernels_setting == AttentionKernels::own && own_serves(n)),
                "{}: data.document_mask runs on the GPU on the own attention kernels only, with one head dim for q, k and v: set "
                "train.attention_kernels = own (DeepSeek-V2's MLA: train on the CPU)",
                op);

@@ -23,10 +23,10 @@ namespace {
 
 int64_t round_up_64(int64_t n) { return (n + 63) / 64 * 64; }
 
-// The head dims (q and k, v) the graphs here serve: the models' 64 or 128 for all three, and
-// DeepSeek-V2's 192 with 128 (cuDNN's Hopper kernels take that pair forward and backward).
+// The head dims (q and k, v) the graphs here serve: the models' 64, 128 or 256 (Qwen3.5's) for all
+// three, and DeepSeek-V2's 192 with 128 (cuDNN's Hopper kernels take these forward and backward).
 bool served_head_dims(int64_t head_dim, int64_t v_head_dim) {
-  return (head_dim == v_head_dim && (head_dim == 64 || head_dim == 128)) || (head_dim == 192 && v_head_dim == 128);
+  return (head_dim == v_head_dim && (head_dim == 64 || head_dim == 128 || head_dim == 256)) || (head_dim == 192 && v_head_dim == 128);
 }
 
 int64_t workspace_cap_setting = kCudnnAttentionWorkspaceCap, chunk_setting = 0;  // the hooks' values

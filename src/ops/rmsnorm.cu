@@ -25,37 +25,42 @@ namespace marrow {
 
 namespace {
 
+// offset as norm_offset gives it: y = x * r * (offset + weight[j]) in T.
 template <typename T>
-void forward_cpu(T* y, T* rstd, const T* x, const T* weight, int64_t n, int64_t d, double eps) {
+void forward_cpu(T* y, T* rstd, const T* x, const T* weight, T offset, int64_t n, int64_t d, double eps) {
   for (int64_t i = 0; i < n; ++i) {
     const T* xi = x + i * d;
     double sum = 0;
     for (int64_t j = 0; j < d; ++j) sum += double(xi[j]) * xi[j];
     T r = T(1.0 / std::sqrt(sum / double(d) + eps));
     rstd[i] = r;
-    for (int64_t j = 0; j < d; ++j) y[i * d + j] = xi[j] * r * weight[j];
+    for (int64_t j = 0; j < d; ++j) y[i * d + j] = xi[j] * r * (offset + weight[j]);
   }
 }
 
-// With xhat = x * rstd: dweight += sum_i dy * xhat;
+// With xhat = x * rstd and the scale w = offset + weight in T: dweight += sum_i dy * xhat;
 // dx = rstd * (dy * w - xhat * mean_j(dy * w * xhat)), then + dresidual (when not null) in T, as
 // add() would: dx may alias dresidual.
 template <typename T>
-void backward_cpu(T* dx, T* dweight, const T* dy, const T* x, const T* weight, const T* rstd, const T* dresidual, int64_t n,
-                  int64_t d) {
+void backward_cpu(T* dx, T* dweight, const T* dy, const T* x, const T* weight, T offset, const T* rstd, const T* dresidual,
+                  int64_t n, int64_t d) {
   for (int64_t i = 0; i < n; ++i) {
     const T *xi = x + i * d, *dyi = dy + i * d;
     double r = rstd[i], dot = 0;
-    for (int64_t j = 0; j < d; ++j) dot += double(dyi[j]) * weight[j] * xi[j] * r;
+    for (int64_t j = 0; j < d; ++j) dot += double(dyi[j]) * (offset + weight[j]) * xi[j] * r;
     double mean = dot / double(d);
     for (int64_t j = 0; j < d; ++j) {
       double xhat = xi[j] * r;
       dweight[j] += T(dyi[j] * xhat);
-      const T g = T(r * (double(dyi[j]) * weight[j] - xhat * mean));
+      const T g = T(r * (double(dyi[j]) * (offset + weight[j]) - xhat * mean));
       dx[i * d + j] = dresidual ? T(g + dresidual[i * d + j]) : g;
     }
   }
 }
+
+// The offset as the ops add it: 0 as -0.0f, which adds to every float, -0 included, without
+// changing its bits (+0.0f would turn a -0 weight into +0): offset 0 keeps the plain norm's bits.
+float norm_offset(const NormWeight& weight) { return weight.offset == 0 ? -0.0f : weight.offset; }
 
 #ifdef __CUDACC__
 constexpr int kWarpsPerBlock = 8;
@@ -79,25 +84,27 @@ template <int N> __device__ float lane_squares(const bf16* xr, int64_t d, int la
 
 __device__ float row_rstd(float lane_ss, int64_t d, float eps) { return 1.0f / sqrtf(warp_sum(lane_ss) / float(d) + eps); }
 
-// y = x * r * weight over the lane's packs of the row.
-template <int N> __device__ void normalise_row(bf16* yr, const bf16* xr, const bf16* weight, float r, int64_t d, int lane) {
+// y = x * r * (weight + offset) over the lane's packs of the row.
+template <int N>
+__device__ void normalise_row(bf16* yr, const bf16* xr, const bf16* weight, float offset, float r, int64_t d, int lane) {
   for (int64_t c = lane * N; c < d; c += 32 * N) {
     const Pack<bf16, N> p = load<N>(xr + c), w = load<N>(weight + c);
     Pack<bf16, N> o;
-    for (int l = 0; l < N; ++l) o.v[l] = bf16(float(p.v[l]) * r * float(w.v[l]));
+    for (int l = 0; l < N; ++l) o.v[l] = bf16(float(p.v[l]) * r * (float(w.v[l]) + offset));
     store<N>(yr + c, o);
   }
 }
 
 template <int N>
-__global__ void rmsnorm_forward_kernel(bf16* y, float* rstd, const bf16* x, const bf16* weight, int64_t rows, int64_t d, float eps) {
+__global__ void rmsnorm_forward_kernel(bf16* y, float* rstd, const bf16* x, const bf16* weight, float offset, int64_t rows, int64_t d,
+                                       float eps) {
   begin_after_previous_grid();
   const int64_t row = blockIdx.x * int64_t(kWarpsPerBlock) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (row >= rows) return;
   const float r = row_rstd(lane_squares<N>(x + row * d, d, lane), d, eps);
   if (lane == 0) rstd[row] = r;
-  normalise_row<N>(y + row * d, x + row * d, weight, r, d, lane);
+  normalise_row<N>(y + row * d, x + row * d, weight, offset, r, d, lane);
 }
 
 // The forward with the residual add: the lane writes its packs of sum = bf16(x + residual) (add()'s
@@ -106,7 +113,7 @@ __global__ void rmsnorm_forward_kernel(bf16* y, float* rstd, const bf16* x, cons
 // or residual.
 template <int N>
 __global__ void rmsnorm_add_forward_kernel(bf16* y, bf16* sum, float* rstd, const bf16* x, const bf16* residual, const bf16* weight,
-                                           int64_t rows, int64_t d, float eps) {
+                                           float offset, int64_t rows, int64_t d, float eps) {
   begin_after_previous_grid();
   const int64_t row = blockIdx.x * int64_t(kWarpsPerBlock) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
@@ -123,19 +130,19 @@ __global__ void rmsnorm_add_forward_kernel(bf16* y, bf16* sum, float* rstd, cons
   }
   const float r = row_rstd(ss, d, eps);
   if (lane == 0) rstd[row] = r;
-  normalise_row<N>(y + row * d, sum + row * d, weight, r, d, lane);
+  normalise_row<N>(y + row * d, sum + row * d, weight, offset, r, d, lane);
 }
 
 // dx of one row: mean(dy * w * xhat) summed by the lane in order, reduced in a fixed tree; dx is
 // rounded to bf16, then dresidual (when not null) is added and rounded again, as add() after the
 // plain backward would. dy may be the warp's shared-memory row. dx may alias dresidual.
 template <int N>
-__device__ void dx_row(bf16* dxr, const bf16* dyr, const bf16* dresr, const bf16* xr, const bf16* weight, float r, int64_t d,
-                       int lane) {
+__device__ void dx_row(bf16* dxr, const bf16* dyr, const bf16* dresr, const bf16* xr, const bf16* weight, float offset, float r,
+                       int64_t d, int lane) {
   float dot = 0;
   for (int64_t c = lane * N; c < d; c += 32 * N) {
     const Pack<bf16, N> xp = load<N>(xr + c), gp = load<N>(dyr + c), wp = load<N>(weight + c);
-    for (int l = 0; l < N; ++l) dot = fmaf(__fmul_rn(__fmul_rn(float(gp.v[l]), float(wp.v[l])), float(xp.v[l])), r, dot);
+    for (int l = 0; l < N; ++l) dot = fmaf(__fmul_rn(__fmul_rn(float(gp.v[l]), float(wp.v[l]) + offset), float(xp.v[l])), r, dot);
   }
   const float mean = warp_sum(dot) / float(d);
   for (int64_t c = lane * N; c < d; c += 32 * N) {
@@ -143,7 +150,7 @@ __device__ void dx_row(bf16* dxr, const bf16* dyr, const bf16* dresr, const bf16
     Pack<bf16, N> o;
     for (int l = 0; l < N; ++l) {
       const float xhat_mean = __fmul_rn(__fmul_rn(float(xp.v[l]), r), mean);
-      o.v[l] = bf16(__fmul_rn(r, fmaf(float(gp.v[l]), float(wp.v[l]), -xhat_mean)));
+      o.v[l] = bf16(__fmul_rn(r, fmaf(float(gp.v[l]), float(wp.v[l]) + offset, -xhat_mean)));
     }
     if (dresr) {
       const Pack<bf16, N> res = load<N>(dresr + c);
@@ -161,7 +168,7 @@ __device__ void dx_row(bf16* dxr, const bf16* dyr, const bf16* dresr, const bf16
 // took 127-173 of them.
 template <int N, bool Staged>
 __global__ void rmsnorm_backward_dx_kernel(bf16* dx, const bf16* dy, const bf16* dresidual, const bf16* x, const bf16* weight,
-                                           const float* rstd, int64_t rows, int64_t d) {
+                                           float offset, const float* rstd, int64_t rows, int64_t d) {
   begin_after_previous_grid();
   const int64_t row = blockIdx.x * int64_t(blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
@@ -182,7 +189,7 @@ __global__ void rmsnorm_backward_dx_kernel(bf16* dx, const bf16* dy, const bf16*
     dyr = mine + d;
     if (dresr) dresr = mine + 2 * d;
   }
-  dx_row<N>(dx + row * d, dyr, dresr, xr, weight, rstd[row], d, lane);
+  dx_row<N>(dx + row * d, dyr, dresr, xr, weight, offset, rstd[row], d, lane);
 }
 
 // dweight, pass 1: block (chunk, column tile) -- each thread owns one column and sums dy * xhat
@@ -475,21 +482,21 @@ Rope rope_args(Tensor positions, Tensor cos_sin, int64_t heads, int64_t d, doubl
   return rope;
 }
 
-void launch_forward(Tensor y, Tensor rstd, Tensor x, Tensor weight, double eps, Stream stream) {
+void launch_forward(Tensor y, Tensor rstd, Tensor x, NormWeight weight, double eps, Stream stream) {
   const int64_t n = x.size(0), d = x.size(1);
   if (n == 0) return;
-  const auto kernel = packable(d, {y.data, x.data, weight.data}) ? rmsnorm_forward_kernel<8> : rmsnorm_forward_kernel<1>;
-  launch_dependent(kernel, row_blocks(n), kRowThreads, 0, stream, bf16_ptr(y), rstd.ptr<float>(), bf16_ptr(x), bf16_ptr(weight), n, d,
-                   float(eps));
+  const auto kernel = packable(d, {y.data, x.data, weight.weight.data}) ? rmsnorm_forward_kernel<8> : rmsnorm_forward_kernel<1>;
+  launch_dependent(kernel, row_blocks(n), kRowThreads, 0, stream, bf16_ptr(y), rstd.ptr<float>(), bf16_ptr(x), bf16_ptr(weight.weight),
+                   norm_offset(weight), n, d, float(eps));
 }
 
-void launch_add_forward(Tensor y, Tensor sum, Tensor rstd, Tensor x, Tensor residual, Tensor weight, double eps, Stream stream) {
+void launch_add_forward(Tensor y, Tensor sum, Tensor rstd, Tensor x, Tensor residual, NormWeight weight, double eps, Stream stream) {
   const int64_t n = x.size(0), d = x.size(1);
   if (n == 0) return;
-  const auto kernel = packable(d, {y.data, sum.data, x.data, residual.data, weight.data}) ? rmsnorm_add_forward_kernel<8>
-                                                                                          : rmsnorm_add_forward_kernel<1>;
+  const auto kernel = packable(d, {y.data, sum.data, x.data, residual.data, weight.weight.data}) ? rmsnorm_add_forward_kernel<8>
+                                                                                                 : rmsnorm_add_forward_kernel<1>;
   launch_dependent(kernel, row_blocks(n), kRowThreads, 0, stream, bf16_ptr(y), bf16_ptr(sum), rstd.ptr<float>(), bf16_ptr(x),
-                   bf16_ptr(residual), bf16_ptr(weight), n, d, float(eps));
+                   bf16_ptr(residual), bf16_ptr(weight.weight), norm_offset(weight), n, d, float(eps));
 }
 
 // G = D / 8 lanes per head for the fused kernels (see RopeLane): D in {64, 128, 256} with rows in
@@ -517,16 +524,16 @@ template <class Partial> void accumulate_dweight(Tensor dweight, int64_t n, int6
                    partial.ptr<float>(), chunks, d);
 }
 
-void launch_backward(Tensor dx, Tensor dweight, Tensor dy, Tensor x, Tensor weight, Tensor rstd, Tensor dresidual, Stream stream) {
+void launch_backward(Tensor dx, Tensor dweight, Tensor dy, Tensor x, NormWeight weight, Tensor rstd, Tensor dresidual, Stream stream) {
   const int64_t n = x.size(0), d = x.size(1);
   if (n == 0 || d == 0) return;
   // A null dresidual passes packable's alignment test. Staged: kStagedWarps rows a block, each
   // warp 3 rows of D bf16 in shared memory (48 KiB a block at D = 2,048).
-  const bool packed = packable(d, {dx.data, dy.data, dresidual.data, x.data, weight.data});
+  const bool packed = packable(d, {dx.data, dy.data, dresidual.data, x.data, weight.weight.data});
   const int64_t staged_bytes = kStagedWarps * 3 * d * 2;
   auto args = [&](auto kernel, unsigned blocks, unsigned threads, size_t smem) {
-    launch_dependent(kernel, blocks, threads, smem, stream, bf16_ptr(dx), bf16_ptr(dy), bf16_ptr(dresidual), bf16_ptr(x), bf16_ptr(weight),
-                     rstd.ptr<float>(), n, d);
+    launch_dependent(kernel, blocks, threads, smem, stream, bf16_ptr(dx), bf16_ptr(dy), bf16_ptr(dresidual), bf16_ptr(x),
+                     bf16_ptr(weight.weight), norm_offset(weight), rstd.ptr<float>(), n, d);
   };
   if (packed && staged_bytes <= kMaxStagedBytes) {
     MARROW_CUDA_CHECK(
@@ -591,28 +598,29 @@ void expect_cos_sin(const char* op, const Tensor& cos_sin, const Tensor& x) {
 
 }  // namespace
 
-void rmsnorm_forward(Tensor y, Tensor rstd, Tensor x, Tensor weight, double eps, Stream stream) {
+void rmsnorm_forward(Tensor y, Tensor rstd, Tensor x, NormWeight weight, double eps, Stream stream) {
   const char* op = "rmsnorm_forward";
   expect_rows(op, x, {{"y", &y}});
   const int64_t n = x.size(0), d = x.size(1);
   expect_shape(op, "rstd", rstd, {n});
-  expect_shape(op, "weight", weight, {d});
-  if (on_gpu(op, {{"x", &x, DType::bf16}, {"y", &y, DType::bf16}, {"rstd", &rstd, DType::f32}, {"weight", &weight, DType::bf16}}))
+  const Tensor& w = weight.weight;
+  expect_shape(op, "weight", w, {d});
+  if (on_gpu(op, {{"x", &x, DType::bf16}, {"y", &y, DType::bf16}, {"rstd", &rstd, DType::f32}, {"weight", &w, DType::bf16}}))
     MARROW_GPU_RETURN(op, stream, launch_forward(y, rstd, x, weight, eps, stream));
   with_cpu_scalar(op, x, [&](auto s) {
     using T = decltype(s);
-    forward_cpu<T>(y.ptr<T>(), rstd.ptr<T>(), x.ptr<T>(), weight.ptr<T>(), n, d, eps);
+    forward_cpu<T>(y.ptr<T>(), rstd.ptr<T>(), x.ptr<T>(), w.ptr<T>(), T(norm_offset(weight)), n, d, eps);
   });
 }
 
-void rmsnorm_add_forward(Tensor y, Tensor sum, Tensor rstd, Tensor x, Tensor residual, Tensor weight, double eps, Stream stream) {
+void rmsnorm_add_forward(Tensor y, Tensor sum, Tensor rstd, Tensor x, Tensor residual, NormWeight weight, double eps, Stream stream) {
   const char* op = "rmsnorm_add_forward";
   expect_rows(op, x, {{"residual", &residual}, {"sum", &sum}, {"y", &y}});
   const int64_t n = x.size(0), d = x.size(1);
   expect_shape(op, "rstd", rstd, {n});
-  expect_shape(op, "weight", weight, {d});
+  expect_shape(op, "weight", weight.weight, {d});
   if (on_gpu(op, {{"x", &x, DType::bf16}, {"residual", &residual, DType::bf16}, {"sum", &sum, DType::bf16}, {"y", &y, DType::bf16},
-                  {"rstd", &rstd, DType::f32}, {"weight", &weight, DType::bf16}}))
+                  {"rstd", &rstd, DType::f32}, {"weight", &weight.weight, DType::bf16}}))
     MARROW_GPU_RETURN(op, stream, launch_add_forward(y, sum, rstd, x, residual, weight, eps, stream));
   add(sum, x, residual, stream);
   rmsnorm_forward(y, rstd, sum, weight, eps, stream);
@@ -641,22 +649,23 @@ void rmsnorm_rope_forward(Tensor y, Tensor rstd, Tensor x, Tensor weight, Tensor
   rope_forward(y, y, positions, theta, stream);
 }
 
-void rmsnorm_backward(Tensor dx, Tensor dweight, Tensor dy, Tensor x, Tensor weight, Tensor rstd, Tensor dresidual, Stream stream) {
+void rmsnorm_backward(Tensor dx, Tensor dweight, Tensor dy, Tensor x, NormWeight weight, Tensor rstd, Tensor dresidual, Stream stream) {
   const char* op = "rmsnorm_backward";
   expect_rows(op, x, {{"dx", &dx}, {"dy", &dy}});
   const int64_t n = x.size(0), d = x.size(1);
+  const Tensor& w = weight.weight;
   expect_shape(op, "dweight", dweight, {d});
-  expect_shape(op, "weight", weight, {d});
+  expect_shape(op, "weight", w, {d});
   expect_shape(op, "rstd", rstd, {n});
   const bool has_dresidual = dresidual.ndim != 0 || dresidual.data != nullptr;  // Tensor{}: none
   if (has_dresidual) expect_shape(op, "dresidual", dresidual, {n, d});
   const bool gpu = on_gpu(op, {{"x", &x, DType::bf16}, {"dx", &dx, DType::bf16}, {"dy", &dy, DType::bf16}, {"dweight", &dweight, DType::f32},
-                               {"weight", &weight, DType::bf16}, {"rstd", &rstd, DType::f32}});
+                               {"weight", &w, DType::bf16}, {"rstd", &rstd, DType::f32}});
   if (has_dresidual) on_gpu(op, {{"x", &x, DType::bf16}, {"dresidual", &dresidual, DType::bf16}});
   if (gpu) MARROW_GPU_RETURN(op, stream, launch_backward(dx, dweight, dy, x, weight, rstd, dresidual, stream));
   with_cpu_scalar(op, x, [&](auto s) {
     using T = decltype(s);
-    backward_cpu<T>(dx.ptr<T>(), dweight.ptr<T>(), dy.ptr<T>(), x.ptr<T>(), weight.ptr<T>(), rstd.ptr<T>(),
+    backward_cpu<T>(dx.ptr<T>(), dweight.ptr<T>(), dy.ptr<T>(), x.ptr<T>(), w.ptr<T>(), T(norm_offset(weight)), rstd.ptr<T>(),
                     has_dresidual ? dresidual.ptr<T>() : nullptr, n, d);
   });
 }

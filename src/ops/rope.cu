@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "core/cuda_check.h"
@@ -24,13 +25,14 @@ float position_frequency(int64_t j, int64_t head_dim, double theta) {
   return std::pow(float(theta), float(2 * j) / float(head_dim));
 }
 
-// Rotates every head of every token by +angle (sign 1) or -angle (sign -1), cos and sin times scale
-// in float32 (a scale of 1 leaves them as they are). Each pair is read into locals before it is
-// written, which is what lets the output alias the input.
+// Rotates the first 2 half = 2 inv_freq.size() elements of every head of every token by +angle
+// (sign 1) or -angle (sign -1), cos and sin times scale in float32 (a scale of 1 leaves them as they
+// are), and copies the rest. Each pair is read into locals before it is written, which is what lets
+// the output alias the input.
 template <typename T>
 void rotate_cpu(T* y, const T* x, const int32_t* positions, int64_t tokens, int64_t heads, int64_t d,
                 const std::vector<float>& inv_freq, float scale, int sign) {
-  const int64_t half = d / 2;
+  const int64_t half = int64_t(inv_freq.size());
   std::vector<T> cosines(half), sines(half);
   for (int64_t t = 0; t < tokens; ++t) {
     for (int64_t j = 0; j < half; ++j) {
@@ -45,6 +47,7 @@ void rotate_cpu(T* y, const T* x, const int32_t* positions, int64_t tokens, int6
         y[base + j] = a * cosines[j] - b * sines[j];
         y[base + j + half] = b * cosines[j] + a * sines[j];
       }
+      for (int64_t j = 2 * half; j < d; ++j) y[base + j] = x[base + j];
     }
   }
 }
@@ -56,20 +59,26 @@ struct InvFreq {
   float v[kMaxHalf];
 };
 
-// One thread per N adjacent pairs (j, j + D/2) of one head of one token (N = 8 when D/2 % 8 == 0
-// and the data is 16-byte aligned, else 1), grid-stride over T * H * (D/2) / N. The angle is
+// One thread per N adjacent slots j of one head of one token (N = 8 when half and D/2 are multiples
+// of 8 and the data is 16-byte aligned, else 1), grid-stride over T * H * slots / N; half is
+// rotary_dim / 2. Slot j < half rotates the pairs (j, j + half); slot j in [half, D/2) copies the
+// passed-through elements [2j, 2j + 2N) (slots = half when y is x: nothing to copy). The angle is
 // float(position) * inv_freq[j] in f32 and its cos/sin are the precise cosf/sinf, as on the CPU
 // (rope_rotate, ops/cuda_common.cuh). Scaled (YaRN's attention factor other than 1): cos and sin
 // each times scale in f32, as the CPU's cos * scale; the unscaled instances are the plain rotation.
 // Each thread reads both halves of its pairs before writing them, so y may alias x.
 template <int N, bool Scaled>
 __global__ void rope_rotate_kernel(bf16* y, const bf16* x, const int32_t* positions, InvFreq inv_freq, int64_t tokens, int64_t heads,
-                              int64_t half, float sign, float scale) {
+                              int64_t half, int64_t d, int64_t slots, float sign, float scale) {
   begin_after_previous_grid();
-  const int64_t per_head = half / N;
+  const int64_t per_head = slots / N;
   for (int64_t p = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; p < tokens * heads * per_head;
        p += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t head = p / per_head, j = p % per_head * N, base = head * 2 * half;
+    const int64_t head = p / per_head, j = p % per_head * N, base = head * d;
+    if (j >= half) {
+      for (int64_t e = base + 2 * j; e < base + 2 * (j + N); e += N) store<N>(y + e, load<N>(x + e));
+      continue;
+    }
     const float position = float(positions[head / heads]);
     const Pack<bf16, N> a = load<N>(x + base + j), b = load<N>(x + base + half + j);
     Pack<bf16, N> ya, yb;
@@ -98,18 +107,19 @@ __global__ void rope_cos_sin_table_kernel(float2* table, const int32_t* position
   table[i] = rope_cos_sin(float(positions[i / half]), inv_freq.v[i % half], 1.0f);
 }
 
-// inv_freq [D/2] and scale as rope_inverse_frequencies and rope_attention_scaling give them: the CPU's very floats.
+// inv_freq [rotary_dim / 2] and scale as rope_inverse_frequencies and rope_attention_scaling give them: the CPU's very floats.
 void launch_rotate(Tensor y, Tensor x, Tensor positions, const std::vector<float>& frequencies, float scale, int sign, Stream stream) {
-  const int64_t tokens = x.size(0), heads = x.size(1), d = x.size(2), half = d / 2;
+  const int64_t tokens = x.size(0), heads = x.size(1), d = x.size(2), half = int64_t(frequencies.size());
+  const int64_t slots = y.data == x.data ? half : d / 2;
   InvFreq inv_freq{};
   std::copy(frequencies.begin(), frequencies.end(), inv_freq.v);
-  const bool packed = packable(half, {x.data, y.data});
-  const int64_t work = tokens * heads * (packed ? half / 8 : half);
+  const bool packed = packable(half, {x.data, y.data}) && (d / 2) % 8 == 0;
+  const int64_t work = tokens * heads * (packed ? slots / 8 : slots);
   if (work == 0) return;
   auto* kernel = scale != 1.0f ? (packed ? rope_rotate_kernel<8, true> : rope_rotate_kernel<1, true>)
                                : (packed ? rope_rotate_kernel<8, false> : rope_rotate_kernel<1, false>);
   launch_dependent(kernel, grid_stride_blocks(work, 256, 8192), 256, 0, stream, bf16_ptr(y), bf16_ptr(x), positions.ptr<int32_t>(), inv_freq,
-                   tokens, heads, half, float(sign), scale);
+                   tokens, heads, half, d, slots, float(sign), scale);
 }
 
 void launch_table(Tensor table, Tensor positions, int64_t head_dim, double theta, Stream stream) {
@@ -174,19 +184,23 @@ double attention_scaling(const RopeParameters& rope) {
   return rope.factor <= 1 ? 1.0 : 0.1 * std::log(rope.factor) + 1.0;
 }
 
+// The first rotary_dim elements of each head rotate (the whole head when not given), the rest pass through.
 void rotate(const char* op, Tensor y, const char* y_name, Tensor x, const char* x_name, Tensor positions,
-            const RopeParameters& rope, int sign, Stream stream) {
+            const RopeParameters& rope, std::optional<int64_t> rotary_dim, int sign, Stream stream) {
   expect_ndim(op, x_name, x, 3, "[tokens, heads, head_dim]");
-  const int64_t tokens = x.size(0), heads = x.size(1), d = x.size(2);
+  const int64_t tokens = x.size(0), heads = x.size(1), d = x.size(2), rotated = rotary_dim.value_or(d);
   MARROW_CHECK(d % 2 == 0, "{}: head_dim of {} must be even, got {}", op, x_name, d);
+  MARROW_CHECK(rotated > 0 && rotated % 2 == 0 && rotated <= d,
+               "{}: rotary_dim must be even, positive and at most the head_dim of {} ({}), got {}", op, x_name, d, rotated);
   check_rope(op, rope);
   expect_shape(op, y_name, y, {tokens, heads, d});
   expect_shape(op, "positions", positions, {tokens});
   expect_dtype(op, "positions", positions, DType::i32);
-  const std::vector<float> inv_freq = inverse_frequencies(d, rope);
+  const std::vector<float> inv_freq = inverse_frequencies(rotated, rope);
   const float scale = float(attention_scaling(rope));
   if (on_gpu(op, {{x_name, &x, DType::bf16}, {y_name, &y, DType::bf16}, {"positions", &positions, DType::i32}})) {
-    MARROW_CHECK(d / 2 <= kMaxHalfHost, "{}: head_dim of {} is {}, but the GPU kernel takes at most {}", op, x_name, d, 2 * kMaxHalfHost);
+    MARROW_CHECK(rotated / 2 <= kMaxHalfHost, "{}: {} rotates {} elements of a head, but the GPU kernel takes at most {}", op, x_name,
+                 rotated, 2 * kMaxHalfHost);
     MARROW_GPU_RETURN(op, stream, launch_rotate(y, x, positions, inv_freq, scale, sign, stream));
   }
   with_cpu_scalar(op, x, [&](auto s) {
@@ -234,19 +248,27 @@ void rope_cos_sin_table(Tensor table, Tensor positions, int64_t head_dim, double
 }
 
 void rope_forward(Tensor y, Tensor x, Tensor positions, double theta, Stream stream) {
-  rotate("rope_forward", y, "y", x, "x", positions, RopeParameters{theta}, 1, stream);
+  rotate("rope_forward", y, "y", x, "x", positions, RopeParameters{theta}, std::nullopt, 1, stream);
 }
 
 void rope_backward(Tensor dx, Tensor dy, Tensor positions, double theta, Stream stream) {
-  rotate("rope_backward", dx, "dx", dy, "dy", positions, RopeParameters{theta}, -1, stream);
+  rotate("rope_backward", dx, "dx", dy, "dy", positions, RopeParameters{theta}, std::nullopt, -1, stream);
+}
+
+void rope_forward(Tensor y, Tensor x, Tensor positions, double theta, int64_t rotary_dim, Stream stream) {
+  rotate("rope_forward", y, "y", x, "x", positions, RopeParameters{theta}, rotary_dim, 1, stream);
+}
+
+void rope_backward(Tensor dx, Tensor dy, Tensor positions, double theta, int64_t rotary_dim, Stream stream) {
+  rotate("rope_backward", dx, "dx", dy, "dy", positions, RopeParameters{theta}, rotary_dim, -1, stream);
 }
 
 void rope_forward(Tensor y, Tensor x, Tensor positions, const RopeParameters& rope, Stream stream) {
-  rotate("rope_forward", y, "y", x, "x", positions, rope, 1, stream);
+  rotate("rope_forward", y, "y", x, "x", positions, rope, std::nullopt, 1, stream);
 }
 
 void rope_backward(Tensor dx, Tensor dy, Tensor positions, const RopeParameters& rope, Stream stream) {
-  rotate("rope_backward", dx, "dx", dy, "dy", positions, rope, -1, stream);
+  rotate("rope_backward", dx, "dx", dy, "dy", positions, rope, std::nullopt, -1, stream);
 }
 
 }  // namespace marrow

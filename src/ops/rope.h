@@ -21,6 +21,14 @@ void rope_forward(Tensor y, Tensor x, Tensor positions, double theta, Stream str
 // dx[T, H, D], overwritten, from dy[T, H, D]. dx may alias dy.
 void rope_backward(Tensor dx, Tensor dy, Tensor positions, double theta, Stream stream = {});
 
+// Partial rotation (Qwen3.5's partial_rotary_factor; its mrope sections, with the three position
+// rows equal for text, are this plain rotation): the first rotary_dim elements of each head rotate as
+// a head of rotary_dim would (pairs j, j + rotary_dim/2; inv_freq_j = 1 / theta^(2j / rotary_dim)),
+// the other D - rotary_dim pass through unchanged. rotary_dim is even, positive and at most D; at D
+// these are the overloads above, bit for bit. y may alias x.
+void rope_forward(Tensor y, Tensor x, Tensor positions, double theta, int64_t rotary_dim, Stream stream = {});
+void rope_backward(Tensor dx, Tensor dy, Tensor positions, double theta, int64_t rotary_dim, Stream stream = {});
+
 // Rotary frequencies of Hugging Face's rope_parameters: "default" (theta^(-2j/D)) or "yarn".
 // YaRN (transformers' _compute_yarn_parameters; GPT-OSS: theta 150000, factor 32, beta_fast 32,
 // beta_slow 1, original_max_positions 4096, truncate false) blends, per pair j, the default

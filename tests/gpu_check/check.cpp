@@ -160,8 +160,8 @@ int check_command(int argc, char** argv) {
   MARROW_CHECK(process::size() == 1 || argc >= 3, "marrow check under mpirun runs one group: --only expert_parallel or --only ring_attention");
   CLI::App app{"marrow check: every CUDA op and the model against the CPU reference"};
   std::string only;
-  app.add_option("--only", only, "run one group: elementwise, gemm, fp8, attention, model, expert_parallel or ring_attention (these two also under mpirun)")
-      ->check(CLI::IsMember({"elementwise", "gemm", "fp8", "attention", "model", "expert_parallel", "ring_attention"}));
+  app.add_option("--only", only, "run one group: elementwise, gemm, fp8, attention, linear_attention, model, expert_parallel or ring_attention (these two also under mpirun)")
+      ->check(CLI::IsMember({"elementwise", "gemm", "fp8", "attention", "linear_attention", "model", "expert_parallel", "ring_attention"}));
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -174,6 +174,10 @@ int check_command(int argc, char** argv) {
   if (only.empty() || only == "gemm") check_gemm_ops(report);
   if (only.empty() || only == "fp8") check_fp8_ops(report);
   if (only.empty() || only == "attention") check_attention_op(report);
+  if (only.empty() || only == "linear_attention") {
+    check_gated_delta(report);
+    check_qwen3_5_ops(report);
+  }
   if (only.empty() || only == "model") check_model(report);
   if (only.empty() || only == "expert_parallel") check_expert_parallel(report);
   if (only.empty() || only == "ring_attention") check_ring_attention(report);

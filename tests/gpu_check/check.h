@@ -105,6 +105,10 @@ Buffer offsets_host(const std::vector<int32_t>& counts);
 void check_elementwise_ops(CheckReport& report);
 void check_mla_ops(CheckReport& report);  // DeepSeek-V2's ops (check_mla.cpp), run with the elementwise group
 void check_gemm_ops(CheckReport& report);
+// Qwen3.5-MoE's ops (--only linear_attention): the gated delta rule (check_gated_delta.cpp) and the
+// layer's elementwise ops (check_qwen3_5_ops.cpp: convolution, gates, gated norm).
+void check_gated_delta(CheckReport& report);
+void check_qwen3_5_ops(CheckReport& report);
 void check_fp8_ops(CheckReport& report);
 void check_attention_op(CheckReport& report);
 void check_model(CheckReport& report);

@@ -452,12 +452,12 @@ void check_blocks(CheckReport& report, uint64_t seed) {
   for (const BlockCase& c : cudnn_blocks) check_block(report, c, seed += 8);
 }
 
-// DeepSeek-V2's head dims (D 192 for q and k, Dv 128 for v and out), which only cuDNN serves: every
-// setting must send the causal op there (the rows name the setting), forward and backward, with
-// multi-head attention at S 256 and 1024, one and two batch rows, and a GQA group of 4.
+// DeepSeek-V2's head dims (D 192 for q and k, Dv 128 for v and out) and Qwen3.5's 256, which only
+// cuDNN serves: every setting must send the causal op there (the rows name the setting), forward and
+// backward, with multi-head attention at S 256 and 1024, one and two batch rows, GQA groups of 4 and 8.
 void check_value_head_dim(CheckReport& report, uint64_t seed) {
   const Shape shapes[] = {{1, 256, 16, 16, 192, 128}, {2, 256, 16, 16, 192, 128}, {1, 1024, 16, 16, 192, 128},
-                          {2, 1024, 16, 16, 192, 128}, {1, 1024, 16, 4, 192, 128}};
+                          {2, 1024, 16, 16, 192, 128}, {1, 1024, 16, 4, 192, 128}, {1, 300, 16, 2, 256, 256}, {1, 1024, 16, 2, 256, 256}};
   for (const Shape& n : shapes) {
     const Problem p = reference(n, seed += 4);
     for (const AttentionKernels kernels : kAttentionKernels) {

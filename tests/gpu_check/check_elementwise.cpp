@@ -104,15 +104,16 @@ void check_embedding(CheckReport& report, int64_t n, int64_t vocab, int64_t h) {
   }
 }
 
-void check_rmsnorm(CheckReport& report, int64_t n, int64_t d) {
-  const std::string size = fmt::format("N={} D={}", n, d);
+// offset: the norm's NormWeight offset (1: Qwen3.5's zero-centred weights).
+void check_rmsnorm(CheckReport& report, int64_t n, int64_t d, float offset = 0) {
+  const std::string size = fmt::format("N={} D={}{}", n, d, offset ? fmt::format(" offset {}", offset) : "");
   const Both x(random_bf16({n, d}, 10), bf16), weight(random_bf16({d}, 11, 0.5), bf16), dy(random_bf16({n, d}, 12), bf16);
   Both y = Both::out(bf16, {n, d}), rstd = Both::out(f32, {n}), dx = Both::out(bf16, {n, d}), dweight(random_host({d}, 13), f32);
-  on_each_side([&](int s) { rmsnorm_forward(y[s], rstd[s], x[s], weight[s], 1e-6); });
+  on_each_side([&](int s) { rmsnorm_forward(y[s], rstd[s], x[s], NormWeight(weight[s], offset), 1e-6); });
   report.compare("rmsnorm_forward y " + size, y, kBf16);
   report.compare("rmsnorm_forward rstd " + size, rstd, kF32);
   const Both rstd_in(rstd.cpu, f32);  // both backwards read the CPU's rstd
-  on_each_side([&](int s) { rmsnorm_backward(dx[s], dweight[s], dy[s], x[s], weight[s], rstd_in[s]); });
+  on_each_side([&](int s) { rmsnorm_backward(dx[s], dweight[s], dy[s], x[s], NormWeight(weight[s], offset), rstd_in[s]); });
   report.compare("rmsnorm_backward dx " + size, dx, kBf16);
   report.compare("rmsnorm_backward dweight " + size, dweight, kF32);
 }
@@ -122,20 +123,21 @@ void check_rmsnorm(CheckReport& report, int64_t n, int64_t d) {
 // the sum rounded to bf16, as the GPU's does -- and bit for bit against the unfused GPU ops (add,
 // then rmsnorm_forward; rmsnorm_backward, then add), which the fused kernels round and sum like.
 // dweight runs twice from the same start: the same bits.
-void check_rmsnorm_add(CheckReport& report, int64_t n, int64_t d) {
-  const std::string size = fmt::format("N={} D={}", n, d);
+void check_rmsnorm_add(CheckReport& report, int64_t n, int64_t d, float offset = 0) {
+  const std::string size = fmt::format("N={} D={}{}", n, d, offset ? fmt::format(" offset {}", offset) : "");
   const double eps = 1e-6;
   const Both x(random_bf16({n, d}, 14), bf16), residual(random_bf16({n, d}, 15), bf16), weight(random_bf16({d}, 16, 0.5), bf16);
+  const NormWeight w_cpu(weight.cpu, offset), w_gpu(weight.gpu, offset);
   const Both sum_unfused(x.cpu, bf16);
   Buffer sum = host_f32({n, d});
   Both y = Both::out(bf16, {n, d}), rstd = Both::out(f32, {n}), y_unfused = Both::out(bf16, {n, d}), rstd_unfused = Both::out(f32, {n});
-  rmsnorm_add_forward(y.cpu, sum, rstd.cpu, x.cpu, residual.cpu, weight.cpu, eps);
-  rmsnorm_add_forward(y.gpu, x.gpu, rstd.gpu, x.gpu, residual.gpu, weight.gpu, eps);
+  rmsnorm_add_forward(y.cpu, sum, rstd.cpu, x.cpu, residual.cpu, w_cpu, eps);
+  rmsnorm_add_forward(y.gpu, x.gpu, rstd.gpu, x.gpu, residual.gpu, w_gpu, eps);
   add(sum_unfused.gpu, sum_unfused.gpu, residual.gpu);
-  rmsnorm_forward(y_unfused.gpu, rstd_unfused.gpu, sum_unfused.gpu, weight.gpu, eps);
+  rmsnorm_forward(y_unfused.gpu, rstd_unfused.gpu, sum_unfused.gpu, w_gpu, eps);
   report.compare("rmsnorm_add_forward sum in place " + size, x.gpu, sum, kBf16);
   round_to_bf16(sum);
-  rmsnorm_forward(y.cpu, rstd.cpu, sum, weight.cpu, eps);
+  rmsnorm_forward(y.cpu, rstd.cpu, sum, w_cpu, eps);
   report.compare("rmsnorm_add_forward y " + size, y, kBf16);
   report.compare("rmsnorm_add_forward rstd " + size, rstd, kF32);
   report.expect_same_bits("rmsnorm_add_forward sum = add's bits " + size, x.gpu, sum_unfused.gpu);
@@ -146,10 +148,10 @@ void check_rmsnorm_add(CheckReport& report, int64_t n, int64_t d) {
   const Both dy(random_bf16({n, d}, 17), bf16), sum_in(sum, bf16), rstd_in(rstd.cpu, f32), dresidual_in(dresidual, bf16);
   const Both dx_fused(dresidual, bf16), dx_again(dresidual, bf16), dx_unfused = Both::out(bf16, {n, d});
   const Both dweight(dweight_host, f32), dweight_again(dweight_host, f32), dweight_unfused(dweight_host, f32);
-  rmsnorm_backward(dx, dweight.cpu, dy.cpu, sum, weight.cpu, rstd.cpu, dresidual);
+  rmsnorm_backward(dx, dweight.cpu, dy.cpu, sum, w_cpu, rstd.cpu, dresidual);
   for (const Both* t : {&dx_fused, &dx_again})
-    rmsnorm_backward(t->gpu, (t == &dx_fused ? dweight : dweight_again).gpu, dy.gpu, sum_in.gpu, weight.gpu, rstd_in.gpu, t->gpu);
-  rmsnorm_backward(dx_unfused.gpu, dweight_unfused.gpu, dy.gpu, sum_in.gpu, weight.gpu, rstd_in.gpu);
+    rmsnorm_backward(t->gpu, (t == &dx_fused ? dweight : dweight_again).gpu, dy.gpu, sum_in.gpu, w_gpu, rstd_in.gpu, t->gpu);
+  rmsnorm_backward(dx_unfused.gpu, dweight_unfused.gpu, dy.gpu, sum_in.gpu, w_gpu, rstd_in.gpu);
   add(dx_unfused.gpu, dx_unfused.gpu, dresidual_in.gpu);
   const std::string op = "rmsnorm_backward + dresidual ";
   report.compare(op + "in place dx " + size, dx_fused.gpu, dx, kBf16);
@@ -210,17 +212,17 @@ void check_rmsnorm_rope(CheckReport& report, int64_t n, int64_t heads, int64_t d
 }
 
 // rope_forward and rope_backward on random x [n, heads, d] (seeds seed, seed + 1) at `positions`,
-// GPU against CPU; `rope` is a theta or RopeParameters.
-template <class Rope>
+// GPU against CPU; `rope` is a theta (and a rotary_dim) or RopeParameters.
+template <class... Rope>
 void compare_rope(CheckReport& report, const std::string& size, Buffer positions_host, int64_t n, int64_t heads, int64_t d, bool in_place,
-                  uint64_t seed, const Rope& rope) {
+                  uint64_t seed, const Rope&... rope) {
   const Both positions(std::move(positions_host), i32);
   for (int backward = 0; backward < 2; ++backward) {
     const Both x(random_bf16({n, heads, d}, seed + backward), bf16), y = Both::out(bf16, {n, heads, d});
     const Tensor out[2] = {y.cpu, in_place ? x.gpu : y.gpu};
     on_each_side([&](int s) {
-      if (backward) rope_backward(out[s], x[s], positions[s], rope);
-      else rope_forward(out[s], x[s], positions[s], rope);
+      if (backward) rope_backward(out[s], x[s], positions[s], rope...);
+      else rope_forward(out[s], x[s], positions[s], rope...);
     });
     report.compare((backward ? "rope_backward " : "rope_forward ") + size, out[1], y.cpu, kBf16);
   }
@@ -232,6 +234,13 @@ void check_rope(CheckReport& report, int64_t n, int64_t heads, int64_t d, bool s
   Buffer positions = random_ids({n}, 40000, 20);
   for (int64_t t = 0; sequential && t < n; ++t) positions.ptr<int32_t>()[t] = int32_t(t);
   compare_rope(report, size, std::move(positions), n, heads, d, in_place, 21, 1e6);
+}
+
+// Partial RoPE (Qwen3.5: the first 64 of a head of 256 rotate, theta 1e7) at random positions in
+// [0, 262144); out of place, the GPU copies the passed-through elements.
+void check_rope_partial(CheckReport& report, int64_t n, int64_t heads, int64_t d, int64_t rotary_dim, bool in_place) {
+  const std::string size = fmt::format("rotary_dim {} T={} H={} D={}{}", rotary_dim, n, heads, d, in_place ? " in place" : "");
+  compare_rope(report, size, random_ids({n}, 262144, 22), n, heads, d, in_place, 25, 1e7, rotary_dim);
 }
 
 // YaRN RoPE with GPT-OSS's rope_parameters (attention_factor 0: Hugging Face's default, 1.35 for
@@ -765,8 +774,11 @@ void check_grad_norm(CheckReport& report, int64_t n, int64_t offset) {
 void check_elementwise_ops(CheckReport& report) {
   // Odd sizes: rows not multiples of 8 (scalar kernel paths) next to ones that are (16-byte paths).
   for (int64_t d : {72, 75}) check_embedding(report, 37, 101, d);
-  for (int64_t d : {72, 75}) check_rmsnorm(report, 37, d);
-  for (int64_t d : {72, 75}) check_rmsnorm_add(report, 37, d);
+  for (float offset : {0.0f, 1.0f})
+    for (int64_t d : {72, 75}) {
+      check_rmsnorm(report, 37, d, offset);
+      check_rmsnorm_add(report, 37, d, offset);
+    }
   // The fused kernels at 8 lanes a head (D 64), 16 (D 128: the bench model's 32 query heads, 4 warps
   // a token, the last chunk of dweight's partials short; 4 heads: 16 warps a block; 5: a warp's last
   // pass holding one head of two) and 32 (D 256), dweight's partials from the dx kernel (8, 4 and 32
@@ -779,6 +791,9 @@ void check_elementwise_ops(CheckReport& report) {
   check_rope_yarn(report, 37, 3, 64, false, 0);  // packs of 8, cos and sin scaled
   check_rope_yarn(report, 37, 3, 18, true, 0);   // one pair at a time
   check_rope_yarn(report, 37, 3, 64, false, 1);  // YaRN's frequencies, unscaled
+  // Partial: one pair at a time (D 20 of 12 rotated), packs of 8 for both the pairs and the copies (48 of 16).
+  for (bool in_place : {false, true}) check_rope_partial(report, 37, 3, 20, 12, in_place);
+  check_rope_partial(report, 37, 3, 48, 16, false);
   // Packs of 8, odd widths, rows in 15 chunks with the last one shorter, the router's width (4 chunks).
   for (auto [n, o] : {std::pair{37, 72}, {37, 75}, {1000, 75}, {300, 32}}) check_bias(report, n, o);
   // Empty experts first, in the middle and last; one of a single row.
@@ -831,6 +846,11 @@ void check_elementwise_ops(CheckReport& report) {
   check_rmsnorm(report, 4096, 2048);
   check_rmsnorm(report, 4096 * 4, 128);  // QK-norm: rows are (token, head)
   check_rmsnorm_add(report, 4096, 2048);
+  // Qwen3.5-like: hidden 2048 and QK-norm over heads of 256, zero-centred (a quarter of its 16 query
+  // heads' rows: at 65,536 the CPU's serial f32 dweight sum drifts past kF32); its full-attention RoPE.
+  check_rmsnorm_add(report, 4096, 2048, 1);
+  check_rmsnorm(report, 4096 * 4, 256, 1);
+  for (bool in_place : {true, false}) check_rope_partial(report, 4096, 16, 256, 64, in_place);
   check_rmsnorm_rope(report, 4096, 32, 128);  // queries
   check_rmsnorm_rope(report, 4096, 4, 128);   // keys
   check_rope(report, 4096, 32, 128, true, true);

@@ -17,6 +17,7 @@
 #include "core/rng.h"
 #include "engine/step.h"
 #include "models/deepseek_v2.h"
+#include "models/qwen3_5_moe.h"
 #include "models/gpt_oss.h"
 #include "models/qwen3_moe.h"
 #include "ops/cast.h"
@@ -97,7 +98,17 @@ const std::pair<const char*, Tensor Deepseek::*> kDeepseekLayer[] = {
     {"o_proj", &Deepseek::o_proj}, {"post_attention_layernorm", &Deepseek::post_norm}, {"mlp (dense or shared) gate/up", &Deepseek::mlp_gate_up},
     {"mlp (dense or shared) down", &Deepseek::mlp_down}, {"router", &Deepseek::router}, {"experts gate/up", &Deepseek::experts_gate_up},
     {"experts down", &Deepseek::experts_down}};
+using Qwen35 = Qwen3_5MoeLayerWeights;
+const std::pair<const char*, Tensor Qwen35::*> kQwen35Layer[] = {
+    {"input_layernorm", &Qwen35::input_norm}, {"q_proj", &Qwen35::q_proj}, {"k_proj", &Qwen35::k_proj}, {"v_proj", &Qwen35::v_proj},
+    {"o_proj", &Qwen35::o_proj}, {"q_norm", &Qwen35::q_norm}, {"k_norm", &Qwen35::k_norm}, {"in_proj_qkv", &Qwen35::in_proj_qkv},
+    {"in_proj_z", &Qwen35::in_proj_z}, {"in_proj_b/a", &Qwen35::in_proj_ba}, {"conv1d", &Qwen35::conv}, {"out_proj", &Qwen35::out_proj},
+    {"A_log", &Qwen35::A_log}, {"dt_bias", &Qwen35::dt_bias}, {"linear_attn norm", &Qwen35::delta_norm},
+    {"post_attention_layernorm", &Qwen35::post_norm}, {"shared_expert gate/up", &Qwen35::shared_gate_up},
+    {"shared_expert down", &Qwen35::shared_down}, {"shared_expert_gate", &Qwen35::shared_gate}, {"router", &Qwen35::router},
+    {"experts gate/up", &Qwen35::experts_gate_up}, {"experts down", &Qwen35::experts_down}};
 const auto& layer_tensors(const Qwen&) { return kQwenLayer; }
+const auto& layer_tensors(const Qwen35&) { return kQwen35Layer; }
 const auto& layer_tensors(const Deepseek&) { return kDeepseekLayer; }
 const auto& layer_tensors(const Gpt&) { return kGptOssLayer; }
 
@@ -169,6 +180,17 @@ Json tiny_deepseek_v2(int64_t top_k, int64_t top_groups) {
           {"max_position_embeddings", 163840}};
 }
 
+// Qwen3.5-MoE's tiny model: three Gated DeltaNet layers at the model's head dims (128, value heads
+// twice the key heads) and one gated attention layer (head dim 128: the own kernels serve it), 64
+// positions a chunk so S 150 crosses two chunk boundaries.
+Json tiny_qwen3_5(int64_t top_k) {
+  return {{"model_type", "qwen3_5_moe_text"}, {"vocab_size", 300}, {"hidden_size", 64}, {"num_hidden_layers", 4}, {"num_attention_heads", 2},
+          {"num_key_value_heads", 1}, {"head_dim", 128}, {"linear_num_key_heads", 1}, {"linear_num_value_heads", 2},
+          {"linear_key_head_dim", 128}, {"linear_value_head_dim", 128}, {"num_experts", 8}, {"num_experts_per_tok", top_k},
+          {"moe_intermediate_size", 40}, {"shared_expert_intermediate_size", 48}, {"initializer_range", 0.1},
+          {"rope_parameters", {{"rope_type", "default"}, {"rope_theta", 10000000.0}, {"partial_rotary_factor", 0.25}}}};
+}
+
 }  // namespace
 
 void check_model(CheckReport& report) {
@@ -182,6 +204,8 @@ void check_model(CheckReport& report) {
   compare_model<GptOss>(report, "tiny gpt_oss, K = E = 8", tiny_gpt_oss(8, 7.0, 0.1), 2, 37, true);
   compare_model<DeepseekV2>(report, "tiny deepseek_v2, top-3 of 8 in 2 of 4 groups", tiny_deepseek_v2(3, 2), 2, 37, false);
   compare_model<DeepseekV2>(report, "tiny deepseek_v2, K = E = 8", tiny_deepseek_v2(8, 4), 2, 37, true);
+  compare_model<Qwen3_5Moe>(report, "tiny qwen3_5_moe, top-2 of 8", tiny_qwen3_5(2), 2, 150, false);
+  compare_model<Qwen3_5Moe>(report, "tiny qwen3_5_moe, K = E = 8", tiny_qwen3_5(8), 2, 150, true);
   {
     // train.fp8 on both sides (the CPU multiplies the dequantized E4M3 operands): each family's
     // choice of its experts' quantized weights, as stored or transposed, against the reference.

@@ -15,6 +15,9 @@ layers, sinks, YaRN RoPE, the clamped SwiGLU with biases (hf_dump --random-biase
 as the weights are), sequences longer than the window. DeepseekV2ForCausalLM (eager attention): multi-head
 latent attention with and without q-LoRA, dense first layers, shared experts, greedy and group-limited
 routing with a routed scaling factor, YaRN with DeepSeek's mscale (V2-Lite's rope_scaling).
+Qwen3_5MoeForCausalLM (transformers' torch paths: chunked gated delta rule, conv1d): Gated DeltaNet and
+gated attention layers, key and value heads equal or not, partial RoPE, the shared expert's gate, every
+norm weight drawn (hf_dump --random-norms: the zero-centred norms' offset), sequences past one 64-token chunk.
 """
 import argparse
 import json
@@ -25,7 +28,7 @@ import tempfile
 
 import torch
 from safetensors.torch import load_file
-from transformers import DeepseekV2ForCausalLM, GptOssForCausalLM, Qwen3MoeForCausalLM
+from transformers import DeepseekV2ForCausalLM, GptOssForCausalLM, Qwen3_5MoeForCausalLM, Qwen3MoeForCausalLM
 
 QWEN3 = dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], hidden_act="silu", tie_word_embeddings=False,
              max_position_embeddings=512)
@@ -38,6 +41,8 @@ DEEPSEEK = dict(model_type="deepseek_v2", architectures=["DeepseekV2ForCausalLM"
 # DeepSeek-V2-Lite's rope_scaling (its config.json), with max_position_embeddings 163840.
 LITE_YARN = {"type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707,
              "original_max_position_embeddings": 4096}
+QWEN3_5 = dict(model_type="qwen3_5_moe_text", architectures=["Qwen3_5MoeForCausalLM"], hidden_act="silu", tie_word_embeddings=False,
+               max_position_embeddings=512, linear_conv_kernel_dim=4)
 CONFIGS = {
     "qwen3 a": dict(QWEN3, vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                     head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=256,
@@ -67,7 +72,18 @@ CONFIGS = {
                              first_k_dense_replace=1, topk_method="greedy", routed_scaling_factor=1.0, norm_topk_prob=False,
                              rope_scaling=LITE_YARN, rope_theta=10000.0, max_position_embeddings=163840, rms_norm_eps=1e-6,
                              initializer_range=0.3),
+    "qwen3_5 a": dict(QWEN3_5, vocab_size=300, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
+                      num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+                      rms_norm_eps=1e-6, initializer_range=0.2),
+    "qwen3_5 b": dict(QWEN3_5, vocab_size=257, hidden_size=48, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                      head_dim=16, layer_types=["full_attention", "linear_attention"], linear_num_key_heads=3, linear_num_value_heads=3,
+                      linear_key_head_dim=8, linear_value_head_dim=16, num_experts=6, num_experts_per_tok=3, moe_intermediate_size=24,
+                      shared_expert_intermediate_size=20, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
+                      "partial_rotary_factor": 0.5}, rms_norm_eps=1e-5, initializer_range=0.3),
 }
+SEQ = {"qwen3_5 a": 70, "qwen3_5 b": 130}  # past one and two of the delta rule's 64-token chunks
 
 
 def rel_err(a, b):
@@ -87,7 +103,7 @@ def fused_experts(grads, layers, experts):
 def gradient_errors(out, model, config):
     """Each parameter's gradient against transformers' (after its backward), by name; the worst."""
     grads = load_file(os.path.join(out, "marrow_grads.safetensors"))
-    if config["model_type"] == "qwen3_moe":
+    if config["model_type"] in ("qwen3_moe", "qwen3_5_moe_text"):
         grads = fused_experts(grads, range(config["num_hidden_layers"]), config["num_experts"])
     if config["model_type"] == "deepseek_v2":
         grads = fused_experts(grads, range(config["first_k_dense_replace"], config["num_hidden_layers"]), config["n_routed_experts"])
@@ -104,10 +120,10 @@ def check(name, config, hf_dump, workdir):
     config_path = os.path.join(out, "input_config.json")
     with open(config_path, "w") as f:
         json.dump(config, f)
-    batch, seq = 2, 13
+    batch, seq = 2, SEQ.get(name, 13)
     g = torch.Generator().manual_seed(7)
     tokens = torch.randint(0, config["vocab_size"], (batch, seq), generator=g)
-    flags = ["--grads", "--random-biases"] if gpt_oss else ["--grads"]
+    flags = ["--grads", "--random-biases"] if gpt_oss else ["--grads", "--random-norms"] if config["model_type"] == "qwen3_5_moe_text" else ["--grads"]
     subprocess.run([hf_dump, *flags, config_path, out, "1234", str(batch), str(seq)] + [str(t) for t in tokens.flatten().tolist()],
                    check=True)
 
@@ -115,6 +131,8 @@ def check(name, config, hf_dump, workdir):
         model = GptOssForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager").train()
     elif config["model_type"] == "deepseek_v2":
         model = DeepseekV2ForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager").train()
+    elif config["model_type"] == "qwen3_5_moe_text":
+        model = Qwen3_5MoeForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager").train()
     else:
         model = Qwen3MoeForCausalLM.from_pretrained(out, dtype=torch.float32).train()
     marrow = load_file(os.path.join(out, "marrow_outputs.safetensors"))

@@ -1,8 +1,9 @@
 """The GPU run scripts' CPU dry runs, so that a script waiting for a machine kind that is not lent
 does not rot unseen: tools/gpu_full_node.sh (issue #15's 8-GPU node) on 8 processes, and
 tools/gpu_pipeline.sh (#12) and tools/gpu_context.sh (#13) on 2, under mpirun --oversubscribe with the
-tiny model, must end with PASS and print the comparisons they exist for, as must tools/gpu_deepseek_v2.sh's
-bench part (#50: marrow bench and its PyTorch peer, reference_run.py bench) in one CPU process. And
+tiny model, must end with PASS and print the comparisons they exist for, as must tools/gpu_family.sh's
+bench part (#50, #53: marrow bench and its PyTorch peer, reference_run.py bench) in one CPU process, for
+DeepSeek-V2 and Qwen3.5-MoE. And
 tools/ncu_stalls.py, which reads Nsight Compute's source page on the GPU machine, on a small page of known shares.
 """
 import argparse
@@ -20,17 +21,20 @@ def main():
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     with tempfile.TemporaryDirectory() as tmp:
         env = dict(os.environ, DRY_RUN="1", MARROW=os.path.abspath(args.marrow), PYTHON=sys.executable)
-        # (script, part, lines its output must hold besides PASS, what the run shows)
-        runs = [("gpu_full_node.sh", "all", ["equal sha256: True"], "train, resume bit for bit, export"),
-                ("gpu_pipeline.sh", "one", ["equal: True"], "one process, the DualPipeV order's losses equal the sequential's"),
-                ("gpu_pipeline.sh", "all", ["equal: True", "simulated bubble", "PP = 2: "], "EP = 2 orders equal, PP = 2 trains"),
-                ("gpu_context.sh", "all", ["the bench config at sequence 512 with CP = 2", "sequence 1024 fits"],
+        # (script, its arguments after the log directory, lines its output must hold besides PASS, what the run shows)
+        runs = [("gpu_full_node.sh", ["all"], ["equal sha256: True"], "train, resume bit for bit, export"),
+                ("gpu_pipeline.sh", ["one"], ["equal: True"], "one process, the DualPipeV order's losses equal the sequential's"),
+                ("gpu_pipeline.sh", ["all"], ["equal: True", "simulated bubble", "PP = 2: "], "EP = 2 orders equal, PP = 2 trains"),
+                ("gpu_context.sh", ["all"], ["the bench config at sequence 512 with CP = 2", "sequence 1024 fits"],
                  "CP = 2 against one process, the long run, the largest sequences"),
-                ("gpu_deepseek_v2.sh", "bench", ["summary: marrow", "marrow losses", "torch eager losses"],
-                 "marrow bench and reference_run.py bench of tiny DeepSeek-V2, the summary")]
+                ("gpu_family.sh", ["deepseek-v2", "bench"], ["summary: marrow", "marrow losses", "torch eager losses"],
+                 "marrow bench and reference_run.py bench of tiny DeepSeek-V2, the summary"),
+                ("gpu_family.sh", ["qwen3-5-moe", "bench"], ["summary: marrow", "marrow losses", "torch eager losses"],
+                 "marrow bench and reference_run.py bench of tiny Qwen3.5-MoE, the summary")]
         ok = True
-        for script, part, want, what in runs:
-            p = subprocess.run([os.path.join(repo, "tools", script), os.path.join(tmp, script + "-" + part), part], cwd=repo, env=env,
+        for script, parts, want, what in runs:
+            part = " ".join(parts)
+            p = subprocess.run([os.path.join(repo, "tools", script), os.path.join(tmp, script + "-" + "-".join(parts)), *parts], cwd=repo, env=env,
                                capture_output=True, text=True, timeout=900)
             print(p.stdout[-3000:], p.stderr[-2000:])
             this_ok = p.returncode == 0 and p.stdout.strip().endswith("PASS") and all(w in p.stdout for w in want)

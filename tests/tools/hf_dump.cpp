@@ -2,8 +2,9 @@
 // Marrow's initialisation, writes its fp32 weights under Hugging Face names, runs Marrow's forward on
 // the given tokens and writes the logits and the loss; with --grads also the parameters' gradients
 // of the mean token loss (marrow_grads.safetensors); with --random-biases every bias is drawn as the
-// matrices are instead of starting at zero.
-//   hf_dump [--device=cuda] [--grads] [--random-biases] <config.json> <out-dir> <seed> <batch> <seq> <token> ...
+// matrices are instead of starting at zero, and with --random-norms every norm weight (Qwen3.5's
+// zero-centred norms start at zero, where an error in their offset's gradient would hide).
+//   hf_dump [--device=cuda] [--grads] [--random-biases] [--random-norms] <config.json> <out-dir> <seed> <batch> <seq> <token> ...
 // On the CPU the forward is fp32 (tests/python/test_hf_parity.py); with --device=cuda it is the GPU
 // path in bf16 (tools/gpu_hf_parity.py).
 #include <filesystem>
@@ -37,7 +38,7 @@ template <class M> void write_named(const std::string& path, const M& model, con
 
 struct Args {
   Device device = Device::cpu;
-  bool grads = false, random_biases = false;
+  bool grads = false, random_biases = false, random_norms = false;
   std::string config, out;
   uint64_t seed = 0;
   int64_t B = 0, S = 0;
@@ -52,7 +53,7 @@ template <class M> void dump(const typename M::Config& config, const Args& args)
   model.initialize(params, args.seed);
   // Biases start at zero; a parity test that checks their forward gives them values.
   for (const TensorSpec& s : model.specs())
-    if (args.random_biases && s.name.ends_with("bias"))
+    if ((args.random_biases && s.name.ends_with("bias")) || (args.random_norms && s.is_norm))
       fill_normal(params.slice(s.offset, {s.numel}), args.seed, s.name, model.config().initializer_range);
   std::filesystem::create_directories(args.out);
   write_named(args.out + "/model.safetensors", model, params);
@@ -104,9 +105,10 @@ int main(int argc, char** argv) try {
     if (flag == "--device=cuda") args.device = Device::cuda;
     else if (flag == "--grads") args.grads = true;
     else if (flag == "--random-biases") args.random_biases = true;
+    else if (flag == "--random-norms") args.random_norms = true;
     else fail("hf_dump: unknown flag {}", flag);
   }
-  MARROW_CHECK(argc - i >= 5, "usage: hf_dump [--device=cuda] [--grads] [--random-biases] <config.json> <out-dir> <seed> <batch> <seq> <token>...");
+  MARROW_CHECK(argc - i >= 5, "usage: hf_dump [--device=cuda] [--grads] [--random-biases] [--random-norms] <config.json> <out-dir> <seed> <batch> <seq> <token>...");
   args.config = argv[i];
   args.out = argv[i + 1];
   args.seed = std::stoull(argv[i + 2]);

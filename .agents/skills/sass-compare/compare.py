@@ -9,7 +9,7 @@ import sys
 def functions(path):
     parts = re.split(r"\n\s*Function : (\S+)\n", open(path).read())
     # An anonymous namespace's mangled name holds a hash of the file's path, which differs between trees.
-    return {re.sub(r"_GLOBAL__N__[0-9a-f]+_", "_GLOBAL__N__", parts[i]): [re.sub(r"/\*.*?\*/", "", line).strip() for line in parts[i + 1].split("\n")
+    return {re.sub(r"_GLOBAL__N__(?:\d+_[A-Za-z0-9_]*?_)?[0-9a-f]{8}_?", "_GLOBAL__N__", parts[i]): [re.sub(r"/\*.*?\*/", "", line).strip() for line in parts[i + 1].split("\n")
                        if re.match(r"\s*/\*[0-9a-f]{4}\*/", line)] for i in range(1, len(parts), 2)}
 
 
