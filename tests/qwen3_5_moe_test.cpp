@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "engine/memory_estimate.h"
 #include "engine/step.h"
 #include "gradcheck.h"
 #include "ops/cross_entropy.h"
@@ -73,6 +74,26 @@ TEST(Qwen3_5MoeConfig, BadFieldsGiveOneSentence) {
   Json odd = tiny_config_json();
   odd["rope_parameters"]["partial_rotary_factor"] = 0.375;
   EXPECT_EQ(config_error(odd), "config.json: partial_rotary_factor 0.375 gives 3 rotary dims of head_dim 8: they must be even, positive and at most head_dim");
+}
+
+// Under context parallelism each DeltaNet layer keeps its pieces' initial states and conv histories
+// (SequenceChain) besides a cp = 1 process's activations at seq_len / cp: stage 1's kept bytes at
+// the peak grow by a whole number of layers' chain_kept, and not at all without CP.
+TEST(Qwen3_5Moe, ContextParallelEstimateKeepsTheChainsStates) {
+  const Qwen3_5MoeConfig config = Qwen3_5MoeConfig::from_json(tiny_config_json(), "tiny");
+  RunConfig cp2, half;
+  cp2.global_batch = half.global_batch = 2, cp2.micro_batch = half.micro_batch = 1;
+  cp2.cp = 2, cp2.seq_len = 256, half.seq_len = 128;
+  auto stage1 = [&](const RunConfig& rc) {
+    for (const BillItem& i : estimate_memory<Qwen3_5Moe>(rc, config, 2, Device::cuda).items)
+      if (i.name == "attention + router (stage 1)") return i.bytes;
+    return int64_t{-1};
+  };
+  // Two pieces' f32 states [Hv, Dk, Dv] and bf16 histories [K - 1, C] (one sequence a micro-batch).
+  const int64_t chain = 2 * (config.linear_value_heads * config.linear_key_dim * config.linear_value_dim * 4 + 3 * config.conv_channels() * 2);
+  const int64_t grown = stage1(cp2) - stage1(half);
+  EXPECT_GT(grown, 0);
+  EXPECT_EQ(grown % chain, 0) << grown << " is not a whole number of layers' " << chain;
 }
 
 TEST(Qwen3_5Moe, ParameterTableHasHuggingFacesNames) {

@@ -15,6 +15,9 @@
 # fit: the largest sequence that fits two GPUs with CP = 1 (DP = 2: the same shards of the state, a
 #     whole sequence per GPU) and with CP = 2: marrow estimate proposes (rounded down to a multiple of
 #     1024), a 2-step bench tries it, and 90% of it when it does not fit.
+# CP_CONFIG names another bench config (e.g. configs/bench-qwen3-5-moe-h100.toml: Qwen3.5's DeltaNet state
+# passed along the sequence chain over NCCL) and CP_SEQ the check's sequence (default 8192); CP_TINY the
+# dry run's config (default configs/tiny-moe.toml).
 # DRY_RUN=1 runs the parts on this machine's CPU with the tiny model (tools/gpu_common.sh), sequences of
 # 256 for 8,192 and 512 for 65,536, the fit part against 4 GiB of GPU memory and up to 1,024 tokens:
 # the script's own test (tests/python/test_tools.py). Ends with PASS or FAIL.
@@ -24,12 +27,12 @@ what=${2:-all}
 source "$(dirname "$0")/gpu_common.sh"
 
 if [ "$dry" = 1 ]; then
-  bench=(configs/tiny-moe.toml --data.path="$corpus" --train.device=cpu --train.micro_batch=1 --eval.every=0 --checkpoint.every=0
+  bench=("${CP_TINY:-configs/tiny-moe.toml}" --data.path="$corpus" --train.device=cpu --train.micro_batch=1 --eval.every=0 --checkpoint.every=0
          --parallel.timeout_s=300)
   short_seq=256 long_seq=512 long_steps=2 fit_gpu=(--train.device=cuda --gpu-memory 4) fit_most=1024
 else
-  bench=(configs/bench.toml --data.path="$corpus" --checkpoint.every=0 --parallel.timeout_s=300)
-  short_seq=8192 long_seq=65536 long_steps=17 fit_gpu=() fit_most=$((1 << 30))
+  bench=("${CP_CONFIG:-configs/bench.toml}" --data.path="$corpus" --checkpoint.every=0 --parallel.timeout_s=300)
+  short_seq=${CP_SEQ:-8192} long_seq=65536 long_steps=17 fit_gpu=() fit_most=$((1 << 30))
 fi
 show() { grep -E "^mesh|^memory|^estimated|^bench:|error" "$1" | tail -8; }
 # The largest train.seq_len marrow estimate proposes for `args`, rounded down to a multiple of 1024.

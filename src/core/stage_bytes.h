@@ -31,6 +31,7 @@ struct AttentionHeads {
 struct ModelActivationBytes {
   StageBytes prolog, attention, experts, epilog;
   AttentionHeads attention_heads;
+  int64_t chain_kept = 0;  // what stage 1 keeps besides under context parallelism (the SequenceChain's states)
 };
 
 }  // namespace marrow

@@ -256,6 +256,11 @@ class Walk {
   int64_t largest_scratch_ = 0;
 };
 
+ModelActivationBytes with_chain(ModelActivationBytes m, int64_t cp) {
+  if (cp > 1) m.attention.kept += m.chain_kept;
+  return m;
+}
+
 // One micro-batch of rc through the whole model: its stages' bytes and the walk over them. With
 // context parallelism a process holds seq_len / cp tokens of each sequence.
 struct OneMicroBatch {
@@ -266,7 +271,7 @@ struct OneMicroBatch {
   OneMicroBatch(const RunConfig& rc, const EstimatedModel& m, const MeshShape& mesh, Device device, bool paired = false)
       : tokens(rc.micro_batch * rc.seq_len / mesh.cp),
         rows(mesh.ep == 1 ? tokens * m.top_k : int64_t(double(tokens * m.top_k) * kExpertRowSkew)),
-        model(m.activation_bytes(rc.micro_batch, rc.seq_len / mesh.cp, rows)),
+        model(with_chain(m.activation_bytes(rc.micro_batch, rc.seq_len / mesh.cp, rows), mesh.cp)),
         engine(engine_bytes(m, model.attention_heads, tokens, rows, mesh, device, rc.expert_inputs == "gather")),
         walk(model, engine, m.num_layers, 3 * tokens * 4, paired) {
     walk.forward();

@@ -292,7 +292,8 @@ struct Qwen3_5Moe::Mixer {
     a.attn = m.buffer({batch.batch, batch.seq, Hq, D});
     a.lse = m.stats({batch.batch, Hq, batch.seq});
     const auto [q, gate, k] = query_gate_key();
-    marrow::attention_forward(a.attn, a.lse, heads(q, Hq), heads(k, Hkv), heads(a.v, Hkv));
+    if (batch.attention) batch.attention->forward(a.attn, a.lse, heads(q, Hq), heads(k, Hkv), heads(a.v, Hkv), {});
+    else marrow::attention_forward(a.attn, a.lse, heads(q, Hq), heads(k, Hkv), heads(a.v, Hkv));
     linear_forward(out, gated(gate), w.o_proj);
   }
   // dh1 (overwritten) from dout, the gradient of the mixer's output; weight gradients into grads.
@@ -305,8 +306,14 @@ struct Qwen3_5Moe::Mixer {
     sigmoid_gate_backward(dattn, dgate, dgated, a.attn.view().reshape({T(), width}), gate.view().reshape({T(), width}));
     dgated = Buffer{};
     Buffer dq = m.buffer({T(), Hq, D}), dk = m.buffer({T(), Hkv, D}), dv = m.buffer({T(), Hkv * D});
-    marrow::attention_backward(heads(dq, Hq), heads(dk, Hkv), heads(dv, Hkv), heads(dattn, Hq), heads(q, Hq), heads(k, Hkv), heads(a.v, Hkv),
-                               a.attn, a.lse);
+    const std::array grad_heads{heads(dq, Hq), heads(dk, Hkv), heads(dv, Hkv), heads(dattn, Hq)};
+    const std::array input_heads{heads(q, Hq), heads(k, Hkv), heads(a.v, Hkv)};
+    if (batch.attention)
+      batch.attention->backward(grad_heads[0], grad_heads[1], grad_heads[2], {}, grad_heads[3], input_heads[0], input_heads[1], input_heads[2],
+                                a.attn, a.lse, {});
+    else
+      marrow::attention_backward(grad_heads[0], grad_heads[1], grad_heads[2], grad_heads[3], input_heads[0], input_heads[1], input_heads[2],
+                                 a.attn, a.lse);
     q = Buffer{}, k = Buffer{}, dattn = Buffer{};
     rope_backward(dq, dq, batch.positions, c().rope_theta, c().rotary_dim);
     rope_backward(dk, dk, batch.positions, c().rope_theta, c().rotary_dim);
@@ -326,11 +333,84 @@ struct Qwen3_5Moe::Mixer {
     linear_backward_input(dh1, dv, w.v_proj, true);
   }
 
+  // Under context parallelism the local sequences are B P pieces of S / P consecutive tokens, each
+  // reaching back along the runner's chain: piece i = b P + p of t [B, S, ...] as [1, S / P, ...].
+  const SequenceChain* chain() const { return batch.attention ? &batch.attention->chain : nullptr; }
+  Tensor piece(Tensor t, int64_t i) const {
+    t.shape[0] = batch.batch * chain()->pieces, t.shape[1] = batch.seq / chain()->pieces;
+    return t.rows(i, i + 1);
+  }
+  // t [B, S, F] with each piece's history [B, P, n, F] before it: [B P, n + S / P, F]; and back
+  // (history left out when empty).
+  int64_t history_tokens() const { return c().conv_kernel - 1; }
+  Buffer with_history(Tensor t, Tensor history) const {
+    const int64_t blocks = batch.batch * chain()->pieces, n = history_tokens(), len = batch.seq / chain()->pieces, F = t.size(2);
+    Buffer ext = m.buffer({blocks, n + len, F});
+    for (int64_t i = 0; i < blocks; ++i) {
+      copy(ext.view().rows(i, i + 1).reshape({n + len, F}).rows(0, n), history.reshape({blocks * n, F}).rows(i * n, i * n + n));
+      copy(ext.view().rows(i, i + 1).reshape({n + len, F}).rows(n, n + len), t.reshape({blocks * len, F}).rows(i * len, i * len + len));
+    }
+    return ext;
+  }
+  void without_history(Tensor t, Tensor history, Tensor ext) const {
+    const int64_t blocks = ext.size(0), n = history_tokens(), len = ext.size(1) - n, F = t.size(2);
+    for (int64_t i = 0; i < blocks; ++i) {
+      copy(t.reshape({blocks * len, F}).rows(i * len, i * len + len), ext.rows(i, i + 1).reshape({n + len, F}).rows(n, n + len));
+      if (history.data) copy(history.reshape({blocks * n, F}).rows(i * n, i * n + n), ext.rows(i, i + 1).reshape({n + len, F}).rows(0, n));
+    }
+  }
+  Tensor conv_input() const { return a.qkv.view().reshape({batch.batch, batch.seq, c().conv_channels()}); }
+
   // Gated DeltaNet: the convolution of a.qkv and the gated norm of a.core, computed again in the backward.
   Buffer conv() const {
     Buffer y = m.buffer({batch.batch, batch.seq, c().conv_channels()});
-    causal_conv_forward(y, a.qkv.view().reshape({batch.batch, batch.seq, c().conv_channels()}), w.conv);
+    if (!chain()) {
+      causal_conv_forward(y, conv_input(), w.conv);
+      return y;
+    }
+    const Buffer ext = with_history(conv_input(), a.conv_history), y_ext = m.buffer({ext.view().size(0), ext.view().size(1), ext.view().size(2)});
+    causal_conv_forward(y_ext, ext, w.conv);
+    without_history(y, {}, y_ext);
     return y;
+  }
+  // dqkv [B, S, C] (overwritten) from dy, the conv output's gradient; under the chain, the history's
+  // gradient goes back to the pieces it was read from.
+  void conv_backward(Tensor dqkv, Tensor dy, const Qwen3_5MoeLayerWeights& grads) const {
+    if (!chain()) return causal_conv_backward(dqkv, grads.conv, dy, conv_input(), w.conv);
+    const Tensor history = a.conv_history.view();
+    const Buffer no_history = m.buffer({history.size(0), history.size(1), history.size(2), history.size(3)}), dhistory = m.buffer(
+        {history.size(0), history.size(1), history.size(2), history.size(3)});
+    fill_zero(no_history);
+    const Buffer dy_ext = with_history(dy, no_history), x_ext = with_history(conv_input(), history);
+    const Buffer dx_ext = m.buffer({dy_ext.view().size(0), dy_ext.view().size(1), dy_ext.view().size(2)});
+    causal_conv_backward(dx_ext, grads.conv, dy_ext, x_ext, w.conv);
+    without_history(dqkv, dhistory, dx_ext);
+    chain()->previous_tokens_backward(dqkv, dhistory);
+  }
+  // The delta rule over y, the conv's output, in one call, or piece by piece along the chain (each
+  // piece's initial state kept in a.delta_states for the backward).
+  void delta_rule_forward(Tensor y) const {
+    const int64_t Hk = c().linear_key_heads, Dk = c().linear_key_dim;
+    if (!chain()) return gated_delta_forward(a.core, {}, y, per_head(a.g), per_head(a.beta), Hk, Dk);
+    const int64_t B = batch.batch, P = chain()->pieces;
+    a.delta_states = m.stats({P * B, c().linear_value_heads, Dk, c().linear_value_dim});
+    chain()->forward(a.delta_states, [&](int64_t p, Tensor final) {
+      for (int64_t b = 0, i = p; b < B; ++b, i += P)
+        gated_delta_forward(piece(a.core, i), final.rows(b, b + 1), piece(y, i), piece(per_head(a.g), i), piece(per_head(a.beta), i), Hk, Dk,
+                            a.delta_states.view().rows(p * B + b, p * B + b + 1));
+    });
+  }
+  void delta_rule_backward(Tensor dy, Tensor dg, Tensor dbeta, Tensor dcore, Tensor y) const {
+    const int64_t Hk = c().linear_key_heads, Dk = c().linear_key_dim;
+    if (!chain()) return gated_delta_backward(dy, dg, dbeta, {}, dcore, y, per_head(a.g), per_head(a.beta), Hk, Dk);
+    const int64_t B = batch.batch, P = chain()->pieces;
+    const Buffer d_final = m.stats({P * B, c().linear_value_heads, Dk, c().linear_value_dim});
+    chain()->backward(d_final, [&](int64_t p, Tensor d_initial) {
+      for (int64_t b = 0, i = p; b < B; ++b, i += P)
+        gated_delta_backward(piece(dy, i), piece(dg, i), piece(dbeta, i), d_initial.rows(b, b + 1), piece(dcore, i), piece(y, i),
+                             piece(per_head(a.g), i), piece(per_head(a.beta), i), Hk, Dk, a.delta_states.view().rows(p * B + b, p * B + b + 1),
+                             d_final.view().rows(p * B + b, p * B + b + 1));
+    });
   }
   Buffer core_normed() const {
     const int64_t rows = T() * c().linear_value_heads, Dv = c().linear_value_dim;
@@ -346,13 +426,19 @@ struct Qwen3_5Moe::Mixer {
     a.z = m.buffer({T(), c().value_width()});
     a.ba = m.buffer({T(), 2 * Hv});
     linear_forward(a.qkv, h1, w.in_proj_qkv);
+    if (chain()) {
+      MARROW_CHECK(batch.seq / chain()->pieces >= history_tokens(), "Qwen3.5-MoE under context parallelism needs chunks of at least "
+                   "conv_kernel - 1 = {} tokens (train.seq_len / (2 x parallel.cp)), got {}", history_tokens(), batch.seq / chain()->pieces);
+      a.conv_history = m.buffer({batch.batch, chain()->pieces, history_tokens(), c().conv_channels()});
+      chain()->previous_tokens(a.conv_history, conv_input());
+    }
     linear_forward(a.z, h1, w.in_proj_z);
     linear_forward(a.ba, h1, w.in_proj_ba);
     a.g = m.stats({T(), Hv});
     a.beta = m.stats({T(), Hv});
     delta_gates_forward(a.g, a.beta, a.ba, w.A_log, w.dt_bias);
     a.core = m.buffer({batch.batch, batch.seq, Hv, c().linear_value_dim});
-    gated_delta_forward(a.core, {}, conv(), per_head(a.g), per_head(a.beta), c().linear_key_heads, c().linear_key_dim);
+    delta_rule_forward(conv());
     a.rstd_core = m.stats({T() * Hv});
     linear_forward(out, core_normed(), w.out_proj);
   }
@@ -365,12 +451,11 @@ struct Qwen3_5Moe::Mixer {
                            a.core.view().reshape({rows, Dv}), a.z.view().reshape({rows, Dv}), w.delta_norm, a.rstd_core);
     dnormed = Buffer{};
     Buffer dconv = m.buffer({batch.batch, batch.seq, C}), dg = m.stats({T(), Hv}), dbeta = m.stats({T(), Hv});
-    gated_delta_backward(dconv, per_head(dg), per_head(dbeta), {}, dcore.view().reshape({batch.batch, batch.seq, Hv, Dv}), conv(), per_head(a.g),
-                         per_head(a.beta), c().linear_key_heads, c().linear_key_dim);
+    delta_rule_backward(dconv, per_head(dg), per_head(dbeta), dcore.view().reshape({batch.batch, batch.seq, Hv, Dv}), conv());
     dcore = Buffer{};
     Buffer dba = m.buffer({T(), 2 * Hv}), dqkv = m.buffer({batch.batch, batch.seq, C});
     delta_gates_backward(dba, grads.A_log, grads.dt_bias, dg, dbeta, a.ba, w.A_log, w.dt_bias);
-    causal_conv_backward(dqkv, grads.conv, dconv, a.qkv.view().reshape({batch.batch, batch.seq, C}), w.conv);
+    conv_backward(dqkv, dconv, grads);
     const Tensor dqkv_2d = dqkv.view().reshape({T(), C});
     linear_backward_weight(grads.in_proj_qkv, dqkv_2d, h1);
     linear_backward_weight(grads.in_proj_z, dz, h1);
@@ -431,8 +516,6 @@ void Qwen3_5Moe::attention_forward(Qwen3_5MoeAttentionActivations& a, Buffer x, 
                                    const Qwen3_5MoeLayerWeights& w) const {
   const int64_t T = batch.batch * batch.seq, H = config_.hidden_size;
   expect_shape("Qwen3_5Moe::attention_forward", "x", x, {T, H});
-  MARROW_CHECK(!batch.attention, "Qwen3.5-MoE does not run under context parallelism yet: its DeltaNet layers would need the recurrent "
-               "state passed along the ring (set parallel.cp = 1)");
   MARROW_CHECK(!batch.documents, "Qwen3.5-MoE does not take data.document_mask yet: its DeltaNet layers would need the state reset "
                "at each document");
   a.x = std::move(x);
@@ -482,6 +565,7 @@ ModelActivationBytes Qwen3_5Moe::activation_bytes(int64_t batch, int64_t seq, in
   // x, x_attn, h2, shared_out, x_mid, shared gate/up; the mixer's (qg, k, v, attn or qkv, z, ba, core); statistics.
   const int64_t mixer = std::max(T * (3 * q + 2 * kv) * a + T * (2 * c.num_heads + c.num_kv_heads) * s,
                                  T * (C + 2 * Vw + 2 * Hv) * a + T * 3 * Hv * s);
+  m.chain_kept = 2 * batch * (Hv * c.linear_key_dim * c.linear_value_dim * s + (c.conv_kernel - 1) * C * a);
   m.attention.kept = T * (5 * H + 2 * Is + 1) * a + mixer + (T * (3 + E + K) + (c.sequence_aux ? batch : 1) * (2 * E + 1)) * s + T * K * i32;
   m.attention.forward_scratch = T * H * a + std::max({T * (3 * q + kv) * a, T * (C + Vw) * a, T * Is * a, T * E * s});
   const int64_t op = gpu ? std::max(attention_backward_scratch(batch, seq, c.num_heads, c.num_kv_heads, D),

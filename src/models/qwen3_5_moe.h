@@ -15,8 +15,9 @@
 // causal GQA, out * sigmoid(gate), o_proj. Every RMSNorm but the DeltaNet's output norm is
 // zero-centred (x * (1 + w), weights start at 0). The shared expert's output is scaled by
 // sigmoid(shared_expert_gate . h) and joins the residual in stage 1, as DeepSeek-V2's shared experts do.
-// Context parallelism and packed documents are refused for now: the DeltaNet layers would need the
-// recurrent state passed along the ring (ops/gated_delta.h takes initial and final states for it).
+// Under context parallelism the DeltaNet layers run their zigzag pieces along the runner's chain
+// (ops/attention_runner.h's SequenceChain: the delta rule's state and the conv's earlier tokens cross
+// from chunk to chunk), the attention layers ring attention. Packed documents are refused for now.
 #pragma once
 #include <string>
 #include <vector>
@@ -65,7 +66,7 @@ struct Qwen3_5MoeWeights {
 struct Qwen3_5MoeBatch {
   int64_t batch = 0, seq = 0;
   Buffer input_ids, targets, positions;  // [T] i32
-  const AttentionRunner* attention = nullptr;  // context parallelism: refused
+  const AttentionRunner* attention = nullptr;  // context parallelism: ring attention, and the DeltaNet layers' chain
   bool documents = false;                      // data.document_mask: refused
   StatisticsRows sequences = {};
 };
@@ -74,6 +75,7 @@ struct Qwen3_5MoeAttentionActivations {
   Buffer x, rstd1;  // the residual entering the layer; the input norm is computed again
   Buffer qg, k, v, rstd_q, rstd_k, attn, lse;  // gated attention (q, k normed and rotated again in the backward)
   Buffer qkv, z, ba, g, beta, core, rstd_core;  // Gated DeltaNet: qkv before the conv (computed again), the delta rule's output
+  Buffer conv_history, delta_states;  // under context parallelism: each piece's K - 1 earlier tokens of qkv and initial state
   Buffer x_attn;  // x + the mixer's output: the post norm's input
   Buffer h2, rstd2, shared_gate_up, shared_out, shared_logit;
   Buffer x_mid;   // x_attn + sigmoid(shared_logit) * shared_out: stage 5's residual

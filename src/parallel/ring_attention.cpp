@@ -10,6 +10,7 @@
 #include "ops/cast.h"
 #include "ops/init.h"
 #include "parallel/comm.h"
+#include "parallel/sequence_chain.h"
 
 namespace marrow {
 
@@ -387,7 +388,8 @@ AttentionRunner ring_attention_runner(const Comm& cp) {
             ring_attention_forward_packed(out, lse, q, packed, kv, cp, documents);
           },
           [&cp](Tensor dq, Tensor dpacked, Tensor dout, Tensor q, Tensor packed, Tensor out, Tensor lse, const KvExpansion& kv,
-                Tensor documents) { ring_attention_backward_packed(dq, dpacked, dout, q, packed, out, lse, kv, cp, documents); }};
+                Tensor documents) { ring_attention_backward_packed(dq, dpacked, dout, q, packed, out, lse, kv, cp, documents); },
+          sequence_chain(cp)};
 }
 
 RingAttentionBytes ring_attention_bytes(int64_t tokens, int64_t q_heads, int64_t kv_heads, int64_t head_dim, Device device,

@@ -74,7 +74,8 @@ void ring_attention_backward_packed(Tensor dq, Tensor dpacked, Tensor dout, Tens
                                     const KvExpansion& kv, const Comm& cp, Tensor documents = {});
 
 // The model's attention hook (ops/attention_runner.h) for micro-batches cut by the zigzag split
-// over cp: ring_attention_forward/backward (and the packed pair) over the group, which must outlive the runner.
+// over cp: ring_attention_forward/backward (and the packed pair) over the group, which must outlive
+// the runner, and parallel/sequence_chain.h's chain.
 AttentionRunner ring_attention_runner(const Comm& cp);
 
 // Device bytes ring attention allocates beyond its inputs and outputs for `tokens` local tokens:

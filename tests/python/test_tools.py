@@ -1,7 +1,8 @@
 """The GPU run scripts' CPU dry runs, so that a script waiting for a machine kind that is not lent
 does not rot unseen: tools/gpu_full_node.sh (issue #15's 8-GPU node) on 8 processes, and
 tools/gpu_pipeline.sh (#12) and tools/gpu_context.sh (#13) on 2, under mpirun --oversubscribe with the
-tiny model, must end with PASS and print the comparisons they exist for, as must tools/gpu_family.sh's
+tiny model, must end with PASS and print the comparisons they exist for (gpu_context.sh's check part with tiny
+Qwen3.5-MoE too: the sequence chain's CP = 2 against one process), as must tools/gpu_family.sh's
 bench part (#50, #53: marrow bench and its PyTorch peer, reference_run.py bench) in one CPU process, for
 DeepSeek-V2 and Qwen3.5-MoE. And
 tools/ncu_stalls.py, which reads Nsight Compute's source page on the GPU machine, on a small page of known shares.
@@ -27,15 +28,17 @@ def main():
                 ("gpu_pipeline.sh", ["all"], ["equal: True", "simulated bubble", "PP = 2: "], "EP = 2 orders equal, PP = 2 trains"),
                 ("gpu_context.sh", ["all"], ["the bench config at sequence 512 with CP = 2", "sequence 1024 fits"],
                  "CP = 2 against one process, the long run, the largest sequences"),
+                ("gpu_context.sh", ["check"], ["the bench config at sequence 256, 6 steps"],
+                 "CP = 2 against one process, tiny Qwen3.5-MoE (CP_TINY)", {"CP_TINY": "configs/tiny-qwen3-5-moe.toml"}),
                 ("gpu_family.sh", ["deepseek-v2", "bench"], ["summary: marrow", "marrow losses", "torch eager losses"],
                  "marrow bench and reference_run.py bench of tiny DeepSeek-V2, the summary"),
                 ("gpu_family.sh", ["qwen3-5-moe", "bench"], ["summary: marrow", "marrow losses", "torch eager losses"],
                  "marrow bench and reference_run.py bench of tiny Qwen3.5-MoE, the summary")]
         ok = True
-        for script, parts, want, what in runs:
+        for i, (script, parts, want, what, *extra_env) in enumerate(runs):
             part = " ".join(parts)
-            p = subprocess.run([os.path.join(repo, "tools", script), os.path.join(tmp, script + "-" + "-".join(parts)), *parts], cwd=repo, env=env,
-                               capture_output=True, text=True, timeout=900)
+            p = subprocess.run([os.path.join(repo, "tools", script), os.path.join(tmp, f"{i}-{script}-" + "-".join(parts)), *parts], cwd=repo,
+                               env=dict(env, **(extra_env[0] if extra_env else {})), capture_output=True, text=True, timeout=900)
             print(p.stdout[-3000:], p.stderr[-2000:])
             this_ok = p.returncode == 0 and p.stdout.strip().endswith("PASS") and all(w in p.stdout for w in want)
             print("ok      " if this_ok else "FAILED  ", f"tools/{script} {part}'s dry run: {what}")

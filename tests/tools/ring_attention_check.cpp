@@ -22,6 +22,7 @@
 #include "ops/attention.h"
 #include "parallel/comm.h"
 #include "parallel/ring_attention.h"
+#include "zigzag_compare.h"
 
 namespace {
 
@@ -36,23 +37,6 @@ Buffer random_f64(std::mt19937_64& rng, std::initializer_list<int64_t> dims) {
   std::normal_distribution<double> normal;
   for (int64_t i = 0; i < t.numel(); ++i) t.ptr<double>()[i] = normal(rng);
   return t;
-}
-
-// This rank's tokens of whole[N, S, ...] as a new buffer of `local` shape.
-Buffer slice(Tensor whole, std::initializer_list<int64_t> local, const ZigzagSplit& z) {
-  Buffer out(DType::f64, Device::cpu, local);
-  zigzag_slice(out, whole, z);
-  return out;
-}
-
-double worst = 0;
-void expect_close(const char* what, const Tensor& got, const Tensor& want, int rank) {
-  for (int64_t i = 0; i < want.numel(); ++i) {
-    const double g = got.ptr<double>()[i], w = want.ptr<double>()[i];
-    const double error = std::abs(g - w) / (1 + std::abs(w));
-    worst = std::max(worst, error);
-    MARROW_CHECK(error <= 1e-12, "rank {}: {}[{}] is {} but the one-process op gives {}", rank, what, i, g, w);
-  }
 }
 
 // Each token's position in its document [B, S] (i32): row b cycles through documents of its
@@ -94,8 +78,8 @@ void run_case(const Comm& cp, const Shape& n, int64_t window = 0, bool sinks = f
 
   const ZigzagSplit z = zigzag_split(n.s, cp.rank(), cp.size());
   const int64_t sl = 2 * z.chunk;
-  Buffer lq = slice(q, {n.b, sl, n.hq, n.d}, z), lk = slice(k, {n.b, sl, n.hkv, n.d}, z),
-         lv = slice(v, {n.b, sl, n.hkv, n.d}, z), ldout = slice(dout, {n.b, sl, n.hq, n.d}, z);
+  Buffer lq = zigzag_share(q, {n.b, sl, n.hq, n.d}, z), lk = zigzag_share(k, {n.b, sl, n.hkv, n.d}, z),
+         lv = zigzag_share(v, {n.b, sl, n.hkv, n.d}, z), ldout = zigzag_share(dout, {n.b, sl, n.hq, n.d}, z);
   Buffer lout(DType::f64, Device::cpu, {n.b, sl, n.hq, n.d}), llse(DType::f64, Device::cpu, {n.b, n.hq, sl});
   Buffer ldq(DType::f64, Device::cpu, {n.b, sl, n.hq, n.d}), ldk(DType::f64, Device::cpu, {n.b, sl, n.hkv, n.d}),
       ldv(DType::f64, Device::cpu, {n.b, sl, n.hkv, n.d});
@@ -104,14 +88,14 @@ void run_case(const Comm& cp, const Shape& n, int64_t window = 0, bool sinks = f
   ring_attention_forward(lout, llse, lq, lk, lv, cp, local_variant);
   ring_attention_backward(ldq, ldk, ldv, ldout, lq, lk, lv, lout, llse, cp, local_variant, sinks ? ldsinks.view() : Tensor{});
 
-  expect_close("out", lout, slice(out, {n.b, sl, n.hq, n.d}, z), cp.rank());
+  expect_close("out", lout, zigzag_share(out, {n.b, sl, n.hq, n.d}, z));
   expect_close("lse", llse.view().reshape({n.b * n.hq, sl}),
-               slice(lse.view().reshape({n.b * n.hq, n.s}), {n.b * n.hq, sl}, z), cp.rank());
-  expect_close("dq", ldq, slice(dq, {n.b, sl, n.hq, n.d}, z), cp.rank());
-  expect_close("dk", ldk, slice(dk, {n.b, sl, n.hkv, n.d}, z), cp.rank());
-  expect_close("dv", ldv, slice(dv, {n.b, sl, n.hkv, n.d}, z), cp.rank());
+               zigzag_share(lse.view().reshape({n.b * n.hq, n.s}), {n.b * n.hq, sl}, z));
+  expect_close("dq", ldq, zigzag_share(dq, {n.b, sl, n.hq, n.d}, z));
+  expect_close("dk", ldk, zigzag_share(dk, {n.b, sl, n.hkv, n.d}, z));
+  expect_close("dv", ldv, zigzag_share(dv, {n.b, sl, n.hkv, n.d}, z));
   for (int64_t h = 0; h < n.hq; ++h) ldsinks.ptr<double>()[h] = cp.sum(ldsinks.ptr<double>()[h], "dsinks (sum)");
-  expect_close("dsinks", ldsinks, dsinks, cp.rank());
+  expect_close("dsinks", ldsinks, dsinks);
 }
 
 // y[N, O] += x[N, I] w[I, O]; transpose: y[N, I] += x[N, O] w[I, O]^T. accumulate_weight: dw[I, O] += x^T dy.
@@ -178,22 +162,21 @@ void run_packed_case(const Comm& cp, const Shape& n, int64_t width, int64_t dv_d
 
   const ZigzagSplit z = zigzag_split(n.s, cp.rank(), cp.size());
   const int64_t sl = 2 * z.chunk;
-  Buffer lq = slice(q, {n.b, sl, n.hq, n.d}, z), lpacked = slice(packed, {n.b, sl, width}, z), ldout = slice(dout, {n.b, sl, n.hq, dv_dim}, z);
+  Buffer lq = zigzag_share(q, {n.b, sl, n.hq, n.d}, z), lpacked = zigzag_share(packed, {n.b, sl, width}, z), ldout = zigzag_share(dout, {n.b, sl, n.hq, dv_dim}, z);
   Buffer lout(DType::f64, Device::cpu, {n.b, sl, n.hq, dv_dim}), llse(DType::f64, Device::cpu, {n.b, n.hq, sl});
   Buffer ldq(DType::f64, Device::cpu, {n.b, sl, n.hq, n.d}), ldpacked(DType::f64, Device::cpu, {n.b, sl, width});
   const Buffer ldocs = local_documents(docs, z);
   ring_attention_forward_packed(lout, llse, lq, lpacked, local_e, cp, ldocs.view());
   ring_attention_backward_packed(ldq, ldpacked, ldout, lq, lpacked, lout, llse, local_e, cp, ldocs.view());
 
-  expect_close("packed out", lout, slice(out, {n.b, sl, n.hq, dv_dim}, z), cp.rank());
-  expect_close("packed lse", llse.view().reshape({n.b * n.hq, sl}), slice(lse.view().reshape({n.b * n.hq, n.s}), {n.b * n.hq, sl}, z),
-               cp.rank());
-  expect_close("packed dq", ldq, slice(dq, {n.b, sl, n.hq, n.d}, z), cp.rank());
-  expect_close("dpacked", ldpacked, slice(dpacked, {n.b, sl, width}, z), cp.rank());
+  expect_close("packed out", lout, zigzag_share(out, {n.b, sl, n.hq, dv_dim}, z));
+  expect_close("packed lse", llse.view().reshape({n.b * n.hq, sl}), zigzag_share(lse.view().reshape({n.b * n.hq, n.s}), {n.b * n.hq, sl}, z));
+  expect_close("packed dq", ldq, zigzag_share(dq, {n.b, sl, n.hq, n.d}, z));
+  expect_close("dpacked", ldpacked, zigzag_share(dpacked, {n.b, sl, width}, z));
   sum_over_members(cp, ldwk);
   sum_over_members(cp, ldwv);
-  expect_close("dWk (sum)", ldwk, dwk, cp.rank());
-  expect_close("dWv (sum)", ldwv, dwv, cp.rank());
+  expect_close("dWk (sum)", ldwk, dwk);
+  expect_close("dWv (sum)", ldwv, dwv);
 }
 
 }  // namespace
@@ -231,7 +214,7 @@ int main(int argc, char** argv) {
       for (const int64_t window : {int64_t(0), int64_t(3), int64_t(9)}) run_case(cp, {2, chunks * 7, 4, 2, 8}, window, window > 0, true);
     }
     marrow::set_cpu_blocks_fused(false);
-    const double all_worst = cp.sum(worst, "worst error (sum)");
+    const double all_worst = cp.sum(worst_error(), "worst error (sum)");
     if (cp.rank() == 0)
       std::printf("ring attention on %d processes: worst relative error %.2e against one process\nPASS\n", cp.size(),
                   all_worst);
